@@ -1,0 +1,53 @@
+"""onnx-kvcache: shrink the KV cache of ONNX LLM decoders.
+
+Graph-rewrite passes that store GroupQueryAttention's past/present cache in FP8 E4M3,
+INT8 or packed INT4, with the scales, gating, calibration and evaluation around them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CACHE_FORMATS",
+    "EP_CAPABILITIES",
+    "CacheFormat",
+    "DecoderConfig",
+    "Fp8KvCachePass",
+    "GqaFusionPass",
+    "KvCacheError",
+    "KvCacheQuantizationPass",
+    "KvCacheRunner",
+    "KvCacheScales",
+    "KvCacheWarning",
+    "build_decoder",
+    "calibrate_kv_cache",
+    "check_kv_cache_support",
+    "convert_model",
+    "cuda_compute_capability",
+    "fast_path_diagnostics",
+    "get_capabilities",
+    "get_format",
+    "inspect_kv_cache",
+    "load_kv_cache_scale_file",
+    "optimize_model",
+]
+
+__version__ = "0.1.0"
+
+from onnx_kvcache.calibration import calibrate_kv_cache
+from onnx_kvcache.capabilities import (
+    EP_CAPABILITIES,
+    check_kv_cache_support,
+    fast_path_diagnostics,
+    get_capabilities,
+)
+from onnx_kvcache.demo_model import DecoderConfig, build_decoder
+from onnx_kvcache.device import cuda_compute_capability
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.formats import CACHE_FORMATS, CacheFormat, get_format
+from onnx_kvcache.inspect import inspect_kv_cache
+from onnx_kvcache.model_files import convert_model
+from onnx_kvcache.optimize import optimize_model
+from onnx_kvcache.passes import Fp8KvCachePass, KvCacheQuantizationPass
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.runner import KvCacheRunner
+from onnx_kvcache.scales import KvCacheScales, load_kv_cache_scale_file

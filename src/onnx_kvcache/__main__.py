@@ -1,0 +1,3 @@
+from onnx_kvcache.cli import main
+
+raise SystemExit(main())

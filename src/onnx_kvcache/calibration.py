@@ -1,0 +1,321 @@
+"""Measure per-layer KV-cache scales from the model itself.
+
+The unquantized model is prefilled on representative token windows with onnxruntime
+and every layer's ``present`` K (after RoPE) and V is read: what the kernel will
+quantize. Per channel (``kv_num_heads * head_size``) a threshold is taken by
+
+* ``minmax``: the largest ``|x|`` seen;
+* ``percentile``: a high percentile of ``|x|`` (tames rare outliers);
+* ``mse``: the clip point minimizing round-trip error (integer formats only).
+
+Per tensor takes the max over channels; ``scale = max(threshold * margin, tiny) / qmax``.
+With ``rope_envelope``, K thresholds are taken on the rotation-invariant pair norm
+``sqrt(k[d]^2 + k[d + h/2]^2)`` (adjacent pairs when ``rotary_interleaved=1``), so a
+scale still holds at positions longer than the calibration window, where slow RoPE
+dimensions will have rotated energy into their partner.
+
+Memory stays bounded: each layer keeps a reservoir sample of token rows of at most
+``sample_budget`` values, whatever the number of sequences.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CalibrationStats", "calibrate_kv_cache", "format_calibration_summary", "rope_pair_norm"]
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.data import TokenData, load_token_windows
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
+from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.scales import KvCacheScales
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("minmax", "percentile", "mse")
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def rope_pair_norm(x: np.ndarray, *, interleaved: bool, rotary_dim: int | None = None) -> np.ndarray:
+    """``|x|`` with each RoPE pair replaced by its norm (last axis = head dim)."""
+    x = np.abs(np.asarray(x, np.float32))
+    head = x.shape[-1]
+    rot = min(rotary_dim or head, head)
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        norm = np.sqrt(a * a + b * b)
+        out[..., 0:rot:2] = norm
+        out[..., 1:rot:2] = norm
+    else:
+        half = rot // 2
+        a, b = x[..., :half], x[..., half : 2 * half]
+        norm = np.sqrt(a * a + b * b)
+        out[..., :half] = norm
+        out[..., half : 2 * half] = norm
+    return out
+
+
+@dataclasses.dataclass
+class _Reservoir:
+    """A uniform sample of token rows (each row: all channels), bounded in size."""
+
+    channels: int
+    capacity: int
+    rng: np.random.Generator
+    rows: np.ndarray = dataclasses.field(init=False)
+    seen: int = 0
+    amax: np.ndarray = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = np.empty((0, self.channels), np.float32)
+        self.amax = np.zeros(self.channels, np.float32)
+
+    def add(self, rows: np.ndarray) -> None:
+        self.amax = np.maximum(self.amax, rows.max(axis=0))
+        n = rows.shape[0]
+        free = self.capacity - self.rows.shape[0]
+        if free > 0:
+            self.rows = np.concatenate([self.rows, rows[:free]])
+        for i in range(max(free, 0), n):
+            j = int(self.rng.integers(0, self.seen + i + 1))
+            if j < self.capacity:
+                self.rows[j] = rows[i]
+        self.seen += n
+
+
+@dataclasses.dataclass
+class CalibrationStats:
+    """Per-layer thresholds, scales and clip fractions of one calibration."""
+
+    layer_id: int
+    k_threshold: np.ndarray
+    v_threshold: np.ndarray
+    k_scale: np.ndarray
+    v_scale: np.ndarray
+    k_clip: float
+    v_clip: float
+
+
+def _mse_threshold(samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat) -> np.ndarray:
+    """Per channel, the clip point in [0.3, 1] * amax with least round-trip error."""
+    best = amax.copy()
+    best_err = np.full(amax.shape, np.inf, np.float64)
+    for frac in np.linspace(0.3, 1.0, 36):
+        clip = np.maximum(amax * frac, _TINY)
+        scale = clip / fmt.qmax
+        q = np.clip(np.rint(samples / scale), fmt.qmin_stored, fmt.qmax_stored)
+        err = ((q * scale - samples) ** 2).mean(axis=0)
+        better = err < best_err
+        best[better], best_err[better] = clip[better], err[better]
+    return best
+
+
+def _threshold(
+    res: _Reservoir, method: str, percentile: float, fmt: CacheFormat, signed: np.ndarray | None
+) -> np.ndarray:
+    if method == "minmax":
+        return res.amax
+    if method == "percentile":
+        return np.percentile(res.rows, percentile, axis=0).astype(np.float32)
+    assert signed is not None
+    return _mse_threshold(signed, res.amax, fmt).astype(np.float32)
+
+
+def calibrate_kv_cache(
+    model: ir.Model | str | os.PathLike,
+    data: TokenData = None,
+    *,
+    format: str = "fp8",
+    granularity: str = "per_tensor",
+    method: str = "minmax",
+    percentile: float = 99.99,
+    rope_envelope: bool = True,
+    margin: float = 1.0,
+    seq_len: int = 512,
+    num_seqs: int | None = None,
+    providers: Sequence[Any] | None = None,
+    progress: bool = True,
+    tokenizer: str | os.PathLike | None = None,
+    sample_budget: int = 1 << 20,
+    seed: int = 0,
+) -> KvCacheScales:
+    """Calibrate K/V scales of every cached layer; see the module docstring.
+
+    Args:
+        model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
+        data: Token-id sequences, or a token-id/text file; ``None`` uses the built-in
+            corpus (tokenized with the model's tokenizer when it has one).
+        seq_len: Longer sequences are cut into windows of this length.
+        num_seqs: Use at most this many windows.
+        sample_budget: Values kept per layer and tensor for percentile/mse.
+    """
+    from onnx_kvcache.runner import KvCacheRunner
+
+    fmt = get_format(format)
+    granularity = get_granularity(granularity)
+    if method not in METHODS:
+        raise KvCacheError(f"Unknown calibration method {method!r}; choose one of {', '.join(METHODS)}.")
+    if method == "mse" and fmt.is_float:
+        raise KvCacheError(
+            "method='mse' is for integer formats (int8/int4); use minmax or percentile for fp8."
+        )
+    if not 0 < percentile <= 100:
+        raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
+    if not margin > 0:
+        raise KvCacheError(f"margin must be > 0, got {margin}.")
+    runner = KvCacheRunner(model, providers)
+    if any(
+        b.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) for b in runner.bindings
+    ):
+        raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
+    if not runner.bindings:
+        raise KvCacheError("The model has no GroupQueryAttention KV cache to calibrate.")
+    windows = load_token_windows(
+        data,
+        model=model,
+        seq_len=seq_len,
+        num_seqs=num_seqs,
+        tokenizer=tokenizer,
+        vocab_size=_vocab_size(runner),
+    )
+    sites = {s.layer_id: s for s in find_gqa_sites(runner.model)}
+    rng = np.random.default_rng(seed)
+    keep_signed = method == "mse"
+    reservoirs: dict[tuple[int, str], _Reservoir] = {}
+    signed: dict[tuple[int, str], _Reservoir] = {}
+    iterator: Any = windows
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        iterator = tqdm(windows, desc="calibrating", unit="seq")
+    tokens = 0
+    for window in iterator:
+        runner.prefill(np.asarray(window, np.int64)[None, :])
+        tokens += len(window)
+        for b in runner.bindings:
+            site = sites[b.layer_id]
+            x = np.asarray(runner.caches[b.past], np.float32)[0]  # [kv, S, hd]
+            x = x[:, : _valid_rows(b, site, len(window))]
+            if not np.all(np.isfinite(x)):
+                raise KvCacheError(
+                    f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
+                    "produced NaN/inf on the calibration data."
+                )
+            rows_signed = x.transpose(1, 0, 2).reshape(x.shape[1], -1)  # [S, kv*hd]
+            mag = np.abs(x)
+            if b.kind == "key" and rope_envelope and site.int_attr("do_rotary"):
+                mag = rope_pair_norm(
+                    x,
+                    interleaved=bool(site.int_attr("rotary_interleaved")),
+                    rotary_dim=_rotary_dim(site),
+                )
+            rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)
+            key = (b.layer_id, b.kind)
+            cap = max(1, sample_budget // rows.shape[1])
+            if key not in reservoirs:
+                reservoirs[key] = _Reservoir(rows.shape[1], cap, rng)
+                if keep_signed:
+                    signed[key] = _Reservoir(rows.shape[1], cap, np.random.default_rng(seed))
+            reservoirs[key].add(rows)
+            if keep_signed:
+                signed[key].add(rows_signed)
+    stats = []
+    for layer in sorted({k[0] for k in reservoirs}):
+        result = {}
+        for kind in ("key", "value"):
+            res = reservoirs[(layer, kind)]
+            thr = _threshold(
+                res, method, percentile, fmt, signed[(layer, kind)].rows if keep_signed else None
+            )
+            if granularity == "per_tensor":
+                thr = np.array([thr.max()], np.float32)
+            scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
+            limit = (
+                np.broadcast_to(scale * fmt.qmax_stored, (res.channels,))
+                if scale.size == 1
+                else scale * fmt.qmax_stored
+            )
+            clip = float((res.rows > limit).mean()) if res.rows.size else 0.0
+            result[kind] = (thr, scale, clip)
+        stats.append(
+            CalibrationStats(
+                layer,
+                result["key"][0],
+                result["value"][0],
+                result["key"][1],
+                result["value"][1],
+                result["key"][2],
+                result["value"][2],
+            )
+        )
+    metadata = {
+        "granularity": granularity,
+        "method": method,
+        "rope_envelope": rope_envelope,
+        "margin": margin,
+        "seq_len": seq_len,
+        "num_seqs": len(windows),
+        "tokens": tokens,
+    }
+    if method == "percentile":
+        metadata["percentile"] = percentile
+    scales = KvCacheScales(
+        {s.layer_id: s.k_scale for s in stats},
+        {s.layer_id: s.v_scale for s in stats},
+        format=fmt.name,
+        qmax=fmt.qmax,
+        metadata=metadata,
+    )
+    object.__setattr__(scales, "stats", stats)
+    logger.info(
+        "Calibrated %d layers on %d tokens:\n%s", len(stats), tokens, format_calibration_summary(stats)
+    )
+    return scales
+
+
+def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
+    """A table: per layer, K/V thresholds, scales and the fraction of values clipped."""
+    names = ("k thresh", "k scale", "k clip", "v thresh", "v scale", "v clip")
+    head = f"{'layer':>5}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, (9, 10, 8, 9, 10, 8)))
+    lines = [head]
+    for s in stats:
+        lines.append(
+            f"{s.layer_id:>5}  {s.k_threshold.max():9.4g}  {s.k_scale.max():10.4g}  {s.k_clip:8.2e}  "
+            f"{s.v_threshold.max():9.4g}  {s.v_scale.max():10.4g}  {s.v_clip:8.2e}"
+        )
+    return "\n".join(lines)
+
+
+def _rotary_dim(site: Any) -> int | None:
+    inputs = site.node.inputs
+    cos = inputs[7] if len(inputs) > 7 else None
+    if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
+        return 2 * cos.shape[-1]
+    return None
+
+
+def _valid_rows(binding: Any, site: Any, total: int) -> int:
+    """Rows of a present cache that hold tokens (window-sized caches evict in blocks)."""
+    capacity = binding.capacity
+    if not capacity or total <= capacity:
+        return total
+    window = site.int_attr("local_window_size", -1)
+    block = capacity - window + 1
+    return total - block * -(-(total - capacity) // block)
+
+
+def _vocab_size(runner: Any) -> int | None:
+    for value in runner.model.graph.outputs:
+        if value.name == runner.logits_name and value.shape is not None:
+            last = value.shape[-1]
+            return last if isinstance(last, int) else None
+    return None

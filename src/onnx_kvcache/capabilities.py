@@ -1,0 +1,242 @@
+"""Who can run what: one frozen row per execution provider.
+
+A row lists the query dtypes the provider's GroupQueryAttention kernel takes and,
+per cache format, the granularities it runs, the first onnxruntime version that has
+it and, where the hardware matters, the minimum CUDA compute capability. Gating,
+``optimize_model`` and the docs page all read :data:`EP_CAPABILITIES`; adding a
+provider is adding a row.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EP_CAPABILITIES",
+    "EpCapabilities",
+    "FastPathReport",
+    "FormatSupport",
+    "SupportReport",
+    "check_kv_cache_support",
+    "fast_path_diagnostics",
+    "get_capabilities",
+]
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+import onnx_ir as ir
+
+from onnx_kvcache.formats import get_format, get_granularity
+from onnx_kvcache.gqa import K_SCALE, V_SCALE, find_gqa_sites
+from onnx_kvcache.runtime import installed_ort_version
+
+_BOTH = frozenset({"per_tensor", "per_channel"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSupport:
+    """One cache format on one provider."""
+
+    granularities: frozenset[str]
+    min_ort_version: str
+    min_compute_capability: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EpCapabilities:
+    """What one execution provider's GroupQueryAttention runs."""
+
+    name: str
+    provider: str
+    query_dtypes: frozenset[ir.DataType]
+    formats: Mapping[str, FormatSupport]
+    note: str = ""
+
+
+_CPU_T = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
+_CUDA_T = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+EP_CAPABILITIES: dict[str, EpCapabilities] = {
+    row.name: row
+    for row in (
+        EpCapabilities(
+            "cpu",
+            "CPUExecutionProvider",
+            _CPU_T,
+            {"int8": FormatSupport(_BOTH, "1.27"), "int4": FormatSupport(_BOTH, "1.27")},
+            "No fp8 kernel: evaluate fp8 on CPU through emulation.",
+        ),
+        EpCapabilities(
+            "cuda",
+            "CUDAExecutionProvider",
+            _CUDA_T,
+            {
+                "fp8": FormatSupport(_BOTH, "1.25", (8, 9)),
+                "int8": FormatSupport(_BOTH, "1.25"),
+                "int4": FormatSupport(_BOTH, "1.25"),
+            },
+            "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
+        ),
+        EpCapabilities(
+            "dml", "DmlExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}
+        ),
+        EpCapabilities(
+            "webgpu", "WebGpuExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}
+        ),
+        EpCapabilities("default", "", frozenset(), {}, "Unknown provider: no quantized cache known."),
+    )
+}
+
+_ALIASES = {row.provider.lower(): name for name, row in EP_CAPABILITIES.items() if row.provider}
+_ALIASES |= {"directml": "dml", "gpu": "cuda"}
+
+
+def get_capabilities(ep: str) -> EpCapabilities:
+    """The row for ``ep`` (``cpu``, ``CUDAExecutionProvider``, ...); unknown -> ``default``."""
+    key = str(ep).lower()
+    key = _ALIASES.get(key, key)
+    return EP_CAPABILITIES.get(key, EP_CAPABILITIES["default"])
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+@dataclasses.dataclass(frozen=True)
+class SupportReport:
+    """Whether a cache format runs on a provider, and every reason it does not."""
+
+    ep: str
+    format: str
+    granularity: str
+    supported: bool
+    reasons: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return self.supported
+
+
+def check_kv_cache_support(
+    model: ir.Model | None,
+    ep: str,
+    format: str,
+    granularity: str = "per_tensor",
+    *,
+    ort_version: str | None = None,
+    compute_capability: tuple[int, int] | None = None,
+) -> SupportReport:
+    """Check every requirement of a quantized cache on ``ep``; one reason per failure.
+
+    ``ort_version`` defaults to the installed onnxruntime (unchecked when none is
+    installed); ``compute_capability`` is checked only when given.
+    """
+    fmt = get_format(format)
+    granularity = get_granularity(granularity)
+    row = get_capabilities(ep)
+    reasons: list[str] = []
+    support = row.formats.get(fmt.name)
+    label = row.name if row.name != "default" else repr(ep)
+    if support is None:
+        runs = ", ".join(row.formats) or "none"
+        others = [n for n, r in EP_CAPABILITIES.items() if fmt.name in r.formats]
+        reasons.append(
+            f"{label} has no GroupQueryAttention kernel for a {fmt.name} cache (its quantized "
+            f"caches: {runs}); {fmt.name} runs on {', '.join(others) or 'no provider'}."
+        )
+    else:
+        if granularity not in support.granularities:
+            reasons.append(f"{label} runs {fmt.name} only {', '.join(sorted(support.granularities))}.")
+        version = ort_version if ort_version is not None else installed_ort_version()
+        if version is not None and _version_tuple(version) < _version_tuple(support.min_ort_version):
+            reasons.append(
+                f"onnxruntime {version} is too old: a {fmt.name} cache on {label} needs "
+                f"onnxruntime >= {support.min_ort_version}; upgrade it."
+            )
+        need = support.min_compute_capability
+        if need is not None and compute_capability is not None and tuple(compute_capability) < need:
+            reasons.append(
+                f"The GPU's compute capability {compute_capability[0]}.{compute_capability[1]} is "
+                f"below {need[0]}.{need[1]}, which a {fmt.name} cache on {label} needs; use int8 "
+                "or int4 on this GPU."
+            )
+    if model is not None:
+        sites = find_gqa_sites(model)
+        if not sites:
+            reasons.append("The model has no GroupQueryAttention node with a KV cache.")
+        bad = sorted(
+            {str(s.query_dtype) for s in sites if s.query_dtype is not None}
+            - {str(t) for t in row.query_dtypes}
+        )
+        if bad and support is not None:
+            reasons.append(
+                f"{label}'s GroupQueryAttention takes queries of "
+                f"{', '.join(sorted(str(t) for t in row.query_dtypes))}, the model's are "
+                f"{', '.join(bad)}; export the model in a supported dtype."
+            )
+    return SupportReport(row.name, fmt.name, granularity, not reasons, tuple(reasons))
+
+
+@dataclasses.dataclass(frozen=True)
+class FastPathReport:
+    """Whether CUDA's quantized decode fast path (XQA) can apply to one GQA node."""
+
+    node: str
+    layer_id: int
+    eligible: bool
+    reasons: tuple[str, ...]
+
+
+_XQA_HEAD_SIZES = (64, 128, 256)
+_XQA_GROUP_SIZES = (4, 8, 16, 32)
+
+
+def fast_path_diagnostics(
+    model: ir.Model,
+    *,
+    ort_version: str | None = None,
+    share_buffer: bool | None = None,
+) -> list[FastPathReport]:
+    """Per GQA node: can CUDA's XQA decode kernel run it, and if not, why.
+
+    XQA needs a decode step (seq_len 1, a runtime property not checked here), head
+    size 64/128/256, for a quantized cache a group size (num_heads / kv_num_heads) of
+    4/8/16/32, past and present sharing one buffer (``share_buffer``, e.g. genai's
+    ``past_present_share_buffer``; inferred from the cache shapes when not given),
+    and before onnxruntime 1.29 one tensor for k_scale and v_scale.
+    """
+    version = ort_version if ort_version is not None else installed_ort_version()
+    reports = []
+    for site in find_gqa_sites(model):
+        reasons = []
+        quantized = site.str_attr("k_quant_type", "NONE") != "NONE"
+        head = site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
+        if head not in _XQA_HEAD_SIZES:
+            reasons.append(f"head size {head} is not one of {_XQA_HEAD_SIZES}")
+        group = site.num_heads // max(site.kv_num_heads, 1)
+        if quantized and group not in _XQA_GROUP_SIZES:
+            reasons.append(f"group size {group} (num_heads / kv_num_heads) is not one of {_XQA_GROUP_SIZES}")
+        shared = share_buffer
+        if shared is None:
+            past, present = site.past_key, site.present_key
+            shared = bool(
+                past is not None
+                and present is not None
+                and past.shape is not None
+                and present.shape is not None
+                and len(past.shape) > 2
+                and len(present.shape) > 2
+                and past.shape[2] == present.shape[2]
+            )
+        if not shared:
+            reasons.append("past and present caches do not share one buffer")
+        inputs = site.node.inputs
+        if quantized and version is not None and _version_tuple(version) < (1, 29):
+            k = inputs[K_SCALE] if len(inputs) > K_SCALE else None
+            v = inputs[V_SCALE] if len(inputs) > V_SCALE else None
+            if k is None or k is not v:
+                reasons.append(
+                    f"onnxruntime {version} < 1.29 needs k_scale and v_scale to be one tensor "
+                    "(convert with --shared-kv-scale)"
+                )
+        reports.append(FastPathReport(site.name, site.layer_id, not reasons, tuple(reasons)))
+    return reports

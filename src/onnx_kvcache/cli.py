@@ -1,0 +1,234 @@
+"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, demo.
+
+Bad input prints one line to stderr and exits 2; no traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
+from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+
+
+def _add_format_args(p: argparse.ArgumentParser, default: str = "fp8") -> None:
+    p.add_argument("--format", default=default, choices=list(CACHE_FORMATS), help="cache format")
+    p.add_argument("--granularity", default="per_tensor", choices=list(GRANULARITIES))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from onnx_kvcache.model_files import convert_model
+
+    start = time.perf_counter()
+    result = convert_model(
+        args.input,
+        args.output,
+        format=args.format,
+        granularity=args.granularity,
+        scales=args.scales,
+        shared_kv_scale=args.shared_kv_scale,
+        weights=args.weights,
+        in_place=args.in_place,
+        overwrite=args.overwrite,
+        ep=args.ep,
+        strict=args.strict,
+        check_device=args.check_device,
+    )
+    if not result.converted:
+        print("onnx-kvcache: not converted: " + " ".join(result.reasons), file=sys.stderr)
+        return 1
+    links = f", {len(result.linked)} data file(s) linked" if result.linked else ""
+    copies = f", {len(result.copied)} copied" if result.copied else ""
+    print(
+        f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} "
+        f"{args.granularity}: {result.model_file} ({result.bytes_written} bytes written"
+        f"{links}{copies}) in {time.perf_counter() - start:.2f}s"
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from onnx_kvcache.capabilities import fast_path_diagnostics
+    from onnx_kvcache.inspect import format_cache_table, inspect_kv_cache
+    from onnx_kvcache.model_files import load_model, resolve_model_path
+
+    model = load_model(args.model)
+    info = inspect_kv_cache(model)
+    share = None
+    _, config = resolve_model_path(args.model)
+    if config is not None:
+        share = config.get("search", {}).get("past_present_share_buffer")
+    diagnostics = fast_path_diagnostics(model, share_buffer=share) if args.ep == "cuda" else None
+    if args.json:
+        doc = info.to_json(args.context, args.batch)
+        if diagnostics is not None:
+            doc["fast_path"] = [
+                {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
+                for d in diagnostics
+            ]
+        print(json.dumps(doc, indent=2))
+        return 0
+    if not info.layers:
+        print("no GroupQueryAttention node with a KV cache")
+        return 0
+    print(format_cache_table(info, args.context, args.batch))
+    if diagnostics is not None:
+        print("CUDA quantized decode fast path (XQA):")
+        for d in diagnostics:
+            verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(d.reasons)
+            print(f"  layer {d.layer_id}: {verdict}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from onnx_kvcache.calibration import calibrate_kv_cache, format_calibration_summary
+
+    data = args.token_ids or args.text
+    scales = calibrate_kv_cache(
+        args.model,
+        data,
+        format=args.format,
+        granularity=args.granularity,
+        method=args.method,
+        percentile=args.percentile,
+        rope_envelope=not args.no_rope_envelope,
+        margin=args.margin,
+        seq_len=args.seq_len,
+        num_seqs=args.num_seqs,
+        tokenizer=args.tokenizer,
+    )
+    scales.save(args.out)
+    print(format_calibration_summary(scales.stats))  # type: ignore[attr-defined]
+    print(
+        f"wrote {args.out} ({len(scales.layer_ids)} layers, {args.format} {args.granularity}, {args.method})"
+    )
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from onnx_kvcache.evaluation import evaluate_kv_cache
+
+    report = evaluate_kv_cache(
+        args.baseline,
+        args.candidate,
+        args.token_ids or args.text,
+        max_new_tokens=args.max_new_tokens,
+        tokenizer=args.tokenizer,
+        num_seqs=args.num_seqs,
+        seq_len=args.seq_len,
+    )
+    print(report.format_table())
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.plot:
+        from onnx_kvcache.plots import plot_evaluation
+
+        plot_evaluation(report, args.plot)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from onnx_kvcache.demo import run_demo
+
+    run_demo(keep=args.keep)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnx-kvcache", description="Quantize the KV cache of ONNX GroupQueryAttention decoders."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a model file or genai folder")
+    p.add_argument("input")
+    p.add_argument("output", nargs="?")
+    _add_format_args(p)
+    p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
+    p.add_argument("--shared-kv-scale", action="store_true", help="one tensor for k and v scales")
+    p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")
+    p.add_argument("--strict", action="store_true", help="fail when the target cannot run it")
+    p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
+    p.add_argument("--weights", choices=["link", "copy"], default="link")
+    p.add_argument("--in-place", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("inspect", help="show the KV cache of a model")
+    p.add_argument("model")
+    p.add_argument("--ep", help="cuda: also show fast-path (XQA) diagnostics")
+    p.add_argument("--context", type=int, help="report cache bytes at this context length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("calibrate", help="measure KV-cache scales")
+    p.add_argument("model")
+    p.add_argument("--out", required=True)
+    _add_format_args(p)
+    p.add_argument("--method", default="minmax", choices=["minmax", "percentile", "mse"])
+    p.add_argument("--percentile", type=float, default=99.99)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--text")
+    data.add_argument("--token-ids")
+    p.add_argument("--tokenizer")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-seqs", type=int)
+    p.add_argument("--margin", type=float, default=1.0)
+    p.add_argument("--no-rope-envelope", action="store_true")
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("evaluate", help="compare a converted model with its original")
+    p.add_argument("baseline")
+    p.add_argument("candidate")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--text")
+    data.add_argument("--token-ids")
+    p.add_argument("--tokenizer")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-seqs", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser("demo", help="convert and evaluate the bundled decoder")
+    p.add_argument("--keep", help="keep the demo models in this folder")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    print(f"onnx-kvcache: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", KvCacheWarning)
+        warnings.showwarning = _show_warning
+        try:
+            return args.func(args)
+        except (KvCacheError, FileNotFoundError, MissingRuntimeError, NotADirectoryError) as e:
+            print(f"onnx-kvcache: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("onnx-kvcache: interrupted; nothing was written.", file=sys.stderr)
+            return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Token data for calibration and evaluation: id files, text, the built-in corpus.
+
+Text is tokenized with the ``tokenizers`` library from a ``tokenizer.json`` (the
+``text`` extra). A model without a tokenizer reads text as UTF-8 bytes when its
+vocabulary holds them (the demo decoder does), else seeded random ids, and says so.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TokenData", "builtin_corpus", "find_tokenizer", "load_token_windows", "tokenize_text"]
+
+import importlib.resources
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from onnx_kvcache.errors import KvCacheError, MissingRuntimeError
+
+logger = logging.getLogger(__name__)
+
+TokenData = Sequence[Sequence[int]] | str | os.PathLike | None
+
+
+def builtin_corpus() -> str:
+    """A multi-domain English corpus written for this project (prose, code, dialogue)."""
+    return importlib.resources.files("onnx_kvcache").joinpath("corpus.txt").read_text("utf-8")
+
+
+def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """``tokenizer.json`` given explicitly, or beside a model folder/file."""
+    if tokenizer is not None:
+        p = pathlib.Path(tokenizer)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        if not p.is_file():
+            raise FileNotFoundError(f"Tokenizer {p} does not exist.")
+        return p
+    if isinstance(model, (str, os.PathLike)):
+        p = pathlib.Path(model)
+        folder = p if p.is_dir() else p.parent
+        if (folder / "tokenizer.json").is_file():
+            return folder / "tokenizer.json"
+    return None
+
+
+def tokenize_text(text: str, tokenizer: pathlib.Path | None, vocab_size: int | None) -> list[int]:
+    """Token ids of ``text``: real tokenizer, else bytes, else an error."""
+    if tokenizer is not None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise MissingRuntimeError(
+                "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
+            ) from e
+        return list(Tokenizer.from_file(str(tokenizer)).encode(text).ids)
+    if vocab_size is not None and vocab_size >= 256:
+        logger.info("No tokenizer: reading text as UTF-8 bytes (ids 0-255).")
+        return list(text.encode("utf-8"))
+    raise KvCacheError("Text data needs a tokenizer: pass --tokenizer PATH (a tokenizer.json) or token ids.")
+
+
+def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
+    if path.suffix == ".npy":
+        array = np.load(path, allow_pickle=False)
+        if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
+            raise KvCacheError(f"{path}: expected a 1-D or 2-D integer array of token ids.")
+        return [list(map(int, row)) for row in np.atleast_2d(array)]
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise KvCacheError(f"{path}: not valid JSON ({e}).") from None
+    if isinstance(doc, list) and doc and all(isinstance(x, int) for x in doc):
+        doc = [doc]
+    if not (
+        isinstance(doc, list)
+        and doc
+        and all(
+            isinstance(s, list) and s and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            for s in doc
+        )
+    ):
+        raise KvCacheError(f"{path}: expected a list of token ids or a list of such lists.")
+    return doc
+
+
+def load_token_windows(
+    data: TokenData,
+    *,
+    model: Any = None,
+    seq_len: int = 512,
+    num_seqs: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Token windows of at most ``seq_len`` ids from sequences, files or the corpus."""
+    if seq_len < 1:
+        raise KvCacheError(f"seq_len must be >= 1, got {seq_len}.")
+    if data is None or isinstance(data, (str, os.PathLike)):
+        tok = find_tokenizer(model, tokenizer)
+        if data is None:
+            if tok is None and (vocab_size is None or vocab_size < 256):
+                logger.info("No tokenizer: using seeded random token sequences.")
+                rng = np.random.default_rng(seed)
+                high = vocab_size or 256
+                sequences = [list(rng.integers(0, high, seq_len)) for _ in range(num_seqs or 8)]
+            else:
+                sequences = [tokenize_text(builtin_corpus(), tok, vocab_size)]
+        else:
+            path = pathlib.Path(data)
+            if not path.is_file():
+                raise FileNotFoundError(f"Data file {path} does not exist.")
+            if path.suffix in (".json", ".npy"):
+                sequences = _read_ids_file(path)
+            else:
+                sequences = [tokenize_text(path.read_text(encoding="utf-8"), tok, vocab_size)]
+    else:
+        sequences = [list(s) for s in data]
+        if not sequences or not all(sequences):
+            raise KvCacheError("Token data must be a non-empty list of non-empty id sequences.")
+    windows = []
+    for seq in sequences:
+        ids = np.asarray(seq, np.int64)
+        if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
+        windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    return windows[:num_seqs] if num_seqs else windows

@@ -1,0 +1,193 @@
+"""A small GQA decoder built from numpy weights: the demo model and test fixture.
+
+The graph is laid out as onnxruntime-genai writes decoders: inputs ``input_ids``,
+``attention_mask`` and ``past_key_values.{i}.key/value`` (BNSH), outputs ``logits``
+and ``present.{i}.key/value``; rotary inside GroupQueryAttention; seqlens_k and
+total_sequence_length computed from the attention mask. K projections carry a few
+outlier channels, as real LLMs' do. Nothing is downloaded: weights come from a seed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DecoderConfig", "build_decoder"]
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Shape and options of the demo decoder.
+
+    Attributes:
+        sliding_window: Layers listed in ``sliding_window_layers`` attend to this many
+            positions (``local_window_size``); with ``sliding_window_cache`` their cache
+            is window-sized.
+        no_cache_layers: Layers whose attention has no past/present cache.
+        qk_norm: Use GQA inputs 14/15 (q/k RMS norm weights), a 16-input node.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    kv_num_heads: int = 2
+    head_size: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    max_position: int = 4096
+    dtype: str = "float32"
+    rotary_interleaved: bool = False
+    rope_theta: float = 10000.0
+    outlier_channels: int = 4
+    outlier_scale: float = 12.0
+    sliding_window_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
+    sliding_window_cache: bool = False
+    no_cache_layers: tuple[int, ...] = ()
+    qk_norm: bool = False
+    seed: int = 0
+
+    @property
+    def ir_dtype(self) -> ir.DataType:
+        return ir.DataType.FLOAT16 if self.dtype == "float16" else ir.DataType.FLOAT
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(np.float16 if self.dtype == "float16" else np.float32)
+
+
+class _Builder:
+    def __init__(self, config: DecoderConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, GQA_DOMAIN: 1})
+        self.tape = ir.tape.Tape(self.graph)
+
+    def weight(self, name: str, array: np.ndarray) -> ir.Value:
+        return self.tape.initializer(ir.tensor(array.astype(self.config.np_dtype), name=name))
+
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        return self.tape.initializer(ir.tensor(array, name=name))
+
+    def op(self, op_type: str, inputs: list, name: str, **attributes) -> ir.Value:
+        return self.tape.op(op_type, inputs, attributes or None, name=name)
+
+    def linear(self, x: ir.Value, name: str, fan_in: int, fan_out: int, gain: float = 1.0):
+        w = self.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
+        return self.op("MatMul", [x, self.weight(f"{name}.weight", w)], f"{name}/MatMul")
+
+    def rms_norm(self, x: ir.Value, name: str, axes: ir.Value, eps: ir.Value) -> ir.Value:
+        size = self.config.hidden_size
+        w = 1.0 + 0.1 * self.rng.standard_normal(size)
+        sq = self.op("Mul", [x, x], f"{name}/Mul")
+        mean = self.op("ReduceMean", [sq, axes], f"{name}/ReduceMean", keepdims=1)
+        rms = self.op("Sqrt", [self.op("Add", [mean, eps], f"{name}/Add")], f"{name}/Sqrt")
+        normed = self.op("Div", [x, rms], f"{name}/Div")
+        return self.op("Mul", [normed, self.weight(f"{name}.weight", w)], f"{name}/Scale")
+
+
+def build_decoder(config: DecoderConfig | None = None, **overrides) -> ir.Model:
+    """Build the demo decoder; keyword overrides replace :class:`DecoderConfig` fields."""
+    config = dataclasses.replace(config or DecoderConfig(), **overrides)
+    b = _Builder(config)
+    c = config
+    dtype = c.ir_dtype
+    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"])
+    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch_size", "total_sequence_length"])
+    b.graph.inputs.extend([input_ids, mask])
+
+    axes_last = b.const("const_axes_last", np.array([-1], np.int64))
+    axes_1 = b.const("const_axes_1", np.array([1], np.int64))
+    eps = b.const("const_eps", np.array(1e-5, c.np_dtype))
+    one = b.const("const_one_i64", np.array(1, np.int64))
+    seqlens = b.op("ReduceSum", [mask, axes_1], "/model/attn_mask/ReduceSum", keepdims=0)
+    seqlens = b.op("Sub", [seqlens, one], "/model/attn_mask/Sub")
+    seqlens_k = b.op("Cast", [seqlens], "/model/attn_mask/Cast_seqlens", to=ir.DataType.INT32)
+    shape = b.op("Shape", [mask], "/model/attn_mask/Shape")
+    total = b.op("Gather", [shape, one], "/model/attn_mask/Gather", axis=0)
+    total_len = b.op("Cast", [total], "/model/attn_mask/Cast_total", to=ir.DataType.INT32)
+
+    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_size, 2) / c.head_size))
+    angles = np.outer(np.arange(c.max_position), inv_freq)
+    cos_cache = b.weight("cos_cache", np.cos(angles))
+    sin_cache = b.weight("sin_cache", np.sin(angles))
+
+    embed = b.weight("model.embed_tokens.weight", b.rng.standard_normal((c.vocab_size, c.hidden_size)))
+    x = b.op("Gather", [embed, input_ids], "/model/embed_tokens/Gather", axis=0)
+    kv_dim = c.kv_num_heads * c.head_size
+    for i in range(c.num_layers):
+        p = f"/model/layers.{i}"
+        xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", axes_last, eps)
+        q = b.linear(xn, f"model.layers.{i}.attn.q_proj", c.hidden_size, c.num_heads * c.head_size)
+        wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
+        outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
+        wk[:, outliers] *= c.outlier_scale
+        k = b.op("MatMul", [xn, b.weight(f"model.layers.{i}.attn.k_proj.weight", wk)], f"{p}/k")
+        v = b.linear(xn, f"model.layers.{i}.attn.v_proj", c.hidden_size, kv_dim)
+        for value, width in ((q, c.num_heads * c.head_size), (k, kv_dim), (v, kv_dim)):
+            value.dtype = dtype
+            value.shape = ir.Shape(["batch_size", "sequence_length", width])
+        inputs: list[ir.Value | None] = [q, k, v, None, None, seqlens_k, total_len]
+        inputs += [cos_cache, sin_cache]
+        has_cache = i not in c.no_cache_layers
+        window = c.sliding_window if i in c.sliding_window_layers else 0
+        if has_cache:
+            past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
+            cache_shape = ["batch_size", c.kv_num_heads, past_len, c.head_size]
+            past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
+            past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
+            b.graph.inputs.extend([past_k, past_v])
+            inputs[3:5] = [past_k, past_v]
+        if c.qk_norm:
+            qn = b.weight(
+                f"model.layers.{i}.attn.q_norm.weight", 1 + 0.1 * b.rng.standard_normal(c.head_size)
+            )
+            kn = b.weight(
+                f"model.layers.{i}.attn.k_norm.weight", 1 + 0.1 * b.rng.standard_normal(c.head_size)
+            )
+            inputs += [None] * 5 + [qn, kn]
+        attributes: dict = {
+            "num_heads": c.num_heads,
+            "kv_num_heads": c.kv_num_heads,
+            "do_rotary": 1,
+            "rotary_interleaved": int(c.rotary_interleaved),
+        }
+        if window:
+            attributes["local_window_size"] = window
+            if c.sliding_window_cache:
+                attributes["sliding_window_cache"] = 1
+        outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
+        if has_cache:
+            cache_out = ["batch_size", c.kv_num_heads, "total_sequence_length", c.head_size]
+            outputs += [
+                ir.val(f"present.{i}.key", dtype, cache_out),
+                ir.val(f"present.{i}.value", dtype, cache_out),
+            ]
+        attn, *presents = b.tape.op_multi_out(
+            GQA_OP_TYPE,
+            inputs,
+            attributes,
+            domain=GQA_DOMAIN,
+            outputs=outputs,
+            name=f"{p}/attn/GroupQueryAttention",
+        )
+        b.graph.outputs.extend(presents)
+        o = b.linear(attn, f"model.layers.{i}.attn.o_proj", c.num_heads * c.head_size, c.hidden_size)
+        x = b.op("Add", [x, o], f"{p}/attn/residual")
+        xn = b.rms_norm(x, f"model.layers.{i}.post_attention_layernorm", axes_last, eps)
+        h = b.linear(xn, f"model.layers.{i}.mlp.up_proj", c.hidden_size, c.intermediate_size)
+        h = b.op("Mul", [h, b.op("Sigmoid", [h], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
+        h = b.linear(h, f"model.layers.{i}.mlp.down_proj", c.intermediate_size, c.hidden_size)
+        x = b.op("Add", [x, h], f"{p}/mlp/residual")
+    x = b.rms_norm(x, "model.norm", axes_last, eps)
+    logits = b.linear(x, "lm_head", c.hidden_size, c.vocab_size, gain=4.0)
+    logits.name = "logits"
+    logits.dtype = dtype
+    logits.shape = ir.Shape(["batch_size", "sequence_length", c.vocab_size])
+    b.graph.outputs.insert(0, logits)
+    b.graph.name = "onnx_kvcache_demo_decoder"
+    return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")

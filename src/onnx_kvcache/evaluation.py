@@ -1,0 +1,232 @@
+"""How much a quantized KV cache changes a model's outputs, measured on CPU.
+
+Both models see the same tokens. Teacher-forced: a prompt is prefilled, the rest of
+the window is fed one token a step (the cache is read back every step), and the
+next-token distributions are compared (KL divergence, top-1 agreement). Greedy: both
+generate from the prompt and the tokens are compared. The candidate's cache is
+dequantized with its own scales and compared with the baseline's, layer by layer.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EvaluationReport", "evaluate_kv_cache", "kl_divergence"]
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.data import TokenData, load_token_windows
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import CACHE_FORMATS
+from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.inspect import _scale_values, inspect_kv_cache
+from onnx_kvcache.runner import KvCacheRunner
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(P || Q) per row of two logit arrays (last axis = vocabulary), in nats."""
+    p = np.asarray(p_logits, np.float64)
+    q = np.asarray(q_logits, np.float64)
+    p = p - p.max(axis=-1, keepdims=True)
+    q = q - q.max(axis=-1, keepdims=True)
+    log_p = p - np.log(np.exp(p).sum(axis=-1, keepdims=True))
+    log_q = q - np.log(np.exp(q).sum(axis=-1, keepdims=True))
+    return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
+
+
+@dataclasses.dataclass
+class EvaluationReport:
+    """Accuracy of a candidate (quantized-cache) model against its baseline."""
+
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    greedy_match_prefix: float
+    greedy_match_share: float
+    layer_errors: dict[int, tuple[float, float]]
+    kl_per_position: list[float]
+    baseline_bytes_per_token: float
+    candidate_bytes_per_token: float
+    candidate_format: str
+    emulated: bool
+    data_note: str
+    num_sequences: int
+    positions: int
+
+    def to_json(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["layer_errors"] = {str(k): {"k": v[0], "v": v[1]} for k, v in self.layer_errors.items()}
+        return doc
+
+    def format_table(self) -> str:
+        rows = [
+            ("candidate cache", self.candidate_format + (" (emulated on CPU)" if self.emulated else "")),
+            (
+                "cache bytes / token",
+                f"{self.candidate_bytes_per_token:g} (baseline {self.baseline_bytes_per_token:g})",
+            ),
+            ("KL mean / max (nats)", f"{self.kl_mean:.3e} / {self.kl_max:.3e}"),
+            ("top-1 agreement", f"{self.top1_agreement:.2%}"),
+            (
+                "greedy match",
+                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical",
+            ),
+            ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} positions"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+        lines.append("per-layer cache error (relative L2, k / v):")
+        for layer, (k, v) in sorted(self.layer_errors.items()):
+            lines.append(f"  layer {layer:>3}: {k:.3e} / {v:.3e}")
+        return "\n".join(lines)
+
+
+def _dequantizers(runner: KvCacheRunner) -> dict[str, Any]:
+    """past name -> function mapping a stored cache array to float32."""
+    result = {}
+    sites = {}
+    for site in find_gqa_sites(runner.source_model):
+        for kind, value in (("key", site.past_key), ("value", site.past_value)):
+            if value is not None:
+                sites[value.name] = (site, kind)
+    for b in runner.bindings:
+        site, kind = sites[b.past]
+        if b.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            result[b.past] = lambda a: np.asarray(a, np.float32)
+            continue
+        bits = site.int_attr("kv_cache_bit_width", 8)
+        fmt = next(r for r in CACHE_FORMATS.values() if r.dtype == b.dtype and r.bit_width == bits)
+        slot = 12 if kind == "key" else 13
+        scale = np.asarray(_scale_values(site.node.inputs[slot]), np.float32)
+        head = site.head_size(cache_is_packed=b.dtype == ir.DataType.UINT8)
+        if scale.size > 1:
+            scale = scale.reshape(1, site.kv_num_heads, 1, head)
+        result[b.past] = lambda a, f=fmt, s=scale, h=head: f.dequantize(a, s, h)
+    return result
+
+
+def _relative_error(ref: np.ndarray, test: np.ndarray) -> float:
+    denom = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(test - ref)) / denom if denom else float(np.linalg.norm(test))
+
+
+def evaluate_kv_cache(
+    baseline: ir.Model | str | os.PathLike,
+    candidate: ir.Model | str | os.PathLike,
+    data: TokenData = None,
+    *,
+    max_new_tokens: int = 64,
+    prompt_len: int = 64,
+    seq_len: int = 256,
+    num_seqs: int | None = 4,
+    providers: Sequence[Any] | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> EvaluationReport:
+    """Compare a quantized-cache model with its baseline; see the module docstring."""
+    base = KvCacheRunner(baseline, providers)
+    cand = KvCacheRunner(candidate, providers)
+    if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
+        raise KvCacheError(
+            "Baseline and candidate have different KV caches; compare a model with its own conversion."
+        )
+    vocab = next(
+        (
+            v.shape[-1]
+            for v in base.model.graph.outputs
+            if v.name == base.logits_name and v.shape is not None and isinstance(v.shape[-1], int)
+        ),
+        None,
+    )
+    source = data if data is not None else (baseline if not isinstance(baseline, ir.Model) else None)
+    windows = load_token_windows(
+        data, model=source, seq_len=seq_len, num_seqs=num_seqs, tokenizer=tokenizer, vocab_size=vocab
+    )
+    if data is not None:
+        note = "given data"
+    elif isinstance(source, (str, os.PathLike)) and _has_tokenizer(source, tokenizer):
+        note = "built-in corpus, model tokenizer"
+    elif vocab is not None and vocab >= 256:
+        note = "built-in corpus as UTF-8 bytes (no tokenizer)"
+    else:
+        note = "seeded random tokens (no tokenizer)"
+    dequant = _dequantizers(cand)
+    kls: list[np.ndarray] = []
+    agree = []
+    errors: dict[int, list[tuple[float, float]]] = {}
+    prefixes, shares = [], []
+    for window in windows:
+        p = min(prompt_len, max(1, len(window) // 2))
+        prompt, rest = window[:p], window[p:]
+        lb, lc = base.prefill(prompt)[0], cand.prefill(prompt)[0]
+        seq_b, seq_c = [lb], [lc]
+        for token in rest[:-1] if len(rest) else []:
+            seq_b.append(base.step(int(token)))
+            seq_c.append(cand.step(int(token)))
+        b_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_b])
+        c_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_c])
+        kls.append(kl_divergence(b_logits, c_logits))
+        agree.append(np.argmax(b_logits, -1) == np.argmax(c_logits, -1))
+        per_layer: dict[int, list[float]] = {}
+        for bb, cb in zip(base.bindings, cand.bindings):
+            ref = np.asarray(base.caches[bb.past], np.float32)
+            test = dequant[cb.past](cand.caches[cb.past])
+            per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref, test))
+        for layer, (k, v) in per_layer.items():
+            errors.setdefault(layer, []).append((k, v))
+        if max_new_tokens > 0:
+            gb = base.generate(prompt, max_new_tokens)
+            gc = cand.generate(prompt, max_new_tokens)
+            same = [a == b for a, b in zip(gb, gc)]
+            prefixes.append(same.index(False) if False in same else len(same))
+            shares.append(float(np.mean(same)))
+    positions = max(len(k) for k in kls)
+    kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
+    all_kl = np.concatenate(kls)
+    return EvaluationReport(
+        kl_mean=float(all_kl.mean()),
+        kl_max=float(all_kl.max()),
+        top1_agreement=float(np.concatenate(agree).mean()),
+        greedy_match_prefix=float(np.mean(prefixes)) if prefixes else float("nan"),
+        greedy_match_share=float(np.mean(shares)) if shares else float("nan"),
+        layer_errors={
+            layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
+            for layer, errs in errors.items()
+        },
+        kl_per_position=kl_pos,
+        baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
+        candidate_bytes_per_token=_bytes_per_token(cand),
+        candidate_format=_format_name(cand),
+        emulated=cand.emulated,
+        data_note=note,
+        num_sequences=len(windows),
+        positions=int(all_kl.size),
+    )
+
+
+def _has_tokenizer(source: Any, tokenizer: Any) -> bool:
+    from onnx_kvcache.data import find_tokenizer
+
+    return find_tokenizer(source, tokenizer) is not None
+
+
+def _format_name(runner: KvCacheRunner) -> str:
+    layers = inspect_kv_cache(runner.source_model).layers
+    if not layers:
+        return "none"
+    layer = layers[0]
+    for row in CACHE_FORMATS.values():
+        if (
+            row.dtype.name == layer.dtype
+            and row.bit_width == (layer.bit_width or 8)
+            and layer.k_quant_type != "NONE"
+        ):
+            return f"{row.name} {layer.k_quant_type.lower()}"
+    return layer.dtype.lower()
+
+
+def _bytes_per_token(runner: KvCacheRunner) -> float:
+    return inspect_kv_cache(runner.source_model).bytes_per_token

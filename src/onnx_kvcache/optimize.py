@@ -1,0 +1,115 @@
+"""``optimize_model``: fuse attention, gate on the target, quantize the KV cache.
+
+It never returns a model that cannot load where the user said it will run: when the
+request cannot be honoured it warns once with every reason and returns the model
+unconverted (``strict=True`` raises instead).
+"""
+
+from __future__ import annotations
+
+__all__ = ["optimize_model"]
+
+import os
+import warnings
+from typing import Any, Literal
+
+import onnx
+import onnx_ir as ir
+
+from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support
+from onnx_kvcache.device import cuda_compute_capability
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.formats import get_format
+from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
+from onnx_kvcache.scales import as_kv_cache_scales
+
+
+def _as_ir(model: ir.Model | onnx.ModelProto | str | os.PathLike) -> ir.Model:
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    from onnx_kvcache.model_files import load_model
+
+    return load_model(model)
+
+
+def optimize_model(
+    model: ir.Model | onnx.ModelProto | str | os.PathLike,
+    *,
+    execution_provider: str | None = "cuda",
+    fp8_kv_cache: bool = False,
+    kv_cache_format: str | None = None,
+    kv_cache_granularity: str = "per_tensor",
+    kv_cache_scales: Any = None,
+    fuse_attention: bool | Literal["auto"] = "auto",
+    check_device: bool = False,
+    strict: bool = False,
+    shared_kv_scale: bool = False,
+    return_report: bool = False,
+) -> Any:
+    """Optimize a decoder for onnxruntime and store its KV cache quantized.
+
+    Args:
+        model: ``ir.Model`` (changed in place), ``onnx.ModelProto`` or a path.
+        execution_provider: Where the model will run (``cuda``, ``cpu``, ...); ``None``
+            skips gating (the caller takes responsibility).
+        fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
+        kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None`` quantizes nothing.
+        kv_cache_granularity: ``per_tensor`` or ``per_channel``.
+        kv_cache_scales: What the pass accepts, or a scale-file path.
+        fuse_attention: ``"auto"`` fuses (onnxscript ORT fusions) only when the model
+            has no GQA node; ``True`` always; ``False`` never.
+        check_device: Also check the local GPU's compute capability.
+        strict: Raise instead of warning when the request cannot be honoured.
+        shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).
+        return_report: Return ``(model, SupportReport)`` instead of the model.
+    """
+    if fuse_attention not in (True, False, "auto"):
+        raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
+    model = _as_ir(model)
+    if fp8_kv_cache:
+        if kv_cache_format not in (None, "fp8"):
+            raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
+        kv_cache_format = "fp8"
+    has_gqa = bool(find_gqa_sites(model, with_cache_only=False))
+    if fuse_attention is True or (fuse_attention == "auto" and not has_gqa):
+        GqaFusionPass()(model)
+    if kv_cache_format is None:
+        report = SupportReport(execution_provider or "any", "none", kv_cache_granularity, True, ())
+        return (model, report) if return_report else model
+    fmt = get_format(kv_cache_format)
+    scales = as_kv_cache_scales(kv_cache_scales, format=fmt.name)
+    if execution_provider is None:
+        KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(
+            model
+        )
+        report = SupportReport("any", fmt.name, kv_cache_granularity, True, ())
+        return (model, report) if return_report else model
+    capability = None
+    if check_device:
+        capability = cuda_compute_capability()
+    report = check_kv_cache_support(
+        model, execution_provider, fmt.name, kv_cache_granularity, compute_capability=capability
+    )
+    if check_device and capability is None and report.ep == "cuda":
+        report = SupportReport(
+            report.ep,
+            report.format,
+            report.granularity,
+            False,
+            (*report.reasons, "check_device: no CUDA GPU found on this machine."),
+        )
+    if not report.supported:
+        message = (
+            f"KV cache not converted to {fmt.name} {kv_cache_granularity} for "
+            f"{execution_provider}: " + " ".join(report.reasons)
+        )
+        if strict:
+            raise KvCacheError(message)
+        warnings.warn(message, KvCacheWarning, stacklevel=2)
+        return (model, report) if return_report else model
+    KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    return (model, report) if return_report else model

@@ -1,0 +1,412 @@
+"""Store the KV cache of every GroupQueryAttention node in a quantized format.
+
+Rules, for each ``com.microsoft::GroupQueryAttention`` node in the main graph, its
+subgraphs and the model's functions:
+
+1. A node without past_key/past_value (inputs 3/4) is left alone. A cache that is
+   not a graph input (a non-empty initializer, or produced by another node) is
+   skipped with a warning naming the node; an empty initializer is retyped along
+   with its value. A function's cache input is retyped at every call site too.
+2. past_key, past_value, present_key and present_value take the format's element
+   type and keep their shapes; int4 packs two values a byte, so a static head
+   dimension ``d`` becomes ``(d + 1) // 2`` (a symbolic one stays symbolic).
+3. float32 scales go to inputs 12 (k) and 13 (v): ``[1]`` per tensor,
+   ``kv_num_heads * head_size`` per channel. They are named after the cache they
+   scale: two nodes reading one cache share a scale, distinct caches never do.
+   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots.
+4. ``k_quant_type``/``v_quant_type`` and ``kv_cache_bit_width`` are set; every other
+   attribute and every input at slot 14 and above is kept as it was.
+5. A node already in the requested format is left alone, or gets the new scale
+   values when scales are given. A node in another format is an error.
+
+The pass checks everything before it changes anything: an error leaves the model
+as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass"]
+
+import dataclasses
+import logging
+import warnings
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.formats import (
+    CACHE_FORMATS,
+    GRANULARITIES,
+    CacheFormat,
+    get_format,
+    get_granularity,
+)
+from onnx_kvcache.gqa import (
+    K_SCALE,
+    V_SCALE,
+    GqaSite,
+    find_gqa_sites,
+    function_call_sites,
+)
+from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
+
+logger = logging.getLogger(__name__)
+
+_QUANTIZED_DTYPES = frozenset(row.dtype for row in CACHE_FORMATS.values())
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the pass will do to one site; built before anything changes."""
+
+    site: GqaSite
+    sources: list[ir.Value]
+    sinks: list[ir.Value]
+    k_scale: np.ndarray | None
+    v_scale: np.ndarray | None
+
+
+class KvCacheQuantizationPass(ir.passes.InPlacePass):
+    """Quantize the past/present KV cache of GroupQueryAttention nodes.
+
+    Args:
+        format: ``fp8`` (FLOAT8E4M3FN), ``int8`` or ``int4`` (uint8, two values a byte).
+        granularity: ``per_tensor`` or ``per_channel``.
+        scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
+            file path. ``None`` means unit scales for fp8 (with a warning) and is an
+            error for int8/int4.
+        shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (older
+            CUDA fast paths need k_scale and v_scale to be one tensor).
+    """
+
+    def __init__(
+        self,
+        format: str = "fp8",
+        granularity: str = "per_tensor",
+        scales: ScalesLike = None,
+        *,
+        shared_kv_scale: bool = False,
+    ) -> None:
+        super().__init__()
+        self.format: CacheFormat = get_format(format)
+        self.granularity = get_granularity(granularity)
+        self.scales = scales
+        self.shared_kv_scale = shared_kv_scale
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        scales = as_kv_cache_scales(self.scales, format=self.format.name)
+        sites = find_gqa_sites(model)
+        plans = [plan for site in sites if (plan := self._plan(model, site, scales))]
+        self._check_coverage(plans, scales)
+        unit = scales is None and any(not self._already_done(p.site) for p in plans)
+        if unit:
+            warnings.warn(
+                "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
+                "Calibrated scales are more accurate (onnx-kvcache calibrate).",
+                KvCacheWarning,
+                stacklevel=2,
+            )
+        modified = False
+        store = _ScaleStore(model)
+        for plan in plans:
+            modified |= self._apply(plan, store)
+        modified |= store.remove_unused()
+        converted = len({id(p.site.node) for p in plans})
+        logger.info(
+            "KV cache: %d GroupQueryAttention node(s) in %s %s format%s.",
+            converted,
+            self.format.name,
+            self.granularity,
+            "" if modified else " (already converted, nothing changed)",
+        )
+        return ir.passes.PassResult(model, modified=modified)
+
+    # -- planning: checks only, no changes ---------------------------------------------
+
+    def _already_done(self, site: GqaSite) -> bool:
+        quant = site.str_attr("k_quant_type", "NONE")
+        dtype = site.cache_dtype
+        if quant == "NONE" and dtype not in _QUANTIZED_DTYPES:
+            return False
+        bits = site.int_attr("kv_cache_bit_width", 8)
+        current = next((r for r in CACHE_FORMATS.values() if r.dtype == dtype and r.bit_width == bits), None)
+        wanted = GRANULARITIES[self.granularity]
+        if current is self.format and quant == wanted:
+            return True
+        current_name = current.name if current else f"{dtype} ({bits}-bit)"
+        raise KvCacheError(
+            f"GroupQueryAttention node {site.name} already has a {current_name} "
+            f"{quant.lower()} KV cache; cannot convert it to {self.format.name} "
+            f"{self.granularity}. Convert the original (unquantized) model instead."
+        )
+
+    def _plan(self, model: ir.Model, site: GqaSite, scales: KvCacheScales | None) -> _Plan | None:
+        done = self._already_done(site)
+        sources: list[ir.Value] = []
+        sinks: list[ir.Value] = []
+        if not done:
+            for cache in (site.past_key, site.past_value):
+                assert cache is not None
+                found, reason = _cache_sources(model, site, cache)
+                if reason:
+                    warnings.warn(
+                        f"Skipped GroupQueryAttention node {site.name}: its cache "
+                        f"{cache.name!r} {reason}; only caches that are graph inputs are "
+                        "converted.",
+                        KvCacheWarning,
+                        stacklevel=4,
+                    )
+                    return None
+                sources += found
+            for present in (site.present_key, site.present_value):
+                if present is not None:
+                    sinks += _cache_sinks(model, site, present)
+        if scales is None and not done and not self.format.is_float:
+            raise KvCacheError(
+                f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
+                "meaningless for integer formats. Pass scales (a scale file or "
+                "{layer_id: (k, v)}), or measure them with `onnx-kvcache calibrate`."
+            )
+        if scales is None:
+            if done:
+                return _Plan(site, sources, sinks, None, None)
+            k = v = np.ones(1, np.float32)
+            if self.granularity == "per_channel":
+                k = v = np.ones(site.kv_num_heads * self._head_size(site), np.float32)
+            return _Plan(site, sources, sinks, k, v)
+        if site.layer_id not in scales.k:
+            return _Plan(site, sources, sinks, None, None)  # reported by _check_coverage
+        k, v = scales.for_layer(site.layer_id)
+        expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
+        if k.size != expected:
+            raise KvCacheError(
+                f"Layer {site.layer_id} ({site.name}): {self.granularity} scales need "
+                f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
+                "granularity (per channel: kv_num_heads * head_size)."
+            )
+        return _Plan(site, sources, sinks, k, v)
+
+    def _head_size(self, site: GqaSite) -> int:
+        return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
+
+    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
+        if scales is None:
+            return
+        missing = sorted({p.site.layer_id for p in plans} - set(scales.layer_ids))
+        if missing:
+            raise KvCacheError(
+                f"The scales have no entry for layer(s) {missing} (they cover "
+                f"{list(scales.layer_ids)}). Give scales for every layer with a KV cache."
+            )
+
+    # -- applying -------------------------------------------------------------------
+
+    def _apply(self, plan: _Plan, store: _ScaleStore) -> bool:
+        site, node = plan.site, plan.site.node
+        modified = False
+        for value in plan.sources + plan.sinks:
+            modified |= _retype(value, self.format)
+        if plan.k_scale is not None and plan.v_scale is not None:
+            pk, pv = site.past_key, site.past_value
+            assert pk is not None and pv is not None
+            if self.shared_kv_scale:
+                shared = np.maximum(plan.k_scale, plan.v_scale)
+                k_value = v_value = store.put(site, f"{pk.name}_kv_scale", shared)
+            else:
+                k_value = store.put(site, f"{pk.name}_scale", plan.k_scale)
+                v_value = store.put(site, f"{pv.name}_scale", plan.v_scale)
+            if len(node.inputs) <= V_SCALE:
+                node.resize_inputs(V_SCALE + 1)
+            for slot, value in ((K_SCALE, k_value), (V_SCALE, v_value)):
+                if node.inputs[slot] is not value:
+                    store.retire(node.inputs[slot])
+                    node.replace_input_with(slot, value)
+                    modified = True
+            modified |= store.modified
+        quant = GRANULARITIES[self.granularity]
+        for name, attr in (
+            ("k_quant_type", ir.AttrString("k_quant_type", quant)),
+            ("v_quant_type", ir.AttrString("v_quant_type", quant)),
+            ("kv_cache_bit_width", ir.AttrInt64("kv_cache_bit_width", self.format.bit_width)),
+        ):
+            old = node.attributes.get(name)
+            if old is None or old.value != attr.value:
+                node.attributes[name] = attr
+                modified = True
+        return modified
+
+
+class Fp8KvCachePass(KvCacheQuantizationPass):
+    """FP8 E4M3 per-tensor KV cache (CUDA, SM 8.9+): the common case in one name."""
+
+    def __init__(self, scales: ScalesLike = None, *, shared_kv_scale: bool = False) -> None:
+        super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
+
+
+# -- cache endpoints ------------------------------------------------------------------
+
+
+def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:
+    for function in model.functions.values():
+        if value.graph is function.graph:
+            return function
+    return None
+
+
+def _cache_sources(model: ir.Model, site: GqaSite, value: ir.Value) -> tuple[list[ir.Value], str | None]:
+    """Values to retype for a cache input, or why it cannot be converted."""
+    if value.is_graph_input():
+        function = _owner_function(model, value)
+        if function is None:
+            if value.graph is model.graph:
+                return [value], None
+            return [], "is an input of a subgraph body (Loop/Scan)"
+        index = list(function.inputs).index(value)
+        found = [value]
+        for caller in function_call_sites(model, function):
+            if index < len(caller.inputs) and caller.inputs[index] is not None:
+                outer, reason = _cache_sources(model, site, caller.inputs[index])
+                if reason:
+                    return [], reason
+                found += outer
+        return found, None
+    producer = value.producer()
+    if producer is not None:
+        return [], f"is produced by {producer.op_type} node {producer.name!r}"
+    const = value.const_value
+    if const is not None and const.size == 0:
+        return [value], None
+    if const is not None:
+        return [], "is a non-empty initializer"
+    return [], "is not a graph input"
+
+
+def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH and attr.value is graph:
+                return node
+            if attr.type == ir.AttributeType.GRAPHS and any(g is graph for g in attr.value):
+                return node
+    return None
+
+
+def _cache_sinks(model: ir.Model, site: GqaSite, value: ir.Value) -> list[ir.Value]:
+    """Values to retype for a present output: the output and where it flows out."""
+    found = [value]
+    if not value.is_graph_output() or value.graph is model.graph or value.graph is None:
+        return found
+    graph = value.graph
+    index = list(graph.outputs).index(value)
+    function = _owner_function(model, value)
+    if function is not None:
+        for caller in function_call_sites(model, function):
+            if index < len(caller.outputs):
+                found += _cache_sinks(model, site, caller.outputs[index])
+        return found
+    owner = _subgraph_owner(model, graph)
+    if owner is not None and owner.op_type == "If" and index < len(owner.outputs):
+        found += _cache_sinks(model, site, owner.outputs[index])
+    elif owner is not None and owner.op_type == "Loop" and 0 < index <= len(owner.outputs):
+        found += _cache_sinks(model, site, owner.outputs[index - 1])
+    return found
+
+
+def _retype(value: ir.Value, fmt: CacheFormat) -> bool:
+    if value.dtype == fmt.dtype:
+        return False
+    shape = value.shape
+    if shape is not None and len(shape) == 4 and isinstance(shape[3], int):
+        shape = ir.Shape([*shape[:3], fmt.packed_dim(shape[3])])
+    value.type = ir.TensorType(fmt.dtype)
+    value.shape = shape
+    if value.const_value is not None and shape is not None:
+        dims = [d if isinstance(d, int) else 0 for d in shape]
+        empty = np.zeros(dims, fmt.numpy_dtype())
+        value.const_value = ir.Tensor(empty, dtype=fmt.dtype, name=value.name)
+    return True
+
+
+# -- scale tensors --------------------------------------------------------------------
+
+
+class _ScaleStore:
+    """Creates, updates and retires scale tensors (initializers or function Constants)."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.model = model
+        self.modified = False
+        self._retired: list[ir.Value] = []
+
+    def put(self, site: GqaSite, name: str, array: np.ndarray) -> ir.Value:
+        array = np.asarray(array, np.float32).reshape(-1)
+        if site.function is not None:
+            return self._put_constant(site.function, name, array)
+        graph = self.model.graph
+        existing = graph.initializers.get(name)
+        if existing is not None and existing.dtype == ir.DataType.FLOAT:
+            old = existing.const_value
+            if old is None or not np.array_equal(old.numpy(), array):
+                existing.const_value = ir.tensor(array, name=name)
+                existing.shape = ir.Shape(array.shape)
+                self.modified = True
+            return existing
+        if existing is not None:
+            name = _unique_name(graph, name)
+        value = ir.Value(
+            name=name,
+            shape=ir.Shape(array.shape),
+            type=ir.TensorType(ir.DataType.FLOAT),
+            const_value=ir.tensor(array, name=name),
+        )
+        graph.register_initializer(value)
+        self.modified = True
+        return value
+
+    def _put_constant(self, function: ir.Function, name: str, array: np.ndarray) -> ir.Value:
+        for node in function:
+            if node.op_type == "Constant" and node.outputs[0].name == name:
+                attr = node.attributes["value"]
+                if not np.array_equal(attr.value.numpy(), array):
+                    node.attributes["value"] = ir.AttrTensor("value", ir.tensor(array))
+                    node.outputs[0].const_value = None
+                    self.modified = True
+                return node.outputs[0]
+        output = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
+        constant = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array))], outputs=[output])
+        first = next(iter(function), None)
+        if first is None:
+            function.append(constant)
+        else:
+            function.insert_before(first, constant)
+        self.modified = True
+        return output
+
+    def retire(self, value: ir.Value | None) -> None:
+        if value is not None:
+            self._retired.append(value)
+
+    def remove_unused(self) -> bool:
+        """Drop replaced scale tensors that nothing reads any more."""
+        removed = False
+        for value in self._retired:
+            if value.uses():
+                continue
+            graph = value.graph
+            if value.is_initializer() and graph is not None and not value.is_graph_output():
+                graph.initializers.pop(value.name, None)  # type: ignore[arg-type]
+                removed = True
+            producer = value.producer()
+            if producer is not None and producer.op_type == "Constant" and producer.graph:
+                producer.graph.remove(producer, safe=True)
+                removed = True
+        self._retired.clear()
+        return removed
+
+
+def _unique_name(graph: ir.Graph, name: str) -> str:
+    i = 1
+    while f"{name}_{i}" in graph.initializers:
+        i += 1
+    return f"{name}_{i}"

@@ -1,0 +1,216 @@
+"""Run a decoder with its KV cache: prefill, decode steps, greedy generation.
+
+:class:`KvCacheRunner` discovers the decoder's I/O (onnxruntime-genai names and common
+variants), allocates empty caches of the model's cache dtype and shape (int4 packed,
+fp8 as its bits, sliding-window layers window-sized) and feeds each step's present
+caches back as the next step's past. An fp8 cache on CPU runs through emulation.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings"]
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.runtime import create_session, to_ort_value
+
+logger = logging.getLogger(__name__)
+
+_PAST = re.compile(r"^(past|cache|kv_cache|past_key_values)", re.IGNORECASE)
+_PRESENT = re.compile(r"^(present|new_cache|present_key_values)", re.IGNORECASE)
+_KIND = re.compile(r"(?:^|[._\-])(key|value|k|v)(?:[._\-]|$)|(key|value)", re.IGNORECASE)
+
+
+def _cache_kind(name: str) -> str | None:
+    match = _KIND.search(name.split("/")[-1])
+    if not match:
+        return None
+    word = (match.group(1) or match.group(2)).lower()
+    return "key" if word in ("key", "k") else "value"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheBinding:
+    """One cache tensor: its past input, present output, layout and dtype."""
+
+    layer_id: int
+    kind: str
+    past: str
+    present: str
+    dtype: ir.DataType
+    kv_num_heads: int
+    last_dim: int
+    capacity: int | None
+    """Fixed sequence capacity for window-sized caches (sliding_window_cache=1)."""
+
+    def empty(self, batch: int) -> np.ndarray:
+        length = self.capacity or 0
+        shape = (batch, self.kv_num_heads, length, self.last_dim)
+        if self.dtype == ir.DataType.FLOAT8E4M3FN:
+            return np.zeros(shape, np.uint8)
+        return np.zeros(shape, self.dtype.numpy())
+
+
+def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
+    """Pair each past cache graph input with its present output, using the GQA nodes."""
+    bindings: list[CacheBinding] = []
+    inputs = {v.name for v in model.graph.inputs}
+    outputs = {v.name for v in model.graph.outputs}
+    for site in find_gqa_sites(model):
+        capacity = None
+        if site.int_attr("sliding_window_cache", 0) and site.int_attr("local_window_size", -1) > 0:
+            capacity = site.int_attr("local_window_size", -1)
+        pairs = (("key", site.past_key, site.present_key), ("value", site.past_value, site.present_value))
+        for kind, past, present in pairs:
+            if past is None or present is None or past.name not in inputs:
+                continue
+            if present.name not in outputs:
+                continue
+            shape = past.shape
+            if shape is not None and len(shape) == 4 and isinstance(shape[2], int) and capacity:
+                capacity = shape[2]
+            last = shape[3] if shape is not None and len(shape) == 4 else None
+            if not isinstance(last, int):
+                head = site.head_size(cache_is_packed=past.dtype == ir.DataType.UINT8)
+                last = (head + 1) // 2 if past.dtype == ir.DataType.UINT8 else head
+            assert past.dtype is not None
+            bindings.append(
+                CacheBinding(
+                    site.layer_id,
+                    kind,
+                    past.name,
+                    present.name,
+                    past.dtype,  # type: ignore[arg-type]
+                    site.kv_num_heads,
+                    last,
+                    capacity,
+                )
+            )
+    if not bindings:
+        for value in model.graph.inputs:
+            if _PAST.match(value.name or "") and _cache_kind(value.name or ""):
+                raise KvCacheError(
+                    f"Input {value.name!r} looks like a KV cache but no GroupQueryAttention "
+                    "node reads it; the runner needs a GQA decoder."
+                )
+    return bindings
+
+
+class KvCacheRunner:
+    """An onnxruntime session wrapper that owns the decoder's KV cache.
+
+    Args:
+        model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder.
+        providers: onnxruntime providers (CPU by default).
+    """
+
+    def __init__(
+        self, model_or_path: ir.Model | str | os.PathLike, providers: Sequence[Any] | None = None
+    ) -> None:
+        from onnx_kvcache.model_files import load_model
+
+        model = model_or_path if isinstance(model_or_path, ir.Model) else load_model(model_or_path)
+        self.providers = list(providers or ["CPUExecutionProvider"])
+        self.source_model = model
+        """The model as given (before any emulation rewrite)."""
+        self.bindings = discover_cache_bindings(model)
+        self.emulated = False
+        on_cuda = any("CUDA" in str(p) for p in self.providers)
+        if not on_cuda and any(b.dtype == ir.DataType.FLOAT8E4M3FN for b in self.bindings):
+            from onnx_kvcache.passes.fp8_emulation import emulate_fp8_kv_cache
+
+            logger.info("fp8 KV cache has no CPU kernel: running it through CPU emulation.")
+            model = emulate_fp8_kv_cache(model)
+            self.emulated = True
+        self.model = model
+        self.session = create_session(model, self.providers)
+        names = [i.name for i in self.session.get_inputs()]
+        self.input_names = names
+        self.ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
+        if self.ids_name is None:
+            raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.logits_name = next((n for n in outputs if "logits" in n), outputs[0])
+        self.reset()
+
+    @property
+    def cache_dtype(self) -> ir.DataType | None:
+        return self.bindings[0].dtype if self.bindings else None
+
+    def reset(self, batch: int = 1) -> None:
+        """Forget the context: empty caches for ``batch`` sequences."""
+        self.batch = batch
+        self.length = 0
+        self.caches: dict[str, np.ndarray] = {b.past: b.empty(batch) for b in self.bindings}
+
+    def cache_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.caches.values())
+
+    def _feeds(self, ids: np.ndarray) -> dict[str, Any]:
+        batch, seq = ids.shape
+        total = self.length + seq
+        feeds: dict[str, Any] = {self.ids_name: ids.astype(np.int64)}
+        if "attention_mask" in self.input_names:
+            feeds["attention_mask"] = np.ones((batch, total), np.int64)
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = np.tile(np.arange(self.length, total, dtype=np.int64), (batch, 1))
+        for b in self.bindings:
+            cache = self.caches[b.past]
+            feeds[b.past] = to_ort_value(cache, b.dtype) if b.dtype == ir.DataType.FLOAT8E4M3FN else cache
+        return feeds
+
+    def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Run new tokens through the model; returns their float32 logits ``[B, S, V]``."""
+        ids = np.asarray(ids, np.int64)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.shape[0] != self.batch:
+            self.reset(ids.shape[0])
+        names = [self.logits_name] + [b.present for b in self.bindings]
+        results = self.session.run(names, self._feeds(ids))
+        for b, present in zip(self.bindings, results[1:]):
+            self.caches[b.past] = present
+        self.length += ids.shape[1]
+        logits = np.asarray(results[0], np.float32)
+        if not np.all(np.isfinite(logits)):
+            raise KvCacheError("The model produced non-finite logits.")
+        return logits
+
+    def prefill(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Start a new context with ``ids``; returns their logits."""
+        self.reset(np.asarray(ids).reshape(-1, np.asarray(ids).shape[-1]).shape[0])
+        return self.forward(ids)
+
+    def step(self, token: int | Sequence[int]) -> np.ndarray:
+        """Append one token (per batch row); returns its logits ``[B, V]``."""
+        ids = np.asarray(token, np.int64).reshape(-1, 1)
+        return self.forward(ids)[:, -1]
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy decoding: the ``max_new_tokens`` tokens after ``ids``."""
+        logits = self.prefill(ids)[0, -1]
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if len(out) == max_new_tokens:
+                break
+            logits = self.step(token)[0]
+        return out
+
+    def present(self, layer_id: int, kind: str) -> np.ndarray:
+        """The current cache tensor of a layer (``kind`` is ``key`` or ``value``)."""
+        for b in self.bindings:
+            if b.layer_id == layer_id and b.kind == kind:
+                return self.caches[b.past]
+        raise KvCacheError(f"No {kind} cache for layer {layer_id}.")

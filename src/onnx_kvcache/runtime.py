@@ -1,0 +1,61 @@
+"""onnxruntime, imported lazily: the pass needs no runtime, running a model does."""
+
+from __future__ import annotations
+
+__all__ = ["create_session", "import_onnxruntime", "installed_ort_version", "to_ort_value"]
+
+import importlib.metadata
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.errors import MissingRuntimeError
+
+
+def import_onnxruntime() -> ModuleType:
+    """The onnxruntime module, or an error naming the extra to install."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise MissingRuntimeError(
+            "onnxruntime is not installed. Install the CPU runtime with "
+            "`pip install 'onnx-kvcache[cpu]'` or the CUDA one with "
+            "`pip install 'onnx-kvcache[gpu]'` (never both)."
+        ) from e
+    return onnxruntime
+
+
+def installed_ort_version() -> str | None:
+    """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
+    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "ort-nightly"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def create_session(model: ir.Model | str | os.PathLike, providers: list[Any] | None = None) -> Any:
+    """An InferenceSession on ``providers`` (CPU by default) for a model or path."""
+    ort = import_onnxruntime()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    providers = providers or ["CPUExecutionProvider"]
+    if isinstance(model, ir.Model):
+        data = ir.to_proto(model).SerializeToString()
+        return ort.InferenceSession(data, options, providers=providers)
+    return ort.InferenceSession(os.fspath(model), options, providers=providers)
+
+
+def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> Any:
+    """An OrtValue of element type ``dtype`` (float8 arrays are passed as their bits)."""
+    ort = import_onnxruntime()
+    array = np.ascontiguousarray(array)
+    if dtype == ir.DataType.FLOAT8E4M3FN:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            array.view(np.uint8), onnx_element_type=int(dtype)
+        )
+    return ort.OrtValue.ortvalue_from_numpy(array, device, 0)

@@ -1,0 +1,298 @@
+"""Where scales come from: the in-memory :class:`KvCacheScales` and scale files.
+
+File format (onnxruntime-genai's, the de facto standard)::
+
+    {"scales": {"k_scales": [[0.0019], [0.0022]], "v_scales": [[0.0018], [0.0020]]},
+     "qmax": 448.0, "layer_ids": [0, 1]}
+
+Variants read here: entries as numbers or lists (one element per tensor,
+``kv_num_heads * head_size`` per channel), optional sparse ``layer_ids``, optional
+``qmax`` (the file is retargeted to another format by ``file_qmax / target_qmax``),
+one section per model file keyed by the file's stem, and the older flat form
+``{"scales": {"k_scales": [0.1, 0.2], "v_scales": [...]}}``.
+
+A scale is a dequantization scale: the cache stores ``x / scale`` and reads
+``q * scale``, so ``scale = threshold / qmax``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KvCacheScales", "ScalesLike", "as_kv_cache_scales", "load_kv_cache_scale_file"]
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any, Union
+
+import numpy as np
+
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import get_format
+
+ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
+
+
+def _as_scale_array(value: Any, where: str) -> np.ndarray:
+    try:
+        array = np.asarray(value, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise KvCacheError(f"{where}: scale must be a number or a list of numbers ({e}).") from e
+    if array.size == 0:
+        raise KvCacheError(f"{where}: scale is empty.")
+    if not np.all(np.isfinite(array)) or not np.all(array > 0):
+        bad = array[~(np.isfinite(array) & (array > 0))][0]
+        raise KvCacheError(f"{where}: scales must be finite and > 0, found {bad}.")
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheScales:
+    """Per-layer float32 dequantization scales for K and V.
+
+    Attributes:
+        k: ``{layer_id: array}`` of K scales (1 element per tensor, or one per channel).
+        v: Same for V.
+        format: Cache format the scales were computed for (``fp8``/``int8``/``int4``).
+        qmax: Divisor the scales were computed against; defaults to the format's.
+        metadata: Free-form provenance (granularity, method, ...), saved with the file.
+    """
+
+    k: Mapping[int, np.ndarray]
+    v: Mapping[int, np.ndarray]
+    format: str | None = None
+    qmax: float | None = None
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if set(self.k) != set(self.v):
+            raise KvCacheError(
+                f"K and V scales cover different layers: k={sorted(self.k)}, v={sorted(self.v)}."
+            )
+        k, v = {}, {}
+        for layer in self.k:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+                raise KvCacheError(f"Layer id {layer!r} must be an integer >= 0.")
+            k[int(layer)] = _as_scale_array(self.k[layer], f"layer {layer} k_scale")
+            v[int(layer)] = _as_scale_array(self.v[layer], f"layer {layer} v_scale")
+            if k[int(layer)].size != v[int(layer)].size:
+                raise KvCacheError(
+                    f"Layer {layer}: k_scale has {k[int(layer)].size} elements but v_scale has "
+                    f"{v[int(layer)].size}; both must have the same granularity."
+                )
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "v", v)
+        if self.format is not None:
+            object.__setattr__(self, "format", get_format(self.format).name)
+        if self.qmax is None and self.format is not None:
+            object.__setattr__(self, "qmax", get_format(self.format).qmax)
+        if self.qmax is not None and not (math.isfinite(self.qmax) and self.qmax > 0):
+            raise KvCacheError(f"qmax must be finite and > 0, got {self.qmax}.")
+
+    @classmethod
+    def from_mapping(
+        cls,
+        mapping: Mapping[int, tuple[Any, Any]],
+        *,
+        format: str | None = None,
+        qmax: float | None = None,
+    ) -> KvCacheScales:
+        """Build from ``{layer_id: (k, v)}`` with floats or arrays."""
+        try:
+            k = {layer: pair[0] for layer, pair in mapping.items()}
+            v = {layer: pair[1] for layer, pair in mapping.items()}
+        except (TypeError, IndexError, KeyError) as e:
+            raise KvCacheError("Scales must map each layer id to a (k_scale, v_scale) pair.") from e
+        return cls(k, v, format=format, qmax=qmax)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.k))
+
+    @property
+    def granularity(self) -> str:
+        """``per_tensor`` when every scale has one element, else ``per_channel``."""
+        sizes = {a.size for a in (*self.k.values(), *self.v.values())}
+        return "per_tensor" if sizes <= {1} else "per_channel"
+
+    def for_layer(self, layer_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(k, v)`` float32 scale arrays of ``layer_id``."""
+        if layer_id not in self.k:
+            raise KvCacheError(f"No scales for layer {layer_id}; layers present: {self.layer_ids}.")
+        return self.k[layer_id].copy(), self.v[layer_id].copy()
+
+    def retarget(self, format: str) -> KvCacheScales:
+        """The same thresholds expressed as scales for ``format``."""
+        target = get_format(format)
+        if self.qmax is None or self.qmax == target.qmax:
+            return dataclasses.replace(self, format=target.name, qmax=target.qmax)
+        factor = np.float32(self.qmax / target.qmax)
+        return KvCacheScales(
+            {i: a * factor for i, a in self.k.items()},
+            {i: a * factor for i, a in self.v.items()},
+            format=target.name,
+            qmax=target.qmax,
+            metadata=self.metadata,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        ids = self.layer_ids
+        doc: dict[str, Any] = {
+            "scales": {
+                "k_scales": [self.k[i].tolist() for i in ids],
+                "v_scales": [self.v[i].tolist() for i in ids],
+            },
+            "layer_ids": list(ids),
+        }
+        if self.qmax is not None:
+            doc["qmax"] = float(self.qmax)
+        if self.format is not None:
+            doc["format"] = self.format
+        doc["granularity"] = self.granularity
+        doc.update({k: v for k, v in self.metadata.items() if k not in doc})
+        return doc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format``)."""
+        from onnx_kvcache.model_files import atomic_write_text
+
+        atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _fail(path: os.PathLike | str, problem: str) -> KvCacheError:
+    return KvCacheError(f"Scale file {os.fspath(path)}: {problem}")
+
+
+def _parse_entries(path: Any, name: str, entries: Any) -> list[np.ndarray]:
+    if not isinstance(entries, list) or not entries:
+        raise _fail(path, f"'{name}' must be a non-empty list, got {type(entries).__name__}.")
+    arrays = []
+    for i, entry in enumerate(entries):
+        items = entry if isinstance(entry, list) else [entry]
+        if not items or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            raise _fail(path, f"'{name}'[{i}] must be a number or a non-empty list of numbers.")
+        try:
+            arrays.append(_as_scale_array(items, f"'{name}'[{i}]"))
+        except KvCacheError as e:
+            raise _fail(path, str(e)) from None
+    return arrays
+
+
+def _select_section(path: Any, doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+    if "scales" in doc:
+        return doc
+    sections = {k: v for k, v in doc.items() if isinstance(v, dict) and "scales" in v}
+    if not sections:
+        raise _fail(path, 'no \'scales\' key (expected {"scales": {"k_scales": ..., ...}}).')
+    if model is not None and model in sections:
+        return sections[model]
+    if len(sections) == 1 and model is None:
+        return next(iter(sections.values()))
+    raise _fail(
+        path,
+        f"holds scales for several model files ({', '.join(sorted(sections))}); "
+        + (f"none is named {model!r}." if model else "name one with model=<file stem>."),
+    )
+
+
+def load_kv_cache_scale_file(
+    path: str | os.PathLike, *, format: str | None = None, model: str | None = None
+) -> KvCacheScales:
+    """Read a KV-cache scale file (onnxruntime-genai format and its variants).
+
+    Args:
+        path: JSON file.
+        format: Retarget the scales to this cache format using the file's ``qmax``.
+        model: Section to read when the file holds one per model file (the file stem).
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+        KvCacheError: (a ``ValueError``) The file is malformed; the message says how.
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"Scale file {p} does not exist.")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(p, f"not valid JSON ({e}).") from None
+    if not isinstance(doc, dict):
+        raise _fail(p, f"top level must be an object, got {type(doc).__name__}.")
+    section = _select_section(p, doc, model)
+    scales = section["scales"]
+    if not isinstance(scales, dict):
+        raise _fail(p, f"'scales' must be an object, got {type(scales).__name__}.")
+    for key in ("k_scales", "v_scales"):
+        if key not in scales:
+            raise _fail(p, f"'scales' has no '{key}' list.")
+    k = _parse_entries(p, "k_scales", scales["k_scales"])
+    v = _parse_entries(p, "v_scales", scales["v_scales"])
+    if len(k) != len(v):
+        raise _fail(p, f"'k_scales' has {len(k)} entries but 'v_scales' has {len(v)}.")
+    layer_ids = section.get("layer_ids", doc.get("layer_ids"))
+    if layer_ids is None:
+        layer_ids = list(range(len(k)))
+    if not isinstance(layer_ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layer_ids
+    ):
+        raise _fail(p, "'layer_ids' must be a list of integers.")
+    if len(layer_ids) != len(k):
+        raise _fail(p, f"'layer_ids' has {len(layer_ids)} entries but there are {len(k)} scales.")
+    if any(i < 0 for i in layer_ids):
+        raise _fail(p, f"'layer_ids' must be >= 0, got {min(layer_ids)}.")
+    if len(set(layer_ids)) != len(layer_ids):
+        dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+        raise _fail(p, f"'layer_ids' repeats {dup}.")
+    sizes = {a.size for a in k + v}
+    granularity = section.get("granularity", doc.get("granularity"))
+    if granularity == "per_tensor" and sizes != {1}:
+        raise _fail(p, f"granularity is per_tensor but entries have {max(sizes)} elements.")
+    for i, (ka, va) in enumerate(zip(k, v)):
+        if ka.size != va.size:
+            raise _fail(p, f"layer {layer_ids[i]} has {ka.size} k scales but {va.size} v scales.")
+    if len({a.size for a in k}) > 1:
+        raise _fail(p, f"entries have different element counts {sorted(sizes)}.")
+    file_format = section.get("format", doc.get("format"))
+    qmax = section.get("qmax", doc.get("qmax"))
+    if qmax is not None and (
+        isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not math.isfinite(qmax) or qmax <= 0
+    ):
+        raise _fail(p, f"'qmax' must be a finite number > 0, got {qmax!r}.")
+    try:
+        if file_format is not None:
+            get_format(file_format)
+    except ValueError as e:
+        raise _fail(p, str(e)) from None
+    metadata = {
+        key: section.get(key, doc.get(key))
+        for key in ("granularity", "method")
+        if section.get(key, doc.get(key)) is not None
+    }
+    result = KvCacheScales(
+        dict(zip(layer_ids, k)),
+        dict(zip(layer_ids, v)),
+        format=file_format,
+        qmax=float(qmax) if qmax is not None else None,
+        metadata=metadata,
+    )
+    return result.retarget(format) if format is not None else result
+
+
+def as_kv_cache_scales(scales: ScalesLike, *, format: str | None = None) -> KvCacheScales | None:
+    """Normalize what users pass as scales (object, mapping or file path)."""
+    if scales is None:
+        return None
+    if isinstance(scales, KvCacheScales):
+        result = scales
+    elif isinstance(scales, (str, os.PathLike)):
+        result = load_kv_cache_scale_file(scales)
+    elif isinstance(scales, Mapping):
+        result = KvCacheScales.from_mapping(scales)
+    else:
+        raise KvCacheError(
+            f"Scales must be a KvCacheScales, a {{layer_id: (k, v)}} mapping or a file path, "
+            f"got {type(scales).__name__}."
+        )
+    return result.retarget(format) if format is not None and result.qmax else result

@@ -1,0 +1,144 @@
+"""Small GQA models built with onnx_ir and numpy, and helpers to run them on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache.formats import CACHE_FORMATS
+
+FORMATS = list(CACHE_FORMATS)
+GRANULARITIES = ["per_tensor", "per_channel"]
+CPU_FORMATS = ["int8", "int4"]
+
+
+def gqa_model(
+    *,
+    num_heads: int = 4,
+    kv_heads: int = 2,
+    head: int = 16,
+    dtype: ir.DataType = ir.DataType.FLOAT,
+    rotary: bool = True,
+    interleaved: bool = False,
+    qk_norm: bool = False,
+    packed_qkv: bool = False,
+    max_pos: int = 64,
+    layers: int = 1,
+    names: str = "past_key_values.{i}.{kind}",
+    seed: int = 0,
+) -> ir.Model:
+    """``layers`` independent GQA nodes whose q/k/v are graph inputs (genai names)."""
+    rng = np.random.default_rng(seed)
+    np_dtype = dtype.numpy()
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, "com.microsoft": 1}, name="gqa")
+    seqlens = ir.val("seqlens_k", ir.DataType.INT32, ["batch"])
+    total = ir.val("total_sequence_length", ir.DataType.INT32, [])
+    inv = 1.0 / (10000 ** (np.arange(0, head, 2) / head))
+    angles = np.outer(np.arange(max_pos), inv)
+    cos = ir.Value(name="cos_cache", const_value=ir.tensor(np.cos(angles).astype(np_dtype), name="cos_cache"))
+    sin = ir.Value(name="sin_cache", const_value=ir.tensor(np.sin(angles).astype(np_dtype), name="sin_cache"))
+    for init in (cos, sin):
+        init.dtype, init.shape = dtype, ir.Shape([max_pos, head // 2])
+        graph.register_initializer(init)
+    for i in range(layers):
+        if packed_qkv:
+            q = ir.val(f"qkv.{i}", dtype, ["batch", "seq", (num_heads + 2 * kv_heads) * head])
+            k = v = None
+            graph.inputs.append(q)
+        else:
+            q = ir.val(f"query.{i}", dtype, ["batch", "seq", num_heads * head])
+            k = ir.val(f"key.{i}", dtype, ["batch", "seq", kv_heads * head])
+            v = ir.val(f"value.{i}", dtype, ["batch", "seq", kv_heads * head])
+            graph.inputs.extend([q, k, v])
+        shape = ["batch", kv_heads, "past", head]
+        pk = ir.val(names.format(i=i, kind="key"), dtype, shape)
+        pv = ir.val(names.format(i=i, kind="value"), dtype, shape)
+        graph.inputs.extend([pk, pv])
+        inputs = [q, k, v, pk, pv, seqlens, total]
+        inputs += [cos, sin] if rotary else [None, None]
+        if qk_norm:
+            qn = ir.Value(
+                name=f"q_norm.{i}",
+                const_value=ir.tensor((1 + 0.1 * rng.standard_normal(head)).astype(np_dtype)),
+            )
+            kn = ir.Value(
+                name=f"k_norm.{i}",
+                const_value=ir.tensor((1 + 0.1 * rng.standard_normal(head)).astype(np_dtype)),
+            )
+            for w in (qn, kn):
+                w.dtype, w.shape = dtype, ir.Shape([head])
+                graph.register_initializer(w)
+            inputs += [None] * 5 + [qn, kn]
+        out_shape = ["batch", kv_heads, "total", head]
+        outputs = [
+            ir.val(f"output.{i}", dtype, ["batch", "seq", num_heads * head]),
+            ir.val(names.format(i=i, kind="key").replace("past_key_values", "present"), dtype, out_shape),
+            ir.val(names.format(i=i, kind="value").replace("past_key_values", "present"), dtype, out_shape),
+        ]
+        node = ir.Node(
+            "com.microsoft",
+            "GroupQueryAttention",
+            inputs,
+            attributes=ir.convenience.convert_attributes(
+                {
+                    "num_heads": num_heads,
+                    "kv_num_heads": kv_heads,
+                    "do_rotary": int(rotary),
+                    "rotary_interleaved": int(interleaved),
+                }
+            ),
+            outputs=outputs,
+            name=f"gqa.{i}",
+        )
+        graph.append(node)
+        graph.outputs.extend(outputs)
+    graph.inputs.extend([seqlens, total])
+    return ir.Model(graph, ir_version=10)
+
+
+def run_gqa_steps(
+    session, model: ir.Model, steps: list[int], *, seed: int = 1, batch: int = 1, scale: float = 1.0
+):
+    """Feed random q/k/v for each step length in ``steps``; yields (feeds, outputs)."""
+    rng = np.random.default_rng(seed)
+    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    heads = node.attributes["num_heads"].as_int()
+    kv = node.attributes["kv_num_heads"].as_int()
+    q_in, k_in, v_in, pk, pv = node.inputs[:5]
+    head = k_in.shape[-1] // kv
+    t_dtype = q_in.dtype.numpy()
+    from onnx_kvcache.runtime import to_ort_value
+
+    past_k = np.zeros(
+        (batch, kv, 0, pk.shape[3]), pk.dtype.numpy() if pk.dtype != ir.DataType.FLOAT8E4M3FN else np.uint8
+    )
+    past_v = past_k.copy()
+    length = 0
+    for s in steps:
+        q = (rng.standard_normal((batch, s, heads * head)) * scale).astype(t_dtype)
+        k = (rng.standard_normal((batch, s, kv * head)) * scale).astype(t_dtype)
+        v = (rng.standard_normal((batch, s, kv * head)) * scale).astype(t_dtype)
+        length += s
+        feeds = {
+            q_in.name: q,
+            k_in.name: k,
+            v_in.name: v,
+            "seqlens_k": np.full((batch,), length - 1, np.int32),
+            "total_sequence_length": np.array(length, np.int32),
+        }
+        if pk.dtype == ir.DataType.FLOAT8E4M3FN:
+            feeds[pk.name] = to_ort_value(past_k, pk.dtype)
+            feeds[pv.name] = to_ort_value(past_v, pv.dtype)
+        else:
+            feeds[pk.name], feeds[pv.name] = past_k, past_v
+        out, present_k, present_v = session.run(None, feeds)
+        yield {"q": q, "k": k, "v": v, "past_k": past_k, "past_v": past_v}, (out, present_k, present_v)
+        past_k, past_v = present_k, present_v
+
+
+@pytest.fixture
+def decoder():
+    from onnx_kvcache.demo_model import build_decoder
+
+    return build_decoder(num_layers=2, vocab_size=300)

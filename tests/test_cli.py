@@ -1,0 +1,86 @@
+"""The onnx-kvcache command: exit codes, one-line errors, and the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache.cli import main
+from onnx_kvcache.demo_model import build_decoder
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "model.onnx"
+    ir.save(build_decoder(num_layers=2), path)
+    return path
+
+
+def scale_file(tmp_path, layers=2):
+    path = tmp_path / "scales.json"
+    path.write_text(
+        json.dumps({"scales": {"k_scales": [0.1] * layers, "v_scales": [0.05] * layers}, "qmax": 128})
+    )
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_convert_then_inspect(tmp_path, model_file, capsys, fmt):
+    out = tmp_path / f"{fmt}.onnx"
+    assert (
+        main(["convert", str(model_file), str(out), "--format", fmt, "--scales", str(scale_file(tmp_path))])
+        == 0
+    )
+    assert "converted 2 GroupQueryAttention node(s)" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--context", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert "past_key_values.1.key" in text and "cache bytes per token" in text and "4096 tokens" in text
+    assert main(["inspect", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["original_bytes_per_token"] / doc["bytes_per_token"] == (8 if fmt == "int4" else 4)
+
+
+def test_fp8_without_scales_warns_on_stderr(tmp_path, model_file, capsys):
+    assert main(["convert", str(model_file), str(tmp_path / "o.onnx")]) == 0
+    assert "unit scales" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["convert", "{model}", "{tmp}/o.onnx", "--format", "int8"], "needs calibrated scales"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], "does not exist"),
+        (["convert", "{tmp}/nope.onnx", "{tmp}/o.onnx"], "does not exist"),
+        (["convert", "{model}", "{model}"], "is the input"),
+        (["convert", "{bad}", "{tmp}/o.onnx"], "not a readable ONNX model"),
+        (["inspect", "{bad}"], "not a readable ONNX model"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, model_file, capsys, argv, message):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"definitely not protobuf \x00\xff")
+    args = [a.format(model=model_file, tmp=tmp_path, bad=bad) for a in argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_module_entry_point_and_demo(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "onnx_kvcache", "demo", "--keep", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = result.stdout.splitlines()
+    table = [line for line in lines if line.startswith(("fp8", "int8", "int4"))]
+    assert len(table) == 6
+    by_name = {tuple(line.split()[:2]): line for line in table}
+    assert "512" in by_name[("int8", "per_tensor")] and "256" in by_name[("int4", "per_channel")]
+    assert (tmp_path / "model.int8.per_channel.onnx").is_file()

@@ -1,0 +1,169 @@
+"""Scale files: every variant of the format, every malformed case, round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from onnx_kvcache import KvCacheScales, load_kv_cache_scale_file
+from onnx_kvcache.errors import KvCacheError
+
+
+def write(tmp_path, doc, name="scales.json"):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return path
+
+
+def test_genai_format_with_layer_ids_and_qmax(tmp_path):
+    path = write(
+        tmp_path,
+        {
+            "scales": {"k_scales": [[0.0019], [0.0022]], "v_scales": [[0.0018], [0.002]]},
+            "qmax": 448.0,
+            "layer_ids": [0, 5],
+        },
+    )
+    scales = load_kv_cache_scale_file(path)
+    assert scales.layer_ids == (0, 5) and scales.qmax == 448.0
+    k, v = scales.for_layer(5)
+    assert k.dtype == np.float32 and k.tolist() == pytest.approx([0.0022])
+    assert v.tolist() == pytest.approx([0.002])
+
+
+def test_flat_legacy_form_numbers_per_layer(tmp_path):
+    scales = load_kv_cache_scale_file(
+        write(tmp_path, {"scales": {"k_scales": [0.1, 0.2], "v_scales": [0.3, 0.4]}})
+    )
+    assert scales.layer_ids == (0, 1) and scales.for_layer(1)[1].tolist() == pytest.approx([0.4])
+    assert scales.qmax is None and scales.granularity == "per_tensor"
+
+
+def test_per_channel_lists(tmp_path):
+    doc = {"scales": {"k_scales": [[0.1] * 8, [0.2] * 8], "v_scales": [[0.3] * 8, [0.4] * 8]}}
+    scales = load_kv_cache_scale_file(write(tmp_path, doc))
+    assert scales.granularity == "per_channel" and scales.for_layer(0)[0].shape == (8,)
+
+
+@pytest.mark.parametrize(("target", "factor"), [("fp8", 1.0), ("int8", 448 / 128), ("int4", 448 / 8)])
+def test_retargeting_by_qmax(tmp_path, target, factor):
+    path = write(tmp_path, {"scales": {"k_scales": [[1.0]], "v_scales": [[0.5]]}, "qmax": 448.0})
+    scales = load_kv_cache_scale_file(path, format=target)
+    assert scales.format == target and scales.qmax == {"fp8": 448, "int8": 128, "int4": 8}[target]
+    assert scales.for_layer(0)[0][0] == pytest.approx(factor)
+    assert scales.for_layer(0)[1][0] == pytest.approx(0.5 * factor)
+
+
+def test_sections_per_model_file(tmp_path):
+    doc = {
+        "model": {"scales": {"k_scales": [1.0], "v_scales": [2.0]}},
+        "vision": {"scales": {"k_scales": [3.0], "v_scales": [4.0]}},
+    }
+    path = write(tmp_path, doc)
+    assert load_kv_cache_scale_file(path, model="vision").for_layer(0)[0][0] == 3.0
+    with pytest.raises(KvCacheError, match=r"several model files.*model, vision"):
+        load_kv_cache_scale_file(path)
+    single = write(tmp_path, {"model": doc["model"]}, "one.json")
+    assert load_kv_cache_scale_file(single).for_layer(0)[1][0] == 2.0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("channels", [1, 6])
+def test_save_load_round_trip(tmp_path, fmt, channels):
+    rng = np.random.default_rng(0)
+    scales = KvCacheScales(
+        {i: rng.uniform(0.01, 1, channels) for i in (0, 3, 7)},
+        {i: rng.uniform(0.01, 1, channels) for i in (0, 3, 7)},
+        format=fmt,
+        metadata={"method": "minmax"},
+    )
+    path = tmp_path / "out.json"
+    scales.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["layer_ids"] == [0, 3, 7] and doc["format"] == fmt and doc["method"] == "minmax"
+    again = load_kv_cache_scale_file(path)
+    assert again.layer_ids == scales.layer_ids and again.format == fmt and again.qmax == scales.qmax
+    for i in scales.layer_ids:
+        np.testing.assert_array_equal(again.for_layer(i)[0], scales.for_layer(i)[0])
+        np.testing.assert_array_equal(again.for_layer(i)[1], scales.for_layer(i)[1])
+
+
+MALFORMED = {
+    "invalid JSON": ("{not json", "not valid JSON"),
+    "top level list": ([1, 2], "top level must be an object"),
+    "no scales key": ({"k_scales": [1.0]}, "no 'scales' key"),
+    "scales not object": ({"scales": [1.0]}, "'scales' must be an object"),
+    "missing v": ({"scales": {"k_scales": [1.0]}}, "no 'v_scales'"),
+    "k not list": ({"scales": {"k_scales": 1.0, "v_scales": [1.0]}}, "'k_scales' must be a non-empty list"),
+    "empty list": ({"scales": {"k_scales": [], "v_scales": []}}, "non-empty list"),
+    "string entry": ({"scales": {"k_scales": ["a"], "v_scales": [1.0]}}, r"'k_scales'\[0\] must be a number"),
+    "bool entry": ({"scales": {"k_scales": [True], "v_scales": [1.0]}}, "must be a number"),
+    "nested too deep": ({"scales": {"k_scales": [[[1.0]]], "v_scales": [[1.0]]}}, "must be a number"),
+    "unequal lengths": (
+        {"scales": {"k_scales": [1.0, 2.0], "v_scales": [1.0]}},
+        "2 entries but 'v_scales' has 1",
+    ),
+    "zero": ({"scales": {"k_scales": [0.0], "v_scales": [1.0]}}, "finite and > 0"),
+    "negative": ({"scales": {"k_scales": [1.0], "v_scales": [-1.0]}}, "finite and > 0"),
+    "nan": ('{"scales": {"k_scales": [NaN], "v_scales": [1.0]}}', "finite and > 0"),
+    "infinite": ('{"scales": {"k_scales": [Infinity], "v_scales": [1.0]}}', "finite and > 0"),
+    "layer ids length": (
+        {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "layer_ids": [0, 1]},
+        "'layer_ids' has 2",
+    ),
+    "duplicate layer ids": (
+        {"scales": {"k_scales": [1.0, 1.0], "v_scales": [1.0, 1.0]}, "layer_ids": [2, 2]},
+        r"repeats \[2\]",
+    ),
+    "negative layer id": ({"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "layer_ids": [-1]}, ">= 0"),
+    "layer id not int": (
+        {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "layer_ids": ["0"]},
+        "list of integers",
+    ),
+    "k/v element counts": (
+        {"scales": {"k_scales": [[1.0, 2.0]], "v_scales": [[1.0]]}},
+        "2 k scales but 1 v scales",
+    ),
+    "ragged layers": (
+        {"scales": {"k_scales": [[1.0, 2.0], [1.0]], "v_scales": [[1.0, 2.0], [1.0]]}},
+        "different element counts",
+    ),
+    "per tensor with lists": (
+        {"scales": {"k_scales": [[1.0, 2.0]], "v_scales": [[1.0, 2.0]]}, "granularity": "per_tensor"},
+        "per_tensor but entries have 2",
+    ),
+    "bad qmax": (
+        {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "qmax": 0},
+        "'qmax' must be a finite number > 0",
+    ),
+    "bad format": (
+        {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "format": "fp4"},
+        "Unknown KV-cache format",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_files_name_the_file_and_the_problem(tmp_path, case):
+    doc, message = MALFORMED[case]
+    path = write(tmp_path, doc)
+    with pytest.raises(ValueError, match=message) as info:
+        load_kv_cache_scale_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_kv_cache_scale_file(tmp_path / "nope.json")
+
+
+def test_for_layer_unknown_and_mapping_errors():
+    scales = KvCacheScales.from_mapping({1: (0.1, 0.2)})
+    with pytest.raises(KvCacheError, match="No scales for layer 0"):
+        scales.for_layer(0)
+    with pytest.raises(KvCacheError, match=r"\(k_scale, v_scale\) pair"):
+        KvCacheScales.from_mapping({0: 0.1})
+    with pytest.raises(KvCacheError, match="same granularity"):
+        KvCacheScales.from_mapping({0: ([0.1, 0.2], 0.1)})
