@@ -8,11 +8,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, run_gqa_steps
 from onnx_kvcache import Fp8KvCachePass, KvCacheError, KvCacheQuantizationPass, KvCacheWarning
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_gqa_sites, layer_id_from_name
 from onnx_kvcache.runtime import create_session
+
+from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, run_gqa_steps
 from reference import quantized_gqa_step
 
 KV, HEAD = 2, 16

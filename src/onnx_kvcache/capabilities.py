@@ -18,6 +18,7 @@ __all__ = [
     "check_kv_cache_support",
     "fast_path_diagnostics",
     "get_capabilities",
+    "render_capability_table",
 ]
 
 import dataclasses
@@ -240,3 +241,28 @@ def fast_path_diagnostics(
                 )
         reports.append(FastPathReport(site.name, site.layer_id, not reasons, tuple(reasons)))
     return reports
+
+
+def render_capability_table() -> str:
+    """The capability table as Markdown, rendered from :data:`EP_CAPABILITIES`."""
+    from onnx_kvcache.formats import CACHE_FORMATS
+
+    lines = [
+        "| provider | query dtypes | " + " | ".join(CACHE_FORMATS) + " | note |",
+        "|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+    ]
+    for row in EP_CAPABILITIES.values():
+        cells = []
+        for name in CACHE_FORMATS:
+            support = row.formats.get(name)
+            if support is None:
+                cells.append("no")
+                continue
+            cell = f"ORT >= {support.min_ort_version}, " + " + ".join(sorted(support.granularities))
+            if support.min_compute_capability:
+                cell += ", SM {}.{}+".format(*support.min_compute_capability)
+            cells.append(cell)
+        dtypes = ", ".join(sorted(t.name.lower() for t in row.query_dtypes)) or "-"
+        label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
+        lines.append(f"| {label} | {dtypes} | " + " | ".join(cells) + f" | {row.note} |")
+    return "\n".join(lines)

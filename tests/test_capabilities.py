@@ -1,0 +1,124 @@
+"""The capability table, gating rules and the CUDA fast-path diagnostics."""
+
+from __future__ import annotations
+
+import itertools
+
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import KvCacheQuantizationPass, check_kv_cache_support, fast_path_diagnostics
+from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
+
+from conftest import gqa_model
+
+F32, F16, BF16 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
+
+
+def expected_reasons(ep, fmt, dtype, ort, cc):
+    """An independent statement of SPEC.md section 2, as reason keywords."""
+    table = {
+        ("cpu", "int8"): "1.27",
+        ("cpu", "int4"): "1.27",
+        ("cuda", "fp8"): "1.25",
+        ("cuda", "int8"): "1.25",
+        ("cuda", "int4"): "1.25",
+    }
+    if (ep, fmt) not in table:
+        return ["no GroupQueryAttention kernel"]
+    reasons = []
+    if tuple(map(int, ort.split("."))) < tuple(map(int, table[(ep, fmt)].split("."))):
+        reasons.append("too old")
+    if ep == "cuda" and fmt == "fp8" and cc is not None and cc < (8, 9):
+        reasons.append("compute capability")
+    if (ep == "cuda" and dtype == F32) or (ep == "cpu" and dtype == BF16):
+        reasons.append("takes queries of")
+    return reasons
+
+
+CASES = list(
+    itertools.product(
+        ["cpu", "cuda", "dml", "webgpu", "someep"],
+        ["fp8", "int8", "int4"],
+        [F32, F16, BF16],
+        ["1.24.0", "1.25.1", "1.27.0", "1.31.1"],
+        [None, (8, 0), (8, 9), (9, 0)],
+    )
+)
+
+
+@pytest.mark.parametrize(("ep", "fmt", "dtype", "ort", "cc"), CASES)
+def test_gating_rules(ep, fmt, dtype, ort, cc):
+    model = gqa_model(dtype=dtype)
+    report = check_kv_cache_support(model, ep, fmt, "per_tensor", ort_version=ort, compute_capability=cc)
+    want = expected_reasons(ep, fmt, dtype, ort, cc)
+    assert report.supported == (not want), report.reasons
+    assert len(report.reasons) == len(want)
+    for keyword, reason in zip(want, report.reasons):
+        assert keyword in reason
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_granularities_run_where_listed(granularity):
+    assert check_kv_cache_support(None, "cpu", "int4", granularity, ort_version="1.31").supported
+
+
+def test_model_without_gqa_is_a_reason():
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 21})
+    report = check_kv_cache_support(ir.Model(graph, ir_version=10), "cuda", "fp8", ort_version="1.31")
+    assert not report.supported and "no GroupQueryAttention" in report.reasons[0]
+
+
+def test_provider_aliases_and_unknown_rows():
+    assert get_capabilities("CUDAExecutionProvider").name == "cuda"
+    assert get_capabilities("CPUExecutionProvider") is EP_CAPABILITIES["cpu"]
+    assert get_capabilities("DmlExecutionProvider").name == "dml"
+    assert get_capabilities("QNNExecutionProvider").name == "default"
+    assert all(row.formats.get("fp8") is None for name, row in EP_CAPABILITIES.items() if name != "cuda")
+
+
+def test_installed_runtime_is_the_default_version():
+    pytest.importorskip("onnxruntime")
+    report = check_kv_cache_support(gqa_model(), "cpu", "int8")
+    assert report.supported  # the test environment has a CPU runtime new enough
+
+
+def quantized(heads, kv, head, shared=False):
+    model = gqa_model(num_heads=heads, kv_heads=kv, head=head, max_pos=8)
+    scales = {0: (0.1, 0.2)}
+    KvCacheQuantizationPass("fp8", scales=scales, shared_kv_scale=shared)(model)
+    return model
+
+
+def test_fast_path_eligible_model():
+    model = quantized(16, 2, 128, shared=True)
+    [report] = fast_path_diagnostics(model, ort_version="1.28.0", share_buffer=True)
+    assert report.eligible and report.reasons == ()
+
+
+def test_fast_path_reasons_are_each_listed():
+    model = quantized(6, 2, 48)
+    [report] = fast_path_diagnostics(model, ort_version="1.28.0")
+    text = " | ".join(report.reasons)
+    assert not report.eligible and len(report.reasons) == 4
+    for keyword in ("head size 48", "group size 3", "share one buffer", "one tensor"):
+        assert keyword in text
+
+
+def test_separate_scales_are_fine_from_ort_1_29():
+    model = quantized(16, 2, 64)
+    [report] = fast_path_diagnostics(model, ort_version="1.29.0", share_buffer=True)
+    assert report.eligible
+
+
+def test_docs_page_is_rendered_from_the_table():
+    import importlib.util
+    import pathlib
+
+    docs = pathlib.Path(__file__).parents[1] / "docs"
+    spec = importlib.util.spec_from_file_location("render", docs / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    page = (docs / "capabilities.md").read_text()
+    assert render.render(page) == page, "docs/capabilities.md is stale: run python docs/render.py"
+    assert "SM 8.9+" in page

@@ -1,0 +1,115 @@
+"""optimize_model: fusion policy, gating with warnings or errors, and pass-manager use."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import (
+    Fp8KvCachePass,
+    GqaFusionPass,
+    KvCacheError,
+    KvCacheWarning,
+    optimize_model,
+)
+
+from conftest import gqa_model
+
+SCALES = {0: (0.1, 0.2)}
+
+
+def quant_type(model):
+    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    attr = node.attributes.get("k_quant_type")
+    return attr.as_string() if attr else "NONE"
+
+
+def test_fp8_on_cuda_for_a_fp16_model():
+    model = gqa_model(dtype=ir.DataType.FLOAT16)
+    out = optimize_model(model, fp8_kv_cache=True, kv_cache_scales=SCALES)
+    assert out is model and quant_type(model) == "PER_TENSOR"
+    assert model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"execution_provider": "cuda", "fp8_kv_cache": True}, "takes queries of"),  # float32 model
+        ({"execution_provider": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for a fp8"),
+        ({"execution_provider": "webgpu", "kv_cache_format": "int8"}, "no GroupQueryAttention kernel"),
+    ],
+)
+def test_declines_with_one_warning_or_raises_when_strict(kwargs, reason):
+    model = gqa_model()
+    with pytest.warns(KvCacheWarning, match=reason) as record:
+        optimize_model(model, kv_cache_scales=SCALES, **kwargs)
+    assert len(record) == 1 and quant_type(model) == "NONE"
+    with pytest.raises(KvCacheError, match=reason):
+        optimize_model(model, kv_cache_scales=SCALES, strict=True, **kwargs)
+    assert quant_type(model) == "NONE"
+
+
+def test_check_device_without_gpu_declines():
+    from onnx_kvcache.device import cuda_compute_capability
+
+    if cuda_compute_capability() is not None:
+        pytest.skip("this machine has a GPU")
+    model = gqa_model(dtype=ir.DataType.FLOAT16)
+    with pytest.raises(KvCacheError, match="no CUDA GPU"):
+        optimize_model(model, fp8_kv_cache=True, kv_cache_scales=SCALES, check_device=True, strict=True)
+
+
+def test_accepts_proto_and_path_and_scale_file(tmp_path):
+    model = gqa_model()
+    path = tmp_path / "m.onnx"
+    ir.save(model, path)
+    scales = tmp_path / "s.json"
+    scales.write_text('{"scales": {"k_scales": [0.1], "v_scales": [0.2]}}')
+    from_path = optimize_model(path, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=scales)
+    from_proto = optimize_model(
+        onnx.load(path), execution_provider="cpu", kv_cache_format="int4", kv_cache_scales=SCALES
+    )
+    assert isinstance(from_path, ir.Model) and from_path.graph.inputs[3].dtype == ir.DataType.INT8
+    assert from_proto.graph.inputs[3].dtype == ir.DataType.UINT8
+
+
+def test_fusion_auto_runs_only_without_gqa(caplog):
+    with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
+        optimize_model(gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=SCALES)
+    assert not any("ORT fusions" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    graph = ir.Graph([ir.val("x", ir.DataType.FLOAT, [2])], [], nodes=[], opset_imports={"": 21})
+    y = ir.Node("", "Relu", [graph.inputs[0]], num_outputs=1, name="relu")
+    graph.append(y)
+    graph.outputs.append(y.outputs[0])
+    plain = ir.Model(graph, ir_version=10)
+    with (
+        caplog.at_level(logging.INFO, logger="onnx_kvcache"),
+        pytest.warns(KvCacheWarning, match="no GroupQueryAttention"),
+    ):
+        optimize_model(plain, fp8_kv_cache=True)
+    assert any("GroupQueryAttention nodes 0 -> 0" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
+        optimize_model(gqa_model(), fuse_attention=True)
+    assert any("ORT fusions" in r.getMessage() for r in caplog.records)
+
+
+def test_pass_manager_chains_fusion_then_fp8():
+    model = gqa_model(dtype=ir.DataType.FLOAT16, layers=2)
+    manager = ir.passes.PassManager([GqaFusionPass(), Fp8KvCachePass({0: (0.1, 0.2), 1: (0.3, 0.4)})])
+    result = manager(model)
+    assert result.modified and quant_type(result.model) == "PER_TENSOR"
+    values = [
+        n.inputs[12].const_value.numpy() for n in result.model.graph if n.op_type == "GroupQueryAttention"
+    ]
+    np.testing.assert_allclose(np.concatenate(values), [0.1, 0.3])
+
+
+def test_without_format_only_fuses():
+    model = gqa_model()
+    assert optimize_model(model) is model and quant_type(model) == "NONE"
