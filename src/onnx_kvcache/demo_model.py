@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = ["DecoderConfig", "build_decoder"]
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -60,15 +61,24 @@ class DecoderConfig:
         return np.dtype(np.float16 if self.dtype == "float16" else np.float32)
 
 
+WeightFactory = Callable[[str, tuple[int, ...], ir.DataType], ir.TensorProtocol]
+"""Makes a weight tensor from (name, shape, dtype) instead of seeded random values."""
+
+
 class _Builder:
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, weight_factory: WeightFactory | None = None) -> None:
         self.config = config
+        self.weight_factory = weight_factory
         self.rng = np.random.default_rng(config.seed)
         self.graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, GQA_DOMAIN: 1})
         self.tape = ir.tape.Tape(self.graph)
 
-    def weight(self, name: str, array: np.ndarray) -> ir.Value:
-        return self.tape.initializer(ir.tensor(array.astype(self.config.np_dtype), name=name))
+    def weight(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> ir.Value:
+        if self.weight_factory is not None:
+            tensor = self.weight_factory(name, shape, self.config.ir_dtype)
+        else:
+            tensor = ir.tensor(make().astype(self.config.np_dtype), name=name)
+        return self.tape.initializer(tensor, name=name)
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
         return self.tape.initializer(ir.tensor(array, name=name))
@@ -77,23 +87,32 @@ class _Builder:
         return self.tape.op(op_type, inputs, attributes or None, name=name)
 
     def linear(self, x: ir.Value, name: str, fan_in: int, fan_out: int, gain: float = 1.0):
-        w = self.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
-        return self.op("MatMul", [x, self.weight(f"{name}.weight", w)], f"{name}/MatMul")
+        def make() -> np.ndarray:
+            return self.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
+
+        w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
+        return self.op("MatMul", [x, w], f"{name}/MatMul")
 
     def rms_norm(self, x: ir.Value, name: str, axes: ir.Value, eps: ir.Value) -> ir.Value:
         size = self.config.hidden_size
-        w = 1.0 + 0.1 * self.rng.standard_normal(size)
+        w = self.weight(f"{name}.weight", (size,), lambda: 1.0 + 0.1 * self.rng.standard_normal(size))
         sq = self.op("Mul", [x, x], f"{name}/Mul")
         mean = self.op("ReduceMean", [sq, axes], f"{name}/ReduceMean", keepdims=1)
         rms = self.op("Sqrt", [self.op("Add", [mean, eps], f"{name}/Add")], f"{name}/Sqrt")
         normed = self.op("Div", [x, rms], f"{name}/Div")
-        return self.op("Mul", [normed, self.weight(f"{name}.weight", w)], f"{name}/Scale")
+        return self.op("Mul", [normed, w], f"{name}/Scale")
 
 
-def build_decoder(config: DecoderConfig | None = None, **overrides) -> ir.Model:
-    """Build the demo decoder; keyword overrides replace :class:`DecoderConfig` fields."""
+def build_decoder(
+    config: DecoderConfig | None = None, *, weight_factory: WeightFactory | None = None, **overrides
+) -> ir.Model:
+    """Build the demo decoder; keyword overrides replace :class:`DecoderConfig` fields.
+
+    ``weight_factory`` makes the weight tensors (e.g. external tensors of a benchmark's
+    sparse file) instead of seeded random values.
+    """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
-    b = _Builder(config)
+    b = _Builder(config, weight_factory)
     c = config
     dtype = c.ir_dtype
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"])
@@ -113,20 +132,29 @@ def build_decoder(config: DecoderConfig | None = None, **overrides) -> ir.Model:
 
     inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_size, 2) / c.head_size))
     angles = np.outer(np.arange(c.max_position), inv_freq)
-    cos_cache = b.weight("cos_cache", np.cos(angles))
-    sin_cache = b.weight("sin_cache", np.sin(angles))
+    cos_cache = b.tape.initializer(ir.tensor(np.cos(angles).astype(c.np_dtype), name="cos_cache"))
+    sin_cache = b.tape.initializer(ir.tensor(np.sin(angles).astype(c.np_dtype), name="sin_cache"))
 
-    embed = b.weight("model.embed_tokens.weight", b.rng.standard_normal((c.vocab_size, c.hidden_size)))
+    embed = b.weight(
+        "model.embed_tokens.weight",
+        (c.vocab_size, c.hidden_size),
+        lambda: b.rng.standard_normal((c.vocab_size, c.hidden_size)),
+    )
     x = b.op("Gather", [embed, input_ids], "/model/embed_tokens/Gather", axis=0)
     kv_dim = c.kv_num_heads * c.head_size
     for i in range(c.num_layers):
         p = f"/model/layers.{i}"
         xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", axes_last, eps)
         q = b.linear(xn, f"model.layers.{i}.attn.q_proj", c.hidden_size, c.num_heads * c.head_size)
-        wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
-        outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
-        wk[:, outliers] *= c.outlier_scale
-        k = b.op("MatMul", [xn, b.weight(f"model.layers.{i}.attn.k_proj.weight", wk)], f"{p}/k")
+
+        def make_wk() -> np.ndarray:
+            wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
+            outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
+            wk[:, outliers] *= c.outlier_scale
+            return wk
+
+        wk = b.weight(f"model.layers.{i}.attn.k_proj.weight", (c.hidden_size, kv_dim), make_wk)
+        k = b.op("MatMul", [xn, wk], f"{p}/k")
         v = b.linear(xn, f"model.layers.{i}.attn.v_proj", c.hidden_size, kv_dim)
         for value, width in ((q, c.num_heads * c.head_size), (k, kv_dim), (v, kv_dim)):
             value.dtype = dtype

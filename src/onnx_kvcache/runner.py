@@ -117,9 +117,14 @@ class KvCacheRunner:
     def __init__(
         self, model_or_path: ir.Model | str | os.PathLike, providers: Sequence[Any] | None = None
     ) -> None:
-        from onnx_kvcache.model_files import load_model
+        from onnx_kvcache.model_files import load_model, resolve_model_path
 
-        model = model_or_path if isinstance(model_or_path, ir.Model) else load_model(model_or_path)
+        base_dir = None
+        if isinstance(model_or_path, ir.Model):
+            model = model_or_path
+        else:
+            model = load_model(model_or_path)
+            base_dir = resolve_model_path(model_or_path)[0].parent
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model
         """The model as given (before any emulation rewrite)."""
@@ -133,7 +138,7 @@ class KvCacheRunner:
             model = emulate_fp8_kv_cache(model)
             self.emulated = True
         self.model = model
-        self.session = create_session(model, self.providers)
+        self.session = create_session(model, self.providers, base_dir)
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         self.ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)

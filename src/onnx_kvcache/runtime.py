@@ -38,11 +38,22 @@ def installed_ort_version() -> str | None:
     return None
 
 
-def create_session(model: ir.Model | str | os.PathLike, providers: list[Any] | None = None) -> Any:
-    """An InferenceSession on ``providers`` (CPU by default) for a model or path."""
+def create_session(
+    model: ir.Model | str | os.PathLike,
+    providers: list[Any] | None = None,
+    base_dir: str | os.PathLike | None = None,
+) -> Any:
+    """An InferenceSession on ``providers`` (CPU by default) for a model or path.
+
+    ``base_dir`` is the folder of an in-memory model's external data files.
+    """
     ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if base_dir is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", os.fspath(base_dir)
+        )
     providers = providers or ["CPUExecutionProvider"]
     if isinstance(model, ir.Model):
         data = ir.to_proto(model).SerializeToString()
