@@ -11,6 +11,7 @@ converted the naive way (load everything, convert, save) for comparison.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import resource
 import subprocess
@@ -87,9 +88,8 @@ def main() -> None:
         folder = pathlib.Path(tmp)
         src, weight_bytes = write_sparse_model(folder, config)
         scales = folder / "scales.json"
-        scales.write_text(
-            '{"scales": {"k_scales": %s, "v_scales": %s}}' % ([0.01] * args.layers, [0.01] * args.layers)
-        )
+        ones = [0.01] * args.layers
+        scales.write_text(json.dumps({"scales": {"k_scales": ones, "v_scales": ones}}))
         out = folder / "model.fp8.onnx"
         wall, rss = run_cli(["convert", str(src), str(out), "--format", "fp8", "--scales", str(scales)])
         written = out.stat().st_size
