@@ -106,28 +106,43 @@ class CalibrationStats:
 
 
 def _mse_threshold(samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat) -> np.ndarray:
-    """Per channel, the clip point in [0.3, 1] * amax with least round-trip error."""
-    best = amax.copy()
+    """Per column, the clip point in [0.003, 1] * amax (geometric grid) with least round-trip error.
+
+    ``samples`` are magnitudes: symmetric rounding makes the sign irrelevant.
+    """
+    best = amax.astype(np.float32).copy()
     best_err = np.full(amax.shape, np.inf, np.float64)
-    for frac in np.linspace(0.3, 1.0, 36):
+    for frac in np.geomspace(0.003, 1.0, 64):
         clip = np.maximum(amax * frac, _TINY)
         scale = clip / fmt.qmax
-        q = np.clip(np.rint(samples / scale), fmt.qmin_stored, fmt.qmax_stored)
+        q = np.clip(np.rint(samples / scale), 0, fmt.qmax_stored)
         err = ((q * scale - samples) ** 2).mean(axis=0)
         better = err < best_err
         best[better], best_err[better] = clip[better], err[better]
     return best
 
 
-def _threshold(
-    res: _Reservoir, method: str, percentile: float, fmt: CacheFormat, signed: np.ndarray | None
+def _thresholds(
+    res: _Reservoir, method: str, percentile: float, fmt: CacheFormat, granularity: str
 ) -> np.ndarray:
+    """Per-channel thresholds, or one per-tensor threshold as a 1-element array."""
+    if method == "mse" and granularity == "per_tensor":
+        return _mse_threshold(res.rows.reshape(-1, 1), np.array([res.amax.max()]), fmt)
     if method == "minmax":
-        return res.amax
-    if method == "percentile":
-        return np.percentile(res.rows, percentile, axis=0).astype(np.float32)
-    assert signed is not None
-    return _mse_threshold(signed, res.amax, fmt).astype(np.float32)
+        thr = res.amax
+    elif method == "percentile":
+        thr = np.percentile(res.rows, percentile, axis=0).astype(np.float32)
+    else:
+        thr = _mse_threshold(res.rows, res.amax, fmt)
+    return np.array([thr.max()], np.float32) if granularity == "per_tensor" else thr.astype(np.float32)
+
+
+def _clip_fraction(res: _Reservoir, scale: np.ndarray, fmt: CacheFormat) -> float:
+    """Share of sampled values beyond what the scale can represent (not mere rounding)."""
+    if not res.rows.size:
+        return 0.0
+    limit = scale * (fmt.qmax_stored if fmt.is_float else fmt.qmax_stored + 0.5)
+    return float((res.rows > limit).mean())
 
 
 def calibrate_kv_cache(
@@ -189,9 +204,7 @@ def calibrate_kv_cache(
     )
     sites = {s.layer_id: s for s in find_gqa_sites(runner.model)}
     rng = np.random.default_rng(seed)
-    keep_signed = method == "mse"
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
-    signed: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -210,7 +223,6 @@ def calibrate_kv_cache(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
                     "produced NaN/inf on the calibration data."
                 )
-            rows_signed = x.transpose(1, 0, 2).reshape(x.shape[1], -1)  # [S, kv*hd]
             mag = np.abs(x)
             if b.kind == "key" and rope_envelope and site.int_attr("do_rotary"):
                 mag = rope_pair_norm(
@@ -218,45 +230,21 @@ def calibrate_kv_cache(
                     interleaved=bool(site.int_attr("rotary_interleaved")),
                     rotary_dim=_rotary_dim(site),
                 )
-            rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)
+            rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
-            cap = max(1, sample_budget // rows.shape[1])
             if key not in reservoirs:
-                reservoirs[key] = _Reservoir(rows.shape[1], cap, rng)
-                if keep_signed:
-                    signed[key] = _Reservoir(rows.shape[1], cap, np.random.default_rng(seed))
+                reservoirs[key] = _Reservoir(rows.shape[1], max(1, sample_budget // rows.shape[1]), rng)
             reservoirs[key].add(rows)
-            if keep_signed:
-                signed[key].add(rows_signed)
     stats = []
     for layer in sorted({k[0] for k in reservoirs}):
         result = {}
         for kind in ("key", "value"):
             res = reservoirs[(layer, kind)]
-            thr = _threshold(
-                res, method, percentile, fmt, signed[(layer, kind)].rows if keep_signed else None
-            )
-            if granularity == "per_tensor":
-                thr = np.array([thr.max()], np.float32)
+            thr = _thresholds(res, method, percentile, fmt, granularity)
             scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
-            limit = (
-                np.broadcast_to(scale * fmt.qmax_stored, (res.channels,))
-                if scale.size == 1
-                else scale * fmt.qmax_stored
-            )
-            clip = float((res.rows > limit).mean()) if res.rows.size else 0.0
-            result[kind] = (thr, scale, clip)
-        stats.append(
-            CalibrationStats(
-                layer,
-                result["key"][0],
-                result["value"][0],
-                result["key"][1],
-                result["value"][1],
-                result["key"][2],
-                result["value"][2],
-            )
-        )
+            result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
+        (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
+        stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))
     metadata = {
         "granularity": granularity,
         "method": method,

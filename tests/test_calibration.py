@@ -1,0 +1,304 @@
+"""calibrate_kv_cache: thresholds as defined, envelope, data sources, files, accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import (
+    KvCacheError,
+    KvCacheQuantizationPass,
+    build_decoder,
+    calibrate_kv_cache,
+    load_kv_cache_scale_file,
+)
+from onnx_kvcache.calibration import _Reservoir, _thresholds, rope_pair_norm
+from onnx_kvcache.cli import main
+from onnx_kvcache.evaluation import evaluate_kv_cache
+from onnx_kvcache.formats import get_format
+from onnx_kvcache.runtime import create_session
+
+LAYERS, KV, HEAD = 2, 2, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_decoder(num_layers=LAYERS, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(3)
+    return [list(rng.integers(0, 300, n)) for n in (40, 25, 40)]
+
+
+def presents(model, data):
+    """Prefill each sequence with onnxruntime directly: {(layer, kind): [kv, S, hd] arrays}."""
+    session = create_session(model)
+    out: dict = {}
+    for seq in data:
+        ids = np.asarray(seq, np.int64)[None]
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        for i in range(LAYERS):
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, KV, 0, HEAD), np.float32)
+        names = [f"present.{i}.{kind}" for i in range(LAYERS) for kind in ("key", "value")]
+        for name, value in zip(names, session.run(names, feeds)):
+            _, layer, kind = name.split(".")
+            out.setdefault((int(layer), kind), []).append(value[0])
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_minmax_is_amax_over_qmax(model, data, fmt, granularity):
+    scales = calibrate_kv_cache(
+        model, data, format=fmt, granularity=granularity, rope_envelope=False, progress=False
+    )
+    qmax = get_format(fmt).qmax
+    for (layer, kind), arrays in presents(model, data).items():
+        amax = np.max([np.abs(a).max(axis=1).reshape(-1) for a in arrays], axis=0)  # per channel, h-major
+        want = np.array([amax.max()]) if granularity == "per_tensor" else amax
+        got = scales.for_layer(layer)[0 if kind == "key" else 1]
+        assert got.shape == ((1,) if granularity == "per_tensor" else (KV * HEAD,))
+        np.testing.assert_allclose(got, want / qmax, rtol=1e-6)
+
+
+def test_envelope_takes_rotation_invariant_pair_norms(model, data):
+    scales = calibrate_kv_cache(model, data, format="int8", granularity="per_channel", progress=False)
+    raw = calibrate_kv_cache(
+        model, data, format="int8", granularity="per_channel", rope_envelope=False, progress=False
+    )
+    for (layer, kind), arrays in presents(model, data).items():
+        if kind != "key":
+            np.testing.assert_array_equal(scales.v[layer], raw.v[layer])
+            continue
+        x = np.concatenate(arrays, axis=1)
+        half = HEAD // 2
+        norm = np.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).max(axis=1)  # [kv, half]
+        want = np.concatenate([norm, norm], axis=-1).reshape(-1) / 128
+        np.testing.assert_allclose(scales.k[layer], want, rtol=1e-5)
+        assert np.all(scales.k[layer] >= raw.k[layer] * (1 - 1e-6))
+        assert scales.k[layer].max() > raw.k[layer].max() or np.allclose(scales.k[layer], raw.k[layer])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_pair_norm_is_invariant_under_rotation(interleaved):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 8))
+    theta = rng.uniform(0, 2 * np.pi, 4)
+    c, s = np.cos(theta), np.sin(theta)
+    y = x.copy()
+    if interleaved:
+        a, b = x[:, 0::2], x[:, 1::2]
+        y[:, 0::2], y[:, 1::2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[:, :4], x[:, 4:]
+        y[:, :4], y[:, 4:] = a * c - b * s, b * c + a * s
+    np.testing.assert_allclose(
+        rope_pair_norm(x, interleaved=interleaved), rope_pair_norm(y, interleaved=interleaved), rtol=1e-6
+    )
+
+
+def test_planted_outlier_moves_minmax_not_percentile():
+    rng = np.random.default_rng(1)
+    rows = np.abs(rng.standard_normal((20000, 4))).astype(np.float32)
+    fmt = get_format("int8")
+    clean, spiked = _Reservoir(4, 30_000, rng), _Reservoir(4, 30_000, rng)
+    clean.add(rows)
+    spiked.add(np.concatenate([rows, np.full((1, 4), 500.0, np.float32)]))
+    for method, moved in (("minmax", True), ("percentile", False)):
+        a = _thresholds(clean, method, 99.0, fmt, "per_channel")
+        b = _thresholds(spiked, method, 99.0, fmt, "per_channel")
+        assert (b > 10 * a).all() == moved
+        if not moved:
+            np.testing.assert_allclose(a, b, rtol=0.01)
+
+
+def test_mse_clips_gaussian_tails_harder_with_fewer_levels():
+    rng = np.random.default_rng(2)
+    rows = np.abs(rng.standard_normal((20000, 3))).astype(np.float32)
+    res = _Reservoir(3, 100_000, rng)
+    res.add(rows)
+    thr = {f: _thresholds(res, "mse", 99.99, get_format(f), "per_channel") for f in ("int8", "int4")}
+    assert np.all(thr["int8"] <= res.amax) and np.all(thr["int4"] < 0.8 * res.amax)
+    assert np.all(thr["int4"] < thr["int8"])  # fewer levels: clip harder
+    assert _thresholds(res, "mse", 99.99, get_format("int4"), "per_tensor").shape == (1,)
+
+
+def test_reservoir_memory_is_bounded():
+    rng = np.random.default_rng(0)
+    res = _Reservoir(8, 64, rng)
+    for _ in range(100):
+        res.add(rng.standard_normal((50, 8)).astype(np.float32))
+    assert res.rows.shape == (64, 8) and res.seen == 5000
+
+
+def test_sample_budget_keeps_percentiles_close(model, data):
+    full = calibrate_kv_cache(model, data, method="percentile", percentile=99.0, progress=False)
+    small = calibrate_kv_cache(
+        model, data, method="percentile", percentile=99.0, sample_budget=4096, progress=False
+    )
+    for layer in full.layer_ids:
+        np.testing.assert_allclose(small.k[layer], full.k[layer], rtol=0.25)
+
+
+def test_margin_scales_linearly(model, data):
+    a = calibrate_kv_cache(model, data, format="int8", progress=False)
+    b = calibrate_kv_cache(model, data, format="int8", margin=1.5, progress=False)
+    np.testing.assert_allclose(b.k[0], a.k[0] * 1.5, rtol=1e-6)
+
+
+def test_windows_and_num_seqs(model, data):
+    scales = calibrate_kv_cache(model, data, seq_len=16, num_seqs=5, progress=False)
+    assert scales.metadata["num_seqs"] == 5 and scales.metadata["tokens"] == (16 + 16 + 8) + (16 + 9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"format": "fp8", "method": "mse"}, "integer formats"),
+        ({"method": "kmeans"}, "Unknown calibration method"),
+        ({"percentile": 0}, "percentile"),
+        ({"margin": -1}, "margin"),
+    ],
+)
+def test_bad_arguments(model, data, kwargs, message):
+    with pytest.raises(KvCacheError, match=message):
+        calibrate_kv_cache(model, data, progress=False, **kwargs)
+
+
+def test_quantized_model_is_refused(model, data):
+    quantized = build_decoder(num_layers=LAYERS, vocab_size=300)
+    KvCacheQuantizationPass("int8", scales={0: (0.1, 0.1), 1: (0.1, 0.1)})(quantized)
+    with pytest.raises(KvCacheError, match="already quantized"):
+        calibrate_kv_cache(quantized, data, progress=False)
+
+
+def test_non_finite_outputs_raise(data):
+    broken = build_decoder(num_layers=LAYERS, vocab_size=300)
+    weight = broken.graph.initializers["model.layers.0.attn.v_proj.weight"]
+    array = weight.const_value.numpy().copy()
+    array[0, 0] = np.nan
+    weight.const_value = ir.tensor(array, name=weight.name)
+    with pytest.raises(KvCacheError, match="non-finite"):
+        calibrate_kv_cache(broken, data, progress=False)
+
+
+def test_sliding_window_model_calibrates_from_resident_rows():
+    model = build_decoder(
+        num_layers=2, vocab_size=300, sliding_window_layers=(1,), sliding_window=16, sliding_window_cache=True
+    )
+    seq = list(np.random.default_rng(0).integers(0, 300, 48))
+    scales = calibrate_kv_cache(model, [seq], format="int8", rope_envelope=False, progress=False)
+    session = create_session(model)
+    ids = np.asarray(seq, np.int64)[None]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i, length in ((0, 0), (1, 16)):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, KV, length, HEAD), np.float32)
+    present = session.run(["present.1.value"], feeds)[0]
+    assert present.shape[2] == 16
+    np.testing.assert_allclose(scales.v[1], np.abs(present).max() / 128, rtol=1e-6)
+
+
+def test_layers_without_cache_are_skipped_in_layer_ids(tmp_path, data):
+    model = build_decoder(num_layers=4, vocab_size=300, no_cache_layers=(1,))
+    scales = calibrate_kv_cache(model, data, format="int8", progress=False)
+    assert scales.layer_ids == (0, 2, 3)
+    scales.save(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["layer_ids"] == [0, 2, 3]
+    KvCacheQuantizationPass("int8", scales=load_kv_cache_scale_file(tmp_path / "s.json"))(model)
+
+
+def test_saved_file_records_provenance(tmp_path, model, data):
+    scales = calibrate_kv_cache(
+        model, data, format="int4", granularity="per_channel", method="mse", progress=False
+    )
+    scales.save(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert (doc["format"], doc["granularity"], doc["method"], doc["qmax"]) == (
+        "int4",
+        "per_channel",
+        "mse",
+        8.0,
+    )
+    again = load_kv_cache_scale_file(tmp_path / "s.json")
+    np.testing.assert_array_equal(again.k[1], scales.k[1])
+
+
+def test_calibrated_int8_tracks_the_original_far_better_than_bad_scales(model, data):
+    good = calibrate_kv_cache(model, data, format="int8", granularity="per_channel", progress=False)
+    bad = {i: (good.k[i] * 0.02, good.v[i] * 0.02) for i in good.layer_ids}  # saturates
+    reports = {}
+    for name, scales in (("good", good), ("bad", bad)):
+        candidate = build_decoder(num_layers=LAYERS, vocab_size=300)
+        KvCacheQuantizationPass("int8", "per_channel", scales)(candidate)
+        reports[name] = evaluate_kv_cache(model, candidate, data, max_new_tokens=0, prompt_len=8)
+    assert reports["good"].kl_mean * 20 < reports["bad"].kl_mean
+    assert reports["good"].top1_agreement > reports["bad"].top1_agreement
+
+
+def test_token_id_files_and_cli(tmp_path, model, data, capsys):
+    path = tmp_path / "model.onnx"
+    ir.save(model, path)
+    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in s] for s in data]))
+    np.save(tmp_path / "ids.npy", np.asarray(data[0], np.int64))
+    for ids in ("ids.json", "ids.npy"):
+        out = tmp_path / f"{ids}.scales.json"
+        assert (
+            main(
+                [
+                    "calibrate",
+                    str(path),
+                    "--out",
+                    str(out),
+                    "--token-ids",
+                    str(tmp_path / ids),
+                    "--format",
+                    "int8",
+                    "--seq-len",
+                    "16",
+                ]
+            )
+            == 0
+        )
+        assert load_kv_cache_scale_file(out).layer_ids == (0, 1)
+    assert "k clip" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text('{"not": "ids"}')
+    assert (
+        main(
+            [
+                "calibrate",
+                str(path),
+                "--out",
+                str(tmp_path / "x.json"),
+                "--token-ids",
+                str(tmp_path / "bad.json"),
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_text_with_a_tokenizer(tmp_path, model):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(299)} | {"[UNK]": 299}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 50}" for i in range(100)))
+    scales = calibrate_kv_cache(
+        model, tmp_path / "text.txt", tokenizer=tmp_path / "tokenizer.json", progress=False
+    )
+    assert scales.metadata["tokens"] == 100
+
+
+def test_builtin_corpus_is_the_default(model):
+    scales = calibrate_kv_cache(model, format="int8", progress=False)
+    assert scales.metadata["tokens"] > 5000  # the corpus, read as bytes by this tokenizer-less model
