@@ -28,7 +28,8 @@ def main() -> None:
         calibrate_kv_cache(model, format="int8", method=method, seq_len=512, progress=False)
         wall = time.perf_counter() - start
         print(
-            f"calibrate {method:<10} seq-len 512: {tokens / wall:8.0f} tokens/s ({tokens} tokens, {wall:.2f} s)"
+            f"calibrate {method:<10} seq-len 512: {tokens / wall:8.0f} tokens/s "
+            f"({tokens} tokens, {wall:.2f} s)"
         )
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
@@ -58,7 +59,8 @@ def main() -> None:
             late.append(np.mean(np.abs(k[:, 2048:]) > limit))
         name = "envelope" if envelope else "raw K"
         print(
-            f"  {name:<9} clipped: {np.mean(clipped):.3%} of all K values, {np.mean(late):.3%} past position 2048"
+            f"  {name:<9} clipped: {np.mean(clipped):.3%} of all K values, "
+            f"{np.mean(late):.3%} past position 2048"
         )
 
 
