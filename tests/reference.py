@@ -49,6 +49,8 @@ def quantized_gqa_step(
     sin: np.ndarray | None,
     interleaved: bool = False,
     stored: tuple[np.ndarray, np.ndarray] | None = None,
+    qk_norm: tuple[np.ndarray, np.ndarray] | None = None,
+    eps: float = 1e-6,
 ):
     """One GQA call. q/k/v are [B, S, H*D] float; past_* are stored caches (BNSH).
 
@@ -62,6 +64,9 @@ def quantized_gqa_step(
     q4 = q.astype(np.float32).reshape(batch, seq, num_heads, head)
     k4 = k.astype(np.float32).reshape(batch, seq, kv_heads, head)
     v4 = v.astype(np.float32).reshape(batch, seq, kv_heads, head)
+    if qk_norm is not None:
+        q4 = q4 / np.sqrt((q4 * q4).mean(-1, keepdims=True) + eps) * qk_norm[0].astype(np.float32)
+        k4 = k4 / np.sqrt((k4 * k4).mean(-1, keepdims=True) + eps) * qk_norm[1].astype(np.float32)
     if cos is not None:
         positions = np.tile(np.arange(past_len, past_len + seq), (batch, 1))
         q4 = rope(q4, positions, cos.astype(np.float32), sin.astype(np.float32), interleaved)

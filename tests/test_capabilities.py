@@ -122,3 +122,12 @@ def test_docs_page_is_rendered_from_the_table():
     page = (docs / "capabilities.md").read_text()
     assert render.render(page) == page, "docs/capabilities.md is stale: run python docs/render.py"
     assert "SM 8.9+" in page
+
+
+@pytest.mark.parametrize(("ep", "ok"), [("cpu", False), ("cuda", True)])
+def test_qk_norm_nodes_need_a_provider_that_takes_them(ep, ok):
+    model = gqa_model(qk_norm=True, dtype=F16)
+    report = check_kv_cache_support(model, ep, "int8", ort_version="1.31")
+    assert report.supported == ok
+    if not ok:
+        assert "q/k norm" in report.reasons[0]

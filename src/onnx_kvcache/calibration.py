@@ -216,7 +216,7 @@ def calibrate_kv_cache(
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
-            x = np.asarray(runner.caches[b.past], np.float32)[0]  # [kv, S, hd]
+            x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
             x = x[:, : _valid_rows(b, site, len(window))]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(

@@ -52,6 +52,8 @@ class EpCapabilities:
     query_dtypes: frozenset[ir.DataType]
     formats: Mapping[str, FormatSupport]
     note: str = ""
+    qk_norm: bool = False
+    """Takes q/k norm weights (GQA inputs 14/15, Qwen3-style)."""
 
 
 _CPU_T = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
@@ -65,7 +67,7 @@ EP_CAPABILITIES: dict[str, EpCapabilities] = {
             "CPUExecutionProvider",
             _CPU_T,
             {"int8": FormatSupport(_BOTH, "1.27"), "int4": FormatSupport(_BOTH, "1.27")},
-            "No fp8 kernel: evaluate fp8 on CPU through emulation.",
+            "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
         ),
         EpCapabilities(
             "cuda",
@@ -77,12 +79,17 @@ EP_CAPABILITIES: dict[str, EpCapabilities] = {
                 "int4": FormatSupport(_BOTH, "1.25"),
             },
             "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
+            qk_norm=True,
         ),
         EpCapabilities(
             "dml", "DmlExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}
         ),
         EpCapabilities(
-            "webgpu", "WebGpuExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}
+            "webgpu",
+            "WebGpuExecutionProvider",
+            frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}),
+            {},
+            qk_norm=True,
         ),
         EpCapabilities("default", "", frozenset(), {}, "Unknown provider: no quantized cache known."),
     )
@@ -168,6 +175,12 @@ def check_kv_cache_support(
             {str(s.query_dtype) for s in sites if s.query_dtype is not None}
             - {str(t) for t in row.query_dtypes}
         )
+        with_norm = [s for s in sites if len(s.node.inputs) > 15 and s.node.inputs[14] is not None]
+        if with_norm and not row.qk_norm:
+            reasons.append(
+                f"{label}'s GroupQueryAttention rejects q/k norm weights (inputs 14/15), which "
+                f"{len(with_norm)} node(s) of this model use; run it on cuda or webgpu."
+            )
         if bad and support is not None:
             reasons.append(
                 f"{label}'s GroupQueryAttention takes queries of "
@@ -248,8 +261,8 @@ def render_capability_table() -> str:
     from onnx_kvcache.formats import CACHE_FORMATS
 
     lines = [
-        "| provider | query dtypes | " + " | ".join(CACHE_FORMATS) + " | note |",
-        "|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+        "| provider | query dtypes | q/k norm | " + " | ".join(CACHE_FORMATS) + " | note |",
+        "|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
     ]
     for row in EP_CAPABILITIES.values():
         cells = []
@@ -264,5 +277,6 @@ def render_capability_table() -> str:
             cells.append(cell)
         dtypes = ", ".join(sorted(t.name.lower() for t in row.query_dtypes)) or "-"
         label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
-        lines.append(f"| {label} | {dtypes} | " + " | ".join(cells) + f" | {row.note} |")
+        norm = "yes" if row.qk_norm else "no"
+        lines.append(f"| {label} | {dtypes} | {norm} | " + " | ".join(cells) + f" | {row.note} |")
     return "\n".join(lines)

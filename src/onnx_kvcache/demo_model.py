@@ -9,9 +9,12 @@ outlier channels, as real LLMs' do. Nothing is downloaded: weights come from a s
 
 from __future__ import annotations
 
-__all__ = ["DecoderConfig", "build_decoder"]
+__all__ = ["DecoderConfig", "build_decoder", "byte_level_tokenizer", "save_genai_folder"]
 
 import dataclasses
+import json
+import os
+import pathlib
 from collections.abc import Callable
 
 import numpy as np
@@ -219,3 +222,120 @@ def build_decoder(
     b.graph.outputs.insert(0, logits)
     b.graph.name = "onnx_kvcache_demo_decoder"
     return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def byte_level_tokenizer() -> dict:
+    """A byte-level BPE ``tokenizer.json`` without merges: token id = UTF-8 byte value.
+
+    Ids 256/257 are ``<s>``/``</s>``. Matches how the library reads text for a model
+    without a tokenizer, so both paths see the same ids.
+    """
+    alphabet = _bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)} | {"<s>": 256, "</s>": 257}
+    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": 256, "content": "<s>", **special}, {"id": 257, "content": "</s>", **special}],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+
+
+def save_genai_folder(
+    folder: str | os.PathLike, config: DecoderConfig | None = None, **overrides
+) -> pathlib.Path:
+    """Write the demo decoder as an onnxruntime-genai folder (model, config, tokenizer)."""
+    config = dataclasses.replace(config or DecoderConfig(), **overrides)
+    if config.vocab_size < 258:
+        raise ValueError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+    path = pathlib.Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    ir.save(build_decoder(config), path / "model.onnx", external_data="model.onnx.data")
+    genai = {
+        "model": {
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "pad_token_id": 257,
+            "context_length": config.max_position,
+            "type": "llama",
+            "vocab_size": config.vocab_size,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": "model.onnx",
+                "head_size": config.head_size,
+                "hidden_size": config.hidden_size,
+                "num_attention_heads": config.num_heads,
+                "num_hidden_layers": config.num_layers,
+                "num_key_value_heads": config.kv_num_heads,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "early_stopping": True,
+            "max_length": min(config.max_position, 1024),
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+    (path / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
+    (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(), ensure_ascii=False) + "\n")
+    tokenizer_config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+        "model_max_length": config.max_position,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=4) + "\n")
+    return path

@@ -9,7 +9,13 @@ dequantized with its own scales and compared with the baseline's, layer by layer
 
 from __future__ import annotations
 
-__all__ = ["EvaluationReport", "evaluate_kv_cache", "kl_divergence"]
+__all__ = [
+    "EvaluationReport",
+    "evaluate_kv_cache",
+    "greedy_agreement",
+    "kl_divergence",
+    "top1_agreement",
+]
 
 import dataclasses
 import os
@@ -36,6 +42,20 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     log_p = p - np.log(np.exp(p).sum(axis=-1, keepdims=True))
     log_q = q - np.log(np.exp(q).sum(axis=-1, keepdims=True))
     return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
+
+
+def top1_agreement(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """Per row, whether both logit arrays pick the same most likely token."""
+    return np.argmax(p_logits, axis=-1) == np.argmax(q_logits, axis=-1)
+
+
+def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> tuple[int, float]:
+    """Tokens until the first divergence, and the share of positions that match."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0, float("nan")
+    same = [x == y for x, y in zip(a[:n], b[:n])]
+    return (same.index(False) if False in same else n), float(np.mean(same))
 
 
 @dataclasses.dataclass
@@ -169,20 +189,20 @@ def evaluate_kv_cache(
         b_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_b])
         c_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_c])
         kls.append(kl_divergence(b_logits, c_logits))
-        agree.append(np.argmax(b_logits, -1) == np.argmax(c_logits, -1))
+        agree.append(top1_agreement(b_logits, c_logits))
         per_layer: dict[int, list[float]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
-            ref = np.asarray(base.caches[bb.past], np.float32)
-            test = dequant[cb.past](cand.caches[cb.past])
+            ref = np.asarray(base.cache_array(bb.past), np.float32)
+            test = dequant[cb.past](cand.cache_array(cb.past))
             per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref, test))
         for layer, (k, v) in per_layer.items():
             errors.setdefault(layer, []).append((k, v))
         if max_new_tokens > 0:
             gb = base.generate(prompt, max_new_tokens)
             gc = cand.generate(prompt, max_new_tokens)
-            same = [a == b for a, b in zip(gb, gc)]
-            prefixes.append(same.index(False) if False in same else len(same))
-            shares.append(float(np.mean(same)))
+            prefix, share = greedy_agreement(gb, gc)
+            prefixes.append(prefix)
+            shares.append(share)
     positions = max(len(k) for k in kls)
     kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
     all_kl = np.concatenate(kls)

@@ -63,12 +63,13 @@ class CacheFormat:
     def quantize(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
         """Quantize ``x`` (last axis = head values) as the kernels store it.
 
-        Returns the cache tensor: float8 bits viewed as ``ml_dtypes.float8_e4m3fn``,
-        int8, or uint8 with two int4 values per byte (low nibble first, offset 8).
+        Returns the cache tensor as onnxruntime feeds and returns it: fp8 as its uint8
+        bits, int8, or uint8 with two int4 values per byte (low nibble first, offset 8).
         """
         q = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
         if self.is_float:
-            return np.clip(q, self.qmin_stored, self.qmax_stored).astype(ml_dtypes.float8_e4m3fn)
+            fp8 = np.clip(q, self.qmin_stored, self.qmax_stored).astype(ml_dtypes.float8_e4m3fn)
+            return fp8.view(np.uint8)
         q = np.clip(np.rint(q), self.qmin_stored, self.qmax_stored)
         if self.values_per_byte == 1:
             return q.astype(np.int8)

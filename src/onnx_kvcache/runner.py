@@ -112,10 +112,16 @@ class KvCacheRunner:
     Args:
         model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder.
         providers: onnxruntime providers (CPU by default).
+        io_binding: Keep caches as OrtValues on the session's device and bind them
+            (default: on for CUDA, where caches then never leave the GPU).
     """
 
     def __init__(
-        self, model_or_path: ir.Model | str | os.PathLike, providers: Sequence[Any] | None = None
+        self,
+        model_or_path: ir.Model | str | os.PathLike,
+        providers: Sequence[Any] | None = None,
+        *,
+        io_binding: bool | None = None,
     ) -> None:
         from onnx_kvcache.model_files import load_model, resolve_model_path
 
@@ -146,6 +152,8 @@ class KvCacheRunner:
             raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
         outputs = [o.name for o in self.session.get_outputs()]
         self.logits_name = next((n for n in outputs if "logits" in n), outputs[0])
+        self.device = "cuda" if on_cuda else "cpu"
+        self.io_binding = on_cuda if io_binding is None else io_binding
         self.reset()
 
     @property
@@ -156,23 +164,59 @@ class KvCacheRunner:
         """Forget the context: empty caches for ``batch`` sequences."""
         self.batch = batch
         self.length = 0
-        self.caches: dict[str, np.ndarray] = {b.past: b.empty(batch) for b in self.bindings}
+        self.caches: dict[str, Any] = {}
+        for b in self.bindings:
+            empty = b.empty(batch)
+            if self.io_binding:
+                self.caches[b.past] = to_ort_value(empty, b.dtype, self.device)
+            else:
+                self.caches[b.past] = empty
 
     def cache_nbytes(self) -> int:
-        return sum(a.nbytes for a in self.caches.values())
+        """Bytes held by the cache buffers."""
+        total = 0
+        for b in self.bindings:
+            cache = self.caches[b.past]
+            shape = cache.shape() if callable(getattr(cache, "shape", None)) else cache.shape
+            total += int(np.prod(shape)) * b.dtype.itemsize
+        return total
 
-    def _feeds(self, ids: np.ndarray) -> dict[str, Any]:
+    def _inputs(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         batch, seq = ids.shape
         total = self.length + seq
-        feeds: dict[str, Any] = {self.ids_name: ids.astype(np.int64)}
+        feeds: dict[str, np.ndarray] = {self.ids_name: ids.astype(np.int64)}
         if "attention_mask" in self.input_names:
             feeds["attention_mask"] = np.ones((batch, total), np.int64)
         if "position_ids" in self.input_names:
             feeds["position_ids"] = np.tile(np.arange(self.length, total, dtype=np.int64), (batch, 1))
+        return feeds
+
+    def _run_plain(self, ids: np.ndarray) -> np.ndarray:
+        feeds: dict[str, Any] = self._inputs(ids)
         for b in self.bindings:
             cache = self.caches[b.past]
-            feeds[b.past] = to_ort_value(cache, b.dtype) if b.dtype == ir.DataType.FLOAT8E4M3FN else cache
-        return feeds
+            fp8 = b.dtype == ir.DataType.FLOAT8E4M3FN
+            feeds[b.past] = to_ort_value(cache, b.dtype) if fp8 else cache
+        names = [self.logits_name] + [b.present for b in self.bindings]
+        results = self.session.run(names, feeds)
+        for b, present in zip(self.bindings, results[1:]):
+            self.caches[b.past] = present
+        return results[0]
+
+    def _run_bound(self, ids: np.ndarray) -> np.ndarray:
+        binding = self.session.io_binding()
+        for name, array in self._inputs(ids).items():
+            binding.bind_cpu_input(name, array)
+        for b in self.bindings:
+            binding.bind_ortvalue_input(b.past, self.caches[b.past])
+        binding.bind_output(self.logits_name, "cpu")
+        for b in self.bindings:
+            binding.bind_output(b.present, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        for b, present in zip(self.bindings, outputs[1:]):
+            self.caches[b.past] = present
+        return outputs[0].numpy()
 
     def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Run new tokens through the model; returns their float32 logits ``[B, S, V]``."""
@@ -181,12 +225,9 @@ class KvCacheRunner:
             ids = ids[None, :]
         if ids.shape[0] != self.batch:
             self.reset(ids.shape[0])
-        names = [self.logits_name] + [b.present for b in self.bindings]
-        results = self.session.run(names, self._feeds(ids))
-        for b, present in zip(self.bindings, results[1:]):
-            self.caches[b.past] = present
+        raw = self._run_bound(ids) if self.io_binding else self._run_plain(ids)
         self.length += ids.shape[1]
-        logits = np.asarray(results[0], np.float32)
+        logits = np.asarray(raw, np.float32)
         if not np.all(np.isfinite(logits)):
             raise KvCacheError("The model produced non-finite logits.")
         return logits
@@ -213,9 +254,14 @@ class KvCacheRunner:
             logits = self.step(token)[0]
         return out
 
+    def cache_array(self, past_name: str) -> np.ndarray:
+        """A cache as a host numpy array (fp8 as its uint8 bits), wherever it lives."""
+        cache = self.caches[past_name]
+        return cache.numpy() if hasattr(cache, "numpy") and not isinstance(cache, np.ndarray) else cache
+
     def present(self, layer_id: int, kind: str) -> np.ndarray:
         """The current cache tensor of a layer (``kind`` is ``key`` or ``value``)."""
         for b in self.bindings:
             if b.layer_id == layer_id and b.kind == kind:
-                return self.caches[b.past]
+                return self.cache_array(b.past)
         raise KvCacheError(f"No {kind} cache for layer {layer_id}.")

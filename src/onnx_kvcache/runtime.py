@@ -62,11 +62,17 @@ def create_session(
 
 
 def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> Any:
-    """An OrtValue of element type ``dtype`` (float8 arrays are passed as their bits)."""
+    """An OrtValue of element type ``dtype`` on ``device`` (float8 arrays as their bits)."""
     ort = import_onnxruntime()
     array = np.ascontiguousarray(array)
     if dtype == ir.DataType.FLOAT8E4M3FN:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+        host = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
             array.view(np.uint8), onnx_element_type=int(dtype)
         )
+        if device == "cpu":
+            return host
+        if array.any():
+            raise ValueError("Only fresh (all-zero) fp8 caches are allocated on a device.")
+        # Fresh caches: rows beyond the resident tokens are never read, so no zero fill.
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), int(dtype), device, 0)
     return ort.OrtValue.ortvalue_from_numpy(array, device, 0)

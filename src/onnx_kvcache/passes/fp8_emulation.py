@@ -5,7 +5,8 @@ on write, saturating at +-448, and attention reads every position dequantized, t
 current step's own tokens included. Each fp8-cache GQA node becomes:
 
 1. RoPE applied outside the node (``com.microsoft::RotaryEmbedding``, positions from
-   ``position_ids`` or ``seqlens_k``), q/k norm weights (inputs 14/15) first if any;
+   ``position_ids``, or ``seqlens_k`` and ``query_seqlens``), after the per-head q/k RMS
+   norm of inputs 14/15 if any (so Qwen3-style nodes, which the CPU kernel rejects, run);
 2. new K/V round-tripped through fp8: ``Cast(x / s -> float8e4m3fn, saturate) * s``;
 3. the past cache dequantized: ``Cast(past -> float) * s``;
 4. a float-cache GQA without rotary on the dequantized tensors;
@@ -40,8 +41,17 @@ from onnx_kvcache.gqa import (
 logger = logging.getLogger(__name__)
 
 _FP8 = ir.DataType.FLOAT8E4M3FN
-_QUANT_ATTRS = ("k_quant_type", "v_quant_type", "kv_cache_bit_width", "do_rotary", "rotary_interleaved")
-_QNORM, _KNORM = 14, 15
+_QUANT_ATTRS = (
+    "k_quant_type",
+    "v_quant_type",
+    "kv_cache_bit_width",
+    "do_rotary",
+    "rotary_interleaved",
+    "qk_norm_epsilon",
+    "q_norm_epsilon",
+    "k_norm_epsilon",
+)
+_QNORM, _KNORM, _QUERY_SEQLENS = 14, 15, 16
 
 
 class _Emitter:
@@ -102,13 +112,22 @@ def _rms_norm_heads(
     return e.op("Reshape", [e.op("Mul", [normed, weight]), shape])
 
 
+def _float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_float()
+
+
 def _positions(e: _Emitter, site: GqaSite, query: ir.Value) -> ir.Value:
+    """Rotary positions of the new rows: ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
     inputs = site.node.inputs
     if len(inputs) > 9 and inputs[9] is not None:
         return inputs[9]
     seqlens = e.op("Cast", [inputs[5]], to=ir.DataType.INT64)  # [B]
     seq = e.op("Gather", [e.op("Shape", [query]), e.const(np.array(1, np.int64))], axis=0)
-    first = e.op("Sub", [e.op("Add", [seqlens, e.const(np.array(1, np.int64))]), seq])  # [B]
+    valid = seq
+    if len(inputs) > _QUERY_SEQLENS and inputs[_QUERY_SEQLENS] is not None:
+        valid = e.op("Cast", [inputs[_QUERY_SEQLENS]], to=ir.DataType.INT64)  # right-padded chunks
+    first = e.op("Sub", [e.op("Add", [seqlens, e.const(np.array(1, np.int64))]), valid])  # [B]
     steps = e.op("Range", [e.const(np.array(0, np.int64)), seq, e.const(np.array(1, np.int64))])
     return e.op("Add", [e.op("Unsqueeze", [first, e.const(np.array([1], np.int64))]), steps])
 
@@ -130,12 +149,13 @@ def _emulate(site: GqaSite) -> None:
     if key is None:
         sizes = e.const(np.array([heads * head, kv * head, kv * head], np.int64))
         query, key, value = e.op("Split", [query, sizes], num_outputs=3, axis=-1)
-    eps = node.attributes.get("qk_norm_epsilon")
-    eps_value = eps.as_float() if eps is not None else 1e-6
+    shared_eps = _float_attr(node, "qk_norm_epsilon", 1e-6)
     if len(inputs) > _QNORM and inputs[_QNORM] is not None:
-        query = _rms_norm_heads(e, query, inputs[_QNORM], heads, head, eps_value, dtype)
+        eps = _float_attr(node, "q_norm_epsilon", shared_eps)
+        query = _rms_norm_heads(e, query, inputs[_QNORM], heads, head, eps, dtype)
     if len(inputs) > _KNORM and inputs[_KNORM] is not None:
-        key = _rms_norm_heads(e, key, inputs[_KNORM], kv, head, eps_value, dtype)
+        eps = _float_attr(node, "k_norm_epsilon", shared_eps)
+        key = _rms_norm_heads(e, key, inputs[_KNORM], kv, head, eps, dtype)
     if site.int_attr("do_rotary"):
         positions = _positions(e, site, query)
         cos, sin = inputs[7], inputs[8]
