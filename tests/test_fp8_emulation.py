@@ -90,7 +90,7 @@ def test_current_tokens_are_read_dequantized():
 
 
 def test_values_past_448_saturate_never_nan():
-    model, k_scale, _ = fp8_model("per_tensor", scale=1e-3)
+    model, _, _ = fp8_model("per_tensor", scale=1e-3)
     session = create_session(emulate_fp8_kv_cache(model))
     for _, (out, pk, pv) in run_gqa_steps(session, model, [4, 1], scale=3.0):  # |x| / scale up to ~10^4
         values = pk.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -144,6 +144,7 @@ def test_packed_qkv_equals_separate_inputs():
         got = s_packed.run(None, packed_feeds)
         np.testing.assert_array_equal(got[0], out)
         np.testing.assert_array_equal(got[1], pk)
+        np.testing.assert_array_equal(got[2], pv)
 
 
 def _fp8(array):
@@ -215,7 +216,7 @@ def test_cpu_kernel_rejects_qk_norm_which_emulation_runs():
 
 def test_query_seqlens_shift_rotary_positions():
     """Right-padded chunk: rows [0, Q) are at positions seqlens_k + 1 - Q + s."""
-    model, k_scale, v_scale = fp8_model("per_tensor")
+    model, _, _ = fp8_model("per_tensor")
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     qs = ir.val("query_seqlens", ir.DataType.INT32, ["batch"])
     model.graph.inputs.append(qs)
