@@ -126,11 +126,16 @@ class KvCacheRunner:
         from onnx_kvcache.model_files import load_model, resolve_model_path
 
         base_dir = None
+        self.eos_token_id: int | None = None
+        """End-of-sequence token; read from genai_config.json for a genai folder."""
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
         else:
             model = load_model(model_or_path)
-            base_dir = resolve_model_path(model_or_path)[0].parent
+            model_file, config = resolve_model_path(model_or_path)
+            base_dir = model_file.parent
+            eos = (config or {}).get("model", {}).get("eos_token_id")
+            self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model
         """The model as given (before any emulation rewrite)."""
@@ -178,7 +183,7 @@ class KvCacheRunner:
         for b in self.bindings:
             cache = self.caches[b.past]
             shape = cache.shape() if callable(getattr(cache, "shape", None)) else cache.shape
-            total += int(np.prod(shape)) * b.dtype.itemsize
+            total += int(np.prod(shape) * b.dtype.itemsize)
         return total
 
     def _inputs(self, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -242,14 +247,21 @@ class KvCacheRunner:
         ids = np.asarray(token, np.int64).reshape(-1, 1)
         return self.forward(ids)[:, -1]
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy decoding: the ``max_new_tokens`` tokens after ``ids``."""
+    def generate(
+        self, ids: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = -1
+    ) -> list[int]:
+        """Greedy decoding: up to ``max_new_tokens`` tokens after ``ids``.
+
+        Stops after ``eos_token_id`` (default: the model's, when its genai config names
+        one; ``None`` never stops early).
+        """
+        eos = self.eos_token_id if eos_token_id == -1 else eos_token_id
         logits = self.prefill(ids)[0, -1]
         out: list[int] = []
         for _ in range(max_new_tokens):
             token = int(np.argmax(logits))
             out.append(token)
-            if len(out) == max_new_tokens:
+            if len(out) == max_new_tokens or token == eos:
                 break
             logits = self.step(token)[0]
         return out

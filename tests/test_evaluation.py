@@ -1,0 +1,141 @@
+"""evaluate_kv_cache: the metrics on hand-made logits, and on real model pairs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache.cli import main
+from onnx_kvcache.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
+from onnx_kvcache.formats import get_format
+
+DATA = [list(np.random.default_rng(1).integers(0, 300, 24))]
+
+
+def test_kl_divergence_by_hand():
+    p = np.log(np.array([[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    q = np.log(np.array([[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    want = 0.5 * np.log(2) + 0.25 * np.log(0.5)
+    np.testing.assert_allclose(kl_divergence(p, q), [want, 0.0], atol=1e-12)
+    np.testing.assert_allclose(kl_divergence(p + 7.0, q - 3.0), kl_divergence(p, q), atol=1e-12)  # shift-free
+    a, b = np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]])
+    assert kl_divergence(a, b)[0] == pytest.approx(0.9 * np.log(1.8) + 0.1 * np.log(0.2))
+    assert kl_divergence(b, a)[0] == pytest.approx(0.5 * np.log(0.5 / 0.9) + 0.5 * np.log(5.0))
+
+
+def test_top1_and_greedy_agreement_by_hand():
+    a = np.array([[0.1, 0.9], [0.8, 0.2], [0.4, 0.6]])
+    b = np.array([[0.2, 0.7], [0.1, 0.9], [0.3, 0.5]])
+    assert top1_agreement(a, b).tolist() == [True, False, True]
+    assert greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (2, 0.75)
+    assert greedy_agreement([1, 2], [1, 2]) == (2, 1.0)
+    assert greedy_agreement([5], [6]) == (0, 0.0)
+
+
+def quantized(fmt, granularity="per_tensor", scale=(0.05, 0.02)):
+    model = build_decoder(num_layers=2, vocab_size=300)
+    n = 1 if granularity == "per_tensor" else 64
+    KvCacheQuantizationPass(
+        fmt, granularity, {i: (np.full(n, scale[0]), np.full(n, scale[1])) for i in range(2)}
+    )(model)
+    return model
+
+
+def test_a_model_against_itself_is_perfect():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(
+        base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=6, prompt_len=8
+    )
+    assert report.kl_max == 0.0 and report.top1_agreement == 1.0
+    assert report.greedy_match_share == 1.0 and report.greedy_match_prefix == 6
+    assert all(k == 0 and v == 0 for k, v in report.layer_errors.values())
+    assert (
+        report.positions == 23 and report.baseline_bytes_per_token == report.candidate_bytes_per_token == 1024
+    )
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_cache_error_equals_a_manual_dequantization(fmt):
+    base, cand = build_decoder(num_layers=2, vocab_size=300), quantized(fmt)
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=0, prompt_len=8)
+    b, c = KvCacheRunner(base), KvCacheRunner(cand)
+    b.prefill(DATA[0][:8])
+    c.prefill(DATA[0][:8])
+    for token in DATA[0][8:-1]:
+        b.step(token)
+        c.step(token)
+    row = get_format(fmt)
+    ref = b.present(1, "key")
+    test = row.dequantize(c.present(1, "key"), np.float32(0.05), 32)
+    want = np.linalg.norm(test - ref) / np.linalg.norm(ref)
+    assert report.layer_errors[1][0] == pytest.approx(want, rel=1e-6)
+    assert report.candidate_format == f"{fmt} per_tensor" and report.emulated == (fmt == "fp8")
+    assert report.candidate_bytes_per_token == 2 * 2 * 2 * 32 * (0.5 if fmt == "int4" else 1)
+    assert 0 < report.kl_mean < 5
+
+
+def test_coarser_scales_give_larger_error():
+    from onnx_kvcache import calibrate_kv_cache
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    calibrated = calibrate_kv_cache(base, DATA, format="int8", progress=False)
+    reports = []
+    for factor in (1.0, 8.0):
+        cand = build_decoder(num_layers=2, vocab_size=300)
+        scales = {i: (calibrated.k[i] * factor, calibrated.v[i] * factor) for i in calibrated.layer_ids}
+        KvCacheQuantizationPass("int8", scales=scales)(cand)
+        reports.append(evaluate_kv_cache(base, cand, DATA, max_new_tokens=0))
+    good, coarse = reports
+    assert good.kl_mean < coarse.kl_mean
+    for layer in (0, 1):
+        assert good.layer_errors[layer][0] < coarse.layer_errors[layer][0]
+        assert good.layer_errors[layer][1] < coarse.layer_errors[layer][1]
+
+
+def test_data_notes():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    assert (
+        "UTF-8 bytes"
+        in evaluate_kv_cache(base, quantized("int8"), num_seqs=1, seq_len=16, max_new_tokens=2).data_note
+    )
+    small = build_decoder(num_layers=2, vocab_size=200)
+    cand = build_decoder(num_layers=2, vocab_size=200)
+    KvCacheQuantizationPass("int8", scales={0: (0.1, 0.1), 1: (0.1, 0.1)})(cand)
+    report = evaluate_kv_cache(small, cand, num_seqs=2, seq_len=16, max_new_tokens=2)
+    assert "random tokens" in report.data_note and report.num_sequences == 2
+
+
+def test_models_with_different_caches_are_refused():
+    with pytest.raises(KvCacheError, match="different KV caches"):
+        evaluate_kv_cache(build_decoder(num_layers=2), build_decoder(num_layers=3), DATA)
+
+
+def test_cli_evaluate_with_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    base, cand = tmp_path / "base.onnx", tmp_path / "cand.onnx"
+    ir.save(build_decoder(num_layers=2, vocab_size=300), base)
+    ir.save(quantized("int8"), cand)
+    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in DATA[0]]]))
+    argv = [
+        "evaluate",
+        str(base),
+        str(cand),
+        "--token-ids",
+        str(tmp_path / "ids.json"),
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plot",
+        str(tmp_path / "r.png"),
+        "--max-new-tokens",
+        "4",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "KL mean / max" in out and "layer   1" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert set(doc["layer_errors"]) == {"0", "1"} and doc["candidate_format"] == "int8 per_tensor"
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,61 @@
+"""The bundled decoder as an onnxruntime-genai folder, converted and run by onnxruntime-genai."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
+from onnx_kvcache.demo_model import save_genai_folder
+
+og = pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
+
+PROMPT = list(b"The river town woke before the sun.")
+
+
+def runner_generate(folder, prompt, n):
+    """The runner's greedy tokens; onnxruntime-genai leaves a final EOS out of its sequence."""
+    tokens = KvCacheRunner(folder).generate(prompt, n)
+    return tokens[:-1] if tokens and tokens[-1] == 257 else tokens
+
+
+def og_generate(folder, prompt, n):
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_genai_folder(tmp_path_factory.mktemp("genai") / "demo", num_layers=2)
+
+
+def test_folder_tokenizer_matches_the_byte_fallback(folder):
+    tokenizer = og.Tokenizer(og.Model(str(folder)))
+    assert [int(t) for t in tokenizer.encode("héllo")] == list("héllo".encode())
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "model.onnx"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "granularity"), [("int8", "per_tensor"), ("int8", "per_channel"), ("int4", "per_channel")]
+)
+def test_converted_folder_generates_like_the_runner(folder, tmp_path, fmt, granularity):
+    scales = calibrate_kv_cache(folder, format=fmt, granularity=granularity, method="minmax", progress=False)
+    out = tmp_path / f"{fmt}-{granularity}"
+    convert_model(folder, out, format=fmt, granularity=granularity, scales=scales)
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
+    tokens = og_generate(out, PROMPT, 16)
+    assert len(tokens) >= 4 and tokens == runner_generate(out, PROMPT, 16)
+
+
+def test_original_folder_generates_like_the_runner(folder):
+    tokens = og_generate(folder, PROMPT, 16)
+    assert len(tokens) >= 4 and tokens == runner_generate(folder, PROMPT, 16)
