@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
+from exported_attention import exported_decoder
 from onnx_kvcache import (
     Fp8KvCachePass,
     GqaFusionPass,
@@ -113,3 +114,64 @@ def test_pass_manager_chains_fusion_then_fp8():
 def test_without_format_only_fuses():
     model = gqa_model()
     assert optimize_model(model) is model and quant_type(model) == "NONE"
+
+
+def count_gqa(model):
+    return sum(
+        1 for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type == "GroupQueryAttention"
+    )
+
+
+def exported_feeds():
+    ids = np.array([[3, 1, 4, 1, 5]])
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.arange(5)[None],
+        "past_key_values.0.key": np.zeros((1, 2, 0, 16), np.float32),
+        "past_key_values.0.value": np.zeros((1, 2, 0, 16), np.float32),
+    }
+
+
+def test_auto_fusion_turns_an_export_into_a_quantized_gqa():
+    from onnx_kvcache.runtime import create_session
+
+    model = exported_decoder()
+    want = create_session(model).run(None, exported_feeds())[0]
+    assert count_gqa(model) == 0
+    optimize_model(model, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales={0: (0.05, 0.05)})
+    assert count_gqa(model) == 1 and quant_type(model) == "PER_TENSOR"
+    feeds = exported_feeds()
+    feeds["past_key_values.0.key"] = feeds["past_key_values.0.key"].astype(np.int8)
+    feeds["past_key_values.0.value"] = feeds["past_key_values.0.value"].astype(np.int8)
+    logits, present_k, _ = create_session(model).run(None, feeds)
+    assert present_k.dtype == np.int8
+    np.testing.assert_allclose(logits, want, atol=0.1 * np.abs(want).max())
+
+
+def test_fusion_off_leaves_an_export_unconverted():
+    model = exported_decoder()
+    with pytest.warns(KvCacheWarning, match="no GroupQueryAttention"):
+        optimize_model(
+            model,
+            execution_provider="cpu",
+            kv_cache_format="int8",
+            kv_cache_scales=SCALES,
+            fuse_attention=False,
+        )
+    assert count_gqa(model) == 0
+
+
+def test_pass_manager_fuses_an_export_then_quantizes():
+    from onnx_kvcache import KvCacheQuantizationPass
+
+    model = exported_decoder()
+    result = ir.passes.PassManager(
+        [
+            GqaFusionPass(),
+            KvCacheQuantizationPass("int4", "per_channel", {0: (np.full(32, 0.3), np.full(32, 0.2))}),
+        ]
+    )(model)
+    assert result.modified and count_gqa(result.model) == 1
+    assert result.model.graph.inputs[3].dtype == ir.DataType.UINT8
+    assert result.model.graph.inputs[3].shape[3] == 8
