@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import onnx_ir as ir
 import pytest
@@ -131,3 +132,39 @@ def test_qk_norm_nodes_need_a_provider_that_takes_them(ep, ok):
     assert report.supported == ok
     if not ok:
         assert "q/k norm" in report.reasons[0]
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch, output: str) -> None:
+    script = tmp_path / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\necho '{output}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+def test_compute_capability_from_nvidia_smi(tmp_path, monkeypatch):
+    from onnx_kvcache.device import cuda_compute_capability
+
+    fake_nvidia_smi(tmp_path, monkeypatch, "8.9")
+    assert cuda_compute_capability() == (8, 9)
+
+
+def test_compute_capability_is_none_without_a_gpu(tmp_path, monkeypatch):
+    from onnx_kvcache import device
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    monkeypatch.setattr(device.ctypes.util, "find_library", lambda name: "libcuda-that-is-not-there.so")
+    assert device.cuda_compute_capability() is None
+
+
+@pytest.mark.parametrize(("cc", "converted"), [("8.6", False), ("8.9", True), ("9.0", True)])
+def test_check_device_gates_fp8_on_the_local_gpu(tmp_path, monkeypatch, cc, converted):
+    from onnx_kvcache import KvCacheWarning, optimize_model
+
+    fake_nvidia_smi(tmp_path, monkeypatch, cc)
+    model = gqa_model(dtype=F16)
+    if converted:
+        optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
+    else:
+        with pytest.warns(KvCacheWarning, match=f"compute capability {cc} is below 8.9"):
+            optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
+    assert (model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN) == converted

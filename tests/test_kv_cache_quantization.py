@@ -405,3 +405,53 @@ def test_cpu_kernel_matches_quantized_reference(fmt, granularity, dtype, interle
         # What is read: attention over the stored cache, dequantized, current tokens included.
         want, _, _ = quantized_gqa_step(*args, **kwargs, stored=(present_k, present_v))
         np.testing.assert_allclose(out.astype(np.float32), want, atol=tol, rtol=tol)
+
+
+def _kv_sharing_model() -> ir.Model:
+    """Layer 1 reads layer 0's present as its past (cross-layer KV sharing)."""
+    model = gqa_model(layers=2)
+    a, b = gqa_nodes(model)
+    for slot, out in ((3, 1), (4, 2)):
+        old = b.inputs[slot]
+        b.replace_input_with(slot, a.outputs[out])
+        model.graph.inputs.remove(old)
+    return model
+
+
+@pytest.mark.parametrize("fmt", CPU_FORMATS)
+def test_a_node_reading_another_nodes_present_converts_with_it(fmt):
+    model = _kv_sharing_model()
+    a, b = gqa_nodes(model)
+    assert [s.layer_id for s in find_gqa_sites(model)] == [0, 0]
+    KvCacheQuantizationPass(fmt, scales=scales_for([0], "per_tensor"))(model)
+    assert a.inputs[12] is b.inputs[12] and b.attributes["k_quant_type"].as_string() == "PER_TENSOR"
+    assert b.inputs[3].dtype == b.outputs[1].dtype == get_format(fmt).dtype
+    feeds = {
+        "query.0": np.ones((1, 2, 64), np.float32),
+        "key.0": np.ones((1, 2, 32), np.float32),
+        "value.0": np.ones((1, 2, 32), np.float32),
+        "query.1": np.ones((1, 2, 64), np.float32),
+        "key.1": np.ones((1, 2, 32), np.float32),
+        "value.1": np.ones((1, 2, 32), np.float32),
+        "past_key_values.0.key": np.zeros(
+            (1, 2, 0, get_format(fmt).packed_dim(16)), get_format(fmt).numpy_dtype()
+        ),
+        "past_key_values.0.value": np.zeros(
+            (1, 2, 0, get_format(fmt).packed_dim(16)), get_format(fmt).numpy_dtype()
+        ),
+        "seqlens_k": np.array([1], np.int32),
+        "total_sequence_length": np.array(2, np.int32),
+    }
+    create_session(model).run(None, feeds)  # type-checks and runs
+
+
+def test_a_present_read_by_another_op_skips_the_whole_group():
+    model = _kv_sharing_model()
+    a = gqa_nodes(model)[0]
+    tap = ir.Node("", "Identity", [a.outputs[1]], num_outputs=1, name="tap")
+    model.graph.append(tap)
+    model.graph.outputs.append(tap.outputs[0])
+    text = ir.to_onnx_text(model)
+    with pytest.warns(KvCacheWarning, match=r"gqa\.0, gqa\.1.*read by Identity node 'tap'"):
+        result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
+    assert not result.modified and ir.to_onnx_text(model) == text

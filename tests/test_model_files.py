@@ -225,3 +225,22 @@ def test_larger_than_2gib_external_data_is_never_read(tmp_path):
     assert result.bytes_written < 1_000_000
     assert (tmp_path / "out" / "weights.bin").stat().st_ino == (folder / "weights.bin").stat().st_ino
     assert ir.load(result.model_file).graph.inputs[2].dtype == ir.DataType.FLOAT8E4M3FN
+
+
+def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
+    src = genai_folder(tmp_path / "in")
+    convert_model(
+        src,
+        tmp_path / "out",
+        format="int4",
+        granularity="per_channel",
+        scales={i: (np.full(64, 0.1), np.full(64, 0.2)) for i in range(2)},
+    )
+    assert main(["inspect", str(tmp_path / "out"), "--json", "--context", "1000", "--batch", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [layer["dtype"] for layer in doc["layers"]] == ["UINT8", "UINT8"]
+    assert doc["layers"][0]["k_quant_type"] == "PER_CHANNEL" and doc["layers"][0]["bit_width"] == 4
+    assert doc["bytes_per_token"] == 2 * 2 * 2 * 32 * 0.5 and doc["cache_bytes"] == 128 * 1000 * 2
+    assert main(["inspect", str(tmp_path / "out"), "--ep", "cuda"]) == 0
+    text = capsys.readouterr().out
+    assert "not eligible" in text and "head size 32" in text and "share one buffer" in text

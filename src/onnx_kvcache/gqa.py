@@ -95,6 +95,17 @@ class GqaSite:
     def has_cache(self) -> bool:
         return self.past_key is not None and self.past_value is not None
 
+    @property
+    def cache_writer(self) -> ir.Node | None:
+        """The GQA node whose present K/V this node reads as its past (KV sharing)."""
+        pk, pv = self.past_key, self.past_value
+        writer = pk.producer() if pk is not None else None
+        if writer is None or not is_gqa(writer) or pv is None or pv.producer() is not writer:
+            return None
+        if _output(writer, PRESENT_KEY) is pk and _output(writer, PRESENT_VALUE) is pv:
+            return writer
+        return None
+
     def int_attr(self, name: str, default: int = 0) -> int:
         attr = self.node.attributes.get(name)
         return default if attr is None else int(attr.as_int())
@@ -193,10 +204,20 @@ def cache_name(site: GqaSite, model: ir.Model) -> str | None:
     return value.name
 
 
+def cache_root(site: GqaSite, sites: list[GqaSite]) -> GqaSite:
+    """The site that owns the cache ``site`` reads: itself, or the first writer upstream."""
+    by_node = {id(s.node): s for s in sites}
+    seen = {id(site.node)}
+    while (writer := site.cache_writer) is not None and id(writer) in by_node and id(writer) not in seen:
+        site = by_node[id(writer)]
+        seen.add(id(site.node))
+    return site
+
+
 def _assign_layer_ids(model: ir.Model, sites: list[GqaSite]) -> None:
     caches: dict[int, list[GqaSite]] = {}
     for site in sites:
-        caches.setdefault(id(site.past_key), []).append(site)
+        caches.setdefault(id(cache_root(site, sites).past_key), []).append(site)
     parsed = {key: layer_id_from_name(cache_name(group[0], model)) for key, group in caches.items()}
     ids = list(parsed.values())
     use_names = None not in ids and len(set(ids)) == len(ids)

@@ -34,6 +34,8 @@ import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import get_format
+from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.optimize import optimize_model
 
 logger = logging.getLogger(__name__)
 
@@ -196,11 +198,10 @@ def _place_file(src: pathlib.Path, dst: pathlib.Path, mode: WeightsMode, result:
         result.bytes_written += dst.stat().st_size
 
 
-def _update_genai_config(config: dict[str, Any], quantized: bool, ep: str) -> dict[str, Any]:
+def _genai_config_for(config: dict[str, Any], ep: str) -> dict[str, Any]:
+    """A copy of ``config`` for a quantized cache on ``ep``: CPU cannot share past/present."""
     config = json.loads(json.dumps(config))
-    search = config.setdefault("search", {})
-    if quantized:
-        search["past_present_share_buffer"] = ep != "cpu"
+    config.setdefault("search", {})["past_present_share_buffer"] = ep != "cpu"
     return config
 
 
@@ -227,8 +228,6 @@ def convert_model(
     ``search.past_present_share_buffer`` follows it (default: ``cuda`` for fp8,
     ``cpu`` otherwise).
     """
-    from onnx_kvcache.optimize import optimize_model
-
     fmt = get_format(format)
     if weights not in ("link", "copy"):
         raise KvCacheError(f"weights must be 'link' or 'copy', got {weights!r}.")
@@ -253,8 +252,6 @@ def convert_model(
 
     model = load_model(model_file)
     data_files = external_data_files(model, model_file.parent)
-    from onnx_kvcache.gqa import find_gqa_sites
-
     model, report = optimize_model(
         model,
         execution_provider=ep.lower() if ep else None,
@@ -274,8 +271,7 @@ def convert_model(
     data = _serialize(model)
 
     if is_folder:
-        assert genai_config is not None or not (src / GENAI_CONFIG).exists()
-        new_config = _update_genai_config(genai_config, True, target) if genai_config is not None else None
+        new_config = _genai_config_for(genai_config, target) if genai_config is not None else None
         if in_place:
             atomic_write_bytes(model_file, data)
             if new_config is not None:

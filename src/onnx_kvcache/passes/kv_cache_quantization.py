@@ -7,6 +7,9 @@ subgraphs and the model's functions:
    not a graph input (a non-empty initializer, or produced by another node) is
    skipped with a warning naming the node; an empty initializer is retyped along
    with its value. A function's cache input is retyped at every call site too.
+   A node that reads another GQA node's present as its past (KV sharing across
+   layers) is converted with that writer, sharing its layer id and scales; the two
+   convert together or not at all, and a present read by any other node is skipped.
 2. past_key, past_value, present_key and present_value take the format's element
    type and keep their shapes; int4 packs two values a byte, so a static head
    dimension ``d`` becomes ``(d + 1) // 2`` (a symbolic one stays symbolic).
@@ -44,8 +47,11 @@ from onnx_kvcache.formats import (
 )
 from onnx_kvcache.gqa import (
     K_SCALE,
+    PAST_KEY,
+    PAST_VALUE,
     V_SCALE,
     GqaSite,
+    cache_root,
     find_gqa_sites,
     function_call_sites,
 )
@@ -61,10 +67,17 @@ class _Plan:
     """What the pass will do to one site; built before anything changes."""
 
     site: GqaSite
+    owner: GqaSite
+    """The site owning the cache (itself, or the writer whose present it reads): scales
+    are named after the owner's cache, so a shared cache gets one scale."""
     sources: list[ir.Value]
     sinks: list[ir.Value]
     k_scale: np.ndarray | None
     v_scale: np.ndarray | None
+
+
+class _Skip(Exception):
+    """A site that cannot be converted; the message says why."""
 
 
 class KvCacheQuantizationPass(ir.passes.InPlacePass):
@@ -97,25 +110,37 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         scales = as_kv_cache_scales(self.scales, format=self.format.name)
         sites = find_gqa_sites(model)
-        plans = [plan for site in sites if (plan := self._plan(model, site, scales))]
+        groups: dict[int, list[GqaSite]] = {}
+        for site in sites:
+            groups.setdefault(id(cache_root(site, sites).node), []).append(site)
+        plans: list[_Plan] = []
+        for group in groups.values():
+            try:
+                plans += [self._plan(model, site, group, scales) for site in group]
+            except _Skip as e:
+                names = ", ".join(s.name for s in group)
+                warnings.warn(
+                    f"Skipped GroupQueryAttention node(s) {names}: {e}; only caches that are "
+                    "graph inputs (or another converted node's present) are converted.",
+                    KvCacheWarning,
+                    stacklevel=2,
+                )
         self._check_coverage(plans, scales)
-        unit = scales is None and any(not self._already_done(p.site) for p in plans)
-        if unit:
+        if scales is None and any(not self._already_done(p.site) for p in plans):
             warnings.warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
                 "Calibrated scales are more accurate (onnx-kvcache calibrate).",
                 KvCacheWarning,
                 stacklevel=2,
             )
-        modified = False
         store = _ScaleStore(model)
+        modified = False
         for plan in plans:
             modified |= self._apply(plan, store)
-        modified |= store.remove_unused()
-        converted = len({id(p.site.node) for p in plans})
+        modified |= store.modified | store.remove_unused()
         logger.info(
             "KV cache: %d GroupQueryAttention node(s) in %s %s format%s.",
-            converted,
+            len(plans),
             self.format.name,
             self.granularity,
             "" if modified else " (already converted, nothing changed)",
@@ -141,27 +166,32 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             f"{self.granularity}. Convert the original (unquantized) model instead."
         )
 
-    def _plan(self, model: ir.Model, site: GqaSite, scales: KvCacheScales | None) -> _Plan | None:
+    def _plan(
+        self, model: ir.Model, site: GqaSite, group: list[GqaSite], scales: KvCacheScales | None
+    ) -> _Plan:
+        owner = group[0]
         done = self._already_done(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
         if not done:
-            for cache in (site.past_key, site.past_value):
-                assert cache is not None
-                found, reason = _cache_sources(model, site, cache)
-                if reason:
-                    warnings.warn(
-                        f"Skipped GroupQueryAttention node {site.name}: its cache "
-                        f"{cache.name!r} {reason}; only caches that are graph inputs are "
-                        "converted.",
-                        KvCacheWarning,
-                        stacklevel=4,
-                    )
-                    return None
-                sources += found
+            if site is owner:
+                for cache in (site.past_key, site.past_value):
+                    assert cache is not None
+                    found, reason = _cache_sources(model, site, cache)
+                    if reason:
+                        raise _Skip(f"cache {cache.name!r} {reason}")
+                    sources += found
+            readers = {id(s.node) for s in group}
             for present in (site.present_key, site.present_value):
-                if present is not None:
-                    sinks += _cache_sinks(model, site, present)
+                if present is None:
+                    continue
+                for user, slot in present.uses():
+                    if id(user) not in readers or slot not in (PAST_KEY, PAST_VALUE):
+                        raise _Skip(
+                            f"present cache {present.name!r} is also read by {user.op_type} "
+                            f"node {user.name!r}, which would see the quantized type"
+                        )
+                sinks += _cache_sinks(model, site, present)
         if scales is None and not done and not self.format.is_float:
             raise KvCacheError(
                 f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
@@ -170,13 +200,11 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             )
         if scales is None:
             if done:
-                return _Plan(site, sources, sinks, None, None)
-            k = v = np.ones(1, np.float32)
-            if self.granularity == "per_channel":
-                k = v = np.ones(site.kv_num_heads * self._head_size(site), np.float32)
-            return _Plan(site, sources, sinks, k, v)
+                return _Plan(site, owner, sources, sinks, None, None)
+            size = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
+            return _Plan(site, owner, sources, sinks, np.ones(size, np.float32), np.ones(size, np.float32))
         if site.layer_id not in scales.k:
-            return _Plan(site, sources, sinks, None, None)  # reported by _check_coverage
+            return _Plan(site, owner, sources, sinks, None, None)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
         expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
         if k.size != expected:
@@ -185,7 +213,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
                 "granularity (per channel: kv_num_heads * head_size)."
             )
-        return _Plan(site, sources, sinks, k, v)
+        return _Plan(site, owner, sources, sinks, k, v)
 
     def _head_size(self, site: GqaSite) -> int:
         return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
@@ -203,19 +231,19 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
     # -- applying -------------------------------------------------------------------
 
     def _apply(self, plan: _Plan, store: _ScaleStore) -> bool:
-        site, node = plan.site, plan.site.node
+        node = plan.site.node
         modified = False
         for value in plan.sources + plan.sinks:
             modified |= _retype(value, self.format)
         if plan.k_scale is not None and plan.v_scale is not None:
-            pk, pv = site.past_key, site.past_value
+            pk, pv = plan.owner.past_key, plan.owner.past_value
             assert pk is not None and pv is not None
             if self.shared_kv_scale:
                 shared = np.maximum(plan.k_scale, plan.v_scale)
-                k_value = v_value = store.put(site, f"{pk.name}_kv_scale", shared)
+                k_value = v_value = store.put(plan.owner, f"{pk.name}_kv_scale", shared)
             else:
-                k_value = store.put(site, f"{pk.name}_scale", plan.k_scale)
-                v_value = store.put(site, f"{pv.name}_scale", plan.v_scale)
+                k_value = store.put(plan.owner, f"{pk.name}_scale", plan.k_scale)
+                v_value = store.put(plan.owner, f"{pv.name}_scale", plan.v_scale)
             if len(node.inputs) <= V_SCALE:
                 node.resize_inputs(V_SCALE + 1)
             for slot, value in ((K_SCALE, k_value), (V_SCALE, v_value)):
@@ -223,7 +251,6 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                     store.retire(node.inputs[slot])
                     node.replace_input_with(slot, value)
                     modified = True
-            modified |= store.modified
         quant = GRANULARITIES[self.granularity]
         for name, attr in (
             ("k_quant_type", ir.AttrString("k_quant_type", quant)),
