@@ -97,6 +97,33 @@ def gqa_model(
     return ir.Model(graph, ir_version=10)
 
 
+def rope_tables(model: ir.Model) -> dict[str, np.ndarray]:
+    """The model's cos/sin caches, as the reference's keyword arguments."""
+    return {name: model.graph.initializers[f"{name}_cache"].const_value.numpy() for name in ("cos", "sin")}
+
+
+def reference_step(model: ir.Model, feeds: dict, fmt, k_scale=None, v_scale=None, **kwargs):
+    """The numpy reference for one step of ``run_gqa_steps`` on ``model``."""
+    from reference import quantized_gqa_step
+
+    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    return quantized_gqa_step(
+        feeds["q"],
+        feeds["k"],
+        feeds["v"],
+        feeds["past_k"],
+        feeds["past_v"],
+        fmt,
+        k_scale,
+        v_scale,
+        num_heads=node.attributes["num_heads"].as_int(),
+        kv_heads=node.attributes["kv_num_heads"].as_int(),
+        interleaved=bool(node.attributes["rotary_interleaved"].as_int()),
+        **rope_tables(model),
+        **kwargs,
+    )
+
+
 def run_gqa_steps(
     session, model: ir.Model, steps: list[int], *, seed: int = 1, batch: int = 1, scale: float = 1.0
 ):

@@ -14,8 +14,7 @@ from onnx_kvcache.formats import get_format
 from onnx_kvcache.passes.fp8_emulation import Fp8KvCacheEmulationPass, emulate_fp8_kv_cache
 from onnx_kvcache.runtime import create_session
 
-from conftest import gqa_model, run_gqa_steps
-from reference import quantized_gqa_step
+from conftest import gqa_model, reference_step, run_gqa_steps
 
 FP8 = get_format("fp8")
 
@@ -50,41 +49,26 @@ def test_emulation_matches_the_kernel_rule(granularity, interleaved, dtype, head
         granularity, heads=heads, kv=kv, head=head, dtype=dtype, interleaved=interleaved
     )
     emulated = emulate_fp8_kv_cache(model)
-    cos = model.graph.initializers["cos_cache"].const_value.numpy()
-    sin = model.graph.initializers["sin_cache"].const_value.numpy()
     session = create_session(emulated)
     tol = 4e-3 if dtype == ir.DataType.FLOAT16 else 3e-5
     for feeds, (out, pk, pv) in run_gqa_steps(session, model, [6, 1, 1, 1]):
-        args = (feeds["q"], feeds["k"], feeds["v"], feeds["past_k"], feeds["past_v"], FP8, k_scale, v_scale)
-        kwargs = {"num_heads": heads, "kv_heads": kv, "cos": cos, "sin": sin, "interleaved": interleaved}
-        _, want_k, want_v = quantized_gqa_step(*args, **kwargs)
+        _, want_k, want_v = reference_step(model, feeds, FP8, k_scale, v_scale)
         assert pk.dtype == np.uint8 and pk.shape == want_k.shape
         flips = codes_close(pk, want_k, k_scale, kv, head) + codes_close(pv, want_v, v_scale, kv, head)
         assert flips < (0.02 if dtype == ir.DataType.FLOAT16 else 0.002)
-        want, _, _ = quantized_gqa_step(*args, **kwargs, stored=(pk, pv))
+        want, _, _ = reference_step(model, feeds, FP8, k_scale, v_scale, stored=(pk, pv))
         np.testing.assert_allclose(out.astype(np.float32), want, atol=tol, rtol=tol)
 
 
 def test_current_tokens_are_read_dequantized():
     """A float-precision read of the new tokens would differ from the emulation's output."""
-    model, k_scale, v_scale = fp8_model("per_tensor", scale=0.05)
+    model, _, _ = fp8_model("per_tensor", scale=0.05)
     session = create_session(emulate_fp8_kv_cache(model))
-    cos = model.graph.initializers["cos_cache"].const_value.numpy()
-    sin = model.graph.initializers["sin_cache"].const_value.numpy()
     feeds, (out, _, _) = next(run_gqa_steps(session, model, [5]))
-    float_read, _, _ = quantized_gqa_step(
-        feeds["q"],
-        feeds["k"],
-        feeds["v"],
-        np.zeros((1, 2, 0, 16), np.float32),
-        np.zeros((1, 2, 0, 16), np.float32),
+    float_read, _, _ = reference_step(
+        model,
+        {**feeds, "past_k": feeds["past_k"].astype(np.float32), "past_v": feeds["past_v"].astype(np.float32)},
         None,
-        k_scale,
-        v_scale,
-        num_heads=4,
-        kv_heads=2,
-        cos=cos,
-        sin=sin,
     )
     assert np.abs(out - float_read).max() > 1e-3
 
@@ -103,26 +87,9 @@ def test_qk_norm_inputs_are_applied_before_rope():
     model, k_scale, v_scale = fp8_model("per_tensor", qk_norm=True)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     norms = (node.inputs[14].const_value.numpy(), node.inputs[15].const_value.numpy())
-    cos = model.graph.initializers["cos_cache"].const_value.numpy()
-    sin = model.graph.initializers["sin_cache"].const_value.numpy()
     session = create_session(emulate_fp8_kv_cache(model))
     for feeds, (out, pk, pv) in run_gqa_steps(session, model, [3, 1]):
-        want, _, _ = quantized_gqa_step(
-            feeds["q"],
-            feeds["k"],
-            feeds["v"],
-            feeds["past_k"],
-            feeds["past_v"],
-            FP8,
-            k_scale,
-            v_scale,
-            num_heads=4,
-            kv_heads=2,
-            cos=cos,
-            sin=sin,
-            stored=(pk, pv),
-            qk_norm=norms,
-        )
+        want, _, _ = reference_step(model, feeds, FP8, k_scale, v_scale, stored=(pk, pv), qk_norm=norms)
         np.testing.assert_allclose(out, want, atol=3e-5, rtol=3e-5)
 
 
@@ -183,25 +150,8 @@ def test_reference_matches_the_float_kernel(qk_norm, interleaved):
     model = gqa_model(qk_norm=qk_norm, interleaved=interleaved)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     norms = (node.inputs[14].const_value.numpy(), node.inputs[15].const_value.numpy()) if qk_norm else None
-    cos = model.graph.initializers["cos_cache"].const_value.numpy()
-    sin = model.graph.initializers["sin_cache"].const_value.numpy()
     for feeds, (out, pk, _) in run_gqa_steps(create_session(model), model, [5, 1, 1]):
-        want, want_k, _ = quantized_gqa_step(
-            feeds["q"],
-            feeds["k"],
-            feeds["v"],
-            feeds["past_k"],
-            feeds["past_v"],
-            None,
-            None,
-            None,
-            num_heads=4,
-            kv_heads=2,
-            cos=cos,
-            sin=sin,
-            interleaved=interleaved,
-            qk_norm=norms,
-        )
+        want, want_k, _ = reference_step(model, feeds, None, qk_norm=norms)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(pk, want_k, atol=2e-5, rtol=2e-5)
 

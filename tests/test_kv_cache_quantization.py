@@ -13,8 +13,7 @@ from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_gqa_sites, layer_id_from_name
 from onnx_kvcache.runtime import create_session
 
-from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, run_gqa_steps
-from reference import quantized_gqa_step
+from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 
 KV, HEAD = 2, 16
 
@@ -304,24 +303,17 @@ def test_gqa_in_a_function_converts_and_runs(fmt):
 def test_gqa_in_an_if_subgraph_converts_and_runs():
     flat = gqa_model()
     node = gqa_nodes(flat)[0]
-    outs = [ir.Value(name=f"branch_out{i}") for i in range(3)]
-    inner = ir.Node(
-        "com.microsoft",
-        "GroupQueryAttention",
-        list(node.inputs),
-        attributes=list(node.attributes.values()),
-        outputs=outs,
-    )
-    then = ir.Graph([], outs, nodes=[inner], name="then")
-    other = [ir.Value(name=f"else_out{i}") for i in range(3)]
-    else_node = ir.Node(
-        "com.microsoft",
-        "GroupQueryAttention",
-        list(node.inputs),
-        attributes=list(node.attributes.values()),
-        outputs=other,
-    )
-    orelse = ir.Graph([], other, nodes=[else_node], name="else")
+
+    def branch(name):
+        outs = [ir.Value(name=f"{name}_out{i}") for i in range(3)]
+        attrs = list(node.attributes.values())
+        inner = ir.Node(
+            "com.microsoft", "GroupQueryAttention", list(node.inputs), attributes=attrs, outputs=outs
+        )
+        return ir.Graph([], outs, nodes=[inner], name=name), inner, outs
+
+    then, inner, outs = branch("then")
+    orelse, else_node, _ = branch("else")
     cond = ir.val("cond", ir.DataType.BOOL, [])
     results = [ir.val(v.name, v.dtype, v.shape) for v in flat.graph.outputs]
     flat.graph.remove(node)
@@ -387,14 +379,10 @@ def test_cpu_kernel_matches_quantized_reference(fmt, granularity, dtype, interle
     k_scale = (rng.uniform(2.5, 4.0, n) / row.qmax).astype(np.float32)
     v_scale = (rng.uniform(2.5, 4.0, n) / row.qmax).astype(np.float32)
     KvCacheQuantizationPass(fmt, granularity, {0: (k_scale, v_scale)})(model)
-    cos = model.graph.initializers["cos_cache"].const_value.numpy()
-    sin = model.graph.initializers["sin_cache"].const_value.numpy()
     session = create_session(model)
     tol = 4e-3 if dtype == ir.DataType.FLOAT16 else 2e-5
     for feeds, (out, present_k, present_v) in run_gqa_steps(session, model, [5, 1, 1, 1]):
-        args = (feeds["q"], feeds["k"], feeds["v"], feeds["past_k"], feeds["past_v"], row, k_scale, v_scale)
-        kwargs = {"num_heads": 4, "kv_heads": KV, "cos": cos, "sin": sin, "interleaved": interleaved}
-        _, want_k, want_v = quantized_gqa_step(*args, **kwargs)
+        _, want_k, want_v = reference_step(model, feeds, row, k_scale, v_scale)
         assert present_k.dtype == row.numpy_dtype() and present_k.shape == want_k.shape
         # What is stored: the reference's codes, but for rare ties at .5 (fp16, RoPE order).
         for got, want, scale in ((present_k, want_k, k_scale), (present_v, want_v, v_scale)):
@@ -403,7 +391,7 @@ def test_cpu_kernel_matches_quantized_reference(fmt, granularity, dtype, interle
             assert levels.max() <= 1.0001
             assert np.mean(levels > 0.5) < (0.05 if dtype == ir.DataType.FLOAT16 else 0.01)
         # What is read: attention over the stored cache, dequantized, current tokens included.
-        want, _, _ = quantized_gqa_step(*args, **kwargs, stored=(present_k, present_v))
+        want, _, _ = reference_step(model, feeds, row, k_scale, v_scale, stored=(present_k, present_v))
         np.testing.assert_allclose(out.astype(np.float32), want, atol=tol, rtol=tol)
 
 

@@ -166,21 +166,16 @@ def _emulate(site: GqaSite) -> None:
             else head
         )
         extra = {"rotary_embedding_dim": rot} if rot != head else {}
-        query = e.op(
-            "RotaryEmbedding",
-            [query, positions, cos, sin],
-            domain="com.microsoft",
-            interleaved=interleaved,
-            num_heads=heads,
-            **extra,
-        )
-        key = e.op(
-            "RotaryEmbedding",
-            [key, positions, cos, sin],
-            domain="com.microsoft",
-            interleaved=interleaved,
-            num_heads=kv,
-            **extra,
+        query, key = (
+            e.op(
+                "RotaryEmbedding",
+                [x, positions, cos, sin],
+                domain="com.microsoft",
+                interleaved=interleaved,
+                num_heads=n,
+                **extra,
+            )
+            for x, n in ((query, heads), (key, kv))
         )
     k_scale, v_scale = inputs[K_SCALE], inputs[V_SCALE]
     k_new = _round_trip(e, key, _scale_shape(e, k_scale, kv, head, bnsh=False), dtype)
