@@ -3,7 +3,7 @@
     python benchmarks/calibrate.py
 
 1. Tokens per second and peak RSS of calibrate_kv_cache at seq-len 512 on the built-in
-   corpus.
+   corpus (byte-level ids, the bundled decoder's tokenizer).
 2. Scales calibrated on short windows (64 tokens), then K read at long positions (up to
    4096): the fraction of K values beyond the int8 range, with raw K thresholds and with the
    rotation-invariant envelope.
@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache
-from onnx_kvcache.data import builtin_corpus
+from onnx_kvcache.data import builtin_corpus, corpus_byte_ids
 
 
 def main() -> None:
@@ -25,7 +25,9 @@ def main() -> None:
     tokens = len(builtin_corpus().encode("utf-8"))
     for method in ("minmax", "percentile", "mse"):
         start = time.perf_counter()
-        calibrate_kv_cache(model, format="int8", method=method, seq_len=512, progress=False)
+        calibrate_kv_cache(
+            model, [corpus_byte_ids()], format="int8", method=method, seq_len=512, progress=False
+        )
         wall = time.perf_counter() - start
         print(
             f"calibrate {method:<10} seq-len 512: {tokens / wall:8.0f} tokens/s "

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder, calibrate_kv_cache
+from onnx_kvcache.data import corpus_byte_ids
 
 
 def main() -> None:
@@ -27,7 +28,9 @@ def main() -> None:
     for fmt in (None, "int8", "int4", "fp8"):
         model = build_decoder()
         if fmt is not None:
-            scales = calibrate_kv_cache(model, format=fmt, granularity="per_channel", progress=False)
+            scales = calibrate_kv_cache(
+                model, [corpus_byte_ids()], format=fmt, granularity="per_channel", progress=False
+            )
             KvCacheQuantizationPass(fmt, "per_channel", scales)(model)
         runner = KvCacheRunner(model)
         runner.prefill(prompt)

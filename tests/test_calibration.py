@@ -299,6 +299,26 @@ def test_text_with_a_tokenizer(tmp_path, model):
     assert scales.metadata["tokens"] == 100
 
 
-def test_builtin_corpus_is_the_default(model):
-    scales = calibrate_kv_cache(model, format="int8", progress=False)
-    assert scales.metadata["tokens"] > 5000  # the corpus, read as bytes by this tokenizer-less model
+def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    from onnx_kvcache.data import corpus_byte_ids
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "demo", num_layers=2)
+    scales = calibrate_kv_cache(folder, format="int8", progress=False)
+    assert scales.metadata["tokens"] == len(corpus_byte_ids())  # the byte-level tokenizer's ids
+
+
+def test_without_a_tokenizer_random_tokens_are_used(model, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
+        scales = calibrate_kv_cache(model, format="int8", seq_len=32, progress=False)
+    assert scales.metadata["tokens"] == 8 * 32
+    assert any("random token" in r.getMessage() for r in caplog.records)
+
+
+def test_text_without_a_tokenizer_is_an_error(tmp_path, model):
+    (tmp_path / "t.txt").write_text("some text")
+    with pytest.raises(KvCacheError, match="needs a tokenizer"):
+        calibrate_kv_cache(model, tmp_path / "t.txt", progress=False)

@@ -96,17 +96,19 @@ def test_coarser_scales_give_larger_error():
         assert good.layer_errors[layer][1] < coarse.layer_errors[layer][1]
 
 
-def test_data_notes():
+def test_data_notes(tmp_path):
     base = build_decoder(num_layers=2, vocab_size=300)
-    assert (
-        "UTF-8 bytes"
-        in evaluate_kv_cache(base, quantized("int8"), num_seqs=1, seq_len=16, max_new_tokens=2).data_note
-    )
-    small = build_decoder(num_layers=2, vocab_size=200)
-    cand = build_decoder(num_layers=2, vocab_size=200)
-    KvCacheQuantizationPass("int8", scales={0: (0.1, 0.1), 1: (0.1, 0.1)})(cand)
-    report = evaluate_kv_cache(small, cand, num_seqs=2, seq_len=16, max_new_tokens=2)
+    report = evaluate_kv_cache(base, quantized("int8"), num_seqs=2, seq_len=16, max_new_tokens=2)
     assert "random tokens" in report.data_note and report.num_sequences == 2
+    pytest.importorskip("tokenizers")
+    from onnx_kvcache import calibrate_kv_cache, convert_model
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "demo", num_layers=2)
+    scales = calibrate_kv_cache(folder, format="int8", progress=False)
+    convert_model(folder, tmp_path / "int8", format="int8", scales=scales)
+    report = evaluate_kv_cache(folder, tmp_path / "int8", num_seqs=1, seq_len=32, max_new_tokens=2)
+    assert report.data_note == "built-in corpus, model tokenizer"
 
 
 def test_models_with_different_caches_are_refused():

@@ -1,13 +1,21 @@
 """Token data for calibration and evaluation: id files, text, the built-in corpus.
 
 Text is tokenized with the ``tokenizers`` library from a ``tokenizer.json`` (the
-``text`` extra). A model without a tokenizer reads text as UTF-8 bytes when its
-vocabulary holds them (the demo decoder does), else seeded random ids, and says so.
+``text`` extra): one given explicitly, or the one beside the model. Without data the
+built-in corpus is used when a tokenizer is found, else seeded random token ids within
+the model's vocabulary, and the caller is told which.
 """
 
 from __future__ import annotations
 
-__all__ = ["TokenData", "builtin_corpus", "find_tokenizer", "load_token_windows", "tokenize_text"]
+__all__ = [
+    "TokenData",
+    "builtin_corpus",
+    "corpus_byte_ids",
+    "find_tokenizer",
+    "load_token_windows",
+    "tokenize_text",
+]
 
 import importlib.resources
 import json
@@ -31,6 +39,11 @@ def builtin_corpus() -> str:
     return importlib.resources.files("onnx_kvcache").joinpath("corpus.txt").read_text("utf-8")
 
 
+def corpus_byte_ids() -> list[int]:
+    """The built-in corpus as byte-level token ids (the demo decoder's own tokenizer)."""
+    return list(builtin_corpus().encode("utf-8"))
+
+
 def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None) -> pathlib.Path | None:
     """``tokenizer.json`` given explicitly, or beside a model folder/file."""
     if tokenizer is not None:
@@ -47,20 +60,20 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     return None
 
 
-def tokenize_text(text: str, tokenizer: pathlib.Path | None, vocab_size: int | None) -> list[int]:
-    """Token ids of ``text``: real tokenizer, else bytes, else an error."""
-    if tokenizer is not None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise MissingRuntimeError(
-                "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
-            ) from e
-        return list(Tokenizer.from_file(str(tokenizer)).encode(text).ids)
-    if vocab_size is not None and vocab_size >= 256:
-        logger.info("No tokenizer: reading text as UTF-8 bytes (ids 0-255).")
-        return list(text.encode("utf-8"))
-    raise KvCacheError("Text data needs a tokenizer: pass --tokenizer PATH (a tokenizer.json) or token ids.")
+def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
+    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+    if tokenizer is None:
+        raise KvCacheError(
+            "Text data needs a tokenizer: pass --tokenizer PATH (a tokenizer.json), use a "
+            "model folder that has one, or give token ids instead."
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise MissingRuntimeError(
+            "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
+        ) from e
+    return list(Tokenizer.from_file(str(tokenizer)).encode(text).ids)
 
 
 def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
@@ -103,13 +116,14 @@ def load_token_windows(
     if data is None or isinstance(data, (str, os.PathLike)):
         tok = find_tokenizer(model, tokenizer)
         if data is None:
-            if tok is None and (vocab_size is None or vocab_size < 256):
-                logger.info("No tokenizer: using seeded random token sequences.")
+            if tok is None:
+                if vocab_size is None:
+                    raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
+                logger.info("No tokenizer: using seeded random token sequences within the vocabulary.")
                 rng = np.random.default_rng(seed)
-                high = vocab_size or 256
-                sequences = [list(rng.integers(0, high, seq_len)) for _ in range(num_seqs or 8)]
+                sequences = [list(rng.integers(0, vocab_size, seq_len)) for _ in range(num_seqs or 8)]
             else:
-                sequences = [tokenize_text(builtin_corpus(), tok, vocab_size)]
+                sequences = [tokenize_text(builtin_corpus(), tok)]
         else:
             path = pathlib.Path(data)
             if not path.is_file():
@@ -117,7 +131,7 @@ def load_token_windows(
             if path.suffix in (".json", ".npy"):
                 sequences = _read_ids_file(path)
             else:
-                sequences = [tokenize_text(path.read_text(encoding="utf-8"), tok, vocab_size)]
+                sequences = [tokenize_text(path.read_text(encoding="utf-8"), tok)]
     else:
         sequences = [list(s) for s in data]
         if not sequences or not all(sequences):

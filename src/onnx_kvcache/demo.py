@@ -17,6 +17,7 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from onnx_kvcache.calibration import calibrate_kv_cache
+from onnx_kvcache.data import corpus_byte_ids
 from onnx_kvcache.demo_model import build_decoder
 from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
 from onnx_kvcache.inspect import inspect_kv_cache
@@ -46,15 +47,16 @@ def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> li
             f"demo decoder: {len(info.layers)} GQA layers, float32 cache "
             f"{info.bytes_per_token:g} bytes/token -> {baseline}"
         )
+        corpus = [corpus_byte_ids()]  # what the decoder's byte-level tokenizer makes of the corpus
         rows = [("format", "granularity", "calib", "B/token", "KL mean", "KL max", "top-1", "greedy")]
         reports = []
         for fmt, granularity, method in DEMO_VARIANTS:
             scales = calibrate_kv_cache(
-                baseline, format=fmt, granularity=granularity, method=method, progress=False
+                baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
             )
             out = folder / f"model.{fmt}.{granularity}.onnx"
             convert_model(baseline, out, format=fmt, granularity=granularity, scales=scales, overwrite=True)
-            report = evaluate_kv_cache(baseline, out, max_new_tokens=32)
+            report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=32)
             reports.append(report)
             rows.append(
                 (
@@ -73,6 +75,9 @@ def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> li
         for row in rows:
             echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         echo("")
-        echo(f"evaluated on {reports[0].data_note}; {reports[0].positions} teacher-forced positions each")
+        echo(
+            f"calibrated and evaluated on the built-in corpus (byte-level ids); "
+            f"{reports[0].positions} teacher-forced positions each"
+        )
         echo(f"done in {time.perf_counter() - start:.1f}s" + (f"; models kept in {folder}" if keep else ""))
     return reports

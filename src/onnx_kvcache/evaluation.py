@@ -167,12 +167,10 @@ def evaluate_kv_cache(
     )
     if data is not None:
         note = "given data"
-    elif isinstance(source, (str, os.PathLike)) and _has_tokenizer(source, tokenizer):
+    elif _has_tokenizer(source, tokenizer):
         note = "built-in corpus, model tokenizer"
-    elif vocab is not None and vocab >= 256:
-        note = "built-in corpus as UTF-8 bytes (no tokenizer)"
     else:
-        note = "seeded random tokens (no tokenizer)"
+        note = "seeded random tokens (no tokenizer found)"
     dequant = _dequantizers(cand)
     kls: list[np.ndarray] = []
     agree = []
