@@ -443,3 +443,19 @@ def test_a_present_read_by_another_op_skips_the_whole_group():
     with pytest.warns(KvCacheWarning, match=r"gqa\.0, gqa\.1.*read by Identity node 'tap'"):
         result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
     assert not result.modified and ir.to_onnx_text(model) == text
+
+
+def test_malformed_gqa_node_is_a_clear_error():
+    model = gqa_model()
+    node = gqa_nodes(model)[0]
+    del node.attributes["kv_num_heads"]
+    with pytest.raises(KvCacheError, match="lacks num_heads or kv_num_heads"):
+        KvCacheQuantizationPass("fp8")(model)
+
+
+def test_unknown_head_size_asks_for_shape_inference():
+    model = gqa_model()
+    for value in model.graph.inputs:
+        value.shape = None
+    with pytest.raises(KvCacheError, match="Run shape inference"):
+        KvCacheQuantizationPass("int8", "per_channel", scales_for([0], "per_channel"))(model)

@@ -244,3 +244,26 @@ def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "out"), "--ep", "cuda"]) == 0
     text = capsys.readouterr().out
     assert "not eligible" in text and "head size 32" in text and "share one buffer" in text
+
+
+def test_when_no_link_works_the_error_suggests_copy(tmp_path, monkeypatch):
+    src = save_external(tmp_path / "in")
+
+    def refuse(*args, **kwargs):
+        raise OSError("operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    monkeypatch.setattr(os, "symlink", refuse)
+    with pytest.raises(KvCacheError, match="--weights copy"):
+        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
+    assert not (tmp_path / "out" / "m.onnx").exists() and not list((tmp_path / "out").glob("*"))
+
+
+@pytest.mark.parametrize(("extra", "code", "message"), [([], 1, "not converted"), (["--strict"], 2, "error")])
+def test_cli_gating_writes_nothing(tmp_path, capsys, extra, code, message):
+    src = save_external(tmp_path / "in")
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(src), str(out), "--format", "fp8", "--ep", "cpu", *extra]) == code
+    err = capsys.readouterr().err
+    assert message in err and "no GroupQueryAttention kernel for a fp8 cache" in err
+    assert not out.exists()
