@@ -188,21 +188,44 @@ def test_non_finite_outputs_raise(data):
         calibrate_kv_cache(broken, data, progress=False)
 
 
-def test_sliding_window_model_calibrates_from_resident_rows():
-    model = build_decoder(
-        num_layers=2, vocab_size=300, sliding_window_layers=(1,), sliding_window=16, sliding_window_cache=True
-    )
+def test_sliding_window_layers_are_calibrated_on_every_row():
+    """A long prefill evicts rows from a window-sized cache; the kernel quantized them all."""
+    options = {"num_layers": 2, "vocab_size": 300, "sliding_window_layers": (1,), "sliding_window": 16}
+    windowed = build_decoder(**options, sliding_window_cache=True)
     seq = list(np.random.default_rng(0).integers(0, 300, 48))
-    scales = calibrate_kv_cache(model, [seq], format="int8", rope_envelope=False, progress=False)
-    session = create_session(model)
+    scales = calibrate_kv_cache(windowed, [seq], format="int8", rope_envelope=False, progress=False)
+    full_cache = build_decoder(**options)  # same weights; layer 1 keeps all 48 rows
+    values = presents(full_cache, [seq])[(1, "value")][0]
+    assert values.shape[1] == 48
+    np.testing.assert_allclose(scales.v[1], np.abs(values).max() / 128, rtol=1e-6)
+    session = create_session(windowed)  # ...whereas the window itself holds 16
     ids = np.asarray(seq, np.int64)[None]
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for i, length in ((0, 0), (1, 16)):
         for kind in ("key", "value"):
             feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, KV, length, HEAD), np.float32)
-    present = session.run(["present.1.value"], feeds)[0]
-    assert present.shape[2] == 16
-    np.testing.assert_allclose(scales.v[1], np.abs(present).max() / 128, rtol=1e-6)
+    assert session.run(["present.1.value"], feeds)[0].shape[2] == 16
+
+
+@pytest.mark.parametrize("total", [10, 20, 37, 40, 41])
+def test_resident_rows_match_the_kernels_eviction(total):
+    """Capacity 20, window 16: rows [0, L) hold the last L positions, L from the formula."""
+    from onnx_kvcache import KvCacheRunner
+    from onnx_kvcache.calibration import _valid_rows
+    from onnx_kvcache.gqa import find_gqa_sites
+
+    options = {"num_layers": 2, "vocab_size": 300, "sliding_window_layers": (1,), "sliding_window": 16}
+    windowed = KvCacheRunner(build_decoder(**options, sliding_window_cache=True))
+    full = KvCacheRunner(build_decoder(**options))
+    seq = list(np.random.default_rng(1).integers(0, 300, total))
+    windowed.reset(1, min_capacity=20)
+    windowed.forward(np.asarray(seq)[None])
+    full.prefill(seq)
+    site = next(s for s in find_gqa_sites(windowed.model) if s.layer_id == 1)
+    resident = _valid_rows(site, total, 20)
+    assert min(total, 16) <= resident <= min(total, 20)
+    got, want = windowed.present(1, "key")[:, :, :resident], full.present(1, "key")[:, :, total - resident :]
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_layers_without_cache_are_skipped_in_layer_ids(tmp_path, data):

@@ -212,12 +212,13 @@ def calibrate_kv_cache(
         iterator = tqdm(windows, desc="calibrating", unit="seq")
     tokens = 0
     for window in iterator:
-        runner.prefill(np.asarray(window, np.int64)[None, :])
+        runner.reset(1, min_capacity=len(window))  # window caches keep every row resident
+        runner.forward(np.asarray(window, np.int64)[None, :])
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
             x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
-            x = x[:, : _valid_rows(b, site, len(window))]
+            x = x[:, : _valid_rows(site, len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
@@ -291,10 +292,9 @@ def _rotary_dim(site: Any) -> int | None:
     return None
 
 
-def _valid_rows(binding: Any, site: Any, total: int) -> int:
+def _valid_rows(site: Any, total: int, capacity: int) -> int:
     """Rows of a present cache that hold tokens (window-sized caches evict in blocks)."""
-    capacity = binding.capacity
-    if not capacity or total <= capacity:
+    if total <= capacity:
         return total
     window = site.int_attr("local_window_size", -1)
     block = capacity - window + 1

@@ -51,10 +51,14 @@ class CacheBinding:
     kv_num_heads: int
     last_dim: int
     capacity: int | None
-    """Fixed sequence capacity for window-sized caches (sliding_window_cache=1)."""
+    """Sequence capacity of a window-sized cache (sliding_window_cache=1), else None."""
+    static_capacity: bool = False
+    """The model fixes that capacity in the cache's shape (it cannot be enlarged)."""
 
-    def empty(self, batch: int) -> np.ndarray:
+    def empty(self, batch: int, min_capacity: int = 0) -> np.ndarray:
         length = self.capacity or 0
+        if self.capacity and not self.static_capacity:
+            length = max(length, min_capacity)
         shape = (batch, self.kv_num_heads, length, self.last_dim)
         if self.dtype == ir.DataType.FLOAT8E4M3FN:
             return np.zeros(shape, np.uint8)
@@ -77,8 +81,9 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             if present.name not in outputs:
                 continue
             shape = past.shape
-            if shape is not None and len(shape) == 4 and isinstance(shape[2], int) and capacity:
-                capacity = shape[2]
+            static = bool(capacity) and shape is not None and len(shape) == 4 and isinstance(shape[2], int)
+            if static:
+                capacity = shape[2]  # type: ignore[index]
             last = shape[3] if shape is not None and len(shape) == 4 else None
             if not isinstance(last, int):
                 head = site.head_size(cache_is_packed=past.dtype == ir.DataType.UINT8)
@@ -94,6 +99,7 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
                     site.kv_num_heads,
                     last,
                     capacity,
+                    static,
                 )
             )
     if not bindings:
@@ -165,13 +171,18 @@ class KvCacheRunner:
     def cache_dtype(self) -> ir.DataType | None:
         return self.bindings[0].dtype if self.bindings else None
 
-    def reset(self, batch: int = 1) -> None:
-        """Forget the context: empty caches for ``batch`` sequences."""
+    def reset(self, batch: int = 1, *, min_capacity: int = 0) -> None:
+        """Forget the context: empty caches for ``batch`` sequences.
+
+        ``min_capacity`` enlarges window-sized caches (when the model's shape allows) so
+        that ``min_capacity`` tokens stay resident: onnxruntime accepts any capacity at
+        least the window, and calibration must see every row the kernel will quantize.
+        """
         self.batch = batch
         self.length = 0
         self.caches: dict[str, Any] = {}
         for b in self.bindings:
-            empty = b.empty(batch)
+            empty = b.empty(batch, min_capacity)
             if self.io_binding:
                 self.caches[b.past] = to_ort_value(empty, b.dtype, self.device)
             else:
