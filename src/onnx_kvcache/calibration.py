@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_gqa_sites, resident_rows
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def calibrate_kv_cache(
         for b in runner.bindings:
             site = sites[b.layer_id]
             x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
-            x = x[:, : _valid_rows(site, len(window), x.shape[1])]
+            x = x[:, : resident_rows(site, len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
@@ -290,15 +290,6 @@ def _rotary_dim(site: Any) -> int | None:
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
     return None
-
-
-def _valid_rows(site: Any, total: int, capacity: int) -> int:
-    """Rows of a present cache that hold tokens (window-sized caches evict in blocks)."""
-    if total <= capacity:
-        return total
-    window = site.int_attr("local_window_size", -1)
-    block = capacity - window + 1
-    return total - block * -(-(total - capacity) // block)
 
 
 def _vocab_size(runner: Any) -> int | None:

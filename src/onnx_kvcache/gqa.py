@@ -15,6 +15,7 @@ __all__ = [
     "find_gqa_sites",
     "is_gqa",
     "layer_id_from_name",
+    "resident_rows",
 ]
 
 import dataclasses
@@ -231,3 +232,17 @@ def function_call_sites(model: ir.Model, function: ir.Function) -> list[ir.Node]
     """Nodes (anywhere in the model) that call ``function``."""
     identifier = function.identifier()
     return [node for node, _ in _iter_nodes(model) if node.op_identifier() == identifier]
+
+
+def resident_rows(site: GqaSite, total: int, capacity: int) -> int:
+    """Rows of a present cache holding tokens after ``total`` tokens, for ``capacity`` rows.
+
+    A full-length cache holds them all. A window-sized cache (``sliding_window_cache=1``,
+    window W) keeps the most recent ``L`` positions in rows ``[0, L)`` and evicts in blocks
+    of ``G = capacity - W + 1``: ``L = total - G * ceil((total - capacity) / G)``.
+    """
+    if total <= capacity or not site.int_attr("sliding_window_cache", 0):
+        return min(total, capacity)
+    window = site.int_attr("local_window_size", -1)
+    block = capacity - window + 1
+    return total - block * -(-(total - capacity) // block)
