@@ -205,3 +205,12 @@ def test_query_seqlens_shift_rotary_positions():
     )
     np.testing.assert_allclose(padded[0][:, :3], unpadded[0], atol=1e-6)
     np.testing.assert_array_equal(padded[1][:, :, :3], unpadded[1])
+
+
+def test_a_qwen3_style_decoder_runs_fp8_through_emulation():
+    """16-input GQA (q/k norm): no CPU kernel at all, yet the emulated fp8 model runs."""
+    model = build_decoder(num_layers=2, vocab_size=300, qk_norm=True)
+    assert len(next(n for n in model.graph if n.op_type == "GroupQueryAttention").inputs) == 16
+    KvCacheQuantizationPass("fp8", scales={0: (0.05, 0.02), 1: (0.05, 0.02)})(model)
+    tokens = KvCacheRunner(model).generate([1, 2, 3], 4)
+    assert len(tokens) == 4

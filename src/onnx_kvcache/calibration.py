@@ -263,8 +263,8 @@ def calibrate_kv_cache(
         format=fmt.name,
         qmax=fmt.qmax,
         metadata=metadata,
+        stats=tuple(stats),
     )
-    object.__setattr__(scales, "stats", stats)
     logger.info(
         "Calibrated %d layers on %d tokens:\n%s", len(stats), tokens, format_calibration_summary(stats)
     )

@@ -107,7 +107,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     scales.save(args.out)
-    print(format_calibration_summary(scales.stats))  # type: ignore[attr-defined]
+    print(format_calibration_summary(scales.stats))
     print(
         f"wrote {args.out} ({len(scales.layer_ids)} layers, {args.format} {args.granularity}, {args.method})"
     )

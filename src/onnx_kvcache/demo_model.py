@@ -168,17 +168,19 @@ def build_decoder(
         window = c.sliding_window if i in c.sliding_window_layers else 0
         if has_cache:
             past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
-            cache_shape = ["batch_size", c.kv_num_heads, past_len, c.head_size]
+            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, c.head_size]
             past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
             past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
             b.graph.inputs.extend([past_k, past_v])
             inputs[3:5] = [past_k, past_v]
         if c.qk_norm:
-            qn = b.weight(
-                f"model.layers.{i}.attn.q_norm.weight", 1 + 0.1 * b.rng.standard_normal(c.head_size)
-            )
-            kn = b.weight(
-                f"model.layers.{i}.attn.k_norm.weight", 1 + 0.1 * b.rng.standard_normal(c.head_size)
+            qn, kn = (
+                b.weight(
+                    f"model.layers.{i}.attn.{name}_norm.weight",
+                    (c.head_size,),
+                    lambda: 1 + 0.1 * b.rng.standard_normal(c.head_size),
+                )
+                for name in ("q", "k")
             )
             inputs += [None] * 5 + [qn, kn]
         attributes: dict = {
@@ -193,7 +195,12 @@ def build_decoder(
                 attributes["sliding_window_cache"] = 1
         outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
         if has_cache:
-            cache_out = ["batch_size", c.kv_num_heads, "total_sequence_length", c.head_size]
+            cache_out: list[int | str | None] = [
+                "batch_size",
+                c.kv_num_heads,
+                "total_sequence_length",
+                c.head_size,
+            ]
             outputs += [
                 ir.val(f"present.{i}.key", dtype, cache_out),
                 ir.val(f"present.{i}.value", dtype, cache_out),

@@ -19,7 +19,7 @@ __all__ = [
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,9 +105,17 @@ class EvaluationReport:
         return "\n".join(lines)
 
 
-def _dequantizers(runner: KvCacheRunner) -> dict[str, Any]:
+def _dequantizer(fmt: Any, scale: np.ndarray, head: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda stored: fmt.dequantize(stored, scale, head)
+
+
+def _as_float(stored: np.ndarray) -> np.ndarray:
+    return np.asarray(stored, np.float32)
+
+
+def _dequantizers(runner: KvCacheRunner) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
     """past name -> function mapping a stored cache array to float32."""
-    result = {}
+    result: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
     sites = {}
     for site in find_gqa_sites(runner.source_model):
         for kind, value in (("key", site.past_key), ("value", site.past_value)):
@@ -116,7 +124,7 @@ def _dequantizers(runner: KvCacheRunner) -> dict[str, Any]:
     for b in runner.bindings:
         site, kind = sites[b.past]
         if b.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            result[b.past] = lambda a: np.asarray(a, np.float32)
+            result[b.past] = _as_float
             continue
         bits = site.int_attr("kv_cache_bit_width", 8)
         fmt = next(r for r in CACHE_FORMATS.values() if r.dtype == b.dtype and r.bit_width == bits)
@@ -125,7 +133,7 @@ def _dequantizers(runner: KvCacheRunner) -> dict[str, Any]:
         head = site.head_size(cache_is_packed=b.dtype == ir.DataType.UINT8)
         if scale.size > 1:
             scale = scale.reshape(1, site.kv_num_heads, 1, head)
-        result[b.past] = lambda a, f=fmt, s=scale, h=head: f.dequantize(a, s, h)
+        result[b.past] = _dequantizer(fmt, scale, head)
     return result
 
 
@@ -197,8 +205,8 @@ def evaluate_kv_cache(
         for layer, (k, v) in per_layer.items():
             errors.setdefault(layer, []).append((k, v))
         if max_new_tokens > 0:
-            gb = base.generate(prompt, max_new_tokens)
-            gc = cand.generate(prompt, max_new_tokens)
+            gb = base.generate(prompt.tolist(), max_new_tokens)
+            gc = cand.generate(prompt.tolist(), max_new_tokens)
             prefix, share = greedy_agreement(gb, gc)
             prefixes.append(prefix)
             shares.append(share)

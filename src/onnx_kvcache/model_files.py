@@ -104,7 +104,7 @@ def external_data_files(model: ir.Model, base_dir: str | os.PathLike) -> list[st
     for tensor in _iter_tensors(model):
         if not isinstance(tensor, ir.ExternalTensor):
             continue
-        location = tensor.location
+        location = str(tensor.location)
         target = (base / location).resolve()
         if (
             os.path.isabs(location)

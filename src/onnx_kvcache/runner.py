@@ -76,26 +76,24 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             capacity = site.int_attr("local_window_size", -1)
         pairs = (("key", site.past_key, site.present_key), ("value", site.past_value, site.present_value))
         for kind, past, present in pairs:
-            if past is None or present is None or past.name not in inputs:
+            if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
-            if present.name not in outputs:
-                continue
+            assert past.name is not None and present.name is not None and past.dtype is not None
             shape = past.shape
-            static = bool(capacity) and shape is not None and len(shape) == 4 and isinstance(shape[2], int)
-            if static:
-                capacity = shape[2]  # type: ignore[index]
+            static = False
+            if capacity and shape is not None and len(shape) == 4 and isinstance(shape[2], int):
+                capacity, static = shape[2], True
             last = shape[3] if shape is not None and len(shape) == 4 else None
             if not isinstance(last, int):
                 head = site.head_size(cache_is_packed=past.dtype == ir.DataType.UINT8)
                 last = (head + 1) // 2 if past.dtype == ir.DataType.UINT8 else head
-            assert past.dtype is not None
             bindings.append(
                 CacheBinding(
                     site.layer_id,
                     kind,
                     past.name,
                     present.name,
-                    past.dtype,  # type: ignore[arg-type]
+                    past.dtype,
                     site.kv_num_heads,
                     last,
                     capacity,
@@ -158,9 +156,10 @@ class KvCacheRunner:
         self.session = create_session(model, self.providers, base_dir)
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
-        self.ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
-        if self.ids_name is None:
+        ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
+        if ids_name is None:
             raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
+        self.ids_name: str = ids_name
         outputs = [o.name for o in self.session.get_outputs()]
         self.logits_name = next((n for n in outputs if "logits" in n), outputs[0])
         self.device = "cuda" if on_cuda else "cpu"

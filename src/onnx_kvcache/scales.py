@@ -58,6 +58,8 @@ class KvCacheScales:
         format: Cache format the scales were computed for (``fp8``/``int8``/``int4``).
         qmax: Divisor the scales were computed against; defaults to the format's.
         metadata: Free-form provenance (granularity, method, ...), saved with the file.
+        stats: Per-layer calibration statistics when the scales were just measured (not
+            saved; see ``onnx_kvcache.calibration.CalibrationStats``).
     """
 
     k: Mapping[int, np.ndarray]
@@ -65,6 +67,7 @@ class KvCacheScales:
     format: str | None = None
     qmax: float | None = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stats: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if set(self.k) != set(self.v):

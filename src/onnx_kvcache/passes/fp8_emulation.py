@@ -132,30 +132,45 @@ def _positions(e: _Emitter, site: GqaSite, query: ir.Value) -> ir.Value:
     return e.op("Add", [e.op("Unsqueeze", [first, e.const(np.array([1], np.int64))]), steps])
 
 
+def _required(site: GqaSite, inputs: list[ir.Value | None], slot: int, what: str) -> ir.Value:
+    value = inputs[slot] if slot < len(inputs) else None
+    if value is None:
+        raise KvCacheError(
+            f"Cannot emulate GroupQueryAttention node {site.name}: it has no {what} (input {slot})."
+        )
+    return value
+
+
 def _emulate(site: GqaSite) -> None:
     node = site.node
     inputs = list(node.inputs)
+    query = _required(site, inputs, QUERY, "query")
+    past_key = _required(site, inputs, PAST_KEY, "past_key")
+    past_value = _required(site, inputs, PAST_VALUE, "past_value")
+    k_scale = _required(site, inputs, K_SCALE, "k_scale")
+    v_scale = _required(site, inputs, V_SCALE, "v_scale")
     dtype = site.query_dtype
     if dtype is None:
         raise KvCacheError(f"GroupQueryAttention node {site.name}: the query has no known dtype.")
     kv, heads = site.kv_num_heads, site.num_heads
     head = site.head_size(cache_is_packed=False)
     e = _Emitter(site)
-    query, key, value = (
-        inputs[QUERY],
-        inputs[KEY] if len(inputs) > KEY else None,
-        inputs[VALUE] if len(inputs) > VALUE else None,
-    )
-    if key is None:
+    key = inputs[KEY] if len(inputs) > KEY else None
+    value = inputs[VALUE] if len(inputs) > VALUE else None
+    if key is None or value is None:
         sizes = e.const(np.array([heads * head, kv * head, kv * head], np.int64))
         query, key, value = e.op("Split", [query, sizes], num_outputs=3, axis=-1)
     shared_eps = _float_attr(node, "qk_norm_epsilon", 1e-6)
-    if len(inputs) > _QNORM and inputs[_QNORM] is not None:
-        eps = _float_attr(node, "q_norm_epsilon", shared_eps)
-        query = _rms_norm_heads(e, query, inputs[_QNORM], heads, head, eps, dtype)
-    if len(inputs) > _KNORM and inputs[_KNORM] is not None:
-        eps = _float_attr(node, "k_norm_epsilon", shared_eps)
-        key = _rms_norm_heads(e, key, inputs[_KNORM], kv, head, eps, dtype)
+    q_norm = inputs[_QNORM] if len(inputs) > _QNORM else None
+    k_norm = inputs[_KNORM] if len(inputs) > _KNORM else None
+    if q_norm is not None:
+        query = _rms_norm_heads(
+            e, query, q_norm, heads, head, _float_attr(node, "q_norm_epsilon", shared_eps), dtype
+        )
+    if k_norm is not None:
+        key = _rms_norm_heads(
+            e, key, k_norm, kv, head, _float_attr(node, "k_norm_epsilon", shared_eps), dtype
+        )
     if site.int_attr("do_rotary"):
         positions = _positions(e, site, query)
         cos, sin = inputs[7], inputs[8]
@@ -177,13 +192,12 @@ def _emulate(site: GqaSite) -> None:
             )
             for x, n in ((query, heads), (key, kv))
         )
-    k_scale, v_scale = inputs[K_SCALE], inputs[V_SCALE]
     k_new = _round_trip(e, key, _scale_shape(e, k_scale, kv, head, bnsh=False), dtype)
     v_new = _round_trip(e, value, _scale_shape(e, v_scale, kv, head, bnsh=False), dtype)
     k_bnsh = _scale_shape(e, k_scale, kv, head, bnsh=True)
     v_bnsh = _scale_shape(e, v_scale, kv, head, bnsh=True)
-    past_k = _dequantize(e, inputs[PAST_KEY], k_bnsh, dtype)
-    past_v = _dequantize(e, inputs[PAST_VALUE], v_bnsh, dtype)
+    past_k = _dequantize(e, past_key, k_bnsh, dtype)
+    past_v = _dequantize(e, past_value, v_bnsh, dtype)
 
     new_inputs = [query, k_new, v_new, past_k, past_v, *inputs[5:]]
     new_inputs[7] = new_inputs[8] = None  # rotary done outside

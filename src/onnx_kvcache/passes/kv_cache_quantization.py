@@ -292,8 +292,9 @@ def _cache_sources(model: ir.Model, site: GqaSite, value: ir.Value) -> tuple[lis
         index = list(function.inputs).index(value)
         found = [value]
         for caller in function_call_sites(model, function):
-            if index < len(caller.inputs) and caller.inputs[index] is not None:
-                outer, reason = _cache_sources(model, site, caller.inputs[index])
+            argument = caller.inputs[index] if index < len(caller.inputs) else None
+            if argument is not None:
+                outer, reason = _cache_sources(model, site, argument)
                 if reason:
                     return [], reason
                 found += outer
