@@ -33,6 +33,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
 from onnx_kvcache.capabilities import (
     EP_CAPABILITIES,
@@ -44,7 +45,6 @@ from onnx_kvcache.demo_model import DecoderConfig, build_decoder
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CACHE_FORMATS, CacheFormat, get_format
-from onnx_kvcache.inspect import inspect_kv_cache
 from onnx_kvcache.model_files import convert_model
 from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.passes import Fp8KvCachePass, KvCacheQuantizationPass

@@ -57,8 +57,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from onnx_kvcache.cache_layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.capabilities import fast_path_diagnostics
-    from onnx_kvcache.inspect import format_cache_table, inspect_kv_cache
     from onnx_kvcache.model_files import load_model, resolve_model_path
 
     model = load_model(args.model)

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
 from onnx_kvcache.data import corpus_byte_ids
 from onnx_kvcache.demo_model import build_decoder
 from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
-from onnx_kvcache.inspect import inspect_kv_cache
 from onnx_kvcache.model_files import convert_model
 
 #: (format, granularity, calibration method) shown by the demo.

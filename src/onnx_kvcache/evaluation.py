@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CACHE_FORMATS
-from onnx_kvcache.gqa import find_gqa_sites, resident_rows
-from onnx_kvcache.inspect import _scale_values, inspect_kv_cache
+from onnx_kvcache.gqa import constant_values, find_gqa_sites, resident_rows
 from onnx_kvcache.runner import KvCacheRunner
 
 
@@ -129,7 +129,7 @@ def _dequantizers(runner: KvCacheRunner) -> dict[str, Callable[[np.ndarray], np.
         bits = site.int_attr("kv_cache_bit_width", 8)
         fmt = next(r for r in CACHE_FORMATS.values() if r.dtype == b.dtype and r.bit_width == bits)
         slot = 12 if kind == "key" else 13
-        scale = np.asarray(_scale_values(site.node.inputs[slot]), np.float32)
+        scale = np.asarray(constant_values(site.node.inputs[slot]), np.float32)
         head = site.head_size(cache_is_packed=b.dtype == ir.DataType.UINT8)
         if scale.size > 1:
             scale = scale.reshape(1, site.kv_num_heads, 1, head)

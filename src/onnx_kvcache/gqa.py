@@ -12,7 +12,11 @@ __all__ = [
     "GQA_DOMAIN",
     "GQA_OP_TYPE",
     "GqaSite",
+    "cache_name",
+    "cache_root",
+    "constant_values",
     "find_gqa_sites",
+    "function_call_sites",
     "is_gqa",
     "layer_id_from_name",
     "resident_rows",
@@ -22,6 +26,7 @@ import dataclasses
 import re
 from collections.abc import Iterator
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
@@ -246,3 +251,14 @@ def resident_rows(site: GqaSite, total: int, capacity: int) -> int:
     window = site.int_attr("local_window_size", -1)
     block = capacity - window + 1
     return total - block * -(-(total - capacity) // block)
+
+
+def constant_values(value: ir.Value | None) -> list[float] | None:
+    """The values of a constant (initializer or Constant node output), e.g. a scale."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        tensor = producer.attributes["value"].value
+    return None if tensor is None else [float(x) for x in np.asarray(tensor.numpy()).reshape(-1)]

@@ -7,10 +7,9 @@ __all__ = ["CacheLayerInfo", "CacheModelInfo", "format_cache_table", "inspect_kv
 import dataclasses
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.gqa import K_SCALE, V_SCALE, GqaSite, find_gqa_sites
+from onnx_kvcache.gqa import K_SCALE, V_SCALE, GqaSite, constant_values, find_gqa_sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +69,6 @@ class CacheModelInfo:
         return doc
 
 
-def _scale_values(value: ir.Value | None) -> list[float] | None:
-    if value is None:
-        return None
-    tensor = value.const_value
-    producer = value.producer()
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        tensor = producer.attributes["value"].value
-    return None if tensor is None else [float(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
-
-
 def _layer_info(site: GqaSite) -> CacheLayerInfo:
     past_k, past_v = site.past_key, site.past_value
     assert past_k is not None and past_v is not None
@@ -104,8 +93,8 @@ def _layer_info(site: GqaSite) -> CacheLayerInfo:
         k_quant_type=site.str_attr("k_quant_type", "NONE"),
         v_quant_type=site.str_attr("v_quant_type", "NONE"),
         bit_width=bits,
-        k_scale=_scale_values(k),
-        v_scale=_scale_values(v),
+        k_scale=constant_values(k),
+        v_scale=constant_values(v),
         shared_scale=k is not None and k is v,
         window=window if window > 0 and site.int_attr("sliding_window_cache", 0) else None,
         bytes_per_token=2 * site.kv_num_heads * head * per_value,

@@ -1,0 +1,83 @@
+"""The cache-format table: storage rules, packing, round trips, names."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
+
+
+@pytest.mark.parametrize("name", list(CACHE_FORMATS))
+def test_round_trip_error_is_half_a_step_inside_the_range(name):
+    fmt = get_format(name)
+    rng = np.random.default_rng(0)
+    scale = np.float32(0.01)
+    x = rng.uniform(-0.95, 0.95, (2, 3, 5, 16)).astype(np.float32) * scale * fmt.qmax_stored
+    back = fmt.dequantize(fmt.quantize(x, scale), scale, 16)
+    if fmt.is_float:  # relative: 3 mantissa bits
+        assert np.all(np.abs(back - x) <= np.abs(x) * 2.0**-4 + scale * 2.0**-10)
+    else:
+        assert np.all(np.abs(back - x) <= scale / 2 * 1.0001)
+
+
+@pytest.mark.parametrize("name", list(CACHE_FORMATS))
+def test_out_of_range_saturates(name):
+    fmt = get_format(name)
+    x = np.array([[-1e6, -1.0, 1.0, 1e6]], np.float32)
+    back = fmt.dequantize(fmt.quantize(x, np.float32(1.0)), np.float32(1.0), 4)
+    assert back[0, 0] == fmt.qmin_stored and back[0, -1] == fmt.qmax_stored
+    assert np.isfinite(back).all()
+
+
+def test_stored_forms_match_what_onnxruntime_feeds():
+    x = np.array([[0.5, -2.0, 3.0, 7.0]], np.float32)
+    fp8 = get_format("fp8").quantize(x, np.float32(1.0))
+    assert fp8.dtype == np.uint8
+    np.testing.assert_array_equal(fp8.view(ml_dtypes.float8_e4m3fn).astype(np.float32), x)
+    assert get_format("int8").quantize(x, np.float32(1.0)).dtype == np.int8
+    packed = get_format("int4").quantize(x, np.float32(1.0))
+    assert packed.dtype == np.uint8 and packed.tolist() == [
+        [(8 + 0) | ((8 - 2) << 4), (8 + 3) | ((8 + 7) << 4)]
+    ]
+
+
+@pytest.mark.parametrize("head", [1, 7, 8, 9, 128])
+def test_int4_packs_two_a_byte_with_odd_heads(head):
+    fmt = get_format("int4")
+    assert fmt.packed_dim(head) == (head + 1) // 2
+    x = np.arange(head, dtype=np.float32)[None] % 15 - 7
+    packed = fmt.quantize(x, np.float32(1.0))
+    assert packed.shape == (1, (head + 1) // 2)
+    np.testing.assert_array_equal(fmt.dequantize(packed, np.float32(1.0), head), x)
+
+
+def test_rounding_is_half_to_even_like_the_kernels():
+    x = np.array([[0.5, 1.5, 2.5, -0.5, -2.5]], np.float32)
+    assert get_format("int8").quantize(x, np.float32(1.0)).tolist() == [[0, 2, 2, 0, -2]]
+
+
+def test_table_rows():
+    assert {n: (f.dtype, f.bit_width, f.qmax) for n, f in CACHE_FORMATS.items()} == {
+        "fp8": (ir.DataType.FLOAT8E4M3FN, 8, 448.0),
+        "int8": (ir.DataType.INT8, 8, 128.0),
+        "int4": (ir.DataType.UINT8, 4, 8.0),
+    }
+    assert get_format("int4").bytes_per_value() == 0.5
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"), [("FP8", "fp8"), ("float8e4m3fn", "fp8"), ("INT8", "int8"), ("uint4", "int4")]
+)
+def test_names_and_aliases(alias, name):
+    assert get_format(alias).name == name
+
+
+def test_unknown_names_are_clear_errors():
+    with pytest.raises(ValueError, match="Unknown KV-cache format 'fp4'; choose one of fp8, int8, int4"):
+        get_format("fp4")
+    with pytest.raises(ValueError, match="Unknown scale granularity 'per_head'"):
+        get_granularity("per_head")
+    assert get_granularity("per-channel") == "per_channel"
