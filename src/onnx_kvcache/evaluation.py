@@ -19,6 +19,7 @@ __all__ = [
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,8 +154,12 @@ def evaluate_kv_cache(
     num_seqs: int | None = 4,
     providers: Sequence[Any] | None = None,
     tokenizer: str | os.PathLike | None = None,
+    progress: bool = True,
 ) -> EvaluationReport:
-    """Compare a quantized-cache model with its baseline; see the module docstring."""
+    """Compare a quantized-cache model with its baseline; see the module docstring.
+
+    A progress bar (tqdm) shows on a terminal unless ``progress=False``.
+    """
     base = KvCacheRunner(baseline, providers)
     cand = KvCacheRunner(candidate, providers)
     if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
@@ -184,7 +189,12 @@ def evaluate_kv_cache(
     agree = []
     errors: dict[int, list[tuple[float, float]]] = {}
     prefixes, shares = [], []
-    for window in windows:
+    iterator: Any = windows
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        iterator = tqdm(windows, desc="evaluating", unit="seq")
+    for window in iterator:
         p = min(prompt_len, max(1, len(window) // 2))
         prompt, rest = window[:p], window[p:]
         lb, lc = base.prefill(prompt)[0], cand.prefill(prompt)[0]
