@@ -141,3 +141,13 @@ def test_cli_evaluate_with_json_and_plot(tmp_path, capsys):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert set(doc["layer_errors"]) == {"0", "1"} and doc["candidate_format"] == "int8 per_tensor"
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_perfect_match(tmp_path):
+    pytest.importorskip("matplotlib")
+    from onnx_kvcache.plots import plot_evaluation
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=0)
+    plot_evaluation(report, tmp_path / "same.png")  # all-zero KL: no log axis
+    assert (tmp_path / "same.png").stat().st_size > 1000
