@@ -27,11 +27,12 @@ def plot_evaluation(report: EvaluationReport, path: str | os.PathLike) -> None:
     left.set(xlabel="layer", ylabel="relative L2 error", title="cache reconstruction error", xticks=layers)
     left.legend()
     right.plot(range(len(report.kl_per_position)), report.kl_per_position)
+    positive = any(k > 0 for k in report.kl_per_position)  # a model against itself: all zero
     right.set(
         xlabel="position (teacher-forced)",
         ylabel="KL(baseline || candidate), nats",
         title="next-token KL per position",
-        yscale="log",
+        yscale="log" if positive else "linear",
     )
     fig.suptitle(
         f"{report.candidate_format}: KL mean {report.kl_mean:.2e}, top-1 {report.top1_agreement:.1%}"
