@@ -84,3 +84,16 @@ def test_module_entry_point_and_demo(tmp_path):
     by_name = {tuple(line.split()[:2]): line for line in table}
     assert "512" in by_name[("int8", "per_tensor")] and "256" in by_name[("int4", "per_channel")]
     assert (tmp_path / "model.int8.per_channel.onnx").is_file()
+
+
+def test_convert_takes_the_granularity_of_the_scale_file(tmp_path, model_file, capsys):
+    scales = tmp_path / "pc.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [[0.1] * 64] * 2, "v_scales": [[0.2] * 64] * 2}}))
+    out = tmp_path / "pc.onnx"
+    assert main(["convert", str(model_file), str(out), "--format", "int8", "--scales", str(scales)]) == 0
+    assert "int8 per_channel" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"][0]["k_quant_type"] == "PER_CHANNEL"
+    args = ["convert", str(model_file), str(tmp_path / "x.onnx"), "--format", "int8", "--scales", str(scales)]
+    assert main([*args, "--granularity", "per_tensor"]) == 2  # explicit and contradicting: an error
+    assert "element" in capsys.readouterr().err

@@ -20,9 +20,15 @@ from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeErro
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
 
 
-def _add_format_args(p: argparse.ArgumentParser, default: str = "fp8") -> None:
-    p.add_argument("--format", default=default, choices=list(CACHE_FORMATS), help="cache format")
-    p.add_argument("--granularity", default="per_tensor", choices=list(GRANULARITIES))
+def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
+    p.add_argument("--format", default="fp8", choices=list(CACHE_FORMATS), help="cache format")
+    p.add_argument(
+        "--granularity",
+        default=granularity,
+        choices=list(GRANULARITIES),
+        help="scale granularity"
+        + (" (default: the scale file's, else per_tensor)" if granularity is None else ""),
+    )
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -50,7 +56,7 @@ def _convert(args: argparse.Namespace) -> int:
     copies = f", {len(result.copied)} copied" if result.copied else ""
     print(
         f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} "
-        f"{args.granularity}: {result.model_file} ({result.bytes_written} bytes written"
+        f"{result.granularity}: {result.model_file} ({result.bytes_written} bytes written"
         f"{links}{copies}) in {time.perf_counter() - start:.2f}s"
     )
     return 0
@@ -153,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a model file or genai folder")
     p.add_argument("input")
     p.add_argument("output", nargs="?")
-    _add_format_args(p)
+    _add_format_args(p, granularity=None)
     p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
     p.add_argument("--shared-kv-scale", action="store_true", help="one tensor for k and v scales")
     p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")

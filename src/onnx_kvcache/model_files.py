@@ -36,6 +36,7 @@ from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.optimize import optimize_model
+from onnx_kvcache.scales import as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class ConvertResult:
     output: pathlib.Path
     model_file: pathlib.Path
     nodes: int
+    granularity: str = "per_tensor"
     bytes_written: int = 0
     linked: list[str] = dataclasses.field(default_factory=list)
     copied: list[str] = dataclasses.field(default_factory=list)
@@ -210,7 +212,7 @@ def convert_model(
     out_path: str | os.PathLike | None = None,
     *,
     format: str = "fp8",
-    granularity: str = "per_tensor",
+    granularity: str | None = None,
     scales: Any = None,
     shared_kv_scale: bool = False,
     weights: WeightsMode = "link",
@@ -226,9 +228,13 @@ def convert_model(
     checks it and, when the request cannot run there, nothing is written and the
     result says why (``strict`` raises instead). A genai folder's
     ``search.past_present_share_buffer`` follows it (default: ``cuda`` for fp8,
-    ``cpu`` otherwise).
+    ``cpu`` otherwise). ``granularity`` defaults to the scales' own (per channel when they
+    have one element per channel), else per tensor.
     """
     fmt = get_format(format)
+    scales = as_kv_cache_scales(scales, format=fmt.name)
+    if granularity is None:
+        granularity = scales.granularity if scales is not None else "per_tensor"
     if weights not in ("link", "copy"):
         raise KvCacheError(f"weights must be 'link' or 'copy', got {weights!r}.")
     src = pathlib.Path(in_path)
@@ -264,7 +270,9 @@ def convert_model(
         strict=strict,
         return_report=True,
     )
-    result = ConvertResult(dst, model_file, 0, converted=report.supported, reasons=list(report.reasons))
+    result = ConvertResult(
+        dst, model_file, 0, granularity, converted=report.supported, reasons=list(report.reasons)
+    )
     if not report.supported:
         return result
     result.nodes = sum(1 for s in find_gqa_sites(model) if s.str_attr("k_quant_type", "NONE") != "NONE")
