@@ -459,3 +459,16 @@ def test_unknown_head_size_asks_for_shape_inference():
         value.shape = None
     with pytest.raises(KvCacheError, match="Run shape inference"):
         KvCacheQuantizationPass("int8", "per_channel", scales_for([0], "per_channel"))(model)
+
+
+def test_an_unrelated_initializer_with_the_scale_name_is_left_alone():
+    model = gqa_model()
+    taken = ir.Value(name="past_key_values.0.key_scale", const_value=ir.tensor(np.array([7.0], np.float32)))
+    model.graph.register_initializer(taken)
+    user = ir.Node("", "Identity", [taken], num_outputs=1, name="reader")
+    model.graph.append(user)
+    model.graph.outputs.append(user.outputs[0])
+    KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
+    node = gqa_nodes(model)[0]
+    assert taken.const_value.numpy().tolist() == [7.0] and node.inputs[12] is not taken
+    assert node.inputs[12].name == "past_key_values.0.key_scale_1"

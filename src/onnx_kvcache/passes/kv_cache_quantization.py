@@ -54,6 +54,7 @@ from onnx_kvcache.gqa import (
     cache_root,
     find_gqa_sites,
     function_call_sites,
+    is_gqa,
 )
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
 
@@ -373,7 +374,7 @@ class _ScaleStore:
             return self._put_constant(site.function, name, array)
         graph = self.model.graph
         existing = graph.initializers.get(name)
-        if existing is not None and existing.dtype == ir.DataType.FLOAT:
+        if existing is not None and existing.dtype == ir.DataType.FLOAT and _only_scale_uses(existing):
             old = existing.const_value
             if old is None or not np.array_equal(old.numpy(), array):
                 existing.const_value = ir.tensor(array, name=name)
@@ -431,6 +432,13 @@ class _ScaleStore:
                 removed = True
         self._retired.clear()
         return removed
+
+
+def _only_scale_uses(value: ir.Value) -> bool:
+    """Whether ``value`` is read only as a GQA k/v scale (so it is ours to update)."""
+    return not value.is_graph_output() and all(
+        is_gqa(node) and slot in (K_SCALE, V_SCALE) for node, slot in value.uses()
+    )
 
 
 def _unique_name(graph: ir.Graph, name: str) -> str:
