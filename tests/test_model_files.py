@@ -267,3 +267,19 @@ def test_cli_gating_writes_nothing(tmp_path, capsys, extra, code, message):
     err = capsys.readouterr().err
     assert message in err and "no GroupQueryAttention kernel for a fp8 cache" in err
     assert not out.exists()
+
+
+def test_failure_after_linking_data_elsewhere_leaves_nothing(tmp_path, monkeypatch):
+    src = save_external(tmp_path / "in", shard=600_000)
+    (tmp_path / "out").mkdir()
+    real_replace = os.replace
+
+    def fail_on_model(a, b):
+        if str(b).endswith("m.onnx"):
+            raise OSError(28, "No space left on device")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", fail_on_model)
+    with pytest.raises(OSError, match="No space"):
+        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
+    assert list((tmp_path / "out").iterdir()) == []

@@ -305,22 +305,32 @@ def _write_file_elsewhere(
     weights: WeightsMode,
     result: ConvertResult,
 ) -> None:
-    """A model file in another folder: data files placed beside it, then the model."""
+    """A model file in another folder: data files placed beside it, then the model.
+
+    On any failure, every file this call created is removed again.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
-    placed: list[tuple[pathlib.Path, pathlib.Path]] = []
+    staged: list[tuple[pathlib.Path, pathlib.Path]] = []
+    created: list[pathlib.Path] = []
     try:
         for name in data_files:
             target = dst.parent / name
             tmp = _temp_path(target)
             tmp.unlink()
+            staged.append((tmp, target))
             _place_file(model_file.parent / name, tmp, weights, result)
-            placed.append((tmp, target))
-        for tmp, target in placed:
+        for tmp, target in staged:
+            if not target.exists() and not target.is_symlink():
+                created.append(target)
             os.replace(tmp, target)
-        placed.clear()
+        staged.clear()
         atomic_write_bytes(dst, data)
+    except BaseException:
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
     finally:
-        for tmp, _ in placed:
+        for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
     result.model_file = dst
     result.bytes_written += len(data)

@@ -27,7 +27,6 @@ from onnx_kvcache.runtime import create_session, to_ort_value
 logger = logging.getLogger(__name__)
 
 _PAST = re.compile(r"^(past|cache|kv_cache|past_key_values)", re.IGNORECASE)
-_PRESENT = re.compile(r"^(present|new_cache|present_key_values)", re.IGNORECASE)
 _KIND = re.compile(r"(?:^|[._\-])(key|value|k|v)(?:[._\-]|$)|(key|value)", re.IGNORECASE)
 
 
