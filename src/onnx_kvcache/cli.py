@@ -16,8 +16,10 @@ import time
 import warnings
 from collections.abc import Sequence
 
+from onnx_kvcache import __version__
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+from onnx_kvcache.model_files import atomic_write_text
 
 
 def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
@@ -134,7 +136,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     )
     print(report.format_table())
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        atomic_write_text(pathlib.Path(args.json), json.dumps(report.to_json(), indent=2) + "\n")
     if args.plot:
         from onnx_kvcache.plots import plot_evaluation
 
@@ -154,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="onnx-kvcache", description="Quantize the KV cache of ONNX GroupQueryAttention decoders."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a model file or genai folder")
@@ -165,47 +168,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")
     p.add_argument("--strict", action="store_true", help="fail when the target cannot run it")
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
-    p.add_argument("--weights", choices=["link", "copy"], default="link")
-    p.add_argument("--in-place", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--weights",
+        choices=["link", "copy"],
+        default="link",
+        help="external data in a new folder (default: link)",
+    )
+    p.add_argument("--in-place", action="store_true", help="rewrite INPUT itself (no OUTPUT)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="show the KV cache of a model")
     p.add_argument("model")
     p.add_argument("--ep", help="cuda: also show fast-path (XQA) diagnostics")
     p.add_argument("--context", type=int, help="report cache bytes at this context length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--batch", type=int, default=1, help="batch size for --context (default 1)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("calibrate", help="measure KV-cache scales")
     p.add_argument("model")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="scale file to write (onnxruntime-genai format)")
     _add_format_args(p)
     p.add_argument("--method", default="minmax", choices=["minmax", "percentile", "mse"])
-    p.add_argument("--percentile", type=float, default=99.99)
+    p.add_argument("--percentile", type=float, default=99.99, help="for --method percentile")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text")
-    data.add_argument("--token-ids")
-    p.add_argument("--tokenizer")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--num-seqs", type=int)
-    p.add_argument("--margin", type=float, default=1.0)
-    p.add_argument("--no-rope-envelope", action="store_true")
+    data.add_argument("--text", help="text file (tokenized with the model's or --tokenizer's tokenizer)")
+    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
+    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+    p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
+    p.add_argument("--num-seqs", type=int, help="use at most this many windows")
+    p.add_argument("--margin", type=float, default=1.0, help="multiply thresholds (headroom)")
+    p.add_argument("--no-rope-envelope", action="store_true", help="raw K thresholds, no RoPE pair norm")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("evaluate", help="compare a converted model with its original")
     p.add_argument("baseline")
     p.add_argument("candidate")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text")
-    data.add_argument("--token-ids")
-    p.add_argument("--tokenizer")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-seqs", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--json")
-    p.add_argument("--plot")
+    data.add_argument("--text", help="text file (tokenized with the baseline's or --tokenizer's tokenizer)")
+    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
+    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
+    p.add_argument("--num-seqs", type=int, default=4, help="sequences to evaluate")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", help="write a PNG (per-layer error, KL per position); needs matplotlib")
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("demo", help="convert and evaluate the bundled decoder")
