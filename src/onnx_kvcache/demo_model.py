@@ -217,8 +217,10 @@ def build_decoder(
         o = b.linear(attn, f"model.layers.{i}.attn.o_proj", c.num_heads * c.head_size, c.hidden_size)
         x = b.op("Add", [x, o], f"{p}/attn/residual")
         xn = b.rms_norm(x, f"model.layers.{i}.post_attention_layernorm", axes_last, eps)
-        h = b.linear(xn, f"model.layers.{i}.mlp.up_proj", c.hidden_size, c.intermediate_size)
-        h = b.op("Mul", [h, b.op("Sigmoid", [h], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
+        g = b.linear(xn, f"model.layers.{i}.mlp.gate_proj", c.hidden_size, c.intermediate_size)
+        u = b.linear(xn, f"model.layers.{i}.mlp.up_proj", c.hidden_size, c.intermediate_size)
+        g = b.op("Mul", [g, b.op("Sigmoid", [g], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
+        h = b.op("Mul", [g, u], f"{p}/mlp/gate")  # SwiGLU, as Llama-family decoders
         h = b.linear(h, f"model.layers.{i}.mlp.down_proj", c.intermediate_size, c.hidden_size)
         x = b.op("Add", [x, h], f"{p}/mlp/residual")
     x = b.rms_norm(x, "model.norm", axes_last, eps)
