@@ -102,6 +102,8 @@ def main() -> None:
         )
         data_size = (folder / "model.onnx.data").stat().st_size
         assert data_size == weight_bytes
+        met = wall < 3.0 and rss < 300 and written < 64 * 2**20
+        print(f"  targets (CLI < 3 s, RSS < 300 MiB, no weight bytes written): {'met' if met else 'MISSED'}")
 
     small = DecoderConfig(
         **{**LLAMA_70B.__dict__, "num_layers": 2, "intermediate_size": 8192, "vocab_size": 32000}
