@@ -33,6 +33,13 @@ def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_
     )
 
 
+def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--text", help=f"text file (tokenized with {whose} or --tokenizer's tokenizer)")
+    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
+    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+
+
 def _convert(args: argparse.Namespace) -> int:
     from onnx_kvcache.model_files import convert_model
 
@@ -192,10 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_format_args(p)
     p.add_argument("--method", default="minmax", choices=["minmax", "percentile", "mse"])
     p.add_argument("--percentile", type=float, default=99.99, help="for --method percentile")
-    data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help="text file (tokenized with the model's or --tokenizer's tokenizer)")
-    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
-    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+    _add_data_args(p, "the model's")
     p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
     p.add_argument("--num-seqs", type=int, help="use at most this many windows")
     p.add_argument("--margin", type=float, default=1.0, help="multiply thresholds (headroom)")
@@ -205,10 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="compare a converted model with its original")
     p.add_argument("baseline")
     p.add_argument("candidate")
-    data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help="text file (tokenized with the baseline's or --tokenizer's tokenizer)")
-    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
-    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+    _add_data_args(p, "the baseline's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
     p.add_argument("--num-seqs", type=int, default=4, help="sequences to evaluate")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
