@@ -79,9 +79,7 @@ def _layer_info(site: GqaSite) -> CacheLayerInfo:
     per_value = 0.5 if packed and bits == 4 else (dtype.itemsize if dtype is not None else 0)
     query = site.query_dtype or dtype
     original = 2 * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
-    inputs = site.node.inputs
-    k = inputs[K_SCALE] if len(inputs) > K_SCALE else None
-    v = inputs[V_SCALE] if len(inputs) > V_SCALE else None
+    k, v = site.input(K_SCALE), site.input(V_SCALE)
     window = site.int_attr("local_window_size", -1)
     return CacheLayerInfo(
         layer_id=site.layer_id,

@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import find_gqa_sites, resident_rows
+from onnx_kvcache.gqa import COS_CACHE, find_gqa_sites, resident_rows
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -285,8 +285,7 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
 
 
 def _rotary_dim(site: Any) -> int | None:
-    inputs = site.node.inputs
-    cos = inputs[7] if len(inputs) > 7 else None
+    cos = site.input(COS_CACHE)
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
     return None

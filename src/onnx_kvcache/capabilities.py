@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from onnx_kvcache.formats import get_format, get_granularity
-from onnx_kvcache.gqa import K_SCALE, V_SCALE, find_gqa_sites
+from onnx_kvcache.gqa import K_SCALE, Q_NORM, V_SCALE, find_gqa_sites
 from onnx_kvcache.runtime import installed_ort_version
 
 _BOTH = frozenset({"per_tensor", "per_channel"})
@@ -175,7 +175,7 @@ def check_kv_cache_support(
             {str(s.query_dtype) for s in sites if s.query_dtype is not None}
             - {str(t) for t in row.query_dtypes}
         )
-        with_norm = [s for s in sites if len(s.node.inputs) > 15 and s.node.inputs[14] is not None]
+        with_norm = [s for s in sites if s.input(Q_NORM) is not None]
         if with_norm and not row.qk_norm:
             reasons.append(
                 f"{label}'s GroupQueryAttention rejects q/k norm weights (inputs 14/15), which "
@@ -243,11 +243,9 @@ def fast_path_diagnostics(
             )
         if not shared:
             reasons.append("past and present caches do not share one buffer")
-        inputs = site.node.inputs
         if quantized and version is not None and _version_tuple(version) < (1, 29):
-            k = inputs[K_SCALE] if len(inputs) > K_SCALE else None
-            v = inputs[V_SCALE] if len(inputs) > V_SCALE else None
-            if k is None or k is not v:
+            k = site.input(K_SCALE)
+            if k is None or k is not site.input(V_SCALE):
                 reasons.append(
                     f"onnxruntime {version} < 1.29 needs k_scale and v_scale to be one tensor "
                     "(convert with --shared-kv-scale)"

@@ -36,7 +36,8 @@ GQA_OP_TYPE = "GroupQueryAttention"
 
 # Input / output slots of GroupQueryAttention.
 QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE = 0, 1, 2, 3, 4
-K_SCALE, V_SCALE = 12, 13
+SEQLENS_K, COS_CACHE, SIN_CACHE, POSITION_IDS = 5, 7, 8, 9
+K_SCALE, V_SCALE, Q_NORM, K_NORM, QUERY_SEQLENS = 12, 13, 14, 15, 16
 PRESENT_KEY, PRESENT_VALUE = 1, 2
 
 _LAYER_PATTERNS = (
@@ -80,6 +81,10 @@ class GqaSite:
     def name(self) -> str:
         where = f" in function {self.function.name}" if self.function is not None else ""
         return f"{self.node.name or '<unnamed>'}{where}"
+
+    def input(self, slot: int) -> ir.Value | None:
+        """The node's input at ``slot``, or None when absent (empty or past the end)."""
+        return _input(self.node, slot)
 
     @property
     def past_key(self) -> ir.Value | None:

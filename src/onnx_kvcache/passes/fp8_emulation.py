@@ -27,11 +27,18 @@ import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.gqa import (
+    COS_CACHE,
+    K_NORM,
     K_SCALE,
     KEY,
     PAST_KEY,
     PAST_VALUE,
+    POSITION_IDS,
+    Q_NORM,
     QUERY,
+    QUERY_SEQLENS,
+    SEQLENS_K,
+    SIN_CACHE,
     V_SCALE,
     VALUE,
     GqaSite,
@@ -51,7 +58,6 @@ _QUANT_ATTRS = (
     "q_norm_epsilon",
     "k_norm_epsilon",
 )
-_QNORM, _KNORM, _QUERY_SEQLENS = 14, 15, 16
 
 
 class _Emitter:
@@ -119,21 +125,22 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
 
 def _positions(e: _Emitter, site: GqaSite, query: ir.Value) -> ir.Value:
     """Rotary positions of the new rows: ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
-    inputs = site.node.inputs
-    if len(inputs) > 9 and inputs[9] is not None:
-        return inputs[9]
-    seqlens = e.op("Cast", [inputs[5]], to=ir.DataType.INT64)  # [B]
+    given = site.input(POSITION_IDS)
+    if given is not None:
+        return given
+    seqlens = e.op("Cast", [_required(site, SEQLENS_K, "seqlens_k")], to=ir.DataType.INT64)  # [B]
     seq = e.op("Gather", [e.op("Shape", [query]), e.const(np.array(1, np.int64))], axis=0)
     valid = seq
-    if len(inputs) > _QUERY_SEQLENS and inputs[_QUERY_SEQLENS] is not None:
-        valid = e.op("Cast", [inputs[_QUERY_SEQLENS]], to=ir.DataType.INT64)  # right-padded chunks
+    query_seqlens = site.input(QUERY_SEQLENS)
+    if query_seqlens is not None:  # right-padded chunks
+        valid = e.op("Cast", [query_seqlens], to=ir.DataType.INT64)
     first = e.op("Sub", [e.op("Add", [seqlens, e.const(np.array(1, np.int64))]), valid])  # [B]
     steps = e.op("Range", [e.const(np.array(0, np.int64)), seq, e.const(np.array(1, np.int64))])
     return e.op("Add", [e.op("Unsqueeze", [first, e.const(np.array([1], np.int64))]), steps])
 
 
-def _required(site: GqaSite, inputs: list[ir.Value | None], slot: int, what: str) -> ir.Value:
-    value = inputs[slot] if slot < len(inputs) else None
+def _required(site: GqaSite, slot: int, what: str) -> ir.Value:
+    value = site.input(slot)
     if value is None:
         raise KvCacheError(
             f"Cannot emulate GroupQueryAttention node {site.name}: it has no {what} (input {slot})."
@@ -144,25 +151,23 @@ def _required(site: GqaSite, inputs: list[ir.Value | None], slot: int, what: str
 def _emulate(site: GqaSite) -> None:
     node = site.node
     inputs = list(node.inputs)
-    query = _required(site, inputs, QUERY, "query")
-    past_key = _required(site, inputs, PAST_KEY, "past_key")
-    past_value = _required(site, inputs, PAST_VALUE, "past_value")
-    k_scale = _required(site, inputs, K_SCALE, "k_scale")
-    v_scale = _required(site, inputs, V_SCALE, "v_scale")
+    query = _required(site, QUERY, "query")
+    past_key = _required(site, PAST_KEY, "past_key")
+    past_value = _required(site, PAST_VALUE, "past_value")
+    k_scale = _required(site, K_SCALE, "k_scale")
+    v_scale = _required(site, V_SCALE, "v_scale")
     dtype = site.query_dtype
     if dtype is None:
         raise KvCacheError(f"GroupQueryAttention node {site.name}: the query has no known dtype.")
     kv, heads = site.kv_num_heads, site.num_heads
     head = site.head_size(cache_is_packed=False)
     e = _Emitter(site)
-    key = inputs[KEY] if len(inputs) > KEY else None
-    value = inputs[VALUE] if len(inputs) > VALUE else None
+    key, value = site.input(KEY), site.input(VALUE)
     if key is None or value is None:
         sizes = e.const(np.array([heads * head, kv * head, kv * head], np.int64))
         query, key, value = e.op("Split", [query, sizes], num_outputs=3, axis=-1)
     shared_eps = _float_attr(node, "qk_norm_epsilon", 1e-6)
-    q_norm = inputs[_QNORM] if len(inputs) > _QNORM else None
-    k_norm = inputs[_KNORM] if len(inputs) > _KNORM else None
+    q_norm, k_norm = site.input(Q_NORM), site.input(K_NORM)
     if q_norm is not None:
         query = _rms_norm_heads(
             e, query, q_norm, heads, head, _float_attr(node, "q_norm_epsilon", shared_eps), dtype
@@ -173,7 +178,7 @@ def _emulate(site: GqaSite) -> None:
         )
     if site.int_attr("do_rotary"):
         positions = _positions(e, site, query)
-        cos, sin = inputs[7], inputs[8]
+        cos, sin = site.input(COS_CACHE), site.input(SIN_CACHE)
         interleaved = site.int_attr("rotary_interleaved")
         rot = (
             cos.shape[-1] * 2
@@ -199,10 +204,10 @@ def _emulate(site: GqaSite) -> None:
     past_k = _dequantize(e, past_key, k_bnsh, dtype)
     past_v = _dequantize(e, past_value, v_bnsh, dtype)
 
-    new_inputs = [query, k_new, v_new, past_k, past_v, *inputs[5:]]
-    new_inputs[7] = new_inputs[8] = None  # rotary done outside
-    new_inputs[9] = None
-    for slot in (K_SCALE, V_SCALE, _QNORM, _KNORM):
+    new_inputs = [query, k_new, v_new, past_k, past_v, *inputs[SEQLENS_K:]]
+    new_inputs[COS_CACHE] = new_inputs[SIN_CACHE] = None  # rotary done outside
+    new_inputs[POSITION_IDS] = None
+    for slot in (K_SCALE, V_SCALE, Q_NORM, K_NORM):
         if slot < len(new_inputs):
             new_inputs[slot] = None
     while new_inputs and new_inputs[-1] is None:
