@@ -13,7 +13,6 @@ __all__ = [
     "GQA_OP_TYPE",
     "GqaSite",
     "cache_name",
-    "cache_root",
     "constant_values",
     "find_gqa_sites",
     "function_call_sites",
@@ -71,11 +70,18 @@ def _output(node: ir.Node, index: int) -> ir.Value | None:
 
 @dataclasses.dataclass
 class GqaSite:
-    """One GQA node, where it lives, and its layer id."""
+    """One GQA node, where it lives, its layer id and the site owning its cache."""
 
     node: ir.Node
     function: ir.Function | None
     layer_id: int = -1
+    _owner: GqaSite | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def owner(self) -> GqaSite:
+        """The site whose cache this node reads: itself, or the first GQA writer upstream
+        whose present it reads as its past (KV sharing). Set by :func:`find_gqa_sites`."""
+        return self._owner or self
 
     @property
     def name(self) -> str:
@@ -196,6 +202,7 @@ def find_gqa_sites(model: ir.Model, *, with_cache_only: bool = True) -> list[Gqa
             )
     if with_cache_only:
         sites = [s for s in sites if s.has_cache]
+    _link_owners(sites)
     _assign_layer_ids(model, sites)
     return sites
 
@@ -215,20 +222,21 @@ def cache_name(site: GqaSite, model: ir.Model) -> str | None:
     return value.name
 
 
-def cache_root(site: GqaSite, sites: list[GqaSite]) -> GqaSite:
-    """The site that owns the cache ``site`` reads: itself, or the first writer upstream."""
+def _link_owners(sites: list[GqaSite]) -> None:
+    """Set each site's owner: follow cache writers upstream (one node map for all)."""
     by_node = {id(s.node): s for s in sites}
-    seen = {id(site.node)}
-    while (writer := site.cache_writer) is not None and id(writer) in by_node and id(writer) not in seen:
-        site = by_node[id(writer)]
-        seen.add(id(site.node))
-    return site
+    for site in sites:
+        owner, seen = site, {id(site.node)}
+        while (writer := owner.cache_writer) is not None and id(writer) in by_node and id(writer) not in seen:
+            owner = by_node[id(writer)]
+            seen.add(id(writer))
+        site._owner = owner
 
 
 def _assign_layer_ids(model: ir.Model, sites: list[GqaSite]) -> None:
     caches: dict[int, list[GqaSite]] = {}
     for site in sites:
-        caches.setdefault(id(cache_root(site, sites).past_key), []).append(site)
+        caches.setdefault(id(site.owner.past_key), []).append(site)
     parsed = {key: layer_id_from_name(cache_name(group[0], model)) for key, group in caches.items()}
     ids = list(parsed.values())
     use_names = None not in ids and len(set(ids)) == len(ids)

@@ -51,7 +51,6 @@ from onnx_kvcache.gqa import (
     PAST_VALUE,
     V_SCALE,
     GqaSite,
-    cache_root,
     find_gqa_sites,
     function_call_sites,
     is_gqa,
@@ -68,9 +67,8 @@ class _Plan:
     """What the pass will do to one site; built before anything changes."""
 
     site: GqaSite
-    owner: GqaSite
-    """The site owning the cache (itself, or the writer whose present it reads): scales
-    are named after the owner's cache, so a shared cache gets one scale."""
+    done: bool
+    """Already in the requested format (only scale values may change)."""
     sources: list[ir.Value]
     sinks: list[ir.Value]
     k_scale: np.ndarray | None
@@ -113,7 +111,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         sites = find_gqa_sites(model)
         groups: dict[int, list[GqaSite]] = {}
         for site in sites:
-            groups.setdefault(id(cache_root(site, sites).node), []).append(site)
+            groups.setdefault(id(site.owner.node), []).append(site)
         plans: list[_Plan] = []
         for group in groups.values():
             try:
@@ -127,7 +125,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                     stacklevel=2,
                 )
         self._check_coverage(plans, scales)
-        if scales is None and any(not self._already_done(p.site) for p in plans):
+        if scales is None and any(not p.done for p in plans):
             warnings.warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
                 "Calibrated scales are more accurate (onnx-kvcache calibrate).",
@@ -170,12 +168,11 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
     def _plan(
         self, model: ir.Model, site: GqaSite, group: list[GqaSite], scales: KvCacheScales | None
     ) -> _Plan:
-        owner = group[0]
         done = self._already_done(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
         if not done:
-            if site is owner:
+            if site is site.owner:  # readers of another node's present retype nothing upstream
                 for cache in (site.past_key, site.past_value):
                     assert cache is not None
                     found, reason = _cache_sources(model, site, cache)
@@ -201,11 +198,11 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             )
         if scales is None:
             if done:
-                return _Plan(site, owner, sources, sinks, None, None)
+                return _Plan(site, done, sources, sinks, None, None)
             size = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
-            return _Plan(site, owner, sources, sinks, np.ones(size, np.float32), np.ones(size, np.float32))
+            return _Plan(site, done, sources, sinks, np.ones(size, np.float32), np.ones(size, np.float32))
         if site.layer_id not in scales.k:
-            return _Plan(site, owner, sources, sinks, None, None)  # reported by _check_coverage
+            return _Plan(site, done, sources, sinks, None, None)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
         expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
         if k.size != expected:
@@ -214,7 +211,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
                 "granularity (per channel: kv_num_heads * head_size)."
             )
-        return _Plan(site, owner, sources, sinks, k, v)
+        return _Plan(site, done, sources, sinks, k, v)
 
     def _head_size(self, site: GqaSite) -> int:
         return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
@@ -237,14 +234,15 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         for value in plan.sources + plan.sinks:
             modified |= _retype(value, self.format)
         if plan.k_scale is not None and plan.v_scale is not None:
-            pk, pv = plan.owner.past_key, plan.owner.past_value
+            owner = plan.site.owner  # scales are named after the owner's cache: one per cache
+            pk, pv = owner.past_key, owner.past_value
             assert pk is not None and pv is not None
             if self.shared_kv_scale:
                 shared = np.maximum(plan.k_scale, plan.v_scale)
-                k_value = v_value = store.put(plan.owner, f"{pk.name}_kv_scale", shared)
+                k_value = v_value = store.put(owner, f"{pk.name}_kv_scale", shared)
             else:
-                k_value = store.put(plan.owner, f"{pk.name}_scale", plan.k_scale)
-                v_value = store.put(plan.owner, f"{pv.name}_scale", plan.v_scale)
+                k_value = store.put(owner, f"{pk.name}_scale", plan.k_scale)
+                v_value = store.put(owner, f"{pv.name}_scale", plan.v_scale)
             if len(node.inputs) <= V_SCALE:
                 node.resize_inputs(V_SCALE + 1)
             for slot, value in ((K_SCALE, k_value), (V_SCALE, v_value)):
