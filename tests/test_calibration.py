@@ -211,7 +211,6 @@ def test_sliding_window_layers_are_calibrated_on_every_row():
 def test_resident_rows_match_the_kernels_eviction(total):
     """Capacity 20, window 16: rows [0, L) hold the last L positions, L from the formula."""
     from onnx_kvcache import KvCacheRunner
-    from onnx_kvcache.gqa import find_gqa_sites, resident_rows
 
     options = {"num_layers": 2, "vocab_size": 300, "sliding_window_layers": (1,), "sliding_window": 16}
     windowed = KvCacheRunner(build_decoder(**options, sliding_window_cache=True))
@@ -220,8 +219,8 @@ def test_resident_rows_match_the_kernels_eviction(total):
     windowed.reset(1, min_capacity=20)
     windowed.forward(np.asarray(seq)[None])
     full.prefill(seq)
-    site = next(s for s in find_gqa_sites(windowed.model) if s.layer_id == 1)
-    resident = resident_rows(site, total, 20)
+    binding = next(b for b in windowed.bindings if b.layer_id == 1 and b.kind == "key")
+    resident = binding.resident_rows(total, 20)
     assert min(total, 16) <= resident <= min(total, 20)
     got, want = windowed.present(1, "key")[:, :, :resident], full.present(1, "key")[:, :, total - resident :]
     np.testing.assert_allclose(got, want, atol=1e-5)

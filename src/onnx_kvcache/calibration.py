@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import COS_CACHE, find_gqa_sites, resident_rows
+from onnx_kvcache.gqa import COS_CACHE, find_gqa_sites
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def calibrate_kv_cache(
         for b in runner.bindings:
             site = sites[b.layer_id]
             x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
-            x = x[:, : resident_rows(site, len(window), x.shape[1])]
+            x = x[:, : b.resident_rows(len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "

@@ -30,7 +30,7 @@ from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CACHE_FORMATS
-from onnx_kvcache.gqa import constant_values, find_gqa_sites, resident_rows
+from onnx_kvcache.gqa import constant_values, find_gqa_sites
 from onnx_kvcache.runner import KvCacheRunner
 
 
@@ -210,7 +210,7 @@ def evaluate_kv_cache(
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = np.asarray(base.cache_array(bb.past), np.float32)
             test = dequant[cb.past](cand.cache_array(cb.past))
-            rows = _resident_rows(base, bb.layer_id, ref.shape[2])  # the rest is unspecified
+            rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
             per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
         for layer, (k, v) in per_layer.items():
             errors.setdefault(layer, []).append((k, v))
@@ -242,12 +242,6 @@ def evaluate_kv_cache(
         num_sequences=len(windows),
         positions=int(all_kl.size),
     )
-
-
-def _resident_rows(runner: KvCacheRunner, layer_id: int, capacity: int) -> int:
-    """Rows of a layer's present cache that hold tokens after ``runner.length`` tokens."""
-    site = next(s for s in find_gqa_sites(runner.source_model) if s.layer_id == layer_id)
-    return resident_rows(site, runner.length, capacity)
 
 
 def _has_tokenizer(source: Any, tokenizer: Any) -> bool:

@@ -252,16 +252,16 @@ def function_call_sites(model: ir.Model, function: ir.Function) -> list[ir.Node]
     return [node for node, _ in _iter_nodes(model) if node.op_identifier() == identifier]
 
 
-def resident_rows(site: GqaSite, total: int, capacity: int) -> int:
+def resident_rows(total: int, capacity: int, window: int | None) -> int:
     """Rows of a present cache holding tokens after ``total`` tokens, for ``capacity`` rows.
 
-    A full-length cache holds them all. A window-sized cache (``sliding_window_cache=1``,
-    window W) keeps the most recent ``L`` positions in rows ``[0, L)`` and evicts in blocks
-    of ``G = capacity - W + 1``: ``L = total - G * ceil((total - capacity) / G)``.
+    A full-length cache (``window`` None) holds them all. A window-sized cache
+    (``sliding_window_cache=1``, window W) keeps the most recent ``L`` positions in rows
+    ``[0, L)`` and evicts in blocks of ``G = capacity - W + 1``:
+    ``L = total - G * ceil((total - capacity) / G)``.
     """
-    if total <= capacity or not site.int_attr("sliding_window_cache", 0):
+    if total <= capacity or window is None:
         return min(total, capacity)
-    window = site.int_attr("local_window_size", -1)
     block = capacity - window + 1
     return total - block * -(-(total - capacity) // block)
 

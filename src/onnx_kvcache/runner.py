@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_gqa_sites, resident_rows
 from onnx_kvcache.runtime import create_session, to_ort_value
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,12 @@ class CacheBinding:
     """Sequence capacity of a window-sized cache (sliding_window_cache=1), else None."""
     static_capacity: bool = False
     """The model fixes that capacity in the cache's shape (it cannot be enlarged)."""
+    window: int | None = None
+    """``local_window_size`` of a window-sized cache, else None."""
+
+    def resident_rows(self, total: int, capacity: int) -> int:
+        """Rows of this cache, ``capacity`` rows long, that hold tokens after ``total``."""
+        return resident_rows(total, capacity, self.window)
 
     def empty(self, batch: int, min_capacity: int = 0) -> np.ndarray:
         length = self.capacity or 0
@@ -97,6 +103,7 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
                     last,
                     capacity,
                     static,
+                    site.int_attr("local_window_size", -1) if capacity else None,
                 )
             )
     if not bindings:
