@@ -141,8 +141,8 @@ class KvCacheRunner:
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
         else:
-            model = load_model(model_or_path)
             model_file, config = resolve_model_path(model_or_path)
+            model = load_model(model_file)
             base_dir = model_file.parent
             eos = (config or {}).get("model", {}).get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos

@@ -66,11 +66,10 @@ def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> 
     ort = import_onnxruntime()
     array = np.ascontiguousarray(array)
     if dtype == ir.DataType.FLOAT8E4M3FN:
-        host = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-            array.view(np.uint8), onnx_element_type=int(dtype)
-        )
         if device == "cpu":
-            return host
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                array.view(np.uint8), onnx_element_type=int(dtype)
+            )
         if array.any():
             raise ValueError("Only fresh (all-zero) fp8 caches are allocated on a device.")
         # Fresh caches: rows beyond the resident tokens are never read, so no zero fill.
