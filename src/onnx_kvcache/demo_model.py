@@ -33,6 +33,9 @@ class DecoderConfig:
             is window-sized.
         no_cache_layers: Layers whose attention has no past/present cache.
         qk_norm: Use GQA inputs 14/15 (q/k RMS norm weights), a 16-input node.
+        dtype: ``float32``, ``float16`` or ``bfloat16`` weights and activations.
+        symbolic_cache_dim: Declare the caches' head dimension as ``kv_cache_dim``, as
+            onnxruntime-genai's builder does, instead of the static head size.
     """
 
     num_layers: int = 4
@@ -53,15 +56,23 @@ class DecoderConfig:
     sliding_window_cache: bool = False
     no_cache_layers: tuple[int, ...] = ()
     qk_norm: bool = False
+    symbolic_cache_dim: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
 
     @property
     def ir_dtype(self) -> ir.DataType:
-        return ir.DataType.FLOAT16 if self.dtype == "float16" else ir.DataType.FLOAT
+        return _DTYPES[self.dtype]
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(np.float16 if self.dtype == "float16" else np.float32)
+        return self.ir_dtype.numpy()
+
+
+_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
 WeightFactory = Callable[[str, tuple[int, ...], ir.DataType], ir.TensorProtocol]
@@ -168,7 +179,8 @@ def build_decoder(
         window = c.sliding_window if i in c.sliding_window_layers else 0
         if has_cache:
             past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
-            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, c.head_size]
+            head_dim: int | str = "kv_cache_dim" if c.symbolic_cache_dim else c.head_size
+            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, head_dim]
             past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
             past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
             b.graph.inputs.extend([past_k, past_v])
@@ -195,12 +207,7 @@ def build_decoder(
                 attributes["sliding_window_cache"] = 1
         outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
         if has_cache:
-            cache_out: list[int | str | None] = [
-                "batch_size",
-                c.kv_num_heads,
-                "total_sequence_length",
-                c.head_size,
-            ]
+            cache_out: list[int | str | None] = ["batch_size", c.kv_num_heads, "total_sequence_length", head_dim]
             outputs += [
                 ir.val(f"present.{i}.key", dtype, cache_out),
                 ir.val(f"present.{i}.value", dtype, cache_out),
