@@ -188,9 +188,7 @@ def calibrate_kv_cache(
     if not margin > 0:
         raise KvCacheError(f"margin must be > 0, got {margin}.")
     runner = KvCacheRunner(model, providers)
-    if any(
-        b.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) for b in runner.bindings
-    ):
+    if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention KV cache to calibrate.")
@@ -202,7 +200,7 @@ def calibrate_kv_cache(
         tokenizer=tokenizer,
         vocab_size=_vocab_size(runner),
     )
-    sites = {s.layer_id: s for s in find_gqa_sites(runner.model)}
+    sites = {s.layer_id: s for s in find_gqa_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
@@ -217,7 +215,7 @@ def calibrate_kv_cache(
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
-            x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
+            x = b.values(runner.cache_array(b.past))[0]  # [kv, S, hd]
             x = x[:, : b.resident_rows(len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
