@@ -120,7 +120,7 @@ class CacheBinding:
         """Bytes of this cache as stored, for a session tensor of ``cache_shape``."""
         rows = int(np.prod(cache_shape[:3]))
         itemsize = self.format.dtype.itemsize if self.format is not None else self.dtype.itemsize
-        return rows * self.last_dim * itemsize
+        return int(rows * self.last_dim * itemsize)
 
 
 def _scale_of(site: GqaSite, slot: int, head: int) -> np.ndarray | None:

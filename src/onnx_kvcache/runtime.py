@@ -7,6 +7,7 @@ __all__ = [
     "external_data_dir",
     "import_onnxruntime",
     "installed_ort_version",
+    "installed_version",
     "to_ort_value",
 ]
 
@@ -34,14 +35,25 @@ def import_onnxruntime() -> ModuleType:
     return onnxruntime
 
 
-def installed_ort_version() -> str | None:
-    """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
-    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "ort-nightly"):
+_DISTRIBUTIONS = {
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "ort-nightly"),
+    "openvino": ("openvino",),
+}
+
+
+def installed_version(runtime: str = "onnxruntime") -> str | None:
+    """Version of an installed runtime (``onnxruntime`` in any wheel, ``openvino``), unimported."""
+    for dist in _DISTRIBUTIONS.get(runtime, (runtime,)):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def installed_ort_version() -> str | None:
+    """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
+    return installed_version("onnxruntime")
 
 
 def external_data_dir(model: ir.Model) -> str | None:

@@ -265,11 +265,24 @@ def _required(site: GqaSite, slot: int, what: str) -> ir.Value:
     return value
 
 
+class _Step:
+    """Per-call facts every node of one decoder shares: computed once, read by each layer."""
+
+    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
+        self.first = first
+        """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
+        self.positions = positions
+        """Rotary positions ``[B, S]`` as the kernel derives them (None: not needed yet)."""
+
+
 class _Rewrite:
     """The emulated replacement of one GroupQueryAttention node."""
 
-    def __init__(self, site: GqaSite, semantics: Semantics, quantized_io: bool) -> None:
+    def __init__(
+        self, site: GqaSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
+    ) -> None:
         self.site, self.semantics, self.quantized_io = site, semantics, quantized_io
+        self.steps = steps
         node = site.node
         self.b = _Builder((node.name or f"gqa{site.layer_id}") + "/emulation")
         self.fmt = site.cache_format
@@ -291,35 +304,55 @@ class _Rewrite:
             for x in (query, key, value):
                 x.dtype = self.dtype
         query, key = self._norm(query, key)
-        first = self._first_prompt(query)
+        step = self._step(query)
         if site.int_attr("do_rotary"):
-            query, key = self._rotary(query, key, first)
+            query, key = self._rotary(query, key, step)
         past_key, past_value = _required(site, PAST_KEY, "past_key"), _required(site, PAST_VALUE, "past_value")
-        codecs: list[_Codec | None] = [None, None]
+        stored_key, stored_value = key, value
+        codecs: list[_Codec] = []
         if fmt is not None:
             flat, bnsh = [self.kv * self.head], [1, self.kv, 1, self.head]
             per_tensor = site.granularity == "per_tensor"
             scales = (_required(site, K_SCALE, "k_scale"), _required(site, V_SCALE, "v_scale"))
             new = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else flat) for s in scales]
             codecs = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else bnsh) for s in scales]
-            key, value = (self._write(x, codec, first) for x, codec in zip((key, value), new))
+            stored_key, stored_value = (codec.round_trip(x, self.dtype) for x, codec in zip((key, value), new))
             if self.quantized_io:
                 past_key, past_value = (
                     codec.load(past, self.head, self.dtype) for past, codec in zip((past_key, past_value), codecs)
                 )
-        inputs = [query, key, value, past_key, past_value, *node.inputs[SEQLENS_K:]]
+        rest = list(node.inputs[SEQLENS_K:])
+        attrs = {name: attr for name, attr in node.attributes.items() if name not in _DROPPED_ATTRS}
+        inner = self._attention(b, [query, stored_key, stored_value, past_key, past_value, *rest], attrs)
+        results = list(inner)
+        if fmt is not None and self.semantics == "cuda":
+            # CUDA's first prompt attends over the new K/V unquantized; the cache is the same.
+            raw = _Builder(f"{b.prefix}/first_prompt")
+            full = self._attention(raw, [query, key, value, past_key, past_value, *rest], attrs)[0]
+            later = _Builder(f"{b.prefix}/later")
+            same = later.op("Identity", [inner[0]])
+            results[0] = b.op(
+                "If",
+                [step.first],
+                then_branch=ir.Graph([], [full], nodes=raw.nodes, name=f"{raw.prefix}_graph"),
+                else_branch=ir.Graph([], [same], nodes=later.nodes, name=f"{later.prefix}_graph"),
+            )
+        if fmt is not None and self.quantized_io:
+            for slot, codec in zip((PRESENT_KEY, PRESENT_VALUE), codecs):
+                if slot < len(results):
+                    results[slot] = codec.store(inner[slot], self.head)
+        self._replace(results)
+
+    def _attention(self, b: _Builder, inputs: list[ir.Value | None], attrs: dict) -> Sequence[ir.Value]:
+        """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""
+        node = self.site.node
+        inputs = list(inputs)
         for slot in (COS_CACHE, SIN_CACHE, POSITION_IDS, K_SCALE, V_SCALE, Q_NORM, K_NORM):
             if slot < len(inputs):
                 inputs[slot] = None
         while inputs and inputs[-1] is None:
             inputs.pop()
-        attrs = {name: attr for name, attr in node.attributes.items() if name not in _DROPPED_ATTRS}
-        inner = b.ops(node.op_type, inputs, len(node.outputs), node.domain, **attrs)
-        results = list(inner)
-        for slot, codec in ((PRESENT_KEY, codecs[0]), (PRESENT_VALUE, codecs[1])):
-            if codec is not None and slot < len(results):
-                results[slot] = self._present(inner[slot], codec, first)
-        self._replace(results)
+        return b.ops(node.op_type, inputs, len(node.outputs), node.domain, **attrs)
 
     def _norm(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
         site, node = self.site, self.site.node
@@ -333,27 +366,38 @@ class _Rewrite:
             key = _rms_norm_heads(self.b, key, k_norm, self.kv, self.head, eps, self.dtype)
         return query, key
 
-    def _first_prompt(self, query: ir.Value) -> ir.Value:
-        """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
-        b = self.b
-        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-        total = b.cast(_required(self.site, TOTAL_SEQUENCE_LENGTH, "total_sequence_length"), _I64)
-        return b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-
-    def _rotary(self, query: ir.Value, key: ir.Value, first: ir.Value) -> tuple[ir.Value, ir.Value]:
+    def _step(self, query: ir.Value) -> _Step:
+        """The shared per-call facts for this node's inputs, built by the first node to ask."""
         site, b = self.site, self.b
-        positions = site.input(POSITION_IDS)
-        if positions is None:
+        sources = (SEQLENS_K, TOTAL_SEQUENCE_LENGTH, POSITION_IDS, QUERY_SEQLENS)
+        key = (id(site.node.graph), *(id(site.input(slot)) for slot in sources))
+        step = self.steps.get(key)
+        if step is None:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-            steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
-            valid = seq
-            if site.input(QUERY_SEQLENS) is not None:  # right-padded chunks
-                valid = b.cast(site.input(QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
-            seqlens = b.cast(_required(site, SEQLENS_K, "seqlens_k"), _I64)
-            start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
-            later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
-            prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
-            positions = b.op("Where", [first, prompt, later])
+            total = b.cast(_required(site, TOTAL_SEQUENCE_LENGTH, "total_sequence_length"), _I64)
+            first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
+            step = self.steps[key] = _Step(first, site.input(POSITION_IDS))
+        if step.positions is None and site.int_attr("do_rotary"):
+            step.positions = self._positions(query, step.first)
+        return step
+
+    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
+        """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
+        site, b = self.site, self.b
+        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
+        steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
+        valid = seq
+        if site.input(QUERY_SEQLENS) is not None:  # right-padded chunks
+            valid = b.cast(site.input(QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
+        seqlens = b.cast(_required(site, SEQLENS_K, "seqlens_k"), _I64)
+        start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
+        later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
+        prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
+        return b.op("Where", [first, prompt, later])
+
+    def _rotary(self, query: ir.Value, key: ir.Value, step: _Step) -> tuple[ir.Value, ir.Value]:
+        site, b = self.site, self.b
+        assert step.positions is not None
         cos, sin = _required(site, COS_CACHE, "cos_cache"), _required(site, SIN_CACHE, "sin_cache")
         rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
         extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
@@ -361,7 +405,7 @@ class _Rewrite:
         rotated = [
             b.op(
                 "RotaryEmbedding",
-                [x, positions, cos, sin],
+                [x, step.positions, cos, sin],
                 domain="com.microsoft",
                 dtype=self.dtype,
                 interleaved=interleaved,
@@ -371,31 +415,6 @@ class _Rewrite:
             for x, n in ((query, self.heads), (key, self.kv))
         ]
         return rotated[0], rotated[1]
-
-    def _write(self, x: ir.Value, codec: _Codec, first: ir.Value) -> ir.Value:
-        """New tokens as attention reads them: round-tripped, or raw on a CUDA first prompt."""
-        stored = codec.round_trip(x, self.dtype)
-        if self.semantics == "cpu":
-            return stored
-        return self.b.op("Where", [first, x, stored])
-
-    def _present(self, present: ir.Value, codec: _Codec, first: ir.Value) -> ir.Value:
-        """The cache the node leaves: stored format, or dequantized values (fast I/O)."""
-        if self.quantized_io:
-            return codec.store(present, self.head)  # a raw first prompt is quantized here, exactly
-        if self.semantics == "cpu":
-            return present  # every row is already on the format's grid
-        # CUDA first prompt: attention read raw K/V; the cache holds them quantized.
-        then = _Builder(f"{self.b.prefix}/first_prompt")
-        rounded = _Codec(then, codec.fmt, codec.scale).round_trip(present, self.dtype)
-        otherwise = _Builder(f"{self.b.prefix}/later")
-        same = otherwise.op("Identity", [present])
-        return self.b.op(
-            "If",
-            [first],
-            then_branch=ir.Graph([], [rounded], nodes=then.nodes, name=f"{then.prefix}_graph"),
-            else_branch=ir.Graph([], [same], nodes=otherwise.nodes, name=f"{otherwise.prefix}_graph"),
-        )
 
     def _replace(self, results: list[ir.Value]) -> None:
         node, graph = self.site.node, self.site.node.graph
@@ -466,8 +485,9 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
             if site.cache_format is not None and not self.quantized_io:
                 head, dtype = site.head_size(), site.query_dtype or _F32
                 float_io += [(v, dtype, head) for v in (site.past_key, site.past_value) if v is not None]
+        steps: dict[tuple, _Step] = {}
         for site in sites:
-            _Rewrite(site, self.semantics, self.quantized_io).run()
+            _Rewrite(site, self.semantics, self.quantized_io, steps).run()
         for value, dtype, head in float_io:
             if value.is_graph_input():
                 value.type = ir.TensorType(dtype)
