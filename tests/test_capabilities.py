@@ -176,3 +176,24 @@ def test_openvino_row_gates_on_its_own_version():
     assert not old.supported and "openvino 2026.2.0 is too old" in old.reasons[0]
     fp8 = check_kv_cache_support(None, "openvino", "fp8", runtime_version="2026.4.1")
     assert not fp8.supported and "no GroupQueryAttention kernel for a fp8 cache" in fp8.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "config", "want"),
+    [
+        (F32, None, None, ("cpu", "a float32 model")),
+        (F16, None, None, ("cuda", "a float16 model")),
+        (BF16, "int8", None, ("cuda", "a bfloat16 model")),
+        (F32, "fp8", None, ("cuda", "its fp8 cache runs only on CUDA")),
+        (F16, None, [{"dml": {}}], ("dml", "genai_config.json's provider_options name 'dml'")),
+        (F16, None, [{"QNN": {}}, {"cpu": {}}], ("cpu", "genai_config.json's provider_options name 'cpu'")),
+    ],
+)
+def test_the_target_is_inferred_from_config_cache_and_dtype(dtype, fmt, config, want):
+    from onnx_kvcache.capabilities import infer_target
+
+    model = gqa_model(dtype=dtype)
+    if fmt is not None:
+        KvCacheQuantizationPass(fmt, scales={0: (0.1, 0.1)})(model)
+    genai = {"model": {"decoder": {"session_options": {"provider_options": config}}}} if config else None
+    assert infer_target(model, genai) == want

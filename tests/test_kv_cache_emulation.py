@@ -122,7 +122,7 @@ def test_cuda_first_prompt_attends_in_full_precision_and_later_chunks_do_not(fmt
 
 def _as_float(feeds, row):
     """Empty past caches as float tensors (a float-cache reference reads them)."""
-    return {name: np.zeros(feeds[name].shape[:3] + (16,), np.float32) for name in ("past_k", "past_v")}
+    return {name: np.zeros((*feeds[name].shape[:3], 16), np.float32) for name in ("past_k", "past_v")}
 
 
 @pytest.mark.parametrize("dtype", [ir.DataType.FLOAT, ir.DataType.FLOAT16])
@@ -149,7 +149,9 @@ def test_values_past_the_range_saturate_never_nan(fmt, quantized_io):
     for _, (out, pk, pv) in run_gqa_steps(session, model, [4, 1], scale=3.0):  # |x| / scale up to ~10^4
         for cache, scale in ((pk, k_scale), (pv, v_scale)):
             values = row.dequantize(stored(row, cache, scale, 2, 16, quantized_io), scale, 16) / scale
-            assert np.isfinite(values).all() and np.abs(values).max() == max(-row.qmin_stored, row.qmax_stored)
+            assert np.isfinite(values).all() and np.abs(values).max() == max(
+                -row.qmin_stored, row.qmax_stored
+            )
         assert np.isfinite(out).all()
 
 
@@ -205,10 +207,14 @@ def test_io_types_and_the_input_model(fmt):
     assert ir.to_onnx_text(model) == text
     assert [v.dtype for v in exact.graph.inputs] == [v.dtype for v in model.graph.inputs]
     assert [v.dtype for v in exact.graph.outputs] == [v.dtype for v in model.graph.outputs]
-    caches = [v for v in (*fast.graph.inputs, *fast.graph.outputs) if "key_values" in v.name or "present" in v.name]
+    caches = [
+        v for v in (*fast.graph.inputs, *fast.graph.outputs) if "key_values" in v.name or "present" in v.name
+    ]
     assert caches and all(v.dtype == ir.DataType.FLOAT and v.shape[3] == 16 for v in caches)
     for emulated in (exact, fast):
-        assert not any(n.op_type == "GroupQueryAttention" and "k_quant_type" in n.attributes for n in emulated.graph)
+        assert not any(
+            n.op_type == "GroupQueryAttention" and "k_quant_type" in n.attributes for n in emulated.graph
+        )
         assert not KvCacheEmulationPass("cuda")(emulated).modified
 
 

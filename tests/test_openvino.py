@@ -53,10 +53,9 @@ def test_openvino_stores_onnxruntimes_codes_and_computes_its_logits(tmp_path, fm
     runner = KvCacheRunner(tmp_path / "model.onnx")
     want = [runner.prefill(prompt)[0, -1]] + [runner.step(t)[0] for t in steps]
     got = list(run_openvino(tmp_path / "model.onnx", prompt, steps))
-    for i, (logits, outputs) in enumerate(got):
+    for i, (logits, _) in enumerate(got):
         np.testing.assert_allclose(logits[0, -1], want[i], atol=1e-4, rtol=1e-4)
     _, last = got[-1]
     for layer in range(LAYERS):
         for kind in ("key", "value"):
             np.testing.assert_array_equal(last[f"present.{layer}.{kind}"], runner.present(layer, kind))
-

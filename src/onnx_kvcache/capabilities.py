@@ -19,6 +19,7 @@ __all__ = [
     "check_kv_cache_support",
     "fast_path_diagnostics",
     "get_capabilities",
+    "infer_target",
     "render_capability_table",
 ]
 
@@ -118,6 +119,31 @@ def get_capabilities(ep: str) -> EpCapabilities:
     key = str(ep).lower()
     key = _ALIASES.get(key, key)
     return EP_CAPABILITIES.get(key, EP_CAPABILITIES["default"])
+
+
+def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) -> tuple[str, str]:
+    """Where a model will run when the user did not say: ``(row name, why)``.
+
+    An onnxruntime-genai config's provider options decide; else an fp8 cache means
+    ``cuda`` (it runs nowhere else), fp16/bf16 queries ``cuda``, float32 ``cpu``.
+    """
+    decoder = (genai_config or {}).get("model", {}).get("decoder", {})
+    options = (
+        decoder.get("session_options", {}).get("provider_options", []) if isinstance(decoder, dict) else []
+    )
+    for entry in options if isinstance(options, list) else []:
+        for name in entry if isinstance(entry, dict) else ():
+            row = get_capabilities(name)
+            if row.name != "default":
+                return row.name, f"genai_config.json's provider_options name {name!r}"
+    sites = find_gqa_sites(model) if model is not None else []
+    if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
+        return "cuda", "its fp8 cache runs only on CUDA"
+    dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
+    if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
+        names = "/".join(sorted(t.name.lower() for t in dtypes))
+        return "cuda", f"a {names} model"
+    return "cpu", "a float32 model" if dtypes else "no GroupQueryAttention dtype to go by"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

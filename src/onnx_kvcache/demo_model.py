@@ -207,7 +207,12 @@ def build_decoder(
                 attributes["sliding_window_cache"] = 1
         outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
         if has_cache:
-            cache_out: list[int | str | None] = ["batch_size", c.kv_num_heads, "total_sequence_length", head_dim]
+            cache_out: list[int | str | None] = [
+                "batch_size",
+                c.kv_num_heads,
+                "total_sequence_length",
+                head_dim,
+            ]
             outputs += [
                 ir.val(f"present.{i}.key", dtype, cache_out),
                 ir.val(f"present.{i}.value", dtype, cache_out),

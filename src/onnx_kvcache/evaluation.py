@@ -96,7 +96,9 @@ class EvaluationReport:
             ("top-1 agreement", f"{self.top1_agreement:.2%}"),
             (
                 "greedy match",
-                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical",
+                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical"
+                if self.greedy_match_share == self.greedy_match_share  # not NaN
+                else "not measured (no tokens generated)",
             ),
             ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} positions"),
         ]
@@ -133,6 +135,10 @@ def evaluate_kv_cache(
     see :class:`KvCacheRunner`); the report states which produced it. A progress bar
     (tqdm) shows on a terminal unless ``progress=False``.
     """
+    if max_new_tokens < 0 or prompt_len < 1:
+        raise KvCacheError(
+            f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
+        )
     base = KvCacheRunner(baseline, providers)
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
     if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
@@ -148,15 +154,10 @@ def evaluate_kv_cache(
         None,
     )
     source = data if data is not None else (baseline if not isinstance(baseline, ir.Model) else None)
-    windows = load_token_windows(
+    loaded = load_token_windows(
         data, model=source, seq_len=seq_len, num_seqs=num_seqs, tokenizer=tokenizer, vocab_size=vocab
     )
-    if data is not None:
-        note = "given data"
-    elif _has_tokenizer(source, tokenizer):
-        note = "built-in corpus, model tokenizer"
-    else:
-        note = "seeded random tokens (no tokenizer found)"
+    windows, note = loaded.windows, loaded.source
     kls: list[np.ndarray] = []
     agree = []
     errors: dict[int, list[tuple[float, float]]] = {}
@@ -215,12 +216,6 @@ def evaluate_kv_cache(
         num_sequences=len(windows),
         positions=int(all_kl.size),
     )
-
-
-def _has_tokenizer(source: Any, tokenizer: Any) -> bool:
-    from onnx_kvcache.data import find_tokenizer
-
-    return find_tokenizer(source, tokenizer) is not None
 
 
 def _format_name(runner: KvCacheRunner) -> str:

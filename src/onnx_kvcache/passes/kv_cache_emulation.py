@@ -202,7 +202,9 @@ class _Codec:
 
 def _reshape_tail(b: _Builder, x: ir.Value, leading: ir.Value, tail: list[int]) -> ir.Value:
     """Reshape ``x`` to its first three dimensions followed by ``tail`` (zero rows allowed)."""
-    shape = b.op("Concat", [b.op("Slice", [leading, *_ints(b, [0], [3])]), b.const(np.array(tail, np.int64))], axis=0)
+    shape = b.op(
+        "Concat", [b.op("Slice", [leading, *_ints(b, [0], [3])]), b.const(np.array(tail, np.int64))], axis=0
+    )
     return b.op("Reshape", [x, shape])
 
 
@@ -233,7 +235,9 @@ def _unpack(b: _Builder, fmt: CacheFormat, stored: ir.Value, head: int) -> ir.Va
         shifted = b.op("BitShift", [stored, b.const(np.array(bits * i, np.uint8))], direction="RIGHT")
         part = b.op("BitwiseAnd", [shifted, b.const(np.array((1 << bits) - 1, np.uint8))])
         parts.append(b.op("Unsqueeze", [part, axis]))
-    codes = _reshape_tail(b, b.op("Concat", parts, axis=-1), b.op("Shape", [stored]), [fmt.packed_dim(head) * n])
+    codes = _reshape_tail(
+        b, b.op("Concat", parts, axis=-1), b.op("Shape", [stored]), [fmt.packed_dim(head) * n]
+    )
     if fmt.packed_dim(head) * n != head:
         codes = b.op("Slice", [codes, *_ints(b, [0], [head], [-1])])
     offset = b.const(np.array(fmt.storage_offset, np.float32))
@@ -299,7 +303,9 @@ class _Rewrite:
         query = _required(site, QUERY, "query")
         key, value = site.input(KEY), site.input(VALUE)
         if key is None or value is None:
-            sizes = b.const(np.array([self.heads * self.head, self.kv * self.head, self.kv * self.head], np.int64))
+            sizes = b.const(
+                np.array([self.heads * self.head, self.kv * self.head, self.kv * self.head], np.int64)
+            )
             query, key, value = b.ops("Split", [query, sizes], 3, axis=-1)
             for x in (query, key, value):
                 x.dtype = self.dtype
@@ -307,7 +313,10 @@ class _Rewrite:
         step = self._step(query)
         if site.int_attr("do_rotary"):
             query, key = self._rotary(query, key, step)
-        past_key, past_value = _required(site, PAST_KEY, "past_key"), _required(site, PAST_VALUE, "past_value")
+        past_key, past_value = (
+            _required(site, PAST_KEY, "past_key"),
+            _required(site, PAST_VALUE, "past_value"),
+        )
         stored_key, stored_value = key, value
         codecs: list[_Codec] = []
         if fmt is not None:
@@ -316,10 +325,13 @@ class _Rewrite:
             scales = (_required(site, K_SCALE, "k_scale"), _required(site, V_SCALE, "v_scale"))
             new = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else flat) for s in scales]
             codecs = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else bnsh) for s in scales]
-            stored_key, stored_value = (codec.round_trip(x, self.dtype) for x, codec in zip((key, value), new))
+            stored_key, stored_value = (
+                codec.round_trip(x, self.dtype) for x, codec in zip((key, value), new)
+            )
             if self.quantized_io:
                 past_key, past_value = (
-                    codec.load(past, self.head, self.dtype) for past, codec in zip((past_key, past_value), codecs)
+                    codec.load(past, self.head, self.dtype)
+                    for past, codec in zip((past_key, past_value), codecs)
                 )
         rest = list(node.inputs[SEQLENS_K:])
         attrs = {name: attr for name, attr in node.attributes.items() if name not in _DROPPED_ATTRS}

@@ -18,7 +18,9 @@ subgraphs and the model's functions:
 3. float32 scales go to inputs 12 (k) and 13 (v): ``[1]`` per tensor,
    ``kv_num_heads * head_size`` per channel. They are named after the cache they
    scale: two nodes reading one cache share a scale, distinct caches never do.
-   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots.
+   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots (CUDA's
+   quantized decode fast path needed one tensor before onnxruntime 1.29); a warning says
+   when that makes a layer's K or V scale more than 2x coarser.
 4. ``k_quant_type``/``v_quant_type`` and ``kv_cache_bit_width`` are set; every other
    attribute and every input at slot 14 and above is kept as it was.
 5. A node already in the requested format is left alone, or gets the new scale
@@ -92,8 +94,9 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
             file path. ``None`` means unit scales for fp8 (with a warning) and is an
             error for int8/int4.
-        shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (older
-            CUDA fast paths need k_scale and v_scale to be one tensor).
+        shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (CUDA's
+            quantized decode fast path before onnxruntime 1.29 needs k_scale and v_scale to
+            be one tensor). The smaller of the two gets coarser: warns beyond 2x.
     """
 
     def __init__(
@@ -137,6 +140,8 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 KvCacheWarning,
                 stacklevel=2,
             )
+        if self.shared_kv_scale:
+            _warn_if_shared_scale_coarsens(plans)
         store = _ScaleStore(model)
         modified = False
         for plan in plans:
@@ -283,6 +288,30 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
 
     def __init__(self, scales: ScalesLike = None, *, shared_kv_scale: bool = False) -> None:
         super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
+
+
+#: ``shared_kv_scale`` warns when max(k, v) makes a scale coarser than this factor.
+SHARED_SCALE_WARN_FACTOR = 2.0
+
+
+def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
+    worst: tuple[float, int, str] = (0.0, -1, "")
+    for plan in plans:
+        if plan.k_scale is None or plan.v_scale is None:
+            continue
+        shared = np.maximum(plan.k_scale, plan.v_scale)
+        for kind, own in (("K", plan.k_scale), ("V", plan.v_scale)):
+            factor = float(np.max(shared / own))
+            worst = max(worst, (factor, plan.site.layer_id, kind))
+    factor, layer, kind = worst
+    if factor > SHARED_SCALE_WARN_FACTOR:
+        warnings.warn(
+            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: layer {layer}'s {kind} "
+            f"scale becomes {factor:.1f}x coarser, and its cache that much less precise. Only CUDA's "
+            "decode fast path before onnxruntime 1.29 needs one tensor; drop the option otherwise.",
+            KvCacheWarning,
+            stacklevel=4,
+        )
 
 
 # -- cache endpoints ------------------------------------------------------------------
