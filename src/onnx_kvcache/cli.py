@@ -167,7 +167,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         num_seqs=args.num_seqs,
         seq_len=args.seq_len,
-        semantics=args.semantics or _target_semantics(args.candidate),
+        semantics=args.semantics,
     )
     print(report.format_table())
     if args.json:
@@ -177,18 +177,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
         plot_evaluation(report, args.plot)
     return 0
-
-
-def _target_semantics(candidate: str) -> str:
-    """The kernel rule of the provider the candidate targets (see ``infer_target``)."""
-    from onnx_kvcache.capabilities import infer_target
-    from onnx_kvcache.model_files import load_model, resolve_model_path
-
-    _, config = resolve_model_path(candidate)
-    ep, why = infer_target(load_model(candidate), config)
-    semantics = "cuda" if ep == "cuda" else "cpu"
-    logging.getLogger(__name__).info("Candidate targets %s (%s): %s kernel rule.", ep, why, semantics)
-    return semantics
 
 
 def _demo(args: argparse.Namespace) -> int:

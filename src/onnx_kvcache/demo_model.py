@@ -32,7 +32,9 @@ class DecoderConfig:
             positions (``local_window_size``); with ``sliding_window_cache`` their cache
             is window-sized.
         no_cache_layers: Layers whose attention has no past/present cache.
-        qk_norm: Use GQA inputs 14/15 (q/k RMS norm weights), a 16-input node.
+        qk_norm: Per-head RMS norm of q and k before RoPE (Qwen3, Gemma3), fused into GQA
+            as inputs 14/15 (a 16-input node, as builds for CUDA/WebGPU have it), or with
+            ``qk_norm_fused=False`` as ops before the node (what the CPU kernel can run).
         dtype: ``float32``, ``float16`` or ``bfloat16`` weights and activations.
         symbolic_cache_dim: Declare the caches' head dimension as ``kv_cache_dim``, as
             onnxruntime-genai's builder does, instead of the static head size.
@@ -56,6 +58,7 @@ class DecoderConfig:
     sliding_window_cache: bool = False
     no_cache_layers: tuple[int, ...] = ()
     qk_norm: bool = False
+    qk_norm_fused: bool = True
     symbolic_cache_dim: bool = False
     seed: int = 0
 
@@ -106,6 +109,23 @@ class _Builder:
 
         w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
         return self.op("MatMul", [x, w], f"{name}/MatMul")
+
+    def head_rms_norm(self, x: ir.Value, weight: ir.Value, heads: int, name: str) -> ir.Value:
+        """RMS norm of each head of ``x`` ``[B, S, heads * D]`` (GQA's qk_norm_epsilon, 1e-6)."""
+        c = self.config
+        split = self.const(f"{name}.split_shape", np.array([0, 0, heads, c.head_size], np.int64))
+        merge = self.const(f"{name}.merge_shape", np.array([0, 0, heads * c.head_size], np.int64))
+        axes = self.const(f"{name}.axes", np.array([-1], np.int64))
+        eps = self.const(f"{name}.eps", np.array(1e-6, c.np_dtype))
+        heads_x = self.op("Reshape", [x, split], f"{name}/Reshape")
+        mean = self.op(
+            "ReduceMean", [self.op("Mul", [heads_x, heads_x], f"{name}/Square"), axes], f"{name}/Mean"
+        )
+        rms = self.op("Sqrt", [self.op("Add", [mean, eps], f"{name}/Add")], f"{name}/Sqrt")
+        normed = self.op("Mul", [self.op("Div", [heads_x, rms], f"{name}/Div"), weight], f"{name}/Scale")
+        out = self.op("Reshape", [normed, merge], f"{name}/Merge")
+        out.dtype, out.shape = x.dtype, x.shape
+        return out
 
     def rms_norm(self, x: ir.Value, name: str, axes: ir.Value, eps: ir.Value) -> ir.Value:
         size = self.config.hidden_size
@@ -194,7 +214,11 @@ def build_decoder(
                 )
                 for name in ("q", "k")
             )
-            inputs += [None] * 5 + [qn, kn]
+            if c.qk_norm_fused:
+                inputs += [None] * 5 + [qn, kn]
+            else:
+                inputs[0] = b.head_rms_norm(q, qn, c.num_heads, f"{p}/attn/q_norm")
+                inputs[1] = b.head_rms_norm(k, kn, c.kv_num_heads, f"{p}/attn/k_norm")
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": c.kv_num_heads,

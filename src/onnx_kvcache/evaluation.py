@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.runner import KvCacheRunner
+
+logger = logging.getLogger(__name__)
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
@@ -132,14 +135,18 @@ def evaluate_kv_cache(
     """Compare a quantized-cache model with its baseline; see the module docstring.
 
     ``semantics`` is the kernel rule the candidate follows on CPU (``cuda`` or ``cpu``;
-    see :class:`KvCacheRunner`); the report states which produced it. A progress bar
-    (tqdm) shows on a terminal unless ``progress=False``.
+    see :class:`KvCacheRunner`); by default the rule of the provider the candidate targets
+    (:func:`~onnx_kvcache.capabilities.infer_target`: genai config, fp8, fp16/bf16 -> cuda).
+    The report states which rule produced it. A progress bar (tqdm) shows on a terminal
+    unless ``progress=False``.
     """
     if max_new_tokens < 0 or prompt_len < 1:
         raise KvCacheError(
             f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
         )
     base = KvCacheRunner(baseline, providers)
+    if semantics is None and not any("CUDA" in str(p) for p in providers or ()):
+        semantics = target_semantics(candidate)
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
     if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
         raise KvCacheError(
@@ -216,6 +223,20 @@ def evaluate_kv_cache(
         num_sequences=len(windows),
         positions=int(all_kl.size),
     )
+
+
+def target_semantics(model: ir.Model | str | os.PathLike) -> str:
+    """The kernel rule of the provider ``model`` targets: ``cuda`` for cuda, else ``cpu``."""
+    from onnx_kvcache.capabilities import infer_target
+    from onnx_kvcache.model_files import load_model, resolve_model_path
+
+    config = None
+    if not isinstance(model, ir.Model):
+        _, config = resolve_model_path(model)
+        model = load_model(model)
+    ep, why = infer_target(model, config)
+    logger.info("The candidate targets %s (%s): evaluating with the %s kernel's rule.", ep, why, ep)
+    return "cuda" if ep == "cuda" else "cpu"
 
 
 def _format_name(runner: KvCacheRunner) -> str:
