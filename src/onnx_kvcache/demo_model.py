@@ -124,7 +124,7 @@ class _Builder:
         rms = self.op("Sqrt", [self.op("Add", [mean, eps], f"{name}/Add")], f"{name}/Sqrt")
         normed = self.op("Mul", [self.op("Div", [heads_x, rms], f"{name}/Div"), weight], f"{name}/Scale")
         out = self.op("Reshape", [normed, merge], f"{name}/Merge")
-        out.dtype, out.shape = x.dtype, x.shape
+        out.type, out.shape = x.type, x.shape
         return out
 
     def rms_norm(self, x: ir.Value, name: str, axes: ir.Value, eps: ir.Value) -> ir.Value:
