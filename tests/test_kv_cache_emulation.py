@@ -336,3 +336,28 @@ def test_a_qwen3_style_decoder_runs_through_emulation():
     assert len(KvCacheRunner(model).generate([1, 2, 3], 4)) == 4
     KvCacheQuantizationPass("fp8", scales={0: (0.05, 0.02), 1: (0.05, 0.02)})(model)
     assert len(KvCacheRunner(model).generate([1, 2, 3], 4)) == 4
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_a_right_padded_batch_on_the_first_prompt_rotates_from_position_zero(semantics):
+    """The kernel's first prompt uses positions 0..S-1 for every row, whatever seqlens_k says."""
+    model, _, _ = quantized_model("fp8", "per_tensor", scale=0.01)
+    session = create_session(emulate_kv_cache(model, semantics, quantized_io=True))
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 5, n)).astype(np.float32) for n in (64, 32, 32))
+    empty = _fp8(np.zeros((2, 2, 0, 16), np.uint8))
+    feeds = {"query.0": q, "key.0": k, "value.0": v, "past_key_values.0.key": empty}
+    feeds |= {"past_key_values.0.value": empty, "total_sequence_length": np.array(5, np.int32)}
+    batched = session.run(None, {**feeds, "seqlens_k": np.array([4, 2], np.int32)})  # row 1: 3 tokens
+    single = session.run(
+        None,
+        {
+            **{name: x[1:, :3] for name, x in (("query.0", q), ("key.0", k), ("value.0", v))},
+            "past_key_values.0.key": _fp8(np.zeros((1, 2, 0, 16), np.uint8)),
+            "past_key_values.0.value": _fp8(np.zeros((1, 2, 0, 16), np.uint8)),
+            "seqlens_k": np.array([2], np.int32),
+            "total_sequence_length": np.array(3, np.int32),
+        },
+    )
+    np.testing.assert_allclose(batched[0][1:, :3], single[0], atol=1e-5)
+    np.testing.assert_array_equal(batched[1][1:, :, :3], single[1])
