@@ -199,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output", nargs="?")
     _add_format_args(p, granularity=None)
     p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
-    p.add_argument("--shared-kv-scale", action="store_true", help="one tensor for k and v scales")
+    p.add_argument(
+        "--shared-kv-scale",
+        action="store_true",
+        help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
+        "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
+    )
     p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")
     p.add_argument("--strict", action="store_true", help="fail when the target cannot run it")
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
