@@ -361,3 +361,10 @@ def test_a_right_padded_batch_on_the_first_prompt_rotates_from_position_zero(sem
     )
     np.testing.assert_allclose(batched[0][1:, :3], single[0], atol=1e-5)
     np.testing.assert_array_equal(batched[1][1:, :, :3], single[1])
+
+
+def test_qk_norm_emulation_needs_opset_18_and_the_runner_says_so():
+    model = build_decoder(num_layers=1, vocab_size=300, qk_norm=True)
+    model.opset_imports[""] = 17
+    with pytest.raises(KvCacheError, match=r"needs opset >= 18 \(ReduceMean with axes as an input"):
+        KvCacheRunner(model)

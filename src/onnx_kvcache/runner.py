@@ -215,7 +215,10 @@ def prepare_for_cpu(
         if copy.functions:
             ir.passes.common.InlinePass()(copy)
         logger.info("Emulating GroupQueryAttention caches on CPU with the %s kernel's rule.", semantics)
-        KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
+        try:
+            KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
+        except ir.passes.PreconditionError as e:
+            raise KvCacheError(f"This model cannot run on CPU: {e}") from None
     return copy, emulate
 
 

@@ -92,8 +92,18 @@ _DROPPED_ATTRS = frozenset(
         "k_norm_epsilon",
     }
 )
-#: Default-domain opset each format's emulation needs (Cast to float8 with ``saturate``).
-_MIN_OPSET = {True: 19, False: 13}
+
+
+def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
+    """The default-domain opset the rewrite of ``site`` needs, and for what."""
+    fmt = site.cache_format
+    if fmt is not None and fmt.is_float:
+        return 19, f"Cast to {fmt.dtype.name} with saturate"
+    if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
+        return 18, "ReduceMean with axes as an input (q/k norm)"
+    if fmt is not None and fmt.values_per_byte > 1 and quantized_io:
+        return 18, "BitwiseAnd (unpacking)"
+    return 13, "Split and Unsqueeze with inputs"
 
 
 def get_semantics(name: str) -> Semantics:
@@ -473,13 +483,12 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
                     "(onnx_ir.passes.common.InlinePass)."
                 )
             fmt = site.cache_format
-            need = _MIN_OPSET[fmt is not None and fmt.is_float]
-            if fmt is not None and fmt.values_per_byte > 1 and self.quantized_io:
-                need = 18  # BitwiseAnd
+            need, why = _min_opset(site, self.quantized_io)
             if model.opset_imports.get("", 1) < need:
                 raise ir.passes.PreconditionError(
-                    f"Emulating the {fmt.name if fmt else 'float'} cache of {site.name} needs "
-                    f"opset >= {need}; the model imports opset {model.opset_imports.get('', 1)}."
+                    f"Emulating {site.name} needs opset >= {need} ({why}); the model imports opset "
+                    f"{model.opset_imports.get('', 1)}. Convert the model to a newer opset first "
+                    "(onnxscript.version_converter)."
                 )
             if not self.quantized_io and fmt is not None:
                 for cache in (site.past_key, site.past_value):
