@@ -322,7 +322,8 @@ def test_text_with_a_tokenizer(tmp_path, model):
     scales = calibrate_kv_cache(
         model, tmp_path / "text.txt", tokenizer=tmp_path / "tokenizer.json", progress=False
     )
-    assert scales.metadata["tokens"] == 300 and scales.metadata["data"] == "text from text.txt"
+    assert scales.metadata["tokens"] == 300
+    assert scales.metadata["data"] == f"text from text.txt, tokenizer {tmp_path / 'tokenizer.json'}"
 
 
 def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
@@ -366,3 +367,23 @@ def test_text_without_a_tokenizer_is_an_error(tmp_path, model):
     (tmp_path / "t.txt").write_text("some text")
     with pytest.raises(KvCacheError, match="needs a tokenizer"):
         calibrate_kv_cache(model, tmp_path / "t.txt", progress=False)
+
+
+def test_a_margin_that_breaks_the_scales_is_caught(model, data):
+    with pytest.raises(KvCacheError, match=r"overflow float32.*use a margin near 1"):
+        calibrate_kv_cache(model, data, format="int8", margin=1e300, progress=False)
+    with pytest.warns(KvCacheWarning, match=r"clip 100.0% of layer .* beyond .* check margin=1e-50"):
+        calibrate_kv_cache(model, data, format="int8", margin=1e-50, progress=False)
+
+
+def test_a_tokenizer_file_that_is_not_one_is_an_error(tmp_path, model):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "notes.txt").write_text("plain words")
+    with pytest.raises(KvCacheError, match=r"is not a tokenizers tokenizer\.json"):
+        calibrate_kv_cache(model, tmp_path / "notes.txt", tokenizer=tmp_path / "notes.txt", progress=False)
+
+
+def test_fp8_minmax_clips_nothing(model, data):
+    """threshold / 448 * 448 may round a float32 ulp below the threshold: not a clip."""
+    scales = calibrate_kv_cache(model, data, format="fp8", granularity="per_channel", progress=False)
+    assert all(s.k_clip == 0 and s.v_clip == 0 for s in scales.stats)

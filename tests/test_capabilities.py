@@ -187,6 +187,8 @@ def test_openvino_row_gates_on_its_own_version():
         (F32, "fp8", None, ("cuda", "its fp8 cache runs only on CUDA")),
         (F16, None, [{"dml": {}}], ("dml", "genai_config.json's provider_options name 'dml'")),
         (F16, None, [{"QNN": {}}, {"cpu": {}}], ("cpu", "genai_config.json's provider_options name 'cpu'")),
+        (F16, None, [], ("cpu", "genai_config.json names no provider, so onnxruntime-genai runs it on CPU")),
+        (F32, "fp8", [{"dml": {}}], ("cuda", "its fp8 cache runs only on CUDA")),
     ],
 )
 def test_the_target_is_inferred_from_config_cache_and_dtype(dtype, fmt, config, want):
@@ -195,5 +197,7 @@ def test_the_target_is_inferred_from_config_cache_and_dtype(dtype, fmt, config, 
     model = gqa_model(dtype=dtype)
     if fmt is not None:
         KvCacheQuantizationPass(fmt, scales={0: (0.1, 0.1)})(model)
-    genai = {"model": {"decoder": {"session_options": {"provider_options": config}}}} if config else None
+    genai = (
+        None if config is None else {"model": {"decoder": {"session_options": {"provider_options": config}}}}
+    )
     assert infer_target(model, genai) == want

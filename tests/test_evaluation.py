@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
 from onnx_kvcache.cli import main
 from onnx_kvcache.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
 from onnx_kvcache.formats import get_format
@@ -53,9 +53,44 @@ def test_a_model_against_itself_is_perfect():
     assert report.kl_max == 0.0 and report.top1_agreement == 1.0
     assert report.greedy_match_share == 1.0 and report.greedy_match_prefix == 6
     assert all(k == 0 and v == 0 for k, v in report.layer_errors.values())
-    assert (
-        report.positions == 23 and report.baseline_bytes_per_token == report.candidate_bytes_per_token == 1024
+    assert report.positions == 24 - 8 - 1 and report.kl_prompt_mean == 0.0  # decode steps only
+    assert report.baseline_bytes_per_token == report.candidate_bytes_per_token == 1024
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_quantized_model_against_itself_is_perfect_and_warns(fmt):
+    """Both run under one rule; a quantized baseline is almost surely a mistake."""
+    model = build_decoder(num_layers=2, vocab_size=300, dtype="float16")  # targets CUDA: its rule
+    KvCacheQuantizationPass(fmt, scales={0: (0.05, 0.02), 1: (0.05, 0.02)})(model)
+    with pytest.warns(KvCacheWarning, match="baseline's KV cache is quantized"):
+        report = evaluate_kv_cache(model, model, DATA, max_new_tokens=2, prompt_len=8)
+    assert report.kl_max == 0.0 and report.kernel_rule == "cuda (emulated on CPU)"
+
+
+def test_decode_steps_are_scored_apart_from_cudas_unquantized_prompt():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(
+        base, quantized("fp8", scale=(0.01, 0.01)), DATA, max_new_tokens=0, prompt_len=8
     )
+    assert report.kernel_rule == "cuda (emulated on CPU)"
+    assert report.kl_prompt_mean == 0.0 < report.kl_mean and len(report.kl_per_position) == 15
+    assert all(k > 0 for k in report.kl_per_position)
+
+
+def test_models_with_another_vocabulary_or_too_short_data_are_refused():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    with pytest.raises(KvCacheError, match="or vocabulary"):
+        evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=512), DATA, max_new_tokens=0)
+    with pytest.raises(KvCacheError, match="leave no decode step"):
+        evaluate_kv_cache(base, base, [[1, 2]], max_new_tokens=0)
+
+
+def test_json_has_null_for_what_was_not_measured():
+    import json
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    doc = evaluate_kv_cache(base, base, DATA, max_new_tokens=0, prompt_len=8).to_json()
+    assert doc["greedy_match_share"] is None and "NaN" not in json.dumps(doc)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
@@ -112,7 +147,7 @@ def test_data_notes(tmp_path):
 
 
 def test_models_with_different_caches_are_refused():
-    with pytest.raises(KvCacheError, match="different KV caches"):
+    with pytest.raises(KvCacheError, match="differ in their KV caches"):
         evaluate_kv_cache(build_decoder(num_layers=2), build_decoder(num_layers=3), DATA)
 
 

@@ -30,11 +30,11 @@ from onnx_kvcache.model_files import load_model
 pytest.importorskip("tokenizers", reason="install the test extra")
 
 COMMON = {"num_layers": 2, "vocab_size": 300, "symbolic_cache_dim": True}
-BUILDS = {
+BUILDS = {  # the model builder names a provider in genai_config: cpu (none) or cuda
     "fp32": {},
     "fp16": {"dtype": "float16"},
-    "bf16": {"dtype": "bfloat16"},
-    "qk-norm-fp16": {"dtype": "float16", "qk_norm": True},
+    "bf16": {"dtype": "bfloat16", "provider": "cuda"},
+    "qk-norm-fp16": {"dtype": "float16", "qk_norm": True, "provider": "cuda"},
     "sliding-window": {"sliding_window_layers": (1,), "sliding_window": 16},
     "window-sized-cache": {"sliding_window_layers": (1,), "sliding_window": 16, "sliding_window_cache": True},
 }
@@ -44,7 +44,7 @@ GENAI_CANNOT = {
     "qk-norm-fp16": "onnxruntime's CPU GQA rejects q/k norm inputs",
     "window-sized-cache": "onnxruntime-genai 0.18 allocates an empty past for the window-sized cache",
 }
-CPU_TARGETS = ("fp32", "sliding-window", "window-sized-cache")
+CPU_TARGETS = ("fp32", "fp16", "sliding-window", "window-sized-cache")
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -75,6 +75,7 @@ def test_every_allowed_format_calibrates_converts_and_evaluates_on_cpu(build, tm
         report = evaluate_kv_cache(folder, out, num_seqs=1, seq_len=96, max_new_tokens=4)
         want = "cpu (onnxruntime CPU kernel)" if target == "cpu" else "cuda (emulated on CPU)"
         assert report.kernel_rule == want
+        assert report.kl_prompt_mean == 0.0 or target == "cpu"  # CUDA's first prompt: unquantized
         assert np.isfinite(report.kl_mean) and report.top1_agreement > 0.5, (fmt, report.format_table())
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
 from onnx_kvcache.runner import discover_cache_bindings
 
 LAYERS = 2
@@ -51,7 +53,9 @@ def test_decode_steps_equal_one_prefill(fmt):
     (CUDA's first prompt reads them unquantized: see test_kv_cache_emulation).
     """
     ids = [3, 14, 15, 92, 65, 35]
-    a, b = (KvCacheRunner(model_for(fmt), semantics="cpu") for _ in range(2))
+    with warnings.catch_warnings():  # fp8 under the CPU rule warns that no kernel does that
+        warnings.simplefilter("ignore", KvCacheWarning)
+        a, b = (KvCacheRunner(model_for(fmt), semantics="cpu") for _ in range(2))
     full = a.prefill(ids)[0]
     b.prefill(ids[:2])
     stepped = [b.step(t)[0] for t in ids[2:]]
@@ -137,3 +141,51 @@ def test_generation_stops_at_eos():
     free = runner.generate([7, 8, 9], 6, eos_token_id=None)
     stopped = runner.generate([7, 8, 9], 6, eos_token_id=free[2])
     assert stopped == free[: free.index(free[2]) + 1]
+
+
+def test_a_context_keeps_its_batch_size():
+    runner = KvCacheRunner(model_for("int8"))
+    runner.prefill(np.array([[1, 2, 3], [4, 5, 6]]))
+    with pytest.raises(KvCacheError, match="holds 2 sequence"):
+        runner.step(5)
+    assert runner.length == 3 and runner.step([5, 6]).shape == (2, 300)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([], "non-empty"),
+        ([[]], "non-empty"),
+        ([-1], r"in \[0, 300\)"),
+        ([300], r"in \[0, 300\)"),
+        ([3.7], "integers"),
+    ],
+)
+def test_token_ids_are_checked(ids, message):
+    with pytest.raises(KvCacheError, match=message):
+        KvCacheRunner(model_for(None)).prefill(ids)
+
+
+def test_contexts_past_the_rotary_tables_are_refused():
+    runner = KvCacheRunner(model_for(None, max_position=16))
+    runner.prefill(list(range(12)))
+    with pytest.raises(KvCacheError, match="exceed the 16 positions"):
+        runner.forward(list(range(5)))
+
+
+def test_every_listed_eos_token_stops_generation(tmp_path):
+    import json
+
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
+    free = KvCacheRunner(folder).generate([7, 8, 9], 6, eos_token_id=None)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [257, free[2]]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert KvCacheRunner(folder).generate([7, 8, 9], 6) == free[:3]
+
+
+def test_a_cache_kind_is_key_or_value():
+    with pytest.raises(KvCacheError, match="'key' or 'value', got 'k'"):
+        KvCacheRunner(model_for("int8")).present(0, "k")

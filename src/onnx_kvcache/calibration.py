@@ -42,6 +42,9 @@ from onnx_kvcache.scales import KvCacheScales
 logger = logging.getLogger(__name__)
 
 METHODS = ("minmax", "percentile", "mse")
+#: A minmax/percentile calibration whose scales put more than this share of a layer's values
+#: beyond the threshold (margin below 1, a low percentile) warns, once per layer.
+CLIP_WARN_FRACTION = 0.01
 _TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -139,10 +142,14 @@ def _thresholds(
 
 
 def _clip_fraction(res: _Reservoir, scale: np.ndarray, fmt: CacheFormat) -> float:
-    """Share of sampled values beyond what the scale can represent (not mere rounding)."""
+    """Share of sampled values beyond what the scale can represent (not mere rounding).
+
+    A float32 ulp of tolerance: ``threshold / qmax * qmax`` may round just below the
+    threshold, which costs nothing when stored.
+    """
     if not res.rows.size:
         return 0.0
-    limit = scale * (fmt.qmax_stored if fmt.is_float else fmt.qmax_stored + 0.5)
+    limit = scale * (fmt.qmax_stored if fmt.is_float else fmt.qmax_stored + 0.5) * (1 + 2e-7)
     return float((res.rows > limit).mean())
 
 
@@ -260,11 +267,29 @@ def calibrate_kv_cache(
     stats = []
     for layer in sorted({k[0] for k in reservoirs}):
         result = {}
+        beyond = 0.0  # share of values beyond the threshold itself: what the settings clip
         for kind in ("key", "value"):
             res = reservoirs[(layer, kind)]
             thr = _thresholds(res, method, percentile, fmt, granularity)
-            scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
+            with np.errstate(over="ignore"):
+                scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
+            if not np.all(np.isfinite(scale)):
+                raise KvCacheError(
+                    f"Layer {layer} {kind} scales overflow float32 (threshold {thr.max():.3g} x margin "
+                    f"{margin:g}); use a margin near 1."
+                )
             result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
+            if res.rows.size:
+                beyond = max(beyond, float((res.rows > scale * fmt.qmax * (1 + 2e-7)).mean()))
+        if beyond > CLIP_WARN_FRACTION and method != "mse":  # mse clips by design, where it pays
+            warnings.warn(
+                f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
+                f"(more than {CLIP_WARN_FRACTION:.0%}): check margin={margin:g}"
+                + (f" and percentile={percentile:g}" if method == "percentile" else "")
+                + "; clipped values lose far more than rounding does.",
+                KvCacheWarning,
+                stacklevel=2,
+            )
         (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
         stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))
     metadata = {

@@ -124,21 +124,26 @@ def get_capabilities(ep: str) -> EpCapabilities:
 def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) -> tuple[str, str]:
     """Where a model will run when the user did not say: ``(row name, why)``.
 
-    An onnxruntime-genai config's provider options decide; else an fp8 cache means
-    ``cuda`` (it runs nowhere else), fp16/bf16 queries ``cuda``, float32 ``cpu``.
+    An fp8 cache runs only on ``cuda``. An onnxruntime-genai config decides next: the first
+    known provider of its ``provider_options``, or ``cpu`` when it names none (genai's
+    default). A bare model: fp16/bf16 queries mean ``cuda``, float32 ``cpu``.
     """
-    decoder = (genai_config or {}).get("model", {}).get("decoder", {})
-    options = (
-        decoder.get("session_options", {}).get("provider_options", []) if isinstance(decoder, dict) else []
-    )
-    for entry in options if isinstance(options, list) else []:
-        for name in entry if isinstance(entry, dict) else ():
-            row = get_capabilities(name)
-            if row.name != "default":
-                return row.name, f"genai_config.json's provider_options name {name!r}"
     sites = find_gqa_sites(model) if model is not None else []
     if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
         return "cuda", "its fp8 cache runs only on CUDA"
+    if genai_config is not None:
+        decoder = genai_config.get("model", {}).get("decoder", {})
+        options = (
+            decoder.get("session_options", {}).get("provider_options", [])
+            if isinstance(decoder, dict)
+            else []
+        )
+        for entry in options if isinstance(options, list) else []:
+            for name in entry if isinstance(entry, dict) else ():
+                row = get_capabilities(name)
+                if row.name != "default":
+                    return row.name, f"genai_config.json's provider_options name {name!r}"
+        return "cpu", "genai_config.json names no provider, so onnxruntime-genai runs it on CPU"
     dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
     if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
         names = "/".join(sorted(t.name.lower() for t in dtypes))

@@ -75,7 +75,11 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
         raise MissingRuntimeError(
             "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
         ) from e
-    return list(Tokenizer.from_file(str(tokenizer)).encode(text).ids)
+    try:
+        loaded = Tokenizer.from_file(str(tokenizer))
+    except Exception as e:  # tokenizers raises its own untyped Exception
+        raise KvCacheError(f"{tokenizer} is not a tokenizers tokenizer.json ({e}).") from None
+    return list(loaded.encode(text).ids)
 
 
 def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
@@ -145,7 +149,9 @@ def load_token_windows(
                 source, random = "seeded random token ids (no tokenizer)", True
             else:
                 sequences = [tokenize_text(builtin_corpus(), tok)]
-                source = "built-in corpus, model tokenizer"
+                source = "built-in corpus, " + (
+                    "model tokenizer" if tokenizer is None else f"tokenizer {tok}"
+                )
         else:
             path = pathlib.Path(data)
             if not path.is_file():
@@ -158,6 +164,8 @@ def load_token_windows(
                 except UnicodeDecodeError as e:
                     raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
                 sequences, source = [tokenize_text(text, tok)], f"text from {path.name}"
+                if tokenizer is not None:
+                    source += f", tokenizer {tok}"
             if not any(sequences):
                 raise KvCacheError(f"{path} holds no tokens; give a file with text or token ids.")
     else:

@@ -321,9 +321,13 @@ def byte_level_tokenizer() -> dict:
 
 
 def save_genai_folder(
-    folder: str | os.PathLike, config: DecoderConfig | None = None, **overrides
+    folder: str | os.PathLike, config: DecoderConfig | None = None, *, provider: str = "cpu", **overrides
 ) -> pathlib.Path:
-    """Write the demo decoder as an onnxruntime-genai folder (model, config, tokenizer)."""
+    """Write the demo decoder as an onnxruntime-genai folder (model, config, tokenizer).
+
+    ``provider`` is the execution provider the genai config names, as the model builder
+    writes it: ``cpu`` names none (genai's default), ``cuda`` a ``{"cuda": {}}`` entry.
+    """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
     if config.vocab_size < 258:
         raise ValueError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
@@ -339,7 +343,10 @@ def save_genai_folder(
             "type": "llama",
             "vocab_size": config.vocab_size,
             "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "session_options": {
+                    "log_id": "onnxruntime-genai",
+                    "provider_options": [] if provider == "cpu" else [{provider: {}}],
+                },
                 "filename": "model.onnx",
                 "head_size": config.head_size,
                 "hidden_size": config.hidden_size,

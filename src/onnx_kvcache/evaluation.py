@@ -2,8 +2,10 @@
 
 Both models see the same tokens. Teacher-forced: a prompt is prefilled, the rest of
 the window is fed one token a step (the cache is read back every step), and the
-next-token distributions are compared (KL divergence, top-1 agreement). Greedy: both
-generate from the prompt and the tokens are compared. The candidate's cache is
+next-token distributions of those decode steps are compared (KL divergence, top-1
+agreement); the prompt's own positions are reported apart, since CUDA's first prompt
+reads its K/V unquantized. Greedy: both generate from the prompt and the tokens are
+compared. The candidate's cache is
 dequantized with its own scales and compared with the baseline's, layer by layer.
 """
 
@@ -21,6 +23,7 @@ import dataclasses
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +32,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.runner import KvCacheRunner
 
@@ -66,6 +69,7 @@ class EvaluationReport:
     """Accuracy of a candidate (quantized-cache) model against its baseline."""
 
     kl_mean: float
+    """Mean KL over the decode steps (each reads the quantized cache back)."""
     kl_max: float
     top1_agreement: float
     greedy_match_prefix: float
@@ -81,11 +85,15 @@ class EvaluationReport:
     data_note: str
     num_sequences: int
     positions: int
+    """Decode steps scored (the prompt's own positions are reported apart)."""
+    kl_prompt_mean: float = float("nan")
+    """Mean KL over the prompt's positions (CUDA's first prompt reads K/V unquantized: ~0)."""
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; numbers that were not measured (NaN) are null."""
         doc = dataclasses.asdict(self)
         doc["layer_errors"] = {str(k): {"k": v[0], "v": v[1]} for k, v in self.layer_errors.items()}
-        return doc
+        return {k: None if isinstance(v, float) and v != v else v for k, v in doc.items()}
 
     def format_table(self) -> str:
         rows = [
@@ -95,15 +103,16 @@ class EvaluationReport:
                 "cache bytes / token",
                 f"{self.candidate_bytes_per_token:g} (baseline {self.baseline_bytes_per_token:g})",
             ),
-            ("KL mean / max (nats)", f"{self.kl_mean:.3e} / {self.kl_max:.3e}"),
-            ("top-1 agreement", f"{self.top1_agreement:.2%}"),
+            ("KL mean / max (nats)", f"{self.kl_mean:.3e} / {self.kl_max:.3e} over decode steps"),
+            ("KL mean, prompt", f"{self.kl_prompt_mean:.3e} over the prompts' own positions"),
+            ("top-1 agreement", f"{self.top1_agreement:.2%} of decode steps"),
             (
                 "greedy match",
                 f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical"
                 if self.greedy_match_share == self.greedy_match_share  # not NaN
                 else "not measured (no tokens generated)",
             ),
-            ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} positions"),
+            ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} decode steps"),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
@@ -136,36 +145,47 @@ def evaluate_kv_cache(
 
     ``semantics`` is the kernel rule the candidate follows on CPU (``cuda`` or ``cpu``;
     see :class:`KvCacheRunner`); by default the rule of the provider the candidate targets
-    (:func:`~onnx_kvcache.capabilities.infer_target`: genai config, fp8, fp16/bf16 -> cuda).
-    The report states which rule produced it. A progress bar (tqdm) shows on a terminal
-    unless ``progress=False``.
+    (:func:`~onnx_kvcache.capabilities.infer_target`: fp8, genai config, fp16/bf16 -> cuda).
+    The baseline runs under the same rule. KL and top-1 are scored on the decode steps after
+    each prompt (every one reads the quantized cache back); the prompts' own positions are
+    reported apart. The report states which rule produced it. A progress bar (tqdm) shows on
+    a terminal unless ``progress=False``.
     """
     if max_new_tokens < 0 or prompt_len < 1:
         raise KvCacheError(
             f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
         )
-    base = KvCacheRunner(baseline, providers)
-    if semantics is None and not any("CUDA" in str(p) for p in providers or ()):
-        semantics = target_semantics(candidate)
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
-    if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
-        raise KvCacheError(
-            "Baseline and candidate have different KV caches; compare a model with its own conversion."
+    base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
+    if any(b.format is not None for b in base.bindings):
+        warnings.warn(
+            "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
+            "or the figures measure one quantization against another.",
+            KvCacheWarning,
+            stacklevel=2,
         )
-    vocab = next(
-        (
-            v.shape[-1]
-            for v in base.model.graph.outputs
-            if v.name == base.logits_name and v.shape is not None and isinstance(v.shape[-1], int)
-        ),
-        None,
-    )
+    if _layout(base) != _layout(cand) or base.vocab_size != cand.vocab_size:
+        raise KvCacheError(
+            "Baseline and candidate differ in their KV caches (layers, heads, windows) or vocabulary; "
+            "compare a model with its own conversion."
+        )
     source = data if data is not None else (baseline if not isinstance(baseline, ir.Model) else None)
     loaded = load_token_windows(
-        data, model=source, seq_len=seq_len, num_seqs=num_seqs, tokenizer=tokenizer, vocab_size=vocab
+        data,
+        model=source,
+        seq_len=seq_len,
+        num_seqs=num_seqs,
+        tokenizer=tokenizer,
+        vocab_size=base.vocab_size,
     )
     windows, note = loaded.windows, loaded.source
+    if not any(len(w) - min(prompt_len, max(1, len(w) // 2)) >= 2 for w in windows):
+        raise KvCacheError(
+            f"The sequences ({max(len(w) for w in windows)} tokens at most) leave no decode step after "
+            f"a prompt of up to {prompt_len}: use longer sequences (--seq-len)."
+        )
     kls: list[np.ndarray] = []
+    prompt_kls: list[np.ndarray] = []
     agree = []
     errors: dict[int, list[tuple[float, float]]] = {}
     prefixes, shares = [], []
@@ -177,15 +197,15 @@ def evaluate_kv_cache(
     for window in iterator:
         p = min(prompt_len, max(1, len(window) // 2))
         prompt, rest = window[:p], window[p:]
-        lb, lc = base.prefill(prompt)[0], cand.prefill(prompt)[0]
-        seq_b, seq_c = [lb], [lc]
-        for token in rest[:-1] if len(rest) else []:
-            seq_b.append(base.step(int(token)))
-            seq_c.append(cand.step(int(token)))
-        b_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_b])
-        c_logits = np.concatenate([s.reshape(-1, s.shape[-1]) for s in seq_c])
-        kls.append(kl_divergence(b_logits, c_logits))
-        agree.append(top1_agreement(b_logits, c_logits))
+        prompt_kls.append(kl_divergence(base.prefill(prompt)[0], cand.prefill(prompt)[0]))
+        seq_b, seq_c = [], []
+        for token in rest[:-1]:
+            seq_b.append(base.step(int(token))[0])
+            seq_c.append(cand.step(int(token))[0])
+        if seq_b:
+            b_logits, c_logits = np.stack(seq_b), np.stack(seq_c)
+            kls.append(kl_divergence(b_logits, c_logits))
+            agree.append(top1_agreement(b_logits, c_logits))
         per_layer: dict[int, list[float]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = bb.values(base.cache_array(bb.past))
@@ -209,6 +229,7 @@ def evaluate_kv_cache(
         top1_agreement=float(np.concatenate(agree).mean()),
         greedy_match_prefix=float(np.mean(prefixes)) if prefixes else float("nan"),
         greedy_match_share=float(np.mean(shares)) if shares else float("nan"),
+        kl_prompt_mean=float(np.concatenate(prompt_kls).mean()),
         layer_errors={
             layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
             for layer, errs in errors.items()
@@ -225,18 +246,8 @@ def evaluate_kv_cache(
     )
 
 
-def target_semantics(model: ir.Model | str | os.PathLike) -> str:
-    """The kernel rule of the provider ``model`` targets: ``cuda`` for cuda, else ``cpu``."""
-    from onnx_kvcache.capabilities import infer_target
-    from onnx_kvcache.model_files import load_model, resolve_model_path
-
-    config = None
-    if not isinstance(model, ir.Model):
-        _, config = resolve_model_path(model)
-        model = load_model(model)
-    ep, why = infer_target(model, config)
-    logger.info("The candidate targets %s (%s): evaluating with the %s kernel's rule.", ep, why, ep)
-    return "cuda" if ep == "cuda" else "cpu"
+def _layout(runner: KvCacheRunner) -> list[tuple]:
+    return [(b.layer_id, b.kind, b.kv_num_heads, b.head_size, b.capacity, b.window) for b in runner.bindings]
 
 
 def _format_name(runner: KvCacheRunner) -> str:

@@ -20,22 +20,25 @@ import dataclasses
 import logging
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat
-from onnx_kvcache.gqa import K_SCALE, V_SCALE, GqaSite, constant_values, find_gqa_sites, resident_rows
-from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
-from onnx_kvcache.passes.kv_cache_emulation import (
-    KvCacheEmulationPass,
-    Semantics,
-    get_semantics,
-    needs_emulation,
+from onnx_kvcache.gqa import (
+    COS_CACHE,
+    K_SCALE,
+    V_SCALE,
+    GqaSite,
+    constant_values,
+    find_gqa_sites,
+    resident_rows,
 )
+from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.runtime import create_session, to_ort_value
 
 logger = logging.getLogger(__name__)
@@ -184,10 +187,25 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
     return bindings
 
 
-def default_semantics(model: ir.Model) -> Semantics:
-    """``cuda`` for an fp8 cache (it runs nowhere else), else ``cpu``."""
-    sites = find_gqa_sites(model)
-    return "cuda" if any(s.cache_format is not None and s.cache_format.is_float for s in sites) else "cpu"
+def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None) -> Semantics:
+    """The kernel rule of the provider ``model`` targets (see ``infer_target``): cuda or cpu."""
+    from onnx_kvcache.capabilities import infer_target
+
+    ep, why = infer_target(model, genai_config)
+    semantics: Semantics = "cuda" if ep == "cuda" else "cpu"
+    logger.info("The model targets %s (%s): the %s kernel's rule.", ep, why, semantics)
+    return semantics
+
+
+def _max_positions(model: ir.Model) -> int | None:
+    """Positions the rotary tables cover (the model's context limit), when static."""
+    limits = []
+    for site in find_gqa_sites(model, with_cache_only=False):
+        cos = site.input(COS_CACHE)
+        shape = cos.shape if cos is not None else None
+        if site.int_attr("do_rotary") and shape is not None and isinstance(shape[0], int):
+            limits.append(shape[0])
+    return min(limits) if limits else None
 
 
 def _has_bfloat16(model: ir.Model) -> bool:
@@ -201,25 +219,30 @@ def prepare_for_cpu(
     """``model``, or a copy prepared to run on the CPU provider, and whether it emulates.
 
     bfloat16 computes in float32; GroupQueryAttention nodes the CPU cannot run under
-    ``semantics`` are emulated. The given model is never changed.
+    ``semantics`` are emulated (:func:`emulate_kv_cache`). The given model is never changed.
     """
-    bf16 = _has_bfloat16(model)
     emulate = any(needs_emulation(s, semantics) for s in find_gqa_sites(model))
-    if not (bf16 or emulate):
+    if not (emulate or _has_bfloat16(model)):
         return model, False
-    copy = model.clone()
-    if bf16:
-        logger.info("bfloat16 model: computing in float32 on CPU (no bf16 kernels there).")
-        Bfloat16ToFloatPass()(copy)
     if emulate:
-        if copy.functions:
-            ir.passes.common.InlinePass()(copy)
         logger.info("Emulating GroupQueryAttention caches on CPU with the %s kernel's rule.", semantics)
-        try:
-            KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
-        except ir.passes.PreconditionError as e:
-            raise KvCacheError(f"This model cannot run on CPU: {e}") from None
-    return copy, emulate
+    else:
+        logger.info("bfloat16 model: computing in float32 on CPU (no bf16 kernels there).")
+    try:
+        return emulate_kv_cache(model, semantics, quantized_io=quantized_io), emulate
+    except ir.passes.PreconditionError as e:
+        raise KvCacheError(f"This model cannot run on CPU: {e}") from None
+
+
+def _require_cuda_provider() -> None:
+    from onnx_kvcache.runtime import import_onnxruntime
+
+    available = import_onnxruntime().get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise KvCacheError(
+            f"CUDAExecutionProvider is not available here (onnxruntime offers {', '.join(available)}); "
+            "install onnxruntime-gpu (the gpu extra) on a machine with CUDA, or run on CPU."
+        )
 
 
 class KvCacheRunner:
@@ -232,8 +255,9 @@ class KvCacheRunner:
             (default: on for CUDA, where caches then never leave the GPU).
         semantics: On CPU, the kernel rule quantized caches follow: ``cuda`` emulates
             CUDA's (first prompt attended in full precision), ``cpu`` is the CPU kernel's.
-            Default: ``cuda`` for an fp8 cache (it runs nowhere else), else ``cpu``. On
-            CUDA the native kernel runs and only ``cuda`` is accepted.
+            Default: the rule of the provider the model targets (``infer_target``: genai
+            config, fp8 cache, fp16/bf16 -> cuda; float32 -> cpu). On CUDA the native
+            kernel runs and only ``cuda`` is accepted.
         quantized_io: When emulating, keep the caches in their stored format between
             steps (slower: the whole cache is converted every step).
     """
@@ -249,29 +273,45 @@ class KvCacheRunner:
     ) -> None:
         from onnx_kvcache.model_files import load_model, resolve_model_path
 
-        base_dir = None
-        self.eos_token_id: int | None = None
-        """End-of-sequence token; read from genai_config.json for a genai folder."""
+        base_dir, config = None, None
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
         else:
             model_file, config = resolve_model_path(model_or_path)
             model = load_model(model_file)
             base_dir = model_file.parent
-            eos = (config or {}).get("model", {}).get("eos_token_id")
-            self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+        eos = (config or {}).get("model", {}).get("eos_token_id")
+        self.eos_token_ids: frozenset[int] = frozenset(
+            int(t) for t in (eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        )
+        """End-of-sequence tokens; read from genai_config.json for a genai folder."""
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model
         """The model as given (before any preparation for CPU)."""
         on_cuda = any("CUDA" in str(p) for p in self.providers)
         if on_cuda:
+            _require_cuda_provider()
             if semantics not in (None, "cuda"):
                 raise KvCacheError(f"On CUDA the CUDA kernel runs: semantics={semantics!r} is not possible.")
             self.semantics: Semantics = "cuda"
             self.emulated = False
         else:
-            self.semantics = get_semantics(semantics) if semantics is not None else default_semantics(model)
+            if semantics is None:
+                self.semantics = target_semantics(model, config)
+            else:
+                self.semantics = get_semantics(semantics)
+                if self.semantics == "cpu" and any(
+                    s.cache_format is not None and s.cache_format.is_float for s in find_gqa_sites(model)
+                ):
+                    warnings.warn(
+                        "semantics='cpu' on an fp8 cache: no CPU kernel stores fp8, so this rule is "
+                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
+                        KvCacheWarning,
+                        stacklevel=2,
+                    )
             model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
+        self.max_positions = _max_positions(self.source_model)
+        """Tokens a context may hold (the rotary tables' length), or None when unknown."""
         self.model = model
         """The model the session runs."""
         feeds = {v.name: v.dtype for v in model.graph.inputs}
@@ -286,8 +326,10 @@ class KvCacheRunner:
         if ids_name is None:
             raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
         self.ids_name: str = ids_name
-        outputs = [o.name for o in self.session.get_outputs()]
-        self.logits_name = next((n for n in outputs if "logits" in n), outputs[0])
+        outputs = self.session.get_outputs()
+        logits = next((o for o in outputs if "logits" in o.name), outputs[0])
+        self.logits_name: str = logits.name
+        self.vocab_size: int | None = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
         self.device = "cuda" if on_cuda else "cpu"
         self.io_binding = on_cuda if io_binding is None else io_binding
         self.reset()
@@ -369,13 +411,43 @@ class KvCacheRunner:
             self.caches[b.past] = present
         return outputs[0].numpy()
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence token (genai configs may list several)."""
+        return min(self.eos_token_ids) if self.eos_token_ids else None
+
+    def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        array = np.asarray(ids)
+        if array.size == 0 or array.ndim not in (1, 2):
+            raise KvCacheError(
+                f"Token ids must be a non-empty [seq] or [batch, seq] array, got shape {array.shape}."
+            )
+        if array.dtype.kind not in "iu":
+            raise KvCacheError(f"Token ids must be integers, got {array.dtype}.")
+        if array.min() < 0 or (self.vocab_size is not None and array.max() >= self.vocab_size):
+            raise KvCacheError(
+                f"Token ids must be in [0, {self.vocab_size}), found {array.min()}..{array.max()}."
+            )
+        return array.astype(np.int64).reshape(-1, array.shape[-1])
+
     def forward(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Run new tokens through the model; returns their float32 logits ``[B, S, V]``."""
-        ids = np.asarray(ids, np.int64)
-        if ids.ndim == 1:
-            ids = ids[None, :]
+        """Run new tokens through the model; returns their float32 logits ``[B, S, V]``.
+
+        The batch size is the context's (set by :meth:`prefill` or :meth:`reset`).
+        """
+        ids = self._check_ids(ids)
         if ids.shape[0] != self.batch:
+            if self.length:
+                raise KvCacheError(
+                    f"The context holds {self.batch} sequence(s), got ids for {ids.shape[0]}: "
+                    "continue with one row per sequence, or start over with prefill()."
+                )
             self.reset(ids.shape[0])
+        if self.max_positions is not None and self.length + ids.shape[1] > self.max_positions:
+            raise KvCacheError(
+                f"{self.length + ids.shape[1]} tokens exceed the {self.max_positions} positions the "
+                "model's rotary tables cover; use shorter sequences (--seq-len) or fewer new tokens."
+            )
         raw = self._run_bound(ids) if self.io_binding else self._run_plain(ids)
         self.length += ids.shape[1]
         logits = np.asarray(raw, np.float32)
@@ -384,8 +456,8 @@ class KvCacheRunner:
         return logits
 
     def prefill(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Start a new context with ``ids``; returns their logits."""
-        self.reset(np.asarray(ids).reshape(-1, np.asarray(ids).shape[-1]).shape[0])
+        """Start a new context with ``ids`` (``[seq]`` or ``[batch, seq]``); returns their logits."""
+        self.reset(self._check_ids(ids).shape[0])
         return self.forward(ids)
 
     def step(self, token: int | Sequence[int]) -> np.ndarray:
@@ -398,16 +470,16 @@ class KvCacheRunner:
     ) -> list[int]:
         """Greedy decoding: up to ``max_new_tokens`` tokens after ``ids``.
 
-        Stops after ``eos_token_id`` (default: the model's, when its genai config names
-        one; ``None`` never stops early).
+        Stops after an end-of-sequence token: ``eos_token_id``, or by default any the
+        model's genai config names; ``None`` never stops early.
         """
-        eos = self.eos_token_id if eos_token_id == -1 else eos_token_id
+        eos = self.eos_token_ids if eos_token_id == -1 else frozenset({eos_token_id} - {None})
         logits = self.prefill(ids)[0, -1]
         out: list[int] = []
         for _ in range(max_new_tokens):
             token = int(np.argmax(logits))
             out.append(token)
-            if len(out) == max_new_tokens or token == eos:
+            if len(out) == max_new_tokens or token in eos:
                 break
             logits = self.step(token)[0]
         return out
@@ -418,10 +490,13 @@ class KvCacheRunner:
         return cache.numpy() if hasattr(cache, "numpy") and not isinstance(cache, np.ndarray) else cache
 
     def _binding(self, layer_id: int, kind: str) -> CacheBinding:
+        if kind not in ("key", "value"):
+            raise KvCacheError(f"A cache kind is 'key' or 'value', got {kind!r}.")
         for b in self.bindings:
             if b.layer_id == layer_id and b.kind == kind:
                 return b
-        raise KvCacheError(f"No {kind} cache for layer {layer_id}.")
+        layers = sorted({b.layer_id for b in self.bindings})
+        raise KvCacheError(f"No {kind} cache for layer {layer_id}; the layers with a cache are {layers}.")
 
     def present(self, layer_id: int, kind: str) -> np.ndarray:
         """A layer's cache (``kind`` is ``key`` or ``value``) in its stored format."""

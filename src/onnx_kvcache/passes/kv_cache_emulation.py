@@ -47,6 +47,7 @@ from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError
@@ -471,11 +472,12 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
         self.semantics = get_semantics(semantics)
         self.quantized_io = quantized_io
 
-    def _sites(self, model: ir.Model) -> list[GqaSite]:
+    def sites(self, model: ir.Model) -> list[GqaSite]:
+        """The GroupQueryAttention nodes this pass rewrites in ``model``."""
         return [s for s in find_gqa_sites(model) if needs_emulation(s, self.semantics)]
 
     def requires(self, model: ir.Model) -> None:
-        sites = self._sites(model)
+        sites = self.sites(model)
         for site in sites:
             if site.function is not None:
                 raise ir.passes.PreconditionError(
@@ -500,7 +502,7 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
                         )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        sites = self._sites(model)
+        sites = self.sites(model)
         float_io: list[tuple[ir.Value, ir.DataType, int]] = []  # caches that will hold dequantized values
         for site in sites:
             if site.cache_format is not None and not self.quantized_io:
@@ -525,12 +527,26 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
 
 
 def emulate_kv_cache(model: ir.Model, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:
-    """A copy of ``model`` whose GQA nodes run on CPU under ``semantics`` (input unchanged)."""
+    """A copy of ``model`` that runs on CPU under ``semantics`` (the input is unchanged).
+
+    A bfloat16 model also computes in float32 (:class:`Bfloat16ToFloatPass`: the CPU has
+    no bf16 kernels), and model-local functions holding nodes to emulate are inlined.
+    """
+    from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
+
     copy = model.clone()
-    KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
+    Bfloat16ToFloatPass()(copy)
+    emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)
+    if copy.functions and any(s.function is not None for s in emulation.sites(copy)):
+        common_passes.InlinePass()(copy)
+    emulation(copy)
     return copy
 
 
 def emulate_fp8_kv_cache(model: ir.Model, semantics: str = "cuda") -> ir.Model:
-    """A copy of ``model`` runnable on CPU whose graph I/O keeps its fp8 caches."""
+    """:func:`emulate_kv_cache` keeping the graph's cache I/O in the stored format (fp8 bits).
+
+    Every GroupQueryAttention node the CPU cannot run under ``semantics`` is rewritten,
+    whatever its format (an int8 cache under ``cuda`` too).
+    """
     return emulate_kv_cache(model, semantics, quantized_io=True)

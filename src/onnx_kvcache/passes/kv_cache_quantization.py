@@ -295,20 +295,22 @@ SHARED_SCALE_WARN_FACTOR = 2.0
 
 
 def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
-    worst: tuple[float, int, str] = (0.0, -1, "")
+    coarser: dict[int, tuple[float, str]] = {}  # layer -> (factor, "K"/"V"), its worst
     for plan in plans:
         if plan.k_scale is None or plan.v_scale is None:
             continue
         shared = np.maximum(plan.k_scale, plan.v_scale)
         for kind, own in (("K", plan.k_scale), ("V", plan.v_scale)):
             factor = float(np.max(shared / own))
-            worst = max(worst, (factor, plan.site.layer_id, kind))
-    factor, layer, kind = worst
-    if factor > SHARED_SCALE_WARN_FACTOR:
+            coarser[plan.site.layer_id] = max(coarser.get(plan.site.layer_id, (0.0, "")), (factor, kind))
+    over = {layer: fk for layer, fk in sorted(coarser.items()) if fk[0] > SHARED_SCALE_WARN_FACTOR}
+    if over:
+        worst_layer, (factor, kind) = max(over.items(), key=lambda item: item[1])
         warnings.warn(
-            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: layer {layer}'s {kind} "
-            f"scale becomes {factor:.1f}x coarser, and its cache that much less precise. Only CUDA's "
-            "decode fast path before onnxruntime 1.29 needs one tensor; drop the option otherwise.",
+            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
+            f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x coarser "
+            f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
+            "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option.",
             KvCacheWarning,
             stacklevel=4,
         )
