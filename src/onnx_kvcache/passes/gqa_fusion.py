@@ -1,8 +1,10 @@
-"""Fuse exported attention into GroupQueryAttention with onnxscript's ORT fusions.
+"""Fuse exported attention into GroupQueryAttention.
 
-A thin pass around ``onnxscript.rewriter.ort_fusions.optimize_for_ort`` so that the
-fusion chains before :class:`KvCacheQuantizationPass` in an ``ir.passes.PassManager``.
-Whether an export fuses depends on the exporter; count the GQA nodes afterwards.
+First :class:`AttentionFusionPass` (the ONNX ``Attention`` operator that
+``torch.onnx.export(..., opset_version=23)`` writes), then onnxscript's
+``optimize_for_ort`` (older exports' decomposed attention), so that fusion chains before
+:class:`KvCacheQuantizationPass` in an ``ir.passes.PassManager``. Whether an export
+fuses depends on the exporter; count the GQA nodes afterwards.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ import logging
 import onnx_ir as ir
 
 from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 
 logger = logging.getLogger(__name__)
 
 
 class GqaFusionPass(ir.passes.InPlacePass):
-    """Run onnxscript's ORT transformer fusions (attention -> GroupQueryAttention)."""
+    """Fuse ONNX Attention, then run onnxscript's ORT transformer fusions."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
         before = len(find_gqa_sites(model, with_cache_only=False))
+        attention = AttentionFusionPass()(model).modified
         nodes = model.graph.num_nodes()
         fused, counts = optimize_for_ort(model)
         if fused is not model:
@@ -32,4 +36,5 @@ class GqaFusionPass(ir.passes.InPlacePass):
         after = len(find_gqa_sites(model, with_cache_only=False))
         applied = {k: v for k, v in counts.items() if v}
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
-        return ir.passes.PassResult(model, modified=bool(applied) or nodes != model.graph.num_nodes())
+        modified = attention or bool(applied) or nodes != model.graph.num_nodes()
+        return ir.passes.PassResult(model, modified=modified)
