@@ -16,11 +16,15 @@ import json
 import os
 import pathlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
+
+if TYPE_CHECKING:
+    from onnx_kvcache.exported_decoder import ExportStyle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,8 @@ class DecoderConfig:
             is window-sized.
         no_cache_layers: Layers whose attention has no past/present cache.
         qk_norm: Use GQA inputs 14/15 (q/k RMS norm weights), a 16-input node.
+        exported: Write the graph as torch.onnx.export does (ONNX Attention, no GQA;
+            see :mod:`onnx_kvcache.exported_decoder`), in this style.
     """
 
     num_layers: int = 4
@@ -54,6 +60,7 @@ class DecoderConfig:
     no_cache_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     seed: int = 0
+    exported: ExportStyle | None = None
 
     @property
     def ir_dtype(self) -> ir.DataType:
@@ -115,6 +122,10 @@ def build_decoder(
     sparse file) instead of seeded random values.
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
+    if config.exported is not None:
+        from onnx_kvcache.exported_decoder import build_exported_decoder
+
+        return build_exported_decoder(config, weight_factory=weight_factory)
     b = _Builder(config, weight_factory)
     c = config
     dtype = c.ir_dtype
