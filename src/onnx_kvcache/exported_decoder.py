@@ -188,7 +188,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         x = w.op("Mul", [x, w.const(np.array(c.hidden_size**0.5, w.np_dtype))], [B, S, c.hidden_size])
 
     masks = _masks(w, style, mask_in, batch, batch1, seq, seq1, past, total, total1, zero, one)
-    cos, sin = _rotary(w, c, position_ids, seq, past, zero, one)
+    angles = _rotary_angles(w, c, position_ids, batch1, seq, seq1, past, zero, one)
     hidden_shape = w.i64("Concat", [batch1, seq1, w.ints(-1), w.ints(d)], [4], axis=0)
     out_shape = w.i64("Concat", [batch1, seq1, w.ints(-1)], [3], axis=0)
     repeat5 = w.i64("Concat", [batch1, w.ints(kv), w.ints(group), total1, w.ints(d)], [5], axis=0)
@@ -215,6 +215,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
                 split = norm(split, f"{p}.self_attn.{name}_norm.weight", [B, S, n, d], d)
             bnsh = w.op("Transpose", [split], [B, n, S, d], perm=[0, 2, 1, 3])
             if name != "v":
+                cos, sin = _cos_sin(w, angles, d)
                 bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
             heads[name] = bnsh
         present_k = w.op("Concat", [pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
@@ -291,10 +292,13 @@ def _masks(
 ) -> dict:
     """transformers' sdpa_mask, per window size used (0: full attention)."""
     c = w.c
-    b_idx = w.i64("Unsqueeze", [w.i64("Range", [zero, batch, one], [B]), w.ints(1, 2, 3)], [B, 1, 1, 1])
+    b_idx = w.i64("Unsqueeze", [w.i64("Range", [zero, batch, one], [B]), w.ints(1, 2)], [B, 1, 1])
+    b_idx = w.i64("Unsqueeze", [b_idx, w.ints(3)], [B, 1, 1, 1])
     cache_pos = w.i64("Add", [w.i64("Range", [zero, seq, one], [S]), past], [S])
-    q_idx = w.i64("Unsqueeze", [cache_pos, w.ints(0, 1, 3)], [1, 1, S, 1])
-    kv_idx = w.i64("Unsqueeze", [w.i64("Range", [zero, total, one], [T]), w.ints(0, 1, 2)], [1, 1, 1, T])
+    q_idx = w.i64("Unsqueeze", [cache_pos, w.ints(0, 1)], [1, 1, S])
+    q_idx = w.i64("Unsqueeze", [q_idx, w.ints(3)], [1, 1, S, 1])
+    kv_idx = w.i64("Unsqueeze", [w.i64("Range", [zero, total, one], [T]), w.ints(0, 1)], [1, 1, T])
+    kv_idx = w.i64("Unsqueeze", [kv_idx, w.ints(2)], [1, 1, 1, T])
     as_bool = w.bool_("Cast", [mask_in], [B, "total"], to=ir.DataType.BOOL)
     index_shape = w.i64("Shape", [w.i64("Max", [b_idx, kv_idx], [B, 1, 1, T])], [4])
     stacked = w.i64(
@@ -324,26 +328,30 @@ def _masks(
     return masks
 
 
-def _rotary(w: _Writer, c: DecoderConfig, position_ids, seq, past, zero, one) -> tuple[ir.Value, ir.Value]:
-    """cos/sin ``[batch or 1, seq, head_size / 2]`` from positions, computed in float32."""
+def _rotary_angles(
+    w: _Writer, c: DecoderConfig, position_ids, batch1, seq, seq1, past, zero, one
+) -> ir.Value:
+    """Rotary angles ``[batch, seq, head_size / 2]`` from positions, in float32."""
     d = c.head_size
     inv_freq = (1.0 / (c.rope_theta ** (np.arange(0, d, 2) / d))).astype(np.float32)
-    if position_ids is None:
+    if position_ids is None:  # the cache positions, per batch row
         cache_pos = w.i64("Add", [w.i64("Range", [zero, seq, one], [S]), past], [S])
-        position_ids = w.i64("Unsqueeze", [cache_pos, w.ints(0)], [1, S])
+        rows = w.i64("Concat", [batch1, seq1], [2], axis=0)
+        position_ids = w.i64("Expand", [w.i64("Unsqueeze", [cache_pos, w.ints(0)], [1, S]), rows], [B, S])
     positions = w.i64("Unsqueeze", [position_ids, w.ints(2)], [B, S, 1])
-    angles = w.op(
-        "Mul",
-        [w.op("Cast", [positions], [B, S, 1], ir.DataType.FLOAT, to=ir.DataType.FLOAT), w.const(inv_freq)],
-        [B, S, d // 2],
-        ir.DataType.FLOAT,
-    )
-    cos = w.op("Cos", [angles], [B, S, d // 2], ir.DataType.FLOAT)
-    sin = w.op("Sin", [angles], [B, S, d // 2], ir.DataType.FLOAT)
-    if w.dtype != ir.DataType.FLOAT:
-        cos = w.op("Cast", [cos], [B, S, d // 2], to=w.dtype)
-        sin = w.op("Cast", [sin], [B, S, d // 2], to=w.dtype)
-    return cos, sin
+    as_float = w.op("Cast", [positions], [B, S, 1], ir.DataType.FLOAT, to=ir.DataType.FLOAT)
+    return w.op("Mul", [as_float, w.const(inv_freq)], [B, S, d // 2], ir.DataType.FLOAT)
+
+
+def _cos_sin(w: _Writer, angles: ir.Value, d: int) -> tuple[ir.Value, ir.Value]:
+    """cos/sin of the angles in the model's dtype; one pair per RotaryEmbedding, as exported."""
+    pair = []
+    for op_type in ("Cos", "Sin"):
+        value = w.op(op_type, [angles], [B, S, d // 2], ir.DataType.FLOAT)
+        if w.dtype != ir.DataType.FLOAT:
+            value = w.op("Cast", [value], [B, S, d // 2], to=w.dtype)
+        pair.append(value)
+    return pair[0], pair[1]
 
 
 def _repeat(w: _Writer, style: ExportStyle, cache, repeat5, repeat4, kv, group, h, d) -> ir.Value:
