@@ -417,7 +417,7 @@ class GqaWriter:
             attrs["local_window_size"] = site.mask.window
         if site.probs is not None:
             attrs["qk_output"] = 2
-        name = self._name(f"{(at.name or 'attention').strip('/')}/GroupQueryAttention")
+        name = f"{at.name}/GroupQueryAttention" if at.name else self._name("GroupQueryAttention")
         gqa = ir.node(
             GQA_OP_TYPE,
             [q, k, v, site.key.past, site.value.past, seqlens, total],

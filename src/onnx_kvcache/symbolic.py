@@ -116,7 +116,9 @@ class Affine:
         return out
 
     def __str__(self) -> str:
-        parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{k}" for k, v in self.terms]
+        parts = [
+            f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{k.removeprefix('d:')}" for k, v in self.terms
+        ]
         if self.const or not parts:
             parts.append(str(self.const))
         return " + ".join(parts).replace("+ -", "- ")
@@ -384,7 +386,8 @@ class SymbolicEvaluator:
             return _from_constant(array, value.dtype)
         producer = value.producer()
         if producer is None:
-            kind = _kind(value.dtype)
+            tensor = value.const_value
+            kind = _kind(value.dtype if value.dtype is not None or tensor is None else tensor.dtype)
             if kind == "float":
                 return SymTensor(self.declared_shape(value), "data")
             if not value.is_graph_input():

@@ -1,0 +1,310 @@
+"""AttentionFusionPass: exports' ONNX Attention -> GroupQueryAttention, proven or left alone.
+
+Every fused model is run against its original over a prefill and three decode steps.
+GQA's padding semantics (measured on onnxruntime's CPU kernel): ``seqlens_k`` counts a
+row's valid tokens, which the kernel takes to be the first ones. Unpadded batches and
+right-padded rows (valid tokens first) match the export at every valid position, the
+cache holding the valid tokens compacted; left padding, and right padding under a
+sliding window, do not (tested as such, documented in docs/exporting.md).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import (
+    KvCacheRunner,
+    KvCacheWarning,
+    build_decoder,
+    calibrate_kv_cache,
+    optimize_model,
+)
+from onnx_kvcache.exported_decoder import ExportStyle, exported_config
+from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+from onnx_kvcache.runtime import create_session
+
+FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
+VOCAB = 300
+STEPS = 3
+
+
+def exported(arch: str = "llama", **overrides) -> ir.Model:
+    return build_decoder(exported_config(arch, num_layers=2, vocab_size=VOCAB, **overrides))
+
+
+SHAPES = {
+    "torch_export": lambda: ir.load(FIXTURE),
+    "llama": lambda: exported("llama"),
+    "qwen3": lambda: exported("qwen3"),
+    "mistral": lambda: exported("mistral"),
+    "gemma2": lambda: exported("gemma2"),
+    "grouped_kv": lambda: exported(exported=ExportStyle(kv_repeat="grouped")),
+    "in_graph_positions": lambda: exported(exported=ExportStyle(position_ids=False)),
+    "attention_probs": lambda: exported(exported=ExportStyle(qk_matmul_output=3)),
+}
+WINDOWED = {"mistral", "gemma2"}
+PROMPTS = {
+    "single": np.ones((1, 7), np.int64),
+    "right_padded": np.array([[1] * 7, [1] * 4 + [0] * 3]),
+    "left_padded": np.array([[1] * 7, [0] * 3 + [1] * 4]),
+}
+
+
+def count(model: ir.Model, op_type: str) -> int:
+    return sum(1 for n in model.graph if n.op_type == op_type)
+
+
+def vocab_of(model: ir.Model) -> int:
+    return next(v for v in model.graph.outputs if v.name == "logits").shape[-1]
+
+
+def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0) -> list:
+    """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens).
+
+    Returns ``(attention_mask, {output name: array})`` per step.
+    """
+    session = create_session(model)
+    inputs = {i.name for i in session.get_inputs()}
+    outputs = [o.name for o in session.get_outputs()]
+    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    rng = np.random.default_rng(seed)
+    batch = mask.shape[0]
+    feeds = {"input_ids": rng.integers(0, vocab_of(model), mask.shape), "attention_mask": mask}
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
+    for value in caches:
+        feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), value.dtype.numpy())
+    history = []
+    for _ in range(steps + 1):
+        if "position_ids" in inputs:
+            feeds["position_ids"] = positions
+        result = dict(zip(outputs, session.run(None, feeds)))
+        history.append((feeds["attention_mask"], result))
+        positions = feeds["attention_mask"].sum(axis=1, keepdims=True)
+        feeds = {
+            "input_ids": rng.integers(0, vocab_of(model), (batch, 1)),
+            "attention_mask": np.concatenate([feeds["attention_mask"], np.ones((batch, 1), np.int64)], 1),
+        } | {v.name: result[v.name.replace("past_key_values", "present")] for v in caches}
+    return history
+
+
+def max_differences(want: list, got: list) -> dict[str, float]:
+    """Largest |difference| per output kind, at the positions a row's mask marks valid.
+
+    The export's cache keeps padding positions in place; GQA's holds a row's valid
+    tokens compacted at its start: cache column ``c`` of the export is column
+    ``rank of c among the row's valid columns`` of the fused model.
+    """
+    worst = {"logits": 0.0, "present": 0.0, "attn_weights": 0.0}
+    for (mask, a), (_, b) in zip(want, got):
+        queries = a["logits"].shape[1]
+        rows = mask[:, -queries:].astype(bool)
+        diff = np.abs(a["logits"].astype(np.float32) - b["logits"].astype(np.float32))
+        worst["logits"] = max(worst["logits"], float(diff[rows].max()))
+        for name in a:
+            kind = name.split(".")[0]
+            if kind not in ("present", "attn_weights"):
+                continue
+            for r, valid in enumerate(mask.astype(bool)):
+                x, y = np.asarray(a[name][r], np.float32), np.asarray(b[name][r], np.float32)
+                if kind == "present":  # [kv_heads, total, head]
+                    x, y = x[:, valid], y[:, : valid.sum()]
+                else:  # [heads, seq, total]: valid query rows only
+                    x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
+                worst[kind] = max(worst[kind], float(np.abs(x - y).max()))
+    return worst
+
+
+def fused(model: ir.Model) -> ir.Model:
+    result = AttentionFusionPass()(model)
+    assert result.modified
+    return result.model
+
+
+CASES = [
+    (shape, prompt)
+    for shape in SHAPES
+    for prompt in ("single", "right_padded")
+    if not (prompt == "right_padded" and shape in WINDOWED)
+]
+
+
+@pytest.mark.parametrize(("shape", "prompt"), CASES)
+def test_fused_decoder_equals_the_export(shape, prompt):
+    original = SHAPES[shape]()
+    layers = count(original, "Attention")
+    model = fused(SHAPES[shape]())
+    assert count(model, "Attention") == 0 and count(model, "GroupQueryAttention") == layers
+    assert {v.name for v in model.graph.outputs} == {v.name for v in original.graph.outputs}
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert max(worst.values()) < 1e-4, worst
+
+
+@pytest.mark.parametrize(("shape", "prompt"), [("torch_export", "left_padded"), ("mistral", "right_padded")])
+def test_left_padding_and_padded_windows_differ(shape, prompt):
+    """GQA takes a row's valid tokens to be its first ones, and counts windows over them."""
+    original = SHAPES[shape]()
+    model = fused(SHAPES[shape]())
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert worst["logits"] > 1e-2
+
+
+def test_one_seqlens_computation_per_graph():
+    model = fused(ir.load(FIXTURE))
+    assert count(model, "ReduceSum") == 1
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len({id(n.inputs[5]) for n in nodes}) == 1 and len({id(n.inputs[6]) for n in nodes}) == 1
+    attrs = nodes[0].attributes
+    assert attrs["do_rotary"].as_int() == 0 and attrs["kv_num_heads"].as_int() == 2
+    assert attrs["scale"].as_float() == pytest.approx(32**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("arch", "attributes"),
+    [
+        ("mistral", {0: {"local_window_size": 4}, 1: {"local_window_size": 4}}),
+        ("gemma2", {0: {"local_window_size": 4, "softcap": 50.0}, 1: {"softcap": 50.0}}),
+    ],
+)
+def test_windows_and_softcap_carry_over(arch, attributes):
+    model = fused(exported(arch))
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    for i, node in enumerate(nodes):
+        got = {k: node.attributes[k].value for k in ("local_window_size", "softcap") if k in node.attributes}
+        assert got == attributes[i]
+
+
+def test_fp16_export_fuses_and_matches():
+    original = exported("qwen3", dtype="float16")
+    model = fused(exported("qwen3", dtype="float16"))
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert worst["logits"] < 2e-2 and worst["present"] < 2e-2, worst
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_conversion_of_half_precision_exports_type_checks(dtype):
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    model = exported(dtype=dtype)
+    optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)})
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}
+    assert {n.inputs[0].dtype for n in gqa} == {
+        ir.DataType.FLOAT16 if dtype == "float16" else ir.DataType.BFLOAT16
+    }
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    with pytest.raises(OrtNotImplemented, match="NOT_IMPLEMENTED") as error:
+        create_session(model)  # fp8 GQA has no CPU kernel (nor has bf16 MatMul)
+    if dtype == "float16":
+        assert "GroupQueryAttention" in str(error.value) and "float8e4m3fn" in str(error.value)
+
+
+def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
+    original = ir.load(FIXTURE)
+    model = optimize_model(ir.load(FIXTURE))
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert worst["logits"] < 1e-4
+
+
+@pytest.fixture(scope="module")
+def float_gqa():
+    return fused(ir.load(FIXTURE))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_calibrated_integer_caches_run_on_cpu(float_gqa, fmt, granularity):
+    scales = calibrate_kv_cache(
+        float_gqa, format=fmt, granularity=granularity, seq_len=32, num_seqs=4, progress=False
+    )
+    model = optimize_model(
+        ir.load(FIXTURE),  # fused again inside, then quantized
+        execution_provider="cpu",
+        kv_cache_format=fmt,
+        kv_cache_granularity=granularity,
+        kv_cache_scales=scales,
+    )
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 3 and {n.attributes["k_quant_type"].as_string() for n in gqa} == {granularity.upper()}
+    ids = np.random.default_rng(1).integers(0, 512, 12)
+    want, got = KvCacheRunner(float_gqa), KvCacheRunner(model)
+    a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
+    for token in (5, 17, 99):
+        a.append(want.step(token)[0])
+        b.append(got.step(token)[0])
+    a, b = np.stack(a), np.stack(b)
+    tolerance = {"int8": 0.05, "int4": 0.5}[fmt] * np.abs(a).max()
+    assert np.abs(a - b).max() < tolerance
+    assert np.abs(a - b).max() > 0  # the cache really is quantized
+
+
+def causal_attention_without_cache() -> ir.Model:
+    """An Attention with ``is_causal=1`` and no KV cache (an encoder or a no-cache export)."""
+    f = ir.DataType.FLOAT
+    q, k, v = (ir.val(n, f, ["batch", 4, "seq", 32]) for n in "qkv")
+    node = ir.node("Attention", [q, k, v], {"is_causal": 1}, name="attention")
+    node.outputs[0].name = "y"
+    graph = ir.Graph([q, k, v], node.outputs, nodes=[node], opset_imports={"": 23})
+    return ir.Model(graph, ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: exported(exported=ExportStyle(mask="bidirectional")), "the mask is not causal"),
+        (lambda: exported(exported=ExportStyle(mask="top_left")), r"causal diagonal is at key <= query \+ 0"),
+        (lambda: exported(exported=ExportStyle(kv_repeat="tile")), "from Tile node"),
+        (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
+        (causal_attention_without_cache, "not from Concat"),
+    ],
+    ids=["bidirectional", "top_left_causal", "tile_repeat", "raw_scores_read", "no_cache"],
+)
+def test_unprovable_attention_is_left_alone(make, reason):
+    model = make()
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.warns(KvCacheWarning, match=reason):
+        result = AttentionFusionPass()(model)
+    assert not result.modified and count(model, "GroupQueryAttention") == 0
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_models_without_attention_are_untouched():
+    model = build_decoder(num_layers=2)
+    before = ir.to_proto(model).SerializeToString()
+    assert not AttentionFusionPass()(model).modified
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_convert_fuses_an_export(tmp_path, capsys):
+    from onnx_kvcache.cli import main
+
+    scales = tmp_path / "scales.json"
+    scales.write_text(
+        '{"scales": {"k_scales": [0.1, 0.1, 0.1], "v_scales": [0.05, 0.05, 0.05]}, "qmax": 128}'
+    )
+    source = FIXTURE.read_bytes()
+    out = tmp_path / "int8.onnx"
+    assert main(["convert", str(FIXTURE), str(out), "--format", "int8", "--scales", str(scales)]) == 0
+    assert "converted 3 GroupQueryAttention node(s)" in capsys.readouterr().out
+    assert FIXTURE.read_bytes() == source
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    model = ir.load(out)
+    assert count(model, "Attention") == 0
+    assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {ir.DataType.INT8}
+    assert len(KvCacheRunner(out).generate([1, 2, 3], 3)) == 3
+
+
+def test_fused_export_keeps_its_interface(float_gqa):
+    original = ir.load(FIXTURE)
+    for a, b in (
+        (float_gqa.graph.inputs, original.graph.inputs),
+        (float_gqa.graph.outputs, original.graph.outputs),
+    ):
+        assert [(v.name, v.dtype, v.shape) for v in a] == [(v.name, v.dtype, v.shape) for v in b]
+    onnx.checker.check_model(ir.to_proto(float_gqa), full_check=True)
