@@ -343,3 +343,23 @@ def test_text_without_a_tokenizer_is_an_error(tmp_path, model):
     (tmp_path / "t.txt").write_text("some text")
     with pytest.raises(KvCacheError, match="needs a tokenizer"):
         calibrate_kv_cache(model, tmp_path / "t.txt", progress=False)
+
+
+def test_envelope_covers_rotary_applied_outside_gqa(data):
+    """Fused exports keep RotaryEmbedding in front of GQA (do_rotary=0): K is rotated all the same."""
+    from onnx_kvcache.exported_decoder import exported_config
+    from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+
+    model = build_decoder(exported_config("llama", num_layers=LAYERS, vocab_size=300))
+    AttentionFusionPass()(model)
+    kwargs = {"format": "int8", "granularity": "per_channel", "progress": False}
+    scales = calibrate_kv_cache(model, data, **kwargs)
+    raw = calibrate_kv_cache(model, data, rope_envelope=False, **kwargs)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(scales.v[layer], raw.v[layer])
+        k, half = scales.k[layer].reshape(KV, HEAD), HEAD // 2
+        np.testing.assert_array_equal(k[:, :half], k[:, half:])  # one threshold per rotation pair
+        assert (
+            np.all(scales.k[layer] >= raw.k[layer] * (1 - 1e-6))
+            and scales.k[layer].max() > raw.k[layer].max()
+        )
