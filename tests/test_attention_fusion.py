@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
+from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import (
     KvCacheRunner,
     KvCacheWarning,
@@ -30,7 +31,6 @@ from onnx_kvcache.runtime import create_session
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
 VOCAB = 300
-STEPS = 3
 
 
 def exported(arch: str = "llama", **overrides) -> ir.Model:
@@ -48,75 +48,6 @@ SHAPES = {
     "attention_probs": lambda: exported(exported=ExportStyle(qk_matmul_output=3)),
 }
 WINDOWED = {"mistral", "gemma2"}
-PROMPTS = {
-    "single": np.ones((1, 7), np.int64),
-    "right_padded": np.array([[1] * 7, [1] * 4 + [0] * 3]),
-    "left_padded": np.array([[1] * 7, [0] * 3 + [1] * 4]),
-}
-
-
-def count(model: ir.Model, op_type: str) -> int:
-    return sum(1 for n in model.graph if n.op_type == op_type)
-
-
-def vocab_of(model: ir.Model) -> int:
-    return next(v for v in model.graph.outputs if v.name == "logits").shape[-1]
-
-
-def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0) -> list:
-    """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens).
-
-    Returns ``(attention_mask, {output name: array})`` per step.
-    """
-    session = create_session(model)
-    inputs = {i.name for i in session.get_inputs()}
-    outputs = [o.name for o in session.get_outputs()]
-    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
-    rng = np.random.default_rng(seed)
-    batch = mask.shape[0]
-    feeds = {"input_ids": rng.integers(0, vocab_of(model), mask.shape), "attention_mask": mask}
-    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
-    for value in caches:
-        feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), value.dtype.numpy())
-    history = []
-    for _ in range(steps + 1):
-        if "position_ids" in inputs:
-            feeds["position_ids"] = positions
-        result = dict(zip(outputs, session.run(None, feeds)))
-        history.append((feeds["attention_mask"], result))
-        positions = feeds["attention_mask"].sum(axis=1, keepdims=True)
-        feeds = {
-            "input_ids": rng.integers(0, vocab_of(model), (batch, 1)),
-            "attention_mask": np.concatenate([feeds["attention_mask"], np.ones((batch, 1), np.int64)], 1),
-        } | {v.name: result[v.name.replace("past_key_values", "present")] for v in caches}
-    return history
-
-
-def max_differences(want: list, got: list) -> dict[str, float]:
-    """Largest |difference| per output kind, at the positions a row's mask marks valid.
-
-    The export's cache keeps padding positions in place; GQA's holds a row's valid
-    tokens compacted at its start: cache column ``c`` of the export is column
-    ``rank of c among the row's valid columns`` of the fused model.
-    """
-    worst = {"logits": 0.0, "present": 0.0, "attn_weights": 0.0}
-    for (mask, a), (_, b) in zip(want, got):
-        queries = a["logits"].shape[1]
-        rows = mask[:, -queries:].astype(bool)
-        diff = np.abs(a["logits"].astype(np.float32) - b["logits"].astype(np.float32))
-        worst["logits"] = max(worst["logits"], float(diff[rows].max()))
-        for name in a:
-            kind = name.split(".")[0]
-            if kind not in ("present", "attn_weights"):
-                continue
-            for r, valid in enumerate(mask.astype(bool)):
-                x, y = np.asarray(a[name][r], np.float32), np.asarray(b[name][r], np.float32)
-                if kind == "present":  # [kv_heads, total, head]
-                    x, y = x[:, valid], y[:, : valid.sum()]
-                else:  # [heads, seq, total]: valid query rows only
-                    x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
-                worst[kind] = max(worst[kind], float(np.abs(x - y).max()))
-    return worst
 
 
 def fused(model: ir.Model) -> ir.Model:

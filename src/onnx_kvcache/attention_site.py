@@ -188,8 +188,11 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     return base, group, [reshape, expand, unsqueeze]
 
 
-def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, attention: ir.Node) -> CacheLink:
-    """Prove that ``value`` (an attention K or V input) is a repeated or plain KV cache."""
+def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, readers: Iterable[ir.Node]) -> CacheLink:
+    """Prove that ``value`` (an attention K or V input) is a repeated or plain KV cache.
+
+    ``readers`` are the attention's own nodes, which may read the present cache.
+    """
     grouped, group, chain = _strip_repeat(ev, value)
     concat = _producer(grouped, "Concat")
     if concat is None:
@@ -205,7 +208,7 @@ def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, attention: 
         raise Unprovable("the past cache is not 4-D (BNSH)")
     if grouped not in scope.outputs:
         raise Unprovable(f"the concatenated cache {grouped.name!r} is not a graph output (present)")
-    allowed = {id(attention)} | {id(n) for n in chain}
+    allowed = {id(n) for n in readers} | {id(n) for n in chain}
     for user, _ in grouped.uses():
         if id(user) not in allowed and user.op_type != "Shape":
             raise Unprovable(

@@ -59,6 +59,11 @@ class ExportStyle:
         qk_matmul_output: Give Attention its 4th output in this mode, as graph
             outputs ``attn_weights.{i}``.
         embed_scale: Multiply embeddings by ``sqrt(hidden_size)`` (Gemma).
+        opset: 23 writes the ONNX Attention, RotaryEmbedding and RMSNormalization
+            operators; 20 writes them decomposed, as the exporter's op library does
+            below opset 23 (scaled dot-product attention as MatMul/Softmax/MatMul
+            with a Where(mask, 0, -inf) bias, transformers' rotate_half, RMS norm as
+            Pow/ReduceMean/Sqrt/Reciprocal).
     """
 
     kv_repeat: Literal["expand", "grouped", "tile"] = "expand"
@@ -69,6 +74,7 @@ class ExportStyle:
     query_scale: float | None = None
     qk_matmul_output: int | None = None
     embed_scale: bool = False
+    opset: Literal[20, 23] = 23
 
 
 EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
@@ -108,7 +114,8 @@ class _Writer:
         self.dtype, self.np_dtype = _DTYPES[config.dtype]
         self.weight_factory = weight_factory
         self.rng = np.random.default_rng(config.seed)
-        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": 23}, name="main_graph")
+        opset = config.exported.opset if config.exported is not None else 23
+        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": opset}, name="main_graph")
         self.tape = ir.tape.Tape(self.graph)
         self._consts: dict[tuple, ir.Value] = {}
 
@@ -157,6 +164,12 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
     group = h // kv
     if h % kv:
         raise ValueError("num_heads must be a multiple of kv_num_heads.")
+    if style.opset == 20 and (
+        style.attn_softcap or style.qk_matmul_output is not None or style.mask == "top_left"
+    ):
+        raise ValueError("opset 20 writes scaled dot-product attention: no softcap, scores or is_causal.")
+    if style.opset == 20 and style.kv_repeat == "grouped":
+        raise ValueError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, "total"])
     w.graph.inputs.extend([input_ids, mask_in])
@@ -198,6 +211,8 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
 
     def norm(value, name, shape, size):
         weight = w.weight(name, (size,), 0.1, 1.0)
+        if style.opset == 20:
+            return _rms_norm_decomposed(w, value, weight, shape, eps)
         return w.op("RMSNormalization", [value, weight], shape, axis=-1, epsilon=eps, stash_type=1)
 
     def linear(value, name, fan_in, fan_out, shape):
@@ -214,7 +229,9 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
             if c.qk_norm and name != "v":
                 split = norm(split, f"{p}.self_attn.{name}_norm.weight", [B, S, n, d], d)
             bnsh = w.op("Transpose", [split], [B, n, S, d], perm=[0, 2, 1, 3])
-            if name != "v":
+            if name != "v" and style.opset == 20:
+                bnsh = _rotary_decomposed(w, bnsh, angles, [B, n, S, d])
+            elif name != "v":
                 cos, sin = _cos_sin(w, angles, d)
                 bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
             heads[name] = bnsh
@@ -235,14 +252,14 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         if style.qk_matmul_output is not None:
             attrs["qk_matmul_output_mode"] = style.qk_matmul_output
             outputs = 4
-        node = ir.node("Attention", inputs, attrs, num_outputs=outputs, name=f"node_Attention_{i}")
-        w.graph.append(node)
-        attn = node.outputs[0]
-        attn.name, attn.dtype, attn.shape = (
-            f"scaled_dot_product_attention_{i}",
-            w.dtype,
-            ir.Shape([B, h, S, d]),
-        )
+        if style.opset == 20:
+            attn = _sdpa_decomposed(w, heads["q"], keys, values, masks[window], scale, [B, h, S, d])
+        else:
+            node = ir.node("Attention", inputs, attrs, num_outputs=outputs, name=f"node_Attention_{i}")
+            w.graph.append(node)
+            attn = node.outputs[0]
+            attn.dtype, attn.shape = w.dtype, ir.Shape([B, h, S, d])
+        attn.name = f"scaled_dot_product_attention_{i}"
         if outputs == 4:
             for k in (1, 2):
                 node.outputs[k].name = ""
@@ -363,3 +380,67 @@ def _repeat(w: _Writer, style: ExportStyle, cache, repeat5, repeat4, kv, group, 
     grown = w.op("Unsqueeze", [cache, w.ints(2)], [B, kv, 1, T, d])
     grown = w.op("Expand", [grown, repeat5], [B, kv, group, T, d])
     return w.op("Reshape", [grown, repeat4], [B, h, T, d], allowzero=1)
+
+
+def _rms_norm_decomposed(w: _Writer, x: ir.Value, weight: ir.Value, shape, eps: float) -> ir.Value:
+    """transformers' RMSNorm below opset 23: in float32, then scaled by the weight."""
+    f32 = ir.DataType.FLOAT
+    wide = x if w.dtype == f32 else w.op("Cast", [x], shape, f32, to=f32)
+    square = w.op("Pow", [wide, w.const(np.array(2.0, np.float32))], shape, f32)
+    mean = w.op("ReduceMean", [square, w.ints(-1)], [*shape[:-1], 1], f32, keepdims=1)
+    rms = w.op(
+        "Sqrt",
+        [w.op("Add", [mean, w.const(np.array(eps, np.float32))], [*shape[:-1], 1], f32)],
+        [*shape[:-1], 1],
+        f32,
+    )
+    normed = w.op("Mul", [wide, w.op("Reciprocal", [rms], [*shape[:-1], 1], f32)], shape, f32)
+    if w.dtype != f32:
+        normed = w.op("Cast", [normed], shape, to=w.dtype)
+    return w.op("Mul", [weight, normed], shape)
+
+
+def _rotary_decomposed(w: _Writer, x: ir.Value, angles: ir.Value, shape) -> ir.Value:
+    """transformers' apply_rotary_pos_emb: ``x * cos + rotate_half(x) * sin``."""
+    d = shape[-1]
+    full = w.op("Concat", [angles, angles], [B, S, d], ir.DataType.FLOAT, axis=-1)
+    tables = []
+    for op_type in ("Cos", "Sin"):
+        table = w.op(op_type, [full], [B, S, d], ir.DataType.FLOAT)
+        if w.dtype != ir.DataType.FLOAT:
+            table = w.op("Cast", [table], [B, S, d], to=w.dtype)
+        tables.append(w.op("Unsqueeze", [table, w.ints(1)], [B, 1, S, d]))
+    cos, sin = tables
+    half = d // 2
+    first = w.op("Slice", [x, w.ints(0), w.ints(half), w.ints(-1)], [*shape[:-1], half])
+    second = w.op("Slice", [x, w.ints(half), w.ints(2**63 - 1), w.ints(-1)], [*shape[:-1], half])
+    rotated = w.op("Concat", [w.op("Neg", [second], [*shape[:-1], half]), first], shape, axis=-1)
+    return w.op("Add", [w.op("Mul", [x, cos], shape), w.op("Mul", [rotated, sin], shape)], shape)
+
+
+def _sdpa_decomposed(w: _Writer, q, k, v, mask, scale: float, shape) -> ir.Value:
+    """scaled_dot_product_attention with a boolean mask, as the exporter's op library writes it."""
+    h, d = shape[1], shape[3]
+    key_shape = w.i64("Shape", [k], [4])
+    last = w.i64("Slice", [key_shape, w.ints(-1), w.ints(2**63 - 1)], [1])
+    second_last = w.i64("Slice", [key_shape, w.ints(-2), w.ints(-1)], [1])
+    first = w.i64("Slice", [key_shape, w.ints(-(2**63)), w.ints(-2)], [2])
+    squeezed = w.op(
+        "Reshape", [k, w.i64("Concat", [w.ints(-1), second_last, last], [3], axis=0)], [None, T, d]
+    )
+    flipped = w.op("Transpose", [squeezed], [None, d, T], perm=[0, 2, 1])
+    key_t = w.op("Reshape", [flipped, w.i64("Concat", [first, last, second_last], [4], axis=0)], [B, h, d, T])
+    factor = w.const(np.array(np.sqrt(scale), w.np_dtype))
+    scores = w.op(
+        "MatMul", [w.op("Mul", [q, factor], shape), w.op("Mul", [key_t, factor], [B, h, d, T])], [B, h, S, T]
+    )
+    bias = w.op(
+        "Where",
+        [mask, w.const(np.array(0.0, w.np_dtype)), w.const(np.array(-np.inf, w.np_dtype))],
+        [B, 1, S, T],
+    )
+    probs = w.op("Softmax", [w.op("Add", [scores, bias], [B, h, S, T])], [B, h, S, T], axis=-1)
+    dropout = ir.node("Dropout", [probs, w.const(np.array(0.0, np.float32))], num_outputs=1)
+    w.graph.append(dropout)
+    dropout.outputs[0].dtype, dropout.outputs[0].shape = w.dtype, ir.Shape([B, h, S, T])
+    return w.op("MatMul", [dropout.outputs[0], v], shape)

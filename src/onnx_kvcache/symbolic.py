@@ -31,6 +31,7 @@ __all__ = [
     "SymTensor",
     "SymbolicEvaluator",
     "Unprovable",
+    "constant_array",
 ]
 
 import dataclasses
@@ -308,17 +309,27 @@ def aligned_elem(tensor: SymTensor, out_shape: Sequence[Affine]) -> Elem:
     return _shift(elem, mapping)
 
 
-def _const_array(value: ir.Value) -> np.ndarray | None:
-    """A small constant's values; larger tensors (weights) are never read."""
+def constant_array(value: ir.Value) -> np.ndarray | None:
+    """A small constant's values (initializer or Constant node); weights are never read."""
     tensor = value.const_value
     producer = value.producer()
     if tensor is None and producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        attr = producer.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            tensor = attr.value
+        for name, attr in producer.attributes.items():
+            if name == "value" and attr.type == ir.AttributeType.TENSOR:
+                tensor = attr.value
+            elif name in _CONSTANT_ATTRIBUTES:
+                return np.asarray(attr.value, dtype=_CONSTANT_ATTRIBUTES[name])
     if tensor is None or math.prod(tensor.shape.numpy()) > _MAX_CONST_ELEMENTS:
         return None
     return np.asarray(tensor.numpy())
+
+
+_CONSTANT_ATTRIBUTES = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
 
 
 def _kind(dtype: ir.DataType | None) -> str:
@@ -381,7 +392,7 @@ class SymbolicEvaluator:
         return cached
 
     def _eval(self, value: ir.Value) -> SymTensor:
-        array = _const_array(value)
+        array = constant_array(value)
         if array is not None:
             return _from_constant(array, value.dtype)
         producer = value.producer()
@@ -765,3 +776,18 @@ def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     if x.values is not None and len(x.values) == 1 and len(shape) <= 1:
         return SymTensor(shape, x.kind, values=x.values)
     return SymTensor(shape, x.kind)
+
+
+@_handles("Slice")
+def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    starts = ev.const_ints(node.inputs[1], "Slice starts")
+    ends = ev.const_ints(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or [0]
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1]
+    if x.values is None or x.rank != 1 or starts is None or ends is None or axes != [0] or steps != [1]:
+        raise Unprovable("Slice other than of a known vector with constant bounds")
+    n = len(x.values)
+    start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))
+    picked = x.values[start:end]
+    return SymTensor((Affine(const=len(picked)),), "int", values=picked)

@@ -73,8 +73,8 @@ def match_attention(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, node: 
         raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
     if _attr(node, "right_window_size", -1) > 0:
         raise Unprovable("right_window_size lets queries see later keys")
-    k_link = cache_link(ev, scope, key, node)
-    v_link = cache_link(ev, scope, value, node)
+    k_link = cache_link(ev, scope, key, [node])
+    v_link = cache_link(ev, scope, value, [node])
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
 
     q_len = ev.shape(query)[2]
