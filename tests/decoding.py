@@ -65,7 +65,7 @@ def max_differences(want: list, got: list) -> dict[str, float]:
     for (mask, a), (_, b) in zip(want, got):
         queries = a["logits"].shape[1]
         rows = mask[:, -queries:].astype(bool)
-        diff = np.abs(a["logits"].astype(np.float32) - b["logits"].astype(np.float32))
+        diff = _distance(a["logits"], b["logits"])
         worst["logits"] = max(worst["logits"], float(diff[rows].max()))
         for name in a:
             kind = name.split(".")[0]
@@ -77,5 +77,13 @@ def max_differences(want: list, got: list) -> dict[str, float]:
                     x, y = x[:, valid], y[:, : valid.sum()]
                 else:  # [heads, seq, total]: valid query rows only
                     x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
-                worst[kind] = max(worst[kind], float(np.abs(x - y).max()))
+                worst[kind] = max(worst[kind], float(_distance(x, y).max()))
     return worst
+
+
+def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|, infinite where either side is not finite (a NaN is never "close")."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    diff = np.abs(a - b)
+    diff[~(np.isfinite(a) & np.isfinite(b))] = np.inf
+    return diff
