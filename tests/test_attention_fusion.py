@@ -192,7 +192,7 @@ def causal_attention_without_cache() -> ir.Model:
         (lambda: exported(exported=ExportStyle(mask="top_left")), r"causal diagonal is at key <= query \+ 0"),
         (lambda: exported(exported=ExportStyle(kv_repeat="tile")), "from Tile node"),
         (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
-        (causal_attention_without_cache, "not from Concat"),
+        (causal_attention_without_cache, "from a graph input, not from a KV cache"),
     ],
     ids=["bidirectional", "top_left_causal", "tile_repeat", "raw_scores_read", "no_cache"],
 )
@@ -212,17 +212,17 @@ def test_models_without_attention_are_untouched():
     assert ir.to_proto(model).SerializeToString() == before
 
 
-def test_convert_fuses_an_export(tmp_path, capsys):
+def test_the_cli_calibrates_converts_and_evaluates_an_export(tmp_path, capsys):
     from onnx_kvcache.cli import main
 
-    scales = tmp_path / "scales.json"
-    scales.write_text(
-        '{"scales": {"k_scales": [0.1, 0.1, 0.1], "v_scales": [0.05, 0.05, 0.05]}, "qmax": 128}'
-    )
+    scales, out = tmp_path / "scales.json", tmp_path / "int8.onnx"
     source = FIXTURE.read_bytes()
-    out = tmp_path / "int8.onnx"
+    quick = ["--num-seqs", "2", "--seq-len", "32"]
+    assert main(["calibrate", str(FIXTURE), "--out", str(scales), "--format", "int8", *quick]) == 0
     assert main(["convert", str(FIXTURE), str(out), "--format", "int8", "--scales", str(scales)]) == 0
     assert "converted 3 GroupQueryAttention node(s)" in capsys.readouterr().out
+    assert main(["evaluate", str(FIXTURE), str(out), *quick]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out
     assert FIXTURE.read_bytes() == source
     onnx.checker.check_model(onnx.load(out), full_check=True)
     model = ir.load(out)

@@ -132,3 +132,25 @@ def test_generation_stops_at_eos():
     free = runner.generate([7, 8, 9], 6, eos_token_id=None)
     stopped = runner.generate([7, 8, 9], 6, eos_token_id=free[2])
     assert stopped == free[: free.index(free[2]) + 1]
+
+
+def test_an_export_file_is_fused_in_memory(tmp_path):
+    from onnx_kvcache.exported_decoder import exported_config
+
+    path = tmp_path / "export.onnx"
+    ir.save(build_decoder(exported_config("llama", num_layers=2, vocab_size=300)), path)
+    source = path.read_bytes()
+    runner = KvCacheRunner(path)
+    assert [b.past for b in runner.bindings][:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert len(runner.generate([1, 2, 3], 4)) == 4
+    assert path.read_bytes() == source
+
+
+def test_bfloat16_on_cpu_is_one_clear_error():
+    from onnx_kvcache.exported_decoder import exported_config
+    from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+
+    model = build_decoder(exported_config("llama", num_layers=1, dtype="bfloat16"))
+    AttentionFusionPass()(model)
+    with pytest.raises(KvCacheError, match="bfloat16 model does not run on onnxruntime's CPU provider"):
+        KvCacheRunner(model)

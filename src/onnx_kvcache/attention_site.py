@@ -198,7 +198,10 @@ def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, readers: It
     if concat is None:
         source = grouped.producer()
         what = f"{source.op_type} node {source.name!r}" if source is not None else "a graph input"
-        raise Unprovable(f"K/V reach attention from {what}, not from Concat(past, new) or repeat_kv")
+        raise Unprovable(
+            f"K/V reach attention from {what}, not from a KV cache (Concat(past, new), directly or "
+            "through repeat_kv)"
+        )
     if len(concat.inputs) != 2 or concat.attributes["axis"].as_int() not in (2, -2):
         raise Unprovable("the cache Concat does not append on the sequence axis of two tensors")
     past, new = concat.inputs

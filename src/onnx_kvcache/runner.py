@@ -111,16 +111,28 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             if _PAST.match(value.name or "") and _cache_kind(value.name or ""):
                 raise KvCacheError(
                     f"Input {value.name!r} looks like a KV cache but no GroupQueryAttention "
-                    "node reads it; the runner needs a GQA decoder."
+                    "node reads it; the runner needs a GQA decoder. Fuse an exported model's "
+                    "attention first: optimize_model(model) (docs/exporting.md)."
                 )
     return bindings
+
+
+def _fused(model: ir.Model) -> ir.Model:
+    """A decoder read from disk without GQA nodes (a PyTorch export), fused in memory."""
+    from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+
+    if GqaFusionPass()(model).modified:
+        logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
+    return model
 
 
 class KvCacheRunner:
     """An onnxruntime session wrapper that owns the decoder's KV cache.
 
     Args:
-        model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder.
+        model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder. A file
+            without GroupQueryAttention (a PyTorch export) has its attention fused in
+            memory (docs/exporting.md); the file is not changed.
         providers: onnxruntime providers (CPU by default).
         io_binding: Keep caches as OrtValues on the session's device and bind them
             (default: on for CUDA, where caches then never leave the GPU).
@@ -143,6 +155,8 @@ class KvCacheRunner:
         else:
             model_file, config = resolve_model_path(model_or_path)
             model = load_model(model_file)
+            if not find_gqa_sites(model, with_cache_only=False):
+                model = _fused(model)
             base_dir = model_file.parent
             eos = (config or {}).get("model", {}).get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
@@ -152,6 +166,12 @@ class KvCacheRunner:
         self.bindings = discover_cache_bindings(model)
         self.emulated = False
         on_cuda = any("CUDA" in str(p) for p in self.providers)
+        if not on_cuda and any(s.query_dtype == ir.DataType.BFLOAT16 for s in find_gqa_sites(model)):
+            raise KvCacheError(
+                "A bfloat16 model does not run on onnxruntime's CPU provider (no bfloat16 MatMul). "
+                "Run it on CUDA (providers=['CUDAExecutionProvider']), or use a float16 or float32 "
+                "export of the same model on CPU."
+            )
         if not on_cuda and any(b.dtype == ir.DataType.FLOAT8E4M3FN for b in self.bindings):
             from onnx_kvcache.passes.fp8_emulation import emulate_fp8_kv_cache
 
