@@ -84,6 +84,24 @@ def test_left_padding_and_padded_windows_differ(shape, prompt):
     assert worst["logits"] > 1e-2
 
 
+def test_presents_written_through_identity_fuse():
+    def with_identities() -> ir.Model:
+        model = exported()
+        for index, value in enumerate(list(model.graph.outputs)):
+            if value.name.startswith("present"):
+                copy = ir.node("Identity", [value], name=f"copy_{value.name}")
+                model.graph.append(copy)
+                copy.outputs[0].name, value.name = value.name, f"{value.name}_concat"
+                copy.outputs[0].type, copy.outputs[0].shape = value.type, value.shape
+                model.graph.outputs[index] = copy.outputs[0]
+        return model
+
+    original, model = with_identities(), fused(with_identities())
+    assert count(model, "Concat") < count(original, "Concat") and count(model, "GroupQueryAttention") == 2
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert max(worst.values()) < 1e-4
+
+
 def test_one_seqlens_computation_per_graph():
     model = fused(ir.load(FIXTURE))
     assert count(model, "ReduceSum") == 1
@@ -185,6 +203,18 @@ def causal_attention_without_cache() -> ir.Model:
     return ir.Model(graph, ir_version=10)
 
 
+def attention_in_a_function() -> ir.Model:
+    """The causal Attention above, called through a model-local function."""
+    inner = causal_attention_without_cache()
+    function = ir.Function("local", "attend", graph=inner.graph, attributes=[])
+    f = ir.DataType.FLOAT
+    q, k, v = (ir.val(n, f, ["batch", 4, "seq", 32]) for n in "qkv")
+    call = ir.node("attend", [q, k, v], domain="local", name="call")
+    call.outputs[0].name = "y"
+    graph = ir.Graph([q, k, v], call.outputs, nodes=[call], opset_imports={"": 23, "local": 1})
+    return ir.Model(graph, ir_version=10, functions=[function])
+
+
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
@@ -193,8 +223,9 @@ def causal_attention_without_cache() -> ir.Model:
         (lambda: exported(exported=ExportStyle(kv_repeat="tile")), "from Tile node"),
         (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
         (causal_attention_without_cache, "from a graph input, not from a KV cache"),
+        (attention_in_a_function, "inside function attend"),
     ],
-    ids=["bidirectional", "top_left_causal", "tile_repeat", "raw_scores_read", "no_cache"],
+    ids=["bidirectional", "top_left_causal", "tile_repeat", "raw_scores_read", "no_cache", "in_a_function"],
 )
 def test_unprovable_attention_is_left_alone(make, reason):
     model = make()

@@ -79,3 +79,7 @@ def test_exported_mode_is_a_config_field():
     assert attention.inputs[1].name == "present.0.key"  # K/V go in with their own heads
     with pytest.raises(ValueError, match="Unknown architecture"):
         exported_config("gpt2")
+    with pytest.raises(ValueError, match="does not write sliding_window_cache"):
+        build_decoder(exported_config("mistral", sliding_window_cache=True))
+    with pytest.raises(ValueError, match="opset 20 writes scaled dot-product attention"):
+        build_decoder(exported_config("gemma2", exported=ExportStyle(opset=20, attn_softcap=50.0)))

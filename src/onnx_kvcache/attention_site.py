@@ -6,7 +6,8 @@ exporter's attention and build an :class:`AttentionSite` from facts proven with
 ``com.microsoft::GroupQueryAttention`` node. The rules:
 
 - **Cache.** K and V are ``Concat(past, new)`` on the sequence axis, ``past`` an input
-  and the concatenation an output of the graph (read otherwise only by Shape), reaching
+  and the concatenation an output of the graph (maybe through Identity; read otherwise
+  only by Shape), reaching
   attention directly or through transformers' ``repeat_kv`` (Unsqueeze at axis 2,
   Expand of that axis only, Reshape folding it into the head axis: query head ``h``
   reads KV head ``h // group``, as GQA does).
@@ -58,7 +59,6 @@ from onnx_kvcache.symbolic import (
 
 BATCH, HEAD, QUERY, KEY = "#b", "#h", "#i", "#j"
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
-Scope = ir.Graph | ir.Function
 ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
@@ -84,8 +84,8 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         raise Unprovable("the mask is neither boolean nor a 0/-inf additive mask")
     names = (BATCH, HEAD, QUERY, KEY)[4 - tensor.rank :]
     dims = dict(zip(names, tensor.shape))
-    if dims.get(KEY, ONE) not in (kv_len, ONE):
-        raise Unprovable(f"the mask has {dims[KEY]} key columns, the cache {kv_len}")
+    if dims.get(KEY) != kv_len:  # ONNX Attention pads a shorter mask with -inf, not broadcast
+        raise Unprovable(f"the mask has {dims.get(KEY, ONE)} key columns, the cache {kv_len}")
     if dims.get(QUERY, ONE) not in (query_len, ONE):
         raise Unprovable(f"the mask has {dims[QUERY]} query rows, the query {query_len}")
     mapping = {
@@ -188,7 +188,9 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     return base, group, [reshape, expand, unsqueeze]
 
 
-def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, readers: Iterable[ir.Node]) -> CacheLink:
+def cache_link(
+    ev: SymbolicEvaluator, graph: ir.Graph, value: ir.Value, readers: Iterable[ir.Node]
+) -> CacheLink:
     """Prove that ``value`` (an attention K or V input) is a repeated or plain KV cache.
 
     ``readers`` are the attention's own nodes, which may read the present cache.
@@ -205,23 +207,20 @@ def cache_link(ev: SymbolicEvaluator, scope: Scope, value: ir.Value, readers: It
     if len(concat.inputs) != 2 or concat.attributes["axis"].as_int() not in (2, -2):
         raise Unprovable("the cache Concat does not append on the sequence axis of two tensors")
     past, new = concat.inputs
-    if past is None or new is None or not past.is_graph_input() or past.graph is not _graph_of(scope):
+    if past is None or new is None or not past.is_graph_input() or past.graph is not graph:
         raise Unprovable("the cache Concat does not start from a past graph input")
     if len(ev.shape(past)) != 4:
         raise Unprovable("the past cache is not 4-D (BNSH)")
-    if grouped not in scope.outputs:
+    copies = [u for u, _ in grouped.uses() if u.op_type == "Identity" and u.outputs[0] in graph.outputs]
+    if grouped not in graph.outputs and not copies:
         raise Unprovable(f"the concatenated cache {grouped.name!r} is not a graph output (present)")
-    allowed = {id(n) for n in readers} | {id(n) for n in chain}
+    allowed = {id(n) for n in (*readers, *chain, *copies)}
     for user, _ in grouped.uses():
         if id(user) not in allowed and user.op_type != "Shape":
             raise Unprovable(
                 f"the present cache {grouped.name!r} is also read by {user.op_type} {user.name!r}"
             )
     return CacheLink(past, new, grouped, group)
-
-
-def _graph_of(scope: Scope) -> ir.Graph:
-    return scope.graph if isinstance(scope, ir.Function) else scope
 
 
 @dataclasses.dataclass
@@ -280,7 +279,7 @@ def check_shapes(
 
 
 class GqaWriter:
-    """Writes GroupQueryAttention nodes into one graph or function.
+    """Writes GroupQueryAttention nodes into a graph.
 
     ``seqlens_k`` and ``total_sequence_length`` are computed once per padding input;
     BNSH -> BSH conversions reuse the exporter's own 3-D projections where the
@@ -289,8 +288,8 @@ class GqaWriter:
 
     PREFIX = "/gqa_fusion"
 
-    def __init__(self, scope: Scope, ev: SymbolicEvaluator) -> None:
-        self.scope = scope
+    def __init__(self, graph: ir.Graph, ev: SymbolicEvaluator) -> None:
+        self.graph = graph
         self.ev = ev
         self._lengths: dict[str, tuple[ir.Value, ir.Value]] = {}
         self._bsh: dict[int, ir.Value] = {}
@@ -305,7 +304,7 @@ class GqaWriter:
     ) -> ir.Value:
         node = ir.node(op_type, inputs, attrs or None, name=self._name(name))
         node.outputs[0].name = node.name
-        self.scope.insert_before(before, node)
+        self.graph.insert_before(before, node)
         return node.outputs[0]
 
     def _const(self, before: ir.Node, array: np.ndarray, name: str) -> ir.Value:
@@ -318,7 +317,7 @@ class GqaWriter:
             return self._lengths[key]
         at = site.node
         if site.mask.padding is not None:
-            mask = next(v for v in self.scope.inputs if v.name == site.mask.padding)
+            mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
             counted = mask
             if mask.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
                 counted = self._add(at, "Cast", [mask], "attention_mask/Cast", to=ir.DataType.INT64)
@@ -434,7 +433,7 @@ class GqaWriter:
         )
         for output, suffix in zip(gqa.outputs, ("output", "present_key", "present_value", "output_qk")):
             output.name = f"{name}/{suffix}"
-        self.scope.insert_before(at, gqa)
+        self.graph.insert_before(at, gqa)
         out = gqa.outputs[0]
         out.type, out.shape = q.type, q.shape
         dead = self._rewire_output(site, out)
@@ -445,7 +444,7 @@ class GqaWriter:
             after.type, after.shape = before.type, before.shape
             dead.append(before.producer())
             before.replace_all_uses_with(after, replace_graph_outputs=True)
-        remove_dead(self.scope, [*dead, at])
+        remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
         return gqa
@@ -499,17 +498,16 @@ def _dim(value: Affine) -> int | str | None:
     return None
 
 
-def remove_dead(scope: Scope, nodes: Iterable[ir.Node | None]) -> int:
+def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node | None]) -> int:
     """Remove ``nodes`` and, transitively, their producers once nothing reads them."""
     work = [n for n in nodes if n is not None]
     removed = 0
-    graph = _graph_of(scope)
     while work:
         node = work.pop()
         if node.graph is not graph or any(o.uses() or o.is_graph_output() for o in node.outputs):
             continue
         inputs = [v for v in node.inputs if v is not None]
-        scope.remove(node, safe=True)
+        graph.remove(node, safe=True)
         removed += 1
         for value in inputs:
             producer = value.producer()

@@ -170,6 +170,17 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         raise ValueError("opset 20 writes scaled dot-product attention: no softcap, scores or is_causal.")
     if style.opset == 20 and style.kv_repeat == "grouped":
         raise ValueError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
+    unsupported = [
+        name
+        for name, value in (
+            ("no_cache_layers", c.no_cache_layers),
+            ("sliding_window_cache", c.sliding_window_cache),
+            ("rotary_interleaved", c.rotary_interleaved),
+        )
+        if value
+    ]
+    if unsupported:
+        raise ValueError(f"The exported mode does not write {', '.join(unsupported)}; unset it.")
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, "total"])
     w.graph.inputs.extend([input_ids, mask_in])

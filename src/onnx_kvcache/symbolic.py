@@ -360,6 +360,7 @@ class SymbolicEvaluator:
 
     def __init__(self) -> None:
         self._cache: dict[ir.Value, SymTensor] = {}
+        self._declared: dict[ir.Value, tuple[Affine, ...]] = {}
         self._fresh = 0
 
     def fresh(self) -> str:
@@ -367,11 +368,13 @@ class SymbolicEvaluator:
         return f"?{self._fresh}"
 
     def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]:
-        if value.shape is None:
-            raise Unprovable(f"value {value.name!r} has no known rank")
-        return tuple(
-            parse_dim(d.value if isinstance(d, ir.SymbolicDim) else d, self.fresh) for d in value.shape
-        )
+        """The shape a value is annotated with; an unnamed dimension is one fresh symbol."""
+        if value not in self._declared:
+            if value.shape is None:
+                raise Unprovable(f"value {value.name!r} has no known rank")
+            dims = (d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape)
+            self._declared[value] = tuple(parse_dim(d, self.fresh) for d in dims)
+        return self._declared[value]
 
     def shape(self, value: ir.Value | None) -> tuple[Affine, ...]:
         """The symbolic shape of any value: computed where followed, else declared."""
@@ -470,7 +473,7 @@ def _axes(ev: SymbolicEvaluator, node: ir.Node, index: int = 1) -> list[int] | N
 
 @_handles("Identity")
 def _identity(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-    return dataclasses.replace(ev.eval(node.inputs[0]), source=None)
+    return ev.eval(node.inputs[0])
 
 
 @_handles("Shape")
@@ -638,10 +641,16 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     to = ir.DataType(_attr_int(node, "to", 0))
     kind = _kind(to)
     if kind == x.kind or (kind == "float" and x.kind == "data"):
-        return dataclasses.replace(x, source=None)
+        return dataclasses.replace(x, source=x.source if _widens(node.inputs[0], to) else None)
     if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
         return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
     raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")
+
+
+def _widens(value: ir.Value | None, to: ir.DataType) -> bool:
+    """An integer Cast that keeps every value (so a 0/1 mask stays one)."""
+    dtype = value.dtype if value is not None else None
+    return dtype is not None and to.itemsize >= dtype.itemsize and to.is_signed() == dtype.is_signed()
 
 
 @_handles("Where")

@@ -14,7 +14,8 @@ explicit boolean mask. An ``Attention`` node becomes one
   as GQA zeroes masked scores in its other mode; ``softmax_precision`` unset or float.
 
 Anything else is left as it was; the pass warns once (:class:`KvCacheWarning`) with
-each node's reason. Walks the main graph and model-local functions.
+each node's reason. Fuses in the main graph; an ``Attention`` in a model-local function or
+a control-flow subgraph is reported, not fused.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _read(value: ir.Value | None) -> bool:
     return value is not None and (bool(value.uses()) or value.is_graph_output())
 
 
-def match_attention(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, node: ir.Node) -> AttentionSite:
+def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionSite:
     """Prove that an ONNX ``Attention`` node is GQA with a KV cache; raise otherwise."""
     inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
     query, key, value, mask = inputs[:4]
@@ -73,8 +74,8 @@ def match_attention(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, node: 
         raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
     if _attr(node, "right_window_size", -1) > 0:
         raise Unprovable("right_window_size lets queries see later keys")
-    k_link = cache_link(ev, scope, key, [node])
-    v_link = cache_link(ev, scope, value, [node])
+    k_link = cache_link(ev, graph, key, [node])
+    v_link = cache_link(ev, graph, value, [node])
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
 
     q_len = ev.shape(query)[2]
@@ -118,20 +119,23 @@ def match_attention(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, node: 
 class AttentionFusionPass(ir.passes.InPlacePass):
     """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention."""
 
-    def __init__(self, *, warn: bool = True) -> None:
-        super().__init__()
-        self.warn = warn
-
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        ev = SymbolicEvaluator()
+        writer = GqaWriter(graph, ev)
         fused, refused = 0, []
-        scopes: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
-        for scope in scopes:
-            n, reasons = self._fuse(scope)
-            fused += n
-            refused += reasons
-        for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            if node.graph is not model.graph and _is_attention(node):
-                refused.append(f"{node.name}: inside a control-flow subgraph")
+        for node in list(graph):
+            if not _is_attention(node):
+                continue
+            try:
+                site = match_attention(ev, graph, node)
+            except Unprovable as reason:
+                refused.append(f"{node.name or '<unnamed>'}: {reason}")
+                continue
+            gqa = writer.write(site)
+            fused += 1
+            logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
+        refused += [f"{n.name or '<unnamed>'}: {where}" for n, where in _elsewhere(model)]
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))
@@ -140,27 +144,24 @@ class AttentionFusionPass(ir.passes.InPlacePass):
                 f"{len(refused)} Attention node(s) left as they are (not provably GroupQueryAttention "
                 "with a KV cache): " + "; ".join(refused)
             )
-            logger.info(message)
-            if self.warn:
-                warnings.warn(message, KvCacheWarning, stacklevel=2)
+            warnings.warn(message, KvCacheWarning, stacklevel=2)
         return ir.passes.PassResult(model, modified=bool(fused))
 
-    def _fuse(self, scope: ir.Graph | ir.Function) -> tuple[int, list[str]]:
-        ev = SymbolicEvaluator()
-        writer = GqaWriter(scope, ev)
-        fused, refused = 0, []
-        for node in list(scope):
-            if not _is_attention(node):
-                continue
-            try:
-                site = match_attention(ev, scope, node)
-            except Unprovable as reason:
-                refused.append(f"{node.name or '<unnamed>'}: {reason}")
-                continue
-            gqa = writer.write(site)
-            fused += 1
-            logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
-        return fused, refused
+
+def _elsewhere(model: ir.Model) -> list[tuple[ir.Node, str]]:
+    """Attention nodes outside the main graph's own node list, with where they are."""
+    found = [
+        (node, "inside a control-flow subgraph (not fused)")
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.graph is not model.graph and _is_attention(node)
+    ]
+    for function in model.functions.values():
+        found += [
+            (node, f"inside function {function.name} (not fused)")
+            for node in ir.traversal.RecursiveGraphIterator(function)
+            if _is_attention(node)
+        ]
+    return found
 
 
 def _is_attention(node: ir.Node) -> bool:

@@ -14,7 +14,7 @@ two factors being the same scalar constant (``scale`` = their product), and ever
 of :mod:`onnx_kvcache.attention_site` holds (cache, repeat, mask, shapes). Anything
 else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
-Walks the main graph and model-local functions.
+Fuses in the main graph only.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _scaled(value: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value, flo
     raise Unprovable("a scores MatMul operand is not scaled by a scalar constant")
 
 
-def match_decomposed(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, out: ir.Node) -> AttentionSite:
+def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionSite:
     """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
     nodes: list[ir.Node] = [out]
     probs, value = out.inputs
@@ -137,8 +137,8 @@ def match_decomposed(ev: SymbolicEvaluator, scope: ir.Graph | ir.Function, out: 
     if not np.isclose(q_factor, k_factor, rtol=1e-6) or q_factor <= 0:
         raise Unprovable(f"Q and K are scaled by different factors ({q_factor}, {k_factor})")
     key = _untransposed(ev, key_t, nodes)
-    k_link = cache_link(ev, scope, key, nodes)
-    v_link = cache_link(ev, scope, value, nodes)
+    k_link = cache_link(ev, graph, key, nodes)
+    v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
@@ -182,20 +182,18 @@ class DecomposedAttentionFusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.refused = []
         fused = 0
-        scopes: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
-        for scope in scopes:
-            ev = SymbolicEvaluator()
-            writer = GqaWriter(scope, ev)
-            for node in list(scope):
-                if node.graph is None or not _is_candidate(node):
-                    continue
-                try:
-                    site = match_decomposed(ev, scope, node)
-                except Unprovable as reason:
-                    self.refused.append((node, str(reason)))
-                    continue
-                writer.write(site)
-                fused += 1
+        ev = SymbolicEvaluator()
+        writer = GqaWriter(model.graph, ev)
+        for node in list(model.graph):
+            if node.graph is None or not _is_candidate(node):
+                continue
+            try:
+                site = match_decomposed(ev, model.graph, node)
+            except Unprovable as reason:
+                self.refused.append((node, str(reason)))
+                continue
+            writer.write(site)
+            fused += 1
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info(
