@@ -270,3 +270,24 @@ def test_fused_export_keeps_its_interface(float_gqa):
     ):
         assert [(v.name, v.dtype, v.shape) for v in a] == [(v.name, v.dtype, v.shape) for v in b]
     onnx.checker.check_model(ir.to_proto(float_gqa), full_check=True)
+
+
+def test_convert_fuses_an_export_without_reading_weights(tmp_path, monkeypatch):
+    from onnx_kvcache import convert_model
+
+    ir.save(exported(), tmp_path / "model.onnx", external_data="model.onnx.data")
+
+    def read(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    for method in ("numpy", "tobytes", "__array__"):
+        monkeypatch.setattr(ir.ExternalTensor, method, read)
+    result = convert_model(
+        tmp_path / "model.onnx",
+        tmp_path / "int8.onnx",
+        format="int8",
+        scales={0: (0.1, 0.05), 1: (0.1, 0.05)},
+    )
+    assert result.converted and result.nodes == 2
+    monkeypatch.undo()
+    assert len(KvCacheRunner(tmp_path / "int8.onnx").generate([1, 2, 3], 3)) == 3
