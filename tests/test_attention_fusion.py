@@ -134,11 +134,16 @@ def test_fp16_export_fuses_and_matches():
     assert worst["logits"] < 2e-2 and worst["present"] < 2e-2, worst
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_fp8_conversion_of_half_precision_exports_type_checks(dtype):
+ARCHS = ["llama", "qwen3", "mistral", "gemma2"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [*((a, "float16") for a in ARCHS), ("llama", "bfloat16"), ("gemma2", "bfloat16")]
+)
+def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
 
-    model = exported(dtype=dtype)
+    model = exported(arch, dtype=dtype)
     optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)})
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}
@@ -159,6 +164,24 @@ def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
     assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
     worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
     assert worst["logits"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_caches_run_on_cpu_for_every_shape(arch, fmt):
+    float_model = fused(exported(arch))
+    scales = calibrate_kv_cache(float_model, format=fmt, seq_len=16, num_seqs=2, progress=False)
+    model = optimize_model(
+        exported(arch), execution_provider="cpu", kv_cache_format=fmt, kv_cache_scales=scales
+    )
+    assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {
+        ir.DataType.INT8 if fmt == "int8" else ir.DataType.UINT8
+    }
+    relative = {"int8": 0.03, "int4": 0.3}[fmt]
+    want, got = generate(float_model, PROMPTS["single"]), generate(model, PROMPTS["single"])
+    for (_, a), (_, b) in zip(want, got):
+        assert np.all(np.isfinite(b["logits"]))
+        assert 0 < np.abs(a["logits"] - b["logits"]).max() < relative * np.abs(a["logits"]).max()
 
 
 @pytest.fixture(scope="module")
