@@ -4,8 +4,9 @@ Every fused model is run against its original over a prefill and three decode st
 GQA's padding semantics (measured on onnxruntime's CPU kernel): ``seqlens_k`` counts a
 row's valid tokens, which the kernel takes to be the first ones. Unpadded batches and
 right-padded rows (valid tokens first) match the export at every valid position, the
-cache holding the valid tokens compacted; left padding, and right padding under a
-sliding window, do not (tested as such, documented in docs/exporting.md).
+cache holding the valid tokens compacted; left padding, right padding under a sliding
+window, and multi-token steps after a prompt at batch > 1 do not (tested as such,
+documented in docs/exporting.md).
 """
 
 from __future__ import annotations
@@ -314,3 +315,24 @@ def test_convert_fuses_an_export_without_reading_weights(tmp_path, monkeypatch):
     assert result.converted and result.nodes == 2
     monkeypatch.undo()
     assert len(KvCacheRunner(tmp_path / "int8.onnx").generate([1, 2, 3], 3)) == 3
+
+
+def test_batched_chunks_after_a_prompt_are_gqas_limit():
+    """onnxruntime's GQA (without query_seqlens) takes multi-token steps after a prompt at batch 1 only."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    def chunk(model: ir.Model, batch: int) -> np.ndarray:
+        session = create_session(model)
+        caches = {v.name: np.zeros((batch, 2, 4, 32), np.float32) for v in model.graph.inputs[3:]}
+        feeds = {
+            "input_ids": np.ones((batch, 3), np.int64),
+            "attention_mask": np.ones((batch, 7), np.int64),
+            "position_ids": np.tile(np.arange(4, 7), (batch, 1)),
+        }
+        return session.run(["logits"], feeds | caches)[0]
+
+    original, model = ir.load(FIXTURE), fused(ir.load(FIXTURE))
+    np.testing.assert_allclose(chunk(model, 1), chunk(original, 1), atol=1e-4)
+    chunk(original, 2)
+    with pytest.raises(InvalidArgument, match="batch_size must be 1 when sequence_length > 1 and past"):
+        chunk(model, 2)
