@@ -227,6 +227,16 @@ def causal_attention_without_cache() -> ir.Model:
     return ir.Model(graph, ir_version=10)
 
 
+def window_attribute() -> ir.Model:
+    """Opset 25's left_window_size on the export's Attention: counted from offset 0."""
+    model = exported()
+    model.opset_imports[""] = 25
+    for node in model.graph:
+        if node.op_type == "Attention":
+            node.attributes["left_window_size"] = ir.AttrInt64("left_window_size", 3)
+    return model
+
+
 def attention_in_a_function() -> ir.Model:
     """The causal Attention above, called through a model-local function."""
     inner = causal_attention_without_cache()
@@ -248,8 +258,17 @@ def attention_in_a_function() -> ir.Model:
         (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
         (causal_attention_without_cache, "from a graph input, not from a KV cache"),
         (attention_in_a_function, "inside function attend"),
+        (window_attribute, "neither causal, a window nor padding"),
     ],
-    ids=["bidirectional", "top_left_causal", "tile_repeat", "raw_scores_read", "no_cache", "in_a_function"],
+    ids=[
+        "bidirectional",
+        "top_left_causal",
+        "tile_repeat",
+        "raw_scores_read",
+        "no_cache",
+        "in_a_function",
+        "top_left_window",
+    ],
 )
 def test_unprovable_attention_is_left_alone(make, reason):
     model = make()

@@ -57,7 +57,7 @@ from onnx_kvcache.symbolic import (
     reshape_dims,
 )
 
-BATCH, HEAD, QUERY, KEY = "#b", "#h", "#i", "#j"
+BATCH, HEAD, QUERY, KEY = "#batch", "#head", "#query", "#key"
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
 ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
@@ -74,7 +74,7 @@ class MaskFacts:
 
 
 def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
-    """The mask as a condition over ``#b, #h, #i, #j`` (boolean, or 0/-inf additive)."""
+    """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
     tensor = ev.eval(mask)
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")

@@ -117,12 +117,15 @@ class Affine:
         return out
 
     def __str__(self) -> str:
-        parts = [
-            f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{k.removeprefix('d:')}" for k, v in self.terms
-        ]
+        parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{_readable(k)}" for k, v in self.terms]
         if self.const or not parts:
             parts.append(str(self.const))
         return " + ".join(parts).replace("+ -", "- ")
+
+
+def _readable(symbol: str) -> str:
+    """A symbol as messages show it: ``d:past`` -> ``past``, ``#query`` -> ``query``."""
+    return symbol.removeprefix("d:").removeprefix("#")
 
 
 ONE = Affine(const=1)

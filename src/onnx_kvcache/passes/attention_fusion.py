@@ -7,8 +7,9 @@ explicit boolean mask. An ``Attention`` node becomes one
 :mod:`onnx_kvcache.attention_site` holds, and here:
 
 - inputs 0-3 only (Q, K, V, mask) with the cache outside, 4-D;
-- the mask input (if any) ANDed with ``is_causal`` (whose diagonal is top-left without
-  a ``past_key`` input) is proven causal, with optional padding and window;
+- the mask input (if any) ANDed with ``is_causal`` and the window attributes (which
+  without a ``past_key`` input count from offset 0, ignoring the cache) is proven causal,
+  with optional padding and window;
 - ``scale`` (default ``1/sqrt(head_size)``) and ``softcap`` carry over; a read
   ``qk_matmul_output`` must be mode 3 (softmax probabilities: GQA's ``qk_output=2``),
   as GQA zeroes masked scores in its other mode; ``softmax_precision`` unset or float.
@@ -28,6 +29,8 @@ import warnings
 import onnx_ir as ir
 
 from onnx_kvcache.attention_site import (
+    KEY,
+    QUERY,
     AttentionSite,
     GqaWriter,
     MaskFacts,
@@ -72,8 +75,6 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     precision = node.attributes.get("softmax_precision")
     if precision is not None and precision.as_int() != ir.DataType.FLOAT:
         raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
-    if _attr(node, "right_window_size", -1) > 0:
-        raise Unprovable("right_window_size lets queries see later keys")
     k_link = cache_link(ev, graph, key, [node])
     v_link = cache_link(ev, graph, value, [node])
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
@@ -84,12 +85,15 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     cond = Conj()
     if mask is not None:
         cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
+    # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
+    query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
     if _attr(node, "is_causal", 0):
-        # No past_key input: ONNX aligns the diagonal top-left (offset 0).
-        cond = cond & Conj.of(Le(Affine.of("#j") - Affine.of("#i")))
-    left = int(_attr(node, "left_window_size", -1))
+        cond = cond & Conj.of(Le(key_index - query_index))
+    left, right = int(_attr(node, "left_window_size", -1)), int(_attr(node, "right_window_size", -1))
     if left >= 0:
-        cond = cond & Conj.of(Le(Affine.of("#i") + past - Affine.of("#j") - left))
+        cond = cond & Conj.of(Le(query_index - key_index - left))
+    if right >= 0:
+        cond = cond & Conj.of(Le(key_index - query_index - right))
     facts: MaskFacts = mask_facts(cond, past=past)
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
