@@ -124,10 +124,25 @@ def reference_step(model: ir.Model, feeds: dict, fmt, k_scale=None, v_scale=None
     )
 
 
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(float8e4m3fn)": np.uint8,
+}
+
+
 def run_gqa_steps(
     session, model: ir.Model, steps: list[int], *, seed: int = 1, batch: int = 1, scale: float = 1.0
 ):
-    """Feed random q/k/v for each step length in ``steps``; yields (feeds, outputs)."""
+    """Feed random q/k/v for each step length in ``steps``; yields (feeds, outputs).
+
+    Caches are fed as the session declares them: stored (fp8 as OrtValues of its bits) or
+    float (emulated caches holding values). ``feeds`` has the past caches as fed.
+    """
+    from onnx_kvcache.runtime import to_ort_value
+
     rng = np.random.default_rng(seed)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     heads = node.attributes["num_heads"].as_int()
@@ -135,12 +150,11 @@ def run_gqa_steps(
     q_in, k_in, v_in, pk, pv = node.inputs[:5]
     head = k_in.shape[-1] // kv
     t_dtype = q_in.dtype.numpy()
-    from onnx_kvcache.runtime import to_ort_value
-
-    past_k = np.zeros(
-        (batch, kv, 0, pk.shape[3]), pk.dtype.numpy() if pk.dtype != ir.DataType.FLOAT8E4M3FN else np.uint8
-    )
+    declared = {i.name: i for i in session.get_inputs()}[pk.name]
+    last = declared.shape[3] if isinstance(declared.shape[3], int) else pk.shape[3]
+    past_k = np.zeros((batch, kv, 0, last), _ORT_TYPES[declared.type])
     past_v = past_k.copy()
+    fp8 = declared.type == "tensor(float8e4m3fn)"
     length = 0
     for s in steps:
         q = (rng.standard_normal((batch, s, heads * head)) * scale).astype(t_dtype)
@@ -154,9 +168,9 @@ def run_gqa_steps(
             "seqlens_k": np.full((batch,), length - 1, np.int32),
             "total_sequence_length": np.array(length, np.int32),
         }
-        if pk.dtype == ir.DataType.FLOAT8E4M3FN:
-            feeds[pk.name] = to_ort_value(past_k, pk.dtype)
-            feeds[pv.name] = to_ort_value(past_v, pv.dtype)
+        if fp8:
+            feeds[pk.name] = to_ort_value(past_k, ir.DataType.FLOAT8E4M3FN)
+            feeds[pv.name] = to_ort_value(past_v, ir.DataType.FLOAT8E4M3FN)
         else:
             feeds[pk.name], feeds[pv.name] = past_k, past_v
         out, present_k, present_v = session.run(None, feeds)

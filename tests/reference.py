@@ -1,7 +1,9 @@
-"""Numpy reference of GroupQueryAttention with a quantized cache (the kernels' rule).
+"""Numpy reference of GroupQueryAttention with a quantized cache (the kernels' rules).
 
-New K (after RoPE) and V are quantized on write; attention reads every position
-dequantized, the current tokens included.
+New K (after q/k norm and RoPE) and V are quantized on write. The ``cpu`` rule (and CUDA
+after the first prompt) attends over every position dequantized, the current tokens
+included; CUDA's first prompt (``sequence_length == total_sequence_length``) attends over
+the new tokens in full precision and stores them quantized.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def quantized_gqa_step(
     stored: tuple[np.ndarray, np.ndarray] | None = None,
     qk_norm: tuple[np.ndarray, np.ndarray] | None = None,
     eps: float = 1e-6,
+    semantics: str = "cpu",
 ):
     """One GQA call. q/k/v are [B, S, H*D] float; past_* are stored caches (BNSH).
 
@@ -58,6 +61,8 @@ def quantized_gqa_step(
     format stores them (float caches when ``fmt`` is None). With ``stored``, attention
     reads those present caches instead of the ones computed here.
     """
+    if semantics not in ("cpu", "cuda"):
+        raise ValueError(semantics)
     batch, seq, _ = q.shape
     head = k.shape[-1] // kv_heads
     past_len = past_k.shape[2]
@@ -83,6 +88,8 @@ def quantized_gqa_step(
         read_k, read_v = stored if stored is not None else (present_k, present_v)
         keys = fmt.dequantize(read_k, ks, head)
         values = fmt.dequantize(read_v, vs, head)
+        if semantics == "cuda" and past_len == 0:  # CUDA's first prompt reads K/V unquantized
+            keys, values = k_new, v_new
     group = num_heads // kv_heads
     keys = np.repeat(keys, group, axis=1)  # [B, N, T, D]
     values = np.repeat(values, group, axis=1)

@@ -11,12 +11,14 @@ import pytest
 from onnx_kvcache import (
     KvCacheError,
     KvCacheQuantizationPass,
+    KvCacheWarning,
     build_decoder,
     calibrate_kv_cache,
     load_kv_cache_scale_file,
 )
 from onnx_kvcache.calibration import _Reservoir, _thresholds, rope_pair_norm
 from onnx_kvcache.cli import main
+from onnx_kvcache.demo_model import byte_level_tokenizer
 from onnx_kvcache.evaluation import evaluate_kv_cache
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.runtime import create_session
@@ -32,7 +34,7 @@ def model():
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(3)
-    return [list(rng.integers(0, 300, n)) for n in (40, 25, 40)]
+    return [list(rng.integers(0, 300, n)) for n in (300, 125, 200)]
 
 
 def presents(model, data):
@@ -153,8 +155,9 @@ def test_margin_scales_linearly(model, data):
 
 
 def test_windows_and_num_seqs(model, data):
-    scales = calibrate_kv_cache(model, data, seq_len=16, num_seqs=5, progress=False)
-    assert scales.metadata["num_seqs"] == 5 and scales.metadata["tokens"] == (16 + 16 + 8) + (16 + 9)
+    scales = calibrate_kv_cache(model, data, seq_len=128, num_seqs=5, progress=False)
+    assert scales.metadata["num_seqs"] == 5 and scales.metadata["tokens"] == (128 + 128 + 44) + (125 + 128)
+    assert scales.metadata["data"] == "given token ids"
 
 
 @pytest.mark.parametrize(
@@ -193,7 +196,9 @@ def test_sliding_window_layers_are_calibrated_on_every_row():
     options = {"num_layers": 2, "vocab_size": 300, "sliding_window_layers": (1,), "sliding_window": 16}
     windowed = build_decoder(**options, sliding_window_cache=True)
     seq = list(np.random.default_rng(0).integers(0, 300, 48))
-    scales = calibrate_kv_cache(windowed, [seq], format="int8", rope_envelope=False, progress=False)
+    scales = calibrate_kv_cache(
+        windowed, [seq], format="int8", rope_envelope=False, progress=False, min_tokens=len(seq)
+    )
     full_cache = build_decoder(**options)  # same weights; layer 1 keeps all 48 rows
     values = presents(full_cache, [seq])[(1, "value")][0]
     assert values.shape[1] == 48
@@ -313,11 +318,11 @@ def test_text_with_a_tokenizer(tmp_path, model):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 50}" for i in range(100)))
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 50}" for i in range(300)))
     scales = calibrate_kv_cache(
         model, tmp_path / "text.txt", tokenizer=tmp_path / "tokenizer.json", progress=False
     )
-    assert scales.metadata["tokens"] == 100
+    assert scales.metadata["tokens"] == 300 and scales.metadata["data"] == "text from text.txt"
 
 
 def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
@@ -330,13 +335,31 @@ def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
     assert scales.metadata["tokens"] == len(corpus_byte_ids())  # the byte-level tokenizer's ids
 
 
-def test_without_a_tokenizer_random_tokens_are_used(model, caplog):
-    import logging
-
-    with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
+def test_without_a_tokenizer_random_tokens_warn_and_are_recorded(model):
+    with pytest.warns(KvCacheWarning, match="No tokenizer found: calibrating on seeded random token ids"):
         scales = calibrate_kv_cache(model, format="int8", seq_len=32, progress=False)
     assert scales.metadata["tokens"] == 8 * 32
-    assert any("random token" in r.getMessage() for r in caplog.records)
+    assert scales.metadata["data"] == "seeded random token ids (no tokenizer)"
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "message"),
+    [
+        ([[1, 2, 3]], {}, r"has 3 token\(s\) \(given token ids\); scales need at least 256"),
+        (None, {"num_seqs": 0}, "num_seqs must be >= 1"),
+        (None, {"num_seqs": -1}, "num_seqs must be >= 1"),
+        ("empty.txt", {}, "holds no tokens"),
+    ],
+)
+def test_too_little_data_is_an_error(tmp_path, model, data, kwargs, message):
+    pytest.importorskip("tokenizers")
+    if data == "empty.txt":
+        (tmp_path / "empty.txt").write_text("")
+        (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer()))
+        kwargs["tokenizer"] = tmp_path / "tokenizer.json"
+        data = tmp_path / "empty.txt"
+    with pytest.raises(KvCacheError, match=message):
+        calibrate_kv_cache(model, data, progress=False, **kwargs)
 
 
 def test_text_without_a_tokenizer_is_an_error(tmp_path, model):

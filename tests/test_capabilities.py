@@ -51,7 +51,7 @@ CASES = list(
 @pytest.mark.parametrize(("ep", "fmt", "dtype", "ort", "cc"), CASES)
 def test_gating_rules(ep, fmt, dtype, ort, cc):
     model = gqa_model(dtype=dtype)
-    report = check_kv_cache_support(model, ep, fmt, "per_tensor", ort_version=ort, compute_capability=cc)
+    report = check_kv_cache_support(model, ep, fmt, "per_tensor", runtime_version=ort, compute_capability=cc)
     want = expected_reasons(ep, fmt, dtype, ort, cc)
     assert report.supported == (not want), report.reasons
     assert len(report.reasons) == len(want)
@@ -61,12 +61,12 @@ def test_gating_rules(ep, fmt, dtype, ort, cc):
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
 def test_granularities_run_where_listed(granularity):
-    assert check_kv_cache_support(None, "cpu", "int4", granularity, ort_version="1.31").supported
+    assert check_kv_cache_support(None, "cpu", "int4", granularity, runtime_version="1.31").supported
 
 
 def test_model_without_gqa_is_a_reason():
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 21})
-    report = check_kv_cache_support(ir.Model(graph, ir_version=10), "cuda", "fp8", ort_version="1.31")
+    report = check_kv_cache_support(ir.Model(graph, ir_version=10), "cuda", "fp8", runtime_version="1.31")
     assert not report.supported and "no GroupQueryAttention" in report.reasons[0]
 
 
@@ -128,7 +128,7 @@ def test_docs_page_is_rendered_from_the_table():
 @pytest.mark.parametrize(("ep", "ok"), [("cpu", False), ("cuda", True)])
 def test_qk_norm_nodes_need_a_provider_that_takes_them(ep, ok):
     model = gqa_model(qk_norm=True, dtype=F16)
-    report = check_kv_cache_support(model, ep, "int8", ort_version="1.31")
+    report = check_kv_cache_support(model, ep, "int8", runtime_version="1.31")
     assert report.supported == ok
     if not ok:
         assert "q/k norm" in report.reasons[0]
@@ -168,3 +168,32 @@ def test_check_device_gates_fp8_on_the_local_gpu(tmp_path, monkeypatch, cc, conv
         with pytest.warns(KvCacheWarning, match=f"compute capability {cc} is below 8.9"):
             optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
     assert (model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN) == converted
+
+
+def test_openvino_row_gates_on_its_own_version():
+    assert check_kv_cache_support(None, "openvino", "int4", runtime_version="2026.4.1").supported
+    old = check_kv_cache_support(None, "openvino", "int8", runtime_version="2026.2.0")
+    assert not old.supported and "openvino 2026.2.0 is too old" in old.reasons[0]
+    fp8 = check_kv_cache_support(None, "openvino", "fp8", runtime_version="2026.4.1")
+    assert not fp8.supported and "no GroupQueryAttention kernel for a fp8 cache" in fp8.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "config", "want"),
+    [
+        (F32, None, None, ("cpu", "a float32 model")),
+        (F16, None, None, ("cuda", "a float16 model")),
+        (BF16, "int8", None, ("cuda", "a bfloat16 model")),
+        (F32, "fp8", None, ("cuda", "its fp8 cache runs only on CUDA")),
+        (F16, None, [{"dml": {}}], ("dml", "genai_config.json's provider_options name 'dml'")),
+        (F16, None, [{"QNN": {}}, {"cpu": {}}], ("cpu", "genai_config.json's provider_options name 'cpu'")),
+    ],
+)
+def test_the_target_is_inferred_from_config_cache_and_dtype(dtype, fmt, config, want):
+    from onnx_kvcache.capabilities import infer_target
+
+    model = gqa_model(dtype=dtype)
+    if fmt is not None:
+        KvCacheQuantizationPass(fmt, scales={0: (0.1, 0.1)})(model)
+    genai = {"model": {"decoder": {"session_options": {"provider_options": config}}}} if config else None
+    assert infer_target(model, genai) == want

@@ -97,3 +97,71 @@ def test_convert_takes_the_granularity_of_the_scale_file(tmp_path, model_file, c
     args = ["convert", str(model_file), str(tmp_path / "x.onnx"), "--format", "int8", "--scales", str(scales)]
     assert main([*args, "--granularity", "per_tensor"]) == 2  # explicit and contradicting: an error
     assert "element" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{model}", "--context", "-5"],
+        ["inspect", "{model}", "--batch", "0"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--num-seqs", "0"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--num-seqs", "-1"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--seq-len", "0"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "101"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--margin", "0"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--min-tokens", "-3"],
+        ["evaluate", "{model}", "{model}", "--max-new-tokens", "-1"],
+        ["evaluate", "{model}", "{model}", "--num-seqs", "nan"],
+    ],
+)
+def test_numeric_options_are_range_checked(tmp_path, model_file, capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(model=model_file, tmp=tmp_path) for a in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be" in err or "expected a number" in err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_calibrating_three_tokens_is_refused(tmp_path, model_file, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    argv = ["calibrate", str(model_file), "--out", str(tmp_path / "s.json"), "--token-ids", str(ids)]
+    assert main(argv) == 2
+    assert "has 3 token(s)" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+    assert main([*argv, "--min-tokens", "0", "--format", "int8"]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype", "rule"),
+    [
+        ("int8", "float32", "cpu (onnxruntime CPU kernel)"),
+        ("int8", "float16", "cuda (emulated on CPU)"),  # an fp16 model targets CUDA
+        ("fp8", "float16", "cuda (emulated on CPU)"),
+    ],
+)
+def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dtype, rule):
+    model_file = tmp_path / "model.onnx"
+    ir.save(build_decoder(num_layers=2, dtype=dtype), model_file)
+    out = tmp_path / f"{fmt}.onnx"
+    assert (
+        main(["convert", str(model_file), str(out), "--format", fmt, "--scales", str(scale_file(tmp_path))])
+        == 0
+    )
+    argv = [
+        "evaluate",
+        str(model_file),
+        str(out),
+        "--num-seqs",
+        "1",
+        "--seq-len",
+        "16",
+        "--max-new-tokens",
+        "2",
+    ]
+    assert main(argv) == 0
+    assert f"kernel rule           {rule}" in capsys.readouterr().out
+    assert main([*argv, "--semantics", "cpu"]) == 0
+    cpu = "cpu (emulated on CPU)" if fmt == "fp8" else "cpu (onnxruntime CPU kernel)"
+    assert f"kernel rule           {cpu}" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def test_coarser_scales_give_larger_error():
     from onnx_kvcache import calibrate_kv_cache
 
     base = build_decoder(num_layers=2, vocab_size=300)
-    calibrated = calibrate_kv_cache(base, DATA, format="int8", progress=False)
+    calibrated = calibrate_kv_cache(base, DATA, format="int8", progress=False, min_tokens=0)
     reports = []
     for factor in (1.0, 8.0):
         cand = build_decoder(num_layers=2, vocab_size=300)
@@ -99,7 +99,7 @@ def test_coarser_scales_give_larger_error():
 def test_data_notes(tmp_path):
     base = build_decoder(num_layers=2, vocab_size=300)
     report = evaluate_kv_cache(base, quantized("int8"), num_seqs=2, seq_len=16, max_new_tokens=2)
-    assert "random tokens" in report.data_note and report.num_sequences == 2
+    assert "random token ids" in report.data_note and report.num_sequences == 2
     pytest.importorskip("tokenizers")
     from onnx_kvcache import calibrate_kv_cache, convert_model
     from onnx_kvcache.demo_model import save_genai_folder

@@ -81,3 +81,43 @@ def test_unknown_names_are_clear_errors():
     with pytest.raises(ValueError, match="Unknown scale granularity 'per_head'"):
         get_granularity("per_head")
     assert get_granularity("per-channel") == "per_channel"
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_stored_codes_equal_the_cpu_kernel_at_ties(name, granularity):
+    """The kernel multiplies by 1/scale: at exact ties ``x / scale`` would round differently."""
+    from onnx_kvcache import KvCacheQuantizationPass
+    from onnx_kvcache.runtime import create_session
+
+    from conftest import gqa_model
+
+    fmt, kv, head, seq = get_format(name), 2, 16, 512
+    model = gqa_model(rotary=False, num_heads=kv, kv_heads=kv, head=head)
+    rng = np.random.default_rng(3)
+    n = 1 if granularity == "per_tensor" else kv * head
+    scale = rng.uniform(0.005, 0.02, n).astype(np.float32)
+    KvCacheQuantizationPass(name, granularity, {0: (scale, scale)})(model)
+    codes = rng.integers(int(fmt.qmin_stored), int(fmt.qmax_stored), (1, seq, kv * head))
+    flat = np.broadcast_to(scale, (kv * head,)) if n == 1 else scale
+    x = ((codes + 0.5) * flat).astype(np.float32)  # every value sits at a tie
+    empty = np.zeros((1, kv, 0, fmt.packed_dim(head)), fmt.numpy_dtype())
+    feeds = {
+        "query.0": x,
+        "key.0": x,
+        "value.0": x,
+        "past_key_values.0.key": empty,
+        "past_key_values.0.value": empty,
+        "seqlens_k": np.array([seq - 1], np.int32),
+        "total_sequence_length": np.array(seq, np.int32),
+    }
+    _, _, stored = create_session(model).run(None, feeds)
+    bnsh = x.reshape(1, seq, kv, head).transpose(0, 2, 1, 3)
+    s4 = scale.reshape(1, 1, 1, 1) if n == 1 else scale.reshape(1, kv, 1, head)
+    np.testing.assert_array_equal(stored, fmt.quantize(bnsh, s4))
+    assert np.any(fmt.quantize(bnsh, s4) != _divide_rule(fmt, bnsh, s4))  # the test can tell
+
+
+def _divide_rule(fmt, x, scale):
+    q = np.clip(np.rint(x / scale), fmt.qmin_stored, fmt.qmax_stored)
+    return fmt.quantize(q, np.float32(1.0))

@@ -138,14 +138,20 @@ def test_cache_shared_by_two_nodes_gets_one_scale():
     assert b.outputs[1].dtype == ir.DataType.INT8
 
 
-def test_shared_kv_scale_is_one_tensor_holding_the_max():
+def test_shared_kv_scale_is_one_tensor_holding_the_max_and_warns_when_far_apart():
     model = gqa_model(layers=2)
     scales = {0: (0.02, 0.03), 1: (0.05, 0.01)}
-    KvCacheQuantizationPass("fp8", scales=scales, shared_kv_scale=True)(model)
+    with pytest.warns(KvCacheWarning, match="layer 1's V scale becomes 5.0x coarser"):
+        KvCacheQuantizationPass("fp8", scales=scales, shared_kv_scale=True)(model)
     for node, expected in zip(gqa_nodes(model), (0.03, 0.05)):
         assert node.inputs[12] is node.inputs[13]
         np.testing.assert_allclose(node.inputs[12].const_value.numpy(), [expected])
     assert gqa_nodes(model)[0].inputs[12] is not gqa_nodes(model)[1].inputs[12]
+
+
+def test_shared_kv_scale_is_quiet_when_the_scales_are_close():
+    model = gqa_model()
+    KvCacheQuantizationPass("fp8", scales={0: (0.02, 0.03)}, shared_kv_scale=True)(model)  # 1.5x
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -472,3 +478,32 @@ def test_an_unrelated_initializer_with_the_scale_name_is_left_alone():
     node = gqa_nodes(model)[0]
     assert taken.const_value.numpy().tolist() == [7.0] and node.inputs[12] is not taken
     assert node.inputs[12].name == "past_key_values.0.key_scale_1"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_symbolic_head_dimension_becomes_the_static_packed_size(fmt):
+    """onnxruntime-genai allocates caches from the declared shape: int4 must say 16, not kv_cache_dim."""
+    from onnx_kvcache.demo_model import build_decoder
+
+    model = build_decoder(num_layers=2, head_size=32, symbolic_cache_dim=True)
+    KvCacheQuantizationPass(fmt, scales=scales_for([0, 1], "per_tensor"))(model)
+    caches = [v for v in (*model.graph.inputs, *model.graph.outputs) if "key" in v.name or "value" in v.name]
+    assert len(caches) == 8
+    want = 16 if fmt == "int4" else "kv_cache_dim"
+    assert {v.shape[3] if isinstance(v.shape[3], int) else str(v.shape[3]) for v in caches} == {want}
+
+
+def test_a_past_read_by_another_op_skips_the_node_and_the_model_still_loads():
+    model = gqa_model()
+    past = model.graph.inputs[3]
+    assert past.name == "past_key_values.0.key"
+    tap = ir.Node("", "Mul", [past, past], num_outputs=1, name="double")
+    model.graph.append(tap)
+    model.graph.outputs.append(tap.outputs[0])
+    text = ir.to_onnx_text(model)
+    with pytest.warns(
+        KvCacheWarning, match=r"past cache 'past_key_values\.0\.key' is also read by Mul node 'double'"
+    ):
+        result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
+    assert not result.modified and ir.to_onnx_text(model) == text
+    create_session(model)

@@ -30,12 +30,13 @@ def test_caches_have_the_model_dtype_and_shape(fmt):
     dtype = {None: np.float32, "fp8": np.uint8, "int8": np.int8, "int4": np.uint8}[fmt]
     last = 16 if fmt == "int4" else 32
     for b in runner.bindings:
-        assert runner.cache_array(b.past).shape == (1, 2, 0, last)
+        assert runner.present(b.layer_id, b.kind).shape == (1, 2, 0, last)
     logits = runner.prefill([1, 2, 3, 4])
     assert logits.shape == (1, 4, 300) and runner.length == 4
     for b in runner.bindings:
-        cache = runner.cache_array(b.past)
+        cache = runner.present(b.layer_id, b.kind)
         assert cache.dtype == dtype and cache.shape == (1, 2, 4, last)
+        assert runner.cache_values(b.layer_id, b.kind).shape == (1, 2, 4, 32)
     itemsize = 4 if fmt is None else 1
     caches = 2 * LAYERS  # k and v per layer
     assert runner.cache_nbytes() == caches * (1 * 2 * 4 * last) * itemsize
@@ -44,9 +45,13 @@ def test_caches_have_the_model_dtype_and_shape(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_steps_equal_one_prefill(fmt):
-    """Tokens fed one a step see the cache they left: logits match a single prefill."""
+    """Tokens fed one a step see the cache they left: logits match a single prefill.
+
+    Under the CPU kernel's rule a prompt reads its own tokens quantized, as decode steps do
+    (CUDA's first prompt reads them unquantized: see test_kv_cache_emulation).
+    """
     ids = [3, 14, 15, 92, 65, 35]
-    a, b = KvCacheRunner(model_for(fmt)), KvCacheRunner(model_for(fmt))
+    a, b = (KvCacheRunner(model_for(fmt), semantics="cpu") for _ in range(2))
     full = a.prefill(ids)[0]
     b.prefill(ids[:2])
     stepped = [b.step(t)[0] for t in ids[2:]]

@@ -13,6 +13,7 @@ __all__ = [
     "DecoderConfig",
     "Fp8KvCachePass",
     "GqaFusionPass",
+    "KvCacheEmulationPass",
     "KvCacheError",
     "KvCacheQuantizationPass",
     "KvCacheRunner",
@@ -23,6 +24,9 @@ __all__ = [
     "check_kv_cache_support",
     "convert_model",
     "cuda_compute_capability",
+    "emulate_fp8_kv_cache",
+    "emulate_kv_cache",
+    "evaluate_kv_cache",
     "fast_path_diagnostics",
     "get_capabilities",
     "get_format",
@@ -44,10 +48,16 @@ from onnx_kvcache.capabilities import (
 from onnx_kvcache.demo_model import DecoderConfig, build_decoder
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.evaluation import evaluate_kv_cache
 from onnx_kvcache.formats import CACHE_FORMATS, CacheFormat, get_format
 from onnx_kvcache.model_files import convert_model
 from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.passes import Fp8KvCachePass, KvCacheQuantizationPass
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.kv_cache_emulation import (
+    KvCacheEmulationPass,
+    emulate_fp8_kv_cache,
+    emulate_kv_cache,
+)
 from onnx_kvcache.runner import KvCacheRunner
 from onnx_kvcache.scales import KvCacheScales, load_kv_cache_scale_file

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
 from onnx_kvcache.gqa import COS_CACHE, KEY, find_gqa_sites
 from onnx_kvcache.scales import KvCacheScales
@@ -162,6 +163,7 @@ def calibrate_kv_cache(
     tokenizer: str | os.PathLike | None = None,
     sample_budget: int = 1 << 20,
     seed: int = 0,
+    min_tokens: int = 256,
 ) -> KvCacheScales:
     """Calibrate K/V scales of every cached layer; see the module docstring.
 
@@ -172,6 +174,10 @@ def calibrate_kv_cache(
         seq_len: Longer sequences are cut into windows of this length.
         num_seqs: Use at most this many windows.
         sample_budget: Values kept per layer and tensor for percentile/mse.
+        min_tokens: Fewer calibration tokens are an error (scales from a handful of
+            tokens are noise). Random ids (no tokenizer found) warn.
+
+    The scales' metadata records the data source and token count.
     """
     from onnx_kvcache.runner import KvCacheRunner
 
@@ -187,14 +193,16 @@ def calibrate_kv_cache(
         raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
     if not margin > 0:
         raise KvCacheError(f"margin must be > 0, got {margin}.")
+    if sample_budget < 1 or min_tokens < 0:
+        raise KvCacheError(
+            f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
+        )
     runner = KvCacheRunner(model, providers)
-    if any(
-        b.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) for b in runner.bindings
-    ):
+    if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention KV cache to calibrate.")
-    windows = load_token_windows(
+    loaded = load_token_windows(
         data,
         model=model,
         seq_len=seq_len,
@@ -202,7 +210,20 @@ def calibrate_kv_cache(
         tokenizer=tokenizer,
         vocab_size=_vocab_size(runner),
     )
-    sites = {s.layer_id: s for s in find_gqa_sites(runner.model)}
+    if loaded.tokens < min_tokens:
+        raise KvCacheError(
+            f"Calibration data has {loaded.tokens} token(s) ({loaded.source}); scales need at least "
+            f"{min_tokens}. Give more text or token ids, or lower min_tokens (--min-tokens) knowingly."
+        )
+    if loaded.random:
+        warnings.warn(
+            "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
+            "those of real text. Pass text with a tokenizer (--text, --tokenizer) or token ids.",
+            KvCacheWarning,
+            stacklevel=2,
+        )
+    windows = loaded.windows
+    sites = {s.layer_id: s for s in find_gqa_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
@@ -217,7 +238,7 @@ def calibrate_kv_cache(
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
-            x = np.asarray(runner.cache_array(b.past), np.float32)[0]  # [kv, S, hd]
+            x = b.values(runner.cache_array(b.past))[0]  # [kv, S, hd]
             x = x[:, : b.resident_rows(len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
@@ -251,6 +272,7 @@ def calibrate_kv_cache(
         "seq_len": seq_len,
         "num_seqs": len(windows),
         "tokens": tokens,
+        "data": loaded.source,
     }
     if method == "percentile":
         metadata["percentile"] = percentile
@@ -269,7 +291,14 @@ def calibrate_kv_cache(
 
 
 def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
-    """A table: per layer, K/V thresholds, scales and the fraction of values clipped."""
+    """A table: per layer, K/V thresholds, scales and the fraction of values clipped.
+
+    A value is clipped when it lies beyond the largest stored level by more than half a
+    step (integers) or beyond it at all (fp8), so storing it costs more than rounding.
+    Under onnxruntime-genai's convention (``scale = threshold / qmax``, qmax 128 for int8 and
+    8 for int4, largest stored level 127 and 7), minmax clips the values within half a step
+    of the threshold: a small clip fraction is expected there.
+    """
     names = ("k thresh", "k scale", "k clip", "v thresh", "v scale", "v clip")
     head = f"{'layer':>5}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, (9, 10, 8, 9, 10, 8)))
     lines = [head]
@@ -278,6 +307,10 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
             f"{s.layer_id:>5}  {s.k_threshold.max():9.4g}  {s.k_scale.max():10.4g}  {s.k_clip:8.2e}  "
             f"{s.v_threshold.max():9.4g}  {s.v_scale.max():10.4g}  {s.v_clip:8.2e}"
         )
+    lines.append(
+        "clip: share of sampled values stored at the largest level with more than rounding error "
+        "(thresholds and scales: largest per layer)"
+    )
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
 """Who can run what: one frozen row per execution provider.
 
 A row lists the query dtypes the provider's GroupQueryAttention kernel takes and,
-per cache format, the granularities it runs, the first onnxruntime version that has
-it and, where the hardware matters, the minimum CUDA compute capability. Gating,
-``optimize_model`` and the docs page all read :data:`EP_CAPABILITIES`; adding a
-provider is adding a row.
+per cache format, the granularities it runs, the first version of its runtime that has
+it (onnxruntime for its execution providers; OpenVINO, a second runtime for the same
+files, for its row) and, where the hardware matters, the minimum CUDA compute
+capability. Gating, ``optimize_model`` and the docs page all read
+:data:`EP_CAPABILITIES`; adding a provider is adding a row.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "check_kv_cache_support",
     "fast_path_diagnostics",
     "get_capabilities",
+    "infer_target",
     "render_capability_table",
 ]
 
@@ -29,7 +31,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.formats import get_format, get_granularity
 from onnx_kvcache.gqa import K_SCALE, Q_NORM, V_SCALE, find_gqa_sites
-from onnx_kvcache.runtime import installed_ort_version
+from onnx_kvcache.runtime import installed_ort_version, installed_version
 
 _BOTH = frozenset({"per_tensor", "per_channel"})
 
@@ -39,7 +41,8 @@ class FormatSupport:
     """One cache format on one provider."""
 
     granularities: frozenset[str]
-    min_ort_version: str
+    min_version: str
+    """First version of the row's runtime that runs it."""
     min_compute_capability: tuple[int, int] | None = None
 
 
@@ -54,6 +57,8 @@ class EpCapabilities:
     note: str = ""
     qk_norm: bool = False
     """Takes q/k norm weights (GQA inputs 14/15, Qwen3-style)."""
+    runtime: str = "onnxruntime"
+    """The package that runs it: ``onnxruntime`` (an execution provider) or ``openvino``."""
 
 
 _CPU_T = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
@@ -91,6 +96,16 @@ EP_CAPABILITIES: dict[str, EpCapabilities] = {
             {},
             qk_norm=True,
         ),
+        EpCapabilities(
+            "openvino",
+            "",
+            frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16}),
+            {"int8": FormatSupport(_BOTH, "2026.4"), "int4": FormatSupport(_BOTH, "2026.4")},
+            "OpenVINO's own runtime (ONNX frontend): int8/int4 caches store onnxruntime's codes. "
+            "Whether 2026.3 runs them is unsettled. fp8 compiles, but its codes differ from "
+            "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed.",
+            runtime="openvino",
+        ),
         EpCapabilities("default", "", frozenset(), {}, "Unknown provider: no quantized cache known."),
     )
 }
@@ -104,6 +119,31 @@ def get_capabilities(ep: str) -> EpCapabilities:
     key = str(ep).lower()
     key = _ALIASES.get(key, key)
     return EP_CAPABILITIES.get(key, EP_CAPABILITIES["default"])
+
+
+def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) -> tuple[str, str]:
+    """Where a model will run when the user did not say: ``(row name, why)``.
+
+    An onnxruntime-genai config's provider options decide; else an fp8 cache means
+    ``cuda`` (it runs nowhere else), fp16/bf16 queries ``cuda``, float32 ``cpu``.
+    """
+    decoder = (genai_config or {}).get("model", {}).get("decoder", {})
+    options = (
+        decoder.get("session_options", {}).get("provider_options", []) if isinstance(decoder, dict) else []
+    )
+    for entry in options if isinstance(options, list) else []:
+        for name in entry if isinstance(entry, dict) else ():
+            row = get_capabilities(name)
+            if row.name != "default":
+                return row.name, f"genai_config.json's provider_options name {name!r}"
+    sites = find_gqa_sites(model) if model is not None else []
+    if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
+        return "cuda", "its fp8 cache runs only on CUDA"
+    dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
+    if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
+        names = "/".join(sorted(t.name.lower() for t in dtypes))
+        return "cuda", f"a {names} model"
+    return "cpu", "a float32 model" if dtypes else "no GroupQueryAttention dtype to go by"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -130,13 +170,14 @@ def check_kv_cache_support(
     format: str,
     granularity: str = "per_tensor",
     *,
-    ort_version: str | None = None,
+    runtime_version: str | None = None,
     compute_capability: tuple[int, int] | None = None,
 ) -> SupportReport:
     """Check every requirement of a quantized cache on ``ep``; one reason per failure.
 
-    ``ort_version`` defaults to the installed onnxruntime (unchecked when none is
-    installed); ``compute_capability`` is checked only when given.
+    ``runtime_version`` is the version of the row's runtime (onnxruntime, or openvino for
+    the ``openvino`` row); it defaults to the installed one (unchecked when none is
+    installed). ``compute_capability`` is checked only when given.
     """
     fmt = get_format(format)
     granularity = get_granularity(granularity)
@@ -154,11 +195,11 @@ def check_kv_cache_support(
     else:
         if granularity not in support.granularities:
             reasons.append(f"{label} runs {fmt.name} only {', '.join(sorted(support.granularities))}.")
-        version = ort_version if ort_version is not None else installed_ort_version()
-        if version is not None and _version_tuple(version) < _version_tuple(support.min_ort_version):
+        version = runtime_version if runtime_version is not None else installed_version(row.runtime)
+        if version is not None and _version_tuple(version) < _version_tuple(support.min_version):
             reasons.append(
-                f"onnxruntime {version} is too old: a {fmt.name} cache on {label} needs "
-                f"onnxruntime >= {support.min_ort_version}; upgrade it."
+                f"{row.runtime} {version} is too old: a {fmt.name} cache on {label} needs "
+                f"{row.runtime} >= {support.min_version}; upgrade it."
             )
         need = support.min_compute_capability
         if need is not None and compute_capability is not None and tuple(compute_capability) < need:
@@ -269,7 +310,8 @@ def render_capability_table() -> str:
             if support is None:
                 cells.append("no")
                 continue
-            cell = f"ORT >= {support.min_ort_version}, " + " + ".join(sorted(support.granularities))
+            runtime = "ORT" if row.runtime == "onnxruntime" else row.runtime
+            cell = f"{runtime} >= {support.min_version}, " + " + ".join(sorted(support.granularities))
             if support.min_compute_capability:
                 cell += ", SM {}.{}+".format(*support.min_compute_capability)
             cells.append(cell)

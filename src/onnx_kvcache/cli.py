@@ -22,6 +22,32 @@ from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
 from onnx_kvcache.model_files import atomic_write_text
 
 
+def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):  # type: ignore[no-untyped-def]
+    """An argparse type: a ``kind`` number >= ``low`` (> when not inclusive), <= ``high``."""
+
+    def parse(text: str):  # type: ignore[no-untyped-def]
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (
+            value != value
+            or (value < low if inclusive else value <= low)
+            or (high is not None and value > high)
+        ):
+            bound = (f">= {low}" if inclusive else f"> {low}") + (
+                f" and <= {high}" if high is not None else ""
+            )
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _bounded(int, 1)
+_NON_NEGATIVE = _bounded(int, 0)
+
+
 def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
     p.add_argument("--format", default="fp8", choices=list(CACHE_FORMATS), help="cache format")
     p.add_argument(
@@ -120,6 +146,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         num_seqs=args.num_seqs,
         tokenizer=args.tokenizer,
+        min_tokens=args.min_tokens,
     )
     scales.save(args.out)
     print(format_calibration_summary(scales.stats))
@@ -140,6 +167,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         num_seqs=args.num_seqs,
         seq_len=args.seq_len,
+        semantics=args.semantics,
     )
     print(report.format_table())
     if args.json:
@@ -171,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output", nargs="?")
     _add_format_args(p, granularity=None)
     p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
-    p.add_argument("--shared-kv-scale", action="store_true", help="one tensor for k and v scales")
+    p.add_argument(
+        "--shared-kv-scale",
+        action="store_true",
+        help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
+        "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
+    )
     p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")
     p.add_argument("--strict", action="store_true", help="fail when the target cannot run it")
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
@@ -188,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show the KV cache of a model")
     p.add_argument("model")
     p.add_argument("--ep", help="cuda: also show fast-path (XQA) diagnostics")
-    p.add_argument("--context", type=int, help="report cache bytes at this context length")
-    p.add_argument("--batch", type=int, default=1, help="batch size for --context (default 1)")
+    p.add_argument("--context", type=_POSITIVE, help="report cache bytes at this context length")
+    p.add_argument("--batch", type=_POSITIVE, default=1, help="batch size for --context (default 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
 
@@ -198,11 +231,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="scale file to write (onnxruntime-genai format)")
     _add_format_args(p)
     p.add_argument("--method", default="minmax", choices=["minmax", "percentile", "mse"])
-    p.add_argument("--percentile", type=float, default=99.99, help="for --method percentile")
+    p.add_argument(
+        "--percentile",
+        type=_bounded(float, 0, inclusive=False, high=100),
+        default=99.99,
+        help="for --method percentile (default 99.99)",
+    )
     _add_data_args(p, "the model's")
-    p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
-    p.add_argument("--num-seqs", type=int, help="use at most this many windows")
-    p.add_argument("--margin", type=float, default=1.0, help="multiply thresholds (headroom)")
+    p.add_argument("--seq-len", type=_POSITIVE, default=512, help="window length (default 512)")
+    p.add_argument("--num-seqs", type=_POSITIVE, help="use at most this many windows (default: all)")
+    p.add_argument(
+        "--min-tokens",
+        type=_NON_NEGATIVE,
+        default=256,
+        help="refuse to calibrate on fewer tokens (default 256)",
+    )
+    p.add_argument(
+        "--margin",
+        type=_bounded(float, 0, inclusive=False),
+        default=1.0,
+        help="multiply thresholds (headroom, default 1.0)",
+    )
     p.add_argument("--no-rope-envelope", action="store_true", help="raw K thresholds, no RoPE pair norm")
     p.set_defaults(func=_calibrate)
 
@@ -210,9 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("baseline")
     p.add_argument("candidate")
     _add_data_args(p, "the baseline's")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
-    p.add_argument("--num-seqs", type=int, default=4, help="sequences to evaluate")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument(
+        "--max-new-tokens", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare (default 64)"
+    )
+    p.add_argument("--num-seqs", type=_POSITIVE, default=4, help="sequences to evaluate (default 4)")
+    p.add_argument("--seq-len", type=_POSITIVE, default=256, help="tokens per sequence (default 256)")
+    p.add_argument(
+        "--semantics",
+        choices=["cuda", "cpu"],
+        help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
+        "attended unquantized) or cpu (default: the candidate's target provider)",
+    )
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG (per-layer error, KL per position); needs matplotlib")
     p.set_defaults(func=_evaluate)

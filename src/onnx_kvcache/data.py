@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "TokenData",
+    "TokenWindows",
     "builtin_corpus",
     "corpus_byte_ids",
     "find_tokenizer",
@@ -17,6 +18,7 @@ __all__ = [
     "tokenize_text",
 ]
 
+import dataclasses
 import importlib.resources
 import json
 import logging
@@ -100,6 +102,22 @@ def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
     return doc
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenWindows:
+    """Token windows and where they came from."""
+
+    windows: list[np.ndarray]
+    source: str
+    """``given token ids``, ``text file NAME``, ``built-in corpus, model tokenizer`` or
+    ``seeded random token ids (no tokenizer)``."""
+    random: bool = False
+    """The ids are random (no tokenizer was found): fine for a smoke test only."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
 def load_token_windows(
     data: TokenData,
     *,
@@ -109,37 +127,50 @@ def load_token_windows(
     tokenizer: str | os.PathLike | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
-) -> list[np.ndarray]:
+) -> TokenWindows:
     """Token windows of at most ``seq_len`` ids from sequences, files or the corpus."""
     if seq_len < 1:
         raise KvCacheError(f"seq_len must be >= 1, got {seq_len}.")
+    if num_seqs is not None and num_seqs < 1:
+        raise KvCacheError(f"num_seqs must be >= 1 (or None for all), got {num_seqs}.")
+    random = False
     if data is None or isinstance(data, (str, os.PathLike)):
         tok = find_tokenizer(model, tokenizer)
         if data is None:
             if tok is None:
                 if vocab_size is None:
                     raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
-                logger.info("No tokenizer: using seeded random token sequences within the vocabulary.")
                 rng = np.random.default_rng(seed)
                 sequences = [list(rng.integers(0, vocab_size, seq_len)) for _ in range(num_seqs or 8)]
+                source, random = "seeded random token ids (no tokenizer)", True
             else:
                 sequences = [tokenize_text(builtin_corpus(), tok)]
+                source = "built-in corpus, model tokenizer"
         else:
             path = pathlib.Path(data)
             if not path.is_file():
                 raise FileNotFoundError(f"Data file {path} does not exist.")
             if path.suffix in (".json", ".npy"):
-                sequences = _read_ids_file(path)
+                sequences, source = _read_ids_file(path), f"token ids from {path.name}"
             else:
-                sequences = [tokenize_text(path.read_text(encoding="utf-8"), tok)]
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except UnicodeDecodeError as e:
+                    raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
+                sequences, source = [tokenize_text(text, tok)], f"text from {path.name}"
+            if not any(sequences):
+                raise KvCacheError(f"{path} holds no tokens; give a file with text or token ids.")
     else:
         sequences = [list(s) for s in data]
         if not sequences or not all(sequences):
             raise KvCacheError("Token data must be a non-empty list of non-empty id sequences.")
+        source = "given token ids"
     windows = []
     for seq in sequences:
         ids = np.asarray(seq, np.int64)
+        if not ids.size:
+            continue
         if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
             raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
         windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-    return windows[:num_seqs] if num_seqs else windows
+    return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random)

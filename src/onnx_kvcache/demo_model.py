@@ -36,7 +36,12 @@ class DecoderConfig:
             positions (``local_window_size``); with ``sliding_window_cache`` their cache
             is window-sized.
         no_cache_layers: Layers whose attention has no past/present cache.
-        qk_norm: Use GQA inputs 14/15 (q/k RMS norm weights), a 16-input node.
+        qk_norm: Per-head RMS norm of q and k before RoPE (Qwen3, Gemma3), fused into GQA
+            as inputs 14/15 (a 16-input node, as builds for CUDA/WebGPU have it), or with
+            ``qk_norm_fused=False`` as ops before the node (what the CPU kernel can run).
+        dtype: ``float32``, ``float16`` or ``bfloat16`` weights and activations.
+        symbolic_cache_dim: Declare the caches' head dimension as ``kv_cache_dim``, as
+            onnxruntime-genai's builder does, instead of the static head size.
         exported: Write the graph as torch.onnx.export does (ONNX Attention, no GQA;
             see :mod:`onnx_kvcache.exported_decoder`), in this style.
     """
@@ -59,16 +64,25 @@ class DecoderConfig:
     sliding_window_cache: bool = False
     no_cache_layers: tuple[int, ...] = ()
     qk_norm: bool = False
+    qk_norm_fused: bool = True
+    symbolic_cache_dim: bool = False
     seed: int = 0
     exported: ExportStyle | None = None
 
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+
     @property
     def ir_dtype(self) -> ir.DataType:
-        return ir.DataType.FLOAT16 if self.dtype == "float16" else ir.DataType.FLOAT
+        return _DTYPES[self.dtype]
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(np.float16 if self.dtype == "float16" else np.float32)
+        return self.ir_dtype.numpy()
+
+
+_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
 WeightFactory = Callable[[str, tuple[int, ...], ir.DataType], ir.TensorProtocol]
@@ -102,6 +116,23 @@ class _Builder:
 
         w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
         return self.op("MatMul", [x, w], f"{name}/MatMul")
+
+    def head_rms_norm(self, x: ir.Value, weight: ir.Value, heads: int, name: str) -> ir.Value:
+        """RMS norm of each head of ``x`` ``[B, S, heads * D]`` (GQA's qk_norm_epsilon, 1e-6)."""
+        c = self.config
+        split = self.const(f"{name}.split_shape", np.array([0, 0, heads, c.head_size], np.int64))
+        merge = self.const(f"{name}.merge_shape", np.array([0, 0, heads * c.head_size], np.int64))
+        axes = self.const(f"{name}.axes", np.array([-1], np.int64))
+        eps = self.const(f"{name}.eps", np.array(1e-6, c.np_dtype))
+        heads_x = self.op("Reshape", [x, split], f"{name}/Reshape")
+        mean = self.op(
+            "ReduceMean", [self.op("Mul", [heads_x, heads_x], f"{name}/Square"), axes], f"{name}/Mean"
+        )
+        rms = self.op("Sqrt", [self.op("Add", [mean, eps], f"{name}/Add")], f"{name}/Sqrt")
+        normed = self.op("Mul", [self.op("Div", [heads_x, rms], f"{name}/Div"), weight], f"{name}/Scale")
+        out = self.op("Reshape", [normed, merge], f"{name}/Merge")
+        out.type, out.shape = x.type, x.shape
+        return out
 
     def rms_norm(self, x: ir.Value, name: str, axes: ir.Value, eps: ir.Value) -> ir.Value:
         size = self.config.hidden_size
@@ -179,7 +210,8 @@ def build_decoder(
         window = c.sliding_window if i in c.sliding_window_layers else 0
         if has_cache:
             past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
-            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, c.head_size]
+            head_dim: int | str = "kv_cache_dim" if c.symbolic_cache_dim else c.head_size
+            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, head_dim]
             past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
             past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
             b.graph.inputs.extend([past_k, past_v])
@@ -193,7 +225,11 @@ def build_decoder(
                 )
                 for name in ("q", "k")
             )
-            inputs += [None] * 5 + [qn, kn]
+            if c.qk_norm_fused:
+                inputs += [None] * 5 + [qn, kn]
+            else:
+                inputs[0] = b.head_rms_norm(q, qn, c.num_heads, f"{p}/attn/q_norm")
+                inputs[1] = b.head_rms_norm(k, kn, c.kv_num_heads, f"{p}/attn/k_norm")
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": c.kv_num_heads,
@@ -210,7 +246,7 @@ def build_decoder(
                 "batch_size",
                 c.kv_num_heads,
                 "total_sequence_length",
-                c.head_size,
+                head_dim,
             ]
             outputs += [
                 ir.val(f"present.{i}.key", dtype, cache_out),

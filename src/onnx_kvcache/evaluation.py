@@ -18,9 +18,10 @@ __all__ = [
 ]
 
 import dataclasses
+import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,10 @@ import onnx_ir as ir
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.formats import CACHE_FORMATS
-from onnx_kvcache.gqa import constant_values, find_gqa_sites
+from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.runner import KvCacheRunner
+
+logger = logging.getLogger(__name__)
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
@@ -74,6 +76,8 @@ class EvaluationReport:
     candidate_bytes_per_token: float
     candidate_format: str
     emulated: bool
+    kernel_rule: str
+    """Which kernel's rule produced the candidate's outputs (``cuda (emulated on CPU)``, ...)."""
     data_note: str
     num_sequences: int
     positions: int
@@ -85,7 +89,8 @@ class EvaluationReport:
 
     def format_table(self) -> str:
         rows = [
-            ("candidate cache", self.candidate_format + (" (emulated on CPU)" if self.emulated else "")),
+            ("candidate cache", self.candidate_format),
+            ("kernel rule", self.kernel_rule),
             (
                 "cache bytes / token",
                 f"{self.candidate_bytes_per_token:g} (baseline {self.baseline_bytes_per_token:g})",
@@ -94,7 +99,9 @@ class EvaluationReport:
             ("top-1 agreement", f"{self.top1_agreement:.2%}"),
             (
                 "greedy match",
-                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical",
+                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical"
+                if self.greedy_match_share == self.greedy_match_share  # not NaN
+                else "not measured (no tokens generated)",
             ),
             ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} positions"),
         ]
@@ -104,38 +111,6 @@ class EvaluationReport:
         for layer, (k, v) in sorted(self.layer_errors.items()):
             lines.append(f"  layer {layer:>3}: {k:.3e} / {v:.3e}")
         return "\n".join(lines)
-
-
-def _dequantizer(fmt: Any, scale: np.ndarray, head: int) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda stored: fmt.dequantize(stored, scale, head)
-
-
-def _as_float(stored: np.ndarray) -> np.ndarray:
-    return np.asarray(stored, np.float32)
-
-
-def _dequantizers(runner: KvCacheRunner) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
-    """past name -> function mapping a stored cache array to float32."""
-    result: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
-    sites = {}
-    for site in find_gqa_sites(runner.source_model):
-        for kind, value in (("key", site.past_key), ("value", site.past_value)):
-            if value is not None:
-                sites[value.name] = (site, kind)
-    for b in runner.bindings:
-        site, kind = sites[b.past]
-        if b.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            result[b.past] = _as_float
-            continue
-        bits = site.int_attr("kv_cache_bit_width", 8)
-        fmt = next(r for r in CACHE_FORMATS.values() if r.dtype == b.dtype and r.bit_width == bits)
-        slot = 12 if kind == "key" else 13
-        scale = np.asarray(constant_values(site.node.inputs[slot]), np.float32)
-        head = site.head_size(cache_is_packed=b.dtype == ir.DataType.UINT8)
-        if scale.size > 1:
-            scale = scale.reshape(1, site.kv_num_heads, 1, head)
-        result[b.past] = _dequantizer(fmt, scale, head)
-    return result
 
 
 def _relative_error(ref: np.ndarray, test: np.ndarray) -> float:
@@ -155,13 +130,24 @@ def evaluate_kv_cache(
     providers: Sequence[Any] | None = None,
     tokenizer: str | os.PathLike | None = None,
     progress: bool = True,
+    semantics: str | None = None,
 ) -> EvaluationReport:
     """Compare a quantized-cache model with its baseline; see the module docstring.
 
-    A progress bar (tqdm) shows on a terminal unless ``progress=False``.
+    ``semantics`` is the kernel rule the candidate follows on CPU (``cuda`` or ``cpu``;
+    see :class:`KvCacheRunner`); by default the rule of the provider the candidate targets
+    (:func:`~onnx_kvcache.capabilities.infer_target`: genai config, fp8, fp16/bf16 -> cuda).
+    The report states which rule produced it. A progress bar (tqdm) shows on a terminal
+    unless ``progress=False``.
     """
+    if max_new_tokens < 0 or prompt_len < 1:
+        raise KvCacheError(
+            f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
+        )
     base = KvCacheRunner(baseline, providers)
-    cand = KvCacheRunner(candidate, providers)
+    if semantics is None and not any("CUDA" in str(p) for p in providers or ()):
+        semantics = target_semantics(candidate)
+    cand = KvCacheRunner(candidate, providers, semantics=semantics)
     if [(b.layer_id, b.kind) for b in base.bindings] != [(b.layer_id, b.kind) for b in cand.bindings]:
         raise KvCacheError(
             "Baseline and candidate have different KV caches; compare a model with its own conversion."
@@ -175,16 +161,10 @@ def evaluate_kv_cache(
         None,
     )
     source = data if data is not None else (baseline if not isinstance(baseline, ir.Model) else None)
-    windows = load_token_windows(
+    loaded = load_token_windows(
         data, model=source, seq_len=seq_len, num_seqs=num_seqs, tokenizer=tokenizer, vocab_size=vocab
     )
-    if data is not None:
-        note = "given data"
-    elif _has_tokenizer(source, tokenizer):
-        note = "built-in corpus, model tokenizer"
-    else:
-        note = "seeded random tokens (no tokenizer found)"
-    dequant = _dequantizers(cand)
+    windows, note = loaded.windows, loaded.source
     kls: list[np.ndarray] = []
     agree = []
     errors: dict[int, list[tuple[float, float]]] = {}
@@ -208,8 +188,8 @@ def evaluate_kv_cache(
         agree.append(top1_agreement(b_logits, c_logits))
         per_layer: dict[int, list[float]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
-            ref = np.asarray(base.cache_array(bb.past), np.float32)
-            test = dequant[cb.past](cand.cache_array(cb.past))
+            ref = bb.values(base.cache_array(bb.past))
+            test = cb.values(cand.cache_array(cb.past))
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
             per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
         for layer, (k, v) in per_layer.items():
@@ -238,31 +218,35 @@ def evaluate_kv_cache(
         candidate_bytes_per_token=_bytes_per_token(cand),
         candidate_format=_format_name(cand),
         emulated=cand.emulated,
+        kernel_rule=cand.kernel_rule,
         data_note=note,
         num_sequences=len(windows),
         positions=int(all_kl.size),
     )
 
 
-def _has_tokenizer(source: Any, tokenizer: Any) -> bool:
-    from onnx_kvcache.data import find_tokenizer
+def target_semantics(model: ir.Model | str | os.PathLike) -> str:
+    """The kernel rule of the provider ``model`` targets: ``cuda`` for cuda, else ``cpu``."""
+    from onnx_kvcache.capabilities import infer_target
+    from onnx_kvcache.model_files import load_model, resolve_model_path
 
-    return find_tokenizer(source, tokenizer) is not None
+    config = None
+    if not isinstance(model, ir.Model):
+        _, config = resolve_model_path(model)
+        model = load_model(model)
+    ep, why = infer_target(model, config)
+    logger.info("The candidate targets %s (%s): evaluating with the %s kernel's rule.", ep, why, ep)
+    return "cuda" if ep == "cuda" else "cpu"
 
 
 def _format_name(runner: KvCacheRunner) -> str:
-    layers = inspect_kv_cache(runner.source_model).layers
-    if not layers:
+    sites = find_gqa_sites(runner.source_model)
+    if not sites:
         return "none"
-    layer = layers[0]
-    for row in CACHE_FORMATS.values():
-        if (
-            row.dtype.name == layer.dtype
-            and row.bit_width == (layer.bit_width or 8)
-            and layer.k_quant_type != "NONE"
-        ):
-            return f"{row.name} {layer.k_quant_type.lower()}"
-    return layer.dtype.lower()
+    fmt = sites[0].cache_format
+    if fmt is None:
+        return str(sites[0].cache_dtype.name if sites[0].cache_dtype else "?").lower()
+    return f"{fmt.name} {sites[0].granularity}"
 
 
 def _bytes_per_token(runner: KvCacheRunner) -> float:

@@ -12,6 +12,7 @@ __all__ = [
     "GRANULARITIES",
     "CacheFormat",
     "Granularity",
+    "format_of",
     "get_format",
     "get_granularity",
 ]
@@ -60,20 +61,32 @@ class CacheFormat:
     def bytes_per_value(self) -> float:
         return self.dtype.itemsize / self.values_per_byte
 
+    @property
+    def storage_offset(self) -> int:
+        """Added to a packed value to store it unsigned (int4: ``q + 8`` in a nibble)."""
+        return -int(self.qmin_stored) if self.values_per_byte > 1 else 0
+
+    @staticmethod
+    def reciprocal(scale: np.ndarray | float) -> np.ndarray:
+        """``1 / scale`` in float32, what the kernels multiply by to quantize."""
+        return np.float32(1.0) / np.asarray(scale, np.float32)
+
     def quantize(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
         """Quantize ``x`` (last axis = head values) as the kernels store it.
 
         Returns the cache tensor as onnxruntime feeds and returns it: fp8 as its uint8
         bits, int8, or uint8 with two int4 values per byte (low nibble first, offset 8).
+        Like the kernels, values are multiplied by the float32 reciprocal of the scale
+        (``x / scale`` rounds differently at ties).
         """
-        q = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+        q = np.asarray(x, np.float32) * self.reciprocal(scale)
         if self.is_float:
             fp8 = np.clip(q, self.qmin_stored, self.qmax_stored).astype(ml_dtypes.float8_e4m3fn)
             return fp8.view(np.uint8)
         q = np.clip(np.rint(q), self.qmin_stored, self.qmax_stored)
         if self.values_per_byte == 1:
             return q.astype(np.int8)
-        nibbles = (q + 8).astype(np.uint8)
+        nibbles = (q + self.storage_offset).astype(np.uint8)
         if nibbles.shape[-1] % 2:
             nibbles = np.concatenate([nibbles, np.full_like(nibbles[..., :1], 8)], axis=-1)
         return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
@@ -82,8 +95,8 @@ class CacheFormat:
         """Inverse of :meth:`quantize`: float32 values of a stored cache tensor."""
         if self.values_per_byte == 2:
             q = np.asarray(q, np.uint8)
-            lo = (q & 0x0F).astype(np.int16) - 8
-            hi = (q >> 4).astype(np.int16) - 8
+            lo = (q & 0x0F).astype(np.int16) - self.storage_offset
+            hi = (q >> 4).astype(np.int16) - self.storage_offset
             values = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], -1)[..., :head_size]
         elif self.is_float:
             values = np.asarray(q).view(ml_dtypes.float8_e4m3fn)
@@ -116,6 +129,18 @@ def get_format(name: str | CacheFormat) -> CacheFormat:
     if row is None:
         raise ValueError(f"Unknown KV-cache format {name!r}; choose one of {', '.join(CACHE_FORMATS)}.")
     return row
+
+
+def format_of(dtype: ir.DataType | None, bit_width: int | None = None) -> CacheFormat | None:
+    """The format whose cache has element type ``dtype`` (and ``kv_cache_bit_width``).
+
+    ``None`` for a float cache. UINT8 with no bit width is packed int4, the only
+    format stored as UINT8.
+    """
+    rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
+    if bit_width:
+        rows = [row for row in rows if row.bit_width == bit_width] or rows
+    return rows[0] if rows else None
 
 
 def get_granularity(name: str) -> Granularity:

@@ -29,13 +29,14 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import GRANULARITIES, CacheFormat, format_of
 
 GQA_DOMAIN = "com.microsoft"
 GQA_OP_TYPE = "GroupQueryAttention"
 
 # Input / output slots of GroupQueryAttention.
 QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE = 0, 1, 2, 3, 4
-SEQLENS_K, COS_CACHE, SIN_CACHE, POSITION_IDS = 5, 7, 8, 9
+SEQLENS_K, TOTAL_SEQUENCE_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS = 5, 6, 7, 8, 9
 K_SCALE, V_SCALE, Q_NORM, K_NORM, QUERY_SEQLENS = 12, 13, 14, 15, 16
 PRESENT_KEY, PRESENT_VALUE = 1, 2
 
@@ -145,6 +146,19 @@ class GqaSite:
         return None if value is None else value.dtype
 
     @property
+    def cache_format(self) -> CacheFormat | None:
+        """The quantized format of the cache this node reads, or None for a float cache."""
+        if self.str_attr("k_quant_type", "NONE") == "NONE" and format_of(self.cache_dtype) is None:
+            return None
+        return format_of(self.cache_dtype, self.int_attr("kv_cache_bit_width", 0))
+
+    @property
+    def granularity(self) -> str | None:
+        """``per_tensor`` or ``per_channel`` for a quantized cache, else None."""
+        quant = self.str_attr("k_quant_type", "NONE")
+        return next((name for name, attr in GRANULARITIES.items() if attr == quant), None)
+
+    @property
     def query_dtype(self) -> ir.DataType | None:
         """The node's T: from the query, else any other T-typed input that knows it."""
         for slot in (QUERY, KEY, VALUE, 7, 8, 10, 11, 14, 15):
@@ -154,8 +168,14 @@ class GqaSite:
         output = _output(self.node, 0)
         return None if output is None else output.dtype
 
-    def head_size(self, *, cache_is_packed: bool = False) -> int:
-        """Head size from key/query/cache shapes; raises when no shape tells it."""
+    def head_size(self, *, cache_is_packed: bool | None = None) -> int:
+        """Head size from key/query/cache shapes; raises when no shape tells it.
+
+        ``cache_is_packed`` defaults to whether the cache's format packs values.
+        """
+        if cache_is_packed is None:
+            fmt = self.cache_format
+            cache_is_packed = fmt is not None and fmt.values_per_byte > 1
         kv, n = self.kv_num_heads, self.num_heads
         key, query = _input(self.node, KEY), _input(self.node, QUERY)
         candidates = []

@@ -3,12 +3,18 @@
 :class:`KvCacheRunner` discovers the decoder's I/O (onnxruntime-genai names and common
 variants), allocates empty caches of the model's cache dtype and shape (int4 packed,
 fp8 as its bits, sliding-window layers window-sized) and feeds each step's present
-caches back as the next step's past. An fp8 cache on CPU runs through emulation.
+caches back as the next step's past.
+
+On the CPU provider, what the CPU cannot run as asked is prepared first: a bfloat16
+model computes in float32, and GroupQueryAttention nodes with an fp8 cache, q/k norm
+inputs, or a kernel rule (``semantics``) other than the CPU kernel's run through the
+emulation (:mod:`onnx_kvcache.passes.kv_cache_emulation`), whose caches hold dequantized
+values. :meth:`KvCacheRunner.present` gives every cache in its stored format all the same.
 """
 
 from __future__ import annotations
 
-__all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings"]
+__all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings", "prepare_for_cpu"]
 
 import dataclasses
 import logging
@@ -21,7 +27,15 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.gqa import find_gqa_sites, resident_rows
+from onnx_kvcache.formats import CacheFormat
+from onnx_kvcache.gqa import K_SCALE, V_SCALE, GqaSite, constant_values, find_gqa_sites, resident_rows
+from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
+from onnx_kvcache.passes.kv_cache_emulation import (
+    KvCacheEmulationPass,
+    Semantics,
+    get_semantics,
+    needs_emulation,
+)
 from onnx_kvcache.runtime import create_session, to_ort_value
 
 logger = logging.getLogger(__name__)
@@ -40,21 +54,40 @@ def _cache_kind(name: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheBinding:
-    """One cache tensor: its past input, present output, layout and dtype."""
+    """One cache tensor: its past input, present output, layout and stored format."""
 
     layer_id: int
     kind: str
     past: str
     present: str
     dtype: ir.DataType
+    """Element type of the cache as the model stores it."""
     kv_num_heads: int
     last_dim: int
+    """Last dimension as stored (packed for int4)."""
     capacity: int | None
     """Sequence capacity of a window-sized cache (sliding_window_cache=1), else None."""
     static_capacity: bool = False
     """The model fixes that capacity in the cache's shape (it cannot be enlarged)."""
     window: int | None = None
     """``local_window_size`` of a window-sized cache, else None."""
+    format: CacheFormat | None = None
+    """The quantized format, or None for a float cache."""
+    scale: np.ndarray | None = None
+    """Dequantization scale, broadcastable to the BNSH cache."""
+    head_size: int = 0
+    feed_dtype: ir.DataType | None = None
+    """Element type of the tensors the session takes, when not ``dtype`` (emulated or
+    bfloat16 caches: they hold float values, dequantized for a quantized format)."""
+
+    @property
+    def holds_values(self) -> bool:
+        """The session's tensors hold float values of a quantized cache (emulation)."""
+        return self.format is not None and self.feed_dtype is not None
+
+    @property
+    def feed_last_dim(self) -> int:
+        return self.head_size if self.holds_values else self.last_dim
 
     def resident_rows(self, total: int, capacity: int) -> int:
         """Rows of this cache, ``capacity`` rows long, that hold tokens after ``total``."""
@@ -64,10 +97,38 @@ class CacheBinding:
         length = self.capacity or 0
         if self.capacity and not self.static_capacity:
             length = max(length, min_capacity)
-        shape = (batch, self.kv_num_heads, length, self.last_dim)
-        if self.dtype == ir.DataType.FLOAT8E4M3FN:
-            return np.zeros(shape, np.uint8)
-        return np.zeros(shape, self.dtype.numpy())
+        shape = (batch, self.kv_num_heads, length, self.feed_last_dim)
+        if self.feed_dtype is None and self.format is not None:
+            return np.zeros(shape, self.format.numpy_dtype())
+        return np.zeros(shape, (self.feed_dtype or self.dtype).numpy())
+
+    def values(self, cache: np.ndarray) -> np.ndarray:
+        """float32 values of a cache tensor as the session holds it (dequantized)."""
+        if self.format is None or self.holds_values:
+            return np.asarray(cache, np.float32)
+        assert self.scale is not None
+        return self.format.dequantize(cache, self.scale, self.head_size)
+
+    def stored(self, cache: np.ndarray) -> np.ndarray:
+        """A cache tensor in the stored format (fp8 bits, int8, packed int4)."""
+        if not self.holds_values:
+            return np.asarray(cache)
+        assert self.format is not None and self.scale is not None
+        return self.format.quantize(cache, self.scale)
+
+    def nbytes(self, cache_shape: Sequence[int]) -> int:
+        """Bytes of this cache as stored, for a session tensor of ``cache_shape``."""
+        rows = int(np.prod(cache_shape[:3]))
+        itemsize = self.format.dtype.itemsize if self.format is not None else self.dtype.itemsize
+        return int(rows * self.last_dim * itemsize)
+
+
+def _scale_of(site: GqaSite, slot: int, head: int) -> np.ndarray | None:
+    values = constant_values(site.input(slot))
+    if values is None:
+        return None
+    scale = np.asarray(values, np.float32)
+    return scale.reshape(1, site.kv_num_heads, 1, head) if scale.size > 1 else scale.reshape(1, 1, 1, 1)
 
 
 def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
@@ -79,8 +140,12 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
         capacity = None
         if site.int_attr("sliding_window_cache", 0) and site.int_attr("local_window_size", -1) > 0:
             capacity = site.int_attr("local_window_size", -1)
-        pairs = (("key", site.past_key, site.present_key), ("value", site.past_value, site.present_value))
-        for kind, past, present in pairs:
+        fmt = site.cache_format
+        pairs = (
+            ("key", site.past_key, site.present_key, K_SCALE),
+            ("value", site.past_value, site.present_value, V_SCALE),
+        )
+        for kind, past, present, slot in pairs:
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             assert past.name is not None and present.name is not None and past.dtype is not None
@@ -88,10 +153,10 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             static = False
             if capacity and shape is not None and len(shape) == 4 and isinstance(shape[2], int):
                 capacity, static = shape[2], True
+            head = site.head_size()
             last = shape[3] if shape is not None and len(shape) == 4 else None
             if not isinstance(last, int):
-                head = site.head_size(cache_is_packed=past.dtype == ir.DataType.UINT8)
-                last = (head + 1) // 2 if past.dtype == ir.DataType.UINT8 else head
+                last = fmt.packed_dim(head) if fmt is not None else head
             bindings.append(
                 CacheBinding(
                     site.layer_id,
@@ -104,6 +169,9 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
                     capacity,
                     static,
                     site.int_attr("local_window_size", -1) if capacity else None,
+                    fmt,
+                    _scale_of(site, slot, head) if fmt is not None else None,
+                    head,
                 )
             )
     if not bindings:
@@ -126,6 +194,44 @@ def _fused(model: ir.Model) -> ir.Model:
     return model
 
 
+def default_semantics(model: ir.Model) -> Semantics:
+    """``cuda`` for an fp8 cache (it runs nowhere else), else ``cpu``."""
+    sites = find_gqa_sites(model)
+    return "cuda" if any(s.cache_format is not None and s.cache_format.is_float for s in sites) else "cpu"
+
+
+def _has_bfloat16(model: ir.Model) -> bool:
+    values = [*model.graph.inputs, *model.graph.outputs, *model.graph.initializers.values()]
+    return any(v.dtype == ir.DataType.BFLOAT16 for v in values)
+
+
+def prepare_for_cpu(
+    model: ir.Model, semantics: Semantics, *, quantized_io: bool = False
+) -> tuple[ir.Model, bool]:
+    """``model``, or a copy prepared to run on the CPU provider, and whether it emulates.
+
+    bfloat16 computes in float32; GroupQueryAttention nodes the CPU cannot run under
+    ``semantics`` are emulated. The given model is never changed.
+    """
+    bf16 = _has_bfloat16(model)
+    emulate = any(needs_emulation(s, semantics) for s in find_gqa_sites(model))
+    if not (bf16 or emulate):
+        return model, False
+    copy = model.clone()
+    if bf16:
+        logger.info("bfloat16 model: computing in float32 on CPU (no bf16 kernels there).")
+        Bfloat16ToFloatPass()(copy)
+    if emulate:
+        if copy.functions:
+            ir.passes.common.InlinePass()(copy)
+        logger.info("Emulating GroupQueryAttention caches on CPU with the %s kernel's rule.", semantics)
+        try:
+            KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
+        except ir.passes.PreconditionError as e:
+            raise KvCacheError(f"This model cannot run on CPU: {e}") from None
+    return copy, emulate
+
+
 class KvCacheRunner:
     """An onnxruntime session wrapper that owns the decoder's KV cache.
 
@@ -136,6 +242,12 @@ class KvCacheRunner:
         providers: onnxruntime providers (CPU by default).
         io_binding: Keep caches as OrtValues on the session's device and bind them
             (default: on for CUDA, where caches then never leave the GPU).
+        semantics: On CPU, the kernel rule quantized caches follow: ``cuda`` emulates
+            CUDA's (first prompt attended in full precision), ``cpu`` is the CPU kernel's.
+            Default: ``cuda`` for an fp8 cache (it runs nowhere else), else ``cpu``. On
+            CUDA the native kernel runs and only ``cuda`` is accepted.
+        quantized_io: When emulating, keep the caches in their stored format between
+            steps (slower: the whole cache is converted every step).
     """
 
     def __init__(
@@ -144,6 +256,8 @@ class KvCacheRunner:
         providers: Sequence[Any] | None = None,
         *,
         io_binding: bool | None = None,
+        semantics: str | None = None,
+        quantized_io: bool = False,
     ) -> None:
         from onnx_kvcache.model_files import load_model, resolve_model_path
 
@@ -162,23 +276,23 @@ class KvCacheRunner:
             self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model
-        """The model as given (before any emulation rewrite)."""
-        self.bindings = discover_cache_bindings(model)
-        self.emulated = False
+        """The model as given (before any preparation for CPU)."""
         on_cuda = any("CUDA" in str(p) for p in self.providers)
-        if not on_cuda and any(s.query_dtype == ir.DataType.BFLOAT16 for s in find_gqa_sites(model)):
-            raise KvCacheError(
-                "A bfloat16 model does not run on onnxruntime's CPU provider (no bfloat16 MatMul). "
-                "Run it on CUDA (providers=['CUDAExecutionProvider']), or use a float16 or float32 "
-                "export of the same model on CPU."
-            )
-        if not on_cuda and any(b.dtype == ir.DataType.FLOAT8E4M3FN for b in self.bindings):
-            from onnx_kvcache.passes.fp8_emulation import emulate_fp8_kv_cache
-
-            logger.info("fp8 KV cache has no CPU kernel: running it through CPU emulation.")
-            model = emulate_fp8_kv_cache(model)
-            self.emulated = True
+        if on_cuda:
+            if semantics not in (None, "cuda"):
+                raise KvCacheError(f"On CUDA the CUDA kernel runs: semantics={semantics!r} is not possible.")
+            self.semantics: Semantics = "cuda"
+            self.emulated = False
+        else:
+            self.semantics = get_semantics(semantics) if semantics is not None else default_semantics(model)
+            model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
         self.model = model
+        """The model the session runs."""
+        feeds = {v.name: v.dtype for v in model.graph.inputs}
+        self.bindings = [
+            b if feeds.get(b.past) in (None, b.dtype) else dataclasses.replace(b, feed_dtype=feeds[b.past])
+            for b in discover_cache_bindings(self.source_model)
+        ]
         self.session = create_session(model, self.providers, base_dir)
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
@@ -194,7 +308,17 @@ class KvCacheRunner:
 
     @property
     def cache_dtype(self) -> ir.DataType | None:
+        """The stored element type of the first cache (the model's, not the session's)."""
         return self.bindings[0].dtype if self.bindings else None
+
+    @property
+    def kernel_rule(self) -> str:
+        """Which rule produced this runner's outputs, in words."""
+        if not any(b.format is not None for b in self.bindings):
+            return "float cache"
+        if self.device == "cuda":
+            return "cuda (native kernel)"
+        return f"{self.semantics} (emulated on CPU)" if self.emulated else "cpu (onnxruntime CPU kernel)"
 
     def reset(self, batch: int = 1, *, min_capacity: int = 0) -> None:
         """Forget the context: empty caches for ``batch`` sequences.
@@ -209,17 +333,17 @@ class KvCacheRunner:
         for b in self.bindings:
             empty = b.empty(batch, min_capacity)
             if self.io_binding:
-                self.caches[b.past] = to_ort_value(empty, b.dtype, self.device)
+                self.caches[b.past] = to_ort_value(empty, b.feed_dtype or b.dtype, self.device)
             else:
                 self.caches[b.past] = empty
 
     def cache_nbytes(self) -> int:
-        """Bytes held by the cache buffers."""
+        """Bytes the caches take in their stored format (what the target runtime holds)."""
         total = 0
         for b in self.bindings:
             cache = self.caches[b.past]
             shape = cache.shape() if callable(getattr(cache, "shape", None)) else cache.shape
-            total += int(np.prod(shape) * b.dtype.itemsize)
+            total += b.nbytes(shape)
         return total
 
     def _inputs(self, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -236,7 +360,7 @@ class KvCacheRunner:
         feeds: dict[str, Any] = self._inputs(ids)
         for b in self.bindings:
             cache = self.caches[b.past]
-            fp8 = b.dtype == ir.DataType.FLOAT8E4M3FN
+            fp8 = (b.feed_dtype or b.dtype) == ir.DataType.FLOAT8E4M3FN
             feeds[b.past] = to_ort_value(cache, b.dtype) if fp8 else cache
         names = [self.logits_name] + [b.present for b in self.bindings]
         results = self.session.run(names, feeds)
@@ -303,13 +427,22 @@ class KvCacheRunner:
         return out
 
     def cache_array(self, past_name: str) -> np.ndarray:
-        """A cache as a host numpy array (fp8 as its uint8 bits), wherever it lives."""
+        """A cache as the session holds it, as a host numpy array (fp8 as uint8 bits)."""
         cache = self.caches[past_name]
         return cache.numpy() if hasattr(cache, "numpy") and not isinstance(cache, np.ndarray) else cache
 
-    def present(self, layer_id: int, kind: str) -> np.ndarray:
-        """The current cache tensor of a layer (``kind`` is ``key`` or ``value``)."""
+    def _binding(self, layer_id: int, kind: str) -> CacheBinding:
         for b in self.bindings:
             if b.layer_id == layer_id and b.kind == kind:
-                return self.cache_array(b.past)
+                return b
         raise KvCacheError(f"No {kind} cache for layer {layer_id}.")
+
+    def present(self, layer_id: int, kind: str) -> np.ndarray:
+        """A layer's cache (``kind`` is ``key`` or ``value``) in its stored format."""
+        b = self._binding(layer_id, kind)
+        return b.stored(self.cache_array(b.past))
+
+    def cache_values(self, layer_id: int, kind: str) -> np.ndarray:
+        """A layer's cache as float32 values, dequantized with its scales."""
+        b = self._binding(layer_id, kind)
+        return b.values(self.cache_array(b.past))

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["create_session", "import_onnxruntime", "installed_ort_version", "to_ort_value"]
+__all__ = [
+    "create_session",
+    "external_data_dir",
+    "import_onnxruntime",
+    "installed_ort_version",
+    "installed_version",
+    "to_ort_value",
+]
 
 import importlib.metadata
 import os
@@ -12,7 +19,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import MissingRuntimeError
+from onnx_kvcache.errors import KvCacheError, MissingRuntimeError
 
 
 def import_onnxruntime() -> ModuleType:
@@ -28,14 +35,40 @@ def import_onnxruntime() -> ModuleType:
     return onnxruntime
 
 
-def installed_ort_version() -> str | None:
-    """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
-    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "ort-nightly"):
+_DISTRIBUTIONS = {
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "ort-nightly"),
+    "openvino": ("openvino",),
+}
+
+
+def installed_version(runtime: str = "onnxruntime") -> str | None:
+    """Version of an installed runtime (``onnxruntime`` in any wheel, ``openvino``), unimported."""
+    for dist in _DISTRIBUTIONS.get(runtime, (runtime,)):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def installed_ort_version() -> str | None:
+    """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
+    return installed_version("onnxruntime")
+
+
+def external_data_dir(model: ir.Model) -> str | None:
+    """The folder an in-memory model's external tensors are read from, or None."""
+    folders = {
+        os.path.abspath(value.const_value.base_dir or ".")
+        for value in model.graph.initializers.values()
+        if isinstance(value.const_value, ir.ExternalTensor)
+    }
+    if len(folders) > 1:
+        raise KvCacheError(
+            f"The model's external data lies in several folders ({', '.join(sorted(folders))}); "
+            "save it with its data in one folder first."
+        )
+    return folders.pop() if folders else None
 
 
 def create_session(
@@ -45,11 +78,14 @@ def create_session(
 ) -> Any:
     """An InferenceSession on ``providers`` (CPU by default) for a model or path.
 
-    ``base_dir`` is the folder of an in-memory model's external data files.
+    ``base_dir`` is the folder of an in-memory model's external data files (default: where
+    its external tensors say they are), so that it loads from any working directory.
     """
     ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if base_dir is None and isinstance(model, ir.Model):
+        base_dir = external_data_dir(model)
     if base_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", os.fspath(base_dir)

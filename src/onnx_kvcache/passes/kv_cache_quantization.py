@@ -11,12 +11,16 @@ subgraphs and the model's functions:
    layers) is converted with that writer, sharing its layer id and scales; the two
    convert together or not at all, and a present read by any other node is skipped.
 2. past_key, past_value, present_key and present_value take the format's element
-   type and keep their shapes; int4 packs two values a byte, so a static head
-   dimension ``d`` becomes ``(d + 1) // 2`` (a symbolic one stays symbolic).
+   type and keep their shapes; int4 packs two values a byte, so the head dimension
+   becomes the static ``(head_size + 1) // 2``, also where it was symbolic (runtimes
+   allocate caches from the declared shape). A cache also read by a node other than
+   a converted GQA node (past or present) skips the node's group with a warning.
 3. float32 scales go to inputs 12 (k) and 13 (v): ``[1]`` per tensor,
    ``kv_num_heads * head_size`` per channel. They are named after the cache they
    scale: two nodes reading one cache share a scale, distinct caches never do.
-   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots.
+   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots (CUDA's
+   quantized decode fast path needed one tensor before onnxruntime 1.29); a warning says
+   when that makes a layer's K or V scale more than 2x coarser.
 4. ``k_quant_type``/``v_quant_type`` and ``kv_cache_bit_width`` are set; every other
    attribute and every input at slot 14 and above is kept as it was.
 5. A node already in the requested format is left alone, or gets the new scale
@@ -73,6 +77,8 @@ class _Plan:
     sinks: list[ir.Value]
     k_scale: np.ndarray | None
     v_scale: np.ndarray | None
+    head_size: int | None = None
+    """Known when the cache is packed (its last dimension becomes static)."""
 
 
 class _Skip(Exception):
@@ -88,8 +94,9 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
             file path. ``None`` means unit scales for fp8 (with a warning) and is an
             error for int8/int4.
-        shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (older
-            CUDA fast paths need k_scale and v_scale to be one tensor).
+        shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (CUDA's
+            quantized decode fast path before onnxruntime 1.29 needs k_scale and v_scale to
+            be one tensor). The smaller of the two gets coarser: warns beyond 2x.
     """
 
     def __init__(
@@ -109,13 +116,14 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         scales = as_kv_cache_scales(self.scales, format=self.format.name)
         sites = find_gqa_sites(model)
+        cache_readers = {id(s.node) for s in sites}
         groups: dict[int, list[GqaSite]] = {}
         for site in sites:
             groups.setdefault(id(site.owner.node), []).append(site)
         plans: list[_Plan] = []
         for group in groups.values():
             try:
-                plans += [self._plan(model, site, group, scales) for site in group]
+                plans += [self._plan(model, site, group, cache_readers, scales) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
                 warnings.warn(
@@ -132,6 +140,8 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 KvCacheWarning,
                 stacklevel=2,
             )
+        if self.shared_kv_scale:
+            _warn_if_shared_scale_coarsens(plans)
         store = _ScaleStore(model)
         modified = False
         for plan in plans:
@@ -166,29 +176,31 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         )
 
     def _plan(
-        self, model: ir.Model, site: GqaSite, group: list[GqaSite], scales: KvCacheScales | None
+        self,
+        model: ir.Model,
+        site: GqaSite,
+        group: list[GqaSite],
+        cache_readers: set[int],
+        scales: KvCacheScales | None,
     ) -> _Plan:
         done = self._already_done(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
         if not done:
+            readers = {id(s.node) for s in group}
             if site is site.owner:  # readers of another node's present retype nothing upstream
                 for cache in (site.past_key, site.past_value):
                     assert cache is not None
                     found, reason = _cache_sources(model, site, cache)
                     if reason:
                         raise _Skip(f"cache {cache.name!r} {reason}")
+                    for value in found:
+                        _check_only_gqa_reads(model, value, cache_readers, "past")
                     sources += found
-            readers = {id(s.node) for s in group}
             for present in (site.present_key, site.present_value):
                 if present is None:
                     continue
-                for user, slot in present.uses():
-                    if id(user) not in readers or slot not in (PAST_KEY, PAST_VALUE):
-                        raise _Skip(
-                            f"present cache {present.name!r} is also read by {user.op_type} "
-                            f"node {user.name!r}, which would see the quantized type"
-                        )
+                _check_only_gqa_reads(model, present, readers, "present")
                 sinks += _cache_sinks(model, site, present)
         if scales is None and not done and not self.format.is_float:
             raise KvCacheError(
@@ -196,22 +208,30 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 "meaningless for integer formats. Pass scales (a scale file or "
                 "{layer_id: (k, v)}), or measure them with `onnx-kvcache calibrate`."
             )
+        symbolic = any(
+            v.shape is not None and len(v.shape) == 4 and not isinstance(v.shape[3], int)
+            for v in sources + sinks
+        )
+        head = None
+        if self.granularity == "per_channel" or (self.format.values_per_byte > 1 and symbolic):
+            head = self._head_size(site)
         if scales is None:
             if done:
-                return _Plan(site, done, sources, sinks, None, None)
-            size = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
-            return _Plan(site, done, sources, sinks, np.ones(size, np.float32), np.ones(size, np.float32))
+                return _Plan(site, done, sources, sinks, None, None, head)
+            size = 1 if head is None else site.kv_num_heads * head
+            ones = np.ones(size, np.float32)
+            return _Plan(site, done, sources, sinks, ones, ones.copy(), head)
         if site.layer_id not in scales.k:
-            return _Plan(site, done, sources, sinks, None, None)  # reported by _check_coverage
+            return _Plan(site, done, sources, sinks, None, None, head)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
-        expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * self._head_size(site)
+        expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * (head or 0)
         if k.size != expected:
             raise KvCacheError(
                 f"Layer {site.layer_id} ({site.name}): {self.granularity} scales need "
                 f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
                 "granularity (per channel: kv_num_heads * head_size)."
             )
-        return _Plan(site, done, sources, sinks, k, v)
+        return _Plan(site, done, sources, sinks, k, v, head)
 
     def _head_size(self, site: GqaSite) -> int:
         return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
@@ -232,7 +252,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         node = plan.site.node
         modified = False
         for value in plan.sources + plan.sinks:
-            modified |= _retype(value, self.format)
+            modified |= _retype(value, self.format, plan.head_size)
         if plan.k_scale is not None and plan.v_scale is not None:
             owner = plan.site.owner  # scales are named after the owner's cache: one per cache
             pk, pv = owner.past_key, owner.past_value
@@ -270,7 +290,44 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
         super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
 
 
+#: ``shared_kv_scale`` warns when max(k, v) makes a scale coarser than this factor.
+SHARED_SCALE_WARN_FACTOR = 2.0
+
+
+def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
+    worst: tuple[float, int, str] = (0.0, -1, "")
+    for plan in plans:
+        if plan.k_scale is None or plan.v_scale is None:
+            continue
+        shared = np.maximum(plan.k_scale, plan.v_scale)
+        for kind, own in (("K", plan.k_scale), ("V", plan.v_scale)):
+            factor = float(np.max(shared / own))
+            worst = max(worst, (factor, plan.site.layer_id, kind))
+    factor, layer, kind = worst
+    if factor > SHARED_SCALE_WARN_FACTOR:
+        warnings.warn(
+            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: layer {layer}'s {kind} "
+            f"scale becomes {factor:.1f}x coarser, and its cache that much less precise. Only CUDA's "
+            "decode fast path before onnxruntime 1.29 needs one tensor; drop the option otherwise.",
+            KvCacheWarning,
+            stacklevel=4,
+        )
+
+
 # -- cache endpoints ------------------------------------------------------------------
+
+
+def _check_only_gqa_reads(model: ir.Model, value: ir.Value, readers: set[int], what: str) -> None:
+    """A cache may be read only as the past of converted GQA nodes, or passed to a function."""
+    for user, slot in value.uses():
+        if user.graph is None or (id(user) in readers and slot in (PAST_KEY, PAST_VALUE)):
+            continue  # a removed node, or a converted reader
+        if user.op_identifier() in model.functions:
+            continue  # the function's own use of its input is checked where it is a source
+        raise _Skip(
+            f"{what} cache {value.name!r} is also read by {user.op_type} node {user.name!r}, "
+            "which would see the quantized type"
+        )
 
 
 def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:
@@ -340,18 +397,28 @@ def _cache_sinks(model: ir.Model, site: GqaSite, value: ir.Value) -> list[ir.Val
     return found
 
 
-def _retype(value: ir.Value, fmt: CacheFormat) -> bool:
+def _retype(value: ir.Value, fmt: CacheFormat, head_size: int | None) -> bool:
+    """Give a cache value the format's type; a packed format gets a static last dimension.
+
+    onnxruntime-genai allocates caches from the declared shape, so a packed cache keeps no
+    symbolic head dimension (``kv_cache_dim``): it becomes ``(head_size + 1) // 2``.
+    """
     if value.dtype == fmt.dtype:
         return False
     shape = value.shape
-    if shape is not None and len(shape) == 4 and isinstance(shape[3], int):
-        shape = ir.Shape([*shape[:3], fmt.packed_dim(shape[3])])
+    if shape is not None and len(shape) == 4:
+        last = shape[3]
+        if fmt.values_per_byte > 1 and head_size is not None:
+            last = fmt.packed_dim(head_size)
+        elif isinstance(last, int):
+            last = fmt.packed_dim(last)
+        shape = ir.Shape([*shape[:3], last])
     value.type = ir.TensorType(fmt.dtype)
     value.shape = shape
     if value.const_value is not None and shape is not None:
         dims = [d if isinstance(d, int) else 0 for d in shape]
         empty = np.zeros(dims, fmt.numpy_dtype())
-        value.const_value = ir.Tensor(empty, dtype=fmt.dtype, name=value.name)
+        value.const_value = ir.tensor(empty, dtype=fmt.dtype, name=value.name)
     return True
 
 

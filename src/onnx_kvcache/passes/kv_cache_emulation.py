@@ -1,0 +1,536 @@
+"""Run GroupQueryAttention on CPU as a chosen kernel computes it: the emulation.
+
+onnxruntime's CPU provider has no fp8 cache, no q/k norm inputs (14/15), and quantizes
+int8/int4 caches by its own rule. This pass rewrites each GroupQueryAttention node that the
+CPU cannot run as asked into ops it can run:
+
+1. q/k RMS norm (inputs 14/15) and RoPE are applied outside the node, with the kernel's
+   positions (``0..S-1`` on the first prompt, else ``seqlens_k + 1 - S + s``, or
+   ``position_ids`` when given);
+2. the new K (after norm and RoPE) and V are quantized and dequantized by the cache
+   format's rule: multiply by the float32 reciprocal of the scale, then saturate to the
+   fp8 grid, or round half to even and clamp for integers;
+3. a float-cache GroupQueryAttention without rotary attends; every other attribute and
+   input (window, softcap, sinks, bias) is kept.
+
+Kernel rules (``semantics``), from onnxruntime's sources:
+
+- ``cuda``: the first prompt (``sequence_length == total_sequence_length``) attends over
+  the new K/V in full precision and then stores them quantized; a later prompt chunk and
+  every decode step store the new tokens first and attend over the dequantized cache.
+- ``cpu``: the new tokens are quantized before attention in every phase.
+
+Cache I/O: by default the emulated caches are float tensors of the query's dtype holding
+the dequantized values ``q * scale`` (what the kernels attend to), so a step quantizes only
+its new tokens and the native float kernel attends: as fast as the float model. With
+``quantized_io=True`` the graph's cache inputs and outputs keep the stored format (fp8 bits,
+int8, packed int4) and every step dequantizes the whole past and requantizes the present.
+
+Rewritten: nodes whose cache format the CPU kernel lacks (fp8), whose rule differs from
+``semantics`` (int8/int4 under ``cuda``), or that have q/k norm inputs. Others are kept.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SEMANTICS",
+    "KvCacheEmulationPass",
+    "emulate_fp8_kv_cache",
+    "emulate_kv_cache",
+    "get_semantics",
+    "needs_emulation",
+]
+
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.capabilities import get_capabilities
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import CacheFormat
+from onnx_kvcache.gqa import (
+    COS_CACHE,
+    K_NORM,
+    K_SCALE,
+    KEY,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITION_IDS,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    Q_NORM,
+    QUERY,
+    QUERY_SEQLENS,
+    SEQLENS_K,
+    SIN_CACHE,
+    TOTAL_SEQUENCE_LENGTH,
+    V_SCALE,
+    VALUE,
+    GqaSite,
+    find_gqa_sites,
+)
+
+logger = logging.getLogger(__name__)
+
+Semantics = Literal["cuda", "cpu"]
+SEMANTICS: tuple[Semantics, ...] = ("cuda", "cpu")
+
+_F32 = ir.DataType.FLOAT
+_I64 = ir.DataType.INT64
+_DROPPED_ATTRS = frozenset(
+    {
+        "k_quant_type",
+        "v_quant_type",
+        "kv_cache_bit_width",
+        "do_rotary",
+        "rotary_interleaved",
+        "qk_norm_epsilon",
+        "q_norm_epsilon",
+        "k_norm_epsilon",
+    }
+)
+
+
+def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
+    """The default-domain opset the rewrite of ``site`` needs, and for what."""
+    fmt = site.cache_format
+    if fmt is not None and fmt.is_float:
+        return 19, f"Cast to {fmt.dtype.name} with saturate"
+    if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
+        return 18, "ReduceMean with axes as an input (q/k norm)"
+    if fmt is not None and fmt.values_per_byte > 1 and quantized_io:
+        return 18, "BitwiseAnd (unpacking)"
+    return 13, "Split and Unsqueeze with inputs"
+
+
+def get_semantics(name: str) -> Semantics:
+    """Validate a kernel-rule name (``cuda`` or ``cpu``)."""
+    key = str(name).lower()
+    if key not in SEMANTICS:
+        raise KvCacheError(f"Unknown kernel semantics {name!r}; choose one of {', '.join(SEMANTICS)}.")
+    return key  # type: ignore[return-value]
+
+
+def needs_emulation(site: GqaSite, semantics: Semantics) -> bool:
+    """Whether the CPU kernel cannot run ``site`` as ``semantics`` asks (see the rules)."""
+    cpu = get_capabilities("cpu")
+    if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
+        return not cpu.qk_norm
+    fmt = site.cache_format
+    return fmt is not None and (fmt.name not in cpu.formats or semantics != "cpu")
+
+
+class _Builder:
+    """An ``onnx_ir`` tape whose every node and value gets a unique, prefixed name."""
+
+    def __init__(self, prefix: str) -> None:
+        self.tape = ir.tape.Tape()
+        self.prefix = prefix
+        self._count = 0
+
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        domain: str = "",
+        dtype: ir.DataType | None = None,
+        **attrs,
+    ) -> ir.Value:
+        """One node's single output; ``dtype`` records its element type when known."""
+        value = self.ops(op_type, inputs, 1, domain, **attrs)[0]
+        if dtype is not None:
+            value.dtype = dtype
+        return value
+
+    def ops(
+        self, op_type: str, inputs: Sequence[ir.Value | None], n: int, domain: str = "", **attrs
+    ) -> Sequence[ir.Value]:
+        self._count += 1
+        name = f"{self.prefix}/{op_type}_{self._count}"
+        outputs = self.tape.op_multi_out(
+            op_type, inputs, attrs or None, num_outputs=n, domain=domain, name=name
+        )
+        for i, value in enumerate(outputs):
+            value.name = f"{name}_out{i}"
+        return outputs
+
+    def const(self, array: np.ndarray) -> ir.Value:
+        return self.op("Constant", [], value=ir.tensor(array))
+
+    def cast(self, x: ir.Value, dtype: ir.DataType) -> ir.Value:
+        return x if x.dtype == dtype else self.op("Cast", [x], dtype=dtype, to=dtype)
+
+    @property
+    def nodes(self) -> Sequence[ir.Node]:
+        return self.tape.nodes
+
+
+class _Codec:
+    """The format's quantize/dequantize rule as ops, for one scale of a fitting shape."""
+
+    def __init__(self, b: _Builder, fmt: CacheFormat, scale: ir.Value) -> None:
+        self.b, self.fmt, self.scale = b, fmt, scale
+        self.inverse = b.op("Reciprocal", [scale], dtype=_F32)
+
+    @classmethod
+    def reshaped(cls, b: _Builder, fmt: CacheFormat, scale: ir.Value, shape: list[int]) -> _Codec:
+        return cls(b, fmt, b.op("Reshape", [scale, b.const(np.array(shape, np.int64))], dtype=_F32))
+
+    def levels(self, x: ir.Value) -> ir.Value:
+        """Quantized values as float32 (fp8: as the float8 type itself)."""
+        b, fmt = self.b, self.fmt
+        scaled = b.op("Mul", [b.cast(x, _F32), self.inverse], dtype=_F32)
+        if fmt.is_float:
+            return b.op("Cast", [scaled], to=fmt.dtype, saturate=1)
+        low, high = (b.const(np.array(v, np.float32)) for v in (fmt.qmin_stored, fmt.qmax_stored))
+        return b.op("Clip", [b.op("Round", [scaled]), low, high], dtype=_F32)
+
+    def from_levels(self, levels: ir.Value, dtype: ir.DataType) -> ir.Value:
+        b = self.b
+        return b.cast(b.op("Mul", [b.cast(levels, _F32), self.scale], dtype=_F32), dtype)
+
+    def round_trip(self, x: ir.Value, dtype: ir.DataType) -> ir.Value:
+        """``x`` as the cache will hold it, dequantized, in ``dtype``."""
+        return self.from_levels(self.levels(x), dtype)
+
+    def store(self, x: ir.Value, head: int) -> ir.Value:
+        """``x`` (BNSH) as the stored cache tensor: fp8, int8, or packed integers."""
+        b, fmt = self.b, self.fmt
+        levels = self.levels(x)
+        if fmt.values_per_byte == 1:
+            return b.cast(levels, fmt.dtype)
+        return _pack(b, fmt, levels, head)
+
+    def load(self, stored: ir.Value, head: int, dtype: ir.DataType) -> ir.Value:
+        """The dequantized values of a stored cache tensor (BNSH)."""
+        levels = stored if self.fmt.values_per_byte == 1 else _unpack(self.b, self.fmt, stored, head)
+        return self.from_levels(levels, dtype)
+
+
+def _reshape_tail(b: _Builder, x: ir.Value, leading: ir.Value, tail: list[int]) -> ir.Value:
+    """Reshape ``x`` to its first three dimensions followed by ``tail`` (zero rows allowed)."""
+    shape = b.op(
+        "Concat", [b.op("Slice", [leading, *_ints(b, [0], [3])]), b.const(np.array(tail, np.int64))], axis=0
+    )
+    return b.op("Reshape", [x, shape])
+
+
+def _ints(b: _Builder, *lists: list[int]) -> list[ir.Value]:
+    return [b.const(np.array(v, np.int64)) for v in lists]
+
+
+def _pack(b: _Builder, fmt: CacheFormat, levels: ir.Value, head: int) -> ir.Value:
+    """``values_per_byte`` values a byte, element ``2i`` in the low bits, offset to unsigned."""
+    bits, n = 8 // fmt.values_per_byte, fmt.values_per_byte
+    packed = fmt.packed_dim(head)
+    codes = b.op("Cast", [b.op("Add", [levels, b.const(np.array(fmt.storage_offset, np.float32))])], to=_I64)
+    if packed * n != head:  # odd head: pad with the stored zero
+        pads = np.zeros(8, np.int64)
+        pads[7] = packed * n - head
+        codes = b.op("Pad", [codes, b.const(pads), b.const(np.array(fmt.storage_offset, np.int64))])
+    groups = _reshape_tail(b, codes, b.op("Shape", [levels]), [packed, n])
+    weights = b.const(np.array([1 << (bits * i) for i in range(n)], np.int64))
+    byte = b.op("ReduceSum", [b.op("Mul", [groups, weights]), *_ints(b, [-1])], keepdims=0)
+    return b.op("Cast", [byte], to=fmt.dtype)
+
+
+def _unpack(b: _Builder, fmt: CacheFormat, stored: ir.Value, head: int) -> ir.Value:
+    bits, n = 8 // fmt.values_per_byte, fmt.values_per_byte
+    axis = b.const(np.array([-1], np.int64))
+    parts = []
+    for i in range(n):
+        shifted = b.op("BitShift", [stored, b.const(np.array(bits * i, np.uint8))], direction="RIGHT")
+        part = b.op("BitwiseAnd", [shifted, b.const(np.array((1 << bits) - 1, np.uint8))])
+        parts.append(b.op("Unsqueeze", [part, axis]))
+    codes = _reshape_tail(
+        b, b.op("Concat", parts, axis=-1), b.op("Shape", [stored]), [fmt.packed_dim(head) * n]
+    )
+    if fmt.packed_dim(head) * n != head:
+        codes = b.op("Slice", [codes, *_ints(b, [0], [head], [-1])])
+    offset = b.const(np.array(fmt.storage_offset, np.float32))
+    return b.op("Sub", [b.cast(codes, _F32), offset], dtype=_F32)
+
+
+def _rms_norm_heads(
+    b: _Builder, x: ir.Value, weight: ir.Value, heads: int, head: int, eps: float, dtype: ir.DataType
+) -> ir.Value:
+    shape = b.op("Shape", [x])
+    split = b.cast(b.op("Reshape", [x, b.const(np.array([0, 0, heads, head], np.int64))]), _F32)
+    mean = b.op("ReduceMean", [b.op("Mul", [split, split]), b.const(np.array([-1], np.int64))], keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [mean, b.const(np.array(eps, np.float32))])])
+    normed = b.cast(b.op("Div", [split, rms], dtype=_F32), dtype)
+    return b.op("Reshape", [b.op("Mul", [normed, weight]), shape], dtype=dtype)
+
+
+def _float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_float()
+
+
+def _required(site: GqaSite, slot: int, what: str) -> ir.Value:
+    value = site.input(slot)
+    if value is None:
+        raise KvCacheError(
+            f"Cannot emulate GroupQueryAttention node {site.name}: it has no {what} (input {slot})."
+        )
+    return value
+
+
+class _Step:
+    """Per-call facts every node of one decoder shares: computed once, read by each layer."""
+
+    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
+        self.first = first
+        """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
+        self.positions = positions
+        """Rotary positions ``[B, S]`` as the kernel derives them (None: not needed yet)."""
+
+
+class _Rewrite:
+    """The emulated replacement of one GroupQueryAttention node."""
+
+    def __init__(
+        self, site: GqaSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
+    ) -> None:
+        self.site, self.semantics, self.quantized_io = site, semantics, quantized_io
+        self.steps = steps
+        node = site.node
+        self.b = _Builder((node.name or f"gqa{site.layer_id}") + "/emulation")
+        self.fmt = site.cache_format
+        dtype = site.query_dtype
+        if dtype is None:
+            raise KvCacheError(f"GroupQueryAttention node {site.name}: the query has no known dtype.")
+        self.dtype = dtype
+        self.kv, self.heads = site.kv_num_heads, site.num_heads
+        self.head = site.head_size()
+
+    def run(self) -> None:
+        site, b, fmt = self.site, self.b, self.fmt
+        node = site.node
+        query = _required(site, QUERY, "query")
+        key, value = site.input(KEY), site.input(VALUE)
+        if key is None or value is None:
+            sizes = b.const(
+                np.array([self.heads * self.head, self.kv * self.head, self.kv * self.head], np.int64)
+            )
+            query, key, value = b.ops("Split", [query, sizes], 3, axis=-1)
+            for x in (query, key, value):
+                x.dtype = self.dtype
+        query, key = self._norm(query, key)
+        step = self._step(query)
+        if site.int_attr("do_rotary"):
+            query, key = self._rotary(query, key, step)
+        past_key, past_value = (
+            _required(site, PAST_KEY, "past_key"),
+            _required(site, PAST_VALUE, "past_value"),
+        )
+        stored_key, stored_value = key, value
+        codecs: list[_Codec] = []
+        if fmt is not None:
+            flat, bnsh = [self.kv * self.head], [1, self.kv, 1, self.head]
+            per_tensor = site.granularity == "per_tensor"
+            scales = (_required(site, K_SCALE, "k_scale"), _required(site, V_SCALE, "v_scale"))
+            new = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else flat) for s in scales]
+            codecs = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else bnsh) for s in scales]
+            stored_key, stored_value = (
+                codec.round_trip(x, self.dtype) for x, codec in zip((key, value), new)
+            )
+            if self.quantized_io:
+                past_key, past_value = (
+                    codec.load(past, self.head, self.dtype)
+                    for past, codec in zip((past_key, past_value), codecs)
+                )
+        rest = list(node.inputs[SEQLENS_K:])
+        attrs = {name: attr for name, attr in node.attributes.items() if name not in _DROPPED_ATTRS}
+        inner = self._attention(b, [query, stored_key, stored_value, past_key, past_value, *rest], attrs)
+        results = list(inner)
+        if fmt is not None and self.semantics == "cuda":
+            # CUDA's first prompt attends over the new K/V unquantized; the cache is the same.
+            raw = _Builder(f"{b.prefix}/first_prompt")
+            full = self._attention(raw, [query, key, value, past_key, past_value, *rest], attrs)[0]
+            later = _Builder(f"{b.prefix}/later")
+            same = later.op("Identity", [inner[0]])
+            results[0] = b.op(
+                "If",
+                [step.first],
+                then_branch=ir.Graph([], [full], nodes=raw.nodes, name=f"{raw.prefix}_graph"),
+                else_branch=ir.Graph([], [same], nodes=later.nodes, name=f"{later.prefix}_graph"),
+            )
+        if fmt is not None and self.quantized_io:
+            for slot, codec in zip((PRESENT_KEY, PRESENT_VALUE), codecs):
+                if slot < len(results):
+                    results[slot] = codec.store(inner[slot], self.head)
+        self._replace(results)
+
+    def _attention(self, b: _Builder, inputs: list[ir.Value | None], attrs: dict) -> Sequence[ir.Value]:
+        """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""
+        node = self.site.node
+        inputs = list(inputs)
+        for slot in (COS_CACHE, SIN_CACHE, POSITION_IDS, K_SCALE, V_SCALE, Q_NORM, K_NORM):
+            if slot < len(inputs):
+                inputs[slot] = None
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        return b.ops(node.op_type, inputs, len(node.outputs), node.domain, **attrs)
+
+    def _norm(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
+        site, node = self.site, self.site.node
+        shared = _float_attr(node, "qk_norm_epsilon", 1e-6)
+        q_norm, k_norm = site.input(Q_NORM), site.input(K_NORM)
+        if q_norm is not None:
+            eps = _float_attr(node, "q_norm_epsilon", shared)
+            query = _rms_norm_heads(self.b, query, q_norm, self.heads, self.head, eps, self.dtype)
+        if k_norm is not None:
+            eps = _float_attr(node, "k_norm_epsilon", shared)
+            key = _rms_norm_heads(self.b, key, k_norm, self.kv, self.head, eps, self.dtype)
+        return query, key
+
+    def _step(self, query: ir.Value) -> _Step:
+        """The shared per-call facts for this node's inputs, built by the first node to ask."""
+        site, b = self.site, self.b
+        sources = (SEQLENS_K, TOTAL_SEQUENCE_LENGTH, POSITION_IDS, QUERY_SEQLENS)
+        key = (id(site.node.graph), *(id(site.input(slot)) for slot in sources))
+        step = self.steps.get(key)
+        if step is None:
+            seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
+            total = b.cast(_required(site, TOTAL_SEQUENCE_LENGTH, "total_sequence_length"), _I64)
+            first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
+            step = self.steps[key] = _Step(first, site.input(POSITION_IDS))
+        if step.positions is None and site.int_attr("do_rotary"):
+            step.positions = self._positions(query, step.first)
+        return step
+
+    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
+        """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
+        site, b = self.site, self.b
+        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
+        steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
+        valid = seq
+        if site.input(QUERY_SEQLENS) is not None:  # right-padded chunks
+            valid = b.cast(site.input(QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
+        seqlens = b.cast(_required(site, SEQLENS_K, "seqlens_k"), _I64)
+        start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
+        later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
+        prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
+        return b.op("Where", [first, prompt, later])
+
+    def _rotary(self, query: ir.Value, key: ir.Value, step: _Step) -> tuple[ir.Value, ir.Value]:
+        site, b = self.site, self.b
+        assert step.positions is not None
+        cos, sin = _required(site, COS_CACHE, "cos_cache"), _required(site, SIN_CACHE, "sin_cache")
+        rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
+        extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
+        interleaved = site.int_attr("rotary_interleaved")
+        rotated = [
+            b.op(
+                "RotaryEmbedding",
+                [x, step.positions, cos, sin],
+                domain="com.microsoft",
+                dtype=self.dtype,
+                interleaved=interleaved,
+                num_heads=n,
+                **extra,
+            )
+            for x, n in ((query, self.heads), (key, self.kv))
+        ]
+        return rotated[0], rotated[1]
+
+    def _replace(self, results: list[ir.Value]) -> None:
+        node, graph = self.site.node, self.site.node.graph
+        assert graph is not None
+        graph.insert_before(node, self.b.nodes)
+        for old, new in zip(node.outputs, results):
+            dtype, shape = old.dtype, old.shape
+            if self.fmt is not None and not self.quantized_io and old.index() in (PRESENT_KEY, PRESENT_VALUE):
+                dtype, shape = self.dtype, _unpacked(shape, self.head)
+            new.name, new.type, new.shape = old.name, ir.TensorType(dtype) if dtype else None, shape
+            if old.is_graph_output():
+                graph.outputs[list(graph.outputs).index(old)] = new
+            old.replace_all_uses_with(new)
+            old.name = None
+        graph.remove(node, safe=True)
+
+
+def _unpacked(shape: ir.Shape | None, head: int) -> ir.Shape | None:
+    return None if shape is None or len(shape) != 4 else ir.Shape([*shape[:3], head])
+
+
+class KvCacheEmulationPass(ir.passes.InPlacePass):
+    """Rewrite the GroupQueryAttention nodes the CPU cannot run as asked; see the module.
+
+    Args:
+        semantics: The kernel rule to compute: ``cuda`` or ``cpu``.
+        quantized_io: Keep the graph's cache inputs and outputs in the stored format.
+    """
+
+    def __init__(self, semantics: str = "cuda", *, quantized_io: bool = False) -> None:
+        super().__init__()
+        self.semantics = get_semantics(semantics)
+        self.quantized_io = quantized_io
+
+    def _sites(self, model: ir.Model) -> list[GqaSite]:
+        return [s for s in find_gqa_sites(model) if needs_emulation(s, self.semantics)]
+
+    def requires(self, model: ir.Model) -> None:
+        sites = self._sites(model)
+        for site in sites:
+            if site.function is not None:
+                raise ir.passes.PreconditionError(
+                    f"Cannot emulate {site.name}: inline the model's functions first "
+                    "(onnx_ir.passes.common.InlinePass)."
+                )
+            fmt = site.cache_format
+            need, why = _min_opset(site, self.quantized_io)
+            if model.opset_imports.get("", 1) < need:
+                raise ir.passes.PreconditionError(
+                    f"Emulating {site.name} needs opset >= {need} ({why}); the model imports opset "
+                    f"{model.opset_imports.get('', 1)}. Convert the model to a newer opset first "
+                    "(onnxscript.version_converter)."
+                )
+            if not self.quantized_io and fmt is not None:
+                for cache in (site.past_key, site.past_value):
+                    producer = cache.producer() if cache is not None else None
+                    if cache is not None and not cache.is_graph_input() and producer is None:
+                        raise ir.passes.PreconditionError(
+                            f"Cannot emulate {site.name} with float cache I/O: its cache "
+                            f"{cache.name!r} is not a graph input; use quantized_io=True."
+                        )
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        sites = self._sites(model)
+        float_io: list[tuple[ir.Value, ir.DataType, int]] = []  # caches that will hold dequantized values
+        for site in sites:
+            if site.cache_format is not None and not self.quantized_io:
+                head, dtype = site.head_size(), site.query_dtype or _F32
+                float_io += [(v, dtype, head) for v in (site.past_key, site.past_value) if v is not None]
+        steps: dict[tuple, _Step] = {}
+        for site in sites:
+            _Rewrite(site, self.semantics, self.quantized_io, steps).run()
+        for value, dtype, head in float_io:
+            if value.is_graph_input():
+                value.type = ir.TensorType(dtype)
+                value.shape = _unpacked(value.shape, head)
+        if sites:
+            model.opset_imports.setdefault("com.microsoft", 1)
+        logger.info(
+            "Emulation (%s rule%s): rewrote %d GroupQueryAttention node(s) for CPU.",
+            self.semantics,
+            ", quantized cache I/O" if self.quantized_io else "",
+            len(sites),
+        )
+        return ir.passes.PassResult(model, modified=bool(sites))
+
+
+def emulate_kv_cache(model: ir.Model, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:
+    """A copy of ``model`` whose GQA nodes run on CPU under ``semantics`` (input unchanged)."""
+    copy = model.clone()
+    KvCacheEmulationPass(semantics, quantized_io=quantized_io)(copy)
+    return copy
+
+
+def emulate_fp8_kv_cache(model: ir.Model, semantics: str = "cuda") -> ir.Model:
+    """A copy of ``model`` runnable on CPU whose graph I/O keeps its fp8 caches."""
+    return emulate_kv_cache(model, semantics, quantized_io=True)
