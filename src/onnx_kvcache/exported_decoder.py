@@ -24,18 +24,11 @@ __all__ = ["EXPORT_PRESETS", "ExportStyle", "build_exported_decoder", "exported_
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 if TYPE_CHECKING:
     from onnx_kvcache.demo_model import DecoderConfig, WeightFactory
-
-_DTYPES = {
-    "float32": (ir.DataType.FLOAT, np.dtype(np.float32)),
-    "float16": (ir.DataType.FLOAT16, np.dtype(np.float16)),
-    "bfloat16": (ir.DataType.BFLOAT16, np.dtype(ml_dtypes.bfloat16)),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +102,7 @@ class _Writer:
 
     def __init__(self, config: DecoderConfig, weight_factory: WeightFactory | None) -> None:
         self.c = config
-        if config.dtype not in _DTYPES:
-            raise ValueError(f"dtype {config.dtype!r}: choose from {sorted(_DTYPES)}.")
-        self.dtype, self.np_dtype = _DTYPES[config.dtype]
+        self.dtype, self.np_dtype = config.ir_dtype, config.np_dtype
         self.weight_factory = weight_factory
         self.rng = np.random.default_rng(config.seed)
         opset = config.exported.opset if config.exported is not None else 23
