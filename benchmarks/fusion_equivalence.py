@@ -7,8 +7,9 @@ opset 20 decomposed), runs the original and the fused model over a 7-token prefi
 three decode steps (onnxruntime CPU, float32) and prints the largest absolute difference
 of the logits (valid positions) and of the present caches (valid tokens; GQA keeps a row's
 valid tokens compacted at its start) for: one sequence, a batch of two with the second
-right-padded, and the same left-padded. Then the logits of int8/int4 caches (calibrated
-scales) against the fused float model. Reuses the tests' runner (tests/decoding.py).
+right-padded, and the same left-padded. Then the logits of int8/int4 caches (scales
+calibrated on 256 random token ids, as the tests do) against the fused float model. Reuses
+the tests' runner (tests/decoding.py).
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def main() -> None:
     float_gqa = ir.load(FIXTURE)
     GqaFusionPass()(float_gqa)
     ids = np.random.default_rng(1).integers(0, 512, 12)
+    calibration = [list(np.random.default_rng(7).integers(0, 300, 128)) for _ in range(2)]  # 256 token ids
     print("\n| cache | granularity | max abs logit difference vs float (prefill + 3 steps) | relative |")
     print("|---|---|---|---|")
     for fmt in ("int8", "int4"):
         for granularity in ("per_tensor", "per_channel"):
             start = time.perf_counter()
             scales = calibrate_kv_cache(
-                float_gqa, format=fmt, granularity=granularity, seq_len=32, num_seqs=4, progress=False
+                float_gqa, calibration, format=fmt, granularity=granularity, seq_len=128, progress=False
             )
             model = optimize_model(
                 ir.load(FIXTURE),

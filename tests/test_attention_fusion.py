@@ -11,6 +11,7 @@ documented in docs/exporting.md).
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -32,6 +33,8 @@ from onnx_kvcache.runtime import create_session
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
 VOCAB = 300
+CALIBRATION = [list(np.random.default_rng(7).integers(0, VOCAB, 128)) for _ in range(2)]
+"""256 token ids (the calibration minimum) within every model's vocabulary."""
 
 
 def exported(arch: str = "llama", **overrides) -> ir.Model:
@@ -171,7 +174,7 @@ def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_integer_caches_run_on_cpu_for_every_shape(arch, fmt):
     float_model = fused(exported(arch))
-    scales = calibrate_kv_cache(float_model, format=fmt, seq_len=16, num_seqs=2, progress=False)
+    scales = calibrate_kv_cache(float_model, CALIBRATION, format=fmt, seq_len=128, progress=False)
     model = optimize_model(
         exported(arch), execution_provider="cpu", kv_cache_format=fmt, kv_cache_scales=scales
     )
@@ -194,7 +197,7 @@ def float_gqa():
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
 def test_calibrated_integer_caches_run_on_cpu(float_gqa, fmt, granularity):
     scales = calibrate_kv_cache(
-        float_gqa, format=fmt, granularity=granularity, seq_len=32, num_seqs=4, progress=False
+        float_gqa, CALIBRATION, format=fmt, granularity=granularity, seq_len=128, progress=False
     )
     model = optimize_model(
         ir.load(FIXTURE),  # fused again inside, then quantized
@@ -289,9 +292,10 @@ def test_models_without_attention_are_untouched():
 def test_the_cli_calibrates_converts_and_evaluates_an_export(tmp_path, capsys):
     from onnx_kvcache.cli import main
 
-    scales, out = tmp_path / "scales.json", tmp_path / "int8.onnx"
+    scales, out, ids = tmp_path / "scales.json", tmp_path / "int8.onnx", tmp_path / "ids.json"
+    ids.write_text(json.dumps([[int(t) for t in seq] for seq in CALIBRATION]))
     source = FIXTURE.read_bytes()
-    quick = ["--num-seqs", "2", "--seq-len", "32"]
+    quick = ["--token-ids", str(ids), "--seq-len", "128"]
     assert main(["calibrate", str(FIXTURE), "--out", str(scales), "--format", "int8", *quick]) == 0
     assert main(["convert", str(FIXTURE), str(out), "--format", "int8", "--scales", str(scales)]) == 0
     assert "converted 3 GroupQueryAttention node(s)" in capsys.readouterr().out

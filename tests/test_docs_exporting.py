@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
@@ -11,6 +12,7 @@ import pytest
 
 from onnx_kvcache import build_decoder
 from onnx_kvcache.cli import main
+from onnx_kvcache.demo_model import byte_level_tokenizer
 from onnx_kvcache.exported_decoder import exported_config
 
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "exporting.md"
@@ -30,6 +32,7 @@ def test_only_the_export_block_is_skipped():
 def test_the_page_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ir.save(build_decoder(exported_config("llama", num_layers=2, dtype="float16")), "model.onnx")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer()))
     for kind, code in blocks():
         if kind == "python":
             exec(compile(code, str(PAGE), "exec"), {})
