@@ -387,3 +387,23 @@ def test_fp8_minmax_clips_nothing(model, data):
     """threshold / 448 * 448 may round a float32 ulp below the threshold: not a clip."""
     scales = calibrate_kv_cache(model, data, format="fp8", granularity="per_channel", progress=False)
     assert all(s.k_clip == 0 and s.v_clip == 0 for s in scales.stats)
+
+
+def test_envelope_covers_rotary_applied_outside_gqa(data):
+    """Fused exports keep RotaryEmbedding in front of GQA (do_rotary=0): K is rotated all the same."""
+    from onnx_kvcache.exported_decoder import exported_config
+    from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+
+    model = build_decoder(exported_config("llama", num_layers=LAYERS, vocab_size=300))
+    AttentionFusionPass()(model)
+    kwargs = {"format": "int8", "granularity": "per_channel", "progress": False}
+    scales = calibrate_kv_cache(model, data, **kwargs)
+    raw = calibrate_kv_cache(model, data, rope_envelope=False, **kwargs)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(scales.v[layer], raw.v[layer])
+        k, half = scales.k[layer].reshape(KV, HEAD), HEAD // 2
+        np.testing.assert_array_equal(k[:, :half], k[:, half:])  # one threshold per rotation pair
+        assert (
+            np.all(scales.k[layer] >= raw.k[layer] * (1 - 1e-6))
+            and scales.k[layer].max() > raw.k[layer].max()
+        )

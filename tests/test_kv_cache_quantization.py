@@ -507,3 +507,31 @@ def test_a_past_read_by_another_op_skips_the_node_and_the_model_still_loads():
         result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
     assert not result.modified and ir.to_onnx_text(model) == text
     create_session(model)
+
+
+@pytest.mark.parametrize(("end", "converts"), [(3, True), (-1, True), (None, False)])
+def test_a_shape_of_the_leading_dimensions_is_no_reader(end, converts):
+    """Exports read batch and past length with Shape(past, start, end); int4 changes only the last dim."""
+    model = gqa_model()
+    past = model.graph.inputs[3]
+    attrs = {"start": 2} if end is None else {"start": 2, "end": end}
+    tap = ir.Node("", "Shape", [past], attributes=ir.convenience.convert_attributes(attrs), name="length")
+    model.graph.append(tap)
+    model.graph.outputs.append(tap.outputs[0])
+    tap.outputs[0].name = "past_length"
+    if converts:
+        assert KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified
+        feeds = {
+            "query.0": np.zeros((1, 1, 64), np.float32),
+            "key.0": np.zeros((1, 1, 32), np.float32),
+            "value.0": np.zeros((1, 1, 32), np.float32),
+            "past_key_values.0.key": np.zeros((1, 2, 5, 8), np.uint8),
+            "past_key_values.0.value": np.zeros((1, 2, 5, 8), np.uint8),
+            "seqlens_k": np.array([5], np.int32),
+            "total_sequence_length": np.array(6, np.int32),
+        }
+        (length,) = create_session(model).run(["past_length"], feeds)
+        assert list(length) == [5]
+        return
+    with pytest.warns(KvCacheWarning, match="is also read by Shape node 'length'"):
+        assert not KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified

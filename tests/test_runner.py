@@ -189,3 +189,24 @@ def test_every_listed_eos_token_stops_generation(tmp_path):
 def test_a_cache_kind_is_key_or_value():
     with pytest.raises(KvCacheError, match="'key' or 'value', got 'k'"):
         KvCacheRunner(model_for("int8")).present(0, "k")
+
+
+def test_an_export_file_is_fused_in_memory(tmp_path):
+    from onnx_kvcache.exported_decoder import exported_config
+
+    path = tmp_path / "export.onnx"
+    ir.save(build_decoder(exported_config("llama", num_layers=2, vocab_size=300)), path)
+    source = path.read_bytes()
+    runner = KvCacheRunner(path)
+    assert [b.past for b in runner.bindings][:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert len(runner.generate([1, 2, 3], 4)) == 4
+    assert path.read_bytes() == source
+
+
+def test_a_bfloat16_export_runs_on_cpu_once_fused():
+    from onnx_kvcache.exported_decoder import exported_config
+    from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+
+    model = build_decoder(exported_config("llama", num_layers=1, dtype="bfloat16", vocab_size=300))
+    AttentionFusionPass()(model)
+    assert len(KvCacheRunner(model).generate([1, 2, 3], 3)) == 3

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import COS_CACHE, find_gqa_sites
+from onnx_kvcache.gqa import COS_CACHE, KEY, find_gqa_sites
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -253,12 +253,9 @@ def calibrate_kv_cache(
                     "produced NaN/inf on the calibration data."
                 )
             mag = np.abs(x)
-            if b.kind == "key" and rope_envelope and site.int_attr("do_rotary"):
-                mag = rope_pair_norm(
-                    x,
-                    interleaved=bool(site.int_attr("rotary_interleaved")),
-                    rotary_dim=_rotary_dim(site),
-                )
+            rotary = _rotary(site) if b.kind == "key" and rope_envelope else None
+            if rotary is not None:
+                mag = rope_pair_norm(x, interleaved=rotary[0], rotary_dim=rotary[1])
             rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
             if key not in reservoirs:
@@ -340,6 +337,25 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
         "(thresholds and scales: largest per layer)"
     )
     return "\n".join(lines)
+
+
+def _rotary(site: Any) -> tuple[bool, int | None] | None:
+    """(interleaved, rotary_dim) of the RoPE that K went through, or None.
+
+    GQA's own (``do_rotary=1``), or a RotaryEmbedding feeding its key input through
+    Reshape/Transpose, as fused exports keep it.
+    """
+    if site.int_attr("do_rotary"):
+        return bool(site.int_attr("rotary_interleaved")), _rotary_dim(site)
+    value = site.input(KEY)
+    while value is not None and (node := value.producer()) is not None:
+        if node.op_type == "RotaryEmbedding":
+            interleaved, dim = node.attributes.get("interleaved"), node.attributes.get("rotary_embedding_dim")
+            return bool(interleaved and interleaved.as_int()), (dim.as_int() or None) if dim else None
+        if node.op_type not in ("Reshape", "Transpose", "Identity"):
+            return None
+        value = node.inputs[0]
+    return None
 
 
 def _rotary_dim(site: Any) -> int | None:

@@ -16,11 +16,15 @@ import json
 import os
 import pathlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
+
+if TYPE_CHECKING:
+    from onnx_kvcache.exported_decoder import ExportStyle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,8 @@ class DecoderConfig:
         dtype: ``float32``, ``float16`` or ``bfloat16`` weights and activations.
         symbolic_cache_dim: Declare the caches' head dimension as ``kv_cache_dim``, as
             onnxruntime-genai's builder does, instead of the static head size.
+        exported: Write the graph as torch.onnx.export does (ONNX Attention, no GQA;
+            see :mod:`onnx_kvcache.exported_decoder`), in this style.
     """
 
     num_layers: int = 4
@@ -61,6 +67,7 @@ class DecoderConfig:
     qk_norm_fused: bool = True
     symbolic_cache_dim: bool = False
     seed: int = 0
+    exported: ExportStyle | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -146,6 +153,10 @@ def build_decoder(
     sparse file) instead of seeded random values.
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
+    if config.exported is not None:
+        from onnx_kvcache.exported_decoder import build_exported_decoder
+
+        return build_exported_decoder(config, weight_factory=weight_factory)
     b = _Builder(config, weight_factory)
     c = config
     dtype = c.ir_dtype

@@ -36,6 +36,7 @@ from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.optimize import optimize_model
+from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 from onnx_kvcache.scales import as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ def convert_model(
 
     model = load_model(model_file)
     data_files = external_data_files(model, model_file.parent)
+    if not find_gqa_sites(model, with_cache_only=False):
+        AttentionFusionPass()(model)  # reads no weights, unlike onnxscript's fusions
     model, report = optimize_model(
         model,
         execution_provider=ep.lower() if ep else None,

@@ -60,8 +60,9 @@ def optimize_model(
         kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None`` quantizes nothing.
         kv_cache_granularity: ``per_tensor`` or ``per_channel``.
         kv_cache_scales: What the pass accepts, or a scale-file path.
-        fuse_attention: ``"auto"`` fuses (onnxscript ORT fusions) only when the model
-            has no GQA node; ``True`` always; ``False`` never.
+        fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
+            attention, proven equivalent, then onnxscript's ORT fusions) only when the
+            model has no GQA node; ``True`` always; ``False`` never.
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
         shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).

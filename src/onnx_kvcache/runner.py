@@ -182,9 +182,19 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             if _PAST.match(value.name or "") and _cache_kind(value.name or ""):
                 raise KvCacheError(
                     f"Input {value.name!r} looks like a KV cache but no GroupQueryAttention "
-                    "node reads it; the runner needs a GQA decoder."
+                    "node reads it; the runner needs a GQA decoder. Fuse an exported model's "
+                    "attention first: optimize_model(model) (docs/exporting.md)."
                 )
     return bindings
+
+
+def _fused(model: ir.Model) -> ir.Model:
+    """A decoder read from disk without GQA nodes (a PyTorch export), fused in memory."""
+    from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+
+    if GqaFusionPass()(model).modified:
+        logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
+    return model
 
 
 def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None) -> Semantics:
@@ -249,7 +259,9 @@ class KvCacheRunner:
     """An onnxruntime session wrapper that owns the decoder's KV cache.
 
     Args:
-        model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder.
+        model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder. A file
+            without GroupQueryAttention (a PyTorch export) has its attention fused in
+            memory (docs/exporting.md); the file is not changed.
         providers: onnxruntime providers (CPU by default).
         io_binding: Keep caches as OrtValues on the session's device and bind them
             (default: on for CUDA, where caches then never leave the GPU).
@@ -279,6 +291,8 @@ class KvCacheRunner:
         else:
             model_file, config = resolve_model_path(model_or_path)
             model = load_model(model_file)
+            if not find_gqa_sites(model, with_cache_only=False):
+                model = _fused(model)
             base_dir = model_file.parent
         eos = (config or {}).get("model", {}).get("eos_token_id")
         self.eos_token_ids: frozenset[int] = frozenset(

@@ -14,7 +14,9 @@ subgraphs and the model's functions:
    type and keep their shapes; int4 packs two values a byte, so the head dimension
    becomes the static ``(head_size + 1) // 2``, also where it was symbolic (runtimes
    allocate caches from the declared shape). A cache also read by a node other than
-   a converted GQA node (past or present) skips the node's group with a warning.
+   a converted GQA node (past or present) skips the node's group with a warning; a
+   Shape of its leading dimensions only (batch, heads, length: what exports read) is
+   no such reader, as no format changes them.
 3. float32 scales go to inputs 12 (k) and 13 (v): ``[1]`` per tensor,
    ``kv_num_heads * head_size`` per channel. They are named after the cache they
    scale: two nodes reading one cache share a scale, distinct caches never do.
@@ -326,10 +328,18 @@ def _check_only_gqa_reads(model: ir.Model, value: ir.Value, readers: set[int], w
             continue  # a removed node, or a converted reader
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
+        if _reads_leading_dims(user):
+            continue  # batch, heads, length: the same in every format (exports read them)
         raise _Skip(
             f"{what} cache {value.name!r} is also read by {user.op_type} node {user.name!r}, "
             "which would see the quantized type"
         )
+
+
+def _reads_leading_dims(node: ir.Node) -> bool:
+    """A Shape of a cache's dimensions before the head dimension, which no format changes."""
+    end = node.attributes.get("end")
+    return node.op_type == "Shape" and node.domain == "" and end is not None and end.as_int() <= 3
 
 
 def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:

@@ -1,0 +1,93 @@
+"""How exactly fused exports match their originals, per architecture shape and padding.
+
+    python benchmarks/fusion_equivalence.py
+
+For the torch export in tests/data and the exported builder's shapes (opset 23, and
+opset 20 decomposed), runs the original and the fused model over a 7-token prefill and
+three decode steps (onnxruntime CPU, float32) and prints the largest absolute difference
+of the logits (valid positions) and of the present caches (valid tokens; GQA keeps a row's
+valid tokens compacted at its start) for: one sequence, a batch of two with the second
+right-padded, and the same left-padded. Then the logits of int8/int4 caches (scales
+calibrated on 256 random token ids, as the tests do) against the fused float model. Reuses
+the tests' runner (tests/decoding.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import numpy as np
+import onnx_ir as ir
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from decoding import PROMPTS, generate, max_differences  # noqa: E402
+from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache, optimize_model  # noqa: E402
+from onnx_kvcache.exported_decoder import ExportStyle, exported_config  # noqa: E402
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "data" / "export_llama_opset23.onnx"
+
+
+def shapes() -> dict:
+    def built(arch: str, **style):
+        return lambda: build_decoder(
+            exported_config(arch, num_layers=2, vocab_size=300, exported=ExportStyle(**style))
+            if style
+            else exported_config(arch, num_layers=2, vocab_size=300)
+        )
+
+    out = {"torch export (tests/data)": lambda: ir.load(FIXTURE)}
+    for arch in ("llama", "qwen3", "mistral", "gemma2"):
+        out[arch] = built(arch)
+    out["llama, grouped K/V"] = built("llama", kv_repeat="grouped")
+    out["llama, attention probs read"] = built("llama", qk_matmul_output=3)
+    for arch in ("llama", "qwen3", "mistral"):
+        out[f"{arch}, opset 20"] = built(arch, opset=20)
+    return out
+
+
+def main() -> None:
+    print("| shape | prompt | logits | presents |")
+    print("|---|---|---|---|")
+    for name, make in shapes().items():
+        for prompt in ("single", "right_padded", "left_padded"):
+            original, fused = make(), make()
+            GqaFusionPass()(fused)
+            worst = max_differences(generate(original, PROMPTS[prompt]), generate(fused, PROMPTS[prompt]))
+            print(f"| {name} | {prompt} | {worst['logits']:.1e} | {worst['present']:.1e} |")
+
+    float_gqa = ir.load(FIXTURE)
+    GqaFusionPass()(float_gqa)
+    ids = np.random.default_rng(1).integers(0, 512, 12)
+    calibration = [list(np.random.default_rng(7).integers(0, 300, 128)) for _ in range(2)]  # 256 token ids
+    print("\n| cache | granularity | max abs logit difference vs float (prefill + 3 steps) | relative |")
+    print("|---|---|---|---|")
+    for fmt in ("int8", "int4"):
+        for granularity in ("per_tensor", "per_channel"):
+            start = time.perf_counter()
+            scales = calibrate_kv_cache(
+                float_gqa, calibration, format=fmt, granularity=granularity, seq_len=128, progress=False
+            )
+            model = optimize_model(
+                ir.load(FIXTURE),
+                execution_provider="cpu",
+                kv_cache_format=fmt,
+                kv_cache_granularity=granularity,
+                kv_cache_scales=scales,
+            )
+            want, got = KvCacheRunner(float_gqa), KvCacheRunner(model)
+            a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
+            for token in (5, 17, 99):
+                a.append(want.step(token)[0])
+                b.append(got.step(token)[0])
+            diff = float(np.abs(np.stack(a) - np.stack(b)).max())
+            rel = diff / float(np.abs(np.stack(a)).max())
+            print(f"| {fmt} | {granularity} | {diff:.2e} | {rel:.1%} | ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Fuse decomposed scaled-dot-product attention (opset < 23 exports) into GroupQueryAttention.
+
+Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
+``torch.nn.functional.scaled_dot_product_attention`` as its op library decomposes it:
+
+    Kt     = K with its last two axes swapped (Transpose, or Reshape/Transpose/Reshape)
+    scores = MatMul(Mul(Q, sqrt(scale)), Mul(Kt, sqrt(scale)))
+    probs  = Softmax(Add(scores, Where(mask, 0, -inf)), axis=-1)
+             [Dropout (inference)] [Where(IsNaN(probs), 0, probs)]
+    Y      = MatMul(probs, V)
+
+A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that, the
+two factors being the same scalar constant (``scale`` = their product), and every rule
+of :mod:`onnx_kvcache.attention_site` holds (cache, repeat, mask, shapes). Anything
+else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
+caller that tries other fusions afterwards can report the chains nobody fused.
+Fuses in the main graph only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DecomposedAttentionFusionPass"]
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.attention_site import (
+    AttentionSite,
+    GqaWriter,
+    cache_link,
+    check_shapes,
+    mask_condition,
+    mask_facts,
+)
+from onnx_kvcache.gqa import GQA_DOMAIN
+from onnx_kvcache.symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
+
+logger = logging.getLogger(__name__)
+
+
+def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
+        return None
+    return node
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    array = constant_array(value) if value is not None else None
+    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+
+
+def _unwrap_probs(value: ir.Value | None, nodes: list[ir.Node]) -> ir.Value | None:
+    """Step back over an inference Dropout and a NaN guard after the softmax."""
+    dropout = _op(value, "Dropout")
+    if dropout is not None:  # the identity unless training_mode is given and true
+        training = dropout.inputs[2] if len(dropout.inputs) > 2 else None
+        if training is not None and _scalar(training) != 0.0:
+            raise Unprovable("the attention probabilities go through a Dropout in training mode")
+        nodes.append(dropout)
+        value = dropout.inputs[0]
+    guard = _op(value, "Where")
+    if guard is not None:
+        isnan = _op(guard.inputs[0], "IsNaN")
+        if isnan is None or _scalar(guard.inputs[1]) != 0.0 or isnan.inputs[0] is not guard.inputs[2]:
+            raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
+        nodes += [guard, isnan]
+        value = guard.inputs[2]
+    return value
+
+
+def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """K, given K with its last two axes swapped (as exporters write it)."""
+    transpose = _op(value, "Transpose")
+    if transpose is not None and list(transpose.attributes["perm"].as_ints()) == [0, 1, 3, 2]:
+        nodes.append(transpose)
+        assert transpose.inputs[0] is not None
+        return transpose.inputs[0]
+    # Reshape(Transpose(Reshape(K, [-1, t, d]), [0, 2, 1]), [a, b, d, t]) for K [a, b, t, d]
+    outer = _op(value, "Reshape")
+    middle = _op(outer.inputs[0], "Transpose") if outer is not None else None
+    inner = _op(middle.inputs[0], "Reshape") if middle is not None else None
+    if outer is None or middle is None or inner is None or inner.inputs[0] is None:
+        raise Unprovable("K reaches the scores MatMul without a transpose of its last two axes")
+    key = inner.inputs[0]
+    a, b, t, d = ev.shape(key)
+    minus_one = ev.values(inner.inputs[1], "the key transpose's first shape")
+    split = ev.values(outer.inputs[1], "the key transpose's second shape")
+    if (
+        list(middle.attributes["perm"].as_ints()) != [0, 2, 1]
+        or tuple(minus_one) != (Affine(const=-1), t, d)
+        or tuple(split) != (a, b, d, t)
+    ):
+        raise Unprovable("the key Reshape/Transpose/Reshape is not a transpose of the last two axes")
+    nodes += [outer, middle, inner]
+    return key
+
+
+def _scaled(value: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
+    mul = _op(value, "Mul")
+    if mul is None:
+        raise Unprovable("a scores MatMul operand is not scaled by a constant")
+    for x, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        constant = _scalar(factor)
+        if constant is not None and x is not None:
+            nodes.append(mul)
+            return x, constant
+    raise Unprovable("a scores MatMul operand is not scaled by a scalar constant")
+
+
+def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionSite:
+    """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
+    nodes: list[ir.Node] = [out]
+    probs, value = out.inputs
+    assert probs is not None and value is not None
+    softmax = _op(_unwrap_probs(probs, nodes), "Softmax")
+    if softmax is None:
+        raise Unprovable("the MatMul does not read softmax probabilities")
+    rank = len(ev.shape(softmax.outputs[0]))
+    axis = softmax.attributes.get("axis")
+    if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
+        raise Unprovable("the softmax is not over the last axis of 4-D scores")
+    add = _op(softmax.inputs[0], "Add")
+    if add is None:
+        raise Unprovable("the softmax reads scores without an additive mask")
+    matmul, mask = add.inputs
+    if _op(matmul, "MatMul") is None:
+        matmul, mask = mask, matmul
+    scores = _op(matmul, "MatMul")
+    if scores is None or mask is None:
+        raise Unprovable("the softmax input is not scores + mask")
+    nodes += [softmax, add, scores]
+    query, q_factor = _scaled(scores.inputs[0], nodes)
+    key_t, k_factor = _scaled(scores.inputs[1], nodes)
+    if not np.isclose(q_factor, k_factor, rtol=1e-6) or q_factor <= 0:
+        raise Unprovable(f"Q and K are scaled by different factors ({q_factor}, {k_factor})")
+    key = _untransposed(ev, key_t, nodes)
+    k_link = cache_link(ev, graph, key, nodes)
+    v_link = cache_link(ev, graph, value, nodes)
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+    past = ev.shape(k_link.past)[2]
+    cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
+    facts = mask_facts(cond, past=past)
+    if not facts.causal:
+        raise Unprovable("the mask is not causal (a query would see later keys)")
+    return AttentionSite(
+        node=out,
+        output=out.outputs[0],
+        query=query,
+        key=k_link,
+        value=v_link,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        head_size=head,
+        scale=q_factor * k_factor,
+        mask=facts,
+    )
+
+
+def _is_candidate(node: ir.Node) -> bool:
+    """A MatMul reading softmax probabilities (maybe through Dropout / a NaN guard)."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return False
+    value: ir.Value | None = node.inputs[0]
+    for op_type in ("Dropout", "Where"):
+        step = _op(value, op_type)
+        if step is not None:
+            value = step.inputs[2] if op_type == "Where" else step.inputs[0]
+    return _op(value, "Softmax") is not None
+
+
+class DecomposedAttentionFusionPass(ir.passes.InPlacePass):
+    """Replace each provably equivalent decomposed attention with GroupQueryAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[tuple[ir.Node, str]] = []
+        """(output MatMul, reason) of each attention-like chain left alone."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.refused = []
+        fused = 0
+        ev = SymbolicEvaluator()
+        writer = GqaWriter(model.graph, ev)
+        for node in list(model.graph):
+            if node.graph is None or not _is_candidate(node):
+                continue
+            try:
+                site = match_decomposed(ev, model.graph, node)
+            except Unprovable as reason:
+                self.refused.append((node, str(reason)))
+                continue
+            writer.write(site)
+            fused += 1
+        if fused:
+            model.opset_imports.setdefault(GQA_DOMAIN, 1)
+        logger.info(
+            "Decomposed attention -> GroupQueryAttention: %d fused, %d left.", fused, len(self.refused)
+        )
+        for node, why in self.refused:
+            logger.info("Left %s: %s", node.name, why)
+        return ir.passes.PassResult(model, modified=bool(fused))

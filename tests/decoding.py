@@ -1,0 +1,89 @@
+"""Run an exported decoder and its fused form side by side, as transformers feeds them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.runtime import create_session
+
+STEPS = 3
+
+
+def count(model: ir.Model, op_type: str) -> int:
+    return sum(1 for n in model.graph if n.op_type == op_type)
+
+
+def vocab_of(model: ir.Model) -> int:
+    return next(v for v in model.graph.outputs if v.name == "logits").shape[-1]
+
+
+PROMPTS = {  # attention masks of a 7-token prompt
+    "single": np.ones((1, 7), np.int64),
+    "right_padded": np.array([[1] * 7, [1] * 4 + [0] * 3]),
+    "left_padded": np.array([[1] * 7, [0] * 3 + [1] * 4]),
+}
+
+
+def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0) -> list:
+    """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens).
+
+    Returns ``(attention_mask, {output name: array})`` per step.
+    """
+    session = create_session(model)
+    inputs = {i.name for i in session.get_inputs()}
+    outputs = [o.name for o in session.get_outputs()]
+    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    rng = np.random.default_rng(seed)
+    batch = mask.shape[0]
+    feeds = {"input_ids": rng.integers(0, vocab_of(model), mask.shape), "attention_mask": mask}
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
+    for value in caches:
+        feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), value.dtype.numpy())
+    history = []
+    for _ in range(steps + 1):
+        if "position_ids" in inputs:
+            feeds["position_ids"] = positions
+        result = dict(zip(outputs, session.run(None, feeds)))
+        history.append((feeds["attention_mask"], result))
+        positions = feeds["attention_mask"].sum(axis=1, keepdims=True)
+        feeds = {
+            "input_ids": rng.integers(0, vocab_of(model), (batch, 1)),
+            "attention_mask": np.concatenate([feeds["attention_mask"], np.ones((batch, 1), np.int64)], 1),
+        } | {v.name: result[v.name.replace("past_key_values", "present")] for v in caches}
+    return history
+
+
+def max_differences(want: list, got: list) -> dict[str, float]:
+    """Largest |difference| per output kind, at the positions a row's mask marks valid.
+
+    The export's cache keeps padding positions in place; GQA's holds a row's valid
+    tokens compacted at its start: cache column ``c`` of the export is column
+    ``rank of c among the row's valid columns`` of the fused model.
+    """
+    worst = {"logits": 0.0, "present": 0.0, "attn_weights": 0.0}
+    for (mask, a), (_, b) in zip(want, got):
+        queries = a["logits"].shape[1]
+        rows = mask[:, -queries:].astype(bool)
+        diff = _distance(a["logits"], b["logits"])
+        worst["logits"] = max(worst["logits"], float(diff[rows].max()))
+        for name in a:
+            kind = name.split(".")[0]
+            if kind not in ("present", "attn_weights"):
+                continue
+            for r, valid in enumerate(mask.astype(bool)):
+                x, y = np.asarray(a[name][r], np.float32), np.asarray(b[name][r], np.float32)
+                if kind == "present":  # [kv_heads, total, head]
+                    x, y = x[:, valid], y[:, : valid.sum()]
+                else:  # [heads, seq, total]: valid query rows only
+                    x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
+                worst[kind] = max(worst[kind], float(_distance(x, y).max()))
+    return worst
+
+
+def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|, infinite where either side is not finite (a NaN is never "close")."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    diff = np.abs(a - b)
+    diff[~(np.isfinite(a) & np.isfinite(b))] = np.inf
+    return diff

@@ -1,0 +1,361 @@
+"""AttentionFusionPass: exports' ONNX Attention -> GroupQueryAttention, proven or left alone.
+
+Every fused model is run against its original over a prefill and three decode steps.
+GQA's padding semantics (measured on onnxruntime's CPU kernel): ``seqlens_k`` counts a
+row's valid tokens, which the kernel takes to be the first ones. Unpadded batches and
+right-padded rows (valid tokens first) match the export at every valid position, the
+cache holding the valid tokens compacted; left padding, right padding under a sliding
+window, and multi-token steps after a prompt at batch > 1 do not (tested as such,
+documented in docs/exporting.md).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from decoding import PROMPTS, count, generate, max_differences
+from onnx_kvcache import (
+    KvCacheRunner,
+    KvCacheWarning,
+    build_decoder,
+    calibrate_kv_cache,
+    optimize_model,
+)
+from onnx_kvcache.exported_decoder import ExportStyle, exported_config
+from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+from onnx_kvcache.runtime import create_session
+
+FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
+VOCAB = 300
+CALIBRATION = [list(np.random.default_rng(7).integers(0, VOCAB, 128)) for _ in range(2)]
+"""256 token ids (the calibration minimum) within every model's vocabulary."""
+
+
+def exported(arch: str = "llama", **overrides) -> ir.Model:
+    return build_decoder(exported_config(arch, num_layers=2, vocab_size=VOCAB, **overrides))
+
+
+SHAPES = {
+    "torch_export": lambda: ir.load(FIXTURE),
+    "llama": lambda: exported("llama"),
+    "qwen3": lambda: exported("qwen3"),
+    "mistral": lambda: exported("mistral"),
+    "gemma2": lambda: exported("gemma2"),
+    "grouped_kv": lambda: exported(exported=ExportStyle(kv_repeat="grouped")),
+    "in_graph_positions": lambda: exported(exported=ExportStyle(position_ids=False)),
+    "attention_probs": lambda: exported(exported=ExportStyle(qk_matmul_output=3)),
+}
+WINDOWED = {"mistral", "gemma2"}
+
+
+def fused(model: ir.Model) -> ir.Model:
+    result = AttentionFusionPass()(model)
+    assert result.modified
+    return result.model
+
+
+CASES = [
+    (shape, prompt)
+    for shape in SHAPES
+    for prompt in ("single", "right_padded")
+    if not (prompt == "right_padded" and shape in WINDOWED)
+]
+
+
+@pytest.mark.parametrize(("shape", "prompt"), CASES)
+def test_fused_decoder_equals_the_export(shape, prompt):
+    original = SHAPES[shape]()
+    layers = count(original, "Attention")
+    model = fused(SHAPES[shape]())
+    assert count(model, "Attention") == 0 and count(model, "GroupQueryAttention") == layers
+    assert {v.name for v in model.graph.outputs} == {v.name for v in original.graph.outputs}
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert max(worst.values()) < 1e-4, worst
+
+
+@pytest.mark.parametrize(("shape", "prompt"), [("torch_export", "left_padded"), ("mistral", "right_padded")])
+def test_left_padding_and_padded_windows_differ(shape, prompt):
+    """GQA takes a row's valid tokens to be its first ones, and counts windows over them."""
+    original = SHAPES[shape]()
+    model = fused(SHAPES[shape]())
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert worst["logits"] > 1e-2
+
+
+def test_presents_written_through_identity_fuse():
+    def with_identities() -> ir.Model:
+        model = exported()
+        for index, value in enumerate(list(model.graph.outputs)):
+            if value.name.startswith("present"):
+                copy = ir.node("Identity", [value], name=f"copy_{value.name}")
+                model.graph.append(copy)
+                copy.outputs[0].name, value.name = value.name, f"{value.name}_concat"
+                copy.outputs[0].type, copy.outputs[0].shape = value.type, value.shape
+                model.graph.outputs[index] = copy.outputs[0]
+        return model
+
+    original, model = with_identities(), fused(with_identities())
+    assert count(model, "Concat") < count(original, "Concat") and count(model, "GroupQueryAttention") == 2
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert max(worst.values()) < 1e-4
+
+
+def test_one_seqlens_computation_per_graph():
+    model = fused(ir.load(FIXTURE))
+    assert count(model, "ReduceSum") == 1
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len({id(n.inputs[5]) for n in nodes}) == 1 and len({id(n.inputs[6]) for n in nodes}) == 1
+    attrs = nodes[0].attributes
+    assert attrs["do_rotary"].as_int() == 0 and attrs["kv_num_heads"].as_int() == 2
+    assert attrs["scale"].as_float() == pytest.approx(32**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("arch", "attributes"),
+    [
+        ("mistral", {0: {"local_window_size": 4}, 1: {"local_window_size": 4}}),
+        ("gemma2", {0: {"local_window_size": 4, "softcap": 50.0}, 1: {"softcap": 50.0}}),
+    ],
+)
+def test_windows_and_softcap_carry_over(arch, attributes):
+    model = fused(exported(arch))
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    for i, node in enumerate(nodes):
+        got = {k: node.attributes[k].value for k in ("local_window_size", "softcap") if k in node.attributes}
+        assert got == attributes[i]
+
+
+def test_fp16_export_fuses_and_matches():
+    original = exported("qwen3", dtype="float16")
+    model = fused(exported("qwen3", dtype="float16"))
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert worst["logits"] < 2e-2 and worst["present"] < 2e-2, worst
+
+
+ARCHS = ["llama", "qwen3", "mistral", "gemma2"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [*((a, "float16") for a in ARCHS), ("llama", "bfloat16"), ("gemma2", "bfloat16")]
+)
+def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    model = exported(arch, dtype=dtype)
+    optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)})
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}
+    assert {n.inputs[0].dtype for n in gqa} == {
+        ir.DataType.FLOAT16 if dtype == "float16" else ir.DataType.BFLOAT16
+    }
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    with pytest.raises(OrtNotImplemented, match="NOT_IMPLEMENTED") as error:
+        create_session(model)  # fp8 GQA has no CPU kernel (nor has bf16 MatMul)
+    if dtype == "float16":
+        assert "GroupQueryAttention" in str(error.value) and "float8e4m3fn" in str(error.value)
+
+
+def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
+    original = ir.load(FIXTURE)
+    model = optimize_model(ir.load(FIXTURE))
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert worst["logits"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_caches_run_on_cpu_for_every_shape(arch, fmt):
+    float_model = fused(exported(arch))
+    scales = calibrate_kv_cache(float_model, CALIBRATION, format=fmt, seq_len=128, progress=False)
+    model = optimize_model(
+        exported(arch), execution_provider="cpu", kv_cache_format=fmt, kv_cache_scales=scales
+    )
+    assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {
+        ir.DataType.INT8 if fmt == "int8" else ir.DataType.UINT8
+    }
+    relative = {"int8": 0.03, "int4": 0.3}[fmt]
+    want, got = generate(float_model, PROMPTS["single"]), generate(model, PROMPTS["single"])
+    for (_, a), (_, b) in zip(want, got):
+        assert np.all(np.isfinite(b["logits"]))
+        assert 0 < np.abs(a["logits"] - b["logits"]).max() < relative * np.abs(a["logits"]).max()
+
+
+@pytest.fixture(scope="module")
+def float_gqa():
+    return fused(ir.load(FIXTURE))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_calibrated_integer_caches_run_on_cpu(float_gqa, fmt, granularity):
+    scales = calibrate_kv_cache(
+        float_gqa, CALIBRATION, format=fmt, granularity=granularity, seq_len=128, progress=False
+    )
+    model = optimize_model(
+        ir.load(FIXTURE),  # fused again inside, then quantized
+        execution_provider="cpu",
+        kv_cache_format=fmt,
+        kv_cache_granularity=granularity,
+        kv_cache_scales=scales,
+    )
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 3 and {n.attributes["k_quant_type"].as_string() for n in gqa} == {granularity.upper()}
+    ids = np.random.default_rng(1).integers(0, 512, 12)
+    want, got = KvCacheRunner(float_gqa), KvCacheRunner(model)
+    a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
+    for token in (5, 17, 99):
+        a.append(want.step(token)[0])
+        b.append(got.step(token)[0])
+    a, b = np.stack(a), np.stack(b)
+    tolerance = {"int8": 0.05, "int4": 0.5}[fmt] * np.abs(a).max()
+    assert np.abs(a - b).max() < tolerance
+    assert np.abs(a - b).max() > 0  # the cache really is quantized
+
+
+def causal_attention_without_cache() -> ir.Model:
+    """An Attention with ``is_causal=1`` and no KV cache (an encoder or a no-cache export)."""
+    f = ir.DataType.FLOAT
+    q, k, v = (ir.val(n, f, ["batch", 4, "seq", 32]) for n in "qkv")
+    node = ir.node("Attention", [q, k, v], {"is_causal": 1}, name="attention")
+    node.outputs[0].name = "y"
+    graph = ir.Graph([q, k, v], node.outputs, nodes=[node], opset_imports={"": 23})
+    return ir.Model(graph, ir_version=10)
+
+
+def window_attribute() -> ir.Model:
+    """Opset 25's left_window_size on the export's Attention: counted from offset 0."""
+    model = exported()
+    model.opset_imports[""] = 25
+    for node in model.graph:
+        if node.op_type == "Attention":
+            node.attributes["left_window_size"] = ir.AttrInt64("left_window_size", 3)
+    return model
+
+
+def attention_in_a_function() -> ir.Model:
+    """The causal Attention above, called through a model-local function."""
+    inner = causal_attention_without_cache()
+    function = ir.Function("local", "attend", graph=inner.graph, attributes=[])
+    f = ir.DataType.FLOAT
+    q, k, v = (ir.val(n, f, ["batch", 4, "seq", 32]) for n in "qkv")
+    call = ir.node("attend", [q, k, v], domain="local", name="call")
+    call.outputs[0].name = "y"
+    graph = ir.Graph([q, k, v], call.outputs, nodes=[call], opset_imports={"": 23, "local": 1})
+    return ir.Model(graph, ir_version=10, functions=[function])
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: exported(exported=ExportStyle(mask="bidirectional")), "the mask is not causal"),
+        (lambda: exported(exported=ExportStyle(mask="top_left")), r"causal diagonal is at key <= query \+ 0"),
+        (lambda: exported(exported=ExportStyle(kv_repeat="tile")), "from Tile node"),
+        (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
+        (causal_attention_without_cache, "from a graph input, not from a KV cache"),
+        (attention_in_a_function, "inside function attend"),
+        (window_attribute, "neither causal, a window nor padding"),
+    ],
+    ids=[
+        "bidirectional",
+        "top_left_causal",
+        "tile_repeat",
+        "raw_scores_read",
+        "no_cache",
+        "in_a_function",
+        "top_left_window",
+    ],
+)
+def test_unprovable_attention_is_left_alone(make, reason):
+    model = make()
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.warns(KvCacheWarning, match=reason):
+        result = AttentionFusionPass()(model)
+    assert not result.modified and count(model, "GroupQueryAttention") == 0
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_models_without_attention_are_untouched():
+    model = build_decoder(num_layers=2)
+    before = ir.to_proto(model).SerializeToString()
+    assert not AttentionFusionPass()(model).modified
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_the_cli_calibrates_converts_and_evaluates_an_export(tmp_path, capsys):
+    from onnx_kvcache.cli import main
+
+    scales, out, ids = tmp_path / "scales.json", tmp_path / "int8.onnx", tmp_path / "ids.json"
+    ids.write_text(json.dumps([[int(t) for t in seq] for seq in CALIBRATION]))
+    source = FIXTURE.read_bytes()
+    quick = ["--token-ids", str(ids), "--seq-len", "128"]
+    assert main(["calibrate", str(FIXTURE), "--out", str(scales), "--format", "int8", *quick]) == 0
+    assert main(["convert", str(FIXTURE), str(out), "--format", "int8", "--scales", str(scales)]) == 0
+    assert "converted 3 GroupQueryAttention node(s)" in capsys.readouterr().out
+    assert main(["evaluate", str(FIXTURE), str(out), *quick]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out
+    assert FIXTURE.read_bytes() == source
+    onnx.checker.check_model(onnx.load(out), full_check=True)
+    model = ir.load(out)
+    assert count(model, "Attention") == 0
+    assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {ir.DataType.INT8}
+    assert len(KvCacheRunner(out).generate([1, 2, 3], 3)) == 3
+
+
+def test_fused_export_keeps_its_interface(float_gqa):
+    original = ir.load(FIXTURE)
+    for a, b in (
+        (float_gqa.graph.inputs, original.graph.inputs),
+        (float_gqa.graph.outputs, original.graph.outputs),
+    ):
+        assert [(v.name, v.dtype, v.shape) for v in a] == [(v.name, v.dtype, v.shape) for v in b]
+    onnx.checker.check_model(ir.to_proto(float_gqa), full_check=True)
+
+
+def test_convert_fuses_an_export_without_reading_weights(tmp_path, monkeypatch):
+    from onnx_kvcache import convert_model
+
+    ir.save(exported(), tmp_path / "model.onnx", external_data="model.onnx.data")
+
+    def read(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    for method in ("numpy", "tobytes", "__array__"):
+        monkeypatch.setattr(ir.ExternalTensor, method, read)
+    result = convert_model(
+        tmp_path / "model.onnx",
+        tmp_path / "int8.onnx",
+        format="int8",
+        scales={0: (0.1, 0.05), 1: (0.1, 0.05)},
+    )
+    assert result.converted and result.nodes == 2
+    monkeypatch.undo()
+    assert len(KvCacheRunner(tmp_path / "int8.onnx").generate([1, 2, 3], 3)) == 3
+
+
+def test_batched_chunks_after_a_prompt_are_gqas_limit():
+    """onnxruntime's GQA (without query_seqlens) takes multi-token steps after a prompt at batch 1 only."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    def chunk(model: ir.Model, batch: int) -> np.ndarray:
+        session = create_session(model)
+        caches = {v.name: np.zeros((batch, 2, 4, 32), np.float32) for v in model.graph.inputs[3:]}
+        feeds = {
+            "input_ids": np.ones((batch, 3), np.int64),
+            "attention_mask": np.ones((batch, 7), np.int64),
+            "position_ids": np.tile(np.arange(4, 7), (batch, 1)),
+        }
+        return session.run(["logits"], feeds | caches)[0]
+
+    original, model = ir.load(FIXTURE), fused(ir.load(FIXTURE))
+    np.testing.assert_allclose(chunk(model, 1), chunk(original, 1), atol=1e-4)
+    chunk(original, 2)
+    with pytest.raises(InvalidArgument, match="batch_size must be 1 when sequence_length > 1 and past"):
+        chunk(model, 2)
