@@ -298,6 +298,8 @@ def calibrate_kv_cache(
         "num_seqs": len(windows),
         "tokens": tokens,
         "data": loaded.source,
+        "model": None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model)),
+        "model_dtype": _model_dtype(runner),
     }
     if method == "percentile":
         metadata["percentile"] = percentile
@@ -356,6 +358,16 @@ def _rotary(site: Any) -> tuple[bool, int | None] | None:
             return None
         value = node.inputs[0]
     return None
+
+
+def _model_dtype(runner: Any) -> str | None:
+    """The model's attention dtype, and how the CPU computed it when it differs."""
+    sites = find_gqa_sites(runner.source_model)
+    dtype = sites[0].query_dtype if sites else None
+    if dtype is None:
+        return None
+    name = dtype.name.lower()
+    return f"{name} (computed in float32 on CPU)" if dtype == ir.DataType.BFLOAT16 else name
 
 
 def _rotary_dim(site: Any) -> int | None:
