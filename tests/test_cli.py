@@ -66,6 +66,7 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, fp16_model_file, capsys):
         (["convert", "{empty}", "{tmp}/o.onnx", "--format", "int8"], "is empty (0 bytes)"),
         (["convert", "{text}", "{tmp}/o.onnx", "--format", "int8"], "ONNX model"),
         (["convert", "{model}", "{tmp}", "--format", "int8"], "is a folder"),
+        (["convert", "{model}", "{tmp}/new/", "--format", "int8"], "name the output file"),
         (["calibrate", "{model}", "--out", "{model}"], "one of the input's files"),
         (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], "does not exist"),
         (["convert", "{tmp}/nope.onnx", "{tmp}/o.onnx"], "does not exist"),
@@ -193,11 +194,11 @@ def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_
     assert main(["convert", str(model_file), str(out), "--format", "fp8"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cpu")
-    assert "assumed from the model's float32 queries" in err and "--ep" in err and "cpu: int8, int4" in err
+    assert "assumed: a float32 model" in err and "--ep" in err and "cpu: int8, int4" in err
     assert not out.exists()
     assert main(["convert", str(fp16_model_file), str(out), "--format", "fp8"]) == 0
     stdout = capsys.readouterr().out
-    assert "to fp8 per_tensor for cuda (assumed from the model's float16 queries; --ep to choose)" in stdout
+    assert "to fp8 per_tensor for cuda (assumed: a float16 model; --ep to choose)" in stdout
     assert (
         main(
             [
@@ -212,7 +213,7 @@ def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_
         )
         == 0
     )
-    assert "for cpu (assumed from the model's float32 queries" in capsys.readouterr().out
+    assert "for cpu (assumed: a float32 model" in capsys.readouterr().out
     assert (
         main(["convert", str(fp16_model_file), str(tmp_path / "x.onnx"), "--format", "fp8", "--ep", "cpu"])
         == 1
@@ -229,7 +230,7 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     scales = str(scale_file(tmp_path))
     assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 1
     err = capsys.readouterr().err
-    assert "for cuda (from genai_config.json's provider options)" in err and "FLOAT" in err
+    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda')" in err and "FLOAT" in err
     assert (
         main(
             [
@@ -324,24 +325,9 @@ def test_calibrate_checks_out_before_calibrating(tmp_path, monkeypatch, capsys):
 def test_calibrate_replaces_its_own_scale_file(tmp_path, capsys):
     folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
     out = tmp_path / "scales.json"
+    argv = ["calibrate", str(folder), "--out", str(out), "--format", "int8", "--num-seqs", "1"]
     for _ in range(2):
-        assert (
-            main(
-                [
-                    "calibrate",
-                    str(folder),
-                    "--out",
-                    str(out),
-                    "--format",
-                    "int8",
-                    "--num-seqs",
-                    "1",
-                    "--seq-len",
-                    "32",
-                ]
-            )
-            == 0
-        )
+        assert main([*argv, "--seq-len", "32", "--min-tokens", "32"]) == 0
     assert "scales" in json.loads(out.read_text())
 
 
@@ -389,6 +375,18 @@ def test_a_closed_pipe_is_one_line_not_a_traceback(tmp_path, model_file):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 2
     assert err == "onnx-kvcache: error: the output pipe was closed early (broken pipe).\n"
+
+
+def test_a_closed_pipe_after_a_conversion_says_it_completed(tmp_path, model_file):
+    out = tmp_path / "o.onnx"
+    argv = ["convert", str(model_file), str(out), "--format", "int8", "--scales", str(scale_file(tmp_path))]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnx_kvcache", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 2 and out.exists()
+    assert err.count("\n") == 1 and f"broken pipe); the conversion completed ({out})" in err
 
 
 def test_an_unwritable_destination_is_refused_before_any_work(tmp_path, model_file, monkeypatch, capsys):

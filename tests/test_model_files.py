@@ -286,7 +286,7 @@ def test_a_70b_sized_weight_in_a_sparse_file_is_never_read_and_stays_sparse(tmp_
     (folder / "model.onnx").write_bytes(ir.to_proto(model).SerializeToString())
     with pytest.warns(KvCacheWarning, match="unit scales"):
         result = convert_model(folder / "model.onnx", tmp_path / "out" / "model.onnx", format="fp8")
-    assert result.target == "cuda" and "float16" in result.target_source
+    assert result.target == "cuda" and result.target_source == "assumed: a float16 model"
     copy = tmp_path / "out" / "model.onnx.data"
     assert copy.stat().st_size == 3 * 1024**3 and file_io.allocated_bytes(copy) < 2**20
     assert result.weight_bytes_written == 0 and result.bytes_written < 1_000_000
@@ -341,6 +341,72 @@ def test_overwrite_replaces_exactly_the_previous_output(tmp_path, monkeypatch):
     convert_model(genai_src, tmp_path / "gout2", format="int4", scales=SCALES, overwrite=True)
     assert_loads_everywhere(tmp_path / "gout2", ir.DataType.UINT8)
     assert_no_temporary_entries(tmp_path)
+
+
+def test_overwrite_removes_the_old_output_s_own_data_only_when_no_other_model_uses_it(tmp_path):
+    for sibling in (False, True):
+        folder = tmp_path / f"sibling-{sibling}"
+        src = save_external(folder)
+        own = folder / "model.own.onnx"
+        convert_model(src, own, format="int8", scales=SCALES, weights="copy")
+        if sibling:  # another model naming the same data file
+            shutil.copy(own, folder / "sibling.onnx")
+        result = convert_model(
+            src, own, format="int4", scales=SCALES, overwrite=True
+        )  # shares model.onnx.data
+        assert (folder / "model.own.onnx.data").exists() == sibling
+        assert bool(result.notes) == (not sibling)
+        if sibling:
+            assert_loads_everywhere(folder / "sibling.onnx", ir.DataType.INT8)
+        else:
+            assert "removed its own data file(s): model.own.onnx.data" in result.notes[0]
+            assert sorted(os.listdir(folder)) == ["model.onnx", "model.onnx.data", "model.own.onnx"]
+        assert_loads_everywhere(own, ir.DataType.UINT8)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.__setitem__("search", []), "search is not a JSON object"),
+        (lambda c: c["model"]["decoder"].__setitem__("session_options", "cuda"), "session_options is not"),
+        (lambda c: c.__setitem__("model", [1]), "cannot read model.decoder.filename"),
+        (lambda c: c["model"]["decoder"].__setitem__("filename", "."), "which is a folder"),
+        (lambda c: c["model"]["decoder"].__setitem__("filename", "C:\\m\\model.onnx"), "outside the model"),
+        (lambda c: c["model"].__setitem__("vision", {"filename": "../../x.onnx"}), "model.vision.filename"),
+    ],
+)
+def test_weird_genai_configs_are_one_line(tmp_path, capsys, edit, message):
+    folder = genai(tmp_path / "g")
+    config = json.loads((folder / "genai_config.json").read_text())
+    edit(config)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    before = snapshot(tmp_path)
+    for argv in (["convert", str(folder), str(tmp_path / "o")], ["convert", str(folder), "--in-place"]):
+        assert main([*argv, "--format", "int8", "--scales", str(_scales(tmp_path))]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert {k: v for k, v in snapshot(tmp_path).items() if k != "scales.json"} == before
+
+
+def test_weights_kept_in_the_model_file_itself_are_refused(tmp_path):
+    src = save_external(tmp_path / "in")
+    proto = onnx.load(src, load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.external_data)
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = "model.onnx"
+    onnx.save(proto, src)
+    with pytest.raises(KvCacheError, match="which is the model file"):
+        convert_model(src, in_place=True, format="int8", scales=SCALES)
+
+
+def test_an_input_with_hard_linked_data_is_warned_about(tmp_path):
+    src = save_external(tmp_path / "in")
+    os.link(tmp_path / "in" / "model.onnx.data", tmp_path / "elsewhere.data")
+    with pytest.warns(KvCacheWarning, match="more than one hard link"):
+        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
+    assert (tmp_path / "out" / "m.onnx.data").stat().st_nlink == 1  # the copy is clean
+    onnx.load(tmp_path / "out" / "m.onnx")
 
 
 def test_hugging_face_snapshot_needs_the_flag_and_is_then_copied(tmp_path, capsys):
@@ -557,6 +623,36 @@ def test_failures_leave_nothing_behind(tmp_path, monkeypatch, layout):
     with pytest.raises(OSError, match="No space"):
         convert_model(src, out, format="int8", scales=SCALES)
     assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()  # created folders removed too
+
+
+def test_an_unreadable_subfolder_fails_rather_than_going_missing(tmp_path, monkeypatch, capsys):
+    folder = genai(tmp_path / "g")
+    (folder / "extra").mkdir()
+    real = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("extra"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert (
+        main(
+            [
+                "convert",
+                str(folder),
+                str(tmp_path / "out"),
+                "--format",
+                "int8",
+                "--scales",
+                str(_scales(tmp_path)),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "extra" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_free_space_is_checked_before_copying(tmp_path, monkeypatch, capsys):

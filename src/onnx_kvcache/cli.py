@@ -125,6 +125,7 @@ def _convert(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    args.done = f"the conversion completed ({result.model_file})"
     target = f" for {result.target}" if result.target else ""
     if result.target and result.target_source != "--ep":
         target += f" ({result.target_source}; --ep to choose)"
@@ -432,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         except BrokenPipeError:
             _silence_stdout()
-            _error("the output pipe was closed early (broken pipe).")
+            done = getattr(args, "done", None)
+            _error("the output pipe was closed early (broken pipe)" + (f"; {done}." if done else "."))
             return 2
         except OSError as e:
             _error(_describe_os_error(e) + ".")

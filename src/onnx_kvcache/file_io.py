@@ -783,7 +783,7 @@ def check_writable_folder(folder: os.PathLike | str) -> None:
     """Refuse, before any work, a folder (or the ancestor that would hold it) we cannot write."""
     base = _nearest_existing(pathlib.Path(folder))
     if not base.is_dir():
-        raise KvCacheError(f"{base} is not a folder, so {folder} cannot be created.")
+        raise KvCacheError(f"{base} is not a folder, so nothing can be written in {os.path.abspath(folder)}.")
     if not os.access(base, os.W_OK | os.X_OK):
         read_only = hasattr(os, "statvfs") and os.statvfs(base).f_flag & getattr(os, "ST_RDONLY", 1)
         why = "the file system is read-only" if read_only else "permission denied"

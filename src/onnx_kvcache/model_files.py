@@ -139,10 +139,18 @@ def _read_genai_config(path: pathlib.Path) -> dict[str, Any]:
 
 
 def _decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
+    """``model.decoder.filename``, after checking the parts of the config we read or write."""
     try:
         filename = config["model"]["decoder"]["filename"]
     except (KeyError, TypeError):
         raise KvCacheError(f"{config_path}: cannot read model.decoder.filename.") from None
+    for key, value in [
+        ("model.decoder", config["model"]["decoder"]),
+        ("model.decoder.session_options", config["model"]["decoder"].get("session_options", {})),
+        ("search", config.get("search", {})),
+    ]:
+        if not isinstance(value, dict):
+            raise KvCacheError(f"{config_path}: {key} is not a JSON object, as onnxruntime-genai needs.")
     folder = config_path.parent
     _check_relative(filename, f"{config_path}'s model.decoder.filename", folder)
     for key, section in config["model"].items():  # vision, speech, embedding models
@@ -231,9 +239,16 @@ class DataFile:
 
 
 def _external_data(
-    model: ir.Model, graph_dir: pathlib.Path, root: pathlib.Path, follow_symlinks: bool
+    model: ir.Model,
+    graph_dir: pathlib.Path,
+    root: pathlib.Path,
+    follow_symlinks: bool,
+    forbidden: frozenset[pathlib.Path] = frozenset(),
 ) -> dict[str, DataFile]:
-    """Every external data file: inside ``root``, present, a regular file, long enough."""
+    """Every external data file: inside ``root``, present, a regular file, long enough.
+
+    ``forbidden``: files that cannot hold weights (the model file, its config).
+    """
     needed: dict[str, tuple[int, str]] = {}
     for tensor in _iter_tensors(model):
         if not isinstance(tensor, ir.ExternalTensor):
@@ -253,6 +268,10 @@ def _external_data(
                 "there. Copy the complete model (every data file) and try again."
             )
         real = _check_inside(path, root, follow_symlinks)
+        if real in forbidden:
+            raise KvCacheError(
+                f"Tensor {name!r} keeps its weights in {path}, which is the model file or its config."
+            )
         if not real.is_file():
             what = "a folder" if real.is_dir() else ("a broken link" if not real.exists() else "not a file")
             raise KvCacheError(f"Data file {path} is {what}; the model needs its weights there.")
@@ -323,7 +342,11 @@ class ModelSource:
 def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
     """Every entry of an input folder, checked: no special files, links out need the flag."""
     entries: list[_Entry] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
+
+    def unreadable(error: OSError) -> None:
+        raise error  # a folder we cannot list would silently be missing from the output
+
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
         here = pathlib.Path(dirpath)
         rel_dir = pathlib.PurePosixPath(here.relative_to(folder).as_posix())
         keep = []
@@ -366,7 +389,10 @@ def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False)
     if folder is not None and config is not None:
         _check_inside(folder / GENAI_CONFIG, root, follow_symlinks)
     model = _load_graph(graph)
-    data = _external_data(model, graph.parent, root, follow_symlinks)
+    forbidden = {pathlib.Path(os.path.realpath(graph))}
+    if folder is not None and config is not None:
+        forbidden.add(pathlib.Path(os.path.realpath(folder / GENAI_CONFIG)))
+    data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden))
     entries = _walk(folder, follow_symlinks) if folder is not None else []
     return ModelSource(graph, folder, config, model, data, entries)
 
@@ -538,9 +564,9 @@ def _plan(
         )
         fix = "; use --in-place (in_place=True) to rewrite it" if what == "the input" else ""
         raise KvCacheError(f"Output {out} is {what}{fix}.")
-    if os.path.lexists(out) and out.is_dir():
+    if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         raise KvCacheError(
-            f"Output {out} is a folder; the input is one model file, so name the output file "
+            f"Output {out_path} is a folder; the input is one model file, so name the output file "
             f"(e.g. {out / source.graph.name})."
         )
     if out.suffix != ".onnx":
@@ -605,23 +631,6 @@ def _serialize(model: ir.Model, names: dict[str, str] | None = None) -> bytes:
             f"The model is too large to write in one file ({e}); keep its weights in "
             "external data (onnx_ir.save(model, path, external_data=...))."
         ) from None
-
-
-def _infer_target(model: ir.Model, config: dict[str, Any] | None) -> tuple[str, str]:
-    """Where the model will run when not told: genai's provider options, else its dtype."""
-    options: Any = config
-    for key in ("model", "decoder", "session_options", "provider_options"):
-        options = options.get(key) if isinstance(options, dict) else None
-    if isinstance(options, list):
-        providers = [str(k) for entry in options if isinstance(entry, dict) for k in entry]
-        if providers:
-            return providers[0].lower(), f"from {GENAI_CONFIG}'s provider options"
-        return "cpu", f"{GENAI_CONFIG} lists no provider"
-    dtypes = {s.query_dtype for s in find_gqa_sites(model) if s.query_dtype is not None}
-    if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
-        names = "/".join(sorted(t.name.lower() for t in dtypes))
-        return "cuda", f"assumed from the model's {names} queries"
-    return "cpu", "assumed from the model's float32 queries"
 
 
 def _genai_config_for(config: dict[str, Any], ep: str) -> dict[str, Any]:
@@ -726,8 +735,9 @@ def convert_model(
     (``weights="copy"``, the default there; ``"copy"`` beside the input gives the output
     its own copy) or hard-linked (``"link"``: onnx and onnx-ir then refuse both models).
 
-    ``ep`` is where the model will run. ``"auto"`` (default) infers it: genai_config's
-    provider options, else float32 queries -> ``cpu`` and fp16/bf16 -> ``cuda``.
+    ``ep`` is where the model will run. ``"auto"`` (default) infers it
+    (:func:`~onnx_kvcache.capabilities.infer_target`: genai_config's provider options,
+    else float32 -> ``cpu``, fp16/bf16 -> ``cuda``).
     When the target cannot run the result nothing is written and the result says why
     (``strict`` raises instead). ``None`` skips gating (e.g. to evaluate fp8 numerics of
     a float32 model through emulation). A model without GroupQueryAttention is first
@@ -766,7 +776,10 @@ def convert_model(
             raise KvCacheError(result.reasons[0])
         return result
     if ep == "auto":
-        target, result.target_source = _infer_target(model, source.config)
+        from onnx_kvcache.capabilities import infer_target
+
+        target, why = infer_target(model, source.config)
+        result.target_source = f"assumed: {why}"
     elif ep is not None:
         target, result.target_source = ep.lower(), "--ep"
     result.target = target if ep is not None else None
@@ -800,6 +813,14 @@ def convert_model(
     result.weight_bytes = sum(d.size for d in source.data.values())
     if plan.weights == "link":
         warnings.warn(LINK_WARNING, KvCacheWarning, stacklevel=2)
+    linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
+    if linked and plan.weights != "link":
+        warnings.warn(
+            f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
+            "--weights link?): onnx and onnx-ir refuse them until the other link is deleted.",
+            KvCacheWarning,
+            stacklevel=2,
+        )
 
     if plan.placement == "in-place":
         _write_in_place(source, data, new_config, fmt.name, result)
@@ -923,19 +944,14 @@ def _write_file(
     created = file_io.make_dirs(out.parent)
     try:
         file_io.sweep_stale(out.parent)
-        if not source.data:
-            result.weights = "inline"
-        if not plan.data_names:
-            if source.data:
-                result.weights, result.shared_with = "shared", source.graph
-                result.data_files = sorted(source.data)
-            file_io.atomic_write_bytes(out, data)
-            result.bytes_written = len(data)
-            return
         with file_io.TempDir(out.parent) as tmp:
             staged = []
             files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
-            if plan.weights == "link":
+            if not source.data:
+                result.weights = "inline"
+            elif not files:
+                result.weights, result.shared_with = "shared", source.graph
+            elif plan.weights == "link":
                 staged = [(d.real, out.parent / name, True) for d, name in files]
                 result.weights = "linked"
             else:
@@ -952,7 +968,12 @@ def _write_file(
             file_io.publish_as_one(
                 out.parent, staged, tmp.path / "graph", out, replace=plan.replace, remove_after=plan.obsolete
             )
-        result.data_files = sorted(plan.data_names.values())
+        if plan.obsolete:
+            names = ", ".join(p.name for p in plan.obsolete)
+            result.notes.append(
+                f"replaced the previous {out.name} and removed its own data file(s): {names}."
+            )
+        result.data_files = sorted(plan.data_names.values()) if plan.data_names else sorted(source.data)
         result.bytes_written = len(data) + result.weight_bytes_written
     except BaseException:
         if not os.path.lexists(out):
@@ -1024,6 +1045,8 @@ def _write_folder(
     else:
         result.weights = "cloned" if copier.cloned else "copied"
     result.bytes_written = written
+    if plan.replace:
+        result.notes.append(f"replaced the previous folder {out}.")
     if config is not None:
         result.notes.append(
             f"{GENAI_CONFIG}: search.past_present_share_buffer is "
