@@ -331,12 +331,6 @@ class TempFile:
             view = view[os.write(self.fd, view) :]
         return len(data)
 
-    def identity(self) -> Identity:
-        os.fsync(self.fd)
-        result = file_identity(self.fd)
-        assert result is not None
-        return result
-
     def publish(self, target: os.PathLike | str, *, replace: bool = False) -> None:
         """fsync, then rename to ``target`` (replacing it only when ``replace``)."""
         target = pathlib.Path(target)

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import stat
 import warnings
 from collections.abc import Iterator
@@ -460,17 +461,15 @@ def _locations(model_file: pathlib.Path) -> set[str] | None:
 def _previous_own_data(out: pathlib.Path, inputs: set[pathlib.Path]) -> list[pathlib.Path]:
     """Data files of an output being replaced that no other model in its folder uses.
 
-    Only files named after it (``OUT*.data``, in its folder) count, and only when every
+    Only files named as :func:`_data_names` names them count, and only when every
     other ``.onnx`` file there can be read and names none of them.
     """
     names = _locations(out) or set()
+    family = re.compile(rf"{re.escape(out.name)}(\.\d+)?(-\d{{5}}-of-\d{{5}})?\.data")  # as _data_names
     own = {
         name
         for name in names
-        if "/" not in name
-        and "\\" not in name
-        and name.startswith(out.name)
-        and name.endswith(".data")
+        if family.fullmatch(name)
         and (out.parent / name).is_file()
         and not (out.parent / name).is_symlink()
         and _real(out.parent / name) not in inputs
