@@ -735,8 +735,8 @@ def convert_model(
     its own copy) or hard-linked (``"link"``: onnx and onnx-ir then refuse both models).
 
     ``ep`` is where the model will run. ``"auto"`` (default) infers it
-    (:func:`~onnx_kvcache.capabilities.infer_target`: genai_config's provider options,
-    else float32 -> ``cpu``, fp16/bf16 -> ``cuda``).
+    (:func:`~onnx_kvcache.capabilities.infer_target`: a genai folder's provider, ``cpu``
+    when its config names none; a model file's dtype, float32 -> ``cpu``, fp16/bf16 -> ``cuda``).
     When the target cannot run the result nothing is written and the result says why
     (``strict`` raises instead). ``None`` skips gating (e.g. to evaluate fp8 numerics of
     a float32 model through emulation). A model without GroupQueryAttention is first
