@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.cli import main
-from onnx_kvcache.demo_model import build_decoder
+from onnx_kvcache import file_io
+from onnx_kvcache.capabilities import EP_CAPABILITIES
+from onnx_kvcache.cli import build_parser, main
+from onnx_kvcache.demo_model import build_decoder, save_genai_folder
 
 
 @pytest.fixture
@@ -28,24 +33,29 @@ def scale_file(tmp_path, layers=2):
     return path
 
 
+@pytest.fixture
+def fp16_model_file(tmp_path):
+    path = tmp_path / "model16.onnx"
+    ir.save(build_decoder(num_layers=2, dtype="float16"), path)
+    return path
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
-def test_convert_then_inspect(tmp_path, model_file, capsys, fmt):
+def test_convert_then_inspect(tmp_path, model_file, fp16_model_file, capsys, fmt):
     out = tmp_path / f"{fmt}.onnx"
-    assert (
-        main(["convert", str(model_file), str(out), "--format", fmt, "--scales", str(scale_file(tmp_path))])
-        == 0
-    )
+    src = fp16_model_file if fmt == "fp8" else model_file  # fp8 runs on CUDA: fp16/bf16 queries
+    assert main(["convert", str(src), str(out), "--format", fmt, "--scales", str(scale_file(tmp_path))]) == 0
     assert "converted 2 GroupQueryAttention node(s)" in capsys.readouterr().out
     assert main(["inspect", str(out), "--context", "4096"]) == 0
     text = capsys.readouterr().out
     assert "past_key_values.1.key" in text and "cache bytes per token" in text and "4096 tokens" in text
     assert main(["inspect", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["original_bytes_per_token"] / doc["bytes_per_token"] == (8 if fmt == "int4" else 4)
+    assert doc["original_bytes_per_token"] / doc["bytes_per_token"] == {"fp8": 2, "int8": 4, "int4": 8}[fmt]
 
 
-def test_fp8_without_scales_warns_on_stderr(tmp_path, model_file, capsys):
-    assert main(["convert", str(model_file), str(tmp_path / "o.onnx")]) == 0
+def test_fp8_without_scales_warns_on_stderr(tmp_path, fp16_model_file, capsys):
+    assert main(["convert", str(fp16_model_file), str(tmp_path / "o.onnx")]) == 0
     assert "unit scales" in capsys.readouterr().err
 
 
@@ -53,6 +63,11 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, model_file, capsys):
     ("argv", "message"),
     [
         (["convert", "{model}", "{tmp}/o.onnx", "--format", "int8"], "needs calibrated scales"),
+        (["convert", "{empty}", "{tmp}/o.onnx", "--format", "int8"], "is empty (0 bytes)"),
+        (["convert", "{text}", "{tmp}/o.onnx", "--format", "int8"], "ONNX model"),
+        (["convert", "{model}", "{tmp}", "--format", "int8"], "is a folder"),
+        (["convert", "{model}", "{tmp}/new/", "--format", "int8"], "name the output file"),
+        (["calibrate", "{model}", "--out", "{model}"], "one of the input's files"),
         (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], "does not exist"),
         (["convert", "{tmp}/nope.onnx", "{tmp}/o.onnx"], "does not exist"),
         (["convert", "{model}", "{model}"], "is the input"),
@@ -63,7 +78,11 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, model_file, capsys):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, model_file, capsys, argv, message):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"definitely not protobuf \x00\xff")
-    args = [a.format(model=model_file, tmp=tmp_path, bad=bad) for a in argv]
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "notes.onnx").write_text("my notes, not a model\n")
+    names = {"model": model_file, "tmp": tmp_path, "bad": bad}
+    names |= {"empty": tmp_path / "empty.onnx", "text": tmp_path / "notes.onnx"}
+    args = [a.format(**names) for a in argv]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
@@ -165,3 +184,232 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
     assert main([*argv, "--semantics", "cpu"]) == 0
     cpu = "cpu (emulated on CPU)" if fmt == "fp8" else "cpu (onnxruntime CPU kernel)"
     assert f"kernel rule           {cpu}" in capsys.readouterr().out
+
+
+# -- issue 10, item 5: convert refuses what nothing can run, inferring the target ------
+
+
+def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_model_file, capsys):
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(model_file), str(out), "--format", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cpu")
+    assert "assumed: a float32 model" in err and "--ep" in err and "cpu: int8, int4" in err
+    assert not out.exists()
+    assert main(["convert", str(fp16_model_file), str(out), "--format", "fp8"]) == 0
+    stdout = capsys.readouterr().out
+    assert "to fp8 per_tensor for cuda (assumed: a float16 model; --ep to choose)" in stdout
+    assert (
+        main(
+            [
+                "convert",
+                str(model_file),
+                str(tmp_path / "o8.onnx"),
+                "--format",
+                "int8",
+                "--scales",
+                str(scale_file(tmp_path)),
+            ]
+        )
+        == 0
+    )
+    assert "for cpu (assumed: a float32 model" in capsys.readouterr().out
+    assert (
+        main(["convert", str(fp16_model_file), str(tmp_path / "x.onnx"), "--format", "fp8", "--ep", "cpu"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "not converted for cpu (--ep)" in err and err.count("\n") == 1
+
+
+def test_genai_provider_options_name_the_target(tmp_path, capsys):
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"cuda": {"enable_cuda_graph": "0"}}]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    scales = str(scale_file(tmp_path))
+    assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 1
+    err = capsys.readouterr().err
+    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda')" in err and "FLOAT" in err
+    assert (
+        main(
+            [
+                "convert",
+                str(folder),
+                str(tmp_path / "o"),
+                "--format",
+                "int8",
+                "--scales",
+                scales,
+                "--ep",
+                "CPU",
+            ]
+        )
+        == 0
+    )
+    assert (
+        json.loads((tmp_path / "o" / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
+        is False
+    )
+
+
+def test_ep_takes_the_providers_of_the_capability_table(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", "tpu"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    monkeypatch.setitem(EP_CAPABILITIES, "newep", dataclasses.replace(EP_CAPABILITIES["cpu"], name="newep"))
+    for ep in [n for n in EP_CAPABILITIES if n != "default"]:
+        assert build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", ep.upper()]).ep == ep
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", "default"])
+
+
+# -- issue 10, item 6: a model without GroupQueryAttention ----------------------------
+
+
+def test_an_export_without_gqa_is_fused_then_converted(tmp_path, capsys):
+    from exported_attention import exported_decoder
+
+    src = tmp_path / "exported.onnx"
+    ir.save(exported_decoder(), src)
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1], "v_scales": [0.1]}, "qmax": 128}))
+    assert (
+        main(["convert", str(src), str(tmp_path / "o.onnx"), "--format", "int8", "--scales", str(scales)])
+        == 0
+    )
+    assert "converted 1 GroupQueryAttention node(s)" in capsys.readouterr().out
+
+
+def test_a_model_with_nothing_to_convert_is_refused(tmp_path, capsys):
+    x = ir.val("x", ir.DataType.FLOAT, [1, 4])
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 21}, name="mlp")
+    node = ir.Node("", "Relu", [x], name="relu")
+    graph.append(node)
+    graph.outputs.append(node.outputs[0])
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    src = tmp_path / "mlp.onnx"
+    ir.save(ir.Model(graph, ir_version=10), src)
+    assert main(["convert", str(src), str(tmp_path / "o.onnx"), "--format", "int8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GroupQueryAttention node" in err and "fusion" in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+# -- issue 9: calibrate --out, errors as one line --------------------------------------
+
+
+def test_calibrate_checks_out_before_calibrating(tmp_path, monkeypatch, capsys):
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("calibration ran before --out was checked")
+
+    monkeypatch.setattr("onnx_kvcache.calibration.calibrate_kv_cache", must_not_run)
+    (tmp_path / "a_file").write_text("x")
+    for out, message in [
+        (folder / "model.onnx", "one of the input's files"),  # used to replace the model with JSON
+        (folder / "genai_config.json", "one of the input's files"),
+        (folder / "tokenizer.json", "not a scale file"),
+        (folder / "model.onnx.data", "not a scale file"),
+        (tmp_path, "is a folder"),
+        (tmp_path / "a_file" / "s.json", "not a folder"),
+    ]:
+        assert main(["calibrate", str(folder), "--out", str(out), "--format", "int8"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_calibrate_replaces_its_own_scale_file(tmp_path, capsys):
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
+    out = tmp_path / "scales.json"
+    argv = ["calibrate", str(folder), "--out", str(out), "--format", "int8", "--num-seqs", "1"]
+    for _ in range(2):
+        assert main([*argv, "--seq-len", "32", "--min-tokens", "32"]) == 0
+    assert "scales" in json.loads(out.read_text())
+
+
+def test_os_errors_are_one_line(tmp_path, model_file, monkeypatch, capsys):
+    scales = str(scale_file(tmp_path))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "out"))
+
+    monkeypatch.setattr(file_io, "TempFile", denied)
+    assert (
+        main(
+            [
+                "convert",
+                str(model_file),
+                str(tmp_path / "out" / "o.onnx"),
+                "--format",
+                "int8",
+                "--scales",
+                scales,
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Permission denied" in err and "nothing was written" in err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)
+    (folder / "genai_config.json").write_bytes(b'{"model": "caf\xe9"}')
+    for argv in (["convert", str(folder), str(tmp_path / "o"), "--format", "int8"], ["inspect", str(folder)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not UTF-8" in err
+
+
+def test_a_closed_pipe_is_one_line_not_a_traceback(tmp_path, model_file):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnx_kvcache", "inspect", str(model_file), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # like `| head` exiting before the output is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 2
+    assert err == "onnx-kvcache: error: the output pipe was closed early (broken pipe).\n"
+
+
+def test_a_closed_pipe_after_a_conversion_says_it_completed(tmp_path, model_file):
+    out = tmp_path / "o.onnx"
+    argv = ["convert", str(model_file), str(out), "--format", "int8", "--scales", str(scale_file(tmp_path))]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnx_kvcache", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 2 and out.exists()
+    assert err.count("\n") == 1 and f"broken pipe); the conversion completed ({out})" in err
+
+
+def test_an_unwritable_destination_is_refused_before_any_work(tmp_path, model_file, monkeypatch, capsys):
+    """Checked first: neither conversion nor calibration runs when the output cannot be written."""
+    real_access = os.access
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if pathlib.Path(p) == ro else real_access(p, mode)
+    )
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("work started before the output was checked")
+
+    monkeypatch.setattr("onnx_kvcache.optimize.optimize_model", must_not_run)
+    monkeypatch.setattr("onnx_kvcache.calibration.calibrate_kv_cache", must_not_run)
+    scales = str(scale_file(tmp_path))
+    for argv in (
+        ["convert", str(model_file), str(ro / "o.onnx"), "--format", "int8", "--scales", scales],
+        ["convert", str(model_file), str(ro / "new" / "o.onnx"), "--format", "int8", "--scales", scales],
+        ["calibrate", str(model_file), "--out", str(ro / "s.json")],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"Cannot write in {ro} (permission denied)" in err and err.count("\n") == 1
+    assert list(ro.iterdir()) == []

@@ -1,50 +1,102 @@
-"""Converting files and genai folders: no weight copies, links, atomic writes, safety."""
+"""Converting files and genai folders: where weights go, path safety, atomic writes.
+
+Every output, and the original after it, must load in onnx (external data included),
+onnx-ir (every weight), onnxruntime and, for folders, onnxruntime-genai.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import os
 import pathlib
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_model
+from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_model, file_io
 from onnx_kvcache.cli import main
-from onnx_kvcache.demo_model import build_decoder
+from onnx_kvcache.demo_model import build_decoder, save_genai_folder
+from onnx_kvcache.file_io import TEMP_PREFIX
+from onnx_kvcache.model_files import resolve_model_path
+
+try:
+    import onnxruntime_genai as og
+except ImportError:  # the genai extra; CI installs it
+    og = None
 
 SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
+PROMPT = list(b"The river town woke")
 
 
-def save_external(folder: pathlib.Path, name="model.onnx", shard: int | None = None) -> pathlib.Path:
-    folder.mkdir(parents=True, exist_ok=True)
+@pytest.fixture(autouse=True)
+def umask022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+@pytest.fixture
+def scale_file(tmp_path):
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": 128}))
+    return path
+
+
+# -- models as users have them --------------------------------------------------------
+
+
+def save_external(folder: pathlib.Path, name="model.onnx", data=None, shard=None) -> pathlib.Path:
+    """The bundled decoder with its weights in external data (``data``, maybe in a subfolder)."""
+    data = data or f"{name}.data"
+    (folder / data).parent.mkdir(parents=True, exist_ok=True)
     path = folder / name
     ir.save(
-        build_decoder(num_layers=2),
+        build_decoder(num_layers=2, vocab_size=300),
         path,
-        external_data=f"{name}.data",
+        external_data=data,
         size_threshold_bytes=1024,
         max_shard_size_bytes=shard,
     )
     return path
 
 
-def genai_folder(folder: pathlib.Path, filename="decoder.onnx") -> pathlib.Path:
-    save_external(folder, filename)
-    config = {
-        "model": {"decoder": {"filename": filename, "num_hidden_layers": 2}},
-        "search": {"past_present_share_buffer": True, "max_length": 64},
-    }
-    (folder / "genai_config.json").write_text(json.dumps(config))
-    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
-    (folder / "tokenizer_config.json").write_text("{}")
+def genai(folder: pathlib.Path, data="model.onnx.data", share_buffer=True) -> pathlib.Path:
+    """An onnxruntime-genai folder (tokenizer included) as a CUDA-minded build might leave it."""
+    save_genai_folder(folder, num_layers=2, vocab_size=300)
+    if data != "model.onnx.data":
+        (folder / "model.onnx.data").unlink()
+        save_external(folder, "model.onnx", data)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["past_present_share_buffer"] = share_buffer
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
     return folder
 
 
-def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+LAYOUTS = {
+    "file": lambda d: save_external(d),
+    "file-subfolder": lambda d: save_external(d, data="weights/model.onnx.data"),
+    "genai": lambda d: genai(d),
+    "genai-subfolder": lambda d: genai(d, data="weights/model.onnx.data"),
+}
+
+
+def snapshot(folder: pathlib.Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def data_locations(model_file: pathlib.Path) -> set[str]:
@@ -52,123 +104,570 @@ def data_locations(model_file: pathlib.Path) -> set[str]:
     return {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
 
 
-def test_beside_the_input_reuses_the_data_file(tmp_path):
-    src = save_external(tmp_path)
-    before = snapshot(tmp_path)
-    result = convert_model(src, tmp_path / "model.int8.onnx", format="int8", scales=SCALES)
-    assert data_locations(result.model_file) == {"model.onnx.data"}
-    assert result.bytes_written == result.model_file.stat().st_size < 100_000
-    assert not result.linked and not result.copied
-    assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before
-    runner = KvCacheRunner(result.model_file)
-    assert np.isfinite(runner.prefill([1, 2, 3])).all() and runner.cache_dtype == ir.DataType.INT8
+def data_files(path: pathlib.Path) -> list[pathlib.Path]:
+    graph, _ = resolve_model_path(path)
+    return [graph.parent / loc for loc in sorted(data_locations(graph))]
 
 
-@pytest.mark.parametrize("mode", ["link", "copy"])
-def test_other_folder_links_or_copies_every_shard(tmp_path, mode):
-    src = save_external(tmp_path / "in", shard=600_000)
-    shards = data_locations(src)
-    assert len(shards) > 1
-    result = convert_model(src, tmp_path / "out" / "m.onnx", format="int4", scales=SCALES, weights=mode)
-    assert data_locations(result.model_file) == shards
-    for name in shards:
-        a, b = (tmp_path / "in" / name).stat(), (tmp_path / "out" / name).stat()
-        assert (a.st_ino == b.st_ino) == (mode == "link")
-    assert result.bytes_written == result.model_file.stat().st_size + (
-        sum((tmp_path / "in" / n).stat().st_size for n in shards) if mode == "copy" else 0
+def og_generate(folder, n=4):
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(PROMPT) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(PROMPT, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return list(generator.get_sequence(0))[len(PROMPT) :]
+
+
+def assert_loads_everywhere(path: pathlib.Path, cache: ir.DataType, *, linked=False) -> None:
+    """onnx.load with data, onnx-ir reading every weight, onnxruntime, onnxruntime-genai."""
+    import onnxruntime as ort
+
+    graph, config = resolve_model_path(path)
+    if linked:  # what --weights link warns about: onnx and onnx-ir refuse both names
+        with pytest.raises(onnx.checker.ValidationError, match=r"hard ?link"):
+            onnx.load(graph)
+        with pytest.raises(ValueError, match="hard link"):
+            [v.const_value.numpy() for v in ir.load(graph).graph.initializers.values()]
+    else:
+        proto = onnx.load(graph)
+        assert all(t.raw_data or t.float_data or t.int64_data for t in proto.graph.initializer)
+        weights = [v.const_value.numpy() for v in ir.load(graph).graph.initializers.values()]
+        assert len(weights) == len(proto.graph.initializer) and all(np.isfinite(w).all() for w in weights)
+    ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    runner = KvCacheRunner(path)
+    assert runner.cache_dtype == cache and np.isfinite(runner.prefill([1, 2, 3])).all()
+    if config is not None and og is not None:
+        assert len(og_generate(path)) >= 1
+
+
+def assert_no_temporary_entries(*folders: pathlib.Path) -> None:
+    for folder in folders:
+        if folder.is_dir():
+            assert not [p for p in folder.rglob(f"{TEMP_PREFIX}*")], folder
+
+
+# -- the matrix -----------------------------------------------------------------------
+
+PLACEMENTS = ["beside", "elsewhere", "in-place", "copy", "link"]
+MATRIX = [
+    (lay, pl) for lay in LAYOUTS for pl in PLACEMENTS if not (lay.startswith("genai") and pl == "beside")
+]
+
+
+@pytest.mark.parametrize(("layout", "placement"), MATRIX)
+def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeypatch, layout, placement):
+    src_dir = tmp_path / "in"
+    src_dir.mkdir()
+    made = LAYOUTS[layout](src_dir)
+    is_folder = layout.startswith("genai")
+    src = src_dir if is_folder else made
+    graph = made if not is_folder else src_dir / "model.onnx"
+    os.chmod(graph, 0o640)
+    if is_folder:
+        os.chmod(src_dir / "genai_config.json", 0o600)
+    before = snapshot(src_dir)
+    originals = {p: p.stat() for p in data_files(src)}
+
+    args = ["convert", str(src)]
+    if placement == "beside":
+        out = src_dir / "model.int8.onnx"
+    elif placement == "in-place":
+        out = src
+        args.append("--in-place")
+    else:
+        out = tmp_path / "out" if is_folder else tmp_path / "out" / "m.onnx"
+    if placement == "copy":
+        monkeypatch.setenv(file_io.PLAIN_COPY_ENV, "1")
+        if not is_folder:
+            out = src_dir / "model.own.onnx"  # beside, but with its own copy of the data
+        args += ["--weights", "copy"]
+    if placement == "link":
+        args += ["--weights", "link"]
+    if placement != "in-place":
+        args.insert(2, str(out))
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": 128}))
+    assert main([*args, "--format", "int8", "--scales", str(scales)]) == 0
+    stdout, stderr = capsys.readouterr()
+
+    expected = {
+        "beside": "weights: shared with model.onnx (0 bytes)",
+        "in-place": "weights: unchanged",
+        "copy": "weights: copied 1.9 MiB",
+        "link": "weights: hard-linked 1.9 MiB (0 bytes written)",
+        "elsewhere": "weights: cloned" if tmp_path_clones(tmp_path) else "weights: copied 1.9 MiB",
+    }[placement]
+    assert expected in stdout, stdout
+    assert ("NEITHER model loads" in stderr) == (placement == "link")
+    if placement != "in-place":  # the input's files never change
+        assert {k: v for k, v in snapshot(src_dir).items() if k in before} == before
+
+    linked = placement == "link"
+    assert_loads_everywhere(out, ir.DataType.INT8, linked=linked)
+    assert_loads_everywhere(
+        src, ir.DataType.INT8 if placement == "in-place" else ir.DataType.FLOAT, linked=linked
     )
-    KvCacheRunner(result.model_file).prefill([5, 6])
+    for path in {*data_files(out), *data_files(src)}:
+        assert path.stat().st_nlink == (2 if linked else 1), path
+        assert not path.is_symlink()
+    for path, st in originals.items():
+        assert path.stat().st_ino == st.st_ino and path.stat().st_mtime_ns == st.st_mtime_ns
+
+    new_graph, config = resolve_model_path(out)
+    if placement == "in-place":  # mode and owner kept
+        assert stat.S_IMODE(new_graph.stat().st_mode) == 0o640
+        assert new_graph.stat().st_uid == graph.stat().st_uid if graph.exists() else True
+        if is_folder:
+            assert stat.S_IMODE((src_dir / "genai_config.json").stat().st_mode) == 0o600
+            assert new_graph.name == "model.int8.onnx" and not graph.exists()  # the config changed too
+    else:  # new files: the umask's mode
+        created = [p for p in (tmp_path / "out").rglob("*")] if (tmp_path / "out").exists() else []
+        created += [new_graph, *(p for p in data_files(out) if p not in originals)]
+        for p in created:
+            assert stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644), p
+    if config is not None:
+        assert config["search"]["past_present_share_buffer"] is False  # int8 on cpu
+    assert_no_temporary_entries(tmp_path)
 
 
-def test_link_falls_back_to_symlink(tmp_path, monkeypatch):
-    src = save_external(tmp_path / "in")
-
-    def no_hardlinks(*args, **kwargs):
-        raise OSError("cross-device link")
-
-    monkeypatch.setattr(os, "link", no_hardlinks)
-    result = convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
-    assert (tmp_path / "out" / "model.onnx.data").is_symlink() and result.linked
-
-
-def test_genai_folder_round_trip(tmp_path):
-    src = genai_folder(tmp_path / "in")
-    before = snapshot(src)
-    result = convert_model(src, tmp_path / "out", format="int8", scales=SCALES)
-    out = tmp_path / "out"
-    assert result.model_file == out / "decoder.onnx"
-    assert sorted(snapshot(out)) == sorted(before)
-    config = json.loads((out / "genai_config.json").read_text())
-    assert config["search"]["past_present_share_buffer"] is False and config["search"]["max_length"] == 64
-    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
-    assert snapshot(src) == before
-    runner = KvCacheRunner(out)
-    assert runner.cache_dtype == ir.DataType.INT8 and runner.generate([1, 2, 3], 4)
+def tmp_path_clones(tmp_path) -> bool:
+    probe = tmp_path / "clone-probe"
+    probe.write_bytes(b"x")
+    try:
+        return file_io.clone_file(probe, tmp_path / "clone-probe-2")
+    finally:
+        probe.unlink()
+        (tmp_path / "clone-probe-2").unlink(missing_ok=True)
 
 
-def test_genai_folder_for_cuda_keeps_buffer_sharing(tmp_path):
-    src = genai_folder(tmp_path / "in")
-    convert_model(src, tmp_path / "out", format="fp8", scales=SCALES)
-    assert json.loads((tmp_path / "out" / "genai_config.json").read_text())["search"][
-        "past_present_share_buffer"
+def test_other_folder_gets_every_shard_under_its_own_names(tmp_path):
+    src = save_external(tmp_path / "in", shard=600_000)
+    shards = sorted(data_locations(src))
+    assert len(shards) > 1
+    result = convert_model(src, tmp_path / "out" / "m.onnx", format="int4", scales=SCALES)
+    n = len(shards)
+    names = [f"m.onnx-{i:05d}-of-{n:05d}.data" for i in range(1, n + 1)]
+    assert sorted(data_locations(result.model_file)) == names == result.data_files
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(["m.onnx", *names])
+    assert result.weight_bytes == sum((tmp_path / "in" / s).stat().st_size for s in shards)
+    assert_loads_everywhere(result.model_file, ir.DataType.UINT8)
+
+
+def test_inline_weights_stay_inline(tmp_path):
+    src = tmp_path / "inline.onnx"
+    ir.save(build_decoder(num_layers=2), src)
+    result = convert_model(src, tmp_path / "out" / "inline.int8.onnx", format="int8", scales=SCALES)
+    assert not data_locations(result.model_file) and os.listdir(tmp_path / "out") == ["inline.int8.onnx"]
+    assert result.weights_summary() == "weights: inline in the graph"
+
+
+def test_a_70b_sized_weight_in_a_sparse_file_is_never_read_and_stays_sparse(tmp_path):
+    folder = tmp_path / "big"
+    folder.mkdir()
+
+    def factory(name, shape, dtype):
+        if name == "model.embed_tokens.weight":
+            shape = (3 * 1024**3 // 2 // 128, 128)
+        return ir.ExternalTensor(
+            "weights.bin",
+            0,
+            int(np.prod(shape) * dtype.itemsize),
+            dtype,
+            shape=ir.Shape(shape),
+            name=name,
+            base_dir=folder,
+        )
+
+    with open(folder / "weights.bin", "wb") as f:
+        f.truncate(3 * 1024**3)
+    model = build_decoder(num_layers=2, dtype="float16", weight_factory=factory)
+    (folder / "model.onnx").write_bytes(ir.to_proto(model).SerializeToString())
+    with pytest.warns(KvCacheWarning, match="unit scales"):
+        result = convert_model(folder / "model.onnx", tmp_path / "out" / "model.onnx", format="fp8")
+    assert result.target == "cuda" and result.target_source == "assumed: a float16 model"
+    copy = tmp_path / "out" / "model.onnx.data"
+    assert copy.stat().st_size == 3 * 1024**3 and file_io.allocated_bytes(copy) < 2**20
+    assert result.weight_bytes_written == 0 and result.bytes_written < 1_000_000
+    assert ir.load(result.model_file).graph.inputs[2].dtype == ir.DataType.FLOAT8E4M3FN
+
+
+def test_in_place_without_a_config_change_keeps_the_file_name(tmp_path):
+    src = genai(tmp_path / "g", share_buffer=False)
+    config_before = (src / "genai_config.json").read_bytes()
+    result = convert_model(src, in_place=True, format="int8", scales=SCALES)
+    assert result.model_file == src / "model.onnx" and not result.notes
+    assert (src / "genai_config.json").read_bytes() == config_before
+    assert_loads_everywhere(src, ir.DataType.INT8)
+
+
+def test_in_place_twice_alternates_nothing_and_leaves_no_stray_file(tmp_path):
+    src = genai(tmp_path / "g")
+    convert_model(src, in_place=True, format="int8", scales=SCALES)
+    convert_model(src, in_place=True, format="int8", scales=SCALES, ep="cpu")  # scales update
+    assert sorted(os.listdir(src)) == [
+        "genai_config.json",
+        "model.int8.onnx",
+        "model.onnx.data",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
 
 
-def test_in_place_and_output_rules(tmp_path):
-    src = genai_folder(tmp_path / "in")
-    with pytest.raises(KvCacheError, match="is the input"):
-        convert_model(src, src, format="int8", scales=SCALES)
-    (tmp_path / "taken").mkdir()
-    with pytest.raises(KvCacheError, match="--overwrite"):
-        convert_model(src, tmp_path / "taken", format="int8", scales=SCALES)
-    convert_model(src, tmp_path / "taken", format="int8", scales=SCALES, overwrite=True)
-    assert (tmp_path / "taken" / "decoder.onnx").is_file()
-    data_before = (src / "decoder.onnx.data").read_bytes()
-    convert_model(src, in_place=True, format="int8", scales=SCALES, ep="cpu")
-    assert ir.load(src / "decoder.onnx").graph.inputs[2].dtype == ir.DataType.INT8
-    assert (src / "decoder.onnx.data").read_bytes() == data_before
-    assert json.loads((src / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
-
-
-@pytest.mark.filterwarnings("ignore::onnx_kvcache.errors.KvCacheWarning")
-def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
-    import shutil
-
-    src = genai_folder(tmp_path / "in")
-    before = snapshot(tmp_path)
-    real_copy = shutil.copy2
-    calls = []
-
-    def failing_copy(a, b, *args, **kwargs):
-        calls.append(a)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real_copy(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(shutil, "copy2", failing_copy)
-    with pytest.raises(OSError, match="No space"):
-        convert_model(src, tmp_path / "out", format="int8", scales=SCALES)
-    assert snapshot(tmp_path) == before and not list(tmp_path.glob(".out*"))
-
-
-def test_failure_writing_the_model_file_leaves_nothing(tmp_path, monkeypatch):
+def test_overwrite_replaces_exactly_the_previous_output(tmp_path, monkeypatch):
+    monkeypatch.setenv(file_io.PLAIN_COPY_ENV, "1")
     src = save_external(tmp_path / "in")
+    out = tmp_path / "out" / "m.onnx"
+    convert_model(src, out, format="int8", scales=SCALES)
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(KvCacheError, match="--overwrite"):
+        convert_model(src, out, format="int8", scales=SCALES)
+    second = convert_model(src, out, format="int4", scales=SCALES, overwrite=True)
+    # the new data never replaced the old file under the old graph: it took a free name
+    assert second.data_files == ["m.onnx.2.data"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["m.onnx", "m.onnx.2.data", "notes.txt"]
+    assert_loads_everywhere(out, ir.DataType.UINT8)
+    convert_model(src, out, format="int8", scales=SCALES, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["m.onnx", "m.onnx.data", "notes.txt"]
+
+    genai_src = genai(tmp_path / "g")
+    (tmp_path / "gout").mkdir()
+    (tmp_path / "gout" / "holiday.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(KvCacheError, match="not a model folder"):
+        convert_model(genai_src, tmp_path / "gout", format="int8", scales=SCALES, overwrite=True)
+    assert (tmp_path / "gout" / "holiday.jpg").exists()
+    convert_model(genai_src, tmp_path / "gout2", format="int8", scales=SCALES)
+    convert_model(genai_src, tmp_path / "gout2", format="int4", scales=SCALES, overwrite=True)
+    assert_loads_everywhere(tmp_path / "gout2", ir.DataType.UINT8)
+    assert_no_temporary_entries(tmp_path)
+
+
+def test_overwrite_removes_the_old_output_s_own_data_only_when_no_other_model_uses_it(tmp_path):
+    for sibling in (False, True):
+        folder = tmp_path / f"sibling-{sibling}"
+        src = save_external(folder)
+        own = folder / "model.own.onnx"
+        convert_model(src, own, format="int8", scales=SCALES, weights="copy")
+        if sibling:  # another model naming the same data file
+            shutil.copy(own, folder / "sibling.onnx")
+        result = convert_model(
+            src, own, format="int4", scales=SCALES, overwrite=True
+        )  # shares model.onnx.data
+        assert (folder / "model.own.onnx.data").exists() == sibling
+        assert bool(result.notes) == (not sibling)
+        if sibling:
+            assert_loads_everywhere(folder / "sibling.onnx", ir.DataType.INT8)
+        else:
+            assert "removed its own data file(s): model.own.onnx.data" in result.notes[0]
+            assert sorted(os.listdir(folder)) == ["model.onnx", "model.onnx.data", "model.own.onnx"]
+        assert_loads_everywhere(own, ir.DataType.UINT8)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.__setitem__("search", []), "search is not a JSON object"),
+        (lambda c: c["model"]["decoder"].__setitem__("session_options", "cuda"), "session_options is not"),
+        (lambda c: c.__setitem__("model", [1]), "cannot read model.decoder.filename"),
+        (lambda c: c["model"]["decoder"].__setitem__("filename", "."), "which is a folder"),
+        (lambda c: c["model"]["decoder"].__setitem__("filename", "C:\\m\\model.onnx"), "outside the model"),
+        (lambda c: c["model"].__setitem__("vision", {"filename": "../../x.onnx"}), "model.vision.filename"),
+    ],
+)
+def test_weird_genai_configs_are_one_line(tmp_path, capsys, edit, message):
+    folder = genai(tmp_path / "g")
+    config = json.loads((folder / "genai_config.json").read_text())
+    edit(config)
+    (folder / "genai_config.json").write_text(json.dumps(config))
     before = snapshot(tmp_path)
-    real_replace = os.replace
+    for argv in (["convert", str(folder), str(tmp_path / "o")], ["convert", str(folder), "--in-place"]):
+        assert main([*argv, "--format", "int8", "--scales", str(_scales(tmp_path))]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert {k: v for k, v in snapshot(tmp_path).items() if k != "scales.json"} == before
 
-    def failing_replace(a, b):
-        if str(b).endswith("m.onnx"):
-            raise KeyboardInterrupt
-        return real_replace(a, b)
 
-    monkeypatch.setattr(os, "replace", failing_replace)
-    with pytest.raises(KeyboardInterrupt):
-        convert_model(src, tmp_path / "in" / "m.onnx", format="int8", scales=SCALES)
+def test_weights_kept_in_the_model_file_itself_are_refused(tmp_path):
+    src = save_external(tmp_path / "in")
+    proto = onnx.load(src, load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.external_data)
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = "model.onnx"
+    onnx.save(proto, src)
+    with pytest.raises(KvCacheError, match="which is the model file"):
+        convert_model(src, in_place=True, format="int8", scales=SCALES)
+
+
+def test_an_input_with_hard_linked_data_is_warned_about(tmp_path):
+    src = save_external(tmp_path / "in")
+    os.link(tmp_path / "in" / "model.onnx.data", tmp_path / "elsewhere.data")
+    with pytest.warns(KvCacheWarning, match="more than one hard link"):
+        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
+    assert (tmp_path / "out" / "m.onnx.data").stat().st_nlink == 1  # the copy is clean
+    onnx.load(tmp_path / "out" / "m.onnx")
+
+
+def test_hugging_face_snapshot_needs_the_flag_and_is_then_copied(tmp_path, capsys):
+    original = genai(tmp_path / "original")
+    cache = tmp_path / "hub" / "models--org--m"
+    (cache / "blobs").mkdir(parents=True)
+    snap = cache / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(original.iterdir())):
+        shutil.copy(f, cache / "blobs" / f"sha{i}")
+        (snap / f.name).symlink_to(f"../../blobs/sha{i}")
+    out = tmp_path / "out"
+    assert main(["convert", str(snap), str(out), "--format", "int8", "--scales", str(_scales(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "Hugging Face cache snapshot" in err and "--follow-symlinks" in err and err.count("\n") == 1
+    assert not out.exists()
+    args = ["convert", str(snap), str(out), "--format", "int8", "--scales", str(_scales(tmp_path))]
+    assert main([*args, "--follow-symlinks"]) == 0
+    assert not [p for p in out.rglob("*") if p.is_symlink()]
+    assert_loads_everywhere(out, ir.DataType.INT8)
+    assert all(p.is_symlink() for p in snap.iterdir())
+
+
+def _scales(tmp_path) -> pathlib.Path:
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": 128}))
+    return path
+
+
+# -- what was found (issue 9): each of these passed silently before --------------------
+
+
+def test_default_conversion_elsewhere_leaves_both_models_loadable_in_onnx(tmp_path):
+    """It used to hard-link: onnx and onnx-ir then refused the output AND the original."""
+    src = save_external(tmp_path / "in")
+    result = convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
+    assert result.weights in ("copied", "cloned")
+    for model in (src, result.model_file):
+        onnx.load(model)
+        [v.const_value.numpy() for v in ir.load(model).graph.initializers.values()]
+
+
+def test_link_never_falls_back_to_a_symbolic_link(tmp_path, monkeypatch, capsys):
+    src = save_external(tmp_path / "in")
+
+    def cross_device(*args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    args = ["convert", str(src), str(tmp_path / "out" / "m.onnx"), "--weights", "link", "--format", "int8"]
+    assert main([*args, "--scales", str(_scales(tmp_path))]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[-1].startswith("onnx-kvcache: error: Invalid cross-device link")
+        and "nothing was written" in err[-1]
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        # 1. OUT a parent of IN, with --overwrite: used to delete IN and all of the parent
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent", "--overwrite"], "contains the input folder"),
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/g/sub"], "inside the input folder"),
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/g", "--overwrite"], "is the input"),
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/g/model.onnx"], "inside the input folder"),
+        (lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/f/model.onnx"], "is the input"),
+        # 3. OUT a data file of IN: used to replace the weights with the graph
+        (
+            lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/f/model.onnx.data", "--overwrite"],
+            "a file the input uses",
+        ),
+        (lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/f", "--overwrite"], "is a folder"),
+        (
+            lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/notes.txt", "--overwrite"],
+            ".onnx file",
+        ),
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/g.int8.onnx"], "looks like a file name"),
+        (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/notes.txt", "--overwrite"], "is not a folder"),
+    ],
+)
+def test_destructive_paths_are_refused_and_nothing_is_touched(tmp_path, capsys, make_args, message):
+    parent = tmp_path / "parent"
+    genai(parent / "g")
+    save_external(parent / "f")
+    (parent / "notes.txt").write_text("mine")
+    (parent / "f" / "extra.txt").write_text("not a model file")
+    scales = ["--format", "int8", "--scales", str(_scales(tmp_path))]
+    before = snapshot(tmp_path)
+    assert main([*make_args(tmp_path), *scales]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("onnx-kvcache: error:")
     assert snapshot(tmp_path) == before
 
 
+def test_a_data_file_of_another_model_with_the_same_name_survives(tmp_path):
+    """2. It used to be replaced silently: that other model then computed garbage."""
+    src = save_external(tmp_path / "src")
+    other = save_external(tmp_path / "other")  # also model.onnx + model.onnx.data
+    before = snapshot(tmp_path / "other")
+    result = convert_model(src, tmp_path / "other" / "model_int8.onnx", format="int8", scales=SCALES)
+    assert snapshot(tmp_path / "other").items() >= before.items()
+    assert result.data_files == ["model_int8.onnx.data"]
+    assert_loads_everywhere(other, ir.DataType.FLOAT)
+    assert_loads_everywhere(result.model_file, ir.DataType.INT8)
+
+
+@pytest.mark.parametrize(
+    "filename", ["../victim/model.onnx", "sub/../../victim/model.onnx", "/ABS/victim/model.onnx", ""]
+)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_genai_filename_outside_the_folder_is_refused(tmp_path, filename, in_place):
+    """4. With --in-place it used to rewrite a model outside the folder."""
+    victim = save_external(tmp_path / "victim")
+    folder = genai(tmp_path / "g")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = filename.replace("/ABS", str(tmp_path))
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    before = snapshot(tmp_path)
+    with pytest.raises(KvCacheError, match=r"outside the model's folder|must name a file"):
+        convert_model(
+            folder, None if in_place else tmp_path / "out", in_place=in_place, format="int8", scales=SCALES
+        )
+    assert snapshot(tmp_path) == before and victim.exists()
+
+
+def test_a_decoder_symlinked_out_of_the_folder_is_refused_by_name(tmp_path):
+    victim = save_external(tmp_path / "victim")
+    folder = genai(tmp_path / "g")
+    (folder / "model.onnx").unlink()
+    (folder / "model.onnx").symlink_to(victim)
+    before = snapshot(tmp_path)
+    for kwargs in ({"in_place": True}, {"out_path": tmp_path / "out"}):
+        with pytest.raises(KvCacheError, match=r"model.onnx is a symbolic link to .*victim"):
+            convert_model(folder, format="int8", scales=SCALES, **kwargs)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("problem", ["missing", "folder", "truncated", "fifo"])
+def test_missing_or_broken_data_files_are_refused(tmp_path, problem, capsys):
+    """6. A missing data file used to give a dangling link and exit 0."""
+    src = save_external(tmp_path / "in")
+    data = tmp_path / "in" / "model.onnx.data"
+    if problem == "missing":
+        data.unlink()
+    elif problem == "folder":
+        data.unlink()
+        data.mkdir()
+    elif problem == "truncated":
+        with open(data, "r+b") as f:
+            f.truncate(1000)
+    else:
+        data.unlink()
+        os.mkfifo(data)  # reading it would hang
+    args = ["convert", str(src), str(tmp_path / "out" / "m.onnx"), "--format", "int8"]
+    args += ["--scales", str(_scales(tmp_path))]
+    before = snapshot(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert {"missing": "is missing", "folder": "is a folder", "truncated": "truncated", "fifo": "not a file"}[
+        problem
+    ] in err
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_symlink_out_of_the_input_folder_is_refused_by_name_or_copied_with_the_flag(tmp_path):
+    """7. Links were followed: any readable file outside the folder was copied into the output."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    folder = genai(tmp_path / "g")
+    (folder / "notes.txt").symlink_to(secret)
+    with pytest.raises(KvCacheError, match=r"notes.txt is a symbolic link to .*secret.txt, outside"):
+        convert_model(folder, tmp_path / "out", format="int8", scales=SCALES)
+    assert not (tmp_path / "out").exists()
+    convert_model(folder, tmp_path / "out", format="int8", scales=SCALES, follow_symlinks=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "private"
+    assert not (tmp_path / "out" / "notes.txt").is_symlink()
+    (folder / "inner.json").symlink_to("tokenizer.json")  # inside the folder: fine, copied as a file
+    (folder / "notes.txt").unlink()
+    convert_model(folder, tmp_path / "out2", format="int8", scales=SCALES)
+    assert not (tmp_path / "out2" / "inner.json").is_symlink()
+
+
+def test_temporary_entries_of_a_killed_run_are_never_copied_and_are_swept(tmp_path):
+    folder = genai(tmp_path / "g")
+    (folder / f"{TEMP_PREFIX}1-dead").write_bytes(b"partial graph")
+    (tmp_path / f"{TEMP_PREFIX}2-dead").mkdir()
+    convert_model(folder, tmp_path / "out", format="int8", scales=SCALES)
+    assert not list((tmp_path / "out").glob(f"{TEMP_PREFIX}*"))
+    assert not (tmp_path / f"{TEMP_PREFIX}2-dead").exists()  # swept: the output's parent
+    assert (folder / f"{TEMP_PREFIX}1-dead").exists()  # the input folder is only read
+    convert_model(folder, in_place=True, format="int8", scales=SCALES)
+    assert not (folder / f"{TEMP_PREFIX}1-dead").exists()
+
+
+@pytest.mark.parametrize("layout", ["file", "genai"])
+def test_failures_leave_nothing_behind(tmp_path, monkeypatch, layout):
+    src = LAYOUTS[layout](tmp_path / "in")
+    src = src if layout == "file" else tmp_path / "in"
+    before = snapshot(tmp_path)
+    real = file_io.copy_data
+    calls = []
+
+    def failing(source, dst, progress=None):
+        calls.append(source)
+        if len(calls) == 2 or layout == "file":
+            raise OSError(28, "No space left on device", str(dst))
+        return real(source, dst, progress=progress)
+
+    monkeypatch.setattr(file_io, "copy_data", failing)
+    monkeypatch.setattr(file_io, "clone_file", lambda a, b: False)
+    out = tmp_path / "new" / "deeper" / ("out" if layout == "genai" else "m.onnx")
+    with pytest.raises(OSError, match="No space"):
+        convert_model(src, out, format="int8", scales=SCALES)
+    assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()  # created folders removed too
+
+
+def test_an_unreadable_subfolder_fails_rather_than_going_missing(tmp_path, monkeypatch, capsys):
+    folder = genai(tmp_path / "g")
+    (folder / "extra").mkdir()
+    real = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("extra"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert (
+        main(
+            [
+                "convert",
+                str(folder),
+                str(tmp_path / "out"),
+                "--format",
+                "int8",
+                "--scales",
+                str(_scales(tmp_path)),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "extra" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_free_space_is_checked_before_copying(tmp_path, monkeypatch, capsys):
+    src = save_external(tmp_path / "in")
+    monkeypatch.setattr(file_io, "clone_file", lambda a, b: False)
+    monkeypatch.setattr(file_io, "free_bytes", lambda folder: 1000)
+    args = ["convert", str(src), str(tmp_path / "out" / "m.onnx"), "--format", "int8"]
+    assert main([*args, "--scales", str(_scales(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "needs 1.9 MiB" in err and "1000 bytes free" in err and "beside the input" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_scales_write_nothing(tmp_path):
-    src = genai_folder(tmp_path / "in")
+    src = genai(tmp_path / "in")
     with pytest.raises(KvCacheError, match=r"layer\(s\) \[1\]"):
         convert_model(src, tmp_path / "out", format="int8", scales={0: (0.1, 0.1)})
     assert not (tmp_path / "out").exists()
@@ -189,46 +688,8 @@ def test_refuses_external_data_outside_the_folder(tmp_path, location):
     assert main(["convert", str(src), str(tmp_path / "o.onnx"), "--format", "int8"]) == 2
 
 
-def test_inline_weights_stay_inline(tmp_path):
-    src = tmp_path / "inline.onnx"
-    ir.save(build_decoder(num_layers=2), src)
-    result = convert_model(src, tmp_path / "out" / "inline.int8.onnx", format="int8", scales=SCALES)
-    assert not data_locations(result.model_file) and sorted(os.listdir(tmp_path / "out")) == [
-        "inline.int8.onnx"
-    ]
-
-
-def test_larger_than_2gib_external_data_is_never_read(tmp_path):
-    """A 3 GiB weight in a sparse file: the conversion writes only the graph."""
-    folder = tmp_path / "big"
-
-    def factory(name, shape, dtype):
-        if name == "model.embed_tokens.weight":
-            shape = (3 * 1024**3 // 2 // 128, 128)
-        return ir.ExternalTensor(
-            "weights.bin",
-            offset=0,
-            length=int(np.prod(shape) * dtype.itemsize),
-            dtype=dtype,
-            shape=ir.Shape(shape),
-            name=name,
-            base_dir=folder,
-        )
-
-    folder.mkdir()
-    with open(folder / "weights.bin", "wb") as f:
-        f.truncate(3 * 1024**3)
-    model = build_decoder(num_layers=2, dtype="float16", weight_factory=factory)
-    (folder / "model.onnx").write_bytes(ir.to_proto(model).SerializeToString())
-    with pytest.warns(KvCacheWarning, match="unit scales"):
-        result = convert_model(folder / "model.onnx", tmp_path / "out" / "model.onnx", format="fp8")
-    assert result.bytes_written < 1_000_000
-    assert (tmp_path / "out" / "weights.bin").stat().st_ino == (folder / "weights.bin").stat().st_ino
-    assert ir.load(result.model_file).graph.inputs[2].dtype == ir.DataType.FLOAT8E4M3FN
-
-
 def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
-    src = genai_folder(tmp_path / "in")
+    src = genai(tmp_path / "in")
     convert_model(
         src,
         tmp_path / "out",
@@ -246,40 +707,183 @@ def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
     assert "not eligible" in text and "head size 32" in text and "share one buffer" in text
 
 
-def test_when_no_link_works_the_error_suggests_copy(tmp_path, monkeypatch):
-    src = save_external(tmp_path / "in")
+# -- kill tests: SIGINT, SIGTERM, SIGKILL at random moments ----------------------------
 
-    def refuse(*args, **kwargs):
-        raise OSError("operation not permitted")
-
-    monkeypatch.setattr(os, "link", refuse)
-    monkeypatch.setattr(os, "symlink", refuse)
-    with pytest.raises(KvCacheError, match="--weights copy"):
-        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
-    assert not (tmp_path / "out" / "m.onnx").exists() and not list((tmp_path / "out").glob("*"))
+MiB = 2**20
+KILLS = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
 
 
-@pytest.mark.parametrize(("extra", "code", "message"), [([], 1, "not converted"), (["--strict"], 2, "error")])
-def test_cli_gating_writes_nothing(tmp_path, capsys, extra, code, message):
-    src = save_external(tmp_path / "in")
-    out = tmp_path / "out.onnx"
-    assert main(["convert", str(src), str(out), "--format", "fp8", "--ep", "cpu", *extra]) == code
-    err = capsys.readouterr().err
-    assert message in err and "no GroupQueryAttention kernel for a fp8 cache" in err
-    assert not out.exists()
+def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "onnx_kvcache", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def test_failure_after_linking_data_elsewhere_leaves_nothing(tmp_path, monkeypatch):
-    src = save_external(tmp_path / "in", shard=600_000)
-    (tmp_path / "out").mkdir()
-    real_replace = os.replace
+def _kill_at_random(proc: subprocess.Popen, watch: pathlib.Path, delay: float, after_temp: bool) -> tuple:
+    """Send the signal ``delay`` s after start, or after a temporary entry appears in ``watch``."""
+    start = time.monotonic()
+    if after_temp:
+        while proc.poll() is None and time.monotonic() - start < 60:
+            if any(n.startswith(TEMP_PREFIX) for n in os.listdir(watch)):
+                break
+            time.sleep(0.002)
+    time.sleep(delay)
+    return proc
 
-    def fail_on_model(a, b):
-        if str(b).endswith("m.onnx"):
-            raise OSError(28, "No space left on device")
-        return real_replace(a, b)
 
-    monkeypatch.setattr(os, "replace", fail_on_model)
-    with pytest.raises(OSError, match="No space"):
-        convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
-    assert list((tmp_path / "out").iterdir()) == []
+def _moment(rng: random.Random, i: int) -> dict:
+    """Trial 0 and 1: soon or later after the first temporary entry appears; trial 2: from start."""
+    if i == 2:
+        return {"after_temp": False, "delay": rng.uniform(0.5, 2.0)}
+    return {"after_temp": True, "delay": rng.uniform(0, 0.1) if i == 0 else rng.uniform(0.1, 0.6)}
+
+
+def _run_trials(trials, signum):
+    """Start every trial at once; each is signalled by its own thread; (rc, stderr) per trial."""
+    procs = [_start(*t["argv"], env=t.get("env")) for t in trials]
+
+    def one(i):
+        t = trials[i]
+        _kill_at_random(procs[i], t["watch"], t["delay"], t["after_temp"])
+        if procs[i].poll() is None:
+            procs[i].send_signal(signum)
+        _, err = procs[i].communicate(timeout=120)
+        return procs[i].returncode, err
+
+    with concurrent.futures.ThreadPoolExecutor(len(trials)) as pool:
+        return list(pool.map(one, range(len(trials))))
+
+
+def _check_exit(signum, rc, err) -> bool:
+    """The exit of a signalled run; True when the signal stopped it."""
+    if rc == 0:
+        return False
+    if signum == signal.SIGKILL:
+        assert rc == -9
+    elif rc == 128 + signum:  # our handler: cleanup ran, one line
+        assert err.count("\n") == 1 and f"stopped by {signal.Signals(signum).name}" in err, err
+    else:  # arrived before the handlers were installed (interpreter start): nothing written yet
+        assert rc in (-signum, 1), (rc, err)
+    return True
+
+
+@pytest.fixture(scope="module")
+def big_genai(tmp_path_factory):
+    """A genai folder whose data file holds 256 MiB (random bytes after the weights)."""
+    folder = genai(tmp_path_factory.mktemp("big") / "g")
+    rng = np.random.default_rng(0)
+    with open(folder / "model.onnx.data", "ab") as f:
+        for _ in range(8):
+            f.write(rng.bytes(32 * MiB))
+    _scales(folder.parent)
+    return folder, {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("signum", KILLS, ids=lambda s: signal.Signals(s).name)
+def test_a_killed_folder_conversion_leaves_no_partial_output(big_genai, tmp_path, signum):
+    src, hashes = big_genai
+    stats = {p: file_io.file_identity(p) for p in src.iterdir()}
+    rng = random.Random(f"folder-{signum}")
+    trials = []
+    for i in range(3):
+        parent = tmp_path / f"t{i}"
+        parent.mkdir()
+        argv = ["convert", str(src), str(parent / "out"), "--format", "int8", "--scales"]
+        trials.append(
+            {
+                "argv": [*argv, str(src.parent / "scales.json"), "--overwrite"],
+                "env": {file_io.PLAIN_COPY_ENV: "1"},  # a real byte copy, not a clone
+                "watch": parent,
+                **_moment(rng, i),
+            }
+        )
+    results = _run_trials(trials, signum)
+    stopped = 0
+    for trial, (rc, err) in zip(trials, results):
+        stopped += _check_exit(signum, rc, err)
+        parent, out = trial["watch"], trial["watch"] / "out"
+        assert {p: file_io.file_identity(p) for p in src.iterdir()} == stats  # the input untouched
+        if out.exists():  # complete, or not there at all
+            _assert_complete_folder(src, out)
+        assert [p.name for p in parent.iterdir() if p.name != "out"] == [] or signum == signal.SIGKILL
+        convert_model(src, out, format="int8", scales=src.parent / "scales.json", overwrite=True)  # next run
+        assert os.listdir(parent) == ["out"]  # no temporary entry left
+        _assert_complete_folder(src, out)
+    assert stopped >= 1
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()} == hashes
+
+
+def _assert_complete_folder(src: pathlib.Path, out: pathlib.Path) -> None:
+    assert sorted(os.listdir(out)) == sorted(os.listdir(src))
+    assert (out / "model.onnx.data").stat().st_size == (src / "model.onnx.data").stat().st_size
+    assert ir.load(out / "model.onnx").graph.inputs[2].dtype == ir.DataType.INT8
+    onnx.load(out / "model.onnx")  # with its data
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
+
+
+@pytest.fixture(scope="module")
+def big_inline_genai(tmp_path_factory):
+    """A genai folder whose graph itself is ~64 MiB (weights inline), so writing it takes time."""
+    folder = genai(tmp_path_factory.mktemp("biginline") / "g")  # share_buffer true: the config changes
+    model = build_decoder(num_layers=2, vocab_size=300)
+    pad = np.random.default_rng(1).standard_normal(16 * MiB, np.float32)
+    value = ir.Value(name="padding", const_value=ir.tensor(pad, name="padding"))
+    model.graph.register_initializer(value)
+    (folder / "model.onnx.data").unlink()
+    ir.save(model, folder / "model.onnx")
+    _scales(folder.parent)
+    return folder
+
+
+@pytest.mark.parametrize("signum", KILLS, ids=lambda s: signal.Signals(s).name)
+def test_a_killed_in_place_conversion_leaves_the_old_or_the_new_model(big_inline_genai, tmp_path, signum):
+    rng = random.Random(f"in-place-{signum}")
+    old_config = (big_inline_genai / "genai_config.json").read_bytes()
+    old_graph = hashlib.sha256((big_inline_genai / "model.onnx").read_bytes()).hexdigest()
+    trials = []
+    for i in range(3):
+        folder = tmp_path / f"t{i}" / "g"
+        shutil.copytree(big_inline_genai, folder)
+        trials.append(
+            {
+                "argv": [
+                    "convert",
+                    str(folder),
+                    "--in-place",
+                    "--format",
+                    "int8",
+                    "--scales",
+                    str(big_inline_genai.parent / "scales.json"),
+                ],
+                "watch": folder,
+                **_moment(rng, i),
+            }
+        )
+    results = _run_trials(trials, signum)
+    stopped = 0
+    for trial, (rc, err) in zip(trials, results):
+        stopped += _check_exit(signum, rc, err)
+        folder = trial["watch"]
+        config = json.loads((folder / "genai_config.json").read_text())
+        name = config["model"]["decoder"]["filename"]
+        if name == "model.onnx":  # fully old: the original bytes
+            assert (folder / "genai_config.json").read_bytes() == old_config
+            assert hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest() == old_graph
+            assert not (folder / "model.int8.onnx").exists() or signum == signal.SIGKILL
+        else:  # fully new, as onnxruntime-genai would load it
+            assert name == "model.int8.onnx" and config["search"]["past_present_share_buffer"] is False
+            assert ir.load(folder / name).graph.inputs[2].dtype == ir.DataType.INT8
+        if signum != signal.SIGKILL:
+            assert not [n for n in os.listdir(folder) if n.startswith(TEMP_PREFIX)]
+        convert_model(folder, in_place=True, format="int8", scales=big_inline_genai.parent / "scales.json")
+        assert sorted(os.listdir(folder)) == [
+            "genai_config.json",
+            "model.int8.onnx",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    assert stopped >= 1

@@ -1,6 +1,9 @@
 """The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, demo.
 
-Bad input prints one line to stderr and exits 2; no traceback.
+Exit codes: 0 done; 1 conversion refused (the target cannot run the result, or the
+model has nothing to convert); 2 bad input or a failed read/write (one line on stderr,
+no traceback); 128 + N when stopped by signal N (130 Ctrl-C, 143 SIGTERM). Outputs are
+atomic, so an error or a signal leaves no partial output.
 """
 
 from __future__ import annotations
@@ -10,16 +13,23 @@ __all__ = ["main"]
 import argparse
 import json
 import logging
+import os
 import pathlib
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from onnx_kvcache import __version__
+from onnx_kvcache import __version__, file_io
+from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
+from onnx_kvcache.file_io import atomic_write_text, format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
-from onnx_kvcache.model_files import atomic_write_text
+
+
+def ep_choices() -> list[str]:
+    """``--ep`` values: every provider of the capability table."""
+    return [name for name in EP_CAPABILITIES if name != "default"]
 
 
 def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):  # type: ignore[no-untyped-def]
@@ -66,34 +76,67 @@ def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json or its folder")
 
 
+def _describe_os_error(e: OSError) -> str:
+    text = e.strerror or str(e)
+    if e.filename is not None:
+        text += f": {e.filename}"
+    if e.filename2 is not None:
+        text += f" -> {e.filename2}"
+    return text
+
+
 def _convert(args: argparse.Namespace) -> int:
     from onnx_kvcache.model_files import convert_model
 
     start = time.perf_counter()
-    result = convert_model(
-        args.input,
-        args.output,
-        format=args.format,
-        granularity=args.granularity,
-        scales=args.scales,
-        shared_kv_scale=args.shared_kv_scale,
-        weights=args.weights,
-        in_place=args.in_place,
-        overwrite=args.overwrite,
-        ep=args.ep,
-        strict=args.strict,
-        check_device=args.check_device,
-    )
+    what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
+    try:
+        result = convert_model(
+            args.input,
+            args.output,
+            format=args.format,
+            granularity=args.granularity,
+            scales=args.scales,
+            shared_kv_scale=args.shared_kv_scale,
+            weights=args.weights,
+            in_place=args.in_place,
+            overwrite=args.overwrite,
+            ep=args.ep or "auto",
+            check_device=args.check_device,
+            follow_symlinks=args.follow_symlinks,
+        )
+    except OSError as e:
+        raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
+    except file_io.Interrupted as e:
+        e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
+        raise
     if not result.converted:
-        print("onnx-kvcache: not converted: " + " ".join(result.reasons), file=sys.stderr)
+        line = " ".join(result.reasons)
+        if result.target is not None:
+            runs = ", ".join(get_capabilities(result.target).formats) or "no quantized cache"
+            line = (
+                f"for {result.target} ({result.target_source}): {line} Fix: name the target with --ep "
+                f"({', '.join(ep_choices())}), or a --format it runs ({result.target}: {runs})."
+            )
+        print(
+            f"onnx-kvcache: not converted {line}"
+            if result.target
+            else f"onnx-kvcache: not converted: {line}",
+            file=sys.stderr,
+        )
         return 1
-    links = f", {len(result.linked)} data file(s) linked" if result.linked else ""
-    copies = f", {len(result.copied)} copied" if result.copied else ""
+    args.done = f"the conversion completed ({result.model_file})"
+    target = f" for {result.target}" if result.target else ""
+    if result.target and result.target_source != "--ep":
+        target += f" ({result.target_source}; --ep to choose)"
     print(
-        f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} "
-        f"{result.granularity}: {result.model_file} ({result.bytes_written} bytes written"
-        f"{links}{copies}) in {time.perf_counter() - start:.2f}s"
+        f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} {result.granularity}"
+        f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
+        f"{time.perf_counter() - start:.2f}s"
     )
+    print(result.weights_summary())
+    for note in result.notes:
+        print(note)
     return 0
 
 
@@ -130,10 +173,47 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object_with(key: str | None) -> Callable[[pathlib.Path], bool]:
+    """Accepts a small JSON object (with ``key``): an earlier output of the same kind."""
+
+    def accepts(path: pathlib.Path) -> bool:
+        if path.stat().st_size > 64 * 2**20:
+            return False
+        with open(path, "rb") as f:
+            if f.read(1).lstrip() not in (b"{", b""):
+                return False
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return isinstance(doc, dict) and (key is None or key in doc)
+
+    return accepts
+
+
+def _is_png(path: pathlib.Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
+    """Files an output must never replace: the model's graph and config, and data files given."""
+    from onnx_kvcache.model_files import GENAI_CONFIG, resolve_model_path
+
+    model_file, config = resolve_model_path(model)
+    inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
+    if config is not None:
+        inputs.append(pathlib.Path(model) / GENAI_CONFIG)
+    return inputs
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from onnx_kvcache.calibration import calibrate_kv_cache, format_calibration_summary
 
     data = args.token_ids or args.text
+    file_io.check_output_file(
+        args.out,
+        replaceable=_json_object_with("scales"),
+        what="scale file",
+        inputs=_model_inputs(args.model, args.text, args.token_ids, args.tokenizer),
+    )
     scales = calibrate_kv_cache(
         args.model,
         data,
@@ -159,6 +239,16 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from onnx_kvcache.evaluation import evaluate_kv_cache
 
+    inputs = [
+        *_model_inputs(args.baseline, args.text, args.token_ids, args.tokenizer),
+        *_model_inputs(args.candidate),
+    ]
+    if args.json:
+        file_io.check_output_file(
+            args.json, replaceable=_json_object_with(None), what="JSON report", inputs=inputs
+        )
+    if args.plot:
+        file_io.check_output_file(args.plot, replaceable=_is_png, what="PNG plot", inputs=inputs)
     report = evaluate_kv_cache(
         args.baseline,
         args.candidate,
@@ -194,9 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert a model file or genai folder")
-    p.add_argument("input")
-    p.add_argument("output", nargs="?")
+    p = sub.add_parser(
+        "convert",
+        help="convert a model file or genai folder",
+        description="Convert INPUT (a .onnx file or an onnxruntime-genai folder) to a quantized KV cache. "
+        "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
+        "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
+        "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
+    )
+    p.add_argument("input", help="a .onnx file or an onnxruntime-genai folder")
+    p.add_argument("output", nargs="?", help="the new .onnx file (or folder, for a folder INPUT)")
     _add_format_args(p, granularity=None)
     p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
     p.add_argument(
@@ -205,17 +302,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
         "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
     )
-    p.add_argument("--ep", help="where the model will run (cpu, cuda, ...): gate on it")
-    p.add_argument("--strict", action="store_true", help="fail when the target cannot run it")
+    p.add_argument(
+        "--ep",
+        type=str.lower,
+        choices=ep_choices(),
+        help="where the model will run; the conversion is refused when it cannot run there "
+        "(default: genai_config.json's provider, else cpu for float32 models and cuda for fp16/bf16)",
+    )
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
     p.add_argument(
         "--weights",
-        choices=["link", "copy"],
-        default="link",
-        help="external data in a new folder (default: link)",
+        choices=["copy", "link"],
+        help="give OUTPUT its own data files: copy (the default in another folder; a clone where "
+        "the filesystem can, else a copy that keeps holes) or link (hard links: onnx and onnx-ir "
+        "then refuse BOTH models until one is deleted). Beside INPUT, without this, the data is shared",
     )
-    p.add_argument("--in-place", action="store_true", help="rewrite INPUT itself (no OUTPUT)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="accept input files that link out of the model's folder (Hugging Face cache "
+        "snapshots); a conversion elsewhere copies their content",
+    )
+    p.add_argument("--in-place", action="store_true", help="rewrite INPUT itself, atomically (no OUTPUT)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUTPUT (a previous output, nothing else)",
+    )
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="show the KV cache of a model")
@@ -284,22 +397,51 @@ def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[n
     print(f"onnx-kvcache: warning: {message}", file=sys.stderr)
 
 
+def _silence_stdout() -> None:
+    """After a broken pipe: send further output (and the exit-time flush) nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _error(message: str) -> None:
+    print(f"onnx-kvcache: error: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), file_io.signal_handlers():
         warnings.simplefilter("always", KvCacheWarning)
         warnings.showwarning = _show_warning
         try:
-            return args.func(args)
-        except (KvCacheError, FileNotFoundError, MissingRuntimeError, NotADirectoryError) as e:
-            print(f"onnx-kvcache: error: {e}", file=sys.stderr)
+            code: int = args.func(args)
+            sys.stdout.flush()
+            return code
+        except (KvCacheError, MissingRuntimeError) as e:
+            _error(str(e))
             return 2
+        except file_io.Interrupted as e:
+            print(f"onnx-kvcache: stopped by {e}; {e.detail}.", file=sys.stderr)
+            return e.exit_code
         except KeyboardInterrupt:
-            print("onnx-kvcache: interrupted; nothing was written.", file=sys.stderr)
+            print("onnx-kvcache: interrupted; no partial output was left.", file=sys.stderr)
             return 130
+        except BrokenPipeError:
+            _silence_stdout()
+            done = getattr(args, "done", None)
+            _error("the output pipe was closed early (broken pipe)" + (f"; {done}." if done else "."))
+            return 2
+        except OSError as e:
+            _error(_describe_os_error(e) + ".")
+            return 2
+        except UnicodeDecodeError as e:
+            _error(f"a file is not UTF-8 text ({e}).")
+            return 2
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> li
                 baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
             )
             out = folder / f"model.{fmt}.{granularity}.onnx"
-            convert_model(baseline, out, format=fmt, granularity=granularity, scales=scales, overwrite=True)
+            convert_model(
+                baseline, out, format=fmt, granularity=granularity, scales=scales, overwrite=True, ep=None
+            )  # ep=None: fp8 of a float32 model, for evaluation through CPU emulation
             report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=32)
             reports.append(report)
             rows.append(

@@ -1,0 +1,869 @@
+"""Safe output files: temporary names, one-rename publication, clone-or-copy, cleanup.
+
+Rules every writer in the package follows:
+
+* Output is written under a temporary name that starts with :data:`TEMP_PREFIX`, in the
+  folder of its final name, fsynced, then published by one rename. New files and folders
+  are created with mode 0o666 / 0o777, so the umask decides (0644 / 0755 under 022); a
+  file that replaces one in place takes the old file's mode and owner (``like=``).
+* A temporary entry belongs to the process holding an exclusive ``flock`` on it.
+  :func:`sweep_stale` removes entries of this kind only, and only when no live process
+  holds their lock (PIDs get reused; locks die with their process).
+* Renames that must look like one (data files, then the graph that names them; a new
+  graph, then the genai_config naming it) go through :func:`publish_as_one`: a journal is
+  written first, the last rename is the commit, and a later sweep finishes or undoes a
+  run killed between.
+* :func:`copy_file` clones where the filesystem can (``FICLONE`` on Linux btrfs/XFS,
+  ``clonefile`` on macOS), else copies data extents only (``SEEK_DATA``/``SEEK_HOLE``), so
+  sparse files stay sparse; ``copy_file_range`` moves the bytes inside the kernel.
+* :func:`signal_handlers` turns SIGTERM and SIGHUP into :class:`Interrupted` (a
+  ``KeyboardInterrupt``) so that cleanup runs as for Ctrl-C; :func:`uninterrupted`
+  defers them over a commit.
+
+Setting the environment variable ``ONNX_KVCACHE_PLAIN_COPY=1`` disables cloning and
+``copy_file_range`` (read/write only, holes still kept); it exists for tests of the
+copy path on filesystems that clone.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PLAIN_COPY_ENV",
+    "TEMP_PREFIX",
+    "CopyStats",
+    "Interrupted",
+    "TempDir",
+    "TempFile",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_output_file",
+    "check_writable_folder",
+    "allocated_bytes",
+    "clone_file",
+    "copy_data",
+    "copy_file",
+    "file_identity",
+    "format_bytes",
+    "free_bytes",
+    "fsync_dir",
+    "make_dirs",
+    "publish_as_one",
+    "remove_empty_dirs",
+    "rename_exchange",
+    "rename_noreplace",
+    "signal_handlers",
+    "sweep_stale",
+    "uninterrupted",
+    "write_new_file",
+]
+
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from onnx_kvcache.errors import KvCacheError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no stale-entry sweeping either
+    fcntl = None  # type: ignore[assignment]
+
+TEMP_PREFIX = ".onnx-kvcache-tmp-"
+"""Every temporary entry this package creates starts with this."""
+PLAIN_COPY_ENV = "ONNX_KVCACHE_PLAIN_COPY"
+_JOURNAL = ".journal"
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_FICLONE = 0x40049409
+_CHUNK = 64 * 1024 * 1024
+
+
+def format_bytes(n: float) -> str:
+    """``2.3 GiB``, ``512 KiB``, ``0 bytes``."""
+    if n < 1024:
+        return f"{int(n)} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+# -- signals ----------------------------------------------------------------------------
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP, raised where the program was.
+
+    ``completed``: the signal arrived during a commit, which finished first.
+    """
+
+    def __init__(self, signum: int, completed: bool = False) -> None:
+        self.signum = signum
+        self.completed = completed
+        self.detail = "no partial output was left"
+        """What the CLI says about the files (set by whoever knows)."""
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+_defer_depth = 0
+_pending: list[int] = []
+_HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _defer_depth:
+        _pending.append(signum)
+        return
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signal_handlers() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` inside this block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _on_signal) for s in _HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _pending.clear()
+
+
+@contextlib.contextmanager
+def uninterrupted(completes: bool = False) -> Iterator[None]:
+    """Hold signals caught by :func:`signal_handlers` until the block ends.
+
+    A held signal is raised when the outermost block ends normally; ``completes`` marks
+    a block after which the output is complete (the exception says so).
+    """
+    global _defer_depth
+    _defer_depth += 1
+    try:
+        yield
+    finally:
+        _defer_depth -= 1
+    if not _defer_depth and _pending:
+        signum = _pending[0]
+        _pending.clear()
+        raise Interrupted(signum, completed=completes)
+
+
+# -- low-level helpers ------------------------------------------------------------------
+
+
+def _libc() -> Any:
+    if sys.platform not in ("linux", "darwin"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _renameat2(src: os.PathLike | str, dst: os.PathLike | str, flags: int) -> bool:
+    """Linux ``renameat2``/macOS ``renamex_np`` with ``flags``; False when unsupported."""
+    if _LIBC is None:
+        return False
+    s, d = os.fsencode(src), os.fsencode(dst)
+    if sys.platform == "linux":
+        fn = getattr(_LIBC, "renameat2", None)
+        if fn is None:
+            return False
+        result = fn(-100, s, -100, d, ctypes.c_uint(flags))  # AT_FDCWD
+    else:
+        fn = getattr(_LIBC, "renamex_np", None)
+        if fn is None:
+            return False
+        result = fn(s, d, ctypes.c_uint({1: 0x4, 2: 0x2}[flags]))  # RENAME_EXCL, RENAME_SWAP
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
+
+
+def rename_noreplace(src: os.PathLike | str, dst: os.PathLike | str) -> None:
+    """Rename ``src`` to ``dst``; ``FileExistsError`` if ``dst`` exists, never replaced."""
+    if _renameat2(src, dst, 1):
+        return
+    if os.path.isdir(src) and not os.path.islink(src):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(dst))
+        os.rename(src, dst)
+        return
+    os.link(src, dst)  # fails if dst exists
+    os.unlink(src)
+
+
+def rename_exchange(a: os.PathLike | str, b: os.PathLike | str) -> bool:
+    """Swap two names atomically; False when the platform or filesystem cannot."""
+    return _renameat2(a, b, 2)
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+    """Make renames in ``path`` durable (no-op where directories cannot be opened)."""
+    if not _O_DIRECTORY:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+Identity = tuple[int, int, int, int]
+"""(device, inode, size, mtime_ns): which file, and that nobody rewrote it."""
+
+
+def file_identity(path: os.PathLike | str | int) -> Identity | None:
+    """The identity of a path (not following a final symlink) or an fd; None if absent."""
+    try:
+        st = os.fstat(path) if isinstance(path, int) else os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _same_inode(path: pathlib.Path, fd: int) -> bool:
+    try:
+        a, b = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _lock(fd: int) -> None:
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def _try_lock(fd: int) -> bool:
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _temp_name(suffix: str = "") -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}{suffix}"
+
+
+def _keep_mode_and_owner(fd: int, like: os.stat_result, path: pathlib.Path) -> None:
+    os.fchmod(fd, stat.S_IMODE(like.st_mode))
+    st = os.fstat(fd)
+    if (st.st_uid, st.st_gid) != (like.st_uid, like.st_gid) and hasattr(os, "fchown"):
+        try:
+            os.fchown(fd, like.st_uid, like.st_gid)
+        except PermissionError:
+            raise KvCacheError(
+                f"Cannot keep the owner {like.st_uid}:{like.st_gid} of the file replaced in place "
+                f"(in {path.parent}); run as that user (or root), or convert to another path."
+            ) from None
+
+
+# -- temporary entries ------------------------------------------------------------------
+
+
+class TempFile:
+    """A new file under a temporary name in ``folder``, locked until :meth:`close`.
+
+    Unless published, closing removes it. ``like``: give it that file's mode and owner.
+    """
+
+    def __init__(self, folder: os.PathLike | str, suffix: str = "", *, like: os.stat_result | None = None):
+        folder = pathlib.Path(folder)
+        for _ in range(20):
+            path = folder / _temp_name(suffix)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+            _lock(fd)
+            if _same_inode(path, fd):  # not removed by a sweep between create and lock
+                break
+            os.close(fd)
+        else:
+            raise OSError(errno.EAGAIN, "cannot create a temporary file", os.fspath(folder))
+        self.path = path
+        self.fd = fd
+        self.published: pathlib.Path | None = None
+        try:
+            if like is not None:
+                _keep_mode_and_owner(fd, like, path)
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        return len(data)
+
+    def publish(self, target: os.PathLike | str, *, replace: bool = False) -> None:
+        """fsync, then rename to ``target`` (replacing it only when ``replace``)."""
+        target = pathlib.Path(target)
+        os.fsync(self.fd)
+        if replace:
+            os.replace(self.path, target)
+        else:
+            rename_noreplace(self.path, target)
+        self.published = target
+        fsync_dir(target.parent)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.published is None and _same_inode(self.path, self.fd):
+                self.path.unlink()
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> TempFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TempDir:
+    """A new folder under a temporary name in ``parent``, locked until :meth:`close`.
+
+    Unless published, closing removes it and everything in it.
+    """
+
+    def __init__(self, parent: os.PathLike | str) -> None:
+        parent = pathlib.Path(parent)
+        for _ in range(20):
+            path = parent / _temp_name()
+            os.mkdir(path, 0o777)
+            fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | _O_NOFOLLOW)
+            _lock(fd)
+            if _same_inode(path, fd):
+                break
+            os.close(fd)
+        else:
+            raise OSError(errno.EAGAIN, "cannot create a temporary folder", os.fspath(parent))
+        self.path = path
+        self.fd = fd
+        self.published: pathlib.Path | None = None
+
+    def publish(self, target: os.PathLike | str, *, replace: bool = False) -> None:
+        """Rename to ``target``; with ``replace``, swap with an existing ``target`` and remove it.
+
+        The swap is one atomic exchange where the platform has one (Linux, macOS);
+        elsewhere the old folder is renamed away first.
+        """
+        target = pathlib.Path(target)
+        for root, dirs, _files in os.walk(self.path):
+            for d in dirs:
+                fsync_dir(os.path.join(root, d))
+        fsync_dir(self.path)
+        if replace and os.path.lexists(target):
+            if rename_exchange(self.path, target):
+                self.published = target
+                fsync_dir(target.parent)
+                shutil.rmtree(self.path, ignore_errors=True)  # the old folder, under our name
+                return
+            old = target.parent / _temp_name()
+            os.rename(target, old)
+            try:
+                os.rename(self.path, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            self.published = target
+            fsync_dir(target.parent)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        rename_noreplace(self.path, target)
+        self.published = target
+        fsync_dir(target.parent)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.published is None and _same_inode(self.path, self.fd):
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> TempDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_new_file(path: os.PathLike | str, data: bytes, *, like: os.stat_result | None = None) -> None:
+    """Create ``path`` (which must not exist) with ``data``, fsynced; umask mode unless ``like``."""
+    path = pathlib.Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+    try:
+        if like is not None:
+            _keep_mode_and_owner(fd, like, path)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_as_one(
+    folder: os.PathLike | str,
+    staged: list[tuple[pathlib.Path, pathlib.Path, bool]],
+    commit_src: pathlib.Path,
+    commit_target: pathlib.Path,
+    *,
+    replace: bool,
+    remove_after: Iterable[pathlib.Path] = (),
+) -> None:
+    """Several renames in ``folder`` that appear as one: the last is the commit.
+
+    ``staged``: (source, final name, hard link?) published first, never replacing
+    anything; then ``commit_src`` is renamed to ``commit_target`` (the commit point);
+    then ``remove_after`` (files the commit made obsolete) are removed. A journal
+    written before the first rename lets a later :func:`sweep_stale` undo the staged
+    names (commit not made) or finish the removals (commit made) after a kill; every
+    removal checks the file's identity first. Sources must be fsynced.
+    """
+    folder = pathlib.Path(folder)
+
+    def rel(p: pathlib.Path) -> str:
+        r = os.path.relpath(p, folder)
+        if r.startswith(".."):
+            raise ValueError(f"{p} is not inside {folder}")
+        return r
+
+    def ident(p: pathlib.Path) -> Identity:
+        result = file_identity(os.path.realpath(p))
+        assert result is not None, p
+        return result
+
+    doc = {
+        "kind": "onnx-kvcache journal",
+        "created": [[rel(final), list(ident(src))] for src, final, _ in staged],
+        "commit": [rel(commit_target), list(ident(commit_src)), _as_list(file_identity(commit_target))],
+        "remove_after": [[rel(p), list(ident(p))] for p in remove_after],
+    }
+    with TempFile(folder, _JOURNAL) as journal:
+        journal.write(json.dumps(doc).encode())
+        os.fsync(journal.fd)
+        fsync_dir(folder)
+        try:
+            for src, final, link in staged:
+                if link:
+                    os.link(src, final, follow_symlinks=True)
+                else:
+                    rename_noreplace(src, final)
+            for parent in {final.parent for _, final, _ in staged}:
+                fsync_dir(parent)
+            with uninterrupted(completes=True):
+                if replace:
+                    os.replace(commit_src, commit_target)
+                else:
+                    rename_noreplace(commit_src, commit_target)
+                fsync_dir(commit_target.parent)
+                with contextlib.suppress(OSError):
+                    _replay(folder, doc, committed=True)
+        except BaseException:
+            with uninterrupted():
+                _settle(folder, doc)
+            raise
+
+
+def _as_list(identity: Identity | None) -> list[int] | None:
+    return list(identity) if identity is not None else None
+
+
+def _journal_path(folder: pathlib.Path, rel: Any) -> pathlib.Path:
+    p = pathlib.PurePath(str(rel))
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ValueError(f"bad journal path {rel!r}")
+    return folder / p
+
+
+def _replay(folder: pathlib.Path, doc: dict[str, Any], committed: bool) -> None:
+    steps = doc["remove_after"] if committed else doc["created"]
+    for rel, ident in steps:
+        path = _journal_path(folder, rel)
+        if file_identity(path) == tuple(ident):
+            path.unlink()
+    fsync_dir(folder)
+
+
+def _settle(folder: pathlib.Path, doc: dict[str, Any]) -> None:
+    """Finish (commit made) or undo (commit not made) a journal; else touch nothing."""
+    commit, new, old = doc["commit"]
+    state = file_identity(_journal_path(folder, commit))
+    if state == tuple(new):
+        _replay(folder, doc, committed=True)
+    elif state == (tuple(old) if old else None):
+        _replay(folder, doc, committed=False)
+    # anything else: the folder changed since; leave it alone
+
+
+def _recover(folder: pathlib.Path, journal: pathlib.Path) -> None:
+    """Settle a killed run's journal."""
+    try:
+        doc = json.loads(journal.read_text(encoding="utf-8"))
+        _settle(folder, doc)
+    except (ValueError, KeyError, TypeError):
+        return  # written only partly: nothing was published yet
+
+
+def sweep_stale(folder: os.PathLike | str) -> list[str]:
+    """Remove this package's temporary entries in ``folder`` that no live process owns.
+
+    A stale journal is settled first (see :func:`publish_as_one`). Returns the names removed.
+    Without ``flock`` (Windows) nothing can be proven stale and nothing is removed.
+    """
+    folder = pathlib.Path(folder)
+    if fcntl is None:
+        return []
+    try:
+        entries = sorted(
+            (e for e in os.scandir(folder) if e.name.startswith(TEMP_PREFIX)),
+            key=lambda e: not e.name.endswith(_JOURNAL),  # journals first
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for entry in entries:
+        path = folder / entry.name
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if not is_dir and not entry.is_file(follow_symlinks=False):
+                continue  # never ours (a symlink, a device, ...)
+            flags = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECTORY if is_dir else 0)
+            fd = os.open(path, flags)
+        except OSError:
+            continue
+        try:
+            if not _try_lock(fd) or not _same_inode(path, fd):
+                continue  # a live process owns it
+            if entry.name.endswith(_JOURNAL):
+                _recover(folder, path)
+            if is_dir:
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(entry.name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        fsync_dir(folder)
+    return removed
+
+
+# -- copying ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CopyStats:
+    """What :func:`copy_file` did: ``size`` bytes long, ``written`` bytes of data written."""
+
+    size: int
+    written: int
+    cloned: bool
+
+
+def _plain_copy_only() -> bool:
+    return os.environ.get(PLAIN_COPY_ENV, "") not in ("", "0")
+
+
+def _clone_fd(src_fd: int, dst_fd: int) -> bool:
+    if sys.platform != "linux" or fcntl is None:
+        return False
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
+    except OSError:
+        return False
+    return True
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _clone_darwin(src: pathlib.Path, dst: pathlib.Path) -> bool:
+    """macOS ``clonefile``: creates ``dst`` as a clone (then given the umask's mode)."""
+    fn = getattr(_LIBC, "clonefile", None) if sys.platform == "darwin" else None
+    if fn is None or fn(os.fsencode(src), os.fsencode(dst), ctypes.c_uint(0)) != 0:
+        return False
+    os.chmod(dst, 0o666 & ~_umask())
+    return True
+
+
+def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of every data extent; the whole file where holes cannot be found."""
+    seek_data, seek_hole = getattr(os, "SEEK_DATA", None), getattr(os, "SEEK_HOLE", None)
+    if seek_data is None or seek_hole is None:
+        if size:
+            yield 0, size
+        return
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, seek_data)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole after pos
+                return
+            if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                yield pos, size
+                return
+            raise
+        end = min(os.lseek(fd, start, seek_hole), size)
+        yield start, end
+        pos = end
+
+
+def _copy_extent(src_fd: int, dst_fd: int, start: int, end: int, progress: Any, kernel: list[bool]) -> None:
+    pos = start
+    while pos < end:
+        n = min(_CHUNK, end - pos)
+        done = 0
+        if kernel[0]:
+            try:
+                done = os.copy_file_range(src_fd, dst_fd, n, pos, pos)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                kernel[0] = False
+        if not kernel[0]:
+            block = os.pread(src_fd, min(n, 8 * 1024 * 1024), pos)
+            view = memoryview(block)
+            offset = pos
+            while view:
+                w = os.pwrite(dst_fd, view, offset)
+                view, offset = view[w:], offset + w
+            done = len(block)
+        if done == 0:
+            raise OSError(errno.EIO, "source file shrank while being copied")
+        pos += done
+        if progress is not None:
+            progress.update(done)
+
+
+def clone_file(src: os.PathLike | str, dst: os.PathLike | str) -> bool:
+    """Create ``dst`` as a clone of ``src`` (shared extents, no data written) if the filesystem can.
+
+    Returns False, with ``dst`` not created, where it cannot (or with ``ONNX_KVCACHE_PLAIN_COPY``).
+    """
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if _plain_copy_only():
+        return False
+    if _clone_darwin(src, dst):
+        return True
+    if sys.platform != "linux":
+        return False
+    with open(src, "rb") as f:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+        cloned = False
+        try:
+            cloned = _clone_fd(f.fileno(), fd)
+            if cloned:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            if not cloned:
+                os.unlink(dst)
+    return cloned
+
+
+def copy_data(src: os.PathLike | str, dst: os.PathLike | str, *, progress: Any = None) -> int:
+    """Create ``dst`` with ``src``'s data extents (holes stay holes), fsynced; bytes written.
+
+    ``copy_file_range`` moves the bytes inside the kernel where it can.
+    """
+    with open(src, "rb") as f:
+        src_fd = f.fileno()
+        size = os.fstat(src_fd).st_size
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+        try:
+            kernel = [hasattr(os, "copy_file_range") and not _plain_copy_only()]
+            written = 0
+            for start, end in _data_extents(src_fd, size):
+                _copy_extent(src_fd, dst_fd, start, end, progress, kernel)
+                written += end - start
+            os.ftruncate(dst_fd, size)  # a trailing hole
+            os.fsync(dst_fd)
+        finally:
+            os.close(dst_fd)
+    if progress is not None:
+        progress.update(size - written)
+    return written
+
+
+def copy_file(src: os.PathLike | str, dst: os.PathLike | str, *, progress: Any = None) -> CopyStats:
+    """Create ``dst`` (which must not exist) with ``src``'s content: a clone, else a copy.
+
+    ``progress``: a tqdm-like object updated with bytes processed.
+    """
+    size = os.path.getsize(src)
+    if clone_file(src, dst):
+        if progress is not None:
+            progress.update(size)
+        return CopyStats(size, 0, True)
+    return CopyStats(size, copy_data(src, dst, progress=progress), False)
+
+
+def allocated_bytes(path: os.PathLike | str) -> int:
+    """Bytes ``path`` occupies on disk (less than its size when sparse)."""
+    st = os.stat(path)
+    blocks = getattr(st, "st_blocks", None)
+    return min(st.st_size, blocks * 512) if blocks is not None else st.st_size
+
+
+def free_bytes(folder: os.PathLike | str) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+# -- folders and single files -----------------------------------------------------------
+
+
+def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_writable_folder(folder: os.PathLike | str) -> None:
+    """Refuse, before any work, a folder (or the ancestor that would hold it) we cannot write."""
+    base = _nearest_existing(pathlib.Path(folder))
+    if not base.is_dir():
+        raise KvCacheError(f"{base} is not a folder, so nothing can be written in {os.path.abspath(folder)}.")
+    if not os.access(base, os.W_OK | os.X_OK):
+        read_only = hasattr(os, "statvfs") and os.statvfs(base).f_flag & getattr(os, "ST_RDONLY", 1)
+        why = "the file system is read-only" if read_only else "permission denied"
+        raise KvCacheError(f"Cannot write in {base} ({why}).")
+
+
+def make_dirs(folder: pathlib.Path) -> list[pathlib.Path]:
+    """Create ``folder`` and missing parents (umask mode); the ones created, outermost first."""
+    created: list[pathlib.Path] = []
+    missing = []
+    p = pathlib.Path(os.path.abspath(folder))
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o777)
+        except FileExistsError:
+            continue
+        created.append(d)
+    return created
+
+
+def remove_empty_dirs(created: list[pathlib.Path]) -> None:
+    """Undo :func:`make_dirs` where the folders are still empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def atomic_write_bytes(target: os.PathLike | str, data: bytes, *, like: os.stat_result | None = None) -> None:
+    """Write ``target`` through a temporary file, fsync and one rename.
+
+    Missing parent folders are created (and removed again on failure). ``like``: keep
+    that file's mode and owner; otherwise the umask decides.
+    """
+    target = pathlib.Path(target)
+    created = make_dirs(target.parent)
+    try:
+        sweep_stale(target.parent)
+        with TempFile(target.parent, like=like) as tmp:
+            tmp.write(data)
+            with uninterrupted(completes=True):
+                tmp.publish(target, replace=True)
+    except BaseException:
+        if not os.path.lexists(target):
+            remove_empty_dirs(created)
+        raise
+
+
+def atomic_write_text(target: os.PathLike | str, text: str) -> None:
+    atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def check_output_file(
+    path: os.PathLike | str,
+    *,
+    replaceable: Callable[[pathlib.Path], bool],
+    what: str,
+    inputs: Iterable[pathlib.Path] = (),
+) -> None:
+    """Refuse, before any work, an output path that would replace something it should not.
+
+    An existing ``path`` may be replaced only when it is a regular file that
+    ``replaceable`` accepts (e.g. a previous scale file) and none of ``inputs``.
+    """
+    path = pathlib.Path(path)
+    real = pathlib.Path(os.path.realpath(path))
+    for p in inputs:
+        if real == pathlib.Path(os.path.realpath(p)):
+            raise KvCacheError(f"{path} is one of the input's files; write the {what} elsewhere.")
+    if os.path.lexists(path):
+        if path.is_symlink():
+            raise KvCacheError(f"{path} is a symbolic link; refusing to replace it. Name another file.")
+        if path.is_dir():
+            raise KvCacheError(f"{path} is a folder; name the {what} file to write (e.g. {path}/out.json).")
+        if not path.is_file():
+            raise KvCacheError(f"{path} is not a regular file; refusing to replace it.")
+        try:
+            ok = replaceable(path)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise KvCacheError(
+                f"{path} exists and is not a {what}; refusing to replace it. Name another file."
+            )
+    check_writable_folder(path.parent)
