@@ -887,3 +887,24 @@ def test_a_killed_in_place_conversion_leaves_the_old_or_the_new_model(big_inline
             "tokenizer_config.json",
         ]
     assert stopped >= 1
+
+
+@pytest.mark.parametrize(("qmax", "fmt"), [(448.0, "fp8"), (128.0, "int8"), (8.0, "int4")])
+def test_the_format_defaults_to_the_one_the_scales_were_made_for(tmp_path, qmax, fmt):
+    path = tmp_path / "model.onnx"
+    ir.save(build_decoder(num_layers=2, dtype="float16"), path)
+    scales = tmp_path / "s.json"
+    scales.write_text(
+        json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": qmax})
+    )
+    result = convert_model(path, tmp_path / "out.onnx", scales=scales)
+    assert result.format == fmt
+    assert KvCacheRunner(result.model_file).bindings[0].format.name == fmt
+
+
+@pytest.mark.parametrize(("ep", "share"), [("cuda", True), ("cpu", False), ("openvino", False)])
+def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, share):
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300, dtype="float16")
+    out = tmp_path / ep
+    convert_model(folder, out, format="int8", scales={0: (0.1, 0.05), 1: (0.1, 0.05)}, ep=ep)
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is share

@@ -40,7 +40,7 @@ def test_fp8_on_cuda_for_a_fp16_model():
     ("kwargs", "reason"),
     [
         ({"execution_provider": "cuda", "fp8_kv_cache": True}, "takes queries of"),  # float32 model
-        ({"execution_provider": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for a fp8"),
+        ({"execution_provider": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for an fp8"),
         ({"execution_provider": "webgpu", "kv_cache_format": "int8"}, "no GroupQueryAttention kernel"),
     ],
 )

@@ -59,6 +59,9 @@ class EpCapabilities:
     """Takes q/k norm weights (GQA inputs 14/15, Qwen3-style)."""
     runtime: str = "onnxruntime"
     """The package that runs it: ``onnxruntime`` (an execution provider) or ``openvino``."""
+    share_buffer: bool = False
+    """A quantized cache's past and present can share one buffer (onnxruntime-genai's
+    ``search.past_present_share_buffer``, which the model builder sets for CUDA only)."""
 
 
 _CPU_T = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
@@ -85,6 +88,7 @@ EP_CAPABILITIES: dict[str, EpCapabilities] = {
             },
             "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
             qk_norm=True,
+            share_buffer=True,
         ),
         EpCapabilities(
             "dml", "DmlExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}
@@ -190,11 +194,17 @@ def check_kv_cache_support(
     reasons: list[str] = []
     support = row.formats.get(fmt.name)
     label = row.name if row.name != "default" else repr(ep)
-    if support is None:
+    if row.name == "default":
+        known = ", ".join(n for n in EP_CAPABILITIES if n != "default")
+        reasons.append(
+            f"{ep!r} is not in the capability table (known: {known}; `openvino` is OpenVINO's own "
+            "runtime, not onnxruntime's OpenVINO provider), so no quantized cache is known to run there."
+        )
+    elif support is None:
         runs = ", ".join(row.formats) or "none"
         others = [n for n, r in EP_CAPABILITIES.items() if fmt.name in r.formats]
         reasons.append(
-            f"{label} has no GroupQueryAttention kernel for a {fmt.name} cache (its quantized "
+            f"{label} has no GroupQueryAttention kernel for an {fmt.name} cache (its quantized "
             f"caches: {runs}); {fmt.name} runs on {', '.join(others) or 'no provider'}."
         )
     else:
@@ -203,14 +213,14 @@ def check_kv_cache_support(
         version = runtime_version if runtime_version is not None else installed_version(row.runtime)
         if version is not None and _version_tuple(version) < _version_tuple(support.min_version):
             reasons.append(
-                f"{row.runtime} {version} is too old: a {fmt.name} cache on {label} needs "
-                f"{row.runtime} >= {support.min_version}; upgrade it."
+                f"{row.runtime} {version} predates {support.min_version}, the first {row.runtime} known "
+                f"to run an {fmt.name} cache on {label}; upgrade it."
             )
         need = support.min_compute_capability
         if need is not None and compute_capability is not None and tuple(compute_capability) < need:
             reasons.append(
                 f"The GPU's compute capability {compute_capability[0]}.{compute_capability[1]} is "
-                f"below {need[0]}.{need[1]}, which a {fmt.name} cache on {label} needs; use int8 "
+                f"below {need[0]}.{need[1]}, which an {fmt.name} cache on {label} needs; use int8 "
                 "or int4 on this GPU."
             )
     if model is not None:

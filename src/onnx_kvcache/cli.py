@@ -59,7 +59,13 @@ _NON_NEGATIVE = _bounded(int, 0)
 
 
 def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
-    p.add_argument("--format", default="fp8", choices=list(CACHE_FORMATS), help="cache format")
+    p.add_argument(
+        "--format",
+        default=None if granularity is None else "fp8",
+        choices=list(CACHE_FORMATS),
+        help="cache format"
+        + (" (default: the scale file's, else fp8)" if granularity is None else " (default: fp8)"),
+    )
     p.add_argument(
         "--granularity",
         default=granularity,
@@ -130,7 +136,7 @@ def _convert(args: argparse.Namespace) -> int:
     if result.target and result.target_source != "--ep":
         target += f" ({result.target_source}; --ep to choose)"
     print(
-        f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} {result.granularity}"
+        f"converted {result.nodes} GroupQueryAttention node(s) to {result.format} {result.granularity}"
         f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - start:.2f}s"
     )

@@ -633,9 +633,12 @@ def _serialize(model: ir.Model, names: dict[str, str] | None = None) -> bytes:
 
 
 def _genai_config_for(config: dict[str, Any], ep: str) -> dict[str, Any]:
-    """A copy of ``config`` for a quantized cache on ``ep``: CPU cannot share past/present."""
+    """A copy of ``config`` for a quantized cache on ``ep``: past/present share a buffer
+    only where the capability table says so (CUDA)."""
+    from onnx_kvcache.capabilities import get_capabilities
+
     config = json.loads(json.dumps(config))
-    config.setdefault("search", {})["past_present_share_buffer"] = ep != "cpu"
+    config.setdefault("search", {})["past_present_share_buffer"] = get_capabilities(ep).share_buffer
     return config
 
 
@@ -666,6 +669,7 @@ class ConvertResult:
     model_file: pathlib.Path
     nodes: int
     granularity: str = "per_tensor"
+    format: str = "fp8"
     bytes_written: int = 0
     """Everything written: graph, config, copied data and other files."""
     converted: bool = True
@@ -714,7 +718,7 @@ def convert_model(
     in_path: str | os.PathLike,
     out_path: str | os.PathLike | None = None,
     *,
-    format: str = "fp8",
+    format: str | None = None,
     granularity: str | None = None,
     scales: Any = None,
     shared_kv_scale: bool = False,
@@ -742,11 +746,13 @@ def convert_model(
     a float32 model through emulation). A model without GroupQueryAttention is first
     fused (onnxscript); without any after fusion it is not converted. A genai folder's
     ``search.past_present_share_buffer`` follows the target. ``granularity`` defaults
-    to the scales' own, else per tensor. ``follow_symlinks`` accepts input files that
+    to the scales' own, else per tensor; ``format`` to the format the scales were made for
+    (their ``format``, else their ``qmax``), else fp8. ``follow_symlinks`` accepts input files that
     link out of the model's folder (Hugging Face cache snapshots); their content is
     copied. ``progress``: a progress bar for copies (default: on a terminal).
     """
-    fmt = get_format(format)
+    scales = as_kv_cache_scales(scales)
+    fmt = get_format(format or (scales.implied_format if scales is not None else None) or "fp8")
     scales = as_kv_cache_scales(scales, format=fmt.name)
     if granularity is None:
         granularity = scales.granularity if scales is not None else "per_tensor"
@@ -759,7 +765,7 @@ def convert_model(
         file_io.check_writable_folder(source.config_path.parent)
 
     model = source.model
-    result = ConvertResult(plan.out, source.graph, 0, granularity, placement=plan.placement)
+    result = ConvertResult(plan.out, source.graph, 0, granularity, fmt.name, placement=plan.placement)
     if not find_gqa_sites(model, with_cache_only=False):
         AttentionFusionPass()(model)  # reads no weights, unlike onnxscript's fusions
         # then everything optimize_model fuses (onnxscript's fusions read weights)

@@ -30,7 +30,7 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.formats import get_format
+from onnx_kvcache.formats import CACHE_FORMATS, get_format
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 
@@ -119,6 +119,15 @@ class KvCacheScales:
         """``per_tensor`` when every scale has one element, else ``per_channel``."""
         sizes = {a.size for a in (*self.k.values(), *self.v.values())}
         return "per_tensor" if sizes <= {1} else "per_channel"
+
+    @property
+    def implied_format(self) -> str | None:
+        """The format these scales were made for: their ``format``, else the one row whose
+        ``qmax`` they record (448 fp8, 128 int8, 8 int4), else None."""
+        if self.format is not None:
+            return self.format
+        rows = [row.name for row in CACHE_FORMATS.values() if row.qmax == self.qmax]
+        return rows[0] if len(rows) == 1 else None
 
     def for_layer(self, layer_id: int) -> tuple[np.ndarray, np.ndarray]:
         """``(k, v)`` float32 scale arrays of ``layer_id``."""
