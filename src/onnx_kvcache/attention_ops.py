@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Literal
 
 import onnx_ir as ir
@@ -236,7 +235,16 @@ PAGED = AttentionOp(
     layout=PAGED_BLOCKS,
     channel_scale="heads",
     bit_width_attr=None,
-    t_inputs=("query", "key", "value", "cos_cache", "sin_cache", "head_sink", "q_norm_weight", "k_norm_weight"),
+    t_inputs=(
+        "query",
+        "key",
+        "value",
+        "cos_cache",
+        "sin_cache",
+        "head_sink",
+        "q_norm_weight",
+        "k_norm_weight",
+    ),
     query_rank=2,
     single_cache=("kv_cache_layout", "LATENT"),
     since="1.30",
