@@ -89,8 +89,9 @@ def _convert(args: argparse.Namespace) -> int:
         return 1
     links = f", {len(result.linked)} data file(s) linked" if result.linked else ""
     copies = f", {len(result.copied)} copied" if result.copied else ""
+    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     print(
-        f"converted {result.nodes} GroupQueryAttention node(s) to {args.format} "
+        f"converted {nodes} to {args.format} "
         f"{result.granularity}: {result.model_file} ({result.bytes_written} bytes written"
         f"{links}{copies}) in {time.perf_counter() - start:.2f}s"
     )
@@ -119,7 +120,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     if not info.layers:
-        print("no GroupQueryAttention node with a KV cache")
+        print("no GroupQueryAttention or PagedAttention node with a KV cache")
         return 0
     print(format_cache_table(info, args.context, args.batch))
     if diagnostics is not None:
@@ -188,7 +189,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="onnx-kvcache", description="Quantize the KV cache of ONNX GroupQueryAttention decoders."
+        prog="onnx-kvcache",
+        description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

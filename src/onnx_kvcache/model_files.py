@@ -32,9 +32,10 @@ from typing import Any, Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import get_format
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.scales import as_kv_cache_scales
 
@@ -178,6 +179,8 @@ class ConvertResult:
     copied: list[str] = dataclasses.field(default_factory=list)
     converted: bool = True
     reasons: list[str] = dataclasses.field(default_factory=list)
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Converted nodes per operator (``{"PagedAttention": 32}``)."""
 
 
 def _place_file(src: pathlib.Path, dst: pathlib.Path, mode: WeightsMode, result: ConvertResult) -> None:
@@ -227,9 +230,10 @@ def convert_model(
     Weights are never read. ``ep`` is where the model will run: when given, gating
     checks it and, when the request cannot run there, nothing is written and the
     result says why (``strict`` raises instead). A genai folder's
-    ``search.past_present_share_buffer`` follows it (default: ``cuda`` for fp8,
-    ``cpu`` otherwise). ``granularity`` defaults to the scales' own (per channel when they
-    have one element per channel), else per tensor.
+    ``search.past_present_share_buffer`` follows it (default: ``cuda`` for fp8 and for
+    operators without a CPU kernel (PagedAttention), ``cpu`` otherwise). ``granularity``
+    defaults to the scales' own (per channel when they have one element per channel), else
+    per tensor.
     """
     fmt = get_format(format)
     scales = as_kv_cache_scales(scales, format=fmt.name)
@@ -254,10 +258,10 @@ def convert_model(
             raise KvCacheError(f"Output {dst} exists; pass --overwrite to replace it.")
         if is_folder and dst.exists() and not dst.is_dir():
             raise KvCacheError(f"Input {src} is a folder, so output {dst} must be a folder.")
-    target = (ep or ("cuda" if fmt.name == "fp8" else "cpu")).lower()
-
     model = load_model(model_file)
     data_files = external_data_files(model, model_file.parent)
+    cpu_runs_it = all(get_capabilities("cpu", s.op).has_kernel for s in find_attention_sites(model))
+    target = (ep or ("cuda" if fmt.name == "fp8" or not cpu_runs_it else "cpu")).lower()
     model, report = optimize_model(
         model,
         execution_provider=ep.lower() if ep else None,
@@ -275,7 +279,10 @@ def convert_model(
     )
     if not report.supported:
         return result
-    result.nodes = sum(1 for s in find_gqa_sites(model) if s.str_attr("k_quant_type", "NONE") != "NONE")
+    for site in find_attention_sites(model):
+        if site.cache_format is not None:
+            result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
+    result.nodes = sum(result.ops.values())
     data = _serialize(model)
 
     if is_folder:
