@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import COS_CACHE, find_gqa_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -45,23 +45,27 @@ METHODS = ("minmax", "percentile", "mse")
 _TINY = float(np.finfo(np.float32).tiny)
 
 
-def rope_pair_norm(x: np.ndarray, *, interleaved: bool, rotary_dim: int | None = None) -> np.ndarray:
-    """``|x|`` with each RoPE pair replaced by its norm (last axis = head dim)."""
+def rope_pair_norm(
+    x: np.ndarray, *, interleaved: bool, rotary_dim: int | None = None, rotary_offset: int = 0
+) -> np.ndarray:
+    """``|x|`` with each RoPE pair replaced by its norm (last axis = head dim); RoPE covers
+    channels ``[rotary_offset, rotary_offset + rotary_dim)`` (PagedAttention's offset RoPE)."""
     x = np.abs(np.asarray(x, np.float32))
     head = x.shape[-1]
-    rot = min(rotary_dim or head, head)
+    start = min(rotary_offset, head)
+    rot = min(rotary_dim or head - start, head - start)
     out = x.copy()
     if interleaved:
-        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        a, b = x[..., start : start + rot : 2], x[..., start + 1 : start + rot : 2]
         norm = np.sqrt(a * a + b * b)
-        out[..., 0:rot:2] = norm
-        out[..., 1:rot:2] = norm
+        out[..., start : start + rot : 2] = norm
+        out[..., start + 1 : start + rot : 2] = norm
     else:
         half = rot // 2
-        a, b = x[..., :half], x[..., half : 2 * half]
+        a, b = x[..., start : start + half], x[..., start + half : start + 2 * half]
         norm = np.sqrt(a * a + b * b)
-        out[..., :half] = norm
-        out[..., half : 2 * half] = norm
+        out[..., start : start + half] = norm
+        out[..., start + half : start + 2 * half] = norm
     return out
 
 
@@ -201,7 +205,7 @@ def calibrate_kv_cache(
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
-        raise KvCacheError("The model has no GroupQueryAttention KV cache to calibrate.")
+        raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
     loaded = load_token_windows(
         data,
         model=model,
@@ -223,7 +227,7 @@ def calibrate_kv_cache(
             stacklevel=2,
         )
     windows = loaded.windows
-    sites = {s.layer_id: s for s in find_gqa_sites(runner.source_model)}
+    sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
@@ -238,7 +242,7 @@ def calibrate_kv_cache(
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
-            x = b.values(runner.cache_array(b.past))[0]  # [kv, S, hd]
+            x = runner.cache_values(b.layer_id, b.kind)[0]  # [kv, S, hd]
             x = x[:, : b.resident_rows(len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
@@ -251,6 +255,7 @@ def calibrate_kv_cache(
                     x,
                     interleaved=bool(site.int_attr("rotary_interleaved")),
                     rotary_dim=_rotary_dim(site),
+                    rotary_offset=site.int_attr("rotary_offset", 0),
                 )
             rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
@@ -261,7 +266,8 @@ def calibrate_kv_cache(
     for layer in sorted({k[0] for k in reservoirs}):
         result = {}
         for kind in ("key", "value"):
-            res = reservoirs[(layer, kind)]
+            # a single (LATENT) cache: V is read from the key cache, with the key's scale
+            res = reservoirs.get((layer, kind)) or reservoirs[(layer, "key")]
             thr = _thresholds(res, method, percentile, fmt, granularity)
             scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
             result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
@@ -318,7 +324,7 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
 
 
 def _rotary_dim(site: Any) -> int | None:
-    cos = site.input(COS_CACHE)
+    cos = site.input("cos_cache")
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
     return None
