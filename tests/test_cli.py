@@ -165,3 +165,40 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
     assert main([*argv, "--semantics", "cpu"]) == 0
     cpu = "cpu (emulated on CPU)" if fmt == "fp8" else "cpu (onnxruntime CPU kernel)"
     assert f"kernel rule           {cpu}" in capsys.readouterr().out
+
+
+def test_paged_genai_folder_converts_inspects_and_gates(tmp_path, capsys):
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "paged", num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [[0.02] * 64] * 2, "v_scales": [[0.01] * 64] * 2}}))
+    out = tmp_path / "paged-int8"
+    assert main(["convert", str(folder), str(out), "--format", "int8", "--scales", str(scales)]) == 0
+    assert "converted 2 PagedAttention node(s) to int8 per_channel" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--ep", "cuda"]) == 0
+    text = capsys.readouterr().out
+    assert "PagedAttention: cache [num_blocks, block_size, kv_num_heads, head_size]" in text
+    assert "PER_CHANNEL/PER_CHANNEL" in text and "head size 32 is not one of (64, 128, 256)" in text
+    assert (
+        main(
+            [
+                "convert",
+                str(folder),
+                str(tmp_path / "cpu"),
+                "--format",
+                "int8",
+                "--scales",
+                str(scales),
+                "--ep",
+                "cpu",
+            ]
+        )
+        == 1
+    )
+    assert "cpu has no PagedAttention kernel" in capsys.readouterr().err
+    assert not (tmp_path / "cpu").exists()
+    assert (
+        main(["convert", str(folder), str(tmp_path / "i4"), "--format", "int4", "--scales", str(scales)]) == 0
+    )
+    assert "int4 KV-cache option" in capsys.readouterr().err
