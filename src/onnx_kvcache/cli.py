@@ -1,4 +1,4 @@
-"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, demo.
+"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
 
 Bad input prints one line to stderr and exits 2; no traceback.
 """
@@ -180,6 +180,21 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from onnx_kvcache.doctor import run_doctor
+
+    report = run_doctor(args.provider)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.format_table())
+    for problem in report.disagreements:
+        print(
+            f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
+        )
+    return 1 if report.disagreements else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache.demo import run_demo
 
@@ -270,6 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG (per-layer error, KL per position); needs matplotlib")
     p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser(
+        "doctor", help="check the capability table against the installed onnxruntime (exit 1 on disagreement)"
+    )
+    p.add_argument(
+        "--provider",
+        action="append",
+        help="onnxruntime provider to create sessions on (repeatable; default: every one listed)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_doctor)
 
     p = sub.add_parser("demo", help="convert and evaluate the bundled decoder")
     p.add_argument("--keep", help="keep the demo models in this folder")
