@@ -152,7 +152,8 @@ def test_latent_cache_gets_the_key_side_only(fmt, granularity):
     )
     n = 1 if granularity == "per_tensor" else HEAD
     scales = {i: (np.full(n, 0.03, np.float32), np.full(n, 0.5, np.float32)) for i in range(LAYERS)}
-    KvCacheQuantizationPass(fmt, granularity, scales)(model)
+    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\] keep one \(LATENT\) cache.*V scales"):
+        KvCacheQuantizationPass(fmt, granularity, scales)(model)
     row = get_format(fmt)
     for site in find_attention_sites(model):
         node = site.node
@@ -255,3 +256,26 @@ def test_mixed_model_converts_both_operators():
     KvCacheQuantizationPass("int8", "per_channel", scales)(gqa)
     shapes = {s.op.op_type: s.node.inputs[s.op.slot("k_scale")].shape for s in find_attention_sites(gqa)}
     assert shapes == {"GroupQueryAttention": ir.Shape([64]), "PagedAttention": ir.Shape([KV, 1, 16])}
+
+
+@pytest.mark.parametrize(
+    ("granularity", "size", "hint"),
+    [
+        ("per_channel", 1, "These scales are per tensor"),
+        ("per_tensor", KV * HEAD, "These scales are per channel"),
+        ("per_channel", 2 * KV * HEAD, "another shape: calibrate this model"),
+    ],
+)
+def test_scale_size_errors_say_what_is_wrong(granularity, size, hint):
+    scales = {i: (np.full(size, 0.1), np.full(size, 0.1)) for i in range(LAYERS)}
+    with pytest.raises(KvCacheError, match=hint):
+        KvCacheQuantizationPass("int8", granularity, scales)(paged_decoder())
+
+
+def test_latent_scales_from_a_two_cache_model_are_refused_by_size():
+    model = build_decoder(num_layers=LAYERS, vocab_size=300, paged=True, latent=True, head_size=HEAD)
+    scales = {i: (np.full(KV * HEAD, 0.1), np.full(KV * HEAD, 0.1)) for i in range(LAYERS)}
+    with pytest.raises(
+        KvCacheError, match=r"need 32 element\(s\) per cache \(kv_num_heads 1 x head_size 32\)"
+    ):
+        KvCacheQuantizationPass("int8", "per_channel", scales)(model)

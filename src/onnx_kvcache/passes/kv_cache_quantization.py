@@ -131,6 +131,23 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                     stacklevel=2,
                 )
         self._check_coverage(plans, scales)
+        unused = sorted(
+            {
+                p.site.layer_id
+                for p in plans
+                if p.site.single_cache
+                and p.k_scale is not None
+                and p.v_scale is not None
+                and not np.array_equal(p.k_scale, p.v_scale)
+            }
+        )
+        if scales is not None and unused:
+            warnings.warn(
+                f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
+                "the V scales given for them are not used.",
+                KvCacheWarning,
+                stacklevel=2,
+            )
         if scales is None and any(not p.done for p in plans):
             warnings.warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
@@ -224,12 +241,19 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         if site.layer_id not in scales.k:
             return _Plan(site, done, sources, sinks, None, None, head)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
-        expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * (head or 0)
+        per_tensor = self.granularity == "per_tensor"
+        expected = 1 if per_tensor else site.kv_num_heads * (head or 0)
         if k.size != expected:
+            shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
+            if not per_tensor and k.size == 1:
+                hint = "These scales are per tensor: convert per_tensor (--granularity per_tensor)."
+            elif per_tensor:
+                hint = "These scales are per channel: convert per_channel (--granularity per_channel)."
+            else:
+                hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCacheError(
-                f"Layer {site.layer_id} ({site.name}): {self.granularity} scales need "
-                f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
-                "granularity (per channel: kv_num_heads * head_size)."
+                f"Layer {site.layer_id} ({site.label}): {self.granularity} scales need "
+                f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
             )
         return _Plan(site, done, sources, sinks, k, v, head)
 
