@@ -82,9 +82,7 @@ class AttentionOp:
             ``heads`` (``(kv_num_heads, 1, head_size)``).
         bit_width_attr: Attribute holding the cache's bit width, if the operator has one.
         t_inputs: Inputs typed like the query (T), to read the node's dtype from.
-        packed_query_rank: Rank of the query input (3: ``[B, S, H*D]``, 2: ``[T, H*D]``).
         single_cache: ``(attribute, value)`` selecting a layout with one cache (the key side).
-        since: First onnxruntime whose schema has the quantized-cache inputs of this row.
     """
 
     name: str
@@ -97,9 +95,7 @@ class AttentionOp:
     channel_scale: Literal["flat", "heads"]
     bit_width_attr: str | None
     t_inputs: tuple[str, ...]
-    query_rank: int
     single_cache: tuple[str, str] | None = None
-    since: str = ""
 
     def slot(self, name: str) -> int:
         """Input slot of the schema input ``name``."""
@@ -200,8 +196,6 @@ GQA = AttentionOp(
         "q_norm_weight",
         "k_norm_weight",
     ),
-    query_rank=3,
-    since="1.25",
 )
 
 PAGED = AttentionOp(
@@ -245,9 +239,7 @@ PAGED = AttentionOp(
         "q_norm_weight",
         "k_norm_weight",
     ),
-    query_rank=2,
     single_cache=("kv_cache_layout", "LATENT"),
-    since="1.30",
 )
 
 #: Every operator the library handles, by op type.

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, PAGED, AttentionOp
+from onnx_kvcache.attention_ops import ATTENTION_OPS, PAGED, AttentionOp
 from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheWarning
@@ -349,7 +349,7 @@ def _table_cell(row: EpCapabilities, fmt: str | None, granularity: str) -> tuple
     return cell, True
 
 
-def _query_dtype(row: EpCapabilities, op: AttentionOp) -> ir.DataType:
+def _query_dtype(row: EpCapabilities) -> ir.DataType:
     """A query dtype the provider takes (fp16 first), else the schema's first (fp16)."""
     if ir.DataType.FLOAT16 in row.query_dtypes or not row.query_dtypes:
         return ir.DataType.FLOAT16
@@ -383,7 +383,7 @@ def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
         for row in CAPABILITIES[op.op_type].values():
             if row.runtime != "onnxruntime" or not row.provider:
                 continue
-            dtype = _query_dtype(row, op)
+            dtype = _query_dtype(row)
             on_here = row.provider in present
             caches: list[tuple[str | None, str]] = [(None, "per_tensor")]
             caches += [(f, g) for f in CACHE_FORMATS for g in GRANULARITIES]
@@ -425,7 +425,3 @@ def _verdict(
         outcome = f"NOT_IMPLEMENTED only ({t}): types resolve, no kernel"
         verdict = "disagrees" if runs else "proven"
     return ProbeResult(op.op_type, row.name, label, table, outcome, verdict)
-
-
-#: Operators the doctor probes, for documentation.
-PROBED = (GQA.op_type, PAGED.op_type)

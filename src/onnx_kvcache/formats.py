@@ -32,7 +32,7 @@ GRANULARITIES: dict[str, str] = {"per_tensor": "PER_TENSOR", "per_channel": "PER
 
 @dataclasses.dataclass(frozen=True)
 class CacheFormat:
-    """One quantized KV-cache storage format of GroupQueryAttention.
+    """One quantized KV-cache storage format (GroupQueryAttention and PagedAttention share them).
 
     Attributes:
         name: Public name (``fp8``, ``int8``, ``int4``).

@@ -129,7 +129,7 @@ class _Rewrite:
         q, k, v = self._qkv()
         step = self._step()
         if site.int_attr("do_rotary"):
-            q, k = self._rotary(q, step), self._rotary(k, step, heads=self.kv)
+            q, k = self._rotary(q, step), self._rotary(k, step)
         pool = _required(site, site.op.key.past)
         blocks = b.op("Shape", [pool], start=0, end=1)
         block_size = b.op("Shape", [pool], start=1, end=2)
@@ -191,7 +191,7 @@ class _Rewrite:
             self.steps[key] = _Step(self.b, site, _required(site, "query"))
         return self.steps[key]
 
-    def _rotary(self, x: ir.Value, step: _Step, heads: int | None = None) -> ir.Value:
+    def _rotary(self, x: ir.Value, step: _Step) -> ir.Value:
         site, b = self.site, self.b
         cos, sin = _required(site, "cos_cache"), _required(site, "sin_cache")
         if cos.shape is None or not isinstance(cos.shape[-1], int):
