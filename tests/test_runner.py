@@ -288,3 +288,13 @@ def test_paged_lengths_must_be_graph_inputs():
 def test_forward_packed_needs_a_paged_decoder():
     with pytest.raises(KvCacheError, match="paged decoder"):
         KvCacheRunner(model_for(None)).forward_packed([[1, 2]])
+
+
+def test_layers_with_their_own_block_table_are_refused():
+    _, paged = paged_pair(None)
+    windowed = ir.val("block_table_windowed", ir.DataType.INT32, ["batch_size", "max_num_blocks_windowed"])
+    paged.graph.inputs.append(windowed)
+    node = [n for n in paged.graph if n.op_type == "PagedAttention"][1]
+    node.replace_input_with(7, windowed)
+    with pytest.raises(KvCacheError, match="windowed paged layers"):
+        KvCacheRunner(paged)

@@ -268,7 +268,13 @@ def _paged_feeds(model: ir.Model) -> dict[str, str]:
                     "the runner feeds paged decoders whose lengths and block table are graph inputs "
                     "(onnxruntime-genai's layout)."
                 )
-            names[role] = value.name  # type: ignore[assignment]
+            if names.setdefault(role, value.name) != value.name:  # type: ignore[arg-type]
+                raise KvCacheError(
+                    f"{site.label} reads its {role} from {value.name!r}, other layers from "
+                    f"{names[role]!r}: layers with their own tables (genai's windowed paged layers, "
+                    "block_table_windowed) are not run by the runner; build the model with full-size "
+                    "paged caches."
+                )
     return names
 
 
