@@ -183,3 +183,110 @@ def decoder():
     from onnx_kvcache.demo_model import build_decoder
 
     return build_decoder(num_layers=2, vocab_size=300)
+
+
+def paged_model(
+    *,
+    num_heads: int = 4,
+    kv_heads: int = 2,
+    head: int = 16,
+    dtype: ir.DataType = ir.DataType.FLOAT,
+    rotary: bool = True,
+    interleaved: bool = False,
+    qk_norm: bool = False,
+    packed_qkv: bool = False,
+    latent: bool = False,
+    v_head: int | None = None,
+    slot_mapping: bool = False,
+    head_sink: bool = False,
+    layers: int = 1,
+    max_pos: int = 256,
+    attributes: dict | None = None,
+    seed: int = 0,
+) -> ir.Model:
+    """``layers`` PagedAttention nodes whose q/k/v are graph inputs, genai's cache names.
+
+    The block pool is ``[num_blocks, block_size, kv, head]`` with both leading dims symbolic;
+    ``latent`` builds the single-cache LATENT layout (``kv_heads`` must be 1) whose V is the
+    leading ``v_head`` channels and whose rotary channels are the last ``head - v_head``.
+    """
+    rng = np.random.default_rng(seed)
+    np_dtype = dtype.numpy()
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, "com.microsoft": 1}, name="paged")
+    i32 = ir.DataType.INT32
+    cu = ir.val("cumulative_sequence_lengths", i32, ["batch_size + 1"])
+    past = ir.val("past_sequence_lengths", i32, ["batch_size"])
+    table = ir.val("block_table", i32, ["batch_size", "max_num_blocks"])
+    metadata = ir.val("attention_metadata", i32, [3])
+    slots = ir.val("slot_mapping", i32, ["num_tokens"]) if slot_mapping else None
+    rot = (head - v_head) if latent and v_head else head
+    inv = 1.0 / (10000 ** (np.arange(0, rot, 2) / rot))
+    angles = np.outer(np.arange(max_pos), inv)
+    cos = ir.Value(name="cos_cache", const_value=ir.tensor(np.cos(angles).astype(np_dtype), name="cos_cache"))
+    sin = ir.Value(name="sin_cache", const_value=ir.tensor(np.sin(angles).astype(np_dtype), name="sin_cache"))
+    for init in (cos, sin):
+        init.dtype, init.shape = dtype, ir.Shape([max_pos, rot // 2])
+        graph.register_initializer(init)
+    dv = v_head or head
+    for i in range(layers):
+        if packed_qkv:
+            q = ir.val(f"qkv.{i}", dtype, ["num_tokens", (num_heads + 2 * kv_heads) * head])
+            k = v = None
+            graph.inputs.append(q)
+        else:
+            q = ir.val(f"query.{i}", dtype, ["num_tokens", num_heads * head])
+            k = ir.val(f"key.{i}", dtype, ["num_tokens", kv_heads * head])
+            graph.inputs.extend([q, k])
+            v = None
+            if not latent:
+                v = ir.val(f"value.{i}", dtype, ["num_tokens", kv_heads * head])
+                graph.inputs.append(v)
+        shape = ["num_blocks", "block_size", kv_heads, head]
+        pk = ir.val(f"past_key_values.{i}.key", dtype, shape)
+        pv = None if latent else ir.val(f"past_key_values.{i}.value", dtype, shape)
+        graph.inputs.extend([x for x in (pk, pv) if x is not None])
+        inputs = [q, k, v, pk, pv, cu, past, table]
+        inputs += [cos, sin] if rotary else [None, None]
+        inputs.append(slots)
+        sink = None
+        if head_sink:
+            sink = ir.Value(
+                name=f"sink.{i}", const_value=ir.tensor(rng.standard_normal(num_heads).astype(np_dtype))
+            )
+            sink.dtype, sink.shape = dtype, ir.Shape([num_heads])
+            graph.register_initializer(sink)
+        inputs.append(sink)
+        norms = [None, None]
+        if qk_norm:
+            norms = []
+            for name in ("q_norm", "k_norm"):
+                w = ir.Value(
+                    name=f"{name}.{i}",
+                    const_value=ir.tensor((1 + 0.1 * rng.standard_normal(head)).astype(np_dtype)),
+                )
+                w.dtype, w.shape = dtype, ir.Shape([head])
+                graph.register_initializer(w)
+                norms.append(w)
+        inputs += [*norms, None, None, metadata]
+        attrs = {"num_heads": num_heads, "kv_num_heads": kv_heads, "do_rotary": int(rotary)}
+        attrs["rotary_interleaved"] = int(interleaved)
+        if latent:
+            attrs |= {"kv_cache_layout": "LATENT", "v_head_size": dv, "rotary_offset": head - rot}
+            attrs["scale"] = float(1 / np.sqrt(head))
+        attrs |= attributes or {}
+        outputs = [ir.val(f"output.{i}", dtype, ["num_tokens", num_heads * dv])]
+        outputs.append(ir.val(f"present.{i}.key", dtype, shape))
+        if not latent:
+            outputs.append(ir.val(f"present.{i}.value", dtype, shape))
+        node = ir.Node(
+            "com.microsoft",
+            "PagedAttention",
+            inputs,
+            attributes=ir.convenience.convert_attributes(attrs),
+            outputs=outputs,
+            name=f"paged.{i}",
+        )
+        graph.append(node)
+        graph.outputs.extend(outputs)
+    graph.inputs.extend([x for x in (cu, past, table, slots, metadata) if x is not None])
+    return ir.Model(graph, ir_version=10)

@@ -407,3 +407,37 @@ def test_envelope_covers_rotary_applied_outside_gqa(data):
             np.all(scales.k[layer] >= raw.k[layer] * (1 - 1e-6))
             and scales.k[layer].max() > raw.k[layer].max()
         )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "granularity", "method"), [("int8", "per_channel", "minmax"), ("fp8", "per_tensor", "percentile")]
+)
+def test_paged_decoder_calibrates_like_its_gqa_twin(data, fmt, granularity, method):
+    """Same weights, one through the PagedAttention CPU reference: the same scales."""
+    kwargs = {"format": fmt, "granularity": granularity, "method": method, "progress": False, "min_tokens": 0}
+    gqa = calibrate_kv_cache(build_decoder(num_layers=LAYERS, vocab_size=300), data, **kwargs)
+    paged = calibrate_kv_cache(build_decoder(num_layers=LAYERS, vocab_size=300, paged=True), data, **kwargs)
+    assert paged.layer_ids == gqa.layer_ids
+    for layer in gqa.layer_ids:
+        for got, want in zip(paged.for_layer(layer), gqa.for_layer(layer)):
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_latent_cache_calibrates_one_scale_for_k_and_v(data):
+    model = build_decoder(num_layers=LAYERS, vocab_size=300, paged=True, latent=True, head_size=HEAD)
+    scales = calibrate_kv_cache(
+        model, data, format="int8", granularity="per_channel", progress=False, min_tokens=0
+    )
+    for layer in scales.layer_ids:
+        k, v = scales.for_layer(layer)
+        assert k.size == HEAD  # kv_num_heads is 1
+        np.testing.assert_array_equal(k, v)
+    KvCacheQuantizationPass("int8", "per_channel", scales)(model)  # the scales fit the model
+
+
+def test_rope_envelope_covers_an_offset_rotary_range():
+    x = np.zeros((1, 1, 32), np.float32)
+    x[..., 24], x[..., 28] = 3.0, 4.0  # a RoPE pair at offset 24, rotary dim 8 (half 4)
+    x[..., 0] = -2.0  # not rotated: copied through
+    out = rope_pair_norm(x, interleaved=False, rotary_dim=8, rotary_offset=24)
+    assert out[..., 24] == out[..., 28] == 5.0 and out[..., 0] == 2.0 and out[..., 25] == 0.0

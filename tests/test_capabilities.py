@@ -9,9 +9,9 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, check_kv_cache_support, fast_path_diagnostics
-from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
+from onnx_kvcache.capabilities import EP_CAPABILITIES, PAGED_CAPABILITIES, get_capabilities
 
-from conftest import gqa_model
+from conftest import gqa_model, paged_model
 
 F32, F16, BF16 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 
@@ -207,3 +207,109 @@ def test_the_target_is_inferred_from_config_cache_and_dtype(dtype, fmt, config, 
         None if config is None else {"model": {"decoder": {"session_options": {"provider_options": config}}}}
     )
     assert infer_target(model, genai) == want
+
+
+# -- PagedAttention --------------------------------------------------------------------
+
+
+def paged_expected_reasons(ep, fmt, dtype, ort):
+    """An independent statement of the issue's PagedAttention facts, as reason keywords."""
+    if ep == "someep":
+        return ["not in the capability table"]
+    if ep != "cuda" and ep != "webgpu":
+        return ["no PagedAttention kernel"]
+    if ep == "webgpu":
+        return ["no PagedAttention kernel for an"]
+    reasons = []
+    if tuple(map(int, ort.split("."))) < (1, 30):
+        reasons.append("predates")
+    if dtype == F32:
+        reasons.append("takes queries of")
+    return reasons
+
+
+PAGED_CASES = list(
+    itertools.product(
+        ["cpu", "cuda", "webgpu", "dml", "someep"],
+        ["fp8", "int8", "int4"],
+        [F32, F16, BF16],
+        ["1.29.1", "1.30.0"],
+        [None, (7, 5)],
+    )
+)
+
+
+@pytest.mark.parametrize(("ep", "fmt", "dtype", "ort", "cc"), PAGED_CASES)
+def test_paged_gating_rules(ep, fmt, dtype, ort, cc):
+    model = paged_model(dtype=dtype)
+    report = check_kv_cache_support(model, ep, fmt, "per_channel", runtime_version=ort, compute_capability=cc)
+    want = paged_expected_reasons(ep, fmt, dtype, ort)
+    assert report.supported == (not want), report.reasons
+    assert len(report.reasons) == len(want)
+    for keyword, reason in zip(want, report.reasons):
+        assert keyword in reason
+    # fp8 paged caches have no SM gate; only int4 warns (the build option)
+    assert bool(report.warnings) == (not want and fmt == "int4")
+
+
+def test_paged_rows_say_what_is_documented_only():
+    cuda = PAGED_CAPABILITIES["cuda"]
+    assert all(s.evidence == "documented" for s in cuda.formats.values())
+    assert "1.29" in cuda.formats["int8"].note and "1.29" in cuda.formats["fp8"].note
+    assert cuda.formats["fp8"].min_compute_capability is None
+    assert not PAGED_CAPABILITIES["cpu"].has_kernel
+    assert PAGED_CAPABILITIES["webgpu"].has_kernel and not PAGED_CAPABILITIES["webgpu"].formats
+    assert get_capabilities("CUDAExecutionProvider", "PagedAttention") is cuda
+
+
+def test_paged_int4_conversion_warns_about_the_build_option():
+    from onnx_kvcache import KvCacheWarning, optimize_model
+
+    for ep in ("cuda", None):
+        model = paged_model(dtype=F16)
+        with pytest.warns(KvCacheWarning, match="int4 KV-cache option"):
+            optimize_model(
+                model, execution_provider=ep, kv_cache_format="int4", kv_cache_scales={0: (0.1, 0.1)}
+            )
+        assert model.graph.inputs[3].dtype == ir.DataType.UINT8
+
+
+def test_paged_model_targets_cuda():
+    from onnx_kvcache.capabilities import infer_target
+
+    assert infer_target(paged_model(dtype=F16)) == (
+        "cuda",
+        "PagedAttention has no CPU kernel (CUDA runs its quantized caches)",
+    )
+    assert infer_target(paged_model(dtype=F32))[0] == "cuda"
+
+
+def paged_quantized(heads, kv, head, fmt="int8"):
+    model = paged_model(num_heads=heads, kv_heads=kv, head=head, dtype=F16, max_pos=8)
+    KvCacheQuantizationPass(fmt, scales={0: (0.1, 0.2)})(model)
+    return model
+
+
+@pytest.mark.parametrize("group", [4, 6, 8, 16, 32])
+def test_paged_fast_path_group_sizes(group):
+    [report] = fast_path_diagnostics(paged_quantized(2 * group, 2, 64), ort_version="1.30.0")
+    assert report.eligible and report.op == "PagedAttention"
+
+
+def test_paged_fast_path_reasons_are_each_listed():
+    model = paged_quantized(6, 2, 48, fmt="int4")
+    [report] = fast_path_diagnostics(model, ort_version="1.30.0", compute_capability=(7, 5))
+    text = " | ".join(report.reasons)
+    assert not report.eligible and len(report.reasons) == 4, text
+    for keyword in ("head size 48", "group size 3", "not int4", "7.5 is below 8.0"):
+        assert keyword in text
+    assert "share one buffer" not in text and "one tensor" not in text  # GQA-only rules
+
+
+def test_cli_inspect_reports_the_paged_fast_path(tmp_path, capsys):
+    from onnx_kvcache.cli import main
+
+    ir.save(paged_quantized(8, 2, 64), tmp_path / "m.onnx")
+    assert main(["inspect", str(tmp_path / "m.onnx"), "--ep", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "PagedAttention" in out and "layer 0: eligible" in out

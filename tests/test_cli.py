@@ -231,26 +231,6 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 1
     err = capsys.readouterr().err
     assert "for cuda (assumed: genai_config.json's provider_options name 'cuda')" in err and "FLOAT" in err
-    assert (
-        main(
-            [
-                "convert",
-                str(folder),
-                str(tmp_path / "o"),
-                "--format",
-                "int8",
-                "--scales",
-                scales,
-                "--ep",
-                "CPU",
-            ]
-        )
-        == 0
-    )
-    assert (
-        json.loads((tmp_path / "o" / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
-        is False
-    )
 
 
 def test_ep_takes_the_providers_of_the_capability_table(monkeypatch, capsys):
@@ -292,7 +272,7 @@ def test_a_model_with_nothing_to_convert_is_refused(tmp_path, capsys):
     ir.save(ir.Model(graph, ir_version=10), src)
     assert main(["convert", str(src), str(tmp_path / "o.onnx"), "--format", "int8"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no GroupQueryAttention node" in err and "fusion" in err
+    assert err.count("\n") == 1 and "no GroupQueryAttention or PagedAttention node" in err and "fusion" in err
     assert not (tmp_path / "o.onnx").exists()
 
 
@@ -413,3 +393,40 @@ def test_an_unwritable_destination_is_refused_before_any_work(tmp_path, model_fi
         err = capsys.readouterr().err
         assert f"Cannot write in {ro} (permission denied)" in err and err.count("\n") == 1
     assert list(ro.iterdir()) == []
+
+
+def test_paged_genai_folder_converts_inspects_and_gates(tmp_path, capsys):
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "paged", num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [[0.02] * 64] * 2, "v_scales": [[0.01] * 64] * 2}}))
+    out = tmp_path / "paged-int8"
+    assert main(["convert", str(folder), str(out), "--format", "int8", "--scales", str(scales)]) == 0
+    assert "converted 2 PagedAttention node(s) to int8 per_channel" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--ep", "cuda"]) == 0
+    text = capsys.readouterr().out
+    assert "PagedAttention: cache [num_blocks, block_size, kv_num_heads, head_size]" in text
+    assert "PER_CHANNEL/PER_CHANNEL" in text and "head size 32 is not one of (64, 128, 256)" in text
+    assert (
+        main(
+            [
+                "convert",
+                str(folder),
+                str(tmp_path / "cpu"),
+                "--format",
+                "int8",
+                "--scales",
+                str(scales),
+                "--ep",
+                "cpu",
+            ]
+        )
+        == 1
+    )
+    assert "cpu has no PagedAttention kernel" in capsys.readouterr().err
+    assert not (tmp_path / "cpu").exists()
+    assert (
+        main(["convert", str(folder), str(tmp_path / "i4"), "--format", "int4", "--scales", str(scales)]) == 0
+    )
+    assert "int4 KV-cache option" in capsys.readouterr().err

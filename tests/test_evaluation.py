@@ -186,3 +186,19 @@ def test_plot_of_a_perfect_match(tmp_path):
     report = evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=0)
     plot_evaluation(report, tmp_path / "same.png")  # all-zero KL: no log axis
     assert (tmp_path / "same.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_paged_models_evaluate_on_cpu(fmt):
+    base = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    cand = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    from onnx_kvcache import calibrate_kv_cache
+
+    scales = calibrate_kv_cache(base, DATA * 4, format=fmt, progress=False, min_tokens=0)
+    KvCacheQuantizationPass(fmt, scales=scales)(cand)
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=4, prompt_len=8, progress=False)
+    assert report.kernel_rule.startswith("PagedAttention CPU reference")
+    assert report.emulated and report.candidate_format == f"{fmt} per_tensor"
+    assert report.baseline_bytes_per_token / report.candidate_bytes_per_token == (4 if fmt == "int4" else 2)
+    assert 0 < report.kl_mean < 1 and set(report.layer_errors) == {0, 1}
+    assert all(0 < k < 0.5 and 0 < v < 0.5 for k, v in report.layer_errors.values())

@@ -59,3 +59,50 @@ def test_converted_folder_generates_like_the_runner(folder, tmp_path, fmt, granu
 def test_original_folder_generates_like_the_runner(folder):
     tokens = og_generate(folder, PROMPT, 16)
     assert len(tokens) >= 4 and tokens == runner_generate(folder, PROMPT, 16)
+
+
+@pytest.fixture(scope="module")
+def paged_folder(tmp_path_factory):
+    return save_genai_folder(
+        tmp_path_factory.mktemp("paged") / "demo", num_layers=2, paged=True, dtype="float16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "granularity"), [("fp8", "per_tensor"), ("int8", "per_channel"), ("int4", "per_channel")]
+)
+def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, fmt, granularity):
+    """onnx, onnx-ir and onnxruntime-genai read the paged folder and its conversion; genai and
+    onnxruntime stop only at PagedAttention, which has no CPU kernel."""
+    import onnx
+    import onnx_ir as ir
+
+    from onnx_kvcache import KvCacheWarning
+    from onnx_kvcache.runtime import create_session
+
+    scales = calibrate_kv_cache(paged_folder, format=fmt, granularity=granularity, progress=False)
+    out = tmp_path / "converted"
+    kwargs = {
+        "format": fmt,
+        "granularity": granularity,
+        "scales": scales,
+        "weights": "copy",
+    }  # onnx refuses hard links
+    if fmt == "int4":
+        with pytest.warns(KvCacheWarning, match="int4 KV-cache option"):
+            convert_model(paged_folder, out, **kwargs)
+    else:
+        convert_model(paged_folder, out, **kwargs)
+    config = json.loads((out / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is True  # paged caches are updated in place
+    assert config["engine"]["dynamic_batching"]["block_size"] == 16
+    for folder in (paged_folder, out):
+        onnx.checker.check_model(onnx.load(folder / "model.onnx"))
+        loaded = ir.load(folder / "model.onnx")
+        assert all(v.const_value.numpy() is not None for v in loaded.graph.initializers.values())
+        with pytest.raises(Exception, match="implementation for PagedAttention"):
+            create_session(folder / "model.onnx")
+        config = og.Config(str(folder))
+        config.clear_providers()
+        with pytest.raises(Exception, match="implementation for PagedAttention"):
+            og.Model(config)

@@ -210,3 +210,167 @@ def test_a_bfloat16_export_runs_on_cpu_once_fused():
     model = build_decoder(exported_config("llama", num_layers=1, dtype="bfloat16", vocab_size=300))
     AttentionFusionPass()(model)
     assert len(KvCacheRunner(model).generate([1, 2, 3], 3)) == 3
+
+
+# -- paged decoders (PagedAttention through the CPU reference) ------------------------
+
+
+def paged_pair(fmt, granularity="per_tensor", **kwargs):
+    """The GQA decoder and its paged twin (same weights), converted alike."""
+    models = [
+        build_decoder(num_layers=LAYERS, vocab_size=300, paged=paged, **kwargs) for paged in (False, True)
+    ]
+    if fmt is not None:
+        n = 1 if granularity == "per_tensor" else 64
+        big = 16 if fmt == "int4" else 1  # int4's 16 levels need a wider step
+        scales = {i: (np.full(n, k * big), np.full(n, v * big)) for i, (k, v) in SCALES.items()}
+        for model in models:
+            KvCacheQuantizationPass(fmt, granularity, scales)(model)
+    return models
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_decoder_computes_what_the_gqa_decoder_does(fmt, granularity):
+    """The CPU reference against onnxruntime's CPU GQA kernel (int8/int4), whose rule is also
+    quantize-before-attend: same cache codes, logits within 1e-4 (measured ~1e-5)."""
+    gqa, paged = paged_pair(fmt, granularity)
+    with warnings.catch_warnings():  # fp8 under the CPU rule warns: it is the paged kernels' rule
+        warnings.simplefilter("ignore", KvCacheWarning)
+        a = KvCacheRunner(gqa, semantics="cpu")
+    b = KvCacheRunner(paged)
+    ids = (np.arange(37) * 7 + 3) % 300
+    np.testing.assert_allclose(b.prefill(ids), a.prefill(ids), atol=1e-4)
+    for token in (5, 6, 7):
+        np.testing.assert_allclose(b.step(token), a.step(token), atol=1e-4)
+    for layer in range(LAYERS):
+        for kind in ("key", "value"):
+            np.testing.assert_allclose(
+                b.cache_values(layer, kind), a.cache_values(layer, kind), rtol=1e-5, atol=1e-5
+            )
+            if fmt is not None:  # the very codes: gather the pool rows in BNSH order
+                want = a.present(layer, kind)
+                pool = b.present(layer, kind)
+                rows = pool.reshape(-1, *pool.shape[2:])[b.pool.rows(0)]
+                np.testing.assert_array_equal(rows.transpose(1, 0, 2)[None], want)
+    assert "PagedAttention CPU reference" in b.kernel_rule or fmt is None
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8"])
+def test_packed_ragged_batches_equal_sequences_run_alone(fmt):
+    """Continuous batching: three sequences of different lengths in one call, then steps
+    where one sequence adds nothing, give each sequence the logits it gets alone."""
+    _, paged = paged_pair(fmt)
+    batch = KvCacheRunner(paged, block_size=16)
+    prompts = [np.arange(1, 6), np.arange(20, 43), np.arange(50, 90)]
+    steps = [([7], [], [9, 10, 11]), ([12], [13], [14])]
+    got = [batch.forward_packed(prompts)]
+    got += [batch.forward_packed(step) for step in steps]
+    assert batch.pool.lengths == [7, 24, 44] and batch.length == 44
+    assert len({tuple(row[row >= 0] // 1) for row in batch.pool.table()}) == 3
+    for b, prompt in enumerate(prompts):
+        alone = KvCacheRunner(paged, block_size=32)
+        want = [alone.forward(prompt)[0]]
+        for step in steps:
+            want.append(alone.forward(step[b])[0] if step[b] else np.zeros((0, 300), np.float32))
+        for have, expect in zip(got, want):
+            np.testing.assert_allclose(have[b], expect, atol=1e-4)
+        np.testing.assert_allclose(
+            batch.cache_values(0, "key")[b, :, : alone.length], alone.cache_values(0, "key")[0], atol=1e-5
+        )
+
+
+def test_paged_pool_grows_and_reports_its_layout():
+    _, paged = paged_pair("int4")
+    runner = KvCacheRunner(paged)
+    assert runner.block_size == 16 and runner.pool.num_blocks == 0
+    runner.prefill(np.arange(1, 41))  # 40 tokens: 3 blocks
+    pool = runner.present(0, "key")
+    assert pool.dtype == np.uint8 and pool.shape[1:] == (16, 2, 16) and pool.shape[0] >= 3
+    for _ in range(30):
+        runner.step(3)
+    assert runner.pool.num_blocks >= 5 and runner.cache_values(1, "value").shape == (1, 2, 70, 32)
+    assert runner.cache_nbytes() == 2 * LAYERS * runner.pool.num_blocks * 16 * 2 * 16
+
+
+def test_paged_io_binding_on_cpu_equals_plain_feeds():
+    _, paged = paged_pair("fp8")
+    plain, bound = KvCacheRunner(paged, io_binding=False), KvCacheRunner(paged, io_binding=True)
+    np.testing.assert_array_equal(plain.prefill(np.arange(1, 20)), bound.prefill(np.arange(1, 20)))
+    np.testing.assert_array_equal(plain.step(4), bound.step(4))
+
+
+def test_block_size_comes_from_the_model_the_caller_or_the_genai_config(tmp_path):
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(
+        tmp_path / "paged", num_layers=1, vocab_size=300, paged=True, paged_block_size=32
+    )
+    assert KvCacheRunner(folder).block_size == 32
+    assert KvCacheRunner(folder, block_size=64).block_size == 64
+    _, paged = paged_pair(None)
+    assert KvCacheRunner(paged).block_size == 16
+    for name in ("past_key_values.0.key", "past_key_values.0.value"):
+        value = next(v for v in paged.graph.inputs if v.name == name)
+        value.shape = ir.Shape(["num_blocks", 32, 2, 32])
+    assert KvCacheRunner(paged).block_size == 32
+    with pytest.raises(KvCacheError, match="fix block_size 32"):
+        KvCacheRunner(paged, block_size=16)
+
+
+@pytest.mark.parametrize("bad", [8, 24, 0])
+def test_block_size_follows_onnxruntimes_rule(bad):
+    _, paged = paged_pair(None)
+    with pytest.raises(KvCacheError, match="power of two and at least 16"):
+        KvCacheRunner(paged, block_size=bad)
+
+
+def test_layers_with_different_block_sizes_are_refused():
+    _, paged = paged_pair(None)
+    for value in paged.graph.inputs:
+        if value.name.startswith("past_key_values.0."):
+            value.shape = ir.Shape(["num_blocks", 16, 2, 32])
+        elif value.name.startswith("past_key_values.1."):
+            value.shape = ir.Shape(["num_blocks", 32, 2, 32])
+    with pytest.raises(KvCacheError, match=r"different block sizes \[16, 32\]"):
+        KvCacheRunner(paged)
+
+
+def test_slot_mapping_input_is_fed_the_derived_slots():
+    _, plain = paged_pair("int8")
+    _, mapped = paged_pair("int8")
+    slots = ir.val("slot_mapping", ir.DataType.INT32, ["num_tokens"])
+    mapped.graph.inputs.append(slots)
+    for node in mapped.graph:
+        if node.op_type == "PagedAttention":
+            node.replace_input_with(10, slots)
+    a, b = KvCacheRunner(plain), KvCacheRunner(mapped)
+    np.testing.assert_array_equal(a.prefill(np.arange(1, 30)), b.prefill(np.arange(1, 30)))
+    np.testing.assert_array_equal(a.step(3), b.step(3))
+
+
+def test_paged_lengths_must_be_graph_inputs():
+    _, paged = paged_pair(None)
+    table = next(v for v in paged.graph.inputs if v.name == "block_table")
+    copy = ir.node("Identity", [table], num_outputs=1)
+    paged.graph.insert_before(next(iter(paged.graph)), copy)
+    for node in paged.graph:
+        if node.op_type == "PagedAttention":
+            node.replace_input_with(7, copy.outputs[0])
+    with pytest.raises(KvCacheError, match=r"block_table from .* not a graph input"):
+        KvCacheRunner(paged)
+
+
+def test_forward_packed_needs_a_paged_decoder():
+    with pytest.raises(KvCacheError, match="paged decoder"):
+        KvCacheRunner(model_for(None)).forward_packed([[1, 2]])
+
+
+def test_layers_with_their_own_block_table_are_refused():
+    _, paged = paged_pair(None)
+    windowed = ir.val("block_table_windowed", ir.DataType.INT32, ["batch_size", "max_num_blocks_windowed"])
+    paged.graph.inputs.append(windowed)
+    node = [n for n in paged.graph if n.op_type == "PagedAttention"][1]
+    node.replace_input_with(7, windowed)
+    with pytest.raises(KvCacheError, match="windowed paged layers"):
+        KvCacheRunner(paged)

@@ -1,13 +1,16 @@
 """onnx-kvcache: shrink the KV cache of ONNX LLM decoders.
 
-Graph-rewrite passes that store GroupQueryAttention's past/present cache in FP8 E4M3,
-INT8 or packed INT4, with the scales, gating, calibration and evaluation around them.
+Graph-rewrite passes that store the KV cache of GroupQueryAttention and PagedAttention in
+FP8 E4M3, INT8 or packed INT4, with the scales, gating, calibration and evaluation around
+them.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ATTENTION_OPS",
     "CACHE_FORMATS",
+    "CAPABILITIES",
     "EP_CAPABILITIES",
     "CacheFormat",
     "DecoderConfig",
@@ -19,6 +22,7 @@ __all__ = [
     "KvCacheRunner",
     "KvCacheScales",
     "KvCacheWarning",
+    "PagedAttentionReferencePass",
     "build_decoder",
     "calibrate_kv_cache",
     "check_kv_cache_support",
@@ -33,13 +37,17 @@ __all__ = [
     "inspect_kv_cache",
     "load_kv_cache_scale_file",
     "optimize_model",
+    "paged_attention_reference",
+    "run_doctor",
 ]
 
 __version__ = "0.1.0"
 
+from onnx_kvcache.attention_ops import ATTENTION_OPS
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
 from onnx_kvcache.capabilities import (
+    CAPABILITIES,
     EP_CAPABILITIES,
     check_kv_cache_support,
     fast_path_diagnostics,
@@ -47,6 +55,7 @@ from onnx_kvcache.capabilities import (
 )
 from onnx_kvcache.demo_model import DecoderConfig, build_decoder
 from onnx_kvcache.device import cuda_compute_capability
+from onnx_kvcache.doctor import run_doctor
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.evaluation import evaluate_kv_cache
 from onnx_kvcache.formats import CACHE_FORMATS, CacheFormat, get_format
@@ -58,6 +67,10 @@ from onnx_kvcache.passes.kv_cache_emulation import (
     KvCacheEmulationPass,
     emulate_fp8_kv_cache,
     emulate_kv_cache,
+)
+from onnx_kvcache.passes.paged_attention_reference import (
+    PagedAttentionReferencePass,
+    paged_attention_reference,
 )
 from onnx_kvcache.runner import KvCacheRunner
 from onnx_kvcache.scales import KvCacheScales, load_kv_cache_scale_file

@@ -1,4 +1,4 @@
-"""What a model's KV cache looks like: per-layer dtype, shape, quantization, bytes."""
+"""What a model's KV cache looks like: per-layer operator, dtype, shape, quantization, bytes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.gqa import K_SCALE, V_SCALE, GqaSite, constant_values, find_gqa_sites
+from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayerInfo:
-    """One GQA layer's cache as the graph declares it."""
+    """One attention layer's cache as the graph declares it."""
 
     layer_id: int
     node: str
@@ -31,6 +31,10 @@ class CacheLayerInfo:
     window: int | None
     bytes_per_token: float
     original_bytes_per_token: float
+    op: str = "GroupQueryAttention"
+    layout: tuple[str, ...] = ()
+    """Names of the cache dimensions (``batch, kv_num_heads, sequence, head_size`` or
+    ``num_blocks, block_size, kv_num_heads, head_size``)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -69,42 +73,45 @@ class CacheModelInfo:
         return doc
 
 
-def _layer_info(site: GqaSite) -> CacheLayerInfo:
+def _layer_info(site: AttentionSite) -> CacheLayerInfo:
     past_k, past_v = site.past_key, site.past_value
-    assert past_k is not None and past_v is not None
+    assert past_k is not None
     dtype = past_k.dtype
-    packed = dtype == ir.DataType.UINT8
-    head = site.head_size(cache_is_packed=packed)
-    bits = site.int_attr("kv_cache_bit_width", 0) or None
-    per_value = 0.5 if packed and bits == 4 else (dtype.itemsize if dtype is not None else 0)
+    fmt = site.cache_format
+    head = site.head_size(cache_is_packed=fmt is not None and fmt.values_per_byte > 1)
+    bits = fmt.bit_width if fmt is not None else None
+    per_value = fmt.bytes_per_value() if fmt is not None else (dtype.itemsize if dtype is not None else 0)
     query = site.query_dtype or dtype
-    original = 2 * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
-    k, v = site.input(K_SCALE), site.input(V_SCALE)
+    caches = len(site.sides)
+    original = caches * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
+    k, v = site.input(site.op.key.scale), None if site.single_cache else site.input(site.op.value.scale)
     window = site.int_attr("local_window_size", -1)
     return CacheLayerInfo(
         layer_id=site.layer_id,
         node=site.name,
         past_key=past_k.name or "",
-        past_value=past_v.name or "",
+        past_value=past_v.name or "" if past_v is not None else "",
         dtype=str(dtype.name if dtype is not None else "?"),
         shape=tuple(past_k.shape) if past_k.shape is not None else (),
-        k_quant_type=site.str_attr("k_quant_type", "NONE"),
-        v_quant_type=site.str_attr("v_quant_type", "NONE"),
+        k_quant_type=site.str_attr(site.op.key.quant_attr, "NONE"),
+        v_quant_type="-" if site.single_cache else site.str_attr(site.op.value.quant_attr, "NONE"),
         bit_width=bits,
         k_scale=constant_values(k),
         v_scale=constant_values(v),
         shared_scale=k is not None and k is v,
         window=window if window > 0 and site.int_attr("sliding_window_cache", 0) else None,
-        bytes_per_token=2 * site.kv_num_heads * head * per_value,
+        bytes_per_token=caches * site.kv_num_heads * head * per_value,
         original_bytes_per_token=original,
+        op=site.op.op_type,
+        layout=site.op.layout.dims,
     )
 
 
 def inspect_kv_cache(model: ir.Model) -> CacheModelInfo:
-    """Read the cache layout of every GQA layer from the graph (no weights are read)."""
+    """Read the cache layout of every attention layer from the graph (no weights are read)."""
     seen: set[int] = set()
     layers = []
-    for site in find_gqa_sites(model):
+    for site in find_attention_sites(model):
         if id(site.past_key) in seen:
             continue
         seen.add(id(site.past_key))
@@ -129,7 +136,12 @@ def _fmt_bytes(n: float) -> str:
 
 
 def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: int = 1) -> str:
-    """Human-readable table, one row per GQA layer, totals last."""
+    """Human-readable table, one row per attention layer, totals last; each operator's cache
+    layout is named first."""
+    header = [
+        f"{op}: cache [{', '.join(layout)}]"
+        for op, layout in dict.fromkeys((layer.op, layer.layout) for layer in info.layers)
+    ]
     rows = [("layer", "past_key", "dtype", "quant (k/v)", "bits", "k_scale", "v_scale", "B/token")]
     for layer in info.layers:
         rows.append(
@@ -145,7 +157,7 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.gqa import COS_CACHE, KEY, find_gqa_sites
+from onnx_kvcache.gqa import KEY, find_attention_sites
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -48,23 +48,27 @@ CLIP_WARN_FRACTION = 0.01
 _TINY = float(np.finfo(np.float32).tiny)
 
 
-def rope_pair_norm(x: np.ndarray, *, interleaved: bool, rotary_dim: int | None = None) -> np.ndarray:
-    """``|x|`` with each RoPE pair replaced by its norm (last axis = head dim)."""
+def rope_pair_norm(
+    x: np.ndarray, *, interleaved: bool, rotary_dim: int | None = None, rotary_offset: int = 0
+) -> np.ndarray:
+    """``|x|`` with each RoPE pair replaced by its norm (last axis = head dim); RoPE covers
+    channels ``[rotary_offset, rotary_offset + rotary_dim)`` (PagedAttention's offset RoPE)."""
     x = np.abs(np.asarray(x, np.float32))
     head = x.shape[-1]
-    rot = min(rotary_dim or head, head)
+    start = min(rotary_offset, head)
+    rot = min(rotary_dim or head - start, head - start)
     out = x.copy()
     if interleaved:
-        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        a, b = x[..., start : start + rot : 2], x[..., start + 1 : start + rot : 2]
         norm = np.sqrt(a * a + b * b)
-        out[..., 0:rot:2] = norm
-        out[..., 1:rot:2] = norm
+        out[..., start : start + rot : 2] = norm
+        out[..., start + 1 : start + rot : 2] = norm
     else:
         half = rot // 2
-        a, b = x[..., :half], x[..., half : 2 * half]
+        a, b = x[..., start : start + half], x[..., start + half : start + 2 * half]
         norm = np.sqrt(a * a + b * b)
-        out[..., :half] = norm
-        out[..., half : 2 * half] = norm
+        out[..., start : start + half] = norm
+        out[..., start + half : start + 2 * half] = norm
     return out
 
 
@@ -208,7 +212,7 @@ def calibrate_kv_cache(
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
-        raise KvCacheError("The model has no GroupQueryAttention KV cache to calibrate.")
+        raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
     loaded = load_token_windows(
         data,
         model=model,
@@ -230,7 +234,7 @@ def calibrate_kv_cache(
             stacklevel=2,
         )
     windows = loaded.windows
-    sites = {s.layer_id: s for s in find_gqa_sites(runner.source_model)}
+    sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
@@ -245,7 +249,7 @@ def calibrate_kv_cache(
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
-            x = b.values(runner.cache_array(b.past))[0]  # [kv, S, hd]
+            x = runner.cache_values(b.layer_id, b.kind)[0]  # [kv, S, hd]
             x = x[:, : b.resident_rows(len(window), x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
@@ -255,7 +259,12 @@ def calibrate_kv_cache(
             mag = np.abs(x)
             rotary = _rotary(site) if b.kind == "key" and rope_envelope else None
             if rotary is not None:
-                mag = rope_pair_norm(x, interleaved=rotary[0], rotary_dim=rotary[1])
+                mag = rope_pair_norm(
+                    x,
+                    interleaved=rotary[0],
+                    rotary_dim=rotary[1],
+                    rotary_offset=site.int_attr("rotary_offset", 0),
+                )
             rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
             if key not in reservoirs:
@@ -266,7 +275,8 @@ def calibrate_kv_cache(
         result = {}
         beyond = 0.0  # share of values beyond the threshold itself: what the settings clip
         for kind in ("key", "value"):
-            res = reservoirs[(layer, kind)]
+            # a single (LATENT) cache: V is read from the key cache, with the key's scale
+            res = reservoirs.get((layer, kind)) or reservoirs[(layer, "key")]
             thr = _thresholds(res, method, percentile, fmt, granularity)
             with np.errstate(over="ignore"):
                 scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
@@ -362,7 +372,7 @@ def _rotary(site: Any) -> tuple[bool, int | None] | None:
 
 def _model_dtype(runner: Any) -> str | None:
     """The model's attention dtype, and how the CPU computed it when it differs."""
-    sites = find_gqa_sites(runner.source_model)
+    sites = find_attention_sites(runner.source_model)
     dtype = sites[0].query_dtype if sites else None
     if dtype is None:
         return None
@@ -371,7 +381,7 @@ def _model_dtype(runner: Any) -> str | None:
 
 
 def _rotary_dim(site: Any) -> int | None:
-    cos = site.input(COS_CACHE)
+    cos = site.input("cos_cache")
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
     return None

@@ -1,4 +1,4 @@
-"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, demo.
+"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
 
 Exit codes: 0 done; 1 conversion refused (the target cannot run the result, or the
 model has nothing to convert); 2 bad input or a failed read/write (one line on stderr,
@@ -135,8 +135,9 @@ def _convert(args: argparse.Namespace) -> int:
     target = f" for {result.target}" if result.target else ""
     if result.target and result.target_source != "--ep":
         target += f" ({result.target_source}; --ep to choose)"
+    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     print(
-        f"converted {result.nodes} GroupQueryAttention node(s) to {result.format} {result.granularity}"
+        f"converted {nodes} to {result.format} {result.granularity}"
         f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - start:.2f}s"
     )
@@ -168,7 +169,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     if not info.layers:
-        print("no GroupQueryAttention node with a KV cache")
+        print("no GroupQueryAttention or PagedAttention node with a KV cache")
         return 0
     print(format_cache_table(info, args.context, args.batch))
     if diagnostics is not None:
@@ -275,6 +276,21 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from onnx_kvcache.doctor import run_doctor
+
+    report = run_doctor(args.provider)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.format_table())
+    for problem in report.disagreements:
+        print(
+            f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
+        )
+    return 1 if report.disagreements else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache.demo import run_demo
 
@@ -284,7 +300,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="onnx-kvcache", description="Quantize the KV cache of ONNX GroupQueryAttention decoders."
+        prog="onnx-kvcache",
+        description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -392,6 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG (per-layer error, KL per position); needs matplotlib")
     p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser(
+        "doctor", help="check the capability table against the installed onnxruntime (exit 1 on disagreement)"
+    )
+    p.add_argument(
+        "--provider",
+        action="append",
+        help="onnxruntime provider to create sessions on (repeatable; default: every one listed)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_doctor)
 
     p = sub.add_parser("demo", help="convert and evaluate the bundled decoder")
     p.add_argument("--keep", help="keep the demo models in this folder")

@@ -44,6 +44,11 @@ class DecoderConfig:
             onnxruntime-genai's builder does, instead of the static head size.
         exported: Write the graph as torch.onnx.export does (ONNX Attention, no GQA;
             see :mod:`onnx_kvcache.exported_decoder`), in this style.
+        paged: Build the decoder with PagedAttention and continuous-batching I/O, as
+            onnxruntime-genai's ``use_paged_attention`` builds are laid out (see
+            :mod:`onnx_kvcache.paged_model`); ``paged_block_size`` goes to its genai config.
+        latent: With ``paged``, absorbed-MLA layers (``kv_cache_layout="LATENT"``, one cache,
+            ``latent_rope_dim`` rotary channels at its end).
     """
 
     num_layers: int = 4
@@ -66,12 +71,25 @@ class DecoderConfig:
     qk_norm: bool = False
     qk_norm_fused: bool = True
     symbolic_cache_dim: bool = False
+    paged: bool = False
+    paged_block_size: int = 16
+    latent: bool = False
+    latent_rope_dim: int = 16
     seed: int = 0
     exported: ExportStyle | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+        if self.latent and not (
+            self.paged
+            and 0 < self.latent_rope_dim < self.head_size
+            and (self.head_size - self.latent_rope_dim) % 8 == 0
+        ):
+            raise ValueError(
+                "latent needs paged=True and an even latent_rope_dim below head_size that leaves a "
+                "multiple of 8 channels before it (PagedAttention's rotary_offset)."
+            )
 
     @property
     def ir_dtype(self) -> ir.DataType:
@@ -158,6 +176,10 @@ def build_decoder(
 
         return build_exported_decoder(config, weight_factory=weight_factory)
     b = _Builder(config, weight_factory)
+    if config.paged:
+        from onnx_kvcache.paged_model import build_paged_decoder
+
+        return build_paged_decoder(b)
     c = config
     dtype = c.ir_dtype
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"])
@@ -391,6 +413,10 @@ def save_genai_folder(
             "top_p": 1.0,
         },
     }
+    if config.paged:
+        from onnx_kvcache.paged_model import paged_genai_config
+
+        genai = paged_genai_config(genai, config.paged_block_size)
     (path / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
     (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(), ensure_ascii=False) + "\n")
     tokenizer_config = {

@@ -33,7 +33,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
 
 logger = logging.getLogger(__name__)
@@ -208,12 +208,12 @@ def evaluate_kv_cache(
             agree.append(top1_agreement(b_logits, c_logits))
         per_layer: dict[int, list[float]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
-            ref = bb.values(base.cache_array(bb.past))
-            test = cb.values(cand.cache_array(cb.past))
+            ref = base.cache_values(bb.layer_id, bb.kind)
+            test = cand.cache_values(cb.layer_id, cb.kind)
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
             per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
-        for layer, (k, v) in per_layer.items():
-            errors.setdefault(layer, []).append((k, v))
+        for layer, found in per_layer.items():  # a single (LATENT) cache serves K and V
+            errors.setdefault(layer, []).append((found[0], found[-1]))
         if max_new_tokens > 0:
             gb = base.generate(prompt.tolist(), max_new_tokens)
             gc = cand.generate(prompt.tolist(), max_new_tokens)
@@ -251,7 +251,7 @@ def _layout(runner: KvCacheRunner) -> list[tuple]:
 
 
 def _format_name(runner: KvCacheRunner) -> str:
-    sites = find_gqa_sites(runner.source_model)
+    sites = find_attention_sites(runner.source_model)
     if not sites:
         return "none"
     fmt = sites[0].cache_format

@@ -32,7 +32,7 @@ GRANULARITIES: dict[str, str] = {"per_tensor": "PER_TENSOR", "per_channel": "PER
 
 @dataclasses.dataclass(frozen=True)
 class CacheFormat:
-    """One quantized KV-cache storage format of GroupQueryAttention.
+    """One quantized KV-cache storage format (GroupQueryAttention and PagedAttention share them).
 
     Attributes:
         name: Public name (``fp8``, ``int8``, ``int4``).
@@ -43,6 +43,8 @@ class CacheFormat:
         qmin_stored: Smallest representable quantized value.
         qmax_stored: Largest representable quantized value.
         is_float: Values are a float type (saturate and round to the float grid).
+        logical_name: The packed logical type as operators name it (PagedAttention's
+            ``k_cache_dtype="int4"``); None when the element type says it all.
     """
 
     name: str
@@ -53,6 +55,7 @@ class CacheFormat:
     qmin_stored: float
     qmax_stored: float
     is_float: bool
+    logical_name: str | None = None
 
     def packed_dim(self, head_size: int) -> int:
         """Last cache dimension for a head of ``head_size`` values."""
@@ -114,7 +117,7 @@ CACHE_FORMATS: dict[str, CacheFormat] = {
     for row in (
         CacheFormat("fp8", ir.DataType.FLOAT8E4M3FN, 8, 448.0, 1, -448.0, 448.0, True),
         CacheFormat("int8", ir.DataType.INT8, 8, 128.0, 1, -128.0, 127.0, False),
-        CacheFormat("int4", ir.DataType.UINT8, 4, 8.0, 2, -8.0, 7.0, False),
+        CacheFormat("int4", ir.DataType.UINT8, 4, 8.0, 2, -8.0, 7.0, False, "int4"),
     )
 }
 

@@ -1,9 +1,12 @@
-"""Finding GroupQueryAttention nodes and the KV caches they read and write.
+"""Finding attention nodes with a KV cache, the caches they read and write, layer ids.
 
-A *site* is one GQA node with the graph or function that holds it. A *cache* is the
-``past_key`` value a site reads: two sites that read one value share a layer id and
-a scale. Layer ids come from cache names (``past_key_values.3.key`` -> 3); when a
-name holds no number, or numbers collide, caches are numbered in node order.
+A *site* is one attention node (any operator of :data:`~onnx_kvcache.attention_ops.ATTENTION_OPS`:
+GroupQueryAttention, PagedAttention) with the graph or function that holds it and its
+operator's row, through which every slot and attribute is read. A *cache* is the key cache
+a site reads: two sites that read one value share a layer id and a scale. Layer ids come
+from cache names (``past_key_values.3.key`` -> 3); when a name holds no number, or numbers
+collide, caches are numbered in node order. :func:`find_gqa_sites` keeps to
+GroupQueryAttention; :func:`find_attention_sites` finds every operator.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 __all__ = [
     "GQA_DOMAIN",
     "GQA_OP_TYPE",
+    "AttentionSite",
     "GqaSite",
     "cache_name",
     "constant_values",
+    "find_attention_sites",
     "find_gqa_sites",
     "function_call_sites",
     "is_gqa",
@@ -28,13 +33,14 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import GRANULARITIES, CacheFormat, format_of
 
-GQA_DOMAIN = "com.microsoft"
-GQA_OP_TYPE = "GroupQueryAttention"
+GQA_DOMAIN = GQA.domain
+GQA_OP_TYPE = GQA.op_type
 
-# Input / output slots of GroupQueryAttention.
+# Input / output slots of GroupQueryAttention (the rewrites that build GQA nodes use them).
 QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE = 0, 1, 2, 3, 4
 SEQLENS_K, TOTAL_SEQUENCE_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS = 5, 6, 7, 8, 9
 K_SCALE, V_SCALE, Q_NORM, K_NORM, QUERY_SEQLENS = 12, 13, 14, 15, 16
@@ -47,7 +53,7 @@ _LAYER_PATTERNS = (
 
 
 def is_gqa(node: ir.Node) -> bool:
-    return node.op_type == GQA_OP_TYPE and node.domain == GQA_DOMAIN
+    return GQA.matches(node)
 
 
 def layer_id_from_name(name: str | None) -> int | None:
@@ -70,18 +76,19 @@ def _output(node: ir.Node, index: int) -> ir.Value | None:
 
 
 @dataclasses.dataclass
-class GqaSite:
-    """One GQA node, where it lives, its layer id and the site owning its cache."""
+class AttentionSite:
+    """One attention node, where it lives, its operator's row, layer id and cache owner."""
 
     node: ir.Node
     function: ir.Function | None
     layer_id: int = -1
-    _owner: GqaSite | None = dataclasses.field(default=None, repr=False, compare=False)
+    _owner: AttentionSite | None = dataclasses.field(default=None, repr=False, compare=False)
+    op: AttentionOp = GQA
 
     @property
-    def owner(self) -> GqaSite:
-        """The site whose cache this node reads: itself, or the first GQA writer upstream
-        whose present it reads as its past (KV sharing). Set by :func:`find_gqa_sites`."""
+    def owner(self) -> AttentionSite:
+        """The site whose cache this node reads: itself, or the first writer upstream whose
+        present it reads as its past (KV sharing). Set by :func:`find_attention_sites`."""
         return self._owner or self
 
     @property
@@ -89,40 +96,68 @@ class GqaSite:
         where = f" in function {self.function.name}" if self.function is not None else ""
         return f"{self.node.name or '<unnamed>'}{where}"
 
-    def input(self, slot: int) -> ir.Value | None:
-        """The node's input at ``slot``, or None when absent (empty or past the end)."""
-        return _input(self.node, slot)
+    @property
+    def label(self) -> str:
+        """``<op_type> node <name>``, for messages."""
+        return f"{self.op.op_type} node {self.name}"
+
+    def input(self, slot: int | str) -> ir.Value | None:
+        """The node's input at ``slot`` (index or schema name), or None when absent."""
+        return _input(self.node, self.op.slot(slot) if isinstance(slot, str) else slot)
+
+    def output(self, slot: int | str) -> ir.Value | None:
+        return _output(self.node, self.op.out_slot(slot) if isinstance(slot, str) else slot)
+
+    @property
+    def single_cache(self) -> bool:
+        """The node keeps one cache (PagedAttention's LATENT layout): the key side."""
+        rule = self.op.single_cache
+        return rule is not None and self.str_attr(rule[0]) == rule[1]
+
+    @property
+    def sides(self) -> tuple[CacheSide, ...]:
+        """The caches this node has: key and value, or the key alone (single cache)."""
+        return self.op.sides[:1] if self.single_cache else self.op.sides
+
+    def past(self, side: CacheSide) -> ir.Value | None:
+        return self.input(side.past)
+
+    def present(self, side: CacheSide) -> ir.Value | None:
+        return self.output(side.present)
 
     @property
     def past_key(self) -> ir.Value | None:
-        return _input(self.node, PAST_KEY)
+        return self.past(self.op.key)
 
     @property
     def past_value(self) -> ir.Value | None:
-        return _input(self.node, PAST_VALUE)
+        return None if self.single_cache else self.past(self.op.value)
 
     @property
     def present_key(self) -> ir.Value | None:
-        return _output(self.node, PRESENT_KEY)
+        return self.present(self.op.key)
 
     @property
     def present_value(self) -> ir.Value | None:
-        return _output(self.node, PRESENT_VALUE)
+        return None if self.single_cache else self.present(self.op.value)
 
     @property
     def has_cache(self) -> bool:
-        return self.past_key is not None and self.past_value is not None
+        return all(self.past(side) is not None for side in self.sides)
 
     @property
     def cache_writer(self) -> ir.Node | None:
-        """The GQA node whose present K/V this node reads as its past (KV sharing)."""
-        pk, pv = self.past_key, self.past_value
-        writer = pk.producer() if pk is not None else None
-        if writer is None or not is_gqa(writer) or pv is None or pv.producer() is not writer:
+        """The node of the same operator whose present caches this node reads as its past."""
+        pasts = [self.past(side) for side in self.sides]
+        if any(p is None for p in pasts):
             return None
-        if _output(writer, PRESENT_KEY) is pk and _output(writer, PRESENT_VALUE) is pv:
-            return writer
-        return None
+        writer = pasts[0].producer()  # type: ignore[union-attr]
+        if writer is None or not self.op.matches(writer):
+            return None
+        for side, past in zip(self.sides, pasts):
+            if _output(writer, self.op.out_slot(side.present)) is not past:
+                return None
+        return writer
 
     def int_attr(self, name: str, default: int = 0) -> int:
         attr = self.node.attributes.get(name)
@@ -131,6 +166,10 @@ class GqaSite:
     def str_attr(self, name: str, default: str = "") -> str:
         attr = self.node.attributes.get(name)
         return default if attr is None else attr.as_string()
+
+    def float_attr(self, name: str, default: float = 0.0) -> float:
+        attr = self.node.attributes.get(name)
+        return default if attr is None else float(attr.as_float())
 
     @property
     def num_heads(self) -> int:
@@ -148,25 +187,32 @@ class GqaSite:
     @property
     def cache_format(self) -> CacheFormat | None:
         """The quantized format of the cache this node reads, or None for a float cache."""
-        if self.str_attr("k_quant_type", "NONE") == "NONE" and format_of(self.cache_dtype) is None:
+        quant = self.str_attr(self.op.key.quant_attr, "NONE")
+        if quant == "NONE" and format_of(self.cache_dtype) is None:
             return None
-        return format_of(self.cache_dtype, self.int_attr("kv_cache_bit_width", 0))
+        bits = self.int_attr(self.op.bit_width_attr, 0) if self.op.bit_width_attr else 0
+        return format_of(self.cache_dtype, bits)
 
     @property
     def granularity(self) -> str | None:
         """``per_tensor`` or ``per_channel`` for a quantized cache, else None."""
-        quant = self.str_attr("k_quant_type", "NONE")
+        quant = self.str_attr(self.op.key.quant_attr, "NONE")
         return next((name for name, attr in GRANULARITIES.items() if attr == quant), None)
 
     @property
     def query_dtype(self) -> ir.DataType | None:
         """The node's T: from the query, else any other T-typed input that knows it."""
-        for slot in (QUERY, KEY, VALUE, 7, 8, 10, 11, 14, 15):
-            value = _input(self.node, slot)
+        for name in self.op.t_inputs:
+            value = self.input(name)
             if value is not None and value.dtype is not None:
                 return value.dtype
         output = _output(self.node, 0)
         return None if output is None else output.dtype
+
+    @property
+    def packed_qkv(self) -> bool:
+        """Query, key and value arrive packed in the query input."""
+        return self.input("key") is None and not self.single_cache
 
     def head_size(self, *, cache_is_packed: bool | None = None) -> int:
         """Head size from key/query/cache shapes; raises when no shape tells it.
@@ -177,12 +223,12 @@ class GqaSite:
             fmt = self.cache_format
             cache_is_packed = fmt is not None and fmt.values_per_byte > 1
         kv, n = self.kv_num_heads, self.num_heads
-        key, query = _input(self.node, KEY), _input(self.node, QUERY)
+        key, query = self.input("key"), self.input("query")
         candidates = []
         if key is not None and key.shape is not None and isinstance(key.shape[-1], int):
             candidates.append(key.shape[-1] / kv)
         if query is not None and query.shape is not None and isinstance(query.shape[-1], int):
-            heads = n if key is not None else n + 2 * kv
+            heads = n + 2 * kv if self.packed_qkv else n
             candidates.append(query.shape[-1] / heads)
         past = self.past_key
         if (
@@ -197,10 +243,19 @@ class GqaSite:
             if size == int(size) and size > 0:
                 return int(size)
         raise KvCacheError(
-            f"Cannot tell the head size of GroupQueryAttention node {self.name}: no static "
-            "last dimension on its query, key or past_key. Run shape inference on the model "
-            "first (onnx_ir.passes.common.ShapeInferencePass)."
+            f"Cannot tell the head size of {self.label}: no static last dimension on its query, "
+            "key or cache. Run shape inference on the model first "
+            "(onnx_ir.passes.common.ShapeInferencePass)."
         )
+
+    @property
+    def v_head_size(self) -> int:
+        """Width of V and of each output head (PagedAttention's ``v_head_size``; 0 = head size)."""
+        return self.int_attr("v_head_size", 0) or self.head_size()
+
+
+#: The name older callers use.
+GqaSite = AttentionSite
 
 
 def _iter_nodes(model: ir.Model) -> Iterator[tuple[ir.Node, ir.Function | None]]:
@@ -211,15 +266,23 @@ def _iter_nodes(model: ir.Model) -> Iterator[tuple[ir.Node, ir.Function | None]]
             yield node, function
 
 
-def find_gqa_sites(model: ir.Model, *, with_cache_only: bool = True) -> list[GqaSite]:
-    """Every GQA node of the model, its subgraphs and its functions, with layer ids."""
-    sites = [GqaSite(node, function) for node, function in _iter_nodes(model) if is_gqa(node)]
+def find_attention_sites(
+    model: ir.Model,
+    *,
+    with_cache_only: bool = True,
+    ops: tuple[AttentionOp, ...] | None = None,
+) -> list[AttentionSite]:
+    """Every attention node (of ``ops``, default all) in the model, its subgraphs and
+    functions, with layer ids."""
+    rows = ops or tuple(ATTENTION_OPS.values())
+    sites = []
+    for node, function in _iter_nodes(model):
+        row = op_of(node)
+        if row is not None and row in rows:
+            sites.append(AttentionSite(node, function, op=row))
     for site in sites:
         if "num_heads" not in site.node.attributes or "kv_num_heads" not in site.node.attributes:
-            raise KvCacheError(
-                f"GroupQueryAttention node {site.name} lacks num_heads or kv_num_heads; "
-                "the model is malformed."
-            )
+            raise KvCacheError(f"{site.label} lacks num_heads or kv_num_heads; the model is malformed.")
     if with_cache_only:
         sites = [s for s in sites if s.has_cache]
     _link_owners(sites)
@@ -227,8 +290,13 @@ def find_gqa_sites(model: ir.Model, *, with_cache_only: bool = True) -> list[Gqa
     return sites
 
 
-def cache_name(site: GqaSite, model: ir.Model) -> str | None:
-    """Name of the past_key value as the model's caller sees it."""
+def find_gqa_sites(model: ir.Model, *, with_cache_only: bool = True) -> list[AttentionSite]:
+    """Every GroupQueryAttention node of the model, its subgraphs and its functions."""
+    return find_attention_sites(model, with_cache_only=with_cache_only, ops=(GQA,))
+
+
+def cache_name(site: AttentionSite, model: ir.Model) -> str | None:
+    """Name of the key cache input as the model's caller sees it."""
     value = site.past_key
     if value is None:
         return None
@@ -242,7 +310,7 @@ def cache_name(site: GqaSite, model: ir.Model) -> str | None:
     return value.name
 
 
-def _link_owners(sites: list[GqaSite]) -> None:
+def _link_owners(sites: list[AttentionSite]) -> None:
     """Set each site's owner: follow cache writers upstream (one node map for all)."""
     by_node = {id(s.node): s for s in sites}
     for site in sites:
@@ -253,8 +321,8 @@ def _link_owners(sites: list[GqaSite]) -> None:
         site._owner = owner
 
 
-def _assign_layer_ids(model: ir.Model, sites: list[GqaSite]) -> None:
-    caches: dict[int, list[GqaSite]] = {}
+def _assign_layer_ids(model: ir.Model, sites: list[AttentionSite]) -> None:
+    caches: dict[int, list[AttentionSite]] = {}
     for site in sites:
         caches.setdefault(id(site.owner.past_key), []).append(site)
     parsed = {key: layer_id_from_name(cache_name(group[0], model)) for key, group in caches.items()}

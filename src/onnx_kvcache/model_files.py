@@ -47,10 +47,16 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from onnx_kvcache import file_io
+from onnx_kvcache.capabilities import (
+    check_kv_cache_support,
+    conversion_warnings,
+    get_capabilities,
+    infer_target,
+)
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.file_io import atomic_write_bytes, atomic_write_text, format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 from onnx_kvcache.scales import as_kv_cache_scales
@@ -635,8 +641,6 @@ def _serialize(model: ir.Model, names: dict[str, str] | None = None) -> bytes:
 def _genai_config_for(config: dict[str, Any], ep: str) -> dict[str, Any]:
     """A copy of ``config`` for a quantized cache on ``ep``: past/present share a buffer
     only where the capability table says so (CUDA)."""
-    from onnx_kvcache.capabilities import get_capabilities
-
     config = json.loads(json.dumps(config))
     config.setdefault("search", {})["past_present_share_buffer"] = get_capabilities(ep).share_buffer
     return config
@@ -689,6 +693,8 @@ class ConvertResult:
     shared_with: pathlib.Path | None = None
     data_files: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Converted nodes per operator (``{"PagedAttention": 32}``)."""
 
     def weights_summary(self) -> str:
         size = format_bytes(self.weight_bytes)
@@ -766,14 +772,15 @@ def convert_model(
 
     model = source.model
     result = ConvertResult(plan.out, source.graph, 0, granularity, fmt.name, placement=plan.placement)
-    if not find_gqa_sites(model, with_cache_only=False):
+    if not find_attention_sites(model, with_cache_only=False):
         AttentionFusionPass()(model)  # reads no weights, unlike onnxscript's fusions
         # then everything optimize_model fuses (onnxscript's fusions read weights)
         optimize_model(model, execution_provider=None, kv_cache_format=None, fuse_attention="auto")
-    if not find_gqa_sites(model):
+    if not find_attention_sites(model):
         result.converted = False
         result.reasons = [
-            f"{source.graph.name} has no GroupQueryAttention node with a KV cache, and attention fusion "
+            f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
+            "and attention fusion "
             "found none to fuse: nothing to convert. Export the decoder with "
             "GroupQueryAttention (e.g. onnxruntime-genai's model builder)."
         ]
@@ -781,8 +788,6 @@ def convert_model(
             raise KvCacheError(result.reasons[0])
         return result
     if ep == "auto":
-        from onnx_kvcache.capabilities import infer_target
-
         target, why = infer_target(model, source.config)
         result.target_source = f"assumed: {why}"
     elif ep is not None:
@@ -807,8 +812,14 @@ def convert_model(
         shared_kv_scale=shared_kv_scale,
         fuse_attention=False,
     )
-    result.nodes = sum(1 for s in find_gqa_sites(model) if s.str_attr("k_quant_type", "NONE") != "NONE")
-    share_target = result.target or ("cuda" if fmt.name == "fp8" else "cpu")
+    for site in find_attention_sites(model):
+        if site.cache_format is not None:
+            result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
+    result.nodes = sum(result.ops.values())
+    for warning in conversion_warnings(model, fmt.name, result.target):
+        warnings.warn(warning, KvCacheWarning, stacklevel=2)
+    cpu_runs_it = all(get_capabilities("cpu", s.op).has_kernel for s in find_attention_sites(model))
+    share_target = result.target or ("cuda" if fmt.name == "fp8" or not cpu_runs_it else "cpu")
     new_config = None
     if source.config is not None:
         new_config = _genai_config_for(source.config, share_target)
@@ -838,7 +849,6 @@ def convert_model(
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
     """Every reason ``target`` cannot run the converted model (the capability table)."""
-    from onnx_kvcache.capabilities import check_kv_cache_support, get_capabilities
     from onnx_kvcache.device import cuda_compute_capability
 
     capability = cuda_compute_capability() if check_device else None

@@ -16,11 +16,11 @@ from typing import Any, Literal
 import onnx
 import onnx_ir as ir
 
-from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support
+from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import get_format
-from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.scales import as_kv_cache_scales
@@ -62,7 +62,8 @@ def optimize_model(
         kv_cache_scales: What the pass accepts, or a scale-file path.
         fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
             attention, proven equivalent, then onnxscript's ORT fusions) only when the
-            model has no GQA node; ``True`` always; ``False`` never.
+            model has no attention node (GroupQueryAttention, PagedAttention); ``True``
+            always; ``False`` never.
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
         shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).
@@ -75,8 +76,8 @@ def optimize_model(
         if kv_cache_format not in (None, "fp8"):
             raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
         kv_cache_format = "fp8"
-    has_gqa = bool(find_gqa_sites(model, with_cache_only=False))
-    if fuse_attention is True or (fuse_attention == "auto" and not has_gqa):
+    has_attention = bool(find_attention_sites(model, with_cache_only=False))
+    if fuse_attention is True or (fuse_attention == "auto" and not has_attention):
         GqaFusionPass()(model)
     if kv_cache_format is None:
         report = SupportReport(execution_provider or "any", "none", kv_cache_granularity, True, ())
@@ -87,7 +88,10 @@ def optimize_model(
         KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(
             model
         )
-        report = SupportReport("any", fmt.name, kv_cache_granularity, True, ())
+        said = tuple(conversion_warnings(model, fmt.name))
+        for warning in said:
+            warnings.warn(warning, KvCacheWarning, stacklevel=2)
+        report = SupportReport("any", fmt.name, kv_cache_granularity, True, (), said)
         return (model, report) if return_report else model
     capability = None
     if check_device:
@@ -113,4 +117,6 @@ def optimize_model(
         warnings.warn(message, KvCacheWarning, stacklevel=2)
         return (model, report) if return_report else model
     KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    for warning in report.warnings:
+        warnings.warn(warning, KvCacheWarning, stacklevel=2)
     return (model, report) if return_report else model

@@ -3,13 +3,18 @@
 :class:`KvCacheRunner` discovers the decoder's I/O (onnxruntime-genai names and common
 variants), allocates empty caches of the model's cache dtype and shape (int4 packed,
 fp8 as its bits, sliding-window layers window-sized) and feeds each step's present
-caches back as the next step's past.
+caches back as the next step's past. A paged decoder (PagedAttention, genai's
+``use_paged_attention`` I/O) gets a block pool instead (:mod:`onnx_kvcache.paged_cache`):
+its sequences are packed into one token list, with block tables, cumulative and past
+lengths and ``attention_metadata`` fed every call.
 
 On the CPU provider, what the CPU cannot run as asked is prepared first: a bfloat16
-model computes in float32, and GroupQueryAttention nodes with an fp8 cache, q/k norm
+model computes in float32, GroupQueryAttention nodes with an fp8 cache, q/k norm
 inputs, or a kernel rule (``semantics``) other than the CPU kernel's run through the
 emulation (:mod:`onnx_kvcache.passes.kv_cache_emulation`), whose caches hold dequantized
-values. :meth:`KvCacheRunner.present` gives every cache in its stored format all the same.
+values, and PagedAttention nodes (no CPU kernel) through the CPU reference
+(:mod:`onnx_kvcache.passes.paged_attention_reference`). :meth:`KvCacheRunner.present`
+gives every cache in its stored format all the same.
 """
 
 from __future__ import annotations
@@ -26,19 +31,22 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
+from onnx_kvcache.attention_ops import PAGED
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat
 from onnx_kvcache.gqa import (
     COS_CACHE,
-    K_SCALE,
-    V_SCALE,
-    GqaSite,
+    AttentionSite,
     constant_values,
+    find_attention_sites,
     find_gqa_sites,
     resident_rows,
 )
+from onnx_kvcache.paged_cache import BlockPool, check_block_size
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
+from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime import create_session, to_ort_value
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,10 @@ class CacheBinding:
     feed_dtype: ir.DataType | None = None
     """Element type of the tensors the session takes, when not ``dtype`` (emulated or
     bfloat16 caches: they hold float values, dequantized for a quantized format)."""
+    paged: bool = False
+    """A block pool ``[num_blocks, block_size, kv_num_heads, last_dim]`` (PagedAttention)."""
+    block_size: int | None = None
+    """The pool's static block size, when the model fixes one."""
 
     @property
     def holds_values(self) -> bool:
@@ -105,8 +117,14 @@ class CacheBinding:
             return np.zeros(shape, self.format.numpy_dtype())
         return np.zeros(shape, (self.feed_dtype or self.dtype).numpy())
 
+    def empty_pool(self, num_blocks: int, block_size: int) -> np.ndarray:
+        shape = (num_blocks, block_size, self.kv_num_heads, self.feed_last_dim)
+        if self.feed_dtype is None and self.format is not None:
+            return np.zeros(shape, self.format.numpy_dtype())
+        return np.zeros(shape, (self.feed_dtype or self.dtype).numpy())
+
     def values(self, cache: np.ndarray) -> np.ndarray:
-        """float32 values of a cache tensor as the session holds it (dequantized)."""
+        """float32 values of a BNSH cache tensor as the session holds it (dequantized)."""
         if self.format is None or self.holds_values:
             return np.asarray(cache, np.float32)
         assert self.scale is not None
@@ -126,7 +144,7 @@ class CacheBinding:
         return int(rows * self.last_dim * itemsize)
 
 
-def _scale_of(site: GqaSite, slot: int, head: int) -> np.ndarray | None:
+def _scale_of(site: AttentionSite, slot: str, head: int) -> np.ndarray | None:
     values = constant_values(site.input(slot))
     if values is None:
         return None
@@ -135,20 +153,18 @@ def _scale_of(site: GqaSite, slot: int, head: int) -> np.ndarray | None:
 
 
 def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
-    """Pair each past cache graph input with its present output, using the GQA nodes."""
+    """Pair each cache graph input with its present output, using the attention nodes."""
     bindings: list[CacheBinding] = []
     inputs = {v.name for v in model.graph.inputs}
     outputs = {v.name for v in model.graph.outputs}
-    for site in find_gqa_sites(model):
+    for site in find_attention_sites(model):
         capacity = None
         if site.int_attr("sliding_window_cache", 0) and site.int_attr("local_window_size", -1) > 0:
             capacity = site.int_attr("local_window_size", -1)
         fmt = site.cache_format
-        pairs = (
-            ("key", site.past_key, site.present_key, K_SCALE),
-            ("value", site.past_value, site.present_value, V_SCALE),
-        )
-        for kind, past, present, slot in pairs:
+        paged = site.op.layout.name == PAGED.layout.name
+        for side in site.sides:
+            past, present = site.past(side), site.present(side)
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             assert past.name is not None and present.name is not None and past.dtype is not None
@@ -160,10 +176,11 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             last = shape[3] if shape is not None and len(shape) == 4 else None
             if not isinstance(last, int):
                 last = fmt.packed_dim(head) if fmt is not None else head
+            block = shape[1] if paged and shape is not None and len(shape) == 4 else None
             bindings.append(
                 CacheBinding(
                     site.layer_id,
-                    kind,
+                    side.kind,
                     past.name,
                     present.name,
                     past.dtype,
@@ -173,23 +190,25 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
                     static,
                     site.int_attr("local_window_size", -1) if capacity else None,
                     fmt,
-                    _scale_of(site, slot, head) if fmt is not None else None,
+                    _scale_of(site, side.scale, head) if fmt is not None else None,
                     head,
+                    paged=paged,
+                    block_size=block if isinstance(block, int) else None,
                 )
             )
     if not bindings:
         for value in model.graph.inputs:
             if _PAST.match(value.name or "") and _cache_kind(value.name or ""):
                 raise KvCacheError(
-                    f"Input {value.name!r} looks like a KV cache but no GroupQueryAttention "
-                    "node reads it; the runner needs a GQA decoder. Fuse an exported model's "
-                    "attention first: optimize_model(model) (docs/exporting.md)."
+                    f"Input {value.name!r} looks like a KV cache but no GroupQueryAttention or "
+                    "PagedAttention node reads it; the runner needs such a decoder. Fuse an exported "
+                    "model's attention first: optimize_model(model) (docs/exporting.md)."
                 )
     return bindings
 
 
 def _fused(model: ir.Model) -> ir.Model:
-    """A decoder read from disk without GQA nodes (a PyTorch export), fused in memory."""
+    """A decoder read from disk without attention nodes (a PyTorch export), fused in memory."""
     from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 
     if GqaFusionPass()(model).modified:
@@ -229,19 +248,80 @@ def prepare_for_cpu(
     """``model``, or a copy prepared to run on the CPU provider, and whether it emulates.
 
     bfloat16 computes in float32; GroupQueryAttention nodes the CPU cannot run under
-    ``semantics`` are emulated (:func:`emulate_kv_cache`). The given model is never changed.
+    ``semantics`` are emulated (:func:`emulate_kv_cache`); PagedAttention nodes run through
+    the CPU reference (no CPU kernel exists; every paged kernel quantizes before attending,
+    whatever ``semantics``). The given model is never changed.
     """
     emulate = any(needs_emulation(s, semantics) for s in find_gqa_sites(model))
-    if not (emulate or _has_bfloat16(model)):
+    paged = bool(find_attention_sites(model, ops=(PAGED,)))
+    if not (emulate or paged or _has_bfloat16(model)):
         return model, False
     if emulate:
         logger.info("Emulating GroupQueryAttention caches on CPU with the %s kernel's rule.", semantics)
-    else:
+    elif not paged:
         logger.info("bfloat16 model: computing in float32 on CPU (no bf16 kernels there).")
     try:
-        return emulate_kv_cache(model, semantics, quantized_io=quantized_io), emulate
+        prepared = emulate_kv_cache(model, semantics, quantized_io=quantized_io)
     except ir.passes.PreconditionError as e:
         raise KvCacheError(f"This model cannot run on CPU: {e}") from None
+    if paged:
+        if prepared.functions:
+            common_passes.InlinePass()(prepared)
+        logger.info("Running PagedAttention through its CPU reference (onnxruntime has no CPU kernel).")
+        PagedAttentionReferencePass()(prepared)
+    return prepared, emulate or paged
+
+
+_PAGED_LENGTHS = ("cumulative_sequence_length", "past_seqlens", "block_table", "attention_metadata")
+
+
+def _paged_feeds(model: ir.Model) -> dict[str, str]:
+    """The graph inputs a paged decoder's PagedAttention nodes read their lengths from."""
+    inputs = {v.name for v in model.graph.inputs}
+    names: dict[str, str] = {}
+    for site in find_attention_sites(model, ops=(PAGED,)):
+        for role in (*_PAGED_LENGTHS, "slot_mapping"):
+            value = site.input(role)
+            if value is None:
+                continue
+            if value.name not in inputs:
+                raise KvCacheError(
+                    f"{site.label} reads its {role} from {value.name!r}, which is not a graph input; "
+                    "the runner feeds paged decoders whose lengths and block table are graph inputs "
+                    "(onnxruntime-genai's layout)."
+                )
+            if names.setdefault(role, value.name) != value.name:  # type: ignore[arg-type]
+                raise KvCacheError(
+                    f"{site.label} reads its {role} from {value.name!r}, other layers from "
+                    f"{names[role]!r}: layers with their own tables (genai's windowed paged layers, "
+                    "block_table_windowed) are not run by the runner; build the model with full-size "
+                    "paged caches."
+                )
+    return names
+
+
+def _paged_block_size(bindings: list[CacheBinding], requested: int | None, config: dict | None) -> int:
+    """The pool's block size: the model's static one, else ``requested``, else the genai
+    config's ``engine.dynamic_batching.block_size``, else 16."""
+    static = {b.block_size for b in bindings if b.block_size is not None}
+    if len(static) > 1:
+        raise KvCacheError(
+            f"The model's paged caches declare different block sizes {sorted(static)}; one block table "
+            "cannot address them. Rebuild the model with one block size."
+        )
+    if static:
+        fixed = static.pop()
+        if requested is not None and requested != fixed:
+            raise KvCacheError(
+                f"block_size={requested} does not match the model's caches, which fix block_size {fixed}."
+            )
+        return check_block_size(fixed)
+    if requested is not None:
+        return check_block_size(requested)
+    engine = (config or {}).get("engine", {}).get("dynamic_batching", {})
+    if isinstance(engine, dict) and "block_size" in engine:
+        return check_block_size(engine["block_size"])
+    return 16
 
 
 def _require_cuda_provider() -> None:
@@ -272,6 +352,14 @@ class KvCacheRunner:
             kernel runs and only ``cuda`` is accepted.
         quantized_io: When emulating, keep the caches in their stored format between
             steps (slower: the whole cache is converted every step).
+        block_size: Paged decoders: tokens per block of the pool (a power of two >= 16).
+            Default: the model's static block size, else the genai config's
+            ``engine.dynamic_batching.block_size``, else 16.
+
+    A paged decoder packs the batch's rows into one token list each call and keeps a block
+    pool per cache: :meth:`present` returns the pool, :meth:`cache_values` each sequence's
+    cache in BNSH order, and :meth:`forward_packed` adds a different number of tokens to each
+    sequence (continuous batching).
     """
 
     def __init__(
@@ -282,6 +370,7 @@ class KvCacheRunner:
         io_binding: bool | None = None,
         semantics: str | None = None,
         quantized_io: bool = False,
+        block_size: int | None = None,
     ) -> None:
         from onnx_kvcache.model_files import load_model, resolve_model_path
 
@@ -291,7 +380,7 @@ class KvCacheRunner:
         else:
             model_file, config = resolve_model_path(model_or_path)
             model = load_model(model_file)
-            if not find_gqa_sites(model, with_cache_only=False):
+            if not find_attention_sites(model, with_cache_only=False):
                 model = _fused(model)
             base_dir = model_file.parent
         eos = (config or {}).get("model", {}).get("eos_token_id")
@@ -333,6 +422,13 @@ class KvCacheRunner:
             b if feeds.get(b.past) in (None, b.dtype) else dataclasses.replace(b, feed_dtype=feeds[b.past])
             for b in discover_cache_bindings(self.source_model)
         ]
+        self.paged = any(b.paged for b in self.bindings)
+        if self.paged and not all(b.paged for b in self.bindings):
+            raise KvCacheError("The model mixes paged and dense KV caches; the runner takes one kind.")
+        self.block_size = _paged_block_size(self.bindings, block_size, config) if self.paged else None
+        """Tokens per block of a paged decoder's pool (None for dense caches)."""
+        self._paged_inputs = _paged_feeds(self.source_model) if self.paged else {}
+        self.pool: BlockPool | None = None
         self.session = create_session(model, self.providers, base_dir)
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
@@ -356,6 +452,8 @@ class KvCacheRunner:
     @property
     def kernel_rule(self) -> str:
         """Which rule produced this runner's outputs, in words."""
+        if self.paged:
+            return "PagedAttention CPU reference (quantized before attending, as every paged kernel)"
         if not any(b.format is not None for b in self.bindings):
             return "float cache"
         if self.device == "cuda":
@@ -367,13 +465,22 @@ class KvCacheRunner:
 
         ``min_capacity`` enlarges window-sized caches (when the model's shape allows) so
         that ``min_capacity`` tokens stay resident: onnxruntime accepts any capacity at
-        least the window, and calibration must see every row the kernel will quantize.
+        least the window, and calibration must see every row the kernel will quantize. A
+        paged decoder's pool starts with blocks for ``min_capacity`` tokens per sequence and
+        grows as needed.
         """
         self.batch = batch
         self.length = 0
         self.caches: dict[str, Any] = {}
+        if self.paged:
+            assert self.block_size is not None
+            self.pool = BlockPool(self.block_size, batch)
+            self.pool.reserve([min_capacity] * batch)
         for b in self.bindings:
-            empty = b.empty(batch, min_capacity)
+            if self.pool is not None:
+                empty = b.empty_pool(self.pool.num_blocks, self.pool.block_size)
+            else:
+                empty = b.empty(batch, min_capacity)
             if self.io_binding:
                 self.caches[b.past] = to_ort_value(empty, b.feed_dtype or b.dtype, self.device)
             else:
@@ -398,8 +505,40 @@ class KvCacheRunner:
             feeds["position_ids"] = np.tile(np.arange(self.length, total, dtype=np.int64), (batch, 1))
         return feeds
 
-    def _run_plain(self, ids: np.ndarray) -> np.ndarray:
-        feeds: dict[str, Any] = self._inputs(ids)
+    def _paged_feeds(self, sequences: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """Pack ``sequences`` (new tokens per sequence) with the pool's lengths and table."""
+        pool = self.pool
+        assert pool is not None
+        new = [len(s) for s in sequences]
+        grow = pool.reserve([n + k for n, k in zip(pool.lengths, new)])
+        if grow:
+            self._grow_pools(grow)
+        lengths = pool.feeds(new)
+        feeds: dict[str, np.ndarray] = {self.ids_name: np.concatenate(sequences).astype(np.int64)}
+        for role, name in self._paged_inputs.items():
+            feeds[name] = pool.slots(new) if role == "slot_mapping" else lengths[role]
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = np.concatenate(
+                [np.arange(n, n + k, dtype=np.int64) for n, k in zip(pool.lengths, new)]
+            )
+        return feeds
+
+    def _grow_pools(self, blocks: int) -> None:
+        """Add ``blocks`` empty blocks to every layer's pool (host copy for device pools)."""
+        assert self.pool is not None
+        for b in self.bindings:
+            grown = np.concatenate([self.cache_array(b.past), b.empty_pool(blocks, self.pool.block_size)])
+            if self.io_binding:
+                if (b.feed_dtype or b.dtype) == ir.DataType.FLOAT8E4M3FN and self.device != "cpu":
+                    raise KvCacheError(
+                        "The fp8 block pool on the device is full; reset(batch, min_capacity=...) with "
+                        "room for the whole context first."
+                    )
+                self.caches[b.past] = to_ort_value(grown, b.feed_dtype or b.dtype, self.device)
+            else:
+                self.caches[b.past] = grown
+
+    def _run_plain(self, feeds: dict[str, Any]) -> np.ndarray:
         for b in self.bindings:
             cache = self.caches[b.past]
             fp8 = (b.feed_dtype or b.dtype) == ir.DataType.FLOAT8E4M3FN
@@ -410,20 +549,30 @@ class KvCacheRunner:
             self.caches[b.past] = present
         return results[0]
 
-    def _run_bound(self, ids: np.ndarray) -> np.ndarray:
+    def _run_bound(self, feeds: dict[str, Any]) -> np.ndarray:
         binding = self.session.io_binding()
-        for name, array in self._inputs(ids).items():
+        for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for b in self.bindings:
             binding.bind_ortvalue_input(b.past, self.caches[b.past])
         binding.bind_output(self.logits_name, "cpu")
         for b in self.bindings:
-            binding.bind_output(b.present, self.device)
+            if self.paged and self.device != "cpu":  # the kernel updates its pool in place
+                binding.bind_ortvalue_output(b.present, self.caches[b.past])
+            else:
+                binding.bind_output(b.present, self.device)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         for b, present in zip(self.bindings, outputs[1:]):
             self.caches[b.past] = present
         return outputs[0].numpy()
+
+    def _run(self, feeds: dict[str, Any]) -> np.ndarray:
+        raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+        logits = np.asarray(raw, np.float32)
+        if not np.all(np.isfinite(logits)):
+            raise KvCacheError("The model produced non-finite logits.")
+        return logits
 
     @property
     def eos_token_id(self) -> int | None:
@@ -462,12 +611,29 @@ class KvCacheRunner:
                 f"{self.length + ids.shape[1]} tokens exceed the {self.max_positions} positions the "
                 "model's rotary tables cover; use shorter sequences (--seq-len) or fewer new tokens."
             )
-        raw = self._run_bound(ids) if self.io_binding else self._run_plain(ids)
+        if self.pool is not None:
+            logits = self._run(self._paged_feeds(list(ids)))
+            self.pool.advance([ids.shape[1]] * ids.shape[0])
+            logits = logits.reshape(ids.shape[0], ids.shape[1], -1)
+        else:
+            logits = self._run(self._inputs(ids))
         self.length += ids.shape[1]
-        logits = np.asarray(raw, np.float32)
-        if not np.all(np.isfinite(logits)):
-            raise KvCacheError("The model produced non-finite logits.")
         return logits
+
+    def forward_packed(self, sequences: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
+        """Paged decoders: add ``sequences[b]`` (any number of tokens, none included) to
+        sequence ``b`` in one call, as a continuous-batching scheduler does; returns each
+        sequence's float32 logits ``[n_b, V]``. ``length`` becomes the longest context."""
+        if self.pool is None:
+            raise KvCacheError("forward_packed needs a paged decoder (PagedAttention); use forward.")
+        arrays = [np.asarray(s, np.int64).reshape(-1) for s in sequences]
+        if len(arrays) != self.batch:
+            self.reset(len(arrays))
+        assert self.pool is not None
+        logits = self._run(self._paged_feeds(arrays))
+        self.pool.advance([len(a) for a in arrays])
+        self.length = max(self.pool.lengths)
+        return np.split(logits, np.cumsum([len(a) for a in arrays])[:-1])
 
     def prefill(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Start a new context with ``ids`` (``[seq]`` or ``[batch, seq]``); returns their logits."""
@@ -513,11 +679,22 @@ class KvCacheRunner:
         raise KvCacheError(f"No {kind} cache for layer {layer_id}; the layers with a cache are {layers}.")
 
     def present(self, layer_id: int, kind: str) -> np.ndarray:
-        """A layer's cache (``kind`` is ``key`` or ``value``) in its stored format."""
+        """A layer's cache (``kind`` is ``key`` or ``value``) in its stored format (a paged
+        decoder's: the block pool)."""
         b = self._binding(layer_id, kind)
         return b.stored(self.cache_array(b.past))
 
     def cache_values(self, layer_id: int, kind: str) -> np.ndarray:
-        """A layer's cache as float32 values, dequantized with its scales."""
+        """A layer's cache as float32 values ``[B, kv_num_heads, S, head_size]``, dequantized
+        with its scales (a paged decoder's: each sequence's tokens gathered from the pool)."""
         b = self._binding(layer_id, kind)
-        return b.values(self.cache_array(b.past))
+        cache = self.cache_array(b.past)
+        if self.pool is None:
+            return b.values(cache)
+        flat = cache.reshape(-1, *cache.shape[2:])
+        rows = [flat[self.pool.rows(i)] for i in range(self.batch)]
+        longest = max(len(r) for r in rows)
+        view = np.zeros((self.batch, longest, *cache.shape[2:]), cache.dtype)
+        for i, r in enumerate(rows):
+            view[i, : len(r)] = r
+        return b.values(view.transpose(0, 2, 1, 3))

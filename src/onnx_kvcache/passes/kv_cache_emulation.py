@@ -212,9 +212,9 @@ class _Codec:
 
 
 def _reshape_tail(b: _Builder, x: ir.Value, leading: ir.Value, tail: list[int]) -> ir.Value:
-    """Reshape ``x`` to its first three dimensions followed by ``tail`` (zero rows allowed)."""
+    """Reshape ``x`` to ``leading``'s dimensions but the last, then ``tail`` (zero rows allowed)."""
     shape = b.op(
-        "Concat", [b.op("Slice", [leading, *_ints(b, [0], [3])]), b.const(np.array(tail, np.int64))], axis=0
+        "Concat", [b.op("Slice", [leading, *_ints(b, [0], [-1])]), b.const(np.array(tail, np.int64))], axis=0
     )
     return b.op("Reshape", [x, shape])
 

@@ -1,32 +1,38 @@
-"""Store the KV cache of every GroupQueryAttention node in a quantized format.
+"""Store the KV cache of every attention node in a quantized format.
 
-Rules, for each ``com.microsoft::GroupQueryAttention`` node in the main graph, its
-subgraphs and the model's functions:
+Rules, for each attention node of :data:`~onnx_kvcache.attention_ops.ATTENTION_OPS`
+(``com.microsoft::GroupQueryAttention``, ``com.microsoft::PagedAttention``) in the main graph,
+its subgraphs and the model's functions; every slot, shape and attribute comes from the
+node's operator row:
 
-1. A node without past_key/past_value (inputs 3/4) is left alone. A cache that is
-   not a graph input (a non-empty initializer, or produced by another node) is
-   skipped with a warning naming the node; an empty initializer is retyped along
-   with its value. A function's cache input is retyped at every call site too.
-   A node that reads another GQA node's present as its past (KV sharing across
-   layers) is converted with that writer, sharing its layer id and scales; the two
-   convert together or not at all, and a present read by any other node is skipped.
-2. past_key, past_value, present_key and present_value take the format's element
-   type and keep their shapes; int4 packs two values a byte, so the head dimension
-   becomes the static ``(head_size + 1) // 2``, also where it was symbolic (runtimes
-   allocate caches from the declared shape). A cache also read by a node other than
-   a converted GQA node (past or present) skips the node's group with a warning; a
-   Shape of its leading dimensions only (batch, heads, length: what exports read) is
-   no such reader, as no format changes them.
-3. float32 scales go to inputs 12 (k) and 13 (v): ``[1]`` per tensor,
-   ``kv_num_heads * head_size`` per channel. They are named after the cache they
-   scale: two nodes reading one cache share a scale, distinct caches never do.
-   With ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots (CUDA's
-   quantized decode fast path needed one tensor before onnxruntime 1.29); a warning says
-   when that makes a layer's K or V scale more than 2x coarser.
-4. ``k_quant_type``/``v_quant_type`` and ``kv_cache_bit_width`` are set; every other
-   attribute and every input at slot 14 and above is kept as it was.
-5. A node already in the requested format is left alone, or gets the new scale
-   values when scales are given. A node in another format is an error.
+1. A node without its caches (GQA inputs 3/4; PagedAttention ``key_cache``/``value_cache``,
+   or ``key_cache`` alone with ``kv_cache_layout="LATENT"``) is left alone. A cache that is
+   not a graph input (a non-empty initializer, or produced by another node) is skipped with
+   a warning naming the node; an empty initializer is retyped along with its value. A
+   function's cache input is retyped at every call site too. A node that reads another
+   node's present as its past (KV sharing across layers) is converted with that writer,
+   sharing its layer id and scales; the two convert together or not at all, and a present
+   read by any other node is skipped.
+2. The caches in and out take the format's element type and keep their shapes; int4 packs
+   two values a byte, so the head dimension becomes the static ``(head_size + 1) // 2``,
+   also where it was symbolic (runtimes allocate caches from the declared shape). A cache
+   also read by a node other than a converted attention node skips the node's group with a
+   warning. Key and value caches of one node must agree in every static dimension but the
+   last, and in their heads axis with ``kv_num_heads`` (else the model is malformed: error).
+3. float32 scales go to the row's scale inputs (GQA 12/13, PagedAttention 14/15): ``[1]``
+   per tensor; per channel ``kv_num_heads * head_size`` (GQA, flat) or
+   ``(kv_num_heads, 1, head_size)`` (PagedAttention), as onnxruntime-genai writes them. They
+   are named after the cache they scale: two nodes reading one cache share a scale, distinct
+   caches never do. A single (LATENT) cache takes the layer's K scale and no V scale. With
+   ``shared_kv_scale`` one tensor holding ``max(k, v)`` feeds both slots (CUDA's quantized
+   GQA decode fast path needed one tensor before onnxruntime 1.29); a warning says when that
+   makes a layer's K or V scale more than 2x coarser.
+4. The row's quantization attributes are set: ``k_quant_type``/``v_quant_type``, and
+   ``kv_cache_bit_width`` (GQA) or, for a packed format, ``k_cache_dtype``/``v_cache_dtype``
+   = ``"int4"`` (PagedAttention; never ``"float4e2m1"``, which no kernel reads). A LATENT
+   node gets the key side's only. Every other attribute and input is kept as it was.
+5. A node already in the requested format is left alone, or gets the new scale values when
+   scales are given. A node in another format is an error.
 
 The pass checks everything before it changes anything: an error leaves the model
 as it was.
@@ -43,6 +49,7 @@ import warnings
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.attention_ops import AttentionOp, op_of
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import (
     CACHE_FORMATS,
@@ -51,28 +58,17 @@ from onnx_kvcache.formats import (
     get_format,
     get_granularity,
 )
-from onnx_kvcache.gqa import (
-    K_SCALE,
-    PAST_KEY,
-    PAST_VALUE,
-    V_SCALE,
-    GqaSite,
-    find_gqa_sites,
-    function_call_sites,
-    is_gqa,
-)
+from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
-
-_QUANTIZED_DTYPES = frozenset(row.dtype for row in CACHE_FORMATS.values())
 
 
 @dataclasses.dataclass
 class _Plan:
     """What the pass will do to one site; built before anything changes."""
 
-    site: GqaSite
+    site: AttentionSite
     done: bool
     """Already in the requested format (only scale values may change)."""
     sources: list[ir.Value]
@@ -88,7 +84,7 @@ class _Skip(Exception):
 
 
 class KvCacheQuantizationPass(ir.passes.InPlacePass):
-    """Quantize the past/present KV cache of GroupQueryAttention nodes.
+    """Quantize the KV cache of GroupQueryAttention and PagedAttention nodes.
 
     Args:
         format: ``fp8`` (FLOAT8E4M3FN), ``int8`` or ``int4`` (uint8, two values a byte).
@@ -117,9 +113,9 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         scales = as_kv_cache_scales(self.scales, format=self.format.name)
-        sites = find_gqa_sites(model)
-        cache_readers = {id(s.node) for s in sites}
-        groups: dict[int, list[GqaSite]] = {}
+        sites = find_attention_sites(model)
+        cache_readers = {id(s.node): s.op for s in sites}
+        groups: dict[int, list[AttentionSite]] = {}
         for site in sites:
             groups.setdefault(id(site.owner.node), []).append(site)
         plans: list[_Plan] = []
@@ -129,12 +125,29 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
                 warnings.warn(
-                    f"Skipped GroupQueryAttention node(s) {names}: {e}; only caches that are "
+                    f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
                     "graph inputs (or another converted node's present) are converted.",
                     KvCacheWarning,
                     stacklevel=2,
                 )
         self._check_coverage(plans, scales)
+        unused = sorted(
+            {
+                p.site.layer_id
+                for p in plans
+                if p.site.single_cache
+                and p.k_scale is not None
+                and p.v_scale is not None
+                and not np.array_equal(p.k_scale, p.v_scale)
+            }
+        )
+        if scales is not None and unused:
+            warnings.warn(
+                f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
+                "the V scales given for them are not used.",
+                KvCacheWarning,
+                stacklevel=2,
+            )
         if scales is None and any(not p.done for p in plans):
             warnings.warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
@@ -149,9 +162,12 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         for plan in plans:
             modified |= self._apply(plan, store)
         modified |= store.modified | store.remove_unused()
+        counts: dict[str, int] = {}
+        for plan in plans:
+            counts[plan.site.op.op_type] = counts.get(plan.site.op.op_type, 0) + 1
         logger.info(
-            "KV cache: %d GroupQueryAttention node(s) in %s %s format%s.",
-            len(plans),
+            "KV cache: %s in %s %s format%s.",
+            ", ".join(f"{n} {op} node(s)" for op, n in counts.items()) or "no attention node",
             self.format.name,
             self.granularity,
             "" if modified else " (already converted, nothing changed)",
@@ -160,49 +176,48 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
 
     # -- planning: checks only, no changes ---------------------------------------------
 
-    def _already_done(self, site: GqaSite) -> bool:
-        quant = site.str_attr("k_quant_type", "NONE")
-        dtype = site.cache_dtype
-        if quant == "NONE" and dtype not in _QUANTIZED_DTYPES:
+    def _already_done(self, site: AttentionSite) -> bool:
+        quant = site.str_attr(site.op.key.quant_attr, "NONE")
+        current, described = _current_format(site)
+        if quant == "NONE" and current is None and site.cache_format is None:
             return False
-        bits = site.int_attr("kv_cache_bit_width", 8)
-        current = next((r for r in CACHE_FORMATS.values() if r.dtype == dtype and r.bit_width == bits), None)
         wanted = GRANULARITIES[self.granularity]
         if current is self.format and quant == wanted:
             return True
-        current_name = current.name if current else f"{dtype} ({bits}-bit)"
         raise KvCacheError(
-            f"GroupQueryAttention node {site.name} already has a {current_name} "
-            f"{quant.lower()} KV cache; cannot convert it to {self.format.name} "
-            f"{self.granularity}. Convert the original (unquantized) model instead."
+            f"{site.label} already has a {described} {quant.lower()} KV cache; cannot convert it "
+            f"to {self.format.name} {self.granularity}. Convert the original (unquantized) model instead."
         )
 
     def _plan(
         self,
         model: ir.Model,
-        site: GqaSite,
-        group: list[GqaSite],
-        cache_readers: set[int],
+        site: AttentionSite,
+        group: list[AttentionSite],
+        cache_readers: dict[int, AttentionOp],
         scales: KvCacheScales | None,
     ) -> _Plan:
         done = self._already_done(site)
+        _check_cache_shapes(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
         if not done:
-            readers = {id(s.node) for s in group}
+            readers = {id(s.node): s.op for s in group}
             if site is site.owner:  # readers of another node's present retype nothing upstream
-                for cache in (site.past_key, site.past_value):
+                for side in site.sides:
+                    cache = site.past(side)
                     assert cache is not None
                     found, reason = _cache_sources(model, site, cache)
                     if reason:
                         raise _Skip(f"cache {cache.name!r} {reason}")
                     for value in found:
-                        _check_only_gqa_reads(model, value, cache_readers, "past")
+                        _check_only_attention_reads(model, value, cache_readers, "past")
                     sources += found
-            for present in (site.present_key, site.present_value):
+            for side in site.sides:
+                present = site.present(side)
                 if present is None:
                     continue
-                _check_only_gqa_reads(model, present, readers, "present")
+                _check_only_attention_reads(model, present, readers, "present")
                 sinks += _cache_sinks(model, site, present)
         if scales is None and not done and not self.format.is_float:
             raise KvCacheError(
@@ -226,16 +241,23 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         if site.layer_id not in scales.k:
             return _Plan(site, done, sources, sinks, None, None, head)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
-        expected = 1 if self.granularity == "per_tensor" else site.kv_num_heads * (head or 0)
+        per_tensor = self.granularity == "per_tensor"
+        expected = 1 if per_tensor else site.kv_num_heads * (head or 0)
         if k.size != expected:
+            shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
+            if not per_tensor and k.size == 1:
+                hint = "These scales are per tensor: convert per_tensor (--granularity per_tensor)."
+            elif per_tensor:
+                hint = "These scales are per channel: convert per_channel (--granularity per_channel)."
+            else:
+                hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCacheError(
-                f"Layer {site.layer_id} ({site.name}): {self.granularity} scales need "
-                f"{expected} element(s) per cache, got {k.size}. Use scales of the matching "
-                "granularity (per channel: kv_num_heads * head_size)."
+                f"Layer {site.layer_id} ({site.label}): {self.granularity} scales need "
+                f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
             )
         return _Plan(site, done, sources, sinks, k, v, head)
 
-    def _head_size(self, site: GqaSite) -> int:
+    def _head_size(self, site: AttentionSite) -> int:
         return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
 
     def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
@@ -251,33 +273,35 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
     # -- applying -------------------------------------------------------------------
 
     def _apply(self, plan: _Plan, store: _ScaleStore) -> bool:
-        node = plan.site.node
+        site = plan.site
+        node, op = site.node, site.op
         modified = False
         for value in plan.sources + plan.sinks:
             modified |= _retype(value, self.format, plan.head_size)
         if plan.k_scale is not None and plan.v_scale is not None:
-            owner = plan.site.owner  # scales are named after the owner's cache: one per cache
-            pk, pv = owner.past_key, owner.past_value
-            assert pk is not None and pv is not None
-            if self.shared_kv_scale:
+            owner = site.owner  # scales are named after the owner's caches: one per cache
+            shape = op.scale_shape(self.granularity, site.kv_num_heads, plan.head_size or 0)
+            arrays = {"key": plan.k_scale, "value": plan.v_scale}
+            values: dict[str, ir.Value] = {}
+            if self.shared_kv_scale and len(site.sides) > 1:
                 shared = np.maximum(plan.k_scale, plan.v_scale)
-                k_value = v_value = store.put(owner, f"{pk.name}_kv_scale", shared)
+                name = f"{owner.past_key.name}_kv_scale"  # type: ignore[union-attr]
+                values = dict.fromkeys(arrays, store.put(owner, name, shared, shape))
             else:
-                k_value = store.put(owner, f"{pk.name}_scale", plan.k_scale)
-                v_value = store.put(owner, f"{pv.name}_scale", plan.v_scale)
-            if len(node.inputs) <= V_SCALE:
-                node.resize_inputs(V_SCALE + 1)
-            for slot, value in ((K_SCALE, k_value), (V_SCALE, v_value)):
+                for side in site.sides:
+                    name = f"{owner.past(side).name}_scale"  # type: ignore[union-attr]
+                    values[side.kind] = store.put(owner, name, arrays[side.kind], shape)
+            slots = [(op.slot(side.scale), values[side.kind]) for side in site.sides]
+            last = max(slot for slot, _ in slots)
+            if len(node.inputs) <= last:
+                node.resize_inputs(last + 1)
+            for slot, value in slots:
                 if node.inputs[slot] is not value:
                     store.retire(node.inputs[slot])
                     node.replace_input_with(slot, value)
                     modified = True
-        quant = GRANULARITIES[self.granularity]
-        for name, attr in (
-            ("k_quant_type", ir.AttrString("k_quant_type", quant)),
-            ("v_quant_type", ir.AttrString("v_quant_type", quant)),
-            ("kv_cache_bit_width", ir.AttrInt64("kv_cache_bit_width", self.format.bit_width)),
-        ):
+        for name, wanted in op.quant_attributes(self.format, self.granularity, site.sides).items():
+            attr = ir.AttrString(name, wanted) if isinstance(wanted, str) else ir.AttrInt64(name, wanted)
             old = node.attributes.get(name)
             if old is None or old.value != attr.value:
                 node.attributes[name] = attr
@@ -321,10 +345,55 @@ def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
 # -- cache endpoints ------------------------------------------------------------------
 
 
-def _check_only_gqa_reads(model: ir.Model, value: ir.Value, readers: set[int], what: str) -> None:
-    """A cache may be read only as the past of converted GQA nodes, or passed to a function."""
+def _current_format(site: AttentionSite) -> tuple[CacheFormat | None, str]:
+    """The format the node's cache is in (by element type, and bit width where the op has
+    one), or None, with a description for messages."""
+    dtype = site.cache_dtype
+    rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
+    described = str(dtype.name if dtype is not None else "?").lower()
+    attr = site.op.bit_width_attr
+    if attr is not None:
+        bits = site.int_attr(attr, 8)
+        rows = [row for row in rows if row.bit_width == bits]
+        described = f"{described} ({bits}-bit)"
+    for side in site.sides:
+        logical = site.str_attr(side.dtype_attr) if side.dtype_attr else ""
+        if logical:
+            rows = [row for row in rows if logical in (row.logical_name, row.dtype.name.lower(), row.name)]
+            described = f"{described} ({side.dtype_attr}={logical!r})"
+    return (rows[0], rows[0].name) if rows else (None, described)
+
+
+def _check_cache_shapes(site: AttentionSite) -> None:
+    """Key and value caches agree in every static dimension but the last; heads match."""
+    shapes = [site.past(side).shape for side in site.sides]  # type: ignore[union-attr]
+    heads_axis = site.op.layout.heads_axis
+    for side, shape in zip(site.sides, shapes):
+        if shape is None or len(shape) != 4:
+            continue
+        if isinstance(shape[heads_axis], int) and shape[heads_axis] != site.kv_num_heads:
+            raise KvCacheError(
+                f"{site.label}: its {side.kind} cache has {shape[heads_axis]} heads on axis {heads_axis} "
+                f"({site.op.layout.dims[heads_axis]}), but kv_num_heads is {site.kv_num_heads}; the model "
+                "is malformed."
+            )
+    if len(shapes) == 2 and all(s is not None and len(s) == 4 for s in shapes):
+        for axis, (a, b) in enumerate(zip(shapes[0][:3], shapes[1][:3])):  # type: ignore[index]
+            if isinstance(a, int) and isinstance(b, int) and a != b:
+                raise KvCacheError(
+                    f"{site.label}: key and value caches differ in {site.op.layout.dims[axis]} "
+                    f"({a} vs {b}); both caches of a node share one layout. Rebuild the model with "
+                    "matching cache shapes."
+                )
+
+
+def _check_only_attention_reads(
+    model: ir.Model, value: ir.Value, readers: dict[int, AttentionOp], what: str
+) -> None:
+    """A cache may be read only as the cache of converted attention nodes, or passed to a function."""
     for user, slot in value.uses():
-        if user.graph is None or (id(user) in readers and slot in (PAST_KEY, PAST_VALUE)):
+        op = readers.get(id(user))
+        if user.graph is None or (op is not None and slot in op.cache_slots):
             continue  # a removed node, or a converted reader
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
@@ -349,7 +418,9 @@ def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:
     return None
 
 
-def _cache_sources(model: ir.Model, site: GqaSite, value: ir.Value) -> tuple[list[ir.Value], str | None]:
+def _cache_sources(
+    model: ir.Model, site: AttentionSite, value: ir.Value
+) -> tuple[list[ir.Value], str | None]:
     """Values to retype for a cache input, or why it cannot be converted."""
     if value.is_graph_input():
         function = _owner_function(model, value)
@@ -388,7 +459,7 @@ def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
     return None
 
 
-def _cache_sinks(model: ir.Model, site: GqaSite, value: ir.Value) -> list[ir.Value]:
+def _cache_sinks(model: ir.Model, site: AttentionSite, value: ir.Value) -> list[ir.Value]:
     """Values to retype for a present output: the output and where it flows out."""
     found = [value]
     if not value.is_graph_output() or value.graph is model.graph or value.graph is None:
@@ -445,8 +516,8 @@ class _ScaleStore:
         self.modified = False
         self._retired: list[ir.Value] = []
 
-    def put(self, site: GqaSite, name: str, array: np.ndarray) -> ir.Value:
-        array = np.asarray(array, np.float32).reshape(-1)
+    def put(self, site: AttentionSite, name: str, array: np.ndarray, shape: tuple[int, ...]) -> ir.Value:
+        array = np.asarray(array, np.float32).reshape(shape)
         if site.function is not None:
             return self._put_constant(site.function, name, array)
         graph = self.model.graph
@@ -512,10 +583,14 @@ class _ScaleStore:
 
 
 def _only_scale_uses(value: ir.Value) -> bool:
-    """Whether ``value`` is read only as a GQA k/v scale (so it is ours to update)."""
-    return not value.is_graph_output() and all(
-        is_gqa(node) and slot in (K_SCALE, V_SCALE) for node, slot in value.uses()
-    )
+    """Whether ``value`` is read only as an attention node's k/v scale (ours to update)."""
+    if value.is_graph_output():
+        return False
+    for node, slot in value.uses():
+        op = op_of(node)
+        if op is None or slot not in op.scale_slots:
+            return False
+    return True
 
 
 def _unique_name(graph: ir.Graph, name: str) -> str:
