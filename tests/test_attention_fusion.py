@@ -21,6 +21,7 @@ import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import (
+    KvCacheError,
     KvCacheRunner,
     KvCacheWarning,
     build_decoder,
@@ -163,11 +164,20 @@ def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
 
 def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
     original = ir.load(FIXTURE)
-    model = optimize_model(ir.load(FIXTURE))
+    model = optimize_model(ir.load(FIXTURE), execution_provider="cpu")
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
     worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
     assert worst["logits"] < 1e-4
+
+
+def test_a_fusion_the_target_cannot_run_is_not_applied():
+    """CUDA has no float32 GroupQueryAttention: fusing the float32 export for it would break it."""
+    model = ir.load(FIXTURE)
+    text = ir.to_onnx_text(model)
+    with pytest.warns(KvCacheWarning, match="Attention not fused for cuda: .*takes queries of"):
+        optimize_model(model, fp8_kv_cache=True)
+    assert ir.to_onnx_text(model) == text
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -359,3 +369,53 @@ def test_batched_chunks_after_a_prompt_are_gqas_limit():
     chunk(original, 2)
     with pytest.raises(InvalidArgument, match="batch_size must be 1 when sequence_length > 1 and past"):
         chunk(model, 2)
+
+
+def test_nonzero_mask_values_count_as_tokens_like_the_export():
+    """The export reads any nonzero attention_mask entry as a token; so does the fused model."""
+    mask = np.array([[1, 1, 2, 1, 1, 3, 1]])
+    original = ir.load(FIXTURE)
+    worst = max_differences(generate(original, mask), generate(fused(ir.load(FIXTURE)), mask))
+    assert max(worst.values()) < 1e-4, worst
+
+
+@pytest.mark.parametrize("scale", [float("nan"), 0.0, -0.1])
+def test_a_scale_attention_and_gqa_read_differently_is_left_alone(scale):
+    model = ir.load(FIXTURE)
+    first = next(n for n in model.graph if n.op_type == "Attention")
+    first.attributes["scale"] = ir.AttrFloat32("scale", scale)
+    with pytest.warns(KvCacheWarning, match=r"left as they are .*scale="):
+        AttentionFusionPass()(model)
+    assert count(model, "Attention") == 1 and count(model, "GroupQueryAttention") == 2
+
+
+def test_gqa_fusion_says_what_a_padding_mask_assumes_and_skips_onnxscript(monkeypatch):
+    from onnx_kvcache import GqaFusionPass
+
+    def must_not_run(model):
+        raise AssertionError("onnxscript's fusions ran although ours fused every layer")
+
+    monkeypatch.setattr("onnxscript.rewriter.ort_fusions.optimize_for_ort", must_not_run)
+    model = ir.load(FIXTURE)
+    with pytest.warns(KvCacheWarning, match="right padding.*Left-padded rows.*wrong results"):
+        fusion = GqaFusionPass()
+        fusion(model)
+    assert fusion.fused == 3 and fusion.refused == []
+
+
+def test_a_partly_fused_export_is_not_converted_and_the_runner_says_why(tmp_path, capsys):
+    from onnx_kvcache.cli import main
+
+    model = ir.load(FIXTURE)
+    first = next(n for n in model.graph if n.op_type == "Attention")
+    first.attributes["scale"] = ir.AttrFloat32("scale", float("nan"))  # onnxruntime: the default
+    path = tmp_path / "partial.onnx"
+    ir.save(model, path)
+    assert main(["convert", str(path), str(tmp_path / "out.onnx"), "--format", "int8", "--ep", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "fused 2 layer(s) but left 1 unfused" in err and not (tmp_path / "out.onnx").exists()
+    with (
+        pytest.warns(KvCacheWarning, match="left as they are"),
+        pytest.raises(KvCacheError, match="cannot feed the model's input"),
+    ):
+        KvCacheRunner(path)

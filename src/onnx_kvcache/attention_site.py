@@ -318,12 +318,19 @@ class GqaWriter:
         at = site.node
         if site.mask.padding is not None:
             mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
-            counted = mask
-            if mask.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-                counted = self._add(at, "Cast", [mask], "attention_mask/Cast", to=ir.DataType.INT64)
-                counted.dtype = ir.DataType.INT64
-            assert counted.dtype is not None
-            one = self._const(at, np.array(1, counted.dtype.numpy()), "attention_mask/one")
+            # The export reads any nonzero entry as a valid token: count those, not the values.
+            zero = self._const(
+                at, np.array(0, (mask.dtype or ir.DataType.INT64).numpy()), "attention_mask/zero"
+            )
+            valid_tokens = self._add(
+                at,
+                "Not",
+                [self._add(at, "Equal", [mask, zero], "attention_mask/Equal")],
+                "attention_mask/Not",
+            )
+            counted = self._add(at, "Cast", [valid_tokens], "attention_mask/Cast", to=ir.DataType.INT64)
+            counted.dtype = ir.DataType.INT64
+            one = self._const(at, np.array(1, np.int64), "attention_mask/one")
             axes = self._const(at, np.array([1], np.int64), "attention_mask/axes")
             valid = self._add(at, "ReduceSum", [counted, axes], "attention_mask/ReduceSum", keepdims=0)
             last = self._add(at, "Sub", [valid, one], "attention_mask/Sub")

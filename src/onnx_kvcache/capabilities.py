@@ -332,7 +332,7 @@ def _format_reasons(
 def check_kv_cache_support(
     model: ir.Model | None,
     ep: str,
-    format: str,
+    format: str | None,
     granularity: str = "per_tensor",
     *,
     runtime_version: str | None = None,
@@ -342,11 +342,12 @@ def check_kv_cache_support(
     """Check every requirement of a quantized cache on ``ep``; one reason per failure.
 
     Each attention operator in ``model`` is checked against its own rows (``op`` when no
-    model is given). ``runtime_version`` is the version of the row's runtime (onnxruntime,
-    or openvino for the ``openvino`` row); it defaults to the installed one (unchecked when
-    none is installed). ``compute_capability`` is checked only when given.
+    model is given). ``format=None`` checks a float cache: that the provider has the
+    operator's kernel for the model's dtypes. ``runtime_version`` is the version of the row's
+    runtime (onnxruntime, or openvino for the ``openvino`` row); it defaults to the installed
+    one (unchecked when none is installed). ``compute_capability`` is checked only when given.
     """
-    fmt = get_format(format)
+    fmt = get_format(format) if format is not None else None
     granularity = get_granularity(granularity)
     sites = find_attention_sites(model) if model is not None else []
     ops = _ops_in(sites) or [op if isinstance(op, AttentionOp) else ATTENTION_OPS[op]]
@@ -355,11 +356,19 @@ def check_kv_cache_support(
     name = get_capabilities(ep, ops[0]).name
     for row_op in ops:
         row = get_capabilities(ep, row_op)
-        found = _format_reasons(row, ep, fmt.name, granularity, runtime_version, compute_capability)
+        if fmt is None:
+            found = (
+                []
+                if row.has_kernel
+                else [f"{row.name if row.name != 'default' else repr(ep)} has no {row.op} kernel."]
+            )
+            support = None if not row.has_kernel else FormatSupport(frozenset(), "0")
+        else:
+            found = _format_reasons(row, ep, fmt.name, granularity, runtime_version, compute_capability)
+            support = row.formats.get(fmt.name)
+            if support is not None and support.warning and not found:
+                warnings.append(support.warning)
         reasons += [r for r in found if r not in reasons]
-        support = row.formats.get(fmt.name)
-        if support is not None and support.warning and not found:
-            warnings.append(support.warning)
         if model is None:
             continue
         label = row.name if row.name != "default" else repr(ep)
@@ -383,7 +392,7 @@ def check_kv_cache_support(
     if model is not None and not sites:
         reasons.append("The model has no GroupQueryAttention or PagedAttention node with a KV cache.")
     said = () if reasons else tuple(warnings)
-    return SupportReport(name, fmt.name, granularity, not reasons, tuple(reasons), said)
+    return SupportReport(name, fmt.name if fmt else "none", granularity, not reasons, tuple(reasons), said)
 
 
 def conversion_warnings(model: ir.Model | None, format: str, ep: str | None = None) -> list[str]:

@@ -119,11 +119,11 @@ def _convert(args: argparse.Namespace) -> int:
     if not result.converted:
         line = " ".join(result.reasons)
         if result.target is not None:
-            runs = ", ".join(get_capabilities(result.target).formats) or "no quantized cache"
-            line = (
-                f"for {result.target} ({result.target_source}): {line} Fix: name the target with --ep "
-                f"({', '.join(ep_choices())}), or a --format it runs ({result.target}: {runs})."
-            )
+            runs = list(get_capabilities(result.target).formats)
+            fix = f"Fix: name the target with --ep ({', '.join(ep_choices())})"
+            if result.format not in runs and runs:  # another format helps only then
+                fix += f", or a --format it runs ({result.target}: {', '.join(runs)})"
+            line = f"for {result.target} ({result.target_source}): {line} {fix}."
         print(
             f"onnx-kvcache: not converted {line}"
             if result.target
@@ -136,6 +136,8 @@ def _convert(args: argparse.Namespace) -> int:
     if result.target and result.target_source != "--ep":
         target += f" ({result.target_source}; --ep to choose)"
     nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
+    if result.fused:
+        nodes += f" (fused from the export's {result.fused} attention layer(s))"
     print(
         f"converted {nodes} to {result.format} {result.granularity}"
         f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
@@ -169,7 +171,11 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     if not info.layers:
-        print("no GroupQueryAttention or PagedAttention node with a KV cache")
+        exported = any(n.op_type in ("Attention", "Softmax") for n in model.graph)
+        print(
+            "no GroupQueryAttention or PagedAttention node with a KV cache"
+            + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
+        )
         return 0
     print(format_cache_table(info, args.context, args.batch))
     if diagnostics is not None:

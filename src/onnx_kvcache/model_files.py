@@ -58,7 +58,7 @@ from onnx_kvcache.file_io import atomic_write_bytes, atomic_write_text, format_b
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.optimize import optimize_model
-from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.scales import as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -695,6 +695,8 @@ class ConvertResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     """Converted nodes per operator (``{"PagedAttention": 32}``)."""
+    fused: int = 0
+    """Attention layers fused into GroupQueryAttention first (an export)."""
 
     def weights_summary(self) -> str:
         size = format_bytes(self.weight_bytes)
@@ -772,20 +774,32 @@ def convert_model(
 
     model = source.model
     result = ConvertResult(plan.out, source.graph, 0, granularity, fmt.name, placement=plan.placement)
+    refusal = None
     if not find_attention_sites(model, with_cache_only=False):
-        AttentionFusionPass()(model)  # reads no weights, unlike onnxscript's fusions
-        # then everything optimize_model fuses (onnxscript's fusions read weights)
-        optimize_model(model, execution_provider=None, kv_cache_format=None, fuse_attention="auto")
-    if not find_attention_sites(model):
-        result.converted = False
-        result.reasons = [
+        fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
+        fusion(model)
+        result.fused = fusion.fused
+        if fusion.refused:
+            left = "; ".join(fusion.refused)
+            refusal = (
+                f"attention fusion fused {fusion.fused} layer(s) but left {len(fusion.refused)} "
+                f"unfused ({left}); running, calibrating and evaluating need every cache in "
+                "GroupQueryAttention, so nothing was converted."
+                if fusion.fused
+                else f"attention fusion found {len(fusion.refused)} attention(s) it cannot prove "
+                f"equivalent to GroupQueryAttention ({left}): nothing to convert."
+            )
+    if refusal is None and not find_attention_sites(model):
+        refusal = (
             f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
-            "and attention fusion "
-            "found none to fuse: nothing to convert. Export the decoder with "
-            "GroupQueryAttention (e.g. onnxruntime-genai's model builder)."
-        ]
+            "and attention fusion found no attention to fuse: nothing to convert. Export the decoder "
+            "with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+        )
+    if refusal is not None:
+        result.converted = False
+        result.reasons = [refusal]
         if strict:
-            raise KvCacheError(result.reasons[0])
+            raise KvCacheError(refusal)
         return result
     if ep == "auto":
         target, why = infer_target(model, source.config)

@@ -36,6 +36,25 @@ def _as_ir(model: ir.Model | onnx.ModelProto | str | os.PathLike) -> ir.Model:
     return load_model(model)
 
 
+def _fuse_where_it_runs(
+    model: ir.Model, ep: str | None, fmt: str | None, granularity: str
+) -> SupportReport | None:
+    """Fuse ``model``'s attention, unless ``ep`` cannot run the attention the fusion made:
+    then leave the model as it was (the export's own attention may well run there) and say
+    why. A model that had attention nodes already is fused without that check."""
+    had_attention = bool(find_attention_sites(model, with_cache_only=False))
+    fused = model.clone()
+    GqaFusionPass()(fused)
+    if ep is not None and not had_attention and find_attention_sites(fused):
+        report = check_kv_cache_support(fused, ep, fmt, granularity)
+        if not report.supported:
+            return report
+    model.graph = fused.graph  # opset imports live on the graph
+    model.functions.clear()
+    model.functions.update(fused.functions)
+    return None
+
+
 def optimize_model(
     model: ir.Model | onnx.ModelProto | str | os.PathLike,
     *,
@@ -63,7 +82,8 @@ def optimize_model(
         fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
             attention, proven equivalent, then onnxscript's ORT fusions) only when the
             model has no attention node (GroupQueryAttention, PagedAttention); ``True``
-            always; ``False`` never.
+            always; ``False`` never. A fusion whose result ``execution_provider`` cannot
+            run (e.g. a float32 model for CUDA, which has no float32 GQA) is not applied.
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
         shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).
@@ -78,7 +98,13 @@ def optimize_model(
         kv_cache_format = "fp8"
     has_attention = bool(find_attention_sites(model, with_cache_only=False))
     if fuse_attention is True or (fuse_attention == "auto" and not has_attention):
-        GqaFusionPass()(model)
+        refused = _fuse_where_it_runs(model, execution_provider, kv_cache_format, kv_cache_granularity)
+        if refused is not None:
+            message = f"Attention not fused for {execution_provider}: " + " ".join(refused.reasons)
+            if strict:
+                raise KvCacheError(message)
+            warnings.warn(message, KvCacheWarning, stacklevel=2)
+            return (model, refused) if return_report else model
     if kv_cache_format is None:
         report = SupportReport(execution_provider or "any", "none", kv_cache_granularity, True, ())
         return (model, report) if return_report else model

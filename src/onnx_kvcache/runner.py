@@ -208,10 +208,16 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
 
 
 def _fused(model: ir.Model) -> ir.Model:
-    """A decoder read from disk without attention nodes (a PyTorch export), fused in memory."""
-    from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+    """A decoder read from disk without attention nodes (a PyTorch export), fused in memory.
 
-    if GqaFusionPass()(model).modified:
+    The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
+    """
+    from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
+        modified = GqaFusionPass()(model).modified
+    if modified:
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
     return model
 
@@ -436,6 +442,14 @@ class KvCacheRunner:
         if ids_name is None:
             raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
         self.ids_name: str = ids_name
+        fed = {ids_name, "attention_mask", "position_ids", *(b.past for b in self.bindings)}
+        unfed = [n for n in names if n not in fed and n not in self._paged_inputs.values()]
+        if unfed:
+            raise KvCacheError(
+                f"The runner cannot feed the model's input(s) {', '.join(unfed)}: it feeds token ids, "
+                "attention_mask, position_ids and the caches GroupQueryAttention or PagedAttention "
+                "nodes read (an export's attention that was not fused leaves its cache unread by them)."
+            )
         outputs = self.session.get_outputs()
         logits = next((o for o in outputs if "logits" in o.name), outputs[0])
         self.logits_name: str = logits.name

@@ -24,6 +24,7 @@ from __future__ import annotations
 __all__ = ["AttentionFusionPass"]
 
 import logging
+import math
 import warnings
 
 import onnx_ir as ir
@@ -104,6 +105,11 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         raise Unprovable(
             f"qk_matmul_output (mode {mode}) is read; GQA's output_qk equals only mode 3 (softmax)"
         )
+    scale = _attr(node, "scale", default_scale(head))
+    if not (math.isfinite(scale) and scale > 0):
+        raise Unprovable(
+            f"scale={scale} (onnxruntime's Attention and GQA read a non-positive or NaN scale differently)"
+        )
     return AttentionSite(
         node=node,
         output=node.outputs[0],
@@ -113,7 +119,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         num_heads=heads,
         kv_num_heads=kv_heads,
         head_size=head,
-        scale=_attr(node, "scale", default_scale(head)),
+        scale=scale,
         mask=facts,
         softcap=_attr(node, "softcap", 0.0),
         probs=probs,
@@ -123,11 +129,20 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
 class AttentionFusionPass(ir.passes.InPlacePass):
     """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+        """Attention nodes fused by the last call."""
+        self.padded = 0
+        """Of those, how many read a padding mask (right padding only: see the module)."""
+        self.refused: list[str] = []
+        """``"node: reason"`` for each Attention node left as it was."""
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         ev = SymbolicEvaluator()
         writer = GqaWriter(graph, ev)
-        fused, refused = 0, []
+        fused, padded, refused = 0, 0, []
         for node in list(graph):
             if not _is_attention(node):
                 continue
@@ -138,8 +153,10 @@ class AttentionFusionPass(ir.passes.InPlacePass):
                 continue
             gqa = writer.write(site)
             fused += 1
+            padded += site.mask.padding is not None
             logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
         refused += [f"{n.name or '<unnamed>'}: {where}" for n, where in _elsewhere(model)]
+        self.fused, self.padded, self.refused = fused, padded, refused
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))

@@ -2,16 +2,18 @@
 
 In order: :class:`AttentionFusionPass` (the ONNX ``Attention`` operator that
 ``torch.onnx.export(..., opset_version=23)`` writes), :class:`DecomposedAttentionFusionPass`
-(the same exports below opset 23), then onnxscript's ``optimize_for_ort`` (older
-exports' attention). A decomposed attention that none of them fuses is reported in one
-:class:`KvCacheWarning`. Chains before :class:`KvCacheQuantizationPass` in an
+(the same exports below opset 23), then, only when neither fused anything, onnxscript's
+``optimize_for_ort`` (older exports' attention; it reads weights and is slow on large
+models). A decomposed attention that none of them fuses is reported in one
+:class:`KvCacheWarning`, and so is what a fused padding mask assumes
+(:data:`PADDING_WARNING`). Chains before :class:`KvCacheQuantizationPass` in an
 ``ir.passes.PassManager``. Whether an export fuses depends on the exporter; count the
 GQA nodes afterwards.
 """
 
 from __future__ import annotations
 
-__all__ = ["GqaFusionPass"]
+__all__ = ["PADDING_WARNING", "GqaFusionPass"]
 
 import logging
 import warnings
@@ -25,25 +27,44 @@ from onnx_kvcache.passes.sdpa_fusion import DecomposedAttentionFusionPass
 
 logger = logging.getLogger(__name__)
 
+#: Said once when a fused attention reads the export's attention_mask.
+PADDING_WARNING = (
+    "the fused attention takes each attention_mask row as right padding: its nonzero entries first, "
+    "then 0s, growing by one nonzero entry per new token. Left-padded rows, or a row given a 0 for "
+    "a new token, compute wrong results (the export accepted them; docs/exporting.md)."
+)
+
 
 class GqaFusionPass(ir.passes.InPlacePass):
-    """Fuse ONNX Attention, then decomposed attention, then run onnxscript's ORT fusions."""
+    """Fuse ONNX Attention, then decomposed attention, else run onnxscript's ORT fusions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+        """Attention nodes our passes fused in the last call (onnxscript's not counted)."""
+        self.refused: list[str] = []
+        """``"node: reason"`` for each attention our passes left as it was."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from onnxscript.rewriter.ort_fusions import optimize_for_ort
-
         before = len(find_gqa_sites(model, with_cache_only=False))
-        attention = AttentionFusionPass()(model).modified
-        decomposed = DecomposedAttentionFusionPass()
-        attention = decomposed(model).modified or attention
-        nodes = model.graph.num_nodes()
-        fused, counts = optimize_for_ort(model)
-        if fused is not model:
-            raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
-        after = len(find_gqa_sites(model, with_cache_only=False))
-        applied = {k: v for k, v in counts.items() if v}
-        logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
+        attention, decomposed = AttentionFusionPass(), DecomposedAttentionFusionPass()
+        modified = attention(model).modified
+        modified = decomposed(model).modified or modified
+        self.fused = attention.fused + decomposed.fused
+        applied: dict[str, int] = {}
+        if not self.fused:
+            from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+            nodes = model.graph.num_nodes()
+            fused, counts = optimize_for_ort(model)
+            if fused is not model:
+                raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
+            applied = {k: v for k, v in counts.items() if v}
+            modified = modified or bool(applied) or nodes != model.graph.num_nodes()
         left = [f"{n.name or '<unnamed>'}: {why}" for n, why in decomposed.refused if n.graph is not None]
+        self.refused = attention.refused + left  # what onnxscript fused since is no longer left
+        after = len(find_gqa_sites(model, with_cache_only=False))
+        logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
             warnings.warn(
                 f"{len(left)} decomposed attention(s) left as they are (not provably GroupQueryAttention "
@@ -51,5 +72,6 @@ class GqaFusionPass(ir.passes.InPlacePass):
                 KvCacheWarning,
                 stacklevel=2,
             )
-        modified = attention or bool(applied) or nodes != model.graph.num_nodes()
+        if attention.padded + decomposed.padded:
+            warnings.warn(PADDING_WARNING, KvCacheWarning, stacklevel=2)
         return ir.passes.PassResult(model, modified=modified)

@@ -181,6 +181,7 @@ class DecomposedAttentionFusionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.refused = []
+        self.padded = 0
         fused = 0
         ev = SymbolicEvaluator()
         writer = GqaWriter(model.graph, ev)
@@ -194,6 +195,8 @@ class DecomposedAttentionFusionPass(ir.passes.InPlacePass):
                 continue
             writer.write(site)
             fused += 1
+            self.padded += site.mask.padding is not None
+        self.fused = fused
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info(
