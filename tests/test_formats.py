@@ -121,3 +121,41 @@ def test_stored_codes_equal_the_cpu_kernel_at_ties(name, granularity):
 def _divide_rule(fmt, x, scale):
     q = np.clip(np.rint(x / scale), fmt.qmin_stored, fmt.qmax_stored)
     return fmt.quantize(q, np.float32(1.0))
+
+
+def test_a_new_format_and_granularity_are_one_table_row_each(monkeypatch):
+    """A 6-bit integer format and a per-head granularity, added as rows only (test-only),
+    flow through calibration, the pass, inspect, CPU emulation and evaluation."""
+    from onnx_kvcache import (
+        KvCacheQuantizationPass,
+        KvCacheRunner,
+        build_decoder,
+        calibrate_kv_cache,
+        evaluate_kv_cache,
+        inspect_kv_cache,
+    )
+    from onnx_kvcache.formats import SCALE_GRANULARITIES, CacheFormat, ScaleGranularity
+
+    int6 = CacheFormat("int6", ir.DataType.INT8, 6, 32.0, 1, -32.0, 31.0, False)
+    monkeypatch.setitem(CACHE_FORMATS, "int6", int6)
+    monkeypatch.setitem(
+        SCALE_GRANULARITIES, "per_head", ScaleGranularity("per_head", "PER_HEAD", True, False)
+    )
+    base = build_decoder(num_layers=2, vocab_size=300)
+    data = [list(np.random.default_rng(0).integers(0, 300, 300))]
+    for fmt, granularity, size in (
+        ("int6", "per_channel", 64),
+        ("int8", "per_head", 2),
+        ("int6", "per_head", 2),
+    ):
+        scales = calibrate_kv_cache(base, data, format=fmt, granularity=granularity, progress=False)
+        assert scales.k[0].size == size
+        model = build_decoder(num_layers=2, vocab_size=300)
+        KvCacheQuantizationPass(fmt, granularity, scales)(model)
+        node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+        assert node.attributes["k_quant_type"].value == SCALE_GRANULARITIES[granularity].quant_type
+        assert inspect_kv_cache(model).bytes_per_token == 2 * 2 * (2 * 32)  # one byte a value
+        runner = KvCacheRunner(model)
+        assert runner.emulated and runner.bindings[0].format.name == fmt  # no CPU kernel: emulated
+        report = evaluate_kv_cache(base, model, data, max_new_tokens=2, progress=False)
+        assert report.candidate_format == f"{fmt} {granularity}" and report.top1_agreement > 0.5

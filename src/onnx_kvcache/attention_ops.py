@@ -34,7 +34,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from onnx_kvcache.formats import GRANULARITIES, CacheFormat
+from onnx_kvcache.formats import CacheFormat, scale_granularity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +124,14 @@ class AttentionOp:
         return node.op_type == self.op_type and node.domain == self.domain
 
     def scale_shape(self, granularity: str, kv_num_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of one scale tensor: ``(1,)`` per tensor, the row's per-channel shape otherwise."""
-        if granularity == "per_tensor":
+        """Shape of one scale tensor: ``(1,)`` for one scale, else flat (GQA) or
+        ``(heads, 1, dims)`` (PagedAttention), from the granularity row's grid."""
+        heads, dims = scale_granularity(granularity).grid(kv_num_heads, head_size)
+        if heads * dims == 1:
             return (1,)
         if self.channel_scale == "flat":
-            return (kv_num_heads * head_size,)
-        return (kv_num_heads, 1, head_size)
+            return (heads * dims,)
+        return (heads, 1, dims)
 
     def quant_attributes(
         self, fmt: CacheFormat, granularity: str, sides: tuple[CacheSide, ...]
@@ -137,7 +139,7 @@ class AttentionOp:
         """The attributes a ``fmt`` cache with ``granularity`` scales needs on ``sides``."""
         attrs: dict[str, str | int] = {}
         for side in sides:
-            attrs[side.quant_attr] = GRANULARITIES[granularity]
+            attrs[side.quant_attr] = scale_granularity(granularity).quant_type
             if side.dtype_attr is not None and fmt.logical_name is not None:
                 attrs[side.dtype_attr] = fmt.logical_name
         if self.bit_width_attr is not None:

@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
-from onnx_kvcache.formats import CacheFormat, get_format, get_granularity
+from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
 from onnx_kvcache.gqa import KEY, find_attention_sites
 from onnx_kvcache.scales import KvCacheScales
 
@@ -116,33 +116,44 @@ class CalibrationStats:
 def _mse_threshold(samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat) -> np.ndarray:
     """Per column, the clip point in [0.003, 1] * amax (geometric grid) with least round-trip error.
 
-    ``samples`` are magnitudes: symmetric rounding makes the sign irrelevant.
+    ``samples`` are magnitudes: symmetric rounding makes the sign irrelevant. The round
+    trip is the format's own (:meth:`CacheFormat.round_trip`).
     """
     best = amax.astype(np.float32).copy()
     best_err = np.full(amax.shape, np.inf, np.float64)
     for frac in np.geomspace(0.003, 1.0, 64):
         clip = np.maximum(amax * frac, _TINY)
-        scale = clip / fmt.qmax
-        q = np.clip(np.rint(samples / scale), 0, fmt.qmax_stored)
-        err = ((q * scale - samples) ** 2).mean(axis=0)
+        scale = (clip / fmt.qmax).astype(np.float32)
+        err = ((fmt.round_trip(samples, scale) - samples) ** 2).mean(axis=0)
         better = err < best_err
         best[better], best_err[better] = clip[better], err[better]
     return best
 
 
+def _by_scale(values: np.ndarray, row: ScaleGranularity, kv_heads: int) -> np.ndarray:
+    """``[N, kv*head]`` values regrouped ``[N * shared, scales]``: one column per scale."""
+    n, channels = values.shape
+    heads, dims = row.grid(kv_heads, channels // kv_heads)
+    grid = values.reshape(n, kv_heads, channels // kv_heads)
+    shared = [axis for axis, keep in ((1, row.per_head), (2, row.per_dim)) if not keep]
+    kept = [axis for axis in (1, 2) if axis not in shared]
+    return np.moveaxis(grid, [0, *shared, *kept], [0, 1, 2]).reshape(-1, heads * dims)
+
+
 def _thresholds(
-    res: _Reservoir, method: str, percentile: float, fmt: CacheFormat, granularity: str
+    res: _Reservoir, method: str, percentile: float, fmt: CacheFormat, granularity: str, kv_heads: int = 1
 ) -> np.ndarray:
-    """Per-channel thresholds, or one per-tensor threshold as a 1-element array."""
-    if method == "mse" and granularity == "per_tensor":
-        return _mse_threshold(res.rows.reshape(-1, 1), np.array([res.amax.max()]), fmt)
-    if method == "minmax":
-        thr = res.amax
-    elif method == "percentile":
-        thr = np.percentile(res.rows, percentile, axis=0).astype(np.float32)
-    else:
-        thr = _mse_threshold(res.rows, res.amax, fmt)
-    return np.array([thr.max()], np.float32) if granularity == "per_tensor" else thr.astype(np.float32)
+    """One threshold per scale of ``granularity`` (``[kv_heads, head]`` channels).
+
+    minmax and percentile take the per-channel thresholds' max over the channels a scale
+    covers; mse optimizes one clip point over all the values a scale covers.
+    """
+    row = scale_granularity(granularity)
+    if method == "mse":
+        samples = _by_scale(res.rows, row, kv_heads)
+        return _mse_threshold(samples, _by_scale(res.amax[None], row, kv_heads).max(axis=0), fmt)
+    thr = res.amax if method == "minmax" else np.percentile(res.rows, percentile, axis=0)
+    return _by_scale(np.asarray(thr, np.float32)[None], row, kv_heads).max(axis=0)
 
 
 def _clip_fraction(res: _Reservoir, scale: np.ndarray, fmt: CacheFormat) -> float:
@@ -153,8 +164,12 @@ def _clip_fraction(res: _Reservoir, scale: np.ndarray, fmt: CacheFormat) -> floa
     """
     if not res.rows.size:
         return 0.0
-    limit = scale * (fmt.qmax_stored if fmt.is_float else fmt.qmax_stored + 0.5) * (1 + 2e-7)
-    return float((res.rows > limit).mean())
+    return float((res.rows > _expand(scale, res.channels) * fmt.clip_level * (1 + 2e-7)).mean())
+
+
+def _expand(scale: np.ndarray, channels: int) -> np.ndarray:
+    """Per-scale values broadcast to ``channels`` columns (a scale covers a contiguous block)."""
+    return np.repeat(scale, channels // scale.size)
 
 
 def calibrate_kv_cache(
@@ -277,7 +292,7 @@ def calibrate_kv_cache(
         for kind in ("key", "value"):
             # a single (LATENT) cache: V is read from the key cache, with the key's scale
             res = reservoirs.get((layer, kind)) or reservoirs[(layer, "key")]
-            thr = _thresholds(res, method, percentile, fmt, granularity)
+            thr = _thresholds(res, method, percentile, fmt, granularity, sites[layer].kv_num_heads)
             with np.errstate(over="ignore"):
                 scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
             if not np.all(np.isfinite(scale)):
@@ -287,7 +302,8 @@ def calibrate_kv_cache(
                 )
             result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
             if res.rows.size:
-                beyond = max(beyond, float((res.rows > scale * fmt.qmax * (1 + 2e-7)).mean()))
+                limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
+                beyond = max(beyond, float((res.rows > limit).mean()))
         if beyond > CLIP_WARN_FRACTION and method != "mse":  # mse clips by design, where it pays
             warnings.warn(
                 f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "

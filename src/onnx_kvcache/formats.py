@@ -1,8 +1,10 @@
-"""What a quantized KV-cache format is: one frozen row per format.
+"""What a quantized KV-cache format is, and what a scale covers: one frozen row each.
 
 Every rule that depends on the format (element type, bit width, the divisor used to
-turn a threshold into a scale, packing of the head dimension, how values are stored)
-is read from :data:`CACHE_FORMATS`; nothing else in the library branches on a name.
+turn a threshold into a scale, packing of the head dimension, how values are stored and
+clipped) is read from :data:`CACHE_FORMATS`, and every rule that depends on the scale
+granularity (how many scales, their shape against a cache) from :data:`SCALE_GRANULARITIES`;
+nothing else in the library branches on a name.
 """
 
 from __future__ import annotations
@@ -10,24 +12,65 @@ from __future__ import annotations
 __all__ = [
     "CACHE_FORMATS",
     "GRANULARITIES",
+    "SCALE_GRANULARITIES",
     "CacheFormat",
     "Granularity",
+    "ScaleGranularity",
     "format_of",
     "get_format",
     "get_granularity",
+    "scale_granularity",
 ]
 
 import dataclasses
 from typing import Literal
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 Granularity = Literal["per_tensor", "per_channel"]
 
+
+@dataclasses.dataclass(frozen=True)
+class ScaleGranularity:
+    """What one K or V scale tensor covers.
+
+    Attributes:
+        name: Public name (``per_tensor``, ``per_channel``).
+        quant_type: Value of the ``k_quant_type`` / ``v_quant_type`` attributes.
+        per_head: One scale per KV head (else shared across heads).
+        per_dim: One scale per head dimension (else shared across it).
+    """
+
+    name: str
+    quant_type: str
+    per_head: bool
+    per_dim: bool
+
+    def grid(self, kv_num_heads: int, head_size: int) -> tuple[int, int]:
+        """``(heads, dims)`` of the scales, broadcast over ``(kv_num_heads, head_size)``."""
+        return (kv_num_heads if self.per_head else 1, head_size if self.per_dim else 1)
+
+    def size(self, kv_num_heads: int, head_size: int) -> int:
+        heads, dims = self.grid(kv_num_heads, head_size)
+        return heads * dims
+
+    def bnsh(self, kv_num_heads: int, head_size: int) -> tuple[int, int, int, int]:
+        """The scales' shape against a BNSH cache ``[B, kv_num_heads, S, head_size]``."""
+        heads, dims = self.grid(kv_num_heads, head_size)
+        return (1, heads, 1, dims)
+
+
+SCALE_GRANULARITIES: dict[str, ScaleGranularity] = {
+    row.name: row
+    for row in (
+        ScaleGranularity("per_tensor", "PER_TENSOR", per_head=False, per_dim=False),
+        ScaleGranularity("per_channel", "PER_CHANNEL", per_head=True, per_dim=True),
+    )
+}
+
 #: Granularity name -> value of the ``k_quant_type`` / ``v_quant_type`` attributes.
-GRANULARITIES: dict[str, str] = {"per_tensor": "PER_TENSOR", "per_channel": "PER_CHANNEL"}
+GRANULARITIES: dict[str, str] = {row.name: row.quant_type for row in SCALE_GRANULARITIES.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +108,17 @@ class CacheFormat:
         return self.dtype.itemsize / self.values_per_byte
 
     @property
+    def packed(self) -> bool:
+        """Several values share one stored element (the head dimension shrinks)."""
+        return self.values_per_byte > 1
+
+    @property
+    def clip_level(self) -> float:
+        """``|x| / scale`` beyond which storing costs more than rounding: the largest level,
+        plus half a step for integers (a float format's top level is exact)."""
+        return self.qmax_stored if self.is_float else self.qmax_stored + 0.5
+
+    @property
     def storage_offset(self) -> int:
         """Added to a packed value to store it unsigned (int4: ``q + 8`` in a nibble)."""
         return -int(self.qmin_stored) if self.values_per_byte > 1 else 0
@@ -74,24 +128,40 @@ class CacheFormat:
         """``1 / scale`` in float32, what the kernels multiply by to quantize."""
         return np.float32(1.0) / np.asarray(scale, np.float32)
 
-    def quantize(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        """Quantize ``x`` (last axis = head values) as the kernels store it.
+    def levels(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """The levels the kernels store ``x`` as, as float32 (fp8: values on its grid).
 
-        Returns the cache tensor as onnxruntime feeds and returns it: fp8 as its uint8
-        bits, int8, or uint8 with two int4 values per byte (low nibble first, offset 8).
         Like the kernels, values are multiplied by the float32 reciprocal of the scale
-        (``x / scale`` rounds differently at ties).
+        (``x / scale`` rounds differently at ties), then saturated to the fp8 grid (round
+        half to even), or rounded half to even and clamped for integers.
         """
         q = np.asarray(x, np.float32) * self.reciprocal(scale)
         if self.is_float:
-            fp8 = np.clip(q, self.qmin_stored, self.qmax_stored).astype(ml_dtypes.float8_e4m3fn)
-            return fp8.view(np.uint8)
-        q = np.clip(np.rint(q), self.qmin_stored, self.qmax_stored)
+            return np.clip(q, self.qmin_stored, self.qmax_stored).astype(self._float_type).astype(np.float32)
+        return np.clip(np.rint(q), self.qmin_stored, self.qmax_stored)
+
+    def round_trip(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """``x`` as a cache holding it reads it back (float32): stored, then dequantized."""
+        return self.levels(x, scale) * np.asarray(scale, np.float32)
+
+    @property
+    def _float_type(self) -> np.dtype:
+        return np.dtype(self.dtype.numpy())
+
+    def quantize(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """Quantize ``x`` (last axis = head values) as the kernels store it (:meth:`levels`).
+
+        Returns the cache tensor as onnxruntime feeds and returns it: fp8 as its uint8
+        bits, int8, or uint8 with two int4 values per byte (low nibble first, offset 8).
+        """
+        q = self.levels(x, scale)
+        if self.is_float:
+            return q.astype(self._float_type).view(np.uint8)
         if self.values_per_byte == 1:
-            return q.astype(np.int8)
+            return q.astype(self.dtype.numpy())
         nibbles = (q + self.storage_offset).astype(np.uint8)
         if nibbles.shape[-1] % 2:
-            nibbles = np.concatenate([nibbles, np.full_like(nibbles[..., :1], 8)], axis=-1)
+            nibbles = np.concatenate([nibbles, np.full_like(nibbles[..., :1], self.storage_offset)], axis=-1)
         return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
 
     def dequantize(self, q: np.ndarray, scale: np.ndarray, head_size: int) -> np.ndarray:
@@ -102,7 +172,7 @@ class CacheFormat:
             hi = (q >> 4).astype(np.int16) - self.storage_offset
             values = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], -1)[..., :head_size]
         elif self.is_float:
-            values = np.asarray(q).view(ml_dtypes.float8_e4m3fn)
+            values = np.asarray(q).view(self._float_type)
         else:
             values = np.asarray(q)
         return values.astype(np.float32) * np.asarray(scale, np.float32)
@@ -134,21 +204,32 @@ def get_format(name: str | CacheFormat) -> CacheFormat:
     return row
 
 
-def format_of(dtype: ir.DataType | None, bit_width: int | None = None) -> CacheFormat | None:
-    """The format whose cache has element type ``dtype`` (and ``kv_cache_bit_width``).
+def format_of(
+    dtype: ir.DataType | None, bit_width: int | None = None, logical_name: str | None = None
+) -> CacheFormat | None:
+    """The format whose cache has element type ``dtype``, or None for a float cache.
 
-    ``None`` for a float cache. UINT8 with no bit width is packed int4, the only
-    format stored as UINT8.
+    ``bit_width`` (GroupQueryAttention's ``kv_cache_bit_width``) and ``logical_name``
+    (PagedAttention's ``k_cache_dtype``) narrow the choice where the operator has them;
+    UINT8 alone is packed int4, the only format stored as UINT8.
     """
     rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
     if bit_width:
-        rows = [row for row in rows if row.bit_width == bit_width] or rows
+        rows = [row for row in rows if row.bit_width == bit_width]
+    if logical_name:
+        rows = [row for row in rows if logical_name in (row.logical_name, row.dtype.name.lower(), row.name)]
     return rows[0] if rows else None
 
 
 def get_granularity(name: str) -> Granularity:
     """Validate a granularity name (``per_tensor`` or ``per_channel``)."""
     key = str(name).lower().replace("-", "_")
-    if key not in GRANULARITIES:
-        raise ValueError(f"Unknown scale granularity {name!r}; choose one of {', '.join(GRANULARITIES)}.")
+    if key not in SCALE_GRANULARITIES:
+        choices = ", ".join(SCALE_GRANULARITIES)
+        raise ValueError(f"Unknown scale granularity {name!r}; choose one of {choices}.")
     return key  # type: ignore[return-value]
+
+
+def scale_granularity(name: str) -> ScaleGranularity:
+    """The :class:`ScaleGranularity` row for a granularity name."""
+    return SCALE_GRANULARITIES[get_granularity(name)]

@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.formats import GRANULARITIES, CacheFormat, format_of
+from onnx_kvcache.formats import SCALE_GRANULARITIES, CacheFormat, format_of
 
 GQA_DOMAIN = GQA.domain
 GQA_OP_TYPE = GQA.op_type
@@ -190,14 +190,25 @@ class AttentionSite:
         quant = self.str_attr(self.op.key.quant_attr, "NONE")
         if quant == "NONE" and format_of(self.cache_dtype) is None:
             return None
-        bits = self.int_attr(self.op.bit_width_attr, 0) if self.op.bit_width_attr else 0
-        return format_of(self.cache_dtype, bits)
+        return format_of(self.cache_dtype, self.cache_bit_width, self.cache_logical_type)
+
+    @property
+    def cache_bit_width(self) -> int | None:
+        """The operator's bit-width attribute (GQA's ``kv_cache_bit_width``), when it has one."""
+        attr = self.op.bit_width_attr
+        return self.int_attr(attr, 8) if attr is not None else None
+
+    @property
+    def cache_logical_type(self) -> str | None:
+        """The operator's logical cache type attribute (PagedAttention's ``k_cache_dtype``)."""
+        names = [self.str_attr(side.dtype_attr) for side in self.sides if side.dtype_attr]
+        return next((name for name in names if name), None)
 
     @property
     def granularity(self) -> str | None:
         """``per_tensor`` or ``per_channel`` for a quantized cache, else None."""
         quant = self.str_attr(self.op.key.quant_attr, "NONE")
-        return next((name for name, attr in GRANULARITIES.items() if attr == quant), None)
+        return next((row.name for row in SCALE_GRANULARITIES.values() if row.quant_type == quant), None)
 
     @property
     def query_dtype(self) -> ir.DataType | None:

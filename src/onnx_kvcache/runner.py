@@ -35,7 +35,7 @@ import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.attention_ops import PAGED
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
-from onnx_kvcache.formats import CacheFormat
+from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.gqa import (
     COS_CACHE,
     AttentionSite,
@@ -47,7 +47,7 @@ from onnx_kvcache.gqa import (
 from onnx_kvcache.paged_cache import BlockPool, check_block_size
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
-from onnx_kvcache.runtime import create_session, to_ort_value
+from onnx_kvcache.runtime import create_session, fed_as_bits, to_ort_value
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +145,13 @@ class CacheBinding:
 
 
 def _scale_of(site: AttentionSite, slot: str, head: int) -> np.ndarray | None:
+    """A scale input's values shaped against a BNSH cache (the granularity row's shape)."""
     values = constant_values(site.input(slot))
-    if values is None:
+    if values is None or site.granularity is None:
         return None
-    scale = np.asarray(values, np.float32)
-    return scale.reshape(1, site.kv_num_heads, 1, head) if scale.size > 1 else scale.reshape(1, 1, 1, 1)
+    return np.asarray(values, np.float32).reshape(
+        scale_granularity(site.granularity).bnsh(site.kv_num_heads, head)
+    )
 
 
 def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
@@ -543,7 +545,7 @@ class KvCacheRunner:
         for b in self.bindings:
             grown = np.concatenate([self.cache_array(b.past), b.empty_pool(blocks, self.pool.block_size)])
             if self.io_binding:
-                if (b.feed_dtype or b.dtype) == ir.DataType.FLOAT8E4M3FN and self.device != "cpu":
+                if fed_as_bits(b.feed_dtype or b.dtype) and self.device != "cpu":
                     raise KvCacheError(
                         "The fp8 block pool on the device is full; reset(batch, min_capacity=...) with "
                         "room for the whole context first."
@@ -555,8 +557,7 @@ class KvCacheRunner:
     def _run_plain(self, feeds: dict[str, Any]) -> np.ndarray:
         for b in self.bindings:
             cache = self.caches[b.past]
-            fp8 = (b.feed_dtype or b.dtype) == ir.DataType.FLOAT8E4M3FN
-            feeds[b.past] = to_ort_value(cache, b.dtype) if fp8 else cache
+            feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
         names = [self.logits_name] + [b.present for b in self.bindings]
         results = self.session.run(names, feeds)
         for b, present in zip(self.bindings, results[1:]):

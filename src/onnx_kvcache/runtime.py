@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "create_session",
     "external_data_dir",
+    "fed_as_bits",
     "import_onnxruntime",
     "installed_ort_version",
     "installed_version",
@@ -97,17 +98,23 @@ def create_session(
     return ort.InferenceSession(os.fspath(model), options, providers=providers)
 
 
+def fed_as_bits(dtype: ir.DataType) -> bool:
+    """onnxruntime takes no numpy array of this type (float8, bfloat16): feed its bits."""
+    return np.dtype(dtype.numpy()).kind == "V"
+
+
 def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> Any:
-    """An OrtValue of element type ``dtype`` on ``device`` (float8 arrays as their bits)."""
+    """An OrtValue of element type ``dtype`` on ``device`` (float8/bf16 arrays as their bits)."""
     ort = import_onnxruntime()
     array = np.ascontiguousarray(array)
-    if dtype == ir.DataType.FLOAT8E4M3FN:
+    if fed_as_bits(dtype):
         if device == "cpu":
+            bits = np.dtype(f"u{np.dtype(dtype.numpy()).itemsize}")
             return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                array.view(np.uint8), onnx_element_type=int(dtype)
+                array.view(bits), onnx_element_type=int(dtype)
             )
         if array.any():
-            raise ValueError("Only fresh (all-zero) fp8 caches are allocated on a device.")
+            raise ValueError(f"Only fresh (all-zero) {dtype.name} caches are allocated on a device.")
         # Fresh caches: rows beyond the resident tokens are never read, so no zero fill.
         return ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), int(dtype), device, 0)
     return ort.OrtValue.ortvalue_from_numpy(array, device, 0)

@@ -51,7 +51,7 @@ import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.formats import CacheFormat
+from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.gqa import (
     COS_CACHE,
     K_NORM,
@@ -121,7 +121,10 @@ def needs_emulation(site: GqaSite, semantics: Semantics) -> bool:
     if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
         return not cpu.qk_norm
     fmt = site.cache_format
-    return fmt is not None and (fmt.name not in cpu.formats or semantics != "cpu")
+    if fmt is None:
+        return False
+    support = cpu.formats.get(fmt.name)
+    return support is None or site.granularity not in support.granularities or semantics != "cpu"
 
 
 class _Builder:
@@ -331,13 +334,18 @@ class _Rewrite:
         stored_key, stored_value = key, value
         codecs: list[_Codec] = []
         if fmt is not None:
-            flat, bnsh = [self.kv * self.head], [1, self.kv, 1, self.head]
-            per_tensor = site.granularity == "per_tensor"
+            assert site.granularity is not None
+            row = scale_granularity(site.granularity)
+            heads, dims = row.grid(self.kv, self.head)
+            # new tokens are [B, S, kv * head]: a scale grid other than one or all channels
+            # needs the heads split out (and merged back after)
+            split = (heads, dims) not in ((1, 1), (self.kv, self.head))
             scales = (_required(site, K_SCALE, "k_scale"), _required(site, V_SCALE, "v_scale"))
-            new = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else flat) for s in scales]
-            codecs = [_Codec.reshaped(b, fmt, s, [1] if per_tensor else bnsh) for s in scales]
+            new_shape = [heads, dims] if split else [heads * dims]
+            new = [_Codec.reshaped(b, fmt, s, new_shape) for s in scales]
+            codecs = [_Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
             stored_key, stored_value = (
-                codec.round_trip(x, self.dtype) for x, codec in zip((key, value), new)
+                self._round_trip_new(x, codec, split) for x, codec in zip((key, value), new)
             )
             if self.quantized_io:
                 past_key, past_value = (
@@ -365,6 +373,15 @@ class _Rewrite:
                 if slot < len(results):
                     results[slot] = codec.store(inner[slot], self.head)
         self._replace(results)
+
+    def _round_trip_new(self, x: ir.Value, codec: _Codec, split: bool) -> ir.Value:
+        """New tokens ``[B, S, kv * head]`` as the cache will hold them, dequantized."""
+        if not split:
+            return codec.round_trip(x, self.dtype)
+        b = self.b
+        heads = b.op("Reshape", [x, b.const(np.array([0, 0, self.kv, self.head], np.int64))], dtype=x.dtype)
+        merged = b.const(np.array([0, 0, self.kv * self.head], np.int64))
+        return b.op("Reshape", [codec.round_trip(heads, self.dtype), merged], dtype=self.dtype)
 
     def _attention(self, b: _Builder, inputs: list[ir.Value | None], attrs: dict) -> Sequence[ir.Value]:
         """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""

@@ -52,11 +52,10 @@ import onnx_ir as ir
 from onnx_kvcache.attention_ops import AttentionOp, op_of
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import (
-    CACHE_FORMATS,
-    GRANULARITIES,
     CacheFormat,
     get_format,
     get_granularity,
+    scale_granularity,
 )
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
@@ -108,6 +107,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         super().__init__()
         self.format: CacheFormat = get_format(format)
         self.granularity = get_granularity(granularity)
+        self._granularity = scale_granularity(self.granularity)
         self.scales = scales
         self.shared_kv_scale = shared_kv_scale
 
@@ -181,7 +181,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         current, described = _current_format(site)
         if quant == "NONE" and current is None and site.cache_format is None:
             return False
-        wanted = GRANULARITIES[self.granularity]
+        wanted = self._granularity.quant_type
         if current is self.format and quant == wanted:
             return True
         raise KvCacheError(
@@ -230,19 +230,19 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             for v in sources + sinks
         )
         head = None
-        if self.granularity == "per_channel" or (self.format.values_per_byte > 1 and symbolic):
+        if self._granularity.per_dim or (self.format.packed and symbolic):
             head = self._head_size(site)
         if scales is None:
             if done:
                 return _Plan(site, done, sources, sinks, None, None, head)
-            size = 1 if head is None else site.kv_num_heads * head
+            size = self._granularity.size(site.kv_num_heads, head) if head is not None else 1
             ones = np.ones(size, np.float32)
             return _Plan(site, done, sources, sinks, ones, ones.copy(), head)
         if site.layer_id not in scales.k:
             return _Plan(site, done, sources, sinks, None, None, head)  # reported by _check_coverage
         k, v = scales.for_layer(site.layer_id)
-        per_tensor = self.granularity == "per_tensor"
-        expected = 1 if per_tensor else site.kv_num_heads * (head or 0)
+        per_tensor = not (self._granularity.per_head or self._granularity.per_dim)
+        expected = self._granularity.size(site.kv_num_heads, head or 1)
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             if not per_tensor and k.size == 1:
@@ -258,7 +258,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         return _Plan(site, done, sources, sinks, k, v, head)
 
     def _head_size(self, site: AttentionSite) -> int:
-        return site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
+        return site.head_size()
 
     def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
         if scales is None:
@@ -346,22 +346,15 @@ def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
 
 
 def _current_format(site: AttentionSite) -> tuple[CacheFormat | None, str]:
-    """The format the node's cache is in (by element type, and bit width where the op has
-    one), or None, with a description for messages."""
-    dtype = site.cache_dtype
-    rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
-    described = str(dtype.name if dtype is not None else "?").lower()
-    attr = site.op.bit_width_attr
-    if attr is not None:
-        bits = site.int_attr(attr, 8)
-        rows = [row for row in rows if row.bit_width == bits]
-        described = f"{described} ({bits}-bit)"
-    for side in site.sides:
-        logical = site.str_attr(side.dtype_attr) if side.dtype_attr else ""
-        if logical:
-            rows = [row for row in rows if logical in (row.logical_name, row.dtype.name.lower(), row.name)]
-            described = f"{described} ({side.dtype_attr}={logical!r})"
-    return (rows[0], rows[0].name) if rows else (None, described)
+    """The format the node's cache is in (:attr:`AttentionSite.cache_format`), or None,
+    with a description for messages."""
+    described = str(site.cache_dtype.name if site.cache_dtype is not None else "?").lower()
+    if site.cache_bit_width is not None:
+        described = f"{described} ({site.cache_bit_width}-bit)"
+    if site.cache_logical_type:
+        described = f"{described} ({site.op.key.dtype_attr}={site.cache_logical_type!r})"
+    fmt = site.cache_format
+    return (fmt, fmt.name) if fmt is not None else (None, described)
 
 
 def _check_cache_shapes(site: AttentionSite) -> None:

@@ -39,6 +39,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import PAGED, CacheSide
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import scale_granularity
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
 from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
 
@@ -236,7 +237,8 @@ class _Rewrite:
         if self.fmt is None:
             return None
         scale = _required(self.site, side.scale)
-        shape = [1] if self.site.granularity == "per_tensor" else [self.kv, self.head]
+        assert self.site.granularity is not None
+        shape = list(scale_granularity(self.site.granularity).grid(self.kv, self.head))
         return _Codec.reshaped(self.b, self.fmt, scale, shape)
 
     def _write_and_read(self, side: CacheSide, new: ir.Value, slots: ir.Value) -> tuple[ir.Value, ir.Value]:
