@@ -28,7 +28,7 @@ from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_mo
 from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder
 from onnx_kvcache.file_io import TEMP_PREFIX
-from onnx_kvcache.model_files import resolve_model_path
+from onnx_kvcache.genai_folder import resolve_model_path
 
 try:
     import onnxruntime_genai as og

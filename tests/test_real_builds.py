@@ -25,7 +25,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.capabilities import get_capabilities, infer_target
 from onnx_kvcache.demo_model import save_genai_folder
-from onnx_kvcache.model_files import load_model
+from onnx_kvcache.model_source import load_model
 
 pytest.importorskip("tokenizers", reason="install the test extra")
 

@@ -41,8 +41,7 @@ __all__ = [
     "run_doctor",
 ]
 
-__version__ = "0.1.0"
-
+from onnx_kvcache._version import __version__ as __version__
 from onnx_kvcache.attention_ops import ATTENTION_OPS
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache

@@ -37,6 +37,7 @@ from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
 from onnx_kvcache.gqa import KEY, find_attention_sites
+from onnx_kvcache.runner import KvCacheRunner
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -205,8 +206,6 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
-    from onnx_kvcache.runner import KvCacheRunner
-
     fmt = get_format(format)
     granularity = get_granularity(granularity)
     if method not in METHODS:

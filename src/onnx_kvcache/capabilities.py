@@ -38,7 +38,8 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, PAGED, AttentionOp
-from onnx_kvcache.formats import get_format, get_granularity
+from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
+from onnx_kvcache.genai_folder import provider_names
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
 from onnx_kvcache.runtime import installed_ort_version, installed_version
 
@@ -244,17 +245,10 @@ def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) ->
     if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
         return "cuda", "its fp8 cache runs only on CUDA"
     if genai_config is not None:
-        decoder = genai_config.get("model", {}).get("decoder", {})
-        options = (
-            decoder.get("session_options", {}).get("provider_options", [])
-            if isinstance(decoder, dict)
-            else []
-        )
-        for entry in options if isinstance(options, list) else []:
-            for name in entry if isinstance(entry, dict) else ():
-                row = get_capabilities(name)
-                if row.name != "default":
-                    return row.name, f"genai_config.json's provider_options name {name!r}"
+        for name in provider_names(genai_config):
+            row = get_capabilities(name)
+            if row.name != "default":
+                return row.name, f"genai_config.json's provider_options name {name!r}"
         return "cpu", "genai_config.json names no provider, so onnxruntime-genai runs it on CPU"
     dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
     if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
@@ -546,7 +540,6 @@ def _format_cell(row: EpCapabilities, name: str) -> str:
 
 def render_capability_table() -> str:
     """The capability tables (one per operator) and the fast-path rules, as Markdown."""
-    from onnx_kvcache.formats import CACHE_FORMATS
 
     lines: list[str] = []
     for op_type, table in CAPABILITIES.items():

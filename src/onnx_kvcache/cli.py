@@ -20,7 +20,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from onnx_kvcache import __version__, file_io
+from onnx_kvcache import file_io
+from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
 from onnx_kvcache.file_io import atomic_write_text, format_bytes
@@ -152,7 +153,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.cache_layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.capabilities import fast_path_diagnostics
-    from onnx_kvcache.model_files import load_model, resolve_model_path
+    from onnx_kvcache.genai_folder import resolve_model_path
+    from onnx_kvcache.model_source import load_model
 
     model = load_model(args.model)
     info = inspect_kv_cache(model)
@@ -208,7 +210,7 @@ def _is_png(path: pathlib.Path) -> bool:
 
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
     """Files an output must never replace: the model's graph and config, and data files given."""
-    from onnx_kvcache.model_files import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
 
     model_file, config = resolve_model_path(model)
     inputs = [model_file, *(pathlib.Path(f) for f in files if f)]

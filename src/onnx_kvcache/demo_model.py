@@ -16,95 +16,14 @@ import json
 import os
 import pathlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
+from onnx_kvcache.exported_decoder import build_exported_decoder
 from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
-
-if TYPE_CHECKING:
-    from onnx_kvcache.exported_decoder import ExportStyle
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Shape and options of the demo decoder.
-
-    Attributes:
-        sliding_window: Layers listed in ``sliding_window_layers`` attend to this many
-            positions (``local_window_size``); with ``sliding_window_cache`` their cache
-            is window-sized.
-        no_cache_layers: Layers whose attention has no past/present cache.
-        qk_norm: Per-head RMS norm of q and k before RoPE (Qwen3, Gemma3), fused into GQA
-            as inputs 14/15 (a 16-input node, as builds for CUDA/WebGPU have it), or with
-            ``qk_norm_fused=False`` as ops before the node (what the CPU kernel can run).
-        dtype: ``float32``, ``float16`` or ``bfloat16`` weights and activations.
-        symbolic_cache_dim: Declare the caches' head dimension as ``kv_cache_dim``, as
-            onnxruntime-genai's builder does, instead of the static head size.
-        exported: Write the graph as torch.onnx.export does (ONNX Attention, no GQA;
-            see :mod:`onnx_kvcache.exported_decoder`), in this style.
-        paged: Build the decoder with PagedAttention and continuous-batching I/O, as
-            onnxruntime-genai's ``use_paged_attention`` builds are laid out (see
-            :mod:`onnx_kvcache.paged_model`); ``paged_block_size`` goes to its genai config.
-        latent: With ``paged``, absorbed-MLA layers (``kv_cache_layout="LATENT"``, one cache,
-            ``latent_rope_dim`` rotary channels at its end).
-    """
-
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_heads: int = 4
-    kv_num_heads: int = 2
-    head_size: int = 32
-    intermediate_size: int = 256
-    vocab_size: int = 512
-    max_position: int = 4096
-    dtype: str = "float32"
-    rotary_interleaved: bool = False
-    rope_theta: float = 10000.0
-    outlier_channels: int = 4
-    outlier_scale: float = 12.0
-    sliding_window_layers: tuple[int, ...] = ()
-    sliding_window: int = 0
-    sliding_window_cache: bool = False
-    no_cache_layers: tuple[int, ...] = ()
-    qk_norm: bool = False
-    qk_norm_fused: bool = True
-    symbolic_cache_dim: bool = False
-    paged: bool = False
-    paged_block_size: int = 16
-    latent: bool = False
-    latent_rope_dim: int = 16
-    seed: int = 0
-    exported: ExportStyle | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
-        if self.latent and not (
-            self.paged
-            and 0 < self.latent_rope_dim < self.head_size
-            and (self.head_size - self.latent_rope_dim) % 8 == 0
-        ):
-            raise ValueError(
-                "latent needs paged=True and an even latent_rope_dim below head_size that leaves a "
-                "multiple of 8 channels before it (PagedAttention's rotary_offset)."
-            )
-
-    @property
-    def ir_dtype(self) -> ir.DataType:
-        return _DTYPES[self.dtype]
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return self.ir_dtype.numpy()
-
-
-_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
-
-
-WeightFactory = Callable[[str, tuple[int, ...], ir.DataType], ir.TensorProtocol]
-"""Makes a weight tensor from (name, shape, dtype) instead of seeded random values."""
+from onnx_kvcache.paged_model import build_paged_decoder, paged_genai_config
 
 
 class _Builder:
@@ -172,13 +91,9 @@ def build_decoder(
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
     if config.exported is not None:
-        from onnx_kvcache.exported_decoder import build_exported_decoder
-
         return build_exported_decoder(config, weight_factory=weight_factory)
     b = _Builder(config, weight_factory)
     if config.paged:
-        from onnx_kvcache.paged_model import build_paged_decoder
-
         return build_paged_decoder(b)
     c = config
     dtype = c.ir_dtype
@@ -414,8 +329,6 @@ def save_genai_folder(
         },
     }
     if config.paged:
-        from onnx_kvcache.paged_model import paged_genai_config
-
         genai = paged_genai_config(genai, config.paged_block_size)
     (path / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
     (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(), ensure_ascii=False) + "\n")

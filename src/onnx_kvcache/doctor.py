@@ -41,6 +41,7 @@ from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheWarning
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.runtime import create_session, import_onnxruntime, installed_ort_version
 
 Verdict = Literal["proven", "schema only", "disagrees"]
@@ -295,8 +296,6 @@ def _probe_model(op: AttentionOp, dtype: ir.DataType, latent: bool = False) -> i
 def _converted(
     op: AttentionOp, dtype: ir.DataType, fmt: str | None, granularity: str, latent: bool
 ) -> ir.Model:
-    from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-
     model = _probe_model(op, dtype, latent)
     if fmt is not None:
         n = 1 if granularity == "per_tensor" else (1 if latent else _KV) * _HEAD

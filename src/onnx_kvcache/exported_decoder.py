@@ -21,54 +21,11 @@ from __future__ import annotations
 
 __all__ = ["EXPORT_PRESETS", "ExportStyle", "build_exported_decoder", "exported_config"]
 
-import dataclasses
-from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import onnx_ir as ir
 
-if TYPE_CHECKING:
-    from onnx_kvcache.demo_model import DecoderConfig, WeightFactory
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportStyle:
-    """How the exported decoder writes attention.
-
-    Attributes:
-        kv_repeat: ``expand``: transformers' repeat_kv (Unsqueeze/Expand/Reshape);
-            ``grouped``: K/V go to Attention with their own head count; ``tile``: a
-            Tile over the head axis (query head h reads KV head h % kv_heads, which is
-            not GQA's grouping).
-        mask: ``causal`` (sdpa_mask: causal AND padding [AND window]);
-            ``bidirectional`` (padding only); ``top_left`` (no mask, ``is_causal=1``,
-            whose diagonal ignores the cache).
-        position_ids: ``position_ids`` is a graph input (else positions are the
-            cache positions, computed in the graph).
-        attn_softcap: Attention ``softcap`` (Gemma2: 50).
-        final_softcap: Soft-capping of the logits (Gemma2: 30).
-        query_scale: Attention ``scale`` (Gemma2: ``query_pre_attn_scalar ** -0.5``);
-            None writes ``1/sqrt(head_size)``.
-        qk_matmul_output: Give Attention its 4th output in this mode, as graph
-            outputs ``attn_weights.{i}``.
-        embed_scale: Multiply embeddings by ``sqrt(hidden_size)`` (Gemma).
-        opset: 23 writes the ONNX Attention, RotaryEmbedding and RMSNormalization
-            operators; 20 writes them decomposed, as the exporter's op library does
-            below opset 23 (scaled dot-product attention as MatMul/Softmax/MatMul
-            with a Where(mask, 0, -inf) bias, transformers' rotate_half, RMS norm as
-            Pow/ReduceMean/Sqrt/Reciprocal).
-    """
-
-    kv_repeat: Literal["expand", "grouped", "tile"] = "expand"
-    mask: Literal["causal", "bidirectional", "top_left"] = "causal"
-    position_ids: bool = True
-    attn_softcap: float = 0.0
-    final_softcap: float = 0.0
-    query_scale: float | None = None
-    qk_matmul_output: int | None = None
-    embed_scale: bool = False
-    opset: Literal[20, 23] = 23
-
+from onnx_kvcache.decoder_config import DecoderConfig, ExportStyle, WeightFactory
 
 EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
     "llama": ({}, ExportStyle()),
@@ -88,8 +45,6 @@ def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
 
     ``overrides`` replace config fields; ``exported=ExportStyle(...)`` replaces the style.
     """
-    from onnx_kvcache.demo_model import DecoderConfig
-
     if arch not in EXPORT_PRESETS:
         raise ValueError(f"Unknown architecture {arch!r}; choose from {sorted(EXPORT_PRESETS)}.")
     fields, style = EXPORT_PRESETS[arch]

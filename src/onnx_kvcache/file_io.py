@@ -36,7 +36,9 @@ __all__ = [
     "TempFile",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_inside",
     "check_output_file",
+    "check_relative",
     "check_writable_folder",
     "allocated_bytes",
     "clone_file",
@@ -867,3 +869,56 @@ def check_output_file(
                 f"{path} exists and is not a {what}; refusing to replace it. Name another file."
             )
     check_writable_folder(path.parent)
+
+
+# -- paths a model names ---------------------------------------------------------------
+
+
+def check_relative(location: Any, what: str, folder: pathlib.Path) -> str:
+    """A path a model file names: relative, no ``..``, so inside its folder (lexically)."""
+    if not isinstance(location, str) or not location:
+        raise KvCacheError(f"{what} is {location!r}; it must name a file inside {folder}.")
+    parts = pathlib.PurePosixPath(location.replace("\\", "/")).parts
+    if (
+        os.path.isabs(location)
+        or pathlib.PureWindowsPath(location).is_absolute()
+        or location.startswith(("/", "\\"))
+        or ".." in parts
+    ):
+        raise KvCacheError(
+            f"{what} is {location!r}, outside the model's folder {folder} (an absolute path or '..'). "
+            "Refusing to read or write it: it must be a relative path inside the folder."
+        )
+    return location
+
+
+def _looks_like_hf_snapshot(folder: pathlib.Path) -> bool:
+    folder = pathlib.Path(os.path.abspath(folder))
+    return folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir()
+
+
+def _first_escaping_link(path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+    p = root
+    for part in path.relative_to(root).parts:
+        p = p / part
+        if p.is_symlink():
+            return p
+    return path
+
+
+def check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool) -> pathlib.Path:
+    """Where ``path``'s bytes are; a symbolic link out of ``root`` needs ``follow_symlinks``."""
+    real = pathlib.Path(os.path.realpath(path))
+    root_real = pathlib.Path(os.path.realpath(root))
+    if real == root_real or root_real in real.parents or follow_symlinks:
+        return real
+    link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
+    hint = (
+        "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass "
+        "--follow-symlinks (follow_symlinks=True) to accept the links; a conversion elsewhere then "
+        "copies their content."
+        if _looks_like_hf_snapshot(root)
+        else "Copy the file into the folder, or pass --follow-symlinks (follow_symlinks=True) to "
+        "accept links (a conversion elsewhere copies their content)."
+    )
+    raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. {hint}")

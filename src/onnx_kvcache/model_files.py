@@ -20,18 +20,7 @@ stay atomic and what a killed run leaves behind.
 
 from __future__ import annotations
 
-__all__ = [
-    "GENAI_CONFIG",
-    "ConvertResult",
-    "ModelSource",
-    "atomic_write_bytes",
-    "atomic_write_text",
-    "convert_model",
-    "external_data_files",
-    "load_model",
-    "open_model_source",
-    "resolve_model_path",
-]
+__all__ = ["ConvertResult", "convert_model"]
 
 import dataclasses
 import json
@@ -39,7 +28,6 @@ import logging
 import os
 import pathlib
 import re
-import stat
 import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -53,355 +41,24 @@ from onnx_kvcache.capabilities import (
     get_capabilities,
     infer_target,
 )
+from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
-from onnx_kvcache.file_io import atomic_write_bytes, atomic_write_text, format_bytes
+from onnx_kvcache.file_io import format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
+from onnx_kvcache.genai_folder import GENAI_CONFIG, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
+from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.scales import as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
 
-GENAI_CONFIG = "genai_config.json"
-_NOT_CARRIED = (".git",)
-"""Top-level entries of an input folder that are not part of the model."""
-
 LINK_WARNING = (
     "the output's data files are hard links to the input's: onnx (onnx.load, onnx.checker) and "
     "onnx-ir refuse a data file with more than one link, so NEITHER model loads in them until one "
     "is deleted (onnxruntime and onnxruntime-genai load both)."
 )
-
-
-# -- reading --------------------------------------------------------------------------
-
-
-def _check_relative(location: Any, what: str, folder: pathlib.Path) -> str:
-    """A path a model file names: relative, no ``..``, so inside its folder (lexically)."""
-    if not isinstance(location, str) or not location:
-        raise KvCacheError(f"{what} is {location!r}; it must name a file inside {folder}.")
-    parts = pathlib.PurePosixPath(location.replace("\\", "/")).parts
-    if (
-        os.path.isabs(location)
-        or pathlib.PureWindowsPath(location).is_absolute()
-        or location.startswith(("/", "\\"))
-        or ".." in parts
-    ):
-        raise KvCacheError(
-            f"{what} is {location!r}, outside the model's folder {folder} (an absolute path or '..'). "
-            "Refusing to read or write it: it must be a relative path inside the folder."
-        )
-    return location
-
-
-def _looks_like_hf_snapshot(folder: pathlib.Path) -> bool:
-    folder = pathlib.Path(os.path.abspath(folder))
-    return folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir()
-
-
-def _first_escaping_link(path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
-    p = root
-    for part in path.relative_to(root).parts:
-        p = p / part
-        if p.is_symlink():
-            return p
-    return path
-
-
-def _check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool) -> pathlib.Path:
-    """Where ``path``'s bytes are; a symbolic link out of ``root`` needs ``follow_symlinks``."""
-    real = pathlib.Path(os.path.realpath(path))
-    root_real = pathlib.Path(os.path.realpath(root))
-    if real == root_real or root_real in real.parents or follow_symlinks:
-        return real
-    link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
-    hint = (
-        "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass "
-        "--follow-symlinks (follow_symlinks=True) to accept the links; a conversion elsewhere then "
-        "copies their content."
-        if _looks_like_hf_snapshot(root)
-        else "Copy the file into the folder, or pass --follow-symlinks (follow_symlinks=True) to "
-        "accept links (a conversion elsewhere copies their content)."
-    )
-    raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. {hint}")
-
-
-def _read_genai_config(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise KvCacheError(f"{path} is a folder, not onnxruntime-genai's JSON config.") from None
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise KvCacheError(
-            f"{path} is not UTF-8 text (byte {e.start}); onnxruntime-genai reads UTF-8 JSON."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise KvCacheError(f"{path} is not valid JSON ({e}).") from None
-    if not isinstance(config, dict):
-        raise KvCacheError(f"{path} is not a JSON object.")
-    return config
-
-
-def _decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
-    """``model.decoder.filename``, after checking the parts of the config we read or write."""
-    try:
-        filename = config["model"]["decoder"]["filename"]
-    except (KeyError, TypeError):
-        raise KvCacheError(f"{config_path}: cannot read model.decoder.filename.") from None
-    for key, value in [
-        ("model.decoder", config["model"]["decoder"]),
-        ("model.decoder.session_options", config["model"]["decoder"].get("session_options", {})),
-        ("search", config.get("search", {})),
-    ]:
-        if not isinstance(value, dict):
-            raise KvCacheError(f"{config_path}: {key} is not a JSON object, as onnxruntime-genai needs.")
-    folder = config_path.parent
-    _check_relative(filename, f"{config_path}'s model.decoder.filename", folder)
-    for key, section in config["model"].items():  # vision, speech, embedding models
-        if isinstance(section, dict) and "filename" in section:
-            _check_relative(section["filename"], f"{config_path}'s model.{key}.filename", folder)
-    return str(filename)
-
-
-def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
-    """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
-    p = pathlib.Path(path)
-    if not os.path.lexists(p):
-        raise KvCacheError(f"Model {p} does not exist.")
-    if p.is_dir():
-        config_path = p / GENAI_CONFIG
-        if not os.path.lexists(config_path):
-            onnx_files = sorted(f for f in p.glob("*.onnx") if f.is_file())
-            if len(onnx_files) == 1:
-                return onnx_files[0], None
-            raise KvCacheError(
-                f"{p} is a folder without {GENAI_CONFIG} and with {len(onnx_files)} .onnx "
-                "files; pass the .onnx file itself."
-            )
-        config = _read_genai_config(config_path)
-        filename = _decoder_filename(config, config_path)
-        model_file = p / filename
-        if not model_file.is_file():
-            what = "a folder" if model_file.is_dir() else "missing"
-            raise KvCacheError(f"{config_path} names {filename!r} as the decoder, which is {what} in {p}.")
-        return model_file, config
-    if not p.exists():
-        raise KvCacheError(f"Model {p} is a broken symbolic link.")
-    if not p.is_file():
-        raise KvCacheError(f"Model {p} is not a regular file.")
-    return p, None
-
-
-def _load_graph(model_file: pathlib.Path) -> ir.Model:
-    if model_file.stat().st_size == 0:
-        raise KvCacheError(f"{model_file} is empty (0 bytes), not an ONNX model.")
-    try:
-        model = ir.load(model_file)
-    except Exception as e:  # protobuf raises several unrelated types
-        raise KvCacheError(f"{model_file} is not a readable ONNX model ({e}).") from None
-    if model.ir_version < 1 or (model.graph.num_nodes() == 0 and not model.graph.outputs):
-        raise KvCacheError(f"{model_file} is not an ONNX model (no IR version or graph).")
-    return model
-
-
-def _iter_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
-    graphs: list[ir.Graph] = [model.graph]
-    for function in model.functions.values():
-        for node in function:
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.TENSOR:
-                    yield attr.value
-                elif attr.type == ir.AttributeType.GRAPH:
-                    graphs.append(attr.value)
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    graphs.extend(attr.value)
-    for graph in graphs:
-        for value in graph.initializers.values():
-            if value.const_value is not None:
-                yield value.const_value
-        for node in graph:
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.GRAPH:
-                    graphs.append(attr.value)
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    graphs.extend(attr.value)
-                elif attr.type == ir.AttributeType.TENSOR:
-                    yield attr.value
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """An external data file a graph names."""
-
-    location: str
-    """As the graph names it, relative to the graph's folder."""
-    path: pathlib.Path
-    """Absolute, as named (may be a symbolic link)."""
-    real: pathlib.Path
-    """Where the bytes are."""
-    size: int
-
-
-def _external_data(
-    model: ir.Model,
-    graph_dir: pathlib.Path,
-    root: pathlib.Path,
-    follow_symlinks: bool,
-    forbidden: frozenset[pathlib.Path] = frozenset(),
-) -> dict[str, DataFile]:
-    """Every external data file: inside ``root``, present, a regular file, long enough.
-
-    ``forbidden``: files that cannot hold weights (the model file, its config).
-    """
-    needed: dict[str, tuple[int, str]] = {}
-    for tensor in _iter_tensors(model):
-        if not isinstance(tensor, ir.ExternalTensor):
-            continue
-        location = _check_relative(str(tensor.location), f"Tensor {tensor.name!r}'s data location", graph_dir)
-        end = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
-        if end > needed.get(location, (-1, ""))[0]:
-            needed[location] = (end, str(tensor.name))
-    files = {}
-    for location, (end, name) in sorted(needed.items()):
-        path = pathlib.Path(os.path.abspath(graph_dir / location))
-        if root != path and root not in path.parents:
-            raise KvCacheError(f"Tensor {name!r} keeps its data at {location!r}, outside {root}.")
-        if not os.path.lexists(path):
-            raise KvCacheError(
-                f"Data file {path} is missing: tensor {name!r} (and maybe others) keeps its weights "
-                "there. Copy the complete model (every data file) and try again."
-            )
-        real = _check_inside(path, root, follow_symlinks)
-        if real in forbidden:
-            raise KvCacheError(
-                f"Tensor {name!r} keeps its weights in {path}, which is the model file or its config."
-            )
-        if not real.is_file():
-            what = "a folder" if real.is_dir() else ("a broken link" if not real.exists() else "not a file")
-            raise KvCacheError(f"Data file {path} is {what}; the model needs its weights there.")
-        size = real.stat().st_size
-        if size < end:
-            raise KvCacheError(
-                f"Data file {path} is {size} bytes but tensor {name!r} ends at byte {end}: the file is "
-                "truncated (an incomplete download?)."
-            )
-        files[location] = DataFile(location, path, real, size)
-    return files
-
-
-def external_data_files(model: ir.Model, base_dir: str | os.PathLike) -> list[str]:
-    """Relative paths of the external data files; each checked to be inside ``base_dir``."""
-    base = pathlib.Path(os.path.abspath(base_dir))
-    return sorted(_external_data(model, base, base, follow_symlinks=False))
-
-
-def load_model(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ir.Model:
-    """Load a model's graph from a file or genai folder; weights stay on disk (checked)."""
-    model_file, _ = resolve_model_path(path)
-    model = _load_graph(model_file)
-    folder = pathlib.Path(os.path.abspath(model_file.parent))
-    _external_data(model, folder, folder, follow_symlinks)
-    return model
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    rel: pathlib.PurePosixPath
-    real: pathlib.Path | None
-    """Where the bytes are; ``None`` for a folder."""
-
-
-@dataclasses.dataclass
-class ModelSource:
-    """An input model as found on disk: what a conversion reads and must never touch."""
-
-    graph: pathlib.Path
-    """The ``.onnx`` file (absolute)."""
-    folder: pathlib.Path | None
-    """The input folder (absolute), when a folder was given."""
-    config: dict[str, Any] | None
-    model: ir.Model
-    data: dict[str, DataFile]
-    entries: list[_Entry]
-    """Everything a folder conversion carries over (folder inputs only)."""
-
-    @property
-    def root(self) -> pathlib.Path:
-        return self.folder or self.graph.parent
-
-    @property
-    def config_path(self) -> pathlib.Path | None:
-        return self.folder / GENAI_CONFIG if self.folder and self.config is not None else None
-
-    def input_files(self) -> set[pathlib.Path]:
-        """Every file the model is made of, where its bytes are (symlinks resolved)."""
-        files = {pathlib.Path(os.path.realpath(self.graph))}
-        files |= {d.real for d in self.data.values()}
-        files |= {e.real for e in self.entries if e.real is not None}
-        if self.config_path is not None:
-            files.add(pathlib.Path(os.path.realpath(self.config_path)))
-        return files
-
-
-def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
-    """Every entry of an input folder, checked: no special files, links out need the flag."""
-    entries: list[_Entry] = []
-
-    def unreadable(error: OSError) -> None:
-        raise error  # a folder we cannot list would silently be missing from the output
-
-    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
-        here = pathlib.Path(dirpath)
-        rel_dir = pathlib.PurePosixPath(here.relative_to(folder).as_posix())
-        keep = []
-        for d in sorted(dirnames):
-            if d.startswith(file_io.TEMP_PREFIX) or (here == folder and d in _NOT_CARRIED):
-                continue
-            if (here / d).is_symlink():
-                raise KvCacheError(
-                    f"{here / d} is a symbolic link to a folder; replace it with the folder itself."
-                )
-            keep.append(d)
-            entries.append(_Entry(rel_dir / d, None))
-        dirnames[:] = keep
-        for name in sorted(filenames):
-            if name.startswith(file_io.TEMP_PREFIX):
-                continue  # a temporary entry of ours, never part of a model
-            path = here / name
-            mode = os.lstat(path).st_mode
-            if stat.S_ISLNK(mode):
-                if not path.exists():
-                    raise KvCacheError(f"{path} is a broken symbolic link ({os.readlink(path)}).")
-                real = _check_inside(path, folder, follow_symlinks)
-                if not real.is_file():
-                    raise KvCacheError(f"{path} links to {real}, which is not a regular file.")
-            elif stat.S_ISREG(mode):
-                real = path
-            else:
-                raise KvCacheError(f"{path} is not a regular file (a pipe, socket or device); remove it.")
-            entries.append(_Entry(rel_dir / name, real))
-    return entries
-
-
-def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ModelSource:
-    """Find and check every file of a model file or folder; read its graph, not its weights."""
-    p = pathlib.Path(os.path.abspath(path))
-    graph, config = resolve_model_path(p)
-    folder = p if p.is_dir() else None
-    root = folder or graph.parent
-    _check_inside(graph, root, follow_symlinks)
-    if folder is not None and config is not None:
-        _check_inside(folder / GENAI_CONFIG, root, follow_symlinks)
-    model = _load_graph(graph)
-    forbidden = {pathlib.Path(os.path.realpath(graph))}
-    if folder is not None and config is not None:
-        forbidden.add(pathlib.Path(os.path.realpath(folder / GENAI_CONFIG)))
-    data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden))
-    entries = _walk(folder, follow_symlinks) if folder is not None else []
-    return ModelSource(graph, folder, config, model, data, entries)
 
 
 # -- planning a conversion --------------------------------------------------------------
@@ -638,14 +295,6 @@ def _serialize(model: ir.Model, names: dict[str, str] | None = None) -> bytes:
         ) from None
 
 
-def _genai_config_for(config: dict[str, Any], ep: str) -> dict[str, Any]:
-    """A copy of ``config`` for a quantized cache on ``ep``: past/present share a buffer
-    only where the capability table says so (CUDA)."""
-    config = json.loads(json.dumps(config))
-    config.setdefault("search", {})["past_present_share_buffer"] = get_capabilities(ep).share_buffer
-    return config
-
-
 def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
@@ -836,7 +485,7 @@ def convert_model(
     share_target = result.target or ("cuda" if fmt.name == "fp8" or not cpu_runs_it else "cpu")
     new_config = None
     if source.config is not None:
-        new_config = _genai_config_for(source.config, share_target)
+        new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
         if new_config == source.config:
             new_config = None
     data = _serialize(model, plan.data_names)
@@ -863,8 +512,6 @@ def convert_model(
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
     """Every reason ``target`` cannot run the converted model (the capability table)."""
-    from onnx_kvcache.device import cuda_compute_capability
-
     capability = cuda_compute_capability() if check_device else None
     report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
     reasons = list(report.reasons)

@@ -21,6 +21,7 @@ from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
+from onnx_kvcache.model_source import load_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.scales import as_kv_cache_scales
@@ -31,8 +32,6 @@ def _as_ir(model: ir.Model | onnx.ModelProto | str | os.PathLike) -> ir.Model:
         return model
     if isinstance(model, onnx.ModelProto):
         return ir.from_proto(model)
-    from onnx_kvcache.model_files import load_model
-
     return load_model(model)
 
 

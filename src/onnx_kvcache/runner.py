@@ -34,8 +34,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.attention_ops import PAGED
+from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CacheFormat, scale_granularity
+from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
     COS_CACHE,
     AttentionSite,
@@ -44,10 +46,12 @@ from onnx_kvcache.gqa import (
     find_gqa_sites,
     resident_rows,
 )
+from onnx_kvcache.model_source import load_model
 from onnx_kvcache.paged_cache import BlockPool, check_block_size
+from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
-from onnx_kvcache.runtime import create_session, fed_as_bits, to_ort_value
+from onnx_kvcache.runtime import create_session, fed_as_bits, import_onnxruntime, to_ort_value
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +218,6 @@ def _fused(model: ir.Model) -> ir.Model:
 
     The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
     """
-    from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
         modified = GqaFusionPass()(model).modified
@@ -226,8 +228,6 @@ def _fused(model: ir.Model) -> ir.Model:
 
 def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None) -> Semantics:
     """The kernel rule of the provider ``model`` targets (see ``infer_target``): cuda or cpu."""
-    from onnx_kvcache.capabilities import infer_target
-
     ep, why = infer_target(model, genai_config)
     semantics: Semantics = "cuda" if ep == "cuda" else "cpu"
     logger.info("The model targets %s (%s): the %s kernel's rule.", ep, why, semantics)
@@ -326,15 +326,11 @@ def _paged_block_size(bindings: list[CacheBinding], requested: int | None, confi
         return check_block_size(fixed)
     if requested is not None:
         return check_block_size(requested)
-    engine = (config or {}).get("engine", {}).get("dynamic_batching", {})
-    if isinstance(engine, dict) and "block_size" in engine:
-        return check_block_size(engine["block_size"])
-    return 16
+    configured = block_size(config)
+    return check_block_size(configured) if configured is not None else 16
 
 
 def _require_cuda_provider() -> None:
-    from onnx_kvcache.runtime import import_onnxruntime
-
     available = import_onnxruntime().get_available_providers()
     if "CUDAExecutionProvider" not in available:
         raise KvCacheError(
@@ -380,8 +376,6 @@ class KvCacheRunner:
         quantized_io: bool = False,
         block_size: int | None = None,
     ) -> None:
-        from onnx_kvcache.model_files import load_model, resolve_model_path
-
         base_dir, config = None, None
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
@@ -391,10 +385,7 @@ class KvCacheRunner:
             if not find_attention_sites(model, with_cache_only=False):
                 model = _fused(model)
             base_dir = model_file.parent
-        eos = (config or {}).get("model", {}).get("eos_token_id")
-        self.eos_token_ids: frozenset[int] = frozenset(
-            int(t) for t in (eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-        )
+        self.eos_token_ids: frozenset[int] = eos_token_ids(config)
         """End-of-sequence tokens; read from genai_config.json for a genai folder."""
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model

@@ -30,6 +30,7 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.file_io import atomic_write_text
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
@@ -168,8 +169,6 @@ class KvCacheScales:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format``)."""
-        from onnx_kvcache.model_files import atomic_write_text
-
         atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
 
 

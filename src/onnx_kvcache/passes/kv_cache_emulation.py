@@ -73,6 +73,7 @@ from onnx_kvcache.gqa import (
     GqaSite,
     find_gqa_sites,
 )
+from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 
 logger = logging.getLogger(__name__)
 
@@ -549,8 +550,6 @@ def emulate_kv_cache(model: ir.Model, semantics: str = "cuda", *, quantized_io: 
     A bfloat16 model also computes in float32 (:class:`Bfloat16ToFloatPass`: the CPU has
     no bf16 kernels), and model-local functions holding nodes to emulate are inlined.
     """
-    from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
-
     copy = model.clone()
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)

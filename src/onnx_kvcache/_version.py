@@ -1,0 +1,3 @@
+"""The package version (a leaf module: the CLI and the package root read it)."""
+
+__version__ = "0.1.0"

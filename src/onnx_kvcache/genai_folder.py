@@ -1,0 +1,135 @@
+"""onnxruntime-genai folders: everything the library knows about them in one place.
+
+A genai folder holds ``genai_config.json`` (:data:`GENAI_CONFIG`), the decoder it names
+(``model.decoder.filename``), its data files and tokenizer files. This module reads the
+config and the rules we apply to it: which file is the decoder, which end-of-sequence
+tokens and execution providers it names, a paged model's block size, and the
+``search.past_present_share_buffer`` a quantized cache needs on a provider.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GENAI_CONFIG",
+    "block_size",
+    "decoder_filename",
+    "eos_token_ids",
+    "provider_names",
+    "read_genai_config",
+    "resolve_model_path",
+    "with_share_buffer",
+]
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.file_io import check_relative
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def read_genai_config(path: pathlib.Path) -> dict[str, Any]:
+    """The config as a dict; one clear error for a folder, bad encoding or bad JSON."""
+    try:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise KvCacheError(f"{path} is a folder, not onnxruntime-genai's JSON config.") from None
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise KvCacheError(
+            f"{path} is not UTF-8 text (byte {e.start}); onnxruntime-genai reads UTF-8 JSON."
+        ) from None
+    except json.JSONDecodeError as e:
+        raise KvCacheError(f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise KvCacheError(f"{path} is not a JSON object.")
+    return config
+
+
+def decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
+    """``model.decoder.filename``, after checking the parts of the config we read or write."""
+    try:
+        filename = config["model"]["decoder"]["filename"]
+    except (KeyError, TypeError):
+        raise KvCacheError(f"{config_path}: cannot read model.decoder.filename.") from None
+    for key, value in [
+        ("model.decoder", config["model"]["decoder"]),
+        ("model.decoder.session_options", config["model"]["decoder"].get("session_options", {})),
+        ("search", config.get("search", {})),
+    ]:
+        if not isinstance(value, dict):
+            raise KvCacheError(f"{config_path}: {key} is not a JSON object, as onnxruntime-genai needs.")
+    folder = config_path.parent
+    check_relative(filename, f"{config_path}'s model.decoder.filename", folder)
+    for key, section in config["model"].items():  # vision, speech, embedding models
+        if isinstance(section, dict) and "filename" in section:
+            check_relative(section["filename"], f"{config_path}'s model.{key}.filename", folder)
+    return str(filename)
+
+
+def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
+    """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
+    p = pathlib.Path(path)
+    if not os.path.lexists(p):
+        raise KvCacheError(f"Model {p} does not exist.")
+    if p.is_dir():
+        config_path = p / GENAI_CONFIG
+        if not os.path.lexists(config_path):
+            onnx_files = sorted(f for f in p.glob("*.onnx") if f.is_file())
+            if len(onnx_files) == 1:
+                return onnx_files[0], None
+            raise KvCacheError(
+                f"{p} is a folder without {GENAI_CONFIG} and with {len(onnx_files)} .onnx "
+                "files; pass the .onnx file itself."
+            )
+        config = read_genai_config(config_path)
+        filename = decoder_filename(config, config_path)
+        model_file = p / filename
+        if not model_file.is_file():
+            what = "a folder" if model_file.is_dir() else "missing"
+            raise KvCacheError(f"{config_path} names {filename!r} as the decoder, which is {what} in {p}.")
+        return model_file, config
+    if not p.exists():
+        raise KvCacheError(f"Model {p} is a broken symbolic link.")
+    if not p.is_file():
+        raise KvCacheError(f"Model {p} is not a regular file.")
+    return p, None
+
+
+def eos_token_ids(config: dict[str, Any] | None) -> frozenset[int]:
+    """``model.eos_token_id``: one id or a list of them (Llama 3 lists several)."""
+    eos = (config or {}).get("model", {}).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return frozenset(int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
+
+
+def provider_names(config: Mapping[str, Any] | None) -> list[str]:
+    """The execution providers ``model.decoder.session_options.provider_options`` names, in
+    order; empty means onnxruntime-genai's default, the CPU."""
+    decoder = (config or {}).get("model", {}).get("decoder", {})
+    options = (
+        decoder.get("session_options", {}).get("provider_options", []) if isinstance(decoder, dict) else []
+    )
+    names: list[str] = []
+    for entry in options if isinstance(options, list) else []:
+        names += [str(name) for name in (entry if isinstance(entry, dict) else ())]
+    return names
+
+
+def block_size(config: dict[str, Any] | None) -> int | None:
+    """A paged model's ``engine.dynamic_batching.block_size``, when the config sets one."""
+    engine = (config or {}).get("engine", {}).get("dynamic_batching", {})
+    return engine.get("block_size") if isinstance(engine, dict) else None
+
+
+def with_share_buffer(config: dict[str, Any], share: bool) -> dict[str, Any]:
+    """A copy of ``config`` whose ``search.past_present_share_buffer`` is ``share`` (the model
+    builder shares quantized caches' past and present on CUDA only)."""
+    config = json.loads(json.dumps(config))
+    config.setdefault("search", {})["past_present_share_buffer"] = share
+    return config

@@ -1,0 +1,70 @@
+"""The package's import graph, function-level imports included, has no cycle."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).parents[1] / "src" / "onnx_kvcache"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}``, at any depth of its code."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("onnx_kvcache"):
+                for alias in node.names:  # `from onnx_kvcache import file_io` names a module
+                    candidate = f"{node.module}.{alias.name}"
+                    found.add(candidate if candidate in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("onnx_kvcache")}
+        graph[name] = {m for m in found if m in modules and m != name and m != "onnx_kvcache"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_is_acyclic():
+    graph = import_graph()
+    assert len(graph) > 20
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_no_module_imports_the_package_root():
+    """Modules import each other, never ``onnx_kvcache`` itself (which imports them all)."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "onnx_kvcache":
+                modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+                names = [a.name for a in node.names if f"onnx_kvcache.{a.name}" not in modules]
+                assert not names, f"{path.name} imports {names} from the package root"
