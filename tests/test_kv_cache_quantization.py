@@ -535,3 +535,24 @@ def test_a_shape_of_the_leading_dimensions_is_no_reader(end, converts):
         return
     with pytest.warns(KvCacheWarning, match="is also read by Shape node 'length'"):
         assert not KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified
+
+
+def test_a_graph_input_named_like_a_scale_keeps_its_name():
+    model = gqa_model()
+    taken = ir.val("past_key_values.0.key_scale", ir.DataType.FLOAT, [1])
+    model.graph.inputs.append(taken)
+    KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
+    node = gqa_nodes(model)[0]
+    assert node.inputs[12] is not taken and node.inputs[12].name == "past_key_values.0.key_scale_1"
+    names = [v.name for v in (*model.graph.inputs, *model.graph.initializers.values())]
+    assert len(names) == len(set(names))
+
+
+def test_a_scale_file_is_read_once_when_the_pass_is_made(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text('{"scales": {"k_scales": [0.1], "v_scales": [0.2]}, "qmax": 128}')
+    convert = KvCacheQuantizationPass("int8", scales=path)
+    path.unlink()  # a PassManager may run the pass again: it does not reread the file
+    assert convert(gqa_model()).modified and convert(gqa_model()).modified
+    with pytest.raises(KvCacheError, match="does not exist"):
+        KvCacheQuantizationPass("int8", scales=path)

@@ -155,7 +155,7 @@ def test_malformed_files_name_the_file_and_the_problem(tmp_path, case):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(KvCacheError, match="does not exist"):
         load_kv_cache_scale_file(tmp_path / "nope.json")
 
 

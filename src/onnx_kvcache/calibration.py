@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
 from onnx_kvcache.gqa import KEY, find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
@@ -241,11 +240,9 @@ def calibrate_kv_cache(
             f"{min_tokens}. Give more text or token ids, or lower min_tokens (--min-tokens) knowingly."
         )
     if loaded.random:
-        warnings.warn(
+        warn(
             "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
-            "those of real text. Pass text with a tokenizer (--text, --tokenizer) or token ids.",
-            KvCacheWarning,
-            stacklevel=2,
+            "those of real text. Pass text with a tokenizer (--text, --tokenizer) or token ids."
         )
     windows = loaded.windows
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
@@ -304,13 +301,11 @@ def calibrate_kv_cache(
                 limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
                 beyond = max(beyond, float((res.rows > limit).mean()))
         if beyond > CLIP_WARN_FRACTION and method != "mse":  # mse clips by design, where it pays
-            warnings.warn(
+            warn(
                 f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
                 f"(more than {CLIP_WARN_FRACTION:.0%}): check margin={margin:g}"
                 + (f" and percentile={percentile:g}" if method == "percentile" else "")
-                + "; clipped values lose far more than rounding does.",
-                KvCacheWarning,
-                stacklevel=2,
+                + "; clipped values lose far more than rounding does."
             )
         (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
         stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))

@@ -52,7 +52,7 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
         p = pathlib.Path(tokenizer)
         p = p / "tokenizer.json" if p.is_dir() else p
         if not p.is_file():
-            raise FileNotFoundError(f"Tokenizer {p} does not exist.")
+            raise KvCacheError(f"Tokenizer {p} does not exist.")
         return p
     if isinstance(model, (str, os.PathLike)):
         p = pathlib.Path(model)
@@ -155,7 +155,7 @@ def load_token_windows(
         else:
             path = pathlib.Path(data)
             if not path.is_file():
-                raise FileNotFoundError(f"Data file {path} does not exist.")
+                raise KvCacheError(f"Data file {path} does not exist.")
             if path.suffix in (".json", ".npy"):
                 sequences, source = _read_ids_file(path), f"token ids from {path.name}"
             else:

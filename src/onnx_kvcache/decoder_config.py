@@ -15,6 +15,8 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.errors import KvCacheError
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportStyle:
@@ -108,13 +110,13 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+            raise KvCacheError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
         if self.latent and not (
             self.paged
             and 0 < self.latent_rope_dim < self.head_size
             and (self.head_size - self.latent_rope_dim) % 8 == 0
         ):
-            raise ValueError(
+            raise KvCacheError(
                 "latent needs paged=True and an even latent_rope_dim below head_size that leaves a "
                 "multiple of 8 channels before it (PagedAttention's rotary_offset)."
             )

@@ -21,6 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
+from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.exported_decoder import build_exported_decoder
 from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
 from onnx_kvcache.paged_model import build_paged_decoder, paged_genai_config
@@ -278,7 +279,7 @@ def save_genai_folder(
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
     if config.vocab_size < 258:
-        raise ValueError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+        raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
     path = pathlib.Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     ir.save(build_decoder(config), path / "model.onnx", external_data="model.onnx.data")

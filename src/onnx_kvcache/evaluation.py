@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
 
@@ -158,11 +157,9 @@ def evaluate_kv_cache(
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
     base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
     if any(b.format is not None for b in base.bindings):
-        warnings.warn(
+        warn(
             "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
-            "or the figures measure one quantization against another.",
-            KvCacheWarning,
-            stacklevel=2,
+            "or the figures measure one quantization against another."
         )
     if _layout(base) != _layout(cand) or base.vocab_size != cand.vocab_size:
         raise KvCacheError(

@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.decoder_config import DecoderConfig, ExportStyle, WeightFactory
+from onnx_kvcache.errors import KvCacheError
 
 EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
     "llama": ({}, ExportStyle()),
@@ -46,7 +47,7 @@ def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
     ``overrides`` replace config fields; ``exported=ExportStyle(...)`` replaces the style.
     """
     if arch not in EXPORT_PRESETS:
-        raise ValueError(f"Unknown architecture {arch!r}; choose from {sorted(EXPORT_PRESETS)}.")
+        raise KvCacheError(f"Unknown architecture {arch!r}; choose from {sorted(EXPORT_PRESETS)}.")
     fields, style = EXPORT_PRESETS[arch]
     settings = {"num_layers": 4, "outlier_channels": 0} | fields | {"exported": style} | overrides
     return DecoderConfig(**settings)
@@ -109,13 +110,13 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
     h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
     group = h // kv
     if h % kv:
-        raise ValueError("num_heads must be a multiple of kv_num_heads.")
+        raise KvCacheError("num_heads must be a multiple of kv_num_heads.")
     if style.opset == 20 and (
         style.attn_softcap or style.qk_matmul_output is not None or style.mask == "top_left"
     ):
-        raise ValueError("opset 20 writes scaled dot-product attention: no softcap, scores or is_causal.")
+        raise KvCacheError("opset 20 writes scaled dot-product attention: no softcap, scores or is_causal.")
     if style.opset == 20 and style.kv_repeat == "grouped":
-        raise ValueError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
+        raise KvCacheError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
     unsupported = [
         name
         for name, value in (
@@ -126,7 +127,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         if value
     ]
     if unsupported:
-        raise ValueError(f"The exported mode does not write {', '.join(unsupported)}; unset it.")
+        raise KvCacheError(f"The exported mode does not write {', '.join(unsupported)}; unset it.")
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, "total"])
     w.graph.inputs.extend([input_ids, mask_in])

@@ -28,6 +28,8 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.errors import KvCacheError
+
 Granularity = Literal["per_tensor", "per_channel"]
 
 
@@ -200,7 +202,7 @@ def get_format(name: str | CacheFormat) -> CacheFormat:
     aliases = {"float8": "fp8", "float8e4m3fn": "fp8", "e4m3": "fp8", "uint4": "int4"}
     row = CACHE_FORMATS.get(aliases.get(key, key))
     if row is None:
-        raise ValueError(f"Unknown KV-cache format {name!r}; choose one of {', '.join(CACHE_FORMATS)}.")
+        raise KvCacheError(f"Unknown KV-cache format {name!r}; choose one of {', '.join(CACHE_FORMATS)}.")
     return row
 
 
@@ -226,7 +228,7 @@ def get_granularity(name: str) -> Granularity:
     key = str(name).lower().replace("-", "_")
     if key not in SCALE_GRANULARITIES:
         choices = ", ".join(SCALE_GRANULARITIES)
-        raise ValueError(f"Unknown scale granularity {name!r}; choose one of {choices}.")
+        raise KvCacheError(f"Unknown scale granularity {name!r}; choose one of {choices}.")
     return key  # type: ignore[return-value]
 
 

@@ -28,7 +28,6 @@ import logging
 import os
 import pathlib
 import re
-import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -42,7 +41,7 @@ from onnx_kvcache.capabilities import (
     infer_target,
 )
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.file_io import format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 from onnx_kvcache.genai_folder import GENAI_CONFIG, with_share_buffer
@@ -480,7 +479,7 @@ def convert_model(
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
     for warning in conversion_warnings(model, fmt.name, result.target):
-        warnings.warn(warning, KvCacheWarning, stacklevel=2)
+        warn(warning)
     cpu_runs_it = all(get_capabilities("cpu", s.op).has_kernel for s in find_attention_sites(model))
     share_target = result.target or ("cuda" if fmt.name == "fp8" or not cpu_runs_it else "cpu")
     new_config = None
@@ -491,14 +490,12 @@ def convert_model(
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
     if plan.weights == "link":
-        warnings.warn(LINK_WARNING, KvCacheWarning, stacklevel=2)
+        warn(LINK_WARNING)
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
     if linked and plan.weights != "link":
-        warnings.warn(
+        warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "--weights link?): onnx and onnx-ir refuse them until the other link is deleted.",
-            KvCacheWarning,
-            stacklevel=2,
+            "--weights link?): onnx and onnx-ir refuse them until the other link is deleted."
         )
 
     if plan.placement == "in-place":

@@ -10,7 +10,6 @@ from __future__ import annotations
 __all__ = ["optimize_model"]
 
 import os
-import warnings
 from typing import Any, Literal
 
 import onnx
@@ -18,7 +17,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import load_model
@@ -102,7 +101,7 @@ def optimize_model(
             message = f"Attention not fused for {execution_provider}: " + " ".join(refused.reasons)
             if strict:
                 raise KvCacheError(message)
-            warnings.warn(message, KvCacheWarning, stacklevel=2)
+            warn(message)
             return (model, refused) if return_report else model
     if kv_cache_format is None:
         report = SupportReport(execution_provider or "any", "none", kv_cache_granularity, True, ())
@@ -115,7 +114,7 @@ def optimize_model(
         )
         said = tuple(conversion_warnings(model, fmt.name))
         for warning in said:
-            warnings.warn(warning, KvCacheWarning, stacklevel=2)
+            warn(warning)
         report = SupportReport("any", fmt.name, kv_cache_granularity, True, (), said)
         return (model, report) if return_report else model
     capability = None
@@ -139,9 +138,9 @@ def optimize_model(
         )
         if strict:
             raise KvCacheError(message)
-        warnings.warn(message, KvCacheWarning, stacklevel=2)
+        warn(message)
         return (model, report) if return_report else model
     KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
     for warning in report.warnings:
-        warnings.warn(warning, KvCacheWarning, stacklevel=2)
+        warn(warning)
     return (model, report) if return_report else model

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import PAGED
+from onnx_kvcache.errors import KvCacheError
 
 _INT32 = ir.DataType.INT32
 
@@ -67,9 +68,9 @@ def build_paged_decoder(b: Any) -> ir.Model:
     """Build the paged decoder into ``b`` (a :mod:`~onnx_kvcache.demo_model` builder)."""
     c = b.config
     if c.no_cache_layers:
-        raise ValueError("A paged decoder has a cache in every layer (PagedAttention requires key_cache).")
+        raise KvCacheError("A paged decoder has a cache in every layer (PagedAttention requires key_cache).")
     if c.sliding_window_cache:
-        raise ValueError(
+        raise KvCacheError(
             "Window-sized paged caches (genai's block_table_windowed) are not built; drop "
             "sliding_window_cache (sliding-window layers then keep full-size caches)."
         )

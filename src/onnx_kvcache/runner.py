@@ -35,7 +35,7 @@ import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.attention_ops import PAGED
 from onnx_kvcache.capabilities import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
@@ -405,11 +405,9 @@ class KvCacheRunner:
                 if self.semantics == "cpu" and any(
                     s.cache_format is not None and s.cache_format.is_float for s in find_gqa_sites(model)
                 ):
-                    warnings.warn(
+                    warn(
                         "semantics='cpu' on an fp8 cache: no CPU kernel stores fp8, so this rule is "
-                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
-                        KvCacheWarning,
-                        stacklevel=2,
+                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets."
                     )
             model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
         self.max_positions = _max_positions(self.source_model)

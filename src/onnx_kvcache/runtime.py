@@ -114,7 +114,7 @@ def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> 
                 array.view(bits), onnx_element_type=int(dtype)
             )
         if array.any():
-            raise ValueError(f"Only fresh (all-zero) {dtype.name} caches are allocated on a device.")
+            raise KvCacheError(f"Only fresh (all-zero) {dtype.name} caches are allocated on a device.")
         # Fresh caches: rows beyond the resident tokens are never read, so no zero fill.
         return ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), int(dtype), device, 0)
     return ort.OrtValue.ortvalue_from_numpy(array, device, 0)

@@ -219,12 +219,11 @@ def load_kv_cache_scale_file(
         model: Section to read when the file holds one per model file (the file stem).
 
     Raises:
-        FileNotFoundError: The file does not exist.
-        KvCacheError: (a ``ValueError``) The file is malformed; the message says how.
+        KvCacheError: (a ``ValueError``) The file is missing or malformed; the message says how.
     """
     p = pathlib.Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"Scale file {p} does not exist.")
+        raise KvCacheError(f"Scale file {p} does not exist.")
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

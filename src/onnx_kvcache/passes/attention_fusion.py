@@ -25,7 +25,6 @@ __all__ = ["AttentionFusionPass"]
 
 import logging
 import math
-import warnings
 
 import onnx_ir as ir
 
@@ -41,7 +40,7 @@ from onnx_kvcache.attention_site import (
     mask_condition,
     mask_facts,
 )
-from onnx_kvcache.errors import KvCacheWarning
+from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import GQA_DOMAIN
 from onnx_kvcache.symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 
@@ -165,7 +164,7 @@ class AttentionFusionPass(ir.passes.InPlacePass):
                 f"{len(refused)} Attention node(s) left as they are (not provably GroupQueryAttention "
                 "with a KV cache): " + "; ".join(refused)
             )
-            warnings.warn(message, KvCacheWarning, stacklevel=2)
+            warn(message)
         return ir.passes.PassResult(model, modified=bool(fused))
 
 

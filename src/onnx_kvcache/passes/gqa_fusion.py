@@ -16,11 +16,10 @@ from __future__ import annotations
 __all__ = ["PADDING_WARNING", "GqaFusionPass"]
 
 import logging
-import warnings
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheWarning
+from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.sdpa_fusion import DecomposedAttentionFusionPass
@@ -66,12 +65,10 @@ class GqaFusionPass(ir.passes.InPlacePass):
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
-            warnings.warn(
+            warn(
                 f"{len(left)} decomposed attention(s) left as they are (not provably GroupQueryAttention "
-                "with a KV cache): " + "; ".join(left),
-                KvCacheWarning,
-                stacklevel=2,
+                "with a KV cache): " + "; ".join(left)
             )
         if attention.padded + decomposed.padded:
-            warnings.warn(PADDING_WARNING, KvCacheWarning, stacklevel=2)
+            warn(PADDING_WARNING)
         return ir.passes.PassResult(model, modified=modified)

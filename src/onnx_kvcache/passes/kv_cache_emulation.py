@@ -50,7 +50,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.capabilities import get_capabilities
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.gqa import (
     COS_CACHE,
@@ -498,14 +498,14 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
         sites = self.sites(model)
         for site in sites:
             if site.function is not None:
-                raise ir.passes.PreconditionError(
+                raise KvCachePreconditionError(
                     f"Cannot emulate {site.name}: inline the model's functions first "
                     "(onnx_ir.passes.common.InlinePass)."
                 )
             fmt = site.cache_format
             need, why = _min_opset(site, self.quantized_io)
             if model.opset_imports.get("", 1) < need:
-                raise ir.passes.PreconditionError(
+                raise KvCachePreconditionError(
                     f"Emulating {site.name} needs opset >= {need} ({why}); the model imports opset "
                     f"{model.opset_imports.get('', 1)}. Convert the model to a newer opset first "
                     "(onnxscript.version_converter)."
@@ -514,7 +514,7 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
                 for cache in (site.past_key, site.past_value):
                     producer = cache.producer() if cache is not None else None
                     if cache is not None and not cache.is_graph_input() and producer is None:
-                        raise ir.passes.PreconditionError(
+                        raise KvCachePreconditionError(
                             f"Cannot emulate {site.name} with float cache I/O: its cache "
                             f"{cache.name!r} is not a graph input; use quantized_io=True."
                         )

@@ -44,13 +44,13 @@ __all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass"]
 
 import dataclasses
 import logging
-import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import AttentionOp, op_of
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import (
     CacheFormat,
     get_format,
@@ -108,11 +108,12 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         self.format: CacheFormat = get_format(format)
         self.granularity = get_granularity(granularity)
         self._granularity = scale_granularity(self.granularity)
-        self.scales = scales
+        self.scales = as_kv_cache_scales(scales, format=self.format.name)
+        """Resolved once (a scale file is read here, not at every run)."""
         self.shared_kv_scale = shared_kv_scale
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        scales = as_kv_cache_scales(self.scales, format=self.format.name)
+        scales = self.scales
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
         groups: dict[int, list[AttentionSite]] = {}
@@ -124,11 +125,9 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
                 plans += [self._plan(model, site, group, cache_readers, scales) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
-                warnings.warn(
+                warn(
                     f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
-                    "graph inputs (or another converted node's present) are converted.",
-                    KvCacheWarning,
-                    stacklevel=2,
+                    "graph inputs (or another converted node's present) are converted."
                 )
         self._check_coverage(plans, scales)
         unused = sorted(
@@ -142,18 +141,14 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
             }
         )
         if scales is not None and unused:
-            warnings.warn(
+            warn(
                 f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
-                "the V scales given for them are not used.",
-                KvCacheWarning,
-                stacklevel=2,
+                "the V scales given for them are not used."
             )
         if scales is None and any(not p.done for p in plans):
-            warnings.warn(
+            warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
-                "Calibrated scales are more accurate (onnx-kvcache calibrate).",
-                KvCacheWarning,
-                stacklevel=2,
+                "Calibrated scales are more accurate (onnx-kvcache calibrate)."
             )
         if self.shared_kv_scale:
             _warn_if_shared_scale_coarsens(plans)
@@ -332,13 +327,11 @@ def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
     over = {layer: fk for layer, fk in sorted(coarser.items()) if fk[0] > SHARED_SCALE_WARN_FACTOR}
     if over:
         worst_layer, (factor, kind) = max(over.items(), key=lambda item: item[1])
-        warnings.warn(
+        warn(
             f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
             f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x coarser "
             f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
-            "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option.",
-            KvCacheWarning,
-            stacklevel=4,
+            "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option."
         )
 
 
@@ -508,6 +501,8 @@ class _ScaleStore:
         self.model = model
         self.modified = False
         self._retired: list[ir.Value] = []
+        self._taken = {v.name for v in _graph_values(model.graph) if v.name}
+        """Every value name of the main graph: a new scale takes none of them."""
 
     def put(self, site: AttentionSite, name: str, array: np.ndarray, shape: tuple[int, ...]) -> ir.Value:
         array = np.asarray(array, np.float32).reshape(shape)
@@ -522,8 +517,9 @@ class _ScaleStore:
                 existing.shape = ir.Shape(array.shape)
                 self.modified = True
             return existing
-        if existing is not None:
-            name = _unique_name(graph, name)
+        if existing is not None or name in self._taken:
+            name = _unique_name(self._taken, name)
+        self._taken.add(name)
         value = ir.Value(
             name=name,
             shape=ir.Shape(array.shape),
@@ -586,8 +582,16 @@ def _only_scale_uses(value: ir.Value) -> bool:
     return True
 
 
-def _unique_name(graph: ir.Graph, name: str) -> str:
+def _unique_name(taken: set[str], name: str) -> str:
     i = 1
-    while f"{name}_{i}" in graph.initializers:
+    while f"{name}_{i}" in taken:
         i += 1
     return f"{name}_{i}"
+
+
+def _graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
+    """Graph inputs, initializers and every node output of ``graph`` and its subgraphs."""
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        yield from node.outputs

@@ -38,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import PAGED, CacheSide
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import scale_granularity
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
 from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
@@ -386,12 +386,12 @@ class PagedAttentionReferencePass(ir.passes.InPlacePass):
         sites = find_attention_sites(model, ops=(PAGED,))
         for site in sites:
             if site.function is not None:
-                raise ir.passes.PreconditionError(
+                raise KvCachePreconditionError(
                     f"Cannot rewrite {site.label}: inline the model's functions first "
                     "(onnx_ir.passes.common.InlinePass)."
                 )
         if sites and model.opset_imports.get("", 1) < MIN_OPSET:
-            raise ir.passes.PreconditionError(
+            raise KvCachePreconditionError(
                 f"The PagedAttention CPU reference needs opset >= {MIN_OPSET}; the model imports "
                 f"opset {model.opset_imports.get('', 1)}."
             )
