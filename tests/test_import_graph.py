@@ -13,6 +13,11 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+
 def import_graph() -> dict[str, set[str]]:
     """``{module: modules of the package it imports}``, at any depth of its code."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -26,6 +31,8 @@ def import_graph() -> dict[str, set[str]]:
                     found.add(candidate if candidate in modules else node.module)
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith("onnx_kvcache")}
+        # importing a.b.c runs package a.b first, unless the importer is inside a.b already
+        found |= {p for m in found for p in _parents(m) if not name.startswith(p + ".")}
         graph[name] = {m for m in found if m in modules and m != name and m != "onnx_kvcache"}
     return graph
 

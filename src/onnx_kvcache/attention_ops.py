@@ -26,15 +26,86 @@ __all__ = [
     "AttentionOp",
     "CacheLayout",
     "CacheSide",
+    "GqaInput",
+    "GqaOutput",
+    "PagedInput",
+    "PagedOutput",
     "op_of",
 ]
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 from typing import Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache.formats import CacheFormat, scale_granularity
+
+
+class GqaInput(enum.IntEnum):
+    """GroupQueryAttention's input slots; the row's schema names are these, lower-cased."""
+
+    QUERY = 0
+    KEY = 1
+    VALUE = 2
+    PAST_KEY = 3
+    PAST_VALUE = 4
+    SEQLENS_K = 5
+    TOTAL_SEQUENCE_LENGTH = 6
+    COS_CACHE = 7
+    SIN_CACHE = 8
+    POSITION_IDS = 9
+    ATTENTION_BIAS = 10
+    HEAD_SINK = 11
+    K_SCALE = 12
+    V_SCALE = 13
+    Q_NORM_WEIGHT = 14
+    K_NORM_WEIGHT = 15
+    QUERY_SEQLENS = 16
+
+
+class GqaOutput(enum.IntEnum):
+    """GroupQueryAttention's output slots."""
+
+    OUTPUT = 0
+    PRESENT_KEY = 1
+    PRESENT_VALUE = 2
+    OUTPUT_QK = 3
+
+
+class PagedInput(enum.IntEnum):
+    """PagedAttention's input slots."""
+
+    QUERY = 0
+    KEY = 1
+    VALUE = 2
+    KEY_CACHE = 3
+    VALUE_CACHE = 4
+    CUMULATIVE_SEQUENCE_LENGTH = 5
+    PAST_SEQLENS = 6
+    BLOCK_TABLE = 7
+    COS_CACHE = 8
+    SIN_CACHE = 9
+    SLOT_MAPPING = 10
+    HEAD_SINK = 11
+    Q_NORM_WEIGHT = 12
+    K_NORM_WEIGHT = 13
+    K_SCALE = 14
+    V_SCALE = 15
+    ATTENTION_METADATA = 16
+
+
+class PagedOutput(enum.IntEnum):
+    """PagedAttention's output slots."""
+
+    OUTPUT = 0
+    KEY_CACHE_OUT = 1
+    VALUE_CACHE_OUT = 2
+
+
+def _names(slots: type[enum.IntEnum]) -> tuple[str, ...]:
+    return tuple(slot.name.lower() for slot in slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +175,11 @@ class AttentionOp:
     def out_slot(self, name: str) -> int:
         return self.outputs.index(name)
 
+    def input_list(self, values: Mapping[int, ir.Value | None]) -> list[ir.Value | None]:
+        """A node's inputs from ``values`` by slot: absent slots empty, trailing ones dropped."""
+        used = [slot for slot, value in values.items() if value is not None]
+        return [values.get(slot) for slot in range(max(used) + 1)] if used else []
+
     @property
     def key(self) -> CacheSide:
         return self.sides[0]
@@ -160,26 +236,8 @@ GQA = AttentionOp(
     name="gqa",
     domain="com.microsoft",
     op_type="GroupQueryAttention",
-    inputs=(
-        "query",
-        "key",
-        "value",
-        "past_key",
-        "past_value",
-        "seqlens_k",
-        "total_sequence_length",
-        "cos_cache",
-        "sin_cache",
-        "position_ids",
-        "attention_bias",
-        "head_sink",
-        "k_scale",
-        "v_scale",
-        "q_norm_weight",
-        "k_norm_weight",
-        "query_seqlens",
-    ),
-    outputs=("output", "present_key", "present_value", "output_qk"),
+    inputs=_names(GqaInput),
+    outputs=_names(GqaOutput),
     sides=(
         CacheSide("key", "past_key", "present_key", "k_scale", "k_quant_type"),
         CacheSide("value", "past_value", "present_value", "v_scale", "v_quant_type"),
@@ -204,26 +262,8 @@ PAGED = AttentionOp(
     name="paged",
     domain="com.microsoft",
     op_type="PagedAttention",
-    inputs=(
-        "query",
-        "key",
-        "value",
-        "key_cache",
-        "value_cache",
-        "cumulative_sequence_length",
-        "past_seqlens",
-        "block_table",
-        "cos_cache",
-        "sin_cache",
-        "slot_mapping",
-        "head_sink",
-        "q_norm_weight",
-        "k_norm_weight",
-        "k_scale",
-        "v_scale",
-        "attention_metadata",
-    ),
-    outputs=("output", "key_cache_out", "value_cache_out"),
+    inputs=_names(PagedInput),
+    outputs=_names(PagedOutput),
     sides=(
         CacheSide("key", "key_cache", "key_cache_out", "k_scale", "k_quant_type", "k_cache_dtype"),
         CacheSide("value", "value_cache", "value_cache_out", "v_scale", "v_quant_type", "v_cache_dtype"),

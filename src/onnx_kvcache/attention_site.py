@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
+from onnx_kvcache.attention_ops import GQA, GqaInput
 from onnx_kvcache.symbolic import (
     ONE,
     Additive,
@@ -431,14 +431,24 @@ class GqaWriter:
             attrs["qk_output"] = 2
         name = f"{at.name}/GroupQueryAttention" if at.name else self._name("GroupQueryAttention")
         gqa = ir.node(
-            GQA_OP_TYPE,
-            [q, k, v, site.key.past, site.value.past, seqlens, total],
+            GQA.op_type,
+            GQA.input_list(
+                {
+                    GqaInput.QUERY: q,
+                    GqaInput.KEY: k,
+                    GqaInput.VALUE: v,
+                    GqaInput.PAST_KEY: site.key.past,
+                    GqaInput.PAST_VALUE: site.value.past,
+                    GqaInput.SEQLENS_K: seqlens,
+                    GqaInput.TOTAL_SEQUENCE_LENGTH: total,
+                }
+            ),
             attrs,
-            domain=GQA_DOMAIN,
+            domain=GQA.domain,
             num_outputs=4 if site.probs is not None else 3,
             name=name,
         )
-        for output, suffix in zip(gqa.outputs, ("output", "present_key", "present_value", "output_qk")):
+        for output, suffix in zip(gqa.outputs, GQA.outputs):
             output.name = f"{name}/{suffix}"
         self.graph.insert_before(at, gqa)
         out = gqa.outputs[0]

@@ -35,7 +35,7 @@ import onnx_ir as ir
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
-from onnx_kvcache.gqa import KEY, find_attention_sites
+from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
 from onnx_kvcache.scales import KvCacheScales
 
@@ -369,7 +369,7 @@ def _rotary(site: Any) -> tuple[bool, int | None] | None:
     """
     if site.int_attr("do_rotary"):
         return bool(site.int_attr("rotary_interleaved")), _rotary_dim(site)
-    value = site.input(KEY)
+    value = site.input("key")  # the schema name: every attention op has one
     while value is not None and (node := value.producer()) is not None:
         if node.op_type == "RotaryEmbedding":
             interleaved, dim = node.attributes.get("interleaved"), node.attributes.get("rotary_embedding_dim")

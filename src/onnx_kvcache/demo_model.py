@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.attention_ops import GQA, GqaInput
 from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.exported_decoder import build_exported_decoder
-from onnx_kvcache.gqa import GQA_DOMAIN, GQA_OP_TYPE
 from onnx_kvcache.paged_model import build_paged_decoder, paged_genai_config
 
 
@@ -32,7 +32,7 @@ class _Builder:
         self.config = config
         self.weight_factory = weight_factory
         self.rng = np.random.default_rng(config.seed)
-        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, GQA_DOMAIN: 1})
+        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, GQA.domain: 1})
         self.tape = ir.tape.Tape(self.graph)
 
     def weight(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> ir.Value:
@@ -142,8 +142,15 @@ def build_decoder(
         for value, width in ((q, c.num_heads * c.head_size), (k, kv_dim), (v, kv_dim)):
             value.dtype = dtype
             value.shape = ir.Shape(["batch_size", "sequence_length", width])
-        inputs: list[ir.Value | None] = [q, k, v, None, None, seqlens_k, total_len]
-        inputs += [cos_cache, sin_cache]
+        slots: dict[int, ir.Value | None] = {
+            GqaInput.QUERY: q,
+            GqaInput.KEY: k,
+            GqaInput.VALUE: v,
+            GqaInput.SEQLENS_K: seqlens_k,
+            GqaInput.TOTAL_SEQUENCE_LENGTH: total_len,
+            GqaInput.COS_CACHE: cos_cache,
+            GqaInput.SIN_CACHE: sin_cache,
+        }
         has_cache = i not in c.no_cache_layers
         window = c.sliding_window if i in c.sliding_window_layers else 0
         if has_cache:
@@ -153,7 +160,7 @@ def build_decoder(
             past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
             past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
             b.graph.inputs.extend([past_k, past_v])
-            inputs[3:5] = [past_k, past_v]
+            slots[GqaInput.PAST_KEY], slots[GqaInput.PAST_VALUE] = past_k, past_v
         if c.qk_norm:
             qn, kn = (
                 b.weight(
@@ -164,10 +171,10 @@ def build_decoder(
                 for name in ("q", "k")
             )
             if c.qk_norm_fused:
-                inputs += [None] * 5 + [qn, kn]
+                slots[GqaInput.Q_NORM_WEIGHT], slots[GqaInput.K_NORM_WEIGHT] = qn, kn
             else:
-                inputs[0] = b.head_rms_norm(q, qn, c.num_heads, f"{p}/attn/q_norm")
-                inputs[1] = b.head_rms_norm(k, kn, c.kv_num_heads, f"{p}/attn/k_norm")
+                slots[GqaInput.QUERY] = b.head_rms_norm(q, qn, c.num_heads, f"{p}/attn/q_norm")
+                slots[GqaInput.KEY] = b.head_rms_norm(k, kn, c.kv_num_heads, f"{p}/attn/k_norm")
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": c.kv_num_heads,
@@ -191,10 +198,10 @@ def build_decoder(
                 ir.val(f"present.{i}.value", dtype, cache_out),
             ]
         attn, *presents = b.tape.op_multi_out(
-            GQA_OP_TYPE,
-            inputs,
+            GQA.op_type,
+            GQA.input_list(slots),
             attributes,
-            domain=GQA_DOMAIN,
+            domain=GQA.domain,
             outputs=outputs,
             name=f"{p}/attn/GroupQueryAttention",
         )

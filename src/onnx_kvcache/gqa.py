@@ -40,12 +40,6 @@ from onnx_kvcache.formats import SCALE_GRANULARITIES, CacheFormat, format_of
 GQA_DOMAIN = GQA.domain
 GQA_OP_TYPE = GQA.op_type
 
-# Input / output slots of GroupQueryAttention (the rewrites that build GQA nodes use them).
-QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE = 0, 1, 2, 3, 4
-SEQLENS_K, TOTAL_SEQUENCE_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS = 5, 6, 7, 8, 9
-K_SCALE, V_SCALE, Q_NORM, K_NORM, QUERY_SEQLENS = 12, 13, 14, 15, 16
-PRESENT_KEY, PRESENT_VALUE = 1, 2
-
 _LAYER_PATTERNS = (
     re.compile(r"(?:^|[._/\-])(\d+)(?=[._/\-]|$)"),
     re.compile(r"(\d+)"),

@@ -2,7 +2,9 @@
 
 It never returns a model that cannot load where the user said it will run: when the
 request cannot be honoured it warns once with every reason and returns the model
-unconverted (``strict=True`` raises instead).
+unconverted (``strict=True`` raises instead). It returns the model, always: ask
+:func:`~onnx_kvcache.capabilities.check_kv_cache_support` or
+:func:`~onnx_kvcache.cache_layout.inspect_kv_cache` what became of it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 __all__ = ["optimize_model"]
 
 import os
-from typing import Any, Literal
+from typing import Literal
 
 import onnx
 import onnx_ir as ir
@@ -23,7 +25,7 @@ from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import load_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales import as_kv_cache_scales
+from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales
 
 
 def _as_ir(model: ir.Model | onnx.ModelProto | str | os.PathLike) -> ir.Model:
@@ -60,13 +62,12 @@ def optimize_model(
     fp8_kv_cache: bool = False,
     kv_cache_format: str | None = None,
     kv_cache_granularity: str = "per_tensor",
-    kv_cache_scales: Any = None,
+    kv_cache_scales: ScalesLike = None,
     fuse_attention: bool | Literal["auto"] = "auto",
     check_device: bool = False,
     strict: bool = False,
     shared_kv_scale: bool = False,
-    return_report: bool = False,
-) -> Any:
+) -> ir.Model:
     """Optimize a decoder for onnxruntime and store its KV cache quantized.
 
     Args:
@@ -85,7 +86,10 @@ def optimize_model(
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
         shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).
-        return_report: Return ``(model, SupportReport)`` instead of the model.
+
+    Returns:
+        The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
+        warning, as it was.
     """
     if fuse_attention not in (True, False, "auto"):
         raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
@@ -102,21 +106,18 @@ def optimize_model(
             if strict:
                 raise KvCacheError(message)
             warn(message)
-            return (model, refused) if return_report else model
+            return model
     if kv_cache_format is None:
-        report = SupportReport(execution_provider or "any", "none", kv_cache_granularity, True, ())
-        return (model, report) if return_report else model
+        return model
     fmt = get_format(kv_cache_format)
     scales = as_kv_cache_scales(kv_cache_scales, format=fmt.name)
     if execution_provider is None:
         KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(
             model
         )
-        said = tuple(conversion_warnings(model, fmt.name))
-        for warning in said:
+        for warning in conversion_warnings(model, fmt.name):
             warn(warning)
-        report = SupportReport("any", fmt.name, kv_cache_granularity, True, (), said)
-        return (model, report) if return_report else model
+        return model
     capability = None
     if check_device:
         capability = cuda_compute_capability()
@@ -139,8 +140,8 @@ def optimize_model(
         if strict:
             raise KvCacheError(message)
         warn(message)
-        return (model, report) if return_report else model
+        return model
     KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
     for warning in report.warnings:
         warn(warning)
-    return (model, report) if return_report else model
+    return model

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import PAGED
+from onnx_kvcache.attention_ops import PAGED, PagedInput
 from onnx_kvcache.errors import KvCacheError
 
 _INT32 = ir.DataType.INT32
@@ -107,7 +107,7 @@ def build_paged_decoder(b: Any) -> ir.Model:
             wk[:, outliers] *= c.outlier_scale
             return wk
 
-        inputs: list[ir.Value | None]
+        inputs: list[ir.Value]
         if c.latent:
             wq = b.weight(
                 f"model.layers.{i}.attn.q_proj.weight",
@@ -117,7 +117,7 @@ def build_paged_decoder(b: Any) -> ir.Model:
             wk = b.weight(f"model.layers.{i}.attn.kv_a_proj.weight", (c.hidden_size, kv_dim), make_wk)
             q = b.op("MatMul", [xn, wq], f"{p}/attn/q_proj/MatMul")
             k = b.op("MatMul", [xn, wk], f"{p}/attn/kv_a_proj/MatMul")
-            inputs = [q, k, None]
+            inputs = [q, k]
         elif c.qk_norm:
             wq = b.weight(
                 f"model.layers.{i}.attn.q_proj.weight",
@@ -145,12 +145,11 @@ def build_paged_decoder(b: Any) -> ir.Model:
                 f"model.layers.{i}.attn.qkv_proj.weight", (c.hidden_size, q_dim + 2 * kv_dim), make_qkv
             )
             qkv = b.op("MatMul", [xn, wqkv], f"{p}/attn/qkv_proj/MatMul")
-            inputs = [qkv, None, None]
+            inputs = [qkv]
         for value, width in zip(
-            inputs, (q_dim, kv_dim, kv_dim) if inputs[1] is not None else (q_dim + 2 * kv_dim,)
+            inputs, (q_dim, kv_dim, kv_dim) if len(inputs) > 1 else (q_dim + 2 * kv_dim,)
         ):
-            if value is not None:
-                value.dtype, value.shape = dtype, ir.Shape(["num_tokens", width])
+            value.dtype, value.shape = dtype, ir.Shape(["num_tokens", width])
         past_k = ir.val(f"past_key_values.{i}.key", dtype, ["num_blocks", "block_size", kv, c.head_size])
         b.graph.inputs.append(past_k)
         past_v = None
@@ -159,8 +158,17 @@ def build_paged_decoder(b: Any) -> ir.Model:
                 f"past_key_values.{i}.value", dtype, ["num_blocks", "block_size", kv, c.head_size]
             )
             b.graph.inputs.append(past_v)
-        inputs += [past_k, past_v, io["cumulative_sequence_lengths"], io["past_sequence_lengths"]]
-        inputs += [io["block_table"], cos_cache, sin_cache, None, None]
+        slots: dict[int, ir.Value | None] = dict(zip(PagedInput, inputs))
+        slots |= {
+            PagedInput.KEY_CACHE: past_k,
+            PagedInput.VALUE_CACHE: past_v,
+            PagedInput.CUMULATIVE_SEQUENCE_LENGTH: io["cumulative_sequence_lengths"],
+            PagedInput.PAST_SEQLENS: io["past_sequence_lengths"],
+            PagedInput.BLOCK_TABLE: io["block_table"],
+            PagedInput.COS_CACHE: cos_cache,
+            PagedInput.SIN_CACHE: sin_cache,
+            PagedInput.ATTENTION_METADATA: io["attention_metadata"],
+        }
         if c.qk_norm and not c.latent:
             qn, kn = (
                 b.weight(
@@ -171,14 +179,10 @@ def build_paged_decoder(b: Any) -> ir.Model:
                 for name in ("q", "k")
             )
             if c.qk_norm_fused:
-                inputs += [qn, kn]
+                slots[PagedInput.Q_NORM_WEIGHT], slots[PagedInput.K_NORM_WEIGHT] = qn, kn
             else:
-                inputs[0] = _head_rms_norm(b, q, qn, c.num_heads, f"{p}/attn/q_norm")
-                inputs[1] = _head_rms_norm(b, k, kn, kv, f"{p}/attn/k_norm")
-                inputs += [None, None]
-        else:
-            inputs += [None, None]
-        inputs += [None, None, io["attention_metadata"]]  # k_scale, v_scale, attention_metadata
+                slots[PagedInput.QUERY] = _head_rms_norm(b, q, qn, c.num_heads, f"{p}/attn/q_norm")
+                slots[PagedInput.KEY] = _head_rms_norm(b, k, kn, kv, f"{p}/attn/k_norm")
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": kv,
@@ -201,7 +205,7 @@ def build_paged_decoder(b: Any) -> ir.Model:
             outputs.append(ir.val(f"present.{i}.value", dtype, cache_shape))
         attn, *presents = b.tape.op_multi_out(
             PAGED.op_type,
-            inputs,
+            PAGED.input_list(slots),
             attributes,
             domain=PAGED.domain,
             outputs=outputs,

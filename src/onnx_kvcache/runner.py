@@ -33,13 +33,12 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_kvcache.attention_ops import PAGED
+from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
-    COS_CACHE,
     AttentionSite,
     constant_values,
     find_attention_sites,
@@ -238,7 +237,7 @@ def _max_positions(model: ir.Model) -> int | None:
     """Positions the rotary tables cover (the model's context limit), when static."""
     limits = []
     for site in find_gqa_sites(model, with_cache_only=False):
-        cos = site.input(COS_CACHE)
+        cos = site.input(GqaInput.COS_CACHE)
         shape = cos.shape if cos is not None else None
         if site.int_attr("do_rotary") and shape is not None and isinstance(shape[0], int):
             limits.append(shape[0])

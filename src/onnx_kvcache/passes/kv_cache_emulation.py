@@ -49,30 +49,11 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_kvcache.attention_ops import GqaInput, GqaOutput
 from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import CacheFormat, scale_granularity
-from onnx_kvcache.gqa import (
-    COS_CACHE,
-    K_NORM,
-    K_SCALE,
-    KEY,
-    PAST_KEY,
-    PAST_VALUE,
-    POSITION_IDS,
-    PRESENT_KEY,
-    PRESENT_VALUE,
-    Q_NORM,
-    QUERY,
-    QUERY_SEQLENS,
-    SEQLENS_K,
-    SIN_CACHE,
-    TOTAL_SEQUENCE_LENGTH,
-    V_SCALE,
-    VALUE,
-    GqaSite,
-    find_gqa_sites,
-)
+from onnx_kvcache.gqa import GqaSite, find_gqa_sites
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 
 logger = logging.getLogger(__name__)
@@ -101,7 +82,7 @@ def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
     fmt = site.cache_format
     if fmt is not None and fmt.is_float:
         return 19, f"Cast to {fmt.dtype.name} with saturate"
-    if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
+    if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
         return 18, "ReduceMean with axes as an input (q/k norm)"
     if fmt is not None and fmt.values_per_byte > 1 and quantized_io:
         return 18, "BitwiseAnd (unpacking)"
@@ -119,7 +100,7 @@ def get_semantics(name: str) -> Semantics:
 def needs_emulation(site: GqaSite, semantics: Semantics) -> bool:
     """Whether the CPU kernel cannot run ``site`` as ``semantics`` asks (see the rules)."""
     cpu = get_capabilities("cpu")
-    if site.input(Q_NORM) is not None or site.input(K_NORM) is not None:
+    if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
         return not cpu.qk_norm
     fmt = site.cache_format
     if fmt is None:
@@ -275,11 +256,12 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
     return default if attr is None else attr.as_float()
 
 
-def _required(site: GqaSite, slot: int, what: str) -> ir.Value:
+def _required(site: GqaSite, slot: GqaInput) -> ir.Value:
     value = site.input(slot)
     if value is None:
         raise KvCacheError(
-            f"Cannot emulate GroupQueryAttention node {site.name}: it has no {what} (input {slot})."
+            f"Cannot emulate GroupQueryAttention node {site.name}: it has no {slot.name.lower()} "
+            f"(input {int(slot)})."
         )
     return value
 
@@ -315,8 +297,8 @@ class _Rewrite:
     def run(self) -> None:
         site, b, fmt = self.site, self.b, self.fmt
         node = site.node
-        query = _required(site, QUERY, "query")
-        key, value = site.input(KEY), site.input(VALUE)
+        query = _required(site, GqaInput.QUERY)
+        key, value = site.input(GqaInput.KEY), site.input(GqaInput.VALUE)
         if key is None or value is None:
             sizes = b.const(
                 np.array([self.heads * self.head, self.kv * self.head, self.kv * self.head], np.int64)
@@ -329,8 +311,8 @@ class _Rewrite:
         if site.int_attr("do_rotary"):
             query, key = self._rotary(query, key, step)
         past_key, past_value = (
-            _required(site, PAST_KEY, "past_key"),
-            _required(site, PAST_VALUE, "past_value"),
+            _required(site, GqaInput.PAST_KEY),
+            _required(site, GqaInput.PAST_VALUE),
         )
         stored_key, stored_value = key, value
         codecs: list[_Codec] = []
@@ -341,7 +323,7 @@ class _Rewrite:
             # new tokens are [B, S, kv * head]: a scale grid other than one or all channels
             # needs the heads split out (and merged back after)
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
-            scales = (_required(site, K_SCALE, "k_scale"), _required(site, V_SCALE, "v_scale"))
+            scales = (_required(site, GqaInput.K_SCALE), _required(site, GqaInput.V_SCALE))
             new_shape = [heads, dims] if split else [heads * dims]
             new = [_Codec.reshaped(b, fmt, s, new_shape) for s in scales]
             codecs = [_Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
@@ -353,7 +335,7 @@ class _Rewrite:
                     codec.load(past, self.head, self.dtype)
                     for past, codec in zip((past_key, past_value), codecs)
                 )
-        rest = list(node.inputs[SEQLENS_K:])
+        rest = list(node.inputs[GqaInput.SEQLENS_K :])
         attrs = {name: attr for name, attr in node.attributes.items() if name not in _DROPPED_ATTRS}
         inner = self._attention(b, [query, stored_key, stored_value, past_key, past_value, *rest], attrs)
         results = list(inner)
@@ -370,7 +352,7 @@ class _Rewrite:
                 else_branch=ir.Graph([], [same], nodes=later.nodes, name=f"{later.prefix}_graph"),
             )
         if fmt is not None and self.quantized_io:
-            for slot, codec in zip((PRESENT_KEY, PRESENT_VALUE), codecs):
+            for slot, codec in zip((GqaOutput.PRESENT_KEY, GqaOutput.PRESENT_VALUE), codecs):
                 if slot < len(results):
                     results[slot] = codec.store(inner[slot], self.head)
         self._replace(results)
@@ -388,7 +370,15 @@ class _Rewrite:
         """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""
         node = self.site.node
         inputs = list(inputs)
-        for slot in (COS_CACHE, SIN_CACHE, POSITION_IDS, K_SCALE, V_SCALE, Q_NORM, K_NORM):
+        for slot in (
+            GqaInput.COS_CACHE,
+            GqaInput.SIN_CACHE,
+            GqaInput.POSITION_IDS,
+            GqaInput.K_SCALE,
+            GqaInput.V_SCALE,
+            GqaInput.Q_NORM_WEIGHT,
+            GqaInput.K_NORM_WEIGHT,
+        ):
             if slot < len(inputs):
                 inputs[slot] = None
         while inputs and inputs[-1] is None:
@@ -398,7 +388,7 @@ class _Rewrite:
     def _norm(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
         site, node = self.site, self.site.node
         shared = _float_attr(node, "qk_norm_epsilon", 1e-6)
-        q_norm, k_norm = site.input(Q_NORM), site.input(K_NORM)
+        q_norm, k_norm = site.input(GqaInput.Q_NORM_WEIGHT), site.input(GqaInput.K_NORM_WEIGHT)
         if q_norm is not None:
             eps = _float_attr(node, "q_norm_epsilon", shared)
             query = _rms_norm_heads(self.b, query, q_norm, self.heads, self.head, eps, self.dtype)
@@ -410,14 +400,19 @@ class _Rewrite:
     def _step(self, query: ir.Value) -> _Step:
         """The shared per-call facts for this node's inputs, built by the first node to ask."""
         site, b = self.site, self.b
-        sources = (SEQLENS_K, TOTAL_SEQUENCE_LENGTH, POSITION_IDS, QUERY_SEQLENS)
+        sources = (
+            GqaInput.SEQLENS_K,
+            GqaInput.TOTAL_SEQUENCE_LENGTH,
+            GqaInput.POSITION_IDS,
+            GqaInput.QUERY_SEQLENS,
+        )
         key = (id(site.node.graph), *(id(site.input(slot)) for slot in sources))
         step = self.steps.get(key)
         if step is None:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-            total = b.cast(_required(site, TOTAL_SEQUENCE_LENGTH, "total_sequence_length"), _I64)
+            total = b.cast(_required(site, GqaInput.TOTAL_SEQUENCE_LENGTH), _I64)
             first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-            step = self.steps[key] = _Step(first, site.input(POSITION_IDS))
+            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS))
         if step.positions is None and site.int_attr("do_rotary"):
             step.positions = self._positions(query, step.first)
         return step
@@ -428,9 +423,9 @@ class _Rewrite:
         seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
         steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
         valid = seq
-        if site.input(QUERY_SEQLENS) is not None:  # right-padded chunks
-            valid = b.cast(site.input(QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
-        seqlens = b.cast(_required(site, SEQLENS_K, "seqlens_k"), _I64)
+        if site.input(GqaInput.QUERY_SEQLENS) is not None:  # right-padded chunks
+            valid = b.cast(site.input(GqaInput.QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
+        seqlens = b.cast(_required(site, GqaInput.SEQLENS_K), _I64)
         start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
         later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
         prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
@@ -439,7 +434,7 @@ class _Rewrite:
     def _rotary(self, query: ir.Value, key: ir.Value, step: _Step) -> tuple[ir.Value, ir.Value]:
         site, b = self.site, self.b
         assert step.positions is not None
-        cos, sin = _required(site, COS_CACHE, "cos_cache"), _required(site, SIN_CACHE, "sin_cache")
+        cos, sin = _required(site, GqaInput.COS_CACHE), _required(site, GqaInput.SIN_CACHE)
         rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
         extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
         interleaved = site.int_attr("rotary_interleaved")
@@ -458,19 +453,15 @@ class _Rewrite:
         return rotated[0], rotated[1]
 
     def _replace(self, results: list[ir.Value]) -> None:
-        node, graph = self.site.node, self.site.node.graph
-        assert graph is not None
-        graph.insert_before(node, self.b.nodes)
-        for old, new in zip(node.outputs, results):
-            dtype, shape = old.dtype, old.shape
-            if self.fmt is not None and not self.quantized_io and old.index() in (PRESENT_KEY, PRESENT_VALUE):
-                dtype, shape = self.dtype, _unpacked(shape, self.head)
-            new.name, new.type, new.shape = old.name, ir.TensorType(dtype) if dtype else None, shape
-            if old.is_graph_output():
-                graph.outputs[list(graph.outputs).index(old)] = new
-            old.replace_all_uses_with(new)
-            old.name = None
-        graph.remove(node, safe=True)
+        node = self.site.node
+        assert node.graph is not None
+        olds = list(node.outputs)
+        ir.convenience.replace_nodes_and_values(node.graph, node, [node], self.b.nodes, olds, results)
+        if self.fmt is not None and not self.quantized_io:
+            for slot in (GqaOutput.PRESENT_KEY, GqaOutput.PRESENT_VALUE):
+                if slot < len(results):
+                    results[slot].type = ir.TensorType(self.dtype)
+                    results[slot].shape = _unpacked(olds[slot].shape, self.head)
 
 
 def _unpacked(shape: ir.Shape | None, head: int) -> ir.Shape | None:

@@ -1,0 +1,75 @@
+"""The package root exports what users call and every type those calls return or raise."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import typing
+
+import onnx_ir as ir
+import pytest
+
+import onnx_kvcache
+from onnx_kvcache import errors, passes
+
+
+def _library_classes(annotation: object) -> set[type]:
+    """Classes of this library named anywhere in a type annotation."""
+    found = set()
+    if inspect.isclass(annotation) and annotation.__module__.startswith("onnx_kvcache"):
+        found.add(annotation)
+    for arg in typing.get_args(annotation):
+        found |= _library_classes(arg)
+    return found
+
+
+def test_every_exported_name_resolves():
+    missing = [name for name in onnx_kvcache.__all__ if not hasattr(onnx_kvcache, name)]
+    assert not missing
+    assert len(set(onnx_kvcache.__all__)) == len(onnx_kvcache.__all__)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in onnx_kvcache.__all__ if inspect.isfunction(getattr(onnx_kvcache, n))]
+)
+def test_the_types_a_public_function_returns_are_exported(name):
+    function = getattr(onnx_kvcache, name)
+    module = vars(importlib.import_module(function.__module__))
+    try:  # names imported only for type checking must then come from the package root
+        hints = typing.get_type_hints(function, localns={**vars(onnx_kvcache), **module})
+    except NameError as error:
+        pytest.fail(f"{name}: {error}, which the package does not export")
+    returned = _library_classes(hints.get("return"))
+    exported = {n for n in onnx_kvcache.__all__ if inspect.isclass(getattr(onnx_kvcache, n))}
+    assert {cls.__name__ for cls in returned} <= exported, f"{name} returns {returned}"
+
+
+def test_every_error_and_warning_the_library_raises_is_exported():
+    raised = [
+        obj
+        for obj in vars(errors).values()
+        if inspect.isclass(obj) and issubclass(obj, Warning | Exception) and obj.__module__ == errors.__name__
+    ]
+    assert len(raised) >= 4
+    assert all(cls.__name__ in onnx_kvcache.__all__ for cls in raised)
+
+
+def test_every_pass_is_exported():
+    defined = set()
+    for module in pkgutil.iter_modules(passes.__path__):
+        mod = importlib.import_module(f"{passes.__name__}.{module.name}")
+        defined |= {
+            obj
+            for obj in vars(mod).values()
+            if inspect.isclass(obj) and issubclass(obj, ir.passes.PassBase) and obj.__module__ == mod.__name__
+        }
+    assert len(defined) >= 8
+    assert {cls.__name__ for cls in defined} <= set(onnx_kvcache.__all__) & set(passes.__all__)
+
+
+def test_optimize_model_returns_the_model_it_was_given():
+    model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
+    scales = {0: (0.5, 0.5)}
+    assert onnx_kvcache.optimize_model(model, kv_cache_format="int8", kv_cache_scales=scales) is model
+    assert typing.get_type_hints(onnx_kvcache.optimize_model)["return"] is ir.Model
