@@ -28,8 +28,8 @@ import time
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._file_io import allocated_bytes, format_bytes
 from onnx_kvcache.demo_model import DecoderConfig, build_decoder
-from onnx_kvcache.file_io import allocated_bytes, format_bytes
 
 LLAMA_70B = DecoderConfig(
     num_layers=80,

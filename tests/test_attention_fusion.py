@@ -28,9 +28,9 @@ from onnx_kvcache import (
     calibrate_kv_cache,
     optimize_model,
 )
+from onnx_kvcache._runtime import create_session
 from onnx_kvcache.exported_decoder import ExportStyle, exported_config
 from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
-from onnx_kvcache.runtime import create_session
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
 VOCAB = 300

@@ -16,12 +16,12 @@ from onnx_kvcache import (
     calibrate_kv_cache,
     load_kv_cache_scale_file,
 )
+from onnx_kvcache._runtime import create_session
 from onnx_kvcache.calibration import _Reservoir, _thresholds, rope_pair_norm
 from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import byte_level_tokenizer
 from onnx_kvcache.evaluation import evaluate_kv_cache
 from onnx_kvcache.formats import get_format
-from onnx_kvcache.runtime import create_session
 
 LAYERS, KV, HEAD = 2, 2, 32
 

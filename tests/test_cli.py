@@ -12,7 +12,7 @@ import sys
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import file_io
+from onnx_kvcache import _file_io as file_io
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.cli import build_parser, main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder

@@ -180,7 +180,7 @@ def test_cli_evaluate_with_json_and_plot(tmp_path, capsys):
 
 def test_plot_of_a_perfect_match(tmp_path):
     pytest.importorskip("matplotlib")
-    from onnx_kvcache.plots import plot_evaluation
+    from onnx_kvcache._plots import plot_evaluation
 
     base = build_decoder(num_layers=2, vocab_size=300)
     report = evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=0)

@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import DecoderConfig, build_decoder
+from onnx_kvcache._runtime import create_session
 from onnx_kvcache.exported_decoder import EXPORT_PRESETS, ExportStyle, exported_config
-from onnx_kvcache.runtime import create_session
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
 

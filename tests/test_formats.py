@@ -88,7 +88,7 @@ def test_unknown_names_are_clear_errors():
 def test_stored_codes_equal_the_cpu_kernel_at_ties(name, granularity):
     """The kernel multiplies by 1/scale: at exact ties ``x / scale`` would round differently."""
     from onnx_kvcache import KvCacheQuantizationPass
-    from onnx_kvcache.runtime import create_session
+    from onnx_kvcache._runtime import create_session
 
     from conftest import gqa_model
 

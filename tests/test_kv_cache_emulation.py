@@ -10,6 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache._runtime import create_session, to_ort_value
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.passes.kv_cache_emulation import (
@@ -18,7 +19,6 @@ from onnx_kvcache.passes.kv_cache_emulation import (
     emulate_kv_cache,
     get_semantics,
 )
-from onnx_kvcache.runtime import create_session, to_ort_value
 
 from conftest import FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 

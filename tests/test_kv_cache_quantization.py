@@ -9,9 +9,9 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import Fp8KvCachePass, KvCacheError, KvCacheQuantizationPass, KvCacheWarning
+from onnx_kvcache._runtime import create_session
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_gqa_sites, layer_id_from_name
-from onnx_kvcache.runtime import create_session
 
 from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 

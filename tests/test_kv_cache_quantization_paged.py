@@ -19,9 +19,9 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning, build_decoder
+from onnx_kvcache._runtime import create_session
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
-from onnx_kvcache.runtime import create_session
 
 from conftest import FORMATS, GRANULARITIES, paged_model
 from genai_builder import builder_quantized_paged, structure

@@ -24,10 +24,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_model, file_io
+from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_model
+from onnx_kvcache import _file_io as file_io
+from onnx_kvcache._file_io import TEMP_PREFIX
 from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder
-from onnx_kvcache.file_io import TEMP_PREFIX
 from onnx_kvcache.genai_folder import resolve_model_path
 
 try:

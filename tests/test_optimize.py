@@ -134,7 +134,7 @@ def exported_feeds():
 
 
 def test_auto_fusion_turns_an_export_into_a_quantized_gqa():
-    from onnx_kvcache.runtime import create_session
+    from onnx_kvcache._runtime import create_session
 
     model = exported_decoder()
     want = create_session(model).run(None, exported_feeds())[0]

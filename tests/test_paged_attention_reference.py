@@ -13,12 +13,12 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass
+from onnx_kvcache._runtime import create_session, to_ort_value
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.passes.paged_attention_reference import (
     PagedAttentionReferencePass,
     paged_attention_reference,
 )
-from onnx_kvcache.runtime import create_session, to_ort_value
 
 from conftest import paged_model
 from paged_reference import paged_attention

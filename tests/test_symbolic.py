@@ -8,10 +8,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.attention_site import MaskFacts, mask_condition, mask_facts
+from onnx_kvcache._attention_site import MaskFacts, mask_condition, mask_facts
+from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, parse_dim, reshape_dims
 from onnx_kvcache.demo_model import build_decoder
 from onnx_kvcache.exported_decoder import exported_config
-from onnx_kvcache.symbolic import Affine, SymbolicEvaluator, Unprovable, parse_dim, reshape_dims
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "export_llama_opset23.onnx"
 PAST, SEQ = Affine.of("d:past"), Affine.of("d:seq")

@@ -37,11 +37,11 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache._runtime import installed_ort_version, installed_version
 from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, PAGED, AttentionOp
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
 from onnx_kvcache.genai_folder import provider_names
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
-from onnx_kvcache.runtime import installed_ort_version, installed_version
 
 _BOTH = frozenset({"per_tensor", "per_channel"})
 

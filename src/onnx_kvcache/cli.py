@@ -20,11 +20,11 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from onnx_kvcache import file_io
+from onnx_kvcache import _file_io as file_io
+from onnx_kvcache._file_io import atomic_write_text, format_bytes
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
-from onnx_kvcache.file_io import atomic_write_text, format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
 
 
@@ -278,7 +278,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.json:
         atomic_write_text(pathlib.Path(args.json), json.dumps(report.to_json(), indent=2) + "\n")
     if args.plot:
-        from onnx_kvcache.plots import plot_evaluation
+        from onnx_kvcache._plots import plot_evaluation
 
         plot_evaluation(report, args.plot)
     return 0

@@ -36,13 +36,13 @@ from typing import Any, Literal
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._runtime import create_session, import_onnxruntime, installed_ort_version
 from onnx_kvcache.attention_ops import ATTENTION_OPS, PAGED, AttentionOp
 from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheWarning
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.runtime import create_session, import_onnxruntime, installed_ort_version
 
 Verdict = Literal["proven", "schema only", "disagrees"]
 _TYPE_NAMES = {

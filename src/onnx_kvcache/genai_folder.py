@@ -26,8 +26,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from onnx_kvcache._file_io import check_relative
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.file_io import check_relative
 
 GENAI_CONFIG = "genai_config.json"
 

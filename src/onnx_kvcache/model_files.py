@@ -14,7 +14,7 @@ read. Where the output's weights live:
 
 Every path relationship is checked before anything is written: the output is never the
 input, inside it or containing it, never a file the model uses, and replaces nothing but
-a previous output (with ``overwrite``). See :mod:`onnx_kvcache.file_io` for how writes
+a previous output (with ``overwrite``). See :mod:`onnx_kvcache._file_io` for how writes
 stay atomic and what a killed run leaves behind.
 """
 
@@ -33,7 +33,8 @@ from typing import Any, Literal
 
 import onnx_ir as ir
 
-from onnx_kvcache import file_io
+from onnx_kvcache import _file_io as file_io
+from onnx_kvcache._file_io import format_bytes
 from onnx_kvcache.capabilities import (
     check_kv_cache_support,
     conversion_warnings,
@@ -42,7 +43,6 @@ from onnx_kvcache.capabilities import (
 )
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, warn
-from onnx_kvcache.file_io import format_bytes
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 from onnx_kvcache.genai_folder import GENAI_CONFIG, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites

@@ -19,9 +19,9 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache import file_io
+from onnx_kvcache import _file_io as file_io
+from onnx_kvcache._file_io import check_inside, check_relative
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.file_io import check_inside, check_relative
 from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
 
 _NOT_CARRIED = (".git",)

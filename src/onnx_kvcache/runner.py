@@ -33,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_kvcache._runtime import create_session, fed_as_bits, import_onnxruntime, to_ort_value
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
@@ -50,7 +51,6 @@ from onnx_kvcache.paged_cache import BlockPool, check_block_size
 from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
-from onnx_kvcache.runtime import create_session, fed_as_bits, import_onnxruntime, to_ort_value
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from onnx_kvcache._file_io import atomic_write_text
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.file_io import atomic_write_text
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]

@@ -4,7 +4,7 @@
 layer, with the cache concatenated and repeated to the query heads outside it and an
 explicit boolean mask. An ``Attention`` node becomes one
 ``com.microsoft::GroupQueryAttention`` when every rule of
-:mod:`onnx_kvcache.attention_site` holds, and here:
+:mod:`onnx_kvcache._attention_site` holds, and here:
 
 - inputs 0-3 only (Q, K, V, mask) with the cache outside, 4-D;
 - the mask input (if any) ANDed with ``is_causal`` and the window attributes (which
@@ -28,7 +28,7 @@ import math
 
 import onnx_ir as ir
 
-from onnx_kvcache.attention_site import (
+from onnx_kvcache._attention_site import (
     KEY,
     QUERY,
     AttentionSite,
@@ -40,9 +40,9 @@ from onnx_kvcache.attention_site import (
     mask_condition,
     mask_facts,
 )
+from onnx_kvcache._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import GQA_DOMAIN
-from onnx_kvcache.symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 
 logger = logging.getLogger(__name__)
 

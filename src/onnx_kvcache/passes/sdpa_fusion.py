@@ -11,7 +11,7 @@ Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
 
 A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that, the
 two factors being the same scalar constant (``scale`` = their product), and every rule
-of :mod:`onnx_kvcache.attention_site` holds (cache, repeat, mask, shapes). Anything
+of :mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). Anything
 else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
 Fuses in the main graph only.
@@ -26,7 +26,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_site import (
+from onnx_kvcache._attention_site import (
     AttentionSite,
     GqaWriter,
     cache_link,
@@ -34,8 +34,8 @@ from onnx_kvcache.attention_site import (
     mask_condition,
     mask_facts,
 )
+from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
 from onnx_kvcache.gqa import GQA_DOMAIN
-from onnx_kvcache.symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
 
 logger = logging.getLogger(__name__)
 

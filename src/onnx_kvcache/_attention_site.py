@@ -2,7 +2,7 @@
 
 The fusion passes (:mod:`onnx_kvcache.passes.attention_fusion`, ...) match an
 exporter's attention and build an :class:`AttentionSite` from facts proven with
-:mod:`onnx_kvcache.symbolic`; :class:`GqaWriter` then replaces it with one
+:mod:`onnx_kvcache._symbolic`; :class:`GqaWriter` then replaces it with one
 ``com.microsoft::GroupQueryAttention`` node. The rules:
 
 - **Cache.** K and V are ``Concat(past, new)`` on the sequence axis, ``past`` an input
@@ -43,8 +43,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import GQA, GqaInput
-from onnx_kvcache.symbolic import (
+from onnx_kvcache._symbolic import (
     ONE,
     Additive,
     Affine,
@@ -56,6 +55,7 @@ from onnx_kvcache.symbolic import (
     axis,
     reshape_dims,
 )
+from onnx_kvcache.attention_ops import GQA, GqaInput
 
 BATCH, HEAD, QUERY, KEY = "#batch", "#head", "#query", "#key"
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
