@@ -73,7 +73,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from onnx_kvcache.errors import KvCacheError
 
@@ -300,32 +300,79 @@ def _keep_mode_and_owner(fd: int, like: os.stat_result, path: pathlib.Path) -> N
 # -- temporary entries ------------------------------------------------------------------
 
 
-class TempFile:
-    """A new file under a temporary name in ``folder``, locked until :meth:`close`.
+_Entry = TypeVar("_Entry", bound="_TempEntry")
 
-    Unless published, closing removes it. ``like``: give it that file's mode and owner.
-    """
 
-    def __init__(self, folder: os.PathLike | str, suffix: str = "", *, like: os.stat_result | None = None):
+class _TempEntry:
+    """A new entry under a temporary name, locked until :meth:`close`; removed at close
+    unless published. Subclasses say how to open one and how to remove it."""
+
+    kind = "entry"
+
+    def __init__(self, folder: os.PathLike | str, suffix: str = "") -> None:
         folder = pathlib.Path(folder)
         for _ in range(20):
             path = folder / _temp_name(suffix)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+            fd = self._open(path)
             _lock(fd)
             if _same_inode(path, fd):  # not removed by a sweep between create and lock
                 break
             os.close(fd)
         else:
-            raise OSError(errno.EAGAIN, "cannot create a temporary file", os.fspath(folder))
+            raise OSError(errno.EAGAIN, f"cannot create a temporary {self.kind}", os.fspath(folder))
         self.path = path
         self.fd = fd
         self.published: pathlib.Path | None = None
+
+    def _open(self, path: pathlib.Path) -> int:
+        raise NotImplementedError
+
+    def _remove(self) -> None:
+        raise NotImplementedError
+
+    def _published_at(self, target: pathlib.Path) -> None:
+        self.published = target
+        fsync_dir(target.parent)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.published is None and _same_inode(self.path, self.fd):
+                self._remove()
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self: _Entry) -> _Entry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TempFile(_TempEntry):
+    """A new file under a temporary name in ``folder``, locked until :meth:`close`.
+
+    Unless published, closing removes it. ``like``: give it that file's mode and owner.
+    """
+
+    kind = "file"
+
+    def __init__(self, folder: os.PathLike | str, suffix: str = "", *, like: os.stat_result | None = None):
+        super().__init__(folder, suffix)
         try:
             if like is not None:
-                _keep_mode_and_owner(fd, like, path)
+                _keep_mode_and_owner(self.fd, like, self.path)
         except BaseException:
             self.close()
             raise
+
+    def _open(self, path: pathlib.Path) -> int:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
+
+    def _remove(self) -> None:
+        self.path.unlink()
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data)
@@ -341,47 +388,23 @@ class TempFile:
             os.replace(self.path, target)
         else:
             rename_noreplace(self.path, target)
-        self.published = target
-        fsync_dir(target.parent)
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return
-        try:
-            if self.published is None and _same_inode(self.path, self.fd):
-                self.path.unlink()
-        finally:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> TempFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._published_at(target)
 
 
-class TempDir:
+class TempDir(_TempEntry):
     """A new folder under a temporary name in ``parent``, locked until :meth:`close`.
 
     Unless published, closing removes it and everything in it.
     """
 
-    def __init__(self, parent: os.PathLike | str) -> None:
-        parent = pathlib.Path(parent)
-        for _ in range(20):
-            path = parent / _temp_name()
-            os.mkdir(path, 0o777)
-            fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | _O_NOFOLLOW)
-            _lock(fd)
-            if _same_inode(path, fd):
-                break
-            os.close(fd)
-        else:
-            raise OSError(errno.EAGAIN, "cannot create a temporary folder", os.fspath(parent))
-        self.path = path
-        self.fd = fd
-        self.published: pathlib.Path | None = None
+    kind = "folder"
+
+    def _open(self, path: pathlib.Path) -> int:
+        os.mkdir(path, 0o777)
+        return os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC | _O_NOFOLLOW)
+
+    def _remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def publish(self, target: os.PathLike | str, *, replace: bool = False) -> None:
         """Rename to ``target``; with ``replace``, swap with an existing ``target`` and remove it.
@@ -396,8 +419,7 @@ class TempDir:
         fsync_dir(self.path)
         if replace and os.path.lexists(target):
             if rename_exchange(self.path, target):
-                self.published = target
-                fsync_dir(target.parent)
+                self._published_at(target)
                 shutil.rmtree(self.path, ignore_errors=True)  # the old folder, under our name
                 return
             old = target.parent / _temp_name()
@@ -407,29 +429,11 @@ class TempDir:
             except BaseException:
                 os.rename(old, target)
                 raise
-            self.published = target
-            fsync_dir(target.parent)
+            self._published_at(target)
             shutil.rmtree(old, ignore_errors=True)
             return
         rename_noreplace(self.path, target)
-        self.published = target
-        fsync_dir(target.parent)
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return
-        try:
-            if self.published is None and _same_inode(self.path, self.fd):
-                shutil.rmtree(self.path, ignore_errors=True)
-        finally:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> TempDir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._published_at(target)
 
 
 def write_new_file(path: os.PathLike | str, data: bytes, *, like: os.stat_result | None = None) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import GQA, GqaInput
+from onnx_kvcache.attention_ops import GQA, AttentionOp, GqaInput
 from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.exported_decoder import build_exported_decoder
@@ -54,6 +54,35 @@ class _Builder:
 
         w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
         return self.op("MatMul", [x, w], f"{name}/MatMul")
+
+    def qk_norm(
+        self,
+        slots: dict[int, ir.Value | None],
+        op: AttentionOp,
+        layer: int,
+        kv_heads: int,
+        norm: Callable[[ir.Value, ir.Value, int, str], ir.Value] | None = None,
+    ) -> None:
+        """Layer ``layer``'s per-head q/k RMS norm: its weights as ``op``'s inputs
+        (``qk_norm_fused``), else ``norm`` ops on the query and key ``slots`` feed the node."""
+        c = self.config
+        q_weight, k_weight = (
+            self.weight(
+                f"model.layers.{layer}.attn.{name}_norm.weight",
+                (c.head_size,),
+                lambda: 1 + 0.1 * self.rng.standard_normal(c.head_size),
+            )
+            for name in ("q", "k")
+        )
+        if c.qk_norm_fused:
+            slots[op.slot("q_norm_weight")], slots[op.slot("k_norm_weight")] = q_weight, k_weight
+            return
+        norm = norm or self.head_rms_norm
+        prefix = f"/model/layers.{layer}/attn"
+        query, key = slots[op.slot("query")], slots[op.slot("key")]
+        assert query is not None and key is not None
+        slots[op.slot("query")] = norm(query, q_weight, c.num_heads, f"{prefix}/q_norm")
+        slots[op.slot("key")] = norm(key, k_weight, kv_heads, f"{prefix}/k_norm")
 
     def head_rms_norm(self, x: ir.Value, weight: ir.Value, heads: int, name: str) -> ir.Value:
         """RMS norm of each head of ``x`` ``[B, S, heads * D]`` (GQA's qk_norm_epsilon, 1e-6)."""
@@ -162,19 +191,7 @@ def build_decoder(
             b.graph.inputs.extend([past_k, past_v])
             slots[GqaInput.PAST_KEY], slots[GqaInput.PAST_VALUE] = past_k, past_v
         if c.qk_norm:
-            qn, kn = (
-                b.weight(
-                    f"model.layers.{i}.attn.{name}_norm.weight",
-                    (c.head_size,),
-                    lambda: 1 + 0.1 * b.rng.standard_normal(c.head_size),
-                )
-                for name in ("q", "k")
-            )
-            if c.qk_norm_fused:
-                slots[GqaInput.Q_NORM_WEIGHT], slots[GqaInput.K_NORM_WEIGHT] = qn, kn
-            else:
-                slots[GqaInput.QUERY] = b.head_rms_norm(q, qn, c.num_heads, f"{p}/attn/q_norm")
-                slots[GqaInput.KEY] = b.head_rms_norm(k, kn, c.kv_num_heads, f"{p}/attn/k_norm")
+            b.qk_norm(slots, GQA, i, c.kv_num_heads)
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": c.kv_num_heads,

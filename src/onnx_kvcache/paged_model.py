@@ -25,6 +25,7 @@ from __future__ import annotations
 
 __all__ = ["build_paged_decoder", "paged_genai_config"]
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -170,19 +171,7 @@ def build_paged_decoder(b: Any) -> ir.Model:
             PagedInput.ATTENTION_METADATA: io["attention_metadata"],
         }
         if c.qk_norm and not c.latent:
-            qn, kn = (
-                b.weight(
-                    f"model.layers.{i}.attn.{name}_norm.weight",
-                    (c.head_size,),
-                    lambda: 1 + 0.1 * b.rng.standard_normal(c.head_size),
-                )
-                for name in ("q", "k")
-            )
-            if c.qk_norm_fused:
-                slots[PagedInput.Q_NORM_WEIGHT], slots[PagedInput.K_NORM_WEIGHT] = qn, kn
-            else:
-                slots[PagedInput.QUERY] = _head_rms_norm(b, q, qn, c.num_heads, f"{p}/attn/q_norm")
-                slots[PagedInput.KEY] = _head_rms_norm(b, k, kn, kv, f"{p}/attn/k_norm")
+            b.qk_norm(slots, PAGED, i, kv, functools.partial(_head_rms_norm, b))
         attributes: dict = {
             "num_heads": c.num_heads,
             "kv_num_heads": kv,
