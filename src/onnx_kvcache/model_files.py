@@ -118,10 +118,10 @@ def _check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool)
     link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
     hint = (
         "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass "
-        "--follow-symlinks (follow_symlinks=True) to accept the links; a conversion elsewhere then "
+        "follow_symlinks=True to accept the links; a conversion elsewhere then "
         "copies their content."
         if _looks_like_hf_snapshot(root)
-        else "Copy the file into the folder, or pass --follow-symlinks (follow_symlinks=True) to "
+        else "Copy the file into the folder, or pass follow_symlinks=True to "
         "accept links (a conversion elsewhere copies their content)."
     )
     raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. {hint}")
@@ -502,9 +502,11 @@ def _plan(
         if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
             source.folder or source.graph
         ):
-            raise KvCacheError("Give either an output path or --in-place (in_place=True), not both.")
+            raise KvCacheError("Give either an output path or in_place=True, not both.")
         if weights is not None:
-            raise KvCacheError("--in-place keeps the data files where they are; --weights does not apply.")
+            raise KvCacheError(
+                "in_place=True keeps the data files where they are; weights=MODE does not apply."
+            )
         for path in (source.graph, source.config_path):
             if path is not None and path.is_symlink():
                 raise KvCacheError(
@@ -519,7 +521,7 @@ def _plan(
             )
         return _Plan("in-place", source.folder or source.graph, "share")
     if out_path is None:
-        raise KvCacheError("Give an output path, or --in-place (in_place=True) to rewrite the input.")
+        raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
     out_real = _real(out)
     root_real = pathlib.Path(os.path.realpath(source.root))
@@ -528,7 +530,7 @@ def _plan(
 
     if source.folder is not None:
         if out_real == root_real:
-            raise KvCacheError(f"Output {out} is the input; use --in-place (in_place=True) to rewrite it.")
+            raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
         if _is_within(out_real, root_real):
             raise KvCacheError(
                 f"Output {out} is inside the input folder {source.folder}; choose another path."
@@ -550,7 +552,7 @@ def _plan(
             if not out.is_dir():
                 raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
             if not overwrite:
-                raise KvCacheError(f"Output {out} exists; pass --overwrite (overwrite=True) to replace it.")
+                raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
             if not ((out / GENAI_CONFIG).is_file() or any(out.glob("*.onnx"))):
                 raise KvCacheError(
                     f"Output {out} exists and is not a model folder (no {GENAI_CONFIG}, no .onnx file); "
@@ -567,7 +569,7 @@ def _plan(
             if out_real == pathlib.Path(os.path.realpath(source.graph))
             else "a file the input uses"
         )
-        fix = "; use --in-place (in_place=True) to rewrite it" if what == "the input" else ""
+        fix = "; use in_place=True to rewrite it" if what == "the input" else ""
         raise KvCacheError(f"Output {out} is {what}{fix}.")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         raise KvCacheError(
@@ -581,7 +583,7 @@ def _plan(
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
     if os.path.lexists(out):
         if not overwrite:
-            raise KvCacheError(f"Output {out} exists; pass --overwrite (overwrite=True) to replace it.")
+            raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
         if not out.is_file():
             raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
         plan.replace = True
@@ -681,7 +683,7 @@ class ConvertResult:
     target: str | None = None
     """The provider gated on; ``None`` when gating was skipped (``ep=None``)."""
     target_source: str = ""
-    """How the target was chosen: ``--ep``, or what it was inferred from."""
+    """How the target was chosen: ``given`` (``ep=``), or ``assumed: ...`` what it was inferred from."""
     placement: str = ""
     """``beside``, ``elsewhere``, ``folder`` or ``in-place``."""
     weights: str = ""
@@ -805,7 +807,7 @@ def convert_model(
         target, why = infer_target(model, source.config)
         result.target_source = f"assumed: {why}"
     elif ep is not None:
-        target, result.target_source = ep.lower(), "--ep"
+        target, result.target_source = ep.lower(), "given"
     result.target = target if ep is not None else None
     if ep is not None:
         reasons = _gate(model, target, fmt.name, granularity, check_device)
@@ -847,7 +849,7 @@ def convert_model(
     if linked and plan.weights != "link":
         warnings.warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "--weights link?): onnx and onnx-ir refuse them until the other link is deleted.",
+            "weights='link'?): onnx and onnx-ir refuse them until the other link is deleted.",
             KvCacheWarning,
             stacklevel=2,
         )
