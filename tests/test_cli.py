@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
+import contextlib
 import dataclasses
+import importlib.metadata
+import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -13,9 +19,11 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import _file_io as file_io
+from onnx_kvcache import convert_model, demo
 from onnx_kvcache.capabilities import EP_CAPABILITIES
-from onnx_kvcache.cli import build_parser, main
+from onnx_kvcache.cli import build_parser, cli_wording, main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder
+from onnx_kvcache.errors import KvCacheError
 
 
 @pytest.fixture
@@ -89,20 +97,214 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, model_file, capsys, argv, me
     assert not (tmp_path / "o.onnx").exists()
 
 
-def test_module_entry_point_and_demo(tmp_path):
+def test_module_entry_point():
     result = subprocess.run(
-        [sys.executable, "-m", "onnx_kvcache", "demo", "--keep", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+        [sys.executable, "-m", "onnx_kvcache", "--version"], capture_output=True, text=True, timeout=120
     )
-    lines = result.stdout.splitlines()
-    table = [line for line in lines if line.startswith(("fp8", "int8", "int4"))]
-    assert len(table) == 6
-    by_name = {tuple(line.split()[:2]): line for line in table}
-    assert "512" in by_name[("int8", "per_tensor")] and "256" in by_name[("int4", "per_channel")]
+    assert result.returncode == 0 and result.stdout.startswith("onnx-kvcache ")
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: progress bars draw on it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(text: str) -> list[str]:
+    """What a terminal shows after ``text``: carriage returns overwrite the line."""
+    lines = []
+    for raw in text.split("\n"):
+        line = ""
+        for part in raw.split("\r"):
+            line = part + line[len(part) :]
+        lines.append(line.rstrip())
+    return [line for line in lines if line]
+
+
+def test_demo_table_legend_keep_and_no_leftover_bar(tmp_path, monkeypatch, capsys):
+    """The whole demo runs in tests/test_docs.py (README's quickstart); two variants here."""
+    monkeypatch.setattr(demo, "DEMO_VARIANTS", (demo.DEMO_VARIANTS[1], demo.DEMO_VARIANTS[3]))
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["demo", "--keep", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"models in {tmp_path}")
+    rows = [line.split() for line in lines if line.startswith(("float32", "fp8", "int8"))]
+    assert [r[:2] for r in rows] == [["float32", "-"], ["fp8", "per_channel"], ["int8", "per_channel"]]
+    assert rows[0][-5:] == ["2048", "-", "-", "-", "-"] and rows[2][-5] == "512"
+    assert any(line.startswith("B/token: cache bytes per token; KL mean/max") for line in lines)
     assert (tmp_path / "model.int8.per_channel.onnx").is_file()
+    assert "demo" in terminal.getvalue()  # a bar was drawn on the terminal ...
+    assert _screen(terminal.getvalue()) == []  # ... and nothing of it is left above the table
+
+
+def test_no_progress_draws_no_bar(tmp_path, model_file, monkeypatch):
+    out = tmp_path / "s.json"
+    argv = ["calibrate", str(model_file), "--out", str(out), "--format", "int8", "--seq-len", "64"]
+    for extra, drawn in (([], True), (["--no-progress"], False)):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main([*argv, "--num-seqs", "4", "--min-tokens", "64", *extra]) == 0
+        assert ("calibrating: " in terminal.getvalue()) is drawn, extra  # the bar, not the warning
+    assert build_parser().parse_args(["evaluate", "a", "b", "--no-progress"]).progress is False
+    assert build_parser().parse_args(["convert", "a", "b", "--no-progress"]).progress is False
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+@pytest.mark.parametrize("command", list(_subcommands()))
+def test_help_shows_every_default_and_describes_every_argument(command):
+    parser = _subcommands()[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        text = formatter._get_help_string(action)
+        assert text, f"{command} {action.dest}: no help"
+        if action.option_strings and action.nargs != 0 and not action.required:
+            assert "default" in text, f"{command} {action.option_strings[-1]}: no default in {text!r}"
+    assert "(default:" in parser.format_help() or command == "doctor"
+
+
+def test_calibrate_help_names_its_defaults():
+    text = " ".join(_subcommands()["calibrate"].format_help().split())
+    for default in ("(default: fp8)", "(default: per_tensor)", "(default: minmax)", "(default: 512)"):
+        assert default in text
+
+
+@pytest.mark.parametrize(
+    "argv", [["-v", "inspect", "m.onnx"], ["inspect", "m.onnx", "-v"], ["inspect", "--verbose", "m.onnx"]]
+)
+def test_verbose_before_or_after_the_command(argv):
+    assert build_parser().parse_args(argv).verbose is True
+    assert getattr(build_parser().parse_args(["inspect", "m.onnx"]), "verbose", False) is False
+
+
+def test_inspect_ep_takes_known_providers_only(capsys):
+    assert build_parser().parse_args(["inspect", "m.onnx", "--ep", "CUDA"]).ep == "cuda"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inspect", "m.onnx", "--ep", "cudaa"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("python", "cli"),
+    [
+        ("Output x.onnx is the input; use in_place=True to rewrite it.", "use --in-place to rewrite it."),
+        ("Output o exists; pass overwrite=True to replace it.", "pass --overwrite to replace it."),
+        ("convert with granularity='per_channel'.", "convert with --granularity per_channel."),
+        ("use longer sequences (seq_len=N).", "use longer sequences (--seq-len N)."),
+        ("or knowingly lower min_tokens=N.", "or knowingly lower --min-tokens N."),
+        ("Pass scales=PATH, or measure them with calibrate_kv_cache().", "Pass --scales PATH, or measure"),
+        ("(an earlier weights='link'?)", "(an earlier --weights link?)"),
+        ("semantics='cpu' on an fp8 cache", "--semantics cpu on an fp8 cache"),
+        ("use quantized_io=True.", "use quantized_io=True."),  # no option: left as it is
+        ("in_place=False", "in_place=False"),  # a value no option gives
+    ],
+)
+def test_cli_wording(python, cli):
+    assert cli in cli_wording(python)
+
+
+def test_errors_speak_cli_in_the_cli_and_python_in_python(tmp_path, model_file, capsys):
+    (tmp_path / "taken.onnx").write_bytes(b"")
+    cases = [
+        ((model_file,), {}, "in_place=True", "--in-place"),
+        (
+            (model_file, tmp_path / "taken.onnx"),
+            {"scales": scale_file(tmp_path)},
+            "overwrite=True",
+            "--overwrite",
+        ),
+        ((model_file, tmp_path / "o.onnx"), {}, "scales=PATH", "--scales PATH"),
+    ]
+    for args, kwargs, python, cli in cases:
+        with pytest.raises(KvCacheError) as info:
+            convert_model(*args, format="int8", **kwargs)
+        assert python in str(info.value) and cli not in str(info.value)
+        argv = ["convert", *map(str, args), "--format", "int8"]
+        argv += ["--scales", str(kwargs["scales"])] if kwargs else []
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert cli in err and python not in err, err
+
+
+#: Options of other programs the library runs (nvidia-smi), never ours.
+_OPTION_IN_STRING = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w=-])")
+
+
+def test_library_messages_name_no_command_line_option():
+    """Only cli.py speaks options; the library names Python parameters (cli_wording translates)."""
+    options = {o for p in _subcommands().values() for a in p._actions for o in a.option_strings}
+    package = pathlib.Path(main.__code__.co_filename).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                found += [
+                    f"{path.name}:{node.lineno} {o}"
+                    for o in _OPTION_IN_STRING.findall(node.value)
+                    if o in options
+                ]
+    assert not found
+
+
+def test_the_cpu_extra_is_enough_to_calibrate_and_evaluate_a_genai_folder(tmp_path):
+    """``pip install ".[cpu]"``: every distribution these commands import is in it (or the core)."""
+    folder = save_genai_folder(tmp_path / "g", num_layers=2)  # has a tokenizer.json
+    scales, out = tmp_path / "s.json", tmp_path / "g-int8"
+    commands = [
+        ["calibrate", folder, "--out", scales, "--format", "int8", "--seq-len", "64", "--num-seqs", "4"],
+        ["convert", folder, out, "--scales", scales, "--format", "int8"],
+        ["evaluate", folder, out, "--num-seqs", "1", "--seq-len", "32", "--max-new-tokens", "2"],
+    ]
+    script = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "from onnx_kvcache.cli import main\n"
+        f"for argv in {[[str(a) for a in c] for c in commands]!r}:\n"
+        "    assert main([*argv, '--min-tokens', '64'] if argv[0] == 'calibrate' else argv) == 0, argv\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - before})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    modules = set(result.stdout.splitlines()[-1].split()) - set(sys.stdlib_module_names)
+    distributions = importlib.metadata.packages_distributions()
+    imported = {_canonical(d) for m in modules for d in distributions.get(m, [])}
+    assert "tokenizers" in imported and "onnxruntime" in imported
+    from packaging.requirements import Requirement
+
+    declared = [Requirement(r) for r in importlib.metadata.requires("onnx-kvcache") or []]
+    core_and_cpu = [r.name for r in declared if r.marker is None or r.marker.evaluate({"extra": "cpu"})]
+    allowed = _closure(core_and_cpu)
+    assert imported - allowed - {"onnx-kvcache"} == set()
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, following installed metadata."""
+    from packaging.requirements import Requirement
+
+    found: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = _canonical(req.name)
+        if name in found or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        found.add(name)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # not installed: not imported
+            todo += [Requirement(r) for r in importlib.metadata.requires(req.name) or []]
+    return found
 
 
 def test_convert_takes_the_granularity_of_the_scale_file(tmp_path, model_file, capsys):

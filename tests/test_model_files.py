@@ -322,7 +322,7 @@ def test_overwrite_replaces_exactly_the_previous_output(tmp_path, monkeypatch):
     out = tmp_path / "out" / "m.onnx"
     convert_model(src, out, format="int8", scales=SCALES)
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    with pytest.raises(KvCacheError, match="--overwrite"):
+    with pytest.raises(KvCacheError, match="overwrite=True"):
         convert_model(src, out, format="int8", scales=SCALES)
     second = convert_model(src, out, format="int4", scales=SCALES, overwrite=True)
     # the new data never replaced the old file under the old graph: it took a free name

@@ -919,10 +919,10 @@ def check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool) 
     link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
     hint = (
         "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass "
-        "--follow-symlinks (follow_symlinks=True) to accept the links; a conversion elsewhere then "
+        "follow_symlinks=True to accept the links; a conversion elsewhere then "
         "copies their content."
         if _looks_like_hf_snapshot(root)
-        else "Copy the file into the folder, or pass --follow-symlinks (follow_symlinks=True) to "
+        else "Copy the file into the folder, or pass follow_symlinks=True to "
         "accept links (a conversion elsewhere copies their content)."
     )
     raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. {hint}")

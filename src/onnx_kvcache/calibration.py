@@ -237,12 +237,12 @@ def calibrate_kv_cache(
     if loaded.tokens < min_tokens:
         raise KvCacheError(
             f"Calibration data has {loaded.tokens} token(s) ({loaded.source}); scales need at least "
-            f"{min_tokens}. Give more text or token ids, or lower min_tokens (--min-tokens) knowingly."
+            f"{min_tokens}. Give more text or token ids, or knowingly lower min_tokens=N."
         )
     if loaded.random:
         warn(
             "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
-            "those of real text. Pass text with a tokenizer (--text, --tokenizer) or token ids."
+            "those of real text. Give text and its tokenizer, or token ids."
         )
     windows = loaded.windows
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}

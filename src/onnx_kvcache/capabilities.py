@@ -516,7 +516,7 @@ def fast_path_diagnostics(
             if k is None or k is not site.input("v_scale"):
                 reasons.append(
                     f"onnxruntime {version} < {before} needs k_scale and v_scale to be one tensor "
-                    "(convert with --shared-kv-scale)"
+                    "(convert with shared_kv_scale=True)"
                 )
         reports.append(FastPathReport(site.name, site.layer_id, not reasons, tuple(reasons), site.op.op_type))
     return reports

@@ -11,10 +11,12 @@ from __future__ import annotations
 __all__ = ["main"]
 
 import argparse
+import functools
 import json
 import logging
 import os
 import pathlib
+import re
 import sys
 import time
 import warnings
@@ -26,6 +28,22 @@ from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option shows its default: appended to the help unless the help states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        flag = action.nargs == 0  # --in-place, --no-progress: off unless given
+        if (
+            "default" in text
+            or flag
+            or not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+        ):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def ep_choices() -> list[str]:
@@ -64,8 +82,7 @@ def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_
         "--format",
         default=None if granularity is None else "fp8",
         choices=list(CACHE_FORMATS),
-        help="cache format"
-        + (" (default: the scale file's, else fp8)" if granularity is None else " (default: fp8)"),
+        help="cache format" + (" (default: the scale file's, else fp8)" if granularity is None else ""),
     )
     p.add_argument(
         "--granularity",
@@ -78,9 +95,81 @@ def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_
 
 def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help=f"text file (tokenized with {whose} or --tokenizer's tokenizer)")
-    data.add_argument("--token-ids", help="token ids: JSON list(s) or .npy")
-    p.add_argument("--tokenizer", help="tokenizer.json or its folder")
+    data.add_argument(
+        "--text",
+        metavar="FILE",
+        help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
+        "corpus with that tokenizer, else seeded random token ids)",
+    )
+    data.add_argument(
+        "--token-ids", metavar="FILE", help="token ids: JSON list(s) or .npy (default: as for --text)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help=f"tokenizer.json or its folder (default: the one in {whose} folder)",
+    )
+
+
+def _add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help=f"no progress bar ({what} shows one on a terminal)",
+    )
+
+
+_PYTHON_ARGUMENT = re.compile(
+    r"""\b([a-z][a-z0-9_]*)=(True|False|'[^']*'|"[^"]*"|[A-Z][A-Z_]*\b|-?[0-9][0-9.]*)"""
+)
+
+
+@functools.cache
+def _options() -> dict[str, argparse.Action]:
+    """Python parameter name -> the command-line option that sets it (every command's)."""
+    found: dict[str, argparse.Action] = {}
+    parsers = [build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings and action.option_strings[-1].startswith("--"):
+                found.setdefault(action.dest, action)
+    return found
+
+
+#: Library functions a message may name, and the commands that do the same.
+_COMMANDS = {
+    "calibrate_kv_cache()": "onnx-kvcache calibrate",
+    "convert_model()": "onnx-kvcache convert",
+    "evaluate_kv_cache()": "onnx-kvcache evaluate",
+    "inspect_kv_cache()": "onnx-kvcache inspect",
+    "run_doctor()": "onnx-kvcache doctor",
+}
+
+
+def cli_wording(message: str) -> str:
+    """A library message in the command's words: ``in_place=True`` -> ``--in-place``.
+
+    Library messages name Python parameters (``overwrite=True``, ``granularity="per_tensor"``,
+    ``seq_len=N``) and functions (``calibrate_kv_cache()``); through the command they name its
+    options and commands instead. Parameters with no option are left as they are.
+    """
+
+    def option(match: re.Match[str]) -> str:
+        action = _options().get(match[1])
+        value = match[2]
+        if action is None:
+            return match[0]
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true / store_false: only the value that sets it
+            return flag if value == str(not action.default) else match[0]
+        return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+    for function, command in _COMMANDS.items():
+        message = message.replace(function, command)
+    return _PYTHON_ARGUMENT.sub(option, message)
 
 
 def _describe_os_error(e: OSError) -> str:
@@ -111,20 +200,22 @@ def _convert(args: argparse.Namespace) -> int:
             ep=args.ep or "auto",
             check_device=args.check_device,
             follow_symlinks=args.follow_symlinks,
+            progress=None if args.progress else False,
         )
     except OSError as e:
         raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
     except file_io.Interrupted as e:
         e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
         raise
+    source = "--ep" if result.target_source == "given" else result.target_source
     if not result.converted:
-        line = " ".join(result.reasons)
+        line = cli_wording(" ".join(result.reasons))
         if result.target is not None:
             runs = list(get_capabilities(result.target).formats)
             fix = f"Fix: name the target with --ep ({', '.join(ep_choices())})"
             if result.format not in runs and runs:  # another format helps only then
                 fix += f", or a --format it runs ({result.target}: {', '.join(runs)})"
-            line = f"for {result.target} ({result.target_source}): {line} {fix}."
+            line = f"for {result.target} ({source}): {line} {fix}."
         print(
             f"onnx-kvcache: not converted {line}"
             if result.target
@@ -134,8 +225,8 @@ def _convert(args: argparse.Namespace) -> int:
         return 1
     args.done = f"the conversion completed ({result.model_file})"
     target = f" for {result.target}" if result.target else ""
-    if result.target and result.target_source != "--ep":
-        target += f" ({result.target_source}; --ep to choose)"
+    if result.target and source != "--ep":
+        target += f" ({source}; --ep to choose)"
     nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     if result.fused:
         nodes += f" (fused from the export's {result.fused} attention layer(s))"
@@ -146,7 +237,7 @@ def _convert(args: argparse.Namespace) -> int:
     )
     print(result.weights_summary())
     for note in result.notes:
-        print(note)
+        print(cli_wording(note))
     return 0
 
 
@@ -183,7 +274,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if diagnostics is not None:
         print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
-            verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(d.reasons)
+            verdict = "eligible" if d.eligible else "not eligible: " + cli_wording("; ".join(d.reasons))
             print(f"  layer {d.layer_id}: {verdict}")
     return 0
 
@@ -236,12 +327,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         granularity=args.granularity,
         method=args.method,
         percentile=args.percentile,
-        rope_envelope=not args.no_rope_envelope,
+        rope_envelope=args.rope_envelope,
         margin=args.margin,
         seq_len=args.seq_len,
         num_seqs=args.num_seqs,
         tokenizer=args.tokenizer,
         min_tokens=args.min_tokens,
+        progress=args.progress,
     )
     scales.save(args.out)
     print(format_calibration_summary(scales.stats))
@@ -273,6 +365,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         num_seqs=args.num_seqs,
         seq_len=args.seq_len,
         semantics=args.semantics,
+        progress=args.progress,
     )
     print(report.format_table())
     if args.json:
@@ -302,31 +395,57 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache.demo import run_demo
 
-    run_demo(keep=args.keep)
+    run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
     return 0
+
+
+_MODEL = "a .onnx file or an onnxruntime-genai folder"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-kvcache",
         description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
+        epilog="Every command has --help, with the default of each option.",
+        formatter_class=_HelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    verbose_help = "log what each step does (INFO messages on stderr)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)  # -v also after the command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
+    def command(name: str, summary: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=f"{summary[0].upper()}{summary[1:]}. {description}".strip(),
+            parents=[common],
+            formatter_class=_HelpFormatter,
+        )
+
+    p = command(
         "convert",
-        help="convert a model file or genai folder",
-        description="Convert INPUT (a .onnx file or an onnxruntime-genai folder) to a quantized KV cache. "
+        "convert a model file or genai folder to a quantized KV cache",
         "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
         "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
         "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
     )
-    p.add_argument("input", help="a .onnx file or an onnxruntime-genai folder")
-    p.add_argument("output", nargs="?", help="the new .onnx file (or folder, for a folder INPUT)")
+    p.add_argument("input", metavar="INPUT", help=_MODEL)
+    p.add_argument(
+        "output",
+        metavar="OUTPUT",
+        nargs="?",
+        help="the new .onnx file (a folder, for a folder INPUT); omitted with --in-place",
+    )
     _add_format_args(p, granularity=None)
-    p.add_argument("--scales", help="scale file (onnxruntime-genai format)")
+    p.add_argument(
+        "--scales",
+        metavar="FILE",
+        help="scale file (onnxruntime-genai format; default: none, which fp8 takes as unit scales "
+        "with a warning and int8/int4 refuse)",
+    )
     p.add_argument(
         "--shared-kv-scale",
         action="store_true",
@@ -344,9 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--weights",
         choices=["copy", "link"],
-        help="give OUTPUT its own data files: copy (the default in another folder; a clone where "
-        "the filesystem can, else a copy that keeps holes) or link (hard links: onnx and onnx-ir "
-        "then refuse BOTH models until one is deleted). Beside INPUT, without this, the data is shared",
+        help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
+        "that keeps holes) or link (hard links: onnx and onnx-ir then refuse BOTH models until one is "
+        "deleted) (default: shared beside INPUT, copy in another folder)",
     )
     p.add_argument(
         "--follow-symlinks",
@@ -360,83 +479,139 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace an existing OUTPUT (a previous output, nothing else)",
     )
+    _add_progress_arg(p, "copying data files")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("inspect", help="show the KV cache of a model")
-    p.add_argument("model")
-    p.add_argument("--ep", help="cuda: also show fast-path (XQA) diagnostics")
-    p.add_argument("--context", type=_POSITIVE, help="report cache bytes at this context length")
-    p.add_argument("--batch", type=_POSITIVE, default=1, help="batch size for --context (default 1)")
+    p = command("inspect", "show the KV cache of a model", "Reads the graph only, never a weight.")
+    p.add_argument("model", metavar="MODEL", help=_MODEL)
+    p.add_argument(
+        "--ep",
+        type=str.lower,
+        choices=ep_choices(),
+        help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
+        "runs each layer (default: none, the cache only)",
+    )
+    p.add_argument(
+        "--context",
+        metavar="N",
+        type=_POSITIVE,
+        help="also report the cache bytes at this context length (default: per token only)",
+    )
+    p.add_argument("--batch", metavar="B", type=_POSITIVE, default=1, help="batch size for --context")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("calibrate", help="measure KV-cache scales")
-    p.add_argument("model")
-    p.add_argument("--out", required=True, help="scale file to write (onnxruntime-genai format)")
+    p = command(
+        "calibrate",
+        "measure KV-cache scales",
+        "Runs the unquantized model on CPU over token windows and writes one scale per layer (or "
+        "per channel) for K and V.",
+    )
+    p.add_argument("model", metavar="MODEL", help=f"the unquantized model: {_MODEL}")
+    p.add_argument(
+        "--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"
+    )
     _add_format_args(p)
-    p.add_argument("--method", default="minmax", choices=["minmax", "percentile", "mse"])
+    p.add_argument(
+        "--method", default="minmax", choices=["minmax", "percentile", "mse"], help="threshold rule"
+    )
     p.add_argument(
         "--percentile",
+        metavar="P",
         type=_bounded(float, 0, inclusive=False, high=100),
         default=99.99,
-        help="for --method percentile (default 99.99)",
+        help="for --method percentile",
     )
     _add_data_args(p, "the model's")
-    p.add_argument("--seq-len", type=_POSITIVE, default=512, help="window length (default 512)")
-    p.add_argument("--num-seqs", type=_POSITIVE, help="use at most this many windows (default: all)")
+    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens")
+    p.add_argument(
+        "--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"
+    )
     p.add_argument(
         "--min-tokens",
+        metavar="N",
         type=_NON_NEGATIVE,
         default=256,
-        help="refuse to calibrate on fewer tokens (default 256)",
+        help="refuse to calibrate on fewer tokens",
     )
     p.add_argument(
         "--margin",
+        metavar="M",
         type=_bounded(float, 0, inclusive=False),
         default=1.0,
-        help="multiply thresholds (headroom, default 1.0)",
+        help="headroom: multiply thresholds by this",
     )
-    p.add_argument("--no-rope-envelope", action="store_true", help="raw K thresholds, no RoPE pair norm")
+    p.add_argument(
+        "--no-rope-envelope",
+        dest="rope_envelope",
+        action="store_false",
+        help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
+    )
+    _add_progress_arg(p, "calibration")
     p.set_defaults(func=_calibrate)
 
-    p = sub.add_parser("evaluate", help="compare a converted model with its original")
-    p.add_argument("baseline")
-    p.add_argument("candidate")
+    p = command(
+        "evaluate",
+        "compare a converted model with its original",
+        "Runs both on the same tokens on CPU (quantized caches the CPU cannot run are emulated) and "
+        "reports KL divergence, top-1 and greedy agreement, and the per-layer cache error.",
+    )
+    p.add_argument("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}")
+    p.add_argument("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}")
     _add_data_args(p, "the baseline's")
     p.add_argument(
-        "--max-new-tokens", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare (default 64)"
+        "--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"
     )
-    p.add_argument("--num-seqs", type=_POSITIVE, default=4, help="sequences to evaluate (default 4)")
-    p.add_argument("--seq-len", type=_POSITIVE, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate")
+    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence")
     p.add_argument(
         "--semantics",
         choices=["cuda", "cpu"],
         help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
-        "attended unquantized) or cpu (default: the candidate's target provider)",
+        "attended unquantized) or cpu (default: the rule of the candidate's target provider)",
     )
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--plot", help="write a PNG (per-layer error, KL per position); needs matplotlib")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here (default: none)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also write a PNG (per-layer error, KL per position); needs matplotlib (default: none)",
+    )
+    _add_progress_arg(p, "evaluation")
     p.set_defaults(func=_evaluate)
 
-    p = sub.add_parser(
-        "doctor", help="check the capability table against the installed onnxruntime (exit 1 on disagreement)"
+    p = command(
+        "doctor",
+        "check the capability table against the installed onnxruntime",
+        "Reads its operator schemas and creates a session per provider row and cache; exits 1 when "
+        "anything disagrees.",
     )
     p.add_argument(
         "--provider",
+        metavar="P",
         action="append",
         help="onnxruntime provider to create sessions on (repeatable; default: every one listed)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_doctor)
 
-    p = sub.add_parser("demo", help="convert and evaluate the bundled decoder")
-    p.add_argument("--keep", help="keep the demo models in this folder")
+    p = command(
+        "demo",
+        "convert and evaluate the bundled decoder",
+        "Builds a small 4-layer decoder, calibrates, converts it to every format and granularity, "
+        "evaluates each on CPU and prints one table.",
+    )
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the demo models into this folder and keep them (default: a temporary folder)",
+    )
+    _add_progress_arg(p, "the demo")
     p.set_defaults(func=_demo)
     return parser
 
 
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    print(f"onnx-kvcache: warning: {message}", file=sys.stderr)
+    print(f"onnx-kvcache: warning: {cli_wording(str(message))}", file=sys.stderr)
 
 
 def _silence_stdout() -> None:
@@ -449,13 +624,14 @@ def _silence_stdout() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"onnx-kvcache: error: {message}", file=sys.stderr)
+    print(f"onnx-kvcache: error: {cli_wording(message)}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
     )
     with warnings.catch_warnings(), file_io.signal_handlers():
         warnings.simplefilter("always", KvCacheWarning)

@@ -66,7 +66,7 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
     """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
     if tokenizer is None:
         raise KvCacheError(
-            "Text data needs a tokenizer: pass --tokenizer PATH (a tokenizer.json), use a "
+            "Text data needs a tokenizer: pass tokenizer=PATH (a tokenizer.json), use a "
             "model folder that has one, or give token ids instead."
         )
     try:

@@ -2,19 +2,21 @@
 
 Build the decoder, calibrate scales, convert it to every cache format and
 granularity, evaluate each against the original (fp8 through CPU emulation) and
-print one table.
+print one table: the float32 baseline, then a row per variant, then a legend.
 """
 
 from __future__ import annotations
 
 __all__ = ["DEMO_VARIANTS", "run_demo"]
 
+import os
 import pathlib
 import tempfile
 import time
 from collections.abc import Callable
 
 import onnx_ir as ir
+from tqdm import tqdm
 
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
@@ -33,9 +35,19 @@ DEMO_VARIANTS = (
     ("int4", "per_channel", "mse"),
 )
 
+_HEADER = ("format", "granularity", "calib", "kernel rule", "B/token", "KL mean", "KL max", "top-1", "greedy")
 
-def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> list[EvaluationReport]:
-    """Run the demo; models are written to ``keep`` or a temporary folder."""
+#: Greedy tokens each evaluation generates and compares.
+_NEW_TOKENS = 32
+
+
+def run_demo(
+    keep: str | os.PathLike | None = None, echo: Callable[[str], None] = print, *, progress: bool = True
+) -> list[EvaluationReport]:
+    """Run the demo; models are written to ``keep`` or a temporary folder.
+
+    ``progress``: one progress bar on a terminal, cleared before the table is printed.
+    """
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnx-kvcache-demo-") as tmp:
         folder = pathlib.Path(keep or tmp)
@@ -43,34 +55,29 @@ def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> li
         baseline = folder / "model.onnx"
         ir.save(build_decoder(), baseline)
         info = inspect_kv_cache(ir.load(baseline))
-        echo(
-            f"demo decoder: {len(info.layers)} GQA layers, float32 cache "
-            f"{info.bytes_per_token:g} bytes/token -> {baseline}"
-        )
+        where = f"in {folder}" if keep else "in a temporary folder (keep=DIR keeps them)"
+        echo(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models {where}")
         corpus = [corpus_byte_ids()]  # what the decoder's byte-level tokenizer makes of the corpus
-        rows = [
-            (
-                "format",
-                "granularity",
-                "calib",
-                "kernel rule",
-                "B/token",
-                "KL mean",
-                "KL max",
-                "top-1",
-                "greedy",
-            )
-        ]
+        rows = [_HEADER, ("float32", "-", "-", "cpu (native)", f"{info.bytes_per_token:g}", *"----")]
         reports = []
-        for fmt, granularity, method in DEMO_VARIANTS:
+        bar = tqdm(DEMO_VARIANTS, desc="demo", unit="model", leave=False, disable=None if progress else True)
+        for fmt, granularity, method in bar:
+            bar.set_postfix_str(f"{fmt} {granularity}")
             scales = calibrate_kv_cache(
                 baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
             )
             out = folder / f"model.{fmt}.{granularity}.onnx"
             convert_model(
-                baseline, out, format=fmt, granularity=granularity, scales=scales, overwrite=True, ep=None
-            )  # ep=None: fp8 of a float32 model, for evaluation through CPU emulation
-            report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=32)
+                baseline,
+                out,
+                format=fmt,
+                granularity=granularity,
+                scales=scales,
+                overwrite=True,
+                ep=None,  # fp8 of a float32 model, for evaluation through CPU emulation
+                progress=False,
+            )
+            report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=_NEW_TOKENS, progress=False)
             reports.append(report)
             rows.append(
                 (
@@ -85,14 +92,19 @@ def run_demo(keep: str | None = None, echo: Callable[[str], None] = print) -> li
                     f"{report.greedy_match_share:.1%}",
                 )
             )
+        bar.close()  # cleared: nothing is left above the table
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         echo("")
         for row in rows:
             echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         echo("")
         echo(
-            f"calibrated and evaluated on the built-in corpus (byte-level ids); "
-            f"{reports[0].positions} teacher-forced positions each"
+            f"B/token: cache bytes per token; KL mean/max, top-1: next token vs float32 over "
+            f"{reports[0].positions} positions; greedy: share of {_NEW_TOKENS} greedy tokens matching"
         )
-        echo(f"done in {time.perf_counter() - start:.1f}s" + (f"; models kept in {folder}" if keep else ""))
+        echo(
+            "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated); calibrated and "
+            "evaluated on the built-in corpus (byte-level ids)"
+        )
+        echo(f"done in {time.perf_counter() - start:.1f}s")
     return reports

@@ -179,7 +179,7 @@ def evaluate_kv_cache(
     if not any(len(w) - min(prompt_len, max(1, len(w) // 2)) >= 2 for w in windows):
         raise KvCacheError(
             f"The sequences ({max(len(w) for w in windows)} tokens at most) leave no decode step after "
-            f"a prompt of up to {prompt_len}: use longer sequences (--seq-len)."
+            f"a prompt of up to {prompt_len}: use longer sequences (seq_len=N)."
         )
     kls: list[np.ndarray] = []
     prompt_kls: list[np.ndarray] = []

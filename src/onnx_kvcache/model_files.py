@@ -158,9 +158,11 @@ def _plan(
         if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
             source.folder or source.graph
         ):
-            raise KvCacheError("Give either an output path or --in-place (in_place=True), not both.")
+            raise KvCacheError("Give either an output path or in_place=True, not both.")
         if weights is not None:
-            raise KvCacheError("--in-place keeps the data files where they are; --weights does not apply.")
+            raise KvCacheError(
+                "in_place=True keeps the data files where they are; weights=MODE does not apply."
+            )
         for path in (source.graph, source.config_path):
             if path is not None and path.is_symlink():
                 raise KvCacheError(
@@ -175,7 +177,7 @@ def _plan(
             )
         return _Plan("in-place", source.folder or source.graph, "share")
     if out_path is None:
-        raise KvCacheError("Give an output path, or --in-place (in_place=True) to rewrite the input.")
+        raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
     out_real = _real(out)
     root_real = pathlib.Path(os.path.realpath(source.root))
@@ -184,7 +186,7 @@ def _plan(
 
     if source.folder is not None:
         if out_real == root_real:
-            raise KvCacheError(f"Output {out} is the input; use --in-place (in_place=True) to rewrite it.")
+            raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
         if _is_within(out_real, root_real):
             raise KvCacheError(
                 f"Output {out} is inside the input folder {source.folder}; choose another path."
@@ -206,7 +208,7 @@ def _plan(
             if not out.is_dir():
                 raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
             if not overwrite:
-                raise KvCacheError(f"Output {out} exists; pass --overwrite (overwrite=True) to replace it.")
+                raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
             if not ((out / GENAI_CONFIG).is_file() or any(out.glob("*.onnx"))):
                 raise KvCacheError(
                     f"Output {out} exists and is not a model folder (no {GENAI_CONFIG}, no .onnx file); "
@@ -223,7 +225,7 @@ def _plan(
             if out_real == pathlib.Path(os.path.realpath(source.graph))
             else "a file the input uses"
         )
-        fix = "; use --in-place (in_place=True) to rewrite it" if what == "the input" else ""
+        fix = "; use in_place=True to rewrite it" if what == "the input" else ""
         raise KvCacheError(f"Output {out} is {what}{fix}.")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         raise KvCacheError(
@@ -237,7 +239,7 @@ def _plan(
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
     if os.path.lexists(out):
         if not overwrite:
-            raise KvCacheError(f"Output {out} exists; pass --overwrite (overwrite=True) to replace it.")
+            raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
         if not out.is_file():
             raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
         plan.replace = True
@@ -329,7 +331,7 @@ class ConvertResult:
     target: str | None = None
     """The provider gated on; ``None`` when gating was skipped (``ep=None``)."""
     target_source: str = ""
-    """How the target was chosen: ``--ep``, or what it was inferred from."""
+    """How the target was chosen: ``given`` (``ep=``), or ``assumed: ...`` what it was inferred from."""
     placement: str = ""
     """``beside``, ``elsewhere``, ``folder`` or ``in-place``."""
     weights: str = ""
@@ -453,7 +455,7 @@ def convert_model(
         target, why = infer_target(model, source.config)
         result.target_source = f"assumed: {why}"
     elif ep is not None:
-        target, result.target_source = ep.lower(), "--ep"
+        target, result.target_source = ep.lower(), "given"
     result.target = target if ep is not None else None
     if ep is not None:
         reasons = _gate(model, target, fmt.name, granularity, check_device)
@@ -495,7 +497,7 @@ def convert_model(
     if linked and plan.weights != "link":
         warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "--weights link?): onnx and onnx-ir refuse them until the other link is deleted."
+            "weights='link'?): onnx and onnx-ir refuse them until the other link is deleted."
         )
 
     if plan.placement == "in-place":

@@ -612,7 +612,7 @@ class KvCacheRunner:
         if self.max_positions is not None and self.length + ids.shape[1] > self.max_positions:
             raise KvCacheError(
                 f"{self.length + ids.shape[1]} tokens exceed the {self.max_positions} positions the "
-                "model's rotary tables cover; use shorter sequences (--seq-len) or fewer new tokens."
+                "model's rotary tables cover; use shorter sequences or fewer new tokens."
             )
         if self.pool is not None:
             logits = self._run(self._paged_feeds(list(ids)))

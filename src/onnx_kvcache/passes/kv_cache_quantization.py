@@ -148,7 +148,7 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         if scales is None and any(not p.done for p in plans):
             warn(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
-                "Calibrated scales are more accurate (onnx-kvcache calibrate)."
+                "Calibrated scales are more accurate (calibrate_kv_cache())."
             )
         if self.shared_kv_scale:
             _warn_if_shared_scale_coarsens(plans)
@@ -217,8 +217,8 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         if scales is None and not done and not self.format.is_float:
             raise KvCacheError(
                 f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
-                "meaningless for integer formats. Pass scales (a scale file or "
-                "{layer_id: (k, v)}), or measure them with `onnx-kvcache calibrate`."
+                "meaningless for integer formats. Pass scales=PATH (a scale file), or measure them "
+                "with calibrate_kv_cache()."
             )
         symbolic = any(
             v.shape is not None and len(v.shape) == 4 and not isinstance(v.shape[3], int)
@@ -241,9 +241,9 @@ class KvCacheQuantizationPass(ir.passes.InPlacePass):
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             if not per_tensor and k.size == 1:
-                hint = "These scales are per tensor: convert per_tensor (--granularity per_tensor)."
+                hint = "These scales are per tensor: convert with granularity='per_tensor'."
             elif per_tensor:
-                hint = "These scales are per channel: convert per_channel (--granularity per_channel)."
+                hint = "These scales are per channel: convert with granularity='per_channel'."
             else:
                 hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCacheError(
