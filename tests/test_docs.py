@@ -548,3 +548,14 @@ def test_the_readme_command_table_lists_every_option():
             listed = set(OPTION.findall(rows[name]))
             missing = {o for o in options - listed if o.startswith("--")} - {"--help", "--verbose"}
             assert not missing, f"README's row for {name} does not list {sorted(missing)}"
+
+
+def test_the_module_map_lists_every_module():
+    """docs/index.md's "Where things live" names each module of the package once."""
+    text = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    section = text.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`((?:passes/)?[\w]+\.py)`", section))
+    package = ROOT / "src" / "onnx_kvcache"
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py")} - {"passes/__init__.py"}
+    assert named >= modules, f"not in the module map: {sorted(modules - named)}"
+    assert named <= modules, f"in the module map but not in the package: {sorted(named - modules)}"
