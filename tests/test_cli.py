@@ -396,7 +396,7 @@ def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_
     assert main(["convert", str(model_file), str(out), "--format", "fp8"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cpu")
-    assert "assumed: a float32 model" in err and "--ep" in err and "cpu: int8, int4" in err
+    assert "(assumed: a float32 model; --ep to choose)" in err and "cpu runs --format int8 or int4" in err
     assert not out.exists()
     assert main(["convert", str(fp16_model_file), str(out), "--format", "fp8"]) == 0
     stdout = capsys.readouterr().out
@@ -432,7 +432,8 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     scales = str(scale_file(tmp_path))
     assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 1
     err = capsys.readouterr().err
-    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda')" in err and "FLOAT" in err
+    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda'; --ep to choose)" in err
+    assert "FLOAT" in err and "Fix: --ep cpu or openvino runs int8, if the model will run there" in err
 
 
 def test_ep_takes_the_providers_of_the_capability_table(monkeypatch, capsys):
@@ -631,4 +632,27 @@ def test_paged_genai_folder_converts_inspects_and_gates(tmp_path, capsys):
     assert (
         main(["convert", str(folder), str(tmp_path / "i4"), "--format", "int4", "--scales", str(scales)]) == 0
     )
-    assert "int4 KV-cache option" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("int4 KV-cache option") == 1  # said once
+
+
+@pytest.mark.parametrize(
+    ("option", "name", "message"),
+    [
+        ("--text", "ids.json", "would be read as token ids; give it as --token-ids"),
+        ("--text", "ids.npy", "would be read as token ids"),
+        ("--token-ids", "words.txt", "give text as --text"),
+    ],
+)
+@pytest.mark.parametrize("command", ["calibrate", "evaluate"])
+def test_the_data_option_says_what_the_file_is(tmp_path, model_file, capsys, option, name, message, command):
+    (tmp_path / name).write_text("[1, 2, 3]")
+    models = (
+        [str(model_file), "--out", str(tmp_path / "s.json")]
+        if command == "calibrate"
+        else [str(model_file)] * 2
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *models, option, str(tmp_path / name)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()

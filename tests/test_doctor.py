@@ -11,6 +11,7 @@ import pytest
 from onnx_kvcache import doctor
 from onnx_kvcache.capabilities import CAPABILITIES, FormatSupport
 from onnx_kvcache.cli import main
+from onnx_kvcache.errors import KvCacheError
 
 pytest.importorskip("onnxruntime")
 
@@ -50,10 +51,24 @@ def test_absent_providers_are_schema_only(report):
     assert "PagedAttention on cuda (14 caches" in text and "0 disagrees" in text
 
 
-def test_a_provider_this_build_lacks_is_named():
-    found = doctor.run_doctor(["CUDAExecutionProvider"])
-    assert found.providers == () and "not in this onnxruntime build" in found.absent[0]
+@pytest.mark.parametrize("name", ["CUDAExecutionProvider", "cuda", "gpu"])
+def test_a_provider_this_build_lacks_is_named(name):
+    found = doctor.run_doctor([name])
+    assert found.providers == () and found.absent[0].startswith("CUDAExecutionProvider: not in this")
     assert {r.verdict for r in found.rows} == {"schema only"}
+
+
+@pytest.mark.parametrize("name", ["cpu", "CPU", "CPUExecutionProvider"])
+def test_providers_are_named_as_in_the_table_or_as_onnxruntime_does(name):
+    assert doctor.run_doctor([name]).providers == ("CPUExecutionProvider",)
+
+
+def test_an_unknown_provider_is_an_error(capsys):
+    with pytest.raises(KvCacheError, match=r"Unknown execution provider 'tpu'.*cpu, cuda"):
+        doctor.run_doctor(["tpu"])
+    assert main(["doctor", "--provider", "tpu"]) == 2
+    assert main(["doctor", "--provider", "cpu", "--provider", "cuda"]) == 1  # asked for, not checked
+    assert "no session checks on CUDAExecutionProvider" in capsys.readouterr().err
 
 
 def test_a_wrong_row_is_reported_as_a_disagreement(monkeypatch):

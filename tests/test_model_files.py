@@ -909,3 +909,23 @@ def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, sh
     out = tmp_path / ep
     convert_model(folder, out, format="int8", scales={0: (0.1, 0.05), 1: (0.1, 0.05)}, ep=ep)
     assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is share
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"format": "fp8"}, "KV cache not converted to fp8 per_tensor for cpu: cpu has no"),
+        ({"format": "fp8", "ep": "cuda"}, "cuda's GroupQueryAttention takes queries of"),
+    ],
+)
+def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_path, kwargs, reason):
+    from onnx_kvcache import NotConvertedWarning, build_decoder
+
+    source = tmp_path / "m.onnx"
+    ir.save(build_decoder(num_layers=1), source)  # float32: the CPU's, and no fp8 there
+    with pytest.warns(NotConvertedWarning, match=reason):
+        result = convert_model(source, tmp_path / "o.onnx", **kwargs)
+    assert not result.converted and reason.split(": ")[-1] in " ".join(result.reasons)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    with pytest.raises(KvCacheError, match=reason):
+        convert_model(source, tmp_path / "o.onnx", strict=True, **kwargs)

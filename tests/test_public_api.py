@@ -58,6 +58,8 @@ def test_every_error_and_warning_the_library_raises_is_exported():
 def test_every_pass_is_exported():
     defined = set()
     for module in pkgutil.iter_modules(passes.__path__):
+        if module.name.startswith("_"):
+            continue
         mod = importlib.import_module(f"{passes.__name__}.{module.name}")
         defined |= {
             obj
@@ -73,3 +75,45 @@ def test_optimize_model_returns_the_model_it_was_given():
     scales = {0: (0.5, 0.5)}
     assert onnx_kvcache.optimize_model(model, kv_cache_format="int8", kv_cache_scales=scales) is model
     assert typing.get_type_hints(onnx_kvcache.optimize_model)["return"] is ir.Model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "model.onnx"
+    model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
+    onnx_kvcache.optimize_model(
+        model, fp8_kv_cache=True, execution_provider=None, kv_cache_scales={0: (0.5, 0.5)}
+    )
+    ir.save(model, path)
+    return path
+
+
+READERS = {
+    "inspect_kv_cache": lambda m: onnx_kvcache.inspect_kv_cache(m).layers[0].dtype,
+    "check_kv_cache_support": lambda m: onnx_kvcache.check_kv_cache_support(m, "cuda", "fp8").supported,
+    "fast_path_diagnostics": lambda m: len(onnx_kvcache.fast_path_diagnostics(m)),
+    "emulate_kv_cache": lambda m: onnx_kvcache.emulate_kv_cache(m).graph.num_nodes() > 0,
+    "emulate_fp8_kv_cache": lambda m: onnx_kvcache.emulate_fp8_kv_cache(m).graph.num_nodes() > 0,
+}
+
+
+@pytest.mark.parametrize("function", list(READERS))
+def test_functions_that_read_a_model_take_it_in_memory_as_a_proto_or_as_a_path(function, model_path):
+    import onnx
+
+    read = READERS[function]
+    expected = read(ir.load(model_path))
+    assert read(onnx.load(model_path, load_external_data=False)) == expected
+    assert read(model_path) == read(str(model_path)) == expected
+    with pytest.raises(onnx_kvcache.KvCacheError, match="Expected a model"):
+        read(42)
+
+
+@pytest.mark.parametrize("name", passes.__all__)
+def test_a_pass_given_something_else_than_an_ir_model_says_so(name, model_path):
+    import onnx
+
+    pass_ = getattr(passes, name)(*(["int8"] if name == "KvCacheQuantizationPass" else []))
+    for wrong in (str(model_path), onnx.load(model_path, load_external_data=False)):
+        with pytest.raises(onnx_kvcache.KvCacheError, match=f"{name} takes an onnx_ir.Model.*onnx_ir.load"):
+            pass_(wrong)

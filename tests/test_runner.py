@@ -374,3 +374,23 @@ def test_layers_with_their_own_block_table_are_refused():
     node.replace_input_with(7, windowed)
     with pytest.raises(KvCacheError, match="windowed paged layers"):
         KvCacheRunner(paged)
+
+
+@pytest.mark.parametrize(
+    ("provider", "hint"),
+    [
+        ("CUDAExecutionProvider", "install onnxruntime-gpu"),
+        ("TpuExecutionProvider", "give one of those"),
+        (("TensorrtExecutionProvider", {}), "give one of those"),
+    ],
+)
+def test_a_provider_onnxruntime_lacks_is_an_error_not_a_fallback(provider, hint):
+    with pytest.raises(KvCacheError, match=f"is not available here.*CPUExecutionProvider.*{hint}"):
+        KvCacheRunner(build_decoder(num_layers=1), providers=[provider])
+
+
+def test_generate_refuses_a_negative_token_count():
+    runner = KvCacheRunner(build_decoder(num_layers=1))
+    assert runner.generate([1, 2, 3], 0) == []
+    with pytest.raises(KvCacheError, match="max_new_tokens must be >= 0, got -1"):
+        runner.generate([1, 2, 3], -1)

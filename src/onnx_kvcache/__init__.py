@@ -71,6 +71,7 @@ __all__ = [
     "KvCachePreconditionError",
     "KvCacheWarning",
     "MissingRuntimeError",
+    "NotConvertedWarning",
 ]
 
 from onnx_kvcache._version import __version__ as __version__
@@ -102,6 +103,7 @@ from onnx_kvcache.errors import (
     KvCachePreconditionError,
     KvCacheWarning,
     MissingRuntimeError,
+    NotConvertedWarning,
 )
 from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
 from onnx_kvcache.formats import (

@@ -30,6 +30,7 @@ __all__ = [
     "GqaOutput",
     "PagedInput",
     "PagedOutput",
+    "get_op",
     "op_of",
 ]
 
@@ -40,6 +41,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 
 
@@ -286,6 +288,17 @@ PAGED = AttentionOp(
 
 #: Every operator the library handles, by op type.
 ATTENTION_OPS: dict[str, AttentionOp] = {row.op_type: row for row in (GQA, PAGED)}
+
+
+def get_op(op: str | AttentionOp) -> AttentionOp:
+    """The row for ``op``: a row, an op type (``PagedAttention``) or a short name (``paged``)."""
+    if isinstance(op, AttentionOp):
+        return op
+    for row in ATTENTION_OPS.values():
+        if op in (row.op_type, row.name):
+            return row
+    names = ", ".join(f"{row.op_type} ({row.name})" for row in ATTENTION_OPS.values())
+    raise KvCacheError(f"Unknown attention operator {op!r}; known: {names}.")
 
 
 def op_of(node: ir.Node) -> AttentionOp | None:

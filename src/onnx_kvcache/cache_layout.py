@@ -7,9 +7,8 @@ __all__ = ["CacheLayerInfo", "CacheModelInfo", "format_cache_table", "inspect_kv
 import dataclasses
 from typing import Any
 
-import onnx_ir as ir
-
 from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites
+from onnx_kvcache.model_source import ModelLike, as_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +106,9 @@ def _layer_info(site: AttentionSite) -> CacheLayerInfo:
     )
 
 
-def inspect_kv_cache(model: ir.Model) -> CacheModelInfo:
+def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
     """Read the cache layout of every attention layer from the graph (no weights are read)."""
+    model = as_model(model)
     seen: set[int] = set()
     layers = []
     for site in find_attention_sites(model):

@@ -38,10 +38,11 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache._runtime import installed_ort_version, installed_version
-from onnx_kvcache.attention_ops import ATTENTION_OPS, GQA, PAGED, AttentionOp
+from onnx_kvcache.attention_ops import GQA, PAGED, AttentionOp, get_op
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
 from onnx_kvcache.genai_folder import provider_names
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
+from onnx_kvcache.model_source import ModelLike, as_model
 
 _BOTH = frozenset({"per_tensor", "per_channel"})
 
@@ -216,11 +217,11 @@ _ALIASES = {row.provider.lower(): name for name, row in EP_CAPABILITIES.items() 
 _ALIASES |= {"directml": "dml", "gpu": "cuda"}
 
 
-def get_capabilities(ep: str, op: str | AttentionOp = GQA) -> EpCapabilities:
+def get_capabilities(ep: str, op: str | AttentionOp = "GroupQueryAttention") -> EpCapabilities:
     """The row for ``ep`` (``cpu``, ``CUDAExecutionProvider``, ...) and the attention operator
     ``op`` (a row of :data:`~onnx_kvcache.attention_ops.ATTENTION_OPS` or its op type;
     GroupQueryAttention by default); unknown providers -> ``default``."""
-    table = CAPABILITIES[op.op_type if isinstance(op, AttentionOp) else ATTENTION_OPS[op].op_type]
+    table = CAPABILITIES[get_op(op).op_type]
     key = str(ep).lower()
     key = _ALIASES.get(key, key)
     return table.get(key, table["default"])
@@ -324,14 +325,14 @@ def _format_reasons(
 
 
 def check_kv_cache_support(
-    model: ir.Model | None,
+    model: ModelLike | None,
     ep: str,
     format: str | None,
     granularity: str = "per_tensor",
     *,
     runtime_version: str | None = None,
     compute_capability: tuple[int, int] | None = None,
-    op: str | AttentionOp = GQA,
+    op: str | AttentionOp = "GroupQueryAttention",
 ) -> SupportReport:
     """Check every requirement of a quantized cache on ``ep``; one reason per failure.
 
@@ -343,8 +344,8 @@ def check_kv_cache_support(
     """
     fmt = get_format(format) if format is not None else None
     granularity = get_granularity(granularity)
-    sites = find_attention_sites(model) if model is not None else []
-    ops = _ops_in(sites) or [op if isinstance(op, AttentionOp) else ATTENTION_OPS[op]]
+    sites = find_attention_sites(as_model(model)) if model is not None else []
+    ops = _ops_in(sites) or [get_op(op)]
     reasons: list[str] = []
     warnings: list[str] = []
     name = get_capabilities(ep, ops[0]).name
@@ -471,7 +472,7 @@ def _shares_buffer(site: AttentionSite) -> bool:
 
 
 def fast_path_diagnostics(
-    model: ir.Model,
+    model: ModelLike,
     *,
     ort_version: str | None = None,
     share_buffer: bool | None = None,
@@ -488,7 +489,7 @@ def fast_path_diagnostics(
     """
     version = ort_version if ort_version is not None else installed_ort_version()
     reports = []
-    for site in find_attention_sites(model):
+    for site in find_attention_sites(as_model(model)):
         rule = FAST_PATHS[site.op.op_type]
         reasons = []
         fmt = site.cache_format

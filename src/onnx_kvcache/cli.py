@@ -21,13 +21,17 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache._file_io import atomic_write_text, format_bytes
 from onnx_kvcache._version import __version__
-from onnx_kvcache.capabilities import EP_CAPABILITIES, get_capabilities
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
+from onnx_kvcache.capabilities import EP_CAPABILITIES
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+
+if TYPE_CHECKING:
+    from onnx_kvcache.model_files import ConvertResult
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -93,16 +97,39 @@ def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_
     )
 
 
+_IDS_SUFFIXES = (".json", ".npy")
+
+
+def _text_file(value: str) -> str:
+    """A text file; ``.json``/``.npy`` files are read as token ids, so they are refused here."""
+    if pathlib.Path(value).suffix in _IDS_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{value} would be read as token ids; give it as --token-ids")
+    return value
+
+
+def _ids_file(value: str) -> str:
+    if pathlib.Path(value).suffix not in _IDS_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"{value}: token ids come in a .json (a list of ids, or of lists) or .npy file; "
+            "give text as --text"
+        )
+    return value
+
+
 def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
     data = p.add_mutually_exclusive_group()
     data.add_argument(
         "--text",
+        type=_text_file,
         metavar="FILE",
         help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
         "corpus with that tokenizer, else seeded random token ids)",
     )
     data.add_argument(
-        "--token-ids", metavar="FILE", help="token ids: JSON list(s) or .npy (default: as for --text)"
+        "--token-ids",
+        type=_ids_file,
+        metavar="FILE",
+        help="token ids: a .json file (a list of ids, or of lists) or .npy (default: as for --text)",
     )
     p.add_argument(
         "--tokenizer",
@@ -172,6 +199,29 @@ def cli_wording(message: str) -> str:
     return _PYTHON_ARGUMENT.sub(option, message)
 
 
+def _convert_fixes(model_path: str, result: ConvertResult) -> str:
+    """What would convert ``model_path``: the providers that run the format, the formats the
+    target runs (read from the graph; none when neither helps)."""
+    from onnx_kvcache.capabilities import check_kv_cache_support
+    from onnx_kvcache.model_source import load_model
+
+    if any(r.startswith("check_device") for r in result.reasons):
+        return ""
+    model = load_model(model_path)
+
+    def runs(ep: str, fmt: str) -> bool:
+        return check_kv_cache_support(model, ep, fmt, result.granularity).supported
+
+    fixes = []
+    providers = [ep for ep in ep_choices() if ep != result.target and runs(ep, result.format)]
+    if providers:
+        fixes.append(f"--ep {' or '.join(providers)} runs {result.format}, if the model will run there")
+    formats = [f for f in CACHE_FORMATS if f != result.format and runs(result.target or "", f)]
+    if formats:
+        fixes.append(f"{result.target} runs --format {' or '.join(formats)}")
+    return f" Fix: {'; '.join(fixes)}." if fixes else ""
+
+
 def _describe_os_error(e: OSError) -> str:
     text = e.strerror or str(e)
     if e.filename is not None:
@@ -187,21 +237,23 @@ def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
     try:
-        result = convert_model(
-            args.input,
-            args.output,
-            format=args.format,
-            granularity=args.granularity,
-            scales=args.scales,
-            shared_kv_scale=args.shared_kv_scale,
-            weights=args.weights,
-            in_place=args.in_place,
-            overwrite=args.overwrite,
-            ep=args.ep or "auto",
-            check_device=args.check_device,
-            follow_symlinks=args.follow_symlinks,
-            progress=None if args.progress else False,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotConvertedWarning)  # said below, with the fixes
+            result = convert_model(
+                args.input,
+                args.output,
+                format=args.format,
+                granularity=args.granularity,
+                scales=args.scales,
+                shared_kv_scale=args.shared_kv_scale,
+                weights=args.weights,
+                in_place=args.in_place,
+                overwrite=args.overwrite,
+                ep=args.ep or "auto",
+                check_device=args.check_device,
+                follow_symlinks=args.follow_symlinks,
+                progress=None if args.progress else False,
+            )
     except OSError as e:
         raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
     except file_io.Interrupted as e:
@@ -211,11 +263,8 @@ def _convert(args: argparse.Namespace) -> int:
     if not result.converted:
         line = cli_wording(" ".join(result.reasons))
         if result.target is not None:
-            runs = list(get_capabilities(result.target).formats)
-            fix = f"Fix: name the target with --ep ({', '.join(ep_choices())})"
-            if result.format not in runs and runs:  # another format helps only then
-                fix += f", or a --format it runs ({result.target}: {', '.join(runs)})"
-            line = f"for {result.target} ({source}): {line} {fix}."
+            chosen = source if source == "--ep" else f"{source}; --ep to choose"
+            line = f"for {result.target} ({chosen}): {line}{_convert_fixes(args.input, result)}"
         print(
             f"onnx-kvcache: not converted {line}"
             if result.target
@@ -389,6 +438,10 @@ def _doctor(args: argparse.Namespace) -> int:
         print(
             f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
         )
+    if args.provider and report.absent:  # asked for by name, not checked with a session
+        for absent in report.absent:
+            print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
+        return 1
     return 1 if report.disagreements else 0
 
 
@@ -589,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--provider",
         metavar="P",
         action="append",
-        help="onnxruntime provider to create sessions on (repeatable; default: every one listed)",
+        help="provider to create sessions on: a table row (cpu, cuda, ...) or onnxruntime's name "
+        "(repeatable; default: every one this onnxruntime lists); exits 1 when one is not present",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_doctor)

@@ -38,9 +38,9 @@ import onnx_ir as ir
 
 from onnx_kvcache._runtime import create_session, import_onnxruntime, installed_ort_version
 from onnx_kvcache.attention_ops import ATTENTION_OPS, PAGED, AttentionOp
-from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities
+from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities, get_capabilities
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheWarning
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 
@@ -317,11 +317,31 @@ def _session(model: ir.Model, provider: str) -> tuple[str, str]:
     return "created", ""
 
 
+def _onnxruntime_names(requested: Sequence[str]) -> list[str]:
+    """onnxruntime's names for ``requested``: table row names (``cpu``, ``cuda``) or its own."""
+    ort = import_onnxruntime()
+    known = set(ort.get_all_providers())
+    names = []
+    for name in requested:
+        row = get_capabilities(name)
+        if row.name != "default" and row.provider:
+            names.append(row.provider)
+        elif name in known:
+            names.append(name)
+        else:
+            rows = sorted({r.name for t in CAPABILITIES.values() for r in t.values() if r.provider})
+            raise KvCacheError(
+                f"Unknown execution provider {name!r}: give a row name ({', '.join(rows)}) or an "
+                "onnxruntime provider name (CPUExecutionProvider, CUDAExecutionProvider, ...)."
+            )
+    return list(dict.fromkeys(names))
+
+
 def _present_providers(requested: Sequence[str] | None) -> tuple[list[str], list[str]]:
     ort = import_onnxruntime()
     available = list(ort.get_available_providers())
     present, absent = [], []
-    for name in requested or available:
+    for name in _onnxruntime_names(requested) if requested else available:
         if name not in available:
             absent.append(f"{name}: not in this onnxruntime build")
         elif name == "CUDAExecutionProvider" and cuda_compute_capability() is None:
@@ -358,8 +378,8 @@ def _query_dtype(row: EpCapabilities) -> ir.DataType:
 def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
     """Check schemas and every onnxruntime provider row on this machine; see the module.
 
-    ``providers`` limits the session checks to those onnxruntime provider names (default:
-    every provider this onnxruntime lists).
+    ``providers`` limits the session checks to those providers: table row names (``cpu``,
+    ``cuda``) or onnxruntime's names (default: every provider this onnxruntime lists).
     """
     present, absent = _present_providers(providers)
     schemas = check_schemas()

@@ -166,10 +166,9 @@ def evaluate_kv_cache(
             "Baseline and candidate differ in their KV caches (layers, heads, windows) or vocabulary; "
             "compare a model with its own conversion."
         )
-    source = data if data is not None else (baseline if not isinstance(baseline, ir.Model) else None)
     loaded = load_token_windows(
         data,
-        model=source,
+        model=baseline if not isinstance(baseline, ir.Model) else None,  # its folder's tokenizer
         seq_len=seq_len,
         num_seqs=num_seqs,
         tokenizer=tokenizer,

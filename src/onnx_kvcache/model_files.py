@@ -42,13 +42,13 @@ from onnx_kvcache.capabilities import (
     infer_target,
 )
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheError, warn
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import CACHE_FORMATS, get_format
 from onnx_kvcache.genai_folder import GENAI_CONFIG, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
-from onnx_kvcache.optimize import optimize_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.scales import as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -399,10 +399,11 @@ def convert_model(
     ``ep`` is where the model will run. ``"auto"`` (default) infers it
     (:func:`~onnx_kvcache.capabilities.infer_target`: a genai folder's provider, ``cpu``
     when its config names none; a model file's dtype, float32 -> ``cpu``, fp16/bf16 -> ``cuda``).
-    When the target cannot run the result nothing is written and the result says why
-    (``strict`` raises instead). ``None`` skips gating (e.g. to evaluate fp8 numerics of
-    a float32 model through emulation). A model without GroupQueryAttention is first
-    fused (onnxscript); without any after fusion it is not converted. A genai folder's
+    When the target cannot run the result nothing is written: a :class:`NotConvertedWarning`
+    and the result's ``converted``/``reasons`` say why (``strict`` raises instead). ``None``
+    skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
+    model without GroupQueryAttention is first fused (onnxscript); without any after fusion
+    it is not converted. A genai folder's
     ``search.past_present_share_buffer`` follows the target. ``granularity`` defaults
     to the scales' own, else per tensor; ``format`` to the format the scales were made for
     (their ``format``, else their ``qmax``), else fp8. ``follow_symlinks`` accepts input files that
@@ -450,6 +451,7 @@ def convert_model(
         result.reasons = [refusal]
         if strict:
             raise KvCacheError(refusal)
+        warn(f"Not converted: {refusal}", NotConvertedWarning)
         return result
     if ep == "auto":
         target, why = infer_target(model, source.config)
@@ -462,20 +464,12 @@ def convert_model(
         if reasons:
             result.converted = False
             result.reasons = reasons
+            message = f"KV cache not converted to {fmt.name} {granularity} for {target}: " + " ".join(reasons)
             if strict:
-                raise KvCacheError(
-                    f"KV cache not converted to {fmt.name} {granularity} for {target}: " + " ".join(reasons)
-                )
+                raise KvCacheError(message)
+            warn(message, NotConvertedWarning)
             return result
-    optimize_model(
-        model,
-        execution_provider=None,
-        kv_cache_format=fmt.name,
-        kv_cache_granularity=granularity,
-        kv_cache_scales=scales,
-        shared_kv_scale=shared_kv_scale,
-        fuse_attention=False,
-    )
+    KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
     for site in find_attention_sites(model):
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
@@ -515,7 +509,10 @@ def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device
     report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
     reasons = list(report.reasons)
     if check_device and capability is None and report.ep == "cuda":
-        reasons.append("check_device: no CUDA GPU found on this machine.")
+        reasons.append(
+            "check_device=True: no CUDA GPU found on this machine (without it, the check is "
+            "left to the GPU that runs the model)."
+        )
     if reasons and get_capabilities(target).name == "default":
         reasons.insert(0, f"{target!r} is not a provider onnx-kvcache knows.")
     return reasons

@@ -8,7 +8,15 @@ are never read: ``onnx_ir`` loads external tensors lazily.
 
 from __future__ import annotations
 
-__all__ = ["DataFile", "ModelSource", "external_data_files", "load_model", "open_model_source"]
+__all__ = [
+    "DataFile",
+    "ModelLike",
+    "ModelSource",
+    "as_model",
+    "external_data_files",
+    "load_model",
+    "open_model_source",
+]
 
 import dataclasses
 import os
@@ -17,6 +25,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 
 from onnx_kvcache import _file_io as file_io
@@ -138,6 +147,24 @@ def load_model(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ir.
     folder = pathlib.Path(os.path.abspath(model_file.parent))
     _external_data(model, folder, folder, follow_symlinks)
     return model
+
+
+#: What the library's functions take as a model: in memory, as a proto, or on disk.
+ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
+
+
+def as_model(model: ModelLike) -> ir.Model:
+    """``model`` as an ``ir.Model``: the same object, converted from a proto, or loaded."""
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(model)
+    raise KvCacheError(
+        f"Expected a model (onnx_ir.Model, onnx.ModelProto, or the path of a .onnx file or "
+        f"onnxruntime-genai folder), got {type(model).__name__}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

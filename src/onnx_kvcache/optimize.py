@@ -11,10 +11,8 @@ from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
-import os
 from typing import Literal
 
-import onnx
 import onnx_ir as ir
 
 from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings
@@ -22,18 +20,10 @@ from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
-from onnx_kvcache.model_source import load_model
+from onnx_kvcache.model_source import ModelLike, as_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales
-
-
-def _as_ir(model: ir.Model | onnx.ModelProto | str | os.PathLike) -> ir.Model:
-    if isinstance(model, ir.Model):
-        return model
-    if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(model)
-    return load_model(model)
 
 
 def _fuse_where_it_runs(
@@ -56,7 +46,7 @@ def _fuse_where_it_runs(
 
 
 def optimize_model(
-    model: ir.Model | onnx.ModelProto | str | os.PathLike,
+    model: ModelLike,
     *,
     execution_provider: str | None = "cuda",
     fp8_kv_cache: bool = False,
@@ -93,7 +83,7 @@ def optimize_model(
     """
     if fuse_attention not in (True, False, "auto"):
         raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
-    model = _as_ir(model)
+    model = as_model(model)
     if fp8_kv_cache:
         if kv_cache_format not in (None, "fp8"):
             raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
@@ -130,7 +120,11 @@ def optimize_model(
             report.format,
             report.granularity,
             False,
-            (*report.reasons, "check_device: no CUDA GPU found on this machine."),
+            (
+                *report.reasons,
+                "check_device=True: no CUDA GPU found on this machine (without it, the check is "
+                "left to the GPU that runs the model).",
+            ),
         )
     if not report.supported:
         message = (

@@ -329,13 +329,20 @@ def _paged_block_size(bindings: list[CacheBinding], requested: int | None, confi
     return check_block_size(configured) if configured is not None else 16
 
 
-def _require_cuda_provider() -> None:
+def _require_providers(providers: Sequence[Any]) -> None:
+    """Every provider asked for is in this onnxruntime (it would silently fall back otherwise)."""
     available = import_onnxruntime().get_available_providers()
-    if "CUDAExecutionProvider" not in available:
-        raise KvCacheError(
-            f"CUDAExecutionProvider is not available here (onnxruntime offers {', '.join(available)}); "
-            "install onnxruntime-gpu (the gpu extra) on a machine with CUDA, or run on CPU."
-        )
+    for provider in providers:
+        name = provider[0] if isinstance(provider, tuple) else str(provider)
+        if name not in available:
+            hint = (
+                "install onnxruntime-gpu (the gpu extra) on a machine with CUDA, or run on CPU"
+                if "CUDA" in name
+                else "give one of those"
+            )
+            raise KvCacheError(
+                f"{name} is not available here (onnxruntime offers {', '.join(available)}); {hint}."
+            )
 
 
 class KvCacheRunner:
@@ -389,9 +396,9 @@ class KvCacheRunner:
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.source_model = model
         """The model as given (before any preparation for CPU)."""
+        _require_providers(self.providers)
         on_cuda = any("CUDA" in str(p) for p in self.providers)
         if on_cuda:
-            _require_cuda_provider()
             if semantics not in (None, "cuda"):
                 raise KvCacheError(f"On CUDA the CUDA kernel runs: semantics={semantics!r} is not possible.")
             self.semantics: Semantics = "cuda"
@@ -656,6 +663,8 @@ class KvCacheRunner:
         Stops after an end-of-sequence token: ``eos_token_id``, or by default any the
         model's genai config names; ``None`` never stops early.
         """
+        if max_new_tokens < 0:
+            raise KvCacheError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
         eos = self.eos_token_ids if eos_token_id == -1 else frozenset({eos_token_id} - {None})
         logits = self.prefill(ids)[0, -1]
         out: list[int] = []

@@ -43,6 +43,7 @@ from onnx_kvcache._attention_site import (
 from onnx_kvcache._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import GQA_DOMAIN
+from onnx_kvcache.passes._base import InPlacePass
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     )
 
 
-class AttentionFusionPass(ir.passes.InPlacePass):
+class AttentionFusionPass(InPlacePass):
     """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention."""
 
     def __init__(self) -> None:

@@ -21,6 +21,8 @@ __all__ = ["Bfloat16ToFloatPass"]
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._base import InPlacePass
+
 _BF16 = ir.DataType.BFLOAT16
 _F32 = ir.DataType.FLOAT
 _DTYPE_ATTRS = ("to", "dtype")
@@ -79,7 +81,7 @@ def _cast_initializer(graph: ir.Graph, value: ir.Value) -> None:
         user.replace_input_with(slot, cast.outputs[0])
 
 
-class Bfloat16ToFloatPass(ir.passes.InPlacePass):
+class Bfloat16ToFloatPass(InPlacePass):
     """Declare and compute every bfloat16 tensor as float32; see the module docstring."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import find_gqa_sites
+from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.sdpa_fusion import DecomposedAttentionFusionPass
 
@@ -34,7 +35,7 @@ PADDING_WARNING = (
 )
 
 
-class GqaFusionPass(ir.passes.InPlacePass):
+class GqaFusionPass(InPlacePass):
     """Fuse ONNX Attention, then decomposed attention, else run onnxscript's ORT fusions."""
 
     def __init__(self) -> None:

@@ -54,6 +54,8 @@ from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.gqa import GqaSite, find_gqa_sites
+from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 
 logger = logging.getLogger(__name__)
@@ -468,7 +470,7 @@ def _unpacked(shape: ir.Shape | None, head: int) -> ir.Shape | None:
     return None if shape is None or len(shape) != 4 else ir.Shape([*shape[:3], head])
 
 
-class KvCacheEmulationPass(ir.passes.InPlacePass):
+class KvCacheEmulationPass(InPlacePass):
     """Rewrite the GroupQueryAttention nodes the CPU cannot run as asked; see the module.
 
     Args:
@@ -535,13 +537,13 @@ class KvCacheEmulationPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(sites))
 
 
-def emulate_kv_cache(model: ir.Model, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:
+def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:
     """A copy of ``model`` that runs on CPU under ``semantics`` (the input is unchanged).
 
     A bfloat16 model also computes in float32 (:class:`Bfloat16ToFloatPass`: the CPU has
     no bf16 kernels), and model-local functions holding nodes to emulate are inlined.
     """
-    copy = model.clone()
+    copy = as_model(model).clone()
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)
     if copy.functions and any(s.function is not None for s in emulation.sites(copy)):
@@ -550,7 +552,7 @@ def emulate_kv_cache(model: ir.Model, semantics: str = "cuda", *, quantized_io: 
     return copy
 
 
-def emulate_fp8_kv_cache(model: ir.Model, semantics: str = "cuda") -> ir.Model:
+def emulate_fp8_kv_cache(model: ModelLike, semantics: str = "cuda") -> ir.Model:
     """:func:`emulate_kv_cache` keeping the graph's cache I/O in the stored format (fp8 bits).
 
     Every GroupQueryAttention node the CPU cannot run under ``semantics`` is rewritten,

@@ -58,6 +58,7 @@ from onnx_kvcache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
+from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class _Skip(Exception):
     """A site that cannot be converted; the message says why."""
 
 
-class KvCacheQuantizationPass(ir.passes.InPlacePass):
+class KvCacheQuantizationPass(InPlacePass):
     """Quantize the KV cache of GroupQueryAttention and PagedAttention nodes.
 
     Args:

@@ -41,6 +41,8 @@ from onnx_kvcache.attention_ops import PAGED, CacheSide
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import scale_granularity
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
+from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
 
 logger = logging.getLogger(__name__)
@@ -379,7 +381,7 @@ class _Rewrite:
         graph.remove(node, safe=True)
 
 
-class PagedAttentionReferencePass(ir.passes.InPlacePass):
+class PagedAttentionReferencePass(InPlacePass):
     """Rewrite every PagedAttention node into standard ONNX ops; see the module."""
 
     def requires(self, model: ir.Model) -> None:
@@ -405,8 +407,8 @@ class PagedAttentionReferencePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(sites))
 
 
-def paged_attention_reference(model: ir.Model) -> ir.Model:
+def paged_attention_reference(model: ModelLike) -> ir.Model:
     """A copy of ``model`` whose PagedAttention nodes run on CPU (the input is unchanged)."""
-    copy = model.clone()
+    copy = as_model(model).clone()
     PagedAttentionReferencePass()(copy)
     return copy

@@ -36,6 +36,7 @@ from onnx_kvcache._attention_site import (
 )
 from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
 from onnx_kvcache.gqa import GQA_DOMAIN
+from onnx_kvcache.passes._base import InPlacePass
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def _is_candidate(node: ir.Node) -> bool:
     return _op(value, "Softmax") is not None
 
 
-class DecomposedAttentionFusionPass(ir.passes.InPlacePass):
+class DecomposedAttentionFusionPass(InPlacePass):
     """Replace each provably equivalent decomposed attention with GroupQueryAttention."""
 
     def __init__(self) -> None:
