@@ -9,6 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import (
+    DecoderConfig,
     KvCacheError,
     KvCacheQuantizationPass,
     KvCacheWarning,
@@ -441,3 +442,11 @@ def test_rope_envelope_covers_an_offset_rotary_range():
     x[..., 0] = -2.0  # not rotated: copied through
     out = rope_pair_norm(x, interleaved=False, rotary_dim=8, rotary_offset=24)
     assert out[..., 24] == out[..., 28] == 5.0 and out[..., 0] == 2.0 and out[..., 25] == 0.0
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), [("float32", "int8"), ("float16", "fp8")])
+def test_the_default_format_is_the_one_the_models_target_runs(dtype, fmt):
+    model = build_decoder(DecoderConfig(num_layers=1, vocab_size=300, dtype=dtype))
+    ids = [list(np.random.default_rng(0).integers(0, 300, 64))]
+    scales = calibrate_kv_cache(model, ids, progress=False, min_tokens=64)
+    assert scales.format == fmt and scales.qmax == get_format(fmt).qmax

@@ -76,11 +76,19 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, fp16_model_file, capsys):
         (["convert", "{model}", "{tmp}", "--format", "int8"], "is a folder"),
         (["convert", "{model}", "{tmp}/new/", "--format", "int8"], "name the output file"),
         (["calibrate", "{model}", "--out", "{model}"], "one of the input's files"),
-        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], "does not exist"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], "missing.json is missing"),
         (["convert", "{tmp}/nope.onnx", "{tmp}/o.onnx"], "does not exist"),
         (["convert", "{model}", "{model}"], "is the input"),
         (["convert", "{bad}", "{tmp}/o.onnx"], "not a readable ONNX model"),
         (["inspect", "{bad}"], "not a readable ONNX model"),
+        (
+            ["inspect", "{model}", "--batch", "4"],
+            "--batch sizes the cache at --context N; give --context too",
+        ),
+        (
+            ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "99"],
+            "--percentile applies to --method percentile, not --method minmax",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, model_file, capsys, argv, message):
@@ -170,7 +178,12 @@ def test_help_shows_every_default_and_describes_every_argument(command):
 
 def test_calibrate_help_names_its_defaults():
     text = " ".join(_subcommands()["calibrate"].format_help().split())
-    for default in ("(default: fp8)", "(default: per_tensor)", "(default: minmax)", "(default: 512)"):
+    for default in (
+        "(default: what the model's target runs: fp8 on CUDA",
+        "(default: per_tensor)",
+        "(default: minmax)",
+        "(default: 512)",
+    ):
         assert default in text
 
 

@@ -394,3 +394,12 @@ def test_generate_refuses_a_negative_token_count():
     assert runner.generate([1, 2, 3], 0) == []
     with pytest.raises(KvCacheError, match="max_new_tokens must be >= 0, got -1"):
         runner.generate([1, 2, 3], -1)
+
+
+def test_a_model_that_is_no_decoder_is_named_so():
+    x = ir.val("x", ir.DataType.FLOAT, [2])
+    relu = ir.node("Relu", [x])
+    relu.outputs[0].name, relu.outputs[0].dtype = "y", ir.DataType.FLOAT
+    model = ir.Model(ir.Graph([x], relu.outputs, nodes=[relu], opset_imports={"": 21}), ir_version=10)
+    with pytest.raises(KvCacheError, match="no GroupQueryAttention or PagedAttention node with a KV cache"):
+        KvCacheRunner(model)

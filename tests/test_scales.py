@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -154,9 +155,11 @@ def test_malformed_files_name_the_file_and_the_problem(tmp_path, case):
     assert str(path) in str(info.value)
 
 
-def test_missing_file(tmp_path):
-    with pytest.raises(KvCacheError, match="does not exist"):
+def test_missing_file_or_a_folder(tmp_path):
+    with pytest.raises(KvCacheError, match=r"nope\.json is missing; give the path of a JSON scale file"):
         load_kv_cache_scale_file(tmp_path / "nope.json")
+    with pytest.raises(KvCacheError, match="is a folder, not a JSON file"):
+        load_kv_cache_scale_file(tmp_path)
 
 
 def test_for_layer_unknown_and_mapping_errors():
@@ -167,3 +170,17 @@ def test_for_layer_unknown_and_mapping_errors():
         KvCacheScales.from_mapping({0: 0.1})
     with pytest.raises(KvCacheError, match="same granularity"):
         KvCacheScales.from_mapping({0: ([0.1, 0.2], 0.1)})
+
+
+def test_a_saved_file_holds_the_shortest_decimals_that_read_back_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    k = {i: rng.uniform(1e-4, 1.0, 64).astype(np.float32) for i in range(2)}
+    scales = KvCacheScales(k, {i: a * 2 for i, a in k.items()}, format="int8")
+    scales.save(tmp_path / "s.json")
+    text = (tmp_path / "s.json").read_text()
+    assert all(len(number) <= 12 for number in re.findall(r"\d\.\d+(?:e-?\d+)?", text))
+    loaded = load_kv_cache_scale_file(tmp_path / "s.json")
+    assert all(np.array_equal(loaded.k[i], k[i]) and np.array_equal(loaded.v[i], 2 * k[i]) for i in k)
+    assert repr(scales) == "KvCacheScales(2 layers, format='int8', granularity='per_channel', scales " + (
+        f"{min(a.min() for a in k.values()):.3g}..{max(2 * a.max() for a in k.values()):.3g})"
+    )

@@ -861,7 +861,7 @@ def check_output_file(
         if path.is_symlink():
             raise KvCacheError(f"{path} is a symbolic link; refusing to replace it. Name another file.")
         if path.is_dir():
-            raise KvCacheError(f"{path} is a folder; name the {what} file to write (e.g. {path}/out.json).")
+            raise KvCacheError(f"{path} is a folder; name the {what} to write (e.g. {path}/out.json).")
         if not path.is_file():
             raise KvCacheError(f"{path} is not a regular file; refusing to replace it.")
         try:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
@@ -176,7 +177,7 @@ def calibrate_kv_cache(
     model: ir.Model | str | os.PathLike,
     data: TokenData = None,
     *,
-    format: str = "fp8",
+    format: str | None = None,
     granularity: str = "per_tensor",
     method: str = "minmax",
     percentile: float = 99.99,
@@ -195,6 +196,9 @@ def calibrate_kv_cache(
 
     Args:
         model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
+        format: The cache format the scales are for; by default the one its target runs:
+            ``fp8`` where the model runs on CUDA (fp16/bf16, a genai folder for CUDA), else
+            ``int8`` (:func:`~onnx_kvcache.capabilities.infer_target`).
         data: Token-id sequences, or a token-id/text file; ``None`` uses the built-in
             corpus (tokenized with the model's tokenizer when it has one).
         seq_len: Longer sequences are cut into windows of this length.
@@ -205,14 +209,11 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
-    fmt = get_format(format)
+    if format is not None:
+        get_format(format)  # an unknown name fails before any work
     granularity = get_granularity(granularity)
     if method not in METHODS:
         raise KvCacheError(f"Unknown calibration method {method!r}; choose one of {', '.join(METHODS)}.")
-    if method == "mse" and fmt.is_float:
-        raise KvCacheError(
-            "method='mse' is for integer formats (int8/int4); use minmax or percentile for fp8."
-        )
     if not 0 < percentile <= 100:
         raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
     if not margin > 0:
@@ -222,6 +223,14 @@ def calibrate_kv_cache(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
     runner = KvCacheRunner(model, providers)
+    if format is None:
+        target, _ = infer_target(runner.source_model, runner.genai_config)
+        format = "fp8" if target == "cuda" else "int8"
+    fmt = get_format(format)
+    if method == "mse" and fmt.is_float:
+        raise KvCacheError(
+            "method='mse' is for integer formats (int8/int4); use minmax or percentile for fp8."
+        )
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
@@ -331,8 +340,8 @@ def calibrate_kv_cache(
         metadata=metadata,
         stats=tuple(stats),
     )
-    logger.info(
-        "Calibrated %d layers on %d tokens:\n%s", len(stats), tokens, format_calibration_summary(stats)
+    logger.info(  # the table: format_calibration_summary(scales.stats)
+        "Calibrated %d layers on %d tokens (%s).", len(stats), tokens, loaded.source
     )
     return scales
 

@@ -82,12 +82,12 @@ _NON_NEGATIVE = _bounded(int, 0)
 
 
 def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
-    p.add_argument(
-        "--format",
-        default=None if granularity is None else "fp8",
-        choices=list(CACHE_FORMATS),
-        help="cache format" + (" (default: the scale file's, else fp8)" if granularity is None else ""),
+    default = (
+        "the scale file's, else fp8"
+        if granularity is None
+        else "what the model's target runs: fp8 on CUDA (fp16/bf16 models, genai folders for cuda), else int8"
     )
+    p.add_argument("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})")
     p.add_argument(
         "--granularity",
         default=granularity,
@@ -296,6 +296,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.genai_folder import resolve_model_path
     from onnx_kvcache.model_source import load_model
 
+    if args.batch is not None and args.context is None:
+        raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
     model = load_model(args.model)
     info = inspect_kv_cache(model)
     share = None
@@ -304,7 +306,7 @@ def _inspect(args: argparse.Namespace) -> int:
         share = config.get("search", {}).get("past_present_share_buffer")
     diagnostics = fast_path_diagnostics(model, share_buffer=share) if args.ep == "cuda" else None
     if args.json:
-        doc = info.to_json(args.context, args.batch)
+        doc = info.to_json(args.context, args.batch or 1)
         if diagnostics is not None:
             doc["fast_path"] = [
                 {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
@@ -319,7 +321,7 @@ def _inspect(args: argparse.Namespace) -> int:
             + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
         )
         return 0
-    print(format_cache_table(info, args.context, args.batch))
+    print(format_cache_table(info, args.context, args.batch or 1))
     if diagnostics is not None:
         print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
@@ -362,6 +364,8 @@ def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
 def _calibrate(args: argparse.Namespace) -> int:
     from onnx_kvcache.calibration import calibrate_kv_cache, format_calibration_summary
 
+    if args.percentile is not None and args.method != "percentile":
+        raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     data = args.token_ids or args.text
     file_io.check_output_file(
         args.out,
@@ -375,7 +379,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         format=args.format,
         granularity=args.granularity,
         method=args.method,
-        percentile=args.percentile,
+        percentile=99.99 if args.percentile is None else args.percentile,
         rope_envelope=args.rope_envelope,
         margin=args.margin,
         seq_len=args.seq_len,
@@ -386,9 +390,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     scales.save(args.out)
     print(format_calibration_summary(scales.stats))
-    print(
-        f"wrote {args.out} ({len(scales.layer_ids)} layers, {args.format} {args.granularity}, {args.method})"
-    )
+    layers = len(scales.layer_ids)
+    print(f"wrote {args.out} ({layers} layers, {scales.format} {args.granularity}, {args.method})")
     return 0
 
 
@@ -550,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_POSITIVE,
         help="also report the cache bytes at this context length (default: per token only)",
     )
-    p.add_argument("--batch", metavar="B", type=_POSITIVE, default=1, help="batch size for --context")
+    p.add_argument("--batch", metavar="B", type=_POSITIVE, help="batch size for --context (default: 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
 
@@ -572,8 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--percentile",
         metavar="P",
         type=_bounded(float, 0, inclusive=False, high=100),
-        default=99.99,
-        help="for --method percentile",
+        help="the percentile of |x| that --method percentile takes (default: 99.99)",
     )
     _add_data_args(p, "the model's")
     p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens")

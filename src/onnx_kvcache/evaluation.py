@@ -63,6 +63,10 @@ def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> tuple[int, float]:
     return (same.index(False) if False in same else n), float(np.mean(same))
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 @dataclasses.dataclass
 class EvaluationReport:
     """Accuracy of a candidate (quantized-cache) model against its baseline."""
@@ -107,11 +111,15 @@ class EvaluationReport:
             ("top-1 agreement", f"{self.top1_agreement:.2%} of decode steps"),
             (
                 "greedy match",
-                f"{self.greedy_match_share:.2%} of tokens, first {self.greedy_match_prefix:.1f} identical"
+                f"{self.greedy_match_share:.2%} of tokens; the first {self.greedy_match_prefix:g} "
+                "identical on average"
                 if self.greedy_match_share == self.greedy_match_share  # not NaN
                 else "not measured (no tokens generated)",
             ),
-            ("data", f"{self.data_note}; {self.num_sequences} sequences, {self.positions} decode steps"),
+            (
+                "data",
+                f"{self.data_note}; {_count(self.num_sequences, 'sequence')}, {self.positions} decode steps",
+            ),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]

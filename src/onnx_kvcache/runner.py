@@ -391,6 +391,8 @@ class KvCacheRunner:
             if not find_attention_sites(model, with_cache_only=False):
                 model = _fused(model)
             base_dir = model_file.parent
+        self.genai_config = config
+        """The onnxruntime-genai config of a genai folder, else None."""
         self.eos_token_ids: frozenset[int] = eos_token_ids(config)
         """End-of-sequence tokens; read from genai_config.json for a genai folder."""
         self.providers = list(providers or ["CPUExecutionProvider"])
@@ -436,6 +438,12 @@ class KvCacheRunner:
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
+        if ids_name is None and not self.bindings:
+            raise KvCacheError(
+                "The model has no GroupQueryAttention or PagedAttention node with a KV cache, and no "
+                "attention to fuse into one, nor an input_ids input: it is not a decoder this library "
+                "runs (see docs/exporting.md for PyTorch exports)."
+            )
         if ids_name is None:
             raise KvCacheError(f"The decoder has no input_ids input (inputs: {names}).")
         self.ids_name: str = ids_name

@@ -70,6 +70,15 @@ class KvCacheScales:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stats: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
+    def __repr__(self) -> str:
+        values = [a for table in (self.k, self.v) for a in table.values()]
+        low = min((float(np.min(a)) for a in values), default=float("nan"))
+        high = max((float(np.max(a)) for a in values), default=float("nan"))
+        return (
+            f"KvCacheScales({len(self.k)} layers, format={self.format!r}, "
+            f"granularity={self.granularity!r}, scales {low:.3g}..{high:.3g})"
+        )
+
     def __post_init__(self) -> None:
         if set(self.k) != set(self.v):
             raise KvCacheError(
@@ -154,8 +163,8 @@ class KvCacheScales:
         ids = self.layer_ids
         doc: dict[str, Any] = {
             "scales": {
-                "k_scales": [self.k[i].tolist() for i in ids],
-                "v_scales": [self.v[i].tolist() for i in ids],
+                "k_scales": [_shortest(self.k[i]) for i in ids],
+                "v_scales": [_shortest(self.v[i]) for i in ids],
             },
             "layer_ids": list(ids),
         }
@@ -172,13 +181,20 @@ class KvCacheScales:
         atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def _shortest(scales: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that read back to them (0.00665, not
+    0.006649999879300594)."""
+    return [float(str(np.float32(x))) for x in np.asarray(scales, np.float32).ravel()]
+
+
 def _fail(path: os.PathLike | str, problem: str) -> KvCacheError:
     return KvCacheError(f"Scale file {os.fspath(path)}: {problem}")
 
 
 def _parse_entries(path: Any, name: str, entries: Any) -> list[np.ndarray]:
     if not isinstance(entries, list) or not entries:
-        raise _fail(path, f"'{name}' must be a non-empty list, got {type(entries).__name__}.")
+        got = "an empty list" if isinstance(entries, list) else f"a {type(entries).__name__}"
+        raise _fail(path, f"'{name}' must be a non-empty list, got {got}.")
     arrays = []
     for i, entry in enumerate(entries):
         items = entry if isinstance(entry, list) else [entry]
@@ -223,7 +239,8 @@ def load_kv_cache_scale_file(
     """
     p = pathlib.Path(path)
     if not p.is_file():
-        raise KvCacheError(f"Scale file {p} does not exist.")
+        what = "a folder, not a JSON file" if p.is_dir() else "missing"
+        raise KvCacheError(f"Scale file {p} is {what}; give the path of a JSON scale file.")
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

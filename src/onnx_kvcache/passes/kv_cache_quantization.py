@@ -181,8 +181,9 @@ class KvCacheQuantizationPass(InPlacePass):
         if current is self.format and quant == wanted:
             return True
         raise KvCacheError(
-            f"{site.label} already has a {described} {quant.lower()} KV cache; cannot convert it "
-            f"to {self.format.name} {self.granularity}. Convert the original (unquantized) model instead."
+            f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}); cannot "
+            f"convert it to {self.format.name} {self.granularity}. Convert the original "
+            "(unquantized) model instead."
         )
 
     def _plan(
