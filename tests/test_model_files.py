@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import stat
@@ -557,6 +558,25 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, capsys, case):
         assert "remove it yourself or choose another output path" in err or "move" in err, err
         assert "--overwrite" not in err, err  # overwrite would not help
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda t: (t / "g/model.onnx", t / "g"),  # a folder output that is the input's folder
+        lambda t: (t / "f/model.onnx", t / "f/model"),  # model.onnx, the input, is the obvious fix
+        lambda t: (t / "f/model.onnx", f"{t}/f/"),
+    ],
+)
+def test_a_suggested_output_never_names_the_input_or_its_files(tmp_path, make_args):
+    genai(tmp_path / "g")
+    save_external(tmp_path / "f")
+    src, out = make_args(tmp_path)
+    with pytest.raises(KvCacheError, match=r"e\.g\. ") as info:
+        convert_model(src, out, format="int8", scales=SCALES, overwrite=True)
+    suggestion = pathlib.Path(re.search(r"e\.g\. ([^)]+)\)", str(info.value))[1])
+    suggestion = suggestion if suggestion.is_absolute() else pathlib.Path(out).parent / suggestion
+    assert suggestion.suffix == ".onnx" and not os.path.lexists(suggestion), info.value
 
 
 @pytest.mark.parametrize(

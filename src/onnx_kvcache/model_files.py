@@ -113,10 +113,19 @@ def _data_names(out: pathlib.Path, locations: list[str]) -> dict[str, str]:
     raise KvCacheError(f"No free name for the data files of {out}; clean up {out.parent}.")
 
 
+def _free_name(path: pathlib.Path, fmt: str) -> pathlib.Path:
+    """``path`` when nothing has that name, else a free ``STEM.FMT[.N].onnx`` beside it.
+
+    A name to suggest in a message: it never names the input or a file it uses (those exist).
+    """
+    return path if not os.path.lexists(path) else _free_graph_name(path, fmt)
+
+
 def _plan(
     source: ModelSource,
     out_path: str | os.PathLike | None,
     *,
+    fmt: str,
     in_place: bool,
     overwrite: bool,
     weights: WeightsMode | None,
@@ -203,10 +212,12 @@ def _plan(
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         raise KvCacheError(
             f"Output {out_path} is a folder; the input is one model file, so name the output file "
-            f"(e.g. {out / source.graph.name})."
+            f"(e.g. {_free_name(out / source.graph.name, fmt)})."
         )
     if out.suffix != ".onnx":
-        raise KvCacheError(f"Output {out} must be a .onnx file name (e.g. {out.with_suffix('.onnx').name}).")
+        raise KvCacheError(
+            f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
+        )
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
     mode: Literal["share", "copy", "link"] = weights or ("share" if beside else "copy")
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
@@ -276,8 +287,8 @@ def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _in_place_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
-    """A new, unused name for an in-place graph whose genai_config changes too."""
+def _free_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
+    """A new, unused name for ``graph`` converted to ``fmt``: ``STEM.FMT.onnx``, ``STEM.FMT.2.onnx``, ..."""
     stem = graph.name.removesuffix(".onnx")
     for name in CACHE_FORMATS:
         stem = stem.removesuffix(f".{name}")
@@ -397,7 +408,7 @@ def convert_model(
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    plan = _plan(source, out_path, in_place=in_place, overwrite=overwrite, weights=weights)
+    plan = _plan(source, out_path, fmt=fmt.name, in_place=in_place, overwrite=overwrite, weights=weights)
     file_io.check_writable_folder(
         source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
     )
@@ -522,7 +533,7 @@ def _write_in_place(
         return
     # Both files change: the new graph takes a new name, and replacing genai_config.json
     # (which names it) is the one commit. Only then is the old graph removed.
-    new_graph = _in_place_graph_name(graph, fmt)
+    new_graph = _free_graph_name(graph, fmt)
     config = json.loads(json.dumps(config))
     config["model"]["decoder"]["filename"] = new_graph.relative_to(source.root).as_posix()
     config_path = source.config_path
