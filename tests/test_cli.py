@@ -222,7 +222,7 @@ def test_cli_wording(python, cli):
 
 
 def test_errors_speak_cli_in_the_cli_and_python_in_python(tmp_path, model_file, capsys):
-    (tmp_path / "taken.onnx").write_bytes(b"")
+    convert_model(model_file, tmp_path / "taken.onnx", format="int8", scales=scale_file(tmp_path))
     cases = [
         ((model_file,), {}, "in_place=True", "--in-place"),
         (

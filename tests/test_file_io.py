@@ -372,6 +372,70 @@ def test_a_failing_commit_undoes_what_it_published(tmp_path, monkeypatch):
     assert _state(folder) == OLD
 
 
+def _fill_killed_at(folder, crash_at):
+    """Fill the empty ``folder`` as a genai folder, in a child killed after ``crash_at`` fsyncs."""
+    pid = os.fork()
+    if pid == 0:  # the writer
+        calls = [0]
+        real = file_io.fsync_dir
+
+        def crash_after(path):
+            real(path)
+            calls[0] += 1
+            if calls[0] > crash_at:
+                os._exit(9)
+
+        file_io.fsync_dir = crash_after
+        try:
+            with file_io.TempDir(folder) as tmp:
+                (tmp.path / "weights").mkdir()
+                file_io.write_new_file(tmp.path / "weights" / "model.onnx.data", b"weights")
+                file_io.write_new_file(tmp.path / "model.onnx", b"graph")
+                file_io.write_new_file(tmp.path / "genai_config.json", b"{}")
+                file_io.publish_into_empty(tmp, folder, pathlib.PurePosixPath("genai_config.json"))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _tree(folder):
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None
+        for p in folder.rglob("*")
+        if not p.relative_to(folder).parts[0].startswith(TEMP_PREFIX)
+    }
+
+
+FILLED = {
+    "genai_config.json": b"{}",
+    "model.onnx": b"graph",
+    "weights": None,
+    "weights/model.onnx.data": b"weights",
+}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork to kill a writer mid-way")
+@pytest.mark.parametrize("crash_at", range(7))
+def test_a_fill_killed_at_any_step_leaves_the_folder_empty_or_complete_after_the_sweep(tmp_path, crash_at):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    _fill_killed_at(folder, crash_at)
+    if crash_at in (2, 3):  # between the renames: files without genai_config.json, the commit
+        assert "model.onnx" in _tree(folder) and "genai_config.json" not in _tree(folder)
+    file_io.sweep_stale(folder)
+    assert _tree(folder) in ({}, FILLED) and not [n for n in os.listdir(folder) if n.startswith(TEMP_PREFIX)]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork to kill a writer mid-way")
+def test_undoing_a_killed_fill_keeps_what_others_put_in_its_folders(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    _fill_killed_at(folder, 2)
+    (folder / "weights" / "theirs.txt").write_text("theirs")
+    file_io.sweep_stale(folder)
+    assert _tree(folder) == {"weights": None, "weights/theirs.txt": b"theirs"}
+
+
 def test_sigterm_and_sighup_raise_interrupted_like_ctrl_c():
     previous = signal.getsignal(signal.SIGTERM)
     for signum, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)):

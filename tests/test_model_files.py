@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import stat
@@ -24,7 +25,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, convert_model
+from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, __version__, convert_model
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache._file_io import TEMP_PREFIX
 from onnx_kvcache.cli import main
@@ -216,6 +217,13 @@ def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeyp
     for path, st in originals.items():
         assert path.stat().st_ino == st.st_ino and path.stat().st_mtime_ns == st.st_mtime_ns
 
+    kind = {"beside": "beside", "copy": "beside", "in-place": "in-place"}.get(placement, "elsewhere")
+    mark = marker_of(out)  # what overwrite=True checks: every output says what wrote it, and how
+    assert mark["placement"] == ("folder" if is_folder and kind != "in-place" else kind)
+    assert (mark["version"], mark["format"], mark["granularity"]) == (__version__, "int8", "per_tensor")
+    own_data = not is_folder and placement in ("elsewhere", "copy", "link")  # files it created
+    assert mark["data"] == (sorted(data_locations(resolve_model_path(out)[0])) if own_data else [])
+    assert placement == "in-place" or marker_of(src) is None
     new_graph, config = resolve_model_path(out)
     if placement == "in-place":  # mode and owner kept
         assert stat.S_IMODE(new_graph.stat().st_mode) == 0o640
@@ -335,7 +343,7 @@ def test_overwrite_replaces_exactly_the_previous_output(tmp_path, monkeypatch):
     genai_src = genai(tmp_path / "g")
     (tmp_path / "gout").mkdir()
     (tmp_path / "gout" / "holiday.jpg").write_bytes(b"\xff\xd8")
-    with pytest.raises(KvCacheError, match="not a model folder"):
+    with pytest.raises(KvCacheError, match="not an output of onnx-kvcache"):
         convert_model(genai_src, tmp_path / "gout", format="int8", scales=SCALES, overwrite=True)
     assert (tmp_path / "gout" / "holiday.jpg").exists()
     convert_model(genai_src, tmp_path / "gout2", format="int8", scales=SCALES)
@@ -363,6 +371,212 @@ def test_overwrite_removes_the_old_output_s_own_data_only_when_no_other_model_us
             assert "removed its own data file(s): model.own.onnx.data" in result.notes[0]
             assert sorted(os.listdir(folder)) == ["model.onnx", "model.onnx.data", "model.own.onnx"]
         assert_loads_everywhere(own, ir.DataType.UINT8)
+
+
+# -- overwrite: a previous output of onnx-kvcache, nothing else -------------------------
+
+MARKER = "onnx_kvcache.converted"
+NOT_LOADABLE = b"not an ONNX model\n"  # no protobuf parser accepts it (wire type 6)
+
+
+def marker_of(path: pathlib.Path) -> dict | None:
+    graph, _ = resolve_model_path(path)
+    props = {p.key: p.value for p in onnx.load(graph, load_external_data=False).metadata_props}
+    return json.loads(props[MARKER]) if MARKER in props else None
+
+
+@pytest.mark.parametrize("neighbour", ["none", "not-loadable", "empty"])
+@pytest.mark.parametrize("placement", ["elsewhere", "beside-copy", "shards"])
+def test_repeated_overwrite_leaves_one_output_and_its_own_data(tmp_path, placement, neighbour):
+    """Each run used to leave one more copy of the weights (OUT.2.data, OUT.3.data, ...) when the
+    folder held a .onnx file that no tool can load."""
+    src = save_external(tmp_path / "in", shard=600_000 if placement == "shards" else None)
+    folder = src.parent if placement == "beside-copy" else tmp_path / "lk"
+    folder.mkdir(exist_ok=True)
+    (folder / "out.onnx.data").write_text("x\n")  # not the output's: never removed
+    if neighbour != "none":
+        (folder / "other.onnx").write_bytes(NOT_LOADABLE if neighbour == "not-loadable" else b"")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    out = folder / "out.onnx"
+    for _ in range(3):
+        result = convert_model(src, out, format="int8", scales=SCALES, weights="copy", overwrite=True)
+        assert sorted(os.listdir(folder)) == sorted([*before, "out.onnx", *result.data_files])
+        assert marker_of(out)["data"] == result.data_files == sorted(data_locations(out))
+    assert {name: (folder / name).read_bytes() for name in before} == before
+    assert_loads_everywhere(out, ir.DataType.INT8)
+    assert_no_temporary_entries(tmp_path)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("layout", ["genai", "genai-subfolder", "file-subfolder"])
+def test_an_empty_output_folder_is_filled_and_kept(tmp_path, layout, overwrite):
+    """It used to be refused: 'exists; pass overwrite', then 'not a model folder'."""
+    LAYOUTS[layout](tmp_path / "in")
+    out = tmp_path / "empty"
+    out.mkdir()
+    os.chmod(out, 0o750)
+    inode = out.stat().st_ino
+    result = convert_model(tmp_path / "in", out, format="int8", scales=SCALES, overwrite=overwrite)
+    assert out.stat().st_ino == inode and stat.S_IMODE(out.stat().st_mode) == 0o750  # the same folder
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(
+        p.relative_to(tmp_path / "in") for p in (tmp_path / "in").rglob("*")
+    )
+    assert not [n for n in result.notes if "replaced" in n]
+    assert marker_of(out)["placement"] == "folder"
+    assert_loads_everywhere(out, ir.DataType.INT8)
+    assert_no_temporary_entries(tmp_path)
+
+
+_KILL_AFTER = """
+import os, sys
+from onnx_kvcache import _file_io, convert_model
+real, calls = _file_io.rename_noreplace, []
+def rename(src, dst):
+    if len(calls) == int(sys.argv[3]):
+        os.kill(os.getpid(), 9)
+    calls.append(dst)
+    real(src, dst)
+_file_io.rename_noreplace = rename
+convert_model(sys.argv[1], sys.argv[2], format="int8", scales={0: (0.1, 0.1), 1: (0.1, 0.1)})
+"""
+
+
+@pytest.mark.parametrize("after", [0, 2, 4])
+@pytest.mark.parametrize("how", ["interrupted", "SIGKILL"])
+def test_a_stopped_fill_leaves_the_folder_empty_or_to_the_next_run(tmp_path, monkeypatch, how, after):
+    """A genai folder is filled by 4 renames, then genai_config.json's (the commit)."""
+    src = genai(tmp_path / "in")
+    out = tmp_path / "empty"
+    out.mkdir()
+    if how == "SIGKILL":
+        proc = subprocess.run([sys.executable, "-c", _KILL_AFTER, src, out, str(after)], check=False)
+        assert proc.returncode == -9
+        assert not (out / "genai_config.json").exists()  # never a loadable partial folder
+    else:
+        real, calls = file_io.rename_noreplace, []
+
+        def rename(a, b):
+            if len(calls) == after:
+                raise KeyboardInterrupt
+            calls.append(b)
+            real(a, b)
+
+        monkeypatch.setattr(file_io, "rename_noreplace", rename)
+        with pytest.raises(KeyboardInterrupt):
+            convert_model(src, out, format="int8", scales=SCALES)
+        assert os.listdir(out) == []
+        monkeypatch.undo()
+    convert_model(src, out, format="int8", scales=SCALES)  # the next run settles a killed one first
+    assert sorted(os.listdir(out)) == sorted(os.listdir(src))
+    assert_loads_everywhere(out, ir.DataType.INT8)
+    assert_no_temporary_entries(tmp_path)
+
+
+def test_a_folder_that_stops_being_empty_is_left_alone(tmp_path, monkeypatch):
+    src = genai(tmp_path / "in")
+    out = tmp_path / "empty"
+    out.mkdir()
+    real = file_io.write_new_file
+
+    def meanwhile(path, data, like=None):
+        if not (out / "theirs.txt").exists():
+            (out / "theirs.txt").write_text("theirs")
+        real(path, data, like=like)
+
+    monkeypatch.setattr(file_io, "write_new_file", meanwhile)
+    with pytest.raises(KvCacheError, match="no longer empty"):
+        convert_model(src, out, format="int8", scales=SCALES)
+    assert os.listdir(out) == ["theirs.txt"] and (out / "theirs.txt").read_text() == "theirs"
+
+
+def _converted(src, out=None, **kwargs):
+    """``src`` converted to ``out`` (or in place); the output."""
+    convert_model(src, out, format="int8", scales=SCALES, in_place=out is None, **kwargs)
+    return out or src
+
+
+NOT_OURS = "is not an output of onnx-kvcache"
+OVERWRITE_REFUSED = {  # input, output, what the one line says
+    "original-folder": lambda t: (t / "g2", genai(t / "phi4"), f"{NOT_OURS} (its model model.onnx has no"),
+    "original-decoder": lambda t: (  # another folder's original model
+        t / "f2/model.onnx",
+        genai(t / "g") / "model.onnx",
+        f"{NOT_OURS} (it has no {MARKER} metadata)",
+    ),
+    "notes-folder": lambda t: (  # notes and a .onnx file no tool loads
+        t / "g2",
+        _notes_folder(t / "stuff2"),
+        f"{NOT_OURS} (its model x.onnx is not a readable ONNX model)",
+    ),
+    # converted in place: the user's only copy of that model
+    "in-place-file": lambda t: (
+        t / "f2/model.onnx",
+        _converted(save_external(t / "f3")),
+        "converted in place",
+    ),
+    "in-place-folder": lambda t: (t / "g2", _converted(genai(t / "g3")), "converted in place"),
+    # a previous output holding a file added since
+    "added-file": lambda t: (t / "g2", _added(_converted(t / "g2", t / "gout")), "notes.txt, which"),
+    # the model of a converted folder; a folder holding a converted model file
+    "folder-decoder": lambda t: (
+        t / "f2/model.onnx",
+        _converted(t / "g2", t / "gout") / "model.onnx",
+        "part of the converted folder",
+    ),
+    "file-as-folder": lambda t: (
+        t / "g2",
+        _converted(t / "f2/model.onnx", t / "fo/model.onnx").parent,
+        "was not converted as a folder",
+    ),
+}
+
+
+def _notes_folder(folder):
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "x.onnx").write_bytes(NOT_LOADABLE)
+    return folder
+
+
+def _added(out):
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+@pytest.mark.parametrize("case", OVERWRITE_REFUSED)
+def test_overwrite_replaces_only_a_previous_output(tmp_path, capsys, case):
+    """Each of these used to be replaced (and notes.txt deleted)."""
+    genai(tmp_path / "g2")
+    save_external(tmp_path / "f2")
+    scales = _scales(tmp_path)
+    src, out, message = OVERWRITE_REFUSED[case](tmp_path)
+    before = snapshot(tmp_path)
+    for flag in (["--overwrite"], []):
+        assert main(["convert", str(src), str(out), *flag, "--format", "int8", "--scales", str(scales)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert "remove it yourself or choose another output path" in err or "move" in err, err
+        assert "--overwrite" not in err, err  # overwrite would not help
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda t: (t / "g/model.onnx", t / "g"),  # a folder output that is the input's folder
+        lambda t: (t / "f/model.onnx", t / "f/model"),  # model.onnx, the input, is the obvious fix
+        lambda t: (t / "f/model.onnx", f"{t}/f/"),
+    ],
+)
+def test_a_suggested_output_never_names_the_input_or_its_files(tmp_path, make_args):
+    genai(tmp_path / "g")
+    save_external(tmp_path / "f")
+    src, out = make_args(tmp_path)
+    with pytest.raises(KvCacheError, match=r"e\.g\. ") as info:
+        convert_model(src, out, format="int8", scales=SCALES, overwrite=True)
+    suggestion = pathlib.Path(re.search(r"e\.g\. ([^)]+)\)", str(info.value))[1])
+    suggestion = suggestion if suggestion.is_absolute() else pathlib.Path(out).parent / suggestion
+    assert suggestion.suffix == ".onnx" and not os.path.lexists(suggestion), info.value
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ Rules every writer in the package follows:
 * Renames that must look like one (data files, then the graph that names them; a new
   graph, then the genai_config naming it) go through :func:`publish_as_one`: a journal is
   written first, the last rename is the commit, and a later sweep finishes or undoes a
-  run killed between.
+  run killed between. An existing empty folder is filled the same way
+  (:func:`publish_into_empty`), never replaced.
 * :func:`copy_file` clones where the filesystem can (``FICLONE`` on Linux btrfs/XFS,
   ``clonefile`` on macOS), else copies data extents only (``SEEK_DATA``/``SEEK_HOLE``), so
   sparse files stay sparse; ``copy_file_range`` moves the bytes inside the kernel.
@@ -50,6 +51,7 @@ __all__ = [
     "fsync_dir",
     "make_dirs",
     "publish_as_one",
+    "publish_into_empty",
     "remove_empty_dirs",
     "rename_exchange",
     "rename_noreplace",
@@ -459,17 +461,20 @@ def publish_as_one(
     *,
     replace: bool,
     remove_after: Iterable[pathlib.Path] = (),
+    dirs: Iterable[pathlib.Path] = (),
 ) -> None:
     """Several renames in ``folder`` that appear as one: the last is the commit.
 
-    ``staged``: (source, final name, hard link?) published first, never replacing
-    anything; then ``commit_src`` is renamed to ``commit_target`` (the commit point);
-    then ``remove_after`` (files the commit made obsolete) are removed. A journal
-    written before the first rename lets a later :func:`sweep_stale` undo the staged
-    names (commit not made) or finish the removals (commit made) after a kill; every
-    removal checks the file's identity first. Sources must be fsynced.
+    ``dirs``: new folders (parents first) created before anything is published. ``staged``:
+    (source, final name, hard link?) published next, never replacing anything; then
+    ``commit_src`` is renamed to ``commit_target`` (the commit point); then ``remove_after``
+    (files the commit made obsolete) are removed. A journal written before the first
+    change lets a later :func:`sweep_stale` undo the staged names and remove the new
+    folders while empty (commit not made), or finish the removals (commit made) after a
+    kill; every removal checks the file's identity first. Sources must be fsynced.
     """
     folder = pathlib.Path(folder)
+    dirs = list(dirs)
 
     def rel(p: pathlib.Path) -> str:
         r = os.path.relpath(p, folder)
@@ -484,21 +489,26 @@ def publish_as_one(
 
     doc = {
         "kind": "onnx-kvcache journal",
+        "dirs": [rel(d) for d in dirs],
         "created": [[rel(final), list(ident(src))] for src, final, _ in staged],
         "commit": [rel(commit_target), list(ident(commit_src)), _as_list(file_identity(commit_target))],
         "remove_after": [[rel(p), list(ident(p))] for p in remove_after],
     }
+    made: list[str] = []
     with TempFile(folder, _JOURNAL) as journal:
         journal.write(json.dumps(doc).encode())
         os.fsync(journal.fd)
         fsync_dir(folder)
         try:
+            for d in dirs:
+                os.mkdir(d, 0o777)
+                made.append(rel(d))
             for src, final, link in staged:
                 if link:
                     os.link(src, final, follow_symlinks=True)
                 else:
                     rename_noreplace(src, final)
-            for parent in {final.parent for _, final, _ in staged}:
+            for parent in {final.parent for _, final, _ in staged} | {d.parent for d in dirs}:
                 fsync_dir(parent)
             with uninterrupted(completes=True):
                 if replace:
@@ -509,9 +519,48 @@ def publish_as_one(
                 with contextlib.suppress(OSError):
                     _replay(folder, doc, committed=True)
         except BaseException:
+            doc["dirs"] = made  # a folder that was there already is not ours to remove
             with uninterrupted():
                 _settle(folder, doc)
             raise
+
+
+def publish_into_empty(tmp: TempDir, folder: pathlib.Path, commit: pathlib.PurePosixPath) -> None:
+    """Move everything ``tmp`` holds into ``folder``, an empty folder that holds ``tmp``.
+
+    Renaming a complete folder over an empty one is atomic too (rename(2) allows it), but it
+    replaces the user's folder itself: its mode, owner, ACLs and attributes, a shell's
+    working directory in it, and it fails on a mount point, the usual reason to create an
+    output folder first. So the folder is filled instead, as :func:`publish_as_one`
+    publishes: its subfolders are created, every file is renamed in under its final name
+    (model files last), never replacing anything, and the rename of
+    ``commit`` (genai_config.json, else the model file: what a loader opens) is the commit.
+    A run stopped before it leaves the folder empty again: at once after Ctrl-C or SIGTERM,
+    at the next run's :func:`sweep_stale` after SIGKILL. The folder must hold nothing but
+    ``tmp`` when publishing starts; a file that appears meanwhile is never replaced.
+    """
+    others = sorted(n for n in os.listdir(folder) if n != tmp.path.name)
+    if others:
+        raise KvCacheError(
+            f"Output {folder} is no longer empty ({', '.join(others[:3])} appeared while converting); "
+            "nothing was written. Choose another output path, or empty it and run again."
+        )
+    dirs, files = [], []
+    for dirpath, dirnames, filenames in os.walk(tmp.path):
+        here = pathlib.Path(dirpath)
+        dirs += [folder / (here / d).relative_to(tmp.path) for d in sorted(dirnames)]
+        files += [(here / f).relative_to(tmp.path) for f in sorted(filenames)]
+    fsync_dir(tmp.path)
+    last = [f for f in files if f.as_posix() != commit.as_posix() and f.suffix == ".onnx"]
+    staged = [f for f in files if f.as_posix() != commit.as_posix() and f not in last] + last
+    publish_as_one(
+        folder,
+        [(tmp.path / f, folder / f, False) for f in staged],
+        tmp.path / commit,
+        folder / commit,
+        replace=False,
+        dirs=dirs,
+    )
 
 
 def _as_list(identity: Identity | None) -> list[int] | None:
@@ -531,6 +580,10 @@ def _replay(folder: pathlib.Path, doc: dict[str, Any], committed: bool) -> None:
         path = _journal_path(folder, rel)
         if file_identity(path) == tuple(ident):
             path.unlink()
+    if not committed:
+        for rel in reversed(doc.get("dirs", [])):
+            with contextlib.suppress(OSError):  # not empty: something not ours is in it
+                _journal_path(folder, rel).rmdir()
     fsync_dir(folder)
 
 

@@ -533,7 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing OUTPUT (a previous output, nothing else)",
+        help="replace OUTPUT only if it is a previous output of onnx-kvcache: a file or folder whose "
+        "model carries onnx_kvcache.converted metadata from a conversion to a new path (never one "
+        "converted in place), a folder only while it holds nothing that conversion did not write; "
+        "a file's own data files (those it created) go too unless another readable .onnx file beside "
+        "it names them. Nothing else is replaced or removed; an empty OUTPUT folder needs no --overwrite",
     )
     _add_progress_arg(p, "copying data files")
     p.set_defaults(func=_convert)

@@ -14,8 +14,10 @@ read. Where the output's weights live:
 
 Every path relationship is checked before anything is written: the output is never the
 input, inside it or containing it, never a file the model uses, and replaces nothing but
-a previous output (with ``overwrite``). See :mod:`onnx_kvcache._file_io` for how writes
-stay atomic and what a killed run leaves behind.
+a previous output of onnx-kvcache (with ``overwrite``; every model written here carries
+a marker, see :mod:`onnx_kvcache._previous_output`). An existing empty output folder is
+filled, not replaced. See :mod:`onnx_kvcache._file_io` for how writes stay atomic and
+what a killed run leaves behind.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import json
 import logging
 import os
 import pathlib
-import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache import _file_io as file_io
+from onnx_kvcache import _previous_output as previous
 from onnx_kvcache._file_io import format_bytes
 from onnx_kvcache.capabilities import (
     check_kv_cache_support,
@@ -76,6 +78,8 @@ class _Plan:
     """Input location -> output location, when the output gets its own data files."""
     replace: bool = False
     """The output exists and is replaced (``overwrite``)."""
+    fill: bool = False
+    """The output folder exists and is empty: it is filled, not replaced."""
     obsolete: list[pathlib.Path] = dataclasses.field(default_factory=list)
     """The replaced output's own data files, removed once the new one is in place."""
 
@@ -109,45 +113,19 @@ def _data_names(out: pathlib.Path, locations: list[str]) -> dict[str, str]:
     raise KvCacheError(f"No free name for the data files of {out}; clean up {out.parent}.")
 
 
-def _locations(model_file: pathlib.Path) -> set[str] | None:
-    """The data locations a model file names (graph only); None when it cannot be read."""
-    import onnx
+def _free_name(path: pathlib.Path, fmt: str) -> pathlib.Path:
+    """``path`` when nothing has that name, else a free ``STEM.FMT[.N].onnx`` beside it.
 
-    try:
-        proto = onnx.load(model_file, load_external_data=False)
-    except Exception:  # protobuf raises several unrelated types
-        return None
-    return {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
-
-
-def _previous_own_data(out: pathlib.Path, inputs: set[pathlib.Path]) -> list[pathlib.Path]:
-    """Data files of an output being replaced that no other model in its folder uses.
-
-    Only files named as :func:`_data_names` names them count, and only when every
-    other ``.onnx`` file there can be read and names none of them.
+    A name to suggest in a message: it never names the input or a file it uses (those exist).
     """
-    names = _locations(out) or set()
-    family = re.compile(rf"{re.escape(out.name)}(\.\d+)?(-\d{{5}}-of-\d{{5}})?\.data")  # as _data_names
-    own = {
-        name
-        for name in names
-        if family.fullmatch(name)
-        and (out.parent / name).is_file()
-        and not (out.parent / name).is_symlink()
-        and _real(out.parent / name) not in inputs
-    }
-    for other in out.parent.glob("*.onnx"):
-        if not own or other.name == out.name:
-            continue
-        used = _locations(other)
-        own = set() if used is None else own - used
-    return [out.parent / name for name in sorted(own)]
+    return path if not os.path.lexists(path) else _free_graph_name(path, fmt)
 
 
 def _plan(
     source: ModelSource,
     out_path: str | os.PathLike | None,
     *,
+    fmt: str,
     in_place: bool,
     overwrite: bool,
     weights: WeightsMode | None,
@@ -207,12 +185,16 @@ def _plan(
         if os.path.lexists(out):
             if not out.is_dir():
                 raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
+            if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
+                file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
+            if not os.listdir(out):
+                plan.fill = True  # nothing there to replace: overwrite is not needed
+                return plan
+            previous.check_replaceable_folder(out)
             if not overwrite:
-                raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
-            if not ((out / GENAI_CONFIG).is_file() or any(out.glob("*.onnx"))):
                 raise KvCacheError(
-                    f"Output {out} exists and is not a model folder (no {GENAI_CONFIG}, no .onnx file); "
-                    "refusing to remove it. Name another output folder."
+                    f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to "
+                    "replace it."
                 )
             if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), out_real):
                 raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
@@ -230,20 +212,25 @@ def _plan(
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         raise KvCacheError(
             f"Output {out_path} is a folder; the input is one model file, so name the output file "
-            f"(e.g. {out / source.graph.name})."
+            f"(e.g. {_free_name(out / source.graph.name, fmt)})."
         )
     if out.suffix != ".onnx":
-        raise KvCacheError(f"Output {out} must be a .onnx file name (e.g. {out.with_suffix('.onnx').name}).")
+        raise KvCacheError(
+            f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
+        )
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
     mode: Literal["share", "copy", "link"] = weights or ("share" if beside else "copy")
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
     if os.path.lexists(out):
-        if not overwrite:
-            raise KvCacheError(f"Output {out} exists; pass overwrite=True to replace it.")
         if not out.is_file():
             raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
+        marker = previous.check_replaceable_file(out)
+        if not overwrite:
+            raise KvCacheError(
+                f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+            )
         plan.replace = True
-        plan.obsolete = _previous_own_data(out, inputs)
+        plan.obsolete = previous.own_data_files(out, marker, inputs)
     if mode != "share":
         plan.data_names = _data_names(out, sorted(source.data))
     return plan
@@ -300,8 +287,8 @@ def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _in_place_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
-    """A new, unused name for an in-place graph whose genai_config changes too."""
+def _free_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
+    """A new, unused name for ``graph`` converted to ``fmt``: ``STEM.FMT.onnx``, ``STEM.FMT.2.onnx``, ..."""
     stem = graph.name.removesuffix(".onnx")
     for name in CACHE_FORMATS:
         stem = stem.removesuffix(f".{name}")
@@ -409,6 +396,10 @@ def convert_model(
     (their ``format``, else their ``qmax``), else fp8. ``follow_symlinks`` accepts input files that
     link out of the model's folder (Hugging Face cache snapshots); their content is
     copied. ``progress``: a progress bar for copies (default: on a terminal).
+
+    An existing output is replaced only with ``overwrite`` and only when it is a previous
+    output of onnx-kvcache (the rules: :mod:`onnx_kvcache._previous_output`); an existing
+    empty output folder is filled, with or without it.
     """
     scales = as_kv_cache_scales(scales)
     fmt = get_format(format or (scales.implied_format if scales is not None else None) or "fp8")
@@ -418,8 +409,10 @@ def convert_model(
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    plan = _plan(source, out_path, in_place=in_place, overwrite=overwrite, weights=weights)
-    file_io.check_writable_folder(plan.out.parent if plan.placement != "in-place" else source.graph.parent)
+    plan = _plan(source, out_path, fmt=fmt.name, in_place=in_place, overwrite=overwrite, weights=weights)
+    file_io.check_writable_folder(
+        source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
+    )
     if plan.placement == "in-place" and source.config_path is not None:
         file_io.check_writable_folder(source.config_path.parent)
 
@@ -483,6 +476,10 @@ def convert_model(
         new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
         if new_config == source.config:
             new_config = None
+    entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
+    model.metadata_props[previous.MARKER_KEY] = previous.marker(
+        fmt.name, granularity, plan.placement, plan.data_names.values(), entries
+    )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
     if plan.weights == "link":
@@ -533,7 +530,7 @@ def _write_in_place(
         return
     # Both files change: the new graph takes a new name, and replacing genai_config.json
     # (which names it) is the one commit. Only then is the old graph removed.
-    new_graph = _in_place_graph_name(graph, fmt)
+    new_graph = _free_graph_name(graph, fmt)
     config = json.loads(json.dumps(config))
     config["model"]["decoder"]["filename"] = new_graph.relative_to(source.root).as_posix()
     config_path = source.config_path
@@ -661,7 +658,8 @@ def _write_folder(
     result: ConvertResult,
     progress: bool | None,
 ) -> None:
-    """Build the whole output folder under a temporary name, then rename it into place."""
+    """Build the whole output folder under a temporary name, then rename it into place
+    (or, for an existing empty folder, move its content in: see ``publish_into_empty``)."""
     assert source.folder is not None
     out = plan.out
     rel_graph = pathlib.PurePosixPath(source.graph.relative_to(source.folder).as_posix())
@@ -672,8 +670,9 @@ def _write_folder(
     result.model_file = out / rel_graph
     result.data_files = sorted(str(r) for r in data_rel)
     created = file_io.make_dirs(out.parent)
+    work = out if plan.fill else out.parent  # where the temporary folder is built
     try:
-        file_io.sweep_stale(out.parent)
+        file_io.sweep_stale(work)
         to_copy = [
             e
             for e in source.entries
@@ -681,9 +680,9 @@ def _write_folder(
             and e.rel not in (rel_graph, rel_config)
             and not (plan.weights == "link" and e.rel in data_rel)
         ]
-        copier = _Copier([e.real for e in to_copy if e.real is not None], out.parent, progress)
+        copier = _Copier([e.real for e in to_copy if e.real is not None], work, progress)
         written = len(data)
-        with file_io.TempDir(out.parent) as tmp:
+        with file_io.TempDir(work) as tmp:
             try:
                 for entry in source.entries:
                     dst = tmp.path / entry.rel
@@ -704,8 +703,11 @@ def _write_folder(
                             result.weight_bytes_written += n
             finally:
                 copier.close()
-            with file_io.uninterrupted(completes=True):
-                tmp.publish(out, replace=plan.replace)
+            if plan.fill:
+                file_io.publish_into_empty(tmp, out, rel_config or rel_graph)
+            else:
+                with file_io.uninterrupted(completes=True):
+                    tmp.publish(out, replace=plan.replace)
     except BaseException:
         if not os.path.lexists(out):
             file_io.remove_empty_dirs(created)
