@@ -313,3 +313,15 @@ def test_cli_inspect_reports_the_paged_fast_path(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "m.onnx"), "--ep", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "PagedAttention" in out and "layer 0: eligible" in out
+
+
+@pytest.mark.parametrize(("ep", "semantics"), [("cpu", "cpu"), ("cuda", "cuda")])
+def test_a_converted_model_keeps_the_target_it_was_converted_for(tmp_path, ep, semantics):
+    from onnx_kvcache import KvCacheRunner, build_decoder, convert_model
+    from onnx_kvcache.capabilities import infer_target
+
+    ir.save(build_decoder(num_layers=1, dtype="float16"), tmp_path / "m.onnx")  # fp16: cuda by default
+    out = tmp_path / f"{ep}.onnx"
+    convert_model(tmp_path / "m.onnx", out, format="int8", scales={0: (0.05, 0.05)}, ep=ep)
+    assert infer_target(ir.load(out)) == (ep, f"converted for {ep} (its onnx_kvcache.converted metadata)")
+    assert KvCacheRunner(out).semantics == semantics

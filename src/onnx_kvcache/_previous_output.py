@@ -23,7 +23,14 @@ is read.
 
 from __future__ import annotations
 
-__all__ = ["MARKER_KEY", "check_replaceable_file", "check_replaceable_folder", "marker", "own_data_files"]
+__all__ = [
+    "MARKER_KEY",
+    "check_replaceable_file",
+    "check_replaceable_folder",
+    "converted_for",
+    "marker",
+    "own_data_files",
+]
 
 import json
 import os
@@ -41,19 +48,35 @@ _FIX = "remove it yourself or choose another output path."
 
 
 def marker(
-    fmt: str, granularity: str, placement: str, data: Iterable[str] = (), entries: Iterable[str] = ()
+    fmt: str,
+    granularity: str,
+    placement: str,
+    data: Iterable[str] = (),
+    entries: Iterable[str] = (),
+    target: str | None = None,
 ) -> str:
-    """The marker's value for a model written by a conversion."""
+    """The marker's value for a model written by a conversion (``target``: the provider it
+    was gated on, None when gating was skipped)."""
     doc: dict[str, Any] = {
         "version": __version__,
         "format": fmt,
         "granularity": granularity,
         "placement": placement,
+        "target": target,
         "data": sorted(data),
     }
     if placement == "folder":
         doc["entries"] = sorted(entries)
     return json.dumps(doc, separators=(",", ":"))
+
+
+def converted_for(metadata: dict[str, str]) -> str | None:
+    """The provider a conversion gated the model on, from its marker (None: not recorded)."""
+    try:
+        target = json.loads(metadata.get(MARKER_KEY, "{}")).get("target")
+    except (ValueError, AttributeError):
+        return None
+    return target if isinstance(target, str) else None
 
 
 def _graph(model_file: pathlib.Path) -> Any:

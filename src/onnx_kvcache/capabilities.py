@@ -37,6 +37,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache._previous_output import MARKER_KEY, converted_for
 from onnx_kvcache._runtime import installed_ort_version, installed_version
 from onnx_kvcache.attention_ops import GQA, PAGED, AttentionOp, get_op
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
@@ -235,9 +236,10 @@ def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) ->
     """Where a model will run when the user did not say: ``(row name, why)``.
 
     An fp8 cache, or an operator without a CPU kernel (PagedAttention), means ``cuda``: they
-    run nowhere else. An onnxruntime-genai config decides next: the first known provider of
-    its ``provider_options``, or ``cpu`` when it names none (genai's default). A bare model:
-    fp16/bf16 queries mean ``cuda``, float32 ``cpu``.
+    run nowhere else. A model ``convert_model`` gated on a provider records it (its
+    ``onnx_kvcache.converted`` metadata): that provider. An onnxruntime-genai config decides
+    next: the first known provider of its ``provider_options``, or ``cpu`` when it names none
+    (genai's default). A bare model: fp16/bf16 queries mean ``cuda``, float32 ``cpu``.
     """
     sites = find_attention_sites(model) if model is not None else []
     for op in _ops_in(sites):
@@ -245,6 +247,9 @@ def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) ->
             return "cuda", f"{op.op_type} has no CPU kernel (CUDA runs its quantized caches)"
     if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
         return "cuda", "its fp8 cache runs only on CUDA"
+    recorded = converted_for(model.metadata_props) if model is not None else None
+    if recorded is not None and get_capabilities(recorded).name != "default":
+        return get_capabilities(recorded).name, f"converted for {recorded} (its {MARKER_KEY} metadata)"
     if genai_config is not None:
         for name in provider_names(genai_config):
             row = get_capabilities(name)

@@ -478,7 +478,7 @@ def convert_model(
             new_config = None
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
-        fmt.name, granularity, plan.placement, plan.data_names.values(), entries
+        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target
     )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
