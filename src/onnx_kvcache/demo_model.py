@@ -55,6 +55,20 @@ class _Builder:
         w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
         return self.op("MatMul", [x, w], f"{name}/MatMul")
 
+    def residual_mlp(self, x: ir.Value, attn: ir.Value, layer: int, attn_width: int, norm: tuple) -> ir.Value:
+        """The rest of layer ``layer`` after attention: o_proj and residual, post-attention
+        RMS norm, SwiGLU MLP (as Llama-family decoders) and residual. ``norm``: (axes, eps)."""
+        c, p = self.config, f"/model/layers.{layer}"
+        o = self.linear(attn, f"model.layers.{layer}.attn.o_proj", attn_width, c.hidden_size)
+        x = self.op("Add", [x, o], f"{p}/attn/residual")
+        xn = self.rms_norm(x, f"model.layers.{layer}.post_attention_layernorm", *norm)
+        g = self.linear(xn, f"model.layers.{layer}.mlp.gate_proj", c.hidden_size, c.intermediate_size)
+        u = self.linear(xn, f"model.layers.{layer}.mlp.up_proj", c.hidden_size, c.intermediate_size)
+        g = self.op("Mul", [g, self.op("Sigmoid", [g], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
+        h = self.op("Mul", [g, u], f"{p}/mlp/gate")
+        h = self.linear(h, f"model.layers.{layer}.mlp.down_proj", c.intermediate_size, c.hidden_size)
+        return self.op("Add", [x, h], f"{p}/mlp/residual")
+
     def qk_norm(
         self,
         slots: dict[int, ir.Value | None],
@@ -223,15 +237,7 @@ def build_decoder(
             name=f"{p}/attn/GroupQueryAttention",
         )
         b.graph.outputs.extend(presents)
-        o = b.linear(attn, f"model.layers.{i}.attn.o_proj", c.num_heads * c.head_size, c.hidden_size)
-        x = b.op("Add", [x, o], f"{p}/attn/residual")
-        xn = b.rms_norm(x, f"model.layers.{i}.post_attention_layernorm", axes_last, eps)
-        g = b.linear(xn, f"model.layers.{i}.mlp.gate_proj", c.hidden_size, c.intermediate_size)
-        u = b.linear(xn, f"model.layers.{i}.mlp.up_proj", c.hidden_size, c.intermediate_size)
-        g = b.op("Mul", [g, b.op("Sigmoid", [g], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
-        h = b.op("Mul", [g, u], f"{p}/mlp/gate")  # SwiGLU, as Llama-family decoders
-        h = b.linear(h, f"model.layers.{i}.mlp.down_proj", c.intermediate_size, c.hidden_size)
-        x = b.op("Add", [x, h], f"{p}/mlp/residual")
+        x = b.residual_mlp(x, attn, i, c.num_heads * c.head_size, (axes_last, eps))
     x = b.rms_norm(x, "model.norm", axes_last, eps)
     logits = b.linear(x, "lm_head", c.hidden_size, c.vocab_size, gain=4.0)
     logits.name = "logits"

@@ -201,15 +201,7 @@ def build_paged_decoder(b: Any) -> ir.Model:
             name=f"{p}/attn/PagedAttention",
         )
         b.graph.outputs.extend(presents)
-        o = b.linear(attn, f"model.layers.{i}.attn.o_proj", c.num_heads * v_head, c.hidden_size)
-        x = b.op("Add", [x, o], f"{p}/attn/residual")
-        xn = b.rms_norm(x, f"model.layers.{i}.post_attention_layernorm", axes_last, eps)
-        g = b.linear(xn, f"model.layers.{i}.mlp.gate_proj", c.hidden_size, c.intermediate_size)
-        u = b.linear(xn, f"model.layers.{i}.mlp.up_proj", c.hidden_size, c.intermediate_size)
-        g = b.op("Mul", [g, b.op("Sigmoid", [g], f"{p}/mlp/Sigmoid")], f"{p}/mlp/SiLU")
-        h = b.op("Mul", [g, u], f"{p}/mlp/gate")
-        h = b.linear(h, f"model.layers.{i}.mlp.down_proj", c.intermediate_size, c.hidden_size)
-        x = b.op("Add", [x, h], f"{p}/mlp/residual")
+        x = b.residual_mlp(x, attn, i, c.num_heads * v_head, (axes_last, eps))
     x = b.rms_norm(x, "model.norm", axes_last, eps)
     logits = b.linear(x, "lm_head", c.hidden_size, c.vocab_size, gain=4.0)
     logits.name = "logits"
