@@ -450,3 +450,19 @@ def test_the_default_format_is_the_one_the_models_target_runs(dtype, fmt):
     ids = [list(np.random.default_rng(0).integers(0, 300, 64))]
     scales = calibrate_kv_cache(model, ids, progress=False, min_tokens=64)
     assert scales.format == fmt and scales.qmax == get_format(fmt).qmax
+
+
+def test_a_target_that_runs_no_quantized_cache_needs_a_format(tmp_path):
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "dml", num_layers=1, vocab_size=300, dtype="float16")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"dml": {}}]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    ids = [list(range(64))]
+    with pytest.raises(
+        KvCacheError, match=r"target, dml \(genai_config.json's provider_options.*format='int8'"
+    ):
+        calibrate_kv_cache(folder, ids, progress=False, min_tokens=64)
+    scales = calibrate_kv_cache(folder, ids, format="int8", progress=False, min_tokens=64)
+    assert scales.format == "int8" and "format_for" not in scales.metadata

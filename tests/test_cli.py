@@ -179,7 +179,7 @@ def test_help_shows_every_default_and_describes_every_argument(command):
 def test_calibrate_help_names_its_defaults():
     text = " ".join(_subcommands()["calibrate"].format_help().split())
     for default in (
-        "(default: what the model's target runs: fp8 on CUDA",
+        "(default: the first its target runs, the target as convert infers it: fp8 on CUDA",
         "(default: per_tensor)",
         "(default: minmax)",
         "(default: 512)",
@@ -669,3 +669,10 @@ def test_the_data_option_says_what_the_file_is(tmp_path, model_file, capsys, opt
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.parametrize("name", ["CUDAExecutionProvider", "CUDA", "gpu"])
+def test_ep_takes_onnxruntimes_provider_names_too(tmp_path, model_file, capsys, name):
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(model_file), str(out), "--format", "fp8", "--ep", name]) == 1
+    assert "not converted for cuda (--ep)" in capsys.readouterr().err  # float32: CUDA has no kernel

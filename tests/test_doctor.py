@@ -117,3 +117,8 @@ def test_cli_doctor(capsys, monkeypatch):
         "disagrees with this onnxruntime: PagedAttention schema: input names differ"
         in capsys.readouterr().err
     )
+
+
+def test_the_openvino_row_is_not_onnxruntimes():
+    with pytest.raises(KvCacheError, match="The openvino row is run by openvino, not onnxruntime"):
+        doctor.run_doctor(["openvino"])

@@ -144,6 +144,8 @@ def test_data_notes(tmp_path):
     convert_model(folder, tmp_path / "int8", format="int8", scales=scales)
     report = evaluate_kv_cache(folder, tmp_path / "int8", num_seqs=1, seq_len=32, max_new_tokens=2)
     assert report.data_note == "built-in corpus, model tokenizer"
+    assert report.kernel_rule_reason == "target cpu: converted for cpu (its onnx_kvcache.converted metadata)"
+    assert f"({report.kernel_rule_reason})" in report.format_table()
     text = tmp_path / "elsewhere" / "text.txt"  # text away from the model: the baseline's tokenizer reads it
     text.parent.mkdir()
     text.write_text("The cache holds keys and values for every past token. " * 8)

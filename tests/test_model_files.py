@@ -1143,3 +1143,18 @@ def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
     with pytest.raises(KvCacheError, match=reason):
         convert_model(source, tmp_path / "o.onnx", strict=True, **kwargs)
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), [("float32", "int8"), ("float16", "fp8")])
+def test_without_a_format_or_scales_the_target_picks_the_format(tmp_path, dtype, fmt):
+    from onnx_kvcache import build_decoder
+
+    ir.save(build_decoder(num_layers=1, dtype=dtype), tmp_path / "m.onnx")
+    if fmt == "int8":  # cpu runs int8, which needs calibrated scales
+        with pytest.raises(KvCacheError, match="The int8 KV cache needs calibrated scales"):
+            convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
+        result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx", scales={0: (0.05, 0.05)})
+    else:
+        with pytest.warns(KvCacheWarning, match="unit scales"):
+            result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    assert result.converted and result.format == fmt

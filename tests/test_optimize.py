@@ -175,3 +175,11 @@ def test_pass_manager_fuses_an_export_then_quantizes():
     assert result.modified and count_gqa(result.model) == 1
     assert result.model.graph.inputs[3].dtype == ir.DataType.UINT8
     assert result.model.graph.inputs[3].shape[3] == 8
+
+
+def test_a_refusal_is_a_not_converted_warning():
+    from onnx_kvcache import NotConvertedWarning, build_decoder, optimize_model
+
+    model = build_decoder(num_layers=1, dtype="float16")
+    with pytest.warns(NotConvertedWarning, match="KV cache not converted to fp8 per_tensor for cpu"):
+        assert optimize_model(model, execution_provider="cpu", fp8_kv_cache=True) is model

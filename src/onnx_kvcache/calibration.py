@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.capabilities import infer_target
+from onnx_kvcache.capabilities import default_format, infer_target
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import KvCacheError, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
@@ -196,9 +196,10 @@ def calibrate_kv_cache(
 
     Args:
         model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
-        format: The cache format the scales are for; by default the one its target runs:
-            ``fp8`` where the model runs on CUDA (fp16/bf16, a genai folder for CUDA), else
-            ``int8`` (:func:`~onnx_kvcache.capabilities.infer_target`).
+        format: The cache format the scales are for; by default the first its target
+            (:func:`~onnx_kvcache.capabilities.infer_target`) runs
+            (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on CPU),
+            recorded as ``format_for`` in the metadata.
         data: Token-id sequences, or a token-id/text file; ``None`` uses the built-in
             corpus (tokenized with the model's tokenizer when it has one).
         seq_len: Longer sequences are cut into windows of this length.
@@ -223,9 +224,16 @@ def calibrate_kv_cache(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
     runner = KvCacheRunner(model, providers)
+    chosen_for = None
     if format is None:
-        target, _ = infer_target(runner.source_model, runner.genai_config)
-        format = "fp8" if target == "cuda" else "int8"
+        target, why = infer_target(runner.source_model, runner.genai_config)
+        format = default_format(runner.source_model, target, granularity)
+        if format is None:
+            raise KvCacheError(
+                f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
+                "format of the provider it will run on, e.g. format='int8'."
+            )
+        chosen_for = f"{target} (assumed: {why})"
     fmt = get_format(format)
     if method == "mse" and fmt.is_float:
         raise KvCacheError(
@@ -332,6 +340,8 @@ def calibrate_kv_cache(
     }
     if method == "percentile":
         metadata["percentile"] = percentile
+    if chosen_for is not None:
+        metadata["format_for"] = chosen_for  # the format was the target's, not named
     scales = KvCacheScales(
         {s.layer_id: s.k_scale for s in stats},
         {s.layer_id: s.v_scale for s in stats},

@@ -24,6 +24,7 @@ __all__ = [
     "SupportReport",
     "check_kv_cache_support",
     "conversion_warnings",
+    "default_format",
     "fast_path_diagnostics",
     "get_capabilities",
     "infer_target",
@@ -261,6 +262,17 @@ def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) ->
         names = "/".join(sorted(t.name.lower() for t in dtypes))
         return "cuda", f"a {names} model"
     return "cpu", "a float32 model" if dtypes else "no attention dtype to go by"
+
+
+def default_format(model: ir.Model | None, target: str, granularity: str = "per_tensor") -> str | None:
+    """The cache format to take for ``target`` when none is named: the first row of
+    :data:`~onnx_kvcache.formats.CACHE_FORMATS` (fp8, int8, int4) that ``target`` runs for
+    ``model``; None when it runs no quantized cache. Runtime versions are not checked here
+    (the conversion's gate checks them)."""
+    for name in CACHE_FORMATS:
+        if check_kv_cache_support(model, target, name, granularity, runtime_version="9999").supported:
+            return name
+    return None
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -50,6 +50,14 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def _ep_name(value: str) -> str:
+    """A provider as the table names it: ``CUDAExecutionProvider`` -> ``cuda``."""
+    from onnx_kvcache.capabilities import get_capabilities
+
+    row = get_capabilities(value)
+    return row.name if row.name != "default" else value.lower()
+
+
 def ep_choices() -> list[str]:
     """``--ep`` values: every provider of the capability table."""
     return [name for name in EP_CAPABILITIES if name != "default"]
@@ -83,9 +91,9 @@ _NON_NEGATIVE = _bounded(int, 0)
 
 def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
     default = (
-        "the scale file's, else fp8"
+        "the scale file's, else the first the target runs: fp8 on CUDA, int8 on CPU"
         if granularity is None
-        else "what the model's target runs: fp8 on CUDA (fp16/bf16 models, genai folders for cuda), else int8"
+        else "the first its target runs, the target as convert infers it: fp8 on CUDA, int8 on CPU"
     )
     p.add_argument("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})")
     p.add_argument(
@@ -391,7 +399,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     scales.save(args.out)
     print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
-    print(f"wrote {args.out} ({layers} layers, {scales.format} {args.granularity}, {args.method})")
+    chosen = scales.metadata.get("format_for")
+    target = f" for {chosen}; --format to choose" if chosen else ""
+    print(f"wrote {args.out} ({layers} layers, {scales.format} {args.granularity}, {args.method}){target}")
     return 0
 
 
@@ -510,10 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ep",
-        type=str.lower,
+        type=_ep_name,
         choices=ep_choices(),
-        help="where the model will run; the conversion is refused when it cannot run there "
-        "(default: genai_config.json's provider, else cpu for float32 models and cuda for fp16/bf16)",
+        help="where the model will run (or onnxruntime's name for it, e.g. CUDAExecutionProvider); the "
+        "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: "
+        "a genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
     )
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
     p.add_argument(
@@ -546,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=_MODEL)
     p.add_argument(
         "--ep",
-        type=str.lower,
+        type=_ep_name,
         choices=ep_choices(),
         help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
         "runs each layer (default: none, the cache only)",

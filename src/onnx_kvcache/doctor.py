@@ -324,6 +324,12 @@ def _onnxruntime_names(requested: Sequence[str]) -> list[str]:
     names = []
     for name in requested:
         row = get_capabilities(name)
+        if row.name != "default" and row.runtime != "onnxruntime":
+            raise KvCacheError(
+                f"The {row.name} row is run by {row.runtime}, not onnxruntime: run_doctor() checks "
+                "onnxruntime's providers (the test suite checks that row against the installed "
+                f"{row.runtime})."
+            )
         if row.name != "default" and row.provider:
             names.append(row.provider)
         elif name in known:

@@ -90,6 +90,8 @@ class EvaluationReport:
     positions: int
     """Decode steps scored (the prompt's own positions are reported apart)."""
     kl_prompt_mean: float = float("nan")
+    kernel_rule_reason: str = ""
+    """Why that rule: the candidate's target and how it was inferred, or ``asked for``."""
     """Mean KL over the prompt's positions (CUDA's first prompt reads K/V unquantized: ~0)."""
 
     def to_json(self) -> dict[str, Any]:
@@ -101,7 +103,12 @@ class EvaluationReport:
     def format_table(self) -> str:
         rows = [
             ("candidate cache", self.candidate_format),
-            ("kernel rule", self.kernel_rule),
+            (
+                "kernel rule",
+                f"{self.kernel_rule} ({self.kernel_rule_reason})"
+                if self.kernel_rule_reason and self.kernel_rule != "float cache"
+                else self.kernel_rule,
+            ),
             (
                 "cache bytes / token",
                 f"{self.candidate_bytes_per_token:g} (baseline {self.baseline_bytes_per_token:g})",
@@ -244,6 +251,7 @@ def evaluate_kv_cache(
         candidate_format=_format_name(cand),
         emulated=cand.emulated,
         kernel_rule=cand.kernel_rule,
+        kernel_rule_reason=cand.semantics_reason,
         data_note=note,
         num_sequences=len(windows),
         positions=int(all_kl.size),

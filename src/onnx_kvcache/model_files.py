@@ -40,6 +40,7 @@ from onnx_kvcache._file_io import format_bytes
 from onnx_kvcache.capabilities import (
     check_kv_cache_support,
     conversion_warnings,
+    default_format,
     get_capabilities,
     infer_target,
 )
@@ -390,26 +391,28 @@ def convert_model(
     and the result's ``converted``/``reasons`` say why (``strict`` raises instead). ``None``
     skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
     model without GroupQueryAttention is first fused (onnxscript); without any after fusion
-    it is not converted. A genai folder's
-    ``search.past_present_share_buffer`` follows the target. ``granularity`` defaults
-    to the scales' own, else per tensor; ``format`` to the format the scales were made for
-    (their ``format``, else their ``qmax``), else fp8. ``follow_symlinks`` accepts input files that
-    link out of the model's folder (Hugging Face cache snapshots); their content is
-    copied. ``progress``: a progress bar for copies (default: on a terminal).
+    it is not converted. A genai folder's ``search.past_present_share_buffer`` follows the
+    target. ``granularity`` defaults to the scales' own, else per tensor; ``format`` to the
+    format the scales were made for (their ``format``, else their ``qmax``), else the first
+    the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
+    CPU; fp8 when gating is skipped). ``follow_symlinks`` accepts input files that link out
+    of the model's folder (Hugging Face cache snapshots); their content is copied.
+    ``progress``: a progress bar for copies (default: on a terminal).
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache._previous_output`); an existing
     empty output folder is filled, with or without it.
     """
     scales = as_kv_cache_scales(scales)
-    fmt = get_format(format or (scales.implied_format if scales is not None else None) or "fp8")
-    scales = as_kv_cache_scales(scales, format=fmt.name)
+    named = format or (scales.implied_format if scales is not None else None)  # None: the target's
+    if named is not None:
+        get_format(named)  # an unknown name fails before any work
     if granularity is None:
         granularity = scales.granularity if scales is not None else "per_tensor"
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    plan = _plan(source, out_path, fmt=fmt.name, in_place=in_place, overwrite=overwrite, weights=weights)
+    plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
     file_io.check_writable_folder(
         source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
     )
@@ -417,7 +420,7 @@ def convert_model(
         file_io.check_writable_folder(source.config_path.parent)
 
     model = source.model
-    result = ConvertResult(plan.out, source.graph, 0, granularity, fmt.name, placement=plan.placement)
+    result = ConvertResult(plan.out, source.graph, 0, granularity, named or "", placement=plan.placement)
     refusal = None
     if not find_attention_sites(model, with_cache_only=False):
         fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
@@ -452,6 +455,9 @@ def convert_model(
     elif ep is not None:
         target, result.target_source = ep.lower(), "given"
     result.target = target if ep is not None else None
+    fmt = get_format(named or (ep is not None and default_format(model, target, granularity)) or "fp8")
+    scales = as_kv_cache_scales(scales, format=fmt.name)
+    result.format = fmt.name
     if ep is not None:
         reasons = _gate(model, target, fmt.name, granularity, check_device)
         if reasons:

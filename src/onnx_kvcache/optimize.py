@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheError, warn
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model
@@ -95,7 +95,7 @@ def optimize_model(
             message = f"Attention not fused for {execution_provider}: " + " ".join(refused.reasons)
             if strict:
                 raise KvCacheError(message)
-            warn(message)
+            warn(message, NotConvertedWarning)
             return model
     if kv_cache_format is None:
         return model
@@ -133,7 +133,7 @@ def optimize_model(
         )
         if strict:
             raise KvCacheError(message)
-        warn(message)
+        warn(message, NotConvertedWarning)
         return model
     KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
     for warning in report.warnings:

@@ -225,12 +225,13 @@ def _fused(model: ir.Model) -> ir.Model:
     return model
 
 
-def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None) -> Semantics:
-    """The kernel rule of the provider ``model`` targets (see ``infer_target``): cuda or cpu."""
+def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None) -> tuple[Semantics, str]:
+    """The kernel rule of the provider ``model`` targets (see ``infer_target``), cuda or
+    cpu, and why: ``"target cpu: a float32 model"``."""
     ep, why = infer_target(model, genai_config)
     semantics: Semantics = "cuda" if ep == "cuda" else "cpu"
     logger.info("The model targets %s (%s): the %s kernel's rule.", ep, why, semantics)
-    return semantics
+    return semantics, f"target {ep}: {why}"
 
 
 def _max_positions(model: ir.Model) -> int | None:
@@ -405,11 +406,14 @@ class KvCacheRunner:
                 raise KvCacheError(f"On CUDA the CUDA kernel runs: semantics={semantics!r} is not possible.")
             self.semantics: Semantics = "cuda"
             self.emulated = False
+            self.semantics_reason = "running on CUDA"
+            """Why this kernel rule: ``target cpu: a float32 model``, ``asked for``, ..."""
         else:
             if semantics is None:
-                self.semantics = target_semantics(model, config)
+                self.semantics, self.semantics_reason = target_semantics(model, config)
             else:
                 self.semantics = get_semantics(semantics)
+                self.semantics_reason = "asked for"
                 if self.semantics == "cpu" and any(
                     s.cache_format is not None and s.cache_format.is_float for s in find_gqa_sites(model)
                 ):
