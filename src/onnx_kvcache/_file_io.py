@@ -19,7 +19,7 @@ Rules every writer in the package follows:
   sparse files stay sparse; ``copy_file_range`` moves the bytes inside the kernel.
 * :func:`signal_handlers` turns SIGTERM and SIGHUP into :class:`Interrupted` (a
   ``KeyboardInterrupt``) so that cleanup runs as for Ctrl-C; :func:`uninterrupted`
-  defers them over a commit.
+  defers them over a commit (both live in :mod:`onnx_kvcache._signals`).
 
 Setting the environment variable ``ONNX_KVCACHE_PLAIN_COPY=1`` disables cloning and
 ``copy_file_range`` (read/write only, holes still kept); it exists for tests of the
@@ -70,13 +70,12 @@ import os
 import pathlib
 import secrets
 import shutil
-import signal
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
 from onnx_kvcache.errors import KvCacheError
 
 try:
@@ -104,73 +103,6 @@ def format_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
     raise AssertionError("unreachable")
-
-
-# -- signals ----------------------------------------------------------------------------
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP, raised where the program was.
-
-    ``completed``: the signal arrived during a commit, which finished first.
-    """
-
-    def __init__(self, signum: int, completed: bool = False) -> None:
-        self.signum = signum
-        self.completed = completed
-        self.detail = "no partial output was left"
-        """What the CLI says about the files (set by whoever knows)."""
-        super().__init__(signal.Signals(signum).name)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-_defer_depth = 0
-_pending: list[int] = []
-_HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    if _defer_depth:
-        _pending.append(signum)
-        return
-    raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def signal_handlers() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` inside this block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, _on_signal) for s in _HANDLED}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _pending.clear()
-
-
-@contextlib.contextmanager
-def uninterrupted(completes: bool = False) -> Iterator[None]:
-    """Hold signals caught by :func:`signal_handlers` until the block ends.
-
-    A held signal is raised when the outermost block ends normally; ``completes`` marks
-    a block after which the output is complete (the exception says so).
-    """
-    global _defer_depth
-    _defer_depth += 1
-    try:
-        yield
-    finally:
-        _defer_depth -= 1
-    if not _defer_depth and _pending:
-        signum = _pending[0]
-        _pending.clear()
-        raise Interrupted(signum, completed=completes)
 
 
 # -- low-level helpers ------------------------------------------------------------------
