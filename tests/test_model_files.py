@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -352,25 +353,90 @@ def test_overwrite_replaces_exactly_the_previous_output(tmp_path, monkeypatch):
     assert_no_temporary_entries(tmp_path)
 
 
-def test_overwrite_removes_the_old_output_s_own_data_only_when_no_other_model_uses_it(tmp_path):
-    for sibling in (False, True):
-        folder = tmp_path / f"sibling-{sibling}"
-        src = save_external(folder)
-        own = folder / "model.own.onnx"
-        convert_model(src, own, format="int8", scales=SCALES, weights="copy")
-        if sibling:  # another model naming the same data file
-            shutil.copy(own, folder / "sibling.onnx")
-        result = convert_model(
-            src, own, format="int4", scales=SCALES, overwrite=True
-        )  # shares model.onnx.data
-        assert (folder / "model.own.onnx.data").exists() == sibling
-        assert bool(result.notes) == (not sibling)
-        if sibling:
-            assert_loads_everywhere(folder / "sibling.onnx", ir.DataType.INT8)
-        else:
-            assert "removed its own data file(s): model.own.onnx.data" in result.notes[0]
-            assert sorted(os.listdir(folder)) == ["model.onnx", "model.onnx.data", "model.own.onnx"]
-        assert_loads_everywhere(own, ir.DataType.UINT8)
+def _copy_as(name):
+    return lambda own: shutil.copy(own, own.parent / name)
+
+
+def _linked_graph(own):  # a link in the folder to a graph elsewhere: loaded through it, it names our data
+    shutil.copy(own, own.parent.parent / "elsewhere.onnx")
+    (own.parent / "linked.onnx").symlink_to(own.parent.parent / "elsewhere.onnx")
+
+
+NAMERS = {  # files that could be a graph naming the old output's data: it stays, and the run says why
+    "sibling.onnx": _copy_as("sibling.onnx"),
+    "model.own.onnx.bak": _copy_as("model.own.onnx.bak"),  # only lowercase *.onnx files were checked
+    "backup.ONNX": _copy_as("backup.ONNX"),
+    "backup": _copy_as("backup"),
+    "linked.onnx": _linked_graph,
+}
+NOT_NAMERS = {  # files no tool loads as a graph naming it, so it goes
+    "notes.txt": lambda own: (own.parent / "notes.txt").write_text("weights: model.own.onnx.data\n"),
+    "other.onnx": lambda own: (own.parent / "other.onnx").write_bytes(NOT_LOADABLE + b"model.own.onnx.data"),
+    "empty.onnx": lambda own: (own.parent / "empty.onnx").write_bytes(b""),
+    "alias.onnx": lambda own: (own.parent / "alias.onnx").symlink_to("model.own.onnx"),  # the output itself
+    "sub/model.own.onnx": lambda own: (own.parent / "sub").mkdir() or shutil.copy(own, own.parent / "sub"),
+}
+
+
+@pytest.mark.parametrize("neighbour", [*NAMERS, *NOT_NAMERS])
+def test_overwrite_keeps_the_old_data_while_another_file_may_name_it_and_says_so(tmp_path, capsys, neighbour):
+    """model.onnx.bak, backup.ONNX and the like used to lose their data file (only lowercase
+    *.onnx files were checked), and a data file kept for a sibling was kept silently."""
+    folder = tmp_path / "f"
+    src = save_external(folder)
+    own = folder / "model.own.onnx"
+    convert_model(src, own, format="int8", scales=SCALES, weights="copy")
+    (NAMERS | NOT_NAMERS)[neighbour](own)
+    kept = neighbour in NAMERS
+    args = ["convert", str(src), str(own), "--format", "int4", "--scales", str(_scales(tmp_path))]
+    assert main([*args, "--overwrite"]) == 0  # shares model.onnx.data now
+    out = capsys.readouterr().out.splitlines()
+    assert (folder / "model.own.onnx.data").exists() == kept
+    if kept:
+        assert out[-2:] == [f"replaced {own}.", f"kept model.own.onnx.data: {neighbour} names it."], out
+        graph = folder / neighbour
+        onnx.load(graph)  # with its data
+        onnxruntime_session(graph)
+    else:
+        assert out[-1] == f"replaced {own} and removed its own data file(s): model.own.onnx.data.", out
+    assert_loads_everywhere(own, ir.DataType.UINT8)
+
+
+def test_a_file_protobuf_cannot_parse_is_never_read_through(tmp_path, monkeypatch):
+    """A weights file fails the wire-format check within a few bytes; one over 2 GiB is not opened."""
+    from onnx_kvcache import _previous_output as previous
+
+    folder = tmp_path / "f"
+    src = save_external(folder)
+    own = folder / "model.own.onnx"
+    convert_model(src, own, format="int8", scales=SCALES, weights="copy")
+    with open(folder / "huge.bin", "wb") as f:  # sparse: 3 GiB that occupy nothing
+        f.truncate(3 * 2**30)
+    (folder / "random.bin").write_bytes(np.random.default_rng(0).bytes(4 * MiB) + b"model.own.onnx.data")
+    opened, read = [], []
+
+    class Spy(io.FileIO):
+        def __init__(self, path, mode="r"):
+            opened.append(pathlib.Path(path).name)
+            super().__init__(path, mode)
+
+        def read(self, n=-1):
+            data = super().read(n)
+            if str(self.name).endswith("random.bin"):
+                read.append(len(data))
+            return data
+
+    monkeypatch.setattr(previous, "open", Spy, raising=False)
+    result = convert_model(src, own, format="int4", scales=SCALES, overwrite=True)
+    assert "huge.bin" not in opened and "random.bin" in opened
+    assert 0 < sum(read) < 64  # field headers only: the weights were not read through
+    assert not (folder / "model.own.onnx.data").exists() and not any("kept" in n for n in result.notes)
+
+
+def onnxruntime_session(graph):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
 
 
 # -- overwrite: a previous output of onnx-kvcache, nothing else -------------------------
@@ -405,6 +471,226 @@ def test_repeated_overwrite_leaves_one_output_and_its_own_data(tmp_path, placeme
     assert {name: (folder / name).read_bytes() for name in before} == before
     assert_loads_everywhere(out, ir.DataType.INT8)
     assert_no_temporary_entries(tmp_path)
+
+
+RACES = {
+    # the other run commits between this run's check and its write: this one used to fail
+    # with a traceback ending in AssertionError: .../model.onnx.data
+    "done-before-our-write": "changed since this run checked it",
+    # the other run starts while this one copies: it stops before copying anything
+    "starts-while-we-copy": "is being replaced by another run",
+}
+
+
+@pytest.mark.parametrize("race", RACES)
+@pytest.mark.parametrize("layout", ["file", "genai"])
+def test_concurrent_overwrites_of_one_output_are_one_line_each(tmp_path, capsys, monkeypatch, race, layout):
+    from onnx_kvcache import model_files
+
+    src = genai(tmp_path / "in") if layout == "genai" else save_external(tmp_path / "in")
+    out = tmp_path / ("out" if layout == "genai" else "out/model.onnx")
+    convert_model(src, out, format="int8", scales=SCALES)
+    other, started = [], []
+
+    def other_run():
+        started.append(True)  # once: the other run goes through the same patched functions
+        try:
+            other.append(convert_model(src, out, format="int4", scales=SCALES, overwrite=True))
+        except KvCacheError as e:
+            other.append(e)
+
+    writer = "_write_folder" if layout == "genai" else "_write_file"
+    real_write, real_copy = getattr(model_files, writer), file_io.copy_data
+    if race == "done-before-our-write":
+
+        def write(*args, **kwargs):
+            if not started:
+                other_run()
+            return real_write(*args, **kwargs)
+
+        monkeypatch.setattr(model_files, writer, write)
+    else:
+        monkeypatch.setenv(file_io.PLAIN_COPY_ENV, "1")
+
+        def copy(*args, **kwargs):
+            if not started:
+                other_run()
+            return real_copy(*args, **kwargs)
+
+        monkeypatch.setattr(file_io, "copy_data", copy)
+    args = ["convert", str(src), str(out), "--format", "int8", "--scales", str(_scales(tmp_path))]
+    code = main([*args, "--overwrite"])
+    err = capsys.readouterr().err
+    if race == "done-before-our-write":  # the other run won; this one wrote nothing
+        assert code == 2 and err.count("\n") == 1 and RACES[race] in err and "nothing was written" in err, err
+        assert marker_of(out)["format"] == "int4"
+    else:  # this run won; the other stopped at once
+        assert code == 0 and isinstance(other[0], KvCacheError) and RACES[race] in str(other[0])
+        assert marker_of(out)["format"] == "int8"
+    graph, _ = resolve_model_path(out)
+    assert sorted(os.listdir(graph.parent)) == sorted(
+        os.listdir(tmp_path / "in") if layout == "genai" else ["model.onnx", *data_locations(graph)]
+    )
+    assert_loads_everywhere(out, ir.DataType.UINT8 if race == "done-before-our-write" else ir.DataType.INT8)
+    assert_no_temporary_entries(tmp_path)
+
+
+def test_a_data_file_removed_meanwhile_is_no_error(tmp_path):
+    """What the race came down to: an old data file gone before the journal was written."""
+    src = save_external(tmp_path / "in")
+    out = tmp_path / "out" / "model.onnx"
+    convert_model(src, out, format="int8", scales=SCALES)
+    real = file_io.publish_as_one
+
+    def publish(*args, remove_after=(), **kwargs):
+        for p in remove_after:
+            p.unlink()
+        return real(*args, remove_after=remove_after, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(file_io, "publish_as_one", publish)
+        convert_model(src, out, format="int4", scales=SCALES, overwrite=True)
+    assert sorted(os.listdir(out.parent)) == ["model.onnx", "model.onnx.2.data"]
+    assert_loads_everywhere(out, ir.DataType.UINT8)
+
+
+@pytest.mark.parametrize("placement", ["beside", "elsewhere", "beside-copy", "folder"])
+def test_a_replaced_output_always_says_so_in_one_line(tmp_path, capsys, placement):
+    """An output that owned no data file (beside: shared weights) was replaced without a word."""
+    src = genai(tmp_path / "in") if placement == "folder" else save_external(tmp_path / "in")
+    out = {
+        "beside": tmp_path / "in" / "m.int8.onnx",
+        "beside-copy": tmp_path / "in" / "m.int8.onnx",
+        "elsewhere": tmp_path / "out" / "m.onnx",
+        "folder": tmp_path / "out",
+    }[placement]
+    args = ["convert", str(src), str(out), "--format", "int8", "--scales", str(_scales(tmp_path))]
+    args += ["--weights", "copy"] if placement == "beside-copy" else []
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--overwrite"]) == 0
+    replaced = [line for line in capsys.readouterr().out.splitlines() if line.startswith("replaced")]
+    removed = {"elsewhere": "m.onnx.data", "beside-copy": "m.int8.onnx.data"}.get(placement)
+    assert replaced == [
+        f"replaced {out}" + (f" and removed its own data file(s): {removed}." if removed else ".")
+    ]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A folder that is its own mount (tmpfs); mounting needs root, as on CI's containers."""
+    folder = tmp_path / "mnt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(folder)]
+    if subprocess.run(mount, check=False, capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("layout", ["genai", "file"])
+def test_overwrite_refuses_a_mount_point_before_copying_anything(tmp_path, capsys, tmpfs, layout):
+    """It staged the new folder beside the mount, copied everything, then failed with EBUSY."""
+    src = genai(tmp_path / "in") if layout == "genai" else save_external(tmp_path / "in")
+    out = tmpfs if layout == "genai" else tmpfs / "m.onnx"
+    if layout == "file":  # a mounted file: bind-mount one over the output
+        convert_model(src, tmp_path / "x" / "m.onnx", format="int8", scales=SCALES)
+        out.touch()
+        subprocess.run(["mount", "--bind", str(tmp_path / "x" / "m.onnx"), str(out)], check=True)
+    else:
+        convert_model(src, out, format="int8", scales=SCALES)  # filled in place: an empty mount point
+    before = snapshot(tmp_path)
+    args = ["convert", str(src), str(out), "--format", "int4", "--scales", str(_scales(tmp_path))]
+    try:
+        assert main([*args, "--overwrite"]) == 2
+        after = {k: v for k, v in snapshot(tmp_path).items() if k != "scales.json"}
+    finally:
+        if layout == "file":
+            subprocess.run(["umount", str(out)], check=True)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"Output {out} is a mount point, which cannot be replaced" in err, err
+    assert ("empty it yourself" in err) == (layout == "genai")
+    assert after == before
+    assert_no_temporary_entries(tmp_path)
+
+
+def test_mount_points_are_recognised(tmp_path, monkeypatch):
+    assert file_io.is_mount_point("/") and not file_io.is_mount_point(tmp_path)
+    if sys.platform == "linux":
+        assert file_io.is_mount_point("/proc")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(tmp_path / "m") or real(p))
+    (tmp_path / "m").mkdir()
+    assert file_io.is_mount_point(tmp_path / "m")
+
+
+def _other_group() -> int:
+    """A group this process may give its files other than its own (any, as root)."""
+    others = [g for g in os.getgroups() if g != os.getegid()]
+    return 1 if os.geteuid() == 0 else (others[0] if others else os.getegid())
+
+
+MODES = {  # output, how it was locked down, what each entry of the new one must have
+    "file-0600": ("file", 0o600, 0o600),
+    "beside-copy-0640": ("beside", 0o640, 0o640),
+    "folder-0700": ("folder", 0o700, None),
+    "folder-2770": ("folder", 0o2770, None),  # a team folder: set-group-ID, group only
+}
+
+
+@pytest.mark.parametrize("case", MODES)
+def test_a_replaced_output_keeps_its_mode_owner_and_group(tmp_path, case):
+    """--overwrite used to give the new output the umask's mode: 0755 / 0644, setgid lost."""
+    kind, mode, file_mode = MODES[case]
+    group = _other_group()
+    if kind == "folder":
+        src = genai(tmp_path / "in")
+        out = tmp_path / "out"
+    else:
+        src = save_external(tmp_path / "in")
+        out = tmp_path / ("out/m.onnx" if kind == "file" else "in/m.int8.onnx")
+    convert_model(src, out, format="int8", scales=SCALES, weights="copy")
+    if kind == "folder":  # as a team folder is: every entry in its group
+        for p in [out, *out.rglob("*")]:
+            os.chown(p, -1, group)
+        os.chmod(out, mode)
+        os.chmod(out / "model.onnx.data", 0o660)  # an entry the new folder has too keeps its mode
+        (out / "tokenizer_config.json").unlink()  # one it has not: the folder's group all the same
+    else:
+        os.chown(out, -1, group)
+        os.chmod(out, mode)
+    originals = [*(tmp_path / "in").rglob("*")] if kind == "folder" else [src, *data_files(src)]
+    inputs = {p: (p.stat().st_mode, p.stat().st_gid) for p in originals}
+    result = convert_model(src, out, format="int4", scales=SCALES, weights="copy", overwrite=True)
+    st = out.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, group), (oct(st.st_mode), st.st_gid)
+    if kind == "folder":
+        assert stat.S_IMODE((out / "model.onnx.data").stat().st_mode) == 0o660
+        for p in out.rglob("*"):  # created in a set-group-ID folder: its group, as the kernel gives it
+            assert p.stat().st_gid == group or not mode & stat.S_ISGID, p
+        assert (out / "tokenizer_config.json").exists()
+    else:
+        for name in result.data_files:  # new data files take the replaced model file's mode
+            data = out.parent / name
+            assert (stat.S_IMODE(data.stat().st_mode), data.stat().st_gid) == (file_mode, group), name
+    assert {p: (p.stat().st_mode, p.stat().st_gid) for p in originals} == inputs
+    assert_loads_everywhere(out, ir.DataType.UINT8)
+
+
+def test_a_replaced_output_of_another_user_keeps_its_mode(tmp_path, monkeypatch):
+    """Where the owner cannot be kept (not root), the mode still is and the group where we may."""
+    src = save_external(tmp_path / "in")
+    out = tmp_path / "out" / "m.onnx"
+    convert_model(src, out, format="int8", scales=SCALES)
+    os.chmod(out, 0o640)
+
+    def refuse(fd, uid, gid):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", refuse)
+    convert_model(src, out, format="int4", scales=SCALES, overwrite=True)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert stat.S_IMODE((out.parent / "m.onnx.2.data").stat().st_mode) == 0o640
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -521,7 +807,7 @@ OVERWRITE_REFUSED = {  # input, output, what the one line says
     "folder-decoder": lambda t: (
         t / "f2/model.onnx",
         _converted(t / "g2", t / "gout") / "model.onnx",
-        "part of the converted folder",
+        "a folder onnx-kvcache converted; replacing that file alone",
     ),
     "file-as-folder": lambda t: (
         t / "g2",
@@ -555,7 +841,8 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, capsys, case):
         assert main(["convert", str(src), str(out), *flag, "--format", "int8", "--scales", str(scales)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
-        assert "remove it yourself or choose another output path" in err or "move" in err, err
+        assert "choose another output path" in err.lower() or "move" in err, err
+        assert "instead, or" not in err, err  # one fix after another, not run together
         assert "--overwrite" not in err, err  # overwrite would not help
     assert snapshot(tmp_path) == before
 
@@ -566,6 +853,8 @@ def test_overwrite_replaces_only_a_previous_output(tmp_path, capsys, case):
         lambda t: (t / "g/model.onnx", t / "g"),  # a folder output that is the input's folder
         lambda t: (t / "f/model.onnx", t / "f/model"),  # model.onnx, the input, is the obvious fix
         lambda t: (t / "f/model.onnx", f"{t}/f/"),
+        # a folder onnx-kvcache converted: a file of ours in it would block its --overwrite
+        lambda t: (t / "f/model.onnx", _converted(t / "g", t / "go")),
     ],
 )
 def test_a_suggested_output_never_names_the_input_or_its_files(tmp_path, make_args):
@@ -574,9 +863,15 @@ def test_a_suggested_output_never_names_the_input_or_its_files(tmp_path, make_ar
     src, out = make_args(tmp_path)
     with pytest.raises(KvCacheError, match=r"e\.g\. ") as info:
         convert_model(src, out, format="int8", scales=SCALES, overwrite=True)
-    suggestion = pathlib.Path(re.search(r"e\.g\. ([^)]+)\)", str(info.value))[1])
+    suggestion = pathlib.Path(re.search(r"e\.g\. ([^),]+)[),]", str(info.value))[1])
     suggestion = suggestion if suggestion.is_absolute() else pathlib.Path(out).parent / suggestion
     assert suggestion.suffix == ".onnx" and not os.path.lexists(suggestion), info.value
+    assert not _is_within_path(suggestion, tmp_path / "go"), info.value
+    convert_model(src, suggestion, format="int8", scales=SCALES)  # and it works
+
+
+def _is_within_path(path, folder):
+    return folder == path or folder in path.parents
 
 
 @pytest.mark.parametrize(
@@ -643,6 +938,30 @@ def test_hugging_face_snapshot_needs_the_flag_and_is_then_copied(tmp_path, capsy
     assert not [p for p in out.rglob("*") if p.is_symlink()]
     assert_loads_everywhere(out, ir.DataType.INT8)
     assert all(p.is_symlink() for p in snap.iterdir())
+
+
+@pytest.mark.parametrize("where", ["outside-with-the-flag", "inside"])
+def test_beside_an_input_whose_data_files_are_links_is_refused_with_the_fix(tmp_path, capsys, where):
+    """The output shared the links: onnx refuses linked data, onnxruntime links out of the
+    folder, so it loaded nowhere, silently."""
+    src = save_external(tmp_path / "in")
+    data = tmp_path / "in" / "model.onnx.data"
+    target = tmp_path / "blobs" / "sha1" if where != "inside" else tmp_path / "in" / "blob"
+    target.parent.mkdir(exist_ok=True)
+    data.rename(target)
+    data.symlink_to(target)
+    flag = ["--follow-symlinks"] if where != "inside" else []
+    args = ["convert", str(src), "--format", "int8", "--scales", str(_scales(tmp_path)), *flag]
+    before = snapshot(tmp_path)
+    assert main([*args[:2], str(tmp_path / "in" / "m.int8.onnx"), *args[2:]]) == 2
+    err = capsys.readouterr().err
+    assert "model.onnx.data is a symbolic link" in err and "Convert into another folder" in err, err
+    assert err.count("\n") == 1 and snapshot(tmp_path) == before
+    fixes = [(tmp_path / "out" / "m.onnx", []), (tmp_path / "in" / "m.own.onnx", ["--weights", "copy"])]
+    for out, extra in fixes:
+        assert main([*args[:2], str(out), *args[2:], *extra]) == 0  # the fixes: the content is copied
+        assert not any(p.is_symlink() for p in data_files(out))
+        assert_loads_everywhere(out, ir.DataType.INT8)
 
 
 def _scales(tmp_path) -> pathlib.Path:

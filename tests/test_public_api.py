@@ -117,3 +117,7 @@ def test_a_pass_given_something_else_than_an_ir_model_says_so(name, model_path):
     for wrong in (str(model_path), onnx.load(model_path, load_external_data=False)):
         with pytest.raises(onnx_kvcache.KvCacheError, match=f"{name} takes an onnx_ir.Model.*onnx_ir.load"):
             pass_(wrong)
+
+
+def test_the_lazy_exports_are_exactly_the_public_names():
+    assert set(onnx_kvcache._MODULE_OF) == set(onnx_kvcache.__all__)

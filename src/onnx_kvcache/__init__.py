@@ -3,6 +3,10 @@
 Graph-rewrite passes that store the KV cache of GroupQueryAttention and PagedAttention in
 FP8 E4M3, INT8 or packed INT4, with the scales, gating, calibration and evaluation around
 them.
+
+Names are imported on first use (PEP 562), so importing the package, or its command's
+entry point, takes milliseconds: the command installs its signal handlers before
+anything heavy (onnx-ir, numpy) is imported.
 """
 
 from __future__ import annotations
@@ -75,59 +79,169 @@ __all__ = [
 ]
 
 from onnx_kvcache._version import __version__ as __version__
-from onnx_kvcache.attention_ops import (
-    ATTENTION_OPS,
-    AttentionOp,
-    GqaInput,
-    GqaOutput,
-    PagedInput,
-    PagedOutput,
-)
-from onnx_kvcache.cache_layout import CacheLayerInfo, CacheModelInfo, inspect_kv_cache
-from onnx_kvcache.calibration import CalibrationStats, calibrate_kv_cache
-from onnx_kvcache.capabilities import (
-    CAPABILITIES,
-    EP_CAPABILITIES,
-    EpCapabilities,
-    FastPathReport,
-    SupportReport,
-    check_kv_cache_support,
-    fast_path_diagnostics,
-    get_capabilities,
-)
-from onnx_kvcache.demo_model import DecoderConfig, build_decoder
-from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.doctor import DoctorReport, run_doctor
-from onnx_kvcache.errors import (
-    KvCacheError,
-    KvCachePreconditionError,
-    KvCacheWarning,
-    MissingRuntimeError,
-    NotConvertedWarning,
-)
-from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
-from onnx_kvcache.formats import (
-    CACHE_FORMATS,
-    SCALE_GRANULARITIES,
-    CacheFormat,
-    ScaleGranularity,
-    get_format,
-    scale_granularity,
-)
-from onnx_kvcache.model_files import ConvertResult, convert_model
-from onnx_kvcache.model_source import load_model
-from onnx_kvcache.optimize import optimize_model
-from onnx_kvcache.passes import (
-    AttentionFusionPass,
-    Bfloat16ToFloatPass,
-    DecomposedAttentionFusionPass,
-    Fp8KvCachePass,
-    GqaFusionPass,
-    KvCacheEmulationPass,
-    KvCacheQuantizationPass,
-    PagedAttentionReferencePass,
-)
-from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache
-from onnx_kvcache.passes.paged_attention_reference import paged_attention_reference
-from onnx_kvcache.runner import KvCacheRunner
-from onnx_kvcache.scales import KvCacheScales, ScalesLike, load_kv_cache_scale_file
+
+TYPE_CHECKING = False  # typing is not imported: the command's start-up stays short
+
+_EXPORTS = {  # where each name lives; imported on first use
+    "onnx_kvcache.attention_ops": (
+        "ATTENTION_OPS",
+        "AttentionOp",
+        "GqaInput",
+        "GqaOutput",
+        "PagedInput",
+        "PagedOutput",
+    ),
+    "onnx_kvcache.cache_layout": (
+        "CacheLayerInfo",
+        "CacheModelInfo",
+        "inspect_kv_cache",
+    ),
+    "onnx_kvcache.calibration": (
+        "CalibrationStats",
+        "calibrate_kv_cache",
+    ),
+    "onnx_kvcache.capabilities": (
+        "CAPABILITIES",
+        "EP_CAPABILITIES",
+        "EpCapabilities",
+        "FastPathReport",
+        "SupportReport",
+        "check_kv_cache_support",
+        "fast_path_diagnostics",
+        "get_capabilities",
+    ),
+    "onnx_kvcache.demo_model": (
+        "DecoderConfig",
+        "build_decoder",
+    ),
+    "onnx_kvcache.device": ("cuda_compute_capability",),
+    "onnx_kvcache.doctor": (
+        "DoctorReport",
+        "run_doctor",
+    ),
+    "onnx_kvcache.errors": (
+        "KvCacheError",
+        "KvCachePreconditionError",
+        "KvCacheWarning",
+        "MissingRuntimeError",
+        "NotConvertedWarning",
+    ),
+    "onnx_kvcache.evaluation": (
+        "EvaluationReport",
+        "evaluate_kv_cache",
+    ),
+    "onnx_kvcache.formats": (
+        "CACHE_FORMATS",
+        "SCALE_GRANULARITIES",
+        "CacheFormat",
+        "ScaleGranularity",
+        "get_format",
+        "scale_granularity",
+    ),
+    "onnx_kvcache.model_files": (
+        "ConvertResult",
+        "convert_model",
+    ),
+    "onnx_kvcache.model_source": ("load_model",),
+    "onnx_kvcache.optimize": ("optimize_model",),
+    "onnx_kvcache.passes": (
+        "AttentionFusionPass",
+        "Bfloat16ToFloatPass",
+        "DecomposedAttentionFusionPass",
+        "Fp8KvCachePass",
+        "GqaFusionPass",
+        "KvCacheEmulationPass",
+        "KvCacheQuantizationPass",
+        "PagedAttentionReferencePass",
+    ),
+    "onnx_kvcache.passes.kv_cache_emulation": (
+        "emulate_fp8_kv_cache",
+        "emulate_kv_cache",
+    ),
+    "onnx_kvcache.passes.paged_attention_reference": ("paged_attention_reference",),
+    "onnx_kvcache.runner": ("KvCacheRunner",),
+    "onnx_kvcache.scales": (
+        "KvCacheScales",
+        "ScalesLike",
+        "load_kv_cache_scale_file",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    """An exported name or a submodule, imported on first use (PEP 562)."""
+    import importlib.util
+
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from onnx_kvcache.attention_ops import (
+        ATTENTION_OPS,
+        AttentionOp,
+        GqaInput,
+        GqaOutput,
+        PagedInput,
+        PagedOutput,
+    )
+    from onnx_kvcache.cache_layout import CacheLayerInfo, CacheModelInfo, inspect_kv_cache
+    from onnx_kvcache.calibration import CalibrationStats, calibrate_kv_cache
+    from onnx_kvcache.capabilities import (
+        CAPABILITIES,
+        EP_CAPABILITIES,
+        EpCapabilities,
+        FastPathReport,
+        SupportReport,
+        check_kv_cache_support,
+        fast_path_diagnostics,
+        get_capabilities,
+    )
+    from onnx_kvcache.demo_model import DecoderConfig, build_decoder
+    from onnx_kvcache.device import cuda_compute_capability
+    from onnx_kvcache.doctor import DoctorReport, run_doctor
+    from onnx_kvcache.errors import (
+        KvCacheError,
+        KvCachePreconditionError,
+        KvCacheWarning,
+        MissingRuntimeError,
+        NotConvertedWarning,
+    )
+    from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
+    from onnx_kvcache.formats import (
+        CACHE_FORMATS,
+        SCALE_GRANULARITIES,
+        CacheFormat,
+        ScaleGranularity,
+        get_format,
+        scale_granularity,
+    )
+    from onnx_kvcache.model_files import ConvertResult, convert_model
+    from onnx_kvcache.model_source import load_model
+    from onnx_kvcache.optimize import optimize_model
+    from onnx_kvcache.passes import (
+        AttentionFusionPass,
+        Bfloat16ToFloatPass,
+        DecomposedAttentionFusionPass,
+        Fp8KvCachePass,
+        GqaFusionPass,
+        KvCacheEmulationPass,
+        KvCacheQuantizationPass,
+        PagedAttentionReferencePass,
+    )
+    from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache
+    from onnx_kvcache.passes.paged_attention_reference import paged_attention_reference
+    from onnx_kvcache.runner import KvCacheRunner
+    from onnx_kvcache.scales import KvCacheScales, ScalesLike, load_kv_cache_scale_file

@@ -1,3 +1,3 @@
-from onnx_kvcache.cli import main
+from onnx_kvcache._entry import main
 
-raise SystemExit(main())
+main()

@@ -5,7 +5,10 @@ Rules every writer in the package follows:
 * Output is written under a temporary name that starts with :data:`TEMP_PREFIX`, in the
   folder of its final name, fsynced, then published by one rename. New files and folders
   are created with mode 0o666 / 0o777, so the umask decides (0644 / 0755 under 022); a
-  file that replaces one in place takes the old file's mode and owner (``like=``).
+  file that replaces one in place takes the old file's mode and owner (``like=``), and an
+  output that replaces a previous one takes its mode, and its owner and group where we may
+  set them (:func:`keep_mode_and_owner`, ``TempDir(like=)``), while a ``flock`` on the old
+  one (:func:`locked_output`) keeps a second run from replacing it at the same time.
 * A temporary entry belongs to the process holding an exclusive ``flock`` on it.
   :func:`sweep_stale` removes entries of this kind only, and only when no live process
   holds their lock (PIDs get reused; locks die with their process).
@@ -19,7 +22,7 @@ Rules every writer in the package follows:
   sparse files stay sparse; ``copy_file_range`` moves the bytes inside the kernel.
 * :func:`signal_handlers` turns SIGTERM and SIGHUP into :class:`Interrupted` (a
   ``KeyboardInterrupt``) so that cleanup runs as for Ctrl-C; :func:`uninterrupted`
-  defers them over a commit.
+  defers them over a commit (both live in :mod:`onnx_kvcache._signals`).
 
 Setting the environment variable ``ONNX_KVCACHE_PLAIN_COPY=1`` disables cloning and
 ``copy_file_range`` (read/write only, holes still kept); it exists for tests of the
@@ -49,6 +52,9 @@ __all__ = [
     "format_bytes",
     "free_bytes",
     "fsync_dir",
+    "is_mount_point",
+    "keep_mode_and_owner",
+    "locked_output",
     "make_dirs",
     "publish_as_one",
     "publish_into_empty",
@@ -68,15 +74,15 @@ import errno
 import json
 import os
 import pathlib
+import re
 import secrets
 import shutil
-import signal
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
 from onnx_kvcache.errors import KvCacheError
 
 try:
@@ -104,73 +110,6 @@ def format_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
     raise AssertionError("unreachable")
-
-
-# -- signals ----------------------------------------------------------------------------
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP, raised where the program was.
-
-    ``completed``: the signal arrived during a commit, which finished first.
-    """
-
-    def __init__(self, signum: int, completed: bool = False) -> None:
-        self.signum = signum
-        self.completed = completed
-        self.detail = "no partial output was left"
-        """What the CLI says about the files (set by whoever knows)."""
-        super().__init__(signal.Signals(signum).name)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-_defer_depth = 0
-_pending: list[int] = []
-_HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    if _defer_depth:
-        _pending.append(signum)
-        return
-    raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def signal_handlers() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` inside this block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, _on_signal) for s in _HANDLED}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _pending.clear()
-
-
-@contextlib.contextmanager
-def uninterrupted(completes: bool = False) -> Iterator[None]:
-    """Hold signals caught by :func:`signal_handlers` until the block ends.
-
-    A held signal is raised when the outermost block ends normally; ``completes`` marks
-    a block after which the output is complete (the exception says so).
-    """
-    global _defer_depth
-    _defer_depth += 1
-    try:
-        yield
-    finally:
-        _defer_depth -= 1
-    if not _defer_depth and _pending:
-        signum = _pending[0]
-        _pending.clear()
-        raise Interrupted(signum, completed=completes)
 
 
 # -- low-level helpers ------------------------------------------------------------------
@@ -286,17 +225,39 @@ def _temp_name(suffix: str = "") -> str:
     return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}{suffix}"
 
 
-def _keep_mode_and_owner(fd: int, like: os.stat_result, path: pathlib.Path) -> None:
-    os.fchmod(fd, stat.S_IMODE(like.st_mode))
+def _keep_mode_and_owner(
+    fd: int, like: os.stat_result, path: pathlib.Path, *, owner_required: bool = True
+) -> None:
+    """Give the entry open at ``fd`` the permission bits, owner and group of ``like``.
+
+    The owner first: changing it clears set-user/group-ID bits. ``owner_required``: an
+    owner or group we may not set is an error; otherwise the group is still tried alone
+    (any group we are in), then left as it is.
+    """
     st = os.fstat(fd)
     if (st.st_uid, st.st_gid) != (like.st_uid, like.st_gid) and hasattr(os, "fchown"):
         try:
             os.fchown(fd, like.st_uid, like.st_gid)
         except PermissionError:
-            raise KvCacheError(
-                f"Cannot keep the owner {like.st_uid}:{like.st_gid} of the file replaced in place "
-                f"(in {path.parent}); run as that user (or root), or convert to another path."
-            ) from None
+            if owner_required:
+                raise KvCacheError(
+                    f"Cannot keep the owner {like.st_uid}:{like.st_gid} of the file replaced in place "
+                    f"(in {path.parent}); run as that user (or root), or convert to another path."
+                ) from None
+            if st.st_gid != like.st_gid:
+                with contextlib.suppress(PermissionError):
+                    os.fchown(fd, -1, like.st_gid)
+    os.fchmod(fd, stat.S_IMODE(like.st_mode))
+
+
+def keep_mode_and_owner(path: os.PathLike | str, like: os.stat_result) -> None:
+    """Give a new entry of ours (file or folder, not a link) ``like``'s mode, and its owner
+    and group where we may set them."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+    try:
+        _keep_mode_and_owner(fd, like, pathlib.Path(path), owner_required=False)
+    finally:
+        os.close(fd)
 
 
 # -- temporary entries ------------------------------------------------------------------
@@ -396,10 +357,21 @@ class TempFile(_TempEntry):
 class TempDir(_TempEntry):
     """A new folder under a temporary name in ``parent``, locked until :meth:`close`.
 
-    Unless published, closing removes it and everything in it.
+    Unless published, closing removes it and everything in it. ``like``: give it that
+    folder's mode (set-group-ID included, so what is created in it takes its group) and,
+    where we may, its owner and group.
     """
 
     kind = "folder"
+
+    def __init__(self, parent: os.PathLike | str, *, like: os.stat_result | None = None):
+        super().__init__(parent)
+        try:
+            if like is not None:
+                _keep_mode_and_owner(self.fd, like, self.path, owner_required=False)
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, path: pathlib.Path) -> int:
         os.mkdir(path, 0o777)
@@ -438,13 +410,16 @@ class TempDir(_TempEntry):
         self._published_at(target)
 
 
-def write_new_file(path: os.PathLike | str, data: bytes, *, like: os.stat_result | None = None) -> None:
-    """Create ``path`` (which must not exist) with ``data``, fsynced; umask mode unless ``like``."""
+def write_new_file(
+    path: os.PathLike | str, data: bytes, *, like: os.stat_result | None = None, owner_required: bool = True
+) -> None:
+    """Create ``path`` (which must not exist) with ``data``, fsynced; umask mode unless ``like``
+    (its mode and owner; ``owner_required=False``: its owner and group only where we may)."""
     path = pathlib.Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
     try:
         if like is not None:
-            _keep_mode_and_owner(fd, like, path)
+            _keep_mode_and_owner(fd, like, path, owner_required=owner_required)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -462,6 +437,7 @@ def publish_as_one(
     replace: bool,
     remove_after: Iterable[pathlib.Path] = (),
     dirs: Iterable[pathlib.Path] = (),
+    expect: Identity | None = None,
 ) -> None:
     """Several renames in ``folder`` that appear as one: the last is the commit.
 
@@ -471,7 +447,9 @@ def publish_as_one(
     (files the commit made obsolete) are removed. A journal written before the first
     change lets a later :func:`sweep_stale` undo the staged names and remove the new
     folders while empty (commit not made), or finish the removals (commit made) after a
-    kill; every removal checks the file's identity first. Sources must be fsynced.
+    kill; every removal checks the file's identity first (one already gone is skipped).
+    ``expect``: the identity ``commit_target`` must still have (it was checked against
+    it), else nothing is done. Sources must be fsynced.
     """
     folder = pathlib.Path(folder)
     dirs = list(dirs)
@@ -484,15 +462,22 @@ def publish_as_one(
 
     def ident(p: pathlib.Path) -> Identity:
         result = file_identity(os.path.realpath(p))
-        assert result is not None, p
+        if result is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(p))
         return result
 
+    if expect is not None and file_identity(commit_target) != expect:
+        raise KvCacheError(
+            f"{commit_target} changed while this run was writing (another conversion?); nothing was "
+            "written. Run again to replace what is there now."
+        )
+    gone = {p for p in remove_after if file_identity(os.path.realpath(p)) is None}  # removed meanwhile
     doc = {
         "kind": "onnx-kvcache journal",
         "dirs": [rel(d) for d in dirs],
         "created": [[rel(final), list(ident(src))] for src, final, _ in staged],
         "commit": [rel(commit_target), list(ident(commit_src)), _as_list(file_identity(commit_target))],
-        "remove_after": [[rel(p), list(ident(p))] for p in remove_after],
+        "remove_after": [[rel(p), list(ident(p))] for p in remove_after if p not in gone],
     }
     made: list[str] = []
     with TempFile(folder, _JOURNAL) as journal:
@@ -858,6 +843,60 @@ def make_dirs(folder: pathlib.Path) -> list[pathlib.Path]:
             continue
         created.append(d)
     return created
+
+
+def is_mount_point(path: os.PathLike | str) -> bool:
+    """Whether ``path`` (a file or folder, not followed if a link) is a mount point: on
+    another device than its folder, or listed in ``/proc/self/mountinfo`` (bind mounts)."""
+    path = pathlib.Path(os.path.abspath(path))
+    try:
+        if os.lstat(path).st_dev != os.stat(path.parent).st_dev or os.path.ismount(path):
+            return True
+    except OSError:
+        return False
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            points = {line.split(" ")[4] for line in f if line.count(" ") >= 4}
+    except OSError:
+        return False
+    real = os.path.join(os.path.realpath(path.parent), path.name)
+    decoded = {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p) for p in points}
+    return real in decoded
+
+
+@contextlib.contextmanager
+def locked_output(path: pathlib.Path, identity: Identity) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the existing output ``path`` while it is replaced, after
+    checking that it is still the file or folder seen as ``identity``.
+
+    Two runs replacing the same output: the second stops here, before copying anything,
+    with one clear error (and a run that starts once the first is done sees its output).
+    """
+    changed = KvCacheError(
+        f"Output {path} changed since this run checked it (another conversion?); nothing was written. "
+        "Run again to replace what is there now."
+    )
+    if fcntl is None:  # Windows: no flock (nor folders to open); the identity check only
+        if file_identity(path) != identity:
+            raise changed
+        yield
+        return
+    try:
+        folder = stat.S_ISDIR(os.lstat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECTORY if folder else 0))
+    except FileNotFoundError:
+        raise changed from None
+    try:
+        if not _try_lock(fd):
+            raise KvCacheError(
+                f"Output {path} is being replaced by another run of onnx-kvcache; nothing was written. "
+                "Wait for it to finish, or choose another output path."
+            )
+        if file_identity(fd) != identity or file_identity(path) != identity:
+            raise changed
+        yield
+    finally:
+        os.close(fd)
 
 
 def remove_empty_dirs(created: list[pathlib.Path]) -> None:

@@ -9,9 +9,9 @@ entry it wrote there (``entries``). The rules:
 * A **file** may be replaced when it is a regular file whose graph carries the marker of a
   conversion to a new file (``beside`` or ``elsewhere``). Replacing it removes the data
   files its marker names that its graph names too, when they are regular files of its
-  folder (not links), none of the input's, and named by no other ``.onnx`` file there
-  that can be read. A ``.onnx`` file that cannot be parsed loads in no tool, so it uses
-  no data file.
+  folder (not links), none of the input's, and no other file there could be a graph
+  naming them (:func:`possible_users`: any name, links followed; a file protobuf cannot
+  parse, or over 2 GiB, loads in no tool); the ones kept are reported.
 * A **folder** may be replaced when its model (``genai_config.json``'s decoder, else its
   one ``.onnx`` file) carries the marker of a folder conversion and every entry in the
   folder is one that conversion wrote (no symbolic link, nothing added since).
@@ -28,13 +28,16 @@ __all__ = [
     "check_replaceable_file",
     "check_replaceable_folder",
     "converted_for",
+    "is_output_folder",
     "marker",
     "own_data_files",
+    "possible_users",
 ]
 
 import json
 import os
 import pathlib
+import stat
 from collections.abc import Iterable
 from typing import Any
 
@@ -122,8 +125,9 @@ def check_replaceable_file(out: pathlib.Path) -> dict[str, Any]:
     _refuse_in_place(out, doc)
     if doc["placement"] not in _FILE_PLACEMENTS:
         raise KvCacheError(
-            f"Output {out} is part of the converted folder {out.parent}; replacing the model file alone "
-            f"would leave that folder inconsistent. Convert into the folder instead, or {_FIX}"
+            f"Output {out} is the model of {out.parent}, a folder onnx-kvcache converted; replacing "
+            "that file alone would leave the folder inconsistent. Choose another output path, or "
+            f"replace the whole folder by converting a model folder into {out.parent}."
         )
     return doc
 
@@ -166,8 +170,21 @@ def check_replaceable_folder(out: pathlib.Path) -> None:
         )
 
 
-def own_data_files(out: pathlib.Path, doc: dict[str, Any], inputs: set[pathlib.Path]) -> list[pathlib.Path]:
-    """The data files a replaced output file owns and no other model in its folder uses."""
+def is_output_folder(folder: pathlib.Path) -> bool:
+    """Whether ``folder``'s model carries the marker of a folder conversion (never raises)."""
+    try:
+        model_file, _ = resolve_model_path(folder)
+    except (KvCacheError, OSError, ValueError):
+        return False
+    doc, _ = _read(model_file)
+    return doc is not None and doc.get("placement") == "folder"
+
+
+def own_data_files(
+    out: pathlib.Path, doc: dict[str, Any], inputs: set[pathlib.Path]
+) -> tuple[list[pathlib.Path], list[str]]:
+    """The data files a replaced output file owns and nothing else in its folder may use,
+    and a note for each one kept because something may (``kept NAME: FILE names it``)."""
     proto = _graph(out)
     named = _locations(proto) if proto is not None else set()
     data = doc.get("data")
@@ -182,15 +199,129 @@ def own_data_files(out: pathlib.Path, doc: dict[str, Any], inputs: set[pathlib.P
         and not (out.parent / name).is_symlink()
         and pathlib.Path(os.path.realpath(out.parent / name)) not in inputs
     }
-    for other in sorted(out.parent.glob("*.onnx")):
-        if not own:
-            break
-        if other.name == out.name or not other.is_file():
+    users = possible_users(out.parent, own, skip={pathlib.Path(os.path.realpath(out))}) if own else {}
+    notes = []
+    for name, files in sorted(users.items()):
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        notes.append(f"kept {name}: {shown} {'names' if len(files) == 1 else 'name'} it")
+    return [out.parent / name for name in sorted(own - set(users))], notes
+
+
+GRAPH_SIZE_LIMIT = 2**31 - 1
+"""The largest file protobuf parses: onnx and onnxruntime refuse a larger model file
+(``Protobuf parsing failed``), so such a file is no graph and is never read."""
+_MAX_FIELDS = 100_000
+"""Top-level protobuf fields walked before a file is taken for a possible graph anyway."""
+_CHUNK = 8 * 2**20
+
+
+def possible_users(folder: pathlib.Path, names: set[str], skip: set[pathlib.Path]) -> dict[str, list[str]]:
+    """For each of ``names`` (data files of ``folder``), the files there that could be a graph
+    naming it: the files ``users[name]`` (absent: nothing there can use it).
+
+    A graph names its data relative to its own folder, and onnx and onnxruntime refuse a
+    location that leaves it, so only this folder is searched (a graph in a folder above
+    naming ``sub/NAME`` is not), but all of it, whatever the
+    names (``model.onnx.bak`` and ``backup.ONNX`` load like ``model.onnx``), links to
+    files included, except ``skip`` (resolved paths) and our temporary entries. A file may
+    be such a graph when it is at most :data:`GRAPH_SIZE_LIMIT` bytes, is protobuf's wire
+    format at its top level (or onnxruntime's ORT format), and holds the name's bytes
+    (ASCII letters in any case, as a case-insensitive file system resolves them):
+    protobuf stores strings as they are. The wire-format check reads only field headers,
+    so a weights file (which fails it within a few bytes) is not read through. A file that
+    cannot be read may be such a graph.
+    """
+    from onnx_kvcache._file_io import TEMP_PREFIX
+
+    wanted = {name: name.encode("utf-8").lower() for name in names}
+    users: dict[str, list[str]] = {}
+    for entry in sorted(os.listdir(folder)):
+        path = folder / entry
+        if entry.startswith(TEMP_PREFIX) or pathlib.Path(os.path.realpath(path)) in skip:
             continue
-        proto = _graph(other)
-        if proto is not None:  # a file no parser reads loads in no tool: it uses nothing
-            own -= _locations(proto)
-    return [out.parent / name for name in sorted(own)]
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # a broken link: nothing to load
+        if not stat.S_ISREG(st.st_mode) or st.st_size > GRAPH_SIZE_LIMIT:
+            continue
+        try:
+            found, shown = _names_in(path, wanted), entry
+        except OSError as e:  # it may be a graph naming any of them
+            found, shown = set(wanted.values()), f"{entry} (unreadable: {e.strerror})"
+        for name, needle in wanted.items():
+            if needle in found:
+                users.setdefault(name, []).append(shown)
+    return users
+
+
+def _names_in(path: pathlib.Path, wanted: dict[str, bytes]) -> set[bytes]:
+    """Which of the (lowercase) byte strings ``wanted`` a possible graph at ``path`` holds."""
+    needles = set(wanted.values())
+    with open(path, "rb") as f:
+        if not _is_wire_format(f) and not _is_ort_format(f):
+            return set()
+        f.seek(0)
+        found: set[bytes] = set()
+        overlap = max(map(len, needles)) - 1
+        tail = b""
+        while needles - found and (block := f.read(_CHUNK)):
+            window = tail + block.lower()
+            found |= {n for n in needles if n in window}
+            tail = window[-overlap:] if overlap else b""
+        return found
+
+
+def _is_ort_format(f: Any) -> bool:
+    f.seek(4)
+    return bool(f.read(4) == b"ORTM")  # the flatbuffer file identifier of onnxruntime's format
+
+
+def _varint(f: Any) -> int | None:
+    value = 0
+    for shift in range(0, 70, 7):
+        byte = f.read(1)
+        if not byte:
+            return None
+        value |= (byte[0] & 0x7F) << shift
+        if byte[0] < 0x80:
+            return value
+    return None
+
+
+def _is_wire_format(f: Any) -> bool:
+    """Whether the whole file is a sequence of well-formed protobuf fields (groups matched),
+    reading only their headers: a necessary condition for any protobuf parser to accept it."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    groups: list[int] = []
+    for _ in range(_MAX_FIELDS):
+        if f.tell() == size:
+            return not groups
+        tag = _varint(f)
+        if tag is None or tag >> 3 == 0:
+            return False
+        wire = tag & 7
+        if wire == 0:
+            if _varint(f) is None:
+                return False
+        elif wire in (1, 5):
+            f.seek(8 if wire == 1 else 4, os.SEEK_CUR)
+        elif wire == 2:
+            length = _varint(f)
+            if length is None:
+                return False
+            f.seek(length, os.SEEK_CUR)
+        elif wire == 3:
+            groups.append(tag >> 3)
+        elif wire == 4:
+            if not groups or groups.pop() != tag >> 3:
+                return False
+        else:
+            return False
+        if f.tell() > size:
+            return False
+    return True  # too many fields to walk: it may be one
 
 
 def _locations(proto: Any) -> set[str]:

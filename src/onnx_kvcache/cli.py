@@ -17,6 +17,7 @@ import logging
 import os
 import pathlib
 import re
+import signal
 import sys
 import time
 import warnings
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from onnx_kvcache import _file_io as file_io
+from onnx_kvcache import _signals
 from onnx_kvcache._file_io import atomic_write_text, format_bytes
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
@@ -240,11 +242,11 @@ def _describe_os_error(e: OSError) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from onnx_kvcache.model_files import convert_model
-
     start = time.perf_counter()
     what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
     try:
+        from onnx_kvcache.model_files import convert_model
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotConvertedWarning)  # said below, with the fixes
             result = convert_model(
@@ -699,38 +701,47 @@ def _error(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
+    line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
+    args: argparse.Namespace | None = None
+    code = 0
     with warnings.catch_warnings(), file_io.signal_handlers():
-        warnings.simplefilter("always", KvCacheWarning)
-        warnings.showwarning = _show_warning
         try:
-            code: int = args.func(args)
+            args = build_parser().parse_args(argv)
+            logging.basicConfig(
+                level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                format="%(levelname)s %(name)s: %(message)s",
+            )
+            warnings.simplefilter("always", KvCacheWarning)
+            warnings.showwarning = _show_warning
+            code = args.func(args)
             sys.stdout.flush()
-            return code
         except (KvCacheError, MissingRuntimeError) as e:
             _error(str(e))
-            return 2
-        except file_io.Interrupted as e:
-            print(f"onnx-kvcache: stopped by {e}; {e.detail}.", file=sys.stderr)
-            return e.exit_code
-        except KeyboardInterrupt:
-            print("onnx-kvcache: interrupted; no partial output was left.", file=sys.stderr)
-            return 130
+            code = 2
+        except KeyboardInterrupt as e:  # file_io.Interrupted for SIGTERM and SIGHUP
+            signum = getattr(e, "signum", signal.SIGINT)
+            done = getattr(args, "done", None)
+            detail = getattr(e, "detail", None) or done
+            if detail is None:
+                detail = "no partial output was left" if args is not None else "nothing was written"
+            print(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.", file=sys.stderr)
+            code = 128 + signum
         except BrokenPipeError:
             _silence_stdout()
             done = getattr(args, "done", None)
             _error("the output pipe was closed early (broken pipe)" + (f"; {done}." if done else "."))
-            return 2
+            code = 2
         except OSError as e:
             _error(_describe_os_error(e) + ".")
-            return 2
+            code = 2
         except UnicodeDecodeError as e:
             _error(f"a file is not UTF-8 text ({e}).")
-            return 2
+            code = 2
+        _signals.outcome = getattr(args, "done", None) or (
+            "the command had finished" if code == 0 else "nothing was written"
+        )
+        return code
 
 
 if __name__ == "__main__":

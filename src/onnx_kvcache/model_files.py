@@ -15,7 +15,8 @@ read. Where the output's weights live:
 Every path relationship is checked before anything is written: the output is never the
 input, inside it or containing it, never a file the model uses, and replaces nothing but
 a previous output of onnx-kvcache (with ``overwrite``; every model written here carries
-a marker, see :mod:`onnx_kvcache._previous_output`). An existing empty output folder is
+a marker, see :mod:`onnx_kvcache._previous_output`), never a mount point, and takes the
+replaced output's mode (owner and group where we may). An existing empty output folder is
 filled, not replaced. See :mod:`onnx_kvcache._file_io` for how writes stay atomic and
 what a killed run leaves behind.
 """
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 __all__ = ["ConvertResult", "convert_model"]
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import pathlib
+import stat
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -83,6 +86,13 @@ class _Plan:
     """The output folder exists and is empty: it is filled, not replaced."""
     obsolete: list[pathlib.Path] = dataclasses.field(default_factory=list)
     """The replaced output's own data files, removed once the new one is in place."""
+    kept: list[str] = dataclasses.field(default_factory=list)
+    """Why each of its other own data files stays (another file may name it)."""
+    replaced: os.stat_result | None = None
+    """The replaced output as planned: its identity is checked again (under a lock) before
+    the write, and the new output takes its mode, owner and group."""
+    named: str = ""
+    """The replaced output as the caller named it (for messages)."""
 
 
 def _real(path: pathlib.Path) -> pathlib.Path:
@@ -98,7 +108,11 @@ def _data_names(out: pathlib.Path, locations: list[str]) -> dict[str, str]:
     """Free names for an output's own data files: ``OUT.data``, else ``OUT.2.data``, ...
 
     Several files become ``OUT-00001-of-00003.data`` style shards. Existing files are
-    never reused, so a replaced output keeps working until the new one is committed.
+    never reused, so a replaced output keeps working until the new one is committed, and
+    repeated ``overwrite`` runs alternate between ``OUT.data`` and ``OUT.2.data``. That is
+    the price of never having a graph on disk name data that is not its own: keeping the
+    name would mean replacing the old data under the old graph, or committing a graph that
+    names data not yet there; no rename makes both files change at once.
     """
     if not locations:
         return {}
@@ -120,6 +134,18 @@ def _free_name(path: pathlib.Path, fmt: str) -> pathlib.Path:
     A name to suggest in a message: it never names the input or a file it uses (those exist).
     """
     return path if not os.path.lexists(path) else _free_graph_name(path, fmt)
+
+
+def _refuse_mount_point(out: pathlib.Path) -> None:
+    """A mount point cannot be renamed, so it cannot be replaced: refuse before any copy."""
+    if file_io.is_mount_point(out):
+        fix = (
+            "To convert into it, empty it yourself (an empty folder is filled in place, keeping the "
+            "mount), or choose another output path."
+            if out.is_dir()
+            else "Choose another output path."
+        )
+        raise KvCacheError(f"Output {out} is a mount point, which cannot be replaced. {fix}")
 
 
 def _plan(
@@ -199,7 +225,8 @@ def _plan(
                 )
             if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), out_real):
                 raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
-            plan.replace = True
+            _refuse_mount_point(out)
+            plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
         return plan
 
     if out_real in inputs:
@@ -211,6 +238,12 @@ def _plan(
         fix = "; use in_place=True to rewrite it" if what == "the input" else ""
         raise KvCacheError(f"Output {out} is {what}{fix}.")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
+        if previous.is_output_folder(out):  # a file of ours in it would block its replacement
+            raise KvCacheError(
+                f"Output {out_path} is a folder onnx-kvcache converted; the input is one model file, so "
+                f"name an output file outside it (e.g. {_free_graph_name(source.graph, fmt)}, beside "
+                "the input)."
+            )
         raise KvCacheError(
             f"Output {out_path} is a folder; the input is one model file, so name the output file "
             f"(e.g. {_free_name(out / source.graph.name, fmt)})."
@@ -221,6 +254,15 @@ def _plan(
         )
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
     mode: Literal["share", "copy", "link"] = weights or ("share" if beside else "copy")
+    linked = [d for d in source.data.values() if d.path.is_symlink()]
+    if mode == "share" and linked:
+        raise KvCacheError(
+            f"The input's data file {linked[0].path.name} is a symbolic link (to {linked[0].real}); onnx "
+            "refuses linked external data (onnxruntime too, when it leads out of the folder), so an "
+            "output sharing it would not load. "
+            "Convert into another folder (the linked content is copied), or pass weights='copy' for "
+            "this output's own copy."
+        )
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
     if os.path.lexists(out):
         if not out.is_file():
@@ -230,8 +272,9 @@ def _plan(
             raise KvCacheError(
                 f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
             )
-        plan.replace = True
-        plan.obsolete = previous.own_data_files(out, marker, inputs)
+        _refuse_mount_point(out)
+        plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
+        plan.obsolete, plan.kept = previous.own_data_files(out, marker, inputs)
     if mode != "share":
         plan.data_names = _data_names(out, sorted(source.data))
     return plan
@@ -610,16 +653,43 @@ class _Copier:
         self.bar.close()
 
 
+def _identity(st: os.stat_result | None) -> file_io.Identity | None:
+    return None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _replacing(plan: _Plan) -> contextlib.AbstractContextManager[None]:
+    """Hold the output to replace (checked unchanged since planned); nothing when new."""
+    identity = _identity(plan.replaced)
+    return contextlib.nullcontext() if identity is None else file_io.locked_output(plan.out, identity)
+
+
+def _replaced_notes(plan: _Plan, result: ConvertResult) -> None:
+    """One ``replaced PATH`` line for a replaced output, then why its data files that stay stay."""
+    if not plan.replace:
+        return
+    names = ", ".join(p.name for p in plan.obsolete)
+    result.notes.append(
+        f"replaced {plan.named or plan.out}"
+        + (f" and removed its own data file(s): {names}." if names else ".")
+    )
+    result.notes.extend(f"{note}." for note in plan.kept)
+
+
 def _write_file(
     source: ModelSource, plan: _Plan, data: bytes, result: ConvertResult, progress: bool | None
 ) -> None:
-    """A model file beside the input or in another folder, with its own data if asked."""
+    """A model file beside the input or in another folder, with its own data if asked.
+
+    A replaced file's mode, owner and group (where we may set them) pass to the new file and
+    to the data files it gets (never to hard links: those are the input's files).
+    """
     out = plan.out
     result.model_file = out
+    like = plan.replaced
     created = file_io.make_dirs(out.parent)
     try:
         file_io.sweep_stale(out.parent)
-        with file_io.TempDir(out.parent) as tmp:
+        with _replacing(plan), file_io.TempDir(out.parent) as tmp:
             staged = []
             files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
             if not source.data:
@@ -634,26 +704,40 @@ def _write_file(
                 try:
                     for i, (d, name) in enumerate(files):
                         copier.copy(d.real, tmp.path / str(i))
+                        if like is not None:
+                            file_io.keep_mode_and_owner(tmp.path / str(i), like)
                         staged.append((tmp.path / str(i), out.parent / name, False))
                 finally:
                     copier.close()
                 result.weights = "cloned" if copier.cloned else "copied"
                 result.weight_bytes_written = copier.written
-            file_io.write_new_file(tmp.path / "graph", data)
+            file_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
             file_io.publish_as_one(
-                out.parent, staged, tmp.path / "graph", out, replace=plan.replace, remove_after=plan.obsolete
+                out.parent,
+                staged,
+                tmp.path / "graph",
+                out,
+                replace=plan.replace,
+                remove_after=plan.obsolete,
+                expect=_identity(like),
             )
-        if plan.obsolete:
-            names = ", ".join(p.name for p in plan.obsolete)
-            result.notes.append(
-                f"replaced the previous {out.name} and removed its own data file(s): {names}."
-            )
+        _replaced_notes(plan, result)
         result.data_files = sorted(plan.data_names.values()) if plan.data_names else sorted(source.data)
         result.bytes_written = len(data) + result.weight_bytes_written
     except BaseException:
         if not os.path.lexists(out):
             file_io.remove_empty_dirs(created)
         raise
+
+
+def _old_entries(folder: pathlib.Path) -> dict[str, os.stat_result]:
+    """Every entry of a folder output about to be replaced (relative POSIX path -> lstat)."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = pathlib.Path(dirpath)
+        for name in dirnames + filenames:
+            found[(here / name).relative_to(folder).as_posix()] = os.lstat(here / name)
+    return found
 
 
 def _write_folder(
@@ -665,7 +749,12 @@ def _write_folder(
     progress: bool | None,
 ) -> None:
     """Build the whole output folder under a temporary name, then rename it into place
-    (or, for an existing empty folder, move its content in: see ``publish_into_empty``)."""
+    (or, for an existing empty folder, move its content in: see ``publish_into_empty``).
+
+    A replaced folder's mode, owner and group (where we may set them) pass to the new one
+    before anything is created in it (so a set-group-ID folder's group passes on as it
+    does there); each entry that replaces one of the same name and kind takes its mode.
+    """
     assert source.folder is not None
     out = plan.out
     rel_graph = pathlib.PurePosixPath(source.graph.relative_to(source.folder).as_posix())
@@ -677,6 +766,7 @@ def _write_folder(
     result.data_files = sorted(str(r) for r in data_rel)
     created = file_io.make_dirs(out.parent)
     work = out if plan.fill else out.parent  # where the temporary folder is built
+    old = _old_entries(out) if plan.replace else {}
     try:
         file_io.sweep_stale(work)
         to_copy = [
@@ -688,10 +778,11 @@ def _write_folder(
         ]
         copier = _Copier([e.real for e in to_copy if e.real is not None], work, progress)
         written = len(data)
-        with file_io.TempDir(work) as tmp:
+        with _replacing(plan), file_io.TempDir(work, like=plan.replaced) as tmp:
             try:
                 for entry in source.entries:
                     dst = tmp.path / entry.rel
+                    linked = plan.weights == "link" and entry.rel in data_rel
                     if entry.real is None:
                         os.mkdir(dst, 0o777)
                     elif entry.rel == rel_graph:
@@ -700,13 +791,20 @@ def _write_folder(
                         config_data = _config_bytes(config)
                         file_io.write_new_file(dst, config_data)
                         written += len(config_data)
-                    elif plan.weights == "link" and entry.rel in data_rel:
+                    elif linked:
                         os.link(entry.real, dst, follow_symlinks=True)
                     else:
                         n = copier.copy(entry.real, dst)
                         written += n
                         if entry.rel in data_rel:
                             result.weight_bytes_written += n
+                    like = old.get(entry.rel.as_posix())
+                    if (
+                        like is not None
+                        and not linked
+                        and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
+                    ):
+                        file_io.keep_mode_and_owner(dst, like)
             finally:
                 copier.close()
             if plan.fill:
@@ -725,8 +823,7 @@ def _write_folder(
     else:
         result.weights = "cloned" if copier.cloned else "copied"
     result.bytes_written = written
-    if plan.replace:
-        result.notes.append(f"replaced the previous folder {out}.")
+    _replaced_notes(plan, result)
     if config is not None:
         result.notes.append(
             f"{GENAI_CONFIG}: search.past_present_share_buffer is "

@@ -1,0 +1,78 @@
+"""The ``onnx-kvcache`` executable (and ``python -m onnx_kvcache``): signals from start to exit.
+
+Importing the command takes about half a second (onnx-ir, numpy); the handlers of
+:mod:`onnx_kvcache._signals` are installed before that, so a Ctrl-C or SIGTERM while it
+imports is one line too. Once the command has returned, a signal can change nothing on
+disk: it prints one line saying what the command left and exits 128 + N at once. The
+process then flushes its output, runs its exit functions and leaves with ``os._exit``,
+skipping the interpreter's teardown (~0.15 s of freeing modules), during which Python
+has already restored the default handlers: a signal there would kill the process
+without a word although its output is complete.
+
+Only the first tens of milliseconds, before Python runs this module, are not covered:
+a signal then stops the process as any Python program (nothing is written by then).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+from typing import Any
+
+import onnx_kvcache._signals as _signals
+
+
+def _stopped(error: KeyboardInterrupt) -> int:
+    """One line for a signal the command did not report itself; the exit code."""
+    for s in _signals.HANDLED:  # a second Ctrl-C changes nothing now
+        signal.signal(s, signal.SIG_IGN)
+    signum = getattr(error, "signum", signal.SIGINT)
+    print(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {_signals.outcome}.", file=sys.stderr)
+    return 128 + signum
+
+
+def _after_the_command(signum: int, frame: Any) -> None:
+    """A signal once the command has returned: say what it left, and exit now."""
+    with contextlib.suppress(Exception):  # a flush this interrupted cannot be re-entered
+        sys.stdout.flush()
+    name = signal.Signals(signum).name
+    os.write(2, f"onnx-kvcache: stopped by {name} as it exited; {_signals.outcome}.\n".encode())
+    os._exit(128 + signum)
+
+
+def _exit_code(done: SystemExit) -> int:
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)
+    return 1
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+
+
+def main() -> int:
+    """Run the command under the handlers; never returns (``os._exit`` with its code)."""
+    with _signals.signal_handlers():
+        try:
+            from onnx_kvcache.cli import main as command
+
+            code = command()
+            for s in _signals.HANDLED:
+                signal.signal(s, _after_the_command)
+        except SystemExit as done:  # argparse: --help, --version, a command line it cannot parse
+            code = _exit_code(done)
+        except KeyboardInterrupt as error:  # while importing, or just as the command returned
+            code = _stopped(error)
+        for s in _signals.HANDLED:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                signal.signal(s, _after_the_command)
+        _flush()
+        atexit._run_exitfuncs()
+        _flush()
+        os._exit(code)
