@@ -307,11 +307,9 @@ def _publish(folder):
         )
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork to kill a writer mid-way")
-@pytest.mark.parametrize("crash_at", range(7))
-def test_a_run_killed_between_renames_is_settled_by_the_next_sweep(tmp_path, crash_at):
-    """Kill (os._exit, no cleanup) after each durable step; the sweep leaves old or new, never a mix."""
-    folder = _journaled_folder(tmp_path)
+def _killed_after_fsyncs(crash_at, work):
+    """Run ``work`` in a child killed (os._exit, no cleanup) after ``crash_at`` folder fsyncs,
+    each a durable step; the child's wait status."""
     pid = os.fork()
     if pid == 0:  # the writer
         calls = [0]
@@ -325,10 +323,18 @@ def test_a_run_killed_between_renames_is_settled_by_the_next_sweep(tmp_path, cra
 
         file_io.fsync_dir = crash_after
         try:
-            _publish(folder)
+            work()
         finally:
             os._exit(0)
-    _, status = os.waitpid(pid, 0)
+    return os.waitpid(pid, 0)[1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork to kill a writer mid-way")
+@pytest.mark.parametrize("crash_at", range(7))
+def test_a_run_killed_between_renames_is_settled_by_the_next_sweep(tmp_path, crash_at):
+    """Kill (os._exit, no cleanup) after each durable step; the sweep leaves old or new, never a mix."""
+    folder = _journaled_folder(tmp_path)
+    status = _killed_after_fsyncs(crash_at, lambda: _publish(folder))
     before = _state(folder)
     if crash_at in (1, 2):  # between the renames: the mix a sweep must settle
         assert before not in (OLD, NEW)
@@ -374,28 +380,16 @@ def test_a_failing_commit_undoes_what_it_published(tmp_path, monkeypatch):
 
 def _fill_killed_at(folder, crash_at):
     """Fill the empty ``folder`` as a genai folder, in a child killed after ``crash_at`` fsyncs."""
-    pid = os.fork()
-    if pid == 0:  # the writer
-        calls = [0]
-        real = file_io.fsync_dir
 
-        def crash_after(path):
-            real(path)
-            calls[0] += 1
-            if calls[0] > crash_at:
-                os._exit(9)
+    def fill():
+        with file_io.TempDir(folder) as tmp:
+            (tmp.path / "weights").mkdir()
+            file_io.write_new_file(tmp.path / "weights" / "model.onnx.data", b"weights")
+            file_io.write_new_file(tmp.path / "model.onnx", b"graph")
+            file_io.write_new_file(tmp.path / "genai_config.json", b"{}")
+            file_io.publish_into_empty(tmp, folder, pathlib.PurePosixPath("genai_config.json"))
 
-        file_io.fsync_dir = crash_after
-        try:
-            with file_io.TempDir(folder) as tmp:
-                (tmp.path / "weights").mkdir()
-                file_io.write_new_file(tmp.path / "weights" / "model.onnx.data", b"weights")
-                file_io.write_new_file(tmp.path / "model.onnx", b"graph")
-                file_io.write_new_file(tmp.path / "genai_config.json", b"{}")
-                file_io.publish_into_empty(tmp, folder, pathlib.PurePosixPath("genai_config.json"))
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    _killed_after_fsyncs(crash_at, fill)
 
 
 def _tree(folder):
