@@ -1,12 +1,16 @@
-"""What every pass of the library shares: it takes an ``onnx_ir`` model, and says so."""
+"""What every pass of the library shares: it takes an ``onnx_ir`` model, says so, and
+reports a refusal as the library's own error."""
 
 from __future__ import annotations
 
-__all__ = ["InPlacePass"]
+__all__ = ["InPlacePass", "preconditions"]
+
+import contextlib
+from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 
 
 class InPlacePass(ir.passes.InPlacePass):
@@ -19,3 +23,19 @@ class InPlacePass(ir.passes.InPlacePass):
                 "load one with onnx_ir.load(path) or onnx_ir.from_proto(model_proto)."
             )
         return super().__call__(model_or_result)
+
+
+@contextlib.contextmanager
+def preconditions() -> Iterator[None]:
+    """Raise a :class:`KvCacheError` found while checking (in ``requires()``) as a
+    :class:`KvCachePreconditionError`, with its message and traceback: one error, not two.
+
+    onnx-ir passes a ``PreconditionError`` through and hides any other exception of
+    ``requires()`` behind its own, so a user sees our message and type.
+    """
+    try:
+        yield
+    except KvCachePreconditionError:
+        raise
+    except KvCacheError as e:
+        raise KvCachePreconditionError(str(e)).with_traceback(e.__traceback__) from None

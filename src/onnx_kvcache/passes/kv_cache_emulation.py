@@ -28,6 +28,8 @@ int8, packed int4) and every step dequantizes the whole past and requantizes the
 
 Rewritten: nodes whose cache format the CPU kernel lacks (fp8), whose rule differs from
 ``semantics`` (int8/int4 under ``cuda``), or that have q/k norm inputs. Others are kept.
+Every node is checked before any is rewritten (``requires()``): a refusal is a
+:class:`~onnx_kvcache.KvCachePreconditionError` and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.gqa import GqaSite, find_gqa_sites
 from onnx_kvcache.model_source import ModelLike, as_model
-from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 
 logger = logging.getLogger(__name__)
@@ -261,11 +263,23 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
 def _required(site: GqaSite, slot: GqaInput) -> ir.Value:
     value = site.input(slot)
     if value is None:
-        raise KvCacheError(
+        raise KvCachePreconditionError(
             f"Cannot emulate GroupQueryAttention node {site.name}: it has no {slot.name.lower()} "
             f"(input {int(slot)})."
         )
     return value
+
+
+def _quantized_granularity(site: GqaSite, fmt: CacheFormat) -> str:
+    granularity = site.granularity
+    if granularity is None:
+        attr = site.op.key.quant_attr
+        raise KvCachePreconditionError(
+            f"Cannot emulate GroupQueryAttention node {site.name}: its cache is {fmt.name} but its "
+            f"{attr} is {site.str_attr(attr, 'NONE')!r}; set PER_TENSOR or PER_CHANNEL (and the scales), "
+            "as KvCacheQuantizationPass does."
+        )
+    return granularity
 
 
 class _Step:
@@ -279,7 +293,11 @@ class _Step:
 
 
 class _Rewrite:
-    """The emulated replacement of one GroupQueryAttention node."""
+    """The emulated replacement of one GroupQueryAttention node.
+
+    Construction checks and resolves everything the rewrite reads, and changes nothing (a
+    refusal is a :class:`KvCachePreconditionError`); :meth:`run` only builds and replaces.
+    """
 
     def __init__(
         self, site: GqaSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
@@ -291,15 +309,31 @@ class _Rewrite:
         self.fmt = site.cache_format
         dtype = site.query_dtype
         if dtype is None:
-            raise KvCacheError(f"GroupQueryAttention node {site.name}: the query has no known dtype.")
+            raise KvCachePreconditionError(
+                f"GroupQueryAttention node {site.name}: the query has no known dtype."
+            )
         self.dtype = dtype
         self.kv, self.heads = site.kv_num_heads, site.num_heads
         self.head = site.head_size()
+        self.query = _required(site, GqaInput.QUERY)
+        self.pasts = (_required(site, GqaInput.PAST_KEY), _required(site, GqaInput.PAST_VALUE))
+        self.total = _required(site, GqaInput.TOTAL_SEQUENCE_LENGTH)
+        self.granularity: str | None = None
+        self.scales: tuple[ir.Value, ir.Value] | None = None
+        if self.fmt is not None:
+            self.granularity = _quantized_granularity(site, self.fmt)
+            self.scales = (_required(site, GqaInput.K_SCALE), _required(site, GqaInput.V_SCALE))
+        self.rotary: tuple[ir.Value, ir.Value] | None = None
+        self.seqlens = site.input(GqaInput.SEQLENS_K)
+        if site.int_attr("do_rotary"):
+            self.rotary = (_required(site, GqaInput.COS_CACHE), _required(site, GqaInput.SIN_CACHE))
+            if site.input(GqaInput.POSITION_IDS) is None:  # the kernel's positions need seqlens_k
+                self.seqlens = _required(site, GqaInput.SEQLENS_K)
 
     def run(self) -> None:
         site, b, fmt = self.site, self.b, self.fmt
         node = site.node
-        query = _required(site, GqaInput.QUERY)
+        query = self.query
         key, value = site.input(GqaInput.KEY), site.input(GqaInput.VALUE)
         if key is None or value is None:
             sizes = b.const(
@@ -312,20 +346,17 @@ class _Rewrite:
         step = self._step(query)
         if site.int_attr("do_rotary"):
             query, key = self._rotary(query, key, step)
-        past_key, past_value = (
-            _required(site, GqaInput.PAST_KEY),
-            _required(site, GqaInput.PAST_VALUE),
-        )
+        past_key, past_value = self.pasts
         stored_key, stored_value = key, value
         codecs: list[_Codec] = []
         if fmt is not None:
-            assert site.granularity is not None
-            row = scale_granularity(site.granularity)
+            assert self.granularity is not None and self.scales is not None
+            row = scale_granularity(self.granularity)
             heads, dims = row.grid(self.kv, self.head)
             # new tokens are [B, S, kv * head]: a scale grid other than one or all channels
             # needs the heads split out (and merged back after)
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
-            scales = (_required(site, GqaInput.K_SCALE), _required(site, GqaInput.V_SCALE))
+            scales = self.scales
             new_shape = [heads, dims] if split else [heads * dims]
             new = [_Codec.reshaped(b, fmt, s, new_shape) for s in scales]
             codecs = [_Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
@@ -412,7 +443,7 @@ class _Rewrite:
         step = self.steps.get(key)
         if step is None:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-            total = b.cast(_required(site, GqaInput.TOTAL_SEQUENCE_LENGTH), _I64)
+            total = b.cast(self.total, _I64)
             first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
             step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS))
         if step.positions is None and site.int_attr("do_rotary"):
@@ -427,7 +458,8 @@ class _Rewrite:
         valid = seq
         if site.input(GqaInput.QUERY_SEQLENS) is not None:  # right-padded chunks
             valid = b.cast(site.input(GqaInput.QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
-        seqlens = b.cast(_required(site, GqaInput.SEQLENS_K), _I64)
+        assert self.seqlens is not None
+        seqlens = b.cast(self.seqlens, _I64)
         start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
         later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
         prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
@@ -435,8 +467,8 @@ class _Rewrite:
 
     def _rotary(self, query: ir.Value, key: ir.Value, step: _Step) -> tuple[ir.Value, ir.Value]:
         site, b = self.site, self.b
-        assert step.positions is not None
-        cos, sin = _required(site, GqaInput.COS_CACHE), _required(site, GqaInput.SIN_CACHE)
+        assert step.positions is not None and self.rotary is not None
+        cos, sin = self.rotary
         rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
         extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
         interleaved = site.int_attr("rotary_interleaved")
@@ -488,6 +520,13 @@ class KvCacheEmulationPass(InPlacePass):
         return [s for s in find_gqa_sites(model) if needs_emulation(s, self.semantics)]
 
     def requires(self, model: ir.Model) -> None:
+        """Every refusal is raised here, before the model changes: a node in a function, an
+        opset too old for the rewrite, an input the rewrite reads that the node lacks."""
+        with preconditions():
+            self._check(model)
+
+    def _check(self, model: ir.Model) -> list[_Rewrite]:
+        """The rewrites of ``model``'s sites, every one checked; nothing changes."""
         sites = self.sites(model)
         for site in sites:
             if site.function is not None:
@@ -511,30 +550,31 @@ class KvCacheEmulationPass(InPlacePass):
                             f"Cannot emulate {site.name} with float cache I/O: its cache "
                             f"{cache.name!r} is not a graph input; use quantized_io=True."
                         )
+        steps: dict[tuple, _Step] = {}
+        return [_Rewrite(site, self.semantics, self.quantized_io, steps) for site in sites]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        sites = self.sites(model)
+        rewrites = self._check(model)
         float_io: list[tuple[ir.Value, ir.DataType, int]] = []  # caches that will hold dequantized values
-        for site in sites:
-            if site.cache_format is not None and not self.quantized_io:
-                head, dtype = site.head_size(), site.query_dtype or _F32
-                float_io += [(v, dtype, head) for v in (site.past_key, site.past_value) if v is not None]
-        steps: dict[tuple, _Step] = {}
-        for site in sites:
-            _Rewrite(site, self.semantics, self.quantized_io, steps).run()
+        if not self.quantized_io:
+            for r in rewrites:
+                if r.fmt is not None:
+                    float_io += [(v, r.dtype, r.head) for v in r.pasts]
+        for r in rewrites:
+            r.run()
         for value, dtype, head in float_io:
             if value.is_graph_input():
                 value.type = ir.TensorType(dtype)
                 value.shape = _unpacked(value.shape, head)
-        if sites:
+        if rewrites:
             model.opset_imports.setdefault("com.microsoft", 1)
         logger.info(
             "Emulation (%s rule%s): rewrote %d GroupQueryAttention node(s) for CPU.",
             self.semantics,
             ", quantized cache I/O" if self.quantized_io else "",
-            len(sites),
+            len(rewrites),
         )
-        return ir.passes.PassResult(model, modified=bool(sites))
+        return ir.passes.PassResult(model, modified=bool(rewrites))
 
 
 def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:

@@ -34,8 +34,9 @@ node's operator row:
 5. A node already in the requested format is left alone, or gets the new scale values when
    scales are given. A node in another format is an error.
 
-The pass checks everything before it changes anything: an error leaves the model
-as it was.
+Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
+before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
+scales) are given once the checks have passed, attributed to the caller's line.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import AttentionOp, op_of
-from onnx_kvcache.errors import KvCacheError, warn
+from onnx_kvcache.errors import KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
     CacheFormat,
     get_format,
@@ -58,7 +59,7 @@ from onnx_kvcache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
-from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -113,46 +114,16 @@ class KvCacheQuantizationPass(InPlacePass):
         """Resolved once (a scale file is read here, not at every run)."""
         self.shared_kv_scale = shared_kv_scale
 
+    def requires(self, model: ir.Model) -> None:
+        """Every refusal (scales missing or of the wrong size, a cache in another format, a
+        malformed node) is raised here, before the model changes."""
+        with preconditions():
+            self._plan_model(model)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        scales = self.scales
-        sites = find_attention_sites(model)
-        cache_readers = {id(s.node): s.op for s in sites}
-        groups: dict[int, list[AttentionSite]] = {}
-        for site in sites:
-            groups.setdefault(id(site.owner.node), []).append(site)
-        plans: list[_Plan] = []
-        for group in groups.values():
-            try:
-                plans += [self._plan(model, site, group, cache_readers, scales) for site in group]
-            except _Skip as e:
-                names = ", ".join(s.name for s in group)
-                warn(
-                    f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
-                    "graph inputs (or another converted node's present) are converted."
-                )
-        self._check_coverage(plans, scales)
-        unused = sorted(
-            {
-                p.site.layer_id
-                for p in plans
-                if p.site.single_cache
-                and p.k_scale is not None
-                and p.v_scale is not None
-                and not np.array_equal(p.k_scale, p.v_scale)
-            }
-        )
-        if scales is not None and unused:
-            warn(
-                f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
-                "the V scales given for them are not used."
-            )
-        if scales is None and any(not p.done for p in plans):
-            warn(
-                "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
-                "Calibrated scales are more accurate (calibrate_kv_cache())."
-            )
-        if self.shared_kv_scale:
-            _warn_if_shared_scale_coarsens(plans)
+        plans, notes = self._plan_model(model)
+        for note in notes:
+            warn(note)
         store = _ScaleStore(model)
         modified = False
         for plan in plans:
@@ -172,6 +143,51 @@ class KvCacheQuantizationPass(InPlacePass):
 
     # -- planning: checks only, no changes ---------------------------------------------
 
+    def _plan_model(self, model: ir.Model) -> tuple[list[_Plan], list[str]]:
+        """What the pass will do to each site, and the warnings it will give; raises
+        :class:`KvCachePreconditionError` when it cannot convert."""
+        scales = self.scales
+        sites = find_attention_sites(model)
+        cache_readers = {id(s.node): s.op for s in sites}
+        groups: dict[int, list[AttentionSite]] = {}
+        for site in sites:
+            groups.setdefault(id(site.owner.node), []).append(site)
+        plans: list[_Plan] = []
+        notes: list[str] = []
+        for group in groups.values():
+            try:
+                plans += [self._plan(model, site, group, cache_readers, scales) for site in group]
+            except _Skip as e:
+                names = ", ".join(s.name for s in group)
+                notes.append(
+                    f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
+                    "graph inputs (or another converted node's present) are converted."
+                )
+        self._check_coverage(plans, scales)
+        unused = sorted(
+            {
+                p.site.layer_id
+                for p in plans
+                if p.site.single_cache
+                and p.k_scale is not None
+                and p.v_scale is not None
+                and not np.array_equal(p.k_scale, p.v_scale)
+            }
+        )
+        if scales is not None and unused:
+            notes.append(
+                f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
+                "the V scales given for them are not used."
+            )
+        if scales is None and any(not p.done for p in plans):
+            notes.append(
+                "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
+                "Calibrated scales are more accurate (calibrate_kv_cache())."
+            )
+        if self.shared_kv_scale:
+            notes += _shared_scale_coarsens(plans)
+        return plans, notes
+
     def _already_done(self, site: AttentionSite) -> bool:
         quant = site.str_attr(site.op.key.quant_attr, "NONE")
         current, described = _current_format(site)
@@ -180,7 +196,7 @@ class KvCacheQuantizationPass(InPlacePass):
         wanted = self._granularity.quant_type
         if current is self.format and quant == wanted:
             return True
-        raise KvCacheError(
+        raise KvCachePreconditionError(
             f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}); cannot "
             f"convert it to {self.format.name} {self.granularity}. Convert the original "
             "(unquantized) model instead."
@@ -217,7 +233,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 _check_only_attention_reads(model, present, readers, "present")
                 sinks += _cache_sinks(model, site, present)
         if scales is None and not done and not self.format.is_float:
-            raise KvCacheError(
+            raise KvCachePreconditionError(
                 f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
                 "meaningless for integer formats. Pass scales=PATH (a scale file), or measure them "
                 "with calibrate_kv_cache()."
@@ -248,7 +264,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 hint = "These scales are per channel: convert with granularity='per_channel'."
             else:
                 hint = "These scales were measured for a model of another shape: calibrate this model."
-            raise KvCacheError(
+            raise KvCachePreconditionError(
                 f"Layer {site.layer_id} ({site.label}): {self.granularity} scales need "
                 f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
             )
@@ -262,7 +278,7 @@ class KvCacheQuantizationPass(InPlacePass):
             return
         missing = sorted({p.site.layer_id for p in plans} - set(scales.layer_ids))
         if missing:
-            raise KvCacheError(
+            raise KvCachePreconditionError(
                 f"The scales have no entry for layer(s) {missing} (they cover "
                 f"{list(scales.layer_ids)}). Give scales for every layer with a KV cache."
             )
@@ -317,7 +333,8 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
 SHARED_SCALE_WARN_FACTOR = 2.0
 
 
-def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
+def _shared_scale_coarsens(plans: list[_Plan]) -> list[str]:
+    """The warning for layers whose K or V scale ``max(k, v)`` makes much coarser, if any."""
     coarser: dict[int, tuple[float, str]] = {}  # layer -> (factor, "K"/"V"), its worst
     for plan in plans:
         if plan.k_scale is None or plan.v_scale is None:
@@ -327,14 +344,15 @@ def _warn_if_shared_scale_coarsens(plans: list[_Plan]) -> None:
             factor = float(np.max(shared / own))
             coarser[plan.site.layer_id] = max(coarser.get(plan.site.layer_id, (0.0, "")), (factor, kind))
     over = {layer: fk for layer, fk in sorted(coarser.items()) if fk[0] > SHARED_SCALE_WARN_FACTOR}
-    if over:
-        worst_layer, (factor, kind) = max(over.items(), key=lambda item: item[1])
-        warn(
-            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
-            f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x coarser "
-            f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
-            "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option."
-        )
+    if not over:
+        return []
+    worst_layer, (factor, kind) = max(over.items(), key=lambda item: item[1])
+    return [
+        f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
+        f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x coarser "
+        f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
+        "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option."
+    ]
 
 
 # -- cache endpoints ------------------------------------------------------------------
@@ -360,7 +378,7 @@ def _check_cache_shapes(site: AttentionSite) -> None:
         if shape is None or len(shape) != 4:
             continue
         if isinstance(shape[heads_axis], int) and shape[heads_axis] != site.kv_num_heads:
-            raise KvCacheError(
+            raise KvCachePreconditionError(
                 f"{site.label}: its {side.kind} cache has {shape[heads_axis]} heads on axis {heads_axis} "
                 f"({site.op.layout.dims[heads_axis]}), but kv_num_heads is {site.kv_num_heads}; the model "
                 "is malformed."
@@ -368,7 +386,7 @@ def _check_cache_shapes(site: AttentionSite) -> None:
     if len(shapes) == 2 and all(s is not None and len(s) == 4 for s in shapes):
         for axis, (a, b) in enumerate(zip(shapes[0][:3], shapes[1][:3])):  # type: ignore[index]
             if isinstance(a, int) and isinstance(b, int) and a != b:
-                raise KvCacheError(
+                raise KvCachePreconditionError(
                     f"{site.label}: key and value caches differ in {site.op.layout.dims[axis]} "
                     f"({a} vs {b}); both caches of a node share one layout. Rebuild the model with "
                     "matching cache shapes."

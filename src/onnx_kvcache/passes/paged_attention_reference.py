@@ -25,7 +25,9 @@ This pass replaces each node by the operator's documented semantics, computed in
 
 The graph's cache inputs and outputs keep their stored types (fp8 pools are indexed as
 float16, which holds every fp8 value exactly, because CPU Gather/ScatterND take no float8).
-``attention_metadata`` only sizes CUDA launches and is ignored.
+``attention_metadata`` only sizes CUDA launches and is ignored. Every node is checked before
+any is rewritten (``requires()``): a refusal is a :class:`~onnx_kvcache.KvCachePreconditionError`
+and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import PAGED, CacheSide
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
+from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.formats import scale_granularity
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model
-from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
 
 logger = logging.getLogger(__name__)
@@ -63,13 +65,16 @@ MIN_OPSET = 19
 _LOWEST = np.finfo(np.float32).min
 
 
+#: The inputs every node's :class:`_Step` reads.
+_STEP_INPUTS = ("cumulative_sequence_length", "past_seqlens", "block_table")
+
+
 class _Step:
     """Per-call facts of one batch, shared by every node reading the same length inputs."""
 
-    def __init__(self, b: _Builder, site: AttentionSite, query: ir.Value) -> None:
-        cu = b.cast(_required(site, "cumulative_sequence_length"), _I64)
-        past = b.cast(_required(site, "past_seqlens"), _I64)
-        self.block_table = b.cast(_required(site, "block_table"), _I64)
+    def __init__(self, b: _Builder, lengths: tuple[ir.Value, ...], query: ir.Value) -> None:
+        cu, past, block_table = (b.cast(x, _I64) for x in lengths)
+        self.block_table = block_table
         self.past = past
         ends = b.op("Slice", [cu, *_ints(b, [1], [np.iinfo(np.int64).max])])
         starts = b.op("Slice", [cu, *_ints(b, [0], [-1])])
@@ -103,12 +108,18 @@ def _scalar(b: _Builder, value: float | int, dtype: type = np.float32) -> ir.Val
 def _required(site: AttentionSite, name: str) -> ir.Value:
     value = site.input(name)
     if value is None:
-        raise KvCacheError(f"Cannot run {site.label} on CPU: it has no {name} (input {site.op.slot(name)}).")
+        raise KvCachePreconditionError(
+            f"Cannot run {site.label} on CPU: it has no {name} (input {site.op.slot(name)})."
+        )
     return value
 
 
 class _Rewrite:
-    """The reference replacement of one PagedAttention node."""
+    """The reference replacement of one PagedAttention node.
+
+    Construction checks and resolves everything the rewrite reads, and changes nothing (a
+    refusal is a :class:`KvCachePreconditionError`); :meth:`run` only builds and replaces.
+    """
 
     def __init__(self, site: AttentionSite, steps: dict[tuple, _Step]) -> None:
         self.site = site
@@ -116,24 +127,77 @@ class _Rewrite:
         self.b = _Builder((site.node.name or f"paged{site.layer_id}") + "/reference")
         dtype = site.query_dtype
         if dtype is None:
-            raise KvCacheError(f"{site.label}: the query has no known dtype.")
+            raise KvCachePreconditionError(f"{site.label}: the query has no known dtype.")
         self.dtype = dtype
         self.heads, self.kv = site.num_heads, site.kv_num_heads
+        if self.kv <= 0 or self.heads % self.kv:
+            raise KvCachePreconditionError(
+                f"{site.label}: num_heads {self.heads} is not a multiple of kv_num_heads {self.kv}."
+            )
         self.head = site.head_size()
         self.v_head = site.v_head_size
         self.fmt = site.cache_format
-        if self.heads % self.kv:
-            raise KvCacheError(
-                f"{site.label}: num_heads {self.heads} is not a multiple of kv_num_heads {self.kv}."
+        self.query = _required(site, "query")
+        self.key = None if site.packed_qkv else _required(site, "key")
+        self.value = None if site.packed_qkv or site.single_cache else _required(site, "value")
+        self.lengths = tuple(_required(site, name) for name in _STEP_INPUTS)
+        self.pasts = {side.kind: _required(site, side.past) for side in site.sides}
+        for side in site.sides:
+            if self.pasts[side.kind].dtype is None:
+                raise KvCachePreconditionError(f"{site.label}: its {side.kind} cache has no element type.")
+        self.scales: dict[str, ir.Value] = {}
+        self.granularity: str | None = None
+        if self.fmt is not None:
+            self.granularity = site.granularity
+            if self.granularity is None:
+                attr = site.op.key.quant_attr
+                raise KvCachePreconditionError(
+                    f"Cannot run {site.label} on CPU: its cache is {self.fmt.name} but its {attr} is "
+                    f"{site.str_attr(attr, 'NONE')!r}; set PER_TENSOR or PER_CHANNEL (and the scales), "
+                    "as KvCacheQuantizationPass does."
+                )
+            self.scales = {side.kind: _required(site, side.scale) for side in site.sides}
+        q_norm, k_norm = site.input("q_norm_weight"), site.input("k_norm_weight")
+        if (q_norm is None) != (k_norm is None):
+            raise KvCachePreconditionError(f"{site.label}: q_norm_weight and k_norm_weight come together.")
+        self.norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+        self.rotary = self._rotary_tables() if site.int_attr("do_rotary") else None
+        made = {site.op.out_slot("output"), *(site.op.out_slot(side.present) for side in site.sides)}
+        if len(site.node.outputs) <= max(made):
+            raise KvCachePreconditionError(
+                f"Cannot run {site.label} on CPU: it has {len(site.node.outputs)} output(s), not the "
+                f"output and its {len(site.sides)} present cache(s)."
             )
+        for index, out in enumerate(site.node.outputs):
+            if index not in made and (out.uses() or out.is_graph_output()):
+                raise KvCachePreconditionError(
+                    f"Cannot run {site.label} on CPU: its output {index} ({out.name!r}) is read, but "
+                    f"the node keeps {len(site.sides)} cache(s) and the reference does not compute it."
+                )
+
+    def _rotary_tables(self) -> tuple[ir.Value, ir.Value, int, int]:
+        """``(cos_cache, sin_cache, rotary_dim / 2, rotary_offset)``, checked."""
+        site = self.site
+        cos, sin = _required(site, "cos_cache"), _required(site, "sin_cache")
+        if cos.shape is None or not isinstance(cos.shape[-1], int):
+            raise KvCachePreconditionError(
+                f"{site.label}: cos_cache needs a static last dimension (rotary_dim / 2)."
+            )
+        half = cos.shape[-1]
+        offset = site.int_attr("rotary_offset", 0)
+        if offset + 2 * half > self.head:
+            raise KvCachePreconditionError(
+                f"{site.label}: rotary_offset {offset} + rotary_dim {2 * half} exceeds head_size {self.head}."
+            )
+        return cos, sin, half, offset
 
     def run(self) -> None:
         site, b = self.site, self.b
         q, k, v = self._qkv()
         step = self._step()
-        if site.int_attr("do_rotary"):
+        if self.rotary is not None:
             q, k = self._rotary(q, step), self._rotary(k, step)
-        pool = _required(site, site.op.key.past)
+        pool = self.pasts["key"]
         blocks = b.op("Shape", [pool], start=0, end=1)
         block_size = b.op("Shape", [pool], start=1, end=2)
         slots = self._slots(step, blocks, block_size)
@@ -161,21 +225,19 @@ class _Rewrite:
     def _qkv(self) -> tuple[ir.Value, ir.Value, ir.Value | None]:
         site, b = self.site, self.b
         heads, kv, head = self.heads, self.kv, self.head
-        query = _required(site, "query")
+        query = self.query
         v: ir.Value | None
-        if site.packed_qkv:
+        if self.key is None:
             sizes = b.const(np.array([heads * head, kv * head, kv * head], np.int64))
             q, k, v = b.ops("Split", [query, sizes], 3, axis=-1)
         else:
-            q, k, v = query, _required(site, "key"), site.input("value")
+            q, k, v = query, self.key, self.value
         q = b.op("Reshape", [b.cast(q, _F32), *_ints(b, [0, heads, head])], dtype=_F32)
         k = b.op("Reshape", [b.cast(k, _F32), *_ints(b, [0, kv, head])], dtype=_F32)
         if v is not None:
             v = b.op("Reshape", [b.cast(v, _F32), *_ints(b, [0, kv, head])], dtype=_F32)
-        q_norm, k_norm = site.input("q_norm_weight"), site.input("k_norm_weight")
-        if (q_norm is None) != (k_norm is None):
-            raise KvCacheError(f"{site.label}: q_norm_weight and k_norm_weight come together.")
-        if q_norm is not None and k_norm is not None:
+        if self.norms is not None:
+            q_norm, k_norm = self.norms
             eps = site.float_attr("qk_norm_epsilon", 1e-6)
             q, k = self._rms_norm(q, q_norm, eps), self._rms_norm(k, k_norm, eps)
         return q, k, v
@@ -187,24 +249,15 @@ class _Rewrite:
         return b.op("Mul", [b.op("Div", [x, rms]), b.cast(weight, _F32)], dtype=_F32)
 
     def _step(self) -> _Step:
-        site = self.site
-        names = ("cumulative_sequence_length", "past_seqlens", "block_table")
-        key = (id(site.node.graph), *(id(site.input(n)) for n in names))
+        key = (id(self.site.node.graph), *(id(x) for x in self.lengths))
         if key not in self.steps:
-            self.steps[key] = _Step(self.b, site, _required(site, "query"))
+            self.steps[key] = _Step(self.b, self.lengths, self.query)
         return self.steps[key]
 
     def _rotary(self, x: ir.Value, step: _Step) -> ir.Value:
         site, b = self.site, self.b
-        cos, sin = _required(site, "cos_cache"), _required(site, "sin_cache")
-        if cos.shape is None or not isinstance(cos.shape[-1], int):
-            raise KvCacheError(f"{site.label}: cos_cache needs a static last dimension (rotary_dim / 2).")
-        half = cos.shape[-1]
-        offset = site.int_attr("rotary_offset", 0)
-        if offset + 2 * half > self.head:
-            raise KvCacheError(
-                f"{site.label}: rotary_offset {offset} + rotary_dim {2 * half} exceeds head_size {self.head}."
-            )
+        assert self.rotary is not None
+        cos, sin, half, offset = self.rotary
         c, s = (
             b.op("Unsqueeze", [b.cast(b.op("Gather", [t, step.position], axis=0), _F32), *_ints(b, [1])])
             for t in (cos, sin)
@@ -238,18 +291,17 @@ class _Rewrite:
     def _codec(self, side: CacheSide) -> _Codec | None:
         if self.fmt is None:
             return None
-        scale = _required(self.site, side.scale)
-        assert self.site.granularity is not None
-        shape = list(scale_granularity(self.site.granularity).grid(self.kv, self.head))
+        assert self.granularity is not None
+        shape = list(scale_granularity(self.granularity).grid(self.kv, self.head))
+        scale = self.scales[side.kind]
         return _Codec.reshaped(self.b, self.fmt, scale, shape)
 
     def _write_and_read(self, side: CacheSide, new: ir.Value, slots: ir.Value) -> tuple[ir.Value, ir.Value]:
         """Store ``new`` [T, kv, D] at ``slots``; returns (present pool, context [B, C, kv, D] f32)."""
-        site, b, fmt = self.site, self.b, self.fmt
-        past = _required(site, side.past)
+        b, fmt = self.b, self.fmt
+        past = self.pasts[side.kind]
         stored = past.dtype
-        if stored is None:
-            raise KvCacheError(f"{site.label}: its {side.kind} cache has no element type.")
+        assert stored is not None
         work = stored if stored in _INDEXABLE else ir.DataType.FLOAT16
         width = fmt.packed_dim(self.head) if fmt is not None else self.head
         codec = self._codec(side)
@@ -366,25 +418,24 @@ class _Rewrite:
         return b.cast(output, self.dtype)
 
     def _replace(self, results: dict[int, ir.Value]) -> None:
-        node, graph = self.site.node, self.site.node.graph
-        assert graph is not None
-        graph.insert_before(node, self.b.nodes)
-        for index, old in enumerate(node.outputs):
-            new = results.get(index)
-            if new is None:
-                continue
-            new.name, new.type, new.shape = old.name, old.type, old.shape
-            if old.is_graph_output():
-                graph.outputs[list(graph.outputs).index(old)] = new
-            old.replace_all_uses_with(new)
-            old.name = None
-        graph.remove(node, safe=True)
+        node = self.site.node
+        assert node.graph is not None
+        olds = [node.outputs[i] for i in results]
+        news = list(results.values())
+        ir.convenience.replace_nodes_and_values(node.graph, node, [node], self.b.nodes, olds, news)
 
 
 class PagedAttentionReferencePass(InPlacePass):
     """Rewrite every PagedAttention node into standard ONNX ops; see the module."""
 
     def requires(self, model: ir.Model) -> None:
+        """Every refusal is raised here, before the model changes: a node in a function, an
+        opset too old for the rewrite, an input or shape the rewrite needs that is missing."""
+        with preconditions():
+            self._check(model)
+
+    def _check(self, model: ir.Model) -> list[_Rewrite]:
+        """The rewrites of ``model``'s PagedAttention nodes, every one checked; nothing changes."""
         sites = find_attention_sites(model, ops=(PAGED,))
         for site in sites:
             if site.function is not None:
@@ -397,14 +448,15 @@ class PagedAttentionReferencePass(InPlacePass):
                 f"The PagedAttention CPU reference needs opset >= {MIN_OPSET}; the model imports "
                 f"opset {model.opset_imports.get('', 1)}."
             )
+        steps: dict[tuple, _Step] = {}
+        return [_Rewrite(site, steps) for site in sites]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        sites = find_attention_sites(model, ops=(PAGED,))
-        steps: dict[tuple, _Step] = {}
-        for site in sites:
-            _Rewrite(site, steps).run()
-        logger.info("PagedAttention CPU reference: rewrote %d node(s).", len(sites))
-        return ir.passes.PassResult(model, modified=bool(sites))
+        rewrites = self._check(model)
+        for rewrite in rewrites:
+            rewrite.run()
+        logger.info("PagedAttention CPU reference: rewrote %d node(s).", len(rewrites))
+        return ir.passes.PassResult(model, modified=bool(rewrites))
 
 
 def paged_attention_reference(model: ModelLike) -> ir.Model:
