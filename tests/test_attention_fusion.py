@@ -2,11 +2,11 @@
 
 Every fused model is run against its original over a prefill and three decode steps.
 GQA's padding semantics (measured on onnxruntime's CPU kernel): ``seqlens_k`` counts a
-row's valid tokens, which the kernel takes to be the first ones. Unpadded batches and
-right-padded rows (valid tokens first) match the export at every valid position, the
-cache holding the valid tokens compacted; left padding, right padding under a sliding
-window, and multi-token steps after a prompt at batch > 1 do not (tested as such,
-documented in docs/exporting.md).
+row's valid tokens, which the kernel takes to be the first ones; the fusion hands it each
+row's valid new tokens first. Unpadded, right-padded and left-padded rows match the export
+at every valid position, the cache holding the valid tokens compacted; right padding under
+a sliding window, and multi-token steps after a prompt at batch > 1, do not (tested as
+such, documented in docs/exporting.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def fused(model: ir.Model) -> ir.Model:
 CASES = [
     (shape, prompt)
     for shape in SHAPES
-    for prompt in ("single", "right_padded")
+    for prompt in ("single", "right_padded", "left_padded")
     if not (prompt == "right_padded" and shape in WINDOWED)
 ]
 
@@ -80,13 +80,22 @@ def test_fused_decoder_equals_the_export(shape, prompt):
     assert max(worst.values()) < 1e-4, worst
 
 
-@pytest.mark.parametrize(("shape", "prompt"), [("torch_export", "left_padded"), ("mistral", "right_padded")])
-def test_left_padding_and_padded_windows_differ(shape, prompt):
-    """GQA takes a row's valid tokens to be its first ones, and counts windows over them."""
+@pytest.mark.parametrize("shape", sorted(WINDOWED))
+def test_right_padding_under_a_window_differs(shape):
+    """The export's window counts a row's padding positions; GQA's counts its valid tokens."""
     original = SHAPES[shape]()
     model = fused(SHAPES[shape]())
-    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    worst = max_differences(
+        generate(original, PROMPTS["right_padded"]), generate(model, PROMPTS["right_padded"])
+    )
     assert worst["logits"] > 1e-2
+
+
+def test_padding_order_is_computed_once_per_graph():
+    model = fused(ir.load(FIXTURE))
+    assert count(model, "TopK") == 2  # the order and its inverse, shared by every layer
+    gathers = [n for n in model.graph if n.op_type == "Gather" and "padding_order" in n.name]
+    assert len(gathers) == 4 * count(model, "GroupQueryAttention")  # q, k, v in; output back
 
 
 def test_presents_written_through_identity_fuse():
@@ -163,8 +172,10 @@ def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
 
 
 def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
+    """No target named: a float32 export runs on CPU, which has float32 GroupQueryAttention."""
     original = ir.load(FIXTURE)
-    model = optimize_model(ir.load(FIXTURE), execution_provider="cpu")
+    with pytest.warns(KvCacheWarning, match="left- or right-padded prompts"):
+        model = optimize_model(ir.load(FIXTURE))
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
     worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
@@ -175,9 +186,30 @@ def test_a_fusion_the_target_cannot_run_is_not_applied():
     """CUDA has no float32 GroupQueryAttention: fusing the float32 export for it would break it."""
     model = ir.load(FIXTURE)
     text = ir.to_onnx_text(model)
-    with pytest.warns(KvCacheWarning, match="Attention not fused for cuda: .*takes queries of"):
+    with pytest.warns(KvCacheWarning) as said:
         optimize_model(model, fp8_kv_cache=True)
     assert ir.to_onnx_text(model) == text
+    assert [str(w.message) for w in said] == [  # nothing about a fusion that was not applied
+        "Attention not fused for cuda (inferred: fp8 caches run only on CUDA; name the target with "
+        "execution_provider=...): cuda's GroupQueryAttention takes queries of BFLOAT16, FLOAT16, the "
+        "model's are FLOAT; export the model in a supported dtype."
+    ]
+    with pytest.warns(KvCacheWarning, match=r"Attention not fused for cuda: .*takes queries of"):
+        optimize_model(model, execution_provider="cuda")
+
+
+def test_optimize_model_infers_cuda_for_a_half_precision_export():
+    model = optimize_model(
+        exported("llama", dtype="float16"),
+        kv_cache_format="int8",
+        kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+    )
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.INT8}
+    float32 = optimize_model(
+        fused(exported("llama")), kv_cache_format="int4", kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)}
+    )
+    assert {v.dtype for v in float32.graph.inputs if v.name.startswith("past")} == {ir.DataType.UINT8}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -397,10 +429,18 @@ def test_gqa_fusion_says_what_a_padding_mask_assumes_and_skips_onnxscript(monkey
 
     monkeypatch.setattr("onnxscript.rewriter.ort_fusions.optimize_for_ort", must_not_run)
     model = ir.load(FIXTURE)
-    with pytest.warns(KvCacheWarning, match="right padding.*Left-padded rows.*wrong results"):
+    with pytest.warns(KvCacheWarning, match="left- or right-padded prompts.*paused row") as caught:
         fusion = GqaFusionPass()
         fusion(model)
     assert fusion.fused == 3 and fusion.refused == []
+    assert not any("Sliding-window" in str(w.message) for w in caught)  # the export has no window
+
+
+def test_gqa_fusion_warns_about_windows_under_right_padding():
+    from onnx_kvcache import GqaFusionPass
+
+    with pytest.warns(KvCacheWarning, match="paused row.*Sliding-window layers differ.*right-padded"):
+        GqaFusionPass()(exported("mistral"))
 
 
 def test_a_partly_fused_export_is_not_converted_and_the_runner_says_why(tmp_path, capsys):

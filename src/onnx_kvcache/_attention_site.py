@@ -19,9 +19,13 @@ exporter's attention and build an :class:`AttentionSite` from facts proven with
   of 8 (GQA's requirement), the same for V.
 
 GQA takes ``seqlens_k = sum(attention_mask, axis=1) - 1`` and
-``total_sequence_length = attention_mask.shape[1]``, computed once per graph. Rotary
-embeddings and q/k norms stay where the exporter put them (``do_rotary=0``): the node
-receives K already rotated, as the export's cache holds it.
+``total_sequence_length = attention_mask.shape[1]``, computed once per graph. GQA reads a
+row's valid tokens as its first ones, so with a padding mask the node receives the new
+tokens reordered, each row's valid ones first (a stable order, computed once per graph),
+and its output is put back in the caller's order: a left-padded prompt is then computed
+as the same prompt right-padded, and the cache holds each row's valid tokens compacted at
+its start. Rotary embeddings and q/k norms stay where the exporter put them
+(``do_rotary=0``): the node receives K already rotated, as the export's cache holds it.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from onnx_kvcache._symbolic import (
     axis,
     reshape_dims,
 )
-from onnx_kvcache.attention_ops import GQA, GqaInput
+from onnx_kvcache.attention_ops import GQA, GqaInput, GqaOutput
 
 BATCH, HEAD, QUERY, KEY = "#batch", "#head", "#query", "#key"
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
@@ -278,6 +282,18 @@ def check_shapes(
     return q[1].const, kv_heads, head
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddingOrder:
+    """Token indices (int64 ``[batch, seq]``) of a padding mask's reorder."""
+
+    gather: ir.Value
+    """Flat indices into ``[batch * seq, width]`` putting each row's valid tokens first."""
+    scatter: ir.Value
+    """Flat indices putting them back."""
+    inverse: ir.Value
+    """Per-row positions putting them back (``scatter`` before flattening)."""
+
+
 class GqaWriter:
     """Writes GroupQueryAttention nodes into a graph.
 
@@ -292,6 +308,8 @@ class GqaWriter:
         self.graph = graph
         self.ev = ev
         self._lengths: dict[str, tuple[ir.Value, ir.Value]] = {}
+        self._valid: dict[str, ir.Value] = {}
+        self._order: dict[str, PaddingOrder] = {}
         self._bsh: dict[int, ir.Value] = {}
         self._counter = 0
 
@@ -328,6 +346,7 @@ class GqaWriter:
                 [self._add(at, "Equal", [mask, zero], "attention_mask/Equal")],
                 "attention_mask/Not",
             )
+            self._valid[key] = valid_tokens
             counted = self._add(at, "Cast", [valid_tokens], "attention_mask/Cast", to=ir.DataType.INT64)
             counted.dtype = ir.DataType.INT64
             one = self._const(at, np.array(1, np.int64), "attention_mask/one")
@@ -351,6 +370,77 @@ class GqaWriter:
         seqlens.dtype, total.dtype = ir.DataType.INT32, ir.DataType.INT32
         self._lengths[key] = (seqlens, total)
         return seqlens, total
+
+    def order(self, site: AttentionSite, query: ir.Value) -> PaddingOrder | None:
+        """The reorder that puts each row's valid new tokens first, and its inverse.
+
+        ``query`` is the site's query as GQA reads it (BSH). None without a padding mask.
+        The order is stable (valid tokens keep their order, padding follows), so for
+        right-padded or unpadded rows it is the identity. Computed once per graph.
+        """
+        key = site.mask.padding
+        if key is None:
+            return None
+        if key in self._order:
+            return self._order[key]
+        self.lengths(site)
+        at = site.node
+        batch = self._add(at, "Shape", [query], "padding_order/batch", start=0, end=1)
+        new = self._add(at, "Shape", [query], "padding_order/new_length", start=1, end=2)
+        end = self._const(at, np.array([np.iinfo(np.int64).max], np.int64), "padding_order/end")
+        axes = self._const(at, np.array([1], np.int64), "padding_order/axes")
+        start = self._add(at, "Neg", [new], "padding_order/start")
+        valid = self._add(at, "Slice", [self._valid[key], start, end, axes], "padding_order/new_tokens")
+        length = self._add(at, "Squeeze", [new], "padding_order/length")
+        zero = self._const(at, np.array(0, np.int64), "padding_order/zero")
+        one = self._const(at, np.array(1, np.int64), "padding_order/one")
+        steps = self._add(at, "Range", [zero, length, one], "padding_order/Range")
+        padding_after = self._add(at, "Add", [steps, length], "padding_order/padding_after")
+        rank = self._add(at, "Where", [valid, steps, padding_after], "padding_order/rank")
+        order = self._argsort(rank, new, at, "padding_order/order")
+        inverse = self._argsort(order, new, at, "padding_order/inverse")
+        rows = self._add(
+            at, "Range", [zero, self._add(at, "Squeeze", [batch], "padding_order/rows"), one], "r"
+        )
+        first = self._add(  # row b's tokens start at b * seq in [batch * seq, width]
+            at,
+            "Unsqueeze",
+            [self._add(at, "Mul", [rows, length], "padding_order/first"), axes],
+            "first_token",
+        )
+        result = PaddingOrder(
+            gather=self._add(at, "Add", [order, first], "padding_order/gather"),
+            scatter=self._add(at, "Add", [inverse, first], "padding_order/scatter"),
+            inverse=inverse,
+        )
+        self._order[key] = result
+        return result
+
+    def _argsort(self, keys: ir.Value, length: ir.Value, at: ir.Node, name: str) -> ir.Value:
+        """Indices sorting distinct int64 ``keys [batch, n]`` along axis 1 (exact below 2**24)."""
+        values = self._add(at, "Cast", [keys], f"{name}/Cast", to=ir.DataType.FLOAT)
+        node = ir.node(
+            "TopK",
+            [values, length],
+            {"axis": 1, "largest": 0, "sorted": 1},
+            num_outputs=2,
+            name=self._name(name),
+        )
+        self.graph.insert_before(at, node)
+        node.outputs[0].name, node.outputs[1].name = f"{node.name}/values", node.name
+        return node.outputs[1]
+
+    def _reorder(self, value: ir.Value, indices: ir.Value, width: int, at: ir.Node, name: str) -> ir.Value:
+        """``value`` ``[batch, seq, width]`` with its tokens taken by flat ``indices`` ``[batch, seq]``.
+
+        A Gather of whole rows of the flattened tokens (a copy per token), which onnxruntime
+        runs faster than GatherND with batch dimensions.
+        """
+        flat = self._const(at, np.array([-1, width], np.int64), f"{name}/flat")
+        tokens = self._add(at, "Reshape", [value, flat], f"{name}/tokens")
+        moved = self._add(at, "Gather", [tokens, indices], name, axis=0)
+        moved.type, moved.shape = value.type, value.shape
+        return moved
 
     def bsh(self, value: ir.Value, heads: int, head: int, at: ir.Node) -> ir.Value:
         """``value`` (BNSH) as BSH ``[batch, seq, heads * head]``, reusing exporter values."""
@@ -417,6 +507,11 @@ class GqaWriter:
         q = self.bsh(site.query, site.num_heads, site.head_size, at)
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)
         v = self.bsh(site.value.new, site.kv_num_heads, site.head_size, at)
+        order = self.order(site, q)
+        if order is not None:
+            q = self._reorder(q, order.gather, site.num_heads * site.head_size, at, "padding_order/q")
+            k = self._reorder(k, order.gather, site.kv_num_heads * site.head_size, at, "padding_order/k")
+            v = self._reorder(v, order.gather, site.kv_num_heads * site.head_size, at, "padding_order/v")
         attrs: dict[str, int | float] = {
             "num_heads": site.num_heads,
             "kv_num_heads": site.kv_num_heads,
@@ -451,12 +546,27 @@ class GqaWriter:
         for output, suffix in zip(gqa.outputs, GQA.outputs):
             output.name = f"{name}/{suffix}"
         self.graph.insert_before(at, gqa)
-        out = gqa.outputs[0]
+        out = gqa.outputs[GqaOutput.OUTPUT]
         out.type, out.shape = q.type, q.shape
+        if order is not None:
+            out = self._reorder(
+                out, order.scatter, site.num_heads * site.head_size, at, "padding_order/output"
+            )
         dead = self._rewire_output(site, out)
-        replaced = [(site.key.present, gqa.outputs[1]), (site.value.present, gqa.outputs[2])]
+        replaced = [
+            (site.key.present, gqa.outputs[GqaOutput.PRESENT_KEY]),
+            (site.value.present, gqa.outputs[GqaOutput.PRESENT_VALUE]),
+        ]
         if site.probs is not None:
-            replaced.append((site.probs, gqa.outputs[3]))
+            probs = gqa.outputs[GqaOutput.OUTPUT_QK]
+            probs.type, probs.shape = site.probs.type, site.probs.shape
+            if order is not None:  # query rows back in the caller's order; keys stay compacted
+                shape = self._add(at, "Shape", [probs], "padding_order/probs_shape")
+                axes = self._const(at, np.array([1, 3], np.int64), "padding_order/probs_axes")
+                rows = self._add(at, "Unsqueeze", [order.inverse, axes], "padding_order/probs_rows")
+                indices = self._add(at, "Expand", [rows, shape], "padding_order/probs_indices")
+                probs = self._add(at, "GatherElements", [probs, indices], "padding_order/probs", axis=2)
+            replaced.append((site.probs, probs))
         for before, after in replaced:
             after.type, after.shape = before.type, before.shape
             dead.append(before.producer())

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
+import warnings
 from typing import Literal
 
 import onnx_ir as ir
 
-from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings
+from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings, infer_target
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import get_format
@@ -25,30 +26,49 @@ from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales
 
+AUTO = "auto"
+
+
+def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | None, str]:
+    """``(provider, how it was chosen)``: ``ep`` as given, or for ``"auto"`` where the model
+    will run (:func:`~onnx_kvcache.capabilities.infer_target`; an fp8 cache means CUDA)."""
+    if ep != AUTO:
+        return ep, ""
+    if fmt is not None and get_format(fmt).is_float:
+        return "cuda", f"{fmt} caches run only on CUDA"
+    return infer_target(model)
+
 
 def _fuse_where_it_runs(
     model: ir.Model, ep: str | None, fmt: str | None, granularity: str
-) -> SupportReport | None:
-    """Fuse ``model``'s attention, unless ``ep`` cannot run the attention the fusion made:
-    then leave the model as it was (the export's own attention may well run there) and say
-    why. A model that had attention nodes already is fused without that check."""
+) -> tuple[str | None, str, SupportReport | None]:
+    """Fuse ``model``'s attention, unless the target cannot run the attention the fusion
+    made: then leave the model as it was (the export's own attention may well run there)
+    and return why. A model that had attention nodes already is fused without that check.
+    Returns ``(target, how it was chosen, refusal or None)``; the fusion's warnings are
+    said only when it is applied."""
     had_attention = bool(find_attention_sites(model, with_cache_only=False))
     fused = model.clone()
-    GqaFusionPass()(fused)
-    if ep is not None and not had_attention and find_attention_sites(fused):
-        report = check_kv_cache_support(fused, ep, fmt, granularity)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        GqaFusionPass()(fused)
+    target, why = _target(fused, ep, fmt)
+    if target is not None and not had_attention and find_attention_sites(fused):
+        report = check_kv_cache_support(fused, target, fmt, granularity)
         if not report.supported:
-            return report
+            return target, why, report
     model.graph = fused.graph  # opset imports live on the graph
     model.functions.clear()
     model.functions.update(fused.functions)
-    return None
+    for warning in said:
+        warn(str(warning.message), warning.category)
+    return target, why, None
 
 
 def optimize_model(
     model: ModelLike,
     *,
-    execution_provider: str | None = "cuda",
+    execution_provider: str | None = "auto",
     fp8_kv_cache: bool = False,
     kv_cache_format: str | None = None,
     kv_cache_granularity: str = "per_tensor",
@@ -62,8 +82,10 @@ def optimize_model(
 
     Args:
         model: ``ir.Model`` (changed in place), ``onnx.ModelProto`` or a path.
-        execution_provider: Where the model will run (``cuda``, ``cpu``, ...); ``None``
-            skips gating (the caller takes responsibility).
+        execution_provider: Where the model will run (``cuda``, ``cpu``, ...). ``"auto"``
+            infers it as ``convert`` does (an fp8 cache: CUDA; a model converted before:
+            what it was converted for; fp16/bf16 attention: CUDA; float32: CPU), looking at
+            the model after fusion. ``None`` skips gating (the caller takes responsibility).
         fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
         kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None`` quantizes nothing.
         kv_cache_granularity: ``per_tensor`` or ``per_channel``.
@@ -90,18 +112,22 @@ def optimize_model(
         kv_cache_format = "fp8"
     has_attention = bool(find_attention_sites(model, with_cache_only=False))
     if fuse_attention is True or (fuse_attention == "auto" and not has_attention):
-        refused = _fuse_where_it_runs(model, execution_provider, kv_cache_format, kv_cache_granularity)
+        target, why, refused = _fuse_where_it_runs(
+            model, execution_provider, kv_cache_format, kv_cache_granularity
+        )
         if refused is not None:
-            message = f"Attention not fused for {execution_provider}: " + " ".join(refused.reasons)
+            message = f"Attention not fused for {_named(target, why)}: " + " ".join(refused.reasons)
             if strict:
                 raise KvCacheError(message)
             warn(message, NotConvertedWarning)
             return model
+    else:
+        target, why = _target(model, execution_provider, kv_cache_format)
     if kv_cache_format is None:
         return model
     fmt = get_format(kv_cache_format)
     scales = as_kv_cache_scales(kv_cache_scales, format=fmt.name)
-    if execution_provider is None:
+    if target is None:
         KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(
             model
         )
@@ -112,7 +138,7 @@ def optimize_model(
     if check_device:
         capability = cuda_compute_capability()
     report = check_kv_cache_support(
-        model, execution_provider, fmt.name, kv_cache_granularity, compute_capability=capability
+        model, target, fmt.name, kv_cache_granularity, compute_capability=capability
     )
     if check_device and capability is None and report.ep == "cuda":
         report = SupportReport(
@@ -129,7 +155,7 @@ def optimize_model(
     if not report.supported:
         message = (
             f"KV cache not converted to {fmt.name} {kv_cache_granularity} for "
-            f"{execution_provider}: " + " ".join(report.reasons)
+            f"{_named(target, why)}: " + " ".join(report.reasons)
         )
         if strict:
             raise KvCacheError(message)
@@ -139,3 +165,10 @@ def optimize_model(
     for warning in report.warnings:
         warn(warning)
     return model
+
+
+def _named(target: str | None, why: str) -> str:
+    """The target as a message names it: with how it was inferred and how to name another."""
+    if not why:
+        return str(target)
+    return f"{target} (inferred: {why}; name the target with execution_provider=...)"

@@ -134,7 +134,9 @@ class AttentionFusionPass(InPlacePass):
         self.fused = 0
         """Attention nodes fused by the last call."""
         self.padded = 0
-        """Of those, how many read a padding mask (right padding only: see the module)."""
+        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+        self.padded_windows = 0
+        """Of those, how many also have a sliding window."""
         self.refused: list[str] = []
         """``"node: reason"`` for each Attention node left as it was."""
 
@@ -142,7 +144,7 @@ class AttentionFusionPass(InPlacePass):
         graph = model.graph
         ev = SymbolicEvaluator()
         writer = GqaWriter(graph, ev)
-        fused, padded, refused = 0, 0, []
+        fused, padded, windows, refused = 0, 0, 0, []
         for node in list(graph):
             if not _is_attention(node):
                 continue
@@ -154,9 +156,10 @@ class AttentionFusionPass(InPlacePass):
             gqa = writer.write(site)
             fused += 1
             padded += site.mask.padding is not None
+            windows += site.mask.padding is not None and site.mask.window is not None
             logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
         refused += [f"{n.name or '<unnamed>'}: {where}" for n, where in _elsewhere(model)]
-        self.fused, self.padded, self.refused = fused, padded, refused
+        self.fused, self.padded, self.padded_windows, self.refused = fused, padded, windows, refused
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))

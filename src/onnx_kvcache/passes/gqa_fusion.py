@@ -13,7 +13,7 @@ GQA nodes afterwards.
 
 from __future__ import annotations
 
-__all__ = ["PADDING_WARNING", "GqaFusionPass"]
+__all__ = ["PADDING_WARNING", "WINDOW_PADDING_WARNING", "GqaFusionPass"]
 
 import logging
 
@@ -29,9 +29,15 @@ logger = logging.getLogger(__name__)
 
 #: Said once when a fused attention reads the export's attention_mask.
 PADDING_WARNING = (
-    "the fused attention takes each attention_mask row as right padding: its nonzero entries first, "
-    "then 0s, growing by one nonzero entry per new token. Left-padded rows, or a row given a 0 for "
-    "a new token, compute wrong results (the export accepted them; docs/exporting.md)."
+    "the fused attention keeps each row's valid tokens (nonzero attention_mask entries) first in its "
+    "cache: left- or right-padded prompts compute as the export does, but after the prompt every row "
+    "must get a nonzero entry per new token (a row given a 0, a paused row, computes wrong results; "
+    "docs/exporting.md)."
+)
+#: Added when a fused attention with a padding mask also has a sliding window.
+WINDOW_PADDING_WARNING = (
+    "Sliding-window layers differ from the export for right-padded rows: the export counts the "
+    "padding inside the window, the fused attention does not. Left-pad batches for those."
 )
 
 
@@ -71,5 +77,6 @@ class GqaFusionPass(InPlacePass):
                 "with a KV cache): " + "; ".join(left)
             )
         if attention.padded + decomposed.padded:
-            warn(PADDING_WARNING)
+            windows = attention.padded_windows + decomposed.padded_windows
+            warn(PADDING_WARNING + (" " + WINDOW_PADDING_WARNING if windows else ""))
         return ir.passes.PassResult(model, modified=modified)

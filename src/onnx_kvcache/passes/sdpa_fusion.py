@@ -179,10 +179,16 @@ class DecomposedAttentionFusionPass(InPlacePass):
         super().__init__()
         self.refused: list[tuple[ir.Node, str]] = []
         """(output MatMul, reason) of each attention-like chain left alone."""
+        self.fused = 0
+        """Attention chains fused by the last call."""
+        self.padded = 0
+        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+        self.padded_windows = 0
+        """Of those, how many also have a sliding window."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.refused = []
-        self.padded = 0
+        self.padded = self.padded_windows = 0
         fused = 0
         ev = SymbolicEvaluator()
         writer = GqaWriter(model.graph, ev)
@@ -197,6 +203,7 @@ class DecomposedAttentionFusionPass(InPlacePass):
             writer.write(site)
             fused += 1
             self.padded += site.mask.padding is not None
+            self.padded_windows += site.mask.padding is not None and site.mask.window is not None
         self.fused = fused
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
