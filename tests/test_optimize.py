@@ -183,3 +183,12 @@ def test_a_refusal_is_a_not_converted_warning():
     model = build_decoder(num_layers=1, dtype="float16")
     with pytest.warns(NotConvertedWarning, match="KV cache not converted to fp8 per_tensor for cpu"):
         assert optimize_model(model, execution_provider="cpu", fp8_kv_cache=True) is model
+
+
+def test_gqa_fusion_reports_modified_honestly():
+    """onnxscript's fusions run on a model ours do not fuse: modified is what they changed."""
+    model = gqa_model()
+    assert not GqaFusionPass()(model).modified  # nothing to fuse, nothing changed
+    export = exported_decoder()
+    assert GqaFusionPass()(export).modified and count_gqa(export) == 1
+    assert not GqaFusionPass()(export).modified

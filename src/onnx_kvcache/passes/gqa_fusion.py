@@ -61,12 +61,12 @@ class GqaFusionPass(InPlacePass):
         if not self.fused:
             from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-            nodes = model.graph.num_nodes()
+            before_ort = _structure(model)
             fused, counts = optimize_for_ort(model)
             if fused is not model:
                 raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
             applied = {k: v for k, v in counts.items() if v}
-            modified = modified or bool(applied) or nodes != model.graph.num_nodes()
+            modified = modified or _structure(model) != before_ort
         left = [f"{n.name or '<unnamed>'}: {why}" for n, why in decomposed.refused if n.graph is not None]
         self.refused = attention.refused + left  # what onnxscript fused since is no longer left
         after = len(find_gqa_sites(model, with_cache_only=False))
@@ -80,3 +80,39 @@ class GqaFusionPass(InPlacePass):
             windows = attention.padded_windows + decomposed.padded_windows
             warn(PADDING_WARNING + (" " + WINDOW_PADDING_WARNING if windows else ""))
         return ir.passes.PassResult(model, modified=modified)
+
+
+_PLAIN = frozenset(
+    {
+        ir.AttributeType.FLOAT,
+        ir.AttributeType.INT,
+        ir.AttributeType.STRING,
+        ir.AttributeType.FLOATS,
+        ir.AttributeType.INTS,
+        ir.AttributeType.STRINGS,
+    }
+)
+
+
+def _structure(model: ir.Model) -> list[tuple]:
+    """What a rewrite can change, without reading a weight: every node (in subgraphs too)
+    with its inputs, outputs and attributes, the graph's I/O, initializer names, opsets."""
+    nodes = [
+        (
+            node.domain,
+            node.op_type,
+            tuple(v.name if v is not None else "" for v in node.inputs),
+            tuple(v.name for v in node.outputs),
+            tuple((k, repr(a.value)) for k, a in node.attributes.items() if a.type in _PLAIN),
+        )
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+    ]
+    graph = model.graph
+    return [
+        *nodes,
+        tuple(v.name for v in graph.inputs),
+        tuple(v.name for v in graph.outputs),
+        tuple(graph.initializers),
+        tuple(sorted(graph.opset_imports.items())),
+        tuple(model.functions),
+    ]
