@@ -8,7 +8,8 @@ every row alike), and reports the median decode tokens per second, its ratio to 
 and the bytes the caches take in their stored format. Rows: the float32 original; int8
 and int4 on onnxruntime's CPU kernel; int8, int4 and fp8 under CUDA's rule, emulated
 (float caches holding dequantized values); fp8 emulated with stored-format cache I/O (the
-whole cache converted every step). Target: fp8 emulated >= 0.8x float32.
+whole cache converted every step). Target (issue 11): fp8, and int8/int4 under CUDA's rule,
+emulated at >= 0.8x float32; one verdict line each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import numpy as np
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder, calibrate_kv_cache
 from onnx_kvcache.data import corpus_byte_ids
 
+#: Decode speed the TARGETED rows must reach, as a fraction of float32's.
+TARGET = 0.8
+
 #: (label, format, kernel rule, stored-format cache I/O)
 ROWS = (
     ("float32", None, None, False),
@@ -32,6 +36,9 @@ ROWS = (
     ("fp8, cuda rule (emulated)", "fp8", "cuda", False),
     ("fp8, stored-format I/O", "fp8", "cuda", True),
 )
+
+#: The rows held to TARGET: every format emulated with CUDA's rule (float cache I/O).
+TARGETED = ("int8, cuda rule (emulated)", "int4, cuda rule (emulated)", "fp8, cuda rule (emulated)")
 
 
 def _runner(fmt: str | None, semantics: str | None, quantized_io: bool) -> KvCacheRunner:
@@ -73,8 +80,11 @@ def main() -> None:
     print(f"{'cache':<30}{'decode tok/s':>14}{'vs float32':>12}{'cache bytes':>14}")
     for (label, *_), runner, rate in zip(ROWS, runners, medians):
         print(f"{label:<30}{rate:>14.0f}{rate / medians[0]:>11.2f}x{runner.cache_nbytes():>14,}")
-    fp8 = medians[[label for label, *_ in ROWS].index("fp8, cuda rule (emulated)")] / medians[0]
-    print(f"target fp8 emulated >= 0.80x float32: {'met' if fp8 >= 0.8 else 'NOT met'} ({fp8:.2f}x)")
+    labels = [label for label, *_ in ROWS]
+    for label in TARGETED:
+        ratio = medians[labels.index(label)] / medians[0]
+        verdict = "met" if ratio >= TARGET else "NOT met"
+        print(f"target {label} >= {TARGET:.2f}x float32: {verdict} ({ratio:.2f}x)")
 
 
 if __name__ == "__main__":

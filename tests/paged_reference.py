@@ -4,14 +4,15 @@ Sources: onnxruntime's operator schema (input and attribute descriptions, read f
 installed wheel) and its CUDA design notes (docs/contrib_ops/cuda/paged_attention.md: slot
 derivation, bottom-right causal mask, window including the current token, head sink as an
 extra softmax logit, LATENT V aliasing the key cache row). Loops over sequences and tokens
-on purpose: nothing here shares code or structure with the ONNX rewrite it checks.
+on purpose: nothing here shares code or structure with the ONNX rewrite it checks, and the
+cache codec is the tests' own (``tests/codec.py``), not the library's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from onnx_kvcache.formats import CacheFormat
+import codec
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, interleaved: bool) -> np.ndarray:
@@ -49,7 +50,7 @@ def paged_attention(
     *,
     num_heads: int,
     kv_heads: int,
-    fmt: CacheFormat | None = None,
+    fmt: str | None = None,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
     cos: np.ndarray | None = None,
@@ -69,7 +70,8 @@ def paged_attention(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """One PagedAttention call; returns (output ``[T, H * Dv]`` float32, key_cache, value_cache).
 
-    Caches are the stored arrays as onnxruntime feeds them (fp8 as uint8 bits, packed int4);
+    ``fmt`` names the quantized cache format (``fp8``, ``int8``, ``int4``), None for a float
+    cache. Caches are the stored arrays as onnxruntime feeds them (fp8 as uint8 bits, packed int4);
     new ones are returned, the inputs are not changed.
     """
     tokens = query.shape[0]
@@ -122,14 +124,14 @@ def paged_attention(
             if row is None:
                 continue
             x = news[kind][t]
-            flat[row] = x.astype(cache.dtype) if fmt is None else fmt.quantize(x, scales[kind])
+            flat[row] = x.astype(cache.dtype) if fmt is None else codec.quantize(fmt, x, scales[kind])
 
     def read(kind: str, row: int) -> np.ndarray:
         cache = caches[kind]
         stored = cache.reshape(blocks * block_size, *cache.shape[2:])[row]
         if fmt is None:
             return stored.astype(np.float32)
-        return fmt.dequantize(stored, scales[kind], head)
+        return codec.dequantize(fmt, stored, scales[kind], head)
 
     group = heads // kv
     softmax_scale = scale or 1.0 / np.sqrt(head)

@@ -3,14 +3,15 @@
 New K (after q/k norm and RoPE) and V are quantized on write. The ``cpu`` rule (and CUDA
 after the first prompt) attends over every position dequantized, the current tokens
 included; CUDA's first prompt (``sequence_length == total_sequence_length``) attends over
-the new tokens in full precision and stores them quantized.
+the new tokens in full precision and stores them quantized. The cache codec is the tests'
+own (``tests/codec.py``), not the library's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from onnx_kvcache.formats import CacheFormat
+import codec
 
 
 def rope(
@@ -41,7 +42,7 @@ def quantized_gqa_step(
     v: np.ndarray,
     past_k: np.ndarray,
     past_v: np.ndarray,
-    fmt: CacheFormat | None,
+    fmt,
     k_scale: np.ndarray,
     v_scale: np.ndarray,
     *,
@@ -57,7 +58,8 @@ def quantized_gqa_step(
 ):
     """One GQA call. q/k/v are [B, S, H*D] float; past_* are stored caches (BNSH).
 
-    Returns (output [B, S, N*D], present_k, present_v) with present_* stored as the
+    ``fmt`` is the cache format (its name, or a row whose ``name`` is read), None for a
+    float cache. Returns (output [B, S, N*D], present_k, present_v) with present_* stored as the
     format stores them (float caches when ``fmt`` is None). With ``stored``, attention
     reads those present caches instead of the ones computed here.
     """
@@ -83,11 +85,11 @@ def quantized_gqa_step(
         keys, values = present_k.astype(np.float32), present_v.astype(np.float32)
     else:
         ks, vs = channel_scale(k_scale, kv_heads, head), channel_scale(v_scale, kv_heads, head)
-        present_k = np.concatenate([past_k, fmt.quantize(k_new, ks)], axis=2)
-        present_v = np.concatenate([past_v, fmt.quantize(v_new, vs)], axis=2)
+        present_k = np.concatenate([past_k, codec.quantize(fmt, k_new, ks)], axis=2)
+        present_v = np.concatenate([past_v, codec.quantize(fmt, v_new, vs)], axis=2)
         read_k, read_v = stored if stored is not None else (present_k, present_v)
-        keys = fmt.dequantize(read_k, ks, head)
-        values = fmt.dequantize(read_v, vs, head)
+        keys = codec.dequantize(fmt, read_k, ks, head)
+        values = codec.dequantize(fmt, read_v, vs, head)
         if semantics == "cuda" and past_len == 0:  # CUDA's first prompt reads K/V unquantized
             keys, values = k_new, v_new
     group = num_heads // kv_heads

@@ -9,6 +9,8 @@ import pytest
 
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
 
+import codec
+
 
 @pytest.mark.parametrize("name", list(CACHE_FORMATS))
 def test_round_trip_error_is_half_a_step_inside_the_range(name):
@@ -115,6 +117,7 @@ def test_stored_codes_equal_the_cpu_kernel_at_ties(name, granularity):
     bnsh = x.reshape(1, seq, kv, head).transpose(0, 2, 1, 3)
     s4 = scale.reshape(1, 1, 1, 1) if n == 1 else scale.reshape(1, kv, 1, head)
     np.testing.assert_array_equal(stored, fmt.quantize(bnsh, s4))
+    np.testing.assert_array_equal(stored, codec.quantize(name, bnsh, s4))  # the oracles' codec too
     assert np.any(fmt.quantize(bnsh, s4) != _divide_rule(fmt, bnsh, s4))  # the test can tell
 
 
@@ -159,3 +162,38 @@ def test_a_new_format_and_granularity_are_one_table_row_each(monkeypatch):
         assert runner.emulated and runner.bindings[0].format.name == fmt  # no CPU kernel: emulated
         report = evaluate_kv_cache(base, model, data, max_new_tokens=2, progress=False)
         assert report.candidate_format == f"{fmt} {granularity}" and report.top1_agreement > 0.5
+
+
+def test_the_oracles_codec_by_hand():
+    """tests/codec.py, which the numpy references use instead of the library's, on known codes."""
+    one = np.float32(1.0)
+    x = np.array([[0.5, 1.5, 2.5, -2.5, 300.0, -300.0]], np.float32)
+    assert codec.quantize("int8", x, one).tolist() == [[0, 2, 2, -2, 127, -128]]
+    # int4 levels -8, 7, 0, 1 -> codes 0, 15, 8, 9: element 2i in the low nibble
+    assert codec.quantize("int4", np.array([[-9.0, 7.4, 0.2, 1.0]]), one).tolist() == [[0xF0, 0x98]]
+    assert codec.quantize("int4", np.array([[3.0]]), one).tolist() == [[8 + 3 | 8 << 4]]  # odd: pad 0
+    # fp8 E4M3FN bits: 1.0, a tie between 16 and 18 (to even: 16), ±448 saturated, -0.5
+    fp8 = codec.quantize("fp8", np.array([[1.0, 17.0, 1e4, -1e4, -0.5]], np.float32), one)
+    assert fp8.dtype == np.uint8 and fp8.tolist() == [[0x38, 0x58, 0x7E, 0xFE, 0xB0]]
+    # the float32 reciprocal: -0.555 / 0.03 rounds to -18, -0.555 * float32(1 / 0.03) to -19
+    x, s = np.array([[-0.555]], np.float32), np.float32(0.03)
+    assert np.rint(x / s).item() == -18 and codec.quantize("int8", x, s).item() == -19
+    packed = codec.quantize("int4", np.arange(9, dtype=np.float32)[None] - 4, one)
+    np.testing.assert_array_equal(codec.dequantize("int4", packed, 0.5, 9), (np.arange(9)[None] - 4) * 0.5)
+
+
+@pytest.mark.parametrize("head", [15, 16])
+@pytest.mark.parametrize("name", list(CACHE_FORMATS))
+def test_the_library_codec_equals_the_oracles(name, head):
+    """Random values across the range, past it, and at integer ties, per-channel scales."""
+    fmt = get_format(name)
+    rng = np.random.default_rng(11)
+    scale = rng.uniform(0.01, 0.05, (1, 2, 1, head)).astype(np.float32)
+    levels = rng.uniform(-1.5, 1.5, (1, 2, 64, head)) * fmt.qmax_stored
+    ties = np.rint(levels[:, :, :16]) + 0.5
+    x = (np.concatenate([levels[:, :, :48], ties], axis=2) * scale).astype(np.float32)
+    stored = fmt.quantize(x, scale)
+    np.testing.assert_array_equal(stored, codec.quantize(name, x, scale))
+    np.testing.assert_array_equal(
+        fmt.dequantize(stored, scale, head), codec.dequantize(name, stored, scale, head)
+    )

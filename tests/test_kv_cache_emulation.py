@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
 from onnx_kvcache._runtime import create_session, to_ort_value
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.passes.kv_cache_emulation import (
     KvCacheEmulationPass,
@@ -141,23 +142,36 @@ def test_rope_layouts_groups_and_dtypes(interleaved, dtype, heads, kv):
 
 
 @pytest.mark.parametrize("quantized_io", [False, True])
+@pytest.mark.parametrize("semantics", SEMANTICS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_values_past_the_range_saturate_never_nan(fmt, quantized_io):
+def test_values_past_the_range_saturate_never_nan(fmt, semantics, quantized_io):
+    """Saturated codes, and outputs that follow the rule (CUDA's first prompt reads raw K/V)."""
     row = get_format(fmt)
     model, k_scale, v_scale = quantized_model(fmt, "per_tensor", scale=1e-3)
-    session = create_session(emulate_kv_cache(model, "cpu", quantized_io=quantized_io))
-    for _, (out, pk, pv) in run_gqa_steps(session, model, [4, 1], scale=3.0):  # |x| / scale up to ~10^4
-        for cache, scale in ((pk, k_scale), (pv, v_scale)):
-            values = row.dequantize(stored(row, cache, scale, 2, 16, quantized_io), scale, 16) / scale
+    session = create_session(emulate_kv_cache(model, semantics, quantized_io=quantized_io))
+    steps = run_gqa_steps(session, model, [4, 2, 1], scale=3.0)  # |x| / scale up to ~10^4
+    for feeds, (out, pk, pv) in steps:
+        codes = [stored(row, c, s, 2, 16, quantized_io) for c, s in ((pk, k_scale), (pv, v_scale))]
+        for cache, scale in zip(codes, (k_scale, v_scale)):
+            values = row.dequantize(cache, scale, 16) / scale
             assert np.isfinite(values).all() and np.abs(values).max() == max(
                 -row.qmin_stored, row.qmax_stored
             )
         assert np.isfinite(out).all()
+        past = {
+            "past_k": stored(row, feeds["past_k"], k_scale, 2, 16, quantized_io),
+            "past_v": stored(row, feeds["past_v"], v_scale, 2, 16, quantized_io),
+        }
+        want, _, _ = reference_step(
+            model, {**feeds, **past}, row, k_scale, v_scale, stored=tuple(codes), semantics=semantics
+        )
+        np.testing.assert_allclose(out, want, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("semantics", SEMANTICS)
 @pytest.mark.parametrize("fmt", [None, *FORMATS])
-def test_qk_norm_inputs_are_applied_before_rope(fmt):
-    """Inputs 14/15, which the CPU kernel rejects, run in every cache format."""
+def test_qk_norm_inputs_are_applied_before_rope(fmt, semantics):
+    """Inputs 14/15, which the CPU kernel rejects, run in every cache format and rule."""
     if fmt is None:
         model, k_scale, v_scale, row = gqa_model(qk_norm=True), None, None, None
     else:
@@ -165,10 +179,17 @@ def test_qk_norm_inputs_are_applied_before_rope(fmt):
         row = get_format(fmt)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     norms = (node.inputs[14].const_value.numpy(), node.inputs[15].const_value.numpy())
-    session = create_session(emulate_kv_cache(model, "cpu", quantized_io=True))
-    for feeds, (out, pk, pv) in run_gqa_steps(session, model, [3, 1]):
+    session = create_session(emulate_kv_cache(model, semantics, quantized_io=True))
+    for feeds, (out, pk, pv) in run_gqa_steps(session, model, [3, 2, 1]):
         want, want_k, _ = reference_step(
-            model, feeds, row, k_scale, v_scale, stored=(pk, pv) if row else None, qk_norm=norms
+            model,
+            feeds,
+            row,
+            k_scale,
+            v_scale,
+            stored=(pk, pv) if row else None,
+            qk_norm=norms,
+            semantics=semantics,
         )
         np.testing.assert_allclose(out, want, atol=3e-5, rtol=3e-5)
         if row is None:
@@ -309,6 +330,51 @@ def test_runner_emulates_fp8_on_cpu_with_the_cuda_rule_and_says_so(caplog):
     np.testing.assert_array_equal(exact.present(0, "key"), runner.present(0, "key"))
     values = runner.present(1, "value").view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 0.01
     np.testing.assert_allclose(runner.cache_values(1, "value"), values, rtol=1e-6)
+
+
+FAST_PATH_TOLERANCE = 1e-6
+"""Fast path vs exact emulation, absolute on logits (|logits| ~ 10-20; measured: bit-equal)."""
+
+# cuda: every format is emulated; cpu: the CPU kernel would run int8/int4 itself, so those
+# decoders have q/k norm fused (inputs 14/15, which only the emulation runs).
+FAST_PATH_CASES = [
+    (fmt, granularity, semantics, dtype)
+    for semantics, dtype in (("cuda", "float32"), ("cuda", "float16"), ("cpu", "float32"))
+    for fmt in FORMATS
+    for granularity in GRANULARITIES
+    if dtype == "float32" or granularity == "per_channel"
+]
+
+
+@pytest.mark.parametrize(("fmt", "granularity", "semantics", "dtype"), FAST_PATH_CASES)
+def test_fast_path_logits_equal_the_exact_emulation_at_every_step(fmt, granularity, semantics, dtype):
+    """A whole decoder: first prompt, a prompt chunk with a past, decode steps. The fast path
+    (float caches holding dequantized values, only new tokens quantized) gives the exact
+    emulation's logits (whole cache converted every step) to FAST_PATH_TOLERANCE, and the same
+    stored codes."""
+    layers = 2
+    model = build_decoder(num_layers=layers, vocab_size=300, dtype=dtype, qk_norm=semantics == "cpu")
+    n = 1 if granularity == "per_tensor" else 64
+    big = 16.0 if fmt == "int4" else 1.0  # int4's 16 levels need a wider step
+    scales = {i: (np.full(n, 0.05 * big), np.full(n, 0.02 * big)) for i in range(layers)}
+    unquantized = build_decoder(num_layers=layers, vocab_size=300, dtype=dtype, qk_norm=semantics == "cpu")
+    KvCacheQuantizationPass(fmt, granularity, scales)(model)
+    with warnings.catch_warnings():  # fp8 under the CPU rule: no kernel does that, it warns
+        warnings.simplefilter("ignore", KvCacheWarning)
+        fast = KvCacheRunner(model, semantics=semantics)
+        exact = KvCacheRunner(model, semantics=semantics, quantized_io=True)
+    float_cache = KvCacheRunner(unquantized)
+    assert fast.emulated and exact.emulated
+    assert all(b.holds_values for b in fast.bindings) and not any(b.holds_values for b in exact.bindings)
+    ids = (np.arange(16) * 37 + 11) % 300
+    calls = [("prefill", ids[:7]), ("forward", ids[7:11])] + [("step", int(t)) for t in ids[11:]]
+    for i, (call, arg) in enumerate(calls):
+        got, want, plain = (getattr(r, call)(arg) for r in (fast, exact, float_cache))
+        np.testing.assert_allclose(got, want, rtol=0, atol=FAST_PATH_TOLERANCE, err_msg=f"call {i}: {call}")
+        assert i == 0 or np.abs(got - plain).max() > 1e-3  # later calls read the quantized cache
+        for layer in range(layers):
+            for kind in ("key", "value"):
+                np.testing.assert_array_equal(fast.present(layer, kind), exact.present(layer, kind))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -131,7 +131,7 @@ def run_case(
             pool.table,
             num_heads=heads,
             kv_heads=kv,
-            fmt=row,
+            fmt=fmt,
             k_scale=k_scale,
             v_scale=v_scale,
             cos=cos,

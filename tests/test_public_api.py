@@ -121,3 +121,15 @@ def test_a_pass_given_something_else_than_an_ir_model_says_so(name, model_path):
 
 def test_the_lazy_exports_are_exactly_the_public_names():
     assert set(onnx_kvcache._MODULE_OF) == set(onnx_kvcache.__all__)
+
+
+def test_the_package_description_names_every_attention_operator_it_converts():
+    """pyproject.toml's one-line description (what PyPI and pip show) stays true to the table."""
+    import pathlib
+    import re
+
+    from onnx_kvcache.attention_ops import ATTENTION_OPS
+
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    description = re.search(r'^description = "(.*)"$', pyproject, re.MULTILINE).group(1)  # no tomllib in 3.10
+    assert all(op_type in description for op_type in ATTENTION_OPS), description

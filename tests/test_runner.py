@@ -256,6 +256,64 @@ def test_paged_decoder_computes_what_the_gqa_decoder_does(fmt, granularity):
     assert "PagedAttention CPU reference" in b.kernel_rule or fmt is None
 
 
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_a_bfloat16_paged_decoder_computes_what_its_gqa_twin_does(fmt, granularity):
+    """bf16 has no CPU kernels: both twins compute in float32 (bf16 weights widen exactly), the
+    paged one through the CPU reference; same cache codes, logits within 1e-4 (measured ~1e-5)."""
+    gqa, paged = paged_pair(fmt, granularity, dtype="bfloat16")
+    assert all(v.dtype == ir.DataType.BFLOAT16 for v in paged.graph.outputs if "logits" in v.name)
+    with warnings.catch_warnings():  # fp8 under the CPU rule warns: it is the paged kernels' rule
+        warnings.simplefilter("ignore", KvCacheWarning)
+        a = KvCacheRunner(gqa, semantics="cpu")
+    b = KvCacheRunner(paged)
+    assert b.emulated and b.kernel_rule.startswith("PagedAttention CPU reference")
+    session_io = [*b.model.graph.inputs, *b.model.graph.outputs]
+    assert not any(v.dtype == ir.DataType.BFLOAT16 for v in session_io)
+    ids = (np.arange(37) * 7 + 3) % 300
+    np.testing.assert_allclose(b.prefill(ids), a.prefill(ids), atol=1e-4)
+    for token in (5, 6, 7):
+        np.testing.assert_allclose(b.step(token), a.step(token), atol=1e-4)
+    for layer in range(LAYERS):
+        for kind in ("key", "value"):
+            pool = b.present(layer, kind)
+            assert pool.dtype == a.present(layer, kind).dtype
+            rows = pool.reshape(-1, *pool.shape[2:])[b.pool.rows(0)]
+            np.testing.assert_array_equal(rows.transpose(1, 0, 2)[None], a.present(layer, kind))
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_a_latent_paged_decoder_keeps_one_cache_a_layer(fmt, granularity):
+    """LATENT (MLA) layers: one cache each, written and read back by the CPU reference. Layer 0
+    sees the float model's K, so its codes are the float cache quantized by the tests' codec;
+    every phase quantizes before attending, so decode steps give one prefill's logits."""
+    from onnx_kvcache import calibrate_kv_cache
+
+    import codec
+
+    config = {"num_layers": LAYERS, "vocab_size": 300, "paged": True, "latent": True, "head_size": 32}
+    base, cand = build_decoder(**config), build_decoder(**config)
+    ids = (np.arange(40) * 13 + 2) % 300
+    scales = calibrate_kv_cache(
+        base, [ids.tolist()], format=fmt, granularity=granularity, progress=False, min_tokens=0
+    )
+    KvCacheQuantizationPass(fmt, granularity, scales)(cand)
+    float_runner, stepped, whole = KvCacheRunner(base), KvCacheRunner(cand), KvCacheRunner(cand)
+    assert [(b.layer_id, b.kind) for b in stepped.bindings] == [(i, "key") for i in range(LAYERS)]
+    float_runner.prefill(ids[:36])
+    want = whole.prefill(ids)[0]
+    np.testing.assert_allclose(stepped.prefill(ids[:36])[0], want[:36], rtol=0, atol=1e-5)
+    for i in range(36, 40):
+        float_runner.step(int(ids[i]))
+        np.testing.assert_allclose(stepped.step(int(ids[i]))[0], want[i], rtol=0, atol=1e-5)
+    pool = stepped.present(0, "key")
+    codes = pool.reshape(-1, *pool.shape[2:])[stepped.pool.rows(0)].transpose(1, 0, 2)[None]
+    scale = stepped.bindings[0].scale
+    np.testing.assert_array_equal(codes, codec.quantize(fmt, float_runner.cache_values(0, "key"), scale))
+    assert float_runner.cache_nbytes() == stepped.cache_nbytes() * (8 if fmt == "int4" else 4)  # float32
+
+
 @pytest.mark.parametrize("fmt", [None, "int8", "fp8"])
 def test_packed_ragged_batches_equal_sequences_run_alone(fmt):
     """Continuous batching: three sequences of different lengths in one call, then steps
