@@ -390,6 +390,77 @@ def test_fp8_minmax_clips_nothing(model, data):
     assert all(s.k_clip == 0 and s.v_clip == 0 for s in scales.stats)
 
 
+def _rows(arrays) -> np.ndarray:
+    """[kv, S, hd] arrays -> [tokens, kv*hd] rows, as a scale covers them (h-major)."""
+    x = np.concatenate(arrays, axis=1)
+    return x.transpose(1, 0, 2).reshape(x.shape[1], -1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_integer_minmax_clips_exactly_the_values_the_kernel_stores_a_step_short(
+    model, data, fmt, granularity
+):
+    """genai's convention: scale = amax / 128 (int4: / 8), top code 127 (7), bottom -128 (-8).
+
+    A value is clipped when the cache reads it back with more than rounding error (half a
+    step), which under minmax happens to positive values above 127.5 (7.5) steps only: a
+    small clip fraction, not zero where a scale's largest value is positive.
+    """
+    f = get_format(fmt)
+    scales = calibrate_kv_cache(
+        model, data, format=fmt, granularity=granularity, rope_envelope=False, progress=False
+    )
+    seen = presents(model, data)
+    clipped_somewhere = False
+    for s in scales.stats:
+        for kind, clip, scale in (("key", s.k_clip, s.k_scale), ("value", s.v_clip, s.v_scale)):
+            rows = _rows(seen[(s.layer_id, kind)])
+            step = np.repeat(scale, rows.shape[1] // scale.size)
+            error = np.abs(f.levels(rows, step) - rows.astype(np.float64) / step)  # in steps
+            want = float((error > 0.5 + 1e-5).mean())  # 1e-5: float32's 1/scale, not a clip
+            assert clip == pytest.approx(want, abs=0.5 / rows.size), (s.layer_id, kind)  # the same values
+            assert clip < 0.01  # within half a step of amax: a sliver
+            clipped_somewhere |= clip > 0
+    assert clipped_somewhere  # int8/int4 minmax: the summary's clip column is not all zero
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_largest_value_is_stored_at_the_top_code(model, data, fmt):
+    """What the summary's legend says, by onnxruntime's own kernel: calibrate, convert, prefill
+    the sequence holding layer 0's largest V; its code is the top one (127, int4 7), read back
+    as 127/128 (7/8) of itself. Layer 0's V depends on the tokens only, not on the cache."""
+    f = get_format(fmt)
+    scales = calibrate_kv_cache(model, data, format=fmt, progress=False)
+    seen = presents(model, data)[(0, "value")]
+    seq = int(np.argmax([a.max() for a in seen]))
+    assert seen[seq].max() == max(np.abs(a).max() for a in seen)  # positive here: the case to show
+    quantized = build_decoder(num_layers=LAYERS, vocab_size=300)
+    KvCacheQuantizationPass(fmt, scales=scales)(quantized)
+    session = create_session(quantized)
+    ids = np.asarray(data[seq], np.int64)[None]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, KV, 0, f.packed_dim(HEAD)), f.numpy_dtype())
+    (stored,) = session.run(["present.0.value"], feeds)
+    scale = scales.v[0]
+    h, s, d = np.unravel_index(np.argmax(seen[seq]), seen[seq].shape)
+    back = f.dequantize(stored, scale, HEAD)[0]
+    top = f.qmax_stored / f.qmax  # 127/128, 7/8
+    assert back[h, s, d] == np.float32(f.qmax_stored) * scale[0]
+    np.testing.assert_allclose(back[h, s, d], top * seen[seq][h, s, d], rtol=1e-6)
+    assert back.max() == back[h, s, d]  # the top code, and no value above it
+
+
+def test_the_summary_says_why_integer_minmax_clips(model, data):
+    from onnx_kvcache.calibration import format_calibration_summary
+
+    text = format_calibration_summary(calibrate_kv_cache(model, data, format="int8", progress=False).stats)
+    legend = text.splitlines()[-1]
+    assert "127/128" in legend and "7/8" in legend and "onnxruntime-genai" in legend and len(legend) <= 100
+
+
 def test_envelope_covers_rotary_applied_outside_gqa(data):
     """Fused exports keep RotaryEmbedding in front of GQA (do_rotary=0): K is rotated all the same."""
     from onnx_kvcache.exported_decoder import exported_config

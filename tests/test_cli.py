@@ -671,6 +671,37 @@ def test_the_data_option_says_what_the_file_is(tmp_path, model_file, capsys, opt
     assert not (tmp_path / "s.json").exists()
 
 
+def test_ep_help_names_what_it_takes_and_means_it(capsys):
+    """The rows with an onnxruntime provider take its name too; openvino is OpenVINO's own
+    runtime, so onnxruntime's OpenVINOExecutionProvider is refused, as the help says."""
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    onnxruntime_rows = [n for n, row in EP_CAPABILITIES.items() if row.provider]
+    assert f"where the model will run: {', '.join(onnxruntime_rows)} (or onnxruntime's name for one" in text
+    assert "or openvino (OpenVINO's own runtime; onnxruntime's OpenVINOExecutionProvider is not a row" in text
+    for name in onnxruntime_rows:
+        provider = EP_CAPABILITIES[name].provider
+        assert build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", provider]).ep == name
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", "OpenVINOExecutionProvider"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_fp8_for_openvino_is_refused_for_its_true_reason(tmp_path, model_file, capsys):
+    """OpenVINO has a GroupQueryAttention kernel that compiles an fp8 cache: the refusal says why
+    the row leaves fp8 out (its codes), not that there is no kernel."""
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(model_file), str(out), "--ep", "openvino", "--format", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not out.exists()
+    assert err.startswith(
+        "onnx-kvcache: not converted for openvino (--ep): openvino does not list fp8: an fp8 cache compiles "
+        "there, but its codes differ from onnxruntime's rule"
+    )
+    assert "no GroupQueryAttention kernel" not in err and "Fix: openvino runs --format int8 or int4." in err
+
+
 @pytest.mark.parametrize("name", ["CUDAExecutionProvider", "CUDA", "gpu"])
 def test_ep_takes_onnxruntimes_provider_names_too(tmp_path, model_file, capsys, name):
     out = tmp_path / "o.onnx"

@@ -232,6 +232,171 @@ def test_folder_replacement_swaps_atomically_and_removes_the_old_one(tmp_path, m
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(TEMP_PREFIX)]
 
 
+class DurabilityLog:
+    """Every ``os.fsync`` (the synced file's size and mtime) and every rename that publishes.
+
+    At each rename, what is renamed (a file, or a folder with everything in it) must have
+    been fsynced in the state it is in: synced, and not written since.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: dict[tuple[int, int], tuple[int, int]] = {}
+        self.checked: set[tuple[int, int]] = set()
+        self.unsynced: list[str] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            real_fsync(fd)
+            st = os.fstat(fd)
+            self.synced[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
+
+        monkeypatch.setattr(file_io.os, "fsync", fsync)
+        for owner, name in [
+            (file_io, "rename_noreplace"),
+            (file_io, "rename_exchange"),
+            (file_io.os, "rename"),
+            (file_io.os, "replace"),
+        ]:
+            monkeypatch.setattr(owner, name, self._publishing(getattr(owner, name)))
+
+    def _publishing(self, rename):  # type: ignore[no-untyped-def]
+        def wrapper(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self._check(pathlib.Path(src), pathlib.Path(dst))
+            return rename(src, dst, *args, **kwargs)
+
+        return wrapper
+
+    def _check(self, src: pathlib.Path, dst: pathlib.Path) -> None:
+        entries = [src]
+        if src.is_dir() and not src.is_symlink():
+            entries += [pathlib.Path(d) / n for d, dirs, files in os.walk(src) for n in dirs + files]
+        for path in entries:
+            st = os.lstat(path)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                continue
+            key = (st.st_dev, st.st_ino)
+            self.checked.add(key)
+            if self.synced.get(key) != (st.st_size, st.st_mtime_ns):
+                self.unsynced.append(f"{path.name} (published as {dst})")
+
+    def assert_published_synced(self, *paths: pathlib.Path) -> None:
+        """``paths`` (as they are now) were published by a checked rename, each synced first."""
+        assert not self.unsynced, self.unsynced
+        for path in paths:
+            st = os.lstat(path)
+            assert (st.st_dev, st.st_ino) in self.checked, f"{path} was not published by a rename"
+
+
+def _model_file(folder: pathlib.Path) -> pathlib.Path:
+    import onnx_ir as ir
+
+    from onnx_kvcache.demo_model import build_decoder
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ir.save(
+        build_decoder(num_layers=2, vocab_size=300), folder / "model.onnx", external_data="model.onnx.data"
+    )
+    return folder / "model.onnx"
+
+
+def _genai_folder(folder: pathlib.Path, share_buffer: bool = True) -> pathlib.Path:
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    save_genai_folder(folder, num_layers=2, vocab_size=300)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["past_present_share_buffer"] = share_buffer  # True: in place changes it too
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _convert(src: pathlib.Path, out: pathlib.Path | None = None, **kwargs):  # type: ignore[no-untyped-def]
+    """A conversion of ``src``, to run later (the input is made before the log starts)."""
+    from onnx_kvcache import convert_model
+
+    scales = {0: (0.05, 0.04), 1: (0.06, 0.05)}
+    return lambda: convert_model(src, out, format="int8", scales=scales, progress=False, **kwargs)
+
+
+def _into_empty_folder(t: pathlib.Path):  # type: ignore[no-untyped-def]
+    (t / "out").mkdir()
+    return _convert(_genai_folder(t / "in"), t / "out")
+
+
+DURABLE_WRITES = {
+    # name: tmp -> (the write, its input made; the files it must have published synced)
+    "copy: file into another folder": lambda t: (
+        _convert(_model_file(t / "in"), t / "out" / "m.onnx"),
+        [t / "out" / "m.onnx.data", t / "out" / "m.onnx"],
+    ),
+    "copy: file beside, own data": lambda t: (
+        _convert(_model_file(t / "in"), t / "in" / "m.onnx", weights="copy"),
+        [t / "in" / "m.onnx.data", t / "in" / "m.onnx"],
+    ),
+    "copy: folder into another folder": lambda t: (
+        _convert(_genai_folder(t / "in"), t / "out"),
+        [t / "out" / "model.onnx.data", t / "out" / "model.onnx", t / "out" / "tokenizer.json", t / "out"],
+    ),
+    "copy: folder into an empty folder": lambda t: (
+        _into_empty_folder(t),
+        [t / "out" / "model.onnx.data", t / "out" / "model.onnx", t / "out" / "genai_config.json"],
+    ),
+    "atomic write: in place, file": lambda t: (
+        _convert(_model_file(t / "in"), in_place=True),
+        [t / "in" / "model.onnx"],
+    ),
+    "atomic write: in place, folder and config": lambda t: (
+        _convert(_genai_folder(t / "in"), in_place=True),
+        [t / "in" / "model.int8.onnx", t / "in" / "genai_config.json"],
+    ),
+    "atomic write: a scale file": lambda t: (
+        lambda: file_io.atomic_write_text(t / "scales" / "s.json", "{}"),
+        [t / "scales" / "s.json"],
+    ),
+}
+
+
+COPY_WAYS = ((True, "read-write"), (False, "clone or copy_file_range"))
+
+
+@pytest.mark.parametrize(
+    ("case", "plain"),
+    [
+        *(
+            pytest.param(c, p, id=f"{c} ({how})")
+            for c in DURABLE_WRITES
+            if c.startswith("copy")
+            for p, how in COPY_WAYS
+        ),
+        *(pytest.param(c, False, id=c) for c in DURABLE_WRITES if not c.startswith("copy")),
+    ],
+)
+def test_data_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch, case, plain):
+    if plain:
+        monkeypatch.setenv(file_io.PLAIN_COPY_ENV, "1")
+    write, published = DURABLE_WRITES[case](tmp_path)
+    log = DurabilityLog(monkeypatch)
+    write()
+    log.assert_published_synced(*published)
+
+
+def test_the_durability_log_catches_data_renamed_unsynced(tmp_path, monkeypatch):
+    """The check above can fail: never synced, or written after its fsync."""
+    log = DurabilityLog(monkeypatch)
+    (tmp_path / "a").write_bytes(b"weights")
+    file_io.rename_noreplace(tmp_path / "a", tmp_path / "a.data")
+    with open(tmp_path / "b", "wb") as f:
+        f.write(b"weights")
+        f.flush()
+        os.fsync(f.fileno())
+        time.sleep(0.01)
+        f.write(b" and more")
+    os.replace(tmp_path / "b", tmp_path / "b.data")
+    assert log.unsynced == [
+        f"a (published as {tmp_path}/a.data)",
+        f"b (published as {tmp_path}/b.data)",
+    ]
+
+
 def test_sweep_removes_only_our_entries_that_no_process_owns(tmp_path):
     stale_file = tmp_path / f"{TEMP_PREFIX}1-dead"
     stale_file.write_bytes(b"x" * 100)

@@ -154,9 +154,11 @@ def assert_no_temporary_entries(*folders: pathlib.Path) -> None:
 # -- the matrix -----------------------------------------------------------------------
 
 PLACEMENTS = ["beside", "elsewhere", "in-place", "copy", "link"]
-MATRIX = [
-    (lay, pl) for lay in LAYOUTS for pl in PLACEMENTS if not (lay.startswith("genai") and pl == "beside")
-]
+# A folder converts to another folder or in place; "beside" is a placement of model files, so
+# for a genai folder it is its model file converted beside itself (sharing the weights), with
+# the folder, whose config still names the original, loading as before. The folder itself as
+# INPUT with an OUTPUT inside it is refused: test_a_folder_is_never_converted_into_itself.
+MATRIX = [(lay, pl) for lay in LAYOUTS for pl in PLACEMENTS]
 
 
 @pytest.mark.parametrize(("layout", "placement"), MATRIX)
@@ -172,10 +174,12 @@ def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeyp
         os.chmod(src_dir / "genai_config.json", 0o600)
     before = snapshot(src_dir)
     originals = {p: p.stat() for p in data_files(src)}
+    graph_before = graph.stat()
 
     args = ["convert", str(src)]
     if placement == "beside":
         out = src_dir / "model.int8.onnx"
+        args[1] = str(graph)  # a folder's model file, beside it
     elif placement == "in-place":
         out = src
         args.append("--in-place")
@@ -220,15 +224,20 @@ def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeyp
 
     kind = {"beside": "beside", "copy": "beside", "in-place": "in-place"}.get(placement, "elsewhere")
     mark = marker_of(out)  # what overwrite=True checks: every output says what wrote it, and how
-    assert mark["placement"] == ("folder" if is_folder and kind != "in-place" else kind)
+    assert mark["placement"] == ("folder" if is_folder and placement not in ("in-place", "beside") else kind)
     assert (mark["version"], mark["format"], mark["granularity"]) == (__version__, "int8", "per_tensor")
     own_data = not is_folder and placement in ("elsewhere", "copy", "link")  # files it created
     assert mark["data"] == (sorted(data_locations(resolve_model_path(out)[0])) if own_data else [])
     assert placement == "in-place" or marker_of(src) is None
     new_graph, config = resolve_model_path(out)
-    if placement == "in-place":  # mode and owner kept
-        assert stat.S_IMODE(new_graph.stat().st_mode) == 0o640
-        assert new_graph.stat().st_uid == graph.stat().st_uid if graph.exists() else True
+    # in place, mode and owner are kept (another user's files: test_in_place_keeps_owner_group_and_mode)
+    if placement == "in-place":
+        st = new_graph.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (
+            0o640,
+            graph_before.st_uid,
+            graph_before.st_gid,
+        )
         if is_folder:
             assert stat.S_IMODE((src_dir / "genai_config.json").stat().st_mode) == 0o600
             assert new_graph.name == "model.int8.onnx" and not graph.exists()  # the config changed too
@@ -250,6 +259,115 @@ def tmp_path_clones(tmp_path) -> bool:
     finally:
         probe.unlink()
         (tmp_path / "clone-probe-2").unlink(missing_ok=True)
+
+
+def owner_group_mode(path: pathlib.Path) -> tuple[int, int, int]:
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to other users needs root")
+@pytest.mark.parametrize("layout", ["file", "genai", "genai-config-fits"])
+def test_in_place_keeps_owner_group_and_mode(tmp_path, capsys, scale_file, layout):
+    """Files of a service account, converted in place by root, stay that account's, with their modes.
+
+    The genai folder's graph gets a new name (its config changes too: the commit is the
+    config's replacement) and must still carry the old graph's owner, group and mode.
+    """
+    if layout == "file":
+        src = graph = save_external(tmp_path / "in")
+    else:
+        src = genai(tmp_path / "in", share_buffer=layout == "genai")  # True: the config changes
+        graph = src / "model.onnx"
+    config = tmp_path / "in" / "genai_config.json"
+    os.chown(graph, 1234, 5678)
+    os.chmod(graph, 0o640)
+    if config.exists():
+        os.chown(config, 4321, 8765)
+        os.chmod(config, 0o604)
+    data = graph.parent / "model.onnx.data"
+    data_before = os.lstat(data)
+
+    assert main(["convert", str(src), "--in-place", "--format", "int8", "--scales", str(scale_file)]) == 0
+    capsys.readouterr()
+
+    new_graph, new_config = resolve_model_path(src)
+    renamed = layout == "genai"
+    assert (new_graph.name == "model.int8.onnx") == renamed and graph.exists() == (not renamed)
+    assert ir.load(new_graph).graph.inputs[2].dtype == ir.DataType.INT8  # it was converted
+    assert owner_group_mode(new_graph) == (1234, 5678, 0o640)
+    if config.exists():
+        assert owner_group_mode(config) == (4321, 8765, 0o604)
+        assert new_config["search"]["past_present_share_buffer"] is False
+    after = os.lstat(data)
+    assert (after.st_ino, after.st_uid, after.st_mode) == (
+        data_before.st_ino,
+        data_before.st_uid,
+        data_before.st_mode,
+    )
+    assert_no_temporary_entries(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("output", "says"),
+    [
+        ("model.int8.onnx", "give the model file {g}/model.onnx as the input and an output in its folder"),
+        ("model.onnx", "model.onnx is its model file: use --in-place to rewrite the folder"),
+        ("sub/model.int8.onnx", "give the model file {g}/model.onnx as the input"),
+        ("int8", "Choose another path."),
+    ],
+)
+def test_a_folder_is_never_converted_into_itself(tmp_path, capsys, scale_file, output, says):
+    """The {genai folder} x {beside} cell: a folder converts to another folder or in place.
+
+    Converting it to a path inside itself is refused with the fix in one line; the fix it
+    names (the model file beside itself) converts, and the folder still runs the original.
+    """
+    g = genai(tmp_path / "g")
+    before = snapshot(g)
+    args = ["--format", "int8", "--scales", str(scale_file)]
+    assert main(["convert", str(g), str(g / output), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("onnx-kvcache: error:") and err.count("\n") == 1, err
+    assert "is inside the input folder" in err and says.format(g=g) in err, err
+    assert snapshot(g) == before and sorted(os.listdir(g)) == sorted(before)
+    if output == "model.int8.onnx":
+        assert main(["convert", str(g / "model.onnx"), str(g / output), *args]) == 0
+        assert "weights: shared with model.onnx (0 bytes)" in capsys.readouterr().out
+        assert resolve_model_path(g)[0] == g / "model.onnx"  # genai still runs the original
+        assert_loads_everywhere(g, ir.DataType.FLOAT)
+        assert_loads_everywhere(g / output, ir.DataType.INT8)
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("layout", ["file", "genai"])
+@pytest.mark.parametrize("terminal", ["tty", "tty --no-progress", "pipe"])
+def test_copying_weights_draws_a_progress_bar_on_a_terminal(
+    tmp_path, monkeypatch, scale_file, layout, terminal
+):
+    from tqdm import tqdm
+
+    monkeypatch.setenv(file_io.PLAIN_COPY_ENV, "1")
+    src = LAYOUTS[layout](tmp_path / "in")
+    out = tmp_path / "out" if layout == "genai" else tmp_path / "out" / "m.onnx"
+    total = sum(p.stat().st_size for p in (tmp_path / "in").rglob("*") if p.is_file() and p.suffix != ".onnx")
+    total -= (tmp_path / "in" / "genai_config.json").stat().st_size if layout == "genai" else 0
+    err = FakeTerminal() if terminal.startswith("tty") else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    flags = ["--no-progress"] if "--no-progress" in terminal else []
+    args = ["convert", str(src), str(out), "--format", "int8", "--scales", str(scale_file), *flags]
+    assert main(args) == 0
+    shown = err.getvalue()
+    if terminal == "tty":  # what was copied (every file but the graph and config), then cleared
+        bar = f"weights:   0%|          | 0.00/{tqdm.format_sizeof(total, divisor=1024)}"
+        assert bar in shown, shown
+        assert shown.endswith("\r") and shown.rstrip("\r").endswith(" ")  # leave=False: the line is cleared
+    else:
+        assert "weights:" not in shown and "%|" not in shown, shown
 
 
 def test_other_folder_gets_every_shard_under_its_own_names(tmp_path):

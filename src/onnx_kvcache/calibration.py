@@ -75,7 +75,12 @@ def rope_pair_norm(
 
 @dataclasses.dataclass
 class _Reservoir:
-    """A uniform sample of token rows (each row: all channels), bounded in size."""
+    """A uniform sample of token rows (each row: all channels), bounded in size.
+
+    Rows keep their sign (what the kernel stores decides the clip fraction: int8 stores
+    -128 but not +128), except K under the RoPE envelope, whose pair norms any rotation
+    may store at either sign.
+    """
 
     channels: int
     capacity: int
@@ -89,7 +94,7 @@ class _Reservoir:
         self.amax = np.zeros(self.channels, np.float32)
 
     def add(self, rows: np.ndarray) -> None:
-        self.amax = np.maximum(self.amax, rows.max(axis=0))
+        self.amax = np.maximum(self.amax, np.abs(rows).max(axis=0))
         n = rows.shape[0]
         free = self.capacity - self.rows.shape[0]
         if free > 0:
@@ -151,21 +156,26 @@ def _thresholds(
     """
     row = scale_granularity(granularity)
     if method == "mse":
-        samples = _by_scale(res.rows, row, kv_heads)
+        samples = _by_scale(np.abs(res.rows), row, kv_heads)
         return _mse_threshold(samples, _by_scale(res.amax[None], row, kv_heads).max(axis=0), fmt)
-    thr = res.amax if method == "minmax" else np.percentile(res.rows, percentile, axis=0)
+    thr = res.amax if method == "minmax" else np.percentile(np.abs(res.rows), percentile, axis=0)
     return _by_scale(np.asarray(thr, np.float32)[None], row, kv_heads).max(axis=0)
 
 
 def _clip_fraction(res: _Reservoir, scale: np.ndarray, fmt: CacheFormat) -> float:
-    """Share of sampled values beyond what the scale can represent (not mere rounding).
+    """Share of sampled values beyond what the scale can represent (not mere rounding):
+    above the top level or below the bottom one by more than half a step (integers), or
+    beyond them at all (fp8). int8 stores -128 and int4 -8, one level more than on top.
 
     A float32 ulp of tolerance: ``threshold / qmax * qmax`` may round just below the
     threshold, which costs nothing when stored.
     """
     if not res.rows.size:
         return 0.0
-    return float((res.rows > _expand(scale, res.channels) * fmt.clip_level * (1 + 2e-7)).mean())
+    half = 0.0 if fmt.is_float else 0.5
+    step = _expand(scale, res.channels) * (1 + 2e-7)
+    clipped = (res.rows > step * (fmt.qmax_stored + half)) | (res.rows < step * (fmt.qmin_stored - half))
+    return float(clipped.mean())
 
 
 def _expand(scale: np.ndarray, channels: int) -> np.ndarray:
@@ -284,16 +294,16 @@ def calibrate_kv_cache(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
                     "produced NaN/inf on the calibration data."
                 )
-            mag = np.abs(x)
+            seen = x  # signed; under the envelope, K's pair norms
             rotary = _rotary(site) if b.kind == "key" and rope_envelope else None
             if rotary is not None:
-                mag = rope_pair_norm(
+                seen = rope_pair_norm(
                     x,
                     interleaved=rotary[0],
                     rotary_dim=rotary[1],
                     rotary_offset=site.int_attr("rotary_offset", 0),
                 )
-            rows = mag.transpose(1, 0, 2).reshape(mag.shape[1], -1)  # [S, kv*hd]
+            rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
             if key not in reservoirs:
                 reservoirs[key] = _Reservoir(rows.shape[1], max(1, sample_budget // rows.shape[1]), rng)
@@ -316,7 +326,7 @@ def calibrate_kv_cache(
             result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
             if res.rows.size:
                 limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
-                beyond = max(beyond, float((res.rows > limit).mean()))
+                beyond = max(beyond, float((np.abs(res.rows) > limit).mean()))
         if beyond > CLIP_WARN_FRACTION and method != "mse":  # mse clips by design, where it pays
             warn(
                 f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
@@ -359,11 +369,13 @@ def calibrate_kv_cache(
 def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
     """A table: per layer, K/V thresholds, scales and the fraction of values clipped.
 
-    A value is clipped when it lies beyond the largest stored level by more than half a
-    step (integers) or beyond it at all (fp8), so storing it costs more than rounding.
+    A value is clipped when it lies beyond the top or bottom stored level by more than half
+    a step (integers) or beyond it at all (fp8), so storing it costs more than rounding.
     Under onnxruntime-genai's convention (``scale = threshold / qmax``, qmax 128 for int8 and
-    8 for int4, largest stored level 127 and 7), minmax clips the values within half a step
-    of the threshold: a small clip fraction is expected there.
+    8 for int4, stored levels -128..127 and -8..7), minmax stores a positive threshold value
+    at the top level, as 127/128 (7/8) of itself, and clips the positive values within half
+    a step of it: a small clip fraction is expected there (zero where the largest magnitude
+    is negative). The last line of the table says so, since the CLI prints only the table.
     """
     names = ("k thresh", "k scale", "k clip", "v thresh", "v scale", "v clip")
     head = f"{'layer':>5}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, (9, 10, 8, 9, 10, 8)))
@@ -374,8 +386,11 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
             f"{s.v_threshold.max():9.4g}  {s.v_scale.max():10.4g}  {s.v_clip:8.2e}"
         )
     lines.append(
-        "clip: share of sampled values stored at the largest level with more than rounding error "
-        "(thresholds and scales: largest per layer)"
+        "clip: share of sampled values stored at the top or bottom level with more than rounding "
+        "error (thresholds and scales: largest per layer)"
+    )
+    lines.append(
+        "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
     )
     return "\n".join(lines)
 

@@ -88,6 +88,8 @@ class EpCapabilities:
     ``search.past_present_share_buffer``, which the model builder sets for CUDA only)."""
     op: str = GQA.op_type
     """The attention operator of the row."""
+    unlisted: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Formats its kernel takes that the row does not list, and why (said when refusing them)."""
 
     @property
     def has_kernel(self) -> bool:
@@ -143,6 +145,11 @@ _GQA_ROWS = (
         "Whether 2026.3 runs them is unsettled. fp8 compiles, but its codes differ from "
         "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed.",
         runtime="openvino",
+        unlisted={
+            "fp8": "an fp8 cache compiles there, but its codes differ from onnxruntime's rule (one "
+            "fp8 step in 0.3% of values, measured on 2026.4.1), so it would not compute what "
+            "onnx-kvcache calibrates and evaluates"
+        },
     ),
     EpCapabilities("default", "", frozenset(), {}, "Unknown provider: no quantized cache known."),
 )
@@ -318,8 +325,10 @@ def _format_reasons(
         others = [n for n, r in table.items() if fmt_name in r.formats]
         runs = ", ".join(row.formats) or "none"
         what = f"no {row.op} kernel" if not row.has_kernel else f"no {row.op} kernel for an {fmt_name} cache"
+        why = row.unlisted.get(fmt_name)  # its kernel takes it, but the row leaves it out
+        said = f"does not list {fmt_name}: {why}" if why else f"has {what}"
         reasons.append(
-            f"{label} has {what} (its quantized caches: {runs}); {fmt_name} runs on "
+            f"{label} {said} (its quantized caches: {runs}); {fmt_name} runs on "
             f"{', '.join(others) or 'no provider'}."
         )
         return reasons

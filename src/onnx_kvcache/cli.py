@@ -524,9 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ep",
         type=_ep_name,
         choices=ep_choices(),
-        help="where the model will run (or onnxruntime's name for it, e.g. CUDAExecutionProvider); the "
-        "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: "
-        "a genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
+        help=f"where the model will run: {', '.join(n for n in ep_choices() if EP_CAPABILITIES[n].provider)} "
+        "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
+        "runtime; onnxruntime's OpenVINOExecutionProvider is not a row, so it is refused); the "
+        "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: a "
+        "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
     )
     p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
     p.add_argument(

@@ -148,6 +148,26 @@ def _refuse_mount_point(out: pathlib.Path) -> None:
         raise KvCacheError(f"Output {out} is a mount point, which cannot be replaced. {fix}")
 
 
+def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib.Path) -> str:
+    """Why a folder is not converted to a path inside itself, and what does what was meant.
+
+    "Beside" is a placement of model files: a folder converts to another folder or in place.
+    A graph beside the folder's own is its model file converted beside itself; the folder's
+    config keeps naming the original, so onnxruntime-genai keeps running that one.
+    """
+    message = f"Output {out} is inside the input folder {source.folder}; a folder converts to another folder"
+    if out.suffix != ".onnx":
+        return f"{message}. Choose another path."
+    if out_real == pathlib.Path(os.path.realpath(source.graph)):
+        return f"{message}. {out.name} is its model file: use in_place=True to rewrite the folder."
+    kept = f"; {GENAI_CONFIG} keeps naming {source.graph.name}" if source.config is not None else ""
+    return (
+        f"{message}. For a converted graph beside {source.graph.name} (sharing its weights), give the "
+        f"model file {source.graph} as the input and an output in its folder{kept}. For the folder "
+        "to run the converted graph, use in_place=True."
+    )
+
+
 def _plan(
     source: ModelSource,
     out_path: str | os.PathLike | None,
@@ -193,9 +213,7 @@ def _plan(
         if out_real == root_real:
             raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
         if _is_within(out_real, root_real):
-            raise KvCacheError(
-                f"Output {out} is inside the input folder {source.folder}; choose another path."
-            )
+            raise KvCacheError(_inside_the_folder(source, out, out_real))
         if _is_within(root_real, out_real):
             raise KvCacheError(
                 f"Output {out} contains the input folder {source.folder}; choose another path."
