@@ -33,7 +33,14 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_kvcache._runtime import create_session, fed_as_bits, import_onnxruntime, to_ort_value
+from onnx_kvcache._runtime import (
+    create_session,
+    fed_as_bits,
+    host_array,
+    import_onnxruntime,
+    run_on_host,
+    to_ort_value,
+)
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
@@ -566,7 +573,7 @@ class KvCacheRunner:
             cache = self.caches[b.past]
             feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
         names = [self.logits_name] + [b.present for b in self.bindings]
-        results = self.session.run(names, feeds)
+        results = run_on_host(self.session, names, feeds)
         for b, present in zip(self.bindings, results[1:]):
             self.caches[b.past] = present
         return results[0]
@@ -690,8 +697,7 @@ class KvCacheRunner:
 
     def cache_array(self, past_name: str) -> np.ndarray:
         """A cache as the session holds it, as a host numpy array (fp8 as uint8 bits)."""
-        cache = self.caches[past_name]
-        return cache.numpy() if hasattr(cache, "numpy") and not isinstance(cache, np.ndarray) else cache
+        return host_array(self.caches[past_name])
 
     def _binding(self, layer_id: int, kind: str) -> CacheBinding:
         if kind not in ("key", "value"):
