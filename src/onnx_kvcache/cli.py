@@ -470,7 +470,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from onnx_kvcache.demo import run_demo
+    from onnx_kvcache._demo import run_demo
 
     run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
     return 0

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._paged_model import build_paged_decoder, paged_genai_config
 from onnx_kvcache.attention_ops import GQA, AttentionOp, GqaInput
 from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.exported_decoder import build_exported_decoder
-from onnx_kvcache.paged_model import build_paged_decoder, paged_genai_config
 
 
 class _Builder:

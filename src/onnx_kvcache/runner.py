@@ -4,7 +4,7 @@
 variants), allocates empty caches of the model's cache dtype and shape (int4 packed,
 fp8 as its bits, sliding-window layers window-sized) and feeds each step's present
 caches back as the next step's past. A paged decoder (PagedAttention, genai's
-``use_paged_attention`` I/O) gets a block pool instead (:mod:`onnx_kvcache.paged_cache`):
+``use_paged_attention`` I/O) gets a block pool instead (:mod:`onnx_kvcache._paged_cache`):
 its sequences are packed into one token list, with block tables, cumulative and past
 lengths and ``attention_metadata`` fed every call.
 
@@ -33,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_kvcache._paged_cache import BlockPool, check_block_size
 from onnx_kvcache._runtime import (
     create_session,
     fed_as_bits,
@@ -54,7 +55,6 @@ from onnx_kvcache.gqa import (
     resident_rows,
 )
 from onnx_kvcache.model_source import load_model
-from onnx_kvcache.paged_cache import BlockPool, check_block_size
 from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
