@@ -87,8 +87,9 @@ class CacheFormat:
         qmin_stored: Smallest representable quantized value.
         qmax_stored: Largest representable quantized value.
         is_float: Values are a float type (saturate and round to the float grid).
-        logical_name: The packed logical type as operators name it (PagedAttention's
-            ``k_cache_dtype="int4"``); None when the element type says it all.
+        logical_name: The logical type as operators name it (PagedAttention's
+            ``k_cache_dtype="int4"``); None when the element type says it all. A format
+            stored in another's element type needs one: PagedAttention has no bit width.
     """
 
     name: str
@@ -212,7 +213,8 @@ def format_of(
 
     ``bit_width`` (GroupQueryAttention's ``kv_cache_bit_width``) and ``logical_name``
     (PagedAttention's ``k_cache_dtype``) narrow the choice where the operator has them;
-    UINT8 alone is packed int4, the only format stored as UINT8.
+    among rows still sharing the element type the table's first wins (an INT8 cache with
+    no such attribute is int8).
     """
     rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
     if bit_width:
