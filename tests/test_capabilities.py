@@ -114,6 +114,22 @@ def test_separate_scales_are_fine_from_ort_1_29():
     assert report.eligible
 
 
+def test_the_fast_path_asks_the_format_row_whether_a_cache_is_packed(monkeypatch):
+    """A test-only 8-bit format stored as UINT8, unpacked: the cache's last dimension is the
+    head size (UINT8 is not a synonym of packed int4)."""
+    from onnx_kvcache.formats import CACHE_FORMATS, CacheFormat
+
+    u8 = CacheFormat("u8", ir.DataType.UINT8, 8, 255.0, 1, 0.0, 255.0, False)
+    monkeypatch.setitem(CACHE_FORMATS, "u8", u8)
+    model = gqa_model(num_heads=8, kv_heads=2, head=64, max_pos=8)
+    KvCacheQuantizationPass("u8", scales={0: (0.1, 0.2)}, shared_kv_scale=True)(model)
+    for value in model.graph.inputs:  # only the cache tells the head size
+        if value.name.split(".")[0] in ("query", "key", "value"):
+            value.shape = ir.Shape(["batch", "seq", "hidden"])
+    [report] = fast_path_diagnostics(model, ort_version="1.29.0", share_buffer=True)
+    assert report.reasons == ("XQA reads fp8/int8 caches, not u8",)
+
+
 def test_docs_page_is_rendered_from_the_table():
     import importlib.util
     import pathlib

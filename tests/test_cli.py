@@ -18,8 +18,9 @@ import sys
 import onnx_ir as ir
 import pytest
 
+from onnx_kvcache import _demo as demo
 from onnx_kvcache import _file_io as file_io
-from onnx_kvcache import convert_model, demo
+from onnx_kvcache import convert_model
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.cli import build_parser, cli_wording, main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder

@@ -7,7 +7,16 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
+from onnx_kvcache.capabilities import FAST_PATHS
+from onnx_kvcache.errors import NotConvertedWarning
+from onnx_kvcache.formats import (
+    CACHE_FORMATS,
+    SCALE_GRANULARITIES,
+    CacheFormat,
+    ScaleGranularity,
+    get_format,
+    get_granularity,
+)
 
 import codec
 
@@ -126,42 +135,116 @@ def _divide_rule(fmt, x, scale):
     return fmt.quantize(q, np.float32(1.0))
 
 
-def test_a_new_format_and_granularity_are_one_table_row_each(monkeypatch):
-    """A 6-bit integer format and a per-head granularity, added as rows only (test-only),
-    flow through calibration, the pass, inspect, CPU emulation and evaluation."""
+# -- a format and a granularity added as table rows only ---------------------------------
+
+EXTRA_FORMATS = (
+    CacheFormat("int6", ir.DataType.INT8, 6, 32.0, 1, -32.0, 31.0, False, "int6"),
+    CacheFormat("e5m2", ir.DataType.FLOAT8E5M2, 8, 57344.0, 1, -57344.0, 57344.0, True),
+)
+PER_HEAD = ScaleGranularity("per_head", "PER_HEAD", per_head=True, per_dim=False)
+EXTRA_CASES = [("int6", "per_head"), ("e5m2", "per_channel"), ("e5m2", "per_head"), ("int8", "per_head")]
+DATA = [list(np.random.default_rng(0).integers(0, 300, 300))]
+
+
+@pytest.fixture
+def extra_rows(monkeypatch):
+    """Test-only rows: a 6-bit integer format, an fp8-like format stored in another element
+    type (FLOAT8E5M2), and a per-head granularity. Only the two tables change."""
+    for row in EXTRA_FORMATS:
+        monkeypatch.setitem(CACHE_FORMATS, row.name, row)
+    monkeypatch.setitem(SCALE_GRANULARITIES, PER_HEAD.name, PER_HEAD)
+
+
+@pytest.mark.parametrize(("name", "granularity"), EXTRA_CASES)
+def test_new_rows_flow_through_calibration_files_conversion_inspect_and_evaluation(
+    extra_rows, tmp_path, capsys, name, granularity
+):
     from onnx_kvcache import (
-        KvCacheQuantizationPass,
         KvCacheRunner,
         build_decoder,
         calibrate_kv_cache,
+        convert_model,
         evaluate_kv_cache,
+        fast_path_diagnostics,
         inspect_kv_cache,
+        load_kv_cache_scale_file,
+        load_model,
     )
-    from onnx_kvcache.formats import SCALE_GRANULARITIES, CacheFormat, ScaleGranularity
+    from onnx_kvcache.cli import main
 
-    int6 = CacheFormat("int6", ir.DataType.INT8, 6, 32.0, 1, -32.0, 31.0, False)
-    monkeypatch.setitem(CACHE_FORMATS, "int6", int6)
-    monkeypatch.setitem(
-        SCALE_GRANULARITIES, "per_head", ScaleGranularity("per_head", "PER_HEAD", True, False)
+    fmt, row = CACHE_FORMATS[name], SCALE_GRANULARITIES[granularity]
+    base = build_decoder(num_layers=2, vocab_size=300)  # kv_num_heads 2, head_size 32
+    ir.save(base, tmp_path / "model.onnx")
+    scales = calibrate_kv_cache(base, DATA, format=name, granularity=granularity, progress=False)
+    assert (scales.format, scales.granularity, scales.k[0].size) == (name, granularity, row.size(2, 32))
+    scales.save(tmp_path / "scales.json")
+    loaded = load_kv_cache_scale_file(tmp_path / "scales.json")
+    assert (loaded.format, loaded.granularity, loaded.qmax) == (name, granularity, fmt.qmax)
+    assert all(np.array_equal(loaded.k[i], scales.k[i]) for i in scales.layer_ids)
+
+    result = convert_model(
+        tmp_path / "model.onnx", tmp_path / "out.onnx", scales=tmp_path / "scales.json", ep=None
     )
-    base = build_decoder(num_layers=2, vocab_size=300)
-    data = [list(np.random.default_rng(0).integers(0, 300, 300))]
-    for fmt, granularity, size in (
-        ("int6", "per_channel", 64),
-        ("int8", "per_head", 2),
-        ("int6", "per_head", 2),
-    ):
-        scales = calibrate_kv_cache(base, data, format=fmt, granularity=granularity, progress=False)
-        assert scales.k[0].size == size
-        model = build_decoder(num_layers=2, vocab_size=300)
-        KvCacheQuantizationPass(fmt, granularity, scales)(model)
-        node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
-        assert node.attributes["k_quant_type"].value == SCALE_GRANULARITIES[granularity].quant_type
-        assert inspect_kv_cache(model).bytes_per_token == 2 * 2 * (2 * 32)  # one byte a value
-        runner = KvCacheRunner(model)
-        assert runner.emulated and runner.bindings[0].format.name == fmt  # no CPU kernel: emulated
-        report = evaluate_kv_cache(base, model, data, max_new_tokens=2, progress=False)
-        assert report.candidate_format == f"{fmt} {granularity}" and report.top1_agreement > 0.5
+    assert (result.converted, result.format, result.granularity, result.nodes) == (True, name, granularity, 2)
+    model = load_model(tmp_path / "out.onnx")
+    for node in (n for n in model.graph if n.op_type == "GroupQueryAttention"):
+        assert node.attributes["k_quant_type"].value == row.quant_type
+        assert node.attributes["kv_cache_bit_width"].value == fmt.bit_width
+        assert node.inputs[3].dtype == fmt.dtype
+    assert inspect_kv_cache(model).bytes_per_token == 2 * 2 * 2 * 32 * fmt.bytes_per_value()
+    xqa = FAST_PATHS["GroupQueryAttention"].formats
+    for report in fast_path_diagnostics(model, share_buffer=True):
+        assert (f"not {name}" in " ".join(report.reasons)) == (name not in xqa)
+    assert main(["inspect", str(tmp_path / "out.onnx"), "--ep", "cuda"]) == 0
+    assert (f"not {name}" in capsys.readouterr().out) == (name not in xqa)
+    with pytest.warns(NotConvertedWarning, match=f"not converted to {name} {granularity} for cuda"):
+        refused = convert_model(tmp_path / "model.onnx", tmp_path / "cuda.onnx", scales=scales, ep="cuda")
+    assert not refused.converted and not (tmp_path / "cuda.onnx").exists()
+
+    runners = [KvCacheRunner(model), KvCacheRunner(model, quantized_io=True)]  # values / stored I/O
+    assert all(r.emulated and r.bindings[0].format is fmt for r in runners)  # no CPU kernel
+    logits = [r.prefill(DATA[0][:8]) for r in runners] + [r.step(DATA[0][8]) for r in runners]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)
+    np.testing.assert_allclose(logits[2], logits[3], atol=1e-4)
+    stored = [r.present(1, "value") for r in runners]
+    assert stored[1].dtype == fmt.numpy_dtype() and np.array_equal(stored[0], stored[1])
+    report = evaluate_kv_cache(base, model, DATA, max_new_tokens=2, seq_len=48, num_seqs=2, progress=False)
+    assert report.candidate_format == f"{name} {granularity}" and report.top1_agreement > 0.5
+
+
+@pytest.mark.parametrize(("name", "granularity"), [("int6", "per_head"), ("e5m2", "per_channel")])
+def test_new_rows_flow_through_paged_attention(extra_rows, name, granularity):
+    from onnx_kvcache import KvCacheQuantizationPass, build_decoder, calibrate_kv_cache, evaluate_kv_cache
+
+    base = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    scales = calibrate_kv_cache(base, DATA, format=name, granularity=granularity, progress=False)
+    assert (scales.format, scales.granularity) == (name, granularity)
+    cand = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    KvCacheQuantizationPass(name, granularity, scales)(cand)
+    node = next(n for n in cand.graph if n.op_type == "PagedAttention")
+    assert node.attributes["k_quant_type"].value == SCALE_GRANULARITIES[granularity].quant_type
+    assert node.inputs[3].dtype == CACHE_FORMATS[name].dtype
+    report = evaluate_kv_cache(
+        base, cand, DATA, max_new_tokens=2, prompt_len=8, seq_len=48, num_seqs=2, progress=False
+    )
+    assert report.kernel_rule.startswith("PagedAttention CPU reference")
+    assert report.candidate_format == f"{name} {granularity}" and report.top1_agreement > 0.5
+
+
+def test_new_rows_reach_the_doctor(extra_rows):
+    """Every format x granularity is probed, and the runtime's answer is reported: this
+    onnxruntime's schemas lack float8e5m2 and its kernels reject PER_HEAD."""
+    pytest.importorskip("onnxruntime")
+    from onnx_kvcache.doctor import run_doctor
+
+    report = run_doctor(["cpu"])
+    for schema in report.schemas:
+        assert "the cache type constraint lacks e5m2 (float8e5m2)" in schema.problems
+    gqa = {r.cache: r for r in report.rows if (r.op, r.provider) == ("GroupQueryAttention", "cpu")}
+    assert set(gqa) == {"float"} | {f"{f} {g}" for f in CACHE_FORMATS for g in SCALE_GRANULARITIES}
+    assert gqa["int6 per_tensor"].table == gqa["e5m2 per_head"].table == "not listed"
+    assert gqa["int8 per_head"].table == "not per_head" and gqa["int8 per_head"].verdict == "disagrees"
+    assert gqa["int8 per_channel"].verdict == "proven"
 
 
 def test_the_oracles_codec_by_hand():

@@ -1359,6 +1359,40 @@ def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
     assert "not eligible" in text and "head size 32" in text and "share one buffer" in text
 
 
+def test_the_granularity_is_the_recorded_one_else_the_one_the_sizes_fit(tmp_path, monkeypatch, capsys):
+    """A per-head row added to the table: 2 scales a layer are per head on this model (2 KV
+    heads of 32), 64 per channel; nothing is guessed from sizes alone."""
+    from onnx_kvcache import KvCacheScales
+    from onnx_kvcache.formats import SCALE_GRANULARITIES, ScaleGranularity
+
+    monkeypatch.setitem(
+        SCALE_GRANULARITIES, "per_head", ScaleGranularity("per_head", "PER_HEAD", True, False)
+    )
+    src = save_external(tmp_path)
+    for size, want in ((1, "per_tensor"), (2, "per_head"), (64, "per_channel")):
+        scales = {i: (np.full(size, 0.1), np.full(size, 0.2)) for i in range(2)}
+        result = convert_model(src, tmp_path / f"{size}.onnx", format="int8", scales=scales, ep=None)
+        assert result.granularity == want
+        node = next(n for n in ir.load(tmp_path / f"{size}.onnx").graph if n.op_type == "GroupQueryAttention")
+        assert node.attributes["k_quant_type"].value == SCALE_GRANULARITIES[want].quant_type
+    with pytest.raises(
+        KvCacheError, match=r"3 element\(s\) per cache.*\(per_tensor 1, per_channel 64, per_head 2\)"
+    ):
+        convert_model(
+            src, tmp_path / "3.onnx", format="int8", scales={0: ([0.1] * 3,) * 2, 1: ([0.1] * 3,) * 2}
+        )
+    recorded = KvCacheScales.from_mapping(
+        {i: ([0.1, 0.1], [0.2, 0.2]) for i in range(2)}, granularity="per_head"
+    )
+    recorded.save(tmp_path / "per_head.json")
+    with pytest.raises(KvCacheError, match=r"The scales are per_head .*granularity='per_head'"):
+        convert_model(src, tmp_path / "x.onnx", format="int8", granularity="per_channel", scales=recorded)
+    argv = ["convert", str(src), str(tmp_path / "x.onnx"), "--format", "int8", "--granularity", "per_channel"]
+    assert main([*argv, "--scales", str(tmp_path / "per_head.json")]) == 2
+    assert "convert with --granularity per_head" in capsys.readouterr().err
+    assert not (tmp_path / "3.onnx").exists() and not (tmp_path / "x.onnx").exists()
+
+
 # -- kill tests: SIGINT, SIGTERM, SIGKILL at random moments ----------------------------
 
 MiB = 2**20

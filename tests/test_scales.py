@@ -10,6 +10,7 @@ import pytest
 
 from onnx_kvcache import KvCacheScales, load_kv_cache_scale_file
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.formats import SCALE_GRANULARITIES, ScaleGranularity
 
 
 def write(tmp_path, doc, name="scales.json"):
@@ -39,13 +40,40 @@ def test_flat_legacy_form_numbers_per_layer(tmp_path):
         write(tmp_path, {"scales": {"k_scales": [0.1, 0.2], "v_scales": [0.3, 0.4]}})
     )
     assert scales.layer_ids == (0, 1) and scales.for_layer(1)[1].tolist() == pytest.approx([0.4])
-    assert scales.qmax is None and scales.granularity == "per_tensor"
+    assert scales.qmax is None and scales.granularity is None  # the file does not say
 
 
 def test_per_channel_lists(tmp_path):
     doc = {"scales": {"k_scales": [[0.1] * 8, [0.2] * 8], "v_scales": [[0.3] * 8, [0.4] * 8]}}
     scales = load_kv_cache_scale_file(write(tmp_path, doc))
-    assert scales.granularity == "per_channel" and scales.for_layer(0)[0].shape == (8,)
+    assert scales.granularity is None and scales.for_layer(0)[0].shape == (8,)
+    stated = load_kv_cache_scale_file(write(tmp_path, {**doc, "granularity": "per_channel"}, "pc.json"))
+    assert stated.granularity == "per_channel"
+
+
+@pytest.fixture
+def per_head(monkeypatch):
+    """A test-only granularity row: nothing but the table knows it."""
+    monkeypatch.setitem(
+        SCALE_GRANULARITIES, "per_head", ScaleGranularity("per_head", "PER_HEAD", True, False)
+    )
+
+
+def test_the_granularity_is_recorded_not_guessed_from_sizes(tmp_path, per_head):
+    """Two elements a layer may be per head or per channel: only the maker knows."""
+    scales = KvCacheScales.from_mapping({0: ([0.1, 0.2], [0.3, 0.4])}, format="int8", granularity="per_head")
+    assert scales.granularity == "per_head" and scales.retarget("int4").granularity == "per_head"
+    scales.save(tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text())["granularity"] == "per_head"
+    assert load_kv_cache_scale_file(tmp_path / "s.json").granularity == "per_head"
+    unknown = KvCacheScales.from_mapping({0: ([0.1, 0.2], [0.3, 0.4])})
+    unknown.save(tmp_path / "u.json")
+    assert "granularity" not in json.loads((tmp_path / "u.json").read_text())
+    assert load_kv_cache_scale_file(tmp_path / "u.json").granularity is None
+    with pytest.raises(KvCacheError, match=r"Unknown scale granularity 'per_row'; choose one of .*per_head"):
+        KvCacheScales.from_mapping({0: (0.1, 0.1)}, granularity="per_row")
+    with pytest.raises(KvCacheError, match="per_tensor, one element each, but have 2"):
+        KvCacheScales.from_mapping({0: ([0.1, 0.2], [0.3, 0.4])}, granularity="per_tensor")
 
 
 @pytest.mark.parametrize(("target", "factor"), [("fp8", 1.0), ("int8", 448 / 128), ("int4", 448 / 8)])
@@ -133,11 +161,15 @@ MALFORMED = {
     ),
     "per tensor with lists": (
         {"scales": {"k_scales": [[1.0, 2.0]], "v_scales": [[1.0, 2.0]]}, "granularity": "per_tensor"},
-        "per_tensor but entries have 2",
+        "per_tensor, one element each, but have 2",
     ),
     "bad qmax": (
         {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "qmax": 0},
         "'qmax' must be a finite number > 0",
+    ),
+    "bad granularity": (
+        {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "granularity": "per_row"},
+        "Unknown scale granularity 'per_row'",
     ),
     "bad format": (
         {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "format": "fp4"},
@@ -175,12 +207,13 @@ def test_for_layer_unknown_and_mapping_errors():
 def test_a_saved_file_holds_the_shortest_decimals_that_read_back_exactly(tmp_path):
     rng = np.random.default_rng(0)
     k = {i: rng.uniform(1e-4, 1.0, 64).astype(np.float32) for i in range(2)}
-    scales = KvCacheScales(k, {i: a * 2 for i, a in k.items()}, format="int8")
+    scales = KvCacheScales(k, {i: a * 2 for i, a in k.items()}, format="int8", granularity="per_channel")
     scales.save(tmp_path / "s.json")
     text = (tmp_path / "s.json").read_text()
     assert all(len(number) <= 12 for number in re.findall(r"\d\.\d+(?:e-?\d+)?", text))
     loaded = load_kv_cache_scale_file(tmp_path / "s.json")
     assert all(np.array_equal(loaded.k[i], k[i]) and np.array_equal(loaded.v[i], 2 * k[i]) for i in k)
+    assert loaded.granularity == "per_channel"
     assert repr(scales) == "KvCacheScales(2 layers, format='int8', granularity='per_channel', scales " + (
         f"{min(a.min() for a in k.values()):.3g}..{max(2 * a.max() for a in k.values()):.3g})"
     )

@@ -41,6 +41,7 @@ import stat
 from collections.abc import Iterable
 from typing import Any
 
+from onnx_kvcache._file_io import TEMP_PREFIX
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.genai_folder import resolve_model_path
@@ -231,8 +232,6 @@ def possible_users(folder: pathlib.Path, names: set[str], skip: set[pathlib.Path
     so a weights file (which fails it within a few bytes) is not read through. A file that
     cannot be read may be such a graph.
     """
-    from onnx_kvcache._file_io import TEMP_PREFIX
-
     wanted = {name: name.encode("utf-8").lower() for name in names}
     users: dict[str, list[str]] = {}
     for entry in sorted(os.listdir(folder)):

@@ -1,4 +1,9 @@
-"""onnxruntime, imported lazily: the pass needs no runtime, running a model does."""
+"""onnxruntime, imported lazily: the pass needs no runtime, running a model does.
+
+onnxruntime's numpy interface takes and returns numpy's own types only (and fp8 E4M3 as
+uint8): tensors of the types ml_dtypes adds (float8, bfloat16) go in and come out as
+their bits (:func:`to_ort_value`, :func:`host_array`).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,15 @@ __all__ = [
     "create_session",
     "external_data_dir",
     "fed_as_bits",
+    "host_array",
     "import_onnxruntime",
     "installed_ort_version",
     "installed_version",
+    "run_on_host",
     "to_ort_value",
 ]
 
+import ctypes
 import importlib.metadata
 import os
 from types import ModuleType
@@ -99,8 +107,9 @@ def create_session(
 
 
 def fed_as_bits(dtype: ir.DataType) -> bool:
-    """onnxruntime takes no numpy array of this type (float8, bfloat16): feed its bits."""
-    return np.dtype(dtype.numpy()).kind == "V"
+    """onnxruntime takes no numpy array of a type numpy lacks (float8, bfloat16: ml_dtypes'
+    types, which numpy marks as not built in): feed its bits."""
+    return np.dtype(dtype.numpy()).isbuiltin != 1
 
 
 def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> Any:
@@ -118,3 +127,28 @@ def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> 
         # Fresh caches: rows beyond the resident tokens are never read, so no zero fill.
         return ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), int(dtype), device, 0)
     return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+
+
+def host_array(value: Any) -> np.ndarray:
+    """A CPU OrtValue as a numpy array; types numpy lacks as their bits (fp8 as uint8)."""
+    if isinstance(value, np.ndarray):
+        return value
+    dtype = ir.DataType(value.element_type())
+    if not fed_as_bits(dtype) or value.device_name().lower() != "cpu":
+        return value.numpy()
+    raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
+    bits = np.dtype(f"u{np.dtype(dtype.numpy()).itemsize}")
+    return np.frombuffer(raw, bits).reshape(value.shape()).copy()
+
+
+def run_on_host(session: Any, names: list[str], feeds: dict[str, Any]) -> list[np.ndarray]:
+    """``session.run(names, feeds)`` on CPU whose outputs of any type come back as numpy
+    arrays (:func:`host_array`); ``feeds`` are numpy arrays or OrtValues."""
+    ort = import_onnxruntime()
+    values = {
+        name: feed
+        if isinstance(feed, ort.OrtValue)
+        else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feed))
+        for name, feed in feeds.items()
+    }
+    return [host_array(value) for value in session.run_with_ort_values(names, values)]

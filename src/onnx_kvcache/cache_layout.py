@@ -77,7 +77,7 @@ def _layer_info(site: AttentionSite) -> CacheLayerInfo:
     assert past_k is not None
     dtype = past_k.dtype
     fmt = site.cache_format
-    head = site.head_size(cache_is_packed=fmt is not None and fmt.values_per_byte > 1)
+    head = site.head_size()
     bits = fmt.bit_width if fmt is not None else None
     per_value = fmt.bytes_per_value() if fmt is not None else (dtype.itemsize if dtype is not None else 0)
     query = site.query_dtype or dtype

@@ -337,7 +337,6 @@ def calibrate_kv_cache(
         (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
         stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))
     metadata = {
-        "granularity": granularity,
         "method": method,
         "rope_envelope": rope_envelope,
         "margin": margin,
@@ -358,6 +357,7 @@ def calibrate_kv_cache(
         format=fmt.name,
         qmax=fmt.qmax,
         metadata=metadata,
+        granularity=granularity,
         stats=tuple(stats),
     )
     logger.info(  # the table: format_calibration_summary(scales.stats)

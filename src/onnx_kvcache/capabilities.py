@@ -520,7 +520,7 @@ def fast_path_diagnostics(
         reasons = []
         fmt = site.cache_format
         quantized = fmt is not None
-        head = site.head_size(cache_is_packed=site.cache_dtype == ir.DataType.UINT8)
+        head = site.head_size()  # the format's row says whether the cache is packed
         if head not in rule.head_sizes:
             reasons.append(f"head size {head} is not one of {rule.head_sizes}")
         group = site.num_heads // max(site.kv_num_heads, 1)

@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
@@ -30,7 +30,7 @@ from onnx_kvcache._file_io import atomic_write_text, format_bytes
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
-from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+from onnx_kvcache.formats import CACHE_FORMATS, SCALE_GRANULARITIES
 
 if TYPE_CHECKING:
     from onnx_kvcache.model_files import ConvertResult
@@ -101,9 +101,13 @@ def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_
     p.add_argument(
         "--granularity",
         default=granularity,
-        choices=list(GRANULARITIES),
+        choices=list(SCALE_GRANULARITIES),
         help="scale granularity"
-        + (" (default: the scale file's, else per_tensor)" if granularity is None else ""),
+        + (
+            " (default: the one the scale file states, else the one its sizes fit, else per_tensor)"
+            if granularity is None
+            else ""
+        ),
     )
 
 
@@ -241,6 +245,11 @@ def _describe_os_error(e: OSError) -> str:
     return text
 
 
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """``{name: args.name}``: options passed as the library parameters of the same name."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
@@ -252,17 +261,20 @@ def _convert(args: argparse.Namespace) -> int:
             result = convert_model(
                 args.input,
                 args.output,
-                format=args.format,
-                granularity=args.granularity,
-                scales=args.scales,
-                shared_kv_scale=args.shared_kv_scale,
-                weights=args.weights,
-                in_place=args.in_place,
-                overwrite=args.overwrite,
                 ep=args.ep or "auto",
-                check_device=args.check_device,
-                follow_symlinks=args.follow_symlinks,
                 progress=None if args.progress else False,
+                **_given(
+                    args,
+                    "format",
+                    "granularity",
+                    "scales",
+                    "shared_kv_scale",
+                    "weights",
+                    "in_place",
+                    "overwrite",
+                    "check_device",
+                    "follow_symlinks",
+                ),
             )
     except OSError as e:
         raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
@@ -303,18 +315,17 @@ def _convert(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.cache_layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.capabilities import fast_path_diagnostics
-    from onnx_kvcache.genai_folder import resolve_model_path
+    from onnx_kvcache.genai_folder import resolve_model_path, share_buffer
     from onnx_kvcache.model_source import load_model
 
     if args.batch is not None and args.context is None:
         raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
     model = load_model(args.model)
     info = inspect_kv_cache(model)
-    share = None
     _, config = resolve_model_path(args.model)
-    if config is not None:
-        share = config.get("search", {}).get("past_present_share_buffer")
-    diagnostics = fast_path_diagnostics(model, share_buffer=share) if args.ep == "cuda" else None
+    diagnostics = (
+        fast_path_diagnostics(model, share_buffer=share_buffer(config)) if args.ep == "cuda" else None
+    )
     if args.json:
         doc = info.to_json(args.context, args.batch or 1)
         if diagnostics is not None:
@@ -386,24 +397,27 @@ def _calibrate(args: argparse.Namespace) -> int:
     scales = calibrate_kv_cache(
         args.model,
         data,
-        format=args.format,
-        granularity=args.granularity,
-        method=args.method,
         percentile=99.99 if args.percentile is None else args.percentile,
-        rope_envelope=args.rope_envelope,
-        margin=args.margin,
-        seq_len=args.seq_len,
-        num_seqs=args.num_seqs,
-        tokenizer=args.tokenizer,
-        min_tokens=args.min_tokens,
-        progress=args.progress,
+        **_given(
+            args,
+            "format",
+            "granularity",
+            "method",
+            "rope_envelope",
+            "margin",
+            "seq_len",
+            "num_seqs",
+            "tokenizer",
+            "min_tokens",
+            "progress",
+        ),
     )
     scales.save(args.out)
     print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
-    print(f"wrote {args.out} ({layers} layers, {scales.format} {args.granularity}, {args.method}){target}")
+    print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {args.method}){target}")
     return 0
 
 
@@ -424,12 +438,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
-        max_new_tokens=args.max_new_tokens,
-        tokenizer=args.tokenizer,
-        num_seqs=args.num_seqs,
-        seq_len=args.seq_len,
-        semantics=args.semantics,
-        progress=args.progress,
+        **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
     )
     print(report.format_table())
     if args.json:
@@ -461,7 +470,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from onnx_kvcache.demo import run_demo
+    from onnx_kvcache._demo import run_demo
 
     run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
     return 0

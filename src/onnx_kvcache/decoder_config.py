@@ -76,7 +76,7 @@ class DecoderConfig:
             see :mod:`onnx_kvcache.exported_decoder`), in this style.
         paged: Build the decoder with PagedAttention and continuous-batching I/O, as
             onnxruntime-genai's ``use_paged_attention`` builds are laid out (see
-            :mod:`onnx_kvcache.paged_model`); ``paged_block_size`` goes to its genai config.
+            :mod:`onnx_kvcache._paged_model`); ``paged_block_size`` goes to its genai config.
         latent: With ``paged``, absorbed-MLA layers (``kv_cache_layout="LATENT"``, one cache,
             ``latent_rope_dim`` rotary channels at its end).
     """

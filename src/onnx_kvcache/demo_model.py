@@ -20,11 +20,11 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._paged_model import build_paged_decoder, paged_genai_config
 from onnx_kvcache.attention_ops import GQA, AttentionOp, GqaInput
 from onnx_kvcache.decoder_config import DecoderConfig, WeightFactory
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.exported_decoder import build_exported_decoder
-from onnx_kvcache.paged_model import build_paged_decoder, paged_genai_config
 
 
 class _Builder:
@@ -48,12 +48,61 @@ class _Builder:
     def op(self, op_type: str, inputs: list, name: str, **attributes) -> ir.Value:
         return self.tape.op(op_type, inputs, attributes or None, name=name)
 
+    def rope_tables(self, rope_dim: int) -> tuple[ir.Value, ir.Value]:
+        """The ``cos_cache`` and ``sin_cache`` initializers ``[max_position, rope_dim / 2]``."""
+        c = self.config
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, rope_dim, 2) / rope_dim))
+        angles = np.outer(np.arange(c.max_position), inv_freq)
+        cos = self.tape.initializer(ir.tensor(np.cos(angles).astype(c.np_dtype), name="cos_cache"))
+        sin = self.tape.initializer(ir.tensor(np.sin(angles).astype(c.np_dtype), name="sin_cache"))
+        return cos, sin
+
+    def embed(self, ids: ir.Value) -> ir.Value:
+        """The token embedding of ``ids``."""
+        c = self.config
+        table = self.weight(
+            "model.embed_tokens.weight",
+            (c.vocab_size, c.hidden_size),
+            lambda: self.rng.standard_normal((c.vocab_size, c.hidden_size)),
+        )
+        return self.op("Gather", [table, ids], "/model/embed_tokens/Gather", axis=0)
+
     def linear(self, x: ir.Value, name: str, fan_in: int, fan_out: int, gain: float = 1.0):
         def make() -> np.ndarray:
             return self.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
 
         w = self.weight(f"{name}.weight", (fan_in, fan_out), make)
         return self.op("MatMul", [x, w], f"{name}/MatMul")
+
+    def attention(
+        self,
+        op: AttentionOp,
+        slots: dict[int, ir.Value | None],
+        attributes: dict,
+        outputs: list[ir.Value],
+        prefix: str,
+    ) -> ir.Value:
+        """One ``op`` node, ``{prefix}/attn/<op_type>``; its present caches become graph outputs."""
+        attn, *presents = self.tape.op_multi_out(
+            op.op_type,
+            op.input_list(slots),
+            attributes,
+            domain=op.domain,
+            outputs=outputs,
+            name=f"{prefix}/attn/{op.op_type}",
+        )
+        self.graph.outputs.extend(presents)
+        return attn
+
+    def logits(self, x: ir.Value, norm: tuple, rows: list[str]) -> None:
+        """The final RMS norm and lm_head: ``logits`` ``[*rows, vocab]``, the first graph output."""
+        c = self.config
+        logits = self.linear(
+            self.rms_norm(x, "model.norm", *norm), "lm_head", c.hidden_size, c.vocab_size, gain=4.0
+        )
+        logits.name, logits.dtype = "logits", c.ir_dtype
+        logits.shape = ir.Shape([*rows, c.vocab_size])
+        self.graph.outputs.insert(0, logits)
 
     def residual_mlp(self, x: ir.Value, attn: ir.Value, layer: int, attn_width: int, norm: tuple) -> ir.Value:
         """The rest of layer ``layer`` after attention: o_proj and residual, post-attention
@@ -156,17 +205,8 @@ def build_decoder(
     total = b.op("Gather", [shape, one], "/model/attn_mask/Gather", axis=0)
     total_len = b.op("Cast", [total], "/model/attn_mask/Cast_total", to=ir.DataType.INT32)
 
-    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_size, 2) / c.head_size))
-    angles = np.outer(np.arange(c.max_position), inv_freq)
-    cos_cache = b.tape.initializer(ir.tensor(np.cos(angles).astype(c.np_dtype), name="cos_cache"))
-    sin_cache = b.tape.initializer(ir.tensor(np.sin(angles).astype(c.np_dtype), name="sin_cache"))
-
-    embed = b.weight(
-        "model.embed_tokens.weight",
-        (c.vocab_size, c.hidden_size),
-        lambda: b.rng.standard_normal((c.vocab_size, c.hidden_size)),
-    )
-    x = b.op("Gather", [embed, input_ids], "/model/embed_tokens/Gather", axis=0)
+    cos_cache, sin_cache = b.rope_tables(c.head_size)
+    x = b.embed(input_ids)
     kv_dim = c.kv_num_heads * c.head_size
     for i in range(c.num_layers):
         p = f"/model/layers.{i}"
@@ -228,22 +268,9 @@ def build_decoder(
                 ir.val(f"present.{i}.key", dtype, cache_out),
                 ir.val(f"present.{i}.value", dtype, cache_out),
             ]
-        attn, *presents = b.tape.op_multi_out(
-            GQA.op_type,
-            GQA.input_list(slots),
-            attributes,
-            domain=GQA.domain,
-            outputs=outputs,
-            name=f"{p}/attn/GroupQueryAttention",
-        )
-        b.graph.outputs.extend(presents)
+        attn = b.attention(GQA, slots, attributes, outputs, p)
         x = b.residual_mlp(x, attn, i, c.num_heads * c.head_size, (axes_last, eps))
-    x = b.rms_norm(x, "model.norm", axes_last, eps)
-    logits = b.linear(x, "lm_head", c.hidden_size, c.vocab_size, gain=4.0)
-    logits.name = "logits"
-    logits.dtype = dtype
-    logits.shape = ir.Shape(["batch_size", "sequence_length", c.vocab_size])
-    b.graph.outputs.insert(0, logits)
+    b.logits(x, (axes_last, eps), ["batch_size", "sequence_length"])
     b.graph.name = "onnx_kvcache_demo_decoder"
     return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
 

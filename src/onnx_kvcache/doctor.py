@@ -41,18 +41,15 @@ from onnx_kvcache.attention_ops import ATTENTION_OPS, PAGED, AttentionOp
 from onnx_kvcache.capabilities import CAPABILITIES, EpCapabilities, get_capabilities
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
-from onnx_kvcache.formats import CACHE_FORMATS, GRANULARITIES
+from onnx_kvcache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, scale_granularity
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 
 Verdict = Literal["proven", "schema only", "disagrees"]
-_TYPE_NAMES = {
-    ir.DataType.FLOAT: "tensor(float)",
-    ir.DataType.FLOAT16: "tensor(float16)",
-    ir.DataType.BFLOAT16: "tensor(bfloat16)",
-    ir.DataType.INT8: "tensor(int8)",
-    ir.DataType.UINT8: "tensor(uint8)",
-    ir.DataType.FLOAT8E4M3FN: "tensor(float8e4m3fn)",
-}
+
+
+def _type_name(dtype: ir.DataType) -> str:
+    """onnxruntime's name of a tensor type: ``tensor(float)``, ``tensor(float8e4m3fn)``."""
+    return f"tensor({dtype.name.lower()})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +190,7 @@ def check_schemas() -> list[SchemaCheck]:
         missing = [
             f"{f.name} ({f.dtype.name.lower()})"
             for f in CACHE_FORMATS.values()
-            if _TYPE_NAMES[f.dtype] not in cache_types
+            if _type_name(f.dtype) not in cache_types
         ]
         if missing:
             problems.append("the cache type constraint lacks " + ", ".join(missing))
@@ -224,7 +221,7 @@ def check_schemas() -> list[SchemaCheck]:
                 facts.append(f"{attr}={value!r}: one cache (value inputs/attributes unset)")
         query = allowed(op.slot("query"))
         for row in CAPABILITIES[op.op_type].values():
-            bad = sorted(t.name.lower() for t in row.query_dtypes if _TYPE_NAMES.get(t) not in query)
+            bad = sorted(t.name.lower() for t in row.query_dtypes if _type_name(t) not in query)
             if bad and row.runtime == "onnxruntime":
                 problems.append(f"row {row.name} lists query dtypes {bad} the schema's T does not admit")
         facts.append(
@@ -298,7 +295,7 @@ def _converted(
 ) -> ir.Model:
     model = _probe_model(op, dtype, latent)
     if fmt is not None:
-        n = 1 if granularity == "per_tensor" else (1 if latent else _KV) * _HEAD
+        n = scale_granularity(granularity).size(1 if latent else _KV, _HEAD)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KvCacheWarning)
             KvCacheQuantizationPass(fmt, granularity, {0: (np.full(n, 0.05), np.full(n, 0.05))})(model)
@@ -411,7 +408,7 @@ def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
             dtype = _query_dtype(row)
             on_here = row.provider in present
             caches: list[tuple[str | None, str]] = [(None, "per_tensor")]
-            caches += [(f, g) for f in CACHE_FORMATS for g in GRANULARITIES]
+            caches += [(f, g) for f in CACHE_FORMATS for g in SCALE_GRANULARITIES]
             for latent in variants:
                 for fmt, g in caches:
                     label = "float" if fmt is None else f"{fmt} {g}"

@@ -11,26 +11,23 @@ from __future__ import annotations
 
 __all__ = [
     "CACHE_FORMATS",
-    "GRANULARITIES",
     "SCALE_GRANULARITIES",
     "CacheFormat",
-    "Granularity",
     "ScaleGranularity",
     "format_of",
     "get_format",
     "get_granularity",
+    "granularity_of",
     "scale_granularity",
 ]
 
 import dataclasses
-from typing import Literal
+from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-
-Granularity = Literal["per_tensor", "per_channel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +54,11 @@ class ScaleGranularity:
         heads, dims = self.grid(kv_num_heads, head_size)
         return heads * dims
 
+    @property
+    def single(self) -> bool:
+        """One scale per tensor, whatever the cache's shape."""
+        return not (self.per_head or self.per_dim)
+
     def bnsh(self, kv_num_heads: int, head_size: int) -> tuple[int, int, int, int]:
         """The scales' shape against a BNSH cache ``[B, kv_num_heads, S, head_size]``."""
         heads, dims = self.grid(kv_num_heads, head_size)
@@ -70,9 +72,6 @@ SCALE_GRANULARITIES: dict[str, ScaleGranularity] = {
         ScaleGranularity("per_channel", "PER_CHANNEL", per_head=True, per_dim=True),
     )
 }
-
-#: Granularity name -> value of the ``k_quant_type`` / ``v_quant_type`` attributes.
-GRANULARITIES: dict[str, str] = {row.name: row.quant_type for row in SCALE_GRANULARITIES.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +87,9 @@ class CacheFormat:
         qmin_stored: Smallest representable quantized value.
         qmax_stored: Largest representable quantized value.
         is_float: Values are a float type (saturate and round to the float grid).
-        logical_name: The packed logical type as operators name it (PagedAttention's
-            ``k_cache_dtype="int4"``); None when the element type says it all.
+        logical_name: The logical type as operators name it (PagedAttention's
+            ``k_cache_dtype="int4"``); None when the element type says it all. A format
+            stored in another's element type needs one: PagedAttention has no bit width.
     """
 
     name: str
@@ -213,7 +213,8 @@ def format_of(
 
     ``bit_width`` (GroupQueryAttention's ``kv_cache_bit_width``) and ``logical_name``
     (PagedAttention's ``k_cache_dtype``) narrow the choice where the operator has them;
-    UINT8 alone is packed int4, the only format stored as UINT8.
+    among rows still sharing the element type the table's first wins (an INT8 cache with
+    no such attribute is int8).
     """
     rows = [row for row in CACHE_FORMATS.values() if row.dtype == dtype]
     if bit_width:
@@ -223,13 +224,29 @@ def format_of(
     return rows[0] if rows else None
 
 
-def get_granularity(name: str) -> Granularity:
-    """Validate a granularity name (``per_tensor`` or ``per_channel``)."""
+def get_granularity(name: str) -> str:
+    """Validate a granularity name (a key of :data:`SCALE_GRANULARITIES`)."""
     key = str(name).lower().replace("-", "_")
     if key not in SCALE_GRANULARITIES:
         choices = ", ".join(SCALE_GRANULARITIES)
         raise KvCacheError(f"Unknown scale granularity {name!r}; choose one of {choices}.")
-    return key  # type: ignore[return-value]
+    return key
+
+
+def granularity_of(caches: Iterable[tuple[int, int, int | None]]) -> str | None:
+    """The first granularity whose scales have ``size`` elements for every cache
+    ``(size, kv_num_heads, head_size)`` (``head_size`` None: unknown), or None when none fits.
+
+    Table order breaks ties: one scale for a single KV head is ``per_tensor``.
+    """
+    caches = list(caches)
+    for row in SCALE_GRANULARITIES.values():
+        if all(
+            size == row.size(kv, head or 0) and (head is not None or not row.per_dim)
+            for size, kv, head in caches
+        ):
+            return row.name
+    return None
 
 
 def scale_granularity(name: str) -> ScaleGranularity:

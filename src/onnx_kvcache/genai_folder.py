@@ -17,6 +17,7 @@ __all__ = [
     "provider_names",
     "read_genai_config",
     "resolve_model_path",
+    "share_buffer",
     "with_share_buffer",
 ]
 
@@ -125,6 +126,14 @@ def block_size(config: dict[str, Any] | None) -> int | None:
     """A paged model's ``engine.dynamic_batching.block_size``, when the config sets one."""
     engine = (config or {}).get("engine", {}).get("dynamic_batching", {})
     return engine.get("block_size") if isinstance(engine, dict) else None
+
+
+def share_buffer(config: Mapping[str, Any] | None) -> bool | None:
+    """``search.past_present_share_buffer``: whether past and present caches share one
+    buffer; None when there is no config or it does not say."""
+    search = (config or {}).get("search", {})
+    value = search.get("past_present_share_buffer") if isinstance(search, dict) else None
+    return value if isinstance(value, bool) else None
 
 
 def with_share_buffer(config: dict[str, Any], share: bool) -> dict[str, Any]:

@@ -200,7 +200,8 @@ class AttentionSite:
 
     @property
     def granularity(self) -> str | None:
-        """``per_tensor`` or ``per_channel`` for a quantized cache, else None."""
+        """The :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` row name the node's
+        ``k_quant_type`` states, else None (a float cache)."""
         quant = self.str_attr(self.op.key.quant_attr, "NONE")
         return next((row.name for row in SCALE_GRANULARITIES.values() if row.quant_type == quant), None)
 
@@ -226,7 +227,7 @@ class AttentionSite:
         """
         if cache_is_packed is None:
             fmt = self.cache_format
-            cache_is_packed = fmt is not None and fmt.values_per_byte > 1
+            cache_is_packed = fmt is not None and fmt.packed
         kv, n = self.kv_num_heads, self.num_heads
         key, query = self.input("key"), self.input("query")
         candidates = []

@@ -49,13 +49,19 @@ from onnx_kvcache.capabilities import (
 )
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
-from onnx_kvcache.formats import CACHE_FORMATS, get_format
-from onnx_kvcache.genai_folder import GENAI_CONFIG, with_share_buffer
+from onnx_kvcache.formats import (
+    CACHE_FORMATS,
+    SCALE_GRANULARITIES,
+    get_format,
+    get_granularity,
+    granularity_of,
+)
+from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales import as_kv_cache_scales
+from onnx_kvcache.scales import KvCacheScales, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +459,10 @@ def convert_model(
     skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
     model without GroupQueryAttention is first fused (onnxscript); without any after fusion
     it is not converted. A genai folder's ``search.past_present_share_buffer`` follows the
-    target. ``granularity`` defaults to the scales' own, else per tensor; ``format`` to the
+    target. ``granularity`` defaults to the one the scales record (calibration and our scale
+    files record it), else the first of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
+    size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
+    ``kv_num_heads * head_size`` per channel), else per tensor; ``format`` to the
     format the scales were made for (their ``format``, else their ``qmax``), else the first
     the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
     CPU; fp8 when gating is skipped). ``follow_symlinks`` accepts input files that link out
@@ -468,8 +477,14 @@ def convert_model(
     named = format or (scales.implied_format if scales is not None else None)  # None: the target's
     if named is not None:
         get_format(named)  # an unknown name fails before any work
-    if granularity is None:
-        granularity = scales.granularity if scales is not None else "per_tensor"
+    recorded = scales.granularity if scales is not None else None
+    if granularity is not None:
+        granularity = get_granularity(granularity)
+        if recorded is not None and recorded != granularity:
+            raise KvCacheError(
+                f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
+                f"convert with granularity='{recorded}', or give {granularity} scales."
+            )
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
@@ -481,7 +496,8 @@ def convert_model(
         file_io.check_writable_folder(source.config_path.parent)
 
     model = source.model
-    result = ConvertResult(plan.out, source.graph, 0, granularity, named or "", placement=plan.placement)
+    said = granularity or recorded or "per_tensor"
+    result = ConvertResult(plan.out, source.graph, 0, said, named or "", placement=plan.placement)
     refusal = None
     if not find_attention_sites(model, with_cache_only=False):
         fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
@@ -510,6 +526,8 @@ def convert_model(
             raise KvCacheError(refusal)
         warn(f"Not converted: {refusal}", NotConvertedWarning)
         return result
+    if granularity is None:
+        granularity = result.granularity = _granularity_for(model, scales)
     if ep == "auto":
         target, why = infer_target(model, source.config)
         result.target_source = f"assumed: {why}"
@@ -536,8 +554,8 @@ def convert_model(
     result.nodes = sum(result.ops.values())
     for warning in conversion_warnings(model, fmt.name, result.target):
         warn(warning)
-    cpu_runs_it = all(get_capabilities("cpu", s.op).has_kernel for s in find_attention_sites(model))
-    share_target = result.target or ("cuda" if fmt.name == "fp8" or not cpu_runs_it else "cpu")
+    cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in find_attention_sites(model))
+    share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
     new_config = None
     if source.config is not None:
         new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
@@ -565,6 +583,43 @@ def convert_model(
     else:
         _write_file(source, plan, data, result, progress)
     return result
+
+
+def _granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
+    """The granularity ``scales`` record, else the first row whose size fits every cache of
+    ``model`` they cover; ``per_tensor`` without scales."""
+    if scales is None:
+        return "per_tensor"
+    if scales.granularity is not None:
+        return scales.granularity
+    caches = []
+    for site in find_attention_sites(model):
+        if site.layer_id in scales.k:
+            try:
+                head: int | None = site.head_size()
+            except KvCacheError:
+                head = None
+            caches.append((scales.k[site.layer_id].size, site.kv_num_heads, head))
+    found = granularity_of(caches)
+    if found is None:
+        misfits = [c for c in caches if granularity_of([c]) is None]
+        if not misfits:
+            raise KvCacheError(
+                "The scales of different layers fit different granularities: give scales of one "
+                "granularity for every layer (calibrate_kv_cache() measures them)."
+            )
+        size, kv, head = misfits[0]
+        sizes = ", ".join(
+            f"{row.name} {row.size(kv, head or 0)}"
+            for row in SCALE_GRANULARITIES.values()
+            if head is not None or not row.per_dim
+        )
+        raise KvCacheError(
+            f"The scales have {size} element(s) per cache, which fits no scale granularity of a "
+            f"cache of {kv} KV head(s) x head size {head if head is not None else '?'} ({sizes}): "
+            "they were measured for a model of another shape; calibrate this model."
+        )
+    return found
 
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
@@ -617,7 +672,7 @@ def _write_in_place(
     result.bytes_written = len(data) + len(config_data)
     result.notes.append(
         f"{GENAI_CONFIG} now names {new_graph.name} (was {graph.name}); "
-        f"search.past_present_share_buffer is {str(config['search']['past_present_share_buffer']).lower()}."
+        f"search.past_present_share_buffer is {str(share_buffer(config)).lower()}."
     )
 
 
@@ -844,6 +899,5 @@ def _write_folder(
     _replaced_notes(plan, result)
     if config is not None:
         result.notes.append(
-            f"{GENAI_CONFIG}: search.past_present_share_buffer is "
-            f"{str(config['search']['past_present_share_buffer']).lower()}."
+            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(config)).lower()}."
         )

@@ -4,7 +4,7 @@
 variants), allocates empty caches of the model's cache dtype and shape (int4 packed,
 fp8 as its bits, sliding-window layers window-sized) and feeds each step's present
 caches back as the next step's past. A paged decoder (PagedAttention, genai's
-``use_paged_attention`` I/O) gets a block pool instead (:mod:`onnx_kvcache.paged_cache`):
+``use_paged_attention`` I/O) gets a block pool instead (:mod:`onnx_kvcache._paged_cache`):
 its sequences are packed into one token list, with block tables, cumulative and past
 lengths and ``attention_metadata`` fed every call.
 
@@ -33,7 +33,15 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_kvcache._runtime import create_session, fed_as_bits, import_onnxruntime, to_ort_value
+from onnx_kvcache._paged_cache import BlockPool, check_block_size
+from onnx_kvcache._runtime import (
+    create_session,
+    fed_as_bits,
+    host_array,
+    import_onnxruntime,
+    run_on_host,
+    to_ort_value,
+)
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
@@ -47,7 +55,6 @@ from onnx_kvcache.gqa import (
     resident_rows,
 )
 from onnx_kvcache.model_source import load_model
-from onnx_kvcache.paged_cache import BlockPool, check_block_size
 from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
@@ -566,7 +573,7 @@ class KvCacheRunner:
             cache = self.caches[b.past]
             feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
         names = [self.logits_name] + [b.present for b in self.bindings]
-        results = self.session.run(names, feeds)
+        results = run_on_host(self.session, names, feeds)
         for b, present in zip(self.bindings, results[1:]):
             self.caches[b.past] = present
         return results[0]
@@ -690,8 +697,7 @@ class KvCacheRunner:
 
     def cache_array(self, past_name: str) -> np.ndarray:
         """A cache as the session holds it, as a host numpy array (fp8 as uint8 bits)."""
-        cache = self.caches[past_name]
-        return cache.numpy() if hasattr(cache, "numpy") and not isinstance(cache, np.ndarray) else cache
+        return host_array(self.caches[past_name])
 
     def _binding(self, layer_id: int, kind: str) -> CacheBinding:
         if kind not in ("key", "value"):

@@ -8,8 +8,14 @@ File format (onnxruntime-genai's, the de facto standard)::
 Variants read here: entries as numbers or lists (one element per tensor,
 ``kv_num_heads * head_size`` per channel), optional sparse ``layer_ids``, optional
 ``qmax`` (the file is retargeted to another format by ``file_qmax / target_qmax``),
-one section per model file keyed by the file's stem, and the older flat form
+optional ``format`` and ``granularity`` (written by us), one section per model file keyed
+by the file's stem, and the older flat form
 ``{"scales": {"k_scales": [0.1, 0.2], "v_scales": [...]}}``.
+
+The granularity is a recorded fact: calibration records the one it measured, a file the
+one it states. A file that states none (onnxruntime-genai's) leaves it ``None``: the
+converter takes the first row of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
+size fits the model's caches (:func:`~onnx_kvcache.formats.granularity_of`).
 
 A scale is a dequantization scale: the cache stores ``x / scale`` and reads
 ``q * scale``, so ``scale = threshold / qmax``.
@@ -31,7 +37,7 @@ import numpy as np
 
 from onnx_kvcache._file_io import atomic_write_text
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.formats import CACHE_FORMATS, get_format
+from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 
@@ -58,7 +64,10 @@ class KvCacheScales:
         v: Same for V.
         format: Cache format the scales were computed for (``fp8``/``int8``/``int4``).
         qmax: Divisor the scales were computed against; defaults to the format's.
-        metadata: Free-form provenance (granularity, method, ...), saved with the file.
+        granularity: What one scale covers (a :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES`
+            name), as whoever made the scales recorded it; None when unknown (a file that
+            does not state it): the model's cache shapes then decide.
+        metadata: Free-form provenance (method, data, ...), saved with the file.
         stats: Per-layer calibration statistics when the scales were just measured (not
             saved; see ``onnx_kvcache.calibration.CalibrationStats``).
     """
@@ -68,6 +77,7 @@ class KvCacheScales:
     format: str | None = None
     qmax: float | None = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    granularity: str | None = None
     stats: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __repr__(self) -> str:
@@ -103,6 +113,14 @@ class KvCacheScales:
             object.__setattr__(self, "qmax", get_format(self.format).qmax)
         if self.qmax is not None and not (math.isfinite(self.qmax) and self.qmax > 0):
             raise KvCacheError(f"qmax must be finite and > 0, got {self.qmax}.")
+        if self.granularity is not None:
+            object.__setattr__(self, "granularity", get_granularity(self.granularity))
+            sizes = {a.size for a in k.values()}
+            if scale_granularity(self.granularity).single and sizes != {1}:
+                raise KvCacheError(
+                    f"The scales are {self.granularity}, one element each, but have {max(sizes)} "
+                    "elements: give the granularity they were measured with."
+                )
 
     @classmethod
     def from_mapping(
@@ -111,6 +129,7 @@ class KvCacheScales:
         *,
         format: str | None = None,
         qmax: float | None = None,
+        granularity: str | None = None,
     ) -> KvCacheScales:
         """Build from ``{layer_id: (k, v)}`` with floats or arrays."""
         try:
@@ -118,17 +137,11 @@ class KvCacheScales:
             v = {layer: pair[1] for layer, pair in mapping.items()}
         except (TypeError, IndexError, KeyError) as e:
             raise KvCacheError("Scales must map each layer id to a (k_scale, v_scale) pair.") from e
-        return cls(k, v, format=format, qmax=qmax)
+        return cls(k, v, format=format, qmax=qmax, granularity=granularity)
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
         return tuple(sorted(self.k))
-
-    @property
-    def granularity(self) -> str:
-        """``per_tensor`` when every scale has one element, else ``per_channel``."""
-        sizes = {a.size for a in (*self.k.values(), *self.v.values())}
-        return "per_tensor" if sizes <= {1} else "per_channel"
 
     @property
     def implied_format(self) -> str | None:
@@ -157,6 +170,7 @@ class KvCacheScales:
             format=target.name,
             qmax=target.qmax,
             metadata=self.metadata,
+            granularity=self.granularity,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -172,12 +186,14 @@ class KvCacheScales:
             doc["qmax"] = float(self.qmax)
         if self.format is not None:
             doc["format"] = self.format
-        doc["granularity"] = self.granularity
+        if self.granularity is not None:
+            doc["granularity"] = self.granularity
         doc.update({k: v for k, v in self.metadata.items() if k not in doc})
         return doc
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format``)."""
+        """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format`` and,
+        when known, ``granularity``)."""
         atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
 
 
@@ -273,37 +289,30 @@ def load_kv_cache_scale_file(
         dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
         raise _fail(p, f"'layer_ids' repeats {dup}.")
     sizes = {a.size for a in k + v}
-    granularity = section.get("granularity", doc.get("granularity"))
-    if granularity == "per_tensor" and sizes != {1}:
-        raise _fail(p, f"granularity is per_tensor but entries have {max(sizes)} elements.")
     for i, (ka, va) in enumerate(zip(k, v)):
         if ka.size != va.size:
             raise _fail(p, f"layer {layer_ids[i]} has {ka.size} k scales but {va.size} v scales.")
     if len({a.size for a in k}) > 1:
         raise _fail(p, f"entries have different element counts {sorted(sizes)}.")
     file_format = section.get("format", doc.get("format"))
+    granularity = section.get("granularity", doc.get("granularity"))
     qmax = section.get("qmax", doc.get("qmax"))
     if qmax is not None and (
         isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not math.isfinite(qmax) or qmax <= 0
     ):
         raise _fail(p, f"'qmax' must be a finite number > 0, got {qmax!r}.")
+    method = section.get("method", doc.get("method"))
     try:
-        if file_format is not None:
-            get_format(file_format)
-    except ValueError as e:
+        result = KvCacheScales(
+            dict(zip(layer_ids, k)),
+            dict(zip(layer_ids, v)),
+            format=file_format,
+            qmax=float(qmax) if qmax is not None else None,
+            metadata={"method": method} if method is not None else {},
+            granularity=granularity,
+        )
+    except KvCacheError as e:
         raise _fail(p, str(e)) from None
-    metadata = {
-        key: section.get(key, doc.get(key))
-        for key in ("granularity", "method")
-        if section.get(key, doc.get(key)) is not None
-    }
-    result = KvCacheScales(
-        dict(zip(layer_ids, k)),
-        dict(zip(layer_ids, v)),
-        format=file_format,
-        qmax=float(qmax) if qmax is not None else None,
-        metadata=metadata,
-    )
     return result.retarget(format) if format is not None else result
 
 

@@ -79,18 +79,8 @@ def build_paged_decoder(b: Any) -> ir.Model:
     io = _paged_io(b)
     axes_last = b.const("const_axes_last", np.array([-1], np.int64))
     eps = b.const("const_eps", np.array(1e-5, c.np_dtype))
-    rope_dim = c.latent_rope_dim if c.latent else c.head_size
-    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, rope_dim, 2) / rope_dim))
-    angles = np.outer(np.arange(c.max_position), inv_freq)
-    cos_cache = b.tape.initializer(ir.tensor(np.cos(angles).astype(c.np_dtype), name="cos_cache"))
-    sin_cache = b.tape.initializer(ir.tensor(np.sin(angles).astype(c.np_dtype), name="sin_cache"))
-
-    embed = b.weight(
-        "model.embed_tokens.weight",
-        (c.vocab_size, c.hidden_size),
-        lambda: b.rng.standard_normal((c.vocab_size, c.hidden_size)),
-    )
-    x = b.op("Gather", [embed, io["input_ids"]], "/model/embed_tokens/Gather", axis=0)
+    cos_cache, sin_cache = b.rope_tables(c.latent_rope_dim if c.latent else c.head_size)
+    x = b.embed(io["input_ids"])
     kv = 1 if c.latent else c.kv_num_heads
     kv_dim = kv * c.head_size
     q_dim = c.num_heads * c.head_size
@@ -109,32 +99,20 @@ def build_paged_decoder(b: Any) -> ir.Model:
             return wk
 
         inputs: list[ir.Value]
-        if c.latent:
+        if c.latent or c.qk_norm:  # separate projections: K is the latent's kv_a_proj
             wq = b.weight(
                 f"model.layers.{i}.attn.q_proj.weight",
                 (c.hidden_size, q_dim),
                 lambda: dense(c.hidden_size, q_dim),
             )
-            wk = b.weight(f"model.layers.{i}.attn.kv_a_proj.weight", (c.hidden_size, kv_dim), make_wk)
-            q = b.op("MatMul", [xn, wq], f"{p}/attn/q_proj/MatMul")
-            k = b.op("MatMul", [xn, wk], f"{p}/attn/kv_a_proj/MatMul")
-            inputs = [q, k]
-        elif c.qk_norm:
-            wq = b.weight(
-                f"model.layers.{i}.attn.q_proj.weight",
-                (c.hidden_size, q_dim),
-                lambda: dense(c.hidden_size, q_dim),
-            )
-            wk = b.weight(f"model.layers.{i}.attn.k_proj.weight", (c.hidden_size, kv_dim), make_wk)
-            wv = b.weight(
-                f"model.layers.{i}.attn.v_proj.weight",
-                (c.hidden_size, kv_dim),
-                lambda: dense(c.hidden_size, kv_dim),
-            )
-            q = b.op("MatMul", [xn, wq], f"{p}/attn/q_proj/MatMul")
-            k = b.op("MatMul", [xn, wk], f"{p}/attn/k_proj/MatMul")
-            v = b.op("MatMul", [xn, wv], f"{p}/attn/v_proj/MatMul")
-            inputs = [q, k, v]
+            k_proj = "kv_a_proj" if c.latent else "k_proj"
+            wk = b.weight(f"model.layers.{i}.attn.{k_proj}.weight", (c.hidden_size, kv_dim), make_wk)
+            weights = [(wq, "q_proj"), (wk, k_proj)]
+            if not c.latent:
+                make_wv = functools.partial(dense, c.hidden_size, kv_dim)
+                wv = b.weight(f"model.layers.{i}.attn.v_proj.weight", (c.hidden_size, kv_dim), make_wv)
+                weights.append((wv, "v_proj"))
+            inputs = [b.op("MatMul", [xn, w], f"{p}/attn/{name}/MatMul") for w, name in weights]
         else:  # one packed MatMul, as the builder writes paged models without q/k norm
 
             def make_qkv() -> np.ndarray:
@@ -192,22 +170,9 @@ def build_paged_decoder(b: Any) -> ir.Model:
         outputs.append(ir.val(f"present.{i}.key", dtype, cache_shape))
         if not c.latent:
             outputs.append(ir.val(f"present.{i}.value", dtype, cache_shape))
-        attn, *presents = b.tape.op_multi_out(
-            PAGED.op_type,
-            PAGED.input_list(slots),
-            attributes,
-            domain=PAGED.domain,
-            outputs=outputs,
-            name=f"{p}/attn/PagedAttention",
-        )
-        b.graph.outputs.extend(presents)
+        attn = b.attention(PAGED, slots, attributes, outputs, p)
         x = b.residual_mlp(x, attn, i, c.num_heads * v_head, (axes_last, eps))
-    x = b.rms_norm(x, "model.norm", axes_last, eps)
-    logits = b.linear(x, "lm_head", c.hidden_size, c.vocab_size, gain=4.0)
-    logits.name = "logits"
-    logits.dtype = dtype
-    logits.shape = ir.Shape(["num_tokens", c.vocab_size])
-    b.graph.outputs.insert(0, logits)
+    b.logits(x, (axes_last, eps), ["num_tokens"])
     b.graph.name = "onnx_kvcache_demo_paged_decoder"
     return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
 
