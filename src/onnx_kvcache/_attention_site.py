@@ -438,6 +438,7 @@ class GqaWriter:
         """
         flat = self._const(at, np.array([-1, width], np.int64), f"{name}/flat")
         tokens = self._add(at, "Reshape", [value, flat], f"{name}/tokens")
+        tokens.type, tokens.shape = value.type, ir.Shape([ir.SymbolicDim(None), width])
         moved = self._add(at, "Gather", [tokens, indices], name, axis=0)
         moved.type, moved.shape = value.type, value.shape
         return moved

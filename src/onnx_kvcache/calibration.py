@@ -399,7 +399,7 @@ def _rotary(site: Any) -> tuple[bool, int | None] | None:
     """(interleaved, rotary_dim) of the RoPE that K went through, or None.
 
     GQA's own (``do_rotary=1``), or a RotaryEmbedding feeding its key input through
-    Reshape/Transpose, as fused exports keep it.
+    Reshape/Transpose and the fusion's token reorder, as fused exports keep it.
     """
     if site.int_attr("do_rotary"):
         return bool(site.int_attr("rotary_interleaved")), _rotary_dim(site)
@@ -408,10 +408,23 @@ def _rotary(site: Any) -> tuple[bool, int | None] | None:
         if node.op_type == "RotaryEmbedding":
             interleaved, dim = node.attributes.get("interleaved"), node.attributes.get("rotary_embedding_dim")
             return bool(interleaved and interleaved.as_int()), (dim.as_int() or None) if dim else None
-        if node.op_type not in ("Reshape", "Transpose", "Identity"):
+        if node.op_type not in ("Reshape", "Transpose", "Identity") and not _takes_rows(node):
             return None
         value = node.inputs[0]
     return None
+
+
+def _takes_rows(node: ir.Node) -> bool:
+    """A Gather of whole rows (axis 0 of a 2-D or larger tensor): channels are kept."""
+    axis = node.attributes.get("axis")
+    data = node.inputs[0] if node.inputs else None
+    return (
+        node.op_type == "Gather"
+        and (axis is None or axis.as_int() == 0)
+        and data is not None
+        and data.shape is not None
+        and len(data.shape) >= 2
+    )
 
 
 def _model_dtype(runner: Any) -> str | None:
