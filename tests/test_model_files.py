@@ -1422,10 +1422,12 @@ def _kill_at_random(proc: subprocess.Popen, watch: pathlib.Path, delay: float, a
 
 
 def _moment(rng: random.Random, i: int) -> dict:
-    """Trial 0 and 1: soon or later after the first temporary entry appears; trial 2: from start."""
+    """Trial 0: as soon as the first temporary entry appears (so that one trial is always
+    stopped mid-write, however fast the machine); trial 1: at a random moment after it;
+    trial 2: at a random moment from start."""
     if i == 2:
         return {"after_temp": False, "delay": rng.uniform(0.5, 2.0)}
-    return {"after_temp": True, "delay": rng.uniform(0, 0.1) if i == 0 else rng.uniform(0.1, 0.6)}
+    return {"after_temp": True, "delay": 0.0 if i == 0 else rng.uniform(0.0, 0.6)}
 
 
 def _run_trials(trials, signum):

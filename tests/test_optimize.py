@@ -192,3 +192,27 @@ def test_gqa_fusion_reports_modified_honestly():
     export = exported_decoder()
     assert GqaFusionPass()(export).modified and count_gqa(export) == 1
     assert not GqaFusionPass()(export).modified
+
+
+def test_granularity_defaults_to_the_one_the_scales_record():
+    from onnx_kvcache import KvCacheQuantizationPass, KvCacheScales
+
+    head = gqa_model().graph.inputs[3].shape[3]
+    per_channel = KvCacheScales.from_mapping(
+        {0: (np.full(2 * head, 0.1), np.full(2 * head, 0.2))}, granularity="per_channel"
+    )
+    assert KvCacheQuantizationPass("int8", scales=per_channel).granularity == "per_channel"
+    assert KvCacheQuantizationPass("int8").granularity == "per_tensor"
+    with pytest.raises(KvCacheError, match=r"scales are per_channel .* not per_tensor"):
+        KvCacheQuantizationPass("int8", "per_tensor", per_channel)
+    model = optimize_model(
+        gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=per_channel
+    )
+    assert quant_type(model) == "PER_CHANNEL"
+    with pytest.raises(KvCacheError, match="scales are per_channel"):
+        optimize_model(
+            gqa_model(),
+            kv_cache_format="int8",
+            kv_cache_granularity="per_tensor",
+            kv_cache_scales=per_channel,
+        )

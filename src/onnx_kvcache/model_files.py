@@ -53,7 +53,6 @@ from onnx_kvcache.formats import (
     CACHE_FORMATS,
     SCALE_GRANULARITIES,
     get_format,
-    get_granularity,
     granularity_of,
 )
 from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buffer
@@ -61,7 +60,7 @@ from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales import KvCacheScales, as_kv_cache_scales
+from onnx_kvcache.scales import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -479,12 +478,7 @@ def convert_model(
         get_format(named)  # an unknown name fails before any work
     recorded = scales.granularity if scales is not None else None
     if granularity is not None:
-        granularity = get_granularity(granularity)
-        if recorded is not None and recorded != granularity:
-            raise KvCacheError(
-                f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
-                f"convert with granularity='{recorded}', or give {granularity} scales."
-            )
+        granularity = resolve_granularity(granularity, scales)  # a contradiction fails before any work
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)

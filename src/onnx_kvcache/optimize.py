@@ -24,7 +24,7 @@ from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales
+from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 AUTO = "auto"
 
@@ -71,7 +71,7 @@ def optimize_model(
     execution_provider: str | None = "auto",
     fp8_kv_cache: bool = False,
     kv_cache_format: str | None = None,
-    kv_cache_granularity: str = "per_tensor",
+    kv_cache_granularity: str | None = None,
     kv_cache_scales: ScalesLike = None,
     fuse_attention: bool | Literal["auto"] = "auto",
     check_device: bool = False,
@@ -88,7 +88,8 @@ def optimize_model(
             the model after fusion. ``None`` skips gating (the caller takes responsibility).
         fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
         kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None`` quantizes nothing.
-        kv_cache_granularity: ``per_tensor`` or ``per_channel``.
+        kv_cache_granularity: ``per_tensor`` or ``per_channel``; None takes the one the
+            scales record (calibration and our scale files do), else ``per_tensor``.
         kv_cache_scales: What the pass accepts, or a scale-file path.
         fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
             attention, proven equivalent, then onnxscript's ORT fusions) only when the
@@ -110,11 +111,15 @@ def optimize_model(
         if kv_cache_format not in (None, "fp8"):
             raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
         kv_cache_format = "fp8"
+    scales = (
+        as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
+        if kv_cache_format
+        else None
+    )
+    granularity = resolve_granularity(kv_cache_granularity, scales)
     has_attention = bool(find_attention_sites(model, with_cache_only=False))
     if fuse_attention is True or (fuse_attention == "auto" and not has_attention):
-        target, why, refused = _fuse_where_it_runs(
-            model, execution_provider, kv_cache_format, kv_cache_granularity
-        )
+        target, why, refused = _fuse_where_it_runs(model, execution_provider, kv_cache_format, granularity)
         if refused is not None:
             message = f"Attention not fused for {_named(target, why)}: " + " ".join(refused.reasons)
             if strict:
@@ -126,20 +131,15 @@ def optimize_model(
     if kv_cache_format is None:
         return model
     fmt = get_format(kv_cache_format)
-    scales = as_kv_cache_scales(kv_cache_scales, format=fmt.name)
     if target is None:
-        KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(
-            model
-        )
+        KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
         for warning in conversion_warnings(model, fmt.name):
             warn(warning)
         return model
     capability = None
     if check_device:
         capability = cuda_compute_capability()
-    report = check_kv_cache_support(
-        model, target, fmt.name, kv_cache_granularity, compute_capability=capability
-    )
+    report = check_kv_cache_support(model, target, fmt.name, granularity, compute_capability=capability)
     if check_device and capability is None and report.ep == "cuda":
         report = SupportReport(
             report.ep,
@@ -154,14 +154,14 @@ def optimize_model(
         )
     if not report.supported:
         message = (
-            f"KV cache not converted to {fmt.name} {kv_cache_granularity} for "
+            f"KV cache not converted to {fmt.name} {granularity} for "
             f"{_named(target, why)}: " + " ".join(report.reasons)
         )
         if strict:
             raise KvCacheError(message)
         warn(message, NotConvertedWarning)
         return model
-    KvCacheQuantizationPass(fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
     for warning in report.warnings:
         warn(warning)
     return model

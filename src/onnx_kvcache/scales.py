@@ -23,7 +23,13 @@ A scale is a dequantization scale: the cache stores ``x / scale`` and reads
 
 from __future__ import annotations
 
-__all__ = ["KvCacheScales", "ScalesLike", "as_kv_cache_scales", "load_kv_cache_scale_file"]
+__all__ = [
+    "KvCacheScales",
+    "ScalesLike",
+    "as_kv_cache_scales",
+    "load_kv_cache_scale_file",
+    "resolve_granularity",
+]
 
 import dataclasses
 import json
@@ -314,6 +320,21 @@ def load_kv_cache_scale_file(
     except KvCacheError as e:
         raise _fail(p, str(e)) from None
     return result.retarget(format) if format is not None else result
+
+
+def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -> str:
+    """The granularity to convert with: the one asked for, else the one ``scales`` record,
+    else ``per_tensor``. Asking for another than the scales record is an error."""
+    recorded = scales.granularity if scales is not None else None
+    if granularity is None:
+        return recorded or "per_tensor"
+    granularity = get_granularity(granularity)
+    if recorded is not None and recorded != granularity:
+        raise KvCacheError(
+            f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
+            f"convert with granularity='{recorded}', or give {granularity} scales."
+        )
+    return granularity
 
 
 def as_kv_cache_scales(scales: ScalesLike, *, format: str | None = None) -> KvCacheScales | None:

@@ -55,12 +55,12 @@ from onnx_kvcache.errors import KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
     CacheFormat,
     get_format,
-    get_granularity,
+    granularity_of,
     scale_granularity,
 )
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales
+from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class KvCacheQuantizationPass(InPlacePass):
 
     Args:
         format: ``fp8`` (FLOAT8E4M3FN), ``int8`` or ``int4`` (uint8, two values a byte).
-        granularity: ``per_tensor`` or ``per_channel``.
+        granularity: A :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` name; None takes the
+            one the scales record (calibration and our scale files do), else ``per_tensor``.
         scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
             file path. ``None`` means unit scales for fp8 (with a warning) and is an
             error for int8/int4.
@@ -101,16 +102,16 @@ class KvCacheQuantizationPass(InPlacePass):
     def __init__(
         self,
         format: str = "fp8",
-        granularity: str = "per_tensor",
+        granularity: str | None = None,
         scales: ScalesLike = None,
         *,
         shared_kv_scale: bool = False,
     ) -> None:
         super().__init__()
         self.format: CacheFormat = get_format(format)
-        self.granularity = get_granularity(granularity)
-        self._granularity = scale_granularity(self.granularity)
         self.scales = as_kv_cache_scales(scales, format=self.format.name)
+        self.granularity = resolve_granularity(granularity, self.scales)
+        self._granularity = scale_granularity(self.granularity)
         """Resolved once (a scale file is read here, not at every run)."""
         self.shared_kv_scale = shared_kv_scale
 
@@ -258,10 +259,9 @@ class KvCacheQuantizationPass(InPlacePass):
         expected = self._granularity.size(site.kv_num_heads, head or 1)
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
-            if not per_tensor and k.size == 1:
-                hint = "These scales are per tensor: convert with granularity='per_tensor'."
-            elif per_tensor:
-                hint = "These scales are per channel: convert with granularity='per_channel'."
+            fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
+            if fits is not None:
+                hint = f"These scales are {fits}: convert with granularity={fits!r}."
             else:
                 hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCachePreconditionError(
