@@ -261,7 +261,7 @@ class KvCacheQuantizationPass(InPlacePass):
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
             if fits is not None:
-                hint = f"These scales are {fits}: convert with granularity={fits!r}."
+                hint = f"These scales are {fits.replace('_', ' ')}: convert with granularity={fits!r}."
             else:
                 hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCachePreconditionError(
