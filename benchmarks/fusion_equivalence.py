@@ -10,8 +10,8 @@ valid tokens compacted at its start) for: one sequence, a batch of two with the 
 right-padded, and the same left-padded. Then the logits of int8/int4 caches (scales
 calibrated on 256 random token ids, as the tests do) against the fused float model. Last,
 what the padding reorder (each row's valid tokens first, see docs/exporting.md) costs a
-decode step: an 8-layer decoder with a 512-token cache fused with and without it, one
-onnxruntime thread, the fastest of 400 alternating steps each. Reuses the tests' runner
+decode step: the kernel time of its nodes in onnxruntime's profile of an 8-layer decoder with
+a 512-token cache, one thread, 200 steps. Reuses the tests' runner
 (tests/decoding.py).
 """
 
@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from decoding import PROMPTS, generate, max_differences  # noqa: E402
 from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache, optimize_model  # noqa: E402
-from onnx_kvcache._attention_site import GqaWriter  # noqa: E402
 from onnx_kvcache.exported_decoder import ExportStyle, exported_config  # noqa: E402
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass  # noqa: E402
 
@@ -94,48 +93,45 @@ def main() -> None:
     reorder_cost()
 
 
-def reorder_cost(layers: int = 8, context: int = 512, steps: int = 400) -> None:
-    """Decode-step time of a fused export with and without the padding reorder."""
+def reorder_cost(layers: int = 8, context: int = 512, steps: int = 200) -> None:
+    """The padding reorder's own kernel time in a decode step, from onnxruntime's profile."""
+    import json
+    import tempfile
+
+    import onnxruntime as ort
+
     config = exported_config(
         "llama", num_layers=layers, vocab_size=1000, hidden_size=512, num_heads=8, kv_num_heads=2,
         head_size=64, intermediate_size=1408,
     )  # fmt: skip
-    with_order = build_decoder(config)
-    GqaFusionPass()(with_order)
-    ordered = GqaWriter.order
-    GqaWriter.order = lambda self, site, query: None  # type: ignore[method-assign]
-    try:
-        without = build_decoder(config)
-        GqaFusionPass()(without)
-    finally:
-        GqaWriter.order = ordered  # type: ignore[method-assign]
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    runs = []
-    for model in (with_order, without):
+    model = build_decoder(config)
+    GqaFusionPass()(model)
+    feeds = {
+        "input_ids": np.zeros((1, 1), np.int64),
+        "attention_mask": np.ones((1, context + 1), np.int64),
+        "position_ids": np.array([[context]]),
+    } | {
+        v.name: np.zeros((1, v.shape[1], context, v.shape[3]), np.float32)
+        for v in model.graph.inputs
+        if v.name.startswith("past")
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.enable_profiling = True
+        options.profile_file_prefix = str(pathlib.Path(folder) / "profile")
         proto = ir.to_proto(model).SerializeToString()
         session = ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
-        feeds = {
-            "input_ids": np.zeros((1, 1), np.int64),
-            "attention_mask": np.ones((1, context + 1), np.int64),
-            "position_ids": np.array([[context]]),
-        } | {
-            v.name: np.zeros((1, v.shape[1], context, v.shape[3]), np.float32)
-            for v in model.graph.inputs
-            if v.name.startswith("past")
-        }
-        runs.append((session, feeds))
-    best = [float("inf"), float("inf")]
-    for _ in range(steps):
-        for k, (session, feeds) in enumerate(runs):
-            start = time.perf_counter()
+        for _ in range(steps):
             session.run(None, feeds)
-            best[k] = min(best[k], time.perf_counter() - start)
+        events = json.loads(pathlib.Path(session.end_profiling()).read_text())
+    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    total = sum(e["dur"] for e in kernels) / steps
+    reorder = sum(e["dur"] for e in kernels if "padding_order" in e["name"]) / steps
     print(
-        f"\npadding reorder, {layers}-layer decoder, {context}-token cache, one thread: decode step "
-        f"{best[0] * 1e3:.2f} ms with, {best[1] * 1e3:.2f} ms without ({best[0] / best[1] - 1:+.1%})"
+        f"\npadding reorder, {layers}-layer 512-wide decoder, {context}-token cache, one thread: "
+        f"{reorder:.0f} us of a {total:.0f} us decode step ({reorder / total:.1%}; "
+        f"{reorder / layers:.0f} us a layer), onnxruntime's kernel times"
     )
 
 
