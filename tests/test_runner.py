@@ -234,26 +234,37 @@ def paged_pair(fmt, granularity="per_tensor", **kwargs):
 def test_paged_decoder_computes_what_the_gqa_decoder_does(fmt, granularity):
     """The CPU reference against onnxruntime's CPU GQA kernel (int8/int4), whose rule is also
     quantize-before-attend: same cache codes, logits within 1e-4 (measured ~1e-5)."""
-    gqa, paged = paged_pair(fmt, granularity)
+    a, b = twin_runners(*paged_pair(fmt, granularity))
+    decode_alike(a, b, fmt)
+    for layer in range(LAYERS):
+        for kind in ("key", "value"):
+            np.testing.assert_allclose(
+                b.cache_values(layer, kind), a.cache_values(layer, kind), rtol=1e-5, atol=1e-5
+            )
+    assert "PagedAttention CPU reference" in b.kernel_rule or fmt is None
+
+
+def twin_runners(gqa: ir.Model, paged: ir.Model) -> tuple[KvCacheRunner, KvCacheRunner]:
+    """The GQA twin under the CPU rule (the paged kernels' rule), the paged one as it runs."""
     with warnings.catch_warnings():  # fp8 under the CPU rule warns: it is the paged kernels' rule
         warnings.simplefilter("ignore", KvCacheWarning)
-        a = KvCacheRunner(gqa, semantics="cpu")
-    b = KvCacheRunner(paged)
+        return KvCacheRunner(gqa, semantics="cpu"), KvCacheRunner(paged)
+
+
+def decode_alike(a: KvCacheRunner, b: KvCacheRunner, fmt: str | None) -> None:
+    """Prefill and three steps give the same logits (1e-4), and a quantized cache the very
+    codes: the paged pool's rows gathered in BNSH order."""
     ids = (np.arange(37) * 7 + 3) % 300
     np.testing.assert_allclose(b.prefill(ids), a.prefill(ids), atol=1e-4)
     for token in (5, 6, 7):
         np.testing.assert_allclose(b.step(token), a.step(token), atol=1e-4)
     for layer in range(LAYERS):
         for kind in ("key", "value"):
-            np.testing.assert_allclose(
-                b.cache_values(layer, kind), a.cache_values(layer, kind), rtol=1e-5, atol=1e-5
-            )
-            if fmt is not None:  # the very codes: gather the pool rows in BNSH order
-                want = a.present(layer, kind)
-                pool = b.present(layer, kind)
+            if fmt is not None:
+                pool, want = b.present(layer, kind), a.present(layer, kind)
+                assert pool.dtype == want.dtype
                 rows = pool.reshape(-1, *pool.shape[2:])[b.pool.rows(0)]
                 np.testing.assert_array_equal(rows.transpose(1, 0, 2)[None], want)
-    assert "PagedAttention CPU reference" in b.kernel_rule or fmt is None
 
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
@@ -263,23 +274,11 @@ def test_a_bfloat16_paged_decoder_computes_what_its_gqa_twin_does(fmt, granulari
     paged one through the CPU reference; same cache codes, logits within 1e-4 (measured ~1e-5)."""
     gqa, paged = paged_pair(fmt, granularity, dtype="bfloat16")
     assert all(v.dtype == ir.DataType.BFLOAT16 for v in paged.graph.outputs if "logits" in v.name)
-    with warnings.catch_warnings():  # fp8 under the CPU rule warns: it is the paged kernels' rule
-        warnings.simplefilter("ignore", KvCacheWarning)
-        a = KvCacheRunner(gqa, semantics="cpu")
-    b = KvCacheRunner(paged)
+    a, b = twin_runners(gqa, paged)
     assert b.emulated and b.kernel_rule.startswith("PagedAttention CPU reference")
     session_io = [*b.model.graph.inputs, *b.model.graph.outputs]
     assert not any(v.dtype == ir.DataType.BFLOAT16 for v in session_io)
-    ids = (np.arange(37) * 7 + 3) % 300
-    np.testing.assert_allclose(b.prefill(ids), a.prefill(ids), atol=1e-4)
-    for token in (5, 6, 7):
-        np.testing.assert_allclose(b.step(token), a.step(token), atol=1e-4)
-    for layer in range(LAYERS):
-        for kind in ("key", "value"):
-            pool = b.present(layer, kind)
-            assert pool.dtype == a.present(layer, kind).dtype
-            rows = pool.reshape(-1, *pool.shape[2:])[b.pool.rows(0)]
-            np.testing.assert_array_equal(rows.transpose(1, 0, 2)[None], a.present(layer, kind))
+    decode_alike(a, b, fmt)
 
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
