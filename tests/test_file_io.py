@@ -643,3 +643,32 @@ def test_check_output_file(tmp_path):
         with pytest.raises(KvCacheError, match=message):
             file_io.check_output_file(path, **kw)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("entry", [file_io.TempFile, file_io.TempDir])
+def test_a_signal_while_a_temporary_entry_is_created_leaves_nothing(tmp_path, monkeypatch, entry):
+    """The signal is held until the entry is ours, then raised, and the entry removed."""
+    from onnx_kvcache._signals import signal_handlers
+
+    real_lock = file_io._lock
+
+    def lock_then_signal(fd):
+        real_lock(fd)
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered while creating
+
+    monkeypatch.setattr(file_io, "_lock", lock_then_signal)
+    with signal_handlers(), pytest.raises(file_io.Interrupted):
+        entry(tmp_path)
+    assert os.listdir(tmp_path) == [] and not file_io._LIVE
+
+
+def test_entries_a_signal_left_open_are_closed_at_exit(tmp_path):
+    """A signal between creating an entry and entering the block that closes it."""
+    kept = file_io.TempFile(tmp_path)
+    kept.write(b"x")
+    published = file_io.TempFile(tmp_path)
+    published.publish(tmp_path / "out")
+    left = file_io.TempDir(tmp_path)
+    file_io.close_temporary_entries()
+    assert os.listdir(tmp_path) == ["out"] and not file_io._LIVE
+    assert kept.fd == left.fd == -1

@@ -72,6 +72,9 @@ def main() -> int:
         for s in _signals.HANDLED:
             if signal.getsignal(s) is not signal.SIG_IGN:
                 signal.signal(s, _after_the_command)
+        file_io = sys.modules.get("onnx_kvcache._file_io")  # loaded only if the command wrote
+        if file_io is not None:
+            file_io.close_temporary_entries()
         _flush()
         atexit._run_exitfuncs()
         _flush()

@@ -34,6 +34,7 @@ from __future__ import annotations
 __all__ = [
     "PLAIN_COPY_ENV",
     "TEMP_PREFIX",
+    "close_temporary_entries",
     "CopyStats",
     "Interrupted",
     "TempDir",
@@ -264,6 +265,20 @@ def keep_mode_and_owner(path: os.PathLike | str, like: os.stat_result) -> None:
 
 
 _Entry = TypeVar("_Entry", bound="_TempEntry")
+_LIVE: set[_TempEntry] = set()
+"""Open temporary entries; :func:`close_temporary_entries` removes what a signal left."""
+
+
+def close_temporary_entries() -> None:
+    """Close (and so remove, unless published) every temporary entry still open.
+
+    The command's last step: a signal between creating an entry and the block that
+    closes it (a ``with`` not yet entered) leaves it open, and ``os._exit`` runs no
+    finalizer.
+    """
+    for entry in list(_LIVE):
+        with contextlib.suppress(OSError):
+            entry.close()
 
 
 class _TempEntry:
@@ -274,18 +289,24 @@ class _TempEntry:
 
     def __init__(self, folder: os.PathLike | str, suffix: str = "") -> None:
         folder = pathlib.Path(folder)
-        for _ in range(20):
-            path = folder / _temp_name(suffix)
-            fd = self._open(path)
-            _lock(fd)
-            if _same_inode(path, fd):  # not removed by a sweep between create and lock
-                break
-            os.close(fd)
-        else:
-            raise OSError(errno.EAGAIN, f"cannot create a temporary {self.kind}", os.fspath(folder))
-        self.path = path
-        self.fd = fd
+        self.fd = -1
         self.published: pathlib.Path | None = None
+        try:
+            with uninterrupted():  # a signal is raised once the entry is ours to remove
+                for _ in range(20):
+                    path = folder / _temp_name(suffix)
+                    fd = self._open(path)
+                    _lock(fd)
+                    if _same_inode(path, fd):  # not removed by a sweep between create and lock
+                        break
+                    os.close(fd)
+                else:
+                    raise OSError(errno.EAGAIN, f"cannot create a temporary {self.kind}", os.fspath(folder))
+                self.path, self.fd = path, fd
+                _LIVE.add(self)
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, path: pathlib.Path) -> int:
         raise NotImplementedError
@@ -306,6 +327,7 @@ class _TempEntry:
         finally:
             os.close(self.fd)
             self.fd = -1
+            _LIVE.discard(self)
 
     def __enter__(self: _Entry) -> _Entry:
         return self
