@@ -22,6 +22,8 @@ PROMPTS = {  # attention masks of a 7-token prompt
     "single": np.ones((1, 7), np.int64),
     "right_padded": np.array([[1] * 7, [1] * 4 + [0] * 3]),
     "left_padded": np.array([[1] * 7, [0] * 3 + [1] * 4]),
+    "middle_padded": np.array([[1] * 7, [1, 1, 0, 0, 1, 1, 1]]),
+    "empty_row": np.array([[1] * 7, [0] * 7]),  # a free slot: its first token comes with decode
 }
 
 
@@ -66,7 +68,7 @@ def max_differences(want: list, got: list) -> dict[str, float]:
         queries = a["logits"].shape[1]
         rows = mask[:, -queries:].astype(bool)
         diff = _distance(a["logits"], b["logits"])
-        worst["logits"] = max(worst["logits"], float(diff[rows].max()))
+        worst["logits"] = max(worst["logits"], float(diff[rows].max(initial=0.0)))
         for name in a:
             kind = name.split(".")[0]
             if kind not in ("present", "attn_weights"):
@@ -77,7 +79,7 @@ def max_differences(want: list, got: list) -> dict[str, float]:
                     x, y = x[:, valid], y[:, : valid.sum()]
                 else:  # [heads, seq, total]: valid query rows only
                     x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
-                worst[kind] = max(worst[kind], float(_distance(x, y).max()))
+                worst[kind] = max(worst[kind], float(_distance(x, y).max(initial=0.0)))
     return worst
 
 

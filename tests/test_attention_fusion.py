@@ -53,6 +53,8 @@ SHAPES = {
     "attention_probs": lambda: exported(exported=ExportStyle(qk_matmul_output=3)),
 }
 WINDOWED = {"mistral", "gemma2"}
+PADDING_AFTER_A_TOKEN = ("right_padded", "middle_padded")
+"""Masks whose padding a sliding window counts in the export, and GQA does not."""
 
 
 def fused(model: ir.Model) -> ir.Model:
@@ -64,8 +66,8 @@ def fused(model: ir.Model) -> ir.Model:
 CASES = [
     (shape, prompt)
     for shape in SHAPES
-    for prompt in ("single", "right_padded", "left_padded")
-    if not (prompt == "right_padded" and shape in WINDOWED)
+    for prompt in ("single", "right_padded", "left_padded", "middle_padded", "empty_row")
+    if not (prompt in PADDING_AFTER_A_TOKEN and shape in WINDOWED)
 ]
 
 
@@ -80,14 +82,13 @@ def test_fused_decoder_equals_the_export(shape, prompt):
     assert max(worst.values()) < 1e-4, worst
 
 
+@pytest.mark.parametrize("prompt", PADDING_AFTER_A_TOKEN)
 @pytest.mark.parametrize("shape", sorted(WINDOWED))
-def test_right_padding_under_a_window_differs(shape):
+def test_padding_after_a_token_under_a_window_differs(shape, prompt):
     """The export's window counts a row's padding positions; GQA's counts its valid tokens."""
     original = SHAPES[shape]()
     model = fused(SHAPES[shape]())
-    worst = max_differences(
-        generate(original, PROMPTS["right_padded"]), generate(model, PROMPTS["right_padded"])
-    )
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
     assert worst["logits"] > 1e-2
 
 
@@ -174,7 +175,7 @@ def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
 def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
     """No target named: a float32 export runs on CPU, which has float32 GroupQueryAttention."""
     original = ir.load(FIXTURE)
-    with pytest.warns(KvCacheWarning, match="left- or right-padded prompts"):
+    with pytest.warns(KvCacheWarning, match="a prompt padded anywhere"):
         model = optimize_model(ir.load(FIXTURE))
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
@@ -429,7 +430,7 @@ def test_gqa_fusion_says_what_a_padding_mask_assumes_and_skips_onnxscript(monkey
 
     monkeypatch.setattr("onnxscript.rewriter.ort_fusions.optimize_for_ort", must_not_run)
     model = ir.load(FIXTURE)
-    with pytest.warns(KvCacheWarning, match="left- or right-padded prompts.*paused row") as caught:
+    with pytest.warns(KvCacheWarning, match="a prompt padded anywhere.*paused row") as caught:
         fusion = GqaFusionPass()
         fusion(model)
     assert fusion.fused == 3 and fusion.refused == []
@@ -439,7 +440,9 @@ def test_gqa_fusion_says_what_a_padding_mask_assumes_and_skips_onnxscript(monkey
 def test_gqa_fusion_warns_about_windows_under_right_padding():
     from onnx_kvcache import GqaFusionPass
 
-    with pytest.warns(KvCacheWarning, match="paused row.*Sliding-window layers differ.*right-padded"):
+    with pytest.warns(
+        KvCacheWarning, match="paused row.*Sliding-window layers differ.*padding after their first token"
+    ):
         GqaFusionPass()(exported("mistral"))
 
 

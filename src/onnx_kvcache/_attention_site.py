@@ -18,7 +18,8 @@ exporter's attention and build an :class:`AttentionSite` from facts proven with
 - **Shapes.** 4-D (BNSH) Q, K, V; static head counts; a head size that is a multiple
   of 8 (GQA's requirement), the same for V.
 
-GQA takes ``seqlens_k = sum(attention_mask, axis=1) - 1`` and
+GQA takes ``seqlens_k = max(sum(attention_mask != 0, axis=1) - 1, 0)`` (a row without a token
+reads as one, which only padding attends to) and
 ``total_sequence_length = attention_mask.shape[1]``, computed once per graph. GQA reads a
 row's valid tokens as its first ones, so with a padding mask the node receives the new
 tokens reordered, each row's valid ones first (a stable order, computed once per graph),
@@ -352,7 +353,13 @@ class GqaWriter:
             one = self._const(at, np.array(1, np.int64), "attention_mask/one")
             axes = self._const(at, np.array([1], np.int64), "attention_mask/axes")
             valid = self._add(at, "ReduceSum", [counted, axes], "attention_mask/ReduceSum", keepdims=0)
-            last = self._add(at, "Sub", [valid, one], "attention_mask/Sub")
+            floor = self._const(at, np.array(0, np.int64), "attention_mask/floor")
+            last = self._add(  # a row with no token yet (a free slot of a batch) reads as one
+                at,
+                "Max",
+                [self._add(at, "Sub", [valid, one], "attention_mask/Sub"), floor],
+                "attention_mask/Max",
+            )
             seqlens = self._add(at, "Cast", [last], "attention_mask/seqlens_k", to=ir.DataType.INT32)
             width = self._add(at, "Shape", [mask], "attention_mask/Shape", start=1, end=2)
         else:

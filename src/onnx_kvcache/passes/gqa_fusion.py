@@ -30,14 +30,15 @@ logger = logging.getLogger(__name__)
 #: Said once when a fused attention reads the export's attention_mask.
 PADDING_WARNING = (
     "the fused attention keeps each row's valid tokens (nonzero attention_mask entries) first in its "
-    "cache: left- or right-padded prompts compute as the export does, but after the prompt every row "
-    "must get a nonzero entry per new token (a row given a 0, a paused row, computes wrong results; "
-    "docs/exporting.md)."
+    "cache: a prompt padded anywhere computes as the export does, but after the prompt every row "
+    "must get a nonzero entry per new token once it has one (a row given a 0 then, a paused row, "
+    "computes wrong results; docs/exporting.md)."
 )
 #: Added when a fused attention with a padding mask also has a sliding window.
 WINDOW_PADDING_WARNING = (
-    "Sliding-window layers differ from the export for right-padded rows: the export counts the "
-    "padding inside the window, the fused attention does not. Left-pad batches for those."
+    "Sliding-window layers differ from the export for rows with padding after their first token "
+    "(right padding, padding inside a prompt): the export counts that padding inside the window, "
+    "the fused attention does not. Left-pad batches for those."
 )
 
 
