@@ -409,8 +409,9 @@ def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_
     out = tmp_path / "o.onnx"
     assert main(["convert", str(model_file), str(out), "--format", "fp8"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cpu")
-    assert "(assumed: a float32 model; --ep to choose)" in err and "cpu runs --format int8 or int4" in err
+    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cuda")
+    assert "(assumed: fp8 caches run only on CUDA; --ep to choose)" in err
+    assert "Fix: --ep cpu --format int8 or int4, if the model will run there." in err
     assert not out.exists()
     assert main(["convert", str(fp16_model_file), str(out), "--format", "fp8"]) == 0
     stdout = capsys.readouterr().out

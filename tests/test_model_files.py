@@ -1601,15 +1601,19 @@ def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, sh
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"format": "fp8"}, "KV cache not converted to fp8 per_tensor for cpu: cpu has no"),
+        (
+            {"format": "fp8"},
+            "not converted to fp8 per_tensor for cuda: cuda's GroupQueryAttention takes queries",
+        ),
         ({"format": "fp8", "ep": "cuda"}, "cuda's GroupQueryAttention takes queries of"),
+        ({"format": "fp8", "ep": "cpu"}, "KV cache not converted to fp8 per_tensor for cpu: cpu has no"),
     ],
 )
 def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_path, kwargs, reason):
     from onnx_kvcache import NotConvertedWarning, build_decoder
 
     source = tmp_path / "m.onnx"
-    ir.save(build_decoder(num_layers=1), source)  # float32: the CPU's, and no fp8 there
+    ir.save(build_decoder(num_layers=1), source)  # float32: fp8 is CUDA's, which takes fp16/bf16
     with pytest.warns(NotConvertedWarning, match=reason):
         result = convert_model(source, tmp_path / "o.onnx", **kwargs)
     assert not result.converted and reason.split(": ")[-1] in " ".join(result.reasons)

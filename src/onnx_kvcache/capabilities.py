@@ -240,14 +240,18 @@ def _ops_in(sites: list[AttentionSite]) -> list[AttentionOp]:
     return list(dict.fromkeys(s.op for s in sites))
 
 
-def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) -> tuple[str, str]:
+def infer_target(
+    model: ir.Model | None, genai_config: Mapping | None = None, format: str | None = None
+) -> tuple[str, str]:
     """Where a model will run when the user did not say: ``(row name, why)``.
 
     An fp8 cache, or an operator without a CPU kernel (PagedAttention), means ``cuda``: they
     run nowhere else. A model ``convert_model`` gated on a provider records it (its
     ``onnx_kvcache.converted`` metadata): that provider. An onnxruntime-genai config decides
     next: the first known provider of its ``provider_options``, or ``cpu`` when it names none
-    (genai's default). A bare model: fp16/bf16 queries mean ``cuda``, float32 ``cpu``.
+    (genai's default). A bare model: fp16/bf16 queries mean ``cuda`` (without attention to
+    go by, the dtype of its float inputs and outputs); else an fp8 ``format`` asked for
+    means ``cuda``, and float32 ``cpu``.
     """
     sites = find_attention_sites(model) if model is not None else []
     for op in _ops_in(sites):
@@ -265,10 +269,18 @@ def infer_target(model: ir.Model | None, genai_config: Mapping | None = None) ->
                 return row.name, f"genai_config.json's provider_options name {name!r}"
         return "cpu", "genai_config.json names no provider, so onnxruntime-genai runs it on CPU"
     dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
+    if not dtypes and model is not None:  # e.g. an export whose attention did not fuse
+        io = [*model.graph.inputs, *model.graph.outputs]
+        dtypes = {v.dtype for v in io if v.dtype in _ATTENTION_DTYPES}
     if dtypes & {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}:
         names = "/".join(sorted(t.name.lower() for t in dtypes))
         return "cuda", f"a {names} model"
-    return "cpu", "a float32 model" if dtypes else "no attention dtype to go by"
+    if format is not None and get_format(format).is_float:
+        return "cuda", f"{get_format(format).name} caches run only on CUDA"
+    return "cpu", "a float32 model" if dtypes else "no float dtype to go by"
+
+
+_ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
 def default_format(model: ir.Model | None, target: str, granularity: str = "per_tensor") -> str | None:

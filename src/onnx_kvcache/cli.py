@@ -233,6 +233,12 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     formats = [f for f in CACHE_FORMATS if f != result.format and runs(result.target or "", f)]
     if formats:
         fixes.append(f"{result.target} runs --format {' or '.join(formats)}")
+    if not fixes:  # neither another provider nor another format alone: both
+        for ep in (ep for ep in ep_choices() if ep != result.target):
+            others = [f for f in CACHE_FORMATS if runs(ep, f)]
+            if others:
+                fixes.append(f"--ep {ep} --format {' or '.join(others)}, if the model will run there")
+                break
     return f" Fix: {'; '.join(fixes)}." if fixes else ""
 
 

@@ -523,7 +523,7 @@ def convert_model(
     if granularity is None:
         granularity = result.granularity = _granularity_for(model, scales)
     if ep == "auto":
-        target, why = infer_target(model, source.config)
+        target, why = infer_target(model, source.config, named)
         result.target_source = f"assumed: {why}"
     elif ep is not None:
         target, result.target_source = ep.lower(), "given"

@@ -34,9 +34,7 @@ def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | Non
     will run (:func:`~onnx_kvcache.capabilities.infer_target`; an fp8 cache means CUDA)."""
     if ep != AUTO:
         return ep, ""
-    if fmt is not None and get_format(fmt).is_float:
-        return "cuda", f"{fmt} caches run only on CUDA"
-    return infer_target(model)
+    return infer_target(model, format=fmt)
 
 
 def _fuse_where_it_runs(
