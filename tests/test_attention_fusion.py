@@ -462,3 +462,14 @@ def test_a_partly_fused_export_is_not_converted_and_the_runner_says_why(tmp_path
         pytest.raises(KvCacheError, match="cannot feed the model's input"),
     ):
         KvCacheRunner(path)
+
+
+def test_a_refused_conversion_of_an_export_says_only_why(tmp_path, capsys):
+    """Nothing is written, so nothing about what the fused model would compute."""
+    from onnx_kvcache.cli import main
+
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(FIXTURE), str(out), "--format", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not converted for cuda" in err and "padding" not in err
+    assert not out.exists()

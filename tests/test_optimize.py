@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -215,4 +216,50 @@ def test_granularity_defaults_to_the_one_the_scales_record():
             kv_cache_format="int8",
             kv_cache_granularity="per_tensor",
             kv_cache_scales=per_channel,
+        )
+
+
+def test_a_failed_call_leaves_the_model_as_it_was():
+    """A refusal or an error after fusing: the caller's model is not fused either."""
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.exported_decoder import exported_config
+
+    export = build_decoder(exported_config("llama", num_layers=2, vocab_size=300))
+    text = ir.to_onnx_text(export)
+    with pytest.raises(KvCacheError, match=r"needs calibrated scales.*Pass kv_cache_scales=PATH"):
+        optimize_model(export, kv_cache_format="int8")
+    assert ir.to_onnx_text(export) == text
+    scales = {0: (0.05, 0.05), 1: (0.05, 0.05)}
+    with pytest.warns(
+        KvCacheWarning, match=r"^KV cache not converted to int8 per_tensor for webgpu: "
+    ) as said:
+        optimize_model(export, execution_provider="webgpu", kv_cache_format="int8", kv_cache_scales=scales)
+    assert ir.to_onnx_text(export) == text and len(said) == 1  # nothing about a fusion not kept
+    optimize_model(export, execution_provider="webgpu")  # the float attention runs there: fused
+    assert count_gqa(export) == 2
+
+
+def test_scales_that_record_no_granularity_fit_the_model(tmp_path):
+    """onnxruntime-genai's scale files say no granularity: the sizes decide, per model."""
+    from onnx_kvcache import KvCacheQuantizationPass
+
+    head = gqa_model().graph.inputs[3].shape[3]
+    genai_file = tmp_path / "scales.json"
+    genai_file.write_text(
+        json.dumps({"scales": {"k_scales": [[0.1] * 2 * head], "v_scales": [[0.2] * 2 * head]}})
+    )
+    quantize = KvCacheQuantizationPass("int8", scales=genai_file)
+    assert quantize.granularity is None
+    model = gqa_model()
+    quantize(model)
+    assert quant_type(model) == "PER_CHANNEL"
+    model = optimize_model(
+        gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=genai_file
+    )
+    assert quant_type(model) == "PER_CHANNEL"
+    with pytest.raises(
+        KvCacheError, match=r"per_tensor scales need 1 element.*kv_cache_granularity='per_channel'"
+    ):
+        optimize_model(
+            gqa_model(), kv_cache_format="int8", kv_cache_granularity="per_tensor", kv_cache_scales=genai_file
         )

@@ -32,6 +32,7 @@ import logging
 import os
 import pathlib
 import stat
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -51,16 +52,14 @@ from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import (
     CACHE_FORMATS,
-    SCALE_GRANULARITIES,
     get_format,
-    granularity_of,
 )
 from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales import KvCacheScales, as_kv_cache_scales, resolve_granularity
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.scales import as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -493,9 +492,12 @@ def convert_model(
     said = granularity or recorded or "per_tensor"
     result = ConvertResult(plan.out, source.graph, 0, said, named or "", placement=plan.placement)
     refusal = None
+    fusion_said: list[warnings.WarningMessage] = []
     if not find_attention_sites(model, with_cache_only=False):
         fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
-        fusion(model)
+        with warnings.catch_warnings(record=True) as fusion_said:  # said once it is converted
+            warnings.simplefilter("always")
+            fusion(model)
         result.fused = fusion.fused
         if fusion.refused:
             left = "; ".join(fusion.refused)
@@ -521,7 +523,7 @@ def convert_model(
         warn(f"Not converted: {refusal}", NotConvertedWarning)
         return result
     if granularity is None:
-        granularity = result.granularity = _granularity_for(model, scales)
+        granularity = result.granularity = granularity_for(model, scales)
     if ep == "auto":
         target, why = infer_target(model, source.config, named)
         result.target_source = f"assumed: {why}"
@@ -542,6 +544,8 @@ def convert_model(
             warn(message, NotConvertedWarning)
             return result
     KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    for said in fusion_said:
+        warn(str(said.message), said.category)
     for site in find_attention_sites(model):
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
@@ -577,43 +581,6 @@ def convert_model(
     else:
         _write_file(source, plan, data, result, progress)
     return result
-
-
-def _granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
-    """The granularity ``scales`` record, else the first row whose size fits every cache of
-    ``model`` they cover; ``per_tensor`` without scales."""
-    if scales is None:
-        return "per_tensor"
-    if scales.granularity is not None:
-        return scales.granularity
-    caches = []
-    for site in find_attention_sites(model):
-        if site.layer_id in scales.k:
-            try:
-                head: int | None = site.head_size()
-            except KvCacheError:
-                head = None
-            caches.append((scales.k[site.layer_id].size, site.kv_num_heads, head))
-    found = granularity_of(caches)
-    if found is None:
-        misfits = [c for c in caches if granularity_of([c]) is None]
-        if not misfits:
-            raise KvCacheError(
-                "The scales of different layers fit different granularities: give scales of one "
-                "granularity for every layer (calibrate_kv_cache() measures them)."
-            )
-        size, kv, head = misfits[0]
-        sizes = ", ".join(
-            f"{row.name} {row.size(kv, head or 0)}"
-            for row in SCALE_GRANULARITIES.values()
-            if head is not None or not row.per_dim
-        )
-        raise KvCacheError(
-            f"The scales have {size} element(s) per cache, which fits no scale granularity of a "
-            f"cache of {kv} KV head(s) x head size {head if head is not None else '?'} ({sizes}): "
-            "they were measured for a model of another shape; calibrate this model."
-        )
-    return found
 
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:

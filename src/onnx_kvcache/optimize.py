@@ -1,17 +1,21 @@
 """``optimize_model``: fuse attention, gate on the target, quantize the KV cache.
 
 It never returns a model that cannot load where the user said it will run: when the
-request cannot be honoured it warns once with every reason and returns the model
-unconverted (``strict=True`` raises instead). It returns the model, always: ask
-:func:`~onnx_kvcache.capabilities.check_kv_cache_support` or
-:func:`~onnx_kvcache.cache_layout.inspect_kv_cache` what became of it.
+request cannot be honoured it warns once with every reason and returns the model as it was,
+unfused and unconverted (``strict=True`` raises instead); an error leaves it as it was too.
+It returns the model, always: ask :func:`~onnx_kvcache.capabilities.check_kv_cache_support`
+or :func:`~onnx_kvcache.cache_layout.inspect_kv_cache` what became of it.
 """
 
 from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
+import contextlib
+import dataclasses
+import re
 import warnings
+from collections.abc import Iterator
 from typing import Literal
 
 import onnx_ir as ir
@@ -23,7 +27,7 @@ from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 AUTO = "auto"
@@ -37,30 +41,21 @@ def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | Non
     return infer_target(model, format=fmt)
 
 
-def _fuse_where_it_runs(
-    model: ir.Model, ep: str | None, fmt: str | None, granularity: str
-) -> tuple[str | None, str, SupportReport | None]:
-    """Fuse ``model``'s attention, unless the target cannot run the attention the fusion
-    made: then leave the model as it was (the export's own attention may well run there)
-    and return why. A model that had attention nodes already is fused without that check.
-    Returns ``(target, how it was chosen, refusal or None)``; the fusion's warnings are
-    said only when it is applied."""
-    had_attention = bool(find_attention_sites(model, with_cache_only=False))
+def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage]]:
+    """A fused copy of ``model`` and the warnings the fusion gave (said only if it is kept)."""
     fused = model.clone()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         GqaFusionPass()(fused)
-    target, why = _target(fused, ep, fmt)
-    if target is not None and not had_attention and find_attention_sites(fused):
-        report = check_kv_cache_support(fused, target, fmt, granularity)
-        if not report.supported:
-            return target, why, report
-    model.graph = fused.graph  # opset imports live on the graph
-    model.functions.clear()
-    model.functions.update(fused.functions)
-    for warning in said:
-        warn(str(warning.message), warning.category)
-    return target, why, None
+    return fused, said
+
+
+def _commit(model: ir.Model, work: ir.Model) -> None:
+    """Make ``model`` what ``work`` (its converted copy) is."""
+    if work is not model:
+        model.graph = work.graph  # opset imports live on the graph
+        model.functions.clear()
+        model.functions.update(work.functions)
 
 
 def optimize_model(
@@ -102,67 +97,89 @@ def optimize_model(
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
         warning, as it was.
     """
-    if fuse_attention not in (True, False, "auto"):
-        raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
-    model = as_model(model)
-    if fp8_kv_cache:
-        if kv_cache_format not in (None, "fp8"):
-            raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
-        kv_cache_format = "fp8"
-    scales = (
-        as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
-        if kv_cache_format
-        else None
-    )
-    granularity = resolve_granularity(kv_cache_granularity, scales)
-    has_attention = bool(find_attention_sites(model, with_cache_only=False))
-    if fuse_attention is True or (fuse_attention == "auto" and not has_attention):
-        target, why, refused = _fuse_where_it_runs(model, execution_provider, kv_cache_format, granularity)
-        if refused is not None:
-            message = f"Attention not fused for {_named(target, why)}: " + " ".join(refused.reasons)
-            if strict:
-                raise KvCacheError(message)
-            warn(message, NotConvertedWarning)
+    with _in_optimize_words():
+        if fuse_attention not in (True, False, "auto"):
+            raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
+        model = as_model(model)
+        if fp8_kv_cache:
+            if kv_cache_format not in (None, "fp8"):
+                raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
+            kv_cache_format = "fp8"
+        scales = (
+            as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
+            if kv_cache_format
+            else None
+        )
+        resolve_granularity(kv_cache_granularity, scales)  # a contradiction fails before any work
+        had_attention = bool(find_attention_sites(model, with_cache_only=False))
+        work = model  # converted in a copy when fusing: a refusal or error leaves model as it was
+        said: list[warnings.WarningMessage] = []
+        if fuse_attention is True or (fuse_attention == "auto" and not had_attention):
+            work, said = _fused(model)
+        target, why = _target(work, execution_provider, kv_cache_format)
+        if target is not None and not had_attention and find_attention_sites(work):
+            fusion = check_kv_cache_support(work, target, None, "per_tensor")  # the float attention
+            if not fusion.supported:
+                return _refuse(model, f"Attention not fused for {_named(target, why)}", fusion, strict)
+        if kv_cache_format is None:
+            _commit(model, work)
+            _say(said)
             return model
-    else:
-        target, why = _target(model, execution_provider, kv_cache_format)
-    if kv_cache_format is None:
-        return model
-    fmt = get_format(kv_cache_format)
-    if target is None:
-        KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
-        for warning in conversion_warnings(model, fmt.name):
+        fmt = get_format(kv_cache_format)
+        quantize = KvCacheQuantizationPass(
+            fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale
+        )
+        if target is None:
+            quantize(work)
+            _commit(model, work)
+            _say(said)
+            for warning in conversion_warnings(model, fmt.name):
+                warn(warning)
+            return model
+        capability = cuda_compute_capability() if check_device else None
+        granularity = quantize.granularity or granularity_for(work, scales)
+        report = check_kv_cache_support(work, target, fmt.name, granularity, compute_capability=capability)
+        if check_device and capability is None and report.ep == "cuda":
+            no_gpu = (
+                "check_device=True: no CUDA GPU found on this machine (without it, the check is "
+                "left to the GPU that runs the model)."
+            )
+            report = dataclasses.replace(report, supported=False, reasons=(*report.reasons, no_gpu))
+        if not report.supported:
+            where = f"KV cache not converted to {fmt.name} {granularity} for {_named(target, why)}"
+            return _refuse(model, where, report, strict)
+        quantize(work)
+        _commit(model, work)
+        _say(said)
+        for warning in report.warnings:
             warn(warning)
         return model
-    capability = None
-    if check_device:
-        capability = cuda_compute_capability()
-    report = check_kv_cache_support(model, target, fmt.name, granularity, compute_capability=capability)
-    if check_device and capability is None and report.ep == "cuda":
-        report = SupportReport(
-            report.ep,
-            report.format,
-            report.granularity,
-            False,
-            (
-                *report.reasons,
-                "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-                "left to the GPU that runs the model).",
-            ),
-        )
-    if not report.supported:
-        message = (
-            f"KV cache not converted to {fmt.name} {granularity} for "
-            f"{_named(target, why)}: " + " ".join(report.reasons)
-        )
-        if strict:
-            raise KvCacheError(message)
-        warn(message, NotConvertedWarning)
-        return model
-    KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
-    for warning in report.warnings:
-        warn(warning)
+
+
+@contextlib.contextmanager
+def _in_optimize_words() -> Iterator[None]:
+    """Errors of the passes name their parameters (``scales=``); say optimize_model's."""
+    try:
+        yield
+    except KvCacheError as error:
+        worded = re.sub(r"(?<![\w.-])(scales|granularity)=", r"kv_cache_\1=", str(error))
+        if worded == str(error):
+            raise
+        raise type(error)(worded) from error
+
+
+def _refuse(model: ir.Model, where: str, report: SupportReport, strict: bool) -> ir.Model:
+    """The model as it was, with one warning (``strict``: an error) saying why."""
+    message = f"{where}: " + " ".join(report.reasons)
+    if strict:
+        raise KvCacheError(message)
+    warn(message, NotConvertedWarning)
     return model
+
+
+def _say(said: list[warnings.WarningMessage]) -> None:
+    for warning in said:
+        warn(str(warning.message), warning.category)
 
 
 def _named(target: str | None, why: str) -> str:

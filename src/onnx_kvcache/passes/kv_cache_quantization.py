@@ -41,7 +41,7 @@ scales) are given once the checks have passed, attributed to the caller's line.
 
 from __future__ import annotations
 
-__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass"]
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "granularity_for"]
 
 import dataclasses
 import logging
@@ -51,8 +51,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.attention_ops import AttentionOp, op_of
-from onnx_kvcache.errors import KvCachePreconditionError, warn
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
+    SCALE_GRANULARITIES,
     CacheFormat,
     get_format,
     granularity_of,
@@ -110,9 +111,12 @@ class KvCacheQuantizationPass(InPlacePass):
         super().__init__()
         self.format: CacheFormat = get_format(format)
         self.scales = as_kv_cache_scales(scales, format=self.format.name)
-        self.granularity = resolve_granularity(granularity, self.scales)
-        self._granularity = scale_granularity(self.granularity)
-        """Resolved once (a scale file is read here, not at every run)."""
+        """Read once (a scale file is read here, not at every run)."""
+        unrecorded = granularity is None and self.scales is not None and self.scales.granularity is None
+        self.granularity: str | None = None if unrecorded else resolve_granularity(granularity, self.scales)
+        """None: scales that record none (onnxruntime-genai's files) fit each model's caches."""
+        self._granularity = scale_granularity(self.granularity or "per_tensor")
+        """The granularity of the model being converted (:func:`granularity_for`)."""
         self.shared_kv_scale = shared_kv_scale
 
     def requires(self, model: ir.Model) -> None:
@@ -137,7 +141,7 @@ class KvCacheQuantizationPass(InPlacePass):
             "KV cache: %s in %s %s format%s.",
             ", ".join(f"{n} {op} node(s)" for op, n in counts.items()) or "no attention node",
             self.format.name,
-            self.granularity,
+            self._granularity.name,
             "" if modified else " (already converted, nothing changed)",
         )
         return ir.passes.PassResult(model, modified=modified)
@@ -148,6 +152,7 @@ class KvCacheQuantizationPass(InPlacePass):
         """What the pass will do to each site, and the warnings it will give; raises
         :class:`KvCachePreconditionError` when it cannot convert."""
         scales = self.scales
+        self._granularity = scale_granularity(self.granularity or granularity_for(model, scales))
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
         groups: dict[int, list[AttentionSite]] = {}
@@ -199,7 +204,7 @@ class KvCacheQuantizationPass(InPlacePass):
             return True
         raise KvCachePreconditionError(
             f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}); cannot "
-            f"convert it to {self.format.name} {self.granularity}. Convert the original "
+            f"convert it to {self.format.name} {self._granularity.name}. Convert the original "
             "(unquantized) model instead."
         )
 
@@ -265,7 +270,7 @@ class KvCacheQuantizationPass(InPlacePass):
             else:
                 hint = "These scales were measured for a model of another shape: calibrate this model."
             raise KvCachePreconditionError(
-                f"Layer {site.layer_id} ({site.label}): {self.granularity} scales need "
+                f"Layer {site.layer_id} ({site.label}): {self._granularity.name} scales need "
                 f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
             )
         return _Plan(site, done, sources, sinks, k, v, head)
@@ -293,7 +298,7 @@ class KvCacheQuantizationPass(InPlacePass):
             modified |= _retype(value, self.format, plan.head_size)
         if plan.k_scale is not None and plan.v_scale is not None:
             owner = site.owner  # scales are named after the owner's caches: one per cache
-            shape = op.scale_shape(self.granularity, site.kv_num_heads, plan.head_size or 0)
+            shape = op.scale_shape(self._granularity.name, site.kv_num_heads, plan.head_size or 0)
             arrays = {"key": plan.k_scale, "value": plan.v_scale}
             values: dict[str, ir.Value] = {}
             if self.shared_kv_scale and len(site.sides) > 1:
@@ -313,7 +318,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     store.retire(node.inputs[slot])
                     node.replace_input_with(slot, value)
                     modified = True
-        for name, wanted in op.quant_attributes(self.format, self.granularity, site.sides).items():
+        for name, wanted in op.quant_attributes(self.format, self._granularity.name, site.sides).items():
             attr = ir.AttrString(name, wanted) if isinstance(wanted, str) else ir.AttrInt64(name, wanted)
             old = node.attributes.get(name)
             if old is None or old.value != attr.value:
@@ -615,3 +620,40 @@ def _graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
     yield from graph.initializers.values()
     for node in ir.traversal.RecursiveGraphIterator(graph):
         yield from node.outputs
+
+
+def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
+    """The granularity ``scales`` record, else the first row whose size fits every cache of
+    ``model`` they cover; ``per_tensor`` without scales."""
+    if scales is None:
+        return "per_tensor"
+    if scales.granularity is not None:
+        return scales.granularity
+    caches = []
+    for site in find_attention_sites(model):
+        if site.layer_id in scales.k:
+            try:
+                head: int | None = site.head_size()
+            except KvCacheError:  # a precondition error is one too
+                head = None
+            caches.append((scales.k[site.layer_id].size, site.kv_num_heads, head))
+    found = granularity_of(caches)
+    if found is None:
+        misfits = [c for c in caches if granularity_of([c]) is None]
+        if not misfits:
+            raise KvCachePreconditionError(
+                "The scales of different layers fit different granularities: give scales of one "
+                "granularity for every layer (calibrate_kv_cache() measures them)."
+            )
+        size, kv, head = misfits[0]
+        sizes = ", ".join(
+            f"{row.name} {row.size(kv, head or 0)}"
+            for row in SCALE_GRANULARITIES.values()
+            if head is not None or not row.per_dim
+        )
+        raise KvCachePreconditionError(
+            f"The scales have {size} element(s) per cache, which fits no scale granularity of a "
+            f"cache of {kv} KV head(s) x head size {head if head is not None else '?'} ({sizes}): "
+            "they were measured for a model of another shape; calibrate this model."
+        )
+    return found
