@@ -473,3 +473,14 @@ def test_a_refused_conversion_of_an_export_says_only_why(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not converted for cuda" in err and "padding" not in err
     assert not out.exists()
+
+
+def test_an_export_in_memory_is_fused_for_running_and_left_as_it_is():
+    """KvCacheRunner (and so calibrate_kv_cache) fuse a copy, as they do a file."""
+    export = ir.load(FIXTURE)
+    text = ir.to_onnx_text(export)
+    logits = KvCacheRunner(export).prefill([1, 2, 3])
+    assert ir.to_onnx_text(export) == text
+    np.testing.assert_allclose(logits, KvCacheRunner(FIXTURE).prefill([1, 2, 3]), atol=1e-6)
+    scales = calibrate_kv_cache(export, CALIBRATION, format="int8", seq_len=128, progress=False)
+    assert list(scales.layer_ids) == [0, 1, 2] and ir.to_onnx_text(export) == text

@@ -220,7 +220,8 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
 
 
 def _fused(model: ir.Model) -> ir.Model:
-    """A decoder read from disk without attention nodes (a PyTorch export), fused in memory.
+    """A decoder without attention nodes (a PyTorch export), fused in memory (the file, or
+    the caller's model, unchanged).
 
     The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
     """
@@ -393,6 +394,8 @@ class KvCacheRunner:
         base_dir, config = None, None
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
+            if not find_attention_sites(model, with_cache_only=False):
+                model = _fused(model.clone())  # the caller's model stays as it is
         else:
             model_file, config = resolve_model_path(model_or_path)
             model = load_model(model_file)
