@@ -13,6 +13,7 @@ __all__ = ["optimize_model"]
 
 import contextlib
 import dataclasses
+import logging
 import re
 import warnings
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, g
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 AUTO = "auto"
+logger = logging.getLogger(__name__)
 
 
 def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | None, str]:
@@ -117,6 +119,7 @@ def optimize_model(
         if fuse_attention is True or (fuse_attention == "auto" and not had_attention):
             work, said = _fused(model)
         target, why = _target(work, execution_provider, kv_cache_format)
+        logger.info("optimize_model: target %s (%s).", target, why or "given")
         if target is not None and not had_attention and find_attention_sites(work):
             fusion = check_kv_cache_support(work, target, None, "per_tensor")  # the float attention
             if not fusion.supported:
