@@ -484,3 +484,10 @@ def test_an_export_in_memory_is_fused_for_running_and_left_as_it_is():
     np.testing.assert_allclose(logits, KvCacheRunner(FIXTURE).prefill([1, 2, 3]), atol=1e-6)
     scales = calibrate_kv_cache(export, CALIBRATION, format="int8", seq_len=128, progress=False)
     assert list(scales.layer_ids) == [0, 1, 2] and ir.to_onnx_text(export) == text
+
+
+def test_a_refused_export_gets_the_fix_its_fused_graph_would_take(tmp_path, capsys):
+    from onnx_kvcache.cli import main
+
+    assert main(["convert", str(FIXTURE), str(tmp_path / "o.onnx"), "--format", "fp8"]) == 1
+    assert "Fix: --ep cpu --format int8 or int4, if the model will run there." in capsys.readouterr().err

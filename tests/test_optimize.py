@@ -263,3 +263,19 @@ def test_scales_that_record_no_granularity_fit_the_model(tmp_path):
         optimize_model(
             gqa_model(), kv_cache_format="int8", kv_cache_granularity="per_tensor", kv_cache_scales=genai_file
         )
+
+
+def test_cache_options_without_a_format():
+    """Scales name their format, as in convert; other cache options need one."""
+    from onnx_kvcache import KvCacheScales
+
+    int8 = KvCacheScales.from_mapping({0: (0.1, 0.2)}, format="int8")
+    model = optimize_model(gqa_model(), execution_provider="cpu", kv_cache_scales=int8)
+    assert model.graph.inputs[3].dtype == ir.DataType.INT8
+    with pytest.raises(KvCacheError, match="record no format: name it"):
+        optimize_model(gqa_model(), kv_cache_scales={0: (0.1, 0.2)})
+    with pytest.raises(KvCacheError, match="apply to a quantized cache"):
+        optimize_model(gqa_model(), kv_cache_granularity="per_channel")
+    for provider in ("", 123):
+        with pytest.raises(KvCacheError, match="execution_provider must name a provider"):
+            optimize_model(gqa_model(), execution_provider=provider, kv_cache_scales=int8)

@@ -217,11 +217,17 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     """What would convert ``model_path``: the providers that run the format, the formats the
     target runs (read from the graph; none when neither helps)."""
     from onnx_kvcache.capabilities import check_kv_cache_support
+    from onnx_kvcache.gqa import find_attention_sites
     from onnx_kvcache.model_source import load_model
+    from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 
     if any(r.startswith("check_device") for r in result.reasons):
         return ""
     model = load_model(model_path)
+    if not find_attention_sites(model, with_cache_only=False):  # an export: judge what it fuses to
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            GqaFusionPass()(model)
 
     def runs(ep: str, fmt: str) -> bool:
         return check_kv_cache_support(model, ep, fmt, result.granularity).supported

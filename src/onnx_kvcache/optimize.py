@@ -82,7 +82,8 @@ def optimize_model(
             what it was converted for; fp16/bf16 attention: CUDA; float32: CPU), looking at
             the model after fusion. ``None`` skips gating (the caller takes responsibility).
         fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
-        kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None`` quantizes nothing.
+        kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None``: the format the scales were
+            made for (calibration and our scale files record it), else nothing is quantized.
         kv_cache_granularity: ``per_tensor`` or ``per_channel``; None takes the one the
             scales record (calibration and our scale files do), else ``per_tensor``.
         kv_cache_scales: What the pass accepts, or a scale-file path.
@@ -107,6 +108,26 @@ def optimize_model(
             if kv_cache_format not in (None, "fp8"):
                 raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
             kv_cache_format = "fp8"
+        if execution_provider is not None and (
+            not isinstance(execution_provider, str) or not execution_provider
+        ):
+            raise KvCacheError(
+                f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
+                f"{execution_provider!r}."
+            )
+        if kv_cache_format is None and kv_cache_scales is not None:  # as convert: the scales' format
+            given = as_kv_cache_scales(kv_cache_scales)
+            kv_cache_format = given.implied_format if given is not None else None
+            if kv_cache_format is None:
+                raise KvCacheError(
+                    "kv_cache_scales were given without kv_cache_format, and they record no format: "
+                    "name it (kv_cache_format='int8', ...)."
+                )
+        if kv_cache_format is None and (kv_cache_granularity is not None or shared_kv_scale):
+            raise KvCacheError(
+                "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its format "
+                "(kv_cache_format='int8', ...) or drop them."
+            )
         scales = (
             as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
             if kv_cache_format
