@@ -279,3 +279,19 @@ def test_cache_options_without_a_format():
     for provider in ("", 123):
         with pytest.raises(KvCacheError, match="execution_provider must name a provider"):
             optimize_model(gqa_model(), execution_provider=provider, kv_cache_scales=int8)
+
+
+def test_scales_that_fit_no_granularity_name_the_layer():
+    head = gqa_model(layers=2).graph.inputs[3].shape[3]
+    odd = {0: (0.1, 0.2), 1: (np.full(3, 0.1), np.full(3, 0.2))}
+    with pytest.raises(KvCacheError, match=r"scales of layer 1 have 3 element\(s\) per cache, which fits no"):
+        optimize_model(
+            gqa_model(layers=2), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=odd
+        )
+    mixed = {0: (0.1, 0.2), 1: (np.full(2 * head, 0.1), np.full(2 * head, 0.2))}
+    with pytest.raises(
+        KvCacheError, match=r"fit different granularities \(\{0: 'per_tensor', 1: 'per_channel'\}\)"
+    ):
+        optimize_model(
+            gqa_model(layers=2), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=mixed
+        )

@@ -217,3 +217,12 @@ def test_a_saved_file_holds_the_shortest_decimals_that_read_back_exactly(tmp_pat
     assert repr(scales) == "KvCacheScales(2 layers, format='int8', granularity='per_channel', scales " + (
         f"{min(a.min() for a in k.values()):.3g}..{max(2 * a.max() for a in k.values()):.3g})"
     )
+
+
+def test_layer_ids_may_be_digit_strings_as_json_gives():
+    from onnx_kvcache.scales import as_kv_cache_scales
+
+    scales = as_kv_cache_scales({"0": (0.1, 0.2), "1": (0.3, 0.4)})
+    assert scales.layer_ids == (0, 1) and scales.k[1].item() == np.float32(0.3)
+    with pytest.raises(KvCacheError, match=r"Layer id 'x' must be an integer >= 0"):
+        as_kv_cache_scales({"x": (0.1, 0.2)})

@@ -137,10 +137,11 @@ class KvCacheScales:
         qmax: float | None = None,
         granularity: str | None = None,
     ) -> KvCacheScales:
-        """Build from ``{layer_id: (k, v)}`` with floats or arrays."""
+        """Build from ``{layer_id: (k, v)}`` with floats or arrays (a layer id may be a
+        string of digits, as ``json.load`` gives)."""
         try:
-            k = {layer: pair[0] for layer, pair in mapping.items()}
-            v = {layer: pair[1] for layer, pair in mapping.items()}
+            k = {_layer_id(layer): pair[0] for layer, pair in mapping.items()}
+            v = {_layer_id(layer): pair[1] for layer, pair in mapping.items()}
         except (TypeError, IndexError, KeyError) as e:
             raise KvCacheError("Scales must map each layer id to a (k_scale, v_scale) pair.") from e
         return cls(k, v, format=format, qmax=qmax, granularity=granularity)
@@ -201,6 +202,11 @@ class KvCacheScales:
         """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format`` and,
         when known, ``granularity``)."""
         atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _layer_id(key: Any) -> Any:
+    """A digit string as the layer id it spells; anything else as it is (checked later)."""
+    return int(key) if isinstance(key, str) and key.isdecimal() else key
 
 
 def _shortest(scales: np.ndarray) -> list[float]:

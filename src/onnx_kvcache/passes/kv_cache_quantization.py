@@ -629,31 +629,33 @@ def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
         return "per_tensor"
     if scales.granularity is not None:
         return scales.granularity
-    caches = []
+    caches: dict[int, tuple[int, int, int | None]] = {}  # layer -> (size, kv heads, head size)
     for site in find_attention_sites(model):
         if site.layer_id in scales.k:
             try:
                 head: int | None = site.head_size()
             except KvCacheError:  # a precondition error is one too
                 head = None
-            caches.append((scales.k[site.layer_id].size, site.kv_num_heads, head))
-    found = granularity_of(caches)
+            caches[site.layer_id] = (scales.k[site.layer_id].size, site.kv_num_heads, head)
+    found = granularity_of(caches.values())
     if found is None:
-        misfits = [c for c in caches if granularity_of([c]) is None]
+        misfits = [(layer, c) for layer, c in caches.items() if granularity_of([c]) is None]
         if not misfits:
+            fits = {layer: granularity_of([c]) for layer, c in caches.items()}
             raise KvCachePreconditionError(
-                "The scales of different layers fit different granularities: give scales of one "
-                "granularity for every layer (calibrate_kv_cache() measures them)."
+                f"The scales of different layers fit different granularities ({fits}): give scales "
+                "of one granularity for every layer (calibrate_kv_cache() measures them)."
             )
-        size, kv, head = misfits[0]
+        layer, (size, kv, head) = misfits[0]
         sizes = ", ".join(
             f"{row.name} {row.size(kv, head or 0)}"
             for row in SCALE_GRANULARITIES.values()
             if head is not None or not row.per_dim
         )
         raise KvCachePreconditionError(
-            f"The scales have {size} element(s) per cache, which fits no scale granularity of a "
-            f"cache of {kv} KV head(s) x head size {head if head is not None else '?'} ({sizes}): "
-            "they were measured for a model of another shape; calibrate this model."
+            f"The scales of layer {layer} have {size} element(s) per cache, which fits no scale "
+            f"granularity of its cache of {kv} KV head(s) x head size "
+            f"{head if head is not None else '?'} ({sizes}): they were measured for a model of "
+            "another shape; calibrate this model."
         )
     return found
