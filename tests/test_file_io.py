@@ -672,3 +672,13 @@ def test_entries_a_signal_left_open_are_closed_at_exit(tmp_path):
     file_io.close_temporary_entries()
     assert os.listdir(tmp_path) == ["out"] and not file_io._LIVE
     assert kept.fd == left.fd == -1
+
+
+def test_an_entry_that_cannot_be_locked_is_removed(tmp_path, monkeypatch):
+    def refuse(fd):
+        raise OSError(errno.ENOLCK, "no locks here")
+
+    monkeypatch.setattr(file_io, "_lock", refuse)
+    with pytest.raises(OSError, match="no locks here"):
+        file_io.TempFile(tmp_path)
+    assert os.listdir(tmp_path) == [] and not file_io._LIVE

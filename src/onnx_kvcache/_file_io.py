@@ -294,15 +294,15 @@ class _TempEntry:
         try:
             with uninterrupted():  # a signal is raised once the entry is ours to remove
                 for _ in range(20):
-                    path = folder / _temp_name(suffix)
-                    fd = self._open(path)
-                    _lock(fd)
-                    if _same_inode(path, fd):  # not removed by a sweep between create and lock
+                    self.path = folder / _temp_name(suffix)
+                    self.fd = self._open(self.path)  # ours from here: close() removes it
+                    _lock(self.fd)
+                    if _same_inode(self.path, self.fd):  # not removed by a sweep between create and lock
                         break
-                    os.close(fd)
+                    os.close(self.fd)
+                    self.fd = -1
                 else:
                     raise OSError(errno.EAGAIN, f"cannot create a temporary {self.kind}", os.fspath(folder))
-                self.path, self.fd = path, fd
                 _LIVE.add(self)
         except BaseException:
             self.close()
