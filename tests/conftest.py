@@ -290,3 +290,17 @@ def paged_model(
         graph.outputs.extend(outputs)
     graph.inputs.extend([x for x in (cu, past, table, slots, metadata) if x is not None])
     return ir.Model(graph, ir_version=10)
+
+
+def og_generate(folder, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens onnxruntime-genai generates from a model folder after ``prompt``."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
 from onnx_kvcache.demo_model import save_genai_folder
+
+from conftest import og_generate
 
 og = pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
 
@@ -19,17 +20,6 @@ def runner_generate(folder, prompt, n):
     """The runner's greedy tokens; onnxruntime-genai leaves a final EOS out of its sequence."""
     tokens = KvCacheRunner(folder).generate(prompt, n)
     return tokens[:-1] if tokens and tokens[-1] == 257 else tokens
-
-
-def og_generate(folder, prompt, n):
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.asarray(prompt, np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
 
 
 @pytest.fixture(scope="module")

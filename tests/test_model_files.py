@@ -33,6 +33,8 @@ from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import build_decoder, save_genai_folder
 from onnx_kvcache.genai_folder import resolve_model_path
 
+from conftest import og_generate
+
 try:
     import onnxruntime_genai as og
 except ImportError:  # the genai extra; CI installs it
@@ -112,17 +114,6 @@ def data_files(path: pathlib.Path) -> list[pathlib.Path]:
     return [graph.parent / loc for loc in sorted(data_locations(graph))]
 
 
-def og_generate(folder, n=4):
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(PROMPT) + n, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.asarray(PROMPT, np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    return list(generator.get_sequence(0))[len(PROMPT) :]
-
-
 def assert_loads_everywhere(path: pathlib.Path, cache: ir.DataType, *, linked=False) -> None:
     """onnx.load with data, onnx-ir reading every weight, onnxruntime, onnxruntime-genai."""
     import onnxruntime as ort
@@ -142,7 +133,7 @@ def assert_loads_everywhere(path: pathlib.Path, cache: ir.DataType, *, linked=Fa
     runner = KvCacheRunner(path)
     assert runner.cache_dtype == cache and np.isfinite(runner.prefill([1, 2, 3])).all()
     if config is not None and og is not None:
-        assert len(og_generate(path)) >= 1
+        assert len(og_generate(path, PROMPT, 4)) >= 1
 
 
 def assert_no_temporary_entries(*folders: pathlib.Path) -> None:

@@ -82,7 +82,9 @@ def test_every_allowed_format_calibrates_converts_and_evaluates_on_cpu(build, tm
 def test_onnxruntime_genai_generates_from_every_cpu_runnable_int_folder(build, tmp_path):
     og = pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
     name, folder = build
-    from test_genai import PROMPT, og_generate, runner_generate
+    from test_genai import PROMPT, runner_generate
+
+    from conftest import og_generate
 
     if name in GENAI_CANNOT:  # prove the reason holds for the original, then skip
         with pytest.raises(RuntimeError):
