@@ -116,8 +116,8 @@ def optimize_model(
                 f"{execution_provider!r}."
             )
         if kv_cache_format is None and kv_cache_scales is not None:  # as convert: the scales' format
-            given = as_kv_cache_scales(kv_cache_scales)
-            kv_cache_format = given.implied_format if given is not None else None
+            kv_cache_scales = as_kv_cache_scales(kv_cache_scales)  # a file is read once
+            kv_cache_format = kv_cache_scales.implied_format if kv_cache_scales is not None else None
             if kv_cache_format is None:
                 raise KvCacheError(
                     "kv_cache_scales were given without kv_cache_format, and they record no format: "
