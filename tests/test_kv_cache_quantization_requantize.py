@@ -1,0 +1,203 @@
+"""KvCacheQuantizationPass on models whose caches are quantized already: requantization.
+
+Every cell of {GroupQueryAttention, PagedAttention} x {fp8, int8, int4} x {per_tensor,
+per_channel} converts to every other cell. The result must be the very graph a direct
+conversion of the float model gives with the same scales (graphs, initializers and
+attributes compared structurally), with the scales given or, without them, with the node's
+own scales retargeted (the same thresholds: a scale file of them retargeted by qmax, per
+channel to per tensor by their max, per tensor to per channel broadcast). It must run where
+the target runs: int8/int4 GQA on onnxruntime's CPU kernel, fp8 GQA fails session creation
+only with NOT_IMPLEMENTED, paged caches through the project's PagedAttention CPU reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheScales, KvCacheWarning
+from onnx_kvcache._runtime import create_session
+from onnx_kvcache.attention_ops import op_of
+from onnx_kvcache.formats import get_format, scale_granularity
+from test_paged_attention_reference import run_case
+
+from conftest import (
+    CPU_FORMATS,
+    FORMATS,
+    GRANULARITIES,
+    gqa_model,
+    paged_model,
+    reference_step,
+    run_gqa_steps,
+)
+
+LAYERS, KV, HEAD = 2, 2, 16
+BUILDERS: dict[str, Callable[..., ir.Model]] = {
+    "gqa": lambda layers=LAYERS, **kw: gqa_model(layers=layers, kv_heads=KV, head=HEAD, **kw),
+    "paged": lambda layers=LAYERS, **kw: paged_model(layers=layers, kv_heads=KV, head=HEAD, **kw),
+}
+CELLS = list(itertools.product(FORMATS, GRANULARITIES))
+PAIRS = [(a, b) for a in CELLS for b in CELLS if a != b]
+
+
+def pair_id(pair) -> str:
+    (f1, g1), (f2, g2) = pair
+    return f"{f1}-{g1}-to-{f2}-{g2}"
+
+
+def scales(fmt: str, granularity: str, seed: int, layers: int = LAYERS) -> KvCacheScales:
+    """Scales of thresholds 2.5..4 (the data's range), varied per layer and channel."""
+    rng = np.random.default_rng(seed)
+    n = scale_granularity(granularity).size(KV, HEAD)
+    qmax = get_format(fmt).qmax
+    pairs = {
+        i: tuple((rng.uniform(2.5, 4.0, n) / qmax).astype(np.float32) for _ in "kv") for i in range(layers)
+    }
+    return KvCacheScales.from_mapping(pairs, format=fmt, granularity=granularity)
+
+
+def quantized(op: str, fmt: str, granularity: str, seed: int = 0, layers: int = LAYERS, **kw) -> ir.Model:
+    model = BUILDERS[op](layers, **kw)
+    KvCacheQuantizationPass(fmt, granularity, scales(fmt, granularity, seed, layers))(model)
+    return model
+
+
+def structure(model: ir.Model) -> dict:
+    """Everything a graph is: its inputs, outputs, initializers (values too), and nodes with
+    their inputs, outputs and attributes (in any order)."""
+
+    def io(values) -> list:
+        return [(v.name, v.dtype, None if v.shape is None else tuple(map(str, v.shape))) for v in values]
+
+    graph = model.graph
+    return {
+        "inputs": io(graph.inputs),
+        "outputs": io(graph.outputs),
+        "initializers": {
+            name: (v.dtype, tuple(v.shape), v.const_value.numpy().tobytes())
+            for name, v in graph.initializers.items()
+        },
+        "nodes": [
+            (
+                n.name,
+                n.domain,
+                n.op_type,
+                [None if v is None else v.name for v in n.inputs],
+                [v.name for v in n.outputs],
+                {name: (a.type, a.value) for name, a in n.attributes.items()},
+            )
+            for n in graph
+        ],
+    }
+
+
+def own_scales_as_file(model: ir.Model, to: str) -> KvCacheScales:
+    """The model's scales as a scale file of their format would give them, in granularity ``to``:
+    per channel -> per tensor by their max, per tensor -> per channel repeated."""
+    k, v, fmt = {}, {}, None
+    for node in model.graph:
+        op = op_of(node)
+        if op is None:
+            continue
+        layer = int(node.name.split(".")[-1])
+        fmt = get_format("int4" if node.inputs[3].dtype == ir.DataType.UINT8 else node.inputs[3].dtype.name)
+        for table, side in ((k, op.key), (v, op.value)):
+            own = node.inputs[op.slot(side.scale)].const_value.numpy().reshape(-1)
+            n = scale_granularity(to).size(KV, HEAD)
+            table[layer] = np.full(n, own.max(), np.float32) if n != own.size else own
+    return KvCacheScales(k, v, format=fmt.name, granularity=to)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_requantized_with_scales_equals_the_direct_conversion(op, pair):
+    (f1, g1), (f2, g2) = pair
+    model = quantized(op, f1, g1)
+    target = scales(f2, g2, seed=1)
+    assert KvCacheQuantizationPass(f2, g2, target)(model).modified
+    direct = BUILDERS[op]()
+    KvCacheQuantizationPass(f2, g2, target)(direct)
+    assert structure(model) == structure(direct)
+    assert not KvCacheQuantizationPass(f2, g2, target)(model).modified  # converted: no change
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_requantized_with_its_own_scales_keeps_their_thresholds(op, pair):
+    (f1, g1), (f2, g2) = pair
+    model = quantized(op, f1, g1)
+    expected = own_scales_as_file(model, g2)
+    if g1 != g2:
+        said = "merged into one, their max" if g2 == "per_tensor" else "repeated for every channel"
+        with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {g2} .*{said}"):
+            KvCacheQuantizationPass(f2, g2)(model)
+    else:
+        KvCacheQuantizationPass(f2, g2)(model)  # no warning: the thresholds are the same
+    direct = BUILDERS[op]()
+    KvCacheQuantizationPass(f2, g2, expected)(direct)  # the pass retargets the file by qmax
+    assert structure(model) == structure(direct)
+    node = next(iter(model.graph))
+    got = node.inputs[op_of(node).slot("k_scale")].const_value.numpy().reshape(-1)
+    threshold = expected.k[0] * get_format(f1).qmax
+    np.testing.assert_allclose(got * get_format(f2).qmax, threshold, rtol=1e-6)
+
+
+def test_granularity_defaults_to_the_models_own():
+    """int8 per channel -> int4 without a granularity: per channel still (KVCacheVariant's case)."""
+    model = quantized("paged", "int8", "per_channel")
+    KvCacheQuantizationPass("int4")(model)
+    direct = BUILDERS["paged"]()
+    own = own_scales_as_file(quantized("paged", "int8", "per_channel"), "per_channel")
+    KvCacheQuantizationPass("int4", "per_channel", own)(direct)
+    assert structure(model) == structure(direct)
+
+
+RUN_PAIRS = [pair for pair in PAIRS if pair[1][0] in CPU_FORMATS]
+
+
+@pytest.mark.parametrize("pair", RUN_PAIRS, ids=pair_id)
+def test_requantized_gqa_runs_on_the_cpu_kernel(pair):
+    """int8/int4 on onnxruntime's CPU kernel == the quantized reference, prefill and decode."""
+    (f1, g1), (f2, g2) = pair
+    model = quantized("gqa", f1, g1, layers=1)
+    want = scales(f2, g2, seed=2, layers=1)
+    KvCacheQuantizationPass(f2, g2, want)(model)
+    row, (k_scale, v_scale) = get_format(f2), want.for_layer(0)
+    for feeds, (out, present_k, present_v) in run_gqa_steps(create_session(model), model, [5, 1, 1]):
+        _, want_k, _ = reference_step(model, feeds, row, k_scale, v_scale)
+        assert present_k.dtype == row.numpy_dtype() and present_k.shape == want_k.shape
+        expected, _, _ = reference_step(model, feeds, row, k_scale, v_scale, stored=(present_k, present_v))
+        np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("pair", [pair for pair in PAIRS if pair[1][0] == "fp8"], ids=pair_id)
+def test_requantized_fp8_gqa_type_checks_on_cpu(pair):
+    """CPU has no fp8 GQA kernel: session creation fails with NOT_IMPLEMENTED, nothing else."""
+    (f1, g1), (f2, g2) = pair
+    model = quantized("gqa", f1, g1, layers=1)
+    KvCacheQuantizationPass(f2, g2, scales(f2, g2, seed=2, layers=1))(model)
+    with pytest.raises(
+        Exception, match="NOT_IMPLEMENTED : Could not find an implementation for GroupQueryAttention"
+    ):
+        create_session(model)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_requantized_paged_runs_through_the_cpu_reference(pair):
+    """No CPU PagedAttention kernel: the project's reference pass runs it, against numpy; the
+    real operator's session (float16: its schema's T) fails with NOT_IMPLEMENTED only."""
+    (f1, g1), (f2, g2) = pair
+    want = scales(f2, g2, seed=2, layers=1)
+    half = quantized("paged", f1, g1, layers=1, dtype=ir.DataType.FLOAT16)
+    KvCacheQuantizationPass(f2, g2, want)(half)
+    with pytest.raises(
+        Exception, match="NOT_IMPLEMENTED : Could not find an implementation for PagedAttention"
+    ):
+        create_session(half)
+    model = quantized("paged", f1, g1, layers=1)
+    KvCacheQuantizationPass(f2, g2, want)(model)
+    run_case(model, 16, f2, {0: want.for_layer(0)})
