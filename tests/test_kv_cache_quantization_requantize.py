@@ -22,6 +22,7 @@ import pytest
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheScales, KvCacheWarning
 from onnx_kvcache._runtime import create_session
 from onnx_kvcache.attention_ops import op_of
+from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.formats import get_format, scale_granularity
 from test_paged_attention_reference import run_case
 
@@ -201,3 +202,105 @@ def test_requantized_paged_runs_through_the_cpu_reference(pair):
     model = quantized("paged", f1, g1, layers=1)
     KvCacheQuantizationPass(f2, g2, want)(model)
     run_case(model, 16, f2, {0: want.for_layer(0)})
+
+
+# -- files, folders and the CLI ---------------------------------------------------------
+
+FOLDER_SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
+KV_FOLDER, HEAD_FOLDER = 2, 32  # the demo decoder's
+
+
+def loaded(path) -> ir.Model:
+    from onnx_kvcache.genai_folder import resolve_model_path
+
+    return ir.load(resolve_model_path(path)[0])
+
+
+def graph_of(path) -> dict:
+    """The structure of a converted model, its marker metadata aside (it names the placement)."""
+    return structure(loaded(path))
+
+
+@pytest.mark.parametrize("placement", ["in-place", "beside", "folder"])
+@pytest.mark.parametrize(
+    ("first", "second", "ep", "share"),
+    [("int8", "int4", "cpu", False), ("int4", "int8", "cpu", False), ("int8", "fp8", "cuda", True)],
+)
+def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, share, placement):
+    """The in-place, beside and folder placements as for float models; share_buffer follows the target."""
+    import json
+
+    from onnx_kvcache import KvCacheRunner, convert_model
+    from onnx_kvcache.demo_model import save_genai_folder
+    from onnx_kvcache.genai_folder import resolve_model_path
+
+    dtype = "float32" if ep == "cpu" else "float16"  # CUDA's GQA takes no float32
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300, dtype=dtype, provider=ep)
+    convert_model(src, in_place=True, format=first, scales=FOLDER_SCALES, ep=ep)
+    direct = save_genai_folder(tmp_path / "direct", num_layers=2, vocab_size=300, dtype=dtype, provider=ep)
+    convert_model(direct, tmp_path / "want", format=second, scales=FOLDER_SCALES, ep=ep)
+    graph = resolve_model_path(src)[0]
+    into = {
+        "in-place": (src, None),
+        "beside": (graph, src / "model.requantized.onnx"),
+        "folder": (src, tmp_path / "out"),
+    }
+    given, out = into[placement]
+    result = convert_model(given, out, format=second, scales=FOLDER_SCALES, ep=ep, in_place=out is None)
+    assert result.converted and result.format == second and result.nodes == 2
+    written = out or src
+    assert graph_of(written) == graph_of(tmp_path / "want")
+    if placement != "beside":
+        config = json.loads((written / "genai_config.json").read_text())
+        assert config["search"]["past_present_share_buffer"] is share
+    if ep == "cpu":
+        runner = KvCacheRunner(written)
+        assert runner.cache_dtype == get_format(second).dtype and np.isfinite(runner.prefill([1, 2, 3])).all()
+
+
+def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granularity(tmp_path):
+    from onnx_kvcache import convert_model
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
+    convert_model(src, in_place=True, format="int4", scales=FOLDER_SCALES, ep="cpu")
+    same = convert_model(src, tmp_path / "same")  # already int4 per tensor: no change, no error
+    assert same.converted and (same.format, same.granularity) == ("int4", "per_tensor")
+    assert graph_of(tmp_path / "same") == graph_of(src)
+    with pytest.warns(KvCacheWarning, match="repeated for every channel"):
+        result = convert_model(src, tmp_path / "out", granularity="per_channel")
+    assert (result.format, result.granularity, result.target) == ("int4", "per_channel", "cpu")
+    info = inspect_kv_cache(loaded(tmp_path / "out"))
+    assert {(layer.k_quant_type, layer.bit_width, layer.dtype) for layer in info.layers} == {
+        ("PER_CHANNEL", 4, "UINT8")
+    }
+    assert [len(layer.k_scale) for layer in info.layers] == [KV_FOLDER * HEAD_FOLDER] * 2
+    assert info.layers[0].k_scale == [pytest.approx(0.05)] * (KV_FOLDER * HEAD_FOLDER)
+
+
+def test_cli_convert_requantizes(tmp_path, capsys):
+    from onnx_kvcache import convert_model
+    from onnx_kvcache.cli import main
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
+    convert_model(src, in_place=True, format="int8", scales=FOLDER_SCALES, ep="cpu")
+    assert main(["convert", str(src), str(tmp_path / "out"), "--format", "int4"]) == 0
+    assert "converted 2" in capsys.readouterr().out
+    direct = save_genai_folder(tmp_path / "direct", num_layers=2, vocab_size=300)
+    as_int8 = KvCacheScales.from_mapping(FOLDER_SCALES, format="int8")  # its own scales: x 128 / 8
+    convert_model(direct, tmp_path / "want", format="int4", scales=as_int8, ep="cpu")
+    assert graph_of(tmp_path / "out") == graph_of(tmp_path / "want")
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    assert "PER_TENSOR" in capsys.readouterr().out
+
+
+def test_optimize_model_requantizes():
+    from onnx_kvcache import optimize_model
+
+    model = quantized("gqa", "int8", "per_channel")
+    want = scales("int4", "per_channel", seed=3)
+    optimize_model(model, execution_provider="cpu", kv_cache_format="int4", kv_cache_scales=want)
+    direct = BUILDERS["gqa"]()
+    KvCacheQuantizationPass("int4", "per_channel", want)(direct)
+    assert structure(model) == structure(direct)

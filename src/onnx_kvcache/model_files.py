@@ -460,9 +460,9 @@ def convert_model(
     target. ``granularity`` defaults to the one the scales record (calibration and our scale
     files record it), else the first of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
     size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
-    ``kv_num_heads * head_size`` per channel), else per tensor; ``format`` to the
-    format the scales were made for (their ``format``, else their ``qmax``), else the first
-    the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
+    ``kv_num_heads * head_size`` per channel), else an already-quantized model's own, else per
+    tensor; ``format`` to the format the scales were made for (their ``format``, else their
+    ``qmax``), else an already-quantized model's own, else the first the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
     CPU; fp8 when gating is skipped). ``follow_symlinks`` accepts input files that link out
     of the model's folder (Hugging Face cache snapshots); their content is copied.
     ``progress``: a progress bar for copies (default: on a terminal).
@@ -481,6 +481,7 @@ def convert_model(
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
+    named = named or _own_format(source.model)
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
     file_io.check_writable_folder(
         source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
@@ -581,6 +582,13 @@ def convert_model(
     else:
         _write_file(source, plan, data, result, progress)
     return result
+
+
+def _own_format(model: ir.Model) -> str | None:
+    """The format of an already-quantized model's caches (one for all): what it keeps when no
+    other is named (``convert --granularity per_channel`` requantizes in it)."""
+    own = {site.cache_format for site in find_attention_sites(model)} - {None}
+    return next(iter(own)).name if len(own) == 1 else None  # type: ignore[union-attr]
 
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
