@@ -246,8 +246,9 @@ def infer_target(
     """Where a model will run when the user did not say: ``(row name, why)``.
 
     An fp8 cache (unless ``format`` names another, to requantize it to), or an operator
-    without a CPU kernel (PagedAttention), means ``cuda``: they run nowhere else. A model ``convert_model`` gated on a provider records it (its
-    ``onnx_kvcache.converted`` metadata): that provider. An onnxruntime-genai config decides
+    without a CPU kernel (PagedAttention), means ``cuda``: they run nowhere else. A model
+    ``convert_model`` gated on a provider records it (its ``onnx_kvcache.converted``
+    metadata): that provider. An onnxruntime-genai config decides
     next: the first known provider of its ``provider_options``, or ``cpu`` when it names none
     (genai's default). A bare model: fp16/bf16 queries mean ``cuda`` (without attention to
     go by, the dtype of its float inputs and outputs); else an fp8 ``format`` asked for

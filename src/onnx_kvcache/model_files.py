@@ -462,8 +462,10 @@ def convert_model(
     size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
     ``kv_num_heads * head_size`` per channel), else an already-quantized model's own, else per
     tensor; ``format`` to the format the scales were made for (their ``format``, else their
-    ``qmax``), else an already-quantized model's own, else the first the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
-    CPU; fp8 when gating is skipped). ``follow_symlinks`` accepts input files that link out
+    ``qmax``), else an already-quantized model's own (it is requantized: its own scales
+    retargeted when none are given), else the first the target runs
+    (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on CPU; fp8 when
+    gating is skipped). ``follow_symlinks`` accepts input files that link out
     of the model's folder (Hugging Face cache snapshots); their content is copied.
     ``progress``: a progress bar for copies (default: on a terminal).
 
