@@ -12,18 +12,33 @@ only with NOT_IMPLEMENTED, paged caches through the project's PagedAttention CPU
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 from collections.abc import Callable
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheScales, KvCacheWarning
+from onnx_kvcache import (
+    KvCacheQuantizationPass,
+    KvCacheRunner,
+    KvCacheScales,
+    KvCacheWarning,
+    build_decoder,
+    convert_model,
+    optimize_model,
+)
 from onnx_kvcache._runtime import create_session
 from onnx_kvcache.attention_ops import op_of
 from onnx_kvcache.cache_layout import inspect_kv_cache
+from onnx_kvcache.cli import main
+from onnx_kvcache.demo_model import save_genai_folder
 from onnx_kvcache.formats import get_format, scale_granularity
+from onnx_kvcache.genai_folder import resolve_model_path
+from test_kv_cache_quantization_paged import _genai_kv_cache_variant, scale_file
 from test_paged_attention_reference import run_case
 
 from conftest import (
@@ -35,6 +50,8 @@ from conftest import (
     reference_step,
     run_gqa_steps,
 )
+from genai_builder import builder_quantized_paged
+from genai_builder import structure as genai_structure
 
 LAYERS, KV, HEAD = 2, 2, 16
 BUILDERS: dict[str, Callable[..., ir.Model]] = {
@@ -211,8 +228,6 @@ KV_FOLDER, HEAD_FOLDER = 2, 32  # the demo decoder's
 
 
 def loaded(path) -> ir.Model:
-    from onnx_kvcache.genai_folder import resolve_model_path
-
     return ir.load(resolve_model_path(path)[0])
 
 
@@ -228,11 +243,6 @@ def graph_of(path) -> dict:
 )
 def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, share, placement):
     """The in-place, beside and folder placements as for float models; share_buffer follows the target."""
-    import json
-
-    from onnx_kvcache import KvCacheRunner, convert_model
-    from onnx_kvcache.demo_model import save_genai_folder
-    from onnx_kvcache.genai_folder import resolve_model_path
 
     dtype = "float32" if ep == "cpu" else "float16"  # CUDA's GQA takes no float32
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300, dtype=dtype, provider=ep)
@@ -259,8 +269,6 @@ def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, s
 
 
 def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granularity(tmp_path):
-    from onnx_kvcache import convert_model
-    from onnx_kvcache.demo_model import save_genai_folder
 
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
     convert_model(src, in_place=True, format="int4", scales=FOLDER_SCALES, ep="cpu")
@@ -279,9 +287,6 @@ def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granulari
 
 
 def test_cli_convert_requantizes(tmp_path, capsys):
-    from onnx_kvcache import convert_model
-    from onnx_kvcache.cli import main
-    from onnx_kvcache.demo_model import save_genai_folder
 
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
     convert_model(src, in_place=True, format="int8", scales=FOLDER_SCALES, ep="cpu")
@@ -296,7 +301,6 @@ def test_cli_convert_requantizes(tmp_path, capsys):
 
 
 def test_optimize_model_requantizes():
-    from onnx_kvcache import optimize_model
 
     model = quantized("gqa", "int8", "per_channel")
     want = scales("int4", "per_channel", seed=3)
@@ -304,3 +308,43 @@ def test_optimize_model_requantizes():
     direct = BUILDERS["gqa"]()
     KvCacheQuantizationPass("int4", "per_channel", want)(direct)
     assert structure(model) == structure(direct)
+
+
+# -- onnxruntime-genai's KVCacheVariant -------------------------------------------------
+
+
+@pytest.mark.parametrize("given", ["scale-file", "own-scales"])
+@pytest.mark.parametrize(("source", "target"), [("int8", "int4"), ("int4", "int8")])
+def test_matches_genai_kv_cache_variant_beside_the_source(tmp_path, source, target, given):
+    """genai 0.18's KVCacheVariant rewrites a per-channel paged graph beside its weights; our
+    conversion of the same file beside it gives the same cache types, attributes and scales,
+    from the scale file it reads or, without one, from the source's own scales."""
+    pytest.importorskip("onnxruntime_genai")
+
+    folder = tmp_path / "paged"
+    folder.mkdir()
+    calibrated = scale_file(tmp_path, "per_channel", "int8", head=32)  # one int8 calibration: qmax 128
+    float_model = build_decoder(num_layers=2, vocab_size=300, dtype="float16", paged=True, head_size=32)
+    src = builder_quantized_paged(float_model, source, "per_channel", calibrated)
+    ir.save(src, folder / "model.onnx", external_data="model.onnx.data")
+    _genai_kv_cache_variant()(f"{target}_per_channel").create(
+        folder / "model.onnx", folder / "variant.onnx", calibrated
+    )
+    int4_build = "onnxruntime_USE_INT4_KV_CACHE" if target == "int4" else None
+    with pytest.warns(KvCacheWarning, match=int4_build) if int4_build else contextlib.nullcontext():
+        result = convert_model(
+            folder / "model.onnx",
+            folder / f"model.{target}.onnx",
+            format=target,
+            scales=calibrated if given == "scale-file" else None,
+        )
+    assert (result.placement, result.granularity, result.target) == ("beside", "per_channel", "cuda")
+    theirs, ours = ir.load(folder / "variant.onnx"), ir.load(folder / f"model.{target}.onnx")
+    mine, genai = genai_structure(ours), genai_structure(theirs)
+    assert mine["io"] == genai["io"]
+    assert mine["nodes"].keys() == genai["nodes"].keys() and len(mine["nodes"]) == 2
+    for name, node in mine["nodes"].items():
+        assert node == genai["nodes"][name]  # attributes, every input, scale values by value
+    proto = onnx.load(folder / f"model.{target}.onnx", load_external_data=False)
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}  # beside: the source's weights, shared
