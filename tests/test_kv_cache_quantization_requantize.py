@@ -23,6 +23,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import (
+    KvCacheError,
     KvCacheQuantizationPass,
     KvCacheRunner,
     KvCacheScales,
@@ -348,3 +349,111 @@ def test_matches_genai_kv_cache_variant_beside_the_source(tmp_path, source, targ
     proto = onnx.load(folder / f"model.{target}.onnx", load_external_data=False)
     locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
     assert locations == {"model.onnx.data"}  # beside: the source's weights, shared
+
+
+# -- shapes of models beyond the matrix -------------------------------------------------
+
+
+def kv_sharing(layers: int = LAYERS) -> ir.Model:
+    """Layer 1 reads layer 0's present as its past (cross-layer KV sharing): one cache."""
+    model = BUILDERS["gqa"](layers)
+    a, b = list(model.graph)
+    for slot, out in ((3, 1), (4, 2)):
+        old = b.inputs[slot]
+        b.replace_input_with(slot, a.outputs[out])
+        model.graph.inputs.remove(old)
+    return model
+
+
+def latent(layers: int = LAYERS) -> ir.Model:
+    return paged_model(layers=layers, num_heads=4, kv_heads=1, head=32, latent=True, v_head=24)
+
+
+SHAPES: dict[str, tuple[Callable[[], ir.Model], int, int]] = {  # builder, kv heads, head size
+    "kv-sharing": (kv_sharing, KV, HEAD),
+    "latent": (latent, 1, 32),
+    "float16-gqa": (
+        lambda: gqa_model(layers=LAYERS, kv_heads=KV, head=HEAD, dtype=ir.DataType.FLOAT16),
+        KV,
+        HEAD,
+    ),
+    "packed-qkv-paged": (
+        lambda: paged_model(layers=LAYERS, kv_heads=KV, head=HEAD, packed_qkv=True),
+        KV,
+        HEAD,
+    ),
+}
+
+
+def shape_scales(fmt: str, granularity: str, kv: int, head: int, seed: int) -> KvCacheScales:
+    rng = np.random.default_rng(seed)
+    n = scale_granularity(granularity).size(kv, head)
+    same = [rng.uniform(0.01, 0.03, n).astype(np.float32) for _ in range(LAYERS)]  # K = V: LATENT's too
+    return KvCacheScales.from_mapping(
+        {i: (a, a) for i, a in enumerate(same)}, format=fmt, granularity=granularity
+    )
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [(("int8", "per_channel"), ("int4", "per_channel")), (("int4", "per_tensor"), ("fp8", "per_tensor"))],
+    ids=pair_id,
+)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_other_shapes_requantize_as_they_convert(shape, pair):
+    (f1, g1), (f2, g2) = pair
+    build, kv, head = SHAPES[shape]
+    model = build()
+    KvCacheQuantizationPass(f1, g1, shape_scales(f1, g1, kv, head, 0))(model)
+    target = shape_scales(f2, g2, kv, head, 1)
+    KvCacheQuantizationPass(f2, g2, target)(model)
+    direct = build()
+    KvCacheQuantizationPass(f2, g2, target)(direct)
+    assert structure(model) == structure(direct)
+
+
+def test_one_scale_tensor_for_k_and_v_is_requantized_into_two():
+    """A source converted with shared_kv_scale: requantized without it, each cache its own."""
+    model = BUILDERS["gqa"]()
+    KvCacheQuantizationPass("int8", "per_tensor", scales("int8", "per_tensor", 0), shared_kv_scale=True)(
+        model
+    )
+    target = scales("int4", "per_tensor", 1)
+    KvCacheQuantizationPass("int4", "per_tensor", target)(model)
+    direct = BUILDERS["gqa"]()
+    KvCacheQuantizationPass("int4", "per_tensor", target)(direct)
+    assert structure(model) == structure(direct)
+
+
+@pytest.mark.parametrize("target", ["int8", "int4"])
+def test_unit_fp8_scales_warn_when_retargeted_to_an_integer_format(target):
+    model = BUILDERS["gqa"]()
+    with pytest.warns(KvCacheWarning, match="unit scales"):
+        KvCacheQuantizationPass("fp8")(model)  # never calibrated
+    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\] had unit fp8 scales .*threshold 448"):
+        KvCacheQuantizationPass(target)(model)
+    k = next(iter(model.graph)).inputs[12].const_value.numpy()
+    np.testing.assert_array_equal(k, [448 / get_format(target).qmax])
+
+
+def test_a_model_in_a_format_we_do_not_know_is_still_refused():
+    model = paged_model(dtype=ir.DataType.FLOAT16)
+    node = next(iter(model.graph))
+    for slot in (3, 4):
+        node.inputs[slot].dtype = ir.DataType.UINT8
+    node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", "PER_TENSOR")
+    node.attributes["k_cache_dtype"] = ir.AttrString("k_cache_dtype", "float4e2m1")
+    with pytest.raises(KvCacheError, match=r"float4e2m1.*does not know"):
+        KvCacheQuantizationPass("int8")(model)
+
+
+def test_inspect_describes_a_requantized_model():
+    model = quantized("paged", "int8", "per_channel")
+    with pytest.warns(KvCacheWarning, match="merged into one"):
+        KvCacheQuantizationPass("int4", "per_tensor")(model)
+    info = inspect_kv_cache(model)
+    assert [(lay.dtype, lay.bit_width, lay.k_quant_type, len(lay.k_scale)) for lay in info.layers] == [
+        ("UINT8", 4, "PER_TENSOR", 1)
+    ] * LAYERS
+    assert info.layers[0].shape[3] == HEAD // 2
+    assert info.bytes_per_token == LAYERS * 2 * KV * HEAD * 0.5
