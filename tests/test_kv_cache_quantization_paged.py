@@ -198,7 +198,7 @@ def test_a_fp4_cache_is_not_mistaken_for_int4():
         node.inputs[slot].dtype = ir.DataType.UINT8
     node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", "PER_TENSOR")
     node.attributes["k_cache_dtype"] = ir.AttrString("k_cache_dtype", "float4e2m1")
-    with pytest.raises(KvCacheError, match="float4e2m1"):
+    with pytest.raises(KvCacheError, match=r"float4e2m1.*does not know"):  # never requantized
         KvCacheQuantizationPass("int4", "per_tensor", {0: (0.1, 0.1)})(model)
 
 

@@ -436,15 +436,17 @@ def test_unit_fp8_scales_warn_when_retargeted_to_an_integer_format(target):
     np.testing.assert_array_equal(k, [448 / get_format(target).qmax])
 
 
-def test_a_model_in_a_format_we_do_not_know_is_still_refused():
-    model = paged_model(dtype=ir.DataType.FLOAT16)
-    node = next(iter(model.graph))
-    for slot in (3, 4):
-        node.inputs[slot].dtype = ir.DataType.UINT8
-    node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", "PER_TENSOR")
-    node.attributes["k_cache_dtype"] = ir.AttrString("k_cache_dtype", "float4e2m1")
-    with pytest.raises(KvCacheError, match=r"float4e2m1.*does not know"):
-        KvCacheQuantizationPass("int8")(model)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_genai_per_token_caches_are_refused_not_requantized(op):
+    """genai 0.18's *_per_token scheme (scales as cache inputs) is no format of this library."""
+    model = quantized(op, "int8", "per_tensor")
+    for node in model.graph:
+        for name in ("k_quant_type", "v_quant_type"):
+            node.attributes[name] = ir.AttrString(name, "PER_TOKEN")
+    text = ir.to_onnx_text(model)
+    with pytest.raises(KvCacheError, match=r"\(int8, per_token\) in a format onnx-kvcache does not know"):
+        KvCacheQuantizationPass("int4", "per_tensor", scales("int4", "per_tensor", 1))(model)
+    assert ir.to_onnx_text(model) == text
 
 
 def test_inspect_describes_a_requantized_model():
