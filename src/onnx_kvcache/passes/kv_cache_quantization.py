@@ -276,7 +276,7 @@ class KvCacheQuantizationPass(InPlacePass):
         )
         head = None
         unpacks = source is not None and source.format.packed and not self.format.packed
-        if self._granularity.per_dim or (self.format.packed and symbolic) or (unpacks and not done):
+        if self._granularity.per_dim or (self.format.packed and symbolic) or unpacks:
             head = self._head_size(site)
         if scales is None:
             if done:
