@@ -459,3 +459,16 @@ def test_inspect_describes_a_requantized_model():
     ] * LAYERS
     assert info.layers[0].shape[3] == HEAD // 2
     assert info.bytes_per_token == LAYERS * 2 * KV * HEAD * 0.5
+
+
+def test_optimize_model_keeps_an_already_quantized_models_format():
+    model = quantized("gqa", "int8", "per_tensor")
+    with pytest.warns(KvCacheWarning, match="repeated for every channel"):
+        optimize_model(model, execution_provider="cpu", kv_cache_granularity="per_channel")
+    direct = BUILDERS["gqa"]()
+    KvCacheQuantizationPass(
+        "int8", "per_channel", own_scales_as_file(quantized("gqa", "int8", "per_tensor"), "per_channel")
+    )(direct)
+    assert structure(model) == structure(direct)
+    with pytest.raises(KvCacheError, match="name its format"):  # a float model has none to keep
+        optimize_model(BUILDERS["gqa"](), execution_provider="cpu", kv_cache_granularity="per_channel")

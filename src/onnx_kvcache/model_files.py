@@ -58,7 +58,7 @@ from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buf
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
@@ -483,7 +483,7 @@ def convert_model(
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    named = named or _own_format(source.model)
+    named = named or format_for(source.model)  # an already-quantized model keeps its own
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
     file_io.check_writable_folder(
         source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
@@ -584,13 +584,6 @@ def convert_model(
     else:
         _write_file(source, plan, data, result, progress)
     return result
-
-
-def _own_format(model: ir.Model) -> str | None:
-    """The format of an already-quantized model's caches (one for all): what it keeps when no
-    other is named (``convert --granularity per_channel`` requantizes in it)."""
-    own = {site.cache_format for site in find_attention_sites(model)} - {None}
-    return next(iter(own)).name if len(own) == 1 else None  # type: ignore[union-attr]
 
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:

@@ -49,7 +49,7 @@ scales) are given once the checks have passed, attributed to the caller's line.
 
 from __future__ import annotations
 
-__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "granularity_for"]
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "format_for", "granularity_for"]
 
 import dataclasses
 import logging
@@ -727,6 +727,13 @@ def _graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
     yield from graph.initializers.values()
     for node in ir.traversal.RecursiveGraphIterator(graph):
         yield from node.outputs
+
+
+def format_for(model: ir.Model) -> str | None:
+    """The format of an already-quantized model's caches when they share one, else None: what
+    a conversion naming no format keeps (it requantizes in it, e.g. to another granularity)."""
+    own = {site.cache_format for site in find_attention_sites(model)} - {None}
+    return next(iter(own)).name if len(own) == 1 else None  # type: ignore[union-attr]
 
 
 def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
