@@ -47,6 +47,7 @@ from conftest import (
     FORMATS,
     GRANULARITIES,
     gqa_model,
+    og_generate,
     paged_model,
     reference_step,
     run_gqa_steps,
@@ -264,9 +265,17 @@ def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, s
     if placement != "beside":
         config = json.loads((written / "genai_config.json").read_text())
         assert config["search"]["past_present_share_buffer"] is share
-    if ep == "cpu":
-        runner = KvCacheRunner(written)
-        assert runner.cache_dtype == get_format(second).dtype and np.isfinite(runner.prefill([1, 2, 3])).all()
+    for folder, fmt in [(written, second), *([] if out is None else [(src, first)])]:  # the source after
+        model_file = resolve_model_path(folder)[0]
+        onnx.load(model_file)  # with its data
+        assert all(v.const_value.numpy() is not None for v in ir.load(model_file).graph.initializers.values())
+        if ep == "cpu":  # onnxruntime and onnxruntime-genai run it
+            runner = KvCacheRunner(folder)
+            assert (
+                runner.cache_dtype == get_format(fmt).dtype and np.isfinite(runner.prefill([1, 2, 3])).all()
+            )
+            if folder.is_dir():  # a graph beside the folder's own: genai runs the folder's
+                assert len(og_generate(folder, [1, 2, 3], 3)) >= 1
 
 
 def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granularity(tmp_path):
