@@ -238,18 +238,25 @@ def graph_of(path) -> dict:
     return structure(loaded(path))
 
 
-@pytest.mark.parametrize("placement", ["in-place", "beside", "folder"])
-@pytest.mark.parametrize(
-    ("first", "second", "ep", "share"),
-    [("int8", "int4", "cpu", False), ("int4", "int8", "cpu", False), ("int8", "fp8", "cuda", True)],
-)
-def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, share, placement):
-    """The in-place, beside and folder placements as for float models; share_buffer follows the target."""
+#: (first format, its target), (second format, its target), share_buffer after, model dtype
+FOLDER_CASES = {
+    "cpu-int8-to-int4": (("int8", "cpu"), ("int4", "cpu"), False, "float32"),
+    "cpu-int4-to-int8": (("int4", "cpu"), ("int8", "cpu"), False, "float32"),
+    "cuda-int8-to-fp8": (("int8", "cuda"), ("fp8", "cuda"), True, "float16"),
+    "cpu-int8-to-cuda-fp8": (("int8", "cpu"), ("fp8", "cuda"), True, "float16"),  # config changes
+}
 
-    dtype = "float32" if ep == "cpu" else "float16"  # CUDA's GQA takes no float32
-    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300, dtype=dtype, provider=ep)
-    convert_model(src, in_place=True, format=first, scales=FOLDER_SCALES, ep=ep)
-    direct = save_genai_folder(tmp_path / "direct", num_layers=2, vocab_size=300, dtype=dtype, provider=ep)
+
+@pytest.mark.parametrize("placement", ["in-place", "beside", "folder"])
+@pytest.mark.parametrize("case", list(FOLDER_CASES))
+def test_convert_model_requantizes_a_genai_folder(tmp_path, case, placement):
+    """The in-place, beside and folder placements as for float models; share_buffer follows the target."""
+    (first, first_ep), (second, ep), share, dtype = FOLDER_CASES[case]
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300, dtype=dtype, provider=first_ep)
+    convert_model(src, in_place=True, format=first, scales=FOLDER_SCALES, ep=first_ep)
+    direct = save_genai_folder(
+        tmp_path / "direct", num_layers=2, vocab_size=300, dtype=dtype, provider=first_ep
+    )
     convert_model(direct, tmp_path / "want", format=second, scales=FOLDER_SCALES, ep=ep)
     graph = resolve_model_path(src)[0]
     into = {
@@ -269,7 +276,7 @@ def test_convert_model_requantizes_a_genai_folder(tmp_path, first, second, ep, s
         model_file = resolve_model_path(folder)[0]
         onnx.load(model_file)  # with its data
         assert all(v.const_value.numpy() is not None for v in ir.load(model_file).graph.initializers.values())
-        if ep == "cpu":  # onnxruntime and onnxruntime-genai run it
+        if (ep if folder is written else first_ep) == "cpu":  # onnxruntime and onnxruntime-genai run it
             runner = KvCacheRunner(folder)
             assert (
                 runner.cache_dtype == get_format(fmt).dtype and np.isfinite(runner.prefill([1, 2, 3])).all()
