@@ -39,6 +39,7 @@ from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import save_genai_folder
 from onnx_kvcache.formats import get_format, scale_granularity
 from onnx_kvcache.genai_folder import resolve_model_path
+from test_kv_cache_quantization import _function_model
 from test_kv_cache_quantization_paged import _genai_kv_cache_variant, scale_file
 from test_paged_attention_reference import run_case
 
@@ -488,3 +489,32 @@ def test_optimize_model_keeps_an_already_quantized_models_format():
     assert structure(model) == structure(direct)
     with pytest.raises(KvCacheError, match="name its format"):  # a float model has none to keep
         optimize_model(BUILDERS["gqa"](), execution_provider="cpu", kv_cache_granularity="per_channel")
+
+
+@pytest.mark.parametrize(("first", "second"), [("int8", "int4"), ("fp8", "int8"), ("int4", "int8")])
+def test_gqa_in_a_function_requantizes_and_runs(first, second):
+    """The node and its scale Constants live in a model-local function: requantized there, from
+    its own scales, it computes what the direct conversion computes. Unpacking int4 needs the
+    head size, which nothing in this function's shapeless body tells: refused, unchanged."""
+    model = _function_model()
+    KvCacheQuantizationPass(first, scales={0: (0.05, 0.04)})(model)
+    if get_format(first).packed:
+        text = ir.to_onnx_text(model)
+        with pytest.raises(KvCacheError, match=r"Cannot tell the head size.*Run shape inference"):
+            KvCacheQuantizationPass(second)(model)
+        assert ir.to_onnx_text(model) == text
+        return
+    KvCacheQuantizationPass(second)(model)
+    factor = np.float32(get_format(first).qmax / get_format(second).qmax)
+    reference = gqa_model()
+    KvCacheQuantizationPass(second, scales={0: (np.float32(0.05) * factor, np.float32(0.04) * factor)})(
+        reference
+    )
+    function = next(iter(model.functions.values()))
+    constants = [n for n in function if n.op_type == "Constant" and n.outputs[0].name.endswith("_scale")]
+    assert len(constants) == 2  # updated in place, none left behind
+    got = list(run_gqa_steps(create_session(model), reference, [3, 1]))
+    want = list(run_gqa_steps(create_session(reference), reference, [3, 1]))
+    for (_, a), (_, b) in zip(got, want):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)

@@ -312,12 +312,14 @@ class KvCacheQuantizationPass(InPlacePass):
         """The node's own K and V scales as scales of the requested format and granularity
         (rule 5): the same threshold; per channel to per tensor by the max, per tensor to
         per channel broadcast."""
-        kv, head = site.kv_num_heads, self._head_size(site)
-        factor = np.float32(source.format.qmax / self.format.qmax)  # as KvCacheScales.retarget
+        kv, factor = site.kv_num_heads, np.float32(source.format.qmax / self.format.qmax)  # as retarget
         arrays = []
         for side in site.sides:
             value = site.input(side.scale)
             found = constant_values(value)
+            # one scale staying one needs no head size (a function's node may know none)
+            single = found is not None and len(found) == 1 and self._granularity.single
+            head = 1 if single else self._head_size(site)
             what = f"{site.label}: its {side.kind} cache is {source.format.name} {source.granularity.name}"
             if found is None:
                 reason = "has no scale input" if value is None else f"reads {value.name!r}, not a constant"
