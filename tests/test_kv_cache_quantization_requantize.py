@@ -518,3 +518,18 @@ def test_gqa_in_a_function_requantizes_and_runs(first, second):
     for (_, a), (_, b) in zip(got, want):
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
+
+
+def test_an_fp8_cache_means_cuda_only_while_fp8_is_what_is_asked(tmp_path):
+    from onnx_kvcache.capabilities import infer_target
+
+    model = quantized("gqa", "fp8", "per_tensor")
+    assert infer_target(model)[0] == infer_target(model, format="fp8")[0] == "cuda"
+    assert infer_target(model, format="int8") == ("cpu", "a float32 model")
+    ir.save(model, tmp_path / "fp8.onnx")
+    result = convert_model(tmp_path / "fp8.onnx", tmp_path / "int8.onnx", format="int8")  # its own scales
+    assert (result.converted, result.target, result.target_source) == (
+        True,
+        "cpu",
+        "assumed: a float32 model",
+    )
