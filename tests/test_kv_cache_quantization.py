@@ -169,13 +169,20 @@ def test_second_run_is_a_noop_and_new_scales_update(fmt):
 
 
 @pytest.mark.parametrize(("first", "second"), [("fp8", "int8"), ("int8", "int4"), ("int4", "fp8")])
-def test_requantizing_to_another_format_is_an_error(first, second):
+def test_requantizing_without_scales_needs_constant_ones(first, second):
+    """A quantized cache whose scales are graph inputs cannot be retargeted: give scales."""
     model = gqa_model()
     KvCacheQuantizationPass(first, scales=scales_for([0], "per_tensor"))(model)
+    node = gqa_nodes(model)[0]
+    fed = ir.val("k_scale_input", ir.DataType.FLOAT, [1])
+    model.graph.inputs.append(fed)
+    node.replace_input_with(12, fed)
     text = ir.to_onnx_text(model)
-    with pytest.raises(KvCacheError, match=rf"already has a quantized KV cache \({first},.*original"):
-        KvCacheQuantizationPass(second, scales=scales_for([0], "per_tensor"))(model)
+    with pytest.raises(KvCacheError, match=rf"its key cache is {first} per_tensor, but its k_scale reads"):
+        KvCacheQuantizationPass(second)(model)
     assert ir.to_onnx_text(model) == text
+    KvCacheQuantizationPass(second, scales=scales_for([0], "per_tensor"))(model)  # given: converts
+    assert node.inputs[3].dtype == get_format(second).dtype
 
 
 def test_fp8_without_scales_uses_unit_scales_and_warns_once():

@@ -203,7 +203,7 @@ def test_granularity_defaults_to_the_one_the_scales_record():
         {0: (np.full(2 * head, 0.1), np.full(2 * head, 0.2))}, granularity="per_channel"
     )
     assert KvCacheQuantizationPass("int8", scales=per_channel).granularity == "per_channel"
-    assert KvCacheQuantizationPass("int8").granularity == "per_tensor"
+    assert KvCacheQuantizationPass("int8").granularity is None  # the model's own, else per tensor
     with pytest.raises(KvCacheError, match=r"scales are per_channel .* not per_tensor"):
         KvCacheQuantizationPass("int8", "per_tensor", per_channel)
     model = optimize_model(

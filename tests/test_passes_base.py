@@ -137,15 +137,15 @@ REFUSALS: dict[str, tuple[Callable[[], ir.Model], Callable[[], ir.passes.PassBas
         lambda: KvCacheQuantizationPass("int8", "per_channel", scales(2)),
         "These scales are per tensor",
     ),
-    "quantization/other-format-in-layer-1": (
+    "quantization/other-format-in-layer-1-without-its-scales": (  # requantized from its own
         other_format_in_layer_1,
-        lambda: KvCacheQuantizationPass("fp8", scales=scales(2)),
-        r"gqa\.1 already has a quantized KV cache \(int8",
+        lambda: KvCacheQuantizationPass("fp8"),
+        r"gqa\.1: its key cache is int8 per_tensor, but its k_scale has no scale input; give scales=",
     ),
     "quantization/skipped-layer-0-other-format-in-layer-1": (  # the skip warning is not given
         lambda: frozen_layer_0(other_format_in_layer_1()),
         lambda: KvCacheQuantizationPass("fp8"),
-        r"gqa\.1 already has a quantized KV cache \(int8",
+        r"gqa\.1: its key cache is int8 per_tensor, but its k_scale has no scale input",
     ),
     "quantization/heads-in-layer-1": (
         wrong_heads_in_layer_1,

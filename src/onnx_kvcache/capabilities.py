@@ -245,9 +245,10 @@ def infer_target(
 ) -> tuple[str, str]:
     """Where a model will run when the user did not say: ``(row name, why)``.
 
-    An fp8 cache, or an operator without a CPU kernel (PagedAttention), means ``cuda``: they
-    run nowhere else. A model ``convert_model`` gated on a provider records it (its
-    ``onnx_kvcache.converted`` metadata): that provider. An onnxruntime-genai config decides
+    An fp8 cache (unless ``format`` names another, to requantize it to), or an operator
+    without a CPU kernel (PagedAttention), means ``cuda``: they run nowhere else. A model
+    ``convert_model`` gated on a provider records it (its ``onnx_kvcache.converted``
+    metadata): that provider. An onnxruntime-genai config decides
     next: the first known provider of its ``provider_options``, or ``cpu`` when it names none
     (genai's default). A bare model: fp16/bf16 queries mean ``cuda`` (without attention to
     go by, the dtype of its float inputs and outputs); else an fp8 ``format`` asked for
@@ -257,7 +258,8 @@ def infer_target(
     for op in _ops_in(sites):
         if not get_capabilities("cpu", op).has_kernel:
             return "cuda", f"{op.op_type} has no CPU kernel (CUDA runs its quantized caches)"
-    if any(s.cache_format is not None and s.cache_format.is_float for s in sites):
+    fp8 = any(s.cache_format is not None and s.cache_format.is_float for s in sites)
+    if fp8 and (format is None or get_format(format).is_float):  # unless requantized to another
         return "cuda", "its fp8 cache runs only on CUDA"
     recorded = converted_for(model.metadata_props) if model is not None else None
     if recorded is not None and get_capabilities(recorded).name != "default":

@@ -58,7 +58,7 @@ from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buf
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
@@ -460,10 +460,12 @@ def convert_model(
     target. ``granularity`` defaults to the one the scales record (calibration and our scale
     files record it), else the first of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
     size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
-    ``kv_num_heads * head_size`` per channel), else per tensor; ``format`` to the
-    format the scales were made for (their ``format``, else their ``qmax``), else the first
-    the target runs (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on
-    CPU; fp8 when gating is skipped). ``follow_symlinks`` accepts input files that link out
+    ``kv_num_heads * head_size`` per channel), else an already-quantized model's own, else per
+    tensor; ``format`` to the format the scales were made for (their ``format``, else their
+    ``qmax``), else an already-quantized model's own (it is requantized: its own scales
+    retargeted when none are given), else the first the target runs
+    (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on CPU; fp8 when
+    gating is skipped). ``follow_symlinks`` accepts input files that link out
     of the model's folder (Hugging Face cache snapshots); their content is copied.
     ``progress``: a progress bar for copies (default: on a terminal).
 
@@ -481,6 +483,7 @@ def convert_model(
     if weights not in (None, "copy", "link"):
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
+    named = named or format_for(source.model)  # an already-quantized model keeps its own
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
     file_io.check_writable_folder(
         source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent

@@ -28,7 +28,7 @@ from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 AUTO = "auto"
@@ -83,7 +83,9 @@ def optimize_model(
             the model after fusion. ``None`` skips gating (the caller takes responsibility).
         fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
         kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None``: the format the scales were
-            made for (calibration and our scale files record it), else nothing is quantized.
+            made for (calibration and our scale files record it), else nothing is quantized;
+            an already-quantized model given scales, a granularity or ``shared_kv_scale``
+            keeps its own format (it is requantized).
         kv_cache_granularity: ``per_tensor`` or ``per_channel``; None takes the one the
             scales record (calibration and our scale files do), else ``per_tensor``.
         kv_cache_scales: What the pass accepts, or a scale-file path.
@@ -115,19 +117,23 @@ def optimize_model(
                 f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
                 f"{execution_provider!r}."
             )
+        own = format_for(model)  # an already-quantized model's: requantized in it unless named
         if kv_cache_format is None and kv_cache_scales is not None:  # as convert: the scales' format
             kv_cache_scales = as_kv_cache_scales(kv_cache_scales)  # a file is read once
-            kv_cache_format = kv_cache_scales.implied_format if kv_cache_scales is not None else None
+            implied = kv_cache_scales.implied_format if kv_cache_scales is not None else None
+            kv_cache_format = implied or own
             if kv_cache_format is None:
                 raise KvCacheError(
                     "kv_cache_scales were given without kv_cache_format, and they record no format: "
                     "name it (kv_cache_format='int8', ...)."
                 )
         if kv_cache_format is None and (kv_cache_granularity is not None or shared_kv_scale):
-            raise KvCacheError(
-                "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its format "
-                "(kv_cache_format='int8', ...) or drop them."
-            )
+            if own is None:
+                raise KvCacheError(
+                    "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its "
+                    "format (kv_cache_format='int8', ...) or drop them."
+                )
+            kv_cache_format = own
         scales = (
             as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
             if kv_cache_format

@@ -31,8 +31,16 @@ node's operator row:
    ``kv_cache_bit_width`` (GQA) or, for a packed format, ``k_cache_dtype``/``v_cache_dtype``
    = ``"int4"`` (PagedAttention; never ``"float4e2m1"``, which no kernel reads). A LATENT
    node gets the key side's only. Every other attribute and input is kept as it was.
-5. A node already in the requested format is left alone, or gets the new scale values when
-   scales are given. A node in another format is an error.
+5. A node already in the requested format and granularity is left alone, or gets the new
+   scale values when scales are given. A node in another (fp8/int8/int4, per tensor/per
+   channel) is requantized: converted as its float model would be, with the scales given or,
+   without them, its own scales (constants) retargeted: ``scale * old_qmax / new_qmax`` (the
+   same threshold, as :meth:`~onnx_kvcache.scales.KvCacheScales.retarget` computes it), per
+   channel to per tensor by their max, per tensor to per channel by broadcasting. A packed
+   cache unpacked again takes the static head size. Leftover attributes of the old format
+   (PagedAttention's ``k_cache_dtype``) are removed. Without scales, a granularity change and
+   fp8 unit scales (1.0) given to an integer format warn: they are not what calibrating for
+   the target would give (docs/scales.md, "Requantizing").
 
 Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
 before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
@@ -41,7 +49,7 @@ scales) are given once the checks have passed, attributed to the caller's line.
 
 from __future__ import annotations
 
-__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "granularity_for"]
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "format_for", "granularity_for"]
 
 import dataclasses
 import logging
@@ -55,11 +63,12 @@ from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
     SCALE_GRANULARITIES,
     CacheFormat,
+    ScaleGranularity,
     get_format,
     granularity_of,
     scale_granularity,
 )
-from onnx_kvcache.gqa import AttentionSite, find_attention_sites, function_call_sites
+from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites, function_call_sites
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
 
@@ -79,6 +88,16 @@ class _Plan:
     v_scale: np.ndarray | None
     head_size: int | None = None
     """Known when the cache is packed (its last dimension becomes static)."""
+    source: _Quantized | None = None
+    """The format and granularity the node's cache is in already (None: a float cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quantized:
+    """A node's cache as it is: its format and the granularity its attribute states."""
+
+    format: CacheFormat
+    granularity: ScaleGranularity
 
 
 class _Skip(Exception):
@@ -91,10 +110,12 @@ class KvCacheQuantizationPass(InPlacePass):
     Args:
         format: ``fp8`` (FLOAT8E4M3FN), ``int8`` or ``int4`` (uint8, two values a byte).
         granularity: A :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` name; None takes the
-            one the scales record (calibration and our scale files do), else ``per_tensor``.
+            one the scales record (calibration and our scale files do), else the one an
+            already-quantized model's caches have, else ``per_tensor``.
         scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
             file path. ``None`` means unit scales for fp8 (with a warning) and is an
-            error for int8/int4.
+            error for int8/int4, but an already-quantized node keeps its own scales,
+            retargeted to the format and granularity (rule 5).
         shared_kv_scale: Feed one tensor, ``max(k, v)``, to both scale inputs (CUDA's
             quantized decode fast path before onnxruntime 1.29 needs k_scale and v_scale to
             be one tensor). The smaller of the two gets coarser: warns beyond 2x.
@@ -112,9 +133,10 @@ class KvCacheQuantizationPass(InPlacePass):
         self.format: CacheFormat = get_format(format)
         self.scales = as_kv_cache_scales(scales, format=self.format.name)
         """Read once (a scale file is read here, not at every run)."""
-        unrecorded = granularity is None and self.scales is not None and self.scales.granularity is None
+        unrecorded = granularity is None and (self.scales is None or self.scales.granularity is None)
         self.granularity: str | None = None if unrecorded else resolve_granularity(granularity, self.scales)
-        """None: scales that record none (onnxruntime-genai's files) fit each model's caches."""
+        """None: each model decides (:func:`granularity_for`): scales that record none
+        (onnxruntime-genai's files) fit its caches; without scales, its quantized caches'."""
         self._granularity = scale_granularity(self.granularity or "per_tensor")
         """The granularity of the model being converted (:func:`granularity_for`)."""
         self.shared_kv_scale = shared_kv_scale
@@ -185,7 +207,8 @@ class KvCacheQuantizationPass(InPlacePass):
                 f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
                 "the V scales given for them are not used."
             )
-        if scales is None and any(not p.done for p in plans):
+        notes += _retarget_notes(plans, self.format, self._granularity, scales is None)
+        if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
                 "Calibrated scales are more accurate (calibrate_kv_cache())."
@@ -194,19 +217,21 @@ class KvCacheQuantizationPass(InPlacePass):
             notes += _shared_scale_coarsens(plans)
         return plans, notes
 
-    def _already_done(self, site: AttentionSite) -> bool:
+    def _source(self, site: AttentionSite) -> _Quantized | None:
+        """The format and granularity the node's cache is in, None for a float cache;
+        refuses a cache in a format this library does not know."""
         quant = site.str_attr(site.op.key.quant_attr, "NONE")
         current, described = _current_format(site)
         if quant == "NONE" and current is None and site.cache_format is None:
-            return False
-        wanted = self._granularity.quant_type
-        if current is self.format and quant == wanted:
-            return True
-        raise KvCachePreconditionError(
-            f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}); cannot "
-            f"convert it to {self.format.name} {self._granularity.name}. Convert the original "
-            "(unquantized) model instead."
-        )
+            return None
+        granularity = site.granularity
+        if current is None or granularity is None:
+            raise KvCachePreconditionError(
+                f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}) in a "
+                f"format onnx-kvcache does not know; cannot convert it to {self.format.name} "
+                f"{self._granularity.name}. Convert the original (unquantized) model instead."
+            )
+        return _Quantized(current, scale_granularity(granularity))
 
     def _plan(
         self,
@@ -216,7 +241,8 @@ class KvCacheQuantizationPass(InPlacePass):
         cache_readers: dict[int, AttentionOp],
         scales: KvCacheScales | None,
     ) -> _Plan:
-        done = self._already_done(site)
+        source = self._source(site)
+        done = source == _Quantized(self.format, self._granularity)
         _check_cache_shapes(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
@@ -238,7 +264,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     continue
                 _check_only_attention_reads(model, present, readers, "present")
                 sinks += _cache_sinks(model, site, present)
-        if scales is None and not done and not self.format.is_float:
+        if scales is None and source is None and not self.format.is_float:
             raise KvCachePreconditionError(
                 f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
                 "meaningless for integer formats. Pass scales=PATH (a scale file), or measure them "
@@ -249,16 +275,20 @@ class KvCacheQuantizationPass(InPlacePass):
             for v in sources + sinks
         )
         head = None
-        if self._granularity.per_dim or (self.format.packed and symbolic):
+        unpacks = source is not None and source.format.packed and not self.format.packed
+        if self._granularity.per_dim or (self.format.packed and symbolic) or unpacks:
             head = self._head_size(site)
         if scales is None:
             if done:
-                return _Plan(site, done, sources, sinks, None, None, head)
+                return _Plan(site, done, sources, sinks, None, None, head, source)
+            if source is not None:
+                k, v = self._retargeted(site, source)
+                return _Plan(site, done, sources, sinks, k, v, head, source)
             size = self._granularity.size(site.kv_num_heads, head) if head is not None else 1
             ones = np.ones(size, np.float32)
             return _Plan(site, done, sources, sinks, ones, ones.copy(), head)
         if site.layer_id not in scales.k:
-            return _Plan(site, done, sources, sinks, None, None, head)  # reported by _check_coverage
+            return _Plan(site, done, sources, sinks, None, None, head, source)  # see _check_coverage
         k, v = scales.for_layer(site.layer_id)
         per_tensor = not (self._granularity.per_head or self._granularity.per_dim)
         expected = self._granularity.size(site.kv_num_heads, head or 1)
@@ -273,10 +303,45 @@ class KvCacheQuantizationPass(InPlacePass):
                 f"Layer {site.layer_id} ({site.label}): {self._granularity.name} scales need "
                 f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
             )
-        return _Plan(site, done, sources, sinks, k, v, head)
+        return _Plan(site, done, sources, sinks, k, v, head, source)
 
     def _head_size(self, site: AttentionSite) -> int:
         return site.head_size()
+
+    def _retargeted(self, site: AttentionSite, source: _Quantized) -> tuple[np.ndarray, np.ndarray]:
+        """The node's own K and V scales as scales of the requested format and granularity
+        (rule 5): the same threshold; per channel to per tensor by the max, per tensor to
+        per channel broadcast."""
+        kv, factor = site.kv_num_heads, np.float32(source.format.qmax / self.format.qmax)  # as retarget
+        arrays = []
+        for side in site.sides:
+            value = site.input(side.scale)
+            found = constant_values(value)
+            # one scale staying one needs no head size (a function's node may know none)
+            single = found is not None and len(found) == 1 and self._granularity.single
+            head = 1 if single else self._head_size(site)
+            what = f"{site.label}: its {side.kind} cache is {source.format.name} {source.granularity.name}"
+            if found is None:
+                reason = "has no scale input" if value is None else f"reads {value.name!r}, not a constant"
+                raise KvCachePreconditionError(
+                    f"{what}, but its {side.scale} {reason}; give scales= to convert it to "
+                    f"{self.format.name} {self._granularity.name}."
+                )
+            own = np.asarray(found, np.float32)
+            fits = granularity_of([(own.size, kv, head)])
+            if fits is None or not np.all(np.isfinite(own)) or not np.all(own > 0):
+                raise KvCachePreconditionError(
+                    f"{what}, but its {side.scale} {value.name!r} holds {own.size} value(s) "  # type: ignore[union-attr]
+                    f"that are no finite positive scales of kv_num_heads {kv} x head_size {head}; "
+                    "give scales= to convert it."
+                )
+            heads, dims = scale_granularity(fits).grid(kv, head)
+            grid = own.reshape(heads, dims)
+            wanted = self._granularity.grid(kv, head)
+            merged = tuple(axis for axis in range(2) if wanted[axis] < grid.shape[axis])
+            grid = np.broadcast_to(grid.max(axis=merged, keepdims=True), wanted)
+            arrays.append((np.ascontiguousarray(grid).reshape(-1) * factor).astype(np.float32))
+        return arrays[0], arrays[-1]  # a single (LATENT) cache: the key's twice
 
     def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
         if scales is None:
@@ -294,8 +359,9 @@ class KvCacheQuantizationPass(InPlacePass):
         site = plan.site
         node, op = site.node, site.op
         modified = False
+        unpack = plan.source is not None and plan.source.format.packed
         for value in plan.sources + plan.sinks:
-            modified |= _retype(value, self.format, plan.head_size)
+            modified |= _retype(value, self.format, plan.head_size, unpack=unpack)
         if plan.k_scale is not None and plan.v_scale is not None:
             owner = site.owner  # scales are named after the owner's caches: one per cache
             shape = op.scale_shape(self._granularity.name, site.kv_num_heads, plan.head_size or 0)
@@ -318,12 +384,16 @@ class KvCacheQuantizationPass(InPlacePass):
                     store.retire(node.inputs[slot])
                     node.replace_input_with(slot, value)
                     modified = True
-        for name, wanted in op.quant_attributes(self.format, self._granularity.name, site.sides).items():
+        attributes = op.quant_attributes(self.format, self._granularity.name, site.sides)
+        for name, wanted in attributes.items():
             attr = ir.AttrString(name, wanted) if isinstance(wanted, str) else ir.AttrInt64(name, wanted)
             old = node.attributes.get(name)
             if old is None or old.value != attr.value:
                 node.attributes[name] = attr
                 modified = True
+        if plan.source is not None and not plan.done:  # another format's leftovers (k_cache_dtype)
+            for name in set(op.quant_attribute_names) - set(attributes):
+                modified |= node.attributes.pop(name, None) is not None
         return modified
 
 
@@ -358,6 +428,44 @@ def _shared_scale_coarsens(plans: list[_Plan]) -> list[str]:
         f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
         "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option."
     ]
+
+
+def _retarget_notes(
+    plans: list[_Plan], fmt: CacheFormat, granularity: ScaleGranularity, own_scales: bool
+) -> list[str]:
+    """Where a node's own scales, retargeted, differ from what calibrating the float model
+    for the target gives (docs/scales.md, "Requantizing")."""
+    if not own_scales:
+        return []
+    moved = [(p.site.layer_id, p.source, p.k_scale) for p in plans if p.source is not None and not p.done]
+    notes = []
+    changed = sorted({layer for layer, source, _ in moved if source.granularity != granularity})
+    if changed:
+        how = (
+            "their per-channel scales merged into one, their max: the range stays covered, "
+            "channels of a smaller range get coarser steps"
+            if granularity.single
+            else "their one scale repeated for every channel: no channel gets finer steps "
+            "(calibrate the float model per channel for that)"
+        )
+        notes.append(f"Layer(s) {changed} requantized to {granularity.name} from their own scales, {how}.")
+    unit = [
+        (layer, source)
+        for layer, source, k in moved
+        if source.format.is_float
+        and not fmt.is_float
+        and k is not None
+        and np.all(k * fmt.qmax == source.format.qmax)
+    ]
+    if unit:
+        source = unit[0][1].format
+        notes.append(
+            f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
+            f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
+            "far too coarse for an integer cache. Calibrate the model (calibrate_kv_cache()) and "
+            "give scales=."
+        )
+    return notes
 
 
 # -- cache endpoints ------------------------------------------------------------------
@@ -491,18 +599,19 @@ def _cache_sinks(model: ir.Model, site: AttentionSite, value: ir.Value) -> list[
     return found
 
 
-def _retype(value: ir.Value, fmt: CacheFormat, head_size: int | None) -> bool:
+def _retype(value: ir.Value, fmt: CacheFormat, head_size: int | None, *, unpack: bool = False) -> bool:
     """Give a cache value the format's type; a packed format gets a static last dimension.
 
     onnxruntime-genai allocates caches from the declared shape, so a packed cache keeps no
-    symbolic head dimension (``kv_cache_dim``): it becomes ``(head_size + 1) // 2``.
+    symbolic head dimension (``kv_cache_dim``): it becomes ``(head_size + 1) // 2``. A packed
+    cache converted to an unpacked format (``unpack``) takes ``head_size`` again.
     """
     if value.dtype == fmt.dtype:
         return False
     shape = value.shape
     if shape is not None and len(shape) == 4:
         last = shape[3]
-        if fmt.values_per_byte > 1 and head_size is not None:
+        if (fmt.values_per_byte > 1 or unpack) and head_size is not None:
             last = fmt.packed_dim(head_size)
         elif isinstance(last, int):
             last = fmt.packed_dim(last)
@@ -622,11 +731,20 @@ def _graph_values(graph: ir.Graph) -> Iterator[ir.Value]:
         yield from node.outputs
 
 
+def format_for(model: ir.Model) -> str | None:
+    """The format of an already-quantized model's caches when they share one, else None: what
+    a conversion naming no format keeps (it requantizes in it, e.g. to another granularity)."""
+    own = {site.cache_format for site in find_attention_sites(model)} - {None}
+    return next(iter(own)).name if len(own) == 1 else None  # type: ignore[union-attr]
+
+
 def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
     """The granularity ``scales`` record, else the first row whose size fits every cache of
-    ``model`` they cover; ``per_tensor`` without scales."""
+    ``model`` they cover; without scales the one ``model``'s quantized caches state when they
+    agree (an already-quantized model keeps it), else ``per_tensor``."""
     if scales is None:
-        return "per_tensor"
+        own = {site.granularity for site in find_attention_sites(model) if site.cache_format is not None}
+        return next(iter(own)) or "per_tensor" if len(own) == 1 else "per_tensor"
     if scales.granularity is not None:
         return scales.granularity
     caches: dict[int, tuple[int, int, int | None]] = {}  # layer -> (size, kv heads, head size)
