@@ -169,7 +169,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
                     "graph inputs (or another converted node's present) are converted."
                 )
-        self._check_coverage(plans, scales)
+        self._check_coverage(plans, scales, {s.layer_id for s in sites})
         unused = sorted(
             {
                 p.site.layer_id
@@ -278,9 +278,15 @@ class KvCacheQuantizationPass(InPlacePass):
     def _head_size(self, site: AttentionSite) -> int:
         return site.head_size()
 
-    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
+    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None, layers: set[int]) -> None:
         if scales is None:
             return
+        extra = sorted(set(scales.layer_ids) - layers)
+        if extra:
+            raise KvCachePreconditionError(
+                f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
+                f"are {sorted(layers)}): they were measured for another model. Calibrate this one."
+            )
         missing = sorted({p.site.layer_id for p in plans} - set(scales.layer_ids))
         if missing:
             raise KvCachePreconditionError(
