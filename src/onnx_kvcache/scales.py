@@ -50,6 +50,7 @@ ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathL
 
 
 _FLOAT32 = np.finfo(np.float32)
+_SMALLEST = float(_FLOAT32.smallest_subnormal)
 _MAX_LAYER_ID = 2**31 - 1
 QMAX_RANGE = (1.0, 65504.0)
 """The ``qmax`` a scale file may state: from 1 to float16's largest value (every cache
@@ -57,8 +58,8 @@ format's is inside: 7/8 int4, 127/128 int8, 448 fp8 E4M3, 57344 fp8 E5M2)."""
 
 
 def _as_scale_array(value: Any, where: str) -> np.ndarray:
-    """float32 scales, each finite, > 0 and a normal float32 (so neither ``x / scale`` nor
-    the cast overflows or rounds to 0)."""
+    """float32 scales, each finite, > 0 and within float32's range (the cast neither
+    overflows nor rounds to 0; calibration gives an all-zero channel a subnormal one)."""
     if isinstance(value, (str, bytes)):
         raise KvCacheError(
             f"{where}: scale must be a number or a list of numbers, got {type(value).__name__}."
@@ -69,13 +70,14 @@ def _as_scale_array(value: Any, where: str) -> np.ndarray:
         raise KvCacheError(f"{where}: scale must be a number or a list of numbers ({e}).") from None
     if wide.size == 0:
         raise KvCacheError(f"{where}: scale is empty.")
-    good = np.isfinite(wide) & (wide >= _FLOAT32.tiny) & (wide <= _FLOAT32.max)
+    good = np.isfinite(wide) & (wide >= _SMALLEST) & (wide <= _FLOAT32.max)
     if not np.all(good):
         bad = float(wide[~good][0])
         why = (
             "must be finite and > 0"
             if not (math.isfinite(bad) and bad > 0)
-            else f"must be a normal float32, from {_FLOAT32.tiny:.3g} to {_FLOAT32.max:.3g}"
+            else f"must fit float32, from {_SMALLEST:.3g} to {_FLOAT32.max:.3g} (it would round to "
+            + ("0)" if bad < _SMALLEST else "inf)")
         )
         raise KvCacheError(f"{where}: scales {why}, found {bad:g}.")
     return wide.astype(np.float32)
