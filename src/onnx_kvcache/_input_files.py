@@ -209,8 +209,8 @@ def load_npy_integers(path: os.PathLike | str, what: str) -> np.ndarray:
             np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         )
         shape, fortran, dtype = reader(f)
-    except (ValueError, TypeError, SyntaxError, EOFError) as e:
-        raise KvCacheError(f"{name}: not a readable .npy array ({e}).") from None
+    except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError, ...
+        raise KvCacheError(f"{name}: not a readable .npy array ({type(e).__name__}: {e}).") from None
     if dtype.hasobject:
         raise KvCacheError(f"{name}: an array of Python objects; token ids are integers (save an int array).")
     if dtype.kind not in "iu":
