@@ -115,6 +115,15 @@ def test_fifos_given_as_files_are_called_fifos(tmp_path, models, option, name):
     assert "missing" not in err and "does not exist" not in err
 
 
+def test_a_fifo_tokenizer_beside_the_model_is_said_not_skipped(tmp_path, models):
+    folder = tmp_path / "in"
+    shutil.copytree(models / "genai", folder)
+    (folder / "tokenizer.json").unlink()
+    os.mkfifo(folder / "tokenizer.json")
+    code, err = run(["calibrate", folder, "--out", tmp_path / "s.json"])
+    assert code == 2 and "tokenizer.json is a FIFO (named pipe)" in one_line(err)
+
+
 # -- finding 6: bounded JSON ------------------------------------------------------------------
 
 

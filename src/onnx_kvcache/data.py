@@ -59,8 +59,9 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     if isinstance(model, (str, os.PathLike)):
         p = pathlib.Path(model)
         folder = p if p.is_dir() else p.parent
-        if (folder / "tokenizer.json").is_file():
-            return folder / "tokenizer.json"
+        beside = folder / "tokenizer.json"
+        if os.path.lexists(beside):  # there but not a regular file: said, not taken as no tokenizer
+            return check_input_file(beside, "Tokenizer", expected="a tokenizer.json file")
     return None
 
 
