@@ -248,6 +248,9 @@ def test_a_missing_path_is_a_file_not_found_error(tmp_path, models, call):
         (lambda m: KvCacheRunner(m, providers=7), "providers must be a list"),
         (lambda m: KvCacheRunner(ir.to_proto(m)), "model_or_path must be an onnx_ir.Model or a path"),
         (lambda m: load_kv_cache_scale_file(None), "A scale file is a path"),
+        (lambda m: convert_model(ir.to_proto(m), "o.onnx"), "The model must be a path"),
+        (lambda m: convert_model("m.onnx", 5), "out_path must be a path or None"),
+        (lambda m: onnx_kvcache.load_model(None), "The model must be a path"),
     ],
 )
 def test_a_wrong_type_is_a_type_error(call, message):

@@ -29,7 +29,7 @@ from typing import Any
 
 from onnx_kvcache._file_io import check_relative
 from onnx_kvcache._input_files import check_input_file, input_kind, load_json
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, require_type
 
 GENAI_CONFIG = "genai_config.json"
 _MAX_CONFIG_BYTES = 64 * 2**20
@@ -67,6 +67,7 @@ def decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
 
 def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
     """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
+    require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
     p = pathlib.Path(path)
     kind = input_kind(p)
     if kind == "a folder":

@@ -472,6 +472,7 @@ def convert_model(
     empty output folder is filled, with or without it.
     """
     require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
+    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
     scales = as_kv_cache_scales(scales)
     named = format or (scales.implied_format if scales is not None else None)  # None: the target's
     if named is not None:

@@ -31,7 +31,7 @@ import onnx_ir as ir
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache._file_io import check_inside, check_relative
 from onnx_kvcache._input_files import input_kind
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, require_type
 from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
 
 _NOT_CARRIED = (".git",)
@@ -250,6 +250,7 @@ def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
 
 def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ModelSource:
     """Find and check every file of a model file or folder; read its graph, not its weights."""
+    require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
     p = pathlib.Path(os.path.abspath(path))
     graph, config = resolve_model_path(p)
     folder = p if p.is_dir() else None

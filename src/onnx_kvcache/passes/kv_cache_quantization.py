@@ -282,7 +282,7 @@ class KvCacheQuantizationPass(InPlacePass):
         if scales is None:
             return
         extra = sorted(set(scales.layer_ids) - layers)
-        if extra:
+        if extra and layers:  # no cache at all: nothing to convert, said elsewhere
             raise KvCachePreconditionError(
                 f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
                 f"are {sorted(layers)}): they were measured for another model. Calibrate this one."
