@@ -143,9 +143,22 @@ def test_deep_nesting_is_one_line_for_each_json_input(tmp_path, models):
     ]
     for argv in argvs:
         code, err = run(argv)
-        assert code == 2 and "nested 100000 levels deep" in one_line(err), argv
-    with pytest.raises(KvCacheError, match="nested 100000 levels deep"):
+        assert code == 2 and "nested more than 64 levels deep" in one_line(err), argv
+    with pytest.raises(KvCacheError, match="nested more than 64 levels deep"):
         load_kv_cache_scale_file(tmp_path / "deep.json")
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ("[" * 65 + "]" * 65, "nested more than 64 levels deep"),  # valid JSON, still too deep
+        ('["' + '\\"' * 1000000, "not valid JSON"),  # an unterminated string of escaped quotes: linear
+    ],
+)
+def test_json_bounds_are_checked_in_linear_time(tmp_path, doc, message):
+    (tmp_path / "s.json").write_text(doc)
+    with pytest.raises(KvCacheError, match=message):
+        load_kv_cache_scale_file(tmp_path / "s.json")
 
 
 @pytest.mark.parametrize(

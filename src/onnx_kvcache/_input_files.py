@@ -35,7 +35,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import stat
 from typing import Any
 
@@ -158,16 +157,16 @@ def _parse_constant(text: str) -> Any:
     raise _Refused(f"{text}, which is not JSON (numbers must be finite)")
 
 
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-
-
-def _max_depth(text: str) -> int:
-    """The deepest nesting of ``[`` and ``{`` outside strings (without recursion)."""
-    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
-        return 0
-    outside = np.frombuffer(_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
-    steps = np.isin(outside, (0x5B, 0x7B)).astype(np.int64) - np.isin(outside, (0x5D, 0x7D))
-    return int(np.cumsum(steps).max(initial=0))
+def _depth(value: Any) -> int:
+    """How deeply ``value``'s lists and objects nest (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def load_json(path: os.PathLike | str, what: str, *, fix: str = "", max_bytes: int | None = None) -> Any:
@@ -178,17 +177,22 @@ def load_json(path: os.PathLike | str, what: str, *, fix: str = "", max_bytes: i
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise KvCacheError(f"{name}: not UTF-8 text (byte {e.start}); JSON files are UTF-8.") from None
-    depth = _max_depth(text)
-    if depth > MAX_JSON_DEPTH:
-        raise KvCacheError(f"{name}: nested {depth} levels deep (at most {MAX_JSON_DEPTH} are read).")
-    try:
-        return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
+    too_deep = KvCacheError(
+        f"{name}: nested more than {MAX_JSON_DEPTH} levels deep (no such file needs that)."
+    )
+    try:  # the decoder is linear; past Python's recursion limit it stops with RecursionError
+        value = json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
     except _Refused as e:
         raise KvCacheError(f"{name}: {e}.") from None
     except json.JSONDecodeError as e:
         raise KvCacheError(f"{name}: not valid JSON ({e}).") from None
-    except (RecursionError, ValueError) as e:  # nothing known reaches here: kept one line
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as e:  # nothing known reaches here: kept one line
         raise KvCacheError(f"{name}: not readable JSON ({e}).") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
 
 
 def load_npy_integers(path: os.PathLike | str, what: str) -> np.ndarray:
