@@ -39,6 +39,7 @@ from onnx_kvcache.cli import main
 from onnx_kvcache.demo_model import save_genai_folder
 from onnx_kvcache.formats import get_format, scale_granularity
 from onnx_kvcache.genai_folder import resolve_model_path
+from onnx_kvcache.gqa import find_attention_sites
 from test_kv_cache_quantization import _function_model
 from test_kv_cache_quantization_paged import _genai_kv_cache_variant, scale_file
 from test_paged_attention_reference import run_case
@@ -402,10 +403,12 @@ SHAPES: dict[str, tuple[Callable[[], ir.Model], int, int]] = {  # builder, kv he
 }
 
 
-def shape_scales(fmt: str, granularity: str, kv: int, head: int, seed: int) -> KvCacheScales:
+def shape_scales(
+    fmt: str, granularity: str, kv: int, head: int, seed: int, layers: int = LAYERS
+) -> KvCacheScales:
     rng = np.random.default_rng(seed)
     n = scale_granularity(granularity).size(kv, head)
-    same = [rng.uniform(0.01, 0.03, n).astype(np.float32) for _ in range(LAYERS)]  # K = V: LATENT's too
+    same = [rng.uniform(0.01, 0.03, n).astype(np.float32) for _ in range(layers)]  # K = V: LATENT's too
     return KvCacheScales.from_mapping(
         {i: (a, a) for i, a in enumerate(same)}, format=fmt, granularity=granularity
     )
@@ -421,8 +424,9 @@ def test_other_shapes_requantize_as_they_convert(shape, pair):
     (f1, g1), (f2, g2) = pair
     build, kv, head = SHAPES[shape]
     model = build()
-    KvCacheQuantizationPass(f1, g1, shape_scales(f1, g1, kv, head, 0))(model)
-    target = shape_scales(f2, g2, kv, head, 1)
+    layers = len({s.layer_id for s in find_attention_sites(model)})  # KV sharing: one cache, one layer
+    KvCacheQuantizationPass(f1, g1, shape_scales(f1, g1, kv, head, 0, layers))(model)
+    target = shape_scales(f2, g2, kv, head, 1, layers)
     KvCacheQuantizationPass(f2, g2, target)(model)
     direct = build()
     KvCacheQuantizationPass(f2, g2, target)(direct)

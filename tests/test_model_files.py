@@ -1210,7 +1210,7 @@ def test_missing_or_broken_data_files_are_refused(tmp_path, problem, capsys):
     before = snapshot(tmp_path)
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert {"missing": "is missing", "folder": "is a folder", "truncated": "truncated", "fifo": "not a file"}[
+    assert {"missing": "is missing", "folder": "is a folder", "truncated": "truncated", "fifo": "is a FIFO"}[
         problem
     ] in err
     assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()

@@ -136,8 +136,11 @@ MALFORMED = {
     ),
     "zero": ({"scales": {"k_scales": [0.0], "v_scales": [1.0]}}, "finite and > 0"),
     "negative": ({"scales": {"k_scales": [1.0], "v_scales": [-1.0]}}, "finite and > 0"),
-    "nan": ('{"scales": {"k_scales": [NaN], "v_scales": [1.0]}}', "finite and > 0"),
-    "infinite": ('{"scales": {"k_scales": [Infinity], "v_scales": [1.0]}}', "finite and > 0"),
+    "nan": (
+        '{"scales": {"k_scales": [NaN], "v_scales": [1.0]}}',
+        "NaN, which is not JSON \\(numbers must be finite\\)",
+    ),
+    "infinite": ('{"scales": {"k_scales": [Infinity], "v_scales": [1.0]}}', "Infinity, which is not JSON"),
     "layer ids length": (
         {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "layer_ids": [0, 1]},
         "'layer_ids' has 2",
@@ -165,7 +168,7 @@ MALFORMED = {
     ),
     "bad qmax": (
         {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "qmax": 0},
-        "'qmax' must be a finite number > 0",
+        "'qmax' must be a number from 1 to 65504",
     ),
     "bad granularity": (
         {"scales": {"k_scales": [1.0], "v_scales": [1.0]}, "granularity": "per_row"},
@@ -224,5 +227,5 @@ def test_layer_ids_may_be_digit_strings_as_json_gives():
 
     scales = as_kv_cache_scales({"0": (0.1, 0.2), "1": (0.3, 0.4)})
     assert scales.layer_ids == (0, 1) and scales.k[1].item() == np.float32(0.3)
-    with pytest.raises(KvCacheError, match=r"Layer id 'x' must be an integer >= 0"):
+    with pytest.raises(KvCacheError, match=r"Layer id 'x' must be an integer from 0"):
         as_kv_cache_scales({"x": (0.1, 0.2)})

@@ -72,7 +72,9 @@ __all__ = [
     "build_decoder",
     # errors
     "KvCacheError",
+    "KvCacheFileNotFoundError",
     "KvCachePreconditionError",
+    "KvCacheTypeError",
     "KvCacheWarning",
     "MissingRuntimeError",
     "NotConvertedWarning",
@@ -121,7 +123,9 @@ _EXPORTS = {  # where each name lives; imported on first use
     ),
     "onnx_kvcache.errors": (
         "KvCacheError",
+        "KvCacheFileNotFoundError",
         "KvCachePreconditionError",
+        "KvCacheTypeError",
         "KvCacheWarning",
         "MissingRuntimeError",
         "NotConvertedWarning",
@@ -214,7 +218,9 @@ if TYPE_CHECKING:
     from onnx_kvcache.doctor import DoctorReport, run_doctor
     from onnx_kvcache.errors import (
         KvCacheError,
+        KvCacheFileNotFoundError,
         KvCachePreconditionError,
+        KvCacheTypeError,
         KvCacheWarning,
         MissingRuntimeError,
         NotConvertedWarning,

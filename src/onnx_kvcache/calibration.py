@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.capabilities import default_format, infer_target
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError, warn
+from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, require_type, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
@@ -220,6 +220,14 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
+    for name, value in dict(
+        seq_len=seq_len, sample_budget=sample_budget, seed=seed, min_tokens=min_tokens
+    ).items():
+        require_type(value, INTEGER, name, "an integer")
+    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    for arg, number in dict(percentile=percentile, margin=margin).items():
+        require_type(number, NUMBER, arg, "a number")
+    require_type(method, str, "method", f"a name ({', '.join(METHODS)})")
     if format is not None:
         get_format(format)  # an unknown name fails before any work
     granularity = get_granularity(granularity)

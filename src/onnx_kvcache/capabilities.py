@@ -41,6 +41,7 @@ import onnx_ir as ir
 from onnx_kvcache._previous_output import MARKER_KEY, converted_for
 from onnx_kvcache._runtime import installed_ort_version, installed_version
 from onnx_kvcache.attention_ops import GQA, PAGED, AttentionOp, get_op
+from onnx_kvcache.errors import require_type
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity
 from onnx_kvcache.genai_folder import provider_names
 from onnx_kvcache.gqa import AttentionSite, find_attention_sites
@@ -230,6 +231,7 @@ def get_capabilities(ep: str, op: str | AttentionOp = "GroupQueryAttention") -> 
     """The row for ``ep`` (``cpu``, ``CUDAExecutionProvider``, ...) and the attention operator
     ``op`` (a row of :data:`~onnx_kvcache.attention_ops.ATTENTION_OPS` or its op type;
     GroupQueryAttention by default); unknown providers -> ``default``."""
+    require_type(ep, str, "The execution provider", "a name (cpu, cuda, CUDAExecutionProvider, ...)")
     table = CAPABILITIES[get_op(op).op_type]
     key = str(ep).lower()
     key = _ALIASES.get(key, key)
@@ -265,10 +267,17 @@ def infer_target(
     if recorded is not None and get_capabilities(recorded).name != "default":
         return get_capabilities(recorded).name, f"converted for {recorded} (its {MARKER_KEY} metadata)"
     if genai_config is not None:
-        for name in provider_names(genai_config):
+        providers = provider_names(genai_config)
+        for name in providers:
             row = get_capabilities(name)
             if row.name != "default":
                 return row.name, f"genai_config.json's provider_options name {name!r}"
+        if providers:
+            unknown = ", ".join(repr(n) for n in providers)
+            return "cpu", (
+                f"genai_config.json's provider_options name {unknown}, which is no provider onnx-kvcache "
+                "knows, so it assumes CPU"
+            )
         return "cpu", "genai_config.json names no provider, so onnxruntime-genai runs it on CPU"
     dtypes = {s.query_dtype for s in sites if s.query_dtype is not None}
     if not dtypes and model is not None:  # e.g. an export whose attention did not fuse

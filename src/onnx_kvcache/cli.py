@@ -288,6 +288,8 @@ def _convert(args: argparse.Namespace) -> int:
                     "follow_symlinks",
                 ),
             )
+    except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it
+        raise
     except OSError as e:
         raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
     except file_io.Interrupted as e:

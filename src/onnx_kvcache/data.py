@@ -20,20 +20,23 @@ __all__ = [
 
 import dataclasses
 import importlib.resources
-import json
 import logging
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from onnx_kvcache.errors import KvCacheError, MissingRuntimeError
+from onnx_kvcache._input_files import check_input_file, load_json, load_npy_integers, read_input_bytes
+from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, MissingRuntimeError, require_type
 
 logger = logging.getLogger(__name__)
 
 TokenData = Sequence[Sequence[int]] | str | os.PathLike | None
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are int32 or int64 model inputs; every vocabulary fits int32."""
 
 
 def builtin_corpus() -> str:
@@ -49,16 +52,16 @@ def corpus_byte_ids() -> list[int]:
 def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None) -> pathlib.Path | None:
     """``tokenizer.json`` given explicitly, or beside a model folder/file."""
     if tokenizer is not None:
+        require_type(tokenizer, (str, os.PathLike), "tokenizer", "a path")
         p = pathlib.Path(tokenizer)
         p = p / "tokenizer.json" if p.is_dir() else p
-        if not p.is_file():
-            raise KvCacheError(f"Tokenizer {p} does not exist.")
-        return p
+        return check_input_file(p, "Tokenizer", expected="a tokenizer.json file", missing="does not exist")
     if isinstance(model, (str, os.PathLike)):
         p = pathlib.Path(model)
         folder = p if p.is_dir() else p.parent
-        if (folder / "tokenizer.json").is_file():
-            return folder / "tokenizer.json"
+        beside = folder / "tokenizer.json"
+        if os.path.lexists(beside):  # there but not a regular file: said, not taken as no tokenizer
+            return check_input_file(beside, "Tokenizer", expected="a tokenizer.json file")
     return None
 
 
@@ -75,23 +78,65 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
         raise MissingRuntimeError(
             "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
         ) from e
+    raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
     try:
-        loaded = Tokenizer.from_file(str(tokenizer))
+        loaded = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises its own untyped Exception
         raise KvCacheError(f"{tokenizer} is not a tokenizers tokenizer.json ({e}).") from None
     return list(loaded.encode(text).ids)
 
 
-def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
+def _out_of_range(where: str, bad: int, i: int) -> KvCacheError:
+    return KvCacheError(
+        f"{where}: token id {bad} (sequence {i}) is outside 0..{MAX_TOKEN_ID}, the ids a model takes."
+    )
+
+
+def _checked_ids(sequences: list[np.ndarray], where: str) -> list[np.ndarray]:
+    """Each sequence as int64, after checking every id is in [0, MAX_TOKEN_ID]."""
+    for i, ids in enumerate(sequences):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > MAX_TOKEN_ID):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise _out_of_range(where, bad, i)
+    return [ids.astype(np.int64) for ids in sequences]
+
+
+def _as_id_sequence(seq: Any, i: int, where: str) -> np.ndarray:
+    """One sequence of given token ids as a 1-D integer array; floats, bools, nested lists
+    and huge numbers refused (never truncated or wrapped)."""
+    if isinstance(seq, np.ndarray):
+        array = seq
+    elif isinstance(seq, (str, bytes, Mapping)) or not isinstance(seq, Sequence):
+        raise KvCacheTypeError(
+            f"{where}: sequence {i} is a {type(seq).__name__}; give a list of integer token ids per sequence."
+        )
+    else:
+        for x in seq:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                kind = "a list" if isinstance(x, (list, tuple, np.ndarray)) else f"{x!r:.40}"
+                raise KvCacheTypeError(
+                    f"{where}: sequence {i} holds {kind}; token ids are integers, one list of them per "
+                    "sequence (floats are not truncated)."
+                )
+            if not 0 <= int(x) <= MAX_TOKEN_ID:
+                raise _out_of_range(where, int(x), i)
+        array = np.asarray(seq, np.int64)
+    if array.dtype.kind not in "iu":
+        raise KvCacheTypeError(f"{where}: sequence {i} is a {array.dtype} array; token ids are integers.")
+    if array.ndim != 1:
+        raise KvCacheError(
+            f"{where}: sequence {i} is {array.ndim}-D (shape {array.shape}); each sequence is a 1-D list of "
+            "token ids (the data: a list of such lists, or a 2-D array)."
+        )
+    return array
+
+
+def _read_ids_file(path: pathlib.Path) -> list[np.ndarray]:
+    where = f"Token-id file {path}"
     if path.suffix == ".npy":
-        array = np.load(path, allow_pickle=False)
-        if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
-            raise KvCacheError(f"{path}: expected a 1-D or 2-D integer array of token ids.")
-        return [list(map(int, row)) for row in np.atleast_2d(array)]
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise KvCacheError(f"{path}: not valid JSON ({e}).") from None
+        array = load_npy_integers(path, "Token-id file")
+        return _checked_ids(list(np.atleast_2d(array)), where)
+    doc = load_json(path, "Token-id file")
     if isinstance(doc, list) and doc and all(isinstance(x, int) for x in doc):
         doc = [doc]
     if not (
@@ -103,7 +148,7 @@ def _read_ids_file(path: pathlib.Path) -> list[list[int]]:
         )
     ):
         raise KvCacheError(f"{path}: expected a list of token ids or a list of such lists.")
-    return doc
+    return [_as_id_sequence(s, i, where) for i, s in enumerate(doc)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +178,14 @@ def load_token_windows(
     seed: int = 0,
 ) -> TokenWindows:
     """Token windows of at most ``seq_len`` ids from sequences, files or the corpus."""
+    require_type(seq_len, INTEGER, "seq_len", "an integer")
+    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
     if seq_len < 1:
         raise KvCacheError(f"seq_len must be >= 1, got {seq_len}.")
     if num_seqs is not None and num_seqs < 1:
         raise KvCacheError(f"num_seqs must be >= 1 (or None for all), got {num_seqs}.")
     random = False
+    sequences: list[np.ndarray]
     if data is None or isinstance(data, (str, os.PathLike)):
         tok = find_tokenizer(model, tokenizer)
         if data is None:
@@ -145,37 +193,49 @@ def load_token_windows(
                 if vocab_size is None:
                     raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
                 rng = np.random.default_rng(seed)
-                sequences = [list(rng.integers(0, vocab_size, seq_len)) for _ in range(num_seqs or 8)]
+                sequences = [rng.integers(0, vocab_size, seq_len) for _ in range(num_seqs or 8)]
                 source, random = "seeded random token ids (no tokenizer)", True
             else:
-                sequences = [tokenize_text(builtin_corpus(), tok)]
+                sequences = [np.asarray(tokenize_text(builtin_corpus(), tok), np.int64)]
                 source = "built-in corpus, " + (
                     "model tokenizer" if tokenizer is None else f"tokenizer {tok}"
                 )
         else:
-            path = pathlib.Path(data)
-            if not path.is_file():
-                raise KvCacheError(f"Data file {path} does not exist.")
+            path = check_input_file(data, "Data file", missing="does not exist")
             if path.suffix in (".json", ".npy"):
                 sequences, source = _read_ids_file(path), f"token ids from {path.name}"
             else:
+                raw = read_input_bytes(path, "Text file", expected="a text file")
                 try:
-                    text = path.read_text(encoding="utf-8")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
-                sequences, source = [tokenize_text(text, tok)], f"text from {path.name}"
+                sequences = [np.asarray(tokenize_text(text, tok), np.int64)]
+                source = f"text from {path.name}"
                 if tokenizer is not None:
                     source += f", tokenizer {tok}"
-            if not any(sequences):
+            if not any(s.size for s in sequences):
                 raise KvCacheError(f"{path} holds no tokens; give a file with text or token ids.")
     else:
-        sequences = [list(s) for s in data]
-        if not sequences or not all(sequences):
+        if isinstance(data, np.ndarray):
+            if data.ndim not in (1, 2):
+                raise KvCacheError(
+                    f"Token data is a {data.ndim}-D array (shape {data.shape}); give a 2-D array of "
+                    "sequences or a list of id lists."
+                )
+            data = np.atleast_2d(data)
+        elif isinstance(data, (bytes, Mapping)) or not isinstance(data, Sequence):
+            raise KvCacheTypeError(
+                "Token data must be a list of token-id lists, a file path or None, got "
+                f"{type(data).__name__}."
+            )
+        where = "Token data"
+        sequences = _checked_ids([_as_id_sequence(s, i, where) for i, s in enumerate(data)], where)
+        if not sequences or not all(s.size for s in sequences):
             raise KvCacheError("Token data must be a non-empty list of non-empty id sequences.")
         source = "given token ids"
     windows = []
-    for seq in sequences:
-        ids = np.asarray(seq, np.int64)
+    for ids in sequences:
         if not ids.size:
             continue
         if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):

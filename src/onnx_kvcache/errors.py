@@ -1,25 +1,55 @@
-"""Exception and warning types: every user-facing problem is one of these."""
+"""Exception and warning types: every user-facing problem is one of these.
+
+Every error is a :class:`KvCacheError`, a ``ValueError``; the ones that have a standard
+Python meaning are that class too, so ``except FileNotFoundError`` and ``except
+TypeError`` catch them as they would anywhere else:
+
+* :class:`KvCacheFileNotFoundError` (also a ``FileNotFoundError``): a path given does not
+  exist (a model, a scale file, a data, text or tokenizer file).
+* :class:`KvCacheTypeError` (also a ``TypeError``): an argument of the wrong type (a
+  ``ModelProto`` or a path given to a pass, ``seq_len="64"``, ``ep=3``).
+* :class:`KvCachePreconditionError` (also onnx-ir's ``PreconditionError``): a pass cannot
+  run on this model.
+"""
 
 from __future__ import annotations
 
 __all__ = [
     "KvCacheError",
+    "KvCacheFileNotFoundError",
     "KvCachePreconditionError",
+    "KvCacheTypeError",
     "KvCacheWarning",
     "MissingRuntimeError",
     "NotConvertedWarning",
+    "require_type",
     "warn",
 ]
 
+import errno
+import numbers
 import os
 import sys
 import warnings
+from typing import Any
 
 import onnx_ir as ir
 
 
 class KvCacheError(ValueError):
     """Bad input to a conversion: the message names the problem and the fix."""
+
+
+class KvCacheFileNotFoundError(KvCacheError, FileNotFoundError):
+    """A path given does not exist; ``errno`` is ``ENOENT``, the message names the path."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT  # str() stays the message: no filename is set
+
+
+class KvCacheTypeError(KvCacheError, TypeError):
+    """An argument of the wrong type; the message names the type expected and the one given."""
 
 
 class KvCachePreconditionError(KvCacheError, ir.passes.PreconditionError):
@@ -47,3 +77,17 @@ def warn(message: str, category: type[Warning] = KvCacheWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
+
+
+#: What :func:`require_type` takes for an integer (numpy's too, never a bool) and a number.
+INTEGER: tuple[type, ...] = (numbers.Integral,)
+NUMBER: tuple[type, ...] = (numbers.Real,)
+
+
+def require_type(value: Any, types: type | tuple[type, ...], name: str, expected: str) -> None:
+    """Raise :class:`KvCacheTypeError` unless ``value`` is one of ``types`` (a bool counts
+    only where ``bool`` is named): ``seq_len must be an integer, got str ('64').``"""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool)):
+        return
+    raise KvCacheTypeError(f"{name} must be {expected}, got {type(value).__name__} ({value!r:.60}).")

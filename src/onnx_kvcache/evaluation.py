@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.data import TokenData, load_token_windows
-from onnx_kvcache.errors import KvCacheError, warn
+from onnx_kvcache.errors import INTEGER, KvCacheError, require_type, warn
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
 
@@ -165,6 +165,9 @@ def evaluate_kv_cache(
     reported apart. The report states which rule produced it. A progress bar (tqdm) shows on
     a terminal unless ``progress=False``.
     """
+    for name, value in dict(max_new_tokens=max_new_tokens, prompt_len=prompt_len, seq_len=seq_len).items():
+        require_type(value, INTEGER, name, "an integer")
+    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
     if max_new_tokens < 0 or prompt_len < 1:
         raise KvCacheError(
             f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."

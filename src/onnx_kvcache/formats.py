@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, require_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +198,7 @@ def get_format(name: str | CacheFormat) -> CacheFormat:
     """The :class:`CacheFormat` row for ``name`` (``fp8``, ``int8`` or ``int4``)."""
     if isinstance(name, CacheFormat):
         return name
+    require_type(name, str, "The KV-cache format", f"a name ({', '.join(CACHE_FORMATS)})")
     key = str(name).lower().replace("-", "").replace("_", "")
     aliases = {"float8": "fp8", "float8e4m3fn": "fp8", "e4m3": "fp8", "uint4": "int4"}
     row = CACHE_FORMATS.get(aliases.get(key, key))
@@ -226,6 +227,7 @@ def format_of(
 
 def get_granularity(name: str) -> str:
     """Validate a granularity name (a key of :data:`SCALE_GRANULARITIES`)."""
+    require_type(name, str, "The scale granularity", f"a name ({', '.join(SCALE_GRANULARITIES)})")
     key = str(name).lower().replace("-", "_")
     if key not in SCALE_GRANULARITIES:
         choices = ", ".join(SCALE_GRANULARITIES)

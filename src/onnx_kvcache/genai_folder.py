@@ -28,25 +28,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from onnx_kvcache._file_io import check_relative
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache._input_files import check_input_file, input_kind, load_json
+from onnx_kvcache.errors import KvCacheError, require_type
 
 GENAI_CONFIG = "genai_config.json"
+_MAX_CONFIG_BYTES = 64 * 2**20
 
 
 def read_genai_config(path: pathlib.Path) -> dict[str, Any]:
-    """The config as a dict; one clear error for a folder, bad encoding or bad JSON."""
-    try:
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise KvCacheError(f"{path} is a folder, not onnxruntime-genai's JSON config.") from None
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise KvCacheError(
-            f"{path} is not UTF-8 text (byte {e.start}); onnxruntime-genai reads UTF-8 JSON."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise KvCacheError(f"{path} is not valid JSON ({e}).") from None
+    """The config as a dict; one clear error for a folder, a FIFO or device, bad encoding
+    or bad JSON (:func:`~onnx_kvcache._input_files.load_json`'s bounds)."""
+    config = load_json(path, "onnxruntime-genai config", max_bytes=_MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise KvCacheError(f"{path} is not a JSON object.")
     return config
@@ -75,13 +67,13 @@ def decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
 
 def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
     """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
+    require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
     p = pathlib.Path(path)
-    if not os.path.lexists(p):
-        raise KvCacheError(f"Model {p} does not exist.")
-    if p.is_dir():
+    kind = input_kind(p)
+    if kind == "a folder":
         config_path = p / GENAI_CONFIG
         if not os.path.lexists(config_path):
-            onnx_files = sorted(f for f in p.glob("*.onnx") if f.is_file())
+            onnx_files = sorted(f for f in p.glob("*.onnx") if input_kind(f) is None)
             if len(onnx_files) == 1:
                 return onnx_files[0], None
             raise KvCacheError(
@@ -91,15 +83,11 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str,
         config = read_genai_config(config_path)
         filename = decoder_filename(config, config_path)
         model_file = p / filename
-        if not model_file.is_file():
-            what = "a folder" if model_file.is_dir() else "missing"
-            raise KvCacheError(f"{config_path} names {filename!r} as the decoder, which is {what} in {p}.")
+        decoder = input_kind(model_file)
+        if decoder is not None:
+            raise KvCacheError(f"{config_path} names {filename!r} as the decoder, which is {decoder} in {p}.")
         return model_file, config
-    if not p.exists():
-        raise KvCacheError(f"Model {p} is a broken symbolic link.")
-    if not p.is_file():
-        raise KvCacheError(f"Model {p} is not a regular file.")
-    return p, None
+    return check_input_file(p, "Model", expected="an ONNX model file", missing="does not exist"), None
 
 
 def eos_token_ids(config: dict[str, Any] | None) -> frozenset[int]:

@@ -49,7 +49,7 @@ from onnx_kvcache.capabilities import (
     infer_target,
 )
 from onnx_kvcache.device import cuda_compute_capability
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, require_type, warn
 from onnx_kvcache.formats import (
     CACHE_FORMATS,
     get_format,
@@ -473,6 +473,8 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache._previous_output`); an existing
     empty output folder is filled, with or without it.
     """
+    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
+    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
     scales = as_kv_cache_scales(scales)
     named = format or (scales.implied_format if scales is not None else None)  # None: the target's
     if named is not None:
@@ -577,12 +579,21 @@ def convert_model(
             "weights='link'?): onnx and onnx-ir refuse them until the other link is deleted."
         )
 
-    if plan.placement == "in-place":
-        _write_in_place(source, data, new_config, fmt.name, result)
-    elif plan.placement == "folder":
-        _write_folder(source, plan, data, new_config, result, progress)
-    else:
-        _write_file(source, plan, data, result, progress)
+    try:
+        if plan.placement == "in-place":
+            _write_in_place(source, data, new_config, fmt.name, result)
+        elif plan.placement == "folder":
+            _write_folder(source, plan, data, new_config, result, progress)
+        else:
+            _write_file(source, plan, data, result, progress)
+    except FileExistsError as e:  # the last rename lost a race: someone created the output meanwhile
+        named = {os.path.abspath(f) for f in (e.filename, e.filename2) if isinstance(f, (str, os.PathLike))}
+        if os.path.abspath(plan.out) not in named or plan.placement == "in-place":
+            raise
+        raise KvCacheError(
+            f"Output {plan.out} was created by someone else (another conversion?) while this one ran; "
+            "nothing was written and it is left as it is. Check it, or choose another output path."
+        ) from None
     return result
 
 

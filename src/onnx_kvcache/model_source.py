@@ -30,7 +30,8 @@ import onnx_ir as ir
 
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache._file_io import check_inside, check_relative
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache._input_files import input_kind
+from onnx_kvcache.errors import KvCacheError, require_type
 from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
 
 _NOT_CARRIED = (".git",)
@@ -121,8 +122,8 @@ def _external_data(
             raise KvCacheError(
                 f"Tensor {name!r} keeps its weights in {path}, which is the model file or its config."
             )
-        if not real.is_file():
-            what = "a folder" if real.is_dir() else ("a broken link" if not real.exists() else "not a file")
+        what = input_kind(path)
+        if what is not None:
             raise KvCacheError(f"Data file {path} is {what}; the model needs its weights there.")
         size = real.stat().st_size
         if size < end:
@@ -233,11 +234,12 @@ def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
             path = here / name
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode):
-                if not path.exists():
-                    raise KvCacheError(f"{path} is a broken symbolic link ({os.readlink(path)}).")
+                what = input_kind(path)
+                if what is not None and what.startswith(("a broken", "a symbolic link loop")):
+                    raise KvCacheError(f"{path} is {what}; remove it or replace it with the file.")
                 real = check_inside(path, folder, follow_symlinks)
-                if not real.is_file():
-                    raise KvCacheError(f"{path} links to {real}, which is not a regular file.")
+                if what is not None:
+                    raise KvCacheError(f"{path} links to {real}, which is {what}, not a regular file.")
             elif stat.S_ISREG(mode):
                 real = path
             else:
@@ -248,6 +250,7 @@ def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
 
 def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ModelSource:
     """Find and check every file of a model file or folder; read its graph, not its weights."""
+    require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
     p = pathlib.Path(os.path.abspath(path))
     graph, config = resolve_model_path(p)
     folder = p if p.is_dir() else None

@@ -44,7 +44,7 @@ from onnx_kvcache._runtime import (
 )
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, require_type, warn
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
@@ -361,7 +361,8 @@ class KvCacheRunner:
         model_or_path: ``ir.Model``, ``.onnx`` file or onnxruntime-genai folder. A file
             without GroupQueryAttention (a PyTorch export) has its attention fused in
             memory (docs/exporting.md); the file is not changed.
-        providers: onnxruntime providers (CPU by default).
+        providers: onnxruntime providers (CPU by default); one name (a ``str``) is taken as
+            the list of that provider alone.
         io_binding: Keep caches as OrtValues on the session's device and bind them
             (default: on for CUDA, where caches then never leave the GPU).
         semantics: On CPU, the kernel rule quantized caches follow: ``cuda`` emulates
@@ -391,6 +392,10 @@ class KvCacheRunner:
         quantized_io: bool = False,
         block_size: int | None = None,
     ) -> None:
+        require_type(
+            model_or_path, (ir.Model, str, os.PathLike), "model_or_path", "an onnx_ir.Model or a path"
+        )
+        require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
         base_dir, config = None, None
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
@@ -406,7 +411,9 @@ class KvCacheRunner:
         """The onnxruntime-genai config of a genai folder, else None."""
         self.eos_token_ids: frozenset[int] = eos_token_ids(config)
         """End-of-sequence tokens; read from genai_config.json for a genai folder."""
-        self.providers = list(providers or ["CPUExecutionProvider"])
+        self.providers = (
+            [providers] if isinstance(providers, str) else list(providers or ["CPUExecutionProvider"])
+        )
         self.source_model = model
         """The model as given (before any preparation for CPU)."""
         _require_providers(self.providers)

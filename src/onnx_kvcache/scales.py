@@ -36,29 +36,65 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
 
 from onnx_kvcache._file_io import atomic_write_text
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache._input_files import load_json
+from onnx_kvcache.errors import KvCacheError, KvCacheTypeError
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 
 
+_FLOAT32 = np.finfo(np.float32)
+_SMALLEST = float(_FLOAT32.smallest_subnormal)
+_MAX_LAYER_ID = 2**31 - 1
+QMAX_RANGE = (1.0, 65504.0)
+"""The ``qmax`` a scale file may state: from 1 to float16's largest value (every cache
+format's is inside: 7/8 int4, 127/128 int8, 448 fp8 E4M3, 57344 fp8 E5M2)."""
+
+
 def _as_scale_array(value: Any, where: str) -> np.ndarray:
+    """float32 scales, each finite, > 0 and within float32's range (the cast neither
+    overflows nor rounds to 0; calibration gives an all-zero channel a subnormal one)."""
+    if isinstance(value, (str, bytes)):
+        raise KvCacheError(
+            f"{where}: scale must be a number or a list of numbers, got {type(value).__name__}."
+        )
     try:
-        array = np.asarray(value, dtype=np.float32).reshape(-1)
-    except (TypeError, ValueError) as e:
-        raise KvCacheError(f"{where}: scale must be a number or a list of numbers ({e}).") from e
-    if array.size == 0:
+        wide = np.asarray(value, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise KvCacheError(f"{where}: scale must be a number or a list of numbers ({e}).") from None
+    if wide.size == 0:
         raise KvCacheError(f"{where}: scale is empty.")
-    if not np.all(np.isfinite(array)) or not np.all(array > 0):
-        bad = array[~(np.isfinite(array) & (array > 0))][0]
-        raise KvCacheError(f"{where}: scales must be finite and > 0, found {bad}.")
-    return array
+    good = np.isfinite(wide) & (wide >= _SMALLEST) & (wide <= _FLOAT32.max)
+    if not np.all(good):
+        bad = float(wide[~good][0])
+        why = (
+            "must be finite and > 0"
+            if not (math.isfinite(bad) and bad > 0)
+            else f"must fit float32, from {_SMALLEST:.3g} to {_FLOAT32.max:.3g} (it would round to "
+            + ("0)" if bad < _SMALLEST else "inf)")
+        )
+        raise KvCacheError(f"{where}: scales {why}, found {bad:g}.")
+    return wide.astype(np.float32)
+
+
+def _check_qmax(qmax: Any) -> float:
+    low, high = QMAX_RANGE
+    if (
+        isinstance(qmax, bool)
+        or not isinstance(qmax, (int, float, np.integer, np.floating))
+        or not low <= float(qmax) <= high
+    ):
+        raise KvCacheError(
+            f"qmax must be a number from {low:g} to {high:g} (the largest quantized value of the "
+            f"cache format), got {qmax!r}."
+        )
+    return float(qmax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +138,12 @@ class KvCacheScales:
             )
         k, v = {}, {}
         for layer in self.k:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
-                raise KvCacheError(f"Layer id {layer!r} must be an integer >= 0.")
+            if (
+                isinstance(layer, bool)
+                or not isinstance(layer, (int, np.integer))
+                or not 0 <= layer <= _MAX_LAYER_ID
+            ):
+                raise KvCacheError(f"Layer id {layer!r} must be an integer from 0 to {_MAX_LAYER_ID}.")
             k[int(layer)] = _as_scale_array(self.k[layer], f"layer {layer} k_scale")
             v[int(layer)] = _as_scale_array(self.v[layer], f"layer {layer} v_scale")
             if k[int(layer)].size != v[int(layer)].size:
@@ -117,8 +157,8 @@ class KvCacheScales:
             object.__setattr__(self, "format", get_format(self.format).name)
         if self.qmax is None and self.format is not None:
             object.__setattr__(self, "qmax", get_format(self.format).qmax)
-        if self.qmax is not None and not (math.isfinite(self.qmax) and self.qmax > 0):
-            raise KvCacheError(f"qmax must be finite and > 0, got {self.qmax}.")
+        if self.qmax is not None:
+            object.__setattr__(self, "qmax", _check_qmax(self.qmax))
         if self.granularity is not None:
             object.__setattr__(self, "granularity", get_granularity(self.granularity))
             sizes = {a.size for a in k.values()}
@@ -139,11 +179,18 @@ class KvCacheScales:
     ) -> KvCacheScales:
         """Build from ``{layer_id: (k, v)}`` with floats or arrays (a layer id may be a
         string of digits, as ``json.load`` gives)."""
-        try:
-            k = {_layer_id(layer): pair[0] for layer, pair in mapping.items()}
-            v = {_layer_id(layer): pair[1] for layer, pair in mapping.items()}
-        except (TypeError, IndexError, KeyError) as e:
-            raise KvCacheError("Scales must map each layer id to a (k_scale, v_scale) pair.") from e
+        if not isinstance(mapping, Mapping):
+            raise KvCacheTypeError(
+                f"Scales must be a {{layer_id: (k, v)}} mapping, got {type(mapping).__name__}."
+            )
+        k, v = {}, {}
+        for layer, pair in mapping.items():
+            if isinstance(pair, (str, bytes, Mapping)) or not isinstance(pair, Sequence) or len(pair) != 2:
+                got = f"{len(pair)} values" if isinstance(pair, Sequence) else f"a {type(pair).__name__}"
+                raise KvCacheError(
+                    f"Scales must map each layer id to a (k_scale, v_scale) pair; layer {layer!r} has {got}."
+                )
+            k[_layer_id(layer)], v[_layer_id(layer)] = pair
         return cls(k, v, format=format, qmax=qmax, granularity=granularity)
 
     @property
@@ -170,10 +217,10 @@ class KvCacheScales:
         target = get_format(format)
         if self.qmax is None or self.qmax == target.qmax:
             return dataclasses.replace(self, format=target.name, qmax=target.qmax)
-        factor = np.float32(self.qmax / target.qmax)
+        factor = self.qmax / target.qmax  # in float64: the result is checked, never overflows
         return KvCacheScales(
-            {i: a * factor for i, a in self.k.items()},
-            {i: a * factor for i, a in self.v.items()},
+            {i: a.astype(np.float64) * factor for i, a in self.k.items()},
+            {i: a.astype(np.float64) * factor for i, a in self.v.items()},
             format=target.name,
             qmax=target.qmax,
             metadata=self.metadata,
@@ -263,16 +310,15 @@ def load_kv_cache_scale_file(
         model: Section to read when the file holds one per model file (the file stem).
 
     Raises:
-        KvCacheError: (a ``ValueError``) The file is missing or malformed; the message says how.
+        KvCacheFileNotFoundError: (a ``KvCacheError`` and ``FileNotFoundError``) The file is missing.
+        KvCacheError: (a ``ValueError``) The file is not a regular file, or is malformed (bad
+            JSON, nested too deeply, a scale outside float32's normal range, ...); the
+            message names the file and says how.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise KvCacheTypeError(f"A scale file is a path (str or os.PathLike), got {type(path).__name__}.")
     p = pathlib.Path(path)
-    if not p.is_file():
-        what = "a folder, not a JSON file" if p.is_dir() else "missing"
-        raise KvCacheError(f"Scale file {p} is {what}; give the path of a JSON scale file.")
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _fail(p, f"not valid JSON ({e}).") from None
+    doc = load_json(p, "Scale file", fix="give the path of a JSON scale file")
     if not isinstance(doc, dict):
         raise _fail(p, f"top level must be an object, got {type(doc).__name__}.")
     section = _select_section(p, doc, model)
@@ -297,6 +343,8 @@ def load_kv_cache_scale_file(
         raise _fail(p, f"'layer_ids' has {len(layer_ids)} entries but there are {len(k)} scales.")
     if any(i < 0 for i in layer_ids):
         raise _fail(p, f"'layer_ids' must be >= 0, got {min(layer_ids)}.")
+    if any(i > _MAX_LAYER_ID for i in layer_ids):
+        raise _fail(p, f"'layer_ids' must be at most {_MAX_LAYER_ID}, got {max(layer_ids)}.")
     if len(set(layer_ids)) != len(layer_ids):
         dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
         raise _fail(p, f"'layer_ids' repeats {dup}.")
@@ -309,23 +357,24 @@ def load_kv_cache_scale_file(
     file_format = section.get("format", doc.get("format"))
     granularity = section.get("granularity", doc.get("granularity"))
     qmax = section.get("qmax", doc.get("qmax"))
-    if qmax is not None and (
-        isinstance(qmax, bool) or not isinstance(qmax, (int, float)) or not math.isfinite(qmax) or qmax <= 0
-    ):
-        raise _fail(p, f"'qmax' must be a finite number > 0, got {qmax!r}.")
+    if qmax is not None:
+        try:
+            qmax = _check_qmax(qmax)
+        except KvCacheError as e:
+            raise _fail(p, f"'qmax' {str(e).removeprefix('qmax ')}") from None
     method = section.get("method", doc.get("method"))
     try:
         result = KvCacheScales(
             dict(zip(layer_ids, k)),
             dict(zip(layer_ids, v)),
             format=file_format,
-            qmax=float(qmax) if qmax is not None else None,
+            qmax=qmax,
             metadata={"method": method} if method is not None else {},
             granularity=granularity,
         )
+        return result.retarget(format) if format is not None else result
     except KvCacheError as e:
         raise _fail(p, str(e)) from None
-    return result.retarget(format) if format is not None else result
 
 
 def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -> str:
@@ -354,7 +403,7 @@ def as_kv_cache_scales(scales: ScalesLike, *, format: str | None = None) -> KvCa
     elif isinstance(scales, Mapping):
         result = KvCacheScales.from_mapping(scales)
     else:
-        raise KvCacheError(
+        raise KvCacheTypeError(
             f"Scales must be a KvCacheScales, a {{layer_id: (k, v)}} mapping or a file path, "
             f"got {type(scales).__name__}."
         )

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, KvCacheTypeError
 
 
 class InPlacePass(ir.passes.InPlacePass):
@@ -18,7 +18,7 @@ class InPlacePass(ir.passes.InPlacePass):
 
     def __call__(self, model_or_result: ir.Model | ir.passes.PassResult, /) -> ir.passes.PassResult:
         if not isinstance(model_or_result, (ir.Model, ir.passes.PassResult)):
-            raise KvCacheError(
+            raise KvCacheTypeError(
                 f"{type(self).__name__} takes an onnx_ir.Model, got {type(model_or_result).__name__}: "
                 "load one with onnx_ir.load(path) or onnx_ir.from_proto(model_proto)."
             )

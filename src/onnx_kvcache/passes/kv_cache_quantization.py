@@ -191,7 +191,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
                     "graph inputs (or another converted node's present) are converted."
                 )
-        self._check_coverage(plans, scales)
+        self._check_coverage(plans, scales, {s.layer_id for s in sites})
         unused = sorted(
             {
                 p.site.layer_id
@@ -312,7 +312,7 @@ class KvCacheQuantizationPass(InPlacePass):
         """The node's own K and V scales as scales of the requested format and granularity
         (rule 5): the same threshold; per channel to per tensor by the max, per tensor to
         per channel broadcast."""
-        kv, factor = site.kv_num_heads, np.float32(source.format.qmax / self.format.qmax)  # as retarget
+        kv, factor = site.kv_num_heads, source.format.qmax / self.format.qmax  # in float64, as retarget
         arrays = []
         for side in site.sides:
             value = site.input(side.scale)
@@ -340,12 +340,18 @@ class KvCacheQuantizationPass(InPlacePass):
             wanted = self._granularity.grid(kv, head)
             merged = tuple(axis for axis in range(2) if wanted[axis] < grid.shape[axis])
             grid = np.broadcast_to(grid.max(axis=merged, keepdims=True), wanted)
-            arrays.append((np.ascontiguousarray(grid).reshape(-1) * factor).astype(np.float32))
+            arrays.append((grid.reshape(-1).astype(np.float64) * factor).astype(np.float32))
         return arrays[0], arrays[-1]  # a single (LATENT) cache: the key's twice
 
-    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None) -> None:
+    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None, layers: set[int]) -> None:
         if scales is None:
             return
+        extra = sorted(set(scales.layer_ids) - layers)
+        if extra and layers:  # no cache at all: nothing to convert, said elsewhere
+            raise KvCachePreconditionError(
+                f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
+                f"are {sorted(layers)}): they were measured for another model. Calibrate this one."
+            )
         missing = sorted({p.site.layer_id for p in plans} - set(scales.layer_ids))
         if missing:
             raise KvCachePreconditionError(
