@@ -21,12 +21,13 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
-from onnx_kvcache._file_io import atomic_write_text, format_bytes
+from onnx_kvcache._file_io import format_bytes
+from onnx_kvcache._output_files import check_output, stamp_json, write_output
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
@@ -158,6 +159,16 @@ def _add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
         dest="progress",
         action="store_false",
         help=f"no progress bar ({what} shows one on a terminal)",
+    )
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
+        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
+        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
     )
 
 
@@ -363,26 +374,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json_object_with(key: str | None) -> Callable[[pathlib.Path], bool]:
-    """Accepts a small JSON object (with ``key``): an earlier output of the same kind."""
-
-    def accepts(path: pathlib.Path) -> bool:
-        if path.stat().st_size > 64 * 2**20:
-            return False
-        with open(path, "rb") as f:
-            if f.read(1).lstrip() not in (b"{", b""):
-                return False
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return isinstance(doc, dict) and (key is None or key in doc)
-
-    return accepts
-
-
-def _is_png(path: pathlib.Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
     """Files an output must never replace: the model's graph and config, and data files given."""
     from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
@@ -400,10 +391,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.percentile is not None and args.method != "percentile":
         raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     data = args.token_ids or args.text
-    file_io.check_output_file(
+    check_output(
         args.out,
-        replaceable=_json_object_with("scales"),
-        what="scale file",
+        "scales",
+        overwrite=args.overwrite,
         inputs=_model_inputs(args.model, args.text, args.token_ids, args.tokenizer),
     )
     scales = calibrate_kv_cache(
@@ -424,7 +415,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             "progress",
         ),
     )
-    scales.save(args.out)
+    scales.save(args.out, overwrite=args.overwrite)
+    args.done = f"the scale file was written ({args.out})"
     print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
@@ -441,24 +433,33 @@ def _evaluate(args: argparse.Namespace) -> int:
         *_model_inputs(args.candidate),
     ]
     if args.json:
-        file_io.check_output_file(
-            args.json, replaceable=_json_object_with(None), what="JSON report", inputs=inputs
-        )
+        check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs)
     if args.plot:
-        file_io.check_output_file(args.plot, replaceable=_is_png, what="PNG plot", inputs=inputs)
+        from onnx_kvcache._plots import check_plotting
+
+        check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise KvCacheError(f"--json and --plot both name {args.json}; name two files.")
     report = evaluate_kv_cache(
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
         **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
     )
-    print(report.format_table())
+    written = []
     if args.json:
-        atomic_write_text(pathlib.Path(args.json), json.dumps(report.to_json(), indent=2) + "\n")
+        write_output(
+            args.json, stamp_json(report.to_json()), "report", overwrite=args.overwrite, inputs=inputs
+        )
+        written.append(args.json)
     if args.plot:
         from onnx_kvcache._plots import plot_evaluation
 
-        plot_evaluation(report, args.plot)
+        plot_evaluation(report, args.plot, overwrite=args.overwrite, inputs=inputs)
+        written.append(args.plot)
+    if written:
+        args.done = f"the evaluation completed ({', '.join(written)} written)"
+    print(report.format_table())
     return 0
 
 
@@ -485,6 +486,8 @@ def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache._demo import run_demo
 
     run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
+    if args.keep:
+        args.done = f"the demo completed (models in {args.keep})"
     return 0
 
 
@@ -607,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"
     )
+    _add_overwrite_arg(p, "FILE")
     _add_format_args(p)
     p.add_argument(
         "--method", default="minmax", choices=["minmax", "percentile", "mse"], help="threshold rule"
@@ -669,8 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="FILE",
-        help="also write a PNG (per-layer error, KL per position); needs matplotlib (default: none)",
+        help="also write a PNG (per-layer error, KL per position), named *.png; needs matplotlib "
+        "(default: none)",
     )
+    _add_overwrite_arg(p, "the --json or --plot FILE")
     _add_progress_arg(p, "evaluation")
     p.set_defaults(func=_evaluate)
 
