@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = ["main"]
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -712,8 +713,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(line: str) -> None:
+    """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    print(f"onnx-kvcache: warning: {cli_wording(str(message))}", file=sys.stderr)
+    _say(f"onnx-kvcache: warning: {cli_wording(str(message))}")
+
+
+_STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
+
+
+def _reserve_standard_streams() -> None:
+    """A closed stdin, stdout or stderr (``>&-``) becomes /dev/null: otherwise the first file
+    the command opens takes its number, and whatever prints there (onnxruntime's own logging
+    included) writes into that file; and Python's ``sys.stdout`` is None."""
+    for fd, name, mode in _STREAMS:
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            stream = open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+            setattr(sys, name, stream)  # for the process's life
 
 
 def _silence_stdout() -> None:
@@ -726,7 +753,19 @@ def _silence_stdout() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"onnx-kvcache: error: {cli_wording(message)}", file=sys.stderr)
+    _say(f"onnx-kvcache: error: {cli_wording(message)}")
+
+
+def _stdout_failed(args: argparse.Namespace | None, why: str) -> int:
+    """Printing failed (a closed pipe, a full disk): exit 0 when the command's output file was
+    complete by then (say so on stderr), else 2."""
+    _silence_stdout()
+    done = getattr(args, "done", None)
+    if done:
+        _say(f"onnx-kvcache: warning: {why}; {done}.")
+        return 0
+    _error(f"{why}.")
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -734,6 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
     args: argparse.Namespace | None = None
     code = 0
+    _reserve_standard_streams()
     with warnings.catch_warnings(), file_io.signal_handlers():
         try:
             args = build_parser().parse_args(argv)
@@ -754,16 +794,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             detail = getattr(e, "detail", None) or done
             if detail is None:
                 detail = "no partial output was left" if args is not None else "nothing was written"
-            print(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.", file=sys.stderr)
+            _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
         except BrokenPipeError:
-            _silence_stdout()
-            done = getattr(args, "done", None)
-            _error("the output pipe was closed early (broken pipe)" + (f"; {done}." if done else "."))
-            code = 2
+            code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
         except OSError as e:
-            _error(_describe_os_error(e) + ".")
-            code = 2
+            if getattr(args, "done", None):  # only printing is left once the output is complete
+                code = _stdout_failed(args, f"standard output failed ({_describe_os_error(e)})")
+            else:
+                _error(_describe_os_error(e) + ".")
+                code = 2
         except UnicodeDecodeError as e:
             _error(f"a file is not UTF-8 text ({e}).")
             code = 2

@@ -117,11 +117,15 @@ def _data_names(out: pathlib.Path, locations: list[str]) -> dict[str, str]:
     the price of never having a graph on disk name data that is not its own: keeping the
     name would mean replacing the old data under the old graph, or committing a graph that
     names data not yet there; no rename makes both files change at once.
+
+    A graph names its data in UTF-8 (protobuf strings), so an output name that is not
+    UTF-8 (bytes Python decodes as surrogates) gives its data U+FFFD in their place.
     """
     if not locations:
         return {}
+    stem = os.fsencode(out.name).decode("utf-8", errors="replace")
     for generation in range(1, 1000):
-        base = out.name if generation == 1 else f"{out.name}.{generation}"
+        base = stem if generation == 1 else f"{stem}.{generation}"
         if len(locations) == 1:
             names = [f"{base}.data"]
         else:
