@@ -70,10 +70,15 @@ def _canonical(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def stamp_json(doc: dict[str, Any]) -> bytes:
-    """``doc`` as indented JSON text carrying :data:`WRITTEN_KEY` (the digest of the rest)."""
+def _record(kind: str, digest: str) -> dict[str, str]:
+    return {"kind": kind, "version": __version__, "sha256": digest}
+
+
+def stamp_json(doc: dict[str, Any], kind: str) -> bytes:
+    """``doc`` as indented JSON text carrying :data:`WRITTEN_KEY`: ``kind`` (a key of
+    :data:`OUTPUT_KINDS`), our version and the digest of the rest."""
     rest = {k: v for k, v in doc.items() if k != WRITTEN_KEY}
-    stamped = {**rest, WRITTEN_KEY: {"version": __version__, "sha256": _digest(_canonical(rest))}}
+    stamped = {**rest, WRITTEN_KEY: _record(kind, _digest(_canonical(rest)))}
     return (json.dumps(stamped, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
@@ -90,8 +95,8 @@ def _small_file(path: pathlib.Path) -> bytes | None:
         os.close(fd)
 
 
-def _json_written_by_us(path: pathlib.Path) -> str | None:
-    """None when ``path`` is a JSON file onnx-kvcache wrote, unchanged; else why not."""
+def _json_written_by_us(path: pathlib.Path, kind: str) -> str | None:
+    """None when ``path`` is a JSON file of ``kind`` onnx-kvcache wrote, unchanged; else why not."""
     data = _small_file(path)
     if data is None or data[:1].lstrip() not in (b"{", b""):
         return "it is not a JSON object"
@@ -104,8 +109,15 @@ def _json_written_by_us(path: pathlib.Path) -> str | None:
     mark = doc.pop(WRITTEN_KEY, None)
     if not isinstance(mark, dict):
         return f"it has no {WRITTEN_KEY!r} record"
-    if mark.get("sha256") != _digest(_canonical(doc)):
+    return _check_record(mark, kind, _digest(_canonical(doc)))
+
+
+def _check_record(mark: Any, kind: str, digest: str) -> str | None:
+    if not isinstance(mark, dict) or mark.get("sha256") != digest:
         return "it was edited since onnx-kvcache wrote it"
+    if mark.get("kind") != kind:
+        other = OUTPUT_KINDS.get(str(mark.get("kind")))
+        return f"onnx-kvcache wrote it as a {other.what if other else 'file of another kind'}"
     return None
 
 
@@ -143,14 +155,14 @@ def _png_rest(data: bytes) -> tuple[bytes, list[bytes]]:
 def stamp_png(data: bytes) -> bytes:
     """``data`` (a PNG) with a ``tEXt`` chunk :data:`WRITTEN_KEY` before ``IEND``."""
     rest, _ = _png_rest(data)
-    text = json.dumps({"version": __version__, "sha256": _digest(rest)}, separators=(",", ":"))
+    text = json.dumps(_record("plot", _digest(rest)), separators=(",", ":"))
     body = WRITTEN_KEY.encode("latin-1") + b"\0" + text.encode("latin-1")
     chunk = struct.pack(">I", len(body)) + b"tEXt" + body + struct.pack(">I", zlib.crc32(b"tEXt" + body))
     end = rest.rindex(b"IEND") - 4  # the IEND chunk's length field
     return rest[:end] + chunk + rest[end:]
 
 
-def _png_written_by_us(path: pathlib.Path) -> str | None:
+def _png_written_by_us(path: pathlib.Path, kind: str) -> str | None:
     data = _small_file(path)
     try:
         rest, texts = _png_rest(data or b"")
@@ -162,9 +174,7 @@ def _png_written_by_us(path: pathlib.Path) -> str | None:
         mark = json.loads(texts[0].decode("latin-1"))
     except ValueError:
         mark = None
-    if not isinstance(mark, dict) or mark.get("sha256") != _digest(rest):
-        return "it was edited since onnx-kvcache wrote it"
-    return None
+    return _check_record(mark, kind, _digest(rest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +185,8 @@ class OutputKind:
     example: str
     suffixes: tuple[str, ...]
     """Suffixes (lower case) the name must end with; empty: any."""
-    written_by_us: Callable[[pathlib.Path], str | None]
-    """None for a file onnx-kvcache wrote (unchanged since); else why it is not one."""
+    written_by_us: Callable[[pathlib.Path, str], str | None]
+    """None for a file of this kind onnx-kvcache wrote (unchanged since); else why it is not one."""
 
 
 OUTPUT_KINDS = {
@@ -214,7 +224,7 @@ def check_output(
             raise KvCacheError(f"{path} is one of the input's files; write the {row.what} elsewhere.")
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a missing or non-folder parent: said below
         st = None
     except OSError as e:
         raise KvCacheError(f"Cannot write the {row.what} {path}: {e.strerror}.") from None
@@ -234,7 +244,7 @@ def check_output(
             )
         if is_model_file(path):
             raise KvCacheError(f"{path} is an ONNX model; refusing to replace it. Name another file.")
-        why = row.written_by_us(path)
+        why = row.written_by_us(path, kind)
         if why is not None and not overwrite:
             raise KvCacheError(
                 f"{path} exists and is not a {row.what} onnx-kvcache wrote ({why}); refusing to "
@@ -299,7 +309,7 @@ def check_demo_folder(folder: os.PathLike | str) -> None:
         return
     listed: dict[str, Any] = {}
     record = folder / DEMO_RECORD
-    if DEMO_RECORD in entries and OUTPUT_KINDS["demo record"].written_by_us(record) is None:
+    if DEMO_RECORD in entries and _json_written_by_us(record, "demo record") is None:
         listed = json.loads(record.read_text(encoding="utf-8")).get("entries", {})
     foreign = [
         e
@@ -331,4 +341,4 @@ def record_demo_folder(folder: os.PathLike | str) -> None:
         if e != DEMO_RECORD and (folder / e).is_file() and not (folder / e).is_symlink()
     }
     doc = {"written_by": "onnx-kvcache demo", "entries": entries}
-    write_output(folder / DEMO_RECORD, stamp_json(doc), "demo record")
+    write_output(folder / DEMO_RECORD, stamp_json(doc, "demo record"), "demo record")

@@ -450,7 +450,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     written = []
     if args.json:
         write_output(
-            args.json, stamp_json(report.to_json()), "report", overwrite=args.overwrite, inputs=inputs
+            args.json,
+            stamp_json(report.to_json(), "report"),
+            "report",
+            overwrite=args.overwrite,
+            inputs=inputs,
         )
         written.append(args.json)
     if args.plot:

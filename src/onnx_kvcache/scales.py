@@ -209,7 +209,7 @@ class KvCacheScales:
         Raises:
             KvCacheError: The path is one of those; the message says which.
         """
-        write_output(path, stamp_json(self.to_json()), "scales", overwrite=overwrite)
+        write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
 
 def _layer_id(key: Any) -> Any:
