@@ -89,7 +89,7 @@ def _graph(model_file: pathlib.Path) -> Any:
     import onnx
 
     try:
-        return onnx.load(model_file, load_external_data=False)
+        return onnx.load(model_file, format="protobuf", load_external_data=False)  # whatever its name
     except Exception:  # protobuf raises several unrelated types
         return None
 

@@ -564,8 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=["copy", "link"],
         help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
-        "that keeps holes) or link (hard links: onnx and onnx-ir then refuse BOTH models until one is "
-        "deleted) (default: shared beside INPUT, copy in another folder)",
+        "that keeps holes) or link (hard links: onnx.load, onnx.checker and onnx-ir, reading a weight, "
+        "then refuse BOTH models until one is deleted; onnxruntime and onnxruntime-genai load them) "
+        "(default: shared beside INPUT, copy in another folder)",
     )
     p.add_argument(
         "--follow-symlinks",
@@ -733,7 +734,8 @@ _STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
 def _reserve_standard_streams() -> None:
     """A closed stdin, stdout or stderr (``>&-``) becomes /dev/null: otherwise the first file
     the command opens takes its number, and whatever prints there (onnxruntime's own logging
-    included) writes into that file; and Python's ``sys.stdout`` is None."""
+    included) writes into that file; and Python's ``sys.stdout`` is None. A stream that
+    cannot print a path that is not UTF-8 (strict errors) prints its bytes escaped."""
     for fd, name, mode in _STREAMS:
         try:
             os.fstat(fd)
@@ -745,6 +747,9 @@ def _reserve_standard_streams() -> None:
         if getattr(sys, name) is None:
             stream = open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
             setattr(sys, name, stream)  # for the process's life
+        stream = getattr(sys, name)
+        if fd and getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _silence_stdout() -> None:
