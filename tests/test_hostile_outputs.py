@@ -311,11 +311,11 @@ def test_a_json_record_proves_the_content_and_its_kind(tmp_path):
 
 def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypatch):
     path = tmp_path / "new" / "deeper" / "r.json"
+    outputs.write_output(path, b"{}", "report")  # missing folders are created
+    path.unlink()
     real = outputs.check_output
-    calls = []
 
-    def check_then_plant(p, kind, **kw):  # a FIFO appears between the first check and the write
-        calls.append(p)
+    def check_then_plant(p, kind, **kw):  # a FIFO appears between the check and the rename
         identity = real(p, kind, **kw)
         os.mkfifo(path)
         return identity
@@ -324,12 +324,25 @@ def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypat
     with pytest.raises(KvCacheError, match="created by something else"):
         outputs.write_output(path, b"{}", "report")
     assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(path.parent) == ["r.json"]
+    monkeypatch.undo()
+    os.unlink(path)
+    path.parent.rmdir()
+    real_publish = outputs.file_io.TempFile.publish
+
+    def failing_publish(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.file_io.TempFile, "publish", failing_publish)
+    with pytest.raises(OSError, match="No space"):
+        outputs.write_output(path, b"{}", "report")
+    assert os.listdir(tmp_path / "new") == []  # the folder it created is gone again, no temporary
+    assert real_publish
 
 
 # -- finding 9: names that are not UTF-8 --------------------------------------------------
 
 
-def test_output_names_that_are_not_utf8_work(tmp_path, capsys):
+def test_output_names_that_are_not_utf8_work(tmp_path, capsys, monkeypatch):
     src = tmp_path / "in" / "m.onnx"
     src.parent.mkdir()
     ir.save(build_decoder(num_layers=2), src, external_data="m.onnx.data")
@@ -341,9 +354,12 @@ def test_output_names_that_are_not_utf8_work(tmp_path, capsys):
     assert "Traceback" not in capsys.readouterr().err
     data = [p for p in os.listdir(folder) if p.endswith(".data")]
     assert data == ["bad\ufffd\ufffd.onnx.data"]  # a graph names its data in UTF-8
-    proto = onnx.load(out)
     weights = [v.const_value.numpy() for v in ir.load(out).graph.initializers.values()]
     assert weights and all(np.isfinite(w).all() for w in weights)
+    monkeypatch.chdir(folder)  # onnx and onnxruntime take only UTF-8 paths (their bindings' str)
+    with open(out, "rb") as f:
+        proto = onnx.load(f, load_external_data=False)
+    onnx.external_data_helper.load_external_data_for_model(proto, ".")
     ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     bad_json = tmp_path / os.fsdecode(b"s\xff.json")
     assert main(_calibrate_argv(src, bad_json)) == 0
