@@ -114,10 +114,19 @@ def test_save_never_replaces_a_model_device_fifo_link_or_folder(tmp_path, victim
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_save_never_replaces_dev_null(overwrite):
+def test_save_never_replaces_a_device(tmp_path, overwrite):
+    """A device of our own (as root), never the system's: on a build without the check, this
+    test would replace whatever device it names, as save("/dev/null") once did."""
+    device = tmp_path / "null.json"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a /dev/null of our own
+    except PermissionError:
+        os.mkfifo(device)  # not root: the other kind of special file save must not replace
     with pytest.raises(KvCacheError, match="not a regular file"):
-        SCALES.save("/dev/null", **({"overwrite": True} if overwrite else {}))
-    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+        SCALES.save(device, **({"overwrite": True} if overwrite else {}))
+    assert not stat.S_ISREG(os.lstat(device).st_mode)
+    with pytest.raises(KvCacheError, match="not a regular file"):  # the check alone writes nothing
+        outputs.check_output("/dev/null", "scales", overwrite=True)
 
 
 def test_save_replaces_its_own_file_and_a_foreign_one_only_with_overwrite(tmp_path):
