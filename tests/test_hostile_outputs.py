@@ -263,6 +263,18 @@ def test_demo_keep_refuses_a_folder_it_did_not_fill(tmp_path, capsys, monkeypatc
         assert message in one_line(capsys)
     assert tree(tmp_path) == before
 
+    stopped = tmp_path / "stopped"
+
+    def stop(*args, **kwargs):  # Ctrl-C once the first model is converted
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(demo, "evaluate_kv_cache", stop)
+        assert main(["demo", "--keep", str(stopped), "--no-progress"]) == 130
+    assert (stopped / "model.int8.per_tensor.onnx").is_file()
+    outputs.check_demo_folder(stopped)  # what a stopped demo left, the next one accepts
+    capsys.readouterr()
+
     kept = tmp_path / "kept"
     assert main(["demo", "--keep", str(kept), "--no-progress"]) == 0
     capsys.readouterr()
@@ -295,6 +307,21 @@ def test_the_demo_record_lists_what_the_demo_wrote(tmp_path):
     outputs.check_demo_folder(folder)
     record = json.loads((folder / outputs.DEMO_RECORD).read_text())
     assert record["entries"] == {"model.onnx": hashlib.sha256(b"graph").hexdigest()}
+    (folder / "model.onnx").write_bytes(b"graph, edited")
+    with pytest.raises(KvCacheError, match=r"model\.onnx"):
+        outputs.check_demo_folder(folder)
+    outputs.record_demo_folder(folder, {"converted.onnx": outputs.CONVERTED})  # about to convert
+    (folder / "converted.onnx").write_bytes(b"graph")  # not what a conversion writes
+    with pytest.raises(KvCacheError, match=r"converted\.onnx"):
+        outputs.check_demo_folder(folder)
+    ir.save(build_decoder(num_layers=1), folder / "model.onnx")
+    (folder / "converted.onnx").unlink()
+    outputs.record_demo_folder(folder, {"converted.onnx": outputs.CONVERTED})
+    convert_model(
+        folder / "model.onnx", folder / "converted.onnx", format="int8", scales=SCALES, overwrite=True
+    )
+    outputs.check_demo_folder(folder)  # what a conversion wrote is the demo's
+    record = json.loads((folder / outputs.DEMO_RECORD).read_text())
     record["entries"]["other.onnx"] = "0" * 64
     (folder / outputs.DEMO_RECORD).write_text(json.dumps(record))  # a forged record is no record
     with pytest.raises(KvCacheError, match=outputs.DEMO_RECORD):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = ["DEMO_VARIANTS", "run_demo"]
 
+import hashlib
 import os
 import pathlib
 import tempfile
@@ -19,7 +20,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnx_kvcache._file_io import atomic_write_bytes
-from onnx_kvcache._output_files import check_demo_folder, record_demo_folder
+from onnx_kvcache._output_files import CONVERTED, check_demo_folder, record_demo_folder
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
 from onnx_kvcache.data import corpus_byte_ids
@@ -60,9 +61,10 @@ def run_demo(
         folder = pathlib.Path(keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         baseline = folder / "model.onnx"
-        atomic_write_bytes(baseline, ir.to_proto(build_decoder()).SerializeToString())
-        if keep is not None:
-            record_demo_folder(folder)
+        graph = ir.to_proto(build_decoder()).SerializeToString()
+        if keep is not None:  # recorded first: a demo stopped at any point leaves a folder it accepts
+            record_demo_folder(folder, {baseline.name: hashlib.sha256(graph).hexdigest()})
+        atomic_write_bytes(baseline, graph)
         info = inspect_kv_cache(ir.load(baseline))
         where = f"in {folder}" if keep else "in a temporary folder (keep=DIR keeps them)"
         echo(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models {where}")
@@ -76,6 +78,8 @@ def run_demo(
                 baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
             )
             out = folder / f"model.{fmt}.{granularity}.onnx"
+            if keep is not None:
+                record_demo_folder(folder, {out.name: CONVERTED})
             convert_model(
                 baseline,
                 out,

@@ -25,6 +25,7 @@ accepts a new or empty folder, or one whose every entry the record lists unchang
 from __future__ import annotations
 
 __all__ = [
+    "CONVERTED",
     "DEMO_RECORD",
     "OUTPUT_KINDS",
     "WRITTEN_KEY",
@@ -45,11 +46,11 @@ import pathlib
 import stat
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from onnx_kvcache import _file_io as file_io
-from onnx_kvcache._previous_output import is_model_file
+from onnx_kvcache._previous_output import check_replaceable_file, is_model_file
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import KvCacheError
 
@@ -297,6 +298,23 @@ def _entries(folder: pathlib.Path) -> list[str]:
     return sorted(e for e in os.listdir(folder) if not e.startswith(file_io.TEMP_PREFIX))
 
 
+CONVERTED = "converted"
+"""A demo record's value for a model the demo is converting: any model a conversion to a new
+file wrote (its ``onnx_kvcache.converted`` marker) is accepted under that name."""
+
+
+def _listed_and_unchanged(path: pathlib.Path, value: Any) -> bool:
+    if not path.is_file() or path.is_symlink():
+        return False
+    if value == CONVERTED:
+        try:
+            check_replaceable_file(path)
+        except KvCacheError:
+            return False
+        return True
+    return isinstance(value, str) and _digest(path.read_bytes()) == value
+
+
 def check_demo_folder(folder: os.PathLike | str) -> None:
     """Refuse a ``keep`` folder that is neither new, nor empty, nor wholly a previous demo's."""
     folder = pathlib.Path(folder)
@@ -312,15 +330,7 @@ def check_demo_folder(folder: os.PathLike | str) -> None:
     if DEMO_RECORD in entries and _json_written_by_us(record, "demo record") is None:
         listed = json.loads(record.read_text(encoding="utf-8")).get("entries", {})
     foreign = [
-        e
-        for e in entries
-        if e != DEMO_RECORD
-        and not (
-            isinstance(listed.get(e), str)
-            and (folder / e).is_file()
-            and not (folder / e).is_symlink()
-            and _digest((folder / e).read_bytes()) == listed[e]
-        )
+        e for e in entries if e != DEMO_RECORD and not _listed_and_unchanged(folder / e, listed.get(e))
     ]
     if DEMO_RECORD in entries and not listed:
         foreign.insert(0, DEMO_RECORD)
@@ -332,13 +342,16 @@ def check_demo_folder(folder: os.PathLike | str) -> None:
         )
 
 
-def record_demo_folder(folder: os.PathLike | str) -> None:
-    """Write (or update) the folder's :data:`DEMO_RECORD`: the digest of every file in it."""
+def record_demo_folder(folder: os.PathLike | str, pending: Mapping[str, str] | None = None) -> None:
+    """Write (or update) the folder's :data:`DEMO_RECORD`: the digest of every file in it, and
+    ``pending``: files about to be written (their digest, or :data:`CONVERTED`), so that a
+    demo stopped before its next record leaves a folder the next demo accepts."""
     folder = pathlib.Path(folder)
     entries = {
         e: _digest((folder / e).read_bytes())
         for e in _entries(folder)
         if e != DEMO_RECORD and (folder / e).is_file() and not (folder / e).is_symlink()
     }
+    entries.update(pending or {})
     doc = {"written_by": "onnx-kvcache demo", "entries": entries}
     write_output(folder / DEMO_RECORD, stamp_json(doc, "demo record"), "demo record")
