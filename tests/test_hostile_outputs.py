@@ -445,6 +445,23 @@ def test_a_closed_or_full_stdout_after_the_work_is_a_success(tmp_path, model_fil
     ort.InferenceSession(str(converted), providers=["CPUExecutionProvider"])
 
 
+def test_a_closed_stderr_is_not_given_to_an_output_file(tmp_path):
+    """With fd 2 closed, the first file opened would take its number, and every warning
+    (fp8 without scales warns) would be written into the model."""
+    model_file, out = tmp_path / "m16.onnx", tmp_path / "o.onnx"
+    ir.save(build_decoder(num_layers=2, dtype="float16"), model_file)
+    argv = ["convert", str(model_file), str(out), "--format", "fp8"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnx_kvcache", *argv],
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: os.close(2),
+        timeout=300,
+    )
+    assert proc.returncode == 0 and b"converted" in proc.stdout
+    proto = onnx.load(out)
+    assert b"warning" not in out.read_bytes() and proto.graph.node
+
+
 def test_inspect_with_stdout_closed_or_full(model_file):
     code, err = _run(["inspect", str(model_file)], "closed")
     assert (code, err) == (0, "")  # nothing asked to be seen
