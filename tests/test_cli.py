@@ -583,7 +583,7 @@ def test_a_closed_pipe_after_a_conversion_says_it_completed(tmp_path, model_file
     )
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 2 and out.exists()
+    assert proc.wait(timeout=60) == 0 and out.exists()  # the output is complete: a success
     assert err.count("\n") == 1 and f"broken pipe); the conversion completed ({out})" in err
 
 

@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 
-from onnx_kvcache import KvCacheError
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache._file_io import TEMP_PREFIX
 
@@ -617,32 +616,6 @@ def test_a_signal_during_a_commit_waits_for_it():
         time.sleep(0.05)
         done.append(True)
     assert done and info.value.completed
-
-
-def test_check_output_file(tmp_path):
-    def is_scales(p):
-        return "scales" in json.loads(p.read_text())
-
-    model = tmp_path / "model.onnx"
-    model.write_bytes(b"\x08\x07graph")
-    previous = tmp_path / "scales.json"
-    previous.write_text('{"scales": {}}')
-    kw = {"replaceable": is_scales, "what": "scale file", "inputs": [model]}
-    file_io.check_output_file(previous, **kw)
-    file_io.check_output_file(tmp_path / "new" / "s.json", **kw)
-    for path, message in [
-        (model, "one of the input's files"),
-        (tmp_path, "is a folder"),
-        (tmp_path / "notes.txt", "is not a scale file"),
-        (tmp_path / "link.json", "symbolic link"),
-        (tmp_path / "notes.txt" / "s.json", "not a folder"),
-    ]:
-        (tmp_path / "notes.txt").write_text("mine")
-        if path.name == "link.json" and not path.is_symlink():
-            path.symlink_to(previous)
-        with pytest.raises(KvCacheError, match=message):
-            file_io.check_output_file(path, **kw)
-    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("entry", [file_io.TempFile, file_io.TempDir])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = ["DEMO_VARIANTS", "run_demo"]
 
+import hashlib
 import os
 import pathlib
 import tempfile
@@ -18,6 +19,8 @@ from collections.abc import Callable
 import onnx_ir as ir
 from tqdm import tqdm
 
+from onnx_kvcache._file_io import atomic_write_bytes
+from onnx_kvcache._output_files import CONVERTED, check_demo_folder, record_demo_folder
 from onnx_kvcache.cache_layout import inspect_kv_cache
 from onnx_kvcache.calibration import calibrate_kv_cache
 from onnx_kvcache.data import corpus_byte_ids
@@ -46,14 +49,22 @@ def run_demo(
 ) -> list[EvaluationReport]:
     """Run the demo; models are written to ``keep`` or a temporary folder.
 
-    ``progress``: one progress bar on a terminal, cleared before the table is printed.
+    ``keep`` must be a new or empty folder, or one an earlier demo filled (its
+    ``onnx-kvcache-demo.json`` lists every file there, unchanged): anything else is refused
+    before any work. ``progress``: one progress bar on a terminal, cleared before the table
+    is printed.
     """
     start = time.perf_counter()
+    if keep is not None:
+        check_demo_folder(keep)
     with tempfile.TemporaryDirectory(prefix="onnx-kvcache-demo-") as tmp:
         folder = pathlib.Path(keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         baseline = folder / "model.onnx"
-        ir.save(build_decoder(), baseline)
+        graph = ir.to_proto(build_decoder()).SerializeToString()
+        if keep is not None:  # recorded first: a demo stopped at any point leaves a folder it accepts
+            record_demo_folder(folder, {baseline.name: hashlib.sha256(graph).hexdigest()})
+        atomic_write_bytes(baseline, graph)
         info = inspect_kv_cache(ir.load(baseline))
         where = f"in {folder}" if keep else "in a temporary folder (keep=DIR keeps them)"
         echo(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models {where}")
@@ -67,6 +78,8 @@ def run_demo(
                 baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
             )
             out = folder / f"model.{fmt}.{granularity}.onnx"
+            if keep is not None:
+                record_demo_folder(folder, {out.name: CONVERTED})
             convert_model(
                 baseline,
                 out,
@@ -77,6 +90,8 @@ def run_demo(
                 ep=None,  # fp8 of a float32 model, for evaluation through CPU emulation
                 progress=False,
             )
+            if keep is not None:
+                record_demo_folder(folder)
             report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=_NEW_TOKENS, progress=False)
             reports.append(report)
             rows.append(

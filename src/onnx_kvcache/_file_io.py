@@ -42,7 +42,6 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "check_inside",
-    "check_output_file",
     "check_relative",
     "check_writable_folder",
     "allocated_bytes",
@@ -80,7 +79,7 @@ import secrets
 import shutil
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
@@ -952,41 +951,6 @@ def atomic_write_bytes(target: os.PathLike | str, data: bytes, *, like: os.stat_
 
 def atomic_write_text(target: os.PathLike | str, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
-
-
-def check_output_file(
-    path: os.PathLike | str,
-    *,
-    replaceable: Callable[[pathlib.Path], bool],
-    what: str,
-    inputs: Iterable[pathlib.Path] = (),
-) -> None:
-    """Refuse, before any work, an output path that would replace something it should not.
-
-    An existing ``path`` may be replaced only when it is a regular file that
-    ``replaceable`` accepts (e.g. a previous scale file) and none of ``inputs``.
-    """
-    path = pathlib.Path(path)
-    real = pathlib.Path(os.path.realpath(path))
-    for p in inputs:
-        if real == pathlib.Path(os.path.realpath(p)):
-            raise KvCacheError(f"{path} is one of the input's files; write the {what} elsewhere.")
-    if os.path.lexists(path):
-        if path.is_symlink():
-            raise KvCacheError(f"{path} is a symbolic link; refusing to replace it. Name another file.")
-        if path.is_dir():
-            raise KvCacheError(f"{path} is a folder; name the {what} to write (e.g. {path}/out.json).")
-        if not path.is_file():
-            raise KvCacheError(f"{path} is not a regular file; refusing to replace it.")
-        try:
-            ok = replaceable(path)
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            raise KvCacheError(
-                f"{path} exists and is not a {what}; refusing to replace it. Name another file."
-            )
-    check_writable_folder(path.parent)
 
 
 # -- paths a model names ---------------------------------------------------------------

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["plot_evaluation"]
+__all__ = ["check_plotting", "plot_evaluation"]
 
+import io
 import os
+from collections.abc import Iterable
+from typing import Any
 
+from onnx_kvcache._output_files import check_output, stamp_png, write_output
+from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.evaluation import EvaluationReport
 
 
-def plot_evaluation(report: EvaluationReport, path: str | os.PathLike) -> None:
-    """Write a PNG with per-layer K/V cache error and mean KL per position."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -19,6 +23,29 @@ def plot_evaluation(report: EvaluationReport, path: str | os.PathLike) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise MissingRuntimeError("Plots need matplotlib: pip install 'onnx-kvcache[plot]'.") from e
+    return plt
+
+
+def check_plotting(
+    path: str | os.PathLike, *, overwrite: bool = False, inputs: Iterable[os.PathLike | str] = ()
+) -> None:
+    """Refuse, before an evaluation, a plot that could not be written: no matplotlib, a name
+    that is not ``.png``, or a path the output rules (:mod:`onnx_kvcache._output_files`) refuse."""
+    check_output(path, "plot", overwrite=overwrite, inputs=inputs)
+    _pyplot()
+
+
+def plot_evaluation(
+    report: EvaluationReport,
+    path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[os.PathLike | str] = (),
+) -> None:
+    """Write a PNG with per-layer K/V cache error and mean KL per position (atomically, by
+    the rules of :mod:`onnx_kvcache._output_files`)."""
+    check_output(path, "plot", overwrite=overwrite, inputs=inputs)
+    plt = _pyplot()
     layers = sorted(report.layer_errors)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     width = 0.4
@@ -37,5 +64,7 @@ def plot_evaluation(report: EvaluationReport, path: str | os.PathLike) -> None:
     fig.suptitle(
         f"{report.candidate_format}: KL mean {report.kl_mean:.2e}, top-1 {report.top1_agreement:.1%}"
     )
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": f"onnx-kvcache {__version__}"})
     plt.close(fig)
+    write_output(path, stamp_png(buffer.getvalue()), "plot", overwrite=overwrite, inputs=inputs)

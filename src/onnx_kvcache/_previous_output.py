@@ -28,6 +28,7 @@ __all__ = [
     "check_replaceable_file",
     "check_replaceable_folder",
     "converted_for",
+    "is_model_file",
     "is_output_folder",
     "marker",
     "own_data_files",
@@ -88,9 +89,31 @@ def _graph(model_file: pathlib.Path) -> Any:
     import onnx
 
     try:
-        return onnx.load(model_file, load_external_data=False)
+        return onnx.load(model_file, format="protobuf", load_external_data=False)  # whatever its name
     except Exception:  # protobuf raises several unrelated types
         return None
+
+
+_MODEL_SUFFIXES = (".onnx", ".ort")
+
+
+def is_model_file(path: pathlib.Path) -> bool:
+    """Whether a regular file is an ONNX model: named ``*.onnx``/``*.ort`` (any case), or a
+    graph protobuf parses (checked from field headers first, so other files are not read)."""
+    if path.suffix.lower() in _MODEL_SUFFIXES:
+        return True
+    try:
+        if os.path.getsize(path) > GRAPH_SIZE_LIMIT:
+            return False
+        with open(path, "rb") as f:
+            if _is_ort_format(f):
+                return True
+            if not _is_wire_format(f):
+                return False
+    except OSError:
+        return False
+    proto = _graph(path)
+    return proto is not None and bool(proto.graph.node or proto.graph.initializer)
 
 
 def _read(model_file: pathlib.Path) -> tuple[dict[str, Any] | None, str]:

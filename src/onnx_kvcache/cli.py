@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = ["main"]
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -21,12 +22,13 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
-from onnx_kvcache._file_io import atomic_write_text, format_bytes
+from onnx_kvcache._file_io import format_bytes
+from onnx_kvcache._output_files import check_output, stamp_json, write_output
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
@@ -158,6 +160,16 @@ def _add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
         dest="progress",
         action="store_false",
         help=f"no progress bar ({what} shows one on a terminal)",
+    )
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
+        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
+        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
     )
 
 
@@ -365,26 +377,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json_object_with(key: str | None) -> Callable[[pathlib.Path], bool]:
-    """Accepts a small JSON object (with ``key``): an earlier output of the same kind."""
-
-    def accepts(path: pathlib.Path) -> bool:
-        if path.stat().st_size > 64 * 2**20:
-            return False
-        with open(path, "rb") as f:
-            if f.read(1).lstrip() not in (b"{", b""):
-                return False
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return isinstance(doc, dict) and (key is None or key in doc)
-
-    return accepts
-
-
-def _is_png(path: pathlib.Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
     """Files an output must never replace: the model's graph and config, and data files given."""
     from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
@@ -402,10 +394,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.percentile is not None and args.method != "percentile":
         raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     data = args.token_ids or args.text
-    file_io.check_output_file(
+    check_output(
         args.out,
-        replaceable=_json_object_with("scales"),
-        what="scale file",
+        "scales",
+        overwrite=args.overwrite,
         inputs=_model_inputs(args.model, args.text, args.token_ids, args.tokenizer),
     )
     scales = calibrate_kv_cache(
@@ -426,7 +418,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             "progress",
         ),
     )
-    scales.save(args.out)
+    scales.save(args.out, overwrite=args.overwrite)
+    args.done = f"the scale file was written ({args.out})"
     print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
@@ -443,24 +436,37 @@ def _evaluate(args: argparse.Namespace) -> int:
         *_model_inputs(args.candidate),
     ]
     if args.json:
-        file_io.check_output_file(
-            args.json, replaceable=_json_object_with(None), what="JSON report", inputs=inputs
-        )
+        check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs)
     if args.plot:
-        file_io.check_output_file(args.plot, replaceable=_is_png, what="PNG plot", inputs=inputs)
+        from onnx_kvcache._plots import check_plotting
+
+        check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise KvCacheError(f"--json and --plot both name {args.json}; name two files.")
     report = evaluate_kv_cache(
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
         **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
     )
-    print(report.format_table())
+    written = []
     if args.json:
-        atomic_write_text(pathlib.Path(args.json), json.dumps(report.to_json(), indent=2) + "\n")
+        write_output(
+            args.json,
+            stamp_json(report.to_json(), "report"),
+            "report",
+            overwrite=args.overwrite,
+            inputs=inputs,
+        )
+        written.append(args.json)
     if args.plot:
         from onnx_kvcache._plots import plot_evaluation
 
-        plot_evaluation(report, args.plot)
+        plot_evaluation(report, args.plot, overwrite=args.overwrite, inputs=inputs)
+        written.append(args.plot)
+    if written:
+        args.done = f"the evaluation completed ({', '.join(written)} written)"
+    print(report.format_table())
     return 0
 
 
@@ -487,6 +493,8 @@ def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache._demo import run_demo
 
     run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
+    if args.keep:
+        args.done = f"the demo completed (models in {args.keep})"
     return 0
 
 
@@ -558,8 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=["copy", "link"],
         help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
-        "that keeps holes) or link (hard links: onnx and onnx-ir then refuse BOTH models until one is "
-        "deleted) (default: shared beside INPUT, copy in another folder)",
+        "that keeps holes) or link (hard links: onnx.load, onnx.checker and onnx-ir, reading a weight, "
+        "then refuse BOTH models until one is deleted; onnxruntime and onnxruntime-genai load them) "
+        "(default: shared beside INPUT, copy in another folder)",
     )
     p.add_argument(
         "--follow-symlinks",
@@ -609,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"
     )
+    _add_overwrite_arg(p, "FILE")
     _add_format_args(p)
     p.add_argument(
         "--method", default="minmax", choices=["minmax", "percentile", "mse"], help="threshold rule"
@@ -671,8 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="FILE",
-        help="also write a PNG (per-layer error, KL per position); needs matplotlib (default: none)",
+        help="also write a PNG (per-layer error, KL per position), named *.png; needs matplotlib "
+        "(default: none)",
     )
+    _add_overwrite_arg(p, "the --json or --plot FILE")
     _add_progress_arg(p, "evaluation")
     p.set_defaults(func=_evaluate)
 
@@ -708,8 +720,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(line: str) -> None:
+    """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    print(f"onnx-kvcache: warning: {cli_wording(str(message))}", file=sys.stderr)
+    _say(f"onnx-kvcache: warning: {cli_wording(str(message))}")
+
+
+_STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
+
+
+def _reserve_standard_streams() -> None:
+    """A closed stdin, stdout or stderr (``>&-``) becomes /dev/null: otherwise the first file
+    the command opens takes its number, and whatever prints there (onnxruntime's own logging
+    included) writes into that file; and Python's ``sys.stdout`` is None. A stream that
+    cannot print a path that is not UTF-8 (strict errors) prints its bytes escaped."""
+    for fd, name, mode in _STREAMS:
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            stream = open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+            setattr(sys, name, stream)  # for the process's life
+        stream = getattr(sys, name)
+        if fd and getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _silence_stdout() -> None:
@@ -722,7 +764,19 @@ def _silence_stdout() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"onnx-kvcache: error: {cli_wording(message)}", file=sys.stderr)
+    _say(f"onnx-kvcache: error: {cli_wording(message)}")
+
+
+def _stdout_failed(args: argparse.Namespace | None, why: str) -> int:
+    """Printing failed (a closed pipe, a full disk): exit 0 when the command's output file was
+    complete by then (say so on stderr), else 2."""
+    _silence_stdout()
+    done = getattr(args, "done", None)
+    if done:
+        _say(f"onnx-kvcache: warning: {why}; {done}.")
+        return 0
+    _error(f"{why}.")
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -730,6 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
     args: argparse.Namespace | None = None
     code = 0
+    _reserve_standard_streams()
     with warnings.catch_warnings(), file_io.signal_handlers():
         try:
             args = build_parser().parse_args(argv)
@@ -750,16 +805,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             detail = getattr(e, "detail", None) or done
             if detail is None:
                 detail = "no partial output was left" if args is not None else "nothing was written"
-            print(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.", file=sys.stderr)
+            _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
         except BrokenPipeError:
-            _silence_stdout()
-            done = getattr(args, "done", None)
-            _error("the output pipe was closed early (broken pipe)" + (f"; {done}." if done else "."))
-            code = 2
+            code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
         except OSError as e:
-            _error(_describe_os_error(e) + ".")
-            code = 2
+            if getattr(args, "done", None):  # only printing is left once the output is complete
+                code = _stdout_failed(args, f"standard output failed ({_describe_os_error(e)})")
+            else:
+                _error(_describe_os_error(e) + ".")
+                code = 2
         except UnicodeDecodeError as e:
             _error(f"a file is not UTF-8 text ({e}).")
             code = 2

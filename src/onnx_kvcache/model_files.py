@@ -64,9 +64,11 @@ from onnx_kvcache.scales import as_kv_cache_scales, resolve_granularity
 logger = logging.getLogger(__name__)
 
 LINK_WARNING = (
-    "the output's data files are hard links to the input's: onnx (onnx.load, onnx.checker) and "
-    "onnx-ir refuse a data file with more than one link, so NEITHER model loads in them until one "
-    "is deleted (onnxruntime and onnxruntime-genai load both)."
+    "the output's data files are hard links to the input's, and a data file with more than one "
+    "link is refused by onnx.load (with its data) and onnx.checker.check_model, and by onnx-ir "
+    "when a weight is read (unless the model was loaded by a bare file name, from its folder), so "
+    "NEITHER model loads in them until one is deleted; the graph alone (onnx.load(..., "
+    "load_external_data=False)), onnxruntime and onnxruntime-genai load both."
 )
 
 
@@ -117,11 +119,15 @@ def _data_names(out: pathlib.Path, locations: list[str]) -> dict[str, str]:
     the price of never having a graph on disk name data that is not its own: keeping the
     name would mean replacing the old data under the old graph, or committing a graph that
     names data not yet there; no rename makes both files change at once.
+
+    A graph names its data in UTF-8 (protobuf strings), so an output name that is not
+    UTF-8 (bytes Python decodes as surrogates) gives its data U+FFFD in their place.
     """
     if not locations:
         return {}
+    stem = os.fsencode(out.name).decode("utf-8", errors="replace")
     for generation in range(1, 1000):
-        base = out.name if generation == 1 else f"{out.name}.{generation}"
+        base = stem if generation == 1 else f"{stem}.{generation}"
         if len(locations) == 1:
             names = [f"{base}.data"]
         else:
@@ -413,7 +419,10 @@ class ConvertResult:
         if self.weights == "cloned":
             return f"weights: cloned {size} (0 bytes written)"
         if self.weights == "linked":
-            return f"weights: hard-linked {size} (0 bytes written); onnx and onnx-ir refuse both models"
+            return (
+                f"weights: hard-linked {size} (0 bytes written); onnx.load and onnx-ir refuse both "
+                "models' weights"
+            )
         holes = (
             f", {format_bytes(self.weight_bytes_written)} of data (holes kept)"
             if self.weight_bytes_written < self.weight_bytes
@@ -447,7 +456,8 @@ def convert_model(
     Weights are never read. Output placement (see the module docstring): beside the
     input the weights are shared; in another folder they are cloned or copied
     (``weights="copy"``, the default there; ``"copy"`` beside the input gives the output
-    its own copy) or hard-linked (``"link"``: onnx and onnx-ir then refuse both models).
+    its own copy) or hard-linked (``"link"``: onnx.load, onnx.checker and onnx-ir then
+    refuse the weights of both models, see :data:`LINK_WARNING`).
 
     ``ep`` is where the model will run. ``"auto"`` (default) infers it
     (:func:`~onnx_kvcache.capabilities.infer_target`: a genai folder's provider, ``cpu``
@@ -576,7 +586,8 @@ def convert_model(
     if linked and plan.weights != "link":
         warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "weights='link'?): onnx and onnx-ir refuse them until the other link is deleted."
+            "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
+            "the other link is deleted."
         )
 
     try:

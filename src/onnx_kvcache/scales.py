@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -41,8 +40,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from onnx_kvcache._file_io import atomic_write_text
 from onnx_kvcache._input_files import load_json
+from onnx_kvcache._output_files import stamp_json, write_output
 from onnx_kvcache.errors import KvCacheError, KvCacheTypeError
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
 
@@ -245,10 +244,18 @@ class KvCacheScales:
         doc.update({k: v for k, v in self.metadata.items() if k not in doc})
         return doc
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write the onnxruntime-genai format (with ``qmax``, ``layer_ids``, ``format`` and,
-        when known, ``granularity``)."""
-        atomic_write_text(pathlib.Path(path), json.dumps(self.to_json(), indent=2) + "\n")
+        when known, ``granularity``), atomically, with an ``onnx_kvcache.written`` record.
+
+        An existing ``path`` is replaced only when it is a scale file onnx-kvcache wrote and
+        nobody edited since (``overwrite=True``: any regular file that is not an ONNX model);
+        never a folder, a symbolic link, a device or a FIFO.
+
+        Raises:
+            KvCacheError: The path is one of those; the message says which.
+        """
+        write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
 
 def _layer_id(key: Any) -> Any:
