@@ -276,7 +276,7 @@ def check_shapes(
         new = ev.shape(link.new)
         if len(new) != 4 or new[2] != q[2]:
             raise Unprovable("the new K/V tokens are not as many as the query tokens")
-    dtypes = {v.dtype for v in (query, key.past, key.new, value.past, value.new)}
+    dtypes = {ev.dtype(v) for v in (query, key.past, key.new, value.past, value.new)}
     if len(dtypes) != 1 or not dtypes <= ATTENTION_DTYPES:
         names = sorted(str(d) for d in dtypes)
         raise Unprovable(f"Q/K/V/cache element types {names} are not one fp32, fp16 or bf16 type")
@@ -511,6 +511,9 @@ class GqaWriter:
     def write(self, site: AttentionSite) -> ir.Node:
         """Insert the GQA node for ``site``, rewire its outputs, remove what is dead."""
         at = site.node
+        for tensor in (site.query, site.key.new, site.value.new, site.output):
+            if tensor.dtype is None:  # an export without value_info: what the evaluator inferred
+                tensor.dtype = self.ev.dtype(tensor)
         seqlens, total = self.lengths(site)
         q = self.bsh(site.query, site.num_heads, site.head_size, at)
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)

@@ -191,6 +191,7 @@ class DecomposedAttentionFusionPass(InPlacePass):
         self.padded = self.padded_windows = 0
         fused = 0
         ev = SymbolicEvaluator()
+        ev.prime(model.graph)
         writer = GqaWriter(model.graph, ev)
         for node in list(model.graph):
             if node.graph is None or not _is_candidate(node):
