@@ -340,7 +340,7 @@ def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine) -> boo
     """``elem`` is an axis index over an axis of ``length`` (so within ``[0, length)``)."""
     if not isinstance(elem, Affine) or elem.const or len(elem.terms) != 1:
         return False
-    (name, coefficient), = elem.terms
+    ((name, coefficient),) = elem.terms
     if coefficient != 1 or not name.startswith("@"):
         return False
     return shape[int(name[1:])] == length
@@ -366,9 +366,7 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         first = start.const + dim.const if start.const < 0 else start.const
         if dim.is_const:
             first = max(0, min(first, dim.const))
-        if end.is_const and end.const >= _BIG:
-            last = dim
-        elif end == dim:
+        if (end.is_const and end.const >= _BIG) or end == dim:
             last = dim
         elif end.is_const and dim.is_const:
             stop = end.const + dim.const if end.const < 0 else end.const
@@ -386,6 +384,15 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         first = mapping[axis(0)].const if axis(0) in mapping else 0
         values = x.values[first : first + shape[0].const]
     return SymTensor(tuple(shape), x.kind, elem, values)
+
+
+def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """A Cast to a float type of integer data (positions for rotary angles): followed by shape."""
+    to = ir.DataType(_attr_int(node, "to", 0))
+    x = ev.eval(node.inputs[0])
+    if to in _FLOAT_TYPES and x.kind == "int":
+        return _data(ev, node.outputs[0], x.shape)
+    return None
 
 
 # ---- registration ----
@@ -435,7 +442,7 @@ for _op in (
     "IsInf", "Not", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
 ):  # fmt: skip
     _combine(_op, _same)
-_combine("Cast", _same, always=True)
+_combine("Cast", _same, pre=_cast_to_float)
 _combine("CastLike", _same)
 for _op in ("Softmax", "LogSoftmax"):
     _combine(_op, _softmax)
