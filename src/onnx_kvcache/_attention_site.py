@@ -512,8 +512,9 @@ class GqaWriter:
         """Insert the GQA node for ``site``, rewire its outputs, remove what is dead."""
         at = site.node
         for tensor in (site.query, site.key.new, site.value.new, site.output):
-            if tensor.dtype is None:  # an export without value_info: what the evaluator inferred
-                tensor.dtype = self.ev.dtype(tensor)
+            inferred = self.ev.dtype(tensor)
+            if tensor.dtype is None and inferred is not None:  # no value_info: what was inferred
+                tensor.dtype = inferred
         seqlens, total = self.lengths(site)
         q = self.bsh(site.query, site.num_heads, site.head_size, at)
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)

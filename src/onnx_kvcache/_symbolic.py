@@ -34,6 +34,7 @@ __all__ = [
     "constant_array",
 ]
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -382,10 +383,8 @@ class SymbolicEvaluator:
         for node in graph:
             for output in node.outputs:
                 self.dtype(output)
-                try:
+                with contextlib.suppress(Unprovable):
                     self.eval(output)
-                except Unprovable:
-                    pass
 
     def dtype(self, value: ir.Value | None) -> ir.DataType | None:
         """The element type of ``value``: declared, else inferred from its producer."""

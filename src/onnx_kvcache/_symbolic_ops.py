@@ -105,7 +105,7 @@ def _matmul_shape(a: tuple[Affine, ...], b: tuple[Affine, ...]) -> tuple[Affine,
         return a[:-1]
     if len(a) == 1:
         return b[:-2] + b[-1:]
-    return broadcast_shapes(a[:-2], b[:-2]) + (a[-2], b[-1])
+    return (*broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
 
 
 def _matmul(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
@@ -114,7 +114,7 @@ def _matmul(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
 
 def _matmul_nbits(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
     a = ev.shape(node.inputs[0])
-    return _data(ev, node.outputs[index], a[:-1] + (Affine(const=_attr_int(node, "N", 0)),))
+    return _data(ev, node.outputs[index], (*a[:-1], Affine(const=_attr_int(node, "N", 0))))
 
 
 def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
@@ -330,7 +330,12 @@ def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
             col, row = ev.eval(col_value), ev.eval(row_value)
             shape = broadcast_shapes(col.shape, row.shape)
             ec, er = aligned_elem(col, shape), aligned_elem(row, shape)
-            if _ranges_over(ec, shape, width) and _ranges_over(er, shape, rows):
+            if (
+                isinstance(ec, Affine)
+                and isinstance(er, Affine)
+                and _ranges_over(ec, shape, width)
+                and _ranges_over(er, shape, rows)
+            ):
                 elem = data.elem.subs({axis(0): er, axis(1): ec})
                 return SymTensor((*shape, ONE), data.kind, elem)
     return None

@@ -1,4 +1,4 @@
-"""Decoders written the way optimum's TorchScript export writes them (``ExportStyle(exporter="torchscript")``).
+"""Decoders written as optimum's TorchScript export writes them (``exporter="torchscript"``).
 
 ``optimum-cli export onnx --task text-generation-with-past`` (optimum-onnx 0.1.0,
 transformers 4.57, ``torch.onnx.export`` with TorchScript, opset 18) is the form of the
@@ -77,18 +77,17 @@ class _Script:
         return self.cst(np.array(value, dtype or self.np_dtype))
 
     def init(self, name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
-        value.dtype, value.shape = value.const_value.dtype, value.const_value.shape
+        return self._register(name, ir.tensor(array, name=name))
+
+    def _register(self, name: str, tensor: ir.TensorProtocol) -> ir.Value:
+        value = ir.Value(name=name, const_value=tensor)
+        value.dtype, value.shape = tensor.dtype, ir.Shape(tensor.shape.numpy())
         self.graph.register_initializer(value)
         return value
 
     def weight(self, name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> ir.Value:
         if self.weight_factory is not None:
-            tensor = self.weight_factory(name, shape, self.dtype)
-            value = ir.Value(name=name, const_value=tensor)
-            value.dtype, value.shape = tensor.dtype, tensor.shape
-            self.graph.register_initializer(value)
-            return value
+            return self._register(name, self.weight_factory(name, shape, self.dtype))
         array = mean + std * self.rng.standard_normal(shape)
         return self.init(name, array.astype(self.np_dtype))
 

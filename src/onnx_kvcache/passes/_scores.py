@@ -62,9 +62,8 @@ def unwrap_probs(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.N
             value = dropout.inputs[0]
             continue
         guard = _op(value, "Where")
-        if guard is not None and _op(value, "Where") is not None and _op(guard.inputs[0], "IsNaN") is not None:
-            isnan = _op(guard.inputs[0], "IsNaN")
-            assert isnan is not None
+        isnan = _op(guard.inputs[0], "IsNaN") if guard is not None else None
+        if guard is not None and isnan is not None:
             if _scalar(guard.inputs[1]) != 0.0 or isnan.inputs[0] is not guard.inputs[2]:
                 raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
             nodes += [guard, isnan]
@@ -109,10 +108,10 @@ def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
     """Prove ``value`` is ``[softcap o] scale * (Q @ K^T)``; raise otherwise."""
     softcap = 0.0
     outer = _op(value, "Mul")
-    tanh = None
+    tanh, cap = None, None
     if outer is not None:
-        for x, cap in ((outer.inputs[0], outer.inputs[1]), (outer.inputs[1], outer.inputs[0])):
-            tanh = _op(x, "Tanh")
+        for x, cap_value in ((outer.inputs[0], outer.inputs[1]), (outer.inputs[1], outer.inputs[0])):
+            tanh, cap = _op(x, "Tanh"), cap_value
             if tanh is not None:
                 break
     if outer is not None and tanh is not None:
