@@ -66,8 +66,17 @@ def write(folder: pathlib.Path, form: str, layers: int, refuse: bool) -> pathlib
     return path
 
 
-FUSE = """
-import resource, sys, time, warnings
+PEAK = """
+def peak_mib():  # VmHWM: this process's own peak (ru_maxrss would include the parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+"""
+
+FUSE = (
+    PEAK
+    + """
+import sys, time, warnings
 import onnx_ir as ir
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 model = ir.load(sys.argv[1])
@@ -77,23 +86,27 @@ with warnings.catch_warnings():
     fusion = GqaFusionPass()
     fusion(model)
 seconds = time.perf_counter() - start
-print(fusion.fused, len(fusion.refused), seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(fusion.fused, len(fusion.refused), seconds, peak_mib())
 """
+)
 
-CONVERT = """
-import resource, sys, time
+CONVERT = (
+    PEAK
+    + """
+import sys, time
 from onnx_kvcache.cli import main
 start = time.perf_counter()
 code = main(["convert", sys.argv[1], sys.argv[2], "--format", "int8", "--ep", "cpu", "--scales", sys.argv[3]])
 seconds = time.perf_counter() - start
-print(code, 0, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(code, 0, seconds, peak_mib())
 """
+)
 
 
 def run(script: str, *args: str) -> tuple[str, str, float, float]:
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True)
     a, b, seconds, rss = done.stdout.strip().splitlines()[-1].split()
-    return a, b, float(seconds), int(rss) / 1024
+    return a, b, float(seconds), float(rss)
 
 
 def main() -> None:
@@ -113,7 +126,7 @@ def main() -> None:
         print(f"{args.layers} layers, SmolLM2-135M shape, float32 weights inline; one process per step")
         for form, refuse in cases:
             start = time.perf_counter()
-            path = write(folder, form, args.layers, refuse)
+            path = write(folder, form, args.layers, refuse)  # the model is freed before timing
             built = time.perf_counter() - start
             name = form + (" (refused)" if refuse else "")
             size = path.stat().st_size / 2**20
@@ -121,7 +134,9 @@ def main() -> None:
             fused, refused, seconds, rss = run(FUSE, str(path))
             print(f"  fuse     {seconds:6.2f} s  peak RSS {rss:6.0f} MiB  ({fused} fused, {refused} refused)")
             if not refuse:
-                code, _, seconds, rss = run(CONVERT, str(path), str(folder / "out.onnx"), str(scales))
+                code, _, seconds, rss = run(
+                    CONVERT, str(path), str(folder / f"{form}-int8.onnx"), str(scales)
+                )
                 print(f"  convert  {seconds:6.2f} s  peak RSS {rss:6.0f} MiB  (exit {code})")
 
 

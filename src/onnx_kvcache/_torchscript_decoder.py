@@ -282,7 +282,10 @@ def _masks(w: _Script, embeds: ir.Value, mask_in: ir.Value, past_key: ir.Value) 
         [w.op("Reshape", [looked_up, w.ints(-1)]), w.op("Concat", [w.op("Shape", [index])], axis=0)],
     )
     target = w.expand_target([w.u0(batch), w.ints(-1), w.u0(seq), w.u0(kv_len)])
-    windows = {0} | ({c.sliding_window} if c.sliding_window and c.sliding_window_layers else set())
+    windows = {  # the masks some layer reads (TorchScript drops the others)
+        c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
+        for i in range(c.num_layers)
+    }
     masks = {}
     for window in sorted(windows):
         cond = w.op("ConstantOfShape", [w.cst(np.zeros(0, np.int64))], value=ir.tensor(np.array([True])))
