@@ -183,9 +183,9 @@ def unguarded(name: str = "optimum-llama") -> ir.Model:
     half.dtype, half.shape = ir.DataType.FLOAT, ir.Shape([1])
     model.graph.register_initializer(half)
     for node in model.graph:
-        if node.op_type == "Where" and node.inputs[0].producer() is not None:
-            if node.inputs[0].producer().op_type == "IsNaN":
-                node.replace_input_with(1, half)
+        guard = node.inputs[0].producer() if node.op_type == "Where" else None
+        if guard is not None and guard.op_type == "IsNaN":
+            node.replace_input_with(1, half)
     return model
 
 
