@@ -240,3 +240,15 @@ def test_a_padding_lookup_of_the_wrong_width_is_refused():
 
 def test_presets_list_the_torchscript_forms():
     assert {"optimum-llama-q4", "optimum-llama-quantized", *FAMILIES} <= set(EXPORT_PRESETS)
+
+
+def test_what_a_form_does_not_write_is_refused():
+    from onnx_kvcache import KvCacheError
+    from onnx_kvcache.exported_decoder import ExportStyle
+
+    with pytest.raises(KvCacheError, match="TorchScript form: set exporter='torchscript'"):
+        build_decoder(exported_config("llama", exported=ExportStyle(fused_qkv=True)))
+    with pytest.raises(KvCacheError, match="does not write qk_norm"):
+        build_decoder(exported_config("optimum-llama", qk_norm=True))
+    with pytest.raises(KvCacheError, match="int8 needs dtype float32"):
+        build_decoder(exported_config("optimum-llama-quantized", dtype="float16"))

@@ -17,7 +17,9 @@ than match one exporter's op sequence:
 - float data (Q, K, V) is followed by shape only.
 
 Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
-the reason; the caller then leaves the graph alone.
+the reason; the caller then leaves the graph alone. Graphs without shape annotations
+(TorchScript exports) are followed from their inputs by the rules of
+:mod:`onnx_kvcache._symbolic_ops` (call :meth:`SymbolicEvaluator.prime` first on deep ones).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def build_torchscript_decoder(
         weight_factory is not None or (style.weights == "int8" and c.dtype != "float32")
     ):
         raise KvCacheError(
-            "quantized weights are written from seeded float32 (int8) or any-dtype (q4) weights."
+            "Quantized weights (q4, int8) are made from the builder's seeded weights: no "
+            "weight_factory; int8 needs dtype float32."
         )
     unsupported = [
         name
