@@ -431,6 +431,12 @@ class SymbolicEvaluator:
                 cached = self._eval(value)
             except Unprovable as reason:
                 cached = reason
+            except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+                producer = value.producer()  # a malformed node (missing inputs, bad attributes)
+                what = (
+                    f"{producer.op_type} node {producer.name!r}" if producer is not None else repr(value.name)
+                )
+                cached = Unprovable(f"{what} is not followed ({type(e).__name__}: {e})")
             self._cache[value] = cached
         if isinstance(cached, Unprovable):
             raise Unprovable(*cached.args)
