@@ -16,7 +16,7 @@ GQA computes ``softcap * tanh(scale * QK^T / softcap)`` when ``softcap > 0``, el
 
 from __future__ import annotations
 
-__all__ = ["ScoresChain", "scores_chain", "unwrap_probs"]
+__all__ = ["ScoresChain", "op_of", "scores_chain", "softmax_input", "unwrap_probs"]
 
 import dataclasses
 
@@ -28,7 +28,8 @@ from onnx_kvcache._symbolic import SymbolicEvaluator, Unprovable, constant_array
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+def op_of(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    """The ONNX-domain node of one of ``op_types`` that produces ``value``, or None."""
     node = value.producer() if value is not None else None
     if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
         return None
@@ -48,12 +49,12 @@ def unwrap_probs(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.N
     """Step back from the probabilities MatMul's input over a Cast to a float type, an
     inference Dropout and a NaN guard ``Where(IsNaN(p), 0, p)``, in any order."""
     while True:
-        cast = _op(value, "Cast")
+        cast = op_of(value, "Cast")
         if cast is not None and _cast_to(cast) in _FLOATS and ev.dtype(cast.inputs[0]) in _FLOATS:
             nodes.append(cast)
             value = cast.inputs[0]
             continue
-        dropout = _op(value, "Dropout")
+        dropout = op_of(value, "Dropout")
         if dropout is not None:  # the identity unless training_mode is given and true
             training = dropout.inputs[2] if len(dropout.inputs) > 2 else None
             if training is not None and _scalar(training) != 0.0:
@@ -61,8 +62,8 @@ def unwrap_probs(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.N
             nodes.append(dropout)
             value = dropout.inputs[0]
             continue
-        guard = _op(value, "Where")
-        isnan = _op(guard.inputs[0], "IsNaN") if guard is not None else None
+        guard = op_of(value, "Where")
+        isnan = op_of(guard.inputs[0], "IsNaN") if guard is not None else None
         if guard is not None and isnan is not None:
             if _scalar(guard.inputs[1]) != 0.0 or isnan.inputs[0] is not guard.inputs[2]:
                 raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
@@ -76,7 +77,7 @@ def unwrap_probs(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.N
 
 def softmax_input(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.Node]) -> ir.Value | None:
     """The softmax's input, before a Cast that widens fp16/bf16 scores to float32."""
-    cast = _op(value, "Cast")
+    cast = op_of(value, "Cast")
     if cast is not None and _cast_to(cast) == ir.DataType.FLOAT and ev.dtype(cast.inputs[0]) in _FLOATS:
         nodes.append(cast)
         return cast.inputs[0]
@@ -107,15 +108,15 @@ def _constant_step(node: ir.Node) -> tuple[ir.Value, float] | None:
 def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
     """Prove ``value`` is ``[softcap o] scale * (Q @ K^T)``; raise otherwise."""
     softcap = 0.0
-    outer = _op(value, "Mul")
+    outer = op_of(value, "Mul")
     tanh, cap = None, None
     if outer is not None:
         for x, cap_value in ((outer.inputs[0], outer.inputs[1]), (outer.inputs[1], outer.inputs[0])):
-            tanh, cap = _op(x, "Tanh"), cap_value
+            tanh, cap = op_of(x, "Tanh"), cap_value
             if tanh is not None:
                 break
     if outer is not None and tanh is not None:
-        inner = _op(tanh.inputs[0], "Mul", "Div")
+        inner = op_of(tanh.inputs[0], "Mul", "Div")
         step = _constant_step(inner) if inner is not None else None
         c = _scalar(cap)
         if step is None or c is None or c <= 0 or not np.isclose(step[1], 1.0 / c, rtol=1e-6):
@@ -123,20 +124,20 @@ def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
         nodes += [outer, tanh, inner]  # type: ignore[list-item]
         softcap, value = c, step[0]
     scale = 1.0
-    while (node := _op(value, "Mul", "Div")) is not None:
+    while (node := op_of(value, "Mul", "Div")) is not None:
         step = _constant_step(node)
         if step is None:
             break
         nodes.append(node)
         value, factor = step
         scale *= factor
-    matmul = _op(value, "MatMul")
+    matmul = op_of(value, "MatMul")
     if matmul is None:
         raise Unprovable("the softmax input is not scores + mask")
     nodes.append(matmul)
     operands, factors = [], []
     for operand in matmul.inputs:
-        mul = _op(operand, "Mul")
+        mul = op_of(operand, "Mul")
         step = _constant_step(mul) if mul is not None else None
         if step is not None:
             nodes.append(mul)  # type: ignore[arg-type]

@@ -40,24 +40,13 @@ from onnx_kvcache._attention_site import (
     mask_condition,
     mask_facts,
 )
-from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
+from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable
 from onnx_kvcache.gqa import GQA_DOMAIN
 from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._scores import op_of as _op
 from onnx_kvcache.passes._scores import scores_chain, softmax_input, unwrap_probs
 
 logger = logging.getLogger(__name__)
-
-
-def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
-        return None
-    return node
-
-
-def _scalar(value: ir.Value | None) -> float | None:
-    array = constant_array(value) if value is not None else None
-    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
