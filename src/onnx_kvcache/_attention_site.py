@@ -48,6 +48,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache._symbolic import (
     ONE,
     Additive,

@@ -395,8 +395,6 @@ class SymbolicEvaluator:
         if value.dtype is not None:
             return value.dtype
         if value not in self._dtypes:
-            from onnx_kvcache._symbolic_ops import infer_dtype
-
             self._dtypes[value] = infer_dtype(self, value)
         return self._dtypes[value]
 
@@ -856,4 +854,45 @@ def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor((Affine(const=len(picked)),), "int", values=picked)
 
 
-from onnx_kvcache import _symbolic_ops  # noqa: E402, F401  (registers the data-shape rules)
+_BOOL_OPS = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN", "IsInf"}
+)
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_FIXED: dict[tuple[str, int], ir.DataType] = {
+    ("MatMulInteger", 0): ir.DataType.INT32,
+    ("DynamicQuantizeLinear", 0): ir.DataType.UINT8,
+    ("DynamicQuantizeLinear", 1): ir.DataType.FLOAT,
+    ("DynamicQuantizeLinear", 2): ir.DataType.UINT8,
+    ("TopK", 1): ir.DataType.INT64,
+    ("Dropout", 1): ir.DataType.BOOL,
+}
+_FROM_INPUT = {"Where": 1, "DequantizeLinear": 1, "CastLike": 1}
+
+
+def infer_dtype(ev: SymbolicEvaluator, value: ir.Value) -> ir.DataType | None:
+    """The element type of an unannotated ``value`` from its producer (None: unknown)."""
+    node = value.producer()
+    if node is None:
+        tensor = value.const_value
+        return tensor.dtype if tensor is not None else None
+    op, index = node.op_type, value.index() or 0
+    if (op, index) in _FIXED:
+        return _FIXED[(op, index)]
+    if op == "Cast":
+        return ir.DataType(_attr_int(node, "to", 0))
+    if op in _BOOL_OPS:
+        return ir.DataType.BOOL
+    if op in _INT64_OPS:
+        return ir.DataType.INT64
+    if op in ("Constant", "ConstantOfShape"):
+        for name, attr in node.attributes.items():
+            if attr.type == ir.AttributeType.TENSOR:
+                return attr.value.dtype
+            if name.startswith("value_"):
+                return ir.DataType.FLOAT if "float" in name else ir.DataType.INT64
+        return ir.DataType.FLOAT if op == "ConstantOfShape" else None
+    if op == "QuantizeLinear":
+        zero_point = _input(node, 2)
+        return ev.dtype(zero_point) if zero_point is not None else ir.DataType.UINT8
+    first = _input(node, _FROM_INPUT.get(op, 0))
+    return ev.dtype(first)

@@ -19,12 +19,12 @@ the evaluator follow such a graph from its inputs, every rule exact:
   proven in range; a ``Reshape`` that only inserts or removes unit axes (after a
   flattening one) keeps the elements.
 
-:func:`infer_dtype` gives each unannotated value its element type from its producer.
+Importing the module registers the rules (:mod:`onnx_kvcache._attention_site` does).
 """
 
 from __future__ import annotations
 
-__all__ = ["infer_dtype"]
+__all__: list[str] = []  # importing this module registers its rules
 
 import math
 from collections.abc import Callable
@@ -464,49 +464,3 @@ _combine("Reshape", None, pre=_unit_reshape)
 _OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
 _OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize
 _OUTPUT_HANDLERS[("com.microsoft", "MatMulNBits")] = _matmul_nbits
-
-
-# ---- element types ----
-
-_BOOL_OPS = frozenset(
-    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN", "IsInf"}
-)
-_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
-_FIXED: dict[tuple[str, int], ir.DataType] = {
-    ("MatMulInteger", 0): ir.DataType.INT32,
-    ("DynamicQuantizeLinear", 0): ir.DataType.UINT8,
-    ("DynamicQuantizeLinear", 1): ir.DataType.FLOAT,
-    ("DynamicQuantizeLinear", 2): ir.DataType.UINT8,
-    ("TopK", 1): ir.DataType.INT64,
-    ("Dropout", 1): ir.DataType.BOOL,
-}
-_FROM_INPUT = {"Where": 1, "DequantizeLinear": 1, "CastLike": 1}
-
-
-def infer_dtype(ev: SymbolicEvaluator, value: ir.Value) -> ir.DataType | None:
-    """The element type of an unannotated ``value`` from its producer (None: unknown)."""
-    node = value.producer()
-    if node is None:
-        tensor = value.const_value
-        return tensor.dtype if tensor is not None else None
-    op, index = node.op_type, value.index() or 0
-    if (op, index) in _FIXED:
-        return _FIXED[(op, index)]
-    if op == "Cast":
-        return ir.DataType(_attr_int(node, "to", 0))
-    if op in _BOOL_OPS:
-        return ir.DataType.BOOL
-    if op in _INT64_OPS:
-        return ir.DataType.INT64
-    if op in ("Constant", "ConstantOfShape"):
-        for name, attr in node.attributes.items():
-            if attr.type == ir.AttributeType.TENSOR:
-                return attr.value.dtype
-            if name.startswith("value_"):
-                return ir.DataType.FLOAT if "float" in name else ir.DataType.INT64
-        return ir.DataType.FLOAT if op == "ConstantOfShape" else None
-    if op == "QuantizeLinear":
-        zero_point = _input(node, 2)
-        return ev.dtype(zero_point) if zero_point is not None else ir.DataType.UINT8
-    first = _input(node, _FROM_INPUT.get(op, 0))
-    return ev.dtype(first)
