@@ -378,7 +378,7 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
             last = Affine(const=max(first, min(stop, dim.const)))
         else:
             raise Unprovable(f"a Slice end {end} not proven within its axis of {dim}")
-        if dim.is_const or first == 0 or last == dim:
+        if dim.is_const or first == 0:  # a symbolic axis may be shorter than a constant start
             shape[at] = last - first
         else:
             raise Unprovable("a Slice start not proven within its axis")
