@@ -48,6 +48,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache._symbolic import (
     ONE,
     Additive,
@@ -276,7 +277,7 @@ def check_shapes(
         new = ev.shape(link.new)
         if len(new) != 4 or new[2] != q[2]:
             raise Unprovable("the new K/V tokens are not as many as the query tokens")
-    dtypes = {v.dtype for v in (query, key.past, key.new, value.past, value.new)}
+    dtypes = {ev.dtype(v) for v in (query, key.past, key.new, value.past, value.new)}
     if len(dtypes) != 1 or not dtypes <= ATTENTION_DTYPES:
         names = sorted(str(d) for d in dtypes)
         raise Unprovable(f"Q/K/V/cache element types {names} are not one fp32, fp16 or bf16 type")
@@ -511,6 +512,10 @@ class GqaWriter:
     def write(self, site: AttentionSite) -> ir.Node:
         """Insert the GQA node for ``site``, rewire its outputs, remove what is dead."""
         at = site.node
+        for tensor in (site.query, site.key.new, site.value.new, site.output):
+            inferred = self.ev.dtype(tensor)
+            if tensor.dtype is None and inferred is not None:  # no value_info: what was inferred
+                tensor.dtype = inferred
         seqlens, total = self.lengths(site)
         q = self.bsh(site.query, site.num_heads, site.head_size, at)
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)

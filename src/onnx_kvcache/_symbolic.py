@@ -17,7 +17,9 @@ than match one exporter's op sequence:
 - float data (Q, K, V) is followed by shape only.
 
 Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
-the reason; the caller then leaves the graph alone.
+the reason; the caller then leaves the graph alone. Graphs without shape annotations
+(TorchScript exports) are followed from their inputs by the rules of
+:mod:`onnx_kvcache._symbolic_ops` (call :meth:`SymbolicEvaluator.prime` first on deep ones).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "constant_array",
 ]
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -237,6 +240,8 @@ class SymTensor:
     values: tuple[Affine, ...] | None = None
     stack: tuple[Affine, ...] | None = None
     source: str | None = None
+    conds: tuple[Conj, ...] | None = None
+    """A small boolean vector's elements (comparisons of known integer vectors)."""
 
     @property
     def rank(self) -> int:
@@ -347,6 +352,9 @@ def _kind(dtype: ir.DataType | None) -> str:
 
 Handler = Callable[["SymbolicEvaluator", ir.Node], SymTensor]
 _HANDLERS: dict[str, Handler] = {}
+OutputHandler = Callable[["SymbolicEvaluator", ir.Node, int], SymTensor]
+_OUTPUT_HANDLERS: dict[tuple[str, str], OutputHandler] = {}
+"""(domain, op_type) -> handler of one output of a node (multi-output and contrib ops)."""
 
 
 def _handles(*op_types: str) -> Callable[[Handler], Handler]:
@@ -362,9 +370,33 @@ class SymbolicEvaluator:
     """Evaluates values of one graph (or function) symbolically; results are cached."""
 
     def __init__(self) -> None:
-        self._cache: dict[ir.Value, SymTensor] = {}
+        self._cache: dict[ir.Value, SymTensor | Unprovable] = {}
         self._declared: dict[ir.Value, tuple[Affine, ...]] = {}
+        self._dtypes: dict[ir.Value, ir.DataType | None] = {}
         self._fresh = 0
+
+    def prime(self, graph: ir.Graph) -> None:
+        """Evaluate every value of ``graph`` in order, so that later queries recurse shallowly.
+
+        Graphs without shape annotations (TorchScript exports) are followed from their
+        inputs through every layer; without this, a deep model would exceed Python's
+        recursion limit. What cannot be followed is remembered, not retried.
+        """
+        for node in graph:
+            for output in node.outputs:
+                self.dtype(output)
+                with contextlib.suppress(Unprovable):
+                    self.eval(output)
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None:
+        """The element type of ``value``: declared, else inferred from its producer."""
+        if value is None:
+            return None
+        if value.dtype is not None:
+            return value.dtype
+        if value not in self._dtypes:
+            self._dtypes[value] = infer_dtype(self, value)
+        return self._dtypes[value]
 
     def fresh(self) -> str:
         self._fresh += 1
@@ -393,15 +425,30 @@ class SymbolicEvaluator:
             raise Unprovable("a required input is missing")
         cached = self._cache.get(value)
         if cached is None:
-            cached = self._eval(value)
+            try:
+                cached = self._eval(value)
+            except Unprovable as reason:
+                cached = reason
+            except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+                producer = value.producer()  # a malformed node (missing inputs, bad attributes)
+                what = (
+                    f"{producer.op_type} node {producer.name!r}" if producer is not None else repr(value.name)
+                )
+                cached = Unprovable(f"{what} is not followed ({type(e).__name__}: {e})")
             self._cache[value] = cached
+        if isinstance(cached, Unprovable):
+            raise Unprovable(*cached.args)
         return cached
 
     def _eval(self, value: ir.Value) -> SymTensor:
         array = constant_array(value)
         if array is not None:
-            return _from_constant(array, value.dtype)
+            return _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
         producer = value.producer()
+        if producer is not None:
+            output_handler = _OUTPUT_HANDLERS.get((producer.domain or "", producer.op_type))
+            if output_handler is not None:
+                return output_handler(self, producer, value.index() or 0)
         if producer is None:
             tensor = value.const_value
             kind = _kind(value.dtype if value.dtype is not None or tensor is None else tensor.dtype)
@@ -453,7 +500,9 @@ def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
         if kind == "bool":
             return SymTensor(shape, "bool", TRUE if bool(array.flat[0]) else FALSE)
         return SymTensor(shape, "float", FloatConst(float(array.flat[0])))
-    raise Unprovable("a non-uniform float or bool constant is not followed")
+    if kind == "float":  # a table (rotary frequencies): its shape is followed, not its values
+        return SymTensor(shape, "data")
+    raise Unprovable("a non-uniform bool constant is not followed")
 
 
 def _attr_int(node: ir.Node, name: str, default: int) -> int:
@@ -803,3 +852,47 @@ def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))
     picked = x.values[start:end]
     return SymTensor((Affine(const=len(picked)),), "int", values=picked)
+
+
+_BOOL_OPS = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN", "IsInf"}
+)
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_FIXED: dict[tuple[str, int], ir.DataType] = {
+    ("MatMulInteger", 0): ir.DataType.INT32,
+    ("DynamicQuantizeLinear", 0): ir.DataType.UINT8,
+    ("DynamicQuantizeLinear", 1): ir.DataType.FLOAT,
+    ("DynamicQuantizeLinear", 2): ir.DataType.UINT8,
+    ("TopK", 1): ir.DataType.INT64,
+    ("Dropout", 1): ir.DataType.BOOL,
+}
+_FROM_INPUT = {"Where": 1, "DequantizeLinear": 1, "CastLike": 1}
+
+
+def infer_dtype(ev: SymbolicEvaluator, value: ir.Value) -> ir.DataType | None:
+    """The element type of an unannotated ``value`` from its producer (None: unknown)."""
+    node = value.producer()
+    if node is None:
+        tensor = value.const_value
+        return tensor.dtype if tensor is not None else None
+    op, index = node.op_type, value.index() or 0
+    if (op, index) in _FIXED:
+        return _FIXED[(op, index)]
+    if op == "Cast":
+        return ir.DataType(_attr_int(node, "to", 0))
+    if op in _BOOL_OPS:
+        return ir.DataType.BOOL
+    if op in _INT64_OPS:
+        return ir.DataType.INT64
+    if op in ("Constant", "ConstantOfShape"):
+        for name, attr in node.attributes.items():
+            if attr.type == ir.AttributeType.TENSOR:
+                return attr.value.dtype
+            if name.startswith("value_"):
+                return ir.DataType.FLOAT if "float" in name else ir.DataType.INT64
+        return ir.DataType.FLOAT if op == "ConstantOfShape" else None
+    if op == "QuantizeLinear":
+        zero_point = _input(node, 2)
+        return ev.dtype(zero_point) if zero_point is not None else ir.DataType.UINT8
+    first = _input(node, _FROM_INPUT.get(op, 0))
+    return ev.dtype(first)

@@ -43,7 +43,16 @@ class ExportStyle:
             operators; 20 writes them decomposed, as the exporter's op library does
             below opset 23 (scaled dot-product attention as MatMul/Softmax/MatMul
             with a Where(mask, 0, -inf) bias, transformers' rotate_half, RMS norm as
-            Pow/ReduceMean/Sqrt/Reciprocal).
+            Pow/ReduceMean/Sqrt/Reciprocal); 18 with ``exporter="torchscript"``.
+        exporter: ``dynamo`` (``torch.onnx.export(..., dynamo=True)``, transformers 5.x)
+            or ``torchscript`` (optimum / onnx-community exports: opset 18, no value_info;
+            :mod:`onnx_kvcache._torchscript_decoder`).
+        qkv_bias: Biases on the q/k/v projections (Qwen2). TorchScript form only.
+        fused_qkv: One qkv projection split by Slice and a fused gate/up MLP (Phi-3).
+            TorchScript form only.
+        weights: ``float``; ``q4`` (``model_q4.onnx``: com.microsoft MatMulNBits) or
+            ``int8`` (``model_quantized.onnx``: DynamicQuantizeLinear + MatMulInteger),
+            onnx-community's weight-quantized files. TorchScript form only.
     """
 
     kv_repeat: Literal["expand", "grouped", "tile"] = "expand"
@@ -54,7 +63,11 @@ class ExportStyle:
     query_scale: float | None = None
     qk_matmul_output: int | None = None
     embed_scale: bool = False
-    opset: Literal[20, 23] = 23
+    opset: Literal[18, 20, 23] = 23
+    exporter: Literal["dynamo", "torchscript"] = "dynamo"
+    qkv_bias: bool = False
+    fused_qkv: bool = False
+    weights: Literal["float", "q4", "int8"] = "float"
 
 
 @dataclasses.dataclass(frozen=True)

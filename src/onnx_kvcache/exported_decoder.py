@@ -22,9 +22,12 @@ from __future__ import annotations
 __all__ = ["EXPORT_PRESETS", "ExportStyle", "build_exported_decoder", "exported_config"]
 
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._torchscript_decoder import build_torchscript_decoder
 from onnx_kvcache.decoder_config import DecoderConfig, ExportStyle, WeightFactory
 from onnx_kvcache.errors import KvCacheError
 
@@ -37,8 +40,27 @@ EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
         ExportStyle(attn_softcap=50.0, final_softcap=30.0, query_scale=48**-0.5, embed_scale=True),
     ),
 }
+_TS = ExportStyle(exporter="torchscript", opset=18)
+EXPORT_PRESETS.update(
+    {
+        "optimum-llama": ({}, _TS),
+        "optimum-qwen2": ({"rope_theta": 1_000_000.0}, dataclasses.replace(_TS, qkv_bias=True)),
+        "optimum-mistral": ({"sliding_window_layers": (0, 1, 2, 3), "sliding_window": 4}, _TS),
+        "optimum-phi3": ({}, dataclasses.replace(_TS, fused_qkv=True)),
+        "optimum-gemma2": (
+            {"sliding_window_layers": (0, 2), "sliding_window": 4},
+            dataclasses.replace(
+                _TS, attn_softcap=50.0, final_softcap=30.0, query_scale=48**-0.5, embed_scale=True
+            ),
+        ),
+        "optimum-llama-q4": ({}, dataclasses.replace(_TS, weights="q4")),
+        "optimum-llama-quantized": ({}, dataclasses.replace(_TS, weights="int8")),
+    }
+)
 """Architecture shapes: DecoderConfig overrides and export style. Mistral's and
-Gemma2's windows are small so that short tests cross them."""
+Gemma2's windows are small so that short tests cross them. ``optimum-*``: the
+TorchScript form of optimum / onnx-community exports (``-q4``, ``-quantized``: their
+weight-quantized files; ``dtype="float16"`` gives ``model_fp16.onnx``)."""
 
 
 def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
@@ -106,6 +128,13 @@ B, S, P, T = "batch", "seq", "past", "past + seq"
 def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFactory | None = None) -> ir.Model:
     """The decoder of ``config`` in the exporter's shape (``config.exported`` set)."""
     style = config.exported or ExportStyle()
+    if style.exporter == "torchscript":
+        return build_torchscript_decoder(config, weight_factory=weight_factory)
+    if style.opset == 18 or style.qkv_bias or style.fused_qkv or style.weights != "float":
+        raise KvCacheError(
+            "opset 18, qkv_bias, fused_qkv and quantized weights are the TorchScript form: "
+            "set exporter='torchscript'."
+        )
     c, w = config, _Writer(config, weight_factory)
     h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
     group = h // kv

@@ -2,10 +2,14 @@
 
 In order: :class:`AttentionFusionPass` (the ONNX ``Attention`` operator that
 ``torch.onnx.export(..., opset_version=23)`` writes), :class:`DecomposedAttentionFusionPass`
-(the same exports below opset 23), then, only when neither fused anything, onnxscript's
-``optimize_for_ort`` (older exports' attention; it reads weights and is slow on large
-models). A decomposed attention that none of them fuses is reported in one
-:class:`KvCacheWarning`, and so is what a fused padding mask assumes
+(the same exports below opset 23, and TorchScript exports), then, only when neither
+fused anything and the graph holds ``com.microsoft::RotaryEmbedding`` (what its GQA
+fusion consumes), onnxscript's ``optimize_for_ort`` (older exports' attention). That
+last one reads weights and matches patterns against the whole graph per node: on a
+30-layer export it took minutes and fused nothing in TorchScript or dynamo exports, so
+it is not tried on them. The attentions that none of them fuses are reported in one
+:class:`KvCacheWarning` (:func:`summarize_refusals`: reasons grouped, with counts; each
+node is logged at INFO), and so is what a fused padding mask assumes
 (:data:`PADDING_WARNING`). Chains before :class:`KvCacheQuantizationPass` in an
 ``ir.passes.PassManager``. Whether an export fuses depends on the exporter; count the
 GQA nodes afterwards.
@@ -13,9 +17,11 @@ GQA nodes afterwards.
 
 from __future__ import annotations
 
-__all__ = ["PADDING_WARNING", "WINDOW_PADDING_WARNING", "GqaFusionPass"]
+__all__ = ["PADDING_WARNING", "WINDOW_PADDING_WARNING", "GqaFusionPass", "summarize_refusals"]
 
 import logging
+import re
+from collections.abc import Sequence
 
 import onnx_ir as ir
 
@@ -59,7 +65,7 @@ class GqaFusionPass(InPlacePass):
         modified = decomposed(model).modified or modified
         self.fused = attention.fused + decomposed.fused
         applied: dict[str, int] = {}
-        if not self.fused:
+        if not self.fused and _has_contrib_rotary(model.graph):
             from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
             before_ort = _structure(model)
@@ -73,14 +79,30 @@ class GqaFusionPass(InPlacePass):
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
-            warn(
-                f"{len(left)} decomposed attention(s) left as they are (not provably GroupQueryAttention "
-                "with a KV cache): " + "; ".join(left)
-            )
+            warn(f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.")
         if attention.padded + decomposed.padded:
             windows = attention.padded_windows + decomposed.padded_windows
             warn(PADDING_WARNING + (" " + WINDOW_PADDING_WARNING if windows else ""))
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _has_contrib_rotary(graph: ir.Graph) -> bool:
+    return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
+
+
+def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") -> str:
+    """``"node: reason"`` entries as one line: each reason once, with its count and first node.
+
+    Reasons that differ only in numbers (layer indices, node counters) are one reason.
+    """
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for entry in refused:
+        node, _, reason = entry.partition(": ")
+        if not reason:
+            node, reason = "<unnamed>", entry
+        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
+    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
+    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
 
 
 _PLAIN = frozenset(

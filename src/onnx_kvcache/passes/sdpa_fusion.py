@@ -9,6 +9,13 @@ Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
              [Dropout (inference)] [Where(IsNaN(probs), 0, probs)]
     Y      = MatMul(probs, V)
 
+and what TorchScript exports (optimum, onnx-community) write: the same with the mask
+sliced to the key length, or transformers' eager attention (``Mul(Q @ K^T, scale)``, a
+``Tanh`` soft-cap, a ``Where(mask, 0, min)`` mask, the softmax in float32 between Casts);
+:mod:`onnx_kvcache.passes._scores` follows the scores chain (``scale`` is the product of
+its factors, ``softcap`` the cap), :mod:`onnx_kvcache._symbolic_ops` the shapes such
+graphs do not annotate.
+
 A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that, the
 two factors being the same scalar constant (``scale`` = their product), and every rule
 of :mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). Anything
@@ -23,7 +30,6 @@ __all__ = ["DecomposedAttentionFusionPass"]
 
 import logging
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache._attention_site import (
@@ -34,42 +40,13 @@ from onnx_kvcache._attention_site import (
     mask_condition,
     mask_facts,
 )
-from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
+from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable
 from onnx_kvcache.gqa import GQA_DOMAIN
 from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._scores import op_of as _op
+from onnx_kvcache.passes._scores import scores_chain, softmax_input, unwrap_probs
 
 logger = logging.getLogger(__name__)
-
-
-def _op(value: ir.Value | None, *op_types: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
-        return None
-    return node
-
-
-def _scalar(value: ir.Value | None) -> float | None:
-    array = constant_array(value) if value is not None else None
-    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
-
-
-def _unwrap_probs(value: ir.Value | None, nodes: list[ir.Node]) -> ir.Value | None:
-    """Step back over an inference Dropout and a NaN guard after the softmax."""
-    dropout = _op(value, "Dropout")
-    if dropout is not None:  # the identity unless training_mode is given and true
-        training = dropout.inputs[2] if len(dropout.inputs) > 2 else None
-        if training is not None and _scalar(training) != 0.0:
-            raise Unprovable("the attention probabilities go through a Dropout in training mode")
-        nodes.append(dropout)
-        value = dropout.inputs[0]
-    guard = _op(value, "Where")
-    if guard is not None:
-        isnan = _op(guard.inputs[0], "IsNaN")
-        if isnan is None or _scalar(guard.inputs[1]) != 0.0 or isnan.inputs[0] is not guard.inputs[2]:
-            raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
-        nodes += [guard, isnan]
-        value = guard.inputs[2]
-    return value
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -99,44 +76,29 @@ def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) 
     return key
 
 
-def _scaled(value: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
-    mul = _op(value, "Mul")
-    if mul is None:
-        raise Unprovable("a scores MatMul operand is not scaled by a constant")
-    for x, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
-        constant = _scalar(factor)
-        if constant is not None and x is not None:
-            nodes.append(mul)
-            return x, constant
-    raise Unprovable("a scores MatMul operand is not scaled by a scalar constant")
-
-
 def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionSite:
     """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
     nodes: list[ir.Node] = [out]
     probs, value = out.inputs
     assert probs is not None and value is not None
-    softmax = _op(_unwrap_probs(probs, nodes), "Softmax")
+    softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
     if softmax is None:
         raise Unprovable("the MatMul does not read softmax probabilities")
     rank = len(ev.shape(softmax.outputs[0]))
     axis = softmax.attributes.get("axis")
     if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
         raise Unprovable("the softmax is not over the last axis of 4-D scores")
-    add = _op(softmax.inputs[0], "Add")
+    add = _op(softmax_input(ev, softmax.inputs[0], nodes), "Add")
     if add is None:
         raise Unprovable("the softmax reads scores without an additive mask")
-    matmul, mask = add.inputs
-    if _op(matmul, "MatMul") is None:
-        matmul, mask = mask, matmul
-    scores = _op(matmul, "MatMul")
+    scores, mask = add.inputs
+    if _op(scores, "MatMul", "Mul", "Div") is None:
+        scores, mask = mask, scores
     if scores is None or mask is None:
         raise Unprovable("the softmax input is not scores + mask")
-    nodes += [softmax, add, scores]
-    query, q_factor = _scaled(scores.inputs[0], nodes)
-    key_t, k_factor = _scaled(scores.inputs[1], nodes)
-    if not np.isclose(q_factor, k_factor, rtol=1e-6) or q_factor <= 0:
-        raise Unprovable(f"Q and K are scaled by different factors ({q_factor}, {k_factor})")
+    nodes += [softmax, add]
+    chain = scores_chain(scores, nodes)
+    query, key_t = chain.query, chain.key_t
     key = _untransposed(ev, key_t, nodes)
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
@@ -155,20 +117,22 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         num_heads=heads,
         kv_num_heads=kv_heads,
         head_size=head,
-        scale=q_factor * k_factor,
+        scale=chain.scale,
         mask=facts,
+        softcap=chain.softcap,
     )
 
 
 def _is_candidate(node: ir.Node) -> bool:
-    """A MatMul reading softmax probabilities (maybe through Dropout / a NaN guard)."""
+    """A MatMul reading softmax probabilities (maybe through Cast, Dropout, a NaN guard)."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return False
     value: ir.Value | None = node.inputs[0]
-    for op_type in ("Dropout", "Where"):
-        step = _op(value, op_type)
-        if step is not None:
-            value = step.inputs[2] if op_type == "Where" else step.inputs[0]
+    for _ in range(4):
+        step = _op(value, "Cast", "Dropout", "Where")
+        if step is None:
+            break
+        value = step.inputs[2] if step.op_type == "Where" and len(step.inputs) > 2 else step.inputs[0]
     return _op(value, "Softmax") is not None
 
 
@@ -191,6 +155,7 @@ class DecomposedAttentionFusionPass(InPlacePass):
         self.padded = self.padded_windows = 0
         fused = 0
         ev = SymbolicEvaluator()
+        ev.prime(model.graph)
         writer = GqaWriter(model.graph, ev)
         for node in list(model.graph):
             if node.graph is None or not _is_candidate(node):
