@@ -125,6 +125,11 @@ class Affine:
 
 def _readable(symbol: str) -> str:
     """A symbol as messages show it: ``d:past`` -> ``past``, ``#query`` -> ``query``."""
+    if symbol.startswith("max0:"):
+        inner, const = symbol[5:].rsplit("+", 1)
+        terms = [part.rsplit("*", 1) for part in inner.split(",")]
+        form = Affine(tuple((k, int(v)) for k, v in terms), int(const))
+        return f"max(0, {form})"
     return symbol.removeprefix("d:").removeprefix("#")
 
 
@@ -681,11 +686,47 @@ def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind, elem)
 
 
+_MAX_PREFIX = "max0:"
+
+
+def max_of(a: Affine, b: Affine) -> Affine:
+    """``max(a, b)`` as an affine form over one opaque symbol ``max(0, e)``.
+
+    ``max(a, b) = b + max(0, a - b)``; ``e`` is normalized (its first coefficient positive,
+    else ``a + max(0, b - a)``), so every computation of the same maximum names the same
+    symbol. Sound: the symbol is only ever compared for identity. Maxima over index
+    variables (``@k``, ``#...``) are refused: substitution does not reach inside them.
+    """
+    e = a - b
+    if e.is_const:
+        return b + max(0, e.const)
+    if any(name.startswith(("@", "#")) for name in e.symbols):
+        raise Unprovable("a maximum over tensor indices is not followed")
+    base = b
+    if e.terms[0][1] < 0:
+        e, base = -e, a
+    key = ",".join(f"{k}*{v}" for k, v in e.terms) + f"+{e.const}"
+    return base + Affine.of(_MAX_PREFIX + key)
+
+
+def min_of(a: Affine, b: Affine) -> Affine:
+    return a + b - max_of(a, b)
+
+
 @_handles("Max", "Min")
 def _extremum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     parts = [ev.eval(v) for v in node.inputs]
+    if not parts:
+        raise Unprovable(f"{node.op_type} without inputs")
     shape = broadcast_shapes(*(p.shape for p in parts))
-    return SymTensor(shape, parts[0].kind)
+    fn = max_of if node.op_type == "Max" else min_of
+    values = None
+    if len(parts) == 2 and all(p.kind == "int" for p in parts):
+        try:
+            values = _binary_values(parts[0], parts[1], fn)
+        except Unprovable:
+            values = None
+    return SymTensor(shape, parts[0].kind, values=values)
 
 
 @_handles("Concat")
@@ -790,14 +831,64 @@ def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind)
 
 
+_LARGE = 2**31
+"""A Slice bound at or beyond this reaches the end of any real axis."""
+
+
+def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
+    """Length of ``x[start:end]`` (step 1) along an axis of length ``n``, as ONNX clamps."""
+
+    def clamp(bound: Affine) -> Affine:  # into [0, n]
+        if bound == ZERO:
+            return ZERO
+        if bound.is_const and bound.const >= _LARGE:
+            return n
+        if bound.is_const and bound.const <= -_LARGE:
+            return ZERO
+        if bound.is_const and bound.const < 0:  # n + bound, clamped at 0
+            return max_of(n + bound, ZERO)
+        if bound.is_const:
+            return min_of(bound, n) if not n.is_const else Affine(const=min(bound.const, n.const))
+        return bound if bound == n else min_of(bound, n)
+
+    lo, hi = clamp(start), clamp(end)
+    if hi == n or lo == ZERO:  # both clamped into [0, n]: no negative length to cut
+        return hi - lo
+    return max_of(hi - lo, ZERO)
+
+
+def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTensor:
+    """A Slice of a tensor along some axes (step 1): its shape; a mask's elements when the
+    slice keeps every element (a start of 0, an end at or beyond the axis)."""
+    starts = ev.values(node.inputs[1], "Slice starts")
+    ends = ev.values(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or list(range(len(starts)))
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1] * len(starts)
+    if not (len(starts) == len(ends) == len(axes) == len(steps)) or any(step != 1 for step in steps):
+        raise Unprovable("a Slice with steps other than 1 is not followed")
+    shape = list(x.shape)
+    whole = True
+    for axis_, start, end in zip(axes, starts, ends):
+        k = axis_ + x.rank if axis_ < 0 else axis_
+        if not 0 <= k < x.rank:
+            raise Unprovable("a Slice axis is out of range")
+        length = _sliced_length(shape[k], start, end)
+        whole = whole and start == ZERO and length == shape[k]
+        shape[k] = length
+    elem = x.elem if whole else None
+    return SymTensor(tuple(shape), x.kind, elem)
+
+
 @_handles("Slice")
 def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
+    if x.values is None or x.rank != 1:
+        return _slice_tensor(ev, node, x)
     starts = ev.const_ints(node.inputs[1], "Slice starts")
     ends = ev.const_ints(node.inputs[2], "Slice ends")
     axes = ev.const_ints(_input(node, 3), "Slice axes") or [0]
     steps = ev.const_ints(_input(node, 4), "Slice steps") or [1]
-    if x.values is None or x.rank != 1 or starts is None or ends is None or axes != [0] or steps != [1]:
+    if starts is None or ends is None or axes != [0] or steps != [1]:
         raise Unprovable("Slice other than of a known vector with constant bounds")
     n = len(x.values)
     start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))

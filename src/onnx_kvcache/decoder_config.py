@@ -44,6 +44,21 @@ class ExportStyle:
             below opset 23 (scaled dot-product attention as MatMul/Softmax/MatMul
             with a Where(mask, 0, -inf) bias, transformers' rotate_half, RMS norm as
             Pow/ReduceMean/Sqrt/Reciprocal).
+        window_cache: ``full``: every cache holds the whole sequence (a ``DynamicCache()``
+            export); ``cropped``: a sliding-window layer's present is its last
+            ``sliding_window - 1`` tokens, as transformers 5.x's ``DynamicSlidingWindowLayer``
+            keeps them (``DynamicCache(config=...)``): the past is cropped the same way before
+            ``Concat``, attention reads the concatenation, the present is a ``Slice`` of it,
+            and the layer's mask counts key positions from ``max(0, past - (W - 1))``.
+        attention: ``sdpa``: the ONNX ``Attention`` (opset 23) or scaled dot-product
+            attention decomposed (opset 20); ``eager``: transformers'
+            ``eager_attention_forward`` at any opset (Gemma2's default): ``MatMul(Q, K^T)``
+            times the scale, the soft-cap as ``Tanh(x / cap) * cap``, an additive
+            ``Where(mask, 0, min)`` mask, ``Softmax`` in float32, ``MatMul`` with V.
+        static_shapes: ``(batch, seq, past)`` fixed, as an export without dynamic shapes
+            writes them (opset 20 only): every declared dimension is a number, shape
+            vectors are constants, and the repeat_kv Reshape is folded into the key
+            transpose's first Reshape (one Reshape of the 5-D expanded cache).
     """
 
     kv_repeat: Literal["expand", "grouped", "tile"] = "expand"
@@ -55,6 +70,9 @@ class ExportStyle:
     qk_matmul_output: int | None = None
     embed_scale: bool = False
     opset: Literal[20, 23] = 23
+    window_cache: Literal["full", "cropped"] = "full"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    static_shapes: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

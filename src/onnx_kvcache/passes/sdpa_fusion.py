@@ -32,7 +32,7 @@ from onnx_kvcache._attention_site import (
     cache_link,
     check_shapes,
     mask_condition,
-    mask_facts,
+    cache_mask_facts,
 )
 from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
 from onnx_kvcache.gqa import GQA_DOMAIN
@@ -143,7 +143,7 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = mask_facts(cond, past=past)
+    facts = cache_mask_facts(cond, k_link, v_link, past=past)
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
     return AttentionSite(
