@@ -160,16 +160,161 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     )
 
 
+# -- transformers' eager_attention_forward (Gemma2 at any opset) ------------------------
+
+
+def _float_cast(value: ir.Value | None, nodes: list[ir.Node], *, widening: bool) -> ir.Value | None:
+    """Step back over a Cast between float types (the eager path's fp32 softmax).
+
+    ``widening``: the Cast must be to float32 (before the softmax, which GQA computes in
+    float32); after it, back to the model's type.
+    """
+    cast = _op(value, "Cast")
+    if cast is None or not cast.inputs or cast.inputs[0] is None:
+        return value
+    to = cast.attributes.get("to")
+    source = cast.inputs[0].dtype
+    if to is None or source not in _FLOATS or to.type != ir.AttributeType.INT:
+        return value
+    target = ir.DataType(to.as_int())
+    if target not in _FLOATS:
+        return value
+    if widening and target != ir.DataType.FLOAT:
+        raise Unprovable(f"the scores are cast to {target.name} before the softmax, not to float32")
+    nodes.append(cast)
+    return cast.inputs[0]
+
+
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def _soft_capped(value: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value | None, float]:
+    """``(x, cap)`` for ``Tanh(x / cap) * cap`` (or ``cap * Tanh(x * (1 / cap))``), else ``(value, 0)``."""
+    mul = _op(value, "Mul")
+    if mul is None:
+        return value, 0.0
+    for tanh_value, outer in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        tanh = _op(tanh_value, "Tanh")
+        cap = _scalar(outer)
+        if tanh is None or cap is None:
+            continue
+        inner = _op(tanh.inputs[0], "Div", "Mul")
+        divisor = _scalar(inner.inputs[1]) if inner is not None else None
+        if inner is None or divisor is None or divisor == 0:
+            raise Unprovable("the soft-cap's Tanh does not read the scores divided by a constant")
+        divisor = divisor if inner.op_type == "Div" else 1.0 / divisor
+        if not np.isclose(divisor, cap, rtol=1e-6) or cap <= 0:
+            raise Unprovable(f"the soft-cap divides by {divisor} and multiplies by {cap}, not one cap")
+        nodes += [mul, tanh, inner]
+        return inner.inputs[0], cap
+    return value, 0.0
+
+
+def _scaled_scores(value: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Node, float]:
+    """``(MatMul(Q, K^T), scale)`` for the MatMul times (or divided by) a constant."""
+    step = _op(value, "Mul", "Div")
+    if step is None:
+        matmul = _op(value, "MatMul")
+        if matmul is None:
+            raise Unprovable("the softmax input is not scores + mask")
+        nodes.append(matmul)
+        return matmul, 1.0
+    for x, factor in ((step.inputs[0], step.inputs[1]), (step.inputs[1], step.inputs[0])):
+        if step.op_type == "Div" and x is not step.inputs[0]:
+            break
+        constant = _scalar(factor)
+        matmul = _op(x, "MatMul")
+        if constant is not None and matmul is not None:
+            if step.op_type == "Div" and constant == 0:
+                break
+            nodes += [step, matmul]
+            return matmul, constant if step.op_type == "Mul" else 1.0 / constant
+    raise Unprovable("the scores MatMul is not scaled by a scalar constant")
+
+
+def match_eager(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionSite:
+    """Prove that ``out`` is transformers' eager attention with a KV cache; raise otherwise.
+
+    ``MatMul(Softmax([Cast](capped + mask)), V)`` where ``capped`` is ``s`` or
+    ``Tanh(s / cap) * cap`` and ``s = MatMul(Q, K^T) * scale``: GQA with ``scale``, ``softcap``.
+    """
+    nodes: list[ir.Node] = [out]
+    probs, value = out.inputs
+    if probs is None or value is None:
+        raise Unprovable("the attention MatMul lacks an input")
+    softmax = _op(_float_cast(_unwrap_probs(probs, nodes), nodes, widening=False), "Softmax")
+    if softmax is None:
+        raise Unprovable("the MatMul does not read softmax probabilities")
+    nodes.append(softmax)
+    rank = len(ev.shape(softmax.outputs[0]))
+    axis = softmax.attributes.get("axis")
+    if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
+        raise Unprovable("the softmax is not over the last axis of 4-D scores")
+    add = _op(_float_cast(softmax.inputs[0], nodes, widening=True), "Add")
+    if add is None:
+        raise Unprovable("the softmax reads scores without an additive mask")
+    nodes.append(add)
+    scores, mask = add.inputs
+    if _op(scores, "Mul", "MatMul", "Div") is None:
+        scores, mask = mask, scores
+    if mask is None:
+        raise Unprovable("the softmax input is not scores + mask")
+    uncapped, softcap = _soft_capped(scores, nodes)
+    matmul, scale = _scaled_scores(uncapped, nodes)
+    if not (np.isfinite(scale) and scale > 0):
+        raise Unprovable(f"the scores are scaled by {scale}")
+    query, key_t = matmul.inputs
+    if query is None or key_t is None:
+        raise Unprovable("the scores MatMul lacks an input")
+    key = _untransposed(ev, key_t, nodes)
+    k_link = cache_link(ev, graph, key, nodes)
+    v_link = cache_link(ev, graph, value, nodes)
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+    past = ev.shape(k_link.past)[2]
+    cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
+    facts = cache_mask_facts(cond, k_link, v_link, past=past)
+    if not facts.causal:
+        raise Unprovable("the mask is not causal (a query would see later keys)")
+    return AttentionSite(
+        node=out,
+        output=out.outputs[0],
+        query=query,
+        key=k_link,
+        value=v_link,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        head_size=head,
+        scale=scale,
+        mask=facts,
+        softcap=softcap,
+    )
+
+
+def _is_eager(node: ir.Node) -> bool:
+    """The scores MatMul's operands are not both scaled (the eager form scales its output)."""
+    value: ir.Value | None = node.inputs[0]
+    for op_type in ("Dropout", "Where", "Cast", "Softmax", "Cast", "Add"):
+        step = _op(value, op_type)
+        if step is not None:
+            value = step.inputs[2] if op_type == "Where" else step.inputs[0]
+            if op_type == "Add" and _op(value, "Mul", "MatMul", "Div") is None:
+                value = step.inputs[1]
+    step = _op(value, "Mul", "MatMul", "Div")
+    if step is None or step.op_type != "MatMul":
+        return step is not None
+    return not all(_op(v, "Mul") is not None for v in step.inputs)
+
+
 def _is_candidate(node: ir.Node) -> bool:
     """A MatMul reading softmax probabilities (maybe through Dropout / a NaN guard)."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return False
-    value: ir.Value | None = node.inputs[0]
-    for op_type in ("Dropout", "Where"):
+    value: ir.Value | None = node.inputs[0] if node.inputs else None
+    for op_type in ("Dropout", "Where", "Cast"):
         step = _op(value, op_type)
-        if step is not None:
+        if step is not None and len(step.inputs) > (2 if op_type == "Where" else 0):
             value = step.inputs[2] if op_type == "Where" else step.inputs[0]
-    return _op(value, "Softmax") is not None
+    return _op(value, "Softmax") is not None and len(node.inputs) == 2
 
 
 class DecomposedAttentionFusionPass(InPlacePass):
@@ -196,7 +341,8 @@ class DecomposedAttentionFusionPass(InPlacePass):
             if node.graph is None or not _is_candidate(node):
                 continue
             try:
-                site = match_decomposed(ev, model.graph, node)
+                match = match_eager if _is_eager(node) else match_decomposed
+                site = match(ev, model.graph, node)
             except Unprovable as reason:
                 self.refused.append((node, str(reason)))
                 continue
