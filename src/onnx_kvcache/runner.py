@@ -42,6 +42,7 @@ from onnx_kvcache._runtime import (
     run_on_host,
     to_ort_value,
 )
+from onnx_kvcache._window_present import present_output
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
@@ -176,7 +177,7 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
         fmt = site.cache_format
         paged = site.op.layout.name == PAGED.layout.name
         for side in site.sides:
-            past, present = site.past(side), site.present(side)
+            past, present = site.past(side), present_output(site.present(side))
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             assert past.name is not None and present.name is not None and past.dtype is not None
