@@ -420,7 +420,12 @@ class SymbolicEvaluator:
             if value.dtype in _FLOAT_TYPES:
                 return SymTensor(self.declared_shape(value), "data")
             raise Unprovable(f"{producer.op_type} node {producer.name!r} is not followed")
-        return handler(self, producer)
+        try:
+            return handler(self, producer)
+        except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError, OverflowError) as error:
+            # a node that breaks its operator's rules (an axis out of range, ranks that do not
+            # match, an attribute of the wrong kind or value): nothing to prove about it
+            raise Unprovable(f"{producer.op_type} node {producer.name!r} is malformed ({error})") from None
 
     def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]:
         tensor = self.eval(value)

@@ -86,7 +86,13 @@ def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) 
     if outer is None or middle is None or inner is None or inner.inputs[0] is None:
         raise Unprovable("K reaches the scores MatMul without a transpose of its last two axes")
     key = inner.inputs[0]
-    a, b, t, d = ev.shape(key)
+    dims = ev.shape(key)
+    if len(dims) != 4:
+        raise Unprovable(
+            f"the key transpose's first Reshape reads a {len(dims)}-D tensor, not K [batch, heads, "
+            "seq, head_size] (a static-shape export folds repeat_kv's Reshape into it)"
+        )
+    a, b, t, d = dims
     minus_one = ev.values(inner.inputs[1], "the key transpose's first shape")
     split = ev.values(outer.inputs[1], "the key transpose's second shape")
     if (
