@@ -23,8 +23,8 @@ import pytest
 
 from onnx_kvcache import KvCacheError, optimize_model
 from onnx_kvcache.decoder_config import ExportStyle
-from onnx_kvcache.exported_decoder import EXPORT_PRESETS, exported_config
 from onnx_kvcache.demo_model import build_decoder
+from onnx_kvcache.exported_decoder import EXPORT_PRESETS, exported_config
 
 SMALL = {
     "num_layers": 1,
@@ -125,7 +125,9 @@ class Mutator:
         elif kind == "rewire" and node.inputs:
             earlier = [v for n in nodes[: nodes.index(node)] for v in n.outputs]
             earlier += list(graph.inputs) + list(graph.initializers.values())
-            node.replace_input_with(int(self.rng.integers(len(node.inputs))), earlier[self.rng.integers(len(earlier))])
+            node.replace_input_with(
+                int(self.rng.integers(len(node.inputs))), earlier[self.rng.integers(len(earlier))]
+            )
         elif kind in ("shape", "rank"):
             values = [v for v in node.outputs] + [v for v in graph.inputs]
             value = values[self.rng.integers(len(values))]
@@ -242,7 +244,7 @@ def test_every_form_fuses_or_refuses_without_a_traceback(forms):
     for name, proto in forms.items():
         try:
             _run(ir.from_proto(onnx.ModelProto.FromString(proto)), convert=True, onnxscript="static" in name)
-        except Exception:  # noqa: BLE001 - collected and reported
+        except Exception:
             failures.append(f"{name}: {traceback.format_exc(limit=-3)}")
     assert not failures, "\n".join(failures[:5])
 
@@ -256,7 +258,7 @@ def test_mutated_graphs_give_no_traceback(forms):
             seen += 1
             try:
                 _run(model, convert=seen % 4 == 0, onnxscript=seen % ONNXSCRIPT_EVERY == 0)
-            except Exception as error:  # noqa: BLE001 - collected and reported
+            except Exception as error:
                 where = traceback.extract_tb(error.__traceback__)[-1]
                 key = f"{type(error).__name__} at {where.filename.split('/')[-1]}:{where.lineno}"
                 failures.setdefault(key, f"{label}: {traceback.format_exc(limit=-4)}")

@@ -198,7 +198,6 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
                 bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
             heads[name] = bnsh
         window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
-        layer_mask, layer_repeat = masks.get(window), (repeat5, repeat4)
         if _cropped(style, c, i):
             full_k, full_v, present_k, present_v, layer_mask, layer_repeat = _cropped_cache(
                 w, pasts[i], heads, window, mask_in, seq, batch1, seq1, zero, one
@@ -207,6 +206,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
             present_k = w.op("Concat", [pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
             present_v = w.op("Concat", [pasts[i][1], heads["v"]], [B, kv, T, d], axis=-2)
             full_k, full_v = present_k, present_v
+            layer_mask, layer_repeat = masks[window], (repeat5, repeat4)
         present_k.name, present_v.name = f"present.{i}.key", f"present.{i}.value"
         keys, values = (
             _repeat(w, style, cache, *layer_repeat, kv, group, h, d) for cache in (full_k, full_v)
@@ -437,7 +437,12 @@ def _cropped(style: ExportStyle, c: DecoderConfig, layer: int) -> bool:
     return style.window_cache == "cropped" and layer in c.sliding_window_layers and c.sliding_window > 1
 
 
-def _cropped_cache(w: _Writer, pasts, heads, window: int, mask_in, seq, batch1, seq1, zero, one) -> tuple:
+_CroppedLayer = tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value, tuple[ir.Value, ir.Value]]
+
+
+def _cropped_cache(
+    w: _Writer, pasts, heads, window: int, mask_in, seq, batch1, seq1, zero, one
+) -> _CroppedLayer:
     """transformers 5.x's DynamicSlidingWindowLayer, as exported: (full K, full V, present K,
     present V, the layer's mask, its repeat shapes).
 
@@ -465,7 +470,11 @@ def _cropped_cache(w: _Writer, pasts, heads, window: int, mask_in, seq, batch1, 
     offset = w.i64("Max", [w.i64("Sub", [past, w.const(np.array(keep, np.int64))], []), zero], [])
     length = w.i64("Add", [w.i64("Sub", [past, offset], []), seq], [])
     length1 = w.i64("Reshape", [length, w.ints(-1)], [1])
-    b_idx = w.i64("Unsqueeze", [w.i64("Range", [zero, w.i64("Squeeze", [batch1], []), one], [B]), w.ints(1, 2, 3)], [B, 1, 1, 1])
+    b_idx = w.i64(
+        "Unsqueeze",
+        [w.i64("Range", [zero, w.i64("Squeeze", [batch1], []), one], [B]), w.ints(1, 2, 3)],
+        [B, 1, 1, 1],
+    )
     q_idx = w.i64("Add", [w.i64("Range", [zero, seq, one], [S]), past], [S])
     q_idx = w.i64("Unsqueeze", [q_idx, w.ints(0, 1, 3)], [1, 1, S, 1])
     kv_idx = w.i64("Add", [w.i64("Range", [zero, length, one], [total]), offset], [total])
@@ -475,7 +484,11 @@ def _cropped_cache(w: _Writer, pasts, heads, window: int, mask_in, seq, batch1, 
     stacked = w.i64(
         "Concat",
         [
-            w.i64("Unsqueeze", [w.i64("Expand", [idx, index_shape], [B, 1, 1, total]), w.ints(-1)], [B, 1, 1, total, 1])
+            w.i64(
+                "Unsqueeze",
+                [w.i64("Expand", [idx, index_shape], [B, 1, 1, total]), w.ints(-1)],
+                [B, 1, 1, total, 1],
+            )
             for idx in (b_idx, kv_idx)
         ],
         [B, 1, 1, total, 2],
@@ -509,7 +522,9 @@ def _eager_attention(w: _Writer, style: ExportStyle, q, k, v, mask, scale: float
     if w.dtype == ir.DataType.BFLOAT16:
         lowest = float(np.finfo(np.float32).min)  # bf16's range is float32's
     bias = w.op(
-        "Where", [mask, w.const(np.array(0.0, w.np_dtype)), w.const(np.array(lowest, w.np_dtype))], [B, 1, S, kv_len]
+        "Where",
+        [mask, w.const(np.array(0.0, w.np_dtype)), w.const(np.array(lowest, w.np_dtype))],
+        [B, 1, S, kv_len],
     )
     key_len = w.i64("Shape", [k], [1], start=2, end=3)
     bias = w.op("Slice", [bias, w.ints(0), key_len, w.ints(3)], [B, 1, S, kv_len])  # mask[..., :kv_len]
@@ -531,7 +546,9 @@ def _make_static(model: ir.Model, sizes: tuple[int, int, int]) -> None:
     names = {B: batch, S: seq, P: past, SP: past, "total": past + seq}
     for value in model.graph.inputs:
         if value.shape is not None:
-            value.shape = ir.Shape([names.get(str(d), d) if not isinstance(d, int) else d for d in value.shape])
+            value.shape = ir.Shape(
+                [names.get(str(d), d) if not isinstance(d, int) else d for d in value.shape]
+            )
     for node in model.graph:
         for value in node.outputs:
             value.shape = None  # re-inferred by the optimizer

@@ -35,10 +35,10 @@ from onnx_kvcache._attention_site import (
     GqaWriter,
     MaskFacts,
     cache_link,
+    cache_mask_facts,
     check_shapes,
     default_scale,
     mask_condition,
-    cache_mask_facts,
 )
 from onnx_kvcache._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.errors import warn

@@ -30,9 +30,9 @@ from onnx_kvcache._attention_site import (
     AttentionSite,
     GqaWriter,
     cache_link,
+    cache_mask_facts,
     check_shapes,
     mask_condition,
-    cache_mask_facts,
 )
 from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable, constant_array
 from onnx_kvcache.gqa import GQA_DOMAIN
