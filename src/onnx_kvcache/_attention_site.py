@@ -108,15 +108,20 @@ def _always_true(lhs: Affine) -> bool:
     return lhs.const <= 0 and all(c <= 0 for _, c in lhs.terms)
 
 
-def mask_facts(cond: Conj, *, past: Affine) -> MaskFacts:
-    """Classify each condition of a mask; raise on any that is not causal/window/padding."""
+def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> MaskFacts:
+    """Classify each condition of a mask; raise on any that is not causal/window/padding.
+
+    ``batch``: the attention's batch size; when it is statically 1, ``attention_mask[0, j]``
+    (how a static-shape export indexes it) is row ``b``'s lookup.
+    """
     if cond.is_false:
         raise Unprovable("the mask masks everything")
     causal_lhs = _J - _I - past  # j - i - P <= 0
     causal, window, padding = False, None, None
     for atom in cond.atoms:
         if isinstance(atom, MaskAt):
-            if atom.row != _B or atom.col != _J:
+            row = _B if batch == ONE and atom.row == ZERO else atom.row
+            if row != _B or atom.col != _J:
                 raise Unprovable(f"the mask reads {atom.source}[{atom.row}, {atom.col}], not [batch, key]")
             if padding not in (None, atom.source):
                 raise Unprovable(f"the mask reads two padding inputs ({padding}, {atom.source})")
@@ -311,7 +316,9 @@ def _window_cache(
     return WindowCache(outputs[0].outputs[0], keep, crop, shift, nodes)
 
 
-def cache_mask_facts(cond: Conj, key: CacheLink, value: CacheLink, *, past: Affine) -> MaskFacts:
+def cache_mask_facts(
+    cond: Conj, key: CacheLink, value: CacheLink, *, past: Affine, batch: Affine | None = None
+) -> MaskFacts:
     """:func:`mask_facts` over the full cache's key positions, for plain and cropped caches.
 
     A cropped cache's mask is over the concatenation's rows; its key ``j`` is row
@@ -321,14 +328,14 @@ def cache_mask_facts(cond: Conj, key: CacheLink, value: CacheLink, *, past: Affi
     if (key.window is None) != (value.window is None):
         raise Unprovable("one of K and V is a cropped sliding-window cache, the other not")
     if key.window is None or value.window is None:
-        return mask_facts(cond, past=past)
+        return mask_facts(cond, past=past, batch=batch)
     if (key.window.shift, key.window.crop, key.window.keep) != (
         value.window.shift,
         value.window.crop,
         value.window.keep,
     ):
         raise Unprovable("K and V are cropped differently")
-    facts = mask_facts(cond.subs({KEY: _J - key.window.shift}), past=past)
+    facts = mask_facts(cond.subs({KEY: _J - key.window.shift}), past=past, batch=batch)
     crop = key.window.crop
     if crop is not None and (facts.window is None or facts.window > crop + 1):
         raise Unprovable(

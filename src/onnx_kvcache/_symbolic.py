@@ -448,6 +448,27 @@ class SymbolicEvaluator:
         return [v.const for v in values]
 
 
+_MAX_FIT_ELEMENTS = 65536
+
+
+def _affine_fit(array: np.ndarray) -> Affine | None:
+    """``c0 + sum(c_k * @k)`` when an integer constant is exactly that over its indices (a
+    constant-folded ``Range`` or index grid), else None."""
+    if not array.size or array.size > _MAX_FIT_ELEMENTS:
+        return None
+    origin = (0,) * array.ndim
+    c0 = int(array[origin])
+    coefficients = []
+    for k, size in enumerate(array.shape):
+        step = (*origin[:k], 1, *origin[k + 1 :])
+        coefficients.append(int(array[step]) - c0 if size > 1 else 0)
+    grid = np.indices(array.shape, dtype=np.int64) if array.ndim else np.zeros((0,), np.int64)
+    fitted = c0 + sum((c * g for c, g in zip(coefficients, grid)), np.zeros(array.shape, np.int64))
+    if not np.array_equal(fitted, array):
+        return None
+    return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
+
+
 def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
     shape = tuple(Affine(const=int(d)) for d in array.shape)
     kind = _kind(dtype)
@@ -455,15 +476,21 @@ def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
         values = None
         if array.ndim <= 1 and array.size <= _MAX_CONST_ELEMENTS:
             values = tuple(Affine(const=int(x)) for x in array.reshape(-1))
-        elem = (
-            Affine(const=int(array.reshape(-1)[0])) if array.size and np.all(array == array.flat[0]) else None
-        )
-        return SymTensor(shape, "int", elem, values)
+        elem = _affine_fit(array)
+        stack = None
+        if elem is None and array.ndim > 1 and array.size <= _MAX_FIT_ELEMENTS:
+            fits = [_affine_fit(array[..., k : k + 1]) for k in range(array.shape[-1])]
+            parts = [f for f in fits if f is not None]
+            if len(parts) == len(fits):
+                stack = tuple(p.subs({axis(array.ndim - 1): ZERO}) for p in parts)
+        return SymTensor(shape, "int", elem, values, stack)
     if array.size and np.all(array == array.flat[0]):
         if kind == "bool":
             return SymTensor(shape, "bool", TRUE if bool(array.flat[0]) else FALSE)
         return SymTensor(shape, "float", FloatConst(float(array.flat[0])))
-    raise Unprovable("a non-uniform float or bool constant is not followed")
+    if kind == "float":
+        return SymTensor(shape, "data")  # a table (rotary frequencies): its shape only
+    raise Unprovable("a non-uniform bool constant is not followed")
 
 
 def _attr_int(node: ir.Node, name: str, default: int) -> int:
@@ -565,6 +592,8 @@ def _mul(x: Affine, y: Affine) -> Affine:
 def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     shape = broadcast_shapes(a.shape, b.shape)
+    if "data" in (a.kind, b.kind) and {a.kind, b.kind} <= {"data", "float"}:
+        return SymTensor(shape, "data")  # float data (Q, K, V): its shape only
     if a.kind == "float" and b.kind == "float" and node.op_type == "Add":
         ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
         if isinstance(ea, FloatConst) and ea.value == 0.0:
@@ -590,6 +619,15 @@ def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     except Unprovable:
         elem = None
     return SymTensor(shape, "int", elem, values)
+
+
+@_handles("Neg", "Cos", "Sin", "Tanh", "Sigmoid", "Sqrt", "Reciprocal", "Exp", "Softmax")
+def _elementwise_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """A float op of one data tensor that keeps its shape."""
+    x = ev.eval(node.inputs[0])
+    if x.kind != "data":
+        raise Unprovable(f"{node.op_type} of a {x.kind} tensor is not followed")
+    return SymTensor(x.shape, "data")
 
 
 @_handles("Range")
@@ -655,6 +693,8 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     kind = _kind(to)
     if kind == x.kind or (kind == "float" and x.kind == "data"):
         return dataclasses.replace(x, source=x.source if _widens(node.inputs[0], to) else None)
+    if kind == "float" and x.kind == "int" and x.elem is None and x.values is None and x.source is None:
+        return SymTensor(x.shape, "data")  # integer data as floats (positions for rotary): shape only
     if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
         return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
     raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")

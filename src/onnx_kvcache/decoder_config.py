@@ -55,8 +55,8 @@ class ExportStyle:
             ``eager_attention_forward`` at any opset (Gemma2's default): ``MatMul(Q, K^T)``
             times the scale, the soft-cap as ``Tanh(x / cap) * cap``, an additive
             ``Where(mask, 0, min)`` mask, ``Softmax`` in float32, ``MatMul`` with V.
-        static_shapes: ``(batch, seq, past)`` fixed, as an export without dynamic shapes
-            writes them (opset 20 only): every declared dimension is a number, shape
+        static_shapes: ``(batch, seq, past)`` fixed (``past`` None: left dynamic), as an
+            export without dynamic shapes writes them (opset 20 only): those dimensions are numbers, shape
             vectors are constants, and the repeat_kv Reshape is folded into the key
             transpose's first Reshape (one Reshape of the 5-D expanded cache).
     """
@@ -72,7 +72,7 @@ class ExportStyle:
     opset: Literal[20, 23] = 23
     window_cache: Literal["full", "cropped"] = "full"
     attention: Literal["sdpa", "eager"] = "sdpa"
-    static_shapes: tuple[int, int, int] | None = None
+    static_shapes: tuple[int, int, int | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -538,12 +538,14 @@ def _eager_attention(w: _Writer, style: ExportStyle, q, k, v, mask, scale: float
     return w.op("MatMul", [probs, v], shape)
 
 
-def _make_static(model: ir.Model, sizes: tuple[int, int, int]) -> None:
+def _make_static(model: ir.Model, sizes: tuple[int, int, int | None]) -> None:
     """Fix batch, seq and past, then fold constants as the exporter's optimizer does."""
     import onnxscript.optimizer
 
     batch, seq, past = sizes
-    names = {B: batch, S: seq, P: past, SP: past, "total": past + seq}
+    names: dict[str, int | str] = {B: batch, S: seq}
+    if past is not None:
+        names |= {P: past, SP: past, "total": past + seq}
     for value in model.graph.inputs:
         if value.shape is not None:
             value.shape = ir.Shape(

@@ -95,7 +95,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         cond = cond & Conj.of(Le(query_index - key_index - left))
     if right >= 0:
         cond = cond & Conj.of(Le(key_index - query_index - right))
-    facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past)
+    facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
 

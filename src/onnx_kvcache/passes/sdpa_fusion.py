@@ -149,7 +149,7 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = cache_mask_facts(cond, k_link, v_link, past=past)
+    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
     return AttentionSite(
@@ -278,7 +278,7 @@ def match_eager(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> Attenti
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = cache_mask_facts(cond, k_link, v_link, past=past)
+    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
     return AttentionSite(
