@@ -26,7 +26,7 @@ from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
-from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.model_source import ModelLike, as_model, check_defined
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
@@ -45,28 +45,12 @@ def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | Non
 
 def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage]]:
     """A fused copy of ``model`` and the warnings the fusion gave (said only if it is kept)."""
-    _check_defined(model.graph)
+    check_defined(model.graph)
     fused = model.clone()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         GqaFusionPass()(fused)
     return fused, said
-
-
-def _check_defined(graph: ir.Graph) -> None:
-    """Every value a main-graph node reads is defined: an input, an initializer or a node's output."""
-    for node in graph:
-        for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if value is None or (producer is not None and producer.graph is graph) or value.is_graph_input():
-                continue
-            if value.is_initializer() or value.const_value is not None:
-                continue
-            raise KvCacheError(
-                f"The model is malformed: node {node.name or node.op_type!r} reads {value.name!r}, which "
-                "no node, graph input or initializer defines. Export the model again, or repair it "
-                "(onnx.checker.check_model names the problem)."
-            )
 
 
 def _commit(model: ir.Model, work: ir.Model) -> None:

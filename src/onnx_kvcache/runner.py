@@ -45,7 +45,7 @@ from onnx_kvcache._runtime import (
 from onnx_kvcache._window_present import present_output
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, warn
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, warn
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
@@ -55,7 +55,7 @@ from onnx_kvcache.gqa import (
     find_gqa_sites,
     resident_rows,
 )
-from onnx_kvcache.model_source import load_model
+from onnx_kvcache.model_source import check_defined, load_model
 from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
@@ -396,6 +396,7 @@ class KvCacheRunner:
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
             if not find_attention_sites(model, with_cache_only=False):
+                check_defined(model.graph)
                 model = _fused(model.clone())  # the caller's model stays as it is
         else:
             model_file, config = resolve_model_path(model_or_path)
@@ -449,7 +450,12 @@ class KvCacheRunner:
         """Tokens per block of a paged decoder's pool (None for dense caches)."""
         self._paged_inputs = _paged_feeds(self.source_model) if self.paged else {}
         self.pool: BlockPool | None = None
-        self.session = create_session(model, self.providers, base_dir)
+        try:
+            self.session = create_session(model, self.providers, base_dir)
+        except (KvCacheError, MissingRuntimeError):
+            raise
+        except Exception as error:  # onnxruntime raises several unrelated types
+            raise KvCacheError(f"onnxruntime cannot load the model on {self.providers}: {error}") from error
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
@@ -601,8 +607,16 @@ class KvCacheRunner:
         return outputs[0].numpy()
 
     def _run(self, feeds: dict[str, Any]) -> np.ndarray:
-        raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+        try:
+            raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+        except Exception as error:  # onnxruntime raises several unrelated types
+            raise KvCacheError(f"onnxruntime failed running the model: {error}") from error
         logits = np.asarray(raw, np.float32)
+        if logits.ndim not in (2, 3) or not logits.size:
+            raise KvCacheError(
+                f"The model's logits output {self.logits_name!r} has shape {logits.shape}, not "
+                "[batch, seq, vocab] (or [tokens, vocab] for a paged model)."
+            )
         if not np.all(np.isfinite(logits)):
             raise KvCacheError("The model produced non-finite logits.")
         return logits
@@ -647,6 +661,8 @@ class KvCacheRunner:
         if self.pool is not None:
             logits = self._run(self._paged_feeds(list(ids)))
             self.pool.advance([ids.shape[1]] * ids.shape[0])
+            if logits.size % ids.size:
+                raise KvCacheError(f"The model's logits {logits.shape} are not {ids.size} tokens' rows.")
             logits = logits.reshape(ids.shape[0], ids.shape[1], -1)
         else:
             logits = self._run(self._inputs(ids))
