@@ -12,6 +12,7 @@ node must refuse it with a reason. A fixed numpy seed: the same graphs every run
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import traceback
 import typing
 import warnings
@@ -21,7 +22,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, optimize_model
+from onnx_kvcache import KvCacheError, KvCacheRunner, convert_model, inspect_kv_cache, optimize_model
 from onnx_kvcache.decoder_config import ExportStyle
 from onnx_kvcache.demo_model import build_decoder
 from onnx_kvcache.exported_decoder import EXPORT_PRESETS, exported_config
@@ -70,7 +71,8 @@ def export_forms() -> dict[str, ir.Model]:
                 if getattr(style, field.name) != value:
                     changes.append((f"{field.name}={value}", {field.name: value}, {}))
         # the forms the issue names: opset 20 with the options that need it
-        changes.append(("opset=20,static", {"opset": 20, "static_shapes": (1, 3, 5)}, {}))
+        changes.append(("opset=20,static", {"opset": 20, "static_shapes": (1, 3, None)}, {}))
+        changes.append(("opset=20,static-past", {"opset": 20, "static_shapes": (1, 3, 5)}, {}))
         changes.append(("cropped,eager", {"window_cache": "cropped", "attention": "eager"}, {}))
         changes.append(("cropped,opset20", {"window_cache": "cropped", "opset": 20}, {}))
         for label, style_change, config_change in changes:
@@ -249,7 +251,34 @@ def test_every_form_fuses_or_refuses_without_a_traceback(forms):
     assert not failures, "\n".join(failures[:5])
 
 
-def test_mutated_graphs_give_no_traceback(forms):
+TOOLS_EVERY = 40
+"""One graph in this many also goes through convert_model (a file), inspect_kv_cache and
+KvCacheRunner (an onnxruntime session and two decode steps)."""
+
+
+def _tools(model: ir.Model, folder: pathlib.Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (
+            lambda: inspect_kv_cache(model),
+            lambda: KvCacheRunner(model).generate([1, 2, 3], 2),
+        ):
+            try:
+                step()
+            except ALLOWED:
+                pass
+        try:
+            source = folder / "model.onnx"
+            ir.save(model, source)
+        except Exception:
+            return  # not a file at all: nothing to convert
+        try:
+            convert_model(source, folder / "model.fp8.onnx", format="fp8", ep=None, overwrite=True)
+        except ALLOWED:
+            pass
+
+
+def test_mutated_graphs_give_no_traceback(forms, tmp_path):
     rng = np.random.default_rng(SEED)
     failures: dict[str, str] = {}
     seen = 0
@@ -257,6 +286,8 @@ def test_mutated_graphs_give_no_traceback(forms):
         for label, model in _mutants(name, proto, rng, MUTANTS_PER_FORM):
             seen += 1
             try:
+                if seen % TOOLS_EVERY == 0:
+                    _tools(model, tmp_path)
                 _run(model, convert=seen % 4 == 0, onnxscript=seen % ONNXSCRIPT_EVERY == 0)
             except Exception as error:
                 where = traceback.extract_tb(error.__traceback__)[-1]
