@@ -11,6 +11,7 @@ node must refuse it with a reason. A fixed numpy seed: the same graphs every run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import traceback
@@ -263,19 +264,15 @@ def _tools(model: ir.Model, folder: pathlib.Path) -> None:
             lambda: inspect_kv_cache(model),
             lambda: KvCacheRunner(model).generate([1, 2, 3], 2),
         ):
-            try:
+            with contextlib.suppress(ALLOWED):
                 step()
-            except ALLOWED:
-                pass
         try:
             source = folder / "model.onnx"
             ir.save(model, source)
         except Exception:
             return  # not a file at all: nothing to convert
-        try:
+        with contextlib.suppress(ALLOWED):
             convert_model(source, folder / "model.fp8.onnx", format="fp8", ep=None, overwrite=True)
-        except ALLOWED:
-            pass
 
 
 def test_mutated_graphs_give_no_traceback(forms, tmp_path):
