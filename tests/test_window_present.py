@@ -183,3 +183,20 @@ def test_fp16_converts_to_fp8_for_cuda(tmp_path):
     with pytest.raises(Exception, match="NOT_IMPLEMENTED") as caught:
         create_session(model)
     assert "GroupQueryAttention" in str(caught.value)
+
+
+def test_the_runner_emulates_an_fp8_window_cache_on_cpu(tmp_path):
+    """KvCacheRunner binds the Cast/Slice/Cast present and runs the fp8 model through emulation."""
+    from onnx_kvcache import KvCacheRunner
+
+    source = tmp_path / "model.onnx"
+    ir.save(export("gemma2", dtype="float16", window=4), source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_model(source, tmp_path / "model.fp8.onnx", format="fp8")
+        runner = KvCacheRunner(tmp_path / "model.fp8.onnx")
+        tokens = runner.generate(list(range(1, 8)), 4)
+        float_runner = KvCacheRunner(source)
+        reference = float_runner.generate(list(range(1, 8)), 4)
+    assert len(tokens) == len(reference) == 4
+    assert all(b.present.startswith("present.") for b in runner.bindings)

@@ -10,7 +10,7 @@ float8e4m3fn value is a float16 value).
 
 from __future__ import annotations
 
-__all__ = ["cast_fp8_windows", "present_output", "tail_slice"]
+__all__ = ["cast_fp8_windows", "follow_present_types", "present_output", "tail_slice"]
 
 import numpy as np
 import onnx_ir as ir
@@ -74,10 +74,23 @@ def tail_slice(value: ir.Value | None) -> ir.Node | None:
     return users[0] if users[0].outputs[0].is_graph_output() else None
 
 
+def _only_reader(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    users = [user for user, _ in value.uses()] if value is not None else []
+    return users[0] if len(users) == 1 and users[0].op_type == op_type else None
+
+
 def present_output(value: ir.Value | None) -> ir.Value | None:
-    """The graph output a present cache leaves as: itself, or its window Slice's output."""
+    """The graph output a present cache leaves as: itself, its window Slice's output, or
+    for fp8 the output of ``Cast(Slice(Cast(value, float16)))``."""
     node = tail_slice(value)
-    return node.outputs[0] if node is not None else value
+    if node is not None:
+        return node.outputs[0]
+    wide = _only_reader(value, "Cast")
+    window = _only_reader(wide.outputs[0], "Slice") if wide is not None else None
+    narrow = _only_reader(window.outputs[0], "Cast") if window is not None and _is_tail(window) else None
+    if narrow is not None and narrow.outputs[0].is_graph_output():
+        return narrow.outputs[0]
+    return value
 
 
 def cast_fp8_windows(graph: ir.Graph) -> int:
@@ -107,3 +120,27 @@ def cast_fp8_windows(graph: ir.Graph) -> int:
         narrow.outputs[0].type = ir.TensorType(dtype)
         done += 1
     return done
+
+
+def follow_present_types(graph: ir.Graph) -> int:
+    """Give each window present the type of the attention present it slices (after a pass
+    such as the emulation retyped that present); returns how many it changed."""
+    changed = 0
+    for node in graph:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        for present in node.outputs[1:3]:
+            out = present_output(present)
+            if out is None or out is present or present.dtype is None or out.dtype == present.dtype:
+                continue
+            value: ir.Value = present
+            while value is not out:  # the Slice, or Cast / Slice / Cast for fp8
+                (user, _), *_ = value.uses()
+                if user.op_type == "Cast":
+                    user.attributes["to"] = ir.AttrInt64("to", present.dtype)
+                value = user.outputs[0]
+                value.type = ir.TensorType(present.dtype)
+                if present.shape is not None and value.shape is not None and len(value.shape) == 4:
+                    value.shape = ir.Shape([*value.shape[:3], present.shape[3]])
+            changed += 1
+    return changed
