@@ -144,6 +144,23 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     if not np.isclose(q_factor, k_factor, rtol=1e-6) or q_factor <= 0:
         raise Unprovable(f"Q and K are scaled by different factors ({q_factor}, {k_factor})")
     key = _untransposed(ev, key_t, nodes)
+    return _site(ev, graph, out, nodes, query, key, value, mask, scale=q_factor * k_factor)
+
+
+def _site(
+    ev: SymbolicEvaluator,
+    graph: ir.Graph,
+    out: ir.Node,
+    nodes: list[ir.Node],
+    query: ir.Value,
+    key: ir.Value,
+    value: ir.Value,
+    mask: ir.Value,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> AttentionSite:
+    """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
@@ -161,8 +178,9 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         num_heads=heads,
         kv_num_heads=kv_heads,
         head_size=head,
-        scale=q_factor * k_factor,
+        scale=scale,
         mask=facts,
+        softcap=softcap,
     )
 
 
@@ -273,27 +291,7 @@ def match_eager(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> Attenti
     if query is None or key_t is None:
         raise Unprovable("the scores MatMul lacks an input")
     key = _untransposed(ev, key_t, nodes)
-    k_link = cache_link(ev, graph, key, nodes)
-    v_link = cache_link(ev, graph, value, nodes)
-    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
-    past = ev.shape(k_link.past)[2]
-    cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
-    if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
-    return AttentionSite(
-        node=out,
-        output=out.outputs[0],
-        query=query,
-        key=k_link,
-        value=v_link,
-        num_heads=heads,
-        kv_num_heads=kv_heads,
-        head_size=head,
-        scale=scale,
-        mask=facts,
-        softcap=softcap,
-    )
+    return _site(ev, graph, out, nodes, query, key, value, mask, scale=scale, softcap=softcap)
 
 
 def _is_eager(node: ir.Node) -> bool:
