@@ -10,7 +10,10 @@ exporter's attention and build an :class:`AttentionSite` from facts proven with
   only by Shape), reaching
   attention directly or through transformers' ``repeat_kv`` (Unsqueeze at axis 2,
   Expand of that axis only, Reshape folding it into the head axis: query head ``h``
-  reads KV head ``h // group``, as GQA does).
+  reads KV head ``h // group``, as GQA does). Or a cropped sliding-window cache
+  (:class:`WindowCache`): ``Concat(Slice(past, -crop), new)`` read by attention, its
+  ``Slice(-keep)`` the present; GQA then reads the uncropped past and a Slice after it
+  gives the present.
 - **Mask.** The mask condition, over batch ``b``, query row ``i``, key column ``j`` and
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding

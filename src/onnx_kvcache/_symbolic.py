@@ -14,7 +14,12 @@ than match one exporter's op sequence:
   atoms (:class:`Le`) and lookups into a 2-D graph input (:class:`MaskAt`); a float
   mask is :class:`Additive` (0 where a condition holds, a value that zeroes softmax
   elsewhere);
-- float data (Q, K, V) is followed by shape only.
+- float data (Q, K, V) is followed by shape only, through elementwise arithmetic and
+  Slices too;
+- ``Max``/``Min`` of lengths (transformers 5.x's sliding-window sizes) are one opaque
+  symbol ``max(0, e)`` per normalized ``e``, compared only for identity;
+- a constant-folded integer tensor that is an affine function of its indices (a folded
+  ``Range``, a ``GatherND`` index grid) is read as that function.
 
 Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
 the reason; the caller then leaves the graph alone.

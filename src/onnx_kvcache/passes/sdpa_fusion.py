@@ -11,7 +11,10 @@ Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
 
 A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that, the
 two factors being the same scalar constant (``scale`` = their product), and every rule
-of :mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). Anything
+of :mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). So does
+transformers' ``eager_attention_forward`` (Gemma2's, at any opset):
+``MatMul(Softmax([Cast] capped + mask), V)`` with ``capped`` the scores
+``MatMul(Q, K^T) * scale``, or ``Tanh(scores / cap) * cap`` (GQA ``softcap``). Anything
 else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
 Fuses in the main graph only.
