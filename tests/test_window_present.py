@@ -200,3 +200,10 @@ def test_the_runner_emulates_an_fp8_window_cache_on_cpu(tmp_path):
         reference = float_runner.generate(list(range(1, 8)), 4)
     assert len(tokens) == len(reference) == 4
     assert all(b.present.startswith("present.") for b in runner.bindings)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_eager_attention_fuses_with_its_float32_softmax(dtype):
+    """fp16/bf16 exports cast the scores to float32 for the softmax and back: fused the same."""
+    model = fused(export("gemma2", dtype=dtype, window=4))
+    assert count(model, "GroupQueryAttention") == 4 and count(model, "Softmax") == 0

@@ -190,11 +190,13 @@ def _site(
 # -- transformers' eager_attention_forward (Gemma2 at any opset) ------------------------
 
 
-def _float_cast(value: ir.Value | None, nodes: list[ir.Node], *, widening: bool) -> ir.Value | None:
+def _float_cast(
+    value: ir.Value | None, nodes: list[ir.Node], *, widening: bool, model_dtype: ir.DataType | None = None
+) -> ir.Value | None:
     """Step back over a Cast between float types (the eager path's fp32 softmax).
 
     ``widening``: the Cast must be to float32 (before the softmax, which GQA computes in
-    float32); after it, back to the model's type.
+    float32); after it, back to the model's type (``model_dtype``).
     """
     cast = _op(value, "Cast")
     if cast is None or not cast.inputs or cast.inputs[0] is None:
@@ -208,6 +210,8 @@ def _float_cast(value: ir.Value | None, nodes: list[ir.Node], *, widening: bool)
         return value
     if widening and target != ir.DataType.FLOAT:
         raise Unprovable(f"the scores are cast to {target.name} before the softmax, not to float32")
+    if not widening and target != model_dtype:
+        raise Unprovable(f"the probabilities are cast to {target.name}, not to the model's type")
     nodes.append(cast)
     return cast.inputs[0]
 
@@ -269,7 +273,9 @@ def match_eager(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> Attenti
     probs, value = out.inputs
     if probs is None or value is None:
         raise Unprovable("the attention MatMul lacks an input")
-    softmax = _op(_float_cast(_unwrap_probs(probs, nodes), nodes, widening=False), "Softmax")
+    softmax = _op(
+        _float_cast(_unwrap_probs(probs, nodes), nodes, widening=False, model_dtype=value.dtype), "Softmax"
+    )
     if softmax is None:
         raise Unprovable("the MatMul does not read softmax probabilities")
     nodes.append(softmax)
