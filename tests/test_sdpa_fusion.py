@@ -135,3 +135,45 @@ def test_optimize_model_fuses_then_quantizes():
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.INT8}
     history = generate(model, PROMPTS["single"])
     assert all(np.all(np.isfinite(out["logits"])) for _, out in history)
+
+
+def _chunks(model: ir.Model, chunks: int = 3, seq: int = 3) -> list[dict]:
+    """Feed ``chunks`` steps of ``seq`` tokens each at batch 1 (a static-seq export's only shape)."""
+    from onnx_kvcache._runtime import create_session
+
+    session = create_session(model)
+    names = [o.name for o in session.get_outputs()]
+    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    rng = np.random.default_rng(0)
+    feeds = {v.name: np.zeros((1, 2, 0, 32), np.float32) for v in caches}
+    results = []
+    for step in range(chunks):
+        feeds |= {
+            "input_ids": rng.integers(0, 300, (1, seq)),
+            "attention_mask": np.ones((1, (step + 1) * seq), np.int64),
+            "position_ids": np.arange(step * seq, (step + 1) * seq)[None],
+        }
+        result = dict(zip(names, session.run(None, feeds)))
+        results.append(result)
+        feeds = {v.name: result[v.name.replace("past_key_values", "present")] for v in caches}
+    return results
+
+
+def test_a_static_batch_and_seq_export_fuses():
+    """transformers 5.24 at opset 20 with batch 1 / seq 3 fixed, shapes folded by the optimizer."""
+    original, model = exported(static_shapes=(1, 3, None)), exported(static_shapes=(1, 3, None))
+    assert model.graph.inputs[0].shape == ir.Shape([1, 3])
+    with pytest.warns(KvCacheWarning, match="valid tokens"):
+        optimize_model(model)
+    assert count(model, "GroupQueryAttention") == 2
+    for want, got in zip(_chunks(original), _chunks(model)):
+        assert all(np.abs(want[name] - got[name]).max() < 1e-4 for name in want)
+
+
+def test_a_fully_static_export_is_refused_with_a_reason():
+    """Past fixed too: the optimizer folds repeat_kv's Reshape into the key transpose's."""
+    model = exported(static_shapes=(1, 3, 5))
+    fusion = DecomposedAttentionFusionPass()
+    assert not fusion(model).modified
+    assert len(fusion.refused) == 2
+    assert all("first Reshape reads a 5-D tensor" in why for _, why in fusion.refused)

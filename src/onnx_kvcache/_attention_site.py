@@ -10,7 +10,10 @@ exporter's attention and build an :class:`AttentionSite` from facts proven with
   only by Shape), reaching
   attention directly or through transformers' ``repeat_kv`` (Unsqueeze at axis 2,
   Expand of that axis only, Reshape folding it into the head axis: query head ``h``
-  reads KV head ``h // group``, as GQA does).
+  reads KV head ``h // group``, as GQA does). Or a cropped sliding-window cache
+  (:class:`WindowCache`): ``Concat(Slice(past, -crop), new)`` read by attention, its
+  ``Slice(-keep)`` the present; GQA then reads the uncropped past and a Slice after it
+  gives the present.
 - **Mask.** The mask condition, over batch ``b``, query row ``i``, key column ``j`` and
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
@@ -36,7 +39,9 @@ __all__ = [
     "CacheLink",
     "GqaWriter",
     "MaskFacts",
+    "WindowCache",
     "cache_link",
+    "cache_mask_facts",
     "mask_condition",
     "mask_facts",
 ]
@@ -51,6 +56,7 @@ import onnx_ir as ir
 from onnx_kvcache import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache._symbolic import (
     ONE,
+    ZERO,
     Additive,
     Affine,
     Conj,
@@ -106,15 +112,20 @@ def _always_true(lhs: Affine) -> bool:
     return lhs.const <= 0 and all(c <= 0 for _, c in lhs.terms)
 
 
-def mask_facts(cond: Conj, *, past: Affine) -> MaskFacts:
-    """Classify each condition of a mask; raise on any that is not causal/window/padding."""
+def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> MaskFacts:
+    """Classify each condition of a mask; raise on any that is not causal/window/padding.
+
+    ``batch``: the attention's batch size; when it is statically 1, ``attention_mask[0, j]``
+    (how a static-shape export indexes it) is row ``b``'s lookup.
+    """
     if cond.is_false:
         raise Unprovable("the mask masks everything")
     causal_lhs = _J - _I - past  # j - i - P <= 0
     causal, window, padding = False, None, None
     for atom in cond.atoms:
         if isinstance(atom, MaskAt):
-            if atom.row != _B or atom.col != _J:
+            row = _B if batch == ONE and atom.row == ZERO else atom.row
+            if row != _B or atom.col != _J:
                 raise Unprovable(f"the mask reads {atom.source}[{atom.row}, {atom.col}], not [batch, key]")
             if padding not in (None, atom.source):
                 raise Unprovable(f"the mask reads two padding inputs ({padding}, {atom.source})")
@@ -148,6 +159,31 @@ class CacheLink:
     present: ir.Value
     group: int
     """Query heads per KV head of the repeat in front of attention (1: none)."""
+    window: WindowCache | None = None
+    """Set for a cropped sliding-window cache (transformers 5.x); ``present`` is then the
+    concatenation attention reads, not the graph output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowCache:
+    """transformers 5.x's DynamicSlidingWindowLayer as exported.
+
+    Attention reads ``Concat(Slice(past, -crop), new)`` (the crop is optional); the present
+    graph output is ``Slice(that, -keep)``. GQA is given the uncropped past: with a window
+    ``W <= crop + 1`` the cropped tokens are outside every query's window, so its output is
+    the export's, and the last ``keep <= crop`` rows of its present are the export's present.
+    """
+
+    output: ir.Value
+    """The present graph output (the Slice's output)."""
+    keep: int
+    """Rows the present keeps (``window - 1``)."""
+    crop: int | None
+    """Rows the past is cropped to before the Concat, or None."""
+    shift: Affine
+    """Full-cache key index minus the concatenation's key index (the cropped rows)."""
+    nodes: tuple[ir.Node, ...]
+    """The present Slice and the crop Slice, removed with the attention."""
 
 
 def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
@@ -213,11 +249,22 @@ def cache_link(
     if len(concat.inputs) != 2 or concat.attributes["axis"].as_int() not in (2, -2):
         raise Unprovable("the cache Concat does not append on the sequence axis of two tensors")
     past, new = concat.inputs
+    crop_node, crop = None, None
+    if past is not None and not past.is_graph_input():
+        crop_node = _producer(past, "Slice")
+        crop = _tail_rows(ev, crop_node) if crop_node is not None else None
+        if crop is not None:
+            assert crop_node is not None
+            past = crop_node.inputs[0]
     if past is None or new is None or not past.is_graph_input() or past.graph is not graph:
         raise Unprovable("the cache Concat does not start from a past graph input")
     if len(ev.shape(past)) != 4:
         raise Unprovable("the past cache is not 4-D (BNSH)")
     copies = [u for u, _ in grouped.uses() if u.op_type == "Identity" and u.outputs[0] in graph.outputs]
+    window = None
+    if crop_node is not None or (grouped not in graph.outputs and not copies):
+        window = _window_cache(ev, graph, grouped, past, crop_node, crop)
+        copies = [node for node in window.nodes if node is not crop_node]
     if grouped not in graph.outputs and not copies:
         raise Unprovable(f"the concatenated cache {grouped.name!r} is not a graph output (present)")
     allowed = {id(n) for n in (*readers, *chain, *copies)}
@@ -226,7 +273,80 @@ def cache_link(
             raise Unprovable(
                 f"the present cache {grouped.name!r} is also read by {user.op_type} {user.name!r}"
             )
-    return CacheLink(past, new, grouped, group)
+    return CacheLink(past, new, grouped, group, window)
+
+
+def _tail_rows(ev: SymbolicEvaluator, node: ir.Node) -> int | None:
+    """``n`` when ``node`` is ``Slice(x, [-n], [end of axis], [2])`` (the last n rows), else None."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    try:
+        starts = ev.const_ints(inputs[1], "Slice starts")
+        ends = ev.const_ints(inputs[2], "Slice ends")
+        axes = ev.const_ints(inputs[3], "Slice axes")
+        steps = ev.const_ints(inputs[4], "Slice steps") if inputs[4] is not None else [1]
+    except Unprovable:
+        return None
+    if starts is None or ends is None or axes not in ([2], [-2]) or steps != [1]:
+        return None
+    if len(starts) != 1 or len(ends) != 1 or starts[0] >= 0 or ends[0] < 2**31:
+        return None
+    return -starts[0]
+
+
+def _window_cache(
+    ev: SymbolicEvaluator,
+    graph: ir.Graph,
+    concat: ir.Value,
+    past: ir.Value,
+    crop_node: ir.Node | None,
+    crop: int | None,
+) -> WindowCache:
+    """The cropped sliding-window cache around ``concat``, or Unprovable."""
+    if crop_node is not None and crop is None:
+        raise Unprovable("the past cache reaches the Concat through a Slice that is not its last rows")
+    slices = [u for u, _ in concat.uses() if u.op_type == "Slice" and u.domain in ("", "ai.onnx")]
+    outputs = [u for u in slices if u.outputs[0].is_graph_output() and u.outputs[0].graph is graph]
+    if len(outputs) != 1:
+        raise Unprovable(f"the concatenated cache {concat.name!r} is not a graph output (present)")
+    keep = _tail_rows(ev, outputs[0])
+    if keep is None:
+        raise Unprovable(f"the present {outputs[0].outputs[0].name!r} is a Slice other than the last rows")
+    if crop is not None and keep > crop:
+        raise Unprovable(f"the present keeps {keep} rows of a past cropped to {crop}")
+    shift = ZERO
+    if crop_node is not None:
+        shift = ev.shape(past)[2] - ev.shape(crop_node.outputs[0])[2]
+    nodes = tuple(n for n in (outputs[0], crop_node) if n is not None)
+    return WindowCache(outputs[0].outputs[0], keep, crop, shift, nodes)
+
+
+def cache_mask_facts(
+    cond: Conj, key: CacheLink, value: CacheLink, *, past: Affine, batch: Affine | None = None
+) -> MaskFacts:
+    """:func:`mask_facts` over the full cache's key positions, for plain and cropped caches.
+
+    A cropped cache's mask is over the concatenation's rows; its key ``j`` is row
+    ``j + shift`` of the uncropped cache GQA reads. The cropped rows must lie outside the
+    window of every query (``W <= crop + 1``).
+    """
+    if (key.window is None) != (value.window is None):
+        raise Unprovable("one of K and V is a cropped sliding-window cache, the other not")
+    if key.window is None or value.window is None:
+        return mask_facts(cond, past=past, batch=batch)
+    if (key.window.shift, key.window.crop, key.window.keep) != (
+        value.window.shift,
+        value.window.crop,
+        value.window.keep,
+    ):
+        raise Unprovable("K and V are cropped differently")
+    facts = mask_facts(cond.subs({KEY: _J - key.window.shift}), past=past, batch=batch)
+    crop = key.window.crop
+    if crop is not None and (facts.window is None or facts.window > crop + 1):
+        raise Unprovable(
+            f"the past is cropped to its last {crop} rows but the mask's window is "
+            f"{facts.window or 'unbounded'}: the fused attention would see the cropped rows"
+        )
+    return facts
 
 
 @dataclasses.dataclass
@@ -332,12 +452,12 @@ class GqaWriter:
 
     def lengths(self, site: AttentionSite) -> tuple[ir.Value, ir.Value]:
         """(seqlens_k int32 [batch], total_sequence_length int32 scalar) for the site."""
-        key = site.mask.padding or f"shape:{self.ev.shape(site.key.past)[2]}"
+        key = self._padding_key(site) or f"shape:{self.ev.shape(site.key.past)[2]}"
         if key in self._lengths:
             return self._lengths[key]
         at = site.node
         if site.mask.padding is not None:
-            mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
+            mask = self._padding_mask(site, at)
             # The export reads any nonzero entry as a valid token: count those, not the values.
             zero = self._const(
                 at, np.array(0, (mask.dtype or ir.DataType.INT64).numpy()), "attention_mask/zero"
@@ -379,6 +499,28 @@ class GqaWriter:
         self._lengths[key] = (seqlens, total)
         return seqlens, total
 
+    @staticmethod
+    def _padding_key(site: AttentionSite) -> str | None:
+        """The padding input, and for a cropped cache the columns of it that the layer reads."""
+        if site.mask.padding is None or site.key.window is None:
+            return site.mask.padding
+        return f"{site.mask.padding}|first columns:{site.key.past.name}"
+
+    def _padding_mask(self, site: AttentionSite, at: ir.Node) -> ir.Value:
+        """The padding input; for a cropped cache its first ``past + seq`` columns (the
+        columns the export's mask reads: one per row of the uncropped cache)."""
+        mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
+        if site.key.window is None:
+            return mask
+        past = self._add(at, "Shape", [site.key.past], "window_mask/past_length", start=2, end=3)
+        new = self._add(at, "Shape", [site.query], "window_mask/new_length", start=2, end=3)
+        zero = self._const(at, np.array([0], np.int64), "window_mask/start")
+        axes = self._const(at, np.array([1], np.int64), "window_mask/axes")
+        width = self._add(at, "Add", [past, new], "window_mask/width")
+        columns = self._add(at, "Slice", [mask, zero, width, axes], "window_mask/columns")
+        columns.type, columns.shape = mask.type, ir.Shape([mask.shape[0] if mask.shape else None, None])
+        return columns
+
     def order(self, site: AttentionSite, query: ir.Value) -> PaddingOrder | None:
         """The reorder that puts each row's valid new tokens first, and its inverse.
 
@@ -386,7 +528,7 @@ class GqaWriter:
         The order is stable (valid tokens keep their order, padding follows), so for
         right-padded or unpadded rows it is the identity. Computed once per graph.
         """
-        key = site.mask.padding
+        key = self._padding_key(site)
         if key is None:
             return None
         if key in self._order:
@@ -567,8 +709,8 @@ class GqaWriter:
             )
         dead = self._rewire_output(site, out)
         replaced = [
-            (site.key.present, gqa.outputs[GqaOutput.PRESENT_KEY]),
-            (site.value.present, gqa.outputs[GqaOutput.PRESENT_VALUE]),
+            self._present(site.key, gqa.outputs[GqaOutput.PRESENT_KEY], at),
+            self._present(site.value, gqa.outputs[GqaOutput.PRESENT_VALUE], at),
         ]
         if site.probs is not None:
             probs = gqa.outputs[GqaOutput.OUTPUT_QK]
@@ -588,6 +730,19 @@ class GqaWriter:
         for before, after in replaced:
             after.name = before.name
         return gqa
+
+    def _present(self, link: CacheLink, present: ir.Value, at: ir.Node) -> tuple[ir.Value, ir.Value]:
+        """(the export's present, what replaces it): GQA's present, or for a cropped
+        sliding-window cache its last ``keep`` rows."""
+        if link.window is None:
+            return link.present, present
+        present.type = link.past.type
+        start = self._const(at, np.array([-link.window.keep], np.int64), "window_cache/start")
+        end = self._const(at, np.array([np.iinfo(np.int64).max], np.int64), "window_cache/end")
+        axes = self._const(at, np.array([2], np.int64), "window_cache/axes")
+        kept = ir.node("Slice", [present, start, end, axes], name=self._name("window_cache/present"))
+        self.graph.insert_before(at, kept)
+        return link.window.output, kept.outputs[0]
 
     def _rewire_output(self, site: AttentionSite, out: ir.Value) -> list[ir.Node | None]:
         """Feed the GQA output (BSH) to the attention output's users (BNSH).

@@ -14,7 +14,12 @@ than match one exporter's op sequence:
   atoms (:class:`Le`) and lookups into a 2-D graph input (:class:`MaskAt`); a float
   mask is :class:`Additive` (0 where a condition holds, a value that zeroes softmax
   elsewhere);
-- float data (Q, K, V) is followed by shape only.
+- float data (Q, K, V) is followed by shape only, through elementwise arithmetic and
+  Slices too;
+- ``Max``/``Min`` of lengths (transformers 5.x's sliding-window sizes) are one opaque
+  symbol ``max(0, e)`` per normalized ``e``, compared only for identity;
+- a constant-folded integer tensor that is an affine function of its indices (a folded
+  ``Range``, a ``GatherND`` index grid) is read as that function.
 
 Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
 the reason; the caller then leaves the graph alone. Graphs without shape annotations
@@ -128,6 +133,11 @@ class Affine:
 
 def _readable(symbol: str) -> str:
     """A symbol as messages show it: ``d:past`` -> ``past``, ``#query`` -> ``query``."""
+    if symbol.startswith("max0:"):
+        inner, const = symbol[5:].rsplit("+", 1)
+        terms = [part.rsplit("*", 1) for part in inner.split(",")]
+        form = Affine(tuple((k, int(v)) for k, v in terms), int(const))
+        return f"max(0, {form})"
     return symbol.removeprefix("d:").removeprefix("#")
 
 
@@ -462,7 +472,12 @@ class SymbolicEvaluator:
             if value.dtype in _FLOAT_TYPES:
                 return SymTensor(self.declared_shape(value), "data")
             raise Unprovable(f"{producer.op_type} node {producer.name!r} is not followed")
-        return handler(self, producer)
+        try:
+            return handler(self, producer)
+        except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError, OverflowError) as error:
+            # a node that breaks its operator's rules (an axis out of range, ranks that do not
+            # match, an attribute of the wrong kind or value): nothing to prove about it
+            raise Unprovable(f"{producer.op_type} node {producer.name!r} is malformed ({error})") from None
 
     def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]:
         tensor = self.eval(value)
@@ -485,6 +500,27 @@ class SymbolicEvaluator:
         return [v.const for v in values]
 
 
+_MAX_FIT_ELEMENTS = 65536
+
+
+def _affine_fit(array: np.ndarray) -> Affine | None:
+    """``c0 + sum(c_k * @k)`` when an integer constant is exactly that over its indices (a
+    constant-folded ``Range`` or index grid), else None."""
+    if not array.size or array.size > _MAX_FIT_ELEMENTS:
+        return None
+    origin = (0,) * array.ndim
+    c0 = int(array[origin])
+    coefficients = []
+    for k, size in enumerate(array.shape):
+        step = (*origin[:k], 1, *origin[k + 1 :])
+        coefficients.append(int(array[step]) - c0 if size > 1 else 0)
+    grid = np.indices(array.shape, dtype=np.int64) if array.ndim else np.zeros((0,), np.int64)
+    fitted = c0 + sum((c * g for c, g in zip(coefficients, grid)), np.zeros(array.shape, np.int64))
+    if not np.array_equal(fitted, array):
+        return None
+    return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
+
+
 def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
     shape = tuple(Affine(const=int(d)) for d in array.shape)
     kind = _kind(dtype)
@@ -492,10 +528,14 @@ def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
         values = None
         if array.ndim <= 1 and array.size <= _MAX_CONST_ELEMENTS:
             values = tuple(Affine(const=int(x)) for x in array.reshape(-1))
-        elem = (
-            Affine(const=int(array.reshape(-1)[0])) if array.size and np.all(array == array.flat[0]) else None
-        )
-        return SymTensor(shape, "int", elem, values)
+        elem = _affine_fit(array)
+        stack = None
+        if elem is None and array.ndim > 1 and array.size <= _MAX_FIT_ELEMENTS:
+            fits = [_affine_fit(array[..., k : k + 1]) for k in range(array.shape[-1])]
+            parts = [f for f in fits if f is not None]
+            if len(parts) == len(fits):
+                stack = tuple(p.subs({axis(array.ndim - 1): ZERO}) for p in parts)
+        return SymTensor(shape, "int", elem, values, stack)
     if array.size and np.all(array == array.flat[0]):
         if kind == "bool":
             return SymTensor(shape, "bool", TRUE if bool(array.flat[0]) else FALSE)
@@ -604,6 +644,8 @@ def _mul(x: Affine, y: Affine) -> Affine:
 def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     shape = broadcast_shapes(a.shape, b.shape)
+    if "data" in (a.kind, b.kind) and {a.kind, b.kind} <= {"data", "float"}:
+        return SymTensor(shape, "data")  # float data (Q, K, V): its shape only
     if a.kind == "float" and b.kind == "float" and node.op_type == "Add":
         ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
         if isinstance(ea, FloatConst) and ea.value == 0.0:
@@ -629,6 +671,15 @@ def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     except Unprovable:
         elem = None
     return SymTensor(shape, "int", elem, values)
+
+
+@_handles("Neg", "Cos", "Sin", "Tanh", "Sigmoid", "Sqrt", "Reciprocal", "Exp", "Softmax")
+def _elementwise_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """A float op of one data tensor that keeps its shape."""
+    x = ev.eval(node.inputs[0])
+    if x.kind != "data":
+        raise Unprovable(f"{node.op_type} of a {x.kind} tensor is not followed")
+    return SymTensor(x.shape, "data")
 
 
 @_handles("Range")
@@ -694,6 +745,8 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     kind = _kind(to)
     if kind == x.kind or (kind == "float" and x.kind == "data"):
         return dataclasses.replace(x, source=x.source if _widens(node.inputs[0], to) else None)
+    if kind == "float" and x.kind == "int" and x.elem is None and x.values is None and x.source is None:
+        return SymTensor(x.shape, "data")  # integer data as floats (positions for rotary): shape only
     if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
         return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
     raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")
@@ -730,11 +783,47 @@ def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind, elem)
 
 
+_MAX_PREFIX = "max0:"
+
+
+def max_of(a: Affine, b: Affine) -> Affine:
+    """``max(a, b)`` as an affine form over one opaque symbol ``max(0, e)``.
+
+    ``max(a, b) = b + max(0, a - b)``; ``e`` is normalized (its first coefficient positive,
+    else ``a + max(0, b - a)``), so every computation of the same maximum names the same
+    symbol. Sound: the symbol is only ever compared for identity. Maxima over index
+    variables (``@k``, ``#...``) are refused: substitution does not reach inside them.
+    """
+    e = a - b
+    if e.is_const:
+        return b + max(0, e.const)
+    if any(name.startswith(("@", "#")) for name in e.symbols):
+        raise Unprovable("a maximum over tensor indices is not followed")
+    base = b
+    if e.terms[0][1] < 0:
+        e, base = -e, a
+    key = ",".join(f"{k}*{v}" for k, v in e.terms) + f"+{e.const}"
+    return base + Affine.of(_MAX_PREFIX + key)
+
+
+def min_of(a: Affine, b: Affine) -> Affine:
+    return a + b - max_of(a, b)
+
+
 @_handles("Max", "Min")
 def _extremum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     parts = [ev.eval(v) for v in node.inputs]
+    if not parts:
+        raise Unprovable(f"{node.op_type} without inputs")
     shape = broadcast_shapes(*(p.shape for p in parts))
-    return SymTensor(shape, parts[0].kind)
+    fn = max_of if node.op_type == "Max" else min_of
+    values = None
+    if len(parts) == 2 and all(p.kind == "int" for p in parts):
+        try:
+            values = _binary_values(parts[0], parts[1], fn)
+        except Unprovable:
+            values = None
+    return SymTensor(shape, parts[0].kind, values=values)
 
 
 @_handles("Concat")
@@ -839,14 +928,64 @@ def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind)
 
 
+_LARGE = 2**31
+"""A Slice bound at or beyond this reaches the end of any real axis."""
+
+
+def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
+    """Length of ``x[start:end]`` (step 1) along an axis of length ``n``, as ONNX clamps."""
+
+    def clamp(bound: Affine) -> Affine:  # into [0, n]
+        if bound == ZERO:
+            return ZERO
+        if bound.is_const and bound.const >= _LARGE:
+            return n
+        if bound.is_const and bound.const <= -_LARGE:
+            return ZERO
+        if bound.is_const and bound.const < 0:  # n + bound, clamped at 0
+            return max_of(n + bound, ZERO)
+        if bound.is_const:
+            return min_of(bound, n) if not n.is_const else Affine(const=min(bound.const, n.const))
+        return bound if bound == n else min_of(bound, n)
+
+    lo, hi = clamp(start), clamp(end)
+    if hi == n or lo == ZERO:  # both clamped into [0, n]: no negative length to cut
+        return hi - lo
+    return max_of(hi - lo, ZERO)
+
+
+def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTensor:
+    """A Slice of a tensor along some axes (step 1): its shape; a mask's elements when the
+    slice keeps every element (a start of 0, an end at or beyond the axis)."""
+    starts = ev.values(node.inputs[1], "Slice starts")
+    ends = ev.values(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or list(range(len(starts)))
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1] * len(starts)
+    if not (len(starts) == len(ends) == len(axes) == len(steps)) or any(step != 1 for step in steps):
+        raise Unprovable("a Slice with steps other than 1 is not followed")
+    shape = list(x.shape)
+    whole = True
+    for axis_, start, end in zip(axes, starts, ends):
+        k = axis_ + x.rank if axis_ < 0 else axis_
+        if not 0 <= k < x.rank:
+            raise Unprovable("a Slice axis is out of range")
+        length = _sliced_length(shape[k], start, end)
+        whole = whole and start == ZERO and length == shape[k]
+        shape[k] = length
+    elem = x.elem if whole else None
+    return SymTensor(tuple(shape), x.kind, elem)
+
+
 @_handles("Slice")
 def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
+    if x.values is None or x.rank != 1:
+        return _slice_tensor(ev, node, x)
     starts = ev.const_ints(node.inputs[1], "Slice starts")
     ends = ev.const_ints(node.inputs[2], "Slice ends")
     axes = ev.const_ints(_input(node, 3), "Slice axes") or [0]
     steps = ev.const_ints(_input(node, 4), "Slice steps") or [1]
-    if x.values is None or x.rank != 1 or starts is None or ends is None or axes != [0] or steps != [1]:
+    if starts is None or ends is None or axes != [0] or steps != [1]:
         raise Unprovable("Slice other than of a known vector with constant bounds")
     n = len(x.values)
     start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))

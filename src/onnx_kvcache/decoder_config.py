@@ -53,6 +53,21 @@ class ExportStyle:
         weights: ``float``; ``q4`` (``model_q4.onnx``: com.microsoft MatMulNBits) or
             ``int8`` (``model_quantized.onnx``: DynamicQuantizeLinear + MatMulInteger),
             onnx-community's weight-quantized files. TorchScript form only.
+        window_cache: ``full``: every cache holds the whole sequence (a ``DynamicCache()``
+            export); ``cropped``: a sliding-window layer's present is its last
+            ``sliding_window - 1`` tokens, as transformers 5.x's ``DynamicSlidingWindowLayer``
+            keeps them (``DynamicCache(config=...)``): the past is cropped the same way before
+            ``Concat``, attention reads the concatenation, the present is a ``Slice`` of it,
+            and the layer's mask counts key positions from ``max(0, past - (W - 1))``.
+        attention: ``sdpa``: the ONNX ``Attention`` (opset 23) or scaled dot-product
+            attention decomposed (opset 20); ``eager``: transformers'
+            ``eager_attention_forward`` at any opset (Gemma2's default): ``MatMul(Q, K^T)``
+            times the scale, the soft-cap as ``Tanh(x / cap) * cap``, an additive
+            ``Where(mask, 0, min)`` mask, ``Softmax`` in float32, ``MatMul`` with V.
+        static_shapes: ``(batch, seq, past)`` fixed (``past`` None: left dynamic), as an
+            export without dynamic shapes writes them (opset 20 only): those dimensions are numbers, shape
+            vectors are constants, and the repeat_kv Reshape is folded into the key
+            transpose's first Reshape (one Reshape of the 5-D expanded cache).
     """
 
     kv_repeat: Literal["expand", "grouped", "tile"] = "expand"
@@ -68,6 +83,9 @@ class ExportStyle:
     qkv_bias: bool = False
     fused_qkv: bool = False
     weights: Literal["float", "q4", "int8"] = "float"
+    window_cache: Literal["full", "cropped"] = "full"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    static_shapes: tuple[int, int, int | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,8 @@ class _Writer:
 
 
 B, S, P, T = "batch", "seq", "past", "past + seq"
+SP = "sliding_past"
+"""A cropped sliding-window cache's length (transformers keeps at most ``window - 1``)."""
 
 
 def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFactory | None = None) -> ir.Model:
@@ -146,6 +148,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         raise KvCacheError("opset 20 writes scaled dot-product attention: no softcap, scores or is_causal.")
     if style.opset == 20 and style.kv_repeat == "grouped":
         raise KvCacheError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
+    _check_new_styles(style)
     unsupported = [
         name
         for name, value in (
@@ -166,8 +169,9 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         w.graph.inputs.append(position_ids)
     pasts = []
     for i in range(c.num_layers):
+        past_dim = SP if _cropped(style, c, i) else P
         pair = tuple(
-            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, kv, P, d]) for kind in ("key", "value")
+            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, kv, past_dim, d]) for kind in ("key", "value")
         )
         w.graph.inputs.extend(pair)
         pasts.append(pair)
@@ -222,25 +226,34 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
                 cos, sin = _cos_sin(w, angles, d)
                 bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
             heads[name] = bnsh
-        present_k = w.op("Concat", [pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
-        present_v = w.op("Concat", [pasts[i][1], heads["v"]], [B, kv, T, d], axis=-2)
+        window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
+        if _cropped(style, c, i):
+            full_k, full_v, present_k, present_v, layer_mask, layer_repeat = _cropped_cache(
+                w, pasts[i], heads, window, mask_in, seq, batch1, seq1, zero, one
+            )
+        else:
+            present_k = w.op("Concat", [pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
+            present_v = w.op("Concat", [pasts[i][1], heads["v"]], [B, kv, T, d], axis=-2)
+            full_k, full_v = present_k, present_v
+            layer_mask, layer_repeat = masks[window], (repeat5, repeat4)
         present_k.name, present_v.name = f"present.{i}.key", f"present.{i}.value"
         keys, values = (
-            _repeat(w, style, cache, repeat5, repeat4, kv, group, h, d) for cache in (present_k, present_v)
+            _repeat(w, style, cache, *layer_repeat, kv, group, h, d) for cache in (full_k, full_v)
         )
-        window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
         attrs: dict = {"is_causal": int(style.mask == "top_left"), "scale": float(scale)}
         if style.attn_softcap:
             attrs["softcap"] = float(style.attn_softcap)
         inputs = [heads["q"], keys, values]
         if style.mask != "top_left":
-            inputs.append(masks[window])
+            inputs.append(layer_mask)
         outputs = 1
         if style.qk_matmul_output is not None:
             attrs["qk_matmul_output_mode"] = style.qk_matmul_output
             outputs = 4
-        if style.opset == 20:
-            attn = _sdpa_decomposed(w, heads["q"], keys, values, masks[window], scale, [B, h, S, d])
+        if style.attention == "eager":
+            attn = _eager_attention(w, style, heads["q"], keys, values, layer_mask, scale, [B, h, S, d])
+        elif style.opset == 20:
+            attn = _sdpa_decomposed(w, heads["q"], keys, values, layer_mask, scale, [B, h, S, d])
         else:
             node = ir.node("Attention", inputs, attrs, num_outputs=outputs, name=f"node_Attention_{i}")
             w.graph.append(node)
@@ -288,7 +301,10 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         logits = w.op("Mul", [w.op("Tanh", [logits], [B, S, c.vocab_size]), cap], [B, S, c.vocab_size])
     logits.name = "logits"
     w.graph.outputs.insert(0, logits)
-    return ir.Model(w.graph, ir_version=10, producer_name="onnx-kvcache (exporter shape)")
+    model = ir.Model(w.graph, ir_version=10, producer_name="onnx-kvcache (exporter shape)")
+    if style.static_shapes is not None:
+        _make_static(model, style.static_shapes)
+    return model
 
 
 def _masks(
@@ -318,7 +334,9 @@ def _masks(
     )
     padding = w.bool_("GatherND", [as_bool, stacked], [B, 1, 1, T], batch_dims=0)
     full_shape = w.i64("Concat", [batch1, w.ints(1), seq1, total1], [4], axis=0)
-    windows = {0} | ({c.sliding_window} if c.sliding_window and c.sliding_window_layers else set())
+    windows = {0}
+    if c.sliding_window and c.sliding_window_layers and style.window_cache != "cropped":
+        windows.add(c.sliding_window)
     masks = {}
     for window in sorted(windows):
         cond = w.const(np.array(True))
@@ -362,11 +380,12 @@ def _repeat(w: _Writer, style: ExportStyle, cache, repeat5, repeat4, kv, group, 
     """K/V heads as Attention reads them: repeated to the query heads, or grouped."""
     if style.kv_repeat == "grouped" or group == 1:
         return cache
+    length = cache.shape[2] if cache.shape is not None else T
     if style.kv_repeat == "tile":
-        return w.op("Tile", [cache, w.ints(1, group, 1, 1)], [B, h, T, d])
-    grown = w.op("Unsqueeze", [cache, w.ints(2)], [B, kv, 1, T, d])
-    grown = w.op("Expand", [grown, repeat5], [B, kv, group, T, d])
-    return w.op("Reshape", [grown, repeat4], [B, h, T, d], allowzero=1)
+        return w.op("Tile", [cache, w.ints(1, group, 1, 1)], [B, h, length, d])
+    grown = w.op("Unsqueeze", [cache, w.ints(2)], [B, kv, 1, length, d])
+    grown = w.op("Expand", [grown, repeat5], [B, kv, group, length, d])
+    return w.op("Reshape", [grown, repeat4], [B, h, length, d], allowzero=1)
 
 
 def _rms_norm_decomposed(w: _Writer, x: ir.Value, weight: ir.Value, shape, eps: float) -> ir.Value:
@@ -431,3 +450,139 @@ def _sdpa_decomposed(w: _Writer, q, k, v, mask, scale: float, shape) -> ir.Value
     w.graph.append(dropout)
     dropout.outputs[0].dtype, dropout.outputs[0].shape = w.dtype, ir.Shape([B, h, S, T])
     return w.op("MatMul", [dropout.outputs[0], v], shape)
+
+
+# -- transformers 5.x forms: cropped sliding-window caches, eager attention, static shapes --
+
+
+def _check_new_styles(style: ExportStyle) -> None:
+    if style.static_shapes is not None and (style.opset != 20 or style.attention != "sdpa"):
+        raise KvCacheError("static_shapes writes the opset-20 scaled dot-product form; set opset=20.")
+    if style.attention == "eager" and (style.qk_matmul_output is not None or style.mask == "top_left"):
+        raise KvCacheError("eager attention has no attention-weights output and no is_causal.")
+
+
+def _cropped(style: ExportStyle, c: DecoderConfig, layer: int) -> bool:
+    return style.window_cache == "cropped" and layer in c.sliding_window_layers and c.sliding_window > 1
+
+
+_CroppedLayer = tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value, tuple[ir.Value, ir.Value]]
+
+
+def _cropped_cache(
+    w: _Writer, pasts, heads, window: int, mask_in, seq, batch1, seq1, zero, one
+) -> _CroppedLayer:
+    """transformers 5.x's DynamicSlidingWindowLayer, as exported: (full K, full V, present K,
+    present V, the layer's mask, its repeat shapes).
+
+    The wrapper's ``update`` crops the past to its last ``window - 1`` tokens; the layer's
+    ``update`` concatenates the new tokens (what attention reads) and keeps the last
+    ``window - 1`` of that as the present. The mask (``sdpa_mask`` with ``get_mask_sizes``)
+    counts key positions from ``kv_offset = max(0, past - (window - 1))``, query positions
+    from the layer's past.
+    """
+    c = w.c
+    kv, d, h = c.kv_num_heads, c.head_size, c.num_heads
+    keep = window - 1
+    start, end, axis2 = w.ints(-keep), w.ints(2**63 - 1), w.ints(2)
+    cropped_len = f"{SP} - Max(0, {SP} - {keep})"
+    total = f"{cropped_len} + {S}"
+    kept = f"Max(0, {total} - Max(0, {total} - {keep}))"
+    out = []
+    for past, new in zip(pasts, (heads["k"], heads["v"])):
+        cropped = w.op("Slice", [past, start, end, axis2], [B, kv, cropped_len, d])
+        full = w.op("Concat", [cropped, new], [B, kv, total, d], axis=-2)
+        out.append((full, w.op("Slice", [full, start, end, axis2], [B, kv, kept, d])))
+    (full_k, present_k), (full_v, present_v) = out
+    # the layer's mask sizes: kv_offset, kv_length; positions from its own past
+    past = w.i64("Squeeze", [w.i64("Shape", [pasts[0]], [1], start=2, end=3)], [])
+    offset = w.i64("Max", [w.i64("Sub", [past, w.const(np.array(keep, np.int64))], []), zero], [])
+    length = w.i64("Add", [w.i64("Sub", [past, offset], []), seq], [])
+    length1 = w.i64("Reshape", [length, w.ints(-1)], [1])
+    b_idx = w.i64(
+        "Unsqueeze",
+        [w.i64("Range", [zero, w.i64("Squeeze", [batch1], []), one], [B]), w.ints(1, 2, 3)],
+        [B, 1, 1, 1],
+    )
+    q_idx = w.i64("Add", [w.i64("Range", [zero, seq, one], [S]), past], [S])
+    q_idx = w.i64("Unsqueeze", [q_idx, w.ints(0, 1, 3)], [1, 1, S, 1])
+    kv_idx = w.i64("Add", [w.i64("Range", [zero, length, one], [total]), offset], [total])
+    kv_idx = w.i64("Unsqueeze", [kv_idx, w.ints(0, 1, 2)], [1, 1, 1, total])
+    as_bool = w.bool_("Cast", [mask_in], [B, "total"], to=ir.DataType.BOOL)
+    index_shape = w.i64("Shape", [w.i64("Max", [b_idx, kv_idx], [B, 1, 1, total])], [4])
+    stacked = w.i64(
+        "Concat",
+        [
+            w.i64(
+                "Unsqueeze",
+                [w.i64("Expand", [idx, index_shape], [B, 1, 1, total]), w.ints(-1)],
+                [B, 1, 1, total, 1],
+            )
+            for idx in (b_idx, kv_idx)
+        ],
+        [B, 1, 1, total, 2],
+        axis=-1,
+    )
+    padding = w.bool_("GatherND", [as_bool, stacked], [B, 1, 1, total], batch_dims=0)
+    lower = w.i64("Sub", [q_idx, w.const(np.array(window, np.int64))], [1, 1, S, 1])
+    cond = w.bool_("Greater", [kv_idx, lower], [1, 1, S, total])
+    cond = w.bool_("And", [cond, w.bool_("LessOrEqual", [kv_idx, q_idx], [1, 1, S, total])], [1, 1, S, total])
+    cond = w.bool_("And", [cond, padding], [B, 1, S, total])
+    full_shape = w.i64("Concat", [batch1, w.ints(1), seq1, length1], [4], axis=0)
+    mask = w.bool_("Expand", [cond, full_shape], [B, 1, S, total])
+    group = h // kv
+    repeat5 = w.i64("Concat", [batch1, w.ints(kv), w.ints(group), length1, w.ints(d)], [5], axis=0)
+    repeat4 = w.i64("Concat", [batch1, w.ints(h), length1, w.ints(d)], [4], axis=0)
+    return full_k, full_v, present_k, present_v, mask, (repeat5, repeat4)
+
+
+def _eager_attention(w: _Writer, style: ExportStyle, q, k, v, mask, scale: float, shape) -> ir.Value:
+    """transformers' eager_attention_forward (Gemma2's): scale, soft-cap, additive mask, fp32 softmax."""
+    kv_len = k.shape[2] if k.shape is not None else None
+    scores_shape = [B, shape[1], S, kv_len]
+    key_t = w.op("Transpose", [k], [B, shape[1], shape[3], kv_len], perm=[0, 1, 3, 2])
+    scores = w.op("MatMul", [q, key_t], scores_shape)
+    scores = w.op("Mul", [scores, w.const(np.array(scale, w.np_dtype))], scores_shape)
+    if style.attn_softcap:
+        cap = w.const(np.array(style.attn_softcap, w.np_dtype))
+        scores = w.op("Div", [scores, cap], scores_shape)
+        scores = w.op("Mul", [w.op("Tanh", [scores], scores_shape), cap], scores_shape)
+    lowest = np.finfo(np.float32 if w.np_dtype == np.dtype("float32") else np.float16).min
+    if w.dtype == ir.DataType.BFLOAT16:
+        lowest = float(np.finfo(np.float32).min)  # bf16's range is float32's
+    bias = w.op(
+        "Where",
+        [mask, w.const(np.array(0.0, w.np_dtype)), w.const(np.array(lowest, w.np_dtype))],
+        [B, 1, S, kv_len],
+    )
+    key_len = w.i64("Shape", [k], [1], start=2, end=3)
+    bias = w.op("Slice", [bias, w.ints(0), key_len, w.ints(3)], [B, 1, S, kv_len])  # mask[..., :kv_len]
+    scores = w.op("Add", [scores, bias], scores_shape)
+    f32 = ir.DataType.FLOAT
+    if w.dtype != f32:
+        scores = w.op("Cast", [scores], scores_shape, f32, to=f32)
+    probs = w.op("Softmax", [scores], scores_shape, f32 if w.dtype != f32 else None, axis=-1)
+    if w.dtype != f32:
+        probs = w.op("Cast", [probs], scores_shape, to=w.dtype)
+    return w.op("MatMul", [probs, v], shape)
+
+
+def _make_static(model: ir.Model, sizes: tuple[int, int, int | None]) -> None:
+    """Fix batch, seq and past, then fold constants as the exporter's optimizer does."""
+    import onnxscript.optimizer
+
+    batch, seq, past = sizes
+    names: dict[str, int | str] = {B: batch, S: seq}
+    if past is not None:
+        names |= {P: past, SP: past, "total": past + seq}
+    for value in model.graph.inputs:
+        if value.shape is not None:
+            value.shape = ir.Shape(
+                [names.get(str(d), d) if not isinstance(d, int) else d for d in value.shape]
+            )
+    for node in model.graph:
+        for value in node.outputs:
+            value.shape = None  # re-inferred by the optimizer
+    for value in model.graph.outputs:
+        value.shape = None
+    onnxscript.optimizer.optimize(model, num_iterations=2)

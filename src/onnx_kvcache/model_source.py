@@ -13,6 +13,7 @@ __all__ = [
     "ModelLike",
     "ModelSource",
     "as_model",
+    "check_defined",
     "external_data_files",
     "load_model",
     "open_model_source",
@@ -265,3 +266,19 @@ def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False)
     data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden))
     entries = _walk(folder, follow_symlinks) if folder is not None else []
     return ModelSource(graph, folder, config, model, data, entries)
+
+
+def check_defined(graph: ir.Graph) -> None:
+    """Every value a main-graph node reads is defined: an input, an initializer or a node's output."""
+    for node in graph:
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if value is None or (producer is not None and producer.graph is graph) or value.is_graph_input():
+                continue
+            if value.is_initializer() or value.const_value is not None:
+                continue
+            raise KvCacheError(
+                f"The model is malformed: node {node.name or node.op_type!r} reads {value.name!r}, which "
+                "no node, graph input or initializer defines. Export the model again, or repair it "
+                "(onnx.checker.check_model names the problem)."
+            )

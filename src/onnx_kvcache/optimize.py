@@ -26,7 +26,7 @@ from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
-from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.model_source import ModelLike, as_model, check_defined
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
@@ -45,6 +45,7 @@ def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | Non
 
 def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage]]:
     """A fused copy of ``model`` and the warnings the fusion gave (said only if it is kept)."""
+    check_defined(model.graph)
     fused = model.clone()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

@@ -42,9 +42,10 @@ from onnx_kvcache._runtime import (
     run_on_host,
     to_ort_value,
 )
+from onnx_kvcache._window_present import present_output
 from onnx_kvcache.attention_ops import PAGED, GqaInput
 from onnx_kvcache.capabilities import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, require_type, warn
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, require_type, warn
 from onnx_kvcache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.gqa import (
@@ -54,7 +55,7 @@ from onnx_kvcache.gqa import (
     find_gqa_sites,
     resident_rows,
 )
-from onnx_kvcache.model_source import load_model
+from onnx_kvcache.model_source import check_defined, load_model
 from onnx_kvcache.passes.gqa_fusion import PADDING_WARNING, GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
@@ -176,7 +177,7 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
         fmt = site.cache_format
         paged = site.op.layout.name == PAGED.layout.name
         for side in site.sides:
-            past, present = site.past(side), site.present(side)
+            past, present = site.past(side), present_output(site.present(side))
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             assert past.name is not None and present.name is not None and past.dtype is not None
@@ -400,6 +401,7 @@ class KvCacheRunner:
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
             if not find_attention_sites(model, with_cache_only=False):
+                check_defined(model.graph)
                 model = _fused(model.clone())  # the caller's model stays as it is
         else:
             model_file, config = resolve_model_path(model_or_path)
@@ -455,7 +457,12 @@ class KvCacheRunner:
         """Tokens per block of a paged decoder's pool (None for dense caches)."""
         self._paged_inputs = _paged_feeds(self.source_model) if self.paged else {}
         self.pool: BlockPool | None = None
-        self.session = create_session(model, self.providers, base_dir)
+        try:
+            self.session = create_session(model, self.providers, base_dir)
+        except (KvCacheError, MissingRuntimeError):
+            raise
+        except Exception as error:  # onnxruntime raises several unrelated types
+            raise KvCacheError(f"onnxruntime cannot load the model on {self.providers}: {error}") from error
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
@@ -607,8 +614,16 @@ class KvCacheRunner:
         return outputs[0].numpy()
 
     def _run(self, feeds: dict[str, Any]) -> np.ndarray:
-        raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+        try:
+            raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+        except Exception as error:  # onnxruntime raises several unrelated types
+            raise KvCacheError(f"onnxruntime failed running the model: {error}") from error
         logits = np.asarray(raw, np.float32)
+        if logits.ndim not in (2, 3) or not logits.size:
+            raise KvCacheError(
+                f"The model's logits output {self.logits_name!r} has shape {logits.shape}, not "
+                "[batch, seq, vocab] (or [tokens, vocab] for a paged model)."
+            )
         if not np.all(np.isfinite(logits)):
             raise KvCacheError("The model produced non-finite logits.")
         return logits
@@ -653,6 +668,8 @@ class KvCacheRunner:
         if self.pool is not None:
             logits = self._run(self._paged_feeds(list(ids)))
             self.pool.advance([ids.shape[1]] * ids.shape[0])
+            if logits.size % ids.size:
+                raise KvCacheError(f"The model's logits {logits.shape} are not {ids.size} tokens' rows.")
             logits = logits.reshape(ids.shape[0], ids.shape[1], -1)
         else:
             logits = self._run(self._inputs(ids))

@@ -35,10 +35,10 @@ from onnx_kvcache._attention_site import (
     GqaWriter,
     MaskFacts,
     cache_link,
+    cache_mask_facts,
     check_shapes,
     default_scale,
     mask_condition,
-    mask_facts,
 )
 from onnx_kvcache._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.errors import warn
@@ -95,7 +95,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         cond = cond & Conj.of(Le(query_index - key_index - left))
     if right >= 0:
         cond = cond & Conj.of(Le(key_index - query_index - right))
-    facts: MaskFacts = mask_facts(cond, past=past)
+    facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
 

@@ -17,7 +17,13 @@ GQA nodes afterwards.
 
 from __future__ import annotations
 
-__all__ = ["PADDING_WARNING", "WINDOW_PADDING_WARNING", "GqaFusionPass", "summarize_refusals"]
+__all__ = [
+    "CROPPED_WINDOW_WARNING",
+    "PADDING_WARNING",
+    "WINDOW_PADDING_WARNING",
+    "GqaFusionPass",
+    "summarize_refusals",
+]
 
 import logging
 import re
@@ -25,6 +31,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from onnx_kvcache._window_present import tail_slice
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import find_gqa_sites
 from onnx_kvcache.passes._base import InPlacePass
@@ -46,6 +53,21 @@ WINDOW_PADDING_WARNING = (
     "(right padding, padding inside a prompt): the export counts that padding inside the window, "
     "the fused attention does not. Left-pad batches for those."
 )
+
+#: Added when a fused attention with a padding mask has a cropped sliding-window cache.
+CROPPED_WINDOW_WARNING = (
+    "Layers whose export keeps only the last window - 1 tokens (transformers 5.x sliding-window "
+    "caches) compute as the export for a padded row only while its cached and new tokens fit in "
+    "window - 1 rows: the fused cache holds the row's valid tokens first, the export's its last "
+    "positions. Run longer padded prompts unpadded (one row per batch)."
+)
+
+
+def _has_cropped_windows(model: ir.Model) -> bool:
+    return any(
+        node.op_type == "GroupQueryAttention" and len(node.outputs) > 1 and tail_slice(node.outputs[1])
+        for node in model.graph
+    )
 
 
 class GqaFusionPass(InPlacePass):
@@ -69,7 +91,12 @@ class GqaFusionPass(InPlacePass):
             from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
             before_ort = _structure(model)
-            fused, counts = optimize_for_ort(model)
+            try:
+                fused, counts = optimize_for_ort(model)
+            except Exception as error:
+                # Each of its rewrites is an equivalence, so what it did before failing stands.
+                warn(f"onnxscript's ORT fusions (optimize_for_ort) failed on this graph, skipped: {error}")
+                fused, counts = model, {}
             if fused is not model:
                 raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
             applied = {k: v for k, v in counts.items() if v}
@@ -82,7 +109,12 @@ class GqaFusionPass(InPlacePass):
             warn(f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.")
         if attention.padded + decomposed.padded:
             windows = attention.padded_windows + decomposed.padded_windows
-            warn(PADDING_WARNING + (" " + WINDOW_PADDING_WARNING if windows else ""))
+            cropped = _has_cropped_windows(model)
+            warn(
+                PADDING_WARNING
+                + (" " + WINDOW_PADDING_WARNING if windows else "")
+                + (" " + CROPPED_WINDOW_WARNING if cropped else "")
+            )
         return ir.passes.PassResult(model, modified=modified)
 
 

@@ -51,6 +51,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from onnx_kvcache._window_present import follow_present_types
 from onnx_kvcache.attention_ops import GqaInput, GqaOutput
 from onnx_kvcache.capabilities import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
@@ -566,6 +567,8 @@ class KvCacheEmulationPass(InPlacePass):
             if value.is_graph_input():
                 value.type = ir.TensorType(dtype)
                 value.shape = _unpacked(value.shape, head)
+        if float_io:
+            follow_present_types(model.graph)  # cropped sliding-window presents (Slice after GQA)
         if rewrites:
             model.opset_imports.setdefault("com.microsoft", 1)
         logger.info(

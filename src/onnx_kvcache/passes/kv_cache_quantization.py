@@ -58,6 +58,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._window_present import cast_fp8_windows, tail_slice
 from onnx_kvcache.attention_ops import AttentionOp, op_of
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
@@ -155,6 +156,7 @@ class KvCacheQuantizationPass(InPlacePass):
         modified = False
         for plan in plans:
             modified |= self._apply(plan, store)
+        cast_fp8_windows(model.graph)
         modified |= store.modified | store.remove_unused()
         counts: dict[str, int] = {}
         for plan in plans:
@@ -520,6 +522,8 @@ def _check_only_attention_reads(
         op = readers.get(id(user))
         if user.graph is None or (op is not None and slot in op.cache_slots):
             continue  # a removed node, or a converted reader
+        if user is tail_slice(value):
+            continue  # a cropped sliding-window present (its output is retyped too)
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
         if _reads_leading_dims(user):
@@ -586,6 +590,9 @@ def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
 
 def _cache_sinks(model: ir.Model, site: AttentionSite, value: ir.Value) -> list[ir.Value]:
     """Values to retype for a present output: the output and where it flows out."""
+    window = tail_slice(value)
+    if window is not None:  # a cropped sliding-window present: the Slice's output leaves
+        return [value, window.outputs[0]]
     found = [value]
     if not value.is_graph_output() or value.graph is model.graph or value.graph is None:
         return found

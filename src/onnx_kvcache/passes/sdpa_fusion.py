@@ -10,15 +10,15 @@ Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
     Y      = MatMul(probs, V)
 
 and what TorchScript exports (optimum, onnx-community) write: the same with the mask
-sliced to the key length, or transformers' eager attention (``Mul(Q @ K^T, scale)``, a
-``Tanh`` soft-cap, a ``Where(mask, 0, min)`` mask, the softmax in float32 between Casts);
-:mod:`onnx_kvcache.passes._scores` follows the scores chain (``scale`` is the product of
-its factors, ``softcap`` the cap), :mod:`onnx_kvcache._symbolic_ops` the shapes such
-graphs do not annotate.
+sliced to the key length, or transformers' ``eager_attention_forward`` (Gemma2's, at any
+opset: ``Mul(Q @ K^T, scale)``, a ``Tanh(s / cap) * cap`` soft-cap, a ``Where(mask, 0,
+min)`` mask, the softmax in float32 between Casts); :mod:`onnx_kvcache.passes._scores`
+follows the scores chain (``scale`` is the product of its factors, ``softcap`` the cap),
+:mod:`onnx_kvcache._symbolic_ops` the shapes such graphs do not annotate.
 
-A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that, the
-two factors being the same scalar constant (``scale`` = their product), and every rule
-of :mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). Anything
+A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that (Q
+and K^T, when both are scaled, by the same scalar constant) and every rule of
+:mod:`onnx_kvcache._attention_site` holds (cache, repeat, mask, shapes). Anything
 else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
 Fuses in the main graph only.
@@ -36,9 +36,9 @@ from onnx_kvcache._attention_site import (
     AttentionSite,
     GqaWriter,
     cache_link,
+    cache_mask_facts,
     check_shapes,
     mask_condition,
-    mask_facts,
 )
 from onnx_kvcache._symbolic import Affine, SymbolicEvaluator, Unprovable
 from onnx_kvcache.gqa import GQA_DOMAIN
@@ -63,7 +63,13 @@ def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) 
     if outer is None or middle is None or inner is None or inner.inputs[0] is None:
         raise Unprovable("K reaches the scores MatMul without a transpose of its last two axes")
     key = inner.inputs[0]
-    a, b, t, d = ev.shape(key)
+    dims = ev.shape(key)
+    if len(dims) != 4:
+        raise Unprovable(
+            f"the key transpose's first Reshape reads a {len(dims)}-D tensor, not K [batch, heads, "
+            "seq, head_size] (a static-shape export folds repeat_kv's Reshape into it)"
+        )
+    a, b, t, d = dims
     minus_one = ev.values(inner.inputs[1], "the key transpose's first shape")
     split = ev.values(outer.inputs[1], "the key transpose's second shape")
     if (
@@ -80,7 +86,8 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
     nodes: list[ir.Node] = [out]
     probs, value = out.inputs
-    assert probs is not None and value is not None
+    if probs is None or value is None:
+        raise Unprovable("the attention MatMul lacks an input")
     softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
     if softmax is None:
         raise Unprovable("the MatMul does not read softmax probabilities")
@@ -100,12 +107,29 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     chain = scores_chain(scores, nodes)
     query, key_t = chain.query, chain.key_t
     key = _untransposed(ev, key_t, nodes)
+    return _site(ev, graph, out, nodes, query, key, value, mask, scale=chain.scale, softcap=chain.softcap)
+
+
+def _site(
+    ev: SymbolicEvaluator,
+    graph: ir.Graph,
+    out: ir.Node,
+    nodes: list[ir.Node],
+    query: ir.Value,
+    key: ir.Value,
+    value: ir.Value,
+    mask: ir.Value,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> AttentionSite:
+    """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = mask_facts(cond, past=past)
+    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
     return AttentionSite(
@@ -117,9 +141,9 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         num_heads=heads,
         kv_num_heads=kv_heads,
         head_size=head,
-        scale=chain.scale,
+        scale=scale,
         mask=facts,
-        softcap=chain.softcap,
+        softcap=softcap,
     )
 
 
@@ -127,12 +151,14 @@ def _is_candidate(node: ir.Node) -> bool:
     """A MatMul reading softmax probabilities (maybe through Cast, Dropout, a NaN guard)."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return False
+    if len(node.inputs) != 2:
+        return False
     value: ir.Value | None = node.inputs[0]
     for _ in range(4):
         step = _op(value, "Cast", "Dropout", "Where")
-        if step is None:
+        if step is None or len(step.inputs) < (3 if step.op_type == "Where" else 1):
             break
-        value = step.inputs[2] if step.op_type == "Where" and len(step.inputs) > 2 else step.inputs[0]
+        value = step.inputs[2] if step.op_type == "Where" else step.inputs[0]
     return _op(value, "Softmax") is not None
 
 
