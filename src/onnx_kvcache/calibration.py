@@ -233,7 +233,7 @@ def calibrate_kv_cache(
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
-    runner = KvCacheRunner(model, providers)
+    runner = KvCacheRunner(model, providers, caches_only=True)  # no LM head: only caches are read
     chosen_for = None
     if format is None:
         target, why = infer_target(runner.source_model, runner.genai_config)
@@ -259,7 +259,7 @@ def calibrate_kv_cache(
         seq_len=seq_len,
         num_seqs=num_seqs,
         tokenizer=tokenizer,
-        vocab_size=_vocab_size(runner),
+        vocab_size=runner.vocab_size,
     )
     if loaded.tokens < min_tokens:
         raise KvCacheError(
@@ -283,7 +283,7 @@ def calibrate_kv_cache(
     tokens = 0
     for window in iterator:
         runner.reset(1, min_capacity=len(window))  # window caches keep every row resident
-        runner.forward(np.asarray(window, np.int64)[None, :])
+        runner.fill(np.asarray(window, np.int64)[None, :])
         tokens += len(window)
         for b in runner.bindings:
             site = sites[b.layer_id]
@@ -441,12 +441,4 @@ def _rotary_dim(site: Any) -> int | None:
     cos = site.input("cos_cache")
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
-    return None
-
-
-def _vocab_size(runner: Any) -> int | None:
-    for value in runner.model.graph.outputs:
-        if value.name == runner.logits_name and value.shape is not None:
-            last = value.shape[-1]
-            return last if isinstance(last, int) else None
     return None
