@@ -142,6 +142,35 @@ def test_reservoir_memory_is_bounded():
     assert res.rows.shape == (64, 8) and res.seen == 5000
 
 
+def _algorithm_r(capacity, batches, seed):
+    """The reservoir row by row (one draw per row past the capacity, in order)."""
+    rng, kept, seen = np.random.default_rng(seed), [], 0
+    for rows in batches:
+        for row in rows:
+            if len(kept) < capacity:
+                kept.append(row)
+            elif (j := int(rng.integers(0, seen + 1))) < capacity:
+                kept[j] = row
+            seen += 1
+    return np.asarray(kept), rng.integers(0, 2**62)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "sizes"), [(64, [50] * 40), (5, [300, 1, 7]), (100, [100, 100]), (3, [1] * 50)]
+)
+def test_the_reservoir_keeps_the_rows_algorithm_r_keeps(capacity, sizes):
+    """Vectorized, the reservoir draws what the row-by-row loop draws: the same sample, and the
+    generator left in the same state (the next layer's draws follow it)."""
+    data = np.random.default_rng(1)
+    batches = [data.standard_normal((n, 4)).astype(np.float32) for n in sizes]
+    res = _Reservoir(4, capacity, np.random.default_rng(9))
+    for rows in batches:
+        res.add(rows)
+    want, next_draw = _algorithm_r(capacity, batches, 9)
+    np.testing.assert_array_equal(res.rows, want)
+    assert res.rng.integers(0, 2**62) == next_draw and res.seen == sum(sizes)
+
+
 def test_sample_budget_keeps_percentiles_close(model, data):
     full = calibrate_kv_cache(model, data, method="percentile", percentile=99.0, progress=False)
     small = calibrate_kv_cache(

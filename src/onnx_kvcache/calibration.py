@@ -99,10 +99,16 @@ class _Reservoir:
         free = self.capacity - self.rows.shape[0]
         if free > 0:
             self.rows = np.concatenate([self.rows, rows[:free]])
-        for i in range(max(free, 0), n):
-            j = int(self.rng.integers(0, self.seen + i + 1))
-            if j < self.capacity:
-                self.rows[j] = rows[i]
+        first = max(free, 0)
+        if first < n:  # Algorithm R: row i takes slot j ~ U[0, seen + i] if j < capacity
+            slots = self.rng.integers(
+                0, np.arange(self.seen + first + 1, self.seen + n + 1)
+            )  # one draw each, in order
+            taken = np.flatnonzero(slots < self.capacity)
+            # of rows drawing the same slot, the last one stays
+            _, last = np.unique(slots[taken][::-1], return_index=True)
+            keep = taken[::-1][last]
+            self.rows[slots[keep]] = rows[first + keep]
         self.seen += n
 
 
