@@ -34,19 +34,19 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 import onnx_kvcache.calibration as calibration
-from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache, get_format
+from onnx_kvcache import DecoderConfig, KvCacheRunner, build_decoder, calibrate_kv_cache, get_format
 from onnx_kvcache.data import builtin_corpus, corpus_byte_ids
 from onnx_kvcache.demo_model import save_genai_folder
 
-QWEN_8_LAYERS = {
-    "num_layers": 8,
-    "hidden_size": 896,
-    "num_heads": 14,
-    "kv_num_heads": 2,
-    "head_size": 64,
-    "intermediate_size": 4864,
-    "vocab_size": 32768,
-}
+QWEN_8_LAYERS = DecoderConfig(
+    num_layers=8,
+    hidden_size=896,
+    num_heads=14,
+    kv_num_heads=2,
+    head_size=64,
+    intermediate_size=4864,
+    vocab_size=32768,
+)
 WINDOWS, WINDOW = 8, 256
 GENAI, PREFILL = "onnxruntime-genai calibrate_kv_scales", "onnxruntime prefill, whole model"
 
@@ -101,7 +101,7 @@ def _prefill(model_file: pathlib.Path, windows: list[list[int]]) -> None:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
-    kv, head = QWEN_8_LAYERS["kv_num_heads"], QWEN_8_LAYERS["head_size"]
+    kv, head = QWEN_8_LAYERS.kv_num_heads, QWEN_8_LAYERS.head_size
     pasts = {
         i.name: np.zeros((1, kv, 0, head), np.float32)
         for i in session.get_inputs()
@@ -148,7 +148,7 @@ def _bar(seconds: float, longest: float, width: int = 32) -> str:
 
 def side_by_side(reps: int) -> None:
     with tempfile.TemporaryDirectory(prefix="calibrate-bench-") as tmp:
-        folder = save_genai_folder(pathlib.Path(tmp) / "qwen8", **QWEN_8_LAYERS)
+        folder = save_genai_folder(pathlib.Path(tmp) / "qwen8", QWEN_8_LAYERS)
         model_file = folder / "model.onnx"
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         ids = corpus_byte_ids()
@@ -162,30 +162,32 @@ def side_by_side(reps: int) -> None:
         }
         for run in runs.values():  # warm-up: imports, the file in the page cache
             run()
-        times: dict[str, list[float]] = {name: [] for name in runs}
+        wall: dict[str, list[float]] = {name: [] for name in runs}
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
         for rep in range(reps):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))  # alternate, both ways
             for name in order:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 runs[name]()
-                times[name].append(time.perf_counter() - start)
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        genai, prefill = times[GENAI], times[PREFILL]
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
         print(
             f"Calibration side by side: Qwen2.5-0.5B-shaped decoder cut to 8 layers (hidden 896, 14/2 heads, "
             f"head size 64, MLP 4864, vocab 32768, float32, {size:.0f} MiB), {WINDOWS} windows x {WINDOW} "
             f"tokens, int8 per-channel minmax; from the model file to the result, session creation "
-            f"included; medians of {reps} alternating repetitions (ratios: median of the per-repetition "
-            "ratios)"
+            f"included; medians of {reps} alternating repetitions; ratios: median of the per-repetition "
+            "ratios; cpu: this process's CPU time, all threads (steadier than wall time on a loaded machine)"
         )
-        longest = max(medians.values())
-        for name, t in times.items():
-            ratio_genai = statistics.median(a / b for a, b in zip(t, genai))
-            ratio_prefill = statistics.median(a / b for a, b in zip(t, prefill))
-            print(
-                f"  {name:<39} {_bar(medians[name], longest)} {medians[name]:6.2f} s "
-                f"({min(t):.2f}-{max(t):.2f})  {ratio_genai:4.2f}x genai  {ratio_prefill:4.2f}x prefill"
-            )
+        for label, times in (("wall", wall), ("cpu", cpu)):
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            longest = max(medians.values())
+            for name, t in times.items():
+                genai = statistics.median(a / b for a, b in zip(t, times[GENAI]))
+                prefill = statistics.median(a / b for a, b in zip(t, times[PREFILL]))
+                print(
+                    f"  {label:<4} {name:<39} {_bar(medians[name], longest)} {medians[name]:6.2f} s "
+                    f"({min(t):.2f}-{max(t):.2f})  {genai:4.2f}x genai  {prefill:4.2f}x prefill"
+                )
         ours = _ours(folder, windows)
         theirs = _genai(model_file, windows, genai_json)
         diff = float(np.max(np.abs(ours - theirs) / theirs))
@@ -219,9 +221,9 @@ def bundled_speed_and_envelope() -> None:
         list(np.frombuffer(builtin_corpus().encode()[:2048], np.uint8)[i : i + 64])
         for i in range(0, 2048, 64)
     ]
-    runner = KvCacheRunner(long_model)
+    runner = KvCacheRunner(long_model, caches_only=True)  # K is read, not logits
     ids = np.frombuffer((builtin_corpus() * 2).encode()[:4096], np.uint8).astype(np.int64)
-    runner.prefill(ids)
+    runner.fill(ids)
     int8 = get_format("int8")
     print("int8 per-channel K scales from 64-token windows, K read over 4096 positions:")
     for envelope in (False, True):
