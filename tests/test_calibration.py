@@ -615,9 +615,13 @@ def _calibrate_all(model, data):
 
 
 @pytest.mark.parametrize("name", PRUNED_DECODERS)
-def test_the_caches_only_run_gives_the_full_graphs_scales_bit_for_bit(tmp_path, monkeypatch, data, name):
-    """Calibration runs the graph pruned to its present outputs; every method, format and
-    granularity yields exactly the scales (and thresholds, clip fractions) of the whole graph."""
+def test_the_caches_only_run_gives_the_full_graphs_scales_bit_for_bit(tmp_path, monkeypatch, name):
+    """Calibration runs the graph pruned to its present outputs, windows of one length
+    batched; every method, format and granularity yields exactly the scales (and thresholds,
+    clip fractions) of the whole graph run one window at a time."""
+    rng = np.random.default_rng(5)
+    data = [list(rng.integers(0, 300, n)) for n in (128, 128, 128, 100, 128, 64)]  # runs of 3, 1, 1, 1
+    assert [len(r) for r in calibration_module._runs(data, calibration_module.TOKENS_PER_RUN)] == [3, 1, 1, 1]
     model = PRUNED_DECODERS[name](tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -637,6 +641,7 @@ def test_the_caches_only_run_gives_the_full_graphs_scales_bit_for_bit(tmp_path, 
     monkeypatch.setattr(
         calibration_module, "KvCacheRunner", lambda model, providers, caches_only: real(model, providers)
     )
+    monkeypatch.setattr(calibration_module, "TOKENS_PER_RUN", 1)  # one window a run
     full = _calibrate_all(model, data)
     assert pruned.keys() == full.keys()
     for setting, layers in full.items():
