@@ -186,7 +186,7 @@ def side_by_side(reps: int) -> None:
                 genai = statistics.median(a / b for a, b in zip(t, times[GENAI]))
                 prefill = statistics.median(a / b for a, b in zip(t, times[PREFILL]))
                 print(
-                    f"  {label:<4} {name:<39} {_bar(medians[name], longest)} {medians[name]:6.2f} s "
+                    f"  {label:<4} {name:<40} {_bar(medians[name], longest)} {medians[name]:6.2f} s "
                     f"({min(t):.2f}-{max(t):.2f})  {genai:4.2f}x genai  {prefill:4.2f}x prefill"
                 )
         ours = _ours(folder, windows)
