@@ -426,7 +426,8 @@ class KvCacheRunner:
         block_size: int | None = None,
         caches_only: bool = False,
     ) -> None:
-        base_dir, config, model_file = None, None, None
+        base_dir, config = None, None
+        model_file = None  # the file whose graph the session runs unchanged, if any
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
             if not find_attention_sites(model, with_cache_only=False):
