@@ -533,6 +533,7 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
     (pruned, prepared for CPU) or there is no file; the pruned graph's external data is
     found from any working directory."""
     model = make(tmp_path)
+    before = sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*"))
     seen = []
     real = runner_module.create_session
 
@@ -549,3 +550,4 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
         assert given == tmp_path / "m" / "model.onnx"
     runner.fill([1, 2, 3])
     assert runner.cache_values(0, "key").shape == (1, 2, 3, 32)
+    assert sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*")) == before  # nothing written
