@@ -8,6 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+import onnx_kvcache.calibration as calibration_module
 from onnx_kvcache import (
     DecoderConfig,
     KvCacheError,
@@ -18,11 +19,12 @@ from onnx_kvcache import (
     load_kv_cache_scale_file,
 )
 from onnx_kvcache._runtime import create_session
-from onnx_kvcache.calibration import _Reservoir, _thresholds, rope_pair_norm
+from onnx_kvcache.calibration import METHODS, _Reservoir, _thresholds, rope_pair_norm
 from onnx_kvcache.cli import main
-from onnx_kvcache.demo_model import byte_level_tokenizer
+from onnx_kvcache.demo_model import byte_level_tokenizer, save_genai_folder
 from onnx_kvcache.evaluation import evaluate_kv_cache
-from onnx_kvcache.formats import get_format
+from onnx_kvcache.exported_decoder import exported_config
+from onnx_kvcache.formats import SCALE_GRANULARITIES, get_format
 
 LAYERS, KV, HEAD = 2, 2, 32
 
@@ -138,6 +140,35 @@ def test_reservoir_memory_is_bounded():
     for _ in range(100):
         res.add(rng.standard_normal((50, 8)).astype(np.float32))
     assert res.rows.shape == (64, 8) and res.seen == 5000
+
+
+def _algorithm_r(capacity, batches, seed):
+    """The reservoir row by row (one draw per row past the capacity, in order)."""
+    rng, kept, seen = np.random.default_rng(seed), [], 0
+    for rows in batches:
+        for row in rows:
+            if len(kept) < capacity:
+                kept.append(row)
+            elif (j := int(rng.integers(0, seen + 1))) < capacity:
+                kept[j] = row
+            seen += 1
+    return np.asarray(kept), rng.integers(0, 2**62)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "sizes"), [(64, [50] * 40), (5, [300, 1, 7]), (100, [100, 100]), (3, [1] * 50)]
+)
+def test_the_reservoir_keeps_the_rows_algorithm_r_keeps(capacity, sizes):
+    """Vectorized, the reservoir draws what the row-by-row loop draws: the same sample, and the
+    generator left in the same state (the next layer's draws follow it)."""
+    data = np.random.default_rng(1)
+    batches = [data.standard_normal((n, 4)).astype(np.float32) for n in sizes]
+    res = _Reservoir(4, capacity, np.random.default_rng(9))
+    for rows in batches:
+        res.add(rows)
+    want, next_draw = _algorithm_r(capacity, batches, 9)
+    np.testing.assert_array_equal(res.rows, want)
+    assert res.rng.integers(0, 2**62) == next_draw and res.seen == sum(sizes)
 
 
 def test_sample_budget_keeps_percentiles_close(model, data):
@@ -537,3 +568,84 @@ def test_a_target_that_runs_no_quantized_cache_needs_a_format(tmp_path):
         calibrate_kv_cache(folder, ids, progress=False, min_tokens=64)
     scales = calibrate_kv_cache(folder, ids, format="int8", progress=False, min_tokens=64)
     assert scales.format == "int8" and "format_for" not in scales.metadata
+
+
+SMALL = {"num_layers": LAYERS, "vocab_size": 300}
+PRUNED_DECODERS = {
+    "in_memory": lambda tmp: build_decoder(**SMALL),
+    "genai_folder_external_data": lambda tmp: save_genai_folder(tmp / "genai", **SMALL),
+    "sliding_window_cache": lambda tmp: build_decoder(
+        **SMALL, sliding_window_layers=(1,), sliding_window=16, sliding_window_cache=True
+    ),
+    "no_cache_layer": lambda tmp: build_decoder(**SMALL, no_cache_layers=(0,)),
+    "paged": lambda tmp: build_decoder(**SMALL, paged=True),
+    "fp16_fused_qk_norm": lambda tmp: build_decoder(**SMALL, dtype="float16", qk_norm=True),
+    "bfloat16": lambda tmp: build_decoder(**SMALL, dtype="bfloat16"),
+    "export_file_fused_in_memory": lambda tmp: _saved(
+        build_decoder(exported_config("llama", **SMALL)), tmp / "export" / "model.onnx"
+    ),
+}
+SETTINGS = [
+    (fmt, granularity, method)
+    for fmt in ("fp8", "int8", "int4")
+    for granularity in SCALE_GRANULARITIES
+    for method in METHODS
+    if not (method == "mse" and fmt == "fp8")
+]
+
+
+def _saved(model, path):
+    path.parent.mkdir()
+    ir.save(model, path, external_data=path.name + ".data")
+    return path
+
+
+def _calibrate_all(model, data):
+    """Every format x granularity x method: {setting: (k, v, thresholds and clips per layer)}."""
+    out = {}
+    for fmt, granularity, method in SETTINGS:
+        scales = calibrate_kv_cache(
+            model, data, format=fmt, granularity=granularity, method=method, progress=False, min_tokens=0
+        )
+        out[fmt, granularity, method] = [
+            (s.layer_id, s.k_scale, s.v_scale, s.k_threshold, s.v_threshold, s.k_clip, s.v_clip)
+            for s in scales.stats
+        ]
+    return out
+
+
+@pytest.mark.parametrize("name", PRUNED_DECODERS)
+def test_the_caches_only_run_gives_the_full_graphs_scales_bit_for_bit(tmp_path, monkeypatch, name):
+    """Calibration runs the graph pruned to its present outputs, windows of one length
+    batched; every method, format and granularity yields exactly the scales (and thresholds,
+    clip fractions) of the whole graph run one window at a time."""
+    rng = np.random.default_rng(5)
+    data = [list(rng.integers(0, 300, n)) for n in (128, 128, 128, 100, 128, 64)]  # runs of 3, 1, 1, 1
+    assert [len(r) for r in calibration_module._runs(data, calibration_module.TOKENS_PER_RUN)] == [3, 1, 1, 1]
+    model = PRUNED_DECODERS[name](tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # external data resolves from the model's folder, not the cwd
+    runners = []
+    real = calibration_module.KvCacheRunner
+
+    def spy(model, providers, caches_only=False):
+        runners.append(real(model, providers, caches_only=caches_only))
+        return runners[-1]
+
+    monkeypatch.setattr(calibration_module, "KvCacheRunner", spy)
+    pruned = _calibrate_all(model, data)
+    assert runners and all(
+        r.caches_only and r.logits_name not in {o.name for o in r.session.get_outputs()} for r in runners
+    )
+    monkeypatch.setattr(
+        calibration_module, "KvCacheRunner", lambda model, providers, caches_only: real(model, providers)
+    )
+    monkeypatch.setattr(calibration_module, "TOKENS_PER_RUN", 1)  # one window a run
+    full = _calibrate_all(model, data)
+    assert pruned.keys() == full.keys()
+    for setting, layers in full.items():
+        assert len(pruned[setting]) == len(layers) > 0, setting
+        for got, want in zip(pruned[setting], layers):
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} {setting}")

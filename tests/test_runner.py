@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
 import warnings
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 
+import onnx_kvcache.runner as runner_module
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache.demo_model import save_genai_folder
 from onnx_kvcache.runner import discover_cache_bindings
 
 LAYERS = 2
@@ -460,3 +463,91 @@ def test_a_model_that_is_no_decoder_is_named_so():
     model = ir.Model(ir.Graph([x], relu.outputs, nodes=[relu], opset_imports={"": 21}), ir_version=10)
     with pytest.raises(KvCacheError, match="no GroupQueryAttention or PagedAttention node with a KV cache"):
         KvCacheRunner(model)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("io_binding", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_caches_only_runner_fills_the_caches_a_full_forward_does(fmt, io_binding, paged):
+    model = paged_pair(fmt)[1] if paged else model_for(fmt, "per_channel")
+    full = KvCacheRunner(model, io_binding=io_binding)
+    only = KvCacheRunner(model, io_binding=io_binding, caches_only=True)
+    assert (only.logits_name, only.vocab_size) == (full.logits_name, full.vocab_size) == ("logits", 300)
+    for ids in ([[5, 6, 7, 8, 9]], [[10]], [[11, 12]]):  # a prefill, then steps through the cache
+        full.forward(ids)
+        assert only.fill(ids) is None
+    assert only.length == full.length == 8
+    for b in full.bindings:
+        np.testing.assert_array_equal(only.present(b.layer_id, b.kind), full.present(b.layer_id, b.kind))
+
+
+def test_the_caches_only_graph_ends_at_the_last_cache():
+    """No LM head, final norm, last o_proj or MLP: only what a present output depends on."""
+    model = model_for(None)
+    before = ir.to_onnx_text(model)
+    runner = KvCacheRunner(model, caches_only=True)
+    assert ir.to_onnx_text(model) == before  # the caller's model is not pruned
+    pruned = runner.model
+    assert [v.name for v in pruned.graph.outputs] == [b.present for b in runner.bindings]
+    assert [o.name for o in runner.session.get_outputs()] == [b.present for b in runner.bindings]
+    assert "lm_head.weight" not in pruned.graph.initializers
+    nodes = list(model.graph)
+    last = max(i for i, n in enumerate(nodes) if n.op_type == "GroupQueryAttention")
+    assert [n.name for n in pruned.graph] == [n.name for n in nodes[: last + 1]]  # every one before it
+    assert {n.name for n in nodes[last + 1 :]} >= {"lm_head/MatMul", "model.layers.1.mlp.down_proj/MatMul"}
+
+
+@pytest.mark.parametrize("call", ["forward", "prefill", "step", "generate"])
+def test_a_caches_only_runner_computes_no_logits(call):
+    runner = KvCacheRunner(model_for("int8"), caches_only=True)
+    args = {"forward": ([[1, 2]],), "prefill": ([1, 2],), "step": (3,), "generate": ([1, 2], 2)}[call]
+    with pytest.raises(KvCacheError, match=r"caches_only=True.*use fill\(ids\)"):
+        getattr(runner, call)(*args)
+    assert runner.length == 0
+
+
+def test_a_caches_only_paged_runner_refuses_forward_packed():
+    runner = KvCacheRunner(paged_pair("int8")[1], caches_only=True)
+    with pytest.raises(KvCacheError, match="computes no logits"):
+        runner.forward_packed([[1, 2], [3]])
+
+
+@pytest.mark.parametrize(
+    ("make", "caches_only", "from_file"),
+    [
+        (lambda tmp: save_genai_folder(tmp / "m", num_layers=1, vocab_size=300), False, True),
+        (lambda tmp: save_genai_folder(tmp / "m", num_layers=1, vocab_size=300), True, False),
+        (
+            lambda tmp: save_genai_folder(tmp / "m", num_layers=1, vocab_size=300, dtype="bfloat16"),
+            False,
+            False,
+        ),
+        (lambda tmp: build_decoder(num_layers=1, vocab_size=300), False, False),
+    ],
+    ids=["file", "pruned", "prepared_for_cpu", "in_memory"],
+)
+def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
+    tmp_path, monkeypatch, make, caches_only, from_file
+):
+    """onnxruntime reads the file itself unless the graph it runs differs from the file's
+    (pruned, prepared for CPU) or there is no file; the pruned graph's external data is
+    found from any working directory."""
+    model = make(tmp_path)
+    before = sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*"))
+    seen = []
+    real = runner_module.create_session
+
+    def spy(model, providers=None, base_dir=None):
+        seen.append(model)
+        return real(model, providers, base_dir)
+
+    monkeypatch.setattr(runner_module, "create_session", spy)
+    monkeypatch.chdir(tmp_path.parent)
+    runner = KvCacheRunner(model, caches_only=caches_only)
+    (given,) = seen
+    assert isinstance(given, pathlib.Path) == from_file
+    if from_file:
+        assert given == tmp_path / "m" / "model.onnx"
+    runner.fill([1, 2, 3])
+    assert runner.cache_values(0, "key").shape == (1, 2, 3, 32)
+    assert sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*")) == before  # nothing written

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,21 @@ METHODS = ("minmax", "percentile", "mse")
 #: beyond the threshold (margin below 1, a low percentile) warns, once per layer.
 CLIP_WARN_FRACTION = 0.01
 _TINY = float(np.finfo(np.float32).tiny)
+#: Consecutive windows of one length run as one batch of up to this many tokens: larger matrix
+#: products cost less a token, and each row's caches are the same bit for bit.
+TOKENS_PER_RUN = 1024
+
+
+def _runs(windows: Sequence[np.ndarray], budget: int) -> Iterator[list[np.ndarray]]:
+    """Consecutive windows of one length, ``budget`` tokens together at most (one at least)."""
+    run: list[np.ndarray] = []
+    for window in windows:
+        if run and (len(window) != len(run[0]) or (len(run) + 1) * len(window) > budget):
+            yield run
+            run = []
+        run.append(window)
+    if run:
+        yield run
 
 
 def rope_pair_norm(
@@ -99,10 +114,16 @@ class _Reservoir:
         free = self.capacity - self.rows.shape[0]
         if free > 0:
             self.rows = np.concatenate([self.rows, rows[:free]])
-        for i in range(max(free, 0), n):
-            j = int(self.rng.integers(0, self.seen + i + 1))
-            if j < self.capacity:
-                self.rows[j] = rows[i]
+        first = max(free, 0)
+        if first < n:  # Algorithm R: row i takes slot j ~ U[0, seen + i] if j < capacity
+            slots = self.rng.integers(
+                0, np.arange(self.seen + first + 1, self.seen + n + 1)
+            )  # one draw each, in order
+            taken = np.flatnonzero(slots < self.capacity)
+            # of rows drawing the same slot, the last one stays
+            _, last = np.unique(slots[taken][::-1], return_index=True)
+            keep = taken[::-1][last]
+            self.rows[slots[keep]] = rows[first + keep]
         self.seen += n
 
 
@@ -241,7 +262,7 @@ def calibrate_kv_cache(
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
-    runner = KvCacheRunner(model, providers)
+    runner = KvCacheRunner(model, providers, caches_only=True)  # no LM head: only caches are read
     chosen_for = None
     if format is None:
         target, why = infer_target(runner.source_model, runner.genai_config)
@@ -267,7 +288,7 @@ def calibrate_kv_cache(
         seq_len=seq_len,
         num_seqs=num_seqs,
         tokenizer=tokenizer,
-        vocab_size=_vocab_size(runner),
+        vocab_size=runner.vocab_size,
     )
     if loaded.tokens < min_tokens:
         raise KvCacheError(
@@ -283,20 +304,22 @@ def calibrate_kv_cache(
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
-    iterator: Any = windows
+    bar: Any = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
 
-        iterator = tqdm(windows, desc="calibrating", unit="seq")
+        bar = tqdm(total=len(windows), desc="calibrating", unit="seq")
     tokens = 0
-    for window in iterator:
-        runner.reset(1, min_capacity=len(window))  # window caches keep every row resident
-        runner.forward(np.asarray(window, np.int64)[None, :])
-        tokens += len(window)
-        for b in runner.bindings:
+    for run in _runs(windows, TOKENS_PER_RUN):
+        length = len(run[0])
+        runner.reset(len(run), min_capacity=length)  # window caches keep every row resident
+        runner.fill(np.asarray(run, np.int64))
+        tokens += length * len(run)
+        caches = {(b.layer_id, b.kind): runner.cache_values(b.layer_id, b.kind) for b in runner.bindings}
+        for row, b in ((row, b) for row in range(len(run)) for b in runner.bindings):  # window by window
             site = sites[b.layer_id]
-            x = runner.cache_values(b.layer_id, b.kind)[0]  # [kv, S, hd]
-            x = x[:, : b.resident_rows(len(window), x.shape[1])]
+            x = caches[b.layer_id, b.kind][row]  # [kv, S, hd]
+            x = x[:, : b.resident_rows(length, x.shape[1])]
             if not np.all(np.isfinite(x)):
                 raise KvCacheError(
                     f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
@@ -316,6 +339,10 @@ def calibrate_kv_cache(
             if key not in reservoirs:
                 reservoirs[key] = _Reservoir(rows.shape[1], max(1, sample_budget // rows.shape[1]), rng)
             reservoirs[key].add(rows)
+        if bar is not None:
+            bar.update(len(run))
+    if bar is not None:
+        bar.close()
     stats = []
     for layer in sorted({k[0] for k in reservoirs}):
         result = {}
@@ -449,12 +476,4 @@ def _rotary_dim(site: Any) -> int | None:
     cos = site.input("cos_cache")
     if cos is not None and cos.shape is not None and isinstance(cos.shape[-1], int):
         return 2 * cos.shape[-1]
-    return None
-
-
-def _vocab_size(runner: Any) -> int | None:
-    for value in runner.model.graph.outputs:
-        if value.name == runner.logits_name and value.shape is not None:
-            last = value.shape[-1]
-            return last if isinstance(last, int) else None
     return None

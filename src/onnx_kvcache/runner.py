@@ -15,11 +15,16 @@ emulation (:mod:`onnx_kvcache.passes.kv_cache_emulation`), whose caches hold deq
 values, and PagedAttention nodes (no CPU kernel) through the CPU reference
 (:mod:`onnx_kvcache.passes.paged_attention_reference`). :meth:`KvCacheRunner.present`
 gives every cache in its stored format all the same.
+
+A runner built with ``caches_only=True`` runs the graph pruned to the present outputs
+(:func:`prune_to_caches`: no LM head, nothing after the last cache), which is all
+calibration reads: :meth:`KvCacheRunner.fill` advances the caches, and nothing computes
+logits. A session is created from the model's file when the graph it runs is the file's.
 """
 
 from __future__ import annotations
 
-__all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings", "prepare_for_cpu"]
+__all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings", "prepare_for_cpu", "prune_to_caches"]
 
 import dataclasses
 import logging
@@ -289,6 +294,31 @@ def prepare_for_cpu(
     return prepared, emulate or paged
 
 
+def prune_to_caches(model: ir.Model, presents: Sequence[str]) -> ir.Model:
+    """A copy of ``model`` whose outputs are the ``presents`` only, without every node and
+    initializer none of them depends on (the LM head, the last layer's output projection
+    and MLP). Tensors are shared with ``model``, which is not changed: the copy reads the
+    same external data."""
+    pruned = model.clone()
+    kept = [v for v in pruned.graph.outputs if v.name in set(presents)]
+    pruned.graph.outputs.clear()
+    pruned.graph.outputs.extend(kept)
+    common_passes.RemoveUnusedNodesPass()(pruned)
+    return pruned
+
+
+def _logits_output(model: ir.Model) -> tuple[str, int | None]:
+    """The logits output's name and vocabulary size (None when symbolic), read from the
+    graph: the first output named like ``logits``, else the first output."""
+    outputs = list(model.graph.outputs)
+    if not outputs:
+        raise KvCacheError("The model has no outputs: it is not a decoder this library runs.")
+    logits = next((o for o in outputs if "logits" in (o.name or "")), outputs[0])
+    assert logits.name is not None
+    last = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
+    return logits.name, last if isinstance(last, int) else None
+
+
 _PAGED_LENGTHS = ("cumulative_sequence_length", "past_seqlens", "block_table", "attention_metadata")
 
 
@@ -376,6 +406,10 @@ class KvCacheRunner:
         block_size: Paged decoders: tokens per block of the pool (a power of two >= 16).
             Default: the model's static block size, else the genai config's
             ``engine.dynamic_batching.block_size``, else 16.
+        caches_only: Run the graph pruned to the present outputs (:func:`prune_to_caches`):
+            :meth:`fill` advances the caches at about 0.7x the cost of a full forward on a
+            small model (the LM head is skipped); the methods that return logits refuse.
+            ``logits_name`` and ``vocab_size`` are still the model's.
 
     A paged decoder packs the batch's rows into one token list each call and keeps a block
     pool per cache: :meth:`present` returns the pool, :meth:`cache_values` each sequence's
@@ -392,23 +426,27 @@ class KvCacheRunner:
         semantics: str | None = None,
         quantized_io: bool = False,
         block_size: int | None = None,
+        caches_only: bool = False,
     ) -> None:
         require_type(
             model_or_path, (ir.Model, str, os.PathLike), "model_or_path", "an onnx_ir.Model or a path"
         )
         require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
         base_dir, config = None, None
+        model_file = None  # the file whose graph the session runs unchanged, if any
         if isinstance(model_or_path, ir.Model):
             model = model_or_path
             if not find_attention_sites(model, with_cache_only=False):
                 check_defined(model.graph)
                 model = _fused(model.clone())  # the caller's model stays as it is
         else:
-            model_file, config = resolve_model_path(model_or_path)
-            model = load_model(model_file)
+            path, config = resolve_model_path(model_or_path)
+            model = load_model(path)
+            model_file = path
             if not find_attention_sites(model, with_cache_only=False):
                 model = _fused(model)
-            base_dir = model_file.parent
+                model_file = None  # the session runs the fused graph, not the file's
+            base_dir = path.parent
         self.genai_config = config
         """The onnxruntime-genai config of a genai folder, else None."""
         self.eos_token_ids: frozenset[int] = eos_token_ids(config)
@@ -443,8 +481,10 @@ class KvCacheRunner:
             model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
         self.max_positions = _max_positions(self.source_model)
         """Tokens a context may hold (the rotary tables' length), or None when unknown."""
-        self.model = model
-        """The model the session runs."""
+        self.logits_name, self.vocab_size = _logits_output(self.source_model)
+        """The logits output and the vocabulary size (None when symbolic), the model's."""
+        self.caches_only = caches_only
+        """The session runs the graph pruned to the caches (no logits)."""
         feeds = {v.name: v.dtype for v in model.graph.inputs}
         self.bindings = [
             b if feeds.get(b.past) in (None, b.dtype) else dataclasses.replace(b, feed_dtype=feeds[b.past])
@@ -457,8 +497,16 @@ class KvCacheRunner:
         """Tokens per block of a paged decoder's pool (None for dense caches)."""
         self._paged_inputs = _paged_feeds(self.source_model) if self.paged else {}
         self.pool: BlockPool | None = None
+        if caches_only and self.bindings:
+            model = prune_to_caches(model, [b.present for b in self.bindings])
+        self.model = model
+        """The model the session runs (prepared for CPU, pruned to the caches)."""
         try:
-            self.session = create_session(model, self.providers, base_dir)
+            if model is self.source_model and model_file is not None:
+                # the file's own graph: onnxruntime reads it (from bytes costs ~1.2x the time)
+                self.session = create_session(model_file, self.providers)
+            else:
+                self.session = create_session(model, self.providers, base_dir)
         except (KvCacheError, MissingRuntimeError):
             raise
         except Exception as error:  # onnxruntime raises several unrelated types
@@ -483,10 +531,6 @@ class KvCacheRunner:
                 "attention_mask, position_ids and the caches GroupQueryAttention or PagedAttention "
                 "nodes read (an export's attention that was not fused leaves its cache unread by them)."
             )
-        outputs = self.session.get_outputs()
-        logits = next((o for o in outputs if "logits" in o.name), outputs[0])
-        self.logits_name: str = logits.name
-        self.vocab_size: int | None = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
         self.device = "cuda" if on_cuda else "cpu"
         self.io_binding = on_cuda if io_binding is None else io_binding
         self.reset()
@@ -585,23 +629,24 @@ class KvCacheRunner:
             else:
                 self.caches[b.past] = grown
 
-    def _run_plain(self, feeds: dict[str, Any]) -> np.ndarray:
+    def _run_plain(self, feeds: dict[str, Any], with_logits: bool) -> np.ndarray | None:
         for b in self.bindings:
             cache = self.caches[b.past]
             feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
-        names = [self.logits_name] + [b.present for b in self.bindings]
+        names = [self.logits_name] * with_logits + [b.present for b in self.bindings]
         results = run_on_host(self.session, names, feeds)
-        for b, present in zip(self.bindings, results[1:]):
+        for b, present in zip(self.bindings, results[with_logits:]):
             self.caches[b.past] = present
-        return results[0]
+        return results[0] if with_logits else None
 
-    def _run_bound(self, feeds: dict[str, Any]) -> np.ndarray:
+    def _run_bound(self, feeds: dict[str, Any], with_logits: bool) -> np.ndarray | None:
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for b in self.bindings:
             binding.bind_ortvalue_input(b.past, self.caches[b.past])
-        binding.bind_output(self.logits_name, "cpu")
+        if with_logits:
+            binding.bind_output(self.logits_name, "cpu")
         for b in self.bindings:
             if self.paged and self.device != "cpu":  # the kernel updates its pool in place
                 binding.bind_ortvalue_output(b.present, self.caches[b.past])
@@ -609,15 +654,18 @@ class KvCacheRunner:
                 binding.bind_output(b.present, self.device)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        for b, present in zip(self.bindings, outputs[1:]):
+        for b, present in zip(self.bindings, outputs[with_logits:]):
             self.caches[b.past] = present
-        return outputs[0].numpy()
+        return outputs[0].numpy() if with_logits else None
 
-    def _run(self, feeds: dict[str, Any]) -> np.ndarray:
+    def _run(self, feeds: dict[str, Any], with_logits: bool = True) -> np.ndarray | None:
+        run = self._run_bound if self.io_binding else self._run_plain
         try:
-            raw = self._run_bound(feeds) if self.io_binding else self._run_plain(feeds)
+            raw = run(feeds, with_logits)
         except Exception as error:  # onnxruntime raises several unrelated types
             raise KvCacheError(f"onnxruntime failed running the model: {error}") from error
+        if raw is None:
+            return None
         logits = np.asarray(raw, np.float32)
         if logits.ndim not in (2, 3) or not logits.size:
             raise KvCacheError(
@@ -627,6 +675,13 @@ class KvCacheRunner:
         if not np.all(np.isfinite(logits)):
             raise KvCacheError("The model produced non-finite logits.")
         return logits
+
+    def _need_logits(self) -> None:
+        if self.caches_only:
+            raise KvCacheError(
+                "This runner runs the graph pruned to its caches (caches_only=True) and computes no "
+                "logits: use fill(ids), or a runner built without caches_only."
+            )
 
     @property
     def eos_token_id(self) -> int | None:
@@ -652,6 +707,17 @@ class KvCacheRunner:
 
         The batch size is the context's (set by :meth:`prefill` or :meth:`reset`).
         """
+        self._need_logits()
+        logits = self._advance(ids, with_logits=True)
+        assert logits is not None
+        return logits
+
+    def fill(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Run new tokens through the model for their caches only, as :meth:`forward` does
+        without fetching logits (a ``caches_only`` runner computes none)."""
+        self._advance(ids, with_logits=False)
+
+    def _advance(self, ids: Sequence[int] | np.ndarray, with_logits: bool) -> np.ndarray | None:
         ids = self._check_ids(ids)
         if ids.shape[0] != self.batch:
             if self.length:
@@ -666,13 +732,14 @@ class KvCacheRunner:
                 "model's rotary tables cover; use shorter sequences or fewer new tokens."
             )
         if self.pool is not None:
-            logits = self._run(self._paged_feeds(list(ids)))
+            logits = self._run(self._paged_feeds(list(ids)), with_logits)
             self.pool.advance([ids.shape[1]] * ids.shape[0])
-            if logits.size % ids.size:
-                raise KvCacheError(f"The model's logits {logits.shape} are not {ids.size} tokens' rows.")
-            logits = logits.reshape(ids.shape[0], ids.shape[1], -1)
+            if logits is not None:
+                if logits.size % ids.size:
+                    raise KvCacheError(f"The model's logits {logits.shape} are not {ids.size} tokens' rows.")
+                logits = logits.reshape(ids.shape[0], ids.shape[1], -1)
         else:
-            logits = self._run(self._inputs(ids))
+            logits = self._run(self._inputs(ids), with_logits)
         self.length += ids.shape[1]
         return logits
 
@@ -682,17 +749,20 @@ class KvCacheRunner:
         sequence's float32 logits ``[n_b, V]``. ``length`` becomes the longest context."""
         if self.pool is None:
             raise KvCacheError("forward_packed needs a paged decoder (PagedAttention); use forward.")
+        self._need_logits()
         arrays = [np.asarray(s, np.int64).reshape(-1) for s in sequences]
         if len(arrays) != self.batch:
             self.reset(len(arrays))
         assert self.pool is not None
         logits = self._run(self._paged_feeds(arrays))
+        assert logits is not None
         self.pool.advance([len(a) for a in arrays])
         self.length = max(self.pool.lengths)
         return np.split(logits, np.cumsum([len(a) for a in arrays])[:-1])
 
     def prefill(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Start a new context with ``ids`` (``[seq]`` or ``[batch, seq]``); returns their logits."""
+        self._need_logits()
         self.reset(self._check_ids(ids).shape[0])
         return self.forward(ids)
 
