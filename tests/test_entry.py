@@ -54,7 +54,7 @@ main()
 """
 
 EXPECTED = {  # what the one line says after "stopped by SIGNAL"
-    "importing": "; nothing was written.",
+    "importing": "; nothing was written and {model} is unchanged.",  # after parsing its arguments
     "committed": "; the output is complete: {out}.",
     "printing": "; the conversion completed ({out}).",
     "exiting": " as it exited; the conversion completed ({out}).",
@@ -90,7 +90,9 @@ def test_a_signal_at_any_moment_is_one_line_and_exit_128_plus_n(model, tmp_path,
     with concurrent.futures.ThreadPoolExecutor(len(SIGNALS)) as pool:
         runs = list(pool.map(run, SIGNALS))
     for signum, (out, proc) in zip(SIGNALS, runs):
-        line = f"onnx-kvcache: stopped by {signal.Signals(signum).name}" + EXPECTED[moment].format(out=out)
+        line = f"onnx-kvcache: stopped by {signal.Signals(signum).name}" + EXPECTED[moment].format(
+            out=out, model=model / "model.onnx"
+        )
         assert (proc.returncode, proc.stderr) == (128 + signum, line + "\n"), (proc.returncode, proc.stderr)
         assert out.exists() == (moment != "importing")
         assert not [p for p in out.parent.glob(".onnx-kvcache-tmp-*")] if out.parent.exists() else True

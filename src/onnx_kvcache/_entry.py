@@ -58,7 +58,7 @@ def _flush() -> None:
 
 def main() -> int:
     """Run the command under the handlers; never returns (``os._exit`` with its code)."""
-    with _signals.signal_handlers():
+    with _signals.signal_handlers(), _signals.extension_imports_held():
         try:
             from onnx_kvcache.cli import main as command
 

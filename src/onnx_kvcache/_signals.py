@@ -11,14 +11,23 @@ heavy (see :mod:`onnx_kvcache._entry`). The rules:
   the output complete once it ends normally; every later :class:`Interrupted` says so.
 * :data:`outcome` is what the files are like if the process stops now; the command sets
   it, and the entry point reports it for a signal that arrives after the command returned.
+* Inside :func:`extension_imports_held` (the entry point's), every C extension module
+  (onnx's, ml_dtypes', numpy's, onnxruntime's, ...) initializes with the three signals
+  blocked (``pthread_sigmask``) and held as by :func:`uninterrupted`: a signal during its
+  initialization is raised once it returns. Raised inside it, from a Python handler that
+  ran while the extension called back into Python, the exception reached C++ code that
+  cannot unwind it: onnx's nanobind module then aborted (``terminate called after throwing
+  an instance of 'nanobind::python_error'``, exit 134) or crashed (exit 139).
 """
 
 from __future__ import annotations
 
-__all__ = ["Interrupted", "outcome", "signal_handlers", "uninterrupted"]
+__all__ = ["Interrupted", "extension_imports_held", "held", "outcome", "signal_handlers", "uninterrupted"]
 
 import contextlib
+import importlib.machinery
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -103,3 +112,63 @@ def uninterrupted(completes: bool = False) -> Iterator[None]:
         signum = _pending[0]
         _pending.clear()
         raise Interrupted(signum, completed=_completed)
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Over C code that must not be interrupted: the signals are blocked in this thread (a
+    signal is not even delivered: no ``EINTR``, no Python handler inside it) and held as by
+    :func:`uninterrupted` (one another thread received is not raised inside either)."""
+    with uninterrupted():
+        if not _BLOCKABLE or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        try:
+            yield
+        finally:  # a blocked signal is delivered now, then raised as the block ends
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+_BLOCKABLE = hasattr(signal, "pthread_sigmask")
+
+
+class _HeldExtensionLoader(importlib.machinery.ExtensionFileLoader):
+    """An extension module's loader that initializes it :func:`held`."""
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        with held():  # single-phase initialization (PyInit_*) runs here
+            return super().create_module(spec)
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        with held():  # multi-phase initialization runs here
+            super().exec_module(module)
+
+
+class _HeldExtensionFinder:
+    """Finds what :class:`importlib.machinery.PathFinder` finds; extension modules get a
+    :class:`_HeldExtensionLoader`."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):  # type: ignore[no-untyped-def]
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and type(spec.loader) is importlib.machinery.ExtensionFileLoader:
+            spec.loader = _HeldExtensionLoader(spec.loader.name, spec.loader.path)
+        return spec
+
+    @staticmethod
+    def invalidate_caches() -> None:
+        pass
+
+
+@contextlib.contextmanager
+def extension_imports_held() -> Iterator[None]:
+    """Inside this block every C extension module found on ``sys.path`` initializes
+    :func:`held` (a finder placed just before :class:`~importlib.machinery.PathFinder`)."""
+    finder = _HeldExtensionFinder()
+    path_finder = sys.meta_path.index(importlib.machinery.PathFinder)
+    sys.meta_path.insert(path_finder, finder)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)  # type: ignore[arg-type]
