@@ -6,6 +6,7 @@ import importlib.machinery
 import os
 import signal
 import sys
+import threading
 
 import pytest
 
@@ -16,7 +17,7 @@ from onnx_kvcache import _signals
 def test_a_signal_inside_held_is_blocked_then_raised_as_it_ends(signum):
     reached = []
     with _signals.signal_handlers(), pytest.raises(_signals.Interrupted) as caught, _signals.held():
-        os.kill(os.getpid(), signum)
+        signal.pthread_kill(threading.main_thread().ident, signum)  # to this thread, which blocks it
         reached.append(signum in signal.sigpending())  # blocked: pending, not delivered
         reached.append(sum(range(10_000)))  # bytecode runs: no handler raises here
     assert reached == [True, sum(range(10_000))]
@@ -45,3 +46,25 @@ def test_extension_modules_load_held_inside_the_block_only():
     held = [type(f) for f in finders].index(_signals._HeldExtensionFinder)
     assert finders[held + 1] is importlib.machinery.PathFinder
     assert _signals._HeldExtensionFinder not in [type(f) for f in sys.meta_path]
+
+
+def test_a_signal_python_swallows_in_a_weakref_callback_is_raised_after_it():
+    """The handler ran inside importlib's module-lock callback: "Exception ignored in ...",
+    and the command went on to exit 0 as if no signal had come."""
+    import weakref
+
+    class Thing:
+        pass
+
+    def callback(ref: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10_000))  # the handler raises here, where Python ignores exceptions
+
+    steps = []
+    with _signals.signal_handlers(), pytest.raises(_signals.Interrupted) as caught:
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing
+        while len(steps) < 10**7:  # raised again here, once a thread sent it
+            steps.append(0)
+    assert ref() is None and caught.value.signum == signal.SIGTERM and len(steps) < 10**7

@@ -9,6 +9,8 @@ heavy (see :mod:`onnx_kvcache._entry`). The rules:
 * :func:`uninterrupted` holds them over a commit: a held signal is raised when the
   outermost block ends (normally or not). A block opened with ``completes=True`` marks
   the output complete once it ends normally; every later :class:`Interrupted` says so.
+* An :class:`Interrupted` that Python cannot raise (the handler ran inside a weakref
+  callback or ``__del__``, which swallow exceptions) is not lost: the signal is sent again.
 * :data:`outcome` is what the files are like if the process stops now; the command sets
   it, and the entry point reports it for a signal that arrives after the command returned.
 * Inside :func:`extension_imports_held` (the entry point's), every C extension module
@@ -25,11 +27,12 @@ from __future__ import annotations
 __all__ = ["Interrupted", "extension_imports_held", "held", "outcome", "signal_handlers", "uninterrupted"]
 
 import contextlib
+import functools
 import importlib.machinery
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -76,13 +79,31 @@ def signal_handlers() -> Iterator[None]:
         yield
         return
     previous = {s: signal.signal(s, _on_signal) for s in HANDLED}
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_resend_unraisable, unraisable)
     _completed = False
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         for s, handler in previous.items():
             signal.signal(s, handler)
         _pending.clear()
+
+
+def _resend_unraisable(previous: Callable[[Any], object], unraisable: Any) -> None:
+    """An :class:`Interrupted` raised where Python ignores exceptions (a weakref callback,
+    ``__del__``; it printed "Exception ignored in ..." and went on): the signal again, to be
+    raised at the next line of ordinary code. A thread sends it 5 ms later: sent from here, the
+    handler would run before this hook returns, and be ignored again (and if it lands in such
+    code again, it comes back here)."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        args = (threading.main_thread().ident, unraisable.exc_value.signum)
+        again = threading.Timer(0.005, signal.pthread_kill, args)
+        again.daemon = True
+        again.start()
+    else:
+        previous(unraisable)
 
 
 @contextlib.contextmanager

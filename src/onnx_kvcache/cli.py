@@ -805,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
     args: argparse.Namespace | None = None
+    started = False  # the command itself: until then nothing was written
     code = 0
     _reserve_standard_streams()
     with warnings.catch_warnings(), file_io.signal_handlers():
@@ -817,6 +818,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always", KvCacheWarning)
             warnings.showwarning = _show_warning
             check_inputs(args)
+            with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
+                import onnx_ir  # noqa: F401
+            started = True
             code = args.func(args)
             sys.stdout.flush()
         except (KvCacheError, MissingRuntimeError) as e:
@@ -827,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = getattr(args, "done", None)
             detail = getattr(e, "detail", None) or done
             if detail is None:
-                detail = "no partial output was left" if args is not None else "nothing was written"
+                detail = "no partial output was left" if started else "nothing was written"
             _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
         except BrokenPipeError:
