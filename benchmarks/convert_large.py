@@ -161,7 +161,9 @@ def main() -> None:
             f"{format_bytes(written)} written (the graph); {weights_line(stdout)}"
         )
         met = wall < 1.5 and rss < 300 and untouched
-        print(f"    targets (CLI < 1.5 s, RSS < 300 MiB, no weight byte written): {'met' if met else 'MISSED'}")
+        print(
+            f"    targets (CLI < 1.5 s, RSS < 300 MiB, no weight byte written): {'met' if met else 'MISSED'}"
+        )
 
         other = folder / "other" / "model.fp8.onnx"
         wall, rss, stdout = run_cli(

