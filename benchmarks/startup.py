@@ -95,15 +95,17 @@ def main() -> None:
         print(f"whole process, median of {args.runs} (wall | user+sys CPU | peak RSS):")
         for name, argv, expected, target in cases:
             runs = [run(argv(i)) for i in range(args.runs)]
-            bad = [r for r in runs if r[3] != expected]
+            bad = [r for r in runs if r.code != expected]
             if bad:
-                raise SystemExit(f"{name}: exit {bad[0][3]}: {bad[0][4]}")
-            wall = statistics.median(r[0] for r in runs)
-            cpu = statistics.median(r[1] for r in runs)
-            rss = max(r[2] for r in runs)
+                raise SystemExit(f"{name}: exit {bad[0].code}: {bad[0].stderr}")
+            wall = statistics.median(r.wall for r in runs)
+            cpu = statistics.median(r.cpu for r in runs)
+            rss = max(r.rss for r in runs)
             verdict = (
                 "" if target is None else f"  target < {target} s: {'met' if wall < target else 'MISSED'}"
             )
+            if name.startswith("convert"):
+                verdict += f", RSS < 300 MiB: {'met' if rss < 300 else 'MISSED'}"
             print(f"  {name:28} {wall:6.3f} s | {cpu:6.3f} s | {rss:4.0f} MiB{verdict}")
         written = {p.name: p.stat().st_size for p in large.parent.glob("model.fp8.*.onnx")}
         untouched = data.stat().st_mtime_ns == data_mtime and not list(large.parent.glob("*.data.*"))
