@@ -1,8 +1,10 @@
 """The ``onnx-kvcache`` executable (and ``python -m onnx_kvcache``): signals from start to exit.
 
-Importing the command takes about half a second (onnx-ir, numpy); the handlers of
-:mod:`onnx_kvcache._signals` are installed before that, so a Ctrl-C or SIGTERM while it
-imports is one line too. Once the command has returned, a signal can change nothing on
+The handlers of :mod:`onnx_kvcache._signals` are installed before the command is imported
+(its module is light: it parses the arguments before it imports onnx-ir, onnx and numpy,
+which take most of a second); C extension modules initialize with the signals held
+(:func:`~onnx_kvcache._signals.extension_imports_held`), so a Ctrl-C or SIGTERM while they
+load is one line too, once they have loaded. Once the command has returned, a signal can change nothing on
 disk: it prints one line saying what the command left and exits 128 + N at once. The
 process then flushes its output, runs its exit functions and leaves with ``os._exit``,
 skipping the interpreter's teardown (~0.15 s of freeing modules), during which Python
