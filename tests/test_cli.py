@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import dataclasses
 import importlib.metadata
 import io
 import json
@@ -544,11 +543,11 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     assert "FLOAT" in err and "Fix: --ep cpu or openvino runs int8, if the model will run there" in err
 
 
-def test_ep_takes_the_providers_of_the_capability_table(monkeypatch, capsys):
+def test_ep_takes_the_providers_of_the_capability_table(capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", "tpu"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
-    monkeypatch.setitem(EP_CAPABILITIES, "newep", dataclasses.replace(EP_CAPABILITIES["cpu"], name="newep"))
+    # a new row needs its name in _names too: test_the_parsers_names_are_the_tables says so
     for ep in [n for n in EP_CAPABILITIES if n != "default"]:
         assert build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", ep.upper()]).ep == ep
     with pytest.raises(SystemExit):
