@@ -97,7 +97,7 @@ def _resend_unraisable(previous: Callable[[Any], object], unraisable: Any) -> No
     raised at the next line of ordinary code. A thread sends it 5 ms later: sent from here, the
     handler would run before this hook returns, and be ignored again (and if it lands in such
     code again, it comes back here)."""
-    if isinstance(unraisable.exc_value, Interrupted):
+    if isinstance(unraisable.exc_value, Interrupted) and hasattr(signal, "pthread_kill"):
         args = (threading.main_thread().ident, unraisable.exc_value.signum)
         again = threading.Timer(0.005, signal.pthread_kill, args)
         again.daemon = True
