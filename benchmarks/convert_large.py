@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -100,11 +101,15 @@ def run_process(command: list[str]) -> Run:
 
 
 def run_cli(args: list[str]) -> tuple[float, float, str]:
-    """Wall seconds, the command's own peak RSS in MiB, stdout."""
+    """Wall seconds, the command's own peak RSS in MiB, stdout (with its CPU seconds)."""
     run = run_process([sys.executable, "-m", "onnx_kvcache", *args])
     if run.code:
         raise SystemExit(f"onnx-kvcache {' '.join(args)} failed: {run.stderr}")
-    return run.wall, run.rss, run.stdout
+    return run.wall, run.rss, f"cpu: {run.cpu:.2f} s\n{run.stdout}"
+
+
+def cpu_line(stdout: str) -> str:
+    return stdout.splitlines()[0].removeprefix("cpu: ") + " CPU"
 
 
 def naive_convert(src: pathlib.Path, dst: pathlib.Path) -> float:
@@ -135,6 +140,7 @@ def main() -> None:
         ["stat", "-f", "-c", "%T", str(base or tempfile.gettempdir())], capture_output=True, text=True
     )
     print(f"folder: {base or tempfile.gettempdir()} ({fs.stdout.strip() or 'unknown filesystem'})")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         folder = pathlib.Path(tmp)
         (folder / "in").mkdir()
@@ -157,7 +163,7 @@ def main() -> None:
         expected = ["model.fp8.onnx", "model.onnx", "model.onnx.data"]
         untouched = data.stat().st_mtime_ns == data_mtime and new_files == expected
         print(
-            f"  beside the input:    {wall:.2f} s wall, peak RSS {rss:.0f} MiB, "
+            f"  beside the input:    {wall:.2f} s wall ({cpu_line(stdout)}), peak RSS {rss:.0f} MiB, "
             f"{format_bytes(written)} written (the graph); {weights_line(stdout)}"
         )
         met = wall < 1.5 and rss < 300 and untouched
@@ -172,7 +178,8 @@ def main() -> None:
         copy = other.with_name("model.fp8.onnx.data")
         assert copy.stat().st_size == weight_bytes
         print(
-            f"  another folder:      {wall:.2f} s wall, peak RSS {rss:.0f} MiB; {weights_line(stdout)}; "
+            f"  another folder:      {wall:.2f} s wall ({cpu_line(stdout)}), peak RSS {rss:.0f} MiB; "
+            f"{weights_line(stdout)}; "
             f"the output's data file occupies {format_bytes(allocated_bytes(copy))} on disk"
         )
 

@@ -65,8 +65,10 @@ def catches_sigterm(pid: int) -> bool:
         status = pathlib.Path(f"/proc/{pid}/status").read_text()
     except OSError:  # exited, or no /proc: count it as handled
         return True
-    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields["State"].split()[0] == "Z":  # it has exited (the signal will change nothing)
+        return True
+    return bool(int(fields["SigCgt"], 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def one_run(
