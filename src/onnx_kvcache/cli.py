@@ -38,7 +38,13 @@ from onnx_kvcache._names import GRANULARITIES as SCALE_GRANULARITIES
 from onnx_kvcache._names import PROVIDERS, ep_name
 from onnx_kvcache._output_files import check_output, stamp_json, write_output
 from onnx_kvcache._version import __version__
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheFileNotFoundError,
+    KvCacheWarning,
+    MissingRuntimeError,
+    NotConvertedWarning,
+)
 from onnx_kvcache.genai_folder import resolve_model_path
 
 if TYPE_CHECKING:
@@ -782,7 +788,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     for name, missing in _FILE_ARGUMENTS.items():
         value = getattr(args, name, None)
         if value is not None and not os.path.lexists(value):
-            raise KvCacheError(missing.format(pathlib.Path(value)))
+            raise KvCacheFileNotFoundError(missing.format(pathlib.Path(value)))
 
 
 def _error(message: str) -> None:
