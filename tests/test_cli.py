@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import dataclasses
 import importlib.metadata
 import io
 import json
@@ -104,6 +103,99 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, model_file, capsys, argv, me
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "o.onnx").exists()
+
+
+#: What the command must not import before it has parsed its arguments and checked its inputs.
+HEAVY = ("onnx", "onnx_ir", "onnxscript", "onnxruntime", "numpy", "ml_dtypes", "sympy", "google")
+
+_RECORD_IMPORTS = """
+import atexit, sys
+record, *argv = sys.argv[1:]
+sys.argv = ["onnx-kvcache", *argv]
+heavy = set(HEAVY)
+write = lambda: open(record, "w").write(" ".join(sorted(heavy & {m.split(".")[0] for m in sys.modules})))
+atexit.register(write)
+from onnx_kvcache._entry import main
+main()
+""".replace("HEAVY", repr(HEAVY))
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        (["--bogus"], 2),
+        (["convert", "--help"], 0),
+        (["inspect", "{model}", "--ep", "tpu"], 2),
+        (["calibrate", "{model}", "--out", "{tmp}/s.json", "--seq-len", "0"], 2),
+        (["inspect", "{tmp}/missing.onnx"], 2),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/missing.json"], 2),
+        (["evaluate", "{model}", "{model}", "--text", "{tmp}/missing.txt"], 2),
+        (["calibrate", "{tmp}", "--out", "{tmp}/s.json"], 2),  # a folder without genai_config.json
+        (["inspect", "{model}"], 0),  # the control: a command that reads a model imports them
+    ],
+)
+def test_the_command_answers_and_refuses_before_importing_onnx_or_numpy(tmp_path, argv, code):
+    """--help, --version and a mistyped flag took 2.2 s: the CLI imported onnx-ir (and with it
+    onnx, numpy and ml_dtypes 0.7's 1.3 s extension) before it parsed its arguments."""
+    model = tmp_path / "m" / "model.onnx"
+    model.parent.mkdir()
+    ir.save(build_decoder(num_layers=1), model)
+    record = tmp_path / "imported.txt"
+    args = [a.format(model=model, tmp=tmp_path) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECORD_IMPORTS, str(record), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == code, proc.stderr
+    last = proc.stderr.splitlines()[-1] if code else "onnx-kvcache"
+    assert "Traceback" not in proc.stderr and last.startswith("onnx-kvcache"), proc.stderr
+    imported = set(record.read_text().split())
+    if argv == ["inspect", "{model}"]:
+        assert {"onnx_ir", "numpy", "ml_dtypes"} <= imported
+    else:
+        assert imported == set(), f"{argv}: imported {imported}"
+
+
+def test_importing_the_package_and_the_command_is_cheap():
+    """``import onnx_kvcache`` (names on first use), its command's module and its errors."""
+    code = (
+        "import sys, onnx_kvcache, onnx_kvcache.cli, onnx_kvcache.errors\n"
+        "from onnx_kvcache import KvCacheError, MissingRuntimeError, __version__\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_the_parsers_names_are_the_tables():
+    """The parser's choices come from _names (standard library); the tables are the truth."""
+    from onnx_kvcache import _names
+    from onnx_kvcache.capabilities import CAPABILITIES, get_capabilities
+    from onnx_kvcache.formats import CACHE_FORMATS, SCALE_GRANULARITIES
+
+    assert tuple(CACHE_FORMATS) == _names.FORMATS
+    assert tuple(SCALE_GRANULARITIES) == _names.GRANULARITIES
+    for table in CAPABILITIES.values():
+        assert {name: row.provider for name, row in table.items() if name != "default"} == _names.PROVIDERS
+    for given in [*_names.PROVIDERS, *(p for p in _names.PROVIDERS.values() if p), *_names.EP_ALIASES, "TPU"]:
+        row = get_capabilities(given)
+        assert _names.ep_name(given) == (row.name if row.name != "default" else given.lower()), given
+
+
+def test_errors_keep_their_classes_without_onnx_ir_imported():
+    """KvCachePreconditionError (onnx-ir's PreconditionError) is made on first use: one class."""
+    import pickle
+
+    from onnx_kvcache import errors
+
+    error = errors.KvCachePreconditionError("no")
+    assert isinstance(error, ir.passes.PreconditionError) and isinstance(error, KvCacheError)
+    assert errors.KvCachePreconditionError is pickle.loads(pickle.dumps(errors.KvCachePreconditionError))
+    assert type(pickle.loads(pickle.dumps(error))) is errors.KvCachePreconditionError
 
 
 def test_module_entry_point():
@@ -451,11 +543,11 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     assert "FLOAT" in err and "Fix: --ep cpu or openvino runs int8, if the model will run there" in err
 
 
-def test_ep_takes_the_providers_of_the_capability_table(monkeypatch, capsys):
+def test_ep_takes_the_providers_of_the_capability_table(capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", "tpu"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
-    monkeypatch.setitem(EP_CAPABILITIES, "newep", dataclasses.replace(EP_CAPABILITIES["cpu"], name="newep"))
+    # a new row needs its name in _names too: test_the_parsers_names_are_the_tables says so
     for ep in [n for n in EP_CAPABILITIES if n != "default"]:
         assert build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", ep.upper()]).ep == ep
     with pytest.raises(SystemExit):

@@ -90,7 +90,9 @@ def test_a_signal_at_any_moment_is_one_line_and_exit_128_plus_n(model, tmp_path,
     with concurrent.futures.ThreadPoolExecutor(len(SIGNALS)) as pool:
         runs = list(pool.map(run, SIGNALS))
     for signum, (out, proc) in zip(SIGNALS, runs):
-        line = f"onnx-kvcache: stopped by {signal.Signals(signum).name}" + EXPECTED[moment].format(out=out)
+        line = f"onnx-kvcache: stopped by {signal.Signals(signum).name}" + EXPECTED[moment].format(
+            out=out, model=model / "model.onnx"
+        )
         assert (proc.returncode, proc.stderr) == (128 + signum, line + "\n"), (proc.returncode, proc.stderr)
         assert out.exists() == (moment != "importing")
         assert not [p for p in out.parent.glob(".onnx-kvcache-tmp-*")] if out.parent.exists() else True
@@ -101,3 +103,62 @@ def test_the_package_imports_nothing_heavy_before_the_handlers():
     code = "import sys, onnx_kvcache._entry; print(sorted({'onnx_ir', 'numpy', 'onnx'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+_INSIDE_AN_EXTENSION = """
+import os, sys
+record, signum, held = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "held"
+sys.argv = ["onnx-kvcache", *sys.argv[4:]]
+
+def initializing(extension):
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name in ("create_module", "exec_module") and extension in (
+            getattr(frame.f_locals.get("spec"), "name", None),
+            getattr(frame.f_locals.get("module"), "__name__", None),
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+class Hook:  # numpy's C extension imports datetime from its initialization (PyCapsule_Import)
+    def find_spec(self, name, path=None, target=None):
+        if name == "datetime" and initializing("numpy._core._multiarray_umath"):
+            open(record, "w").write("fired")
+            os.kill(os.getpid(), signum)
+        return None
+
+sys.meta_path.insert(0, Hook())
+if not held:  # what the command did before: the imports under the handlers, none held
+    import contextlib
+    from onnx_kvcache import _signals
+    _signals.extension_imports_held = _signals.held = contextlib.nullcontext
+from onnx_kvcache._entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_c_extension_initializes_is_raised_after_it(model, tmp_path, signum):
+    """The handler raised inside numpy's (or onnx's nanobind) module initialization: numpy
+    printed a 50-line ImportError traceback, onnx aborted (134) or crashed (139)."""
+
+    def run(held: str) -> subprocess.CompletedProcess[str]:
+        record = tmp_path / f"{held}.txt"
+        argv = [record, int(signum), held, "inspect", model / "model.onnx"]
+        proc = subprocess.run(
+            [sys.executable, "-c", _INSIDE_AN_EXTENSION, *map(str, argv)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert record.read_text() == "fired", "numpy no longer imports datetime as it initializes"
+        return proc
+
+    held, unheld = run("held"), run("unheld")
+    name = signal.Signals(signum).name
+    assert (held.returncode, held.stderr) == (
+        128 + signum,
+        f"onnx-kvcache: stopped by {name}; nothing was written.\n",
+    )
+    assert "Traceback" in unheld.stderr  # the case is real: unheld, it is not one line

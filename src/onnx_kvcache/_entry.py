@@ -1,28 +1,47 @@
 """The ``onnx-kvcache`` executable (and ``python -m onnx_kvcache``): signals from start to exit.
 
-Importing the command takes about half a second (onnx-ir, numpy); the handlers of
-:mod:`onnx_kvcache._signals` are installed before that, so a Ctrl-C or SIGTERM while it
-imports is one line too. Once the command has returned, a signal can change nothing on
+The handlers of :mod:`onnx_kvcache._signals` are installed before the command is imported
+(its module is light: it parses the arguments before it imports onnx-ir, onnx and numpy,
+which take most of a second); C extension modules initialize with the signals held
+(:func:`~onnx_kvcache._signals.extension_imports_held`), so a Ctrl-C or SIGTERM while they
+load is one line too, once they have loaded. Once the command has returned, a signal can change nothing on
 disk: it prints one line saying what the command left and exits 128 + N at once. The
 process then flushes its output, runs its exit functions and leaves with ``os._exit``,
 skipping the interpreter's teardown (~0.15 s of freeing modules), during which Python
 has already restored the default handlers: a signal there would kill the process
 without a word although its output is complete.
 
-Only the first tens of milliseconds, before Python runs this module, are not covered:
-a signal then stops the process as any Python program (nothing is written by then).
+This module's first lines record a signal (``_signal``, built in, so before anything is
+imported); :func:`main` then reports it as one line. Only the interpreter's own start,
+before Python runs this module (about 30 ms on an idle machine, several times that under
+load), is not covered: a signal then stops the process as any Python program (nothing is
+written by then).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import os
-import signal
-import sys
-from typing import Any
+import _signal
 
-import onnx_kvcache._signals as _signals
+_EARLY: list[int] = []
+"""Signals received before :func:`main` installed its handlers."""
+
+
+def _record(signum: int, frame: object) -> None:
+    _EARLY.append(signum)
+
+
+for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
+    if hasattr(_signal, _name):
+        _signal.signal(getattr(_signal, _name), _record)
+
+import atexit  # noqa: E402  (the lines above come first: they are what makes a signal one line)
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import onnx_kvcache._signals as _signals  # noqa: E402
 
 
 def _stopped(error: KeyboardInterrupt) -> int:
@@ -58,8 +77,10 @@ def _flush() -> None:
 
 def main() -> int:
     """Run the command under the handlers; never returns (``os._exit`` with its code)."""
-    with _signals.signal_handlers():
+    with _signals.signal_handlers(), _signals.extension_imports_held():
         try:
+            if _EARLY:  # before the handlers: as if it came now
+                raise _signals.Interrupted(_EARLY[0])
             from onnx_kvcache.cli import main as command
 
             code = command()

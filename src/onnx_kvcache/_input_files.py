@@ -36,11 +36,12 @@ import math
 import os
 import pathlib
 import stat
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from onnx_kvcache.errors import KvCacheError, KvCacheFileNotFoundError
+
+if TYPE_CHECKING:  # numpy is imported where a .npy file is read: the command checks paths first
+    import numpy as np
 
 MAX_JSON_DEPTH = 64
 """Nesting levels a JSON input may have (onnxruntime-genai's configs have 6)."""
@@ -198,6 +199,8 @@ def load_json(path: os.PathLike | str, what: str, *, fix: str = "", max_bytes: i
 def load_npy_integers(path: os.PathLike | str, what: str) -> np.ndarray:
     """A 1-D or 2-D integer array from a ``.npy`` file, its header checked before any data
     is read (Python objects, other dtypes, other ranks, truncated data are refused)."""
+    import numpy as np
+
     name = f"{what} {os.fspath(path)}"
     raw = read_input_bytes(path, what, expected="a .npy file")
     if not raw:

@@ -4,6 +4,11 @@ Exit codes: 0 done; 1 conversion refused (the target cannot run the result, or t
 model has nothing to convert); 2 bad input or a failed read/write (one line on stderr,
 no traceback); 128 + N when stopped by signal N (130 Ctrl-C, 143 SIGTERM). Outputs are
 atomic, so an error or a signal leaves no partial output.
+
+Start-up: this module imports the standard library and the package's light modules only
+(tests/test_cli.py keeps it so). It parses the arguments, answers ``--help`` and
+``--version``, refuses a bad value and checks the input paths before a command imports
+onnx, onnx-ir, numpy (and ml_dtypes) or onnxruntime, which take most of a second.
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from typing import TYPE_CHECKING, Any
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
 from onnx_kvcache._file_io import format_bytes
+from onnx_kvcache._names import FORMATS as CACHE_FORMATS
+from onnx_kvcache._names import GRANULARITIES as SCALE_GRANULARITIES
+from onnx_kvcache._names import PROVIDERS, ep_name
 from onnx_kvcache._output_files import check_output, stamp_json, write_output
 from onnx_kvcache._version import __version__
-from onnx_kvcache.capabilities import EP_CAPABILITIES
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
-from onnx_kvcache.formats import CACHE_FORMATS, SCALE_GRANULARITIES
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheFileNotFoundError,
+    KvCacheWarning,
+    MissingRuntimeError,
+    NotConvertedWarning,
+)
+from onnx_kvcache.genai_folder import resolve_model_path
 
 if TYPE_CHECKING:
     from onnx_kvcache.model_files import ConvertResult
@@ -54,17 +67,9 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _ep_name(value: str) -> str:
-    """A provider as the table names it: ``CUDAExecutionProvider`` -> ``cuda``."""
-    from onnx_kvcache.capabilities import get_capabilities
-
-    row = get_capabilities(value)
-    return row.name if row.name != "default" else value.lower()
-
-
 def ep_choices() -> list[str]:
     """``--ep`` values: every provider of the capability table."""
-    return [name for name in EP_CAPABILITIES if name != "default"]
+    return list(PROVIDERS)
 
 
 def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):  # type: ignore[no-untyped-def]
@@ -341,7 +346,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.cache_layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.capabilities import fast_path_diagnostics
-    from onnx_kvcache.genai_folder import resolve_model_path, share_buffer
+    from onnx_kvcache.genai_folder import share_buffer
     from onnx_kvcache.model_source import load_model
 
     if args.batch is not None and args.context is None:
@@ -379,7 +384,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
     """Files an output must never replace: the model's graph and config, and data files given."""
-    from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.genai_folder import GENAI_CONFIG
 
     model_file, config = resolve_model_path(model)
     inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
@@ -553,9 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ep",
-        type=_ep_name,
+        type=ep_name,
         choices=ep_choices(),
-        help=f"where the model will run: {', '.join(n for n in ep_choices() if EP_CAPABILITIES[n].provider)} "
+        help=f"where the model will run: {', '.join(n for n in ep_choices() if PROVIDERS[n])} "
         "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
         "runtime; onnxruntime's OpenVINOExecutionProvider is not a row, so it is refused); the "
         "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: a "
@@ -593,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=_MODEL)
     p.add_argument(
         "--ep",
-        type=_ep_name,
+        type=ep_name,
         choices=ep_choices(),
         help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
         "runs each layer (default: none, the cache only)",
@@ -763,6 +768,29 @@ def _silence_stdout() -> None:
         pass
 
 
+#: Arguments that name a model, read before any command imports onnx-ir: each must resolve.
+_MODEL_ARGUMENTS = ("input", "model", "baseline", "candidate")
+#: Arguments that name another input file, and what a missing one is (the library checks the rest).
+_FILE_ARGUMENTS = {
+    "scales": "Scale file {} is missing; give the path of a JSON scale file.",
+    "text": "Data file {} does not exist.",
+    "token_ids": "Data file {} does not exist.",
+    "tokenizer": "Tokenizer {} does not exist.",
+}
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse a missing input before the command imports onnx-ir and numpy (the library
+    checks each again as it reads it)."""
+    for name in _MODEL_ARGUMENTS:
+        if getattr(args, name, None) is not None:
+            resolve_model_path(getattr(args, name))
+    for name, missing in _FILE_ARGUMENTS.items():
+        value = getattr(args, name, None)
+        if value is not None and not os.path.lexists(value):
+            raise KvCacheFileNotFoundError(missing.format(pathlib.Path(value)))
+
+
 def _error(message: str) -> None:
     _say(f"onnx-kvcache: error: {cli_wording(message)}")
 
@@ -783,6 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
     args: argparse.Namespace | None = None
+    started = False  # the command itself: until then nothing was written
     code = 0
     _reserve_standard_streams()
     with warnings.catch_warnings(), file_io.signal_handlers():
@@ -794,6 +823,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             warnings.simplefilter("always", KvCacheWarning)
             warnings.showwarning = _show_warning
+            check_inputs(args)
+            with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
+                import onnx_ir  # noqa: F401
+            started = True
             code = args.func(args)
             sys.stdout.flush()
         except (KvCacheError, MissingRuntimeError) as e:
@@ -804,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = getattr(args, "done", None)
             detail = getattr(e, "detail", None) or done
             if detail is None:
-                detail = "no partial output was left" if args is not None else "nothing was written"
+                detail = "no partial output was left" if started else "nothing was written"
             _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
         except BrokenPipeError:

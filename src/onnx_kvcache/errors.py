@@ -33,7 +33,9 @@ import sys
 import warnings
 from typing import Any
 
-import onnx_ir as ir
+TYPE_CHECKING = False  # standard library only: the command imports this before onnx-ir
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 
 class KvCacheError(ValueError):
@@ -52,11 +54,6 @@ class KvCacheTypeError(KvCacheError, TypeError):
     """An argument of the wrong type; the message names the type expected and the one given."""
 
 
-class KvCachePreconditionError(KvCacheError, ir.passes.PreconditionError):
-    """A pass cannot run on this model (raised before it changes anything); onnx-ir's pass
-    machinery passes it through as a precondition failure."""
-
-
 class MissingRuntimeError(ImportError):
     """An optional dependency (onnxruntime, tokenizers, ...) is not installed."""
 
@@ -72,7 +69,8 @@ class NotConvertedWarning(KvCacheWarning):
 def warn(message: str, category: type[Warning] = KvCacheWarning) -> None:
     """Issue a :class:`KvCacheWarning` attributed to the user's line: the first caller
     outside this package and onnx_ir (whose pass machinery calls our passes)."""
-    internal = (os.path.dirname(__file__) + os.sep, os.path.dirname(ir.__file__) + os.sep)
+    onnx_ir = getattr(sys.modules.get("onnx_ir"), "__file__", None)  # not imported: none of its frames
+    internal = tuple(os.path.dirname(f) + os.sep for f in (__file__, onnx_ir) if f)
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
@@ -91,3 +89,23 @@ def require_type(value: Any, types: type | tuple[type, ...], name: str, expected
     if isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool)):
         return
     raise KvCacheTypeError(f"{name} must be {expected}, got {type(value).__name__} ({value!r:.60}).")
+
+
+def __getattr__(name: str) -> object:
+    """:class:`KvCachePreconditionError` on first use: its base is onnx-ir's (PEP 562)."""
+    if name != "KvCachePreconditionError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import onnx_ir as ir
+
+    class KvCachePreconditionError(KvCacheError, ir.passes.PreconditionError):
+        """A pass cannot run on this model (raised before it changes anything); onnx-ir's pass
+        machinery passes it through as a precondition failure."""
+
+    KvCachePreconditionError.__qualname__ = name  # pickles as onnx_kvcache.errors.KvCachePreconditionError
+    globals()[name] = KvCachePreconditionError
+    return KvCachePreconditionError
+
+
+if TYPE_CHECKING:
+
+    class KvCachePreconditionError(KvCacheError, ir.passes.PreconditionError): ...  # see __getattr__

@@ -1,0 +1,70 @@
+"""_signals: a signal inside held C code is raised once it returns, never inside it."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+from onnx_kvcache import _signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_held_is_blocked_then_raised_as_it_ends(signum):
+    reached = []
+    with _signals.signal_handlers(), pytest.raises(_signals.Interrupted) as caught, _signals.held():
+        signal.pthread_kill(threading.main_thread().ident, signum)  # to this thread, which blocks it
+        reached.append(signum in signal.sigpending())  # blocked: pending, not delivered
+        reached.append(sum(range(10_000)))  # bytecode runs: no handler raises here
+    assert reached == [True, sum(range(10_000))]
+    assert caught.value.signum == signum and not caught.value.completed
+    assert signum not in signal.sigpending()
+
+
+def test_held_inside_uninterrupted_raises_when_the_outer_block_ends():
+    steps = []
+    with _signals.signal_handlers(), pytest.raises(_signals.Interrupted), _signals.uninterrupted():
+        with _signals.held():
+            os.kill(os.getpid(), signal.SIGTERM)
+        steps.append("after held")
+    assert steps == ["after held"]
+
+
+def test_extension_modules_load_held_inside_the_block_only():
+    name = next(n for n in ("_decimal", "_bz2", "_lzma", "_sqlite3", "_curses") if n not in sys.modules)
+    with _signals.extension_imports_held():
+        finders = sys.meta_path.copy()
+        spec = next(s for f in sys.meta_path if (s := f.find_spec(name, None)) is not None)
+        source = next(s for f in sys.meta_path if (s := f.find_spec("json", None)) is not None)
+    assert type(spec.loader) is _signals._HeldExtensionLoader
+    assert isinstance(spec.loader, importlib.machinery.ExtensionFileLoader)  # what inspect, pkgutil see
+    assert type(source.loader) is importlib.machinery.SourceFileLoader
+    held = [type(f) for f in finders].index(_signals._HeldExtensionFinder)
+    assert finders[held + 1] is importlib.machinery.PathFinder
+    assert _signals._HeldExtensionFinder not in [type(f) for f in sys.meta_path]
+
+
+def test_a_signal_python_swallows_in_a_weakref_callback_is_raised_after_it():
+    """The handler ran inside importlib's module-lock callback: "Exception ignored in ...",
+    and the command went on to exit 0 as if no signal had come."""
+    import weakref
+
+    class Thing:
+        pass
+
+    def callback(ref: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10_000))  # the handler raises here, where Python ignores exceptions
+
+    steps = []
+    with _signals.signal_handlers(), pytest.raises(_signals.Interrupted) as caught:
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing
+        while len(steps) < 10**7:  # raised again here, once a thread sent it
+            steps.append(0)
+    assert ref() is None and caught.value.signum == signal.SIGTERM and len(steps) < 10**7
