@@ -1018,7 +1018,10 @@ def infer_dtype(ev: SymbolicEvaluator, value: ir.Value) -> ir.DataType | None:
     if (op, index) in _FIXED:
         return _FIXED[(op, index)]
     if op == "Cast":
-        return ir.DataType(_attr_int(node, "to", 0))
+        try:
+            return ir.DataType(_attr_int(node, "to", 0))
+        except ValueError:  # not an element type: the node is malformed
+            return None
     if op in _BOOL_OPS:
         return ir.DataType.BOOL
     if op in _INT64_OPS:

@@ -185,7 +185,12 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             past, present = site.past(side), present_output(site.present(side))
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
-            assert past.name is not None and present.name is not None and past.dtype is not None
+            assert past.name is not None and present.name is not None
+            if past.dtype is None:
+                raise KvCacheError(
+                    f"{site.label}: its cache input {past.name!r} has no element type; the model is "
+                    "malformed (every graph input needs one)."
+                )
             shape = past.shape
             static = False
             if capacity and shape is not None and len(shape) == 4 and isinstance(shape[2], int):
