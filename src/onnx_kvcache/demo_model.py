@@ -9,7 +9,7 @@ outlier channels, as real LLMs' do. Nothing is downloaded: weights come from a s
 
 from __future__ import annotations
 
-__all__ = ["DecoderConfig", "build_decoder", "byte_level_tokenizer", "save_genai_folder"]
+__all__ = ["DecoderConfig", "GenaiTokenizer", "build_decoder", "byte_level_tokenizer", "save_genai_folder"]
 
 import dataclasses
 import json
@@ -326,25 +326,49 @@ def byte_level_tokenizer() -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class GenaiTokenizer:
+    """A genai folder's tokenizer: its ``tokenizer.json`` document and special token ids."""
+
+    document: dict
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    bos_token: str
+    eos_token: str
+
+
 def save_genai_folder(
-    folder: str | os.PathLike, config: DecoderConfig | None = None, *, provider: str = "cpu", **overrides
+    folder: str | os.PathLike,
+    config: DecoderConfig | None = None,
+    *,
+    provider: str = "cpu",
+    weight_factory: WeightFactory | None = None,
+    tokenizer: GenaiTokenizer | None = None,
+    **overrides,
 ) -> pathlib.Path:
     """Write the demo decoder as an onnxruntime-genai folder (model, config, tokenizer).
 
     ``provider`` is the execution provider the genai config names, as the model builder
     writes it: ``cpu`` names none (genai's default), ``cuda`` a ``{"cuda": {}}`` entry.
+    ``weight_factory`` gives the weights (a trained model's, see :func:`build_decoder`) and
+    ``tokenizer`` its tokenizer; by default seeded weights and the byte-level tokenizer.
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
-    if config.vocab_size < 258:
-        raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+    if tokenizer is None:
+        if config.vocab_size < 258:
+            raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+        tokenizer = GenaiTokenizer(byte_level_tokenizer(), 256, 257, 257, "<s>", "</s>")
     path = pathlib.Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    ir.save(build_decoder(config), path / "model.onnx", external_data="model.onnx.data")
+    ir.save(
+        build_decoder(config, weight_factory=weight_factory), path / "model.onnx", external_data="model.onnx.data"
+    )
     genai = {
         "model": {
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 257,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
             "context_length": config.max_position,
             "type": "llama",
             "vocab_size": config.vocab_size,
@@ -389,11 +413,11 @@ def save_genai_folder(
     if config.paged:
         genai = paged_genai_config(genai, config.paged_block_size)
     (path / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
-    (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(), ensure_ascii=False) + "\n")
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer.document, ensure_ascii=False) + "\n")
     tokenizer_config = {
         "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
         "add_bos_token": False,
         "model_max_length": config.max_position,
     }
