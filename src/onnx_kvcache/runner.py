@@ -219,6 +219,18 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
     return bindings
 
 
+def _query_outputs(model: ir.Model) -> dict[int, tuple[str, AttentionSite]]:
+    """Per cached layer of the main graph, the name of its GroupQueryAttention's query input."""
+    graph_values = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
+    found = {}
+    for site in find_gqa_sites(model):
+        query = site.input("query")
+        if site.node.graph is model.graph and site.has_cache and query is not None and query.name:
+            if query.name not in graph_values and query.producer() is not None:
+                found[site.layer_id] = (query.name, site)
+    return found
+
+
 def _fused(model: ir.Model) -> ir.Model:
     """A decoder without attention nodes (a PyTorch export), fused in memory (the file, or
     the caller's model, unchanged).
@@ -374,6 +386,8 @@ class KvCacheRunner:
         block_size: Paged decoders: tokens per block of the pool (a power of two >= 16).
             Default: the model's static block size, else the genai config's
             ``engine.dynamic_batching.block_size``, else 16.
+        capture_queries: Also fetch every cached GroupQueryAttention node's query input at
+            each run (:meth:`query`); the graph outputs are added for the session only.
 
     A paged decoder packs the batch's rows into one token list each call and keeps a block
     pool per cache: :meth:`present` returns the pool, :meth:`cache_values` each sequence's
@@ -390,6 +404,7 @@ class KvCacheRunner:
         semantics: str | None = None,
         quantized_io: bool = False,
         block_size: int | None = None,
+        capture_queries: bool = False,
     ) -> None:
         base_dir, config = None, None
         if isinstance(model_or_path, ir.Model):
@@ -448,7 +463,20 @@ class KvCacheRunner:
         """Tokens per block of a paged decoder's pool (None for dense caches)."""
         self._paged_inputs = _paged_feeds(self.source_model) if self.paged else {}
         self.pool: BlockPool | None = None
-        self.session = create_session(model, self.providers, base_dir)
+        self._queries: dict[int, tuple[str, AttentionSite]] = {}
+        self.queries: dict[int, np.ndarray] = {}
+        """Each layer's query input of the last run (with ``capture_queries``)."""
+        if capture_queries:
+            self._queries = _query_outputs(model)
+            added = [s.input("query") for _, s in self._queries.values()]
+            model.graph.outputs.extend(v for v in added if v is not None)
+            try:
+                self.session = create_session(model, self.providers, base_dir)
+            finally:
+                for _ in added:
+                    model.graph.outputs.pop()
+        else:
+            self.session = create_session(model, self.providers, base_dir)
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
@@ -576,9 +604,10 @@ class KvCacheRunner:
             cache = self.caches[b.past]
             feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
         names = [self.logits_name] + [b.present for b in self.bindings]
-        results = run_on_host(self.session, names, feeds)
-        for b, present in zip(self.bindings, results[1:]):
+        results = run_on_host(self.session, names + [n for n, _ in self._queries.values()], feeds)
+        for b, present in zip(self.bindings, results[1 : len(names)]):
             self.caches[b.past] = present
+        self.queries = dict(zip(self._queries, results[len(names) :]))
         return results[0]
 
     def _run_bound(self, feeds: dict[str, Any]) -> np.ndarray:
@@ -716,6 +745,16 @@ class KvCacheRunner:
         decoder's: the block pool)."""
         b = self._binding(layer_id, kind)
         return b.stored(self.cache_array(b.past))
+
+    def query(self, layer_id: int) -> tuple[np.ndarray, AttentionSite]:
+        """A layer's query input of the last run, ``[B, S, num_heads, head_size]`` (packed QKV
+        sliced), and its attention site (with ``capture_queries``)."""
+        if layer_id not in self.queries:
+            raise KvCacheError(f"No query captured for layer {layer_id}: create the runner with capture_queries.")
+        site = self._queries[layer_id][1]
+        q = np.asarray(self.queries[layer_id], np.float32)
+        heads, head = site.num_heads, site.head_size()
+        return q[..., : heads * head].reshape(*q.shape[:2], heads, head), site
 
     def cache_values(self, layer_id: int, kind: str) -> np.ndarray:
         """A layer's cache as float32 values ``[B, kv_num_heads, S, head_size]``, dequantized
