@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "onnx-kvcache-bench")
     parser.add_argument("--configs", nargs="*", help="format:granularity pairs (default: all)")
     parser.add_argument("--methods", nargs="*", help="our methods (default: all)")
-    parser.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai's calibrator")
+    parser.add_argument("--genai-methods", nargs="*", help="onnxruntime-genai's methods (default: all)")
     args = parser.parse_args()
     cache = args.cache.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -353,8 +353,7 @@ def main() -> None:
     for fmt, gran in configs(args.configs):
         model = load_model(folder)
         candidates: list[tuple[str, str]] = [("ours", m) for m in methods]
-        if not args.no_genai:
-            candidates += [("genai", m) for m in GENAI_METHODS]
+        candidates += [("genai", m) for m in (GENAI_METHODS if args.genai_methods is None else args.genai_methods)]
         for who, method in candidates:
             key = f"{fmt}:{gran}:{who}:{method}"
             if key in results or (fmt == "fp8" and method in ("mse", "attention")):
