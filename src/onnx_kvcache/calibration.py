@@ -142,21 +142,24 @@ class _Reservoir:
         self.rows = np.empty((0, self.channels), np.float32)
         self.amax = np.zeros(self.channels, np.float32)
 
-    def add(self, rows: np.ndarray, weights: np.ndarray | None = None) -> None:
-        self.amax = np.maximum(self.amax, np.abs(rows).max(axis=0))
+    def add(
+        self, rows: np.ndarray, weights: np.ndarray | None = None, bound: np.ndarray | None = None
+    ) -> None:
+        """Sample ``rows``; ``bound`` (default ``|rows|``) raises the amax."""
+        self.amax = np.maximum(self.amax, np.abs(rows if bound is None else bound).max(axis=0))
         n = rows.shape[0]
         free = self.capacity - self.rows.shape[0]
         if weights is not None and self.weights is None:
             self.weights = np.empty((0, self.channels), np.float32)
         if free > 0:
             self.rows = np.concatenate([self.rows, rows[:free]])
-            if weights is not None:
+            if weights is not None and self.weights is not None:
                 self.weights = np.concatenate([self.weights, weights[:free]])
         for i in range(max(free, 0), n):
             j = int(self.rng.integers(0, self.seen + i + 1))
             if j < self.capacity:
                 self.rows[j] = rows[i]
-                if weights is not None:
+                if weights is not None and self.weights is not None:
                     self.weights[j] = weights[i]
         self.seen += n
 
@@ -345,6 +348,12 @@ def calibrate_kv_cache(
     windows = loaded.windows
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
+    positions = np.random.default_rng([seed, 1])  # attention's K positions (rng stays the other methods')
+    rope_tables = {
+        layer: _rope_tables(site)
+        for layer, site in sites.items()
+        if chosen.attention and site.int_attr("do_rotary")
+    }
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     iterator: Any = windows
     if progress and sys.stderr.isatty():
@@ -356,7 +365,7 @@ def calibrate_kv_cache(
         runner.reset(1, min_capacity=len(window))  # window caches keep every row resident
         runner.forward(np.asarray(window, np.int64)[None, :])
         tokens += len(window)
-        attention = _attention_weights(runner, sites, len(window)) if chosen.attention else {}
+        attention = _attention_weights(runner, sites, len(window), rope_tables) if chosen.attention else {}
         for b in runner.bindings:
             site = sites[b.layer_id]
             x = runner.cache_values(b.layer_id, b.kind)[0]  # [kv, S, hd]
@@ -375,6 +384,11 @@ def calibrate_kv_cache(
                     rotary_dim=rotary[1],
                     rotary_offset=site.int_attr("rotary_offset", 0),
                 )
+            bound = None
+            if rotary is not None and (tables := rope_tables.get(b.layer_id)) is not None:
+                # the search sees K where RoPE may put it (any position); the envelope bounds it
+                bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
+                seen = _rotated_anywhere(x, tables, rotary[0], positions)  # type: ignore[index]
             rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
             if key not in reservoirs:
@@ -382,7 +396,7 @@ def calibrate_kv_cache(
             weights = attention.get(key)
             if chosen.attention and weights is None:  # no query to weigh with: plain round-trip error
                 weights = np.ones_like(rows)
-            reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]])
+            reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]], bound)
     stats = []
     for layer in sorted({k[0] for k in reservoirs}):
         result = {}
@@ -474,7 +488,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) ->
     """``x`` ``[S, H, D]`` rotated as GroupQueryAttention's RoPE does (``cos``/``sin`` ``[S, r/2]``)."""
     out = x.copy()
     half = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = (cos[:, None, :], sin[:, None, :]) if cos.ndim == 2 else (cos, sin)
     if interleaved:
         a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
         out[..., 0 : 2 * half : 2], out[..., 1 : 2 * half : 2] = a * c - b * s, b * c + a * s
@@ -497,21 +511,42 @@ def _pair_energy(q: np.ndarray, interleaved: bool, rotary_dim: int) -> np.ndarra
     return e
 
 
-def _rope_tables(site: AttentionSite, length: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The node's constant cos/sin tables for positions 0..length-1, or None."""
-    values = [constant_values(site.input(name)) for name in ("cos_cache", "sin_cache")]
-    cos_value = site.input("cos_cache")
-    if values[0] is None or values[1] is None or cos_value is None or cos_value.shape is None:
-        return None
-    half = cos_value.shape[-1]
-    if not isinstance(half, int) or len(values[0]) < length * half:
-        return None
-    cos, sin = (np.asarray(v, np.float32).reshape(-1, half)[:length] for v in values)
-    return cos, sin
+def _rope_tables(site: AttentionSite, length: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The node's constant cos/sin tables ``[positions, r/2]`` (the first ``length``), or None."""
+    tables = []
+    for name in ("cos_cache", "sin_cache"):
+        value = site.input(name)
+        tensor = None if value is None else value.const_value
+        if tensor is None:
+            values = constant_values(value)  # a Constant node
+            if values is None or value is None or value.shape is None or not isinstance(value.shape[-1], int):
+                return None
+            array = np.asarray(values, np.float32).reshape(-1, value.shape[-1])
+        else:
+            array = np.asarray(tensor.numpy(), np.float32)
+        if array.ndim != 2 or array.shape[0] < (length or 1):
+            return None
+        tables.append(array[:length])
+    return tables[0], tables[1]
+
+
+def _rotated_anywhere(
+    x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], interleaved: bool, rng: np.random.Generator
+) -> np.ndarray:
+    """``|K|`` ``[kv, S, D]`` (rotated at positions 0..S-1) moved to positions drawn uniformly
+    over the whole rotary table: what the cache stores for these keys anywhere in the context."""
+    cos, sin = tables
+    kv, length, _ = x.shape
+    pre = _rope(x.transpose(1, 0, 2), cos[:length], -sin[:length], interleaved)  # undo RoPE
+    where = rng.integers(0, cos.shape[0], size=(length, kv))
+    return np.abs(_rope(pre, cos[where], sin[where], interleaved)).transpose(1, 0, 2)
 
 
 def _attention_weights(
-    runner: KvCacheRunner, sites: dict[int, AttentionSite], length: int
+    runner: KvCacheRunner,
+    sites: dict[int, AttentionSite],
+    length: int,
+    rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None],
 ) -> dict[tuple[int, str], np.ndarray]:
     """Per (layer, kind), the weight of each cached value's squared error in this window.
 
@@ -535,11 +570,11 @@ def _attention_weights(
         interleaved = bool(site.int_attr("rotary_interleaved"))
         rotary_dim = head
         if site.int_attr("do_rotary"):
-            tables = _rope_tables(site, length)
-            if tables is None:
+            tables = rope_tables.get(layer)
+            if tables is None or tables[0].shape[0] < length:
                 continue
             rotary_dim = 2 * tables[0].shape[-1]
-            q = _rope(q, *tables, interleaved)
+            q = _rope(q, tables[0][:length], tables[1][:length], interleaved)
         q = q[picks]  # [n, H, D]
         energy = _pair_energy(q, interleaved, rotary_dim) if site.int_attr("do_rotary") else q * q
         scale = site.float_attr("scale") or 1.0 / np.sqrt(head)
