@@ -59,7 +59,7 @@ def presents(model, data):
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
 def test_minmax_is_amax_over_qmax(model, data, fmt, granularity):
     scales = calibrate_kv_cache(
-        model, data, format=fmt, granularity=granularity, rope_envelope=False, progress=False
+        model, data, format=fmt, granularity=granularity, method="minmax", rope_envelope=False, progress=False
     )
     qmax = get_format(fmt).qmax
     for (layer, kind), arrays in presents(model, data).items():
@@ -410,7 +410,7 @@ def test_integer_minmax_clips_exactly_the_values_the_kernel_stores_a_step_short(
     """
     f = get_format(fmt)
     scales = calibrate_kv_cache(
-        model, data, format=fmt, granularity=granularity, rope_envelope=False, progress=False
+        model, data, format=fmt, granularity=granularity, method="minmax", rope_envelope=False, progress=False
     )
     seen = presents(model, data)
     clipped_somewhere = False
@@ -432,7 +432,7 @@ def test_the_largest_value_is_stored_at_the_top_code(model, data, fmt):
     the sequence holding layer 0's largest V; its code is the top one (127, int4 7), read back
     as 127/128 (7/8) of itself. Layer 0's V depends on the tokens only, not on the cache."""
     f = get_format(fmt)
-    scales = calibrate_kv_cache(model, data, format=fmt, progress=False)
+    scales = calibrate_kv_cache(model, data, format=fmt, method="minmax", progress=False)
     seen = presents(model, data)[(0, "value")]
     seq = int(np.argmax([a.max() for a in seen]))
     assert seen[seq].max() == max(np.abs(a).max() for a in seen)  # positive here: the case to show
@@ -623,3 +623,21 @@ def test_attention_beats_mse_where_channels_matter_unequally():
         KvCacheQuantizationPass("int4", "per_tensor", scales)(converted)
         kl[method] = float(kl_divergence(reference, logits(converted)).mean())
     assert kl["attention"] < kl["mse"], kl
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_keys_rotated_anywhere_keep_their_envelope(interleaved):
+    """attention's K samples: the window's keys moved to random positions of the rotary table.
+    Rotation keeps every pair's norm, so the envelope (what the scales must hold) is unchanged
+    while the values themselves move."""
+    from onnx_kvcache.calibration import _rope_tables, _rotated_anywhere
+    from onnx_kvcache.gqa import find_attention_sites
+
+    site = find_attention_sites(build_decoder(num_layers=1, rotary_interleaved=interleaved))[0]
+    tables = _rope_tables(site)
+    assert tables is not None and tables[0].shape == (4096, HEAD // 2)
+    x = np.random.default_rng(0).standard_normal((KV, 64, HEAD)).astype(np.float32)
+    moved = _rotated_anywhere(x, tables, interleaved, np.random.default_rng(1))
+    envelope = rope_pair_norm(x, interleaved=interleaved)
+    np.testing.assert_allclose(rope_pair_norm(moved, interleaved=interleaved), envelope, rtol=1e-4, atol=1e-5)
+    assert np.all(moved <= envelope * (1 + 1e-4) + 1e-5) and not np.allclose(moved, np.abs(x), atol=1e-2)
