@@ -15,7 +15,9 @@ quantize. Per channel (``kv_num_heads * head_size``) a threshold is taken by
   ``sum_i p_ij * q_i[d]^2`` (``q`` as its RoPE-pair energy, which no rotation changes); a V
   row's error reaches the output in proportion to its probability, and independent errors
   add in square, so V is weighted by ``sum_i p_ij^2``. Rows the model attends to (the first
-  token's attention sink) are kept, rows it ignores are clipped.
+  token's attention sink) are kept, rows it ignores are clipped. Under the RoPE envelope its
+  K search runs on the keys moved to random positions of the rotary table (the envelope
+  stays the grid's top): the values RoPE will store, not their worst phase.
 
 Per tensor takes the max over channels; ``scale = max(threshold * margin, tiny) / qmax``.
 With ``rope_envelope``, K thresholds are taken on the rotation-invariant pair norm
