@@ -44,7 +44,7 @@ import onnx_ir as ir
 
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache, load_model
 from onnx_kvcache.calibration import METHODS
-from onnx_kvcache.demo_model import GenaiTokenizer, save_genai_folder
+from onnx_kvcache.demo_model import GenaiTokenizer, bpe_tokenizer, save_genai_folder
 from onnx_kvcache.evaluation import kl_divergence, top1_agreement
 from onnx_kvcache.scales import KvCacheScales, load_kv_cache_scale_file
 
@@ -152,38 +152,9 @@ def read_gguf(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 
 
 def _tokenizer_json(tokens: list[str], token_types: list[int], merges: list[str]) -> dict:
-    """A byte-level BPE tokenizer.json (SmolLM2's: digits split, then GPT-2 byte level)."""
-    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {"id": i, "content": t, **special}
-            for i, (t, kind) in enumerate(zip(tokens, token_types))
-            if kind == 3
-        ],
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
-        },
-        "post_processor": None,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {t: i for i, t in enumerate(tokens)},
-            "merges": merges,
-        },
-    }
+    """SmolLM2's tokenizer.json: byte-level BPE, digits split first, control tokens special."""
+    special = {i: t for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == 3}
+    return bpe_tokenizer({t: i for i, t in enumerate(tokens)}, merges, special, split_digits=True)
 
 
 def build_model(cache: pathlib.Path) -> pathlib.Path:

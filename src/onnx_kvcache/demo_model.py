@@ -9,7 +9,14 @@ outlier channels, as real LLMs' do. Nothing is downloaded: weights come from a s
 
 from __future__ import annotations
 
-__all__ = ["DecoderConfig", "GenaiTokenizer", "build_decoder", "byte_level_tokenizer", "save_genai_folder"]
+__all__ = [
+    "DecoderConfig",
+    "GenaiTokenizer",
+    "bpe_tokenizer",
+    "build_decoder",
+    "byte_level_tokenizer",
+    "save_genai_folder",
+]
 
 import dataclasses
 import json
@@ -300,15 +307,29 @@ def byte_level_tokenizer() -> dict:
     """
     alphabet = _bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)} | {"<s>": 256, "</s>": 257}
-    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    return bpe_tokenizer(vocab, [], {256: "<s>", 257: "</s>"})
+
+
+def bpe_tokenizer(
+    vocab: dict[str, int], merges: list[str], special: dict[int, str], *, split_digits: bool = False
+) -> dict:
+    """A byte-level (GPT-2 style) BPE ``tokenizer.json`` document; ``special`` tokens are
+    matched whole; ``split_digits`` splits digits apart first (StarCoder, SmolLM)."""
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    pre: dict = byte_level
+    if split_digits:
+        pre = {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        }
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": 256, "content": "<s>", **special}, {"id": 257, "content": "</s>", **special}],
+        "added_tokens": [{"id": i, "content": t, **flags} for i, t in sorted(special.items())],
         "normalizer": None,
-        "pre_tokenizer": byte_level,
+        "pre_tokenizer": pre,
         "post_processor": None,
         "decoder": byte_level,
         "model": {
@@ -321,7 +342,7 @@ def byte_level_tokenizer() -> dict:
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": vocab,
-            "merges": [],
+            "merges": merges,
         },
     }
 
