@@ -320,10 +320,20 @@ def main() -> None:
         "--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "onnx-kvcache-bench"
     )
     parser.add_argument("--rows", nargs="*", help="rows format:granularity:ours|genai:method (default: all)")
+    parser.add_argument(
+        "--time-calibration",
+        type=int,
+        metavar="N",
+        help="instead of the table: N alternating rounds of int4 per-channel calibration (minmax, mse, "
+        "attention) of the 8 x 512 windows, side by side in this process; medians and ratios to minmax",
+    )
     args = parser.parse_args()
     cache = args.cache.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     folder = build_model(cache)
+    if args.time_calibration:
+        time_calibration(folder, token_windows(folder, cache)[0], args.time_calibration)
+        return
     print(f"model: {folder} (SmolLM2-135M-Instruct from {WHEEL}, Q4_1 dequantized to float32)")
     print(f'greedy "The capital of France is" ->{check_paris(folder)!r}')
     calib, held = token_windows(folder, cache)
@@ -366,6 +376,22 @@ def main() -> None:
         results_path.write_text(json.dumps(results, indent=1))
         print(f"  {key:<34} ppl {row['ppl']:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
     print_table(results, baseline)
+
+
+def time_calibration(folder: pathlib.Path, windows: list[list[int]], rounds: int) -> None:
+    calibrate_kv_cache(folder, [windows[0][:64]], format="int4", progress=False, min_tokens=0)  # warm-up
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for method in ("minmax", "mse", "attention"):
+            start = time.perf_counter()
+            calibrate_kv_cache(
+                folder, windows, format="int4", granularity="per_channel", method=method, progress=False
+            )
+            times.setdefault(method, []).append(time.perf_counter() - start)
+            print(f"  {method:<10} {times[method][-1]:7.1f} s", flush=True)
+    minmax = float(np.median(times["minmax"]))
+    for method, seconds in times.items():
+        print(f"{method:<10} median {np.median(seconds):7.1f} s  {np.median(seconds) / minmax:5.2f}x minmax")
 
 
 def print_table(results: dict[str, Any], baseline: dict[str, float]) -> None:
