@@ -755,7 +755,10 @@ class KvCacheRunner:
             )
         site = self._queries[layer_id][1]
         q = np.asarray(self.queries[layer_id], np.float32)
-        heads, head = site.num_heads, site.head_size()
+        heads = site.num_heads
+        head = q.shape[-1] // (
+            heads + 2 * site.kv_num_heads if site.packed_qkv else heads
+        )  # shapes may be gone
         return q[..., : heads * head].reshape(*q.shape[:2], heads, head), site
 
     def cache_values(self, layer_id: int, kind: str) -> np.ndarray:
