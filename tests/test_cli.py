@@ -274,7 +274,7 @@ def test_calibrate_help_names_its_defaults():
     for default in (
         "(default: the first its target runs, the target as convert infers it: fp8 on CUDA",
         "(default: per_tensor)",
-        "(default: minmax)",
+        "(default: attention for int4, else minmax",
         "(default: 512)",
     ):
         assert default in text

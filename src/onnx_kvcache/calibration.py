@@ -6,7 +6,18 @@ quantize. Per channel (``kv_num_heads * head_size``) a threshold is taken by
 
 * ``minmax``: the largest ``|x|`` seen;
 * ``percentile``: a high percentile of ``|x|`` (tames rare outliers);
-* ``mse``: the clip point minimizing round-trip error (integer formats only).
+* ``mse``: the clip point minimizing round-trip error (integer formats only);
+* ``attention``: the clip point minimizing what attention loses (integer formats only; the
+  default for int4): each window's queries are captured with the caches, and every cached
+  row's squared round-trip error is weighted by what it costs the layer's attention. A K
+  value's error moves the score ``q . k`` of every query that attends to the row, which
+  costs in proportion to the attention probability, so K is weighted by
+  ``sum_i p_ij * q_i[d]^2`` (``q`` as its RoPE-pair energy, which no rotation changes); a V
+  row's error reaches the output in proportion to its probability, and independent errors
+  add in square, so V is weighted by ``sum_i p_ij^2``. Rows the model attends to (the first
+  token's attention sink) are kept, rows it ignores are clipped. Under the RoPE envelope its
+  K search runs on the keys moved to random positions of the rotary table (the envelope
+  stays the grid's top): the values RoPE will store, not their worst phase.
 
 Per tensor takes the max over channels; ``scale = max(threshold * margin, tiny) / qmax``.
 With ``rope_envelope``, K thresholds are taken on the rotation-invariant pair norm
@@ -20,7 +31,15 @@ Memory stays bounded: each layer keeps a reservoir sample of token rows of at mo
 
 from __future__ import annotations
 
-__all__ = ["CalibrationStats", "calibrate_kv_cache", "format_calibration_summary", "rope_pair_norm"]
+__all__ = [
+    "CALIBRATION_METHODS",
+    "DEFAULT_METHODS",
+    "CalibrationMethod",
+    "CalibrationStats",
+    "calibrate_kv_cache",
+    "format_calibration_summary",
+    "rope_pair_norm",
+]
 
 import dataclasses
 import logging
@@ -36,13 +55,43 @@ from onnx_kvcache.capabilities import default_format, infer_target
 from onnx_kvcache.data import TokenData, load_token_windows
 from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, require_type, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
-from onnx_kvcache.gqa import find_attention_sites
+from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites
 from onnx_kvcache.runner import KvCacheRunner
 from onnx_kvcache.scales import KvCacheScales
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("minmax", "percentile", "mse")
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationMethod:
+    """How a calibration method takes its thresholds.
+
+    Attributes:
+        clip_search: Searches the clip point on the format's integer rounding (integer
+            formats only; clips by design).
+        attention: Weights each cached row's error by the attention the model pays it
+            (captures every layer's queries; see the module docstring).
+    """
+
+    name: str
+    clip_search: bool = False
+    attention: bool = False
+
+
+CALIBRATION_METHODS = {
+    m.name: m
+    for m in (
+        CalibrationMethod("minmax"),
+        CalibrationMethod("percentile"),
+        CalibrationMethod("mse", clip_search=True),
+        CalibrationMethod("attention", clip_search=True, attention=True),
+    )
+}
+METHODS = tuple(CALIBRATION_METHODS)
+#: The method taken when none is named, per format (others: ``minmax``).
+DEFAULT_METHODS = {"int4": "attention"}
+#: Query positions per window whose attention weighs the rows (evenly spread, the last included).
+ATTENTION_QUERIES = 128
 #: A minmax/percentile calibration whose scales put more than this share of a layer's values
 #: beyond the threshold (margin below 1, a low percentile) warns, once per layer.
 CLIP_WARN_FRACTION = 0.01
@@ -103,17 +152,26 @@ class _Reservoir:
     rows: np.ndarray = dataclasses.field(init=False)
     seen: int = 0
     amax: np.ndarray = dataclasses.field(init=False)
+    weights: np.ndarray | None = None
+    """Per sampled value, the weight of its error (``attention``), kept with its row."""
 
     def __post_init__(self) -> None:
         self.rows = np.empty((0, self.channels), np.float32)
         self.amax = np.zeros(self.channels, np.float32)
 
-    def add(self, rows: np.ndarray) -> None:
-        self.amax = np.maximum(self.amax, np.abs(rows).max(axis=0))
+    def add(
+        self, rows: np.ndarray, weights: np.ndarray | None = None, bound: np.ndarray | None = None
+    ) -> None:
+        """Sample ``rows``; ``bound`` (default ``|rows|``) raises the amax."""
+        self.amax = np.maximum(self.amax, np.abs(rows if bound is None else bound).max(axis=0))
         n = rows.shape[0]
         free = self.capacity - self.rows.shape[0]
+        if weights is not None and self.weights is None:
+            self.weights = np.empty((0, self.channels), np.float32)
         if free > 0:
             self.rows = np.concatenate([self.rows, rows[:free]])
+            if weights is not None and self.weights is not None:
+                self.weights = np.concatenate([self.weights, weights[:free]])
         first = max(free, 0)
         if first < n:  # Algorithm R: row i takes slot j ~ U[0, seen + i] if j < capacity
             slots = self.rng.integers(
@@ -124,6 +182,8 @@ class _Reservoir:
             _, last = np.unique(slots[taken][::-1], return_index=True)
             keep = taken[::-1][last]
             self.rows[slots[keep]] = rows[first + keep]
+            if weights is not None and self.weights is not None:
+                self.weights[slots[keep]] = weights[first + keep]
         self.seen += n
 
 
@@ -140,8 +200,11 @@ class CalibrationStats:
     v_clip: float
 
 
-def _mse_threshold(samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat) -> np.ndarray:
-    """Per column, the clip point in [0.003, 1] * amax (geometric grid) with least round-trip error.
+def _mse_threshold(
+    samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat, weights: np.ndarray | None = None
+) -> np.ndarray:
+    """Per column, the clip point in [0.003, 1] * amax (geometric grid) with least round-trip
+    error (weighted by ``weights`` when given).
 
     ``samples`` are magnitudes: symmetric rounding makes the sign irrelevant. The round
     trip is the format's own (:meth:`CacheFormat.round_trip`).
@@ -151,7 +214,8 @@ def _mse_threshold(samples: np.ndarray, amax: np.ndarray, fmt: CacheFormat) -> n
     for frac in np.geomspace(0.003, 1.0, 64):
         clip = np.maximum(amax * frac, _TINY)
         scale = (clip / fmt.qmax).astype(np.float32)
-        err = ((fmt.round_trip(samples, scale) - samples) ** 2).mean(axis=0)
+        sq = (fmt.round_trip(samples, scale) - samples) ** 2
+        err = sq.mean(axis=0) if weights is None else (sq * weights).sum(axis=0)
         better = err < best_err
         best[better], best_err[better] = clip[better], err[better]
     return best
@@ -173,12 +237,13 @@ def _thresholds(
     """One threshold per scale of ``granularity`` (``[kv_heads, head]`` channels).
 
     minmax and percentile take the per-channel thresholds' max over the channels a scale
-    covers; mse optimizes one clip point over all the values a scale covers.
+    covers; mse and attention optimize one clip point over all the values a scale covers.
     """
     row = scale_granularity(granularity)
-    if method == "mse":
+    if CALIBRATION_METHODS[method].clip_search:
         samples = _by_scale(np.abs(res.rows), row, kv_heads)
-        return _mse_threshold(samples, _by_scale(res.amax[None], row, kv_heads).max(axis=0), fmt)
+        weights = None if res.weights is None else _by_scale(res.weights, row, kv_heads)
+        return _mse_threshold(samples, _by_scale(res.amax[None], row, kv_heads).max(axis=0), fmt, weights)
     thr = res.amax if method == "minmax" else np.percentile(np.abs(res.rows), percentile, axis=0)
     return _by_scale(np.asarray(thr, np.float32)[None], row, kv_heads).max(axis=0)
 
@@ -210,7 +275,7 @@ def calibrate_kv_cache(
     *,
     format: str | None = None,
     granularity: str = "per_tensor",
-    method: str = "minmax",
+    method: str | None = None,
     percentile: float = 99.99,
     rope_envelope: bool = True,
     margin: float = 1.0,
@@ -227,6 +292,8 @@ def calibrate_kv_cache(
 
     Args:
         model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
+        method: ``minmax``, ``percentile``, ``mse`` or ``attention`` (module docstring); by
+            default :data:`DEFAULT_METHODS`'s for the format (int4: attention), else minmax.
         format: The cache format the scales are for; by default the first its target
             (:func:`~onnx_kvcache.capabilities.infer_target`) runs
             (:func:`~onnx_kvcache.capabilities.default_format`: fp8 on CUDA, int8 on CPU),
@@ -248,11 +315,11 @@ def calibrate_kv_cache(
     require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
     for arg, number in dict(percentile=percentile, margin=margin).items():
         require_type(number, NUMBER, arg, "a number")
-    require_type(method, str, "method", f"a name ({', '.join(METHODS)})")
+    require_type(method, (str, type(None)), "method", f"a name ({', '.join(METHODS)}) or None")
     if format is not None:
         get_format(format)  # an unknown name fails before any work
     granularity = get_granularity(granularity)
-    if method not in METHODS:
+    if method is not None and method not in METHODS:
         raise KvCacheError(f"Unknown calibration method {method!r}; choose one of {', '.join(METHODS)}.")
     if not 0 < percentile <= 100:
         raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
@@ -262,7 +329,15 @@ def calibrate_kv_cache(
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
-    runner = KvCacheRunner(model, providers, caches_only=True)  # no LM head: only caches are read
+    if method is None and format is not None:
+        method = DEFAULT_METHODS.get(get_format(format).name, "minmax")
+    # no LM head: only caches are read (and, for ``attention``, each layer's query)
+    runner = KvCacheRunner(
+        model,
+        providers,
+        caches_only=True,
+        capture_queries=method is not None and CALIBRATION_METHODS[method].attention,
+    )
     chosen_for = None
     if format is None:
         target, why = infer_target(runner.source_model, runner.genai_config)
@@ -274,9 +349,14 @@ def calibrate_kv_cache(
             )
         chosen_for = f"{target} (assumed: {why})"
     fmt = get_format(format)
-    if method == "mse" and fmt.is_float:
+    if method is None:
+        method = DEFAULT_METHODS.get(fmt.name, "minmax")
+        if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
+            runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
+    chosen = CALIBRATION_METHODS[method]
+    if chosen.clip_search and fmt.is_float:
         raise KvCacheError(
-            "method='mse' is for integer formats (int8/int4); use minmax or percentile for fp8."
+            f"method={method!r} is for integer formats (int8/int4); use minmax or percentile for fp8."
         )
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
@@ -303,6 +383,12 @@ def calibrate_kv_cache(
     windows = loaded.windows
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
     rng = np.random.default_rng(seed)
+    positions = np.random.default_rng([seed, 1])  # attention's K positions (rng stays the other methods')
+    rope_tables = {
+        layer: _rope_tables(site)
+        for layer, site in sites.items()
+        if chosen.attention and site.int_attr("do_rotary")
+    }
     reservoirs: dict[tuple[int, str], _Reservoir] = {}
     bar: Any = None
     if progress and sys.stderr.isatty():
@@ -310,11 +396,13 @@ def calibrate_kv_cache(
 
         bar = tqdm(total=len(windows), desc="calibrating", unit="seq")
     tokens = 0
-    for run in _runs(windows, TOKENS_PER_RUN):
+    # windows of one length run together; attention weighs each window with its own queries
+    for run in _runs(windows, 1 if chosen.attention else TOKENS_PER_RUN):
         length = len(run[0])
         runner.reset(len(run), min_capacity=length)  # window caches keep every row resident
         runner.fill(np.asarray(run, np.int64))
         tokens += length * len(run)
+        attention = _attention_weights(runner, sites, length, rope_tables) if chosen.attention else {}
         caches = {(b.layer_id, b.kind): runner.cache_values(b.layer_id, b.kind) for b in runner.bindings}
         for row, b in ((row, b) for row in range(len(run)) for b in runner.bindings):  # window by window
             site = sites[b.layer_id]
@@ -334,11 +422,19 @@ def calibrate_kv_cache(
                     rotary_dim=rotary[1],
                     rotary_offset=site.int_attr("rotary_offset", 0),
                 )
+            bound = None
+            if rotary is not None and (tables := rope_tables.get(b.layer_id)) is not None:
+                # the search sees K where RoPE may put it (any position); the envelope bounds it
+                bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
+                seen = _rotated_anywhere(x, tables, rotary[0], positions)  # type: ignore[index]
             rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
             key = (b.layer_id, b.kind)
             if key not in reservoirs:
                 reservoirs[key] = _Reservoir(rows.shape[1], max(1, sample_budget // rows.shape[1]), rng)
-            reservoirs[key].add(rows)
+            weights = attention.get(key)
+            if chosen.attention and weights is None:  # no query to weigh with: plain round-trip error
+                weights = np.ones_like(rows)
+            reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]], bound)
         if bar is not None:
             bar.update(len(run))
     if bar is not None:
@@ -362,7 +458,7 @@ def calibrate_kv_cache(
             if res.rows.size:
                 limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
                 beyond = max(beyond, float((np.abs(res.rows) > limit).mean()))
-        if beyond > CLIP_WARN_FRACTION and method != "mse":  # mse clips by design, where it pays
+        if beyond > CLIP_WARN_FRACTION and not chosen.clip_search:  # those clip by design, where it pays
             warn(
                 f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
                 f"(more than {CLIP_WARN_FRACTION:.0%}): check margin={margin:g}"
@@ -428,6 +524,127 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
         "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
     )
     return "\n".join(lines)
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """``x`` ``[S, H, D]`` rotated as GroupQueryAttention's RoPE does (``cos``/``sin`` ``[S, r/2]``)."""
+    out = x.copy()
+    half = cos.shape[-1]
+    c, s = (cos[:, None, :], sin[:, None, :]) if cos.ndim == 2 else (cos, sin)
+    if interleaved:
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2], out[..., 1 : 2 * half : 2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., :half], x[..., half : 2 * half]
+        out[..., :half], out[..., half : 2 * half] = a * c - b * s, b * c + a * s
+    return out
+
+
+def _pair_energy(q: np.ndarray, interleaved: bool, rotary_dim: int) -> np.ndarray:
+    """``q^2`` with each RoPE pair's channels given the pair's mean energy (rotation-invariant)."""
+    e = q * q
+    half = rotary_dim // 2
+    if interleaved:
+        m = (e[..., 0:rotary_dim:2] + e[..., 1:rotary_dim:2]) / 2
+        e[..., 0:rotary_dim:2], e[..., 1:rotary_dim:2] = m, m
+    else:
+        m = (e[..., :half] + e[..., half:rotary_dim]) / 2
+        e[..., :half], e[..., half:rotary_dim] = m, m
+    return e
+
+
+def _rope_tables(site: AttentionSite, length: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The node's constant cos/sin tables ``[positions, r/2]`` (the first ``length``), or None."""
+    tables = []
+    for name in ("cos_cache", "sin_cache"):
+        value = site.input(name)
+        tensor = None if value is None else value.const_value
+        if tensor is None:
+            values = constant_values(value)  # a Constant node
+            if values is None or value is None or value.shape is None or not isinstance(value.shape[-1], int):
+                return None
+            array = np.asarray(values, np.float32).reshape(-1, value.shape[-1])
+        else:
+            array = np.asarray(tensor.numpy(), np.float32)
+        if array.ndim != 2 or array.shape[0] < (length or 1):
+            return None
+        tables.append(array[:length])
+    return tables[0], tables[1]
+
+
+def _rotated_anywhere(
+    x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], interleaved: bool, rng: np.random.Generator
+) -> np.ndarray:
+    """``|K|`` ``[kv, S, D]`` (rotated at positions 0..S-1) moved to positions drawn uniformly
+    over the whole rotary table: what the cache stores for these keys anywhere in the context."""
+    cos, sin = tables
+    kv, length, _ = x.shape
+    pre = _rope(x.transpose(1, 0, 2), cos[:length], -sin[:length], interleaved)  # undo RoPE
+    where = rng.integers(0, cos.shape[0], size=(length, kv))
+    return np.abs(_rope(pre, cos[where], sin[where], interleaved)).transpose(1, 0, 2)
+
+
+def _attention_weights(
+    runner: KvCacheRunner,
+    sites: dict[int, AttentionSite],
+    length: int,
+    rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None],
+) -> dict[tuple[int, str], np.ndarray]:
+    """Per (layer, kind), the weight of each cached value's squared error in this window.
+
+    The attention probabilities ``p`` of :data:`ATTENTION_QUERIES` query positions over the
+    window's rows are recomputed from the captured query (rotated as the node does) and the
+    present K (causal, the node's scale, softcap and local window). K: ``sum_i p_ij * e_i[d]``
+    with ``e`` the query's RoPE-pair energy; V: ``sum_i p_ij^2``, summed over the query heads
+    of each KV head. Layers without a usable query are left out (unweighted).
+    """
+    out: dict[tuple[int, str], np.ndarray] = {}
+    picks = np.unique(np.linspace(0, length - 1, min(length, ATTENTION_QUERIES)).round().astype(np.int64))
+    for layer in runner.queries:
+        site = sites.get(layer)
+        if site is None:
+            continue
+        q = runner.query(layer)[0][0]  # [S, H, D]
+        k = runner.cache_values(layer, "key")[0][:, :length]  # [kv, S, D], after RoPE
+        kv, heads, head = k.shape[0], q.shape[1], q.shape[2]
+        if q.shape[0] != length or heads % kv:
+            continue
+        interleaved = bool(site.int_attr("rotary_interleaved"))
+        rotary_dim = head
+        if site.int_attr("do_rotary"):
+            tables = rope_tables.get(layer)
+            if tables is None or tables[0].shape[0] < length:
+                continue
+            rotary_dim = 2 * tables[0].shape[-1]
+            q = _rope(q, tables[0][:length], tables[1][:length], interleaved)
+        q = q[picks]  # [n, H, D]
+        energy = _pair_energy(q, interleaved, rotary_dim) if site.int_attr("do_rotary") else q * q
+        scale = site.float_attr("scale") or 1.0 / np.sqrt(head)
+        softcap = site.float_attr("softcap")
+        window = site.int_attr("local_window_size", -1)
+        group = heads // kv
+        pos = np.arange(length)
+        masked = pos[None, :] > picks[:, None]
+        if window > 0:
+            masked |= pos[None, :] <= picks[:, None] - window
+        wk = np.empty((length, kv, head), np.float32)
+        wv = np.empty((length, kv, head), np.float32)
+        for g in range(kv):
+            qg = q[:, g * group : (g + 1) * group]  # [n, group, D]
+            scores = np.matmul(qg.transpose(1, 0, 2), k[g].T) * np.float32(scale)  # [group, n, S]
+            if softcap > 0:
+                scores = softcap * np.tanh(scores / softcap)
+            scores[:, masked] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)  # [group, n, S]
+            wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(
+                1, 0, 2
+            ).reshape(-1, head)
+            wv[:, g] = (p * p).sum(axis=(0, 1))[:, None]
+        out[(layer, "key")] = wk.reshape(length, kv * head)
+        out[(layer, "value")] = wv.reshape(length, kv * head)
+    return out
 
 
 def _rotary(site: Any) -> tuple[bool, int | None] | None:

@@ -397,7 +397,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from onnx_kvcache.calibration import calibrate_kv_cache, format_calibration_summary
 
     if args.percentile is not None and args.method != "percentile":
-        raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
+        method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
+        raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
     data = args.token_ids or args.text
     check_output(
         args.out,
@@ -429,7 +430,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
-    print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {args.method}){target}")
+    method = scales.metadata["method"]
+    print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {method}){target}")
     return 0
 
 
@@ -626,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overwrite_arg(p, "FILE")
     _add_format_args(p)
     p.add_argument(
-        "--method", default="minmax", choices=["minmax", "percentile", "mse"], help="threshold rule"
+        "--method",
+        choices=["minmax", "percentile", "mse", "attention"],
+        help="threshold rule (default: attention for int4, else minmax; see docs/calibration.md)",
     )
     p.add_argument(
         "--percentile",

@@ -9,7 +9,14 @@ outlier channels, as real LLMs' do. Nothing is downloaded: weights come from a s
 
 from __future__ import annotations
 
-__all__ = ["DecoderConfig", "build_decoder", "byte_level_tokenizer", "save_genai_folder"]
+__all__ = [
+    "DecoderConfig",
+    "GenaiTokenizer",
+    "bpe_tokenizer",
+    "build_decoder",
+    "byte_level_tokenizer",
+    "save_genai_folder",
+]
 
 import dataclasses
 import json
@@ -300,15 +307,29 @@ def byte_level_tokenizer() -> dict:
     """
     alphabet = _bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)} | {"<s>": 256, "</s>": 257}
-    special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    return bpe_tokenizer(vocab, [], {256: "<s>", 257: "</s>"})
+
+
+def bpe_tokenizer(
+    vocab: dict[str, int], merges: list[str], special: dict[int, str], *, split_digits: bool = False
+) -> dict:
+    """A byte-level (GPT-2 style) BPE ``tokenizer.json`` document; ``special`` tokens are
+    matched whole; ``split_digits`` splits digits apart first (StarCoder, SmolLM)."""
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    pre: dict = byte_level
+    if split_digits:
+        pre = {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        }
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": 256, "content": "<s>", **special}, {"id": 257, "content": "</s>", **special}],
+        "added_tokens": [{"id": i, "content": t, **flags} for i, t in sorted(special.items())],
         "normalizer": None,
-        "pre_tokenizer": byte_level,
+        "pre_tokenizer": pre,
         "post_processor": None,
         "decoder": byte_level,
         "model": {
@@ -321,30 +342,56 @@ def byte_level_tokenizer() -> dict:
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": vocab,
-            "merges": [],
+            "merges": merges,
         },
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class GenaiTokenizer:
+    """A genai folder's tokenizer: its ``tokenizer.json`` document and special token ids."""
+
+    document: dict
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    bos_token: str
+    eos_token: str
+
+
 def save_genai_folder(
-    folder: str | os.PathLike, config: DecoderConfig | None = None, *, provider: str = "cpu", **overrides
+    folder: str | os.PathLike,
+    config: DecoderConfig | None = None,
+    *,
+    provider: str = "cpu",
+    weight_factory: WeightFactory | None = None,
+    tokenizer: GenaiTokenizer | None = None,
+    **overrides,
 ) -> pathlib.Path:
     """Write the demo decoder as an onnxruntime-genai folder (model, config, tokenizer).
 
     ``provider`` is the execution provider the genai config names, as the model builder
     writes it: ``cpu`` names none (genai's default), ``cuda`` a ``{"cuda": {}}`` entry.
+    ``weight_factory`` gives the weights (a trained model's, see :func:`build_decoder`) and
+    ``tokenizer`` its tokenizer; by default seeded weights and the byte-level tokenizer.
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
-    if config.vocab_size < 258:
-        raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+    if tokenizer is None:
+        if config.vocab_size < 258:
+            raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
+        tokenizer = GenaiTokenizer(byte_level_tokenizer(), 256, 257, 257, "<s>", "</s>")
     path = pathlib.Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    ir.save(build_decoder(config), path / "model.onnx", external_data="model.onnx.data")
+    ir.save(
+        build_decoder(config, weight_factory=weight_factory),
+        path / "model.onnx",
+        external_data="model.onnx.data",
+    )
     genai = {
         "model": {
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 257,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
             "context_length": config.max_position,
             "type": "llama",
             "vocab_size": config.vocab_size,
@@ -389,11 +436,11 @@ def save_genai_folder(
     if config.paged:
         genai = paged_genai_config(genai, config.paged_block_size)
     (path / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
-    (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(), ensure_ascii=False) + "\n")
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer.document, ensure_ascii=False) + "\n")
     tokenizer_config = {
         "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
         "add_bos_token": False,
         "model_max_length": config.max_position,
     }

@@ -230,6 +230,18 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
     return bindings
 
 
+def _query_outputs(model: ir.Model) -> dict[int, tuple[str, AttentionSite]]:
+    """Per cached layer of the main graph, the name of its GroupQueryAttention's query input."""
+    graph_values = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
+    found = {}
+    for site in find_gqa_sites(model):
+        query = site.input("query")
+        in_main = site.node.graph is model.graph and site.has_cache
+        if in_main and query is not None and query.name and query.name not in graph_values:
+            found[site.layer_id] = (query.name, site)
+    return found
+
+
 def _fused(model: ir.Model) -> ir.Model:
     """A decoder without attention nodes (a PyTorch export), fused in memory (the file, or
     the caller's model, unchanged).
@@ -415,6 +427,8 @@ class KvCacheRunner:
             :meth:`fill` advances the caches at about 0.7x the cost of a full forward on a
             small model (the LM head is skipped); the methods that return logits refuse.
             ``logits_name`` and ``vocab_size`` are still the model's.
+        capture_queries: Also fetch every cached GroupQueryAttention node's query input at
+            each run (:meth:`query`); the graph outputs are added for the session only.
 
     A paged decoder packs the batch's rows into one token list each call and keeps a block
     pool per cache: :meth:`present` returns the pool, :meth:`cache_values` each sequence's
@@ -432,6 +446,7 @@ class KvCacheRunner:
         quantized_io: bool = False,
         block_size: int | None = None,
         caches_only: bool = False,
+        capture_queries: bool = False,
     ) -> None:
         require_type(
             model_or_path, (ir.Model, str, os.PathLike), "model_or_path", "an onnx_ir.Model or a path"
@@ -506,8 +521,16 @@ class KvCacheRunner:
             model = prune_to_caches(model, [b.present for b in self.bindings])
         self.model = model
         """The model the session runs (prepared for CPU, pruned to the caches)."""
+        self._queries: dict[int, tuple[str, AttentionSite]] = {}
+        self.queries: dict[int, np.ndarray] = {}
+        """Each layer's query input of the last run (with ``capture_queries``)."""
+        added: list[ir.Value] = []
+        if capture_queries:
+            self._queries = _query_outputs(model)
+            added = [v for _, s in self._queries.values() if (v := s.input("query")) is not None]
+            model.graph.outputs.extend(added)
         try:
-            if model is self.source_model and model_file is not None:
+            if model is self.source_model and model_file is not None and not added:
                 # the file's own graph: onnxruntime reads it (from bytes costs ~1.2x the time)
                 self.session = create_session(model_file, self.providers)
             else:
@@ -516,6 +539,9 @@ class KvCacheRunner:
             raise
         except Exception as error:  # onnxruntime raises several unrelated types
             raise KvCacheError(f"onnxruntime cannot load the model on {self.providers}: {error}") from error
+        finally:
+            for _ in added:
+                model.graph.outputs.pop()
         names = [i.name for i in self.session.get_inputs()]
         self.input_names = names
         ids_name = next((n for n in names if n in ("input_ids", "ids", "tokens")), None)
@@ -537,7 +563,9 @@ class KvCacheRunner:
                 "nodes read (an export's attention that was not fused leaves its cache unread by them)."
             )
         self.device = "cuda" if on_cuda else "cpu"
-        self.io_binding = on_cuda if io_binding is None else io_binding
+        if capture_queries and io_binding:
+            raise KvCacheError("capture_queries fetches the queries as host arrays: use io_binding=False.")
+        self.io_binding = (on_cuda and not capture_queries) if io_binding is None else io_binding
         self.reset()
 
     @property
@@ -639,9 +667,10 @@ class KvCacheRunner:
             cache = self.caches[b.past]
             feeds[b.past] = to_ort_value(cache, b.dtype) if fed_as_bits(b.feed_dtype or b.dtype) else cache
         names = [self.logits_name] * with_logits + [b.present for b in self.bindings]
-        results = run_on_host(self.session, names, feeds)
-        for b, present in zip(self.bindings, results[with_logits:]):
+        results = run_on_host(self.session, names + [n for n, _ in self._queries.values()], feeds)
+        for b, present in zip(self.bindings, results[with_logits : len(names)]):
             self.caches[b.past] = present
+        self.queries = dict(zip(self._queries, results[len(names) :]))
         return results[0] if with_logits else None
 
     def _run_bound(self, feeds: dict[str, Any], with_logits: bool) -> np.ndarray | None:
@@ -815,6 +844,21 @@ class KvCacheRunner:
         decoder's: the block pool)."""
         b = self._binding(layer_id, kind)
         return b.stored(self.cache_array(b.past))
+
+    def query(self, layer_id: int) -> tuple[np.ndarray, AttentionSite]:
+        """A layer's query input of the last run, ``[B, S, num_heads, head_size]`` (packed QKV
+        sliced), and its attention site (with ``capture_queries``)."""
+        if layer_id not in self.queries:
+            raise KvCacheError(
+                f"No query captured for layer {layer_id}: create the runner with capture_queries."
+            )
+        site = self._queries[layer_id][1]
+        q = np.asarray(self.queries[layer_id], np.float32)
+        heads = site.num_heads
+        head = q.shape[-1] // (
+            heads + 2 * site.kv_num_heads if site.packed_qkv else heads
+        )  # shapes may be gone
+        return q[..., : heads * head].reshape(*q.shape[:2], heads, head), site
 
     def cache_values(self, layer_id: int, kind: str) -> np.ndarray:
         """A layer's cache as float32 values ``[B, kv_num_heads, S, head_size]``, dequantized

