@@ -352,7 +352,9 @@ def calibrate_kv_cache(
         "num_seqs": len(windows),
         "tokens": tokens,
         "data": loaded.source,
-        "model": None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model)),
+        # never "model": onnxruntime-genai reads a top-level key named after the model file's
+        # stem (model.onnx -> "model") as that file's section of scales
+        "calibrated_model": None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model)),
         "model_dtype": _model_dtype(runner),
     }
     if method == "percentile":
