@@ -565,7 +565,7 @@ def _genai_scale_readers():
     def builder(path, stem: str, layers: int, size: int) -> dict:
         made: dict = {}
         fake = types.SimpleNamespace(
-            kv_cache_attrs={"quant_mode": "PER_CHANNEL" if size > 1 else "PER_TENSOR", "scales_path": str(path)},
+            kv_cache_attrs={"quant_mode": "PER_CHANNEL" if size > 1 else "PER_TENSOR", "scales_path": path},
             num_kv_heads=KV,
             head_size=size // KV if size > 1 else HEAD,
             filename=f"{stem}.onnx",

@@ -537,3 +537,98 @@ def test_an_fp8_cache_means_cuda_only_while_fp8_is_what_is_asked(tmp_path):
         "cpu",
         "assumed: a float32 model",
     )
+
+
+# -- a hostile review's findings (issue 21, requantize) ------------------------------------
+
+
+def _without_value_info(model: ir.Model) -> ir.Model:
+    """As a TorchScript export: no shape on any value a node computes (graph outputs aside),
+    nor on the attention's query/key/value (graph inputs here, computed in a real decoder)."""
+    outputs = {id(v) for v in model.graph.outputs}
+    for node in model.graph:
+        for value in node.outputs:
+            if id(value) not in outputs:
+                value.shape = None
+        if op_of(node) is not None:
+            for value in node.inputs[:3]:
+                if value is not None:
+                    value.shape = None
+    return model
+
+
+@pytest.mark.parametrize("target", ["int8", "fp8"])
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_a_packed_cache_without_value_info_takes_the_head_size_from_its_per_channel_scale(op, target):
+    model = _without_value_info(quantized(op, "int4", "per_channel"))
+    KvCacheQuantizationPass(target, "per_channel")(model)
+    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    assert caches and all(v.shape[3] == HEAD and v.dtype == get_format(target).dtype for v in caches)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_shared_kv_scale_applies_to_a_model_already_in_the_format(op, fmt):
+    model = quantized(op, fmt, "per_tensor")
+    before = [(n.inputs[op_of(n).slot("k_scale")], n.inputs[op_of(n).slot("v_scale")]) for n in model.graph]
+    before = [(k.const_value.numpy(), v.const_value.numpy()) for k, v in before if k is not None]
+    KvCacheQuantizationPass(fmt, "per_tensor", shared_kv_scale=True)(model)
+    nodes = [n for n in model.graph if op_of(n) is not None]
+    assert len(nodes) == LAYERS
+    for node, (k, v) in zip(nodes, before):
+        row = op_of(node)
+        assert node.inputs[row.slot("k_scale")] is node.inputs[row.slot("v_scale")]
+        np.testing.assert_array_equal(node.inputs[row.slot("k_scale")].const_value.numpy(), np.maximum(k, v))
+
+
+def _scales_as_graph_inputs(model: ir.Model) -> ir.Model:
+    """Every k/v scale fed at run time: a graph input in place of the constant."""
+    for node in list(model.graph):
+        row = op_of(node)
+        if row is None:
+            continue
+        for name in ("k_scale", "v_scale"):
+            old = node.inputs[row.slot(name)]
+            value = ir.Value(name=f"{old.name}_input", type=ir.TensorType(ir.DataType.FLOAT), shape=old.shape)
+            model.graph.inputs.append(value)
+            node.replace_input_with(row.slot(name), value)
+            model.graph.initializers.pop(old.name)
+    return model
+
+
+@pytest.mark.parametrize("target", ["int8", "int4"])
+def test_scales_given_replace_scale_graph_inputs_and_remove_them(tmp_path, target):
+    model = _scales_as_graph_inputs(quantized("gqa", "int8", "per_tensor"))
+    KvCacheQuantizationPass(target, "per_tensor", scales(target, "per_tensor", 3))(model)
+    assert [v.name for v in model.graph.inputs if "scale" in v.name] == []
+    ir.save(model, tmp_path / "model.onnx")
+    session = create_session(tmp_path / "model.onnx")
+    assert not any("scale" in i.name for i in session.get_inputs())
+
+
+def test_the_cli_names_scales_for_a_scale_read_at_run_time(tmp_path, capsys):
+    ir.save(_scales_as_graph_inputs(quantized("gqa", "int8", "per_tensor")), tmp_path / "model.onnx")
+    argv = ["convert", str(tmp_path / "model.onnx"), str(tmp_path / "out.onnx"), "--format", "int4"]
+    assert main([*argv, "--ep", "cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "not a constant; give --scales PATH (a scale file)" in err and "scales=" not in err
+
+
+@pytest.mark.parametrize(("source", "target"), [("int8", "int4"), ("int4", "int8"), ("int8", "fp8")])
+def test_genai_scale_initializers_keep_their_names(tmp_path, source, target):
+    """Replaced in place, the builder's ``model.layers.{i}.attn.k_scale`` keep their names, so
+    genai's KVCacheVariant still reads the output."""
+    pytest.importorskip("onnxruntime_genai")
+    calibrated = scale_file(tmp_path, "per_channel", "int8", head=32)
+    float_model = build_decoder(num_layers=2, vocab_size=300, dtype="float16", paged=True, head_size=32)
+    model = builder_quantized_paged(float_model, source, "per_channel", calibrated)
+    KvCacheQuantizationPass(target, "per_channel")(model)
+    names = {f"model.layers.{i}.attn.{kind}_scale" for i in range(2) for kind in "kv"}
+    scale_inputs = {n.inputs[s].name for n in model.graph if op_of(n) for s in (14, 15)}
+    assert scale_inputs == names and names <= set(model.graph.initializers)
+    if target != "fp8":
+        ir.save(model, tmp_path / "model.onnx")
+        back = "int8" if target == "int4" else "int4"
+        _genai_kv_cache_variant()(f"{back}_per_channel").create(
+            tmp_path / "model.onnx", tmp_path / "variant.onnx", calibrated
+        )

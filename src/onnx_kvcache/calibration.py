@@ -354,7 +354,9 @@ def calibrate_kv_cache(
         "data": loaded.source,
         # never "model": onnxruntime-genai reads a top-level key named after the model file's
         # stem (model.onnx -> "model") as that file's section of scales
-        "calibrated_model": None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model)),
+        "calibrated_model": (
+            None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model))
+        ),
         "model_dtype": _model_dtype(runner),
     }
     if method == "percentile":

@@ -32,7 +32,9 @@ node's operator row:
    = ``"int4"`` (PagedAttention; never ``"float4e2m1"``, which no kernel reads). A LATENT
    node gets the key side's only. Every other attribute and input is kept as it was.
 5. A node already in the requested format and granularity is left alone, or gets the new
-   scale values when scales are given. A node in another (fp8/int8/int4, per tensor/per
+   scale values when scales are given (or its own made one tensor with ``shared_kv_scale``).
+   A replaced constant scale read only by that side's scale slots keeps its name (genai's
+   ``model.layers.{i}.attn.k_scale``); a scale graph input left unread is removed. A node in another (fp8/int8/int4, per tensor/per
    channel) is requantized: converted as its float model would be, with the scales given or,
    without them, its own scales (constants) retargeted: ``scale * old_qmax / new_qmax`` (the
    same threshold, as :meth:`~onnx_kvcache.scales.KvCacheScales.retarget` computes it), per
@@ -58,7 +60,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import AttentionOp, op_of
+from onnx_kvcache.attention_ops import AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
     SCALE_GRANULARITIES,
@@ -279,8 +281,11 @@ class KvCacheQuantizationPass(InPlacePass):
         if self._granularity.per_dim or (self.format.packed and symbolic) or unpacks:
             head = self._head_size(site)
         if scales is None:
-            if done:
+            if done and not (self.shared_kv_scale and len(site.sides) > 1):
                 return _Plan(site, done, sources, sinks, None, None, head, source)
+            if done:  # only shared_kv_scale changes: the node's own scales, made one tensor
+                k, v = self._retargeted(site, source)  # type: ignore[arg-type]
+                return _Plan(site, done, sources, sinks, k, v, head, source)
             if source is not None:
                 k, v = self._retargeted(site, source)
                 return _Plan(site, done, sources, sinks, k, v, head, source)
@@ -324,8 +329,8 @@ class KvCacheQuantizationPass(InPlacePass):
             if found is None:
                 reason = "has no scale input" if value is None else f"reads {value.name!r}, not a constant"
                 raise KvCachePreconditionError(
-                    f"{what}, but its {side.scale} {reason}; give scales= to convert it to "
-                    f"{self.format.name} {self._granularity.name}."
+                    f"{what}, but its {side.scale} {reason}; give scales=PATH (a scale file) to "
+                    f"convert it to {self.format.name} {self._granularity.name}."
                 )
             own = np.asarray(found, np.float32)
             fits = granularity_of([(own.size, kv, head)])
@@ -333,7 +338,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 raise KvCachePreconditionError(
                     f"{what}, but its {side.scale} {value.name!r} holds {own.size} value(s) "  # type: ignore[union-attr]
                     f"that are no finite positive scales of kv_num_heads {kv} x head_size {head}; "
-                    "give scales= to convert it."
+                    "give scales=PATH (a scale file) to convert it."
                 )
             heads, dims = scale_granularity(fits).grid(kv, head)
             grid = own.reshape(heads, dims)
@@ -379,7 +384,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 values = dict.fromkeys(arrays, store.put(owner, name, shared, shape))
             else:
                 for side in site.sides:
-                    name = f"{owner.past(side).name}_scale"  # type: ignore[union-attr]
+                    name = _own_scale_name(site, side) or f"{owner.past(side).name}_scale"  # type: ignore[union-attr]
                     values[side.kind] = store.put(owner, name, arrays[side.kind], shape)
             slots = [(op.slot(side.scale), values[side.kind]) for side in site.sides]
             last = max(slot for slot, _ in slots)
@@ -469,7 +474,7 @@ def _retarget_notes(
             f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
             f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
             "far too coarse for an integer cache. Calibrate the model (calibrate_kv_cache()) and "
-            "give scales=."
+            "give scales=PATH (a scale file)."
         )
     return notes
 
@@ -703,12 +708,28 @@ class _ScaleStore:
             if value.is_initializer() and graph is not None and not value.is_graph_output():
                 graph.initializers.pop(value.name, None)  # type: ignore[arg-type]
                 removed = True
+            elif value.is_graph_input() and graph is self.model.graph and not value.is_graph_output():
+                graph.inputs.remove(value)  # a scale fed at run time, replaced by a constant
+                removed = True
             producer = value.producer()
             if producer is not None and producer.op_type == "Constant" and producer.graph:
                 producer.graph.remove(producer, safe=True)
                 removed = True
         self._retired.clear()
         return removed
+
+
+def _own_scale_name(site: AttentionSite, side: CacheSide) -> str | None:
+    """The name of the main-graph initializer feeding ``side``'s scale when only that side's
+    scale slots read it: replaced in place, it keeps its name (genai's builder and
+    ``KVCacheVariant`` name them ``model.layers.{i}.attn.k_scale``)."""
+    value = site.input(side.scale)
+    if value is None or site.function is not None or not value.is_initializer() or not value.name:
+        return None
+    slot = site.op.slot(side.scale)
+    if value.is_graph_output() or any(op_of(node) is not site.op or i != slot for node, i in value.uses()):
+        return None
+    return value.name
 
 
 def _only_scale_uses(value: ir.Value) -> bool:
