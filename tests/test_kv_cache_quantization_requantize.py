@@ -632,3 +632,31 @@ def test_genai_scale_initializers_keep_their_names(tmp_path, source, target):
         _genai_kv_cache_variant()(f"{back}_per_channel").create(
             tmp_path / "model.onnx", tmp_path / "variant.onnx", calibrated
         )
+
+
+@pytest.mark.parametrize("method", ["mse", "minmax"])
+@pytest.mark.parametrize("source", ["float", "int4"])
+def test_mse_thresholds_moved_to_another_format_warn(tmp_path, source, method):
+    """mse chose its thresholds for int4's 16 levels: as int8 scales they clip far more than
+    int8 needs (a scale file records the method; a converted model's marker too)."""
+    import dataclasses
+
+    given = dataclasses.replace(scales("int4", "per_channel", 0), metadata={"method": method})
+    given.save(tmp_path / "s.json")
+    model = BUILDERS["gqa"]() if source == "float" else quantized("gqa", "int4", "per_channel")
+    mse = method == "mse"
+    with pytest.warns(KvCacheWarning, match="mse thresholds chosen for int4") if mse else warnings_as_errors():
+        KvCacheQuantizationPass("int8", scales=str(tmp_path / "s.json"))(model)
+    ir.save(BUILDERS["gqa"](), tmp_path / "model.onnx")
+    convert_model(tmp_path / "model.onnx", tmp_path / "int4.onnx", scales=tmp_path / "s.json", ep="cpu")
+    with pytest.warns(KvCacheWarning, match="mse thresholds") if mse else warnings_as_errors():
+        convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8", ep="cpu")
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KvCacheWarning)
+        yield

@@ -575,8 +575,10 @@ def convert_model(
         if new_config == source.config:
             new_config = None
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
+    own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
+    method = scales.metadata.get("method") if scales is not None else own
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
-        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target
+        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target, method
     )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())

@@ -42,7 +42,7 @@ import numpy as np
 
 from onnx_kvcache._input_files import load_json
 from onnx_kvcache._output_files import stamp_json, write_output
-from onnx_kvcache.errors import KvCacheError, KvCacheTypeError
+from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, warn
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
@@ -217,6 +217,8 @@ class KvCacheScales:
         if self.qmax is None or self.qmax == target.qmax:
             return dataclasses.replace(self, format=target.name, qmax=target.qmax)
         factor = self.qmax / target.qmax  # in float64: the result is checked, never overflows
+        if self.metadata.get("method") == "mse":
+            warn(mse_moved(self.implied_format or f"qmax {self.qmax:g}", target.name))
         return KvCacheScales(
             {i: a.astype(np.float64) * factor for i, a in self.k.items()},
             {i: a.astype(np.float64) * factor for i, a in self.v.items()},
@@ -256,6 +258,16 @@ class KvCacheScales:
             KvCacheError: The path is one of those; the message says which.
         """
         write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
+
+
+def mse_moved(source: str, target: str) -> str:
+    """The warning for mse thresholds made for ``source`` used as ``target`` scales."""
+    return (
+        f"These KV-cache scales hold mse thresholds chosen for {source}'s levels; as {target} "
+        f"scales they keep those thresholds, which are not what mse chooses for {target} "
+        f"(an int4 mse threshold clips far more than int8 needs). Calibrate for {target}: "
+        f"calibrate_kv_cache(format='{target}', method='mse')."
+    )
 
 
 def _layer_id(key: Any) -> Any:

@@ -34,15 +34,17 @@ node's operator row:
 5. A node already in the requested format and granularity is left alone, or gets the new
    scale values when scales are given (or its own made one tensor with ``shared_kv_scale``).
    A replaced constant scale read only by that side's scale slots keeps its name (genai's
-   ``model.layers.{i}.attn.k_scale``); a scale graph input left unread is removed. A node in another (fp8/int8/int4, per tensor/per
-   channel) is requantized: converted as its float model would be, with the scales given or,
-   without them, its own scales (constants) retargeted: ``scale * old_qmax / new_qmax`` (the
+   ``model.layers.{i}.attn.k_scale``); a scale graph input left unread is removed. A node
+   in another (fp8/int8/int4, per tensor/per channel) is requantized: converted as its
+   float model would be, with the scales given or, without them, its own scales (constants)
+   retargeted: ``scale * old_qmax / new_qmax`` (the
    same threshold, as :meth:`~onnx_kvcache.scales.KvCacheScales.retarget` computes it), per
    channel to per tensor by their max, per tensor to per channel by broadcasting. A packed
    cache unpacked again takes the static head size. Leftover attributes of the old format
    (PagedAttention's ``k_cache_dtype``) are removed. Without scales, a granularity change and
    fp8 unit scales (1.0) given to an integer format warn: they are not what calibrating for
-   the target would give (docs/scales.md, "Requantizing").
+   the target would give (docs/scales.md, "Requantizing"); so do mse thresholds (a scale
+   file's ``method``, or the marker of our conversion) moved to another format.
 
 Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
 before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
@@ -60,6 +62,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._previous_output import calibrated_by
 from onnx_kvcache.attention_ops import AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
@@ -72,7 +75,7 @@ from onnx_kvcache.formats import (
 )
 from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites, function_call_sites
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
+from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, mse_moved, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +213,9 @@ class KvCacheQuantizationPass(InPlacePass):
                 "the V scales given for them are not used."
             )
         notes += _retarget_notes(plans, self.format, self._granularity, scales is None)
+        moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
+        if scales is None and moved and calibrated_by(model.metadata_props) == "mse":
+            notes.append(mse_moved(moved[0], self.format.name))  # the marker of our conversion says so
         if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
