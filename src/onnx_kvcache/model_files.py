@@ -54,7 +54,7 @@ from onnx_kvcache.formats import (
     CACHE_FORMATS,
     get_format,
 )
-from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buffer
+from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
@@ -485,7 +485,7 @@ def convert_model(
     """
     require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
     require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
-    scales = as_kv_cache_scales(scales)
+    scales = as_kv_cache_scales(scales, stem=_model_stem(in_path))
     named = format or (scales.implied_format if scales is not None else None)  # None: the target's
     if named is not None:
         get_format(named)  # an unknown name fails before any work
@@ -608,6 +608,16 @@ def convert_model(
             "nothing was written and it is left as it is. Check it, or choose another output path."
         ) from None
     return result
+
+
+def _model_stem(in_path: Any) -> str | None:
+    """The stem of the model file ``in_path`` names (a genai folder's decoder): the section of a
+    scale file of several that onnxruntime-genai reads for it. None when it cannot tell (the
+    reading that follows says why)."""
+    try:
+        return resolve_model_path(in_path)[0].stem
+    except (KvCacheError, OSError, ValueError):
+        return None
 
 
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:

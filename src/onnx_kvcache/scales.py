@@ -301,7 +301,11 @@ def _parse_entries(path: Any, name: str, entries: Any) -> list[np.ndarray]:
     return arrays
 
 
-def _select_section(path: Any, doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+def _select_section(
+    path: Any, doc: dict[str, Any], model: str | None, stem: str | None = None
+) -> dict[str, Any]:
+    """The section of ``doc`` to read: all of it, the one named ``model``, else the one named
+    ``stem`` (the model file's, as onnxruntime-genai picks it) or the only one."""
     if "scales" in doc:
         return doc
     sections = {k: v for k, v in doc.items() if isinstance(v, dict) and "scales" in v}
@@ -309,17 +313,27 @@ def _select_section(path: Any, doc: dict[str, Any], model: str | None) -> dict[s
         raise _fail(path, 'no \'scales\' key (expected {"scales": {"k_scales": ..., ...}}).')
     if model is not None and model in sections:
         return sections[model]
+    if model is None and stem is not None and stem in sections:
+        return sections[stem]
     if len(sections) == 1 and model is None:
         return next(iter(sections.values()))
-    raise _fail(
-        path,
-        f"holds scales for several model files ({', '.join(sorted(sections))}); "
-        + (f"none is named {model!r}." if model else "name one with model=<file stem>."),
-    )
+    if model is not None:
+        fix = f"none is named {model!r}."
+    else:
+        named = f" (none is named {stem!r}, the model file's stem)" if stem is not None else ""
+        fix = (
+            f"a model is converted with the section named after its file's stem{named}, as "
+            "onnxruntime-genai reads it; from Python name one with model=<section>."
+        )
+    raise _fail(path, f"holds scales for several model files ({', '.join(sorted(sections))}); {fix}")
 
 
 def load_kv_cache_scale_file(
-    path: str | os.PathLike, *, format: str | None = None, model: str | None = None
+    path: str | os.PathLike,
+    *,
+    format: str | None = None,
+    model: str | None = None,
+    stem: str | None = None,
 ) -> KvCacheScales:
     """Read a KV-cache scale file (onnxruntime-genai format and its variants).
 
@@ -327,6 +341,8 @@ def load_kv_cache_scale_file(
         path: JSON file.
         format: Retarget the scales to this cache format using the file's ``qmax``.
         model: Section to read when the file holds one per model file (the file stem).
+        stem: Without ``model``, the stem of the model file the scales are for: its section
+            is read when the file holds several (``convert_model`` gives it).
 
     Raises:
         KvCacheFileNotFoundError: (a ``KvCacheError`` and ``FileNotFoundError``) The file is missing.
@@ -340,7 +356,7 @@ def load_kv_cache_scale_file(
     doc = load_json(p, "Scale file", fix="give the path of a JSON scale file")
     if not isinstance(doc, dict):
         raise _fail(p, f"top level must be an object, got {type(doc).__name__}.")
-    section = _select_section(p, doc, model)
+    section = _select_section(p, doc, model, stem)
     scales = section["scales"]
     if not isinstance(scales, dict):
         raise _fail(p, f"'scales' must be an object, got {type(scales).__name__}.")
@@ -411,14 +427,17 @@ def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -
     return granularity
 
 
-def as_kv_cache_scales(scales: ScalesLike, *, format: str | None = None) -> KvCacheScales | None:
-    """Normalize what users pass as scales (object, mapping or file path)."""
+def as_kv_cache_scales(
+    scales: ScalesLike, *, format: str | None = None, stem: str | None = None
+) -> KvCacheScales | None:
+    """Normalize what users pass as scales (object, mapping or file path; ``stem``: the model
+    file's, naming the section a file of several is read from)."""
     if scales is None:
         return None
     if isinstance(scales, KvCacheScales):
         result = scales
     elif isinstance(scales, (str, os.PathLike)):
-        result = load_kv_cache_scale_file(scales)
+        result = load_kv_cache_scale_file(scales, stem=stem)
     elif isinstance(scales, Mapping):
         result = KvCacheScales.from_mapping(scales)
     else:
