@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import onnx
@@ -1626,3 +1627,33 @@ def test_without_a_format_or_scales_the_target_picks_the_format(tmp_path, dtype,
         with pytest.warns(KvCacheWarning, match="unit scales"):
             result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
     assert result.converted and result.format == fmt
+
+
+@pytest.mark.parametrize(
+    ("provider", "first", "second", "ep", "options"),
+    [
+        ("cpu", "int8", "fp8", "cuda", [{"cuda": {}}]),  # [] would run the fp8 cache on CPU: fails
+        ("cuda", "fp8", "int8", "cpu", []),  # the user asked for CPU: genai must not pick CUDA
+        ("cpu", "int8", "int4", "cpu", []),  # the same provider: left as it was
+    ],
+)
+def test_a_requantized_folders_provider_options_follow_the_ep_given(
+    tmp_path, provider, first, second, ep, options
+):
+    from onnx_kvcache import KvCacheScales
+
+    def scales(fmt: str) -> KvCacheScales:
+        return KvCacheScales.from_mapping({0: (0.02, 0.03), 1: (0.025, 0.035)}, format=fmt)
+
+    folder = save_genai_folder(tmp_path / "in", num_layers=2, provider=provider, dtype="float16")
+    convert_model(folder, tmp_path / "first", format=first, scales=scales(first), ep=provider)
+    with warnings.catch_warnings():  # int4 needs an int4 build, fp8 an SM 8.9 GPU: said, not tested here
+        warnings.simplefilter("ignore", KvCacheWarning)
+        result = convert_model(
+            tmp_path / "first", tmp_path / "second", format=second, scales=scales(second), ep=ep
+        )
+    config = json.loads((tmp_path / "second" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == options
+    assert any("provider_options now name" in n for n in result.notes) == (provider != ep)
+    if ep == "cpu":
+        og_generate(tmp_path / "second", [1, 2, 3], 2)  # og.Model loads and runs it on CPU

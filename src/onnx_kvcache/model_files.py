@@ -572,6 +572,8 @@ def convert_model(
     new_config = None
     if source.config is not None:
         new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
+        if ep not in (None, "auto"):
+            new_config = _with_provider(new_config, target, result)
         if new_config == source.config:
             new_config = None
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
@@ -608,6 +610,36 @@ def convert_model(
             "nothing was written and it is left as it is. Check it, or choose another output path."
         ) from None
     return result
+
+
+#: The ``provider_options`` entry onnxruntime-genai reads for a provider row (cpu: none).
+_GENAI_PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {"cpu": [], "cuda": [{"cuda": {}}]}
+
+
+def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -> dict[str, Any]:
+    """``config`` naming the provider the user gave (``ep``) where it named another: genai
+    runs the model on what ``provider_options`` names ([] is the CPU), so a conversion for
+    another provider left as it was fails there (an fp8 cache on the CPU) or runs elsewhere
+    than asked. A provider genai's config cannot be written for here warns instead."""
+    wanted = get_capabilities(target).name
+    folder, _ = infer_target(None, config)
+    if folder == wanted:
+        return config
+    options = _GENAI_PROVIDER_OPTIONS.get(wanted)
+    if options is None:
+        warn(
+            f"{GENAI_CONFIG}'s provider_options name {folder}, not {target}: onnxruntime-genai will "
+            f"run the model on {folder}. Edit model.decoder.session_options.provider_options to "
+            f"name {target}."
+        )
+        return config
+    config = json.loads(json.dumps(config))
+    session = config["model"]["decoder"].setdefault("session_options", {})
+    session["provider_options"] = json.loads(json.dumps(options))
+    result.notes.append(
+        f"{GENAI_CONFIG}'s provider_options now name {wanted}, the provider given (they named {folder})."
+    )
+    return config
 
 
 def _model_stem(in_path: Any) -> str | None:
