@@ -645,7 +645,8 @@ def test_mse_thresholds_moved_to_another_format_warn(tmp_path, source, method):
     given.save(tmp_path / "s.json")
     model = BUILDERS["gqa"]() if source == "float" else quantized("gqa", "int4", "per_channel")
     mse = method == "mse"
-    with pytest.warns(KvCacheWarning, match="mse thresholds chosen for int4") if mse else warnings_as_errors():
+    expected = "mse thresholds chosen for int4"
+    with pytest.warns(KvCacheWarning, match=expected) if mse else warnings_as_errors():
         KvCacheQuantizationPass("int8", scales=str(tmp_path / "s.json"))(model)
     ir.save(BUILDERS["gqa"](), tmp_path / "model.onnx")
     convert_model(tmp_path / "model.onnx", tmp_path / "int4.onnx", scales=tmp_path / "s.json", ep="cpu")
