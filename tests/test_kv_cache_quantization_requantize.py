@@ -661,3 +661,33 @@ def warnings_as_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error", KvCacheWarning)
         yield
+
+
+@pytest.mark.parametrize("op", list(BUILDERS))
+@pytest.mark.parametrize("given", ["own", "scale-file", "scales"])
+def test_per_channel_scales_for_a_per_tensor_cache_merge_by_their_max_with_a_warning(tmp_path, op, given):
+    """A node's own per-channel scales and per-channel scales given are treated alike."""
+    per_channel = scales("int8", "per_channel", 4)
+    per_channel.save(tmp_path / "s.json")
+    model = quantized(op, "int8", "per_channel", seed=4) if given == "own" else BUILDERS[op]()
+    argument = {"own": None, "scale-file": str(tmp_path / "s.json"), "scales": per_channel}[given]
+    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\].*merged into one.*their max"):
+        KvCacheQuantizationPass("int8", "per_tensor", argument)(model)
+    direct = BUILDERS[op]()
+    merged = {i: (k.max(), v.max()) for i, (k, v) in ((i, per_channel.for_layer(i)) for i in range(LAYERS))}
+    KvCacheQuantizationPass("int8", "per_tensor", merged)(direct)
+    assert structure(model) == structure(direct)
+
+
+@pytest.mark.parametrize("target", ["per_tensor", "per_channel"])
+def test_mixed_granularity_caches_warn_for_the_side_that_changes(target):
+    """K per channel, V per tensor: whichever target, one side's scales change granularity."""
+    model = quantized("gqa", "int8", "per_channel")
+    for node in model.graph:
+        if op_of(node) is not None:
+            node.attributes["v_quant_type"] = ir.AttrString("v_quant_type", "PER_TENSOR")
+            v = node.inputs[13]
+            v.const_value = ir.tensor(np.array([v.const_value.numpy().max()], np.float32), name=v.name)
+            v.shape = ir.Shape([1])
+    with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {target}"):
+        KvCacheQuantizationPass("int4", target)(model)

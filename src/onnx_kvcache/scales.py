@@ -414,12 +414,14 @@ def load_kv_cache_scale_file(
 
 def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -> str:
     """The granularity to convert with: the one asked for, else the one ``scales`` record,
-    else ``per_tensor``. Asking for another than the scales record is an error."""
+    else ``per_tensor``. Asking for another than the scales record is an error, but for one
+    scale per tensor from finer scales (the conversion takes their max, with a warning, as it
+    does a requantized node's own)."""
     recorded = scales.granularity if scales is not None else None
     if granularity is None:
         return recorded or "per_tensor"
     granularity = get_granularity(granularity)
-    if recorded is not None and recorded != granularity:
+    if recorded is not None and recorded != granularity and not scale_granularity(granularity).single:
         raise KvCacheError(
             f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
             f"convert with granularity='{recorded}', or give {granularity} scales."

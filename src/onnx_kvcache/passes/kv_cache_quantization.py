@@ -180,6 +180,8 @@ class KvCacheQuantizationPass(InPlacePass):
         :class:`KvCachePreconditionError` when it cannot convert."""
         scales = self.scales
         self._granularity = scale_granularity(self.granularity or granularity_for(model, scales))
+        self._merged: set[int] = set()
+        """Layers whose given per-channel scales were merged for a per-tensor cache."""
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
         groups: dict[int, list[AttentionSite]] = {}
@@ -213,6 +215,11 @@ class KvCacheQuantizationPass(InPlacePass):
                 "the V scales given for them are not used."
             )
         notes += _retarget_notes(plans, self.format, self._granularity, scales is None)
+        if self._merged:
+            notes.append(
+                f"Layer(s) {sorted(self._merged)}: the per-channel scales given merged into one per "
+                f"tensor, their max: {_MERGED}."
+            )
         moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
         if scales is None and moved and calibrated_by(model.metadata_props) == "mse":
             notes.append(mse_moved(moved[0], self.format.name))  # the marker of our conversion says so
@@ -303,6 +310,12 @@ class KvCacheQuantizationPass(InPlacePass):
         k, v = scales.for_layer(site.layer_id)
         per_tensor = not (self._granularity.per_head or self._granularity.per_dim)
         expected = self._granularity.size(site.kv_num_heads, head or 1)
+        merged = (
+            per_tensor and k.size > 1 and granularity_of([(k.size, site.kv_num_heads, _head_or_none(site))])
+        )
+        if merged:  # finer scales for one per tensor: their max, as a node's own (rule 5)
+            k, v = np.array([k.max()], np.float32), np.array([v.max()], np.float32)
+            self._merged.add(site.layer_id)
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
@@ -421,6 +434,8 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
         super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
 
 
+_MERGED = "the range stays covered, channels of a smaller range get coarser steps"
+
 #: ``shared_kv_scale`` warns when max(k, v) makes a scale coarser than this factor.
 SHARED_SCALE_WARN_FACTOR = 2.0
 
@@ -456,11 +471,16 @@ def _retarget_notes(
         return []
     moved = [(p.site.layer_id, p.source, p.k_scale) for p in plans if p.source is not None and not p.done]
     notes = []
-    changed = sorted({layer for layer, source, _ in moved if source.granularity != granularity})
+    changed = sorted(
+        {
+            p.site.layer_id
+            for p in plans
+            if p.source is not None and not p.done and _side_granularities(p.site) - {granularity.name}
+        }
+    )
     if changed:
         how = (
-            "their per-channel scales merged into one, their max: the range stays covered, "
-            "channels of a smaller range get coarser steps"
+            f"their per-channel scales merged into one, their max: {_MERGED}"
             if granularity.single
             else "their one scale repeated for every channel: no channel gets finer steps "
             "(calibrate the float model per channel for that)"
@@ -483,6 +503,19 @@ def _retarget_notes(
             "give scales=PATH (a scale file)."
         )
     return notes
+
+
+def _head_or_none(site: AttentionSite) -> int | None:
+    try:
+        return site.head_size()
+    except KvCacheError:
+        return None
+
+
+def _side_granularities(site: AttentionSite) -> set[str]:
+    """The granularity each cache of ``site`` states (K per channel, V per tensor: both)."""
+    states = {site.str_attr(side.quant_attr, "NONE") for side in site.sides}
+    return {row.name for row in SCALE_GRANULARITIES.values() if row.quant_type in states}
 
 
 # -- cache endpoints ------------------------------------------------------------------
