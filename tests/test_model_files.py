@@ -1657,3 +1657,21 @@ def test_a_requantized_folders_provider_options_follow_the_ep_given(
     assert any("provider_options now name" in n for n in result.notes) == (provider != ep)
     if ep == "cpu":
         og_generate(tmp_path / "second", [1, 2, 3], 2)  # og.Model loads and runs it on CPU
+
+
+@pytest.mark.parametrize(("first", "second"), [("fp8", "int4"), ("int4", "int8"), ("int8", "int8")])
+def test_in_place_requantizing_names_the_graph_after_its_new_format(tmp_path, first, second):
+    """In place, a genai folder's graph is named after its format (the config names it), also
+    when the config needs no other change (fp8 -> int4 on CUDA both share buffers)."""
+    from onnx_kvcache import KvCacheScales
+
+    folder = save_genai_folder(tmp_path / "in", num_layers=2, provider="cuda", dtype="float16")
+    for fmt in (first, second):
+        scales = KvCacheScales.from_mapping({0: (0.02, 0.03), 1: (0.025, 0.035)}, format=fmt)
+        with warnings.catch_warnings():  # int4 needs an int4 build, fp8 an SM 8.9 GPU: said, not tested here
+            warnings.simplefilter("ignore", KvCacheWarning)
+            result = convert_model(folder, format=fmt, scales=scales, ep="cuda", in_place=True)
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert result.model_file.name == config["model"]["decoder"]["filename"] == f"model.{second}.onnx"
+    assert sorted(p.name for p in folder.glob("*.onnx")) == [f"model.{second}.onnx"]
+    onnx.load(folder / f"model.{second}.onnx")

@@ -359,6 +359,14 @@ def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _named_format(graph: pathlib.Path) -> str | None:
+    """The format a graph's name says it has (``model.fp8.onnx``, ``model.fp8.2.onnx``: fp8)."""
+    parts = graph.name.removesuffix(".onnx").split(".")
+    if len(parts) > 2 and parts[-1].isdecimal():
+        parts.pop()
+    return parts[-1] if len(parts) > 1 and parts[-1] in CACHE_FORMATS else None
+
+
 def _free_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
     """A new, unused name for ``graph`` converted to ``fmt``: ``STEM.FMT.onnx``, ``STEM.FMT.2.onnx``, ..."""
     stem = graph.name.removesuffix(".onnx")
@@ -676,6 +684,8 @@ def _write_in_place(
     result.data_files = sorted(source.data)
     for folder in {graph.parent, source.root}:
         file_io.sweep_stale(folder)
+    if config is None and source.config is not None and _named_format(graph) not in (None, fmt):
+        config = source.config  # model.fp8.onnx requantized to int4: renamed (the config names it)
     if config is None or source.config_path is None:
         file_io.atomic_write_bytes(graph, data, like=graph.stat())
         result.model_file, result.bytes_written = graph, len(data)
