@@ -609,3 +609,12 @@ def test_a_calibrated_scale_file_loads_in_genais_readers(tmp_path, model, granul
     made = builder(out, "model", LAYERS, size)
     np.testing.assert_array_equal(made["k1"].reshape(-1), ours.k[1])
     np.testing.assert_array_equal(made["v0"].reshape(-1), ours.v[0])
+
+
+@pytest.mark.parametrize(("fmt", "noted"), [("fp8", False), ("int8", True), ("int4", True)])
+def test_the_integer_rounding_note_is_printed_for_integer_formats_only(tmp_path, model, capsys, fmt, noted):
+    ir.save(model, tmp_path / "model.onnx")
+    argv = ["calibrate", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "s.json"), "--format", fmt]
+    assert main([*argv, "--seq-len", "64", "--num-seqs", "4", "--min-tokens", "64", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "k clip" in out and ("minmax clips int8/int4" in out) is noted

@@ -192,7 +192,7 @@ def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeyp
     stdout, stderr = capsys.readouterr()
 
     expected = {
-        "beside": "weights: shared with model.onnx (0 bytes)",
+        "beside": "model.onnx.data, shared with model.onnx (0 bytes)",  # its data, named as it is stored
         "in-place": "weights: unchanged",
         "copy": "weights: copied 1.9 MiB",
         "link": "weights: hard-linked 1.9 MiB (0 bytes written)",
@@ -325,7 +325,7 @@ def test_a_folder_is_never_converted_into_itself(tmp_path, capsys, scale_file, o
     assert snapshot(g) == before and sorted(os.listdir(g)) == sorted(before)
     if output == "model.int8.onnx":
         assert main(["convert", str(g / "model.onnx"), str(g / output), *args]) == 0
-        assert "weights: shared with model.onnx (0 bytes)" in capsys.readouterr().out
+        assert "weights: model.onnx.data, shared with model.onnx (0 bytes)" in capsys.readouterr().out
         assert resolve_model_path(g)[0] == g / "model.onnx"  # genai still runs the original
         assert_loads_everywhere(g, ir.DataType.FLOAT)
         assert_loads_everywhere(g / output, ir.DataType.INT8)

@@ -423,7 +423,9 @@ class ConvertResult:
             return f"weights: unchanged ({size} in place, 0 bytes written)"
         if self.weights == "shared":
             name = self.shared_with.name if self.shared_with else "the input"
-            return f"weights: shared with {name} (0 bytes)"
+            files = self.data_files
+            which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
+            return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
         if self.weights == "cloned":
             return f"weights: cloned {size} (0 bytes written)"
         if self.weights == "linked":
