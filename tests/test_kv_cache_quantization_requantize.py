@@ -28,6 +28,7 @@ from onnx_kvcache import (
     KvCacheRunner,
     KvCacheScales,
     KvCacheWarning,
+    NotConvertedWarning,
     build_decoder,
     convert_model,
     optimize_model,
@@ -291,9 +292,11 @@ def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granulari
 
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
     convert_model(src, in_place=True, format="int4", scales=FOLDER_SCALES, ep="cpu")
-    same = convert_model(src, tmp_path / "same")  # already int4 per tensor: no change, no error
-    assert same.converted and (same.format, same.granularity) == ("int4", "per_tensor")
-    assert graph_of(tmp_path / "same") == graph_of(src)
+    with pytest.warns(
+        NotConvertedWarning, match=r"model\.onnx is already int4 per_tensor: nothing to convert"
+    ):
+        same = convert_model(src, tmp_path / "same")  # already int4 per tensor: nothing written
+    assert not same.converted and not (tmp_path / "same").exists()
     with pytest.warns(KvCacheWarning, match="repeated for every channel"):
         result = convert_model(src, tmp_path / "out", granularity="per_channel")
     assert (result.format, result.granularity, result.target) == ("int4", "per_channel", "cpu")
@@ -691,3 +694,32 @@ def test_mixed_granularity_caches_warn_for_the_side_that_changes(target):
             v.shape = ir.Shape([1])
     with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {target}"):
         KvCacheQuantizationPass("int4", target)(model)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (
+            ["--format", "int4"],
+            0,
+            "requantized from int8 per_tensor with its own scales (x 128/8: the same thresholds).",
+        ),
+        (["--granularity", "per_channel"], 0, "(x 128/128: the same thresholds; per_tensor -> per_channel)"),
+        (
+            ["--format", "int4", "--scales", "{scales}"],
+            0,
+            "requantized from int8 per_tensor with the scales given.",
+        ),
+        ([], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
+        (["--format", "int8"], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
+    ],
+)
+def test_the_cli_says_what_requantizing_did(tmp_path, capsys, argv, code, says):
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
+    convert_model(src, in_place=True, format="int8", scales=FOLDER_SCALES, ep="cpu")
+    KvCacheScales.from_mapping(FOLDER_SCALES, format="int8").save(tmp_path / "s.json")
+    argv = [a.format(scales=tmp_path / "s.json") for a in argv]
+    assert main(["convert", str(src), str(tmp_path / "out"), *argv]) == code
+    out, err = capsys.readouterr()
+    assert says in (out if code == 0 else err)
+    assert (tmp_path / "out").exists() is (code == 0)  # nothing to convert: nothing copied

@@ -359,6 +359,23 @@ def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _requantized_note(model: ir.Model, fmt: str, granularity: str, given: bool) -> str | None:
+    """What a conversion of already-quantized caches does with their scales, for the summary."""
+    own = sorted(
+        {(s.cache_format, s.granularity) for s in find_attention_sites(model) if s.cache_format}, key=str
+    )
+    if not own:
+        return None
+    target = get_format(fmt)
+    was = ", ".join(f"{f.name} {g}" for f, g in own)
+    if given:
+        return f"requantized from {was} with the scales given."
+    ratios = ", ".join(f"x {f.qmax:g}/{target.qmax:g}" for f in dict.fromkeys(f for f, _ in own))
+    moved = {g for _, g in own} - {granularity}
+    how = f"; {', '.join(sorted(moved))} -> {granularity}" if moved else ""
+    return f"requantized from {was} with its own scales ({ratios}: the same thresholds{how})."
+
+
 def _named_format(graph: pathlib.Path) -> str | None:
     """The format a graph's name says it has (``model.fp8.onnx``, ``model.fp8.2.onnx``: fp8)."""
     parts = graph.name.removesuffix(".onnx").split(".")
@@ -534,6 +551,14 @@ def convert_model(
                 else f"attention fusion found {len(fusion.refused)} attention(s) it cannot prove "
                 f"equivalent to GroupQueryAttention ({left}): nothing to convert."
             )
+    if refusal is None and scales is None and not shared_kv_scale and named is not None:
+        own = {
+            (s.cache_format.name if s.cache_format else None, s.granularity)
+            for s in find_attention_sites(model)
+        }
+        wanted = (get_format(named).name, granularity or granularity_for(model, None))
+        if own == {wanted}:
+            refusal = f"{source.graph.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
     if refusal is None and not find_attention_sites(model):
         refusal = (
             f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
@@ -568,7 +593,10 @@ def convert_model(
                 raise KvCacheError(message)
             warn(message, NotConvertedWarning)
             return result
+    requantized = _requantized_note(model, fmt.name, granularity, scales is not None)
     KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    if requantized:
+        result.notes.insert(0, requantized)
     for said in fusion_said:
         warn(str(said.message), said.category)
     for site in find_attention_sites(model):

@@ -164,11 +164,18 @@ class KvCacheQuantizationPass(InPlacePass):
         counts: dict[str, int] = {}
         for plan in plans:
             counts[plan.site.op.op_type] = counts.get(plan.site.op.op_type, 0) + 1
+        moved = sorted(
+            {f"{p.source.format.name} {p.source.granularity.name}" for p in plans if p.source and not p.done}
+        )
         logger.info(
-            "KV cache: %s in %s %s format%s.",
+            "KV cache: %s in %s %s format%s%s.",
             ", ".join(f"{n} {op} node(s)" for op, n in counts.items()) or "no attention node",
             self.format.name,
             self._granularity.name,
+            f" (requantized from {', '.join(moved)}, "
+            + ("the scales given)" if self.scales is not None else "its own scales retargeted by qmax)")
+            if moved
+            else "",
             "" if modified else " (already converted, nothing changed)",
         )
         return ir.passes.PassResult(model, modified=modified)
