@@ -330,7 +330,12 @@ def test_convert_takes_the_granularity_of_the_scale_file(tmp_path, model_file, c
     assert main(["inspect", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layers"][0]["k_quant_type"] == "PER_CHANNEL"
     args = ["convert", str(model_file), str(tmp_path / "x.onnx"), "--format", "int8", "--scales", str(scales)]
-    assert main([*args, "--granularity", "per_tensor"]) == 2  # explicit and contradicting: an error
+    assert main([*args, "--granularity", "per_tensor"]) == 0  # finer scales for one: their max, warned
+    assert "merged into one per tensor, their max" in capsys.readouterr().err
+    single = tmp_path / "pt.json"
+    single.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.2, 0.2]}}))
+    args = ["convert", str(model_file), str(tmp_path / "y.onnx"), "--format", "int8", "--scales", str(single)]
+    assert main([*args, "--granularity", "per_channel"]) == 2  # coarser scales for finer: an error
     assert "element" in capsys.readouterr().err
 
 
