@@ -371,7 +371,7 @@ def _requantized_note(model: ir.Model, fmt: str, granularity: str, given: bool) 
     if given:
         return f"requantized from {was} with the scales given."
     ratios = ", ".join(f"x {f.qmax:g}/{target.qmax:g}" for f in dict.fromkeys(f for f, _ in own))
-    moved = {g for _, g in own} - {granularity}
+    moved = {g for _, g in own if g is not None} - {granularity}
     how = f"; {', '.join(sorted(moved))} -> {granularity}" if moved else ""
     return f"requantized from {was} with its own scales ({ratios}: the same thresholds{how})."
 
@@ -493,8 +493,11 @@ def convert_model(
     and the result's ``converted``/``reasons`` say why (``strict`` raises instead). ``None``
     skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
     model without GroupQueryAttention is first fused (onnxscript); without any after fusion
-    it is not converted. A genai folder's ``search.past_present_share_buffer`` follows the
-    target. ``granularity`` defaults to the one the scales record (calibration and our scale
+    it is not converted, nor is a model already in the format and granularity asked (without
+    scales: nothing to convert). A genai folder's ``search.past_present_share_buffer`` follows
+    the target, its ``provider_options`` the ``ep`` given when it names another provider. A
+    scale file of one section per model file gives the section of the model file's stem.
+    ``granularity`` defaults to the one the scales record (calibration and our scale
     files record it), else the first of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
     size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
     ``kv_num_heads * head_size`` per channel), else an already-quantized model's own, else per
@@ -552,12 +555,12 @@ def convert_model(
                 f"equivalent to GroupQueryAttention ({left}): nothing to convert."
             )
     if refusal is None and scales is None and not shared_kv_scale and named is not None:
-        own = {
+        states = {
             (s.cache_format.name if s.cache_format else None, s.granularity)
             for s in find_attention_sites(model)
         }
         wanted = (get_format(named).name, granularity or granularity_for(model, None))
-        if own == {wanted}:
+        if states == {wanted}:
             refusal = f"{source.graph.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
     if refusal is None and not find_attention_sites(model):
         refusal = (
