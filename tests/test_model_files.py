@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import onnx
@@ -1586,7 +1587,13 @@ def test_the_format_defaults_to_the_one_the_scales_were_made_for(tmp_path, qmax,
 def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, share):
     folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300, dtype="float16")
     out = tmp_path / ep
-    convert_model(folder, out, format="int8", scales={0: (0.1, 0.05), 1: (0.1, 0.05)}, ep=ep)
+    stale = ep == "openvino"  # no provider_options genai's builder writes for it: left, with a warning
+    with (
+        pytest.warns(KvCacheWarning, match="provider_options name cpu, not openvino")
+        if stale
+        else nullcontext()
+    ):
+        convert_model(folder, out, format="int8", scales={0: (0.1, 0.05), 1: (0.1, 0.05)}, ep=ep)
     assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is share
 
 

@@ -653,8 +653,14 @@ def convert_model(
     return result
 
 
-#: The ``provider_options`` entry onnxruntime-genai reads for a provider row (cpu: none).
-_GENAI_PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {"cpu": [], "cuda": [{"cuda": {}}]}
+#: The ``provider_options`` onnxruntime-genai reads for a provider row (cpu: none), named as
+#: its model builder names them (``builders/base.py``); it writes none for OpenVINO.
+_GENAI_PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "cpu": [],
+    "cuda": [{"cuda": {}}],
+    "dml": [{"dml": {}}],
+    "webgpu": [{"webgpu": {}}],
+}
 
 
 def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -> dict[str, Any]:
