@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import onnx_ir as ir
@@ -755,3 +756,83 @@ def test_keys_rotated_anywhere_keep_their_envelope(interleaved):
     envelope = rope_pair_norm(x, interleaved=interleaved)
     np.testing.assert_allclose(rope_pair_norm(moved, interleaved=interleaved), envelope, rtol=1e-4, atol=1e-5)
     assert np.all(moved <= envelope * (1 + 1e-4) + 1e-5) and not np.allclose(moved, np.abs(x), atol=1e-2)
+
+
+def _genai_scale_readers():
+    """onnxruntime-genai's two readers of a scale file, run from its installed source: the
+    model builder's ``Model.make_kv_cache_scale_initializers`` (its module imports torch, so
+    the method's own code is compiled alone) and ``KVCacheVariant.load_scale_data``."""
+    import ast
+    import importlib
+    import os
+    import sys
+    import types
+
+    import onnxruntime_genai.models as models
+
+    folder = os.path.dirname(models.__file__)
+    source = pathlib.Path(folder, "builders", "base.py").read_text(encoding="utf-8")
+    method = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.name == "make_kv_cache_scale_initializers"
+    )
+    namespace: dict = {"json": json, "os": os, "np": np}
+    exec(compile(ast.Module([method], []), "base.py", "exec"), namespace)
+
+    def builder(path, stem: str, layers: int, size: int) -> dict:
+        made: dict = {}
+        fake = types.SimpleNamespace(
+            kv_cache_attrs={"quant_mode": "PER_CHANNEL" if size > 1 else "PER_TENSOR", "scales_path": path},
+            num_kv_heads=KV,
+            head_size=size // KV if size > 1 else HEAD,
+            filename=f"{stem}.onnx",
+            num_layers=layers,
+            use_paged_attention=False,
+            input_names={"past_key_values.key": dict.fromkeys(range(layers))},
+            get_kv_cache_calibration_factor=lambda qmax: 1.0 if qmax is None else qmax / 128.0,
+            get_kv_cache_scale_names=lambda i: (f"k{i}", f"v{i}"),
+            make_initializer=lambda array, name: made.__setitem__(name, array),
+        )
+        namespace["make_kv_cache_scale_initializers"](fake)
+        return made
+
+    sys.path.insert(0, folder)
+    try:
+        variant = importlib.import_module("kv_cache_variant").KVCacheVariant("int8_per_channel")
+    finally:
+        sys.path.remove(folder)
+    return builder, variant.load_scale_data
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("given", ["folder", "file"])
+def test_a_calibrated_scale_file_loads_in_genais_readers(tmp_path, model, granularity, given):
+    """Its provenance names no top-level key genai reads as a model file's section: genai looks
+    up the model file's stem ("model" for model.onnx), so a "model" key broke both readers."""
+    pytest.importorskip("onnxruntime_genai")
+    builder, load_scale_data = _genai_scale_readers()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    ir.save(model, folder / "model.onnx")
+    out = tmp_path / "s.json"
+    argv = ["calibrate", str(folder if given == "folder" else folder / "model.onnx"), "--out", str(out)]
+    quick = ["--format", "int8", "--granularity", granularity, "--seq-len", "64", "--num-seqs", "4"]
+    assert main([*argv, *quick, "--min-tokens", "64", "--no-progress"]) == 0
+    ours = load_kv_cache_scale_file(out)
+    assert ours.metadata == {"method": "minmax"}
+    doc = load_scale_data(out, "model")
+    assert doc["scales"]["k_scales"] == json.loads(out.read_text())["scales"]["k_scales"]
+    size = ours.k[0].size
+    made = builder(out, "model", LAYERS, size)
+    np.testing.assert_array_equal(made["k1"].reshape(-1), ours.k[1])
+    np.testing.assert_array_equal(made["v0"].reshape(-1), ours.v[0])
+
+
+@pytest.mark.parametrize(("fmt", "noted"), [("fp8", False), ("int8", True), ("int4", True)])
+def test_the_integer_rounding_note_is_printed_for_integer_formats_only(tmp_path, model, capsys, fmt, noted):
+    ir.save(model, tmp_path / "model.onnx")
+    argv = ["calibrate", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "s.json"), "--format", fmt]
+    assert main([*argv, "--seq-len", "64", "--num-seqs", "4", "--min-tokens", "64", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "k clip" in out and ("minmax clips int8/int4" in out) is noted

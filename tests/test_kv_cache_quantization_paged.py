@@ -265,7 +265,7 @@ def test_mixed_model_converts_both_operators():
     ("granularity", "size", "hint"),
     [
         ("per_channel", 1, "These scales are per tensor"),
-        ("per_tensor", KV * HEAD, "These scales are per channel"),
+        ("per_tensor", 3, "another shape: calibrate this model"),  # per channel ones merge by max
         ("per_channel", 2 * KV * HEAD, "another shape: calibrate this model"),
     ],
 )

@@ -28,6 +28,7 @@ from onnx_kvcache import (
     KvCacheRunner,
     KvCacheScales,
     KvCacheWarning,
+    NotConvertedWarning,
     build_decoder,
     convert_model,
     optimize_model,
@@ -291,9 +292,11 @@ def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granulari
 
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
     convert_model(src, in_place=True, format="int4", scales=FOLDER_SCALES, ep="cpu")
-    same = convert_model(src, tmp_path / "same")  # already int4 per tensor: no change, no error
-    assert same.converted and (same.format, same.granularity) == ("int4", "per_tensor")
-    assert graph_of(tmp_path / "same") == graph_of(src)
+    with pytest.warns(
+        NotConvertedWarning, match=r"model\.onnx is already int4 per_tensor: nothing to convert"
+    ):
+        same = convert_model(src, tmp_path / "same")  # already int4 per tensor: nothing written
+    assert not same.converted and not (tmp_path / "same").exists()
     with pytest.warns(KvCacheWarning, match="repeated for every channel"):
         result = convert_model(src, tmp_path / "out", granularity="per_channel")
     assert (result.format, result.granularity, result.target) == ("int4", "per_channel", "cpu")
@@ -537,3 +540,186 @@ def test_an_fp8_cache_means_cuda_only_while_fp8_is_what_is_asked(tmp_path):
         "cpu",
         "assumed: a float32 model",
     )
+
+
+# -- a hostile review's findings (issue 21, requantize) ------------------------------------
+
+
+def _without_value_info(model: ir.Model) -> ir.Model:
+    """As a TorchScript export: no shape on any value a node computes (graph outputs aside),
+    nor on the attention's query/key/value (graph inputs here, computed in a real decoder)."""
+    outputs = {id(v) for v in model.graph.outputs}
+    for node in model.graph:
+        for value in node.outputs:
+            if id(value) not in outputs:
+                value.shape = None
+        if op_of(node) is not None:
+            for value in node.inputs[:3]:
+                if value is not None:
+                    value.shape = None
+    return model
+
+
+@pytest.mark.parametrize("target", ["int8", "fp8"])
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_a_packed_cache_without_value_info_takes_the_head_size_from_its_per_channel_scale(op, target):
+    model = _without_value_info(quantized(op, "int4", "per_channel"))
+    KvCacheQuantizationPass(target, "per_channel")(model)
+    caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    assert caches and all(v.shape[3] == HEAD and v.dtype == get_format(target).dtype for v in caches)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_shared_kv_scale_applies_to_a_model_already_in_the_format(op, fmt):
+    model = quantized(op, fmt, "per_tensor")
+    before = [(n.inputs[op_of(n).slot("k_scale")], n.inputs[op_of(n).slot("v_scale")]) for n in model.graph]
+    before = [(k.const_value.numpy(), v.const_value.numpy()) for k, v in before if k is not None]
+    KvCacheQuantizationPass(fmt, "per_tensor", shared_kv_scale=True)(model)
+    nodes = [n for n in model.graph if op_of(n) is not None]
+    assert len(nodes) == LAYERS
+    for node, (k, v) in zip(nodes, before):
+        row = op_of(node)
+        assert node.inputs[row.slot("k_scale")] is node.inputs[row.slot("v_scale")]
+        np.testing.assert_array_equal(node.inputs[row.slot("k_scale")].const_value.numpy(), np.maximum(k, v))
+
+
+def _scales_as_graph_inputs(model: ir.Model) -> ir.Model:
+    """Every k/v scale fed at run time: a graph input in place of the constant."""
+    for node in list(model.graph):
+        row = op_of(node)
+        if row is None:
+            continue
+        for name in ("k_scale", "v_scale"):
+            old = node.inputs[row.slot(name)]
+            value = ir.Value(name=f"{old.name}_input", type=ir.TensorType(ir.DataType.FLOAT), shape=old.shape)
+            model.graph.inputs.append(value)
+            node.replace_input_with(row.slot(name), value)
+            model.graph.initializers.pop(old.name)
+    return model
+
+
+@pytest.mark.parametrize("target", ["int8", "int4"])
+def test_scales_given_replace_scale_graph_inputs_and_remove_them(tmp_path, target):
+    model = _scales_as_graph_inputs(quantized("gqa", "int8", "per_tensor"))
+    KvCacheQuantizationPass(target, "per_tensor", scales(target, "per_tensor", 3))(model)
+    assert [v.name for v in model.graph.inputs if "scale" in v.name] == []
+    ir.save(model, tmp_path / "model.onnx")
+    session = create_session(tmp_path / "model.onnx")
+    assert not any("scale" in i.name for i in session.get_inputs())
+
+
+def test_the_cli_names_scales_for_a_scale_read_at_run_time(tmp_path, capsys):
+    ir.save(_scales_as_graph_inputs(quantized("gqa", "int8", "per_tensor")), tmp_path / "model.onnx")
+    argv = ["convert", str(tmp_path / "model.onnx"), str(tmp_path / "out.onnx"), "--format", "int4"]
+    assert main([*argv, "--ep", "cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "not a constant; give --scales PATH (a scale file)" in err and "scales=" not in err
+
+
+@pytest.mark.parametrize(("source", "target"), [("int8", "int4"), ("int4", "int8"), ("int8", "fp8")])
+def test_genai_scale_initializers_keep_their_names(tmp_path, source, target):
+    """Replaced in place, the builder's ``model.layers.{i}.attn.k_scale`` keep their names, so
+    genai's KVCacheVariant still reads the output."""
+    pytest.importorskip("onnxruntime_genai")
+    calibrated = scale_file(tmp_path, "per_channel", "int8", head=32)
+    float_model = build_decoder(num_layers=2, vocab_size=300, dtype="float16", paged=True, head_size=32)
+    model = builder_quantized_paged(float_model, source, "per_channel", calibrated)
+    KvCacheQuantizationPass(target, "per_channel")(model)
+    names = {f"model.layers.{i}.attn.{kind}_scale" for i in range(2) for kind in "kv"}
+    scale_inputs = {n.inputs[s].name for n in model.graph if op_of(n) for s in (14, 15)}
+    assert scale_inputs == names and names <= set(model.graph.initializers)
+    if target != "fp8":
+        ir.save(model, tmp_path / "model.onnx")
+        back = "int8" if target == "int4" else "int4"
+        _genai_kv_cache_variant()(f"{back}_per_channel").create(
+            tmp_path / "model.onnx", tmp_path / "variant.onnx", calibrated
+        )
+
+
+@pytest.mark.parametrize("method", ["mse", "minmax"])
+@pytest.mark.parametrize("source", ["float", "int4"])
+def test_mse_thresholds_moved_to_another_format_warn(tmp_path, source, method):
+    """mse chose its thresholds for int4's 16 levels: as int8 scales they clip far more than
+    int8 needs (a scale file records the method; a converted model's marker too)."""
+    import dataclasses
+
+    given = dataclasses.replace(scales("int4", "per_channel", 0), metadata={"method": method})
+    given.save(tmp_path / "s.json")
+    model = BUILDERS["gqa"]() if source == "float" else quantized("gqa", "int4", "per_channel")
+    mse = method == "mse"
+    expected = "mse thresholds chosen for int4"
+    with pytest.warns(KvCacheWarning, match=expected) if mse else warnings_as_errors():
+        KvCacheQuantizationPass("int8", scales=str(tmp_path / "s.json"))(model)
+    ir.save(BUILDERS["gqa"](), tmp_path / "model.onnx")
+    convert_model(tmp_path / "model.onnx", tmp_path / "int4.onnx", scales=tmp_path / "s.json", ep="cpu")
+    with pytest.warns(KvCacheWarning, match="mse thresholds") if mse else warnings_as_errors():
+        convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8", ep="cpu")
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KvCacheWarning)
+        yield
+
+
+@pytest.mark.parametrize("op", list(BUILDERS))
+@pytest.mark.parametrize("given", ["own", "scale-file", "scales"])
+def test_per_channel_scales_for_a_per_tensor_cache_merge_by_their_max_with_a_warning(tmp_path, op, given):
+    """A node's own per-channel scales and per-channel scales given are treated alike."""
+    per_channel = scales("int8", "per_channel", 4)
+    per_channel.save(tmp_path / "s.json")
+    model = quantized(op, "int8", "per_channel", seed=4) if given == "own" else BUILDERS[op]()
+    argument = {"own": None, "scale-file": str(tmp_path / "s.json"), "scales": per_channel}[given]
+    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\].*merged into one.*their max"):
+        KvCacheQuantizationPass("int8", "per_tensor", argument)(model)
+    direct = BUILDERS[op]()
+    merged = {i: (k.max(), v.max()) for i, (k, v) in ((i, per_channel.for_layer(i)) for i in range(LAYERS))}
+    KvCacheQuantizationPass("int8", "per_tensor", merged)(direct)
+    assert structure(model) == structure(direct)
+
+
+@pytest.mark.parametrize("target", ["per_tensor", "per_channel"])
+def test_mixed_granularity_caches_warn_for_the_side_that_changes(target):
+    """K per channel, V per tensor: whichever target, one side's scales change granularity."""
+    model = quantized("gqa", "int8", "per_channel")
+    for node in model.graph:
+        if op_of(node) is not None:
+            node.attributes["v_quant_type"] = ir.AttrString("v_quant_type", "PER_TENSOR")
+            v = node.inputs[13]
+            v.const_value = ir.tensor(np.array([v.const_value.numpy().max()], np.float32), name=v.name)
+            v.shape = ir.Shape([1])
+    with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {target}"):
+        KvCacheQuantizationPass("int4", target)(model)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (
+            ["--format", "int4"],
+            0,
+            "requantized from int8 per_tensor with its own scales (x 128/8: the same thresholds).",
+        ),
+        (["--granularity", "per_channel"], 0, "(x 128/128: the same thresholds; per_tensor -> per_channel)"),
+        (
+            ["--format", "int4", "--scales", "{scales}"],
+            0,
+            "requantized from int8 per_tensor with the scales given.",
+        ),
+        ([], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
+        (["--format", "int8"], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
+    ],
+)
+def test_the_cli_says_what_requantizing_did(tmp_path, capsys, argv, code, says):
+    src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
+    convert_model(src, in_place=True, format="int8", scales=FOLDER_SCALES, ep="cpu")
+    KvCacheScales.from_mapping(FOLDER_SCALES, format="int8").save(tmp_path / "s.json")
+    argv = [a.format(scales=tmp_path / "s.json") for a in argv]
+    assert main(["convert", str(src), str(tmp_path / "out"), *argv]) == code
+    out, err = capsys.readouterr()
+    assert says in (out if code == 0 else err)
+    assert (tmp_path / "out").exists() is (code == 0)  # nothing to convert: nothing copied

@@ -204,19 +204,22 @@ def test_granularity_defaults_to_the_one_the_scales_record():
     )
     assert KvCacheQuantizationPass("int8", scales=per_channel).granularity == "per_channel"
     assert KvCacheQuantizationPass("int8").granularity is None  # the model's own, else per tensor
-    with pytest.raises(KvCacheError, match=r"scales are per_channel .* not per_tensor"):
-        KvCacheQuantizationPass("int8", "per_tensor", per_channel)
+    assert KvCacheQuantizationPass("int8", "per_tensor", per_channel).granularity == "per_tensor"  # max
+    per_tensor = KvCacheScales.from_mapping({0: (0.1, 0.2)}, granularity="per_tensor")
+    with pytest.raises(KvCacheError, match=r"scales are per_tensor .* not per_channel"):
+        KvCacheQuantizationPass("int8", "per_channel", per_tensor)  # coarser for finer: refused
     model = optimize_model(
         gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=per_channel
     )
     assert quant_type(model) == "PER_CHANNEL"
-    with pytest.raises(KvCacheError, match="scales are per_channel"):
-        optimize_model(
+    with pytest.warns(KvCacheWarning, match="merged into one per tensor, their max"):
+        model = optimize_model(
             gqa_model(),
             kv_cache_format="int8",
             kv_cache_granularity="per_tensor",
             kv_cache_scales=per_channel,
         )
+    assert quant_type(model) == "PER_TENSOR"
 
 
 def test_a_failed_call_leaves_the_model_as_it_was():
@@ -257,12 +260,11 @@ def test_scales_that_record_no_granularity_fit_the_model(tmp_path):
         gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=genai_file
     )
     assert quant_type(model) == "PER_CHANNEL"
-    with pytest.raises(
-        KvCacheError, match=r"per_tensor scales need 1 element.*kv_cache_granularity='per_channel'"
-    ):
-        optimize_model(
+    with pytest.warns(KvCacheWarning, match="merged into one per tensor, their max"):  # as a node's own
+        model = optimize_model(
             gqa_model(), kv_cache_format="int8", kv_cache_granularity="per_tensor", kv_cache_scales=genai_file
         )
+    assert quant_type(model) == "PER_TENSOR"
 
 
 def test_cache_options_without_a_format():

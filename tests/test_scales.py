@@ -229,3 +229,43 @@ def test_layer_ids_may_be_digit_strings_as_json_gives():
     assert scales.layer_ids == (0, 1) and scales.k[1].item() == np.float32(0.3)
     with pytest.raises(KvCacheError, match=r"Layer id 'x' must be an integer from 0"):
         as_kv_cache_scales({"x": (0.1, 0.2)})
+
+
+@pytest.mark.parametrize("given", ["file", "folder"])
+@pytest.mark.parametrize("stem", ["model", "vision", "decoder"])
+def test_convert_reads_the_section_named_after_the_model_files_stem(tmp_path, capsys, stem, given):
+    """As onnxruntime-genai does: a file of one section per model file gives the converted
+    model the section of its own file's stem, from Python and the CLI alike."""
+    import onnx_ir as ir
+
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.cli import main
+    from onnx_kvcache.demo_model import save_genai_folder
+
+    sections = {"model": (0.02, 0.03), "vision": (0.04, 0.05)}
+    doc = {
+        name: {"scales": {"k_scales": [k, k], "v_scales": [v, v]}, "qmax": 128.0}
+        for name, (k, v) in sections.items()
+    }
+    path = write(tmp_path, doc)
+    if given == "folder":
+        folder = save_genai_folder(tmp_path / "in", num_layers=2)
+        (folder / "model.onnx").rename(folder / f"{stem}.onnx")
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["decoder"]["filename"] = f"{stem}.onnx"
+        (folder / "genai_config.json").write_text(json.dumps(config))
+        source = folder
+    else:
+        source = tmp_path / f"{stem}.onnx"
+        ir.save(build_decoder(num_layers=2, vocab_size=300), source)
+    out = tmp_path / ("out" if given == "folder" else "out.onnx")
+    code = main(["convert", str(source), str(out), "--format", "int8", "--scales", str(path), "--ep", "cpu"])
+    if stem not in sections:
+        assert code != 0
+        err = capsys.readouterr().err
+        assert "named after its file's stem (none is named 'decoder'" in err
+        return
+    assert code == 0
+    converted = ir.load(next(out.glob("*.onnx")) if out.is_dir() else out)
+    node = next(n for n in converted.graph if n.op_type == "GroupQueryAttention")
+    assert node.inputs[12].const_value.numpy().tolist() == [np.float32(sections[stem][0])]

@@ -59,9 +59,11 @@ def marker(
     data: Iterable[str] = (),
     entries: Iterable[str] = (),
     target: str | None = None,
+    method: str | None = None,
 ) -> str:
     """The marker's value for a model written by a conversion (``target``: the provider it
-    was gated on, None when gating was skipped)."""
+    was gated on, None when gating was skipped; ``method``: the calibration method of its
+    scales, when known)."""
     doc: dict[str, Any] = {
         "version": __version__,
         "format": fmt,
@@ -72,16 +74,27 @@ def marker(
     }
     if placement == "folder":
         doc["entries"] = sorted(entries)
+    if method is not None:
+        doc["method"] = method
     return json.dumps(doc, separators=(",", ":"))
 
 
 def converted_for(metadata: dict[str, str]) -> str | None:
     """The provider a conversion gated the model on, from its marker (None: not recorded)."""
+    return _recorded(metadata, "target")
+
+
+def calibrated_by(metadata: dict[str, str]) -> str | None:
+    """The calibration method of a converted model's scales, from its marker (None: unknown)."""
+    return _recorded(metadata, "method")
+
+
+def _recorded(metadata: dict[str, str], key: str) -> str | None:
     try:
-        target = json.loads(metadata.get(MARKER_KEY, "{}")).get("target")
+        value = json.loads(metadata.get(MARKER_KEY, "{}")).get(key)
     except (ValueError, AttributeError):
         return None
-    return target if isinstance(target, str) else None
+    return value if isinstance(value, str) else None
 
 
 def _graph(model_file: pathlib.Path) -> Any:

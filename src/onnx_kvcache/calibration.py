@@ -475,7 +475,11 @@ def calibrate_kv_cache(
         "num_seqs": len(windows),
         "tokens": tokens,
         "data": loaded.source,
-        "model": None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model)),
+        # never "model": onnxruntime-genai reads a top-level key named after the model file's
+        # stem (model.onnx -> "model") as that file's section of scales
+        "calibrated_model": (
+            None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model))
+        ),
         "model_dtype": _model_dtype(runner),
     }
     if method == "percentile":
@@ -497,8 +501,9 @@ def calibrate_kv_cache(
     return scales
 
 
-def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
-    """A table: per layer, K/V thresholds, scales and the fraction of values clipped.
+def format_calibration_summary(stats: Sequence[CalibrationStats], format: str | None = None) -> str:
+    """A table: per layer, K/V thresholds, scales and the fraction of values clipped
+    (``format``: the scales'; an fp8 table leaves out the integer formats' note).
 
     A value is clipped when it lies beyond the top or bottom stored level by more than half
     a step (integers) or beyond it at all (fp8), so storing it costs more than rounding.
@@ -520,9 +525,10 @@ def format_calibration_summary(stats: Sequence[CalibrationStats]) -> str:
         "clip: share of sampled values stored at the top or bottom level with more than rounding "
         "error (thresholds and scales: largest per layer)"
     )
-    lines.append(
-        "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
-    )
+    if format is None or not get_format(format).is_float:
+        lines.append(
+            "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
+        )
     return "\n".join(lines)
 
 

@@ -426,7 +426,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     scales.save(args.out, overwrite=args.overwrite)
     args.done = f"the scale file was written ({args.out})"
-    print(format_calibration_summary(scales.stats))
+    print(format_calibration_summary(scales.stats, scales.format))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
@@ -811,6 +811,10 @@ def _stdout_failed(args: argparse.Namespace | None, why: str) -> int:
     return 2
 
 
+#: Commands that write nothing but standard output: a reader closing it early is no failure.
+_PRINT_ONLY = frozenset({"inspect", "doctor"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache._entry` for the rest."""
@@ -845,7 +849,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
         except BrokenPipeError:
-            code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
+            if getattr(args, "command", None) in _PRINT_ONLY:  # `inspect ... | head`: read enough
+                _silence_stdout()
+                code = 0
+            else:
+                code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
         except OSError as e:
             if getattr(args, "done", None):  # only printing is left once the output is complete
                 code = _stdout_failed(args, f"standard output failed ({_describe_os_error(e)})")

@@ -245,13 +245,20 @@ class AttentionSite:
             and isinstance(past.shape[3], int)
         ):
             candidates.append(past.shape[3])
+        granularity = SCALE_GRANULARITIES.get(self.granularity or "")
+        if granularity is not None and granularity.per_dim:  # a per-channel scale: kv x head values
+            found = constant_values(self.input(self.sides[0].scale))
+            if found is not None and len(found) > 1:
+                candidates.append(len(found) / granularity.size(kv, 1))
         for size in candidates:
             if size == int(size) and size > 0:
                 return int(size)
+        packed = " (its packed cache's does not tell it)" if cache_is_packed else ""
         raise KvCacheError(
             f"Cannot tell the head size of {self.label}: no static last dimension on its query, "
-            "key or cache. Run shape inference on the model first "
-            "(onnx_ir.passes.common.ShapeInferencePass)."
+            f"key or cache{packed}, and no per-channel scale. Run shape inference on the model "
+            "(onnx_ir.passes.common.ShapeInferencePass) or re-export it with value_info, so that "
+            "its key input (or cache) has a static last dimension."
         )
 
     @property

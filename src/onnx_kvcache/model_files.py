@@ -54,7 +54,7 @@ from onnx_kvcache.formats import (
     CACHE_FORMATS,
     get_format,
 )
-from onnx_kvcache.genai_folder import GENAI_CONFIG, share_buffer, with_share_buffer
+from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
 from onnx_kvcache.passes.gqa_fusion import GqaFusionPass, summarize_refusals
@@ -359,6 +359,31 @@ def _config_bytes(config: dict[str, Any]) -> bytes:
     return (json.dumps(config, indent=4, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _requantized_note(model: ir.Model, fmt: str, granularity: str, given: bool) -> str | None:
+    """What a conversion of already-quantized caches does with their scales, for the summary."""
+    own = sorted(
+        {(s.cache_format, s.granularity) for s in find_attention_sites(model) if s.cache_format}, key=str
+    )
+    if not own:
+        return None
+    target = get_format(fmt)
+    was = ", ".join(f"{f.name} {g}" for f, g in own)
+    if given:
+        return f"requantized from {was} with the scales given."
+    ratios = ", ".join(f"x {f.qmax:g}/{target.qmax:g}" for f in dict.fromkeys(f for f, _ in own))
+    moved = {g for _, g in own if g is not None} - {granularity}
+    how = f"; {', '.join(sorted(moved))} -> {granularity}" if moved else ""
+    return f"requantized from {was} with its own scales ({ratios}: the same thresholds{how})."
+
+
+def _named_format(graph: pathlib.Path) -> str | None:
+    """The format a graph's name says it has (``model.fp8.onnx``, ``model.fp8.2.onnx``: fp8)."""
+    parts = graph.name.removesuffix(".onnx").split(".")
+    if len(parts) > 2 and parts[-1].isdecimal():
+        parts.pop()
+    return parts[-1] if len(parts) > 1 and parts[-1] in CACHE_FORMATS else None
+
+
 def _free_graph_name(graph: pathlib.Path, fmt: str) -> pathlib.Path:
     """A new, unused name for ``graph`` converted to ``fmt``: ``STEM.FMT.onnx``, ``STEM.FMT.2.onnx``, ..."""
     stem = graph.name.removesuffix(".onnx")
@@ -415,7 +440,9 @@ class ConvertResult:
             return f"weights: unchanged ({size} in place, 0 bytes written)"
         if self.weights == "shared":
             name = self.shared_with.name if self.shared_with else "the input"
-            return f"weights: shared with {name} (0 bytes)"
+            files = self.data_files
+            which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
+            return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
         if self.weights == "cloned":
             return f"weights: cloned {size} (0 bytes written)"
         if self.weights == "linked":
@@ -466,8 +493,11 @@ def convert_model(
     and the result's ``converted``/``reasons`` say why (``strict`` raises instead). ``None``
     skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
     model without GroupQueryAttention is first fused (onnxscript); without any after fusion
-    it is not converted. A genai folder's ``search.past_present_share_buffer`` follows the
-    target. ``granularity`` defaults to the one the scales record (calibration and our scale
+    it is not converted, nor is a model already in the format and granularity asked (without
+    scales: nothing to convert). A genai folder's ``search.past_present_share_buffer`` follows
+    the target, its ``provider_options`` the ``ep`` given when it names another provider. A
+    scale file of one section per model file gives the section of the model file's stem.
+    ``granularity`` defaults to the one the scales record (calibration and our scale
     files record it), else the first of :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` whose
     size fits the model's caches (an onnxruntime-genai file: one element per tensor, or
     ``kv_num_heads * head_size`` per channel), else an already-quantized model's own, else per
@@ -485,7 +515,7 @@ def convert_model(
     """
     require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
     require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
-    scales = as_kv_cache_scales(scales)
+    scales = as_kv_cache_scales(scales, stem=_model_stem(in_path))
     named = format or (scales.implied_format if scales is not None else None)  # None: the target's
     if named is not None:
         get_format(named)  # an unknown name fails before any work
@@ -523,6 +553,14 @@ def convert_model(
                 if fusion.fused
                 else f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
             )
+    if refusal is None and scales is None and not shared_kv_scale and named is not None:
+        states = {
+            (s.cache_format.name if s.cache_format else None, s.granularity)
+            for s in find_attention_sites(model)
+        }
+        wanted = (get_format(named).name, granularity or granularity_for(model, None))
+        if states == {wanted}:
+            refusal = f"{source.graph.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
     if refusal is None and not find_attention_sites(model):
         refusal = (
             f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
@@ -557,7 +595,10 @@ def convert_model(
                 raise KvCacheError(message)
             warn(message, NotConvertedWarning)
             return result
+    requantized = _requantized_note(model, fmt.name, granularity, scales is not None)
     KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
+    if requantized:
+        result.notes.insert(0, requantized)
     for said in fusion_said:
         warn(str(said.message), said.category)
     for site in find_attention_sites(model):
@@ -571,11 +612,15 @@ def convert_model(
     new_config = None
     if source.config is not None:
         new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
+        if ep not in (None, "auto"):
+            new_config = _with_provider(new_config, target, result)
         if new_config == source.config:
             new_config = None
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
+    own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
+    method = scales.metadata.get("method") if scales is not None else own
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
-        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target
+        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target, method
     )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
@@ -607,6 +652,52 @@ def convert_model(
     return result
 
 
+#: The ``provider_options`` onnxruntime-genai reads for a provider row (cpu: none), named as
+#: its model builder names them (``builders/base.py``); it writes none for OpenVINO.
+_GENAI_PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "cpu": [],
+    "cuda": [{"cuda": {}}],
+    "dml": [{"dml": {}}],
+    "webgpu": [{"webgpu": {}}],
+}
+
+
+def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -> dict[str, Any]:
+    """``config`` naming the provider the user gave (``ep``) where it named another: genai
+    runs the model on what ``provider_options`` names ([] is the CPU), so a conversion for
+    another provider left as it was fails there (an fp8 cache on the CPU) or runs elsewhere
+    than asked. A provider genai's config cannot be written for here warns instead."""
+    wanted = get_capabilities(target).name
+    folder, _ = infer_target(None, config)
+    if folder == wanted:
+        return config
+    options = _GENAI_PROVIDER_OPTIONS.get(wanted)
+    if options is None:
+        warn(
+            f"{GENAI_CONFIG}'s provider_options name {folder}, not {target}: onnxruntime-genai will "
+            f"run the model on {folder}. Edit model.decoder.session_options.provider_options to "
+            f"name {target}."
+        )
+        return config
+    config = json.loads(json.dumps(config))
+    session = config["model"]["decoder"].setdefault("session_options", {})
+    session["provider_options"] = json.loads(json.dumps(options))
+    result.notes.append(
+        f"{GENAI_CONFIG}'s provider_options now name {wanted}, the provider given (they named {folder})."
+    )
+    return config
+
+
+def _model_stem(in_path: Any) -> str | None:
+    """The stem of the model file ``in_path`` names (a genai folder's decoder): the section of a
+    scale file of several that onnxruntime-genai reads for it. None when it cannot tell (the
+    reading that follows says why)."""
+    try:
+        return resolve_model_path(in_path)[0].stem
+    except (KvCacheError, OSError, ValueError):
+        return None
+
+
 def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
     """Every reason ``target`` cannot run the converted model (the capability table)."""
     capability = cuda_compute_capability() if check_device else None
@@ -631,6 +722,8 @@ def _write_in_place(
     result.data_files = sorted(source.data)
     for folder in {graph.parent, source.root}:
         file_io.sweep_stale(folder)
+    if config is None and source.config is not None and _named_format(graph) not in (None, fmt):
+        config = source.config  # model.fp8.onnx requantized to int4: renamed (the config names it)
     if config is None or source.config_path is None:
         file_io.atomic_write_bytes(graph, data, like=graph.stat())
         result.model_file, result.bytes_written = graph, len(data)

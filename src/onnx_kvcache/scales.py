@@ -42,7 +42,7 @@ import numpy as np
 
 from onnx_kvcache._input_files import load_json
 from onnx_kvcache._output_files import stamp_json, write_output
-from onnx_kvcache.errors import KvCacheError, KvCacheTypeError
+from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, warn
 from onnx_kvcache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
@@ -217,6 +217,8 @@ class KvCacheScales:
         if self.qmax is None or self.qmax == target.qmax:
             return dataclasses.replace(self, format=target.name, qmax=target.qmax)
         factor = self.qmax / target.qmax  # in float64: the result is checked, never overflows
+        if self.metadata.get("method") == "mse":
+            warn(mse_moved(self.implied_format or f"qmax {self.qmax:g}", target.name))
         return KvCacheScales(
             {i: a.astype(np.float64) * factor for i, a in self.k.items()},
             {i: a.astype(np.float64) * factor for i, a in self.v.items()},
@@ -258,6 +260,16 @@ class KvCacheScales:
         write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
 
+def mse_moved(source: str, target: str) -> str:
+    """The warning for mse thresholds made for ``source`` used as ``target`` scales."""
+    return (
+        f"These KV-cache scales hold mse thresholds chosen for {source}'s levels; as {target} "
+        f"scales they keep those thresholds, which are not what mse chooses for {target} "
+        f"(an int4 mse threshold clips far more than int8 needs). Calibrate for {target}: "
+        f"calibrate_kv_cache(format='{target}', method='mse')."
+    )
+
+
 def _layer_id(key: Any) -> Any:
     """A digit string as the layer id it spells; anything else as it is (checked later)."""
     return int(key) if isinstance(key, str) and key.isdecimal() else key
@@ -289,7 +301,11 @@ def _parse_entries(path: Any, name: str, entries: Any) -> list[np.ndarray]:
     return arrays
 
 
-def _select_section(path: Any, doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+def _select_section(
+    path: Any, doc: dict[str, Any], model: str | None, stem: str | None = None
+) -> dict[str, Any]:
+    """The section of ``doc`` to read: all of it, the one named ``model``, else the one named
+    ``stem`` (the model file's, as onnxruntime-genai picks it) or the only one."""
     if "scales" in doc:
         return doc
     sections = {k: v for k, v in doc.items() if isinstance(v, dict) and "scales" in v}
@@ -297,17 +313,27 @@ def _select_section(path: Any, doc: dict[str, Any], model: str | None) -> dict[s
         raise _fail(path, 'no \'scales\' key (expected {"scales": {"k_scales": ..., ...}}).')
     if model is not None and model in sections:
         return sections[model]
+    if model is None and stem is not None and stem in sections:
+        return sections[stem]
     if len(sections) == 1 and model is None:
         return next(iter(sections.values()))
-    raise _fail(
-        path,
-        f"holds scales for several model files ({', '.join(sorted(sections))}); "
-        + (f"none is named {model!r}." if model else "name one with model=<file stem>."),
-    )
+    if model is not None:
+        fix = f"none is named {model!r}."
+    else:
+        named = f" (none is named {stem!r}, the model file's stem)" if stem is not None else ""
+        fix = (
+            f"a model is converted with the section named after its file's stem{named}, as "
+            "onnxruntime-genai reads it; from Python name one with model=<section>."
+        )
+    raise _fail(path, f"holds scales for several model files ({', '.join(sorted(sections))}); {fix}")
 
 
 def load_kv_cache_scale_file(
-    path: str | os.PathLike, *, format: str | None = None, model: str | None = None
+    path: str | os.PathLike,
+    *,
+    format: str | None = None,
+    model: str | None = None,
+    stem: str | None = None,
 ) -> KvCacheScales:
     """Read a KV-cache scale file (onnxruntime-genai format and its variants).
 
@@ -315,6 +341,8 @@ def load_kv_cache_scale_file(
         path: JSON file.
         format: Retarget the scales to this cache format using the file's ``qmax``.
         model: Section to read when the file holds one per model file (the file stem).
+        stem: Without ``model``, the stem of the model file the scales are for: its section
+            is read when the file holds several (``convert_model`` gives it).
 
     Raises:
         KvCacheFileNotFoundError: (a ``KvCacheError`` and ``FileNotFoundError``) The file is missing.
@@ -328,7 +356,7 @@ def load_kv_cache_scale_file(
     doc = load_json(p, "Scale file", fix="give the path of a JSON scale file")
     if not isinstance(doc, dict):
         raise _fail(p, f"top level must be an object, got {type(doc).__name__}.")
-    section = _select_section(p, doc, model)
+    section = _select_section(p, doc, model, stem)
     scales = section["scales"]
     if not isinstance(scales, dict):
         raise _fail(p, f"'scales' must be an object, got {type(scales).__name__}.")
@@ -386,12 +414,14 @@ def load_kv_cache_scale_file(
 
 def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -> str:
     """The granularity to convert with: the one asked for, else the one ``scales`` record,
-    else ``per_tensor``. Asking for another than the scales record is an error."""
+    else ``per_tensor``. Asking for another than the scales record is an error, but for one
+    scale per tensor from finer scales (the conversion takes their max, with a warning, as it
+    does a requantized node's own)."""
     recorded = scales.granularity if scales is not None else None
     if granularity is None:
         return recorded or "per_tensor"
     granularity = get_granularity(granularity)
-    if recorded is not None and recorded != granularity:
+    if recorded is not None and recorded != granularity and not scale_granularity(granularity).single:
         raise KvCacheError(
             f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
             f"convert with granularity='{recorded}', or give {granularity} scales."
@@ -399,14 +429,17 @@ def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -
     return granularity
 
 
-def as_kv_cache_scales(scales: ScalesLike, *, format: str | None = None) -> KvCacheScales | None:
-    """Normalize what users pass as scales (object, mapping or file path)."""
+def as_kv_cache_scales(
+    scales: ScalesLike, *, format: str | None = None, stem: str | None = None
+) -> KvCacheScales | None:
+    """Normalize what users pass as scales (object, mapping or file path; ``stem``: the model
+    file's, naming the section a file of several is read from)."""
     if scales is None:
         return None
     if isinstance(scales, KvCacheScales):
         result = scales
     elif isinstance(scales, (str, os.PathLike)):
-        result = load_kv_cache_scale_file(scales)
+        result = load_kv_cache_scale_file(scales, stem=stem)
     elif isinstance(scales, Mapping):
         result = KvCacheScales.from_mapping(scales)
     else:

@@ -32,15 +32,19 @@ node's operator row:
    = ``"int4"`` (PagedAttention; never ``"float4e2m1"``, which no kernel reads). A LATENT
    node gets the key side's only. Every other attribute and input is kept as it was.
 5. A node already in the requested format and granularity is left alone, or gets the new
-   scale values when scales are given. A node in another (fp8/int8/int4, per tensor/per
-   channel) is requantized: converted as its float model would be, with the scales given or,
-   without them, its own scales (constants) retargeted: ``scale * old_qmax / new_qmax`` (the
+   scale values when scales are given (or its own made one tensor with ``shared_kv_scale``).
+   A replaced constant scale read only by that side's scale slots keeps its name (genai's
+   ``model.layers.{i}.attn.k_scale``); a scale graph input left unread is removed. A node
+   in another (fp8/int8/int4, per tensor/per channel) is requantized: converted as its
+   float model would be, with the scales given or, without them, its own scales (constants)
+   retargeted: ``scale * old_qmax / new_qmax`` (the
    same threshold, as :meth:`~onnx_kvcache.scales.KvCacheScales.retarget` computes it), per
    channel to per tensor by their max, per tensor to per channel by broadcasting. A packed
    cache unpacked again takes the static head size. Leftover attributes of the old format
    (PagedAttention's ``k_cache_dtype``) are removed. Without scales, a granularity change and
    fp8 unit scales (1.0) given to an integer format warn: they are not what calibrating for
-   the target would give (docs/scales.md, "Requantizing").
+   the target would give (docs/scales.md, "Requantizing"); so do mse thresholds (a scale
+   file's ``method``, or the marker of our conversion) moved to another format.
 
 Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
 before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
@@ -58,8 +62,9 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._previous_output import calibrated_by
 from onnx_kvcache._window_present import cast_fp8_windows, tail_slice
-from onnx_kvcache.attention_ops import AttentionOp, op_of
+from onnx_kvcache.attention_ops import AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.formats import (
     SCALE_GRANULARITIES,
@@ -71,7 +76,7 @@ from onnx_kvcache.formats import (
 )
 from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites, function_call_sites
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
+from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, mse_moved, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +166,18 @@ class KvCacheQuantizationPass(InPlacePass):
         counts: dict[str, int] = {}
         for plan in plans:
             counts[plan.site.op.op_type] = counts.get(plan.site.op.op_type, 0) + 1
+        moved = sorted(
+            {f"{p.source.format.name} {p.source.granularity.name}" for p in plans if p.source and not p.done}
+        )
         logger.info(
-            "KV cache: %s in %s %s format%s.",
+            "KV cache: %s in %s %s format%s%s.",
             ", ".join(f"{n} {op} node(s)" for op, n in counts.items()) or "no attention node",
             self.format.name,
             self._granularity.name,
+            f" (requantized from {', '.join(moved)}, "
+            + ("the scales given)" if self.scales is not None else "its own scales retargeted by qmax)")
+            if moved
+            else "",
             "" if modified else " (already converted, nothing changed)",
         )
         return ir.passes.PassResult(model, modified=modified)
@@ -177,6 +189,8 @@ class KvCacheQuantizationPass(InPlacePass):
         :class:`KvCachePreconditionError` when it cannot convert."""
         scales = self.scales
         self._granularity = scale_granularity(self.granularity or granularity_for(model, scales))
+        self._merged: set[int] = set()
+        """Layers whose given per-channel scales were merged for a per-tensor cache."""
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
         groups: dict[int, list[AttentionSite]] = {}
@@ -210,6 +224,14 @@ class KvCacheQuantizationPass(InPlacePass):
                 "the V scales given for them are not used."
             )
         notes += _retarget_notes(plans, self.format, self._granularity, scales is None)
+        if self._merged:
+            notes.append(
+                f"Layer(s) {sorted(self._merged)}: the per-channel scales given merged into one per "
+                f"tensor, their max: {_MERGED}."
+            )
+        moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
+        if scales is None and moved and calibrated_by(model.metadata_props) == "mse":
+            notes.append(mse_moved(moved[0], self.format.name))  # the marker of our conversion says so
         if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
                 "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
@@ -281,8 +303,11 @@ class KvCacheQuantizationPass(InPlacePass):
         if self._granularity.per_dim or (self.format.packed and symbolic) or unpacks:
             head = self._head_size(site)
         if scales is None:
-            if done:
+            if done and not (self.shared_kv_scale and len(site.sides) > 1):
                 return _Plan(site, done, sources, sinks, None, None, head, source)
+            if done:  # only shared_kv_scale changes: the node's own scales, made one tensor
+                k, v = self._retargeted(site, source)  # type: ignore[arg-type]
+                return _Plan(site, done, sources, sinks, k, v, head, source)
             if source is not None:
                 k, v = self._retargeted(site, source)
                 return _Plan(site, done, sources, sinks, k, v, head, source)
@@ -294,6 +319,12 @@ class KvCacheQuantizationPass(InPlacePass):
         k, v = scales.for_layer(site.layer_id)
         per_tensor = not (self._granularity.per_head or self._granularity.per_dim)
         expected = self._granularity.size(site.kv_num_heads, head or 1)
+        merged = (
+            per_tensor and k.size > 1 and granularity_of([(k.size, site.kv_num_heads, _head_or_none(site))])
+        )
+        if merged:  # finer scales for one per tensor: their max, as a node's own (rule 5)
+            k, v = np.array([k.max()], np.float32), np.array([v.max()], np.float32)
+            self._merged.add(site.layer_id)
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
@@ -326,8 +357,8 @@ class KvCacheQuantizationPass(InPlacePass):
             if found is None:
                 reason = "has no scale input" if value is None else f"reads {value.name!r}, not a constant"
                 raise KvCachePreconditionError(
-                    f"{what}, but its {side.scale} {reason}; give scales= to convert it to "
-                    f"{self.format.name} {self._granularity.name}."
+                    f"{what}, but its {side.scale} {reason}; give scales=PATH (a scale file) to "
+                    f"convert it to {self.format.name} {self._granularity.name}."
                 )
             own = np.asarray(found, np.float32)
             fits = granularity_of([(own.size, kv, head)])
@@ -335,7 +366,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 raise KvCachePreconditionError(
                     f"{what}, but its {side.scale} {value.name!r} holds {own.size} value(s) "  # type: ignore[union-attr]
                     f"that are no finite positive scales of kv_num_heads {kv} x head_size {head}; "
-                    "give scales= to convert it."
+                    "give scales=PATH (a scale file) to convert it."
                 )
             heads, dims = scale_granularity(fits).grid(kv, head)
             grid = own.reshape(heads, dims)
@@ -381,7 +412,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 values = dict.fromkeys(arrays, store.put(owner, name, shared, shape))
             else:
                 for side in site.sides:
-                    name = f"{owner.past(side).name}_scale"  # type: ignore[union-attr]
+                    name = _own_scale_name(site, side) or f"{owner.past(side).name}_scale"  # type: ignore[union-attr]
                     values[side.kind] = store.put(owner, name, arrays[side.kind], shape)
             slots = [(op.slot(side.scale), values[side.kind]) for side in site.sides]
             last = max(slot for slot, _ in slots)
@@ -411,6 +442,8 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
     def __init__(self, scales: ScalesLike = None, *, shared_kv_scale: bool = False) -> None:
         super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
 
+
+_MERGED = "the range stays covered, channels of a smaller range get coarser steps"
 
 #: ``shared_kv_scale`` warns when max(k, v) makes a scale coarser than this factor.
 SHARED_SCALE_WARN_FACTOR = 2.0
@@ -447,11 +480,16 @@ def _retarget_notes(
         return []
     moved = [(p.site.layer_id, p.source, p.k_scale) for p in plans if p.source is not None and not p.done]
     notes = []
-    changed = sorted({layer for layer, source, _ in moved if source.granularity != granularity})
+    changed = sorted(
+        {
+            p.site.layer_id
+            for p in plans
+            if p.source is not None and not p.done and _side_granularities(p.site) - {granularity.name}
+        }
+    )
     if changed:
         how = (
-            "their per-channel scales merged into one, their max: the range stays covered, "
-            "channels of a smaller range get coarser steps"
+            f"their per-channel scales merged into one, their max: {_MERGED}"
             if granularity.single
             else "their one scale repeated for every channel: no channel gets finer steps "
             "(calibrate the float model per channel for that)"
@@ -471,9 +509,22 @@ def _retarget_notes(
             f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
             f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
             "far too coarse for an integer cache. Calibrate the model (calibrate_kv_cache()) and "
-            "give scales=."
+            "give scales=PATH (a scale file)."
         )
     return notes
+
+
+def _head_or_none(site: AttentionSite) -> int | None:
+    try:
+        return site.head_size()
+    except KvCacheError:
+        return None
+
+
+def _side_granularities(site: AttentionSite) -> set[str]:
+    """The granularity each cache of ``site`` states (K per channel, V per tensor: both)."""
+    states = {site.str_attr(side.quant_attr, "NONE") for side in site.sides}
+    return {row.name for row in SCALE_GRANULARITIES.values() if row.quant_type in states}
 
 
 # -- cache endpoints ------------------------------------------------------------------
@@ -710,12 +761,28 @@ class _ScaleStore:
             if value.is_initializer() and graph is not None and not value.is_graph_output():
                 graph.initializers.pop(value.name, None)  # type: ignore[arg-type]
                 removed = True
+            elif value.is_graph_input() and graph is self.model.graph and not value.is_graph_output():
+                graph.inputs.remove(value)  # a scale fed at run time, replaced by a constant
+                removed = True
             producer = value.producer()
             if producer is not None and producer.op_type == "Constant" and producer.graph:
                 producer.graph.remove(producer, safe=True)
                 removed = True
         self._retired.clear()
         return removed
+
+
+def _own_scale_name(site: AttentionSite, side: CacheSide) -> str | None:
+    """The name of the main-graph initializer feeding ``side``'s scale when only that side's
+    scale slots read it: replaced in place, it keeps its name (genai's builder and
+    ``KVCacheVariant`` name them ``model.layers.{i}.attn.k_scale``)."""
+    value = site.input(side.scale)
+    if value is None or site.function is not None or not value.is_initializer() or not value.name:
+        return None
+    slot = site.op.slot(side.scale)
+    if value.is_graph_output() or any(op_of(node) is not site.op or i != slot for node, i in value.uses()):
+        return None
+    return value.name
 
 
 def _only_scale_uses(value: ir.Value) -> bool:
