@@ -348,9 +348,8 @@ def test_a_json_record_proves_the_content_and_its_kind(tmp_path):
 
 
 def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypatch):
-    path = tmp_path / "new" / "deeper" / "r.json"
-    outputs.write_output(path, b"{}", "report")  # missing folders are created
-    path.unlink()
+    path = tmp_path / "new" / "r.json"
+    path.parent.mkdir()
     real = outputs.check_output
 
     def check_then_plant(p, kind, **kw):  # a FIFO appears between the check and the rename
@@ -364,8 +363,6 @@ def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypat
     assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(path.parent) == ["r.json"]
     monkeypatch.undo()
     os.unlink(path)
-    path.parent.rmdir()
-    real_publish = outputs.file_io.TempFile.publish
 
     def failing_publish(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -373,8 +370,7 @@ def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypat
     monkeypatch.setattr(outputs.file_io.TempFile, "publish", failing_publish)
     with pytest.raises(OSError, match="No space"):
         outputs.write_output(path, b"{}", "report")
-    assert os.listdir(tmp_path / "new") == []  # the folder it created is gone again, no temporary
-    assert real_publish
+    assert os.listdir(tmp_path / "new") == []  # no temporary left
 
 
 # -- finding 9: names that are not UTF-8 --------------------------------------------------
@@ -513,3 +509,87 @@ def test_the_demo_duration_quoted_names_its_command_and_spread():
         assert "about 8 s" not in text
         assert "`python benchmarks/demo.py`" in text, page
     assert (ROOT / "benchmarks" / "demo.py").is_file()
+
+
+# -- review of issue 20: an output is never a file an input model uses ---------------------
+
+
+@pytest.fixture
+def genai(tmp_path):
+    g, gq = tmp_path / "g", tmp_path / "gq"
+    save_genai_folder(g, num_layers=2)
+    save_genai_folder(gq, num_layers=2)
+    for folder in (g, gq):
+        (folder / "tokenizer.json").write_text('{"model": {}}\n')
+        (folder / "tokenizer_config.json").write_text("{}\n")
+    return g, gq
+
+
+@pytest.mark.parametrize(
+    ("command", "output"),
+    [
+        ("calibrate g", "g/model.onnx.data"),
+        ("calibrate g/model.onnx", "g/model.onnx.data"),
+        ("calibrate g", "g/tokenizer.json"),
+        ("calibrate g", "g/tokenizer_config.json"),
+        ("evaluate g gq", "gq/model.onnx.data"),
+        ("evaluate g gq", "gq/tokenizer.json"),
+        ("evaluate g gq", "g/tokenizer_config.json"),
+        ("evaluate g gq", "g/genai_config.json"),
+    ],
+)
+def test_overwrite_never_replaces_a_file_an_input_model_uses(tmp_path, genai, capsys, command, output):
+    before = tree(tmp_path)
+    name, *models = command.split()
+    argv = [str(tmp_path / m) for m in models]
+    out = str(tmp_path / output)
+    if name == "calibrate":
+        argv = _calibrate_argv(argv[0], out, "--overwrite")
+    else:
+        argv = ["evaluate", *argv, "--num-seqs", "1", "--seq-len", "32", "--max-new-tokens", "2"]
+        argv += ["--no-progress", "--json", out, "--overwrite"]
+    assert main(argv) == 2
+    assert "input's files" in one_line(capsys)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("data", ["model.onnx.data", "weights.bin"])
+def test_save_never_replaces_the_external_data_of_a_model_beside_it(tmp_path, data):
+    ir.save(build_decoder(num_layers=2), tmp_path / "model.onnx", external_data=data)
+    (tmp_path / "model.onnx").rename(tmp_path / "backup.bin")  # any name: the graph is found by its content
+    before = tree(tmp_path)
+    with pytest.raises(KvCacheError, match=r"external data \(backup.bin"):
+        SCALES.save(tmp_path / data, overwrite=True)
+    assert tree(tmp_path) == before
+    (tmp_path / "notes.txt").write_text("mine")
+    SCALES.save(tmp_path / "notes.txt", overwrite=True)  # a file no graph names: overwrite replaces it
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "match"),
+    [
+        (5, TypeError, "path must be a path"),
+        (None, TypeError, "path must be a path"),
+        ("{d}/new.json/", KvCacheError, "names a folder"),
+        ("{d}/nodir/x.json", KvCacheError, "does not exist; create it first"),
+    ],
+)
+def test_save_refuses_what_is_no_file_path(tmp_path, path, error, match):
+    with pytest.raises(error, match=match):
+        SCALES.save(path.format(d=tmp_path) if isinstance(path, str) else path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overwrite", ["no", 1, None])
+def test_save_overwrite_must_be_a_bool(tmp_path, overwrite):
+    from onnx_kvcache.errors import KvCacheTypeError
+
+    with pytest.raises(KvCacheTypeError, match="overwrite must be True or False"):
+        SCALES.save(tmp_path / "s.json", overwrite=overwrite)
+    assert os.listdir(tmp_path) == []
+
+
+def test_calibrate_out_into_a_missing_folder_is_refused_before_the_work(tmp_path, model_file, capsys):
+    assert main(_calibrate_argv(model_file, tmp_path / "nodir" / "s.json")) == 2
+    assert "does not exist; create it first" in one_line(capsys)
+    assert not (tmp_path / "nodir").exists()

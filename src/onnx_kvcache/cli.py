@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
 from onnx_kvcache._file_io import format_bytes
-from onnx_kvcache._output_files import check_output, stamp_json, write_output
+from onnx_kvcache._output_files import same_output, check_output, stamp_json, write_outputs
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
@@ -378,14 +378,36 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
-    """Files an output must never replace: the model's graph and config, and data files given."""
+    """Files an output must never replace: every file of the model as ``convert`` finds them
+    (its graph, each external data file it names, and every file of a genai folder:
+    ``genai_config.json``, tokenizer files), and the data files given."""
     from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.model_source import open_model_source
 
     model_file, config = resolve_model_path(model)
     inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
     if config is not None:
         inputs.append(pathlib.Path(model) / GENAI_CONFIG)
+    try:
+        inputs += sorted(open_model_source(model, follow_symlinks=True).input_files())
+    except (KvCacheError, OSError):  # a model convert refuses: the run says why, or reads no more
+        folder = pathlib.Path(model)
+        if folder.is_dir():
+            inputs += sorted(p for p in folder.iterdir() if p.is_file())
     return inputs
+
+
+def _write_completely(
+    args: argparse.Namespace, outputs: list[tuple[str, bytes, str]], done: str, inputs: list[pathlib.Path]
+) -> None:
+    """Publish ``outputs`` as one unit; a signal held over the publication says they were written."""
+    try:
+        write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
+    except _signals.Interrupted as e:
+        if e.completed and e.detail is None:
+            e.detail = done
+        raise
+    args.done = done
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -394,12 +416,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.percentile is not None and args.method != "percentile":
         raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     data = args.token_ids or args.text
-    check_output(
-        args.out,
-        "scales",
-        overwrite=args.overwrite,
-        inputs=_model_inputs(args.model, args.text, args.token_ids, args.tokenizer),
-    )
+    inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
+    check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
     scales = calibrate_kv_cache(
         args.model,
         data,
@@ -418,8 +436,12 @@ def _calibrate(args: argparse.Namespace) -> int:
             "progress",
         ),
     )
-    scales.save(args.out, overwrite=args.overwrite)
-    args.done = f"the scale file was written ({args.out})"
+    _write_completely(
+        args,
+        [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
+        f"the scale file was written ({args.out})",
+        inputs,
+    )
     print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
@@ -441,31 +463,24 @@ def _evaluate(args: argparse.Namespace) -> int:
         from onnx_kvcache._plots import check_plotting
 
         check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
-    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
-        raise KvCacheError(f"--json and --plot both name {args.json}; name two files.")
+    if args.json and args.plot and same_output(args.json, args.plot):
+        raise KvCacheError(f"--json {args.json} and --plot {args.plot} name one file; name two files.")
     report = evaluate_kv_cache(
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
         **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
     )
-    written = []
+    outputs: list[tuple[str, bytes, str]] = []
     if args.json:
-        write_output(
-            args.json,
-            stamp_json(report.to_json(), "report"),
-            "report",
-            overwrite=args.overwrite,
-            inputs=inputs,
-        )
-        written.append(args.json)
+        outputs.append((args.json, stamp_json(report.to_json(), "report"), "report"))
     if args.plot:
-        from onnx_kvcache._plots import plot_evaluation
+        from onnx_kvcache._plots import render_plot
 
-        plot_evaluation(report, args.plot, overwrite=args.overwrite, inputs=inputs)
-        written.append(args.plot)
-    if written:
-        args.done = f"the evaluation completed ({', '.join(written)} written)"
+        outputs.append((args.plot, render_plot(report), "plot"))
+    if outputs:
+        names = ", ".join(path for path, _, _ in outputs)
+        _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
     print(report.format_table())
     return 0
 
