@@ -336,9 +336,7 @@ def write_outputs(
                 tmp.write(data)
                 os.fsync(tmp.fd)
             except OSError as e:
-                raise KvCacheError(
-                    f"Cannot write {path}: {e.strerror or e}; nothing was written."
-                ) from None
+                raise KvCacheError(f"Cannot write {path}: {e.strerror or e}; nothing was written.") from None
             if identity is not None:
                 file_io.keep_mode_and_owner(tmp.path, os.lstat(path))
             temps.append(tmp)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
 from onnx_kvcache._file_io import format_bytes
-from onnx_kvcache._output_files import same_output, check_output, stamp_json, write_outputs
+from onnx_kvcache._output_files import check_output, same_output, stamp_json, write_outputs
 from onnx_kvcache._version import __version__
 from onnx_kvcache.capabilities import EP_CAPABILITIES
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, NotConvertedWarning
