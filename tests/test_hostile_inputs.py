@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import signal
 import stat
+import sys
 import warnings
 
 import numpy as np
@@ -558,3 +559,62 @@ def test_fuzz_the_commands_file_arguments(tmp_path, models, monkeypatch):
         _remove(hostile)
     assert _tree_hash(root) == {k: v for k, v in before_all.items()}
     assert len(seen) >= len(kinds) * 3  # every kind of file met several commands
+
+
+# -- review of issue 20: a signal during an optional import is no missing dependency -------
+
+
+def _import_onnxruntime():
+    from onnx_kvcache._runtime import import_onnxruntime
+
+    import_onnxruntime()
+
+
+def _import_matplotlib():
+    from onnx_kvcache._plots import _pyplot
+
+    _pyplot()
+
+
+def _import_tokenizers(tmp_path):
+    from onnx_kvcache.data import tokenize_text
+
+    tokenize_text("some text", tmp_path / "tokenizer.json")
+
+
+_GUARDS = {
+    "onnxruntime": lambda tmp_path: _import_onnxruntime(),
+    "matplotlib": lambda tmp_path: _import_matplotlib(),
+    "tokenizers": _import_tokenizers,
+}
+
+
+@pytest.mark.parametrize("module", list(_GUARDS))
+@pytest.mark.parametrize("how", ["missing", "interrupted", "interrupted inside"])
+def test_an_interrupt_during_an_optional_import_propagates(tmp_path, monkeypatch, module, how):
+    import builtins
+
+    from onnx_kvcache._signals import Interrupted
+    from onnx_kvcache.errors import MissingRuntimeError
+
+    real = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name.split(".")[0] != module:
+            return real(name, *args, **kwargs)
+        if how == "missing":
+            raise ImportError(f"No module named {module!r}")
+        try:  # an extension module's init stopped by the handler: reported as an ImportError
+            raise Interrupted(signal.SIGINT)
+        except Interrupted as e:
+            if how == "interrupted":
+                raise ImportError("initialization failed") from e
+            raise ImportError("initialization failed")  # noqa: B904 (the context chain only)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    for name in list(sys.modules):
+        if name.split(".")[0] == module:
+            monkeypatch.delitem(sys.modules, name)
+    expected = MissingRuntimeError if how == "missing" else Interrupted
+    with pytest.raises(expected):
+        _GUARDS[module](tmp_path)

@@ -239,7 +239,7 @@ def check_output(
         if os.path.lexists(path) and _same(path, pathlib.Path(p)):
             raise KvCacheError(
                 f"{path} is one of the input's files; write the {row.what} elsewhere "
-                "(--overwrite never replaces an input)."
+                "(overwrite=True never replaces an input)."
             )
     try:
         st = os.lstat(path)

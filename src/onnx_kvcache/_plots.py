@@ -11,7 +11,7 @@ from typing import Any
 
 from onnx_kvcache._output_files import check_output, stamp_png, write_output
 from onnx_kvcache._version import __version__
-from onnx_kvcache.errors import MissingRuntimeError
+from onnx_kvcache.errors import missing_dependency
 from onnx_kvcache.evaluation import EvaluationReport
 
 
@@ -22,7 +22,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise MissingRuntimeError("Plots need matplotlib: pip install 'onnx-kvcache[plot]'.") from e
+        raise missing_dependency(e, "Plots need matplotlib: pip install 'onnx-kvcache[plot]'.") from e
     return plt
 
 

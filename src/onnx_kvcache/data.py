@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from onnx_kvcache._input_files import check_input_file, load_json, load_npy_integers, read_input_bytes
-from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, MissingRuntimeError, require_type
+from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, missing_dependency, require_type
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise MissingRuntimeError(
-            "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
+        raise missing_dependency(
+            e, "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
         ) from e
     raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
     try:
