@@ -618,3 +618,22 @@ def test_an_interrupt_during_an_optional_import_propagates(tmp_path, monkeypatch
     expected = MissingRuntimeError if how == "missing" else Interrupted
     with pytest.raises(expected):
         _GUARDS[module](tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "{d}/m.onnx", "{d}/o.onnx", "--scales", "{d}/no\nsuch.json"],
+        ["inspect", "{d}/bad\x1b[31mred"],
+        ["inspect", "{d}/new\nline\rand\x07bell"],
+        ["calibrate", "{d}/m.onnx", "--out", "{d}/x\n.json"],
+    ],
+)
+def test_a_path_with_control_characters_prints_as_one_inert_line(tmp_path, capsys, argv):
+    ir.save(build_decoder(num_layers=2), tmp_path / "m.onnx")
+    os.mkdir(tmp_path / "x\n.json")  # a folder: refused
+    assert main([a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: error: "), err
+    assert not any(c in err[:-1] for c in "\n\r\x1b\x07"), err
+    assert "\\n" in err or "\\x1b" in err, err

@@ -313,7 +313,7 @@ def _convert(args: argparse.Namespace) -> int:
         if result.target is not None:
             chosen = source if source == "--ep" else f"{source}; --ep to choose"
             line = f"for {result.target} ({chosen}): {line}{_convert_fixes(args.input, result)}"
-        print(
+        _print(
             f"onnx-kvcache: not converted {line}"
             if result.target
             else f"onnx-kvcache: not converted: {line}",
@@ -327,14 +327,14 @@ def _convert(args: argparse.Namespace) -> int:
     nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     if result.fused:
         nodes += f" (fused from the export's {result.fused} attention layer(s))"
-    print(
+    _print(
         f"converted {nodes} to {result.format} {result.granularity}"
         f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - start:.2f}s"
     )
-    print(result.weights_summary())
+    _print(result.weights_summary())
     for note in result.notes:
-        print(cli_wording(note))
+        _print(cli_wording(note))
     return 0
 
 
@@ -359,21 +359,21 @@ def _inspect(args: argparse.Namespace) -> int:
                 {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
                 for d in diagnostics
             ]
-        print(json.dumps(doc, indent=2))
+        _print(json.dumps(doc, indent=2))
         return 0
     if not info.layers:
         exported = any(n.op_type in ("Attention", "Softmax") for n in model.graph)
-        print(
+        _print(
             "no GroupQueryAttention or PagedAttention node with a KV cache"
             + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
         )
         return 0
-    print(format_cache_table(info, args.context, args.batch or 1))
+    _print(format_cache_table(info, args.context, args.batch or 1))
     if diagnostics is not None:
-        print("CUDA quantized decode fast path (XQA):")
+        _print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
             verdict = "eligible" if d.eligible else "not eligible: " + cli_wording("; ".join(d.reasons))
-            print(f"  layer {d.layer_id}: {verdict}")
+            _print(f"  layer {d.layer_id}: {verdict}")
     return 0
 
 
@@ -442,11 +442,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"the scale file was written ({args.out})",
         inputs,
     )
-    print(format_calibration_summary(scales.stats))
+    _print(format_calibration_summary(scales.stats))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
-    print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {args.method}){target}")
+    _print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {args.method}){target}")
     return 0
 
 
@@ -481,7 +481,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     if outputs:
         names = ", ".join(path for path, _, _ in outputs)
         _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
-    print(report.format_table())
+    _print(report.format_table())
     return 0
 
 
@@ -490,16 +490,16 @@ def _doctor(args: argparse.Namespace) -> int:
 
     report = run_doctor(args.provider)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        _print(json.dumps(report.to_json(), indent=2))
     else:
-        print(report.format_table())
+        _print(report.format_table())
     for problem in report.disagreements:
-        print(
+        _print(
             f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
         )
     if args.provider and report.absent:  # asked for by name, not checked with a session
         for absent in report.absent:
-            print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
+            _print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
         return 1
     return 1 if report.disagreements else 0
 
@@ -507,7 +507,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache._demo import run_demo
 
-    run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
+    run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
     if args.keep:
         args.done = f"the demo completed (models in {args.keep})"
     return 0
@@ -735,10 +735,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a path holding a
+    newline or a terminal escape prints as one inert line. ``lines``: keep newlines."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match[0]
+        return char if lines and char == "\n" else char.encode("unicode_escape").decode("ascii")
+
+    return _CONTROL.sub(escape, text)
+
+
+def _print(*values: object, file: Any = None, flush: bool = False) -> None:
+    """Print as :func:`print` does, control characters escaped (:func:`_printable`); on stderr
+    (errors, warnings) a message is one line, so newlines too."""
+    stream = sys.stdout if file is None else file
+    text = _printable(" ".join(map(str, values)), lines=stream is not sys.stderr)
+    print(text, file=stream, flush=flush)
+
+
 def _say(line: str) -> None:
     """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
     with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr, flush=True)
+        _print(line, file=sys.stderr, flush=True)
 
 
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
