@@ -509,8 +509,8 @@ def test_calibrate_checks_out_before_calibrating(tmp_path, monkeypatch, capsys):
     for out, message in [
         (folder / "model.onnx", "one of the input's files"),  # used to replace the model with JSON
         (folder / "genai_config.json", "one of the input's files"),
-        (folder / "tokenizer.json", "not a scale file"),
-        (folder / "model.onnx.data", "not a scale file"),
+        (folder / "tokenizer.json", "one of the input's files"),
+        (folder / "model.onnx.data", "one of the input's files"),
         (tmp_path, "is a folder"),
         (tmp_path / "a_file" / "s.json", "not a folder"),
     ]:
