@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pathlib
+import signal
 import stat
 import subprocess
 import sys
@@ -593,3 +594,52 @@ def test_calibrate_out_into_a_missing_folder_is_refused_before_the_work(tmp_path
     assert main(_calibrate_argv(model_file, tmp_path / "nodir" / "s.json")) == 2
     assert "does not exist; create it first" in one_line(capsys)
     assert not (tmp_path / "nodir").exists()
+
+
+# -- review of issue 20: evaluate's report and plot are one unit ---------------------------
+
+
+def _fail_second(monkeypatch, owner, name, error):
+    real = getattr(owner, name)
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "code", "said"),
+    [
+        ("write", OSError(28, "No space left on device"), 2, "Cannot write {plot}: No space left on device"),
+        ("write", "SIGINT", 130, "stopped by SIGINT; no partial output was left"),
+        ("publish", OSError(5, "Input/output error"), 2, "Input/output error"),
+    ],
+)
+def test_evaluate_writes_its_report_and_plot_or_neither(
+    tmp_path, model_file, capsys, monkeypatch, where, error, code, said
+):
+    from onnx_kvcache._signals import Interrupted
+
+    report, plot = tmp_path / "ev.json", tmp_path / "ev.png"
+    error = Interrupted(signal.SIGINT) if error == "SIGINT" else error
+    _fail_second(monkeypatch, outputs.file_io.TempFile, where, error)
+    before = tree(tmp_path)
+    assert main(_evaluate_argv(model_file, "--json", str(report), "--plot", str(plot))) == code
+    assert said.format(plot=plot) in one_line(capsys)
+    assert tree(tmp_path) == before  # neither file, no temporary
+
+
+def test_evaluate_json_and_plot_naming_one_file_through_a_link_are_refused(
+    tmp_path, model_file, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(".", "selfdir")
+    before = tree(tmp_path)
+    assert main(_evaluate_argv(model_file, "--json", "y.png", "--plot", "selfdir/y.png")) == 2
+    assert "name one file" in one_line(capsys)
+    assert tree(tmp_path) == before
