@@ -637,3 +637,17 @@ def test_a_path_with_control_characters_prints_as_one_inert_line(tmp_path, capsy
     assert err.count("\n") == 1 and err.startswith("onnx-kvcache: error: "), err
     assert not any(c in err[:-1] for c in "\n\r\x1b\x07"), err
     assert "\\n" in err or "\\x1b" in err, err
+
+
+@pytest.mark.parametrize("ndim", [3, 40, 2000])
+def test_a_long_npy_shape_is_shown_shortened(tmp_path, capsys, ndim):
+    ids = tmp_path / "ids.npy"
+    with open(ids, "wb") as f:
+        header = {"descr": "<i8", "fortran_order": False, "shape": (1,) * ndim}
+        np.lib.format.write_array_header_2_0(f, header)
+        f.write(b"\0" * 8)
+    model = tmp_path / "m.onnx"
+    ir.save(build_decoder(num_layers=2), model)
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "s.json"), "--token-ids", str(ids)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"a {ndim}-D array" in err and len(err) < 400, err

@@ -643,3 +643,17 @@ def test_evaluate_json_and_plot_naming_one_file_through_a_link_are_refused(
     assert main(_evaluate_argv(model_file, "--json", "y.png", "--plot", "selfdir/y.png")) == 2
     assert "name one file" in one_line(capsys)
     assert tree(tmp_path) == before
+
+
+def test_a_full_disk_names_the_scale_file(tmp_path, model_file, capsys, monkeypatch):
+    out = tmp_path / "s.json"
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.file_io.TempFile, "write", full)
+    before = tree(tmp_path)
+    assert main(_calibrate_argv(model_file, out)) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"Cannot write {out}: No space left on device" in err[-1] and "Traceback" not in str(err)
+    assert tree(tmp_path) == before
