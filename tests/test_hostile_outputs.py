@@ -463,7 +463,9 @@ def test_inspect_with_stdout_closed_or_full(model_file):
     code, err = _run(["inspect", str(model_file)], "closed")
     assert (code, err) == (0, "")  # nothing asked to be seen
     code, err = _run(["inspect", str(model_file)], "full")
-    assert code == 2 and err == "onnx-kvcache: error: No space left on device.\n"  # its output was lost
+    assert code == 2 and err == (  # its output was lost
+        "onnx-kvcache: error: could not write to standard output (No space left on device).\n"
+    )
 
 
 # -- finding 15: what refuses hard-linked data ---------------------------------------------
@@ -657,3 +659,24 @@ def test_a_full_disk_names_the_scale_file(tmp_path, model_file, capsys, monkeypa
     err = capsys.readouterr().err.splitlines()
     assert f"Cannot write {out}: No space left on device" in err[-1] and "Traceback" not in str(err)
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdout", "code", "said"),
+    [
+        (["inspect", "{m}"], "pipe", 0, ""),  # `| true`, `| head -1`: the reader's choice
+        (["inspect", "{m}", "--json"], "pipe", 0, ""),
+        (["--help"], "pipe", 0, ""),
+        (["--version"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["--help"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["inspect", "--help"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["--version"], "closed", 0, ""),  # >&-: nothing asked to be seen
+    ],
+)
+def test_stdout_failures_follow_one_rule(model_file, argv, stdout, code, said):
+    got, err = _run([a.format(m=model_file) for a in argv], stdout)
+    assert got == code and "Traceback" not in err, err
+    if said:
+        assert err.count("\n") == 1 and said in err, err
+    else:
+        assert err == ""

@@ -516,8 +516,27 @@ def _demo(args: argparse.Namespace) -> int:
 _MODEL = "a .onnx file or an onnxruntime-genai folder"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose ``--help``/``--version`` text is flushed and whose failure is raised
+    (argparse drops it: ``--version > /dev/full`` would exit 0 with nothing written)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not message:
+            return
+        stream = file or sys.stderr
+        if stream is not sys.stdout:
+            with contextlib.suppress(OSError, AttributeError):
+                stream.write(message)
+            return
+        try:
+            stream.write(message)
+            stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onnx-kvcache",
         description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
         epilog="Every command has --help, with the default of each option.",
@@ -526,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbose_help = "log what each step does (INFO messages on stderr)"
     parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    common = argparse.ArgumentParser(add_help=False)  # -v also after the command
+    common = _Parser(add_help=False)  # -v also after the command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -754,7 +773,12 @@ def _print(*values: object, file: Any = None, flush: bool = False) -> None:
     (errors, warnings) a message is one line, so newlines too."""
     stream = sys.stdout if file is None else file
     text = _printable(" ".join(map(str, values)), lines=stream is not sys.stderr)
-    print(text, file=stream, flush=flush)
+    try:
+        print(text, file=stream, flush=flush)
+    except OSError as e:
+        if stream is sys.stdout:
+            raise _StdoutFailed(e) from e
+        raise
 
 
 def _say(line: str) -> None:
@@ -804,16 +828,49 @@ def _error(message: str) -> None:
     _say(f"onnx-kvcache: error: {cli_wording(message)}")
 
 
-def _stdout_failed(args: argparse.Namespace | None, why: str) -> int:
-    """Printing failed (a closed pipe, a full disk): exit 0 when the command's output file was
-    complete by then (say so on stderr), else 2."""
+_FILE_OPTIONS = ("output", "out", "json", "plot", "keep")
+"""Options naming a file or folder a command writes (``doctor --json`` is a flag: stdout)."""
+
+
+def _writes_files(args: argparse.Namespace | None) -> bool:
+    return any(isinstance(getattr(args, name, None), str) for name in _FILE_OPTIONS)
+
+
+def _stdout_failed(args: argparse.Namespace | None, error: OSError) -> int:
+    """Printing failed. A closed pipe (``| head``) is the reader's choice: exit 0, with one
+    warning naming what was written when the command wrote files. Any other failure (a
+    full disk) lost output: exit 0 with a warning when the command's files were complete
+    by then, else 2 (the command's only output was lost, or its files were not written)."""
     _silence_stdout()
     done = getattr(args, "done", None)
+    broken = isinstance(error, BrokenPipeError)
+    why = (
+        "the output pipe was closed early (broken pipe)"
+        if broken
+        else f"could not write to standard output ({_describe_os_error(error)})"
+    )
     if done:
         _say(f"onnx-kvcache: warning: {why}; {done}.")
         return 0
+    if broken and not _writes_files(args):
+        return 0
     _error(f"{why}.")
     return 2
+
+
+class _StdoutFailed(Exception):
+    """Writing standard output failed (``error``): told apart from a file's failure."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        raise _StdoutFailed(e) from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -832,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always", KvCacheWarning)
             warnings.showwarning = _show_warning
             code = args.func(args)
-            sys.stdout.flush()
+            _flush_stdout()
         except (KvCacheError, MissingRuntimeError) as e:
             _error(str(e))
             code = 2
@@ -844,11 +901,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 detail = "no partial output was left" if args is not None else "nothing was written"
             _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
-        except BrokenPipeError:
-            code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
+        except _StdoutFailed as e:
+            code = _stdout_failed(args, e.error)
         except OSError as e:
-            if getattr(args, "done", None):  # only printing is left once the output is complete
-                code = _stdout_failed(args, f"standard output failed ({_describe_os_error(e)})")
+            if getattr(args, "done", None) or isinstance(e, BrokenPipeError):
+                code = _stdout_failed(args, e)
             else:
                 _error(_describe_os_error(e) + ".")
                 code = 2
