@@ -680,3 +680,23 @@ def test_stdout_failures_follow_one_rule(model_file, argv, stdout, code, said):
         assert err.count("\n") == 1 and said in err, err
     else:
         assert err == ""
+
+
+def test_an_interrupted_demo_keep_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    from onnx_kvcache._signals import Interrupted
+
+    real, calls = demo.record_demo_folder, []
+
+    def stop_at_the_third_record(folder, pending=None):
+        calls.append(1)
+        if len(calls) == 3:  # the baseline and the first converted model are written
+            raise Interrupted(signal.SIGINT)
+        real(folder, pending)
+
+    monkeypatch.setattr(demo, "record_demo_folder", stop_at_the_third_record)
+    keep = tmp_path / "demo9"
+    assert main(["demo", "--keep", str(keep), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert f"stopped by SIGINT; the models written so far stay in {keep}" in err, err
+    assert "no partial output" not in err
+    outputs.check_demo_folder(keep)  # a later demo accepts what it kept

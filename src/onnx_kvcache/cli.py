@@ -507,7 +507,16 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache._demo import run_demo
 
-    run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
+    try:
+        run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
+    except KeyboardInterrupt as e:
+        kept = args.keep and os.path.isdir(args.keep) and any(os.scandir(args.keep))
+        if kept and getattr(e, "detail", None) is None:  # each model is whole; the record lists them
+            e.detail = (  # type: ignore[attr-defined]
+                f"the models written so far stay in {args.keep}, listed in its record (demo --keep "
+                f"{args.keep} runs again there)"
+            )
+        raise
     if args.keep:
         args.done = f"the demo completed (models in {args.keep})"
     return 0
