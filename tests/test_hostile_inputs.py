@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import signal
 import stat
+import sys
 import warnings
 
 import numpy as np
@@ -558,3 +559,95 @@ def test_fuzz_the_commands_file_arguments(tmp_path, models, monkeypatch):
         _remove(hostile)
     assert _tree_hash(root) == {k: v for k, v in before_all.items()}
     assert len(seen) >= len(kinds) * 3  # every kind of file met several commands
+
+
+# -- review of issue 20: a signal during an optional import is no missing dependency -------
+
+
+def _import_onnxruntime():
+    from onnx_kvcache._runtime import import_onnxruntime
+
+    import_onnxruntime()
+
+
+def _import_matplotlib():
+    from onnx_kvcache._plots import _pyplot
+
+    _pyplot()
+
+
+def _import_tokenizers(tmp_path):
+    from onnx_kvcache.data import tokenize_text
+
+    tokenize_text("some text", tmp_path / "tokenizer.json")
+
+
+_GUARDS = {
+    "onnxruntime": lambda tmp_path: _import_onnxruntime(),
+    "matplotlib": lambda tmp_path: _import_matplotlib(),
+    "tokenizers": _import_tokenizers,
+}
+
+
+@pytest.mark.parametrize("module", list(_GUARDS))
+@pytest.mark.parametrize("how", ["missing", "interrupted", "interrupted inside"])
+def test_an_interrupt_during_an_optional_import_propagates(tmp_path, monkeypatch, module, how):
+    import builtins
+
+    from onnx_kvcache._signals import Interrupted
+    from onnx_kvcache.errors import MissingRuntimeError
+
+    real = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name.split(".")[0] != module:
+            return real(name, *args, **kwargs)
+        if how == "missing":
+            raise ImportError(f"No module named {module!r}")
+        try:  # an extension module's init stopped by the handler: reported as an ImportError
+            raise Interrupted(signal.SIGINT)
+        except Interrupted as e:
+            if how == "interrupted":
+                raise ImportError("initialization failed") from e
+            raise ImportError("initialization failed")  # noqa: B904 (the context chain only)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    for name in list(sys.modules):
+        if name.split(".")[0] == module:
+            monkeypatch.delitem(sys.modules, name)
+    expected = MissingRuntimeError if how == "missing" else Interrupted
+    with pytest.raises(expected):
+        _GUARDS[module](tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "{d}/m.onnx", "{d}/o.onnx", "--scales", "{d}/no\nsuch.json"],
+        ["inspect", "{d}/bad\x1b[31mred"],
+        ["inspect", "{d}/new\nline\rand\x07bell"],
+        ["calibrate", "{d}/m.onnx", "--out", "{d}/x\n.json"],
+    ],
+)
+def test_a_path_with_control_characters_prints_as_one_inert_line(tmp_path, capsys, argv):
+    ir.save(build_decoder(num_layers=2), tmp_path / "m.onnx")
+    os.mkdir(tmp_path / "x\n.json")  # a folder: refused
+    assert main([a.format(d=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: error: "), err
+    assert not any(c in err[:-1] for c in "\n\r\x1b\x07"), err
+    assert "\\n" in err or "\\x1b" in err, err
+
+
+@pytest.mark.parametrize("ndim", [3, 40, 2000])
+def test_a_long_npy_shape_is_shown_shortened(tmp_path, capsys, ndim):
+    ids = tmp_path / "ids.npy"
+    with open(ids, "wb") as f:
+        header = {"descr": "<i8", "fortran_order": False, "shape": (1,) * ndim}
+        np.lib.format.write_array_header_2_0(f, header)
+        f.write(b"\0" * 8)
+    model = tmp_path / "m.onnx"
+    ir.save(build_decoder(num_layers=2), model)
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "s.json"), "--token-ids", str(ids)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"a {ndim}-D array" in err and len(err) < 400, err

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pathlib
+import signal
 import stat
 import subprocess
 import sys
@@ -348,9 +349,8 @@ def test_a_json_record_proves_the_content_and_its_kind(tmp_path):
 
 
 def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypatch):
-    path = tmp_path / "new" / "deeper" / "r.json"
-    outputs.write_output(path, b"{}", "report")  # missing folders are created
-    path.unlink()
+    path = tmp_path / "new" / "r.json"
+    path.parent.mkdir()
     real = outputs.check_output
 
     def check_then_plant(p, kind, **kw):  # a FIFO appears between the check and the rename
@@ -364,8 +364,6 @@ def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypat
     assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(path.parent) == ["r.json"]
     monkeypatch.undo()
     os.unlink(path)
-    path.parent.rmdir()
-    real_publish = outputs.file_io.TempFile.publish
 
     def failing_publish(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -373,8 +371,7 @@ def test_the_writer_checks_again_and_removes_what_it_created(tmp_path, monkeypat
     monkeypatch.setattr(outputs.file_io.TempFile, "publish", failing_publish)
     with pytest.raises(OSError, match="No space"):
         outputs.write_output(path, b"{}", "report")
-    assert os.listdir(tmp_path / "new") == []  # the folder it created is gone again, no temporary
-    assert real_publish
+    assert os.listdir(tmp_path / "new") == []  # no temporary left
 
 
 # -- finding 9: names that are not UTF-8 --------------------------------------------------
@@ -466,7 +463,9 @@ def test_inspect_with_stdout_closed_or_full(model_file):
     code, err = _run(["inspect", str(model_file)], "closed")
     assert (code, err) == (0, "")  # nothing asked to be seen
     code, err = _run(["inspect", str(model_file)], "full")
-    assert code == 2 and err == "onnx-kvcache: error: No space left on device.\n"  # its output was lost
+    assert code == 2 and err == (  # its output was lost
+        "onnx-kvcache: error: could not write to standard output (No space left on device).\n"
+    )
 
 
 # -- finding 15: what refuses hard-linked data ---------------------------------------------
@@ -513,3 +512,191 @@ def test_the_demo_duration_quoted_names_its_command_and_spread():
         assert "about 8 s" not in text
         assert "`python benchmarks/demo.py`" in text, page
     assert (ROOT / "benchmarks" / "demo.py").is_file()
+
+
+# -- review of issue 20: an output is never a file an input model uses ---------------------
+
+
+@pytest.fixture
+def genai(tmp_path):
+    g, gq = tmp_path / "g", tmp_path / "gq"
+    save_genai_folder(g, num_layers=2)
+    save_genai_folder(gq, num_layers=2)
+    for folder in (g, gq):
+        (folder / "tokenizer.json").write_text('{"model": {}}\n')
+        (folder / "tokenizer_config.json").write_text("{}\n")
+    return g, gq
+
+
+@pytest.mark.parametrize(
+    ("command", "output"),
+    [
+        ("calibrate g", "g/model.onnx.data"),
+        ("calibrate g/model.onnx", "g/model.onnx.data"),
+        ("calibrate g", "g/tokenizer.json"),
+        ("calibrate g", "g/tokenizer_config.json"),
+        ("evaluate g gq", "gq/model.onnx.data"),
+        ("evaluate g gq", "gq/tokenizer.json"),
+        ("evaluate g gq", "g/tokenizer_config.json"),
+        ("evaluate g gq", "g/genai_config.json"),
+    ],
+)
+def test_overwrite_never_replaces_a_file_an_input_model_uses(tmp_path, genai, capsys, command, output):
+    before = tree(tmp_path)
+    name, *models = command.split()
+    argv = [str(tmp_path / m) for m in models]
+    out = str(tmp_path / output)
+    if name == "calibrate":
+        argv = _calibrate_argv(argv[0], out, "--overwrite")
+    else:
+        argv = ["evaluate", *argv, "--num-seqs", "1", "--seq-len", "32", "--max-new-tokens", "2"]
+        argv += ["--no-progress", "--json", out, "--overwrite"]
+    assert main(argv) == 2
+    assert "input's files" in one_line(capsys)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("data", ["model.onnx.data", "weights.bin"])
+def test_save_never_replaces_the_external_data_of_a_model_beside_it(tmp_path, data):
+    ir.save(build_decoder(num_layers=2), tmp_path / "model.onnx", external_data=data)
+    (tmp_path / "model.onnx").rename(tmp_path / "backup.bin")  # any name: the graph is found by its content
+    before = tree(tmp_path)
+    with pytest.raises(KvCacheError, match=r"external data \(backup.bin"):
+        SCALES.save(tmp_path / data, overwrite=True)
+    assert tree(tmp_path) == before
+    (tmp_path / "notes.txt").write_text("mine")
+    SCALES.save(tmp_path / "notes.txt", overwrite=True)  # a file no graph names: overwrite replaces it
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "match"),
+    [
+        (5, TypeError, "path must be a path"),
+        (None, TypeError, "path must be a path"),
+        ("{d}/new.json/", KvCacheError, "names a folder"),
+        ("{d}/nodir/x.json", KvCacheError, "does not exist; create it first"),
+    ],
+)
+def test_save_refuses_what_is_no_file_path(tmp_path, path, error, match):
+    with pytest.raises(error, match=match):
+        SCALES.save(path.format(d=tmp_path) if isinstance(path, str) else path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overwrite", ["no", 1, None])
+def test_save_overwrite_must_be_a_bool(tmp_path, overwrite):
+    from onnx_kvcache.errors import KvCacheTypeError
+
+    with pytest.raises(KvCacheTypeError, match="overwrite must be True or False"):
+        SCALES.save(tmp_path / "s.json", overwrite=overwrite)
+    assert os.listdir(tmp_path) == []
+
+
+def test_calibrate_out_into_a_missing_folder_is_refused_before_the_work(tmp_path, model_file, capsys):
+    assert main(_calibrate_argv(model_file, tmp_path / "nodir" / "s.json")) == 2
+    assert "does not exist; create it first" in one_line(capsys)
+    assert not (tmp_path / "nodir").exists()
+
+
+# -- review of issue 20: evaluate's report and plot are one unit ---------------------------
+
+
+def _fail_second(monkeypatch, owner, name, error):
+    real = getattr(owner, name)
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "code", "said"),
+    [
+        ("write", OSError(28, "No space left on device"), 2, "Cannot write {plot}: No space left on device"),
+        ("write", "SIGINT", 130, "stopped by SIGINT; no partial output was left"),
+        ("publish", OSError(5, "Input/output error"), 2, "Input/output error"),
+    ],
+)
+def test_evaluate_writes_its_report_and_plot_or_neither(
+    tmp_path, model_file, capsys, monkeypatch, where, error, code, said
+):
+    from onnx_kvcache._signals import Interrupted
+
+    report, plot = tmp_path / "ev.json", tmp_path / "ev.png"
+    error = Interrupted(signal.SIGINT) if error == "SIGINT" else error
+    _fail_second(monkeypatch, outputs.file_io.TempFile, where, error)
+    before = tree(tmp_path)
+    assert main(_evaluate_argv(model_file, "--json", str(report), "--plot", str(plot))) == code
+    assert said.format(plot=plot) in one_line(capsys)
+    assert tree(tmp_path) == before  # neither file, no temporary
+
+
+def test_evaluate_json_and_plot_naming_one_file_through_a_link_are_refused(
+    tmp_path, model_file, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(".", "selfdir")
+    before = tree(tmp_path)
+    assert main(_evaluate_argv(model_file, "--json", "y.png", "--plot", "selfdir/y.png")) == 2
+    assert "name one file" in one_line(capsys)
+    assert tree(tmp_path) == before
+
+
+def test_a_full_disk_names_the_scale_file(tmp_path, model_file, capsys, monkeypatch):
+    out = tmp_path / "s.json"
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs.file_io.TempFile, "write", full)
+    before = tree(tmp_path)
+    assert main(_calibrate_argv(model_file, out)) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"Cannot write {out}: No space left on device" in err[-1] and "Traceback" not in str(err)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdout", "code", "said"),
+    [
+        (["inspect", "{m}"], "pipe", 0, ""),  # `| true`, `| head -1`: the reader's choice
+        (["inspect", "{m}", "--json"], "pipe", 0, ""),
+        (["--help"], "pipe", 0, ""),
+        (["--version"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["--help"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["inspect", "--help"], "full", 2, "could not write to standard output (No space left on device)"),
+        (["--version"], "closed", 0, ""),  # >&-: nothing asked to be seen
+    ],
+)
+def test_stdout_failures_follow_one_rule(model_file, argv, stdout, code, said):
+    got, err = _run([a.format(m=model_file) for a in argv], stdout)
+    assert got == code and "Traceback" not in err, err
+    if said:
+        assert err.count("\n") == 1 and said in err, err
+    else:
+        assert err == ""
+
+
+def test_an_interrupted_demo_keep_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    from onnx_kvcache._signals import Interrupted
+
+    real, calls = demo.record_demo_folder, []
+
+    def stop_at_the_third_record(folder, pending=None):
+        calls.append(1)
+        if len(calls) == 3:  # the baseline and the first converted model are written
+            raise Interrupted(signal.SIGINT)
+        real(folder, pending)
+
+    monkeypatch.setattr(demo, "record_demo_folder", stop_at_the_third_record)
+    keep = tmp_path / "demo9"
+    assert main(["demo", "--keep", str(keep), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert f"stopped by SIGINT; the models written so far stay in {keep}" in err, err
+    assert "no partial output" not in err
+    outputs.check_demo_folder(keep)  # a later demo accepts what it kept

@@ -21,6 +21,7 @@ Every problem is one line that names the file.
 from __future__ import annotations
 
 __all__ = [
+    "shown_shape",
     "MAX_INT_DIGITS",
     "MAX_JSON_DEPTH",
     "check_input_file",
@@ -33,6 +34,7 @@ __all__ = [
 import errno
 import json
 import math
+import numbers
 import os
 import pathlib
 import stat
@@ -58,6 +60,15 @@ _KINDS = {  # stat.S_IFMT -> what the path is
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
 }
+
+
+def shown_shape(shape: Any, limit: int = 8) -> str:
+    """A shape for a message: at most ``limit`` dimensions shown, ``(1, 2, ... 1990 more, 5)``."""
+    dims = [int(d) if isinstance(d, numbers.Integral) else d for d in tuple(shape)]  # numpy's too
+    if len(dims) <= limit:
+        return str(tuple(dims))
+    head, tail = dims[: limit - 2], dims[-2:]
+    return f"({', '.join(map(str, head))}, ... {len(dims) - limit} more, {', '.join(map(str, tail))})"
 
 
 def input_kind(path: os.PathLike | str) -> str | None:
@@ -224,7 +235,8 @@ def load_npy_integers(path: os.PathLike | str, what: str) -> np.ndarray:
         raise KvCacheError(f"{name}: a {dtype} array; token ids are integers (no floats, no records).")
     if len(shape) not in (1, 2):
         raise KvCacheError(
-            f"{name}: a {len(shape)}-D array (shape {tuple(shape)}); token ids are a 1-D array or a 2-D "
+            f"{name}: a {len(shape)}-D array (shape {shown_shape(shape)}); token ids are a 1-D array "
+            "or a 2-D "
             "array of sequences."
         )
     expected = math.prod(shape) * dtype.itemsize
@@ -232,7 +244,8 @@ def load_npy_integers(path: os.PathLike | str, what: str) -> np.ndarray:
     if present != expected:
         problem = "truncated" if present < expected else "longer than its header says"
         raise KvCacheError(
-            f"{name}: {problem}: its header declares shape {tuple(shape)} of {dtype} ({expected} bytes of "
+            f"{name}: {problem}: its header declares shape {shown_shape(shape)} of {dtype} "
+            f"({expected} bytes of "
             f"data) but {present} bytes follow."
         )
     data = np.frombuffer(raw, dtype, math.prod(shape), f.tell())

@@ -33,11 +33,14 @@ __all__ = [
     "check_demo_folder",
     "check_output",
     "record_demo_folder",
+    "same_output",
     "stamp_json",
     "stamp_png",
     "write_output",
+    "write_outputs",
 ]
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,9 +53,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from onnx_kvcache import _file_io as file_io
-from onnx_kvcache._previous_output import check_replaceable_file, is_model_file
+from onnx_kvcache._previous_output import check_replaceable_file, is_model_file, possible_users
 from onnx_kvcache._version import __version__
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, require_type
 
 WRITTEN_KEY = "onnx_kvcache.written"
 """The JSON key (and PNG ``tEXt`` keyword) proving onnx-kvcache wrote a file."""
@@ -213,16 +216,31 @@ def check_output(
     inputs: Iterable[os.PathLike | str] = (),
 ) -> file_io.Identity | None:
     """Refuse, before any work, an output ``path`` of ``kind`` (a key of :data:`OUTPUT_KINDS`)
-    that must not be written; the identity of the file it would replace (None: a new file)."""
+    that must not be written; the identity of the file it would replace (None: a new file).
+
+    ``inputs`` are files the run reads (an input model's every file): never replaced, even
+    with ``overwrite``; nor is a file some graph in the output's folder names as its external
+    data (:func:`onnx_kvcache._previous_output.possible_users`, the check ``convert`` makes)."""
     row = OUTPUT_KINDS[kind]
+    require_type(path, (str, os.PathLike), f"The {row.what}'s path", "a path (str or os.PathLike)")
+    require_type(overwrite, bool, "overwrite", "True or False")
+    named = os.fspath(path)
     path = pathlib.Path(path)
+    if isinstance(named, str) and named.endswith(("/", os.sep)):
+        raise KvCacheError(
+            f"{named} names a folder (it ends in {os.sep}); name the {row.what} to write "
+            f"(e.g. {path / row.example})."
+        )
     if row.suffixes and path.suffix.lower() not in row.suffixes:
         raise KvCacheError(
             f"{path}: a {row.what} is written as {' or '.join(row.suffixes)}; name one (e.g. {row.example})."
         )
     for p in inputs:
         if os.path.lexists(path) and _same(path, pathlib.Path(p)):
-            raise KvCacheError(f"{path} is one of the input's files; write the {row.what} elsewhere.")
+            raise KvCacheError(
+                f"{path} is one of the input's files; write the {row.what} elsewhere "
+                "(overwrite=True never replaces an input)."
+            )
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):  # a missing or non-folder parent: said below
@@ -246,13 +264,35 @@ def check_output(
         if is_model_file(path):
             raise KvCacheError(f"{path} is an ONNX model; refusing to replace it. Name another file.")
         why = row.written_by_us(path, kind)
+        if why is not None:
+            users = possible_users(path.parent, {path.name}, skip={pathlib.Path(os.path.realpath(path))})
+            if users:
+                graphs = users[path.name]
+                shown = ", ".join(graphs[:3]) + (f" and {len(graphs) - 3} more" if len(graphs) > 3 else "")
+                raise KvCacheError(
+                    f"{path} may be a model's external data ({shown} in its folder names it); "
+                    f"refusing to replace it, even with overwrite. Write the {row.what} elsewhere."
+                )
         if why is not None and not overwrite:
             raise KvCacheError(
                 f"{path} exists and is not a {row.what} onnx-kvcache wrote ({why}); refusing to "
                 "replace it. Name another file, or pass overwrite=True to replace it."
             )
-    file_io.check_writable_folder(path.parent)
+    parent = path.parent
+    if not os.path.lexists(parent):
+        raise KvCacheError(
+            f"The folder {os.path.abspath(parent)} does not exist; create it first, or name a "
+            f"{row.what} in an existing folder."
+        )
+    file_io.check_writable_folder(parent)
     return None if st is None else file_io.file_identity(path)
+
+
+def same_output(a: os.PathLike | str, b: os.PathLike | str) -> bool:
+    """Whether two output paths name one file (through links to folders, ``.``, hard links)."""
+    if os.path.lexists(a) and os.path.lexists(b) and _same(pathlib.Path(a), pathlib.Path(b)):
+        return True
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def write_output(
@@ -263,32 +303,69 @@ def write_output(
     overwrite: bool = False,
     inputs: Iterable[os.PathLike | str] = (),
 ) -> None:
-    """Write ``data`` to ``path`` by the rules above (missing parent folders are created)."""
-    path = pathlib.Path(path)
-    identity = check_output(path, kind, overwrite=overwrite, inputs=inputs)
-    old = os.lstat(path) if identity is not None else None
-    created = file_io.make_dirs(path.parent)
-    try:
-        file_io.sweep_stale(path.parent)
-        with file_io.TempFile(path.parent) as tmp:
-            tmp.write(data)
-            if old is None or identity is None:
-                try:
-                    with file_io.uninterrupted(completes=True):
-                        tmp.publish(path)
-                except FileExistsError:
-                    raise KvCacheError(
-                        f"{path} was created by something else while this run wrote it; nothing was "
-                        "replaced. Run again to decide about what is there now."
-                    ) from None
-                return
-            file_io.keep_mode_and_owner(tmp.path, old)
-            with file_io.locked_output(path, identity), file_io.uninterrupted(completes=True):
-                tmp.publish(path, replace=True)
-    except BaseException:
-        if not os.path.lexists(path):
-            file_io.remove_empty_dirs(created)
-        raise
+    """Write ``data`` to ``path`` by the rules above (its folder must exist)."""
+    write_outputs([(path, data, kind)], overwrite=overwrite, inputs=inputs)
+
+
+def write_outputs(
+    files: Iterable[tuple[os.PathLike | str, bytes, str]],
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[os.PathLike | str] = (),
+) -> None:
+    """Write every ``(path, data, kind)`` by the rules above, as one unit: each is written
+    to a temporary file first (where a full disk or a signal stops the run with nothing
+    published), then all are published together, signals held; should a later publication
+    fail, the new files published before it are removed again."""
+    files = list(files)
+    inputs = list(inputs)
+    for i, (path, _, _) in enumerate(files):
+        for other, _, _ in files[:i]:
+            if same_output(path, other):
+                raise KvCacheError(f"{other} and {path} name one file; name two files.")
+    plans = []
+    for path, data, kind in files:
+        identity = check_output(path, kind, overwrite=overwrite, inputs=inputs)
+        plans.append((pathlib.Path(path), data, identity))
+    with contextlib.ExitStack() as stack:
+        temps = []
+        for path, data, identity in plans:
+            file_io.sweep_stale(path.parent)
+            tmp = stack.enter_context(file_io.TempFile(path.parent))
+            try:
+                tmp.write(data)
+                os.fsync(tmp.fd)
+            except OSError as e:
+                raise KvCacheError(f"Cannot write {path}: {e.strerror or e}; nothing was written.") from None
+            if identity is not None:
+                file_io.keep_mode_and_owner(tmp.path, os.lstat(path))
+            temps.append(tmp)
+        published: list[pathlib.Path] = []
+        with file_io.uninterrupted(completes=True):
+            try:
+                for (path, _, identity), tmp in zip(plans, temps, strict=True):
+                    _publish(tmp, path, identity)
+                    if identity is None:
+                        published.append(path)
+            except BaseException:
+                for done in published:
+                    with contextlib.suppress(OSError):
+                        os.unlink(done)
+                raise
+
+
+def _publish(tmp: file_io.TempFile, path: pathlib.Path, identity: file_io.Identity | None) -> None:
+    if identity is None:
+        try:
+            tmp.publish(path)
+        except FileExistsError:
+            raise KvCacheError(
+                f"{path} was created by something else while this run wrote it; nothing was "
+                "replaced. Run again to decide about what is there now."
+            ) from None
+        return
+    with file_io.locked_output(path, identity):
+        tmp.publish(path, replace=True)
 
 
 # -- demo folders -------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_plotting", "plot_evaluation"]
+__all__ = ["check_plotting", "plot_evaluation", "render_plot"]
 
 import io
 import os
@@ -11,7 +11,7 @@ from typing import Any
 
 from onnx_kvcache._output_files import check_output, stamp_png, write_output
 from onnx_kvcache._version import __version__
-from onnx_kvcache.errors import MissingRuntimeError
+from onnx_kvcache.errors import missing_dependency
 from onnx_kvcache.evaluation import EvaluationReport
 
 
@@ -22,7 +22,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise MissingRuntimeError("Plots need matplotlib: pip install 'onnx-kvcache[plot]'.") from e
+        raise missing_dependency(e, "Plots need matplotlib: pip install 'onnx-kvcache[plot]'.") from e
     return plt
 
 
@@ -45,6 +45,11 @@ def plot_evaluation(
     """Write a PNG with per-layer K/V cache error and mean KL per position (atomically, by
     the rules of :mod:`onnx_kvcache._output_files`)."""
     check_output(path, "plot", overwrite=overwrite, inputs=inputs)
+    write_output(path, render_plot(report), "plot", overwrite=overwrite, inputs=inputs)
+
+
+def render_plot(report: EvaluationReport) -> bytes:
+    """The PNG :func:`plot_evaluation` writes, stamped as ours."""
     plt = _pyplot()
     layers = sorted(report.layer_errors)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
@@ -67,4 +72,4 @@ def plot_evaluation(
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, metadata={"Software": f"onnx-kvcache {__version__}"})
     plt.close(fig)
-    write_output(path, stamp_png(buffer.getvalue()), "plot", overwrite=overwrite, inputs=inputs)
+    return stamp_png(buffer.getvalue())

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, MissingRuntimeError
+from onnx_kvcache.errors import KvCacheError, missing_dependency
 
 
 def import_onnxruntime() -> ModuleType:
@@ -36,10 +36,11 @@ def import_onnxruntime() -> ModuleType:
     try:
         import onnxruntime
     except ImportError as e:
-        raise MissingRuntimeError(
+        raise missing_dependency(
+            e,
             "onnxruntime is not installed. Install the CPU runtime with "
             "`pip install 'onnx-kvcache[cpu]'` or the CUDA one with "
-            "`pip install 'onnx-kvcache[gpu]'` (never both)."
+            "`pip install 'onnx-kvcache[gpu]'` (never both).",
         ) from e
     return onnxruntime
 

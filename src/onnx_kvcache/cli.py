@@ -36,7 +36,7 @@ from onnx_kvcache._file_io import format_bytes
 from onnx_kvcache._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache._names import GRANULARITIES as SCALE_GRANULARITIES
 from onnx_kvcache._names import PROVIDERS, ep_name
-from onnx_kvcache._output_files import check_output, stamp_json, write_output
+from onnx_kvcache._output_files import check_output, same_output, stamp_json, write_outputs
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import (
     KvCacheError,
@@ -318,7 +318,7 @@ def _convert(args: argparse.Namespace) -> int:
         if result.target is not None:
             chosen = source if source == "--ep" else f"{source}; --ep to choose"
             line = f"for {result.target} ({chosen}): {line}{_convert_fixes(args.input, result)}"
-        print(
+        _print(
             f"onnx-kvcache: not converted {line}"
             if result.target
             else f"onnx-kvcache: not converted: {line}",
@@ -332,14 +332,14 @@ def _convert(args: argparse.Namespace) -> int:
     nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     if result.fused:
         nodes += f" (fused from the export's {result.fused} attention layer(s))"
-    print(
+    _print(
         f"converted {nodes} to {result.format} {result.granularity}"
         f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - start:.2f}s"
     )
-    print(result.weights_summary())
+    _print(result.weights_summary())
     for note in result.notes:
-        print(cli_wording(note))
+        _print(cli_wording(note))
     return 0
 
 
@@ -364,33 +364,55 @@ def _inspect(args: argparse.Namespace) -> int:
                 {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
                 for d in diagnostics
             ]
-        print(json.dumps(doc, indent=2))
+        _print(json.dumps(doc, indent=2))
         return 0
     if not info.layers:
         exported = any(n.op_type in ("Attention", "Softmax") for n in model.graph)
-        print(
+        _print(
             "no GroupQueryAttention or PagedAttention node with a KV cache"
             + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
         )
         return 0
-    print(format_cache_table(info, args.context, args.batch or 1))
+    _print(format_cache_table(info, args.context, args.batch or 1))
     if diagnostics is not None:
-        print("CUDA quantized decode fast path (XQA):")
+        _print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
             verdict = "eligible" if d.eligible else "not eligible: " + cli_wording("; ".join(d.reasons))
-            print(f"  layer {d.layer_id}: {verdict}")
+            _print(f"  layer {d.layer_id}: {verdict}")
     return 0
 
 
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
-    """Files an output must never replace: the model's graph and config, and data files given."""
-    from onnx_kvcache.genai_folder import GENAI_CONFIG
+    """Files an output must never replace: every file of the model as ``convert`` finds them
+    (its graph, each external data file it names, and every file of a genai folder:
+    ``genai_config.json``, tokenizer files), and the data files given."""
+    from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.model_source import open_model_source
 
     model_file, config = resolve_model_path(model)
     inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
     if config is not None:
         inputs.append(pathlib.Path(model) / GENAI_CONFIG)
+    try:
+        inputs += sorted(open_model_source(model, follow_symlinks=True).input_files())
+    except (KvCacheError, OSError):  # a model convert refuses: the run says why, or reads no more
+        folder = pathlib.Path(model)
+        if folder.is_dir():
+            inputs += sorted(p for p in folder.iterdir() if p.is_file())
     return inputs
+
+
+def _write_completely(
+    args: argparse.Namespace, outputs: list[tuple[str, bytes, str]], done: str, inputs: list[pathlib.Path]
+) -> None:
+    """Publish ``outputs`` as one unit; a signal held over the publication says they were written."""
+    try:
+        write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
+    except _signals.Interrupted as e:
+        if e.completed and e.detail is None:
+            e.detail = done
+        raise
+    args.done = done
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -400,12 +422,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
         raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
     data = args.token_ids or args.text
-    check_output(
-        args.out,
-        "scales",
-        overwrite=args.overwrite,
-        inputs=_model_inputs(args.model, args.text, args.token_ids, args.tokenizer),
-    )
+    inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
+    check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
     scales = calibrate_kv_cache(
         args.model,
         data,
@@ -424,14 +442,18 @@ def _calibrate(args: argparse.Namespace) -> int:
             "progress",
         ),
     )
-    scales.save(args.out, overwrite=args.overwrite)
-    args.done = f"the scale file was written ({args.out})"
-    print(format_calibration_summary(scales.stats, scales.format))
+    _write_completely(
+        args,
+        [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
+        f"the scale file was written ({args.out})",
+        inputs,
+    )
+    _print(format_calibration_summary(scales.stats, scales.format))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
     method = scales.metadata["method"]
-    print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {method}){target}")
+    _print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {method}){target}")
     return 0
 
 
@@ -448,32 +470,25 @@ def _evaluate(args: argparse.Namespace) -> int:
         from onnx_kvcache._plots import check_plotting
 
         check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
-    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
-        raise KvCacheError(f"--json and --plot both name {args.json}; name two files.")
+    if args.json and args.plot and same_output(args.json, args.plot):
+        raise KvCacheError(f"--json {args.json} and --plot {args.plot} name one file; name two files.")
     report = evaluate_kv_cache(
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
         **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
     )
-    written = []
+    outputs: list[tuple[str, bytes, str]] = []
     if args.json:
-        write_output(
-            args.json,
-            stamp_json(report.to_json(), "report"),
-            "report",
-            overwrite=args.overwrite,
-            inputs=inputs,
-        )
-        written.append(args.json)
+        outputs.append((args.json, stamp_json(report.to_json(), "report"), "report"))
     if args.plot:
-        from onnx_kvcache._plots import plot_evaluation
+        from onnx_kvcache._plots import render_plot
 
-        plot_evaluation(report, args.plot, overwrite=args.overwrite, inputs=inputs)
-        written.append(args.plot)
-    if written:
-        args.done = f"the evaluation completed ({', '.join(written)} written)"
-    print(report.format_table())
+        outputs.append((args.plot, render_plot(report), "plot"))
+    if outputs:
+        names = ", ".join(path for path, _, _ in outputs)
+        _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
+    _print(report.format_table())
     return 0
 
 
@@ -482,16 +497,16 @@ def _doctor(args: argparse.Namespace) -> int:
 
     report = run_doctor(args.provider)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        _print(json.dumps(report.to_json(), indent=2))
     else:
-        print(report.format_table())
+        _print(report.format_table())
     for problem in report.disagreements:
-        print(
+        _print(
             f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
         )
     if args.provider and report.absent:  # asked for by name, not checked with a session
         for absent in report.absent:
-            print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
+            _print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
         return 1
     return 1 if report.disagreements else 0
 
@@ -499,7 +514,16 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache._demo import run_demo
 
-    run_demo(args.keep, lambda line: print(cli_wording(line)), progress=args.progress)
+    try:
+        run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
+    except KeyboardInterrupt as e:
+        kept = args.keep and os.path.isdir(args.keep) and any(os.scandir(args.keep))
+        if kept and getattr(e, "detail", None) is None:  # each model is whole; the record lists them
+            e.detail = (  # type: ignore[attr-defined]
+                f"the models written so far stay in {args.keep}, listed in its record (demo --keep "
+                f"{args.keep} runs again there)"
+            )
+        raise
     if args.keep:
         args.done = f"the demo completed (models in {args.keep})"
     return 0
@@ -508,8 +532,27 @@ def _demo(args: argparse.Namespace) -> int:
 _MODEL = "a .onnx file or an onnxruntime-genai folder"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose ``--help``/``--version`` text is flushed and whose failure is raised
+    (argparse drops it: ``--version > /dev/full`` would exit 0 with nothing written)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not message:
+            return
+        stream = file or sys.stderr
+        if stream is not sys.stdout:
+            with contextlib.suppress(OSError, AttributeError):
+                stream.write(message)
+            return
+        try:
+            stream.write(message)
+            stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onnx-kvcache",
         description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
         epilog="Every command has --help, with the default of each option.",
@@ -518,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbose_help = "log what each step does (INFO messages on stderr)"
     parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    common = argparse.ArgumentParser(add_help=False)  # -v also after the command
+    common = _Parser(add_help=False)  # -v also after the command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -729,10 +772,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a path holding a
+    newline or a terminal escape prints as one inert line. ``lines``: keep newlines."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match[0]
+        return char if lines and char == "\n" else char.encode("unicode_escape").decode("ascii")
+
+    return _CONTROL.sub(escape, text)
+
+
+def _print(*values: object, file: Any = None, flush: bool = False) -> None:
+    """Print as :func:`print` does, control characters escaped (:func:`_printable`); on stderr
+    (errors, warnings) a message is one line, so newlines too."""
+    stream = sys.stdout if file is None else file
+    text = _printable(" ".join(map(str, values)), lines=stream is not sys.stderr)
+    try:
+        print(text, file=stream, flush=flush)
+    except OSError as e:
+        if stream is sys.stdout:
+            raise _StdoutFailed(e) from e
+        raise
+
+
 def _say(line: str) -> None:
     """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
     with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr, flush=True)
+        _print(line, file=sys.stderr, flush=True)
 
 
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -799,20 +869,49 @@ def _error(message: str) -> None:
     _say(f"onnx-kvcache: error: {cli_wording(message)}")
 
 
-def _stdout_failed(args: argparse.Namespace | None, why: str) -> int:
-    """Printing failed (a closed pipe, a full disk): exit 0 when the command's output file was
-    complete by then (say so on stderr), else 2."""
+_FILE_OPTIONS = ("output", "out", "json", "plot", "keep")
+"""Options naming a file or folder a command writes (``doctor --json`` is a flag: stdout)."""
+
+
+def _writes_files(args: argparse.Namespace | None) -> bool:
+    return any(isinstance(getattr(args, name, None), str) for name in _FILE_OPTIONS)
+
+
+def _stdout_failed(args: argparse.Namespace | None, error: OSError) -> int:
+    """Printing failed. A closed pipe (``| head``) is the reader's choice: exit 0, with one
+    warning naming what was written when the command wrote files. Any other failure (a
+    full disk) lost output: exit 0 with a warning when the command's files were complete
+    by then, else 2 (the command's only output was lost, or its files were not written)."""
     _silence_stdout()
     done = getattr(args, "done", None)
+    broken = isinstance(error, BrokenPipeError)
+    why = (
+        "the output pipe was closed early (broken pipe)"
+        if broken
+        else f"could not write to standard output ({_describe_os_error(error)})"
+    )
     if done:
         _say(f"onnx-kvcache: warning: {why}; {done}.")
+        return 0
+    if broken and not _writes_files(args):
         return 0
     _error(f"{why}.")
     return 2
 
 
-#: Commands that write nothing but standard output: a reader closing it early is no failure.
-_PRINT_ONLY = frozenset({"inspect", "doctor"})
+class _StdoutFailed(Exception):
+    """Writing standard output failed (``error``): told apart from a file's failure."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        raise _StdoutFailed(e) from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -836,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 import onnx_ir  # noqa: F401
             started = True
             code = args.func(args)
-            sys.stdout.flush()
+            _flush_stdout()
         except (KvCacheError, MissingRuntimeError) as e:
             _error(str(e))
             code = 2
@@ -848,15 +947,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 detail = "no partial output was left" if started else "nothing was written"
             _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
             code = 128 + signum
-        except BrokenPipeError:
-            if getattr(args, "command", None) in _PRINT_ONLY:  # `inspect ... | head`: read enough
-                _silence_stdout()
-                code = 0
-            else:
-                code = _stdout_failed(args, "the output pipe was closed early (broken pipe)")
+        except _StdoutFailed as e:
+            code = _stdout_failed(args, e.error)
         except OSError as e:
-            if getattr(args, "done", None):  # only printing is left once the output is complete
-                code = _stdout_failed(args, f"standard output failed ({_describe_os_error(e)})")
+            if getattr(args, "done", None) or isinstance(e, BrokenPipeError):
+                code = _stdout_failed(args, e)
             else:
                 _error(_describe_os_error(e) + ".")
                 code = 2

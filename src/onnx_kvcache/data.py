@@ -28,8 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from onnx_kvcache._input_files import check_input_file, load_json, load_npy_integers, read_input_bytes
-from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, MissingRuntimeError, require_type
+from onnx_kvcache._input_files import (
+    check_input_file,
+    load_json,
+    load_npy_integers,
+    read_input_bytes,
+    shown_shape,
+)
+from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, missing_dependency, require_type
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +81,8 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise MissingRuntimeError(
-            "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
+        raise missing_dependency(
+            e, "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
         ) from e
     raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
     try:
@@ -125,7 +131,8 @@ def _as_id_sequence(seq: Any, i: int, where: str) -> np.ndarray:
         raise KvCacheTypeError(f"{where}: sequence {i} is a {array.dtype} array; token ids are integers.")
     if array.ndim != 1:
         raise KvCacheError(
-            f"{where}: sequence {i} is {array.ndim}-D (shape {array.shape}); each sequence is a 1-D list of "
+            f"{where}: sequence {i} is {array.ndim}-D (shape {shown_shape(array.shape)}); each "
+            "sequence is a 1-D list of "
             "token ids (the data: a list of such lists, or a 2-D array)."
         )
     return array
@@ -220,7 +227,8 @@ def load_token_windows(
         if isinstance(data, np.ndarray):
             if data.ndim not in (1, 2):
                 raise KvCacheError(
-                    f"Token data is a {data.ndim}-D array (shape {data.shape}); give a 2-D array of "
+                    f"Token data is a {data.ndim}-D array (shape {shown_shape(data.shape)}); give a 2-D "
+                    "array of "
                     "sequences or a list of id lists."
                 )
             data = np.atleast_2d(data)

@@ -58,6 +58,20 @@ class MissingRuntimeError(ImportError):
     """An optional dependency (onnxruntime, tokenizers, ...) is not installed."""
 
 
+def missing_dependency(error: ImportError, message: str) -> MissingRuntimeError:
+    """The :class:`MissingRuntimeError` for a failed import; but a signal (Ctrl-C, SIGTERM)
+    that landed during the import, which an extension module's initialisation reports as
+    an ImportError caused by it, is raised again as what it is."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return MissingRuntimeError(message)
+
+
 class KvCacheWarning(UserWarning):
     """Something was converted with a default or skipped; the message says what."""
 

@@ -251,11 +251,13 @@ class KvCacheScales:
         when known, ``granularity``), atomically, with an ``onnx_kvcache.written`` record.
 
         An existing ``path`` is replaced only when it is a scale file onnx-kvcache wrote and
-        nobody edited since (``overwrite=True``: any regular file that is not an ONNX model);
-        never a folder, a symbolic link, a device or a FIFO.
+        nobody edited since (``overwrite=True``: any regular file that is not an ONNX model
+        or a file a graph in its folder names as external data); never a folder, a symbolic
+        link, a device or a FIFO. The folder must exist.
 
         Raises:
             KvCacheError: The path is one of those; the message says which.
+            KvCacheTypeError: ``path`` is no str/PathLike, or ``overwrite`` no bool.
         """
         write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
