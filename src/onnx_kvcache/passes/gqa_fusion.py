@@ -23,6 +23,7 @@ __all__ = [
     "WINDOW_PADDING_WARNING",
     "GqaFusionPass",
     "summarize_refusals",
+    "unfused_refusal",
 ]
 
 import logging
@@ -135,6 +136,24 @@ def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") 
         groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
     parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
     return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+
+
+def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
+    """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
+
+    Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model
+    with some caches converted and others not is neither the user's model nor a converted one.
+    """
+    if not refused:
+        return None
+    left = summarize_refusals(refused)
+    if fused:
+        return (
+            f"attention fusion fused {fused} layer(s) but left {len(refused)} unfused ({left}); running, "
+            "calibrating and evaluating need every cache in GroupQueryAttention, so nothing was "
+            "converted (-v lists each node)."
+        )
+    return f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
 
 
 _PLAIN = frozenset(
