@@ -352,7 +352,9 @@ def test_an_unfused_layer_converts_nothing(make, kwargs, reason):
     """All or nothing, as convert: a layer fusion leaves is a refusal saying why, model as it was."""
     model = make()
     text = ir.to_onnx_text(model)
-    with pytest.warns(NotConvertedWarning, match=rf"^KV cache not converted: attention fusion {reason}") as said:
+    with pytest.warns(
+        NotConvertedWarning, match=rf"^KV cache not converted: attention fusion {reason}"
+    ) as said:
         optimize_model(model, **kwargs)
     assert ir.to_onnx_text(model) == text
     assert not any("scales cover" in str(w.message) or "has no GroupQuery" in str(w.message) for w in said)
