@@ -59,6 +59,7 @@ def _commit(model: ir.Model, work: ir.Model) -> None:
     """Make ``model`` what ``work`` (its converted copy) is."""
     if work is not model:
         model.graph = work.graph  # opset imports live on the graph
+        model.ir_version = work.ir_version  # float8 caches raise it
         model.functions.clear()
         model.functions.update(work.functions)
 
