@@ -27,11 +27,11 @@ __all__ = [
 ]
 
 import logging
-import re
 from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from onnx_kvcache._attention_site import summarize_refusals
 from onnx_kvcache._window_present import tail_slice
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import find_gqa_sites
@@ -121,21 +121,6 @@ class GqaFusionPass(InPlacePass):
 
 def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
-
-
-def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") -> str:
-    """``"node: reason"`` entries as one line: each reason once, with its count and first node.
-
-    Reasons that differ only in numbers (layer indices, node counters) are one reason.
-    """
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in refused:
-        node, _, reason = entry.partition(": ")
-        if not reason:
-            node, reason = "<unnamed>", entry
-        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
-    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
-    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
 
 
 def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
