@@ -1626,3 +1626,27 @@ def test_without_a_format_or_scales_the_target_picks_the_format(tmp_path, dtype,
         with pytest.warns(KvCacheWarning, match="unit scales"):
             result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
     assert result.converted and result.format == fmt
+
+
+@pytest.mark.parametrize(
+    ("layout", "hint"),
+    [
+        (
+            {"onnx/model.onnx", "onnx/model_fp16.onnx"},
+            r"its onnx/ subfolder .* holds model\.onnx, model_fp16\.onnx",
+        ),
+        ({"a.onnx", "b.onnx"}, r"with 2 \.onnx files \(a\.onnx, b\.onnx\)"),
+    ],
+    ids=["onnx_community", "two_at_the_root"],
+)
+def test_a_folder_without_one_model_names_the_files_it_found(tmp_path, layout, hint):
+    from onnx_kvcache import build_decoder
+
+    folder = tmp_path / "m"
+    (folder / "onnx").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    for name in layout:
+        ir.save(build_decoder(num_layers=1), folder / name)
+    with pytest.raises(KvCacheError, match=hint):
+        convert_model(folder, tmp_path / "out", format="int8", ep="cpu")
+    assert not (tmp_path / "out").exists()
