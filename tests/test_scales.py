@@ -229,3 +229,28 @@ def test_layer_ids_may_be_digit_strings_as_json_gives():
     assert scales.layer_ids == (0, 1) and scales.k[1].item() == np.float32(0.3)
     with pytest.raises(KvCacheError, match=r"Layer id 'x' must be an integer from 0"):
         as_kv_cache_scales({"x": (0.1, 0.2)})
+
+
+@pytest.mark.parametrize(
+    ("made", "target", "note"),
+    [
+        ("int8", "int4", "made for int8 (qmax 128) and are retargeted to int4 (qmax 8): each scale times 16"),
+        (
+            "fp8",
+            "int8",
+            "made for fp8 (qmax 448) and are retargeted to int8 (qmax 128): each scale times 3.5",
+        ),
+        ("int8", "int8", None),
+    ],
+)
+def test_retargeted_scales_are_said_once(made, target, note, caplog):
+    import logging
+
+    from onnx_kvcache.scales import as_kv_cache_scales
+
+    scales = KvCacheScales.from_mapping({0: (0.01, 0.02)}, format=made)
+    with caplog.at_level(logging.WARNING, logger="onnx_kvcache.scales"):
+        retargeted = as_kv_cache_scales(scales, format=target)
+        as_kv_cache_scales(retargeted, format=target)  # the pass's call: already retargeted
+    said = [r.getMessage() for r in caplog.records if "retargeted" in r.getMessage()]
+    assert len(said) == (note is not None) and all(note in line for line in said)
