@@ -58,9 +58,11 @@ WINDOW_PADDING_WARNING = (
 #: Added when a fused attention with a padding mask has a cropped sliding-window cache.
 CROPPED_WINDOW_WARNING = (
     "Layers whose export keeps only the last window - 1 tokens (transformers 5.x sliding-window "
-    "caches) compute as the export for a padded row only while its cached and new tokens fit in "
-    "window - 1 rows: the fused cache holds the row's valid tokens first, the export's its last "
-    "positions. Run longer padded prompts unpadded (one row per batch)."
+    "caches) compute as the export for a left-padded row only when its padding is at most "
+    "window - 1 tokens: with window or more padding tokens its prompt still computes as the export, "
+    "but every decode step after it differs (the fused cache holds the row's valid tokens first, the "
+    "export's its last positions). Pad rows by fewer than window tokens, or run such prompts unpadded "
+    "(one row per batch)."
 )
 
 
