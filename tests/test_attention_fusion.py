@@ -491,3 +491,21 @@ def test_a_refused_export_gets_the_fix_its_fused_graph_would_take(tmp_path, caps
 
     assert main(["convert", str(FIXTURE), str(tmp_path / "o.onnx"), "--format", "fp8"]) == 1
     assert "Fix: --ep cpu --format int8 or int4, if the model will run there." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_refused_attention_nodes_are_grouped_and_listed_under_verbose(layers, tmp_path, caplog):
+    """One short warning with a count per reason; each node in the INFO log (convert -v)."""
+    import logging
+
+    model = ir.load(FIXTURE)
+    nodes = [n for n in model.graph if n.op_type == "Attention"][:layers]
+    for node in nodes:
+        node.attributes["scale"] = ir.AttrFloat32("scale", float("nan"))
+    with caplog.at_level(logging.INFO), pytest.warns(KvCacheWarning, match="left as they are") as said:
+        AttentionFusionPass()(model)
+    message = str(said[0].message)
+    assert f"{layers} Attention node(s) left as they are" in message
+    assert f"({layers}; first {nodes[0].name})" in message and nodes[-1].name not in message
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Left ")]
+    assert [line.split(":")[0] for line in logged] == [f"Left {n.name}" for n in nodes]

@@ -434,3 +434,33 @@ def test_qk_norm_emulation_needs_opset_18_and_the_runner_says_so():
     model.opset_imports[""] = 17
     with pytest.raises(KvCacheError, match=r"needs opset >= 18 \(ReduceMean with axes as an input"):
         KvCacheRunner(model)
+
+
+@pytest.mark.parametrize(
+    ("opset", "runs"), [(18, True), (17, False)], ids=["opset18_raised", "opset17_refused"]
+)
+def test_an_opset_18_export_with_an_fp8_cache_runs_emulated(opset, runs):
+    """TorchScript exports are opset 18: the copy the runner emulates imports 19 (exact), the
+    model keeps its own; below 18 the raise would change operators, so it is refused."""
+    from onnx_kvcache import optimize_model
+    from onnx_kvcache.exported_decoder import exported_config
+
+    model = build_decoder(exported_config("optimum-llama", num_layers=2, vocab_size=300))
+    model.opset_imports[""] = opset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        optimize_model(
+            model,
+            execution_provider=None,
+            fp8_kv_cache=True,
+            kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+        )
+    assert model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
+    if not runs:
+        with pytest.raises(KvCacheError, match="needs opset >= 19"):
+            KvCacheRunner(model, semantics="cuda")
+        return
+    emulated = emulate_kv_cache(model, "cuda")
+    assert emulated.opset_imports[""] == 19 and model.opset_imports[""] == 18
+    logits = KvCacheRunner(model, semantics="cuda").prefill([1, 2, 3, 4])
+    assert np.isfinite(logits).all() and logits.shape[-1] == 300

@@ -565,3 +565,15 @@ def test_a_scale_file_is_read_once_when_the_pass_is_made(tmp_path):
     assert convert(gqa_model()).modified and convert(gqa_model()).modified
     with pytest.raises(KvCacheError, match="is missing"):
         KvCacheQuantizationPass("int8", scales=path)
+
+
+@pytest.mark.parametrize(("fmt", "ir_version"), [("fp8", 9), ("int8", 8), ("int4", 8)])
+def test_a_float8_cache_raises_the_ir_version_to_9(fmt, ir_version):
+    """Float8 is an IR 9 type: an IR 8 model (TorchScript exports) declaring it must say 9."""
+    import onnx
+
+    model = gqa_model()
+    model.ir_version = 8
+    KvCacheQuantizationPass(fmt, scales={0: (0.05, 0.05)})(model)
+    assert model.ir_version == ir_version
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)

@@ -1682,3 +1682,27 @@ def test_in_place_requantizing_names_the_graph_after_its_new_format(tmp_path, fi
     assert result.model_file.name == config["model"]["decoder"]["filename"] == f"model.{second}.onnx"
     assert sorted(p.name for p in folder.glob("*.onnx")) == [f"model.{second}.onnx"]
     onnx.load(folder / f"model.{second}.onnx")
+
+
+@pytest.mark.parametrize(
+    ("layout", "hint"),
+    [
+        (
+            {"onnx/model.onnx", "onnx/model_fp16.onnx"},
+            r"its onnx/ subfolder .* holds model\.onnx, model_fp16\.onnx",
+        ),
+        ({"a.onnx", "b.onnx"}, r"with 2 \.onnx files \(a\.onnx, b\.onnx\)"),
+    ],
+    ids=["onnx_community", "two_at_the_root"],
+)
+def test_a_folder_without_one_model_names_the_files_it_found(tmp_path, layout, hint):
+    from onnx_kvcache import build_decoder
+
+    folder = tmp_path / "m"
+    (folder / "onnx").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    for name in layout:
+        ir.save(build_decoder(num_layers=1), folder / name)
+    with pytest.raises(KvCacheError, match=hint):
+        convert_model(folder, tmp_path / "out", format="int8", ep="cpu")
+    assert not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ from onnx_kvcache import (
     GqaFusionPass,
     KvCacheError,
     KvCacheWarning,
+    NotConvertedWarning,
     optimize_model,
 )
 
@@ -297,3 +298,67 @@ def test_scales_that_fit_no_granularity_name_the_layer():
         optimize_model(
             gqa_model(layers=2), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=mixed
         )
+
+
+def half_guarded_fp16_export(layers_spoiled: int = 1) -> ir.Model:
+    """A float16 optimum-llama export whose first layers' NaN guards fill 0.5: unfusable."""
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.exported_decoder import exported_config
+
+    model = build_decoder(exported_config("optimum-llama", num_layers=2, dtype="float16"))
+    guards = [n for n in model.graph if n.op_type == "Where" and n.inputs[0].producer().op_type == "IsNaN"]
+    for i, node in enumerate(guards[:layers_spoiled]):
+        half = ir.Value(
+            name=f"half_fill_{i}",
+            type=ir.TensorType(ir.DataType.FLOAT16),
+            shape=ir.Shape([1]),
+            const_value=ir.tensor(np.array([0.5], np.float16), name=f"half_fill_{i}"),
+        )
+        model.graph.register_initializer(half)
+        node.replace_input_with(1, half)
+    return model
+
+
+def bidirectional_export() -> ir.Model:
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.exported_decoder import ExportStyle, exported_config
+
+    config = exported_config(
+        "llama", num_layers=2, vocab_size=300, exported=ExportStyle(opset=20, mask="bidirectional")
+    )
+    return build_decoder(config)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "reason"),
+    [
+        (half_guarded_fp16_export, {"fp8_kv_cache": True}, r"fused 1 layer\(s\) but left 1 unfused"),
+        (
+            half_guarded_fp16_export,
+            {"kv_cache_format": "int8", "kv_cache_scales": {0: (0.05, 0.05), 1: (0.05, 0.05)}},
+            r"fused 1 layer\(s\) but left 1 unfused",
+        ),
+        (
+            bidirectional_export,
+            {
+                "execution_provider": "cpu",
+                "kv_cache_format": "int8",
+                "kv_cache_scales": {0: (0.1, 0.1), 1: (0.1, 0.1)},
+            },
+            r"fused nothing: 2 attention node\(s\) not provably .*the mask is not causal",
+        ),
+    ],
+    ids=["partial_fp8", "partial_int8_scales", "bidirectional_int8"],
+)
+def test_an_unfused_layer_converts_nothing(make, kwargs, reason):
+    """All or nothing, as convert: a layer fusion leaves is a refusal saying why, model as it was."""
+    model = make()
+    text = ir.to_onnx_text(model)
+    with pytest.warns(
+        NotConvertedWarning, match=rf"^KV cache not converted: attention fusion {reason}"
+    ) as said:
+        optimize_model(model, **kwargs)
+    assert ir.to_onnx_text(model) == text
+    assert not any("scales cover" in str(w.message) or "has no GroupQuery" in str(w.message) for w in said)
+    with pytest.raises(KvCacheError, match=reason):
+        optimize_model(make(), strict=True, **kwargs)

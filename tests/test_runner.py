@@ -456,6 +456,15 @@ def test_generate_refuses_a_negative_token_count():
         runner.generate([1, 2, 3], -1)
 
 
+@pytest.mark.parametrize(("ids", "rows"), [([[1, 2, 3], [4, 5, 6]], 2), (np.ones((3, 2), np.int64), 3)])
+def test_generate_takes_one_sequence_and_says_so_before_running(ids, rows, monkeypatch):
+    runner = KvCacheRunner(build_decoder(num_layers=1))
+    assert len(runner.generate([[1, 2, 3]], 2)) == 2  # [1, seq] is one sequence
+    monkeypatch.setattr(runner, "prefill", lambda ids: pytest.fail("prefill ran before the check"))
+    with pytest.raises(KvCacheError, match=f"generate decodes one sequence, got {rows}.*prefill"):
+        runner.generate(ids, 3)
+
+
 def test_a_model_that_is_no_decoder_is_named_so():
     x = ir.val("x", ir.DataType.FLOAT, [2])
     relu = ir.node("Relu", [x])

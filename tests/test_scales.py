@@ -269,3 +269,28 @@ def test_convert_reads_the_section_named_after_the_model_files_stem(tmp_path, ca
     converted = ir.load(next(out.glob("*.onnx")) if out.is_dir() else out)
     node = next(n for n in converted.graph if n.op_type == "GroupQueryAttention")
     assert node.inputs[12].const_value.numpy().tolist() == [np.float32(sections[stem][0])]
+
+
+@pytest.mark.parametrize(
+    ("made", "target", "note"),
+    [
+        ("int8", "int4", "made for int8 (qmax 128) and are retargeted to int4 (qmax 8): each scale times 16"),
+        (
+            "fp8",
+            "int8",
+            "made for fp8 (qmax 448) and are retargeted to int8 (qmax 128): each scale times 3.5",
+        ),
+        ("int8", "int8", None),
+    ],
+)
+def test_retargeted_scales_are_said_once(made, target, note, caplog):
+    import logging
+
+    from onnx_kvcache.scales import as_kv_cache_scales
+
+    scales = KvCacheScales.from_mapping({0: (0.01, 0.02)}, format=made)
+    with caplog.at_level(logging.WARNING, logger="onnx_kvcache.scales"):
+        retargeted = as_kv_cache_scales(scales, format=target)
+        as_kv_cache_scales(retargeted, format=target)  # the pass's call: already retargeted
+    said = [r.getMessage() for r in caplog.records if "retargeted" in r.getMessage()]
+    assert len(said) == (note is not None) and all(note in line for line in said)

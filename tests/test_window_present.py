@@ -207,3 +207,39 @@ def test_eager_attention_fuses_with_its_float32_softmax(dtype):
     """fp16/bf16 exports cast the scores to float32 for the softmax and back: fused the same."""
     model = fused(export("gemma2", dtype=dtype, window=4))
     assert count(model, "GroupQueryAttention") == 4 and count(model, "Softmax") == 0
+
+
+def _padded_row_logits(want: list, got: list) -> list[float]:
+    """Largest logits difference of row 1 at its valid query positions, per step."""
+    out = []
+    for (mask, a), (_, b) in zip(want, got):
+        valid = mask[1, -a["logits"].shape[1] :].astype(bool)
+        out.append(float(np.abs(a["logits"][1] - b["logits"][1])[valid].max(initial=0.0)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("window", "pads", "tokens"),
+    [(4, 3, 6), (4, 4, 7), (4, 10, 20), (6, 5, 8), (6, 6, 14)],
+    ids=["w4_pad3", "w4_pad4", "w4_pad10_of20", "w6_pad5", "w6_pad6"],
+)
+def test_a_left_padded_row_matches_while_its_padding_is_under_the_window(window, pads, tokens):
+    """Cropped window caches: a row left-padded by at most window - 1 tokens computes as the
+    export (any prompt length, any number of steps); by window or more, its prompt still does
+    and every decode step differs (what CROPPED_WINDOW_WARNING says)."""
+    config = exported_config(
+        "mistral",
+        num_layers=2,
+        vocab_size=300,
+        sliding_window=window,
+        exported=ExportStyle(window_cache="cropped"),
+    )
+    original, model = build_decoder(config), build_decoder(config)
+    with pytest.warns(Warning, match="left-padded row only when its padding is at most window - 1 tokens"):
+        GqaFusionPass()(model)
+    mask = np.array([[1] * tokens, [0] * pads + [1] * (tokens - pads)])
+    worst = _padded_row_logits(generate(original, mask, steps=12), generate(model, mask, steps=12))
+    if pads < window:
+        assert max(worst) < 1e-4, worst
+    else:
+        assert worst[0] < 1e-4 and min(worst[1:]) > 0.1, worst

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 __all__ = ["build_torchscript_decoder"]
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -160,7 +161,7 @@ def build_torchscript_decoder(
     masks = _masks(w, x, mask_in, pasts[0][0])
     eager = bool(style.attn_softcap)
     if eager:  # transformers' eager_mask: 0 where attended, the dtype's lowest elsewhere
-        low = float(np.finfo(w.np_dtype).min)
+        low = float(ml_dtypes.finfo(w.np_dtype).min)  # numpy has no bfloat16 finfo
         masks = {k: w.op("Where", [m, w.scalar(0.0), w.scalar(low)]) for k, m in masks.items()}
     cos, sin = _rotary(w, position_ids)
     scale = style.query_scale if style.query_scale is not None else d**-0.5

@@ -135,6 +135,31 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _allocation_lines(info: CacheModelInfo) -> list[str]:
+    """What serving code must feed as past inputs once the cache is quantized: their element
+    type and shape changed (int4: two values a byte, so the last dimension is halved)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for layer in info.layers:
+        if layer.bit_width is not None:
+            shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
+            packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
+            groups.setdefault((layer.dtype, shape + packed), []).append(layer.layer_id)
+    if not groups:
+        return []
+    lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
+    for (dtype, shape), ids in groups.items():
+        lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: 0 tokens in its sequence)")
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    return (
+        f"{ids[0]}-{ids[-1]}"
+        if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1))
+        else ", ".join(map(str, ids))
+    )
+
+
 def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: int = 1) -> str:
     """Human-readable table, one row per attention layer, totals last; each operator's cache
     layout is named first."""
@@ -158,6 +183,7 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _allocation_lines(info)
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

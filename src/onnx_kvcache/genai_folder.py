@@ -65,6 +65,27 @@ def decoder_filename(config: dict[str, Any], config_path: pathlib.Path) -> str:
     return str(filename)
 
 
+def _names(files: list[pathlib.Path]) -> str:
+    return ", ".join(f.name for f in files[:6]) + (", ..." if len(files) > 6 else "")
+
+
+def _found_hint(folder: pathlib.Path, files: list[pathlib.Path]) -> str:
+    """The model files the folder holds, or those of its ``onnx/`` subfolder (the
+    onnx-community layout: config.json at the root, the models in ``onnx/``)."""
+    if files:
+        return f" ({_names(files)})"
+    sub = folder / "onnx"
+    found = (
+        sorted(f for f in sub.glob("*.onnx") if input_kind(f) is None)
+        if input_kind(sub) == "a folder"
+        else []
+    )
+    if not found:
+        return ""
+    example = sub / found[0].name
+    return f"; its onnx/ subfolder (the onnx-community layout) holds {_names(found)} (e.g. {example})"
+
+
 def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
     """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
     require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
@@ -78,7 +99,7 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str,
                 return onnx_files[0], None
             raise KvCacheError(
                 f"{p} is a folder without {GENAI_CONFIG} and with {len(onnx_files)} .onnx "
-                "files; pass the .onnx file itself."
+                f"files{_found_hint(p, onnx_files)}; pass the .onnx file itself."
             )
         config = read_genai_config(config_path)
         filename = decoder_filename(config, config_path)

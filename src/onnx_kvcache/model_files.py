@@ -57,7 +57,7 @@ from onnx_kvcache.formats import (
 from onnx_kvcache.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelSource, open_model_source
-from onnx_kvcache.passes.gqa_fusion import GqaFusionPass, summarize_refusals
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import as_kv_cache_scales, resolve_granularity
 
@@ -544,15 +544,7 @@ def convert_model(
             warnings.simplefilter("always")
             fusion(model)
         result.fused = fusion.fused
-        if fusion.refused:
-            left = summarize_refusals(fusion.refused)
-            refusal = (
-                f"attention fusion fused {fusion.fused} layer(s) but left {len(fusion.refused)} "
-                f"unfused ({left}); running, calibrating and evaluating need every cache in "
-                "GroupQueryAttention, so nothing was converted (-v lists each node)."
-                if fusion.fused
-                else f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
-            )
+        refusal = unfused_refusal(fusion.fused, fusion.refused)
     if refusal is None and scales is None and not shared_kv_scale and named is not None:
         states = {
             (s.cache_format.name if s.cache_format else None, s.granularity)

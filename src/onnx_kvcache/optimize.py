@@ -21,13 +21,13 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from onnx_kvcache.capabilities import SupportReport, check_kv_cache_support, conversion_warnings, infer_target
+from onnx_kvcache.capabilities import check_kv_cache_support, conversion_warnings, infer_target
 from onnx_kvcache.device import cuda_compute_capability
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
 from onnx_kvcache.formats import get_format
 from onnx_kvcache.gqa import find_attention_sites
 from onnx_kvcache.model_source import ModelLike, as_model, check_defined
-from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
 from onnx_kvcache.scales import ScalesLike, as_kv_cache_scales, resolve_granularity
 
@@ -43,20 +43,23 @@ def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | Non
     return infer_target(model, format=fmt)
 
 
-def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage]]:
-    """A fused copy of ``model`` and the warnings the fusion gave (said only if it is kept)."""
+def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage], str | None]:
+    """A fused copy of ``model``, the warnings the fusion gave (said only if it is kept) and
+    why converting it must not go on (:func:`unfused_refusal`: attention left unfused)."""
     check_defined(model.graph)
     fused = model.clone()
+    fusion = GqaFusionPass()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        GqaFusionPass()(fused)
-    return fused, said
+        fusion(fused)
+    return fused, said, unfused_refusal(fusion.fused, fusion.refused)
 
 
 def _commit(model: ir.Model, work: ir.Model) -> None:
     """Make ``model`` what ``work`` (its converted copy) is."""
     if work is not model:
         model.graph = work.graph  # opset imports live on the graph
+        model.ir_version = work.ir_version  # float8 caches raise it
         model.functions.clear()
         model.functions.update(work.functions)
 
@@ -144,14 +147,18 @@ def optimize_model(
         had_attention = bool(find_attention_sites(model, with_cache_only=False))
         work = model  # converted in a copy when fusing: a refusal or error leaves model as it was
         said: list[warnings.WarningMessage] = []
+        unfused = None
         if fuse_attention is True or (fuse_attention == "auto" and not had_attention):
-            work, said = _fused(model)
+            work, said, unfused = _fused(model)
+        if kv_cache_format is not None and unfused is not None:  # all or nothing, as convert
+            return _refuse(model, "KV cache not converted", unfused, strict)
         target, why = _target(work, execution_provider, kv_cache_format)
         logger.info("optimize_model: target %s (%s).", target, why or "given")
         if target is not None and not had_attention and find_attention_sites(work):
             fusion = check_kv_cache_support(work, target, None, "per_tensor")  # the float attention
             if not fusion.supported:
-                return _refuse(model, f"Attention not fused for {_named(target, why)}", fusion, strict)
+                where = f"Attention not fused for {_named(target, why)}"
+                return _refuse(model, where, " ".join(fusion.reasons), strict)
         if kv_cache_format is None:
             _commit(model, work)
             _say(said)
@@ -178,7 +185,7 @@ def optimize_model(
             report = dataclasses.replace(report, supported=False, reasons=(*report.reasons, no_gpu))
         if not report.supported:
             where = f"KV cache not converted to {fmt.name} {granularity} for {_named(target, why)}"
-            return _refuse(model, where, report, strict)
+            return _refuse(model, where, " ".join(report.reasons), strict)
         quantize(work)
         _commit(model, work)
         _say(said)
@@ -199,9 +206,9 @@ def _in_optimize_words() -> Iterator[None]:
         raise type(error)(worded) from error
 
 
-def _refuse(model: ir.Model, where: str, report: SupportReport, strict: bool) -> ir.Model:
+def _refuse(model: ir.Model, where: str, reasons: str, strict: bool) -> ir.Model:
     """The model as it was, with one warning (``strict``: an error) saying why."""
-    message = f"{where}: " + " ".join(report.reasons)
+    message = f"{where}: {reasons}"
     if strict:
         raise KvCacheError(message)
     warn(message, NotConvertedWarning)

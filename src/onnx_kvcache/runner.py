@@ -808,13 +808,20 @@ class KvCacheRunner:
     def generate(
         self, ids: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = -1
     ) -> list[int]:
-        """Greedy decoding: up to ``max_new_tokens`` tokens after ``ids``.
+        """Greedy decoding of one sequence: up to ``max_new_tokens`` tokens after ``ids``
+        (``[seq]`` or ``[1, seq]``; a batch decodes with :meth:`prefill` and :meth:`step`).
 
         Stops after an end-of-sequence token: ``eos_token_id``, or by default any the
         model's genai config names; ``None`` never stops early.
         """
         if max_new_tokens < 0:
             raise KvCacheError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        rows = self._check_ids(ids).shape[0]
+        if rows != 1:
+            raise KvCacheError(
+                f"generate decodes one sequence, got {rows}: pass one list of ids, or decode a batch "
+                "with prefill() and step()."
+            )
         eos = self.eos_token_ids if eos_token_id == -1 else frozenset({eos_token_id} - {None})
         logits = self.prefill(ids)[0, -1]
         out: list[int] = []

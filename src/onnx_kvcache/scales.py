@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 import dataclasses
+import logging
 import math
 import os
 import pathlib
@@ -54,6 +55,8 @@ _MAX_LAYER_ID = 2**31 - 1
 QMAX_RANGE = (1.0, 65504.0)
 """The ``qmax`` a scale file may state: from 1 to float16's largest value (every cache
 format's is inside: 7/8 int4, 127/128 int8, 448 fp8 E4M3, 57344 fp8 E5M2)."""
+
+logger = logging.getLogger(__name__)
 
 
 def _as_scale_array(value: Any, where: str) -> np.ndarray:
@@ -449,4 +452,18 @@ def as_kv_cache_scales(
             f"Scales must be a KvCacheScales, a {{layer_id: (k, v)}} mapping or a file path, "
             f"got {type(scales).__name__}."
         )
-    return result.retarget(format) if format is not None and result.qmax else result
+    if format is None or not result.qmax:
+        return result
+    target = get_format(format)
+    if result.qmax != target.qmax:  # said once: the pass, given the retargeted scales, says nothing
+        made = result.implied_format or f"qmax {result.qmax:g}"
+        logger.warning(
+            "The scales were made for %s (qmax %g) and are retargeted to %s (qmax %g): each scale "
+            "times %g, the same thresholds.",
+            made,
+            result.qmax,
+            target.name,
+            target.qmax,
+            result.qmax / target.qmax,
+        )
+    return result.retarget(format)

@@ -15,8 +15,9 @@ explicit boolean mask. An ``Attention`` node becomes one
   as GQA zeroes masked scores in its other mode; ``softmax_precision`` unset or float.
 
 Anything else is left as it was; the pass warns once (:class:`KvCacheWarning`) with
-each node's reason. Fuses in the main graph; an ``Attention`` in a model-local function or
-a control-flow subgraph is reported, not fused.
+the reasons grouped, with counts (:func:`summarize_refusals`), and logs each node at INFO.
+Fuses in the main graph; an ``Attention`` in a model-local function or a control-flow
+subgraph is reported, not fused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from onnx_kvcache._attention_site import (
     check_shapes,
     default_scale,
     mask_condition,
+    summarize_refusals,
 )
 from onnx_kvcache._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.errors import warn
@@ -163,12 +165,10 @@ class AttentionFusionPass(InPlacePass):
         if fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
         logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))
+        for entry in refused:
+            logger.info("Left %s", entry)
         if refused:
-            message = (
-                f"{len(refused)} Attention node(s) left as they are (not provably GroupQueryAttention "
-                "with a KV cache): " + "; ".join(refused)
-            )
-            warn(message)
+            warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
         return ir.passes.PassResult(model, modified=bool(fused))
 
 

@@ -23,14 +23,15 @@ __all__ = [
     "WINDOW_PADDING_WARNING",
     "GqaFusionPass",
     "summarize_refusals",
+    "unfused_refusal",
 ]
 
 import logging
-import re
 from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from onnx_kvcache._attention_site import summarize_refusals
 from onnx_kvcache._window_present import tail_slice
 from onnx_kvcache.errors import warn
 from onnx_kvcache.gqa import find_gqa_sites
@@ -57,9 +58,11 @@ WINDOW_PADDING_WARNING = (
 #: Added when a fused attention with a padding mask has a cropped sliding-window cache.
 CROPPED_WINDOW_WARNING = (
     "Layers whose export keeps only the last window - 1 tokens (transformers 5.x sliding-window "
-    "caches) compute as the export for a padded row only while its cached and new tokens fit in "
-    "window - 1 rows: the fused cache holds the row's valid tokens first, the export's its last "
-    "positions. Run longer padded prompts unpadded (one row per batch)."
+    "caches) compute as the export for a left-padded row only when its padding is at most "
+    "window - 1 tokens: with window or more padding tokens its prompt still computes as the export, "
+    "but every decode step after it differs (the fused cache holds the row's valid tokens first, the "
+    "export's its last positions). Pad rows by fewer than window tokens, or run such prompts unpadded "
+    "(one row per batch)."
 )
 
 
@@ -122,19 +125,22 @@ def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
 
 
-def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") -> str:
-    """``"node: reason"`` entries as one line: each reason once, with its count and first node.
+def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
+    """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
 
-    Reasons that differ only in numbers (layer indices, node counters) are one reason.
+    Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model
+    with some caches converted and others not is neither the user's model nor a converted one.
     """
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in refused:
-        node, _, reason = entry.partition(": ")
-        if not reason:
-            node, reason = "<unnamed>", entry
-        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
-    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
-    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+    if not refused:
+        return None
+    left = summarize_refusals(refused)
+    if fused:
+        return (
+            f"attention fusion fused {fused} layer(s) but left {len(refused)} unfused ({left}); running, "
+            "calibrating and evaluating need every cache in GroupQueryAttention, so nothing was "
+            "converted (-v lists each node)."
+        )
+    return f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
 
 
 _PLAIN = frozenset(

@@ -94,6 +94,24 @@ def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
     return 13, "Split and Unsqueeze with inputs"
 
 
+#: Default-domain opset raises that change no node's meaning: every operator with a new
+#: version in 19 (Cast, CastLike, QuantizeLinear: ``saturate``, which acts on float8 only;
+#: AveragePool: ``dilations``, default 1; Pad, Resize: one more mode; Equal, Reshape, Shape,
+#: Size, Identity, Constant, If, Loop, Scan, DequantizeLinear: more types) keeps version
+#: 18's behaviour for every graph valid at 18 (``onnx.defs``, since_version 19).
+_EXACT_OPSET_RAISES = frozenset({(18, 19)})
+
+
+def _raise_opset(model: ir.Model, sites: list[GqaSite], quantized_io: bool) -> None:
+    """Raise ``model``'s default-domain opset to what emulating ``sites`` needs where that
+    is exact (:data:`_EXACT_OPSET_RAISES`: an opset-18 TorchScript export's fp8 cache)."""
+    have = model.opset_imports.get("", 1)
+    need = max((_min_opset(s, quantized_io)[0] for s in sites), default=have)
+    if need > have and (have, need) in _EXACT_OPSET_RAISES:
+        logger.info("Emulation: the copy it runs imports opset %d instead of %d (exact).", need, have)
+        model.opset_imports[""] = need
+
+
 def get_semantics(name: str) -> Semantics:
     """Validate a kernel-rule name (``cuda`` or ``cpu``)."""
     key = str(name).lower()
@@ -583,12 +601,16 @@ class KvCacheEmulationPass(InPlacePass):
 def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io: bool = False) -> ir.Model:
     """A copy of ``model`` that runs on CPU under ``semantics`` (the input is unchanged).
 
+    An opset-18 model with an fp8 cache (TorchScript exports) imports opset 19 in the copy:
+    its Cast to float8 needs ``saturate``, and no operator means otherwise at 19.
+
     A bfloat16 model also computes in float32 (:class:`Bfloat16ToFloatPass`: the CPU has
     no bf16 kernels), and model-local functions holding nodes to emulate are inlined.
     """
     copy = as_model(model).clone()
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)
+    _raise_opset(copy, emulation.sites(copy), quantized_io)
     if copy.functions and any(s.function is not None for s in emulation.sites(copy)):
         common_passes.InlinePass()(copy)
     emulation(copy)

@@ -110,6 +110,15 @@ class _Skip(Exception):
     """A site that cannot be converted; the message says why."""
 
 
+#: The IR version that introduced a cache element type (float8: IR 9, onnx 1.14).
+_MIN_IR_VERSION = {
+    ir.DataType.FLOAT8E4M3FN: 9,
+    ir.DataType.FLOAT8E4M3FNUZ: 9,
+    ir.DataType.FLOAT8E5M2: 9,
+    ir.DataType.FLOAT8E5M2FNUZ: 9,
+}
+
+
 class KvCacheQuantizationPass(InPlacePass):
     """Quantize the KV cache of GroupQueryAttention and PagedAttention nodes.
 
@@ -163,6 +172,9 @@ class KvCacheQuantizationPass(InPlacePass):
             modified |= self._apply(plan, store)
         cast_fp8_windows(model.graph)
         modified |= store.modified | store.remove_unused()
+        if plans and model.ir_version < _MIN_IR_VERSION.get(self.format.dtype, 0):
+            model.ir_version = _MIN_IR_VERSION[self.format.dtype]  # the cache type is newer than it
+            modified = True
         counts: dict[str, int] = {}
         for plan in plans:
             counts[plan.site.op.op_type] = counts.get(plan.site.op.op_type, 0) + 1
