@@ -189,7 +189,8 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The public API (and ``__version__``), not this module's own machinery."""
+    return sorted({*__all__, "__version__"})
 
 
 if TYPE_CHECKING:

@@ -21,7 +21,9 @@ written by then).
 from __future__ import annotations
 
 import _signal
+import time
 
+_STARTED = time.perf_counter()
 _EARLY: list[int] = []
 """Signals received before :func:`main` installed its handlers."""
 
@@ -42,6 +44,8 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import onnx_kvcache._signals as _signals  # noqa: E402
+
+_signals.STARTED = _STARTED
 
 
 def _stopped(error: KeyboardInterrupt) -> int:

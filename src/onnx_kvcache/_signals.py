@@ -55,6 +55,9 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+STARTED: float | None = None
+"""``time.perf_counter()`` at the entry point's first line (the command's timer starts there)."""
+
 outcome = "nothing was written"
 """What the files are like if the process stops now (the command keeps it current)."""
 
