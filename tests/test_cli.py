@@ -160,6 +160,111 @@ def test_the_command_answers_and_refuses_before_importing_onnx_or_numpy(tmp_path
         assert imported == set(), f"{argv}: imported {imported}"
 
 
+def _not_regular_files(tmp: pathlib.Path) -> None:
+    """A folder, a FIFO, a dangling link and a link loop under ``tmp``, with every suffix."""
+    for suffix in (".txt", ".json", ".npy"):
+        (tmp / f"dir{suffix}").mkdir()
+        os.mkfifo(tmp / f"fifo{suffix}")
+        (tmp / f"dangling{suffix}").symlink_to(tmp / "nowhere")
+        (tmp / f"loop{suffix}").symlink_to(tmp / f"loop{suffix}")
+    (tmp / "tokdir").mkdir()
+    os.mkfifo(tmp / "tokdir" / "tokenizer.json")
+
+
+_CALIBRATE = ["calibrate", "{model}", "--out", "{tmp}/s.json"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "{model}", "--batch", "2"], "give --context too"),
+        ([*_CALIBRATE, "--percentile", "99"], "--percentile applies to --method percentile"),
+        ([*_CALIBRATE, "--method", "mse", "--percentile", "99"], "not --method mse"),
+        ([*_CALIBRATE, "--text", "{tmp}/dir.txt"], "is a folder"),
+        ([*_CALIBRATE, "--text", "{tmp}/fifo.txt"], "is a FIFO"),
+        ([*_CALIBRATE, "--text", "{tmp}/dangling.txt"], "broken symbolic link"),
+        ([*_CALIBRATE, "--token-ids", "{tmp}/loop.json"], "symbolic link loop"),
+        ([*_CALIBRATE, "--token-ids", "{tmp}/fifo.npy"], "is a FIFO"),
+        ([*_CALIBRATE, "--tokenizer", "{tmp}/fifo.json"], "is a FIFO"),
+        ([*_CALIBRATE, "--tokenizer", "{tmp}/tokdir"], "is a FIFO"),
+        ([*_CALIBRATE, "--tokenizer", "/dev/null"], "is a character device"),
+        (["evaluate", "{model}", "{model}", "--text", "{tmp}/dir.txt"], "is a folder"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/dir.json"], "is a folder"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/fifo.json"], "is a FIFO"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "/dev/null"], "is a character device"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/dangling.json"], "broken symbolic"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/loop.json"], "symbolic link loop"),
+        (["convert", "{model}"], "Give an output path, or --in-place"),
+        (["convert", "{model}", "{tmp}/o.onnx", "--in-place"], "not both"),
+        (["convert", "{model}", "{model}"], "is the input; use --in-place"),
+        (["doctor", "--provider", "tpu"], "Unknown execution provider 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_importing_onnx_or_numpy(tmp_path, argv, message):
+    """The review found each refused only after onnx-ir, numpy (and for calibrate the whole model
+    in onnxruntime, for doctor onnxruntime) had been imported or loaded."""
+    model = tmp_path / "m" / "model.onnx"
+    model.parent.mkdir()
+    ir.save(build_decoder(num_layers=1), model)
+    _not_regular_files(tmp_path)
+    record = tmp_path / "imported.txt"
+    args = [a.format(model=model, tmp=tmp_path) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECORD_IMPORTS, str(record), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert record.read_text().split() == [], proc.stderr
+    assert not (tmp_path / "s.json").exists() and not (tmp_path / "o.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "named"),
+    [
+        (["--bogus"], "usage: onnx-kvcache [", "--bogus"),
+        (["inspect", "--bogus"], "usage: onnx-kvcache inspect", "--bogus"),
+        (["inspect", "m.onnx", "--bogus"], "usage: onnx-kvcache inspect", "--bogus"),
+        (["convert", "--frmat", "int8", "x"], "usage: onnx-kvcache convert", "--frmat"),
+        (
+            ["-v", "calibrate", "m.onnx", "--out=s.json", "--bogus=1"],
+            "usage: onnx-kvcache calibrate",
+            "--bogus=1",
+        ),
+    ],
+)
+def test_an_unknown_option_is_named_in_its_commands_usage(capsys, argv, usage, named):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(usage) and f"unrecognized arguments: {named}" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv", [["inspect", "m.onnx", "--cont", "4", "-v"], ["-v", "inspect", "--", "-m.onnx"]]
+)
+def test_known_options_abbreviations_and_positionals_after_dashes_still_parse(argv):
+    build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [
+        ("OpenVINOExecutionProvider", "OpenVINO's own runtime"),
+        ("TensorrtExecutionProvider", "not a provider of the capability table"),
+        ("tpu", "not a provider of the capability table"),
+    ],
+)
+def test_a_refused_ep_is_echoed_as_given_with_the_reason(capsys, given, reason):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["convert", "m.onnx", "o.onnx", "--ep", given])
+    err = capsys.readouterr().err
+    assert f"invalid choice: {given!r}" in err and reason in err, err
+
+
 def test_importing_the_package_and_the_command_is_cheap():
     """``import onnx_kvcache`` (names on first use), its command's module and its errors."""
     code = (
@@ -196,6 +301,17 @@ def test_errors_keep_their_classes_without_onnx_ir_imported():
     assert isinstance(error, ir.passes.PreconditionError) and isinstance(error, KvCacheError)
     assert errors.KvCachePreconditionError is pickle.loads(pickle.dumps(errors.KvCachePreconditionError))
     assert type(pickle.loads(pickle.dumps(error))) is errors.KvCachePreconditionError
+
+
+def test_importing_the_module_entry_point_runs_nothing():
+    """``import onnx_kvcache.__main__`` printed the usage and left with os._exit."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import onnx_kvcache.__main__; print('imported')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "imported\n", "")
 
 
 def test_module_entry_point():
@@ -441,6 +557,9 @@ def test_convert_takes_the_granularity_of_the_scale_file(tmp_path, model_file, c
         ["calibrate", "{model}", "--out", "{tmp}/s.json", "--seq-len", "0"],
         ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "101"],
         ["calibrate", "{model}", "--out", "{tmp}/s.json", "--margin", "0"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--margin", "inf"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--margin=-inf"],
+        ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "inf"],
         ["calibrate", "{model}", "--out", "{tmp}/s.json", "--min-tokens", "-3"],
         ["evaluate", "{model}", "{model}", "--max-new-tokens", "-1"],
         ["evaluate", "{model}", "{model}", "--num-seqs", "nan"],

@@ -60,11 +60,18 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
         words = sys.argv[1:] if args is None else list(args)
         commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        value = False  # the word is an option's value ("--margin -inf")
         for word in words:
+            if value:
+                value = False
+                continue
             if word == "--" or word in commands:  # the rest is positional, or the command's
                 break
-            if word.startswith("-") and len(word) > 1 and not self._known_option(word):
-                self.error(f"unrecognized arguments: {word}")
+            if word.startswith("-") and len(word) > 1:
+                if not self._known_option(word):
+                    self.error(f"unrecognized arguments: {word}")
+                action = self._option_string_actions.get(word)
+                value = action is not None and action.nargs != 0
         return super().parse_known_args(args, namespace)
 
     def _known_option(self, word: str) -> bool:
