@@ -48,6 +48,23 @@ def fp16_model_file(tmp_path):
     return path
 
 
+@pytest.mark.parametrize("started_ago", [0.0, 100.0])
+def test_convert_times_from_the_entry_points_first_line(
+    tmp_path, model_file, monkeypatch, capsys, started_ago
+):
+    """The "in N s" timer started after the imports: it counts from the entry point now."""
+    import time
+
+    from onnx_kvcache import _signals
+
+    monkeypatch.setattr(_signals, "STARTED", time.perf_counter() - started_ago if started_ago else None)
+    argv = ["convert", str(model_file), str(tmp_path / "o.onnx"), "--format", "int8"]
+    assert main([*argv, "--scales", str(scale_file(tmp_path))]) == 0
+    seconds = float(re.search(r" in ([0-9.]+)s$", capsys.readouterr().out, re.M)[1])  # type: ignore[index]
+    assert started_ago <= seconds < started_ago + 60
+    assert _signals.STARTED is None  # consumed: a second command in the process times itself
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_convert_then_inspect(tmp_path, model_file, fp16_model_file, capsys, fmt):
     out = tmp_path / f"{fmt}.onnx"
