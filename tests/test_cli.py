@@ -137,6 +137,22 @@ main()
 """.replace("HEAVY", repr(HEAVY))
 
 
+def _run_recording_imports(tmp_path, argv):
+    """The command run as its console script on a 1-layer model; the heavy modules it imported."""
+    model = tmp_path / "m" / "model.onnx"
+    model.parent.mkdir()
+    ir.save(build_decoder(num_layers=1), model)
+    record = tmp_path / "imported.txt"
+    args = [a.format(model=model, tmp=tmp_path) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECORD_IMPORTS, str(record), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc, set(record.read_text().split())
+
+
 @pytest.mark.parametrize(
     ("argv", "code"),
     [
@@ -156,21 +172,10 @@ main()
 def test_the_command_answers_and_refuses_before_importing_onnx_or_numpy(tmp_path, argv, code):
     """--help, --version and a mistyped flag took 2.2 s: the CLI imported onnx-ir (and with it
     onnx, numpy and ml_dtypes 0.7's 1.3 s extension) before it parsed its arguments."""
-    model = tmp_path / "m" / "model.onnx"
-    model.parent.mkdir()
-    ir.save(build_decoder(num_layers=1), model)
-    record = tmp_path / "imported.txt"
-    args = [a.format(model=model, tmp=tmp_path) for a in argv]
-    proc = subprocess.run(
-        [sys.executable, "-c", _RECORD_IMPORTS, str(record), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, imported = _run_recording_imports(tmp_path, argv)
     assert proc.returncode == code, proc.stderr
     last = proc.stderr.splitlines()[-1] if code else "onnx-kvcache"
     assert "Traceback" not in proc.stderr and last.startswith("onnx-kvcache"), proc.stderr
-    imported = set(record.read_text().split())
     if argv == ["inspect", "{model}"]:
         assert {"onnx_ir", "numpy", "ml_dtypes"} <= imported
     else:
@@ -220,21 +225,11 @@ _CALIBRATE = ["calibrate", "{model}", "--out", "{tmp}/s.json"]
 def test_bad_arguments_are_refused_before_importing_onnx_or_numpy(tmp_path, argv, message):
     """The review found each refused only after onnx-ir, numpy (and for calibrate the whole model
     in onnxruntime, for doctor onnxruntime) had been imported or loaded."""
-    model = tmp_path / "m" / "model.onnx"
-    model.parent.mkdir()
-    ir.save(build_decoder(num_layers=1), model)
     _not_regular_files(tmp_path)
-    record = tmp_path / "imported.txt"
-    args = [a.format(model=model, tmp=tmp_path) for a in argv]
-    proc = subprocess.run(
-        [sys.executable, "-c", _RECORD_IMPORTS, str(record), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc, imported = _run_recording_imports(tmp_path, argv)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
-    assert record.read_text().split() == [], proc.stderr
+    assert imported == set(), proc.stderr
     assert not (tmp_path / "s.json").exists() and not (tmp_path / "o.onnx").exists()
 
 
