@@ -138,19 +138,43 @@ def uninterrupted(completes: bool = False) -> Iterator[None]:
         raise Interrupted(signum, completed=_completed)
 
 
+_held_depth = 0
+_WAKE: int = getattr(signal, "SIGUSR2", 0)
+"""Sent to the collector thread (blocked in it) to end it."""
+
+
+def _collect() -> None:
+    """The collector: with the signals blocked in every thread of ours, takes each signal sent
+    to the process as it arrives, so they are held in the order they came (the kernel delivers
+    blocked signals lowest number first once unblocked: SIGINT before an earlier SIGTERM)."""
+    while (signum := signal.sigwait({*HANDLED, _WAKE})) != _WAKE:
+        _pending.append(signum)
+
+
 @contextlib.contextmanager
 def held() -> Iterator[None]:
     """Over C code that must not be interrupted: the signals are blocked in this thread (a
     signal is not even delivered: no ``EINTR``, no Python handler inside it) and held as by
-    :func:`uninterrupted` (one another thread received is not raised inside either)."""
+    :func:`uninterrupted` (one another thread received is not raised inside either), in the
+    order they arrived (a collector thread, blocking them too, takes them as they come)."""
+    global _held_depth
     with uninterrupted():
         if not _BLOCKABLE or threading.current_thread() is not threading.main_thread():
             yield
             return
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {*HANDLED, _WAKE})
+        collector = None
+        if not _held_depth and _WAKE:  # the thread inherits the mask
+            collector = threading.Thread(target=_collect, name="onnx-kvcache signals", daemon=True)
+            collector.start()
+        _held_depth += 1
         try:
             yield
         finally:  # a blocked signal is delivered now, then raised as the block ends
+            _held_depth -= 1
+            if collector is not None and collector.ident is not None:
+                signal.pthread_kill(collector.ident, _WAKE)
+                collector.join()
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
