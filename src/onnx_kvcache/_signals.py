@@ -16,7 +16,9 @@ heavy (see :mod:`onnx_kvcache._entry`). The rules:
 * Inside :func:`extension_imports_held` (the entry point's), every C extension module
   (onnx's, ml_dtypes', numpy's, onnxruntime's, ...) initializes with the three signals
   blocked (``pthread_sigmask``) and held as by :func:`uninterrupted`: a signal during its
-  initialization is raised once it returns. Raised inside it, from a Python handler that
+  initialization is raised once it returns; the first one to arrive is the one raised (a
+  collector thread takes them as they come: unblocked, the kernel would deliver them lowest
+  number first). Raised inside it, from a Python handler that
   ran while the extension called back into Python, the exception reached C++ code that
   cannot unwind it: onnx's nanobind module then aborted (``terminate called after throwing
   an instance of 'nanobind::python_error'``, exit 134) or crashed (exit 139).
