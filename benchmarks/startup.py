@@ -101,8 +101,11 @@ def main() -> None:
             wall = statistics.median(r.wall for r in runs)
             cpu = statistics.median(r.cpu for r in runs)
             rss = max(r.rss for r in runs)
-            verdict = (
-                "" if target is None else f"  target < {target} s: {'met' if wall < target else 'MISSED'}"
+            verdict = (  # wall is the target; CPU is the figure load does not inflate
+                ""
+                if target is None
+                else f"  target < {target} s: wall {'met' if wall < target else 'MISSED'}, "
+                f"CPU {'met' if cpu < target else 'MISSED'}"
             )
             if name.startswith("convert"):
                 verdict += f", RSS < 300 MiB: {'met' if rss < 300 else 'MISSED'}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -836,3 +837,35 @@ def test_the_integer_rounding_note_is_printed_for_integer_formats_only(tmp_path,
     assert main([*argv, "--seq-len", "64", "--num-seqs", "4", "--min-tokens", "64", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "k clip" in out and ("minmax clips int8/int4" in out) is noted
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [("folder", "is a folder"), ("fifo", "is a FIFO"), ("dangling", "broken symbolic link")],
+)
+@pytest.mark.parametrize("argument", ["data", "tokenizer"])
+def test_data_and_tokenizer_files_are_checked_before_the_model_loads(
+    tmp_path, monkeypatch, kind, message, argument
+):
+    """A FIFO or folder given as the data or tokenizer cost the whole model load first."""
+    path = tmp_path / "given.txt"
+    if kind == "folder":
+        path.mkdir()
+        (path / "tokenizer.json").mkdir()  # a tokenizer folder whose tokenizer.json is a folder
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(tmp_path / "nowhere")
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input files were checked")
+
+    monkeypatch.setattr(calibration_module, "KvCacheRunner", no_runner)
+    with pytest.raises(KvCacheError, match=message):
+        calibrate_kv_cache(tmp_path / "model.onnx", **{argument: str(path)})
+
+
+@pytest.mark.parametrize("margin", [float("inf"), float("nan")])
+def test_a_non_finite_margin_is_refused(margin):
+    with pytest.raises(KvCacheError, match="margin must be > 0 and finite"):
+        calibrate_kv_cache("model.onnx", margin=margin)

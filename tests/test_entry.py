@@ -105,6 +105,50 @@ def test_the_package_imports_nothing_heavy_before_the_handlers():
     assert proc.stdout.strip() == "[]"
 
 
+_AS_THE_CONSOLE_SCRIPT = """
+import os, sys
+signum = int(sys.argv[1])
+sys.argv = ["/usr/local/bin/onnx-kvcache", "--version"]  # as pip's script runs
+
+class Hook:  # a signal while the package's __init__ runs, before the entry point's first line
+    def find_spec(self, name, path=None, target=None):
+        if name == "onnx_kvcache._version":
+            os.kill(os.getpid(), signum)
+        return None
+
+sys.meta_path.insert(0, Hook())
+from onnx_kvcache._entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_console_script_imports_the_package_is_one_line(signum):
+    """The console script imports onnx_kvcache/__init__.py before _entry's first line: a Ctrl-C
+    there was a KeyboardInterrupt traceback (SIGTERM: killed without a word)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _AS_THE_CONSOLE_SCRIPT, str(int(signum))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    name = signal.Signals(signum).name
+    assert (proc.returncode, proc.stderr) == (
+        128 + signum,
+        f"onnx-kvcache: stopped by {name}; nothing was written.\n",
+    ), proc.stderr
+
+
+@pytest.mark.parametrize("argv0", ["-c", "/usr/bin/python", "/x/onnx-kvcache-tools"])
+def test_importing_the_package_elsewhere_installs_no_handler(argv0):
+    code = (
+        f"import signal, sys; sys.argv[0] = {argv0!r}; import onnx_kvcache; "
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "True"
+
+
 _INSIDE_AN_EXTENSION = """
 import os, sys
 record, signum, held = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "held"

@@ -160,3 +160,9 @@ def test_the_package_description_names_every_attention_operator_it_converts():
     pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     description = re.search(r'^description = "(.*)"$', pyproject, re.MULTILINE).group(1)  # no tomllib in 3.10
     assert all(op_type in description for op_type in ATTENTION_OPS), description
+
+
+def test_dir_lists_the_public_names_only():
+    """dir() listed the module's machinery: annotations, TYPE_CHECKING, _EXPORTS, _MODULE_OF."""
+    assert dir(onnx_kvcache) == sorted({*onnx_kvcache.__all__, "__version__"})
+    assert not {"annotations", "TYPE_CHECKING", "_EXPORTS", "_MODULE_OF"} & set(dir(onnx_kvcache))

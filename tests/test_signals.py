@@ -68,3 +68,31 @@ def test_a_signal_python_swallows_in_a_weakref_callback_is_raised_after_it():
         while len(steps) < 10**7:  # raised again here, once a thread sent it
             steps.append(0)
     assert ref() is None and caught.value.signum == signal.SIGTERM and len(steps) < 10**7
+
+
+_IN_ORDER = """
+import os, signal, sys, time
+from onnx_kvcache import _signals
+second = int(sys.argv[1])
+try:
+    with _signals.signal_handlers(), _signals.held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), second)
+        time.sleep(0.05)
+except _signals.Interrupted as e:
+    print(e.signum, sorted(signal.sigpending()))
+"""
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGHUP])
+def test_signals_held_are_reported_in_the_order_they_came(second):
+    """SIGTERM, then SIGINT or SIGHUP 50 ms later, inside held (a process of one thread, as the
+    command is while it imports): the kernel delivered them lowest number first once unblocked,
+    so the later signal's code was the exit code."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _IN_ORDER, str(int(second))], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout.split() == [str(int(signal.SIGTERM)), "[]"], proc.stderr

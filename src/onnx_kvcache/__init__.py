@@ -9,7 +9,15 @@ entry point, takes milliseconds: the command installs its signal handlers before
 anything heavy (onnx-ir, numpy) is imported.
 """
 
-from __future__ import annotations
+import sys as _sys
+
+_COMMAND_SCRIPTS = ("onnx-kvcache", "onnx-kvcache.exe", "onnx-kvcache-script.py")
+if _sys.argv and _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in _COMMAND_SCRIPTS:
+    # the console script imports this package before the entry point: its signal record starts here
+    import onnx_kvcache._entry as _command  # its first lines record a signal
+
+    del _command
+del _sys
 
 __all__ = [
     # what a cache is: formats, granularities, attention operators
@@ -80,7 +88,7 @@ __all__ = [
     "NotConvertedWarning",
 ]
 
-from onnx_kvcache._version import __version__ as __version__
+from onnx_kvcache._version import __version__ as __version__  # noqa: E402  (after the signal record)
 
 TYPE_CHECKING = False  # typing is not imported: the command's start-up stays short
 
@@ -189,7 +197,8 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The public API (and ``__version__``), not this module's own machinery."""
+    return sorted({*__all__, "__version__"})
 
 
 if TYPE_CHECKING:

@@ -1,3 +1,4 @@
 from onnx_kvcache._entry import main
 
-main()
+if __name__ == "__main__":
+    main()

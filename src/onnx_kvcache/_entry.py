@@ -12,16 +12,22 @@ has already restored the default handlers: a signal there would kill the process
 without a word although its output is complete.
 
 This module's first lines record a signal (``_signal``, built in, so before anything is
-imported); :func:`main` then reports it as one line. Only the interpreter's own start,
-before Python runs this module (about 30 ms on an idle machine, several times that under
-load), is not covered: a signal then stops the process as any Python program (nothing is
-written by then).
+imported); :func:`main` then reports it as one line. The console script imports the
+package first: its ``__init__`` imports this module on its first lines when the process is
+the ``onnx-kvcache`` script, so the record starts there. Only what runs before that is not
+covered: the interpreter's own start, ``site`` and the script's ``import sys`` (about 25 ms
+on an idle machine, several times that under load; ``python -m onnx_kvcache`` adds runpy
+and the package's ``__init__``): a signal then stops the process as any Python program
+(Ctrl-C prints a ``KeyboardInterrupt`` traceback, exit 130 without a word; SIGTERM, exit
+143 without a word), and nothing is written by then.
 """
 
 from __future__ import annotations
 
 import _signal
+import time
 
+_STARTED = time.perf_counter()
 _EARLY: list[int] = []
 """Signals received before :func:`main` installed its handlers."""
 
@@ -42,6 +48,8 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import onnx_kvcache._signals as _signals  # noqa: E402
+
+_signals.STARTED = _STARTED
 
 
 def _stopped(error: KeyboardInterrupt) -> int:

@@ -16,7 +16,9 @@ heavy (see :mod:`onnx_kvcache._entry`). The rules:
 * Inside :func:`extension_imports_held` (the entry point's), every C extension module
   (onnx's, ml_dtypes', numpy's, onnxruntime's, ...) initializes with the three signals
   blocked (``pthread_sigmask``) and held as by :func:`uninterrupted`: a signal during its
-  initialization is raised once it returns. Raised inside it, from a Python handler that
+  initialization is raised once it returns; the first one to arrive is the one raised (a
+  collector thread takes them as they come: unblocked, the kernel would deliver them lowest
+  number first). Raised inside it, from a Python handler that
   ran while the extension called back into Python, the exception reached C++ code that
   cannot unwind it: onnx's nanobind module then aborted (``terminate called after throwing
   an instance of 'nanobind::python_error'``, exit 134) or crashed (exit 139).
@@ -54,6 +56,9 @@ class Interrupted(KeyboardInterrupt):
     def exit_code(self) -> int:
         return 128 + self.signum
 
+
+STARTED: float | None = None
+"""``time.perf_counter()`` at the entry point's first line (the command's timer starts there)."""
 
 outcome = "nothing was written"
 """What the files are like if the process stops now (the command keeps it current)."""
@@ -135,19 +140,43 @@ def uninterrupted(completes: bool = False) -> Iterator[None]:
         raise Interrupted(signum, completed=_completed)
 
 
+_held_depth = 0
+_WAKE: int = getattr(signal, "SIGUSR2", 0)
+"""Sent to the collector thread (blocked in it) to end it."""
+
+
+def _collect() -> None:
+    """The collector: with the signals blocked in every thread of ours, takes each signal sent
+    to the process as it arrives, so they are held in the order they came (the kernel delivers
+    blocked signals lowest number first once unblocked: SIGINT before an earlier SIGTERM)."""
+    while (signum := signal.sigwait({*HANDLED, _WAKE})) != _WAKE:
+        _pending.append(signum)
+
+
 @contextlib.contextmanager
 def held() -> Iterator[None]:
     """Over C code that must not be interrupted: the signals are blocked in this thread (a
     signal is not even delivered: no ``EINTR``, no Python handler inside it) and held as by
-    :func:`uninterrupted` (one another thread received is not raised inside either)."""
+    :func:`uninterrupted` (one another thread received is not raised inside either), in the
+    order they arrived (a collector thread, blocking them too, takes them as they come)."""
+    global _held_depth
     with uninterrupted():
         if not _BLOCKABLE or threading.current_thread() is not threading.main_thread():
             yield
             return
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {*HANDLED, _WAKE})
+        collector = None
+        if not _held_depth and _WAKE:  # the thread inherits the mask
+            collector = threading.Thread(target=_collect, name="onnx-kvcache signals", daemon=True)
+            collector.start()
+        _held_depth += 1
         try:
             yield
         finally:  # a blocked signal is delivered now, then raised as the block ends
+            _held_depth -= 1
+            if collector is not None and collector.ident is not None:
+                signal.pthread_kill(collector.ident, _WAKE)
+                collector.join()
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 

@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache._input_files import check_input_file
 from onnx_kvcache.capabilities import default_format, infer_target
-from onnx_kvcache.data import TokenData, load_token_windows
+from onnx_kvcache.data import TokenData, find_tokenizer, load_token_windows
 from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, require_type, warn
 from onnx_kvcache.formats import CacheFormat, ScaleGranularity, get_format, get_granularity, scale_granularity
 from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites
@@ -323,14 +324,18 @@ def calibrate_kv_cache(
         raise KvCacheError(f"Unknown calibration method {method!r}; choose one of {', '.join(METHODS)}.")
     if not 0 < percentile <= 100:
         raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
-    if not margin > 0:
-        raise KvCacheError(f"margin must be > 0, got {margin}.")
+    if not 0 < margin < float("inf"):
+        raise KvCacheError(f"margin must be > 0 and finite, got {margin}.")
     if sample_budget < 1 or min_tokens < 0:
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
     if method is None and format is not None:
         method = DEFAULT_METHODS.get(get_format(format).name, "minmax")
+    if isinstance(data, (str, os.PathLike)):  # a FIFO or folder is refused before the model loads
+        check_input_file(data, "Data file", missing="does not exist")
+    if tokenizer is not None:
+        find_tokenizer(tokenizer=tokenizer)
     # no LM head: only caches are read (and, for ``attention``, each layer's query)
     runner = KvCacheRunner(
         model,

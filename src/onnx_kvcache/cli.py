@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from onnx_kvcache import _file_io as file_io
 from onnx_kvcache import _signals
 from onnx_kvcache._file_io import format_bytes
+from onnx_kvcache._input_files import check_input_file
 from onnx_kvcache._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache._names import GRANULARITIES as SCALE_GRANULARITIES
 from onnx_kvcache._names import PROVIDERS, ep_name
@@ -40,7 +42,6 @@ from onnx_kvcache._output_files import check_output, same_output, stamp_json, wr
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import (
     KvCacheError,
-    KvCacheFileNotFoundError,
     KvCacheWarning,
     MissingRuntimeError,
     NotConvertedWarning,
@@ -49,6 +50,53 @@ from onnx_kvcache.genai_folder import resolve_model_path
 
 if TYPE_CHECKING:
     from onnx_kvcache.model_files import ConvertResult
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with two changes. An unknown option is named at once, in its own command's
+    usage: argparse first says a required argument is missing (``--bogus`` alone: "required:
+    COMMAND"), or leaves it to the top-level parser, whose usage is not the command's. And its
+    ``--help``/``--version`` text is flushed and a failure raised (argparse drops it:
+    ``--version > /dev/full`` would exit 0 with nothing written)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        words = sys.argv[1:] if args is None else list(args)
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        value = False  # the word is an option's value ("--margin -inf")
+        for word in words:
+            if value:
+                value = False
+                continue
+            if word == "--" or word in commands:  # the rest is positional, or the command's
+                break
+            if word.startswith("-") and len(word) > 1:
+                if not self._known_option(word):
+                    self.error(f"unrecognized arguments: {word}")
+                action = self._option_string_actions.get(word)
+                value = action is not None and action.nargs != 0
+        return super().parse_known_args(args, namespace)
+
+    def _known_option(self, word: str) -> bool:
+        if self._negative_number_matcher.match(word):  # type: ignore[attr-defined]
+            return True
+        name = word.split("=", 1)[0]
+        if name in self._option_string_actions or word[:2] in self._option_string_actions:
+            return True
+        return name.startswith("--") and any(o.startswith(name) for o in self._option_string_actions)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not message:
+            return
+        stream = file or sys.stderr
+        if stream is not sys.stdout:
+            with contextlib.suppress(OSError, AttributeError):
+                stream.write(message)
+            return
+        try:
+            stream.write(message)
+            stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -81,17 +129,36 @@ def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | No
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if (
-            value != value
+            not math.isfinite(value)
             or (value < low if inclusive else value <= low)
             or (high is not None and value > high)
         ):
             bound = (f">= {low}" if inclusive else f"> {low}") + (
                 f" and <= {high}" if high is not None else ""
             )
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            finite = "" if math.isfinite(value) else "a finite number "
+            raise argparse.ArgumentTypeError(f"must be {finite}{bound}, got {text}")
         return value
 
     return parse
+
+
+def _ep(text: str) -> str:
+    """An ``--ep`` value: a table row, or onnxruntime's name for one; else why not, in the
+    user's spelling."""
+    name = ep_name(text)
+    if name in PROVIDERS:
+        return name
+    rows = ", ".join(ep_choices())
+    if name == "openvinoexecutionprovider":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (onnxruntime's OpenVINOExecutionProvider is not a row of the "
+            f"capability table: openvino is OpenVINO's own runtime); choose from {rows}"
+        )
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (not a provider of the capability table); choose from {rows}, or "
+        "onnxruntime's name for one (e.g. CUDAExecutionProvider)"
+    )
 
 
 _POSITIVE = _bounded(int, 1)
@@ -280,7 +347,7 @@ def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
+    start = args.started  # the entry point's first line: the imports count too
     what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
     try:
         from onnx_kvcache.model_files import convert_model
@@ -349,8 +416,6 @@ def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.genai_folder import share_buffer
     from onnx_kvcache.model_source import load_model
 
-    if args.batch is not None and args.context is None:
-        raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
     model = load_model(args.model)
     info = inspect_kv_cache(model)
     _, config = resolve_model_path(args.model)
@@ -418,9 +483,6 @@ def _write_completely(
 def _calibrate(args: argparse.Namespace) -> int:
     from onnx_kvcache.calibration import calibrate_kv_cache, format_calibration_summary
 
-    if args.percentile is not None and args.method != "percentile":
-        method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
-        raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
     data = args.token_ids or args.text
     inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
     check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
@@ -532,27 +594,8 @@ def _demo(args: argparse.Namespace) -> int:
 _MODEL = "a .onnx file or an onnxruntime-genai folder"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, whose ``--help``/``--version`` text is flushed and whose failure is raised
-    (argparse drops it: ``--version > /dev/full`` would exit 0 with nothing written)."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if not message:
-            return
-        stream = file or sys.stderr
-        if stream is not sys.stdout:
-            with contextlib.suppress(OSError, AttributeError):
-                stream.write(message)
-            return
-        try:
-            stream.write(message)
-            stream.flush()
-        except OSError as e:
-            raise _StdoutFailed(e) from e
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="onnx-kvcache",
         description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
         epilog="Every command has --help, with the default of each option.",
@@ -603,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ep",
-        type=ep_name,
+        type=_ep,
         choices=ep_choices(),
         help=f"where the model will run: {', '.join(n for n in ep_choices() if PROVIDERS[n])} "
         "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
@@ -643,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=_MODEL)
     p.add_argument(
         "--ep",
-        type=ep_name,
+        type=_ep,
         choices=ep_choices(),
         help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
         "runs each layer (default: none, the cache only)",
@@ -844,25 +887,65 @@ def _silence_stdout() -> None:
 
 #: Arguments that name a model, read before any command imports onnx-ir: each must resolve.
 _MODEL_ARGUMENTS = ("input", "model", "baseline", "candidate")
-#: Arguments that name another input file, and what a missing one is (the library checks the rest).
-_FILE_ARGUMENTS = {
-    "scales": "Scale file {} is missing; give the path of a JSON scale file.",
-    "text": "Data file {} does not exist.",
-    "token_ids": "Data file {} does not exist.",
-    "tokenizer": "Tokenizer {} does not exist.",
+#: Arguments that name another input file: ``check_input_file``'s words for each, as the
+#: library's reader says them (the library checks each again as it reads it).
+_FILE_ARGUMENTS: dict[str, dict[str, str]] = {
+    "scales": {"what": "Scale file", "fix": "give the path of a JSON scale file"},
+    "text": {"what": "Data file", "missing": "does not exist"},
+    "token_ids": {"what": "Data file", "missing": "does not exist"},
+    "tokenizer": {"what": "Tokenizer", "expected": "a tokenizer.json file", "missing": "does not exist"},
 }
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse a combination of arguments before anything heavy is imported."""
+    command = getattr(args, "command", None)
+    if command == "inspect" and args.batch is not None and args.context is None:
+        raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
+    if command == "calibrate" and args.percentile is not None and args.method != "percentile":
+        method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
+        raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
+    if command == "convert":
+        same = args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.input)
+        if args.in_place and args.output is not None and not same:
+            raise KvCacheError("Give either an output path or in_place=True, not both.")
+        if not args.in_place and args.output is None:
+            raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
+        if not args.in_place and same:
+            raise KvCacheError(f"Output {args.output} is the input; use in_place=True to rewrite it.")
+
+
 def check_inputs(args: argparse.Namespace) -> None:
-    """Refuse a missing input before the command imports onnx-ir and numpy (the library
-    checks each again as it reads it)."""
+    """Refuse a bad combination of arguments, a missing input or one that is no regular file
+    (a folder, FIFO, device, dangling link, link loop) before the command imports onnx-ir,
+    numpy or onnxruntime (the library checks each again as it reads it)."""
+    _check_arguments(args)
     for name in _MODEL_ARGUMENTS:
         if getattr(args, name, None) is not None:
             resolve_model_path(getattr(args, name))
-    for name, missing in _FILE_ARGUMENTS.items():
+    for name, words in _FILE_ARGUMENTS.items():
         value = getattr(args, name, None)
-        if value is not None and not os.path.lexists(value):
-            raise KvCacheFileNotFoundError(missing.format(pathlib.Path(value)))
+        if value is None:
+            continue
+        path = pathlib.Path(value)
+        if name == "tokenizer" and path.is_dir():  # tokenizer.json or its folder
+            path /= "tokenizer.json"
+        check_input_file(path, **words)  # type: ignore[arg-type]
+    if getattr(args, "command", None) == "doctor":
+        for provider in args.provider or ():
+            _check_provider(provider)
+
+
+def _check_provider(name: str) -> None:
+    """A ``doctor --provider`` value that is neither a table row nor an onnxruntime provider
+    name (they all end in ExecutionProvider), refused before onnxruntime is imported."""
+    if ep_name(name) in PROVIDERS or name.endswith("ExecutionProvider"):
+        return
+    rows = ", ".join(sorted(n for n, provider in PROVIDERS.items() if provider))
+    raise KvCacheError(
+        f"Unknown execution provider {name!r}: give a row name ({rows}) or an onnxruntime provider "
+        "name (CPUExecutionProvider, CUDAExecutionProvider, ...)."
+    )
 
 
 def _error(message: str) -> None:
@@ -924,6 +1007,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings(), file_io.signal_handlers():
         try:
             args = build_parser().parse_args(argv)
+            args.started = _signals.STARTED or time.perf_counter()  # the entry point's, once
+            _signals.STARTED = None
             logging.basicConfig(
                 level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                 format="%(levelname)s %(name)s: %(message)s",
