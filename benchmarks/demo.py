@@ -10,6 +10,7 @@ machine and its load: README.md quotes them with the load they were measured und
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import subprocess
@@ -18,7 +19,9 @@ import time
 
 
 def main() -> None:
-    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    parser = argparse.ArgumentParser(description="Time `onnx-kvcache demo`, run as a user runs it.")
+    parser.add_argument("runs", nargs="?", type=int, default=3, help="runs, one after another")
+    runs = parser.parse_args().runs
     walls, reported = [], []
     for i in range(runs):
         start = time.perf_counter()
