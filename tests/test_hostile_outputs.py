@@ -700,3 +700,23 @@ def test_an_interrupted_demo_keep_says_what_it_kept(tmp_path, capsys, monkeypatc
     assert f"stopped by SIGINT; the models written so far stay in {keep}" in err, err
     assert "no partial output" not in err
     outputs.check_demo_folder(keep)  # a later demo accepts what it kept
+
+
+@pytest.mark.parametrize("kind", ["genai_folder", "a_file", "a_link", "one_stray_file"])
+def test_save_genai_folder_never_writes_over_what_is_there(tmp_path, kind):
+    """The documented builder writes a new folder: one that holds anything is refused untouched."""
+    target = tmp_path / "model"
+    if kind == "genai_folder":
+        save_genai_folder(target, num_layers=1)
+    elif kind == "a_file":
+        target.write_bytes(b"mine")
+    elif kind == "a_link":
+        (tmp_path / "real").mkdir()
+        target.symlink_to(tmp_path / "real")
+    else:
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    with pytest.raises(KvCacheError, match="not an empty folder"):
+        save_genai_folder(target, num_layers=2)
+    assert tree(tmp_path) == before

@@ -381,6 +381,11 @@ def save_genai_folder(
             raise KvCacheError("A genai folder needs vocab_size >= 258 (256 bytes and two special tokens).")
         tokenizer = GenaiTokenizer(byte_level_tokenizer(), 256, 257, 257, "<s>", "</s>")
     path = pathlib.Path(folder)
+    if path.is_symlink() or (path.exists() and (not path.is_dir() or any(path.iterdir()))):
+        raise KvCacheError(
+            f"{path} exists and is not an empty folder: save_genai_folder writes a new model "
+            "folder and replaces nothing. Name a new or empty folder."
+        )
     path.mkdir(parents=True, exist_ok=True)
     ir.save(
         build_decoder(config, weight_factory=weight_factory),
