@@ -30,8 +30,8 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache._file_io import allocated_bytes, format_bytes
-from onnx_kvcache.demo_model import DecoderConfig, build_decoder
+from onnx_kvcache.files._atomic import allocated_bytes, format_bytes
+from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
 
 LLAMA_70B = DecoderConfig(
     num_layers=80,

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from decoding import PROMPTS, generate, max_differences  # noqa: E402
 from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache, optimize_model  # noqa: E402
-from onnx_kvcache.exported_decoder import ExportStyle, exported_config  # noqa: E402
-from onnx_kvcache.passes.gqa_fusion import GqaFusionPass  # noqa: E402
+from onnx_kvcache.models.exported import ExportStyle, exported_config  # noqa: E402
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "export_llama_opset23.onnx"
 

@@ -24,9 +24,9 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.decoder_config import DecoderConfig
-from onnx_kvcache.demo_model import build_decoder
-from onnx_kvcache.exported_decoder import EXPORT_PRESETS
+from onnx_kvcache.models.config import DecoderConfig
+from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.models.exported import EXPORT_PRESETS
 
 FORMS = {"torchscript": "optimum-llama", "dynamo": "llama"}
 
@@ -78,7 +78,7 @@ FUSE = (
     + """
 import sys, time, warnings
 import onnx_ir as ir
-from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 model = ir.load(sys.argv[1])
 start = time.perf_counter()
 with warnings.catch_warnings():
@@ -94,7 +94,7 @@ CONVERT = (
     PEAK
     + """
 import sys, time
-from onnx_kvcache.cli import main
+from onnx_kvcache.cli.commands import main
 start = time.perf_counter()
 code = main(["convert", sys.argv[1], sys.argv[2], "--format", "int8", "--ep", "cpu", "--scales", sys.argv[3]])
 seconds = time.perf_counter() - start

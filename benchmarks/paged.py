@@ -86,7 +86,7 @@ def twin_agreement() -> list[tuple[str, str, float, bool, str]]:
 
 def speed(context: int, steps: int, rounds: int) -> list[tuple[str, float]]:
     from onnx_kvcache import calibrate_kv_cache
-    from onnx_kvcache.data import corpus_byte_ids
+    from onnx_kvcache.scales.data import corpus_byte_ids
 
     runners = {}
     for paged in (False, True):

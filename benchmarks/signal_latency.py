@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     import onnx_ir as ir
 
-    from onnx_kvcache.demo_model import build_decoder
+    from onnx_kvcache.models.decoder import build_decoder
 
     with tempfile.TemporaryDirectory() as tmp:
         model = pathlib.Path(tmp) / "model.onnx"

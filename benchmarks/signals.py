@@ -35,7 +35,7 @@ import time
 
 import onnx_ir as ir
 
-from onnx_kvcache.demo_model import build_decoder
+from onnx_kvcache.models.decoder import build_decoder
 
 EXECUTABLE = pathlib.Path(sys.executable).with_name("onnx-kvcache")
 EXITS = {0: "finished", 130: "SIGINT", 143: "SIGTERM"}

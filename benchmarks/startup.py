@@ -33,7 +33,7 @@ import onnx_ir as ir
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from convert_large import LLAMA_70B, Run, run_process, write_sparse_model
 
-from onnx_kvcache.demo_model import build_decoder
+from onnx_kvcache.models.decoder import build_decoder
 
 EXECUTABLE = pathlib.Path(sys.executable).with_name("onnx-kvcache")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-from onnx_kvcache.capabilities import render_capability_table
+from onnx_kvcache.capabilities.table import render_capability_table
 
 BEGIN, END = "<!-- BEGIN capability-table -->", "<!-- END capability-table -->"
 

@@ -1,6 +1,6 @@
 """The test oracles' own cache codec: numpy and ml_dtypes, nothing from onnx_kvcache.
 
-Written from onnxruntime's kernel rules, not from ``onnx_kvcache.formats``, so that a bug in
+Written from onnxruntime's kernel rules, not from ``onnx_kvcache.cache.formats``, so that a bug in
 the library's codec shows up as a mismatch instead of being on both sides of a comparison:
 
 - every format multiplies by the float32 reciprocal of the scale (``x / scale`` rounds

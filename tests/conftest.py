@@ -6,7 +6,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.formats import CACHE_FORMATS
+from onnx_kvcache.cache.formats import CACHE_FORMATS
 
 FORMATS = list(CACHE_FORMATS)
 GRANULARITIES = ["per_tensor", "per_channel"]
@@ -141,7 +141,7 @@ def run_gqa_steps(
     Caches are fed as the session declares them: stored (fp8 as OrtValues of its bits) or
     float (emulated caches holding values). ``feeds`` has the past caches as fed.
     """
-    from onnx_kvcache._runtime import to_ort_value
+    from onnx_kvcache.runtime._sessions import to_ort_value
 
     rng = np.random.default_rng(seed)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
@@ -180,7 +180,7 @@ def run_gqa_steps(
 
 @pytest.fixture
 def decoder():
-    from onnx_kvcache.demo_model import build_decoder
+    from onnx_kvcache.models.decoder import build_decoder
 
     return build_decoder(num_layers=2, vocab_size=300)
 

@@ -49,10 +49,10 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import calibrate_kv_cache, convert_model
-from onnx_kvcache.cli import build_parser, main
-from onnx_kvcache.demo_model import build_decoder, byte_level_tokenizer, save_genai_folder
+from onnx_kvcache.cli.commands import build_parser, main
 from onnx_kvcache.errors import KvCacheWarning
-from onnx_kvcache.exported_decoder import exported_config
+from onnx_kvcache.models.decoder import build_decoder, byte_level_tokenizer, save_genai_folder
+from onnx_kvcache.models.exported import exported_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
-from onnx_kvcache.demo_model import save_genai_folder
+from onnx_kvcache.models.decoder import save_genai_folder
 
 from conftest import og_generate
 
@@ -68,7 +68,7 @@ def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, f
     import onnx_ir as ir
 
     from onnx_kvcache import KvCacheWarning
-    from onnx_kvcache._runtime import create_session
+    from onnx_kvcache.runtime._sessions import create_session
 
     scales = calibrate_kv_cache(paged_folder, format=fmt, granularity=granularity, progress=False)
     out = tmp_path / "converted"

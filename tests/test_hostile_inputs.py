@@ -36,9 +36,9 @@ from onnx_kvcache import (
     evaluate_kv_cache,
     load_kv_cache_scale_file,
 )
-from onnx_kvcache import _file_io as file_io
-from onnx_kvcache.cli import main
-from onnx_kvcache.demo_model import build_decoder, save_genai_folder
+from onnx_kvcache.cli.commands import main
+from onnx_kvcache.files import _atomic as file_io
+from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 
 class _Hung(BaseException):
@@ -565,19 +565,19 @@ def test_fuzz_the_commands_file_arguments(tmp_path, models, monkeypatch):
 
 
 def _import_onnxruntime():
-    from onnx_kvcache._runtime import import_onnxruntime
+    from onnx_kvcache.runtime._sessions import import_onnxruntime
 
     import_onnxruntime()
 
 
 def _import_matplotlib():
-    from onnx_kvcache._plots import _pyplot
+    from onnx_kvcache.runtime._plots import _pyplot
 
     _pyplot()
 
 
 def _import_tokenizers(tmp_path):
-    from onnx_kvcache.data import tokenize_text
+    from onnx_kvcache.scales.data import tokenize_text
 
     tokenize_text("some text", tmp_path / "tokenizer.json")
 

@@ -1,4 +1,4 @@
-"""Issue 20, outputs: every file the tool writes follows one rule (onnx_kvcache._output_files).
+"""Issue 20, outputs: every file the tool writes follows one rule (onnx_kvcache.files._outputs).
 
 Each test replays a finding of a hostile run: what the output may replace (a file
 onnx-kvcache wrote, as the file proves; anything else only with --overwrite / overwrite=True;
@@ -24,12 +24,12 @@ import onnxruntime as ort
 import pytest
 
 from onnx_kvcache import KvCacheScales, convert_model, load_kv_cache_scale_file
-from onnx_kvcache import _demo as demo
-from onnx_kvcache import _output_files as outputs
-from onnx_kvcache.cli import main
-from onnx_kvcache.demo_model import build_decoder, save_genai_folder
+from onnx_kvcache.cli import _demo as demo
+from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.model_files import LINK_WARNING
+from onnx_kvcache.files import _outputs as outputs
+from onnx_kvcache.files.conversion import LINK_WARNING
+from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCALES = KvCacheScales.from_mapping({0: (0.1, 0.05), 1: (0.1, 0.05)}, format="int8")
@@ -186,7 +186,7 @@ def test_evaluate_json_never_replaces_a_config_or_a_scale_file(tmp_path, model_f
         (victim / "genai_config.json", "has no 'onnx_kvcache.written' record"),
         (scale_file, "wrote it as a scale file"),
     ]:
-        monkeypatch.setattr("onnx_kvcache.evaluation.evaluate_kv_cache", pytest.fail)  # refused first
+        monkeypatch.setattr("onnx_kvcache.runtime.evaluation.evaluate_kv_cache", pytest.fail)  # refused first
         assert main(_evaluate_argv(model_file, "--json", str(path))) == 2
         err = one_line(capsys)
         assert message in err and "--overwrite" in err
@@ -226,7 +226,7 @@ def test_evaluate_writes_replaces_its_own_report_and_plot(tmp_path, model_file, 
 def test_plot_name_matplotlib_and_writability_are_checked_before_evaluating(
     tmp_path, model_file, capsys, monkeypatch
 ):
-    monkeypatch.setattr("onnx_kvcache.evaluation.evaluate_kv_cache", pytest.fail)
+    monkeypatch.setattr("onnx_kvcache.runtime.evaluation.evaluate_kv_cache", pytest.fail)
     (tmp_path / "ro").mkdir()
     real_access = os.access
     monkeypatch.setattr(

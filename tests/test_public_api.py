@@ -5,13 +5,15 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
+import sys
 import typing
 
 import onnx_ir as ir
 import pytest
 
 import onnx_kvcache
-from onnx_kvcache import errors, passes
+from onnx_kvcache import _moved, errors, passes
 
 
 def _library_classes(annotation: object) -> set[type]:
@@ -58,10 +60,16 @@ def test_every_error_and_warning_the_library_raises_is_exported():
 #: Modules that define no exported name and that README.md and docs/ never import, yet keep a
 #: public name, and why. Any other such module is ``_``-prefixed.
 UNPREFIXED_INTERNAL = {
-    "cli": "the command's module, conventionally named (python -m onnx_kvcache.cli works)",
-    "genai_folder": "onnxruntime-genai folder rules: whether users import them is undecided",
-    "gqa": "finding attention sites; the passes import it, so a rename goes with theirs",
+    "onnx_kvcache.cli.commands": "the command's module, conventionally named",
+    "onnx_kvcache.files.genai_folder": "genai folder rules: whether users import them is undecided",
+    "onnx_kvcache.cache.sites": "finding attention sites; the passes import it, so a rename goes with theirs",
 }
+
+
+def _modules(package) -> set[str]:
+    """Every module (not package) under ``package``, by its dotted name."""
+    found = pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+    return {name for _, name, is_package in found if not is_package}
 
 
 def test_a_module_nobody_outside_imports_is_private():
@@ -70,13 +78,11 @@ def test_a_module_nobody_outside_imports_is_private():
 
     root = pathlib.Path(__file__).parents[1]
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-    documented = {m for page in pages for m in re.findall(r"onnx_kvcache\.(\w+)", page.read_text())}
+    documented = {m for page in pages for m in re.findall(r"onnx_kvcache(?:\.\w+)+", page.read_text())}
     homes = {getattr(getattr(onnx_kvcache, n), "__module__", "") for n in onnx_kvcache.__all__}
     homes |= set(onnx_kvcache._EXPORTS)  # tables have no __module__: where the root finds them
-    defining = {home.split(".")[1] for home in homes if home.startswith("onnx_kvcache.")}
-    modules = {m.name for m in pkgutil.iter_modules(onnx_kvcache.__path__) if not m.ispkg}
-    public = {m for m in modules if not m.startswith("_")}
-    internal = public - documented - defining
+    public = {m for m in _modules(onnx_kvcache) if not any(p.startswith("_") for p in m.split("."))}
+    internal = public - documented - homes
     assert internal == set(UNPREFIXED_INTERNAL), (
         f"prefix with _: {sorted(internal - set(UNPREFIXED_INTERNAL))}"
     )
@@ -84,10 +90,10 @@ def test_a_module_nobody_outside_imports_is_private():
 
 def test_every_pass_is_exported():
     defined = set()
-    for module in pkgutil.iter_modules(passes.__path__):
-        if module.name.startswith("_"):
+    for name in _modules(passes):
+        if name.rsplit(".", 1)[1].startswith("_"):
             continue
-        mod = importlib.import_module(f"{passes.__name__}.{module.name}")
+        mod = importlib.import_module(name)
         defined |= {
             obj
             for obj in vars(mod).values()
@@ -155,7 +161,7 @@ def test_the_package_description_names_every_attention_operator_it_converts():
     import pathlib
     import re
 
-    from onnx_kvcache.attention_ops import ATTENTION_OPS
+    from onnx_kvcache.cache.operators import ATTENTION_OPS
 
     pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     description = re.search(r'^description = "(.*)"$', pyproject, re.MULTILINE).group(1)  # no tomllib in 3.10
@@ -166,3 +172,20 @@ def test_dir_lists_the_public_names_only():
     """dir() listed the module's machinery: annotations, TYPE_CHECKING, _EXPORTS, _MODULE_OF."""
     assert dir(onnx_kvcache) == sorted({*onnx_kvcache.__all__, "__version__"})
     assert not {"annotations", "TYPE_CHECKING", "_EXPORTS", "_MODULE_OF"} & set(dir(onnx_kvcache))
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED_MODULES))
+def test_a_moved_module_path_imports_its_new_module_with_a_warning(old):
+    """The 0.x module paths are the new modules themselves, for one release, and say where they went."""
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(_moved.MOVED_MODULES[old])
+
+
+def test_the_old_site_names_are_the_cache_site_with_a_warning():
+    from onnx_kvcache.cache import sites
+
+    for old in ("AttentionSite", "GqaSite"):
+        with pytest.warns(DeprecationWarning, match="CacheSite"):
+            assert getattr(sites, old) is sites.CacheSite

@@ -23,9 +23,9 @@ from onnx_kvcache import (
     convert_model,
     evaluate_kv_cache,
 )
-from onnx_kvcache.capabilities import get_capabilities, infer_target
-from onnx_kvcache.demo_model import save_genai_folder
-from onnx_kvcache.model_source import load_model
+from onnx_kvcache.capabilities.table import get_capabilities, infer_target
+from onnx_kvcache.files.reading import load_model
+from onnx_kvcache.models.decoder import save_genai_folder
 
 pytest.importorskip("tokenizers", reason="install the test extra")
 

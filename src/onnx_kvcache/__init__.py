@@ -14,7 +14,7 @@ import sys as _sys
 _COMMAND_SCRIPTS = ("onnx-kvcache", "onnx-kvcache.exe", "onnx-kvcache-script.py")
 if _sys.argv and _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in _COMMAND_SCRIPTS:
     # the console script imports this package before the entry point: its signal record starts here
-    import onnx_kvcache._entry as _command  # its first lines record a signal
+    import onnx_kvcache.cli._entry as _command  # its first lines record a signal
 
     del _command
 del _sys
@@ -88,12 +88,15 @@ __all__ = [
     "NotConvertedWarning",
 ]
 
-from onnx_kvcache._version import __version__ as __version__  # noqa: E402  (after the signal record)
+from onnx_kvcache import _moved  # noqa: E402  (after the signal record)
+from onnx_kvcache._version import __version__ as __version__  # noqa: E402
+
+_moved.install()  # the 0.x module paths (``onnx_kvcache.formats``, ...) keep working for one release
 
 TYPE_CHECKING = False  # typing is not imported: the command's start-up stays short
 
 _EXPORTS = {  # where each name lives; imported on first use
-    "onnx_kvcache.attention_ops": (
+    "onnx_kvcache.cache.operators": (
         "ATTENTION_OPS",
         "AttentionOp",
         "GqaInput",
@@ -101,16 +104,16 @@ _EXPORTS = {  # where each name lives; imported on first use
         "PagedInput",
         "PagedOutput",
     ),
-    "onnx_kvcache.cache_layout": (
+    "onnx_kvcache.cache.layout": (
         "CacheLayerInfo",
         "CacheModelInfo",
         "inspect_kv_cache",
     ),
-    "onnx_kvcache.calibration": (
+    "onnx_kvcache.scales.calibration": (
         "CalibrationStats",
         "calibrate_kv_cache",
     ),
-    "onnx_kvcache.capabilities": (
+    "onnx_kvcache.capabilities.table": (
         "CAPABILITIES",
         "EP_CAPABILITIES",
         "EpCapabilities",
@@ -120,12 +123,12 @@ _EXPORTS = {  # where each name lives; imported on first use
         "fast_path_diagnostics",
         "get_capabilities",
     ),
-    "onnx_kvcache.demo_model": (
+    "onnx_kvcache.models.decoder": (
         "DecoderConfig",
         "build_decoder",
     ),
-    "onnx_kvcache.device": ("cuda_compute_capability",),
-    "onnx_kvcache.doctor": (
+    "onnx_kvcache.capabilities.device": ("cuda_compute_capability",),
+    "onnx_kvcache.capabilities.doctor": (
         "DoctorReport",
         "run_doctor",
     ),
@@ -138,11 +141,11 @@ _EXPORTS = {  # where each name lives; imported on first use
         "MissingRuntimeError",
         "NotConvertedWarning",
     ),
-    "onnx_kvcache.evaluation": (
+    "onnx_kvcache.runtime.evaluation": (
         "EvaluationReport",
         "evaluate_kv_cache",
     ),
-    "onnx_kvcache.formats": (
+    "onnx_kvcache.cache.formats": (
         "CACHE_FORMATS",
         "SCALE_GRANULARITIES",
         "CacheFormat",
@@ -150,12 +153,12 @@ _EXPORTS = {  # where each name lives; imported on first use
         "get_format",
         "scale_granularity",
     ),
-    "onnx_kvcache.model_files": (
+    "onnx_kvcache.files.conversion": (
         "ConvertResult",
         "convert_model",
     ),
-    "onnx_kvcache.model_source": ("load_model",),
-    "onnx_kvcache.optimize": ("optimize_model",),
+    "onnx_kvcache.files.reading": ("load_model",),
+    "onnx_kvcache.pipeline.optimize": ("optimize_model",),
     "onnx_kvcache.passes": (
         "AttentionFusionPass",
         "Bfloat16ToFloatPass",
@@ -171,8 +174,8 @@ _EXPORTS = {  # where each name lives; imported on first use
         "emulate_kv_cache",
     ),
     "onnx_kvcache.passes.paged_attention_reference": ("paged_attention_reference",),
-    "onnx_kvcache.runner": ("KvCacheRunner",),
-    "onnx_kvcache.scales": (
+    "onnx_kvcache.runtime.runner": ("KvCacheRunner",),
+    "onnx_kvcache.scales.files": (
         "KvCacheScales",
         "ScalesLike",
         "load_kv_cache_scale_file",
@@ -202,7 +205,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from onnx_kvcache.attention_ops import (
+    from onnx_kvcache.cache.formats import (
+        CACHE_FORMATS,
+        SCALE_GRANULARITIES,
+        CacheFormat,
+        ScaleGranularity,
+        get_format,
+        scale_granularity,
+    )
+    from onnx_kvcache.cache.layout import CacheLayerInfo, CacheModelInfo, inspect_kv_cache
+    from onnx_kvcache.cache.operators import (
         ATTENTION_OPS,
         AttentionOp,
         GqaInput,
@@ -210,9 +222,9 @@ if TYPE_CHECKING:
         PagedInput,
         PagedOutput,
     )
-    from onnx_kvcache.cache_layout import CacheLayerInfo, CacheModelInfo, inspect_kv_cache
-    from onnx_kvcache.calibration import CalibrationStats, calibrate_kv_cache
-    from onnx_kvcache.capabilities import (
+    from onnx_kvcache.capabilities.device import cuda_compute_capability
+    from onnx_kvcache.capabilities.doctor import DoctorReport, run_doctor
+    from onnx_kvcache.capabilities.table import (
         CAPABILITIES,
         EP_CAPABILITIES,
         EpCapabilities,
@@ -222,9 +234,6 @@ if TYPE_CHECKING:
         fast_path_diagnostics,
         get_capabilities,
     )
-    from onnx_kvcache.demo_model import DecoderConfig, build_decoder
-    from onnx_kvcache.device import cuda_compute_capability
-    from onnx_kvcache.doctor import DoctorReport, run_doctor
     from onnx_kvcache.errors import (
         KvCacheError,
         KvCacheFileNotFoundError,
@@ -234,18 +243,9 @@ if TYPE_CHECKING:
         MissingRuntimeError,
         NotConvertedWarning,
     )
-    from onnx_kvcache.evaluation import EvaluationReport, evaluate_kv_cache
-    from onnx_kvcache.formats import (
-        CACHE_FORMATS,
-        SCALE_GRANULARITIES,
-        CacheFormat,
-        ScaleGranularity,
-        get_format,
-        scale_granularity,
-    )
-    from onnx_kvcache.model_files import ConvertResult, convert_model
-    from onnx_kvcache.model_source import load_model
-    from onnx_kvcache.optimize import optimize_model
+    from onnx_kvcache.files.conversion import ConvertResult, convert_model
+    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
     from onnx_kvcache.passes import (
         AttentionFusionPass,
         Bfloat16ToFloatPass,
@@ -258,5 +258,8 @@ if TYPE_CHECKING:
     )
     from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache
     from onnx_kvcache.passes.paged_attention_reference import paged_attention_reference
-    from onnx_kvcache.runner import KvCacheRunner
-    from onnx_kvcache.scales import KvCacheScales, ScalesLike, load_kv_cache_scale_file
+    from onnx_kvcache.pipeline.optimize import optimize_model
+    from onnx_kvcache.runtime.evaluation import EvaluationReport, evaluate_kv_cache
+    from onnx_kvcache.runtime.runner import KvCacheRunner
+    from onnx_kvcache.scales.calibration import CalibrationStats, calibrate_kv_cache
+    from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, load_kv_cache_scale_file

@@ -1,4 +1,4 @@
-from onnx_kvcache._entry import main
+from onnx_kvcache.cli._entry import main
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Signals: SIGINT, SIGTERM and SIGHUP become :class:`Interrupted`, so cleanup runs as for Ctrl-C.
 
 Standard library only: the command installs these handlers before it imports anything
-heavy (see :mod:`onnx_kvcache._entry`). The rules:
+heavy (see :mod:`onnx_kvcache.cli._entry`). The rules:
 
 * Inside :func:`signal_handlers`, the three signals raise :class:`Interrupted` (a
   ``KeyboardInterrupt``) where the program was, so ``finally`` blocks and temporary

@@ -13,10 +13,10 @@ __all__ = [
     "PagedAttentionReferencePass",
 ]
 
-from onnx_kvcache.passes.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
-from onnx_kvcache.passes.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import KvCacheEmulationPass
 from onnx_kvcache.passes.kv_cache_quantization import Fp8KvCachePass, KvCacheQuantizationPass
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
-from onnx_kvcache.passes.sdpa_fusion import DecomposedAttentionFusionPass

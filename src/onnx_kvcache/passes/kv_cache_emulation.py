@@ -51,15 +51,15 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_kvcache._window_present import follow_present_types
-from onnx_kvcache.attention_ops import GqaInput, GqaOutput
-from onnx_kvcache.capabilities import get_capabilities
+from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
+from onnx_kvcache.cache.operators import GqaInput, GqaOutput
+from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
+from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
-from onnx_kvcache.formats import CacheFormat, scale_granularity
-from onnx_kvcache.gqa import GqaSite, find_gqa_sites
-from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
+from onnx_kvcache.passes.fusion._window_present import follow_present_types
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ _DROPPED_ATTRS = frozenset(
 )
 
 
-def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
+def _min_opset(site: CacheSite, quantized_io: bool) -> tuple[int, str]:
     """The default-domain opset the rewrite of ``site`` needs, and for what."""
     fmt = site.cache_format
     if fmt is not None and fmt.is_float:
@@ -102,7 +102,7 @@ def _min_opset(site: GqaSite, quantized_io: bool) -> tuple[int, str]:
 _EXACT_OPSET_RAISES = frozenset({(18, 19)})
 
 
-def _raise_opset(model: ir.Model, sites: list[GqaSite], quantized_io: bool) -> None:
+def _raise_opset(model: ir.Model, sites: list[CacheSite], quantized_io: bool) -> None:
     """Raise ``model``'s default-domain opset to what emulating ``sites`` needs where that
     is exact (:data:`_EXACT_OPSET_RAISES`: an opset-18 TorchScript export's fp8 cache)."""
     have = model.opset_imports.get("", 1)
@@ -120,7 +120,7 @@ def get_semantics(name: str) -> Semantics:
     return key  # type: ignore[return-value]
 
 
-def needs_emulation(site: GqaSite, semantics: Semantics) -> bool:
+def needs_emulation(site: CacheSite, semantics: Semantics) -> bool:
     """Whether the CPU kernel cannot run ``site`` as ``semantics`` asks (see the rules)."""
     cpu = get_capabilities("cpu")
     if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
@@ -279,7 +279,7 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
     return default if attr is None else attr.as_float()
 
 
-def _required(site: GqaSite, slot: GqaInput) -> ir.Value:
+def _required(site: CacheSite, slot: GqaInput) -> ir.Value:
     value = site.input(slot)
     if value is None:
         raise KvCachePreconditionError(
@@ -289,7 +289,7 @@ def _required(site: GqaSite, slot: GqaInput) -> ir.Value:
     return value
 
 
-def _quantized_granularity(site: GqaSite, fmt: CacheFormat) -> str:
+def _quantized_granularity(site: CacheSite, fmt: CacheFormat) -> str:
     granularity = site.granularity
     if granularity is None:
         attr = site.op.key.quant_attr
@@ -319,7 +319,7 @@ class _Rewrite:
     """
 
     def __init__(
-        self, site: GqaSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
+        self, site: CacheSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
     ) -> None:
         self.site, self.semantics, self.quantized_io = site, semantics, quantized_io
         self.steps = steps
@@ -534,7 +534,7 @@ class KvCacheEmulationPass(InPlacePass):
         self.semantics = get_semantics(semantics)
         self.quantized_io = quantized_io
 
-    def sites(self, model: ir.Model) -> list[GqaSite]:
+    def sites(self, model: ir.Model) -> list[CacheSite]:
         """The GroupQueryAttention nodes this pass rewrites in ``model``."""
         return [s for s in find_gqa_sites(model) if needs_emulation(s, self.semantics)]
 

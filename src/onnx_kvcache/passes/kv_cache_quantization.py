@@ -1,6 +1,6 @@
 """Store the KV cache of every attention node in a quantized format.
 
-Rules, for each attention node of :data:`~onnx_kvcache.attention_ops.ATTENTION_OPS`
+Rules, for each attention node of :data:`~onnx_kvcache.cache.operators.ATTENTION_OPS`
 (``com.microsoft::GroupQueryAttention``, ``com.microsoft::PagedAttention``) in the main graph,
 its subgraphs and the model's functions; every slot, shape and attribute comes from the
 node's operator row:
@@ -38,7 +38,7 @@ node's operator row:
    in another (fp8/int8/int4, per tensor/per channel) is requantized: converted as its
    float model would be, with the scales given or, without them, its own scales (constants)
    retargeted: ``scale * old_qmax / new_qmax`` (the
-   same threshold, as :meth:`~onnx_kvcache.scales.KvCacheScales.retarget` computes it), per
+   same threshold, as :meth:`~onnx_kvcache.scales.files.KvCacheScales.retarget` computes it), per
    channel to per tensor by their max, per tensor to per channel by broadcasting. A packed
    cache unpacked again takes the static head size. Leftover attributes of the old format
    (PagedAttention's ``k_cache_dtype``) are removed. Without scales, a granularity change and
@@ -62,11 +62,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache._previous_output import calibrated_by
-from onnx_kvcache._window_present import cast_fp8_windows, tail_slice
-from onnx_kvcache.attention_ops import AttentionOp, CacheSide, op_of
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
-from onnx_kvcache.formats import (
+from onnx_kvcache.cache.formats import (
     SCALE_GRANULARITIES,
     CacheFormat,
     ScaleGranularity,
@@ -74,9 +70,19 @@ from onnx_kvcache.formats import (
     granularity_of,
     scale_granularity,
 )
-from onnx_kvcache.gqa import AttentionSite, constant_values, find_attention_sites, function_call_sites
+from onnx_kvcache.cache.operators import AttentionOp, CacheSide, op_of
+from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, function_call_sites
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
+from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.scales import KvCacheScales, ScalesLike, as_kv_cache_scales, mse_moved, resolve_granularity
+from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
+from onnx_kvcache.scales.files import (
+    KvCacheScales,
+    ScalesLike,
+    as_kv_cache_scales,
+    mse_moved,
+    resolve_granularity,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +91,7 @@ logger = logging.getLogger(__name__)
 class _Plan:
     """What the pass will do to one site; built before anything changes."""
 
-    site: AttentionSite
+    site: CacheSite
     done: bool
     """Already in the requested format (only scale values may change)."""
     sources: list[ir.Value]
@@ -124,7 +130,7 @@ class KvCacheQuantizationPass(InPlacePass):
 
     Args:
         format: ``fp8`` (FLOAT8E4M3FN), ``int8`` or ``int4`` (uint8, two values a byte).
-        granularity: A :data:`~onnx_kvcache.formats.SCALE_GRANULARITIES` name; None takes the
+        granularity: A :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES` name; None takes the
             one the scales record (calibration and our scale files do), else the one an
             already-quantized model's caches have, else ``per_tensor``.
         scales: ``None``, a :class:`KvCacheScales`, ``{layer_id: (k, v)}`` or a scale
@@ -205,7 +211,7 @@ class KvCacheQuantizationPass(InPlacePass):
         """Layers whose given per-channel scales were merged for a per-tensor cache."""
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
-        groups: dict[int, list[AttentionSite]] = {}
+        groups: dict[int, list[CacheSite]] = {}
         for site in sites:
             groups.setdefault(id(site.owner.node), []).append(site)
         plans: list[_Plan] = []
@@ -253,7 +259,7 @@ class KvCacheQuantizationPass(InPlacePass):
             notes += _shared_scale_coarsens(plans)
         return plans, notes
 
-    def _source(self, site: AttentionSite) -> _Quantized | None:
+    def _source(self, site: CacheSite) -> _Quantized | None:
         """The format and granularity the node's cache is in, None for a float cache;
         refuses a cache in a format this library does not know."""
         quant = site.str_attr(site.op.key.quant_attr, "NONE")
@@ -272,8 +278,8 @@ class KvCacheQuantizationPass(InPlacePass):
     def _plan(
         self,
         model: ir.Model,
-        site: AttentionSite,
-        group: list[AttentionSite],
+        site: CacheSite,
+        group: list[CacheSite],
         cache_readers: dict[int, AttentionOp],
         scales: KvCacheScales | None,
     ) -> _Plan:
@@ -350,10 +356,10 @@ class KvCacheQuantizationPass(InPlacePass):
             )
         return _Plan(site, done, sources, sinks, k, v, head, source)
 
-    def _head_size(self, site: AttentionSite) -> int:
+    def _head_size(self, site: CacheSite) -> int:
         return site.head_size()
 
-    def _retargeted(self, site: AttentionSite, source: _Quantized) -> tuple[np.ndarray, np.ndarray]:
+    def _retargeted(self, site: CacheSite, source: _Quantized) -> tuple[np.ndarray, np.ndarray]:
         """The node's own K and V scales as scales of the requested format and granularity
         (rule 5): the same threshold; per channel to per tensor by the max, per tensor to
         per channel broadcast."""
@@ -526,14 +532,14 @@ def _retarget_notes(
     return notes
 
 
-def _head_or_none(site: AttentionSite) -> int | None:
+def _head_or_none(site: CacheSite) -> int | None:
     try:
         return site.head_size()
     except KvCacheError:
         return None
 
 
-def _side_granularities(site: AttentionSite) -> set[str]:
+def _side_granularities(site: CacheSite) -> set[str]:
     """The granularity each cache of ``site`` states (K per channel, V per tensor: both)."""
     states = {site.str_attr(side.quant_attr, "NONE") for side in site.sides}
     return {row.name for row in SCALE_GRANULARITIES.values() if row.quant_type in states}
@@ -542,8 +548,8 @@ def _side_granularities(site: AttentionSite) -> set[str]:
 # -- cache endpoints ------------------------------------------------------------------
 
 
-def _current_format(site: AttentionSite) -> tuple[CacheFormat | None, str]:
-    """The format the node's cache is in (:attr:`AttentionSite.cache_format`), or None,
+def _current_format(site: CacheSite) -> tuple[CacheFormat | None, str]:
+    """The format the node's cache is in (:attr:`CacheSite.cache_format`), or None,
     with a description for messages."""
     described = str(site.cache_dtype.name if site.cache_dtype is not None else "?").lower()
     if site.cache_bit_width is not None:
@@ -554,7 +560,7 @@ def _current_format(site: AttentionSite) -> tuple[CacheFormat | None, str]:
     return (fmt, fmt.name) if fmt is not None else (None, described)
 
 
-def _check_cache_shapes(site: AttentionSite) -> None:
+def _check_cache_shapes(site: CacheSite) -> None:
     """Key and value caches agree in every static dimension but the last; heads match."""
     shapes = [site.past(side).shape for side in site.sides]  # type: ignore[union-attr]
     heads_axis = site.op.layout.heads_axis
@@ -610,9 +616,7 @@ def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:
     return None
 
 
-def _cache_sources(
-    model: ir.Model, site: AttentionSite, value: ir.Value
-) -> tuple[list[ir.Value], str | None]:
+def _cache_sources(model: ir.Model, site: CacheSite, value: ir.Value) -> tuple[list[ir.Value], str | None]:
     """Values to retype for a cache input, or why it cannot be converted."""
     if value.is_graph_input():
         function = _owner_function(model, value)
@@ -651,7 +655,7 @@ def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
     return None
 
 
-def _cache_sinks(model: ir.Model, site: AttentionSite, value: ir.Value) -> list[ir.Value]:
+def _cache_sinks(model: ir.Model, site: CacheSite, value: ir.Value) -> list[ir.Value]:
     """Values to retype for a present output: the output and where it flows out."""
     window = tail_slice(value)
     if window is not None:  # a cropped sliding-window present: the Slice's output leaves
@@ -714,7 +718,7 @@ class _ScaleStore:
         self._taken = {v.name for v in _graph_values(model.graph) if v.name}
         """Every value name of the main graph: a new scale takes none of them."""
 
-    def put(self, site: AttentionSite, name: str, array: np.ndarray, shape: tuple[int, ...]) -> ir.Value:
+    def put(self, site: CacheSite, name: str, array: np.ndarray, shape: tuple[int, ...]) -> ir.Value:
         array = np.asarray(array, np.float32).reshape(shape)
         if site.function is not None:
             return self._put_constant(site.function, name, array)
@@ -784,7 +788,7 @@ class _ScaleStore:
         return removed
 
 
-def _own_scale_name(site: AttentionSite, side: CacheSide) -> str | None:
+def _own_scale_name(site: CacheSite, side: CacheSide) -> str | None:
     """The name of the main-graph initializer feeding ``side``'s scale when only that side's
     scale slots read it: replaced in place, it keeps its name (genai's builder and
     ``KVCacheVariant`` name them ``model.layers.{i}.attn.k_scale``)."""

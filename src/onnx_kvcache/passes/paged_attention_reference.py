@@ -39,11 +39,11 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.attention_ops import PAGED, CacheSide
+from onnx_kvcache.cache.formats import scale_granularity
+from onnx_kvcache.cache.operators import PAGED, CacheSide
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
-from onnx_kvcache.formats import scale_granularity
-from onnx_kvcache.gqa import AttentionSite, find_attention_sites
-from onnx_kvcache.model_source import ModelLike, as_model
+from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
 
@@ -105,7 +105,7 @@ def _scalar(b: _Builder, value: float | int, dtype: type = np.float32) -> ir.Val
     return b.const(np.array(value, dtype))
 
 
-def _required(site: AttentionSite, name: str) -> ir.Value:
+def _required(site: CacheSite, name: str) -> ir.Value:
     value = site.input(name)
     if value is None:
         raise KvCachePreconditionError(
@@ -121,7 +121,7 @@ class _Rewrite:
     refusal is a :class:`KvCachePreconditionError`); :meth:`run` only builds and replaces.
     """
 
-    def __init__(self, site: AttentionSite, steps: dict[tuple, _Step]) -> None:
+    def __init__(self, site: CacheSite, steps: dict[tuple, _Step]) -> None:
         self.site = site
         self.steps = steps
         self.b = _Builder((site.node.name or f"paged{site.layer_id}") + "/reference")

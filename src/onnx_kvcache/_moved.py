@@ -1,0 +1,72 @@
+"""Module paths of the 0.x layout, kept for one release: each imports its new module, with a warning.
+
+``import onnx_kvcache.formats`` gives the module object of :mod:`onnx_kvcache.cache.formats` itself
+(so a monkeypatch on either name reaches the same code), after a :class:`DeprecationWarning`
+that names the new path. Standard library only: the package installs the finder on import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["MOVED_MODULES", "install"]
+
+#: old module path -> new module path (public modules only; private ones moved without a shim)
+MOVED_MODULES: dict[str, str] = {
+    "onnx_kvcache.formats": "onnx_kvcache.cache.formats",
+    "onnx_kvcache.attention_ops": "onnx_kvcache.cache.operators",
+    "onnx_kvcache.gqa": "onnx_kvcache.cache.sites",
+    "onnx_kvcache.cache_layout": "onnx_kvcache.cache.layout",
+    "onnx_kvcache.device": "onnx_kvcache.capabilities.device",
+    "onnx_kvcache.doctor": "onnx_kvcache.capabilities.doctor",
+    "onnx_kvcache.calibration": "onnx_kvcache.scales.calibration",
+    "onnx_kvcache.data": "onnx_kvcache.scales.data",
+    "onnx_kvcache.passes.attention_fusion": "onnx_kvcache.passes.fusion.attention_fusion",
+    "onnx_kvcache.passes.sdpa_fusion": "onnx_kvcache.passes.fusion.sdpa_fusion",
+    "onnx_kvcache.passes.gqa_fusion": "onnx_kvcache.passes.fusion.gqa_fusion",
+    "onnx_kvcache.optimize": "onnx_kvcache.pipeline.optimize",
+    "onnx_kvcache.model_files": "onnx_kvcache.files.conversion",
+    "onnx_kvcache.model_source": "onnx_kvcache.files.reading",
+    "onnx_kvcache.genai_folder": "onnx_kvcache.files.genai_folder",
+    "onnx_kvcache.runner": "onnx_kvcache.runtime.runner",
+    "onnx_kvcache.evaluation": "onnx_kvcache.runtime.evaluation",
+    "onnx_kvcache.decoder_config": "onnx_kvcache.models.config",
+    "onnx_kvcache.demo_model": "onnx_kvcache.models.decoder",
+    "onnx_kvcache.exported_decoder": "onnx_kvcache.models.exported",
+}
+
+
+class _Alias(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        warnings.warn(
+            f"{spec.name} moved to {self.target}; the old path goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """The target module ran when it was imported."""
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED_MODULES.get(fullname)
+        return None if new is None else importlib.machinery.ModuleSpec(fullname, _Alias(new))
+
+
+def install() -> None:
+    """Put the finder on ``sys.meta_path`` once."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())

@@ -1,0 +1,1 @@
+"""What a cache is: formats and granularities, attention operators, the sites a model holds, its layout."""

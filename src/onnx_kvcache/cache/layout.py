@@ -1,0 +1,198 @@
+"""What a model's KV cache looks like: per-layer operator, dtype, shape, quantization, bytes."""
+
+from __future__ import annotations
+
+__all__ = ["CacheLayerInfo", "CacheModelInfo", "format_cache_table", "inspect_kv_cache"]
+
+import dataclasses
+from typing import Any
+
+from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
+from onnx_kvcache.files.reading import ModelLike, as_model
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayerInfo:
+    """One attention layer's cache as the graph declares it."""
+
+    layer_id: int
+    node: str
+    past_key: str
+    past_value: str
+    dtype: str
+    shape: tuple[Any, ...]
+    k_quant_type: str
+    v_quant_type: str
+    bit_width: int | None
+    k_scale: list[float] | None
+    v_scale: list[float] | None
+    shared_scale: bool
+    window: int | None
+    bytes_per_token: float
+    original_bytes_per_token: float
+    op: str = "GroupQueryAttention"
+    layout: tuple[str, ...] = ()
+    """Names of the cache dimensions (``batch, kv_num_heads, sequence, head_size`` or
+    ``num_blocks, block_size, kv_num_heads, head_size``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {
+            "shape": [str(d) if not isinstance(d, int) else d for d in self.shape]
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheModelInfo:
+    layers: tuple[CacheLayerInfo, ...]
+
+    @property
+    def bytes_per_token(self) -> float:
+        return sum(layer.bytes_per_token for layer in self.layers)
+
+    @property
+    def original_bytes_per_token(self) -> float:
+        return sum(layer.original_bytes_per_token for layer in self.layers)
+
+    def cache_bytes(self, context: int, batch: int = 1) -> float:
+        """Cache bytes for ``batch`` sequences of ``context`` tokens (windows capped)."""
+        total = 0.0
+        for layer in self.layers:
+            tokens = min(context, layer.window) if layer.window else context
+            total += layer.bytes_per_token * tokens * batch
+        return total
+
+    def to_json(self, context: int | None = None, batch: int = 1) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "layers": [layer.to_json() for layer in self.layers],
+            "bytes_per_token": self.bytes_per_token,
+            "original_bytes_per_token": self.original_bytes_per_token,
+        }
+        if context is not None:
+            doc |= {"context": context, "batch": batch, "cache_bytes": self.cache_bytes(context, batch)}
+        return doc
+
+
+def _layer_info(site: CacheSite) -> CacheLayerInfo:
+    past_k, past_v = site.past_key, site.past_value
+    assert past_k is not None
+    dtype = past_k.dtype
+    fmt = site.cache_format
+    head = site.head_size()
+    bits = fmt.bit_width if fmt is not None else None
+    per_value = fmt.bytes_per_value() if fmt is not None else (dtype.itemsize if dtype is not None else 0)
+    query = site.query_dtype or dtype
+    caches = len(site.sides)
+    original = caches * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
+    k, v = site.input(site.op.key.scale), None if site.single_cache else site.input(site.op.value.scale)
+    window = site.int_attr("local_window_size", -1)
+    return CacheLayerInfo(
+        layer_id=site.layer_id,
+        node=site.name,
+        past_key=past_k.name or "",
+        past_value=past_v.name or "" if past_v is not None else "",
+        dtype=str(dtype.name if dtype is not None else "?"),
+        shape=tuple(past_k.shape) if past_k.shape is not None else (),
+        k_quant_type=site.str_attr(site.op.key.quant_attr, "NONE"),
+        v_quant_type="-" if site.single_cache else site.str_attr(site.op.value.quant_attr, "NONE"),
+        bit_width=bits,
+        k_scale=constant_values(k),
+        v_scale=constant_values(v),
+        shared_scale=k is not None and k is v,
+        window=window if window > 0 and site.int_attr("sliding_window_cache", 0) else None,
+        bytes_per_token=caches * site.kv_num_heads * head * per_value,
+        original_bytes_per_token=original,
+        op=site.op.op_type,
+        layout=site.op.layout.dims,
+    )
+
+
+def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
+    """Read the cache layout of every attention layer from the graph (no weights are read)."""
+    model = as_model(model)
+    seen: set[int] = set()
+    layers = []
+    for site in find_attention_sites(model):
+        if id(site.past_key) in seen:
+            continue
+        seen.add(id(site.past_key))
+        layers.append(_layer_info(site))
+    return CacheModelInfo(tuple(layers))
+
+
+def _fmt_scale(values: list[float] | None) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"[{len(values)}] {min(values):.3g}..{max(values):.3g}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _allocation_lines(info: CacheModelInfo) -> list[str]:
+    """What serving code must feed as past inputs once the cache is quantized: their element
+    type and shape changed (int4: two values a byte, so the last dimension is halved)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for layer in info.layers:
+        if layer.bit_width is not None:
+            shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
+            packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
+            groups.setdefault((layer.dtype, shape + packed), []).append(layer.layer_id)
+    if not groups:
+        return []
+    lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
+    for (dtype, shape), ids in groups.items():
+        lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: 0 tokens in its sequence)")
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    return (
+        f"{ids[0]}-{ids[-1]}"
+        if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1))
+        else ", ".join(map(str, ids))
+    )
+
+
+def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: int = 1) -> str:
+    """Human-readable table, one row per attention layer, totals last; each operator's cache
+    layout is named first."""
+    header = [
+        f"{op}: cache [{', '.join(layout)}]"
+        for op, layout in dict.fromkeys((layer.op, layer.layout) for layer in info.layers)
+    ]
+    rows = [("layer", "past_key", "dtype", "quant (k/v)", "bits", "k_scale", "v_scale", "B/token")]
+    for layer in info.layers:
+        rows.append(
+            (
+                str(layer.layer_id),
+                layer.past_key,
+                layer.dtype,
+                f"{layer.k_quant_type}/{layer.v_quant_type}",
+                str(layer.bit_width or "-"),
+                _fmt_scale(layer.k_scale) + (" (shared)" if layer.shared_scale else ""),
+                _fmt_scale(layer.v_scale),
+                f"{layer.bytes_per_token:g}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _allocation_lines(info)
+    before, after = info.original_bytes_per_token, info.bytes_per_token
+    ratio = before / after if after else float("nan")
+    lines.append(
+        f"cache bytes per token: {after:g} (unquantized {before:g}, {ratio:.2f}x smaller)"
+        if before != after
+        else f"cache bytes per token: {after:g} (unquantized)"
+    )
+    if context is not None:
+        lines.append(
+            f"cache for batch {batch} x {context} tokens: {_fmt_bytes(info.cache_bytes(context, batch))}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Who can run what: capability rows, gating, the local device, ``doctor``.
+
+``onnx_kvcache.capabilities`` keeps the names of the capability table (:mod:`.table`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CAPABILITIES",
+    "EP_CAPABILITIES",
+    "FAST_PATHS",
+    "PAGED_CAPABILITIES",
+    "EpCapabilities",
+    "FastPathReport",
+    "FastPathRule",
+    "FormatSupport",
+    "SupportReport",
+    "check_kv_cache_support",
+    "conversion_warnings",
+    "default_format",
+    "fast_path_diagnostics",
+    "get_capabilities",
+    "infer_target",
+    "render_capability_table",
+]
+
+from onnx_kvcache.capabilities.table import (
+    CAPABILITIES,
+    EP_CAPABILITIES,
+    FAST_PATHS,
+    PAGED_CAPABILITIES,
+    EpCapabilities,
+    FastPathReport,
+    FastPathRule,
+    FormatSupport,
+    SupportReport,
+    check_kv_cache_support,
+    conversion_warnings,
+    default_format,
+    fast_path_diagnostics,
+    get_capabilities,
+    infer_target,
+    render_capability_table,
+)

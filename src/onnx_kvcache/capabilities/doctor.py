@@ -1,0 +1,449 @@
+"""Check the capability table against the onnxruntime installed here: ``onnx-kvcache doctor``.
+
+Two checks, both read from the runtime itself:
+
+1. **Schemas.** For each operator row of :data:`~onnx_kvcache.cache.operators.ATTENTION_OPS`
+   the installed onnxruntime's schema (``get_all_operator_schema()``) must name the row's
+   inputs at the row's slots, admit every cache format's element type for the caches and
+   float32 for the scales, define the quantization attributes the pass writes (and, for
+   PagedAttention, no ``kv_cache_bit_width``), and admit the query dtypes of every provider
+   row.
+2. **Sessions.** For every provider row of :data:`~onnx_kvcache.capabilities.table.CAPABILITIES`,
+   one tiny node per cache (float, and each format x granularity, converted by
+   :class:`~onnx_kvcache.KvCacheQuantizationPass`; PagedAttention's LATENT layout too) is
+   given to an InferenceSession on that provider alone, when the provider is present (CUDA:
+   listed *and* a GPU answers). A created session proves the kernel exists; a session that
+   fails only with NOT_IMPLEMENTED proves the graph's types resolve and that there is no
+   kernel. A provider that is not present is checked for type resolution only, on the CPU
+   provider: the row is then *only in the schema*.
+
+Each row ends as ``proven`` (this machine shows what the table says), ``schema only`` (the
+types resolve here; the kernel could not be run) or ``disagrees`` (the runtime says
+otherwise than the table). What no session proves: numerics, speed, minimum versions other
+than the installed one, compute-capability gates, build options (int4 KV), nor any provider
+this machine lacks.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DoctorReport", "ProbeResult", "SchemaCheck", "check_schemas", "run_doctor"]
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, scale_granularity
+from onnx_kvcache.cache.operators import ATTENTION_OPS, PAGED, AttentionOp
+from onnx_kvcache.capabilities.device import cuda_compute_capability
+from onnx_kvcache.capabilities.table import CAPABILITIES, EpCapabilities, get_capabilities
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
+from onnx_kvcache.runtime._sessions import create_session, import_onnxruntime, installed_ort_version
+
+Verdict = Literal["proven", "schema only", "disagrees"]
+
+
+def _type_name(dtype: ir.DataType) -> str:
+    """onnxruntime's name of a tensor type: ``tensor(float)``, ``tensor(float8e4m3fn)``."""
+    return f"tensor({dtype.name.lower()})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaCheck:
+    """One operator's schema in the installed onnxruntime against its row."""
+
+    op: str
+    found: bool
+    facts: tuple[str, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def agrees(self) -> bool:
+        return self.found and not self.problems
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """One provider row x cache: what the table says, what this machine did, the verdict."""
+
+    op: str
+    provider: str
+    cache: str
+    """``float``, or ``<format> <granularity>`` (``LATENT`` appended for the single cache)."""
+    table: str
+    outcome: str
+    verdict: Verdict
+
+    def to_json(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class DoctorReport:
+    ort_version: str | None
+    providers: tuple[str, ...]
+    """Providers sessions were created on (present on this machine)."""
+    absent: tuple[str, ...]
+    """Providers of the table checked for type resolution only, and why."""
+    schemas: tuple[SchemaCheck, ...]
+    rows: tuple[ProbeResult, ...]
+
+    @property
+    def disagreements(self) -> list[str]:
+        found = [f"{s.op} schema: {p}" for s in self.schemas for p in s.problems]
+        found += [f"{s.op}: not in this onnxruntime" for s in self.schemas if not s.found]
+        found += [
+            f"{r.op} on {r.provider}, {r.cache}: {r.outcome}" for r in self.rows if r.verdict == "disagrees"
+        ]
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "onnxruntime": self.ort_version,
+            "providers": list(self.providers),
+            "absent": list(self.absent),
+            "schemas": [dataclasses.asdict(s) for s in self.schemas],
+            "rows": [r.to_json() for r in self.rows],
+            "disagreements": self.disagreements,
+        }
+
+    def format_table(self) -> str:
+        lines = [f"onnxruntime {self.ort_version}; sessions on: {', '.join(self.providers) or 'none'}"]
+        lines += [f"  not present: {a}" for a in self.absent]
+        lines.append("operator schemas:")
+        for s in self.schemas:
+            state = "agrees with the table" if s.agrees else ("missing" if not s.found else "DISAGREES")
+            lines.append(f"  {s.op}: {state}")
+            lines += [f"    - {f}" for f in s.facts]
+            lines += [f"    ! {p}" for p in s.problems]
+        header = ("operator", "provider", "cache", "table", "this machine", "verdict")
+        shown = [r for r in self.rows if r.verdict != "schema only"]
+        rows = [header] + [(r.op, r.provider, r.cache, r.table, r.outcome, r.verdict) for r in shown]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines.append("rows run here:")
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        grouped: dict[tuple[str, str], list[ProbeResult]] = {}
+        for r in self.rows:
+            if r.verdict == "schema only":
+                grouped.setdefault((r.op, r.provider), []).append(r)
+        if grouped:
+            lines.append("rows only in the schema (types resolve on CPU; the kernel was not run here):")
+        for (op, provider), found in grouped.items():
+            says = sorted(
+                {f"{r.cache.split()[0]}: {r.table}" for r in found if r.cache.split()[0] != "float"}
+            )
+            kernel = next((r.table for r in found if r.cache == "float"), "")
+            lines.append(
+                f"  {op} on {provider} ({len(found)} caches; float: {kernel}; " + "; ".join(says) + ")"
+            )
+        counts = {v: sum(r.verdict == v for r in self.rows) for v in ("proven", "schema only", "disagrees")}
+        lines.append(", ".join(f"{n} {v}" for v, n in counts.items()))
+        return "\n".join(lines)
+
+
+# -- schemas -------------------------------------------------------------------------
+
+
+def _schemas() -> dict[tuple[str, str], Any]:
+    import_onnxruntime()
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return {(s.domain, s.name): s for s in state.get_all_operator_schema()}
+
+
+def check_schemas() -> list[SchemaCheck]:
+    """Each operator row against the installed onnxruntime's schema; see the module."""
+    schemas = _schemas()
+    checks = []
+    for op in ATTENTION_OPS.values():
+        schema = schemas.get((op.domain, op.op_type))
+        if schema is None:
+            checks.append(SchemaCheck(op.op_type, False, (), ()))
+            continue
+        facts: list[str] = []
+        problems: list[str] = []
+        names = [i.name for i in schema.inputs]
+        wrong = [
+            f"{i} {want}!={have}" for i, (want, have) in enumerate(zip(op.inputs, names)) if want != have
+        ]
+        if len(names) < len(op.inputs):
+            wrong.append(f"the schema has {len(names)} inputs, the row {len(op.inputs)}")
+        if wrong:
+            problems.append("input names differ: " + "; ".join(wrong))
+        else:
+            facts.append(f"inputs 0-{len(op.inputs) - 1} as the row names them")
+        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        types = [constraints.get(i.typeStr, {i.typeStr}) for i in schema.inputs]
+
+        def allowed(slot: int, types: list[set[str]] = types) -> set[str]:
+            return types[slot] if slot < len(types) else set()
+
+        for side in op.sides:
+            scale_slot = op.slot(side.scale)
+            if "tensor(float)" not in allowed(scale_slot):
+                problems.append(f"{side.scale} (input {scale_slot}) does not take float32")
+        cache_types = allowed(op.slot(op.key.past))
+        missing = [
+            f"{f.name} ({f.dtype.name.lower()})"
+            for f in CACHE_FORMATS.values()
+            if _type_name(f.dtype) not in cache_types
+        ]
+        if missing:
+            problems.append("the cache type constraint lacks " + ", ".join(missing))
+        else:
+            facts.append(
+                f"caches ({schema.inputs[op.slot(op.key.past)].typeStr}) take "
+                + ", ".join(f"{f.name} as {f.dtype.name.lower()}" for f in CACHE_FORMATS.values())
+                + f"; scales at inputs {'/'.join(str(op.slot(s.scale)) for s in op.sides)} float32"
+            )
+        attrs = set(schema.attributes)
+        absent = [a for a in op.quant_attribute_names if a not in attrs]
+        if absent:
+            problems.append("the schema lacks attributes " + ", ".join(absent))
+        else:
+            facts.append("attributes " + ", ".join(op.quant_attribute_names))
+        if op.bit_width_attr is None:
+            stray = sorted(attrs & {"kv_cache_bit_width"})
+            if stray:
+                problems.append("the schema has kv_cache_bit_width, the row none")
+            else:
+                facts.append("no kv_cache_bit_width attribute (the element type names the format)")
+        if op.single_cache is not None:
+            attr, value = op.single_cache
+            described = attr in attrs and value in schema.attributes[attr].description
+            if not described:
+                problems.append(f"the schema does not describe {attr}={value!r}")
+            else:
+                facts.append(f"{attr}={value!r}: one cache (value inputs/attributes unset)")
+        query = allowed(op.slot("query"))
+        for row in CAPABILITIES[op.op_type].values():
+            bad = sorted(t.name.lower() for t in row.query_dtypes if _type_name(t) not in query)
+            if bad and row.runtime == "onnxruntime":
+                problems.append(f"row {row.name} lists query dtypes {bad} the schema's T does not admit")
+        facts.append(
+            "query T admits " + ", ".join(sorted(t.removeprefix("tensor(").rstrip(")") for t in query))
+        )
+        checks.append(SchemaCheck(op.op_type, True, tuple(facts), tuple(problems)))
+    return checks
+
+
+# -- probe nodes -----------------------------------------------------------------------
+
+_HEADS, _KV, _HEAD = 4, 2, 64
+
+
+def _probe_model(op: AttentionOp, dtype: ir.DataType, latent: bool = False) -> ir.Model:
+    """One attention node of ``op`` whose tensors are graph inputs (rotary caches inside)."""
+    np_dtype = dtype.numpy()
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, op.domain: 1}, name="doctor")
+    kv = 1 if latent else _KV
+    half = 8 if latent else _HEAD // 2
+    angles = np.outer(np.arange(16), np.ones(half))
+    tables = []
+    for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
+        value = ir.Value(name=name, const_value=ir.tensor(fn(angles).astype(np_dtype), name=name))
+        value.dtype, value.shape = dtype, ir.Shape([16, half])
+        graph.register_initializer(value)
+        tables.append(value)
+    int32 = ir.DataType.INT32
+    paged = op is PAGED
+    rows: list[str | int] = ["num_tokens"] if paged else ["batch", "sequence"]
+    cache: list[str | int] = (
+        ["num_blocks", "block_size", kv, _HEAD] if paged else ["batch", kv, "past", _HEAD]
+    )
+    q = ir.val("query", dtype, [*rows, _HEADS * _HEAD])
+    k = ir.val("key", dtype, [*rows, kv * _HEAD])
+    v = None if latent else ir.val("value", dtype, [*rows, kv * _HEAD])
+    pk = ir.val("past_key_values.0.key", dtype, cache)
+    pv = None if latent else ir.val("past_key_values.0.value", dtype, cache)
+    if paged:
+        lengths = [
+            ir.val("cumulative_sequence_lengths", int32, ["batch + 1"]),
+            ir.val("past_sequence_lengths", int32, ["batch"]),
+            ir.val("block_table", int32, ["batch", "max_blocks"]),
+        ]
+    else:
+        lengths = [ir.val("seqlens_k", int32, ["batch"]), ir.val("total_sequence_length", int32, [])]
+    graph.inputs.extend(x for x in (q, k, v, pk, pv, *lengths) if x is not None)
+    attrs: dict[str, Any] = {"num_heads": _HEADS, "kv_num_heads": kv, "do_rotary": 1}
+    if latent:
+        attrs |= {"kv_cache_layout": "LATENT", "v_head_size": _HEAD - 16, "rotary_offset": _HEAD - 16}
+        attrs["scale"] = float(1 / np.sqrt(_HEAD))
+    width = _HEADS * (attrs.get("v_head_size") or _HEAD)
+    outputs = [ir.val("output", dtype, [*rows, width]), ir.val("present.0.key", dtype, cache)]
+    if not latent:
+        outputs.append(ir.val("present.0.value", dtype, cache))
+    node = ir.Node(
+        op.domain,
+        op.op_type,
+        [q, k, v, pk, pv, *lengths, *tables],
+        attributes=ir.convenience.convert_attributes(attrs),
+        outputs=outputs,
+        name="probe",
+    )
+    graph.append(node)
+    graph.outputs.extend(outputs)
+    return ir.Model(graph, ir_version=10)
+
+
+def _converted(
+    op: AttentionOp, dtype: ir.DataType, fmt: str | None, granularity: str, latent: bool
+) -> ir.Model:
+    model = _probe_model(op, dtype, latent)
+    if fmt is not None:
+        n = scale_granularity(granularity).size(1 if latent else _KV, _HEAD)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KvCacheWarning)
+            KvCacheQuantizationPass(fmt, granularity, {0: (np.full(n, 0.05), np.full(n, 0.05))})(model)
+    return model
+
+
+def _session(model: ir.Model, provider: str) -> tuple[str, str]:
+    """``(kind, message)``: ``created``, ``not implemented`` or ``rejected``."""
+    try:
+        create_session(model, [provider])
+    except Exception as e:  # onnxruntime raises several unrelated types
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "NOT_IMPLEMENTED" in message:
+            return "not implemented", message
+        return "rejected", message[:160]
+    return "created", ""
+
+
+def _onnxruntime_names(requested: Sequence[str]) -> list[str]:
+    """onnxruntime's names for ``requested``: table row names (``cpu``, ``cuda``) or its own."""
+    ort = import_onnxruntime()
+    known = set(ort.get_all_providers())
+    names = []
+    for name in requested:
+        row = get_capabilities(name)
+        if row.name != "default" and row.runtime != "onnxruntime":
+            raise KvCacheError(
+                f"The {row.name} row is run by {row.runtime}, not onnxruntime: run_doctor() checks "
+                "onnxruntime's providers (the test suite checks that row against the installed "
+                f"{row.runtime})."
+            )
+        if row.name != "default" and row.provider:
+            names.append(row.provider)
+        elif name in known:
+            names.append(name)
+        else:
+            rows = sorted({r.name for t in CAPABILITIES.values() for r in t.values() if r.provider})
+            raise KvCacheError(
+                f"Unknown execution provider {name!r}: give a row name ({', '.join(rows)}) or an "
+                "onnxruntime provider name (CPUExecutionProvider, CUDAExecutionProvider, ...)."
+            )
+    return list(dict.fromkeys(names))
+
+
+def _present_providers(requested: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    ort = import_onnxruntime()
+    available = list(ort.get_available_providers())
+    present, absent = [], []
+    for name in _onnxruntime_names(requested) if requested else available:
+        if name not in available:
+            absent.append(f"{name}: not in this onnxruntime build")
+        elif name == "CUDAExecutionProvider" and cuda_compute_capability() is None:
+            absent.append(f"{name}: listed, but no CUDA GPU answers (onnxruntime-gpu lists it regardless)")
+        else:
+            present.append(name)
+    return present, absent
+
+
+def _table_cell(row: EpCapabilities, fmt: str | None, granularity: str) -> tuple[str, bool]:
+    """What the table says of ``fmt`` on ``row``, and whether that means a kernel runs it."""
+    if not row.has_kernel:
+        return "no kernel", False
+    if fmt is None:
+        return "runs (float cache)", True
+    support = row.formats.get(fmt)
+    if support is None:
+        return "not listed", False
+    if granularity not in support.granularities:
+        return f"not {granularity}", False
+    cell = f"ORT >= {support.min_version}"
+    if support.min_compute_capability:
+        cell += ", SM {}.{}+".format(*support.min_compute_capability)
+    return cell, True
+
+
+def _query_dtype(row: EpCapabilities) -> ir.DataType:
+    """A query dtype the provider takes (fp16 first), else the schema's first (fp16)."""
+    if ir.DataType.FLOAT16 in row.query_dtypes or not row.query_dtypes:
+        return ir.DataType.FLOAT16
+    return sorted(row.query_dtypes, key=lambda t: t.name)[0]
+
+
+def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
+    """Check schemas and every onnxruntime provider row on this machine; see the module.
+
+    ``providers`` limits the session checks to those providers: table row names (``cpu``,
+    ``cuda``) or onnxruntime's names (default: every provider this onnxruntime lists).
+    """
+    present, absent = _present_providers(providers)
+    schemas = check_schemas()
+    provider_of = {row.provider: row.name for table in CAPABILITIES.values() for row in table.values()}
+    for name in list(present):
+        if name not in provider_of:
+            present.remove(name)
+            absent.append(f"{name}: no row in the table (not checked)")
+    cache: dict[tuple, tuple[str, str]] = {}
+
+    def probe(op: AttentionOp, dtype: ir.DataType, fmt: str | None, g: str, latent: bool, provider: str):
+        key = (op.op_type, dtype, fmt, g, latent, provider)
+        if key not in cache:
+            cache[key] = _session(_converted(op, dtype, fmt, g, latent), provider)
+        return cache[key]
+
+    results: list[ProbeResult] = []
+    for op in ATTENTION_OPS.values():
+        variants = [False, True] if op.single_cache is not None else [False]
+        for row in CAPABILITIES[op.op_type].values():
+            if row.runtime != "onnxruntime" or not row.provider:
+                continue
+            dtype = _query_dtype(row)
+            on_here = row.provider in present
+            caches: list[tuple[str | None, str]] = [(None, "per_tensor")]
+            caches += [(f, g) for f in CACHE_FORMATS for g in SCALE_GRANULARITIES]
+            for latent in variants:
+                for fmt, g in caches:
+                    label = "float" if fmt is None else f"{fmt} {g}"
+                    label += " LATENT" if latent else ""
+                    table, runs = _table_cell(row, fmt, g)
+                    provider = row.provider if on_here else "CPUExecutionProvider"
+                    kind, message = probe(op, dtype, fmt, g, latent, provider)
+                    results.append(_verdict(op, row, label, table, runs, on_here, kind, message, dtype))
+    return DoctorReport(
+        installed_ort_version(), tuple(present), tuple(absent), tuple(schemas), tuple(results)
+    )
+
+
+def _verdict(
+    op: AttentionOp,
+    row: EpCapabilities,
+    label: str,
+    table: str,
+    runs: bool,
+    on_here: bool,
+    kind: str,
+    message: str,
+    dtype: ir.DataType,
+) -> ProbeResult:
+    t = dtype.name.lower()
+    if kind == "rejected":
+        outcome = f"{t} node rejected: {message}"
+        return ProbeResult(op.op_type, row.name, label, table, outcome, "disagrees")
+    if not on_here:
+        outcome = f"types resolve ({t}, checked on CPU); kernel not run here"
+        return ProbeResult(op.op_type, row.name, label, table, outcome, "schema only")
+    if kind == "created":
+        outcome = f"session created ({t})"
+        verdict: Verdict = "proven" if runs else "disagrees"
+    else:
+        outcome = f"NOT_IMPLEMENTED only ({t}): types resolve, no kernel"
+        verdict = "disagrees" if runs else "proven"
+    return ProbeResult(op.op_type, row.name, label, table, outcome, verdict)

@@ -1,0 +1,1 @@
+"""The ``onnx-kvcache`` command (standard library only here: the command parses before heavy imports)."""

@@ -1,0 +1,1053 @@
+"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
+
+Exit codes: 0 done; 1 conversion refused (the target cannot run the result, or the
+model has nothing to convert); 2 bad input or a failed read/write (one line on stderr,
+no traceback); 128 + N when stopped by signal N (130 Ctrl-C, 143 SIGTERM). Outputs are
+atomic, so an error or a signal leaves no partial output.
+
+Start-up: this module imports the standard library and the package's light modules only
+(tests/cli/test_commands.py keeps it so). It parses the arguments, answers ``--help`` and
+``--version``, refuses a bad value and checks the input paths before a command imports
+onnx, onnx-ir, numpy (and ml_dtypes) or onnxruntime, which take most of a second.
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import pathlib
+import re
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from onnx_kvcache import _signals
+from onnx_kvcache._version import __version__
+from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
+from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
+from onnx_kvcache.cli._names import PROVIDERS, ep_name
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheWarning,
+    MissingRuntimeError,
+    NotConvertedWarning,
+)
+from onnx_kvcache.files import _atomic as file_io
+from onnx_kvcache.files._atomic import format_bytes
+from onnx_kvcache.files._inputs import check_input_file
+from onnx_kvcache.files._outputs import check_output, same_output, stamp_json, write_outputs
+from onnx_kvcache.files.genai_folder import resolve_model_path
+
+if TYPE_CHECKING:
+    from onnx_kvcache.files.conversion import ConvertResult
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with two changes. An unknown option is named at once, in its own command's
+    usage: argparse first says a required argument is missing (``--bogus`` alone: "required:
+    COMMAND"), or leaves it to the top-level parser, whose usage is not the command's. And its
+    ``--help``/``--version`` text is flushed and a failure raised (argparse drops it:
+    ``--version > /dev/full`` would exit 0 with nothing written)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        words = sys.argv[1:] if args is None else list(args)
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        value = False  # the word is an option's value ("--margin -inf")
+        for word in words:
+            if value:
+                value = False
+                continue
+            if word == "--" or word in commands:  # the rest is positional, or the command's
+                break
+            if word.startswith("-") and len(word) > 1:
+                if not self._known_option(word):
+                    self.error(f"unrecognized arguments: {word}")
+                action = self._option_string_actions.get(word)
+                value = action is not None and action.nargs != 0
+        return super().parse_known_args(args, namespace)
+
+    def _known_option(self, word: str) -> bool:
+        if self._negative_number_matcher.match(word):  # type: ignore[attr-defined]
+            return True
+        name = word.split("=", 1)[0]
+        if name in self._option_string_actions or word[:2] in self._option_string_actions:
+            return True
+        return name.startswith("--") and any(o.startswith(name) for o in self._option_string_actions)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not message:
+            return
+        stream = file or sys.stderr
+        if stream is not sys.stdout:
+            with contextlib.suppress(OSError, AttributeError):
+                stream.write(message)
+            return
+        try:
+            stream.write(message)
+            stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option shows its default: appended to the help unless the help states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        flag = action.nargs == 0  # --in-place, --no-progress: off unless given
+        if (
+            "default" in text
+            or flag
+            or not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def ep_choices() -> list[str]:
+    """``--ep`` values: every provider of the capability table."""
+    return list(PROVIDERS)
+
+
+def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):  # type: ignore[no-untyped-def]
+    """An argparse type: a ``kind`` number >= ``low`` (> when not inclusive), <= ``high``."""
+
+    def parse(text: str):  # type: ignore[no-untyped-def]
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (
+            not math.isfinite(value)
+            or (value < low if inclusive else value <= low)
+            or (high is not None and value > high)
+        ):
+            bound = (f">= {low}" if inclusive else f"> {low}") + (
+                f" and <= {high}" if high is not None else ""
+            )
+            finite = "" if math.isfinite(value) else "a finite number "
+            raise argparse.ArgumentTypeError(f"must be {finite}{bound}, got {text}")
+        return value
+
+    return parse
+
+
+def _ep(text: str) -> str:
+    """An ``--ep`` value: a table row, or onnxruntime's name for one; else why not, in the
+    user's spelling."""
+    name = ep_name(text)
+    if name in PROVIDERS:
+        return name
+    rows = ", ".join(ep_choices())
+    if name == "openvinoexecutionprovider":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (onnxruntime's OpenVINOExecutionProvider is not a row of the "
+            f"capability table: openvino is OpenVINO's own runtime); choose from {rows}"
+        )
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (not a provider of the capability table); choose from {rows}, or "
+        "onnxruntime's name for one (e.g. CUDAExecutionProvider)"
+    )
+
+
+_POSITIVE = _bounded(int, 1)
+_NON_NEGATIVE = _bounded(int, 0)
+
+
+def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
+    default = (
+        "the scale file's, else the first the target runs: fp8 on CUDA, int8 on CPU"
+        if granularity is None
+        else "the first its target runs, the target as convert infers it: fp8 on CUDA, int8 on CPU"
+    )
+    p.add_argument("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})")
+    p.add_argument(
+        "--granularity",
+        default=granularity,
+        choices=list(SCALE_GRANULARITIES),
+        help="scale granularity"
+        + (
+            " (default: the one the scale file states, else the one its sizes fit, else per_tensor)"
+            if granularity is None
+            else ""
+        ),
+    )
+
+
+_IDS_SUFFIXES = (".json", ".npy")
+
+
+def _text_file(value: str) -> str:
+    """A text file; ``.json``/``.npy`` files are read as token ids, so they are refused here."""
+    if pathlib.Path(value).suffix in _IDS_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{value} would be read as token ids; give it as --token-ids")
+    return value
+
+
+def _ids_file(value: str) -> str:
+    if pathlib.Path(value).suffix not in _IDS_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"{value}: token ids come in a .json (a list of ids, or of lists) or .npy file; "
+            "give text as --text"
+        )
+    return value
+
+
+def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
+    data = p.add_mutually_exclusive_group()
+    data.add_argument(
+        "--text",
+        type=_text_file,
+        metavar="FILE",
+        help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
+        "corpus with that tokenizer, else seeded random token ids)",
+    )
+    data.add_argument(
+        "--token-ids",
+        type=_ids_file,
+        metavar="FILE",
+        help="token ids: a .json file (a list of ids, or of lists) or .npy (default: as for --text)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help=f"tokenizer.json or its folder (default: the one in {whose} folder)",
+    )
+
+
+def _add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help=f"no progress bar ({what} shows one on a terminal)",
+    )
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
+        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
+        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
+    )
+
+
+_PYTHON_ARGUMENT = re.compile(
+    r"""\b([a-z][a-z0-9_]*)=(True|False|'[^']*'|"[^"]*"|[A-Z][A-Z_]*\b|-?[0-9][0-9.]*)"""
+)
+
+
+@functools.cache
+def _options() -> dict[str, argparse.Action]:
+    """Python parameter name -> the command-line option that sets it (every command's)."""
+    found: dict[str, argparse.Action] = {}
+    parsers = [build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings and action.option_strings[-1].startswith("--"):
+                found.setdefault(action.dest, action)
+    return found
+
+
+#: Library functions a message may name, and the commands that do the same.
+_COMMANDS = {
+    "calibrate_kv_cache()": "onnx-kvcache calibrate",
+    "convert_model()": "onnx-kvcache convert",
+    "evaluate_kv_cache()": "onnx-kvcache evaluate",
+    "inspect_kv_cache()": "onnx-kvcache inspect",
+    "run_doctor()": "onnx-kvcache doctor",
+}
+
+
+def cli_wording(message: str) -> str:
+    """A library message in the command's words: ``in_place=True`` -> ``--in-place``.
+
+    Library messages name Python parameters (``overwrite=True``, ``granularity="per_tensor"``,
+    ``seq_len=N``) and functions (``calibrate_kv_cache()``); through the command they name its
+    options and commands instead. Parameters with no option are left as they are.
+    """
+
+    def option(match: re.Match[str]) -> str:
+        action = _options().get(match[1])
+        value = match[2]
+        if action is None:
+            return match[0]
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true / store_false: only the value that sets it
+            return flag if value == str(not action.default) else match[0]
+        return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+    for function, command in _COMMANDS.items():
+        message = message.replace(function, command)
+    return _PYTHON_ARGUMENT.sub(option, message)
+
+
+def _convert_fixes(model_path: str, result: ConvertResult) -> str:
+    """What would convert ``model_path``: the providers that run the format, the formats the
+    target runs (read from the graph; none when neither helps)."""
+    from onnx_kvcache.cache.sites import find_attention_sites
+    from onnx_kvcache.capabilities.table import check_kv_cache_support
+    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+
+    if any(r.startswith("check_device") for r in result.reasons):
+        return ""
+    model = load_model(model_path)
+    if not find_attention_sites(model, with_cache_only=False):  # an export: judge what it fuses to
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            GqaFusionPass()(model)
+
+    def runs(ep: str, fmt: str) -> bool:
+        return check_kv_cache_support(model, ep, fmt, result.granularity).supported
+
+    fixes = []
+    providers = [ep for ep in ep_choices() if ep != result.target and runs(ep, result.format)]
+    if providers:
+        fixes.append(f"--ep {' or '.join(providers)} runs {result.format}, if the model will run there")
+    formats = [f for f in CACHE_FORMATS if f != result.format and runs(result.target or "", f)]
+    if formats:
+        fixes.append(f"{result.target} runs --format {' or '.join(formats)}")
+    if not fixes:  # neither another provider nor another format alone: both
+        for ep in (ep for ep in ep_choices() if ep != result.target):
+            others = [f for f in CACHE_FORMATS if runs(ep, f)]
+            if others:
+                fixes.append(f"--ep {ep} --format {' or '.join(others)}, if the model will run there")
+                break
+    return f" Fix: {'; '.join(fixes)}." if fixes else ""
+
+
+def _describe_os_error(e: OSError) -> str:
+    text = e.strerror or str(e)
+    if e.filename is not None:
+        text += f": {e.filename}"
+    if e.filename2 is not None:
+        text += f" -> {e.filename2}"
+    return text
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """``{name: args.name}``: options passed as the library parameters of the same name."""
+    return {name: getattr(args, name) for name in names}
+
+
+def _convert(args: argparse.Namespace) -> int:
+    start = args.started  # the entry point's first line: the imports count too
+    what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
+    try:
+        from onnx_kvcache.files.conversion import convert_model
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotConvertedWarning)  # said below, with the fixes
+            result = convert_model(
+                args.input,
+                args.output,
+                ep=args.ep or "auto",
+                progress=None if args.progress else False,
+                **_given(
+                    args,
+                    "format",
+                    "granularity",
+                    "scales",
+                    "shared_kv_scale",
+                    "weights",
+                    "in_place",
+                    "overwrite",
+                    "check_device",
+                    "follow_symlinks",
+                ),
+            )
+    except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it
+        raise
+    except OSError as e:
+        raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
+    except file_io.Interrupted as e:
+        e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
+        raise
+    source = "--ep" if result.target_source == "given" else result.target_source
+    if not result.converted:
+        line = cli_wording(" ".join(result.reasons))
+        if result.target is not None:
+            chosen = source if source == "--ep" else f"{source}; --ep to choose"
+            line = f"for {result.target} ({chosen}): {line}{_convert_fixes(args.input, result)}"
+        _print(
+            f"onnx-kvcache: not converted {line}"
+            if result.target
+            else f"onnx-kvcache: not converted: {line}",
+            file=sys.stderr,
+        )
+        return 1
+    args.done = f"the conversion completed ({result.model_file})"
+    target = f" for {result.target}" if result.target else ""
+    if result.target and source != "--ep":
+        target += f" ({source}; --ep to choose)"
+    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
+    if result.fused:
+        nodes += f" (fused from the export's {result.fused} attention layer(s))"
+    _print(
+        f"converted {nodes} to {result.format} {result.granularity}"
+        f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
+        f"{time.perf_counter() - start:.2f}s"
+    )
+    _print(result.weights_summary())
+    for note in result.notes:
+        _print(cli_wording(note))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
+    from onnx_kvcache.capabilities.table import fast_path_diagnostics
+    from onnx_kvcache.files.genai_folder import share_buffer
+    from onnx_kvcache.files.reading import load_model
+
+    model = load_model(args.model)
+    info = inspect_kv_cache(model)
+    _, config = resolve_model_path(args.model)
+    diagnostics = (
+        fast_path_diagnostics(model, share_buffer=share_buffer(config)) if args.ep == "cuda" else None
+    )
+    if args.json:
+        doc = info.to_json(args.context, args.batch or 1)
+        if diagnostics is not None:
+            doc["fast_path"] = [
+                {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
+                for d in diagnostics
+            ]
+        _print(json.dumps(doc, indent=2))
+        return 0
+    if not info.layers:
+        exported = any(n.op_type in ("Attention", "Softmax") for n in model.graph)
+        _print(
+            "no GroupQueryAttention or PagedAttention node with a KV cache"
+            + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
+        )
+        return 0
+    _print(format_cache_table(info, args.context, args.batch or 1))
+    if diagnostics is not None:
+        _print("CUDA quantized decode fast path (XQA):")
+        for d in diagnostics:
+            verdict = "eligible" if d.eligible else "not eligible: " + cli_wording("; ".join(d.reasons))
+            _print(f"  layer {d.layer_id}: {verdict}")
+    return 0
+
+
+def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
+    """Files an output must never replace: every file of the model as ``convert`` finds them
+    (its graph, each external data file it names, and every file of a genai folder:
+    ``genai_config.json``, tokenizer files), and the data files given."""
+    from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.files.reading import open_model_source
+
+    model_file, config = resolve_model_path(model)
+    inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
+    if config is not None:
+        inputs.append(pathlib.Path(model) / GENAI_CONFIG)
+    try:
+        inputs += sorted(open_model_source(model, follow_symlinks=True).input_files())
+    except (KvCacheError, OSError):  # a model convert refuses: the run says why, or reads no more
+        folder = pathlib.Path(model)
+        if folder.is_dir():
+            inputs += sorted(p for p in folder.iterdir() if p.is_file())
+    return inputs
+
+
+def _write_completely(
+    args: argparse.Namespace, outputs: list[tuple[str, bytes, str]], done: str, inputs: list[pathlib.Path]
+) -> None:
+    """Publish ``outputs`` as one unit; a signal held over the publication says they were written."""
+    try:
+        write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
+    except _signals.Interrupted as e:
+        if e.completed and e.detail is None:
+            e.detail = done
+        raise
+    args.done = done
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from onnx_kvcache.scales.calibration import calibrate_kv_cache, format_calibration_summary
+
+    data = args.token_ids or args.text
+    inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
+    check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
+    scales = calibrate_kv_cache(
+        args.model,
+        data,
+        percentile=99.99 if args.percentile is None else args.percentile,
+        **_given(
+            args,
+            "format",
+            "granularity",
+            "method",
+            "rope_envelope",
+            "margin",
+            "seq_len",
+            "num_seqs",
+            "tokenizer",
+            "min_tokens",
+            "progress",
+        ),
+    )
+    _write_completely(
+        args,
+        [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
+        f"the scale file was written ({args.out})",
+        inputs,
+    )
+    _print(format_calibration_summary(scales.stats, scales.format))
+    layers = len(scales.layer_ids)
+    chosen = scales.metadata.get("format_for")
+    target = f" for {chosen}; --format to choose" if chosen else ""
+    method = scales.metadata["method"]
+    _print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {method}){target}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from onnx_kvcache.runtime.evaluation import evaluate_kv_cache
+
+    inputs = [
+        *_model_inputs(args.baseline, args.text, args.token_ids, args.tokenizer),
+        *_model_inputs(args.candidate),
+    ]
+    if args.json:
+        check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs)
+    if args.plot:
+        from onnx_kvcache.runtime._plots import check_plotting
+
+        check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
+    if args.json and args.plot and same_output(args.json, args.plot):
+        raise KvCacheError(f"--json {args.json} and --plot {args.plot} name one file; name two files.")
+    report = evaluate_kv_cache(
+        args.baseline,
+        args.candidate,
+        args.token_ids or args.text,
+        **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
+    )
+    outputs: list[tuple[str, bytes, str]] = []
+    if args.json:
+        outputs.append((args.json, stamp_json(report.to_json(), "report"), "report"))
+    if args.plot:
+        from onnx_kvcache.runtime._plots import render_plot
+
+        outputs.append((args.plot, render_plot(report), "plot"))
+    if outputs:
+        names = ", ".join(path for path, _, _ in outputs)
+        _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
+    _print(report.format_table())
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from onnx_kvcache.capabilities.doctor import run_doctor
+
+    report = run_doctor(args.provider)
+    if args.json:
+        _print(json.dumps(report.to_json(), indent=2))
+    else:
+        _print(report.format_table())
+    for problem in report.disagreements:
+        _print(
+            f"onnx-kvcache: the capability table disagrees with this onnxruntime: {problem}", file=sys.stderr
+        )
+    if args.provider and report.absent:  # asked for by name, not checked with a session
+        for absent in report.absent:
+            _print(f"onnx-kvcache: no session checks on {absent}", file=sys.stderr)
+        return 1
+    return 1 if report.disagreements else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from onnx_kvcache.cli._demo import run_demo
+
+    try:
+        run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
+    except KeyboardInterrupt as e:
+        kept = args.keep and os.path.isdir(args.keep) and any(os.scandir(args.keep))
+        if kept and getattr(e, "detail", None) is None:  # each model is whole; the record lists them
+            e.detail = (  # type: ignore[attr-defined]
+                f"the models written so far stay in {args.keep}, listed in its record (demo --keep "
+                f"{args.keep} runs again there)"
+            )
+        raise
+    if args.keep:
+        args.done = f"the demo completed (models in {args.keep})"
+    return 0
+
+
+_MODEL = "a .onnx file or an onnxruntime-genai folder"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = _Parser(
+        prog="onnx-kvcache",
+        description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
+        epilog="Every command has --help, with the default of each option.",
+        formatter_class=_HelpFormatter,
+    )
+    verbose_help = "log what each step does (INFO messages on stderr)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    common = _Parser(add_help=False)  # -v also after the command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=f"{summary[0].upper()}{summary[1:]}. {description}".strip(),
+            parents=[common],
+            formatter_class=_HelpFormatter,
+        )
+
+    p = command(
+        "convert",
+        "convert a model file or genai folder to a quantized KV cache",
+        "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
+        "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
+        "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
+    )
+    p.add_argument("input", metavar="INPUT", help=_MODEL)
+    p.add_argument(
+        "output",
+        metavar="OUTPUT",
+        nargs="?",
+        help="the new .onnx file (a folder, for a folder INPUT); omitted with --in-place",
+    )
+    _add_format_args(p, granularity=None)
+    p.add_argument(
+        "--scales",
+        metavar="FILE",
+        help="scale file (onnxruntime-genai format; default: none, which fp8 takes as unit scales "
+        "with a warning and int8/int4 refuse)",
+    )
+    p.add_argument(
+        "--shared-kv-scale",
+        action="store_true",
+        help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
+        "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
+    )
+    p.add_argument(
+        "--ep",
+        type=_ep,
+        choices=ep_choices(),
+        help=f"where the model will run: {', '.join(n for n in ep_choices() if PROVIDERS[n])} "
+        "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
+        "runtime; onnxruntime's OpenVINOExecutionProvider is not a row, so it is refused); the "
+        "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: a "
+        "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
+    )
+    p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
+    p.add_argument(
+        "--weights",
+        choices=["copy", "link"],
+        help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
+        "that keeps holes) or link (hard links: onnx.load, onnx.checker and onnx-ir, reading a weight, "
+        "then refuse BOTH models until one is deleted; onnxruntime and onnxruntime-genai load them) "
+        "(default: shared beside INPUT, copy in another folder)",
+    )
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="accept input files that link out of the model's folder (Hugging Face cache "
+        "snapshots); a conversion elsewhere copies their content",
+    )
+    p.add_argument("--in-place", action="store_true", help="rewrite INPUT itself, atomically (no OUTPUT)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUTPUT only if it is a previous output of onnx-kvcache: a file or folder whose "
+        "model carries onnx_kvcache.converted metadata from a conversion to a new path (never one "
+        "converted in place), a folder only while it holds nothing that conversion did not write; "
+        "a file's own data files (those it created) go too unless another readable .onnx file beside "
+        "it names them. Nothing else is replaced or removed; an empty OUTPUT folder needs no --overwrite",
+    )
+    _add_progress_arg(p, "copying data files")
+    p.set_defaults(func=_convert)
+
+    p = command("inspect", "show the KV cache of a model", "Reads the graph only, never a weight.")
+    p.add_argument("model", metavar="MODEL", help=_MODEL)
+    p.add_argument(
+        "--ep",
+        type=_ep,
+        choices=ep_choices(),
+        help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
+        "runs each layer (default: none, the cache only)",
+    )
+    p.add_argument(
+        "--context",
+        metavar="N",
+        type=_POSITIVE,
+        help="also report the cache bytes at this context length (default: per token only)",
+    )
+    p.add_argument("--batch", metavar="B", type=_POSITIVE, help="batch size for --context (default: 1)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_inspect)
+
+    p = command(
+        "calibrate",
+        "measure KV-cache scales",
+        "Runs the unquantized model on CPU over token windows and writes one scale per layer (or "
+        "per channel) for K and V.",
+    )
+    p.add_argument("model", metavar="MODEL", help=f"the unquantized model: {_MODEL}")
+    p.add_argument(
+        "--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"
+    )
+    _add_overwrite_arg(p, "FILE")
+    _add_format_args(p)
+    p.add_argument(
+        "--method",
+        choices=["minmax", "percentile", "mse", "attention"],
+        help="threshold rule (default: attention for int4, else minmax; see docs/calibration.md)",
+    )
+    p.add_argument(
+        "--percentile",
+        metavar="P",
+        type=_bounded(float, 0, inclusive=False, high=100),
+        help="the percentile of |x| that --method percentile takes (default: 99.99)",
+    )
+    _add_data_args(p, "the model's")
+    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens")
+    p.add_argument(
+        "--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"
+    )
+    p.add_argument(
+        "--min-tokens",
+        metavar="N",
+        type=_NON_NEGATIVE,
+        default=256,
+        help="refuse to calibrate on fewer tokens",
+    )
+    p.add_argument(
+        "--margin",
+        metavar="M",
+        type=_bounded(float, 0, inclusive=False),
+        default=1.0,
+        help="headroom: multiply thresholds by this",
+    )
+    p.add_argument(
+        "--no-rope-envelope",
+        dest="rope_envelope",
+        action="store_false",
+        help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
+    )
+    _add_progress_arg(p, "calibration")
+    p.set_defaults(func=_calibrate)
+
+    p = command(
+        "evaluate",
+        "compare a converted model with its original",
+        "Runs both on the same tokens on CPU (quantized caches the CPU cannot run are emulated) and "
+        "reports KL divergence, top-1 and greedy agreement, and the per-layer cache error.",
+    )
+    p.add_argument("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}")
+    p.add_argument("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}")
+    _add_data_args(p, "the baseline's")
+    p.add_argument(
+        "--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"
+    )
+    p.add_argument("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate")
+    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence")
+    p.add_argument(
+        "--semantics",
+        choices=["cuda", "cpu"],
+        help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
+        "attended unquantized) or cpu (default: the rule of the candidate's target provider)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here (default: none)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also write a PNG (per-layer error, KL per position), named *.png; needs matplotlib "
+        "(default: none)",
+    )
+    _add_overwrite_arg(p, "the --json or --plot FILE")
+    _add_progress_arg(p, "evaluation")
+    p.set_defaults(func=_evaluate)
+
+    p = command(
+        "doctor",
+        "check the capability table against the installed onnxruntime",
+        "Reads its operator schemas and creates a session per provider row and cache; exits 1 when "
+        "anything disagrees.",
+    )
+    p.add_argument(
+        "--provider",
+        metavar="P",
+        action="append",
+        help="provider to create sessions on: a table row (cpu, cuda, ...) or onnxruntime's name "
+        "(repeatable; default: every one this onnxruntime lists); exits 1 when one is not present",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_doctor)
+
+    p = command(
+        "demo",
+        "convert and evaluate the bundled decoder",
+        "Builds a small 4-layer decoder, calibrates, converts it to every format and granularity, "
+        "evaluates each on CPU and prints one table.",
+    )
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the demo models into this folder and keep them (default: a temporary folder)",
+    )
+    _add_progress_arg(p, "the demo")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a path holding a
+    newline or a terminal escape prints as one inert line. ``lines``: keep newlines."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match[0]
+        return char if lines and char == "\n" else char.encode("unicode_escape").decode("ascii")
+
+    return _CONTROL.sub(escape, text)
+
+
+def _print(*values: object, file: Any = None, flush: bool = False) -> None:
+    """Print as :func:`print` does, control characters escaped (:func:`_printable`); on stderr
+    (errors, warnings) a message is one line, so newlines too."""
+    stream = sys.stdout if file is None else file
+    text = _printable(" ".join(map(str, values)), lines=stream is not sys.stderr)
+    try:
+        print(text, file=stream, flush=flush)
+    except OSError as e:
+        if stream is sys.stdout:
+            raise _StdoutFailed(e) from e
+        raise
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
+    with contextlib.suppress(OSError, ValueError):
+        _print(line, file=sys.stderr, flush=True)
+
+
+def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    _say(f"onnx-kvcache: warning: {cli_wording(str(message))}")
+
+
+_STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
+
+
+def _reserve_standard_streams() -> None:
+    """A closed stdin, stdout or stderr (``>&-``) becomes /dev/null: otherwise the first file
+    the command opens takes its number, and whatever prints there (onnxruntime's own logging
+    included) writes into that file; and Python's ``sys.stdout`` is None. A stream that
+    cannot print a path that is not UTF-8 (strict errors) prints its bytes escaped."""
+    for fd, name, mode in _STREAMS:
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            stream = open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+            setattr(sys, name, stream)  # for the process's life
+        stream = getattr(sys, name)
+        if fd and getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: send further output (and the exit-time flush) nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+#: Arguments that name a model, read before any command imports onnx-ir: each must resolve.
+_MODEL_ARGUMENTS = ("input", "model", "baseline", "candidate")
+#: Arguments that name another input file: ``check_input_file``'s words for each, as the
+#: library's reader says them (the library checks each again as it reads it).
+_FILE_ARGUMENTS: dict[str, dict[str, str]] = {
+    "scales": {"what": "Scale file", "fix": "give the path of a JSON scale file"},
+    "text": {"what": "Data file", "missing": "does not exist"},
+    "token_ids": {"what": "Data file", "missing": "does not exist"},
+    "tokenizer": {"what": "Tokenizer", "expected": "a tokenizer.json file", "missing": "does not exist"},
+}
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse a combination of arguments before anything heavy is imported."""
+    command = getattr(args, "command", None)
+    if command == "inspect" and args.batch is not None and args.context is None:
+        raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
+    if command == "calibrate" and args.percentile is not None and args.method != "percentile":
+        method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
+        raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
+    if command == "convert":
+        same = args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.input)
+        if args.in_place and args.output is not None and not same:
+            raise KvCacheError("Give either an output path or in_place=True, not both.")
+        if not args.in_place and args.output is None:
+            raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
+        if not args.in_place and same:
+            raise KvCacheError(f"Output {args.output} is the input; use in_place=True to rewrite it.")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse a bad combination of arguments, a missing input or one that is no regular file
+    (a folder, FIFO, device, dangling link, link loop) before the command imports onnx-ir,
+    numpy or onnxruntime (the library checks each again as it reads it)."""
+    _check_arguments(args)
+    for name in _MODEL_ARGUMENTS:
+        if getattr(args, name, None) is not None:
+            resolve_model_path(getattr(args, name))
+    for name, words in _FILE_ARGUMENTS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        path = pathlib.Path(value)
+        if name == "tokenizer" and path.is_dir():  # tokenizer.json or its folder
+            path /= "tokenizer.json"
+        check_input_file(path, **words)  # type: ignore[arg-type]
+    if getattr(args, "command", None) == "doctor":
+        for provider in args.provider or ():
+            _check_provider(provider)
+
+
+def _check_provider(name: str) -> None:
+    """A ``doctor --provider`` value that is neither a table row nor an onnxruntime provider
+    name (they all end in ExecutionProvider), refused before onnxruntime is imported."""
+    if ep_name(name) in PROVIDERS or name.endswith("ExecutionProvider"):
+        return
+    rows = ", ".join(sorted(n for n, provider in PROVIDERS.items() if provider))
+    raise KvCacheError(
+        f"Unknown execution provider {name!r}: give a row name ({rows}) or an onnxruntime provider "
+        "name (CPUExecutionProvider, CUDAExecutionProvider, ...)."
+    )
+
+
+def _error(message: str) -> None:
+    _say(f"onnx-kvcache: error: {cli_wording(message)}")
+
+
+_FILE_OPTIONS = ("output", "out", "json", "plot", "keep")
+"""Options naming a file or folder a command writes (``doctor --json`` is a flag: stdout)."""
+
+
+def _writes_files(args: argparse.Namespace | None) -> bool:
+    return any(isinstance(getattr(args, name, None), str) for name in _FILE_OPTIONS)
+
+
+def _stdout_failed(args: argparse.Namespace | None, error: OSError) -> int:
+    """Printing failed. A closed pipe (``| head``) is the reader's choice: exit 0, with one
+    warning naming what was written when the command wrote files. Any other failure (a
+    full disk) lost output: exit 0 with a warning when the command's files were complete
+    by then, else 2 (the command's only output was lost, or its files were not written)."""
+    _silence_stdout()
+    done = getattr(args, "done", None)
+    broken = isinstance(error, BrokenPipeError)
+    why = (
+        "the output pipe was closed early (broken pipe)"
+        if broken
+        else f"could not write to standard output ({_describe_os_error(error)})"
+    )
+    if done:
+        _say(f"onnx-kvcache: warning: {why}; {done}.")
+        return 0
+    if broken and not _writes_files(args):
+        return 0
+    _error(f"{why}.")
+    return 2
+
+
+class _StdoutFailed(Exception):
+    """Writing standard output failed (``error``): told apart from a file's failure."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        raise _StdoutFailed(e) from e
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
+    line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache.cli._entry` for the rest."""
+    args: argparse.Namespace | None = None
+    started = False  # the command itself: until then nothing was written
+    code = 0
+    _reserve_standard_streams()
+    with warnings.catch_warnings(), file_io.signal_handlers():
+        try:
+            args = build_parser().parse_args(argv)
+            args.started = _signals.STARTED or time.perf_counter()  # the entry point's, once
+            _signals.STARTED = None
+            logging.basicConfig(
+                level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                format="%(levelname)s %(name)s: %(message)s",
+            )
+            warnings.simplefilter("always", KvCacheWarning)
+            warnings.showwarning = _show_warning
+            check_inputs(args)
+            with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
+                import onnx_ir  # noqa: F401
+            started = True
+            code = args.func(args)
+            _flush_stdout()
+        except (KvCacheError, MissingRuntimeError) as e:
+            _error(str(e))
+            code = 2
+        except KeyboardInterrupt as e:  # file_io.Interrupted for SIGTERM and SIGHUP
+            signum = getattr(e, "signum", signal.SIGINT)
+            done = getattr(args, "done", None)
+            detail = getattr(e, "detail", None) or done
+            if detail is None:
+                detail = "no partial output was left" if started else "nothing was written"
+            _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
+            code = 128 + signum
+        except _StdoutFailed as e:
+            code = _stdout_failed(args, e.error)
+        except OSError as e:
+            if getattr(args, "done", None) or isinstance(e, BrokenPipeError):
+                code = _stdout_failed(args, e)
+            else:
+                _error(_describe_os_error(e) + ".")
+                code = 2
+        except UnicodeDecodeError as e:
+            _error(f"a file is not UTF-8 text ({e}).")
+            code = 2
+        _signals.outcome = getattr(args, "done", None) or (
+            "the command had finished" if code == 0 else "nothing was written"
+        )
+        return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""A model on disk: its graph, the data files it names, and an input folder's entries.
+
+Reading checks every path relationship first: data locations are relative and inside the
+model's folder, present, regular files long enough for their tensors; symbolic links out
+of an input folder are refused unless asked for (Hugging Face cache snapshots). Weights
+are never read: ``onnx_ir`` loads external tensors lazily.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DataFile",
+    "ModelLike",
+    "ModelSource",
+    "as_model",
+    "check_defined",
+    "external_data_files",
+    "load_model",
+    "open_model_source",
+]
+
+import dataclasses
+import os
+import pathlib
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from onnx_kvcache.errors import KvCacheError, require_type
+from onnx_kvcache.files import _atomic as file_io
+from onnx_kvcache.files._atomic import check_inside, check_relative
+from onnx_kvcache.files._inputs import input_kind
+from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path
+
+_NOT_CARRIED = (".git",)
+"""Top-level entries of an input folder that are not part of the model."""
+
+
+def _load_graph(model_file: pathlib.Path) -> ir.Model:
+    if model_file.stat().st_size == 0:
+        raise KvCacheError(f"{model_file} is empty (0 bytes), not an ONNX model.")
+    try:
+        model = ir.load(model_file)
+    except Exception as e:  # protobuf raises several unrelated types
+        raise KvCacheError(f"{model_file} is not a readable ONNX model ({e}).") from None
+    if model.ir_version < 1 or (model.graph.num_nodes() == 0 and not model.graph.outputs):
+        raise KvCacheError(f"{model_file} is not an ONNX model (no IR version or graph).")
+    return model
+
+
+def _iter_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    graphs: list[ir.Graph] = [model.graph]
+    for function in model.functions.values():
+        for node in function:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR:
+                    yield attr.value
+                elif attr.type == ir.AttributeType.GRAPH:
+                    graphs.append(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    graphs.extend(attr.value)
+    for graph in graphs:
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                yield value.const_value
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    graphs.append(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    graphs.extend(attr.value)
+                elif attr.type == ir.AttributeType.TENSOR:
+                    yield attr.value
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """An external data file a graph names."""
+
+    location: str
+    """As the graph names it, relative to the graph's folder."""
+    path: pathlib.Path
+    """Absolute, as named (may be a symbolic link)."""
+    real: pathlib.Path
+    """Where the bytes are."""
+    size: int
+
+
+def _external_data(
+    model: ir.Model,
+    graph_dir: pathlib.Path,
+    root: pathlib.Path,
+    follow_symlinks: bool,
+    forbidden: frozenset[pathlib.Path] = frozenset(),
+) -> dict[str, DataFile]:
+    """Every external data file: inside ``root``, present, a regular file, long enough.
+
+    ``forbidden``: files that cannot hold weights (the model file, its config).
+    """
+    needed: dict[str, tuple[int, str]] = {}
+    for tensor in _iter_tensors(model):
+        if not isinstance(tensor, ir.ExternalTensor):
+            continue
+        location = check_relative(str(tensor.location), f"Tensor {tensor.name!r}'s data location", graph_dir)
+        end = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
+        if end > needed.get(location, (-1, ""))[0]:
+            needed[location] = (end, str(tensor.name))
+    files = {}
+    for location, (end, name) in sorted(needed.items()):
+        path = pathlib.Path(os.path.abspath(graph_dir / location))
+        if root != path and root not in path.parents:
+            raise KvCacheError(f"Tensor {name!r} keeps its data at {location!r}, outside {root}.")
+        if not os.path.lexists(path):
+            raise KvCacheError(
+                f"Data file {path} is missing: tensor {name!r} (and maybe others) keeps its weights "
+                "there. Copy the complete model (every data file) and try again."
+            )
+        real = check_inside(path, root, follow_symlinks)
+        if real in forbidden:
+            raise KvCacheError(
+                f"Tensor {name!r} keeps its weights in {path}, which is the model file or its config."
+            )
+        what = input_kind(path)
+        if what is not None:
+            raise KvCacheError(f"Data file {path} is {what}; the model needs its weights there.")
+        size = real.stat().st_size
+        if size < end:
+            raise KvCacheError(
+                f"Data file {path} is {size} bytes but tensor {name!r} ends at byte {end}: the file is "
+                "truncated (an incomplete download?)."
+            )
+        files[location] = DataFile(location, path, real, size)
+    return files
+
+
+def external_data_files(model: ir.Model, base_dir: str | os.PathLike) -> list[str]:
+    """Relative paths of the external data files; each checked to be inside ``base_dir``."""
+    base = pathlib.Path(os.path.abspath(base_dir))
+    return sorted(_external_data(model, base, base, follow_symlinks=False))
+
+
+def load_model(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ir.Model:
+    """Load a model's graph from a file or genai folder; weights stay on disk (checked)."""
+    model_file, _ = resolve_model_path(path)
+    model = _load_graph(model_file)
+    folder = pathlib.Path(os.path.abspath(model_file.parent))
+    _external_data(model, folder, folder, follow_symlinks)
+    return model
+
+
+#: What the library's functions take as a model: in memory, as a proto, or on disk.
+ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
+
+
+def as_model(model: ModelLike) -> ir.Model:
+    """``model`` as an ``ir.Model``: the same object, converted from a proto, or loaded."""
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(model)
+    raise KvCacheError(
+        f"Expected a model (onnx_ir.Model, onnx.ModelProto, or the path of a .onnx file or "
+        f"onnxruntime-genai folder), got {type(model).__name__}."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    rel: pathlib.PurePosixPath
+    real: pathlib.Path | None
+    """Where the bytes are; ``None`` for a folder."""
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """An input model as found on disk: what a conversion reads and must never touch."""
+
+    graph: pathlib.Path
+    """The ``.onnx`` file (absolute)."""
+    folder: pathlib.Path | None
+    """The input folder (absolute), when a folder was given."""
+    config: dict[str, Any] | None
+    model: ir.Model
+    data: dict[str, DataFile]
+    entries: list[_Entry]
+    """Everything a folder conversion carries over (folder inputs only)."""
+
+    @property
+    def root(self) -> pathlib.Path:
+        return self.folder or self.graph.parent
+
+    @property
+    def config_path(self) -> pathlib.Path | None:
+        return self.folder / GENAI_CONFIG if self.folder and self.config is not None else None
+
+    def input_files(self) -> set[pathlib.Path]:
+        """Every file the model is made of, where its bytes are (symlinks resolved)."""
+        files = {pathlib.Path(os.path.realpath(self.graph))}
+        files |= {d.real for d in self.data.values()}
+        files |= {e.real for e in self.entries if e.real is not None}
+        if self.config_path is not None:
+            files.add(pathlib.Path(os.path.realpath(self.config_path)))
+        return files
+
+
+def _walk(folder: pathlib.Path, follow_symlinks: bool) -> list[_Entry]:
+    """Every entry of an input folder, checked: no special files, links out need the flag."""
+    entries: list[_Entry] = []
+
+    def unreadable(error: OSError) -> None:
+        raise error  # a folder we cannot list would silently be missing from the output
+
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
+        here = pathlib.Path(dirpath)
+        rel_dir = pathlib.PurePosixPath(here.relative_to(folder).as_posix())
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith(file_io.TEMP_PREFIX) or (here == folder and d in _NOT_CARRIED):
+                continue
+            if (here / d).is_symlink():
+                raise KvCacheError(
+                    f"{here / d} is a symbolic link to a folder; replace it with the folder itself."
+                )
+            keep.append(d)
+            entries.append(_Entry(rel_dir / d, None))
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            if name.startswith(file_io.TEMP_PREFIX):
+                continue  # a temporary entry of ours, never part of a model
+            path = here / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                what = input_kind(path)
+                if what is not None and what.startswith(("a broken", "a symbolic link loop")):
+                    raise KvCacheError(f"{path} is {what}; remove it or replace it with the file.")
+                real = check_inside(path, folder, follow_symlinks)
+                if what is not None:
+                    raise KvCacheError(f"{path} links to {real}, which is {what}, not a regular file.")
+            elif stat.S_ISREG(mode):
+                real = path
+            else:
+                raise KvCacheError(f"{path} is not a regular file (a pipe, socket or device); remove it.")
+            entries.append(_Entry(rel_dir / name, real))
+    return entries
+
+
+def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ModelSource:
+    """Find and check every file of a model file or folder; read its graph, not its weights."""
+    require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
+    p = pathlib.Path(os.path.abspath(path))
+    graph, config = resolve_model_path(p)
+    folder = p if p.is_dir() else None
+    root = folder or graph.parent
+    check_inside(graph, root, follow_symlinks)
+    if folder is not None and config is not None:
+        check_inside(folder / GENAI_CONFIG, root, follow_symlinks)
+    model = _load_graph(graph)
+    forbidden = {pathlib.Path(os.path.realpath(graph))}
+    if folder is not None and config is not None:
+        forbidden.add(pathlib.Path(os.path.realpath(folder / GENAI_CONFIG)))
+    data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden))
+    entries = _walk(folder, follow_symlinks) if folder is not None else []
+    return ModelSource(graph, folder, config, model, data, entries)
+
+
+def check_defined(graph: ir.Graph) -> None:
+    """Every value a main-graph node reads is defined: an input, an initializer or a node's output."""
+    for node in graph:
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if value is None or (producer is not None and producer.graph is graph) or value.is_graph_input():
+                continue
+            if value.is_initializer() or value.const_value is not None:
+                continue
+            raise KvCacheError(
+                f"The model is malformed: node {node.name or node.op_type!r} reads {value.name!r}, which "
+                "no node, graph input or initializer defines. Export the model again, or repair it "
+                "(onnx.checker.check_model names the problem)."
+            )

@@ -1,0 +1,1 @@
+"""Attention fusions into GroupQueryAttention, their proofs and the symbolic evaluator behind them."""

@@ -1,0 +1,153 @@
+"""The attention scores chain of decomposed attention, as exporters write it.
+
+Between the softmax and the ``Q @ K^T`` MatMul, :func:`scores_chain` follows:
+
+- a widening ``Cast`` to float32 before the softmax (transformers' eager attention
+  computes the softmax in float32; fp16 scores widen exactly);
+- an optional soft-cap ``Mul(Tanh(Div(s, cap)), cap)`` (Gemma-2; GQA ``softcap``);
+- constant scalar ``Mul``/``Div`` of the scores (eager attention's ``* scaling``);
+- the MatMul, each operand optionally scaled by a scalar constant (sdpa's
+  decomposition scales Q and K^T by ``sqrt(scale)`` each; both factors must then be
+  equal).
+
+GQA computes ``softcap * tanh(scale * QK^T / softcap)`` when ``softcap > 0``, else
+``scale * QK^T``: the factors must all come before the soft-cap.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ScoresChain", "op_of", "scores_chain", "softmax_input", "unwrap_probs"]
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable, constant_array
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def op_of(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    """The ONNX-domain node of one of ``op_types`` that produces ``value``, or None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
+        return None
+    return node
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    array = constant_array(value) if value is not None else None
+    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+
+
+def _cast_to(node: ir.Node) -> ir.DataType:
+    return ir.DataType(node.attributes["to"].as_int())
+
+
+def unwrap_probs(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.Node]) -> ir.Value | None:
+    """Step back from the probabilities MatMul's input over a Cast to a float type, an
+    inference Dropout and a NaN guard ``Where(IsNaN(p), 0, p)``, in any order."""
+    while True:
+        cast = op_of(value, "Cast")
+        if cast is not None and _cast_to(cast) in _FLOATS and ev.dtype(cast.inputs[0]) in _FLOATS:
+            nodes.append(cast)
+            value = cast.inputs[0]
+            continue
+        dropout = op_of(value, "Dropout")
+        if dropout is not None:  # the identity unless training_mode is given and true
+            training = dropout.inputs[2] if len(dropout.inputs) > 2 else None
+            if training is not None and _scalar(training) != 0.0:
+                raise Unprovable("the attention probabilities go through a Dropout in training mode")
+            nodes.append(dropout)
+            value = dropout.inputs[0]
+            continue
+        guard = op_of(value, "Where")
+        isnan = op_of(guard.inputs[0], "IsNaN") if guard is not None else None
+        if guard is not None and isnan is not None:
+            if _scalar(guard.inputs[1]) != 0.0 or isnan.inputs[0] is not guard.inputs[2]:
+                raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
+            nodes += [guard, isnan]
+            value = guard.inputs[2]
+            continue
+        if guard is not None:
+            raise Unprovable("the attention probabilities go through a Where that is not a NaN guard")
+        return value
+
+
+def softmax_input(ev: SymbolicEvaluator, value: ir.Value | None, nodes: list[ir.Node]) -> ir.Value | None:
+    """The softmax's input, before a Cast that widens fp16/bf16 scores to float32."""
+    cast = op_of(value, "Cast")
+    if cast is not None and _cast_to(cast) == ir.DataType.FLOAT and ev.dtype(cast.inputs[0]) in _FLOATS:
+        nodes.append(cast)
+        return cast.inputs[0]
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoresChain:
+    query: ir.Value
+    key_t: ir.Value
+    scale: float
+    softcap: float
+
+
+def _constant_step(node: ir.Node) -> tuple[ir.Value, float] | None:
+    """``(x, factor)`` for ``Mul(x, c)``, ``Mul(c, x)`` or ``Div(x, c)`` with a scalar ``c``."""
+    a, b = node.inputs[0], node.inputs[1]
+    if node.op_type == "Div":
+        c = _scalar(b)
+        return (a, 1.0 / c) if a is not None and c else None
+    for x, factor in ((a, b), (b, a)):
+        c = _scalar(factor)
+        if c is not None and x is not None:
+            return x, c
+    return None
+
+
+def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
+    """Prove ``value`` is ``[softcap o] scale * (Q @ K^T)``; raise otherwise."""
+    softcap = 0.0
+    outer = op_of(value, "Mul")
+    tanh, cap = None, None
+    if outer is not None:
+        for x, cap_value in ((outer.inputs[0], outer.inputs[1]), (outer.inputs[1], outer.inputs[0])):
+            tanh, cap = op_of(x, "Tanh"), cap_value
+            if tanh is not None:
+                break
+    if outer is not None and tanh is not None:
+        inner = op_of(tanh.inputs[0], "Mul", "Div")
+        step = _constant_step(inner) if inner is not None else None
+        c = _scalar(cap)
+        if step is None or c is None or c <= 0 or not np.isclose(step[1], 1.0 / c, rtol=1e-6):
+            raise Unprovable("the scores go through a Tanh that is not a soft-cap c * tanh(s / c)")
+        nodes += [outer, tanh, inner]  # type: ignore[list-item]
+        softcap, value = c, step[0]
+    scale = 1.0
+    while (node := op_of(value, "Mul", "Div")) is not None:
+        step = _constant_step(node)
+        if step is None:
+            break
+        nodes.append(node)
+        value, factor = step
+        scale *= factor
+    matmul = op_of(value, "MatMul")
+    if matmul is None:
+        raise Unprovable("the softmax input is not scores + mask")
+    nodes.append(matmul)
+    operands, factors = [], []
+    for operand in matmul.inputs:
+        mul = op_of(operand, "Mul")
+        step = _constant_step(mul) if mul is not None else None
+        if step is not None:
+            nodes.append(mul)  # type: ignore[arg-type]
+            operand, factor = step
+            factors.append(factor)
+        assert operand is not None
+        operands.append(operand)
+    if len(factors) == 2 and (not np.isclose(factors[0], factors[1], rtol=1e-6) or factors[0] <= 0):
+        raise Unprovable(f"Q and K are scaled by different factors ({factors[0]}, {factors[1]})")
+    scale *= float(np.prod(factors)) if factors else 1.0
+    if scale <= 0:
+        raise Unprovable(f"the scores are scaled by {scale}, not a positive factor")
+    return ScoresChain(operands[0], operands[1], scale, softcap)

@@ -1,0 +1,1040 @@
+"""Symbolic evaluation of the index and mask subgraphs that exporters write around attention.
+
+Exporters build attention masks and shape vectors from ``Shape``, ``Range``,
+``Unsqueeze``, comparisons and ``GatherND``. :class:`SymbolicEvaluator` evaluates such
+a subgraph for *every* input at once, so a fusion can prove what a mask computes rather
+than match one exporter's op sequence:
+
+- a dimension is an integer affine form (:class:`Affine`) over the graph's symbolic
+  dimension names. Two values that name a dimension alike (``batch``, ``past``) are the
+  same length: that is the model's declared interface. An unnamed dimension is a fresh
+  symbol, equal to nothing else;
+- an integer tensor's element is an affine form over its axis indices (``@0``, ``@1``,
+  ...); a boolean tensor's element is a conjunction (:class:`Conj`) of ``form <= 0``
+  atoms (:class:`Le`) and lookups into a 2-D graph input (:class:`MaskAt`); a float
+  mask is :class:`Additive` (0 where a condition holds, a value that zeroes softmax
+  elsewhere);
+- float data (Q, K, V) is followed by shape only, through elementwise arithmetic and
+  Slices too;
+- ``Max``/``Min`` of lengths (transformers 5.x's sliding-window sizes) are one opaque
+  symbol ``max(0, e)`` per normalized ``e``, compared only for identity;
+- a constant-folded integer tensor that is an affine function of its indices (a folded
+  ``Range``, a ``GatherND`` index grid) is read as that function.
+
+Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
+the reason; the caller then leaves the graph alone. Graphs without shape annotations
+(TorchScript exports) are followed from their inputs by the rules of
+:mod:`onnx_kvcache.passes.fusion._symbolic_ops` (call :meth:`SymbolicEvaluator.prime` first on deep ones).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Additive",
+    "Affine",
+    "Conj",
+    "Le",
+    "MaskAt",
+    "SymTensor",
+    "SymbolicEvaluator",
+    "Unprovable",
+    "constant_array",
+]
+
+import contextlib
+import dataclasses
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+MASKED_BELOW = -65504.0
+"""An additive mask value at or below this (float16's lowest, or -inf) zeroes softmax."""
+
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+_INT_TYPES = frozenset(
+    {
+        ir.DataType.INT64,
+        ir.DataType.INT32,
+        ir.DataType.INT16,
+        ir.DataType.INT8,
+        ir.DataType.UINT8,
+        ir.DataType.UINT16,
+        ir.DataType.UINT32,
+        ir.DataType.UINT64,
+    }
+)
+_MAX_CONST_ELEMENTS = 64
+
+
+class Unprovable(Exception):
+    """The evaluator cannot prove what a value computes; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """``const + sum(coefficient * symbol)`` with integer coefficients."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    const: int = 0
+
+    @staticmethod
+    def of(value: int | str) -> Affine:
+        return Affine(const=value) if isinstance(value, int) else Affine(((value, 1),))
+
+    @staticmethod
+    def _make(terms: Mapping[str, int], const: int) -> Affine:
+        return Affine(tuple(sorted((k, v) for k, v in terms.items() if v)), const)
+
+    def __add__(self, other: Affine | int) -> Affine:
+        other = other if isinstance(other, Affine) else Affine(const=other)
+        terms = dict(self.terms)
+        for name, coefficient in other.terms:
+            terms[name] = terms.get(name, 0) + coefficient
+        return Affine._make(terms, self.const + other.const)
+
+    def __neg__(self) -> Affine:
+        return Affine(tuple((k, -v) for k, v in self.terms), -self.const)
+
+    def __sub__(self, other: Affine | int) -> Affine:
+        return self + (-(other if isinstance(other, Affine) else Affine(const=other)))
+
+    def scale(self, factor: int) -> Affine:
+        return Affine._make({k: v * factor for k, v in self.terms}, self.const * factor)
+
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    def coefficient(self, symbol: str) -> int:
+        return dict(self.terms).get(symbol, 0)
+
+    @property
+    def symbols(self) -> frozenset[str]:
+        return frozenset(k for k, _ in self.terms)
+
+    def subs(self, mapping: Mapping[str, Affine]) -> Affine:
+        out = Affine(const=self.const)
+        for name, coefficient in self.terms:
+            out = out + (
+                mapping[name].scale(coefficient) if name in mapping else Affine(((name, coefficient),))
+            )
+        return out
+
+    def __str__(self) -> str:
+        parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{_readable(k)}" for k, v in self.terms]
+        if self.const or not parts:
+            parts.append(str(self.const))
+        return " + ".join(parts).replace("+ -", "- ")
+
+
+def _readable(symbol: str) -> str:
+    """A symbol as messages show it: ``d:past`` -> ``past``, ``#query`` -> ``query``."""
+    if symbol.startswith("max0:"):
+        inner, const = symbol[5:].rsplit("+", 1)
+        terms = [part.rsplit("*", 1) for part in inner.split(",")]
+        form = Affine(tuple((k, int(v)) for k, v in terms), int(const))
+        return f"max(0, {form})"
+    return symbol.removeprefix("d:").removeprefix("#")
+
+
+ONE = Affine(const=1)
+ZERO = Affine(const=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Le:
+    """The condition ``lhs <= 0``."""
+
+    lhs: Affine
+
+    def subs(self, mapping: Mapping[str, Affine]) -> Le:
+        return Le(self.lhs.subs(mapping))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskAt:
+    """The condition ``source[row, col] != 0`` for a 2-D graph input ``source``."""
+
+    source: str
+    row: Affine
+    col: Affine
+
+    def subs(self, mapping: Mapping[str, Affine]) -> MaskAt:
+        return MaskAt(self.source, self.row.subs(mapping), self.col.subs(mapping))
+
+
+Atom = Le | MaskAt
+
+
+@dataclasses.dataclass(frozen=True)
+class Conj:
+    """The conjunction of ``atoms``; no atoms is True."""
+
+    atoms: frozenset[Atom] = frozenset()
+
+    @staticmethod
+    def of(*atoms: Atom) -> Conj:
+        kept = set()
+        for atom in atoms:
+            if isinstance(atom, Le) and atom.lhs.is_const:
+                if atom.lhs.const > 0:
+                    return FALSE
+                continue
+            kept.add(atom)
+        return Conj(frozenset(kept))
+
+    def __and__(self, other: Conj) -> Conj:
+        return Conj.of(*self.atoms, *other.atoms)
+
+    @property
+    def is_false(self) -> bool:
+        return self == FALSE
+
+    def subs(self, mapping: Mapping[str, Affine]) -> Conj:
+        return Conj.of(*(atom.subs(mapping) for atom in self.atoms))
+
+    def negate(self) -> Conj:
+        if self == TRUE:
+            return FALSE
+        if self.is_false:
+            return TRUE
+        if len(self.atoms) == 1:
+            (atom,) = self.atoms
+            if isinstance(atom, Le):  # not (x <= 0)  <=>  -x + 1 <= 0 over integers
+                return Conj.of(Le(-atom.lhs + 1))
+        raise Unprovable("the negation of a compound condition is not followed")
+
+
+TRUE = Conj()
+FALSE = Conj(frozenset({Le(ONE)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Additive:
+    """A float mask: 0 where ``cond`` holds, a softmax-zeroing value elsewhere."""
+
+    cond: Conj
+
+    def subs(self, mapping: Mapping[str, Affine]) -> Additive:
+        return Additive(self.cond.subs(mapping))
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatConst:
+    value: float
+
+    def subs(self, mapping: Mapping[str, Affine]) -> FloatConst:
+        return self
+
+
+Elem = Affine | Conj | Additive | FloatConst
+
+
+@dataclasses.dataclass(frozen=True)
+class SymTensor:
+    """A tensor for all inputs at once: symbolic shape and element expression.
+
+    ``elem`` is in terms of the axis variables ``@0 .. @{rank-1}`` (None: unknown,
+    e.g. float data). ``values`` lists a small integer tensor's elements (rank 0 or
+    1); ``stack`` lists the components of an index tensor whose last axis stacks
+    them (GatherND indices); ``source`` names the graph input a tensor is.
+    """
+
+    shape: tuple[Affine, ...]
+    kind: str  # "int", "bool", "float", "data"
+    elem: Elem | None = None
+    values: tuple[Affine, ...] | None = None
+    stack: tuple[Affine, ...] | None = None
+    source: str | None = None
+    conds: tuple[Conj, ...] | None = None
+    """A small boolean vector's elements (comparisons of known integer vectors)."""
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def element(self) -> Elem:
+        if self.elem is not None:
+            return self.elem
+        if self.values is not None and len(self.values) == 1:
+            return self.values[0]
+        raise Unprovable("a tensor's elements are not known")
+
+
+def axis(k: int) -> str:
+    return f"@{k}"
+
+
+_TERM = re.compile(r"\s*([+-])?\s*(?:(\d+)\s*\*\s*)?([A-Za-z_][\w.]*|\d+)\s*")
+
+
+def parse_dim(dim: object, fresh: Callable[[], str]) -> Affine:
+    """A shape dimension as an affine form: ints, names, sums like ``past + seq``."""
+    if isinstance(dim, int):
+        return Affine(const=dim)
+    text = None if dim is None else str(dim)
+    if not text or text == "None":
+        return Affine.of(fresh())
+    out, pos = ZERO, 0
+    while pos < len(text):
+        match = _TERM.match(text, pos)
+        if not match or match.end() == pos:
+            return Affine.of("d:" + text)
+        sign = -1 if match.group(1) == "-" else 1
+        factor = int(match.group(2) or 1) * sign
+        atom = match.group(3)
+        out = out + (
+            Affine(const=int(atom) * factor) if atom.isdigit() else Affine.of("d:" + atom).scale(factor)
+        )
+        pos = match.end()
+        if pos < len(text) and text[pos] not in "+-":
+            return Affine.of("d:" + text)
+    return out
+
+
+def _shift(elem: Elem, mapping: Mapping[str, Affine]) -> Elem:
+    return elem.subs(mapping)
+
+
+def broadcast_shapes(*shapes: Sequence[Affine]) -> tuple[Affine, ...]:
+    rank = max(len(s) for s in shapes)
+    out: list[Affine] = []
+    for k in range(rank):
+        dims = [s[k - rank + len(s)] for s in shapes if k - rank + len(s) >= 0]
+        chosen = ONE
+        for dim in dims:
+            if dim in (ONE, chosen):
+                continue
+            if chosen == ONE:
+                chosen = dim
+            else:
+                raise Unprovable(f"cannot prove that dimensions {chosen} and {dim} broadcast")
+        out.append(chosen)
+    return tuple(out)
+
+
+def aligned_elem(tensor: SymTensor, out_shape: Sequence[Affine]) -> Elem:
+    """``tensor``'s element in the axis variables of a broadcast result of ``out_shape``."""
+    elem = tensor.element()
+    offset = len(out_shape) - tensor.rank
+    mapping = {}
+    for k, dim in enumerate(tensor.shape):
+        mapping[axis(k)] = ZERO if dim == ONE else Affine.of(axis(k + offset))
+    return _shift(elem, mapping)
+
+
+def constant_array(value: ir.Value) -> np.ndarray | None:
+    """A small constant's values (initializer or Constant node); weights are never read."""
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        for name, attr in producer.attributes.items():
+            if name == "value" and attr.type == ir.AttributeType.TENSOR:
+                tensor = attr.value
+            elif name in _CONSTANT_ATTRIBUTES:
+                return np.asarray(attr.value, dtype=_CONSTANT_ATTRIBUTES[name])
+    if tensor is None or math.prod(tensor.shape.numpy()) > _MAX_CONST_ELEMENTS:
+        return None
+    return np.asarray(tensor.numpy())
+
+
+_CONSTANT_ATTRIBUTES = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
+
+
+def _kind(dtype: ir.DataType | None) -> str:
+    if dtype in _INT_TYPES:
+        return "int"
+    if dtype == ir.DataType.BOOL:
+        return "bool"
+    if dtype in _FLOAT_TYPES:
+        return "float"
+    raise Unprovable(f"element type {dtype} is not followed")
+
+
+Handler = Callable[["SymbolicEvaluator", ir.Node], SymTensor]
+_HANDLERS: dict[str, Handler] = {}
+OutputHandler = Callable[["SymbolicEvaluator", ir.Node, int], SymTensor]
+_OUTPUT_HANDLERS: dict[tuple[str, str], OutputHandler] = {}
+"""(domain, op_type) -> handler of one output of a node (multi-output and contrib ops)."""
+
+
+def _handles(*op_types: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for op_type in op_types:
+            _HANDLERS[op_type] = fn
+        return fn
+
+    return register
+
+
+class SymbolicEvaluator:
+    """Evaluates values of one graph (or function) symbolically; results are cached."""
+
+    def __init__(self) -> None:
+        self._cache: dict[ir.Value, SymTensor | Unprovable] = {}
+        self._declared: dict[ir.Value, tuple[Affine, ...]] = {}
+        self._dtypes: dict[ir.Value, ir.DataType | None] = {}
+        self._fresh = 0
+
+    def prime(self, graph: ir.Graph) -> None:
+        """Evaluate every value of ``graph`` in order, so that later queries recurse shallowly.
+
+        Graphs without shape annotations (TorchScript exports) are followed from their
+        inputs through every layer; without this, a deep model would exceed Python's
+        recursion limit. What cannot be followed is remembered, not retried.
+        """
+        for node in graph:
+            for output in node.outputs:
+                self.dtype(output)
+                with contextlib.suppress(Unprovable):
+                    self.eval(output)
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None:
+        """The element type of ``value``: declared, else inferred from its producer."""
+        if value is None:
+            return None
+        if value.dtype is not None:
+            return value.dtype
+        if value not in self._dtypes:
+            self._dtypes[value] = infer_dtype(self, value)
+        return self._dtypes[value]
+
+    def fresh(self) -> str:
+        self._fresh += 1
+        return f"?{self._fresh}"
+
+    def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]:
+        """The shape a value is annotated with; an unnamed dimension is one fresh symbol."""
+        if value not in self._declared:
+            if value.shape is None:
+                raise Unprovable(f"value {value.name!r} has no known rank")
+            dims = (d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape)
+            self._declared[value] = tuple(parse_dim(d, self.fresh) for d in dims)
+        return self._declared[value]
+
+    def shape(self, value: ir.Value | None) -> tuple[Affine, ...]:
+        """The symbolic shape of any value: computed where followed, else declared."""
+        try:
+            return self.eval(value).shape
+        except Unprovable:
+            if value is None:
+                raise
+            return self.declared_shape(value)
+
+    def eval(self, value: ir.Value | None) -> SymTensor:
+        if value is None:
+            raise Unprovable("a required input is missing")
+        cached = self._cache.get(value)
+        if cached is None:
+            try:
+                cached = self._eval(value)
+            except Unprovable as reason:
+                cached = reason
+            except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+                producer = value.producer()  # a malformed node (missing inputs, bad attributes)
+                what = (
+                    f"{producer.op_type} node {producer.name!r}" if producer is not None else repr(value.name)
+                )
+                cached = Unprovable(f"{what} is not followed ({type(e).__name__}: {e})")
+            self._cache[value] = cached
+        if isinstance(cached, Unprovable):
+            raise Unprovable(*cached.args)
+        return cached
+
+    def _eval(self, value: ir.Value) -> SymTensor:
+        array = constant_array(value)
+        if array is not None:
+            return _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
+        producer = value.producer()
+        if producer is not None:
+            output_handler = _OUTPUT_HANDLERS.get((producer.domain or "", producer.op_type))
+            if output_handler is not None:
+                return output_handler(self, producer, value.index() or 0)
+        if producer is None:
+            tensor = value.const_value
+            kind = _kind(value.dtype if value.dtype is not None or tensor is None else tensor.dtype)
+            if kind == "float":
+                return SymTensor(self.declared_shape(value), "data")
+            if not value.is_graph_input():
+                raise Unprovable(f"constant {value.name!r} is too large to follow")
+            return SymTensor(self.declared_shape(value), kind, source=value.name)
+        handler = _HANDLERS.get(producer.op_type) if producer.domain in ("", "ai.onnx") else None
+        if handler is None:
+            if value.dtype in _FLOAT_TYPES:
+                return SymTensor(self.declared_shape(value), "data")
+            raise Unprovable(f"{producer.op_type} node {producer.name!r} is not followed")
+        try:
+            return handler(self, producer)
+        except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError, OverflowError) as error:
+            # a node that breaks its operator's rules (an axis out of range, ranks that do not
+            # match, an attribute of the wrong kind or value): nothing to prove about it
+            raise Unprovable(f"{producer.op_type} node {producer.name!r} is malformed ({error})") from None
+
+    def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]:
+        tensor = self.eval(value)
+        if tensor.values is None:
+            raise Unprovable(f"{what} is not a known integer vector")
+        return tensor.values
+
+    def scalar(self, value: ir.Value | None, what: str) -> Affine:
+        values = self.values(value, what)
+        if len(values) != 1:
+            raise Unprovable(f"{what} is not a scalar")
+        return values[0]
+
+    def const_ints(self, value: ir.Value | None, what: str) -> list[int] | None:
+        if value is None:
+            return None
+        values = self.values(value, what)
+        if not all(v.is_const for v in values):
+            raise Unprovable(f"{what} is not constant")
+        return [v.const for v in values]
+
+
+_MAX_FIT_ELEMENTS = 65536
+
+
+def _affine_fit(array: np.ndarray) -> Affine | None:
+    """``c0 + sum(c_k * @k)`` when an integer constant is exactly that over its indices (a
+    constant-folded ``Range`` or index grid), else None."""
+    if not array.size or array.size > _MAX_FIT_ELEMENTS:
+        return None
+    origin = (0,) * array.ndim
+    c0 = int(array[origin])
+    coefficients = []
+    for k, size in enumerate(array.shape):
+        step = (*origin[:k], 1, *origin[k + 1 :])
+        coefficients.append(int(array[step]) - c0 if size > 1 else 0)
+    grid = np.indices(array.shape, dtype=np.int64) if array.ndim else np.zeros((0,), np.int64)
+    fitted = c0 + sum((c * g for c, g in zip(coefficients, grid)), np.zeros(array.shape, np.int64))
+    if not np.array_equal(fitted, array):
+        return None
+    return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
+
+
+def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
+    shape = tuple(Affine(const=int(d)) for d in array.shape)
+    kind = _kind(dtype)
+    if kind == "int":
+        values = None
+        if array.ndim <= 1 and array.size <= _MAX_CONST_ELEMENTS:
+            values = tuple(Affine(const=int(x)) for x in array.reshape(-1))
+        elem = _affine_fit(array)
+        stack = None
+        if elem is None and array.ndim > 1 and array.size <= _MAX_FIT_ELEMENTS:
+            fits = [_affine_fit(array[..., k : k + 1]) for k in range(array.shape[-1])]
+            parts = [f for f in fits if f is not None]
+            if len(parts) == len(fits):
+                stack = tuple(p.subs({axis(array.ndim - 1): ZERO}) for p in parts)
+        return SymTensor(shape, "int", elem, values, stack)
+    if array.size and np.all(array == array.flat[0]):
+        if kind == "bool":
+            return SymTensor(shape, "bool", TRUE if bool(array.flat[0]) else FALSE)
+        return SymTensor(shape, "float", FloatConst(float(array.flat[0])))
+    if kind == "float":  # a table (rotary frequencies): its shape is followed, not its values
+        return SymTensor(shape, "data")
+    raise Unprovable("a non-uniform bool constant is not followed")
+
+
+def _attr_int(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else int(attr.as_int())
+
+
+def _attr_ints(node: ir.Node, name: str) -> list[int] | None:
+    attr = node.attributes.get(name)
+    return None if attr is None else [int(x) for x in attr.as_ints()]
+
+
+def _input(node: ir.Node, index: int) -> ir.Value | None:
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def _axes(ev: SymbolicEvaluator, node: ir.Node, index: int = 1) -> list[int] | None:
+    return _attr_ints(node, "axes") or ev.const_ints(_input(node, index), f"axes of {node.name}")
+
+
+@_handles("Identity")
+def _identity(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    return ev.eval(node.inputs[0])
+
+
+@_handles("Shape")
+def _shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    dims = ev.shape(node.inputs[0])
+    rank = len(dims)
+    start = _attr_int(node, "start", 0)
+    end = _attr_int(node, "end", rank)
+    start, end = (max(0, min(rank, x + rank if x < 0 else x)) for x in (start, end))
+    picked = dims[start:end]
+    return SymTensor((Affine(const=len(picked)),), "int", values=picked)
+
+
+@_handles("Squeeze", "Unsqueeze")
+def _squeeze(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    axes = _axes(ev, node)
+    unsqueeze = node.op_type == "Unsqueeze"
+    if unsqueeze:
+        if axes is None:
+            raise Unprovable("Unsqueeze without axes")
+        rank = x.rank + len(axes)
+        axes = sorted(a + rank if a < 0 else a for a in axes)
+        shape: list[Affine] = []
+        mapping: dict[str, Affine] = {}
+        old = 0
+        for k in range(rank):
+            if k in axes:
+                shape.append(ONE)
+            else:
+                shape.append(x.shape[old])
+                mapping[axis(old)] = Affine.of(axis(k))
+                old += 1
+    else:
+        axes = sorted(
+            a + x.rank if a < 0 else a for a in (axes or [k for k, d in enumerate(x.shape) if d == ONE])
+        )
+        if any(x.shape[a] != ONE for a in axes):
+            raise Unprovable("Squeeze of a dimension not proven to be 1")
+        shape, mapping, new = [], {}, 0
+        for k, dim in enumerate(x.shape):
+            if k in axes:
+                mapping[axis(k)] = ZERO
+            else:
+                shape.append(dim)
+                mapping[axis(k)] = Affine.of(axis(new))
+                new += 1
+    elem = None if x.elem is None else _shift(x.elem, mapping)
+    values = x.values if x.values is not None and len(x.values) == 1 and len(shape) <= 1 else None
+    return SymTensor(tuple(shape), x.kind, elem, values)
+
+
+def _binary_values(
+    a: SymTensor, b: SymTensor, fn: Callable[[Affine, Affine], Affine]
+) -> tuple[Affine, ...] | None:
+    if a.values is None or b.values is None or a.rank > 1 or b.rank > 1:
+        return None
+    if len(a.values) == len(b.values):
+        return tuple(fn(x, y) for x, y in zip(a.values, b.values))
+    if len(a.values) == 1:
+        return tuple(fn(a.values[0], y) for y in b.values)
+    if len(b.values) == 1:
+        return tuple(fn(x, b.values[0]) for x in a.values)
+    return None
+
+
+def _mul(x: Affine, y: Affine) -> Affine:
+    if x.is_const:
+        return y.scale(x.const)
+    if y.is_const:
+        return x.scale(y.const)
+    raise Unprovable(f"the product {x} * {y} is not affine")
+
+
+@_handles("Add", "Sub", "Mul")
+def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    shape = broadcast_shapes(a.shape, b.shape)
+    if "data" in (a.kind, b.kind) and {a.kind, b.kind} <= {"data", "float"}:
+        return SymTensor(shape, "data")  # float data (Q, K, V): its shape only
+    if a.kind == "float" and b.kind == "float" and node.op_type == "Add":
+        ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
+        if isinstance(ea, FloatConst) and ea.value == 0.0:
+            return SymTensor(shape, "float", eb)
+        if isinstance(eb, FloatConst) and eb.value == 0.0:
+            return SymTensor(shape, "float", ea)
+        if isinstance(ea, Additive) and isinstance(eb, Additive):
+            return SymTensor(shape, "float", Additive(ea.cond & eb.cond))
+        raise Unprovable("a float Add that is not a sum of masks")
+    if a.kind != "int" or b.kind != "int":
+        raise Unprovable(f"{node.op_type} of {a.kind} and {b.kind} tensors is not followed")
+    fn: Callable[[Affine, Affine], Affine] = {
+        "Add": lambda x, y: x + y,
+        "Sub": lambda x, y: x - y,
+        "Mul": _mul,
+    }[node.op_type]
+    values = _binary_values(a, b, fn)
+    elem = None
+    try:
+        ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
+        if isinstance(ea, Affine) and isinstance(eb, Affine):
+            elem = fn(ea, eb)
+    except Unprovable:
+        elem = None
+    return SymTensor(shape, "int", elem, values)
+
+
+@_handles("Neg", "Cos", "Sin", "Tanh", "Sigmoid", "Sqrt", "Reciprocal", "Exp", "Softmax")
+def _elementwise_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """A float op of one data tensor that keeps its shape."""
+    x = ev.eval(node.inputs[0])
+    if x.kind != "data":
+        raise Unprovable(f"{node.op_type} of a {x.kind} tensor is not followed")
+    return SymTensor(x.shape, "data")
+
+
+@_handles("Range")
+def _range(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    start = ev.scalar(node.inputs[0], "Range start")
+    limit = ev.scalar(node.inputs[1], "Range limit")
+    delta = ev.scalar(node.inputs[2], "Range delta")
+    if delta != ONE:
+        raise Unprovable(f"Range with step {delta}")
+    return SymTensor((limit - start,), "int", start + Affine.of(axis(0)))
+
+
+_COMPARE: dict[str, Callable[[Affine, Affine], Conj]] = {
+    "LessOrEqual": lambda x, y: Conj.of(Le(x - y)),
+    "Less": lambda x, y: Conj.of(Le(x - y + 1)),
+    "GreaterOrEqual": lambda x, y: Conj.of(Le(y - x)),
+    "Greater": lambda x, y: Conj.of(Le(y - x + 1)),
+    "Equal": lambda x, y: Conj.of(Le(x - y), Le(y - x)),
+}
+
+
+@_handles(*_COMPARE)
+def _compare(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    shape = broadcast_shapes(a.shape, b.shape)
+    if a.kind != "int" or b.kind != "int":
+        raise Unprovable(f"{node.op_type} of {a.kind} tensors is not followed")
+    ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
+    assert isinstance(ea, Affine) and isinstance(eb, Affine)
+    return SymTensor(shape, "bool", _COMPARE[node.op_type](ea, eb))
+
+
+@_handles("And", "Or")
+def _logic(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    shape = broadcast_shapes(a.shape, b.shape)
+    ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
+    if not isinstance(ea, Conj) or not isinstance(eb, Conj):
+        raise Unprovable(f"{node.op_type} of non-boolean tensors")
+    if node.op_type == "And":
+        return SymTensor(shape, "bool", ea & eb)
+    for x, y in ((ea, eb), (eb, ea)):
+        if x == TRUE:
+            return SymTensor(shape, "bool", TRUE)
+        if x.is_false:
+            return SymTensor(shape, "bool", y)
+    raise Unprovable("a disjunction of conditions is not followed")
+
+
+@_handles("Not")
+def _not(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    elem = x.element()
+    if not isinstance(elem, Conj):
+        raise Unprovable("Not of a non-boolean tensor")
+    return SymTensor(x.shape, "bool", elem.negate())
+
+
+@_handles("Cast")
+def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    to = ir.DataType(_attr_int(node, "to", 0))
+    kind = _kind(to)
+    if kind == x.kind or (kind == "float" and x.kind == "data"):
+        return dataclasses.replace(x, source=x.source if _widens(node.inputs[0], to) else None)
+    if kind == "float" and x.kind == "int" and x.elem is None and x.values is None and x.source is None:
+        return SymTensor(x.shape, "data")  # integer data as floats (positions for rotary): shape only
+    if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
+        return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
+    raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")
+
+
+def _widens(value: ir.Value | None, to: ir.DataType) -> bool:
+    """An integer Cast that keeps every value (so a 0/1 mask stays one)."""
+    dtype = value.dtype if value is not None else None
+    return dtype is not None and to.itemsize >= dtype.itemsize and to.is_signed() == dtype.is_signed()
+
+
+@_handles("Where")
+def _where(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    c, x, y = (ev.eval(v) for v in node.inputs)
+    shape = broadcast_shapes(c.shape, x.shape, y.shape)
+    ec, ex, ey = (aligned_elem(t, shape) for t in (c, x, y))
+    if not isinstance(ec, Conj) or not isinstance(ex, FloatConst) or not isinstance(ey, FloatConst):
+        raise Unprovable("Where that does not select between two mask constants")
+    if ex.value == 0.0 and ey.value <= MASKED_BELOW:
+        return SymTensor(shape, "float", Additive(ec))
+    if ey.value == 0.0 and ex.value <= MASKED_BELOW:
+        return SymTensor(shape, "float", Additive(ec.negate()))
+    raise Unprovable(f"Where selects {ex.value} and {ey.value}, not 0 and a masking value")
+
+
+@_handles("Expand")
+def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    target = ev.values(node.inputs[1], "Expand shape")
+    shape = broadcast_shapes(x.shape, target)
+    elem = None if x.elem is None and x.values is None else aligned_elem(x, shape)
+    if x.kind == "data":
+        elem = None
+    return SymTensor(shape, x.kind, elem)
+
+
+_MAX_PREFIX = "max0:"
+
+
+def max_of(a: Affine, b: Affine) -> Affine:
+    """``max(a, b)`` as an affine form over one opaque symbol ``max(0, e)``.
+
+    ``max(a, b) = b + max(0, a - b)``; ``e`` is normalized (its first coefficient positive,
+    else ``a + max(0, b - a)``), so every computation of the same maximum names the same
+    symbol. Sound: the symbol is only ever compared for identity. Maxima over index
+    variables (``@k``, ``#...``) are refused: substitution does not reach inside them.
+    """
+    e = a - b
+    if e.is_const:
+        return b + max(0, e.const)
+    if any(name.startswith(("@", "#")) for name in e.symbols):
+        raise Unprovable("a maximum over tensor indices is not followed")
+    base = b
+    if e.terms[0][1] < 0:
+        e, base = -e, a
+    key = ",".join(f"{k}*{v}" for k, v in e.terms) + f"+{e.const}"
+    return base + Affine.of(_MAX_PREFIX + key)
+
+
+def min_of(a: Affine, b: Affine) -> Affine:
+    return a + b - max_of(a, b)
+
+
+@_handles("Max", "Min")
+def _extremum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    parts = [ev.eval(v) for v in node.inputs]
+    if not parts:
+        raise Unprovable(f"{node.op_type} without inputs")
+    shape = broadcast_shapes(*(p.shape for p in parts))
+    fn = max_of if node.op_type == "Max" else min_of
+    values = None
+    if len(parts) == 2 and all(p.kind == "int" for p in parts):
+        try:
+            values = _binary_values(parts[0], parts[1], fn)
+        except Unprovable:
+            values = None
+    return SymTensor(shape, parts[0].kind, values=values)
+
+
+@_handles("Concat")
+def _concat(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    parts = [ev.eval(v) for v in node.inputs]
+    rank = parts[0].rank
+    along = _attr_int(node, "axis", 0)
+    along = along + rank if along < 0 else along
+    shape = list(parts[0].shape)
+    shape[along] = sum((p.shape[along] for p in parts[1:]), parts[0].shape[along])
+    if all(p.values is not None for p in parts) and rank == 1:
+        values = tuple(v for p in parts for v in p.values or ())
+        return SymTensor(tuple(shape), "int", values=values)
+    if (
+        along == rank - 1
+        and rank > 1
+        and all(p.kind == "int" and p.shape[-1] == ONE for p in parts)
+        and all(p.elem is not None or p.values is not None for p in parts)
+    ):
+        stack = []
+        for p in parts:
+            elem = p.element()
+            assert isinstance(elem, Affine)
+            stack.append(elem.subs({axis(rank - 1): ZERO}))
+        return SymTensor(tuple(shape), "int", stack=tuple(stack))
+    return SymTensor(tuple(shape), parts[0].kind)
+
+
+@_handles("GatherND")
+def _gather_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    data, indices = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    if _attr_int(node, "batch_dims", 0) != 0:
+        raise Unprovable("GatherND with batch_dims")
+    if indices.stack is None or len(indices.stack) != data.rank:
+        raise Unprovable("GatherND indices are not a stack of one index per data axis")
+    elem = data.element()
+    mapping = {axis(k): e for k, e in enumerate(indices.stack)}
+    return SymTensor(indices.shape[:-1], data.kind, _shift(elem, mapping))
+
+
+@_handles("Gather")
+def _gather(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    data = ev.eval(node.inputs[0])
+    index = ev.const_ints(node.inputs[1], "Gather indices")
+    if data.values is None or data.rank != 1 or index is None or _attr_int(node, "axis", 0) != 0:
+        raise Unprovable("Gather other than of a known vector by constant indices")
+    picked = tuple(data.values[i] for i in index)
+    indices_rank = ev.eval(node.inputs[1]).rank
+    return SymTensor((Affine(const=len(picked)),) if indices_rank else (), "int", values=picked)
+
+
+@_handles("Transpose")
+def _transpose(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    perm = _attr_ints(node, "perm") or list(reversed(range(x.rank)))
+    shape = tuple(x.shape[p] for p in perm)
+    elem = None
+    if x.elem is not None:
+        elem = _shift(x.elem, {axis(p): Affine.of(axis(k)) for k, p in enumerate(perm)})
+    return SymTensor(shape, x.kind, elem)
+
+
+def reshape_dims(
+    in_shape: Sequence[Affine], target: Sequence[Affine], *, allowzero: bool
+) -> tuple[Affine, ...]:
+    """The output shape of Reshape(``in_shape`` -> ``target``), ``0``/``-1`` resolved."""
+    out: list[Affine | None] = []
+    for k, dim in enumerate(target):
+        if dim == ZERO and not allowzero:
+            if k >= len(in_shape):
+                raise Unprovable("Reshape copies a dimension the input does not have")
+            out.append(in_shape[k])
+        elif dim == Affine(const=-1):
+            out.append(None)
+        else:
+            out.append(dim)
+    unknown = [k for k, d in enumerate(out) if d is None]
+    if len(unknown) > 1:
+        raise Unprovable("Reshape with more than one -1")
+    if unknown:
+        have = Counter(d for d in in_shape if not d.is_const)
+        want = Counter(d for d in out if d is not None and not d.is_const)
+        if want - have:
+            raise Unprovable("Reshape target dimensions do not divide the input's")
+        rest = list((have - want).elements())
+        numerator = math.prod(d.const for d in in_shape if d.is_const)
+        denominator = math.prod(d.const for d in out if d is not None and d.is_const)
+        if len(rest) > 1 or denominator == 0 or numerator % denominator:
+            raise Unprovable("cannot infer the -1 of a Reshape")
+        ratio = numerator // denominator
+        out[unknown[0]] = rest[0].scale(ratio) if rest else Affine(const=ratio)
+    return tuple(d for d in out if d is not None)
+
+
+@_handles("Reshape")
+def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    target = ev.values(node.inputs[1], "Reshape shape")
+    shape = reshape_dims(x.shape, target, allowzero=bool(_attr_int(node, "allowzero", 0)))
+    if x.values is not None and len(x.values) == 1 and len(shape) <= 1:
+        return SymTensor(shape, x.kind, values=x.values)
+    return SymTensor(shape, x.kind)
+
+
+_LARGE = 2**31
+"""A Slice bound at or beyond this reaches the end of any real axis."""
+
+
+def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
+    """Length of ``x[start:end]`` (step 1) along an axis of length ``n``, as ONNX clamps."""
+
+    def clamp(bound: Affine) -> Affine:  # into [0, n]
+        if bound == ZERO:
+            return ZERO
+        if bound.is_const and bound.const >= _LARGE:
+            return n
+        if bound.is_const and bound.const <= -_LARGE:
+            return ZERO
+        if bound.is_const and bound.const < 0:  # n + bound, clamped at 0
+            return max_of(n + bound, ZERO)
+        if bound.is_const:
+            return min_of(bound, n) if not n.is_const else Affine(const=min(bound.const, n.const))
+        return bound if bound == n else min_of(bound, n)
+
+    lo, hi = clamp(start), clamp(end)
+    if hi == n or lo == ZERO:  # both clamped into [0, n]: no negative length to cut
+        return hi - lo
+    return max_of(hi - lo, ZERO)
+
+
+def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTensor:
+    """A Slice of a tensor along some axes (step 1): its shape; a mask's elements when the
+    slice keeps every element (a start of 0, an end at or beyond the axis)."""
+    starts = ev.values(node.inputs[1], "Slice starts")
+    ends = ev.values(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or list(range(len(starts)))
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1] * len(starts)
+    if not (len(starts) == len(ends) == len(axes) == len(steps)) or any(step != 1 for step in steps):
+        raise Unprovable("a Slice with steps other than 1 is not followed")
+    shape = list(x.shape)
+    whole = True
+    for axis_, start, end in zip(axes, starts, ends):
+        k = axis_ + x.rank if axis_ < 0 else axis_
+        if not 0 <= k < x.rank:
+            raise Unprovable("a Slice axis is out of range")
+        length = _sliced_length(shape[k], start, end)
+        whole = whole and start == ZERO and length == shape[k]
+        shape[k] = length
+    elem = x.elem if whole else None
+    return SymTensor(tuple(shape), x.kind, elem)
+
+
+@_handles("Slice")
+def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.eval(node.inputs[0])
+    if x.values is None or x.rank != 1:
+        return _slice_tensor(ev, node, x)
+    starts = ev.const_ints(node.inputs[1], "Slice starts")
+    ends = ev.const_ints(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or [0]
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1]
+    if starts is None or ends is None or axes != [0] or steps != [1]:
+        raise Unprovable("Slice other than of a known vector with constant bounds")
+    n = len(x.values)
+    start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))
+    picked = x.values[start:end]
+    return SymTensor((Affine(const=len(picked)),), "int", values=picked)
+
+
+_BOOL_OPS = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN", "IsInf"}
+)
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_FIXED: dict[tuple[str, int], ir.DataType] = {
+    ("MatMulInteger", 0): ir.DataType.INT32,
+    ("DynamicQuantizeLinear", 0): ir.DataType.UINT8,
+    ("DynamicQuantizeLinear", 1): ir.DataType.FLOAT,
+    ("DynamicQuantizeLinear", 2): ir.DataType.UINT8,
+    ("TopK", 1): ir.DataType.INT64,
+    ("Dropout", 1): ir.DataType.BOOL,
+}
+_FROM_INPUT = {"Where": 1, "DequantizeLinear": 1, "CastLike": 1}
+
+
+def infer_dtype(ev: SymbolicEvaluator, value: ir.Value) -> ir.DataType | None:
+    """The element type of an unannotated ``value`` from its producer (None: unknown)."""
+    node = value.producer()
+    if node is None:
+        tensor = value.const_value
+        return tensor.dtype if tensor is not None else None
+    op, index = node.op_type, value.index() or 0
+    if (op, index) in _FIXED:
+        return _FIXED[(op, index)]
+    if op == "Cast":
+        try:
+            return ir.DataType(_attr_int(node, "to", 0))
+        except ValueError:  # not an element type: the node is malformed
+            return None
+    if op in _BOOL_OPS:
+        return ir.DataType.BOOL
+    if op in _INT64_OPS:
+        return ir.DataType.INT64
+    if op in ("Constant", "ConstantOfShape"):
+        for name, attr in node.attributes.items():
+            if attr.type == ir.AttributeType.TENSOR:
+                return attr.value.dtype
+            if name.startswith("value_"):
+                return ir.DataType.FLOAT if "float" in name else ir.DataType.INT64
+        return ir.DataType.FLOAT if op == "ConstantOfShape" else None
+    if op == "QuantizeLinear":
+        zero_point = _input(node, 2)
+        return ev.dtype(zero_point) if zero_point is not None else ir.DataType.UINT8
+    first = _input(node, _FROM_INPUT.get(op, 0))
+    return ev.dtype(first)

@@ -1,0 +1,466 @@
+"""Rules of :mod:`onnx_kvcache.passes.fusion._symbolic` for graphs that carry no shape annotations.
+
+TorchScript exports (``optimum-cli export onnx``, the onnx-community models) write no
+``value_info``: only graph inputs, outputs and initializers have shapes. These rules let
+the evaluator follow such a graph from its inputs, every rule exact:
+
+- **Float data** (activations, weights) is followed by shape: elementwise ops broadcast,
+  ``MatMul`` (and ``MatMulInteger``, ``com.microsoft::MatMulNBits``), reductions,
+  ``Gather`` of an embedding, ``Softmax``, ``Dropout``, ``DynamicQuantizeLinear``. A
+  value annotated with a shape keeps it (as the evaluator did before these rules).
+- **Shape idioms** of torch's exporter: ``ConstantOfShape``, integer ``Div`` of known
+  vectors by a constant, comparisons of known vectors and ``Where`` between them (the
+  ``Expand`` target ``Where(shape == -1, 1, shape)``), ``Reshape`` of a known vector.
+- **Slices** of any tensor along an axis, from a constant start to the end of the axis,
+  a constant end or an end proven equal to the axis length (the mask sliced to the key
+  length).
+- **The padding lookup** ``Gather(Flatten(mask), batch * width + key)``: the element of
+  the 2-D mask at ``[batch, key]`` when ``width`` is the mask's width and both indices are
+  proven in range; a ``Reshape`` that only inserts or removes unit axes (after a
+  flattening one) keeps the elements.
+
+Importing the module registers the rules (:mod:`onnx_kvcache.passes.fusion._match` does).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []  # importing this module registers its rules
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.passes.fusion._symbolic import (
+    _FLOAT_TYPES,
+    _HANDLERS,
+    _INT_TYPES,
+    _OUTPUT_HANDLERS,
+    FALSE,
+    ONE,
+    TRUE,
+    Affine,
+    Conj,
+    FloatConst,
+    Handler,
+    Le,
+    SymbolicEvaluator,
+    SymTensor,
+    Unprovable,
+    _attr_int,
+    _attr_ints,
+    _input,
+    aligned_elem,
+    axis,
+    broadcast_shapes,
+)
+
+_BIG = 2**62
+
+
+def _kind_of(dtype: ir.DataType | None) -> str:
+    if dtype in _INT_TYPES:
+        return "int"
+    if dtype == ir.DataType.BOOL:
+        return "bool"
+    return "data"
+
+
+def _data(ev: SymbolicEvaluator, value: ir.Value, shape) -> SymTensor:
+    """An opaque tensor of ``shape`` (its annotated shape, if it has one)."""
+    kind = _kind_of(ev.dtype(value))
+    if value.shape is not None:
+        return SymTensor(ev.declared_shape(value), kind)
+    return SymTensor(tuple(shape), kind)
+
+
+def _opaque(t: SymTensor) -> bool:
+    return t.kind == "data" or (
+        t.elem is None and t.values is None and t.stack is None and t.conds is None and t.source is None
+    )
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+# ---- data rules: the shape of an output from its inputs' shapes ----
+
+
+def _elementwise(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    shapes = [ev.shape(v) for v in node.inputs if v is not None]
+    return _data(ev, node.outputs[0], broadcast_shapes(*shapes))
+
+
+def _same(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
+
+
+def _matmul_shape(a: tuple[Affine, ...], b: tuple[Affine, ...]) -> tuple[Affine, ...]:
+    if len(a) < 1 or len(b) < 1:
+        raise Unprovable("a MatMul of a scalar")
+    if len(b) == 1:
+        return a[:-1]
+    if len(a) == 1:
+        return b[:-2] + b[-1:]
+    return (*broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
+
+
+def _matmul(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    return _data(ev, node.outputs[0], _matmul_shape(ev.shape(node.inputs[0]), ev.shape(node.inputs[1])))
+
+
+def _matmul_nbits(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+    a = ev.shape(node.inputs[0])
+    return _data(ev, node.outputs[index], (*a[:-1], Affine(const=_attr_int(node, "N", 0))))
+
+
+def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.shape(node.inputs[0])
+    axes = _attr_ints(node, "axes")
+    if axes is None and _input(node, 1) is not None:
+        axes = ev.const_ints(node.inputs[1], f"axes of {node.name}")
+    if not axes:
+        if _attr_int(node, "noop_with_empty_axes", 0):
+            return _data(ev, node.outputs[0], x)
+        axes = list(range(len(x)))
+    picked = {a + len(x) if a < 0 else a for a in axes}
+    keep = bool(_attr_int(node, "keepdims", 1))
+    shape = [ONE if k in picked else d for k, d in enumerate(x) if keep or k not in picked]
+    return _data(ev, node.outputs[0], shape)
+
+
+def _flatten(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    x = ev.shape(node.inputs[0])
+    at = _attr_int(node, "axis", 1)
+    at = at + len(x) if at < 0 else at
+
+    def product(dims) -> Affine:
+        symbolic = [d for d in dims if not d.is_const]
+        const = math.prod(d.const for d in dims if d.is_const)
+        if not symbolic:
+            return Affine(const=const)
+        if len(symbolic) == 1:
+            return symbolic[0].scale(const)
+        return Affine.of(ev.fresh())  # a product of lengths is not affine: a fresh length
+
+    return _data(ev, node.outputs[0], (product(x[:at]), product(x[at:])))
+
+
+def _gather_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    data, indices = ev.shape(node.inputs[0]), ev.shape(node.inputs[1])
+    at = _attr_int(node, "axis", 0)
+    at = at + len(data) if at < 0 else at
+    return _data(ev, node.outputs[0], data[:at] + indices + data[at + 1 :])
+
+
+def _softmax(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
+
+
+def _first_output_same(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+    """Dropout: output 0 is its input, output 1 a mask of its shape."""
+    return _data(ev, node.outputs[index], ev.shape(node.inputs[0]))
+
+
+def _dynamic_quantize(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+    shape = ev.shape(node.inputs[0]) if index == 0 else ()
+    return _data(ev, node.outputs[index], shape)
+
+
+# ---- index rules ----
+
+
+def _decide(cond: Conj) -> bool | None:
+    """True/False when ``cond`` holds for all / no values of its (non-negative) symbols."""
+    if cond == TRUE:
+        return True
+    if cond.is_false:
+        return False
+    atoms = list(cond.atoms)
+    for atom in atoms:
+        if isinstance(atom, Le) and atom.lhs.const > 0 and all(c >= 0 for _, c in atom.lhs.terms):
+            return False
+    if all(isinstance(a, Le) and a.lhs.const <= 0 and all(c <= 0 for _, c in a.lhs.terms) for a in atoms):
+        return True
+    return None
+
+
+def _vector(t: SymTensor) -> tuple[Affine, ...] | None:
+    return t.values if t.values is not None and t.rank <= 1 else None
+
+
+def _pairs(a: tuple, b: tuple) -> list[tuple] | None:
+    if len(a) == len(b):
+        return list(zip(a, b))
+    if len(a) == 1:
+        return [(a[0], y) for y in b]
+    if len(b) == 1:
+        return [(x, b[0]) for x in a]
+    return None
+
+
+def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    from onnx_kvcache.passes.fusion._symbolic import _COMPARE
+
+    a, b = (_vector(ev.eval(v)) for v in node.inputs[:2])
+    if a is None or b is None or (len(a) == 1 and len(b) == 1):
+        return None
+    pairs = _pairs(a, b)
+    if pairs is None:
+        return None
+    conds = tuple(_COMPARE[node.op_type](x, y) for x, y in pairs)
+    return SymTensor((Affine(const=len(conds)),), "bool", conds=conds)
+
+
+def _where_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    c = ev.eval(node.inputs[0])
+    if c.conds is None:
+        return None
+    x, y = (_vector(ev.eval(v)) for v in node.inputs[1:3])
+    if x is None or y is None:
+        raise Unprovable("Where over a known condition vector between unknown vectors")
+    n = max(len(c.conds), len(x), len(y))
+    picked = []
+    for k in range(n):
+        cond = c.conds[k if len(c.conds) > 1 else 0]
+        decided = _decide(cond)
+        if decided is None:
+            raise Unprovable("a shape vector's Where condition is not decided")
+        picked.append((x if decided else y)[k if len(x if decided else y) > 1 else 0])
+    return SymTensor((Affine(const=n),), "int", values=tuple(picked))
+
+
+def _constant_of_shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    dims = ev.values(node.inputs[0], "ConstantOfShape shape")
+    attr = node.attributes.get("value")
+    array = np.asarray(attr.value.numpy()) if attr is not None else np.zeros(1, np.float32)
+    if array.size != 1:
+        raise Unprovable("ConstantOfShape with a non-scalar value")
+    fill = array.reshape(-1)[0]
+    dtype = ir.DataType.from_numpy(array.dtype)
+    if dtype in _INT_TYPES:
+        const = Affine(const=int(fill))
+        values = tuple(const for _ in range(dims[0].const)) if len(dims) == 1 and dims[0].is_const else None
+        if values is not None and len(values) > 64:
+            values = None
+        return SymTensor(dims, "int", const, values)
+    if dtype == ir.DataType.BOOL:
+        return SymTensor(dims, "bool", TRUE if bool(fill) else FALSE)
+    if dtype in _FLOAT_TYPES:
+        return SymTensor(dims, "float", FloatConst(float(fill)))
+    raise Unprovable(f"ConstantOfShape of {dtype}")
+
+
+def _divide(x: Affine, y: Affine) -> Affine:
+    if not y.is_const or y.const <= 0:
+        raise Unprovable(f"the quotient {x} / {y} is not by a positive constant")
+    if x.const % y.const or any(c % y.const for _, c in x.terms):
+        raise Unprovable(f"{x} is not proven divisible by {y.const}")
+    return Affine(tuple((k, c // y.const) for k, c in x.terms), x.const // y.const)
+
+
+def _int_div(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    if a.kind != "int" or b.kind != "int":
+        return None
+    av, bv = _vector(a), _vector(b)
+    pairs = _pairs(av, bv) if av is not None and bv is not None else None
+    if pairs is None:
+        return None
+    values = tuple(_divide(x, y) for x, y in pairs)
+    shape = broadcast_shapes(a.shape, b.shape)
+    return SymTensor(shape, "int", values[0] if len(values) == 1 else None, values)
+
+
+def _reshape_vector(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """A known vector reshaped to a vector (``[-1]`` or its length) keeps its values."""
+    x = ev.eval(node.inputs[0])
+    if x.values is None or x.rank != 1:
+        return None
+    target = ev.values(node.inputs[1], "Reshape shape")
+    if len(target) != 1 or target[0] not in (Affine(const=-1), Affine(const=len(x.values))):
+        return None
+    return SymTensor(x.shape, x.kind, x.elem, x.values)
+
+
+def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """A Reshape that only inserts/removes unit axes (maybe after a flattening Reshape)."""
+    source = node.inputs[0]
+    inner = _producer(source, "Reshape")
+    if inner is not None:
+        flat = ev.eval(inner.inputs[1]) if inner.inputs[1] is not None else None
+        if flat is not None and flat.values == (Affine(const=-1),):
+            source = inner.inputs[0]
+    x = ev.eval(source)
+    if x.elem is None:
+        return None
+    target = ev.values(node.inputs[1], "Reshape shape")
+    if any(d.is_const and d.const <= 0 for d in target):
+        return None
+    kept_in = [k for k, d in enumerate(x.shape) if d != ONE]
+    kept_out = [k for k, d in enumerate(target) if d != ONE]
+    if [x.shape[k] for k in kept_in] != [target[k] for k in kept_out]:
+        return None
+    mapping = {axis(k): Affine(const=0) for k in range(x.rank)}
+    mapping.update({axis(i): Affine.of(axis(o)) for i, o in zip(kept_in, kept_out)})
+    return SymTensor(tuple(target), x.kind, x.elem.subs(mapping))
+
+
+def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``Gather(Flatten(m), b * width + j)`` of a 2-D ``m``: ``m[b, j]`` (indices in range)."""
+    flatten = _producer(node.inputs[0], "Flatten")
+    add = _producer(node.inputs[1], "Add")
+    if flatten is None or add is None or _attr_int(node, "axis", 0) != 0:
+        return None
+    data = ev.eval(flatten.inputs[0])
+    if data.rank != 2 or _attr_int(flatten, "axis", 1) != 2 or data.elem is None:
+        return None
+    rows, width = data.shape
+    for col_value, product in (add.inputs, tuple(reversed(add.inputs))):
+        mul = _producer(product, "Mul")
+        if mul is None:
+            continue
+        for row_value, factor in (mul.inputs, tuple(reversed(mul.inputs))):
+            w = ev.eval(factor)
+            if _vector(w) != (width,):
+                continue
+            col, row = ev.eval(col_value), ev.eval(row_value)
+            shape = broadcast_shapes(col.shape, row.shape)
+            ec, er = aligned_elem(col, shape), aligned_elem(row, shape)
+            if (
+                isinstance(ec, Affine)
+                and isinstance(er, Affine)
+                and _ranges_over(ec, shape, width)
+                and _ranges_over(er, shape, rows)
+            ):
+                elem = data.elem.subs({axis(0): er, axis(1): ec})
+                return SymTensor((*shape, ONE), data.kind, elem)
+    return None
+
+
+def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine) -> bool:
+    """``elem`` is an axis index over an axis of ``length`` (so within ``[0, length)``)."""
+    if not isinstance(elem, Affine) or elem.const or len(elem.terms) != 1:
+        return False
+    ((name, coefficient),) = elem.terms
+    if coefficient != 1 or not name.startswith("@"):
+        return False
+    return shape[int(name[1:])] == length
+
+
+def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """A slice from a constant start to the axis end, a constant, or the axis length."""
+    x = ev.eval(node.inputs[0])
+    starts = ev.values(node.inputs[1], "Slice starts")
+    ends = ev.values(node.inputs[2], "Slice ends")
+    axes = ev.const_ints(_input(node, 3), "Slice axes") or list(range(len(starts)))
+    steps = ev.const_ints(_input(node, 4), "Slice steps") or [1] * len(starts)
+    if len(starts) != len(ends) or len(axes) != len(starts) or any(s != 1 for s in steps):
+        raise Unprovable("a Slice with steps or unmatched bounds")
+    shape, mapping = list(x.shape), {}
+    for start, end, at in zip(starts, ends, axes):
+        at = at + x.rank if at < 0 else at
+        if not 0 <= at < x.rank:
+            raise Unprovable("a Slice axis out of range")
+        dim = shape[at]
+        if not start.is_const or (start.const < 0 and not dim.is_const):
+            raise Unprovable("a Slice start that is not a constant")
+        first = start.const + dim.const if start.const < 0 else start.const
+        if dim.is_const:
+            first = max(0, min(first, dim.const))
+        if (end.is_const and end.const >= _BIG) or end == dim:
+            last = dim
+        elif end.is_const and dim.is_const:
+            stop = end.const + dim.const if end.const < 0 else end.const
+            last = Affine(const=max(first, min(stop, dim.const)))
+        else:
+            raise Unprovable(f"a Slice end {end} not proven within its axis of {dim}")
+        if dim.is_const or first == 0:  # a symbolic axis may be shorter than a constant start
+            shape[at] = last - first
+        else:
+            raise Unprovable("a Slice start not proven within its axis")
+        mapping[axis(at)] = Affine.of(axis(at)) + first
+    elem = None if x.elem is None else x.elem.subs(mapping)
+    values = None
+    if x.values is not None and x.rank == 1 and all(d.is_const for d in shape):
+        first = mapping[axis(0)].const if axis(0) in mapping else 0
+        values = x.values[first : first + shape[0].const]
+    return SymTensor(tuple(shape), x.kind, elem, values)
+
+
+def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """A Cast to a float type of integer data (positions for rotary angles): followed by shape."""
+    to = ir.DataType(_attr_int(node, "to", 0))
+    x = ev.eval(node.inputs[0])
+    if to in _FLOAT_TYPES and x.kind == "int":
+        return _data(ev, node.outputs[0], x.shape)
+    return None
+
+
+# ---- registration ----
+
+
+def _combine(
+    op_type: str,
+    rule: Handler | None,
+    *,
+    pre: Callable[[SymbolicEvaluator, ir.Node], SymTensor | None] | None = None,
+    always: bool = False,
+) -> None:
+    """Register ``op_type``: ``pre`` first, then the evaluator's own rule, then ``rule``
+    when an input is opaque data (or ``always``), the own rule's reason otherwise."""
+    own = _HANDLERS.get(op_type)
+
+    def handler(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+        if pre is not None:
+            found = pre(ev, node)
+            if found is not None:
+                return found
+        if own is None:
+            assert rule is not None
+            return rule(ev, node)
+        try:
+            return own(ev, node)
+        except Unprovable:
+            if rule is None:
+                raise
+            if not always and not any(_opaque(ev.eval(v)) for v in node.inputs if v is not None):
+                raise
+            return rule(ev, node)
+
+    _HANDLERS[op_type] = handler
+
+
+for _op in ("Add", "Sub", "Mul", "Where", "Max", "Min", "Expand"):
+    _combine(_op, _elementwise if _op != "Expand" else None)
+for _op in ("Div", "Pow", "Mod", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or"):
+    _combine(_op, _elementwise)
+for _op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"):
+    _combine(_op, None, pre=_compare_vectors)
+_combine("Where", None, pre=_where_vectors)
+_combine("Div", None, pre=_int_div)
+for _op in (
+    "Neg", "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
+    "IsInf", "Not", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
+):  # fmt: skip
+    _combine(_op, _same)
+_combine("Cast", _same, pre=_cast_to_float)
+_combine("CastLike", _same)
+for _op in ("Softmax", "LogSoftmax"):
+    _combine(_op, _softmax)
+for _op in ("MatMul", "MatMulInteger"):
+    _combine(_op, _matmul)
+for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
+    _combine(_op, _reduce)
+_combine("Flatten", _flatten)
+_combine("Gather", _gather_data, pre=_flat_lookup)
+_combine("Slice", _slice_any, always=True)
+_combine("ConstantOfShape", _constant_of_shape)
+_combine("Reshape", None, pre=_reshape_vector)
+_combine("Reshape", None, pre=_unit_reshape)
+_OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
+_OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize
+_OUTPUT_HANDLERS[("com.microsoft", "MatMulNBits")] = _matmul_nbits

@@ -1,0 +1,192 @@
+"""Fuse the ONNX ``Attention`` operator (opset 23+) with its KV cache into GroupQueryAttention.
+
+``torch.onnx.export(..., dynamo=True, opset_version=23)`` writes one ``Attention`` per
+layer, with the cache concatenated and repeated to the query heads outside it and an
+explicit boolean mask. An ``Attention`` node becomes one
+``com.microsoft::GroupQueryAttention`` when every rule of
+:mod:`onnx_kvcache.passes.fusion._match` holds, and here:
+
+- inputs 0-3 only (Q, K, V, mask) with the cache outside, 4-D;
+- the mask input (if any) ANDed with ``is_causal`` and the window attributes (which
+  without a ``past_key`` input count from offset 0, ignoring the cache) is proven causal,
+  with optional padding and window;
+- ``scale`` (default ``1/sqrt(head_size)``) and ``softcap`` carry over; a read
+  ``qk_matmul_output`` must be mode 3 (softmax probabilities: GQA's ``qk_output=2``),
+  as GQA zeroes masked scores in its other mode; ``softmax_precision`` unset or float.
+
+Anything else is left as it was; the pass warns once (:class:`KvCacheWarning`) with
+the reasons grouped, with counts (:func:`summarize_refusals`), and logs each node at INFO.
+Fuses in the main graph; an ``Attention`` in a model-local function or a control-flow
+subgraph is reported, not fused.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AttentionFusionPass"]
+
+import logging
+import math
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.sites import GQA_DOMAIN
+from onnx_kvcache.errors import warn
+from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._match import (
+    KEY,
+    QUERY,
+    AttentionMatch,
+    GqaWriter,
+    MaskFacts,
+    cache_link,
+    cache_mask_facts,
+    check_shapes,
+    default_scale,
+    mask_condition,
+    summarize_refusals,
+)
+from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
+
+logger = logging.getLogger(__name__)
+
+_QK_SOFTMAX = 3
+
+
+def _attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    if attr is None:
+        return default
+    return float(attr.as_float()) if attr.type == ir.AttributeType.FLOAT else float(attr.as_int())
+
+
+def _read(value: ir.Value | None) -> bool:
+    return value is not None and (bool(value.uses()) or value.is_graph_output())
+
+
+def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
+    """Prove that an ONNX ``Attention`` node is GQA with a KV cache; raise otherwise."""
+    inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
+    query, key, value, mask = inputs[:4]
+    if any(v is not None for v in inputs[4:]):
+        raise Unprovable("Attention keeps its own past_key/past_value/nonpad_kv_seqlen")
+    if any(_read(v) for v in node.outputs[1:3]):
+        raise Unprovable("Attention's present outputs are read")
+    if query is None or key is None or value is None:
+        raise Unprovable("Attention lacks Q, K or V")
+    if len(ev.shape(query)) != 4:
+        raise Unprovable("Attention takes 3-D Q/K/V (the cache is BNSH)")
+    precision = node.attributes.get("softmax_precision")
+    if precision is not None and precision.as_int() != ir.DataType.FLOAT:
+        raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
+    k_link = cache_link(ev, graph, key, [node])
+    v_link = cache_link(ev, graph, value, [node])
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+
+    q_len = ev.shape(query)[2]
+    kv_len = ev.shape(k_link.present)[2]
+    past = ev.shape(k_link.past)[2]
+    cond = Conj()
+    if mask is not None:
+        cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
+    # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
+    query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
+    if _attr(node, "is_causal", 0):
+        cond = cond & Conj.of(Le(key_index - query_index))
+    left, right = int(_attr(node, "left_window_size", -1)), int(_attr(node, "right_window_size", -1))
+    if left >= 0:
+        cond = cond & Conj.of(Le(query_index - key_index - left))
+    if right >= 0:
+        cond = cond & Conj.of(Le(key_index - query_index - right))
+    facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
+    if not facts.causal:
+        raise Unprovable("the mask is not causal (a query would see later keys)")
+
+    probs = node.outputs[3] if len(node.outputs) > 3 and _read(node.outputs[3]) else None
+    mode = int(_attr(node, "qk_matmul_output_mode", 0))
+    if probs is not None and mode != _QK_SOFTMAX:
+        raise Unprovable(
+            f"qk_matmul_output (mode {mode}) is read; GQA's output_qk equals only mode 3 (softmax)"
+        )
+    scale = _attr(node, "scale", default_scale(head))
+    if not (math.isfinite(scale) and scale > 0):
+        raise Unprovable(
+            f"scale={scale} (onnxruntime's Attention and GQA read a non-positive or NaN scale differently)"
+        )
+    return AttentionMatch(
+        node=node,
+        output=node.outputs[0],
+        query=query,
+        key=k_link,
+        value=v_link,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        head_size=head,
+        scale=scale,
+        mask=facts,
+        softcap=_attr(node, "softcap", 0.0),
+        probs=probs,
+    )
+
+
+class AttentionFusionPass(InPlacePass):
+    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+        """Attention nodes fused by the last call."""
+        self.padded = 0
+        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+        self.padded_windows = 0
+        """Of those, how many also have a sliding window."""
+        self.refused: list[str] = []
+        """``"node: reason"`` for each Attention node left as it was."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        ev = SymbolicEvaluator()
+        writer = GqaWriter(graph, ev)
+        fused, padded, windows, refused = 0, 0, 0, []
+        for node in list(graph):
+            if not _is_attention(node):
+                continue
+            try:
+                site = match_attention(ev, graph, node)
+            except Unprovable as reason:
+                refused.append(f"{node.name or '<unnamed>'}: {reason}")
+                continue
+            gqa = writer.write(site)
+            fused += 1
+            padded += site.mask.padding is not None
+            windows += site.mask.padding is not None and site.mask.window is not None
+            logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
+        refused += [f"{n.name or '<unnamed>'}: {where}" for n, where in _elsewhere(model)]
+        self.fused, self.padded, self.padded_windows, self.refused = fused, padded, windows, refused
+        if fused:
+            model.opset_imports.setdefault(GQA_DOMAIN, 1)
+        logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))
+        for entry in refused:
+            logger.info("Left %s", entry)
+        if refused:
+            warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
+        return ir.passes.PassResult(model, modified=bool(fused))
+
+
+def _elsewhere(model: ir.Model) -> list[tuple[ir.Node, str]]:
+    """Attention nodes outside the main graph's own node list, with where they are."""
+    found = [
+        (node, "inside a control-flow subgraph (not fused)")
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.graph is not model.graph and _is_attention(node)
+    ]
+    for function in model.functions.values():
+        found += [
+            (node, f"inside function {function.name} (not fused)")
+            for node in ir.traversal.RecursiveGraphIterator(function)
+            if _is_attention(node)
+        ]
+    return found
+
+
+def _is_attention(node: ir.Node) -> bool:
+    return node.op_type == "Attention" and node.domain in ("", "ai.onnx")

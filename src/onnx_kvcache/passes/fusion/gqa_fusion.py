@@ -1,0 +1,179 @@
+"""Fuse exported attention into GroupQueryAttention.
+
+In order: :class:`AttentionFusionPass` (the ONNX ``Attention`` operator that
+``torch.onnx.export(..., opset_version=23)`` writes), :class:`DecomposedAttentionFusionPass`
+(the same exports below opset 23, and TorchScript exports), then, only when neither
+fused anything and the graph holds ``com.microsoft::RotaryEmbedding`` (what its GQA
+fusion consumes), onnxscript's ``optimize_for_ort`` (older exports' attention). That
+last one reads weights and matches patterns against the whole graph per node: on a
+30-layer export it took minutes and fused nothing in TorchScript or dynamo exports, so
+it is not tried on them. The attentions that none of them fuses are reported in one
+:class:`KvCacheWarning` (:func:`summarize_refusals`: reasons grouped, with counts; each
+node is logged at INFO), and so is what a fused padding mask assumes
+(:data:`PADDING_WARNING`). Chains before :class:`KvCacheQuantizationPass` in an
+``ir.passes.PassManager``. Whether an export fuses depends on the exporter; count the
+GQA nodes afterwards.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CROPPED_WINDOW_WARNING",
+    "PADDING_WARNING",
+    "WINDOW_PADDING_WARNING",
+    "GqaFusionPass",
+    "summarize_refusals",
+    "unfused_refusal",
+]
+
+import logging
+from collections.abc import Sequence
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.sites import find_gqa_sites
+from onnx_kvcache.errors import warn
+from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._match import summarize_refusals
+from onnx_kvcache.passes.fusion._window_present import tail_slice
+from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
+
+logger = logging.getLogger(__name__)
+
+#: Said once when a fused attention reads the export's attention_mask.
+PADDING_WARNING = (
+    "the fused attention keeps each row's valid tokens (nonzero attention_mask entries) first in its "
+    "cache: a prompt padded anywhere computes as the export does, but after the prompt every row "
+    "must get a nonzero entry per new token once it has one (a row given a 0 then, a paused row, "
+    "computes wrong results; docs/exporting.md)."
+)
+#: Added when a fused attention with a padding mask also has a sliding window.
+WINDOW_PADDING_WARNING = (
+    "Sliding-window layers differ from the export for rows with padding after their first token "
+    "(right padding, padding inside a prompt): the export counts that padding inside the window, "
+    "the fused attention does not. Left-pad batches for those."
+)
+
+#: Added when a fused attention with a padding mask has a cropped sliding-window cache.
+CROPPED_WINDOW_WARNING = (
+    "Layers whose export keeps only the last window - 1 tokens (transformers 5.x sliding-window "
+    "caches) compute as the export for a left-padded row only when its padding is at most "
+    "window - 1 tokens: with window or more padding tokens its prompt still computes as the export, "
+    "but every decode step after it differs (the fused cache holds the row's valid tokens first, the "
+    "export's its last positions). Pad rows by fewer than window tokens, or run such prompts unpadded "
+    "(one row per batch)."
+)
+
+
+def _has_cropped_windows(model: ir.Model) -> bool:
+    return any(
+        node.op_type == "GroupQueryAttention" and len(node.outputs) > 1 and tail_slice(node.outputs[1])
+        for node in model.graph
+    )
+
+
+class GqaFusionPass(InPlacePass):
+    """Fuse ONNX Attention, then decomposed attention, else run onnxscript's ORT fusions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+        """Attention nodes our passes fused in the last call (onnxscript's not counted)."""
+        self.refused: list[str] = []
+        """``"node: reason"`` for each attention our passes left as it was."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        before = len(find_gqa_sites(model, with_cache_only=False))
+        attention, decomposed = AttentionFusionPass(), DecomposedAttentionFusionPass()
+        modified = attention(model).modified
+        modified = decomposed(model).modified or modified
+        self.fused = attention.fused + decomposed.fused
+        applied: dict[str, int] = {}
+        if not self.fused and _has_contrib_rotary(model.graph):
+            from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+            before_ort = _structure(model)
+            try:
+                fused, counts = optimize_for_ort(model)
+            except Exception as error:
+                # Each of its rewrites is an equivalence, so what it did before failing stands.
+                warn(f"onnxscript's ORT fusions (optimize_for_ort) failed on this graph, skipped: {error}")
+                fused, counts = model, {}
+            if fused is not model:
+                raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
+            applied = {k: v for k, v in counts.items() if v}
+            modified = modified or _structure(model) != before_ort
+        left = [f"{n.name or '<unnamed>'}: {why}" for n, why in decomposed.refused if n.graph is not None]
+        self.refused = attention.refused + left  # what onnxscript fused since is no longer left
+        after = len(find_gqa_sites(model, with_cache_only=False))
+        logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
+        if left:
+            warn(f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.")
+        if attention.padded + decomposed.padded:
+            windows = attention.padded_windows + decomposed.padded_windows
+            cropped = _has_cropped_windows(model)
+            warn(
+                PADDING_WARNING
+                + (" " + WINDOW_PADDING_WARNING if windows else "")
+                + (" " + CROPPED_WINDOW_WARNING if cropped else "")
+            )
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _has_contrib_rotary(graph: ir.Graph) -> bool:
+    return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
+
+
+def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
+    """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
+
+    Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model
+    with some caches converted and others not is neither the user's model nor a converted one.
+    """
+    if not refused:
+        return None
+    left = summarize_refusals(refused)
+    if fused:
+        return (
+            f"attention fusion fused {fused} layer(s) but left {len(refused)} unfused ({left}); running, "
+            "calibrating and evaluating need every cache in GroupQueryAttention, so nothing was "
+            "converted (-v lists each node)."
+        )
+    return f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
+
+
+_PLAIN = frozenset(
+    {
+        ir.AttributeType.FLOAT,
+        ir.AttributeType.INT,
+        ir.AttributeType.STRING,
+        ir.AttributeType.FLOATS,
+        ir.AttributeType.INTS,
+        ir.AttributeType.STRINGS,
+    }
+)
+
+
+def _structure(model: ir.Model) -> list[tuple]:
+    """What a rewrite can change, without reading a weight: every node (in subgraphs too)
+    with its inputs, outputs and attributes, the graph's I/O, initializer names, opsets."""
+    nodes = [
+        (
+            node.domain,
+            node.op_type,
+            tuple(v.name if v is not None else "" for v in node.inputs),
+            tuple(v.name for v in node.outputs),
+            tuple((k, repr(a.value)) for k, a in node.attributes.items() if a.type in _PLAIN),
+        )
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+    ]
+    graph = model.graph
+    return [
+        *nodes,
+        tuple(v.name for v in graph.inputs),
+        tuple(v.name for v in graph.outputs),
+        tuple(graph.initializers),
+        tuple(sorted(graph.opset_imports.items())),
+        tuple(model.functions),
+    ]

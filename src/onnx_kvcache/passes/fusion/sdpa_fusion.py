@@ -1,0 +1,206 @@
+"""Fuse decomposed scaled-dot-product attention (opset < 23 exports) into GroupQueryAttention.
+
+Below opset 23, ``torch.onnx.export(..., dynamo=True)`` writes
+``torch.nn.functional.scaled_dot_product_attention`` as its op library decomposes it:
+
+    Kt     = K with its last two axes swapped (Transpose, or Reshape/Transpose/Reshape)
+    scores = MatMul(Mul(Q, sqrt(scale)), Mul(Kt, sqrt(scale)))
+    probs  = Softmax(Add(scores, Where(mask, 0, -inf)), axis=-1)
+             [Dropout (inference)] [Where(IsNaN(probs), 0, probs)]
+    Y      = MatMul(probs, V)
+
+and what TorchScript exports (optimum, onnx-community) write: the same with the mask
+sliced to the key length, or transformers' ``eager_attention_forward`` (Gemma2's, at any
+opset: ``Mul(Q @ K^T, scale)``, a ``Tanh(s / cap) * cap`` soft-cap, a ``Where(mask, 0,
+min)`` mask, the softmax in float32 between Casts); :mod:`onnx_kvcache.passes.fusion._scores`
+follows the scores chain (``scale`` is the product of its factors, ``softcap`` the cap),
+:mod:`onnx_kvcache.passes.fusion._symbolic_ops` the shapes such graphs do not annotate.
+
+A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that (Q
+and K^T, when both are scaled, by the same scalar constant) and every rule of
+:mod:`onnx_kvcache.passes.fusion._match` holds (cache, repeat, mask, shapes). Anything
+else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
+caller that tries other fusions afterwards can report the chains nobody fused.
+Fuses in the main graph only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DecomposedAttentionFusionPass"]
+
+import logging
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.sites import GQA_DOMAIN
+from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._match import (
+    AttentionMatch,
+    GqaWriter,
+    cache_link,
+    cache_mask_facts,
+    check_shapes,
+    mask_condition,
+)
+from onnx_kvcache.passes.fusion._scores import op_of as _op
+from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
+from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
+
+logger = logging.getLogger(__name__)
+
+
+def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    """K, given K with its last two axes swapped (as exporters write it)."""
+    transpose = _op(value, "Transpose")
+    if transpose is not None and list(transpose.attributes["perm"].as_ints()) == [0, 1, 3, 2]:
+        nodes.append(transpose)
+        assert transpose.inputs[0] is not None
+        return transpose.inputs[0]
+    # Reshape(Transpose(Reshape(K, [-1, t, d]), [0, 2, 1]), [a, b, d, t]) for K [a, b, t, d]
+    outer = _op(value, "Reshape")
+    middle = _op(outer.inputs[0], "Transpose") if outer is not None else None
+    inner = _op(middle.inputs[0], "Reshape") if middle is not None else None
+    if outer is None or middle is None or inner is None or inner.inputs[0] is None:
+        raise Unprovable("K reaches the scores MatMul without a transpose of its last two axes")
+    key = inner.inputs[0]
+    dims = ev.shape(key)
+    if len(dims) != 4:
+        raise Unprovable(
+            f"the key transpose's first Reshape reads a {len(dims)}-D tensor, not K [batch, heads, "
+            "seq, head_size] (a static-shape export folds repeat_kv's Reshape into it)"
+        )
+    a, b, t, d = dims
+    minus_one = ev.values(inner.inputs[1], "the key transpose's first shape")
+    split = ev.values(outer.inputs[1], "the key transpose's second shape")
+    if (
+        list(middle.attributes["perm"].as_ints()) != [0, 2, 1]
+        or tuple(minus_one) != (Affine(const=-1), t, d)
+        or tuple(split) != (a, b, d, t)
+    ):
+        raise Unprovable("the key Reshape/Transpose/Reshape is not a transpose of the last two axes")
+    nodes += [outer, middle, inner]
+    return key
+
+
+def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionMatch:
+    """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
+    nodes: list[ir.Node] = [out]
+    probs, value = out.inputs
+    if probs is None or value is None:
+        raise Unprovable("the attention MatMul lacks an input")
+    softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
+    if softmax is None:
+        raise Unprovable("the MatMul does not read softmax probabilities")
+    rank = len(ev.shape(softmax.outputs[0]))
+    axis = softmax.attributes.get("axis")
+    if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
+        raise Unprovable("the softmax is not over the last axis of 4-D scores")
+    add = _op(softmax_input(ev, softmax.inputs[0], nodes), "Add")
+    if add is None:
+        raise Unprovable("the softmax reads scores without an additive mask")
+    scores, mask = add.inputs
+    if _op(scores, "MatMul", "Mul", "Div") is None:
+        scores, mask = mask, scores
+    if scores is None or mask is None:
+        raise Unprovable("the softmax input is not scores + mask")
+    nodes += [softmax, add]
+    chain = scores_chain(scores, nodes)
+    query, key_t = chain.query, chain.key_t
+    key = _untransposed(ev, key_t, nodes)
+    return _site(ev, graph, out, nodes, query, key, value, mask, scale=chain.scale, softcap=chain.softcap)
+
+
+def _site(
+    ev: SymbolicEvaluator,
+    graph: ir.Graph,
+    out: ir.Node,
+    nodes: list[ir.Node],
+    query: ir.Value,
+    key: ir.Value,
+    value: ir.Value,
+    mask: ir.Value,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> AttentionMatch:
+    """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
+    k_link = cache_link(ev, graph, key, nodes)
+    v_link = cache_link(ev, graph, value, nodes)
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+    past = ev.shape(k_link.past)[2]
+    cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
+    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
+    if not facts.causal:
+        raise Unprovable("the mask is not causal (a query would see later keys)")
+    return AttentionMatch(
+        node=out,
+        output=out.outputs[0],
+        query=query,
+        key=k_link,
+        value=v_link,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        head_size=head,
+        scale=scale,
+        mask=facts,
+        softcap=softcap,
+    )
+
+
+def _is_candidate(node: ir.Node) -> bool:
+    """A MatMul reading softmax probabilities (maybe through Cast, Dropout, a NaN guard)."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return False
+    if len(node.inputs) != 2:
+        return False
+    value: ir.Value | None = node.inputs[0]
+    for _ in range(4):
+        step = _op(value, "Cast", "Dropout", "Where")
+        if step is None or len(step.inputs) < (3 if step.op_type == "Where" else 1):
+            break
+        value = step.inputs[2] if step.op_type == "Where" else step.inputs[0]
+    return _op(value, "Softmax") is not None
+
+
+class DecomposedAttentionFusionPass(InPlacePass):
+    """Replace each provably equivalent decomposed attention with GroupQueryAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[tuple[ir.Node, str]] = []
+        """(output MatMul, reason) of each attention-like chain left alone."""
+        self.fused = 0
+        """Attention chains fused by the last call."""
+        self.padded = 0
+        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+        self.padded_windows = 0
+        """Of those, how many also have a sliding window."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.refused = []
+        self.padded = self.padded_windows = 0
+        fused = 0
+        ev = SymbolicEvaluator()
+        ev.prime(model.graph)
+        writer = GqaWriter(model.graph, ev)
+        for node in list(model.graph):
+            if node.graph is None or not _is_candidate(node):
+                continue
+            try:
+                site = match_decomposed(ev, model.graph, node)
+            except Unprovable as reason:
+                self.refused.append((node, str(reason)))
+                continue
+            writer.write(site)
+            fused += 1
+            self.padded += site.mask.padding is not None
+            self.padded_windows += site.mask.padding is not None and site.mask.window is not None
+        self.fused = fused
+        if fused:
+            model.opset_imports.setdefault(GQA_DOMAIN, 1)
+        logger.info(
+            "Decomposed attention -> GroupQueryAttention: %d fused, %d left.", fused, len(self.refused)
+        )
+        for node, why in self.refused:
+            logger.info("Left %s: %s", node.name, why)
+        return ir.passes.PassResult(model, modified=bool(fused))

@@ -1,0 +1,1 @@
+"""The one decision every entry point takes: fuse, infer the target, gate, quantize."""

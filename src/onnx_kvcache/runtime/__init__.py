@@ -1,0 +1,1 @@
+"""Running and evaluating converted models: sessions, the runner, evaluation, plots."""

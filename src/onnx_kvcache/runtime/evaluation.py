@@ -1,0 +1,279 @@
+"""How much a quantized KV cache changes a model's outputs, measured on CPU.
+
+Both models see the same tokens. Teacher-forced: a prompt is prefilled, the rest of
+the window is fed one token a step (the cache is read back every step), and the
+next-token distributions of those decode steps are compared (KL divergence, top-1
+agreement); the prompt's own positions are reported apart, since CUDA's first prompt
+reads its K/V unquantized. Greedy: both generate from the prompt and the tokens are
+compared. The candidate's cache is
+dequantized with its own scales and compared with the baseline's, layer by layer.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EvaluationReport",
+    "evaluate_kv_cache",
+    "greedy_agreement",
+    "kl_divergence",
+    "top1_agreement",
+]
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.cache.layout import inspect_kv_cache
+from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.errors import INTEGER, KvCacheError, require_type, warn
+from onnx_kvcache.runtime.runner import KvCacheRunner
+from onnx_kvcache.scales.data import TokenData, load_token_windows
+
+logger = logging.getLogger(__name__)
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(P || Q) per row of two logit arrays (last axis = vocabulary), in nats."""
+    p = np.asarray(p_logits, np.float64)
+    q = np.asarray(q_logits, np.float64)
+    p = p - p.max(axis=-1, keepdims=True)
+    q = q - q.max(axis=-1, keepdims=True)
+    log_p = p - np.log(np.exp(p).sum(axis=-1, keepdims=True))
+    log_q = q - np.log(np.exp(q).sum(axis=-1, keepdims=True))
+    return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
+
+
+def top1_agreement(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """Per row, whether both logit arrays pick the same most likely token."""
+    return np.argmax(p_logits, axis=-1) == np.argmax(q_logits, axis=-1)
+
+
+def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> tuple[int, float]:
+    """Tokens until the first divergence, and the share of positions that match."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0, float("nan")
+    same = [x == y for x, y in zip(a[:n], b[:n])]
+    return (same.index(False) if False in same else n), float(np.mean(same))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+@dataclasses.dataclass
+class EvaluationReport:
+    """Accuracy of a candidate (quantized-cache) model against its baseline."""
+
+    kl_mean: float
+    """Mean KL over the decode steps (each reads the quantized cache back)."""
+    kl_max: float
+    top1_agreement: float
+    greedy_match_prefix: float
+    greedy_match_share: float
+    layer_errors: dict[int, tuple[float, float]]
+    kl_per_position: list[float]
+    baseline_bytes_per_token: float
+    candidate_bytes_per_token: float
+    candidate_format: str
+    emulated: bool
+    kernel_rule: str
+    """Which kernel's rule produced the candidate's outputs (``cuda (emulated on CPU)``, ...)."""
+    data_note: str
+    num_sequences: int
+    positions: int
+    """Decode steps scored (the prompt's own positions are reported apart)."""
+    kl_prompt_mean: float = float("nan")
+    kernel_rule_reason: str = ""
+    """Why that rule: the candidate's target and how it was inferred, or ``asked for``."""
+    """Mean KL over the prompt's positions (CUDA's first prompt reads K/V unquantized: ~0)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; numbers that were not measured (NaN) are null."""
+        doc = dataclasses.asdict(self)
+        doc["layer_errors"] = {str(k): {"k": v[0], "v": v[1]} for k, v in self.layer_errors.items()}
+        return {k: None if isinstance(v, float) and v != v else v for k, v in doc.items()}
+
+    def format_table(self) -> str:
+        rows = [
+            ("candidate cache", self.candidate_format),
+            (
+                "kernel rule",
+                f"{self.kernel_rule} ({self.kernel_rule_reason})"
+                if self.kernel_rule_reason and self.kernel_rule != "float cache"
+                else self.kernel_rule,
+            ),
+            (
+                "cache bytes / token",
+                f"{self.candidate_bytes_per_token:g} (baseline {self.baseline_bytes_per_token:g})",
+            ),
+            ("KL mean / max (nats)", f"{self.kl_mean:.3e} / {self.kl_max:.3e} over decode steps"),
+            ("KL mean, prompt", f"{self.kl_prompt_mean:.3e} over the prompts' own positions"),
+            ("top-1 agreement", f"{self.top1_agreement:.2%} of decode steps"),
+            (
+                "greedy match",
+                f"{self.greedy_match_share:.2%} of tokens; the first {self.greedy_match_prefix:g} "
+                "identical on average"
+                if self.greedy_match_share == self.greedy_match_share  # not NaN
+                else "not measured (no tokens generated)",
+            ),
+            (
+                "data",
+                f"{self.data_note}; {_count(self.num_sequences, 'sequence')}, {self.positions} decode steps",
+            ),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+        lines.append("per-layer cache error (relative L2, k / v):")
+        for layer, (k, v) in sorted(self.layer_errors.items()):
+            lines.append(f"  layer {layer:>3}: {k:.3e} / {v:.3e}")
+        return "\n".join(lines)
+
+
+def _relative_error(ref: np.ndarray, test: np.ndarray) -> float:
+    denom = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(test - ref)) / denom if denom else float(np.linalg.norm(test))
+
+
+def evaluate_kv_cache(
+    baseline: ir.Model | str | os.PathLike,
+    candidate: ir.Model | str | os.PathLike,
+    data: TokenData = None,
+    *,
+    max_new_tokens: int = 64,
+    prompt_len: int = 64,
+    seq_len: int = 256,
+    num_seqs: int | None = 4,
+    providers: Sequence[Any] | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    progress: bool = True,
+    semantics: str | None = None,
+) -> EvaluationReport:
+    """Compare a quantized-cache model with its baseline; see the module docstring.
+
+    ``semantics`` is the kernel rule the candidate follows on CPU (``cuda`` or ``cpu``;
+    see :class:`KvCacheRunner`); by default the rule of the provider the candidate targets
+    (:func:`~onnx_kvcache.capabilities.table.infer_target`: fp8, genai config, fp16/bf16 -> cuda).
+    The baseline runs under the same rule. KL and top-1 are scored on the decode steps after
+    each prompt (every one reads the quantized cache back); the prompts' own positions are
+    reported apart. The report states which rule produced it. A progress bar (tqdm) shows on
+    a terminal unless ``progress=False``.
+    """
+    for name, value in dict(max_new_tokens=max_new_tokens, prompt_len=prompt_len, seq_len=seq_len).items():
+        require_type(value, INTEGER, name, "an integer")
+    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    if max_new_tokens < 0 or prompt_len < 1:
+        raise KvCacheError(
+            f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
+        )
+    cand = KvCacheRunner(candidate, providers, semantics=semantics)
+    base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
+    if any(b.format is not None for b in base.bindings):
+        warn(
+            "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
+            "or the figures measure one quantization against another."
+        )
+    if _layout(base) != _layout(cand) or base.vocab_size != cand.vocab_size:
+        raise KvCacheError(
+            "Baseline and candidate differ in their KV caches (layers, heads, windows) or vocabulary; "
+            "compare a model with its own conversion."
+        )
+    loaded = load_token_windows(
+        data,
+        model=baseline if not isinstance(baseline, ir.Model) else None,  # its folder's tokenizer
+        seq_len=seq_len,
+        num_seqs=num_seqs,
+        tokenizer=tokenizer,
+        vocab_size=base.vocab_size,
+    )
+    windows, note = loaded.windows, loaded.source
+    if not any(len(w) - min(prompt_len, max(1, len(w) // 2)) >= 2 for w in windows):
+        raise KvCacheError(
+            f"The sequences ({max(len(w) for w in windows)} tokens at most) leave no decode step after "
+            f"a prompt of up to {prompt_len}: use longer sequences (seq_len=N)."
+        )
+    kls: list[np.ndarray] = []
+    prompt_kls: list[np.ndarray] = []
+    agree = []
+    errors: dict[int, list[tuple[float, float]]] = {}
+    prefixes, shares = [], []
+    iterator: Any = windows
+    if progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        iterator = tqdm(windows, desc="evaluating", unit="seq")
+    for window in iterator:
+        p = min(prompt_len, max(1, len(window) // 2))
+        prompt, rest = window[:p], window[p:]
+        prompt_kls.append(kl_divergence(base.prefill(prompt)[0], cand.prefill(prompt)[0]))
+        seq_b, seq_c = [], []
+        for token in rest[:-1]:
+            seq_b.append(base.step(int(token))[0])
+            seq_c.append(cand.step(int(token))[0])
+        if seq_b:
+            b_logits, c_logits = np.stack(seq_b), np.stack(seq_c)
+            kls.append(kl_divergence(b_logits, c_logits))
+            agree.append(top1_agreement(b_logits, c_logits))
+        per_layer: dict[int, list[float]] = {}
+        for bb, cb in zip(base.bindings, cand.bindings):
+            ref = base.cache_values(bb.layer_id, bb.kind)
+            test = cand.cache_values(cb.layer_id, cb.kind)
+            rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
+            per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
+        for layer, found in per_layer.items():  # a single (LATENT) cache serves K and V
+            errors.setdefault(layer, []).append((found[0], found[-1]))
+        if max_new_tokens > 0:
+            gb = base.generate(prompt.tolist(), max_new_tokens)
+            gc = cand.generate(prompt.tolist(), max_new_tokens)
+            prefix, share = greedy_agreement(gb, gc)
+            prefixes.append(prefix)
+            shares.append(share)
+    positions = max(len(k) for k in kls)
+    kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
+    all_kl = np.concatenate(kls)
+    return EvaluationReport(
+        kl_mean=float(all_kl.mean()),
+        kl_max=float(all_kl.max()),
+        top1_agreement=float(np.concatenate(agree).mean()),
+        greedy_match_prefix=float(np.mean(prefixes)) if prefixes else float("nan"),
+        greedy_match_share=float(np.mean(shares)) if shares else float("nan"),
+        kl_prompt_mean=float(np.concatenate(prompt_kls).mean()),
+        layer_errors={
+            layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
+            for layer, errs in errors.items()
+        },
+        kl_per_position=kl_pos,
+        baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
+        candidate_bytes_per_token=_bytes_per_token(cand),
+        candidate_format=_format_name(cand),
+        emulated=cand.emulated,
+        kernel_rule=cand.kernel_rule,
+        kernel_rule_reason=cand.semantics_reason,
+        data_note=note,
+        num_sequences=len(windows),
+        positions=int(all_kl.size),
+    )
+
+
+def _layout(runner: KvCacheRunner) -> list[tuple]:
+    return [(b.layer_id, b.kind, b.kv_num_heads, b.head_size, b.capacity, b.window) for b in runner.bindings]
+
+
+def _format_name(runner: KvCacheRunner) -> str:
+    sites = find_attention_sites(runner.source_model)
+    if not sites:
+        return "none"
+    fmt = sites[0].cache_format
+    if fmt is None:
+        return str(sites[0].cache_dtype.name if sites[0].cache_dtype else "?").lower()
+    return f"{fmt.name} {sites[0].granularity}"
+
+
+def _bytes_per_token(runner: KvCacheRunner) -> float:
+    return inspect_kv_cache(runner.source_model).bytes_per_token

@@ -1,0 +1,22 @@
+"""Where scales come from: scale files, calibration, and the token data it reads.
+
+``onnx_kvcache.scales`` keeps the names of the scale-file module (:mod:`.files`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvCacheScales",
+    "ScalesLike",
+    "as_kv_cache_scales",
+    "load_kv_cache_scale_file",
+    "resolve_granularity",
+]
+
+from onnx_kvcache.scales.files import (
+    KvCacheScales,
+    ScalesLike,
+    as_kv_cache_scales,
+    load_kv_cache_scale_file,
+    resolve_granularity,
+)

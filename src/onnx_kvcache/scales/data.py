@@ -1,0 +1,252 @@
+"""Token data for calibration and evaluation: id files, text, the built-in corpus.
+
+Text is tokenized with the ``tokenizers`` library from a ``tokenizer.json`` (the
+``text`` extra): one given explicitly, or the one beside the model. Without data the
+built-in corpus is used when a tokenizer is found, else seeded random token ids within
+the model's vocabulary, and the caller is told which.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TokenData",
+    "TokenWindows",
+    "builtin_corpus",
+    "corpus_byte_ids",
+    "find_tokenizer",
+    "load_token_windows",
+    "tokenize_text",
+]
+
+import dataclasses
+import importlib.resources
+import logging
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, missing_dependency, require_type
+from onnx_kvcache.files._inputs import (
+    check_input_file,
+    load_json,
+    load_npy_integers,
+    read_input_bytes,
+    shown_shape,
+)
+
+logger = logging.getLogger(__name__)
+
+TokenData = Sequence[Sequence[int]] | str | os.PathLike | None
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are int32 or int64 model inputs; every vocabulary fits int32."""
+
+
+def builtin_corpus() -> str:
+    """A multi-domain English corpus written for this project (prose, code, dialogue)."""
+    return importlib.resources.files("onnx_kvcache.scales").joinpath("corpus.txt").read_text("utf-8")
+
+
+def corpus_byte_ids() -> list[int]:
+    """The built-in corpus as byte-level token ids (the demo decoder's own tokenizer)."""
+    return list(builtin_corpus().encode("utf-8"))
+
+
+def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """``tokenizer.json`` given explicitly, or beside a model folder/file."""
+    if tokenizer is not None:
+        require_type(tokenizer, (str, os.PathLike), "tokenizer", "a path")
+        p = pathlib.Path(tokenizer)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        return check_input_file(p, "Tokenizer", expected="a tokenizer.json file", missing="does not exist")
+    if isinstance(model, (str, os.PathLike)):
+        p = pathlib.Path(model)
+        folder = p if p.is_dir() else p.parent
+        beside = folder / "tokenizer.json"
+        if os.path.lexists(beside):  # there but not a regular file: said, not taken as no tokenizer
+            return check_input_file(beside, "Tokenizer", expected="a tokenizer.json file")
+    return None
+
+
+def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
+    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+    if tokenizer is None:
+        raise KvCacheError(
+            "Text data needs a tokenizer: pass tokenizer=PATH (a tokenizer.json), use a "
+            "model folder that has one, or give token ids instead."
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise missing_dependency(
+            e, "Tokenizing text needs the tokenizers library: pip install 'onnx-kvcache[text]'."
+        ) from e
+    raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
+    try:
+        loaded = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # tokenizers raises its own untyped Exception
+        raise KvCacheError(f"{tokenizer} is not a tokenizers tokenizer.json ({e}).") from None
+    return list(loaded.encode(text).ids)
+
+
+def _out_of_range(where: str, bad: int, i: int) -> KvCacheError:
+    return KvCacheError(
+        f"{where}: token id {bad} (sequence {i}) is outside 0..{MAX_TOKEN_ID}, the ids a model takes."
+    )
+
+
+def _checked_ids(sequences: list[np.ndarray], where: str) -> list[np.ndarray]:
+    """Each sequence as int64, after checking every id is in [0, MAX_TOKEN_ID]."""
+    for i, ids in enumerate(sequences):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > MAX_TOKEN_ID):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise _out_of_range(where, bad, i)
+    return [ids.astype(np.int64) for ids in sequences]
+
+
+def _as_id_sequence(seq: Any, i: int, where: str) -> np.ndarray:
+    """One sequence of given token ids as a 1-D integer array; floats, bools, nested lists
+    and huge numbers refused (never truncated or wrapped)."""
+    if isinstance(seq, np.ndarray):
+        array = seq
+    elif isinstance(seq, (str, bytes, Mapping)) or not isinstance(seq, Sequence):
+        raise KvCacheTypeError(
+            f"{where}: sequence {i} is a {type(seq).__name__}; give a list of integer token ids per sequence."
+        )
+    else:
+        for x in seq:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                kind = "a list" if isinstance(x, (list, tuple, np.ndarray)) else f"{x!r:.40}"
+                raise KvCacheTypeError(
+                    f"{where}: sequence {i} holds {kind}; token ids are integers, one list of them per "
+                    "sequence (floats are not truncated)."
+                )
+            if not 0 <= int(x) <= MAX_TOKEN_ID:
+                raise _out_of_range(where, int(x), i)
+        array = np.asarray(seq, np.int64)
+    if array.dtype.kind not in "iu":
+        raise KvCacheTypeError(f"{where}: sequence {i} is a {array.dtype} array; token ids are integers.")
+    if array.ndim != 1:
+        raise KvCacheError(
+            f"{where}: sequence {i} is {array.ndim}-D (shape {shown_shape(array.shape)}); each "
+            "sequence is a 1-D list of "
+            "token ids (the data: a list of such lists, or a 2-D array)."
+        )
+    return array
+
+
+def _read_ids_file(path: pathlib.Path) -> list[np.ndarray]:
+    where = f"Token-id file {path}"
+    if path.suffix == ".npy":
+        array = load_npy_integers(path, "Token-id file")
+        return _checked_ids(list(np.atleast_2d(array)), where)
+    doc = load_json(path, "Token-id file")
+    if isinstance(doc, list) and doc and all(isinstance(x, int) for x in doc):
+        doc = [doc]
+    if not (
+        isinstance(doc, list)
+        and doc
+        and all(
+            isinstance(s, list) and s and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            for s in doc
+        )
+    ):
+        raise KvCacheError(f"{path}: expected a list of token ids or a list of such lists.")
+    return [_as_id_sequence(s, i, where) for i, s in enumerate(doc)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWindows:
+    """Token windows and where they came from."""
+
+    windows: list[np.ndarray]
+    source: str
+    """``given token ids``, ``text file NAME``, ``built-in corpus, model tokenizer`` or
+    ``seeded random token ids (no tokenizer)``."""
+    random: bool = False
+    """The ids are random (no tokenizer was found): fine for a smoke test only."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
+def load_token_windows(
+    data: TokenData,
+    *,
+    model: Any = None,
+    seq_len: int = 512,
+    num_seqs: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> TokenWindows:
+    """Token windows of at most ``seq_len`` ids from sequences, files or the corpus."""
+    require_type(seq_len, INTEGER, "seq_len", "an integer")
+    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    if seq_len < 1:
+        raise KvCacheError(f"seq_len must be >= 1, got {seq_len}.")
+    if num_seqs is not None and num_seqs < 1:
+        raise KvCacheError(f"num_seqs must be >= 1 (or None for all), got {num_seqs}.")
+    random = False
+    sequences: list[np.ndarray]
+    if data is None or isinstance(data, (str, os.PathLike)):
+        tok = find_tokenizer(model, tokenizer)
+        if data is None:
+            if tok is None:
+                if vocab_size is None:
+                    raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
+                rng = np.random.default_rng(seed)
+                sequences = [rng.integers(0, vocab_size, seq_len) for _ in range(num_seqs or 8)]
+                source, random = "seeded random token ids (no tokenizer)", True
+            else:
+                sequences = [np.asarray(tokenize_text(builtin_corpus(), tok), np.int64)]
+                source = "built-in corpus, " + (
+                    "model tokenizer" if tokenizer is None else f"tokenizer {tok}"
+                )
+        else:
+            path = check_input_file(data, "Data file", missing="does not exist")
+            if path.suffix in (".json", ".npy"):
+                sequences, source = _read_ids_file(path), f"token ids from {path.name}"
+            else:
+                raw = read_input_bytes(path, "Text file", expected="a text file")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
+                sequences = [np.asarray(tokenize_text(text, tok), np.int64)]
+                source = f"text from {path.name}"
+                if tokenizer is not None:
+                    source += f", tokenizer {tok}"
+            if not any(s.size for s in sequences):
+                raise KvCacheError(f"{path} holds no tokens; give a file with text or token ids.")
+    else:
+        if isinstance(data, np.ndarray):
+            if data.ndim not in (1, 2):
+                raise KvCacheError(
+                    f"Token data is a {data.ndim}-D array (shape {shown_shape(data.shape)}); give a 2-D "
+                    "array of "
+                    "sequences or a list of id lists."
+                )
+            data = np.atleast_2d(data)
+        elif isinstance(data, (bytes, Mapping)) or not isinstance(data, Sequence):
+            raise KvCacheTypeError(
+                "Token data must be a list of token-id lists, a file path or None, got "
+                f"{type(data).__name__}."
+            )
+        where = "Token data"
+        sequences = _checked_ids([_as_id_sequence(s, i, where) for i, s in enumerate(data)], where)
+        if not sequences or not all(s.size for s in sequences):
+            raise KvCacheError("Token data must be a non-empty list of non-empty id sequences.")
+        source = "given token ids"
+    windows = []
+    for ids in sequences:
+        if not ids.size:
+            continue
+        if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
+        windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random)

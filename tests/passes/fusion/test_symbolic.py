@@ -1,0 +1,163 @@
+"""symbolic: dimensions, masks proven for every input, and what is refused."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache.passes.fusion._match import MaskFacts, mask_condition, mask_facts
+from onnx_kvcache.passes.fusion._symbolic import (
+    Affine,
+    SymbolicEvaluator,
+    Unprovable,
+    parse_dim,
+    reshape_dims,
+)
+
+FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "export_llama_opset23.onnx"
+PAST, SEQ = Affine.of("d:past"), Affine.of("d:seq")
+
+
+@pytest.mark.parametrize(
+    ("dim", "want"),
+    [
+        (4, Affine(const=4)),
+        ("past + seq", PAST + SEQ),
+        ("2*seq - 1", SEQ.scale(2) - 1),
+        ("(past + seq)", Affine.of("d:(past + seq)")),
+    ],
+)
+def test_dimensions_are_affine_forms(dim, want):
+    assert parse_dim(dim, lambda: "?") == want
+
+
+def test_unnamed_dimensions_equal_nothing():
+    ev = SymbolicEvaluator()
+    value = ir.val("x", ir.DataType.FLOAT, [None, None])
+    first, second = ev.declared_shape(value)
+    assert first != second
+
+
+def attention_masks(model: ir.Model) -> list[tuple[ir.Node, MaskFacts]]:
+    ev = SymbolicEvaluator()
+    out = []
+    for node in model.graph:
+        if node.op_type == "Attention":
+            cond = mask_condition(ev, node.inputs[3], query_len=SEQ, kv_len=PAST + SEQ)
+            out.append((node, mask_facts(cond, past=PAST)))
+    return out
+
+
+def test_the_torch_export_mask_is_causal_and_padding():
+    facts = {f for _, f in attention_masks(ir.load(FIXTURE))}
+    assert facts == {MaskFacts(causal=True, window=None, padding="attention_mask")}
+
+
+def test_gemma2_alternates_window_and_full_masks():
+    facts = [f for _, f in attention_masks(build_decoder(exported_config("gemma2", num_layers=4)))]
+    assert [f.window for f in facts] == [4, None, 4, None]
+    assert all(f.causal and f.padding == "attention_mask" for f in facts)
+
+
+def mask_graph(build) -> tuple[SymbolicEvaluator, ir.Value]:
+    """A ``[1, 1, seq, past + seq]`` mask from ``build(tape, const, q_idx, kv_idx, mask)``."""
+    ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "seq"])
+    cache = ir.val("past_key_values.0.key", ir.DataType.FLOAT, ["batch", 2, "past", 32])
+    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])
+    graph = ir.Graph([ids, cache, mask], [], nodes=[], opset_imports={"": 23})
+    tape = ir.tape.Tape(graph)
+
+    def const(array):
+        return tape.initializer(ir.tensor(np.asarray(array), name=f"c{len(graph.initializers)}"))
+
+    seq = tape.op("Squeeze", [tape.op("Shape", [ids], {"start": 1, "end": 2})])
+    past = tape.op("Squeeze", [tape.op("Shape", [cache], {"start": 2, "end": 3})])
+    zero, one = const(np.array(0)), const(np.array(1))
+    q_idx = tape.op(
+        "Unsqueeze", [tape.op("Add", [tape.op("Range", [zero, seq, one]), past]), const([0, 1, 3])]
+    )
+    total = tape.op("Add", [past, seq])
+    kv_idx = tape.op("Unsqueeze", [tape.op("Range", [zero, total, one]), const([0, 1, 2])])
+    return SymbolicEvaluator(), build(tape, const, q_idx, kv_idx, mask)
+
+
+def test_an_additive_mask_with_minus_infinity_is_proven():
+    def build(tape, const, q_idx, kv_idx, mask):
+        causal = tape.op("LessOrEqual", [kv_idx, q_idx])
+        return tape.op("Where", [causal, const(np.float32(0)), const(np.float32(-np.inf))])
+
+    ev, mask = mask_graph(build)
+    cond = mask_condition(ev, mask, query_len=SEQ, kv_len=PAST + SEQ)
+    assert mask_facts(cond, past=PAST) == MaskFacts(causal=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (
+            lambda tape, const, q, kv, m: tape.op(
+                "Where", [tape.op("LessOrEqual", [kv, q]), const(np.float32(0)), const(np.float32(-1e4))]
+            ),
+            "not 0 and a masking value",
+        ),
+        (
+            lambda tape, const, q, kv, m: tape.op(
+                "Or", [tape.op("LessOrEqual", [kv, q]), tape.op("Greater", [kv, q])]
+            ),
+            "disjunction",
+        ),
+        (
+            lambda tape, const, q, kv, m: tape.op(
+                "Equal",
+                [tape.op("Cast", [tape.op("LessOrEqual", [kv, q])], {"to": ir.DataType.INT64}), const(1)],
+            ),
+            "Cast from bool to int",
+        ),
+    ],
+    ids=["finite_fill", "disjunction", "bool_arithmetic"],
+)
+def test_what_cannot_be_followed_is_refused(build, reason):
+    ev, mask = mask_graph(build)
+    with pytest.raises(Unprovable, match=reason):
+        mask_condition(ev, mask, query_len=SEQ, kv_len=PAST + SEQ)
+
+
+def test_a_diagonal_off_the_cache_length_is_named():
+    cond_of = attention_masks(build_decoder(exported_config("llama", num_layers=1)))[0][0]
+    ev = SymbolicEvaluator()
+    cond = mask_condition(ev, cond_of.inputs[3], query_len=SEQ, kv_len=PAST + SEQ)
+    with pytest.raises(Unprovable, match=r"key <= query \+ past, not \+ the cache length past - 1"):
+        mask_facts(cond, past=PAST - 1)
+
+
+@pytest.mark.parametrize(
+    ("dims", "target", "want"),
+    [
+        (
+            (Affine.of("b"), SEQ, Affine(const=128)),
+            (Affine.of("b"), SEQ, Affine(const=-1), Affine(const=32)),
+            4,
+        ),
+        (
+            (Affine.of("b"), Affine(const=2), Affine(const=2), PAST + SEQ, Affine(const=32)),
+            (Affine.of("b"), Affine(const=-1), PAST + SEQ, Affine(const=32)),
+            4,
+        ),
+    ],
+)
+def test_reshape_infers_minus_one(dims, target, want):
+    out = reshape_dims(dims, target, allowzero=True)
+    assert out[target.index(Affine(const=-1))] == Affine(const=want)
+
+
+def test_weights_are_never_read():
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 23})
+    big = ir.Value(name="big", const_value=ir.tensor(np.zeros((1, 1, 64, 64), np.bool_), name="big"))
+    graph.register_initializer(big)
+    with pytest.raises(Unprovable, match="too large"):
+        SymbolicEvaluator().eval(big)

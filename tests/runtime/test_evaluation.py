@@ -1,0 +1,255 @@
+"""evaluate_kv_cache: the metrics on hand-made logits, and on real model pairs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache.cache.formats import get_format
+from onnx_kvcache.cli.commands import main
+from onnx_kvcache.runtime.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
+
+DATA = [list(np.random.default_rng(1).integers(0, 300, 24))]
+
+
+def test_kl_divergence_by_hand():
+    p = np.log(np.array([[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    q = np.log(np.array([[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    want = 0.5 * np.log(2) + 0.25 * np.log(0.5)
+    np.testing.assert_allclose(kl_divergence(p, q), [want, 0.0], atol=1e-12)
+    np.testing.assert_allclose(kl_divergence(p + 7.0, q - 3.0), kl_divergence(p, q), atol=1e-12)  # shift-free
+    a, b = np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]])
+    assert kl_divergence(a, b)[0] == pytest.approx(0.9 * np.log(1.8) + 0.1 * np.log(0.2))
+    assert kl_divergence(b, a)[0] == pytest.approx(0.5 * np.log(0.5 / 0.9) + 0.5 * np.log(5.0))
+
+
+def test_top1_and_greedy_agreement_by_hand():
+    a = np.array([[0.1, 0.9], [0.8, 0.2], [0.4, 0.6]])
+    b = np.array([[0.2, 0.7], [0.1, 0.9], [0.3, 0.5]])
+    assert top1_agreement(a, b).tolist() == [True, False, True]
+    assert greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (2, 0.75)
+    assert greedy_agreement([1, 2], [1, 2]) == (2, 1.0)
+    assert greedy_agreement([5], [6]) == (0, 0.0)
+
+
+def quantized(fmt, granularity="per_tensor", scale=(0.05, 0.02)):
+    model = build_decoder(num_layers=2, vocab_size=300)
+    n = 1 if granularity == "per_tensor" else 64
+    KvCacheQuantizationPass(
+        fmt, granularity, {i: (np.full(n, scale[0]), np.full(n, scale[1])) for i in range(2)}
+    )(model)
+    return model
+
+
+def test_a_model_against_itself_is_perfect():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(
+        base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=6, prompt_len=8
+    )
+    assert report.kl_max == 0.0 and report.top1_agreement == 1.0
+    assert report.greedy_match_share == 1.0 and report.greedy_match_prefix == 6
+    assert all(k == 0 and v == 0 for k, v in report.layer_errors.values())
+    assert report.positions == 24 - 8 - 1 and report.kl_prompt_mean == 0.0  # decode steps only
+    assert report.baseline_bytes_per_token == report.candidate_bytes_per_token == 1024
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_quantized_model_against_itself_is_perfect_and_warns(fmt):
+    """Both run under one rule; a quantized baseline is almost surely a mistake."""
+    model = build_decoder(num_layers=2, vocab_size=300, dtype="float16")  # targets CUDA: its rule
+    KvCacheQuantizationPass(fmt, scales={0: (0.05, 0.02), 1: (0.05, 0.02)})(model)
+    with pytest.warns(KvCacheWarning, match="baseline's KV cache is quantized"):
+        report = evaluate_kv_cache(model, model, DATA, max_new_tokens=2, prompt_len=8)
+    assert report.kl_max == 0.0 and report.kernel_rule == "cuda (emulated on CPU)"
+
+
+def test_decode_steps_are_scored_apart_from_cudas_unquantized_prompt():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(
+        base, quantized("fp8", scale=(0.01, 0.01)), DATA, max_new_tokens=0, prompt_len=8
+    )
+    assert report.kernel_rule == "cuda (emulated on CPU)"
+    assert report.kl_prompt_mean == 0.0 < report.kl_mean and len(report.kl_per_position) == 15
+    assert all(k > 0 for k in report.kl_per_position)
+
+
+def test_models_with_another_vocabulary_or_too_short_data_are_refused():
+    base = build_decoder(num_layers=2, vocab_size=300)
+    with pytest.raises(KvCacheError, match="or vocabulary"):
+        evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=512), DATA, max_new_tokens=0)
+    with pytest.raises(KvCacheError, match="leave no decode step"):
+        evaluate_kv_cache(base, base, [[1, 2]], max_new_tokens=0)
+
+
+def test_json_has_null_for_what_was_not_measured():
+    import json
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    doc = evaluate_kv_cache(base, base, DATA, max_new_tokens=0, prompt_len=8).to_json()
+    assert doc["greedy_match_share"] is None and "NaN" not in json.dumps(doc)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_cache_error_equals_a_manual_dequantization(fmt):
+    base, cand = build_decoder(num_layers=2, vocab_size=300), quantized(fmt)
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=0, prompt_len=8)
+    b, c = KvCacheRunner(base), KvCacheRunner(cand)
+    b.prefill(DATA[0][:8])
+    c.prefill(DATA[0][:8])
+    for token in DATA[0][8:-1]:
+        b.step(token)
+        c.step(token)
+    row = get_format(fmt)
+    ref = b.present(1, "key")
+    test = row.dequantize(c.present(1, "key"), np.float32(0.05), 32)
+    want = np.linalg.norm(test - ref) / np.linalg.norm(ref)
+    assert report.layer_errors[1][0] == pytest.approx(want, rel=1e-6)
+    assert report.candidate_format == f"{fmt} per_tensor" and report.emulated == (fmt == "fp8")
+    assert report.candidate_bytes_per_token == 2 * 2 * 2 * 32 * (0.5 if fmt == "int4" else 1)
+    assert 0 < report.kl_mean < 5
+
+
+def test_coarser_scales_give_larger_error():
+    from onnx_kvcache import calibrate_kv_cache
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    calibrated = calibrate_kv_cache(base, DATA, format="int8", progress=False, min_tokens=0)
+    reports = []
+    for factor in (1.0, 8.0):
+        cand = build_decoder(num_layers=2, vocab_size=300)
+        scales = {i: (calibrated.k[i] * factor, calibrated.v[i] * factor) for i in calibrated.layer_ids}
+        KvCacheQuantizationPass("int8", scales=scales)(cand)
+        reports.append(evaluate_kv_cache(base, cand, DATA, max_new_tokens=0))
+    good, coarse = reports
+    assert good.kl_mean < coarse.kl_mean
+    for layer in (0, 1):
+        assert good.layer_errors[layer][0] < coarse.layer_errors[layer][0]
+        assert good.layer_errors[layer][1] < coarse.layer_errors[layer][1]
+
+
+def test_data_notes(tmp_path):
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(base, quantized("int8"), num_seqs=2, seq_len=16, max_new_tokens=2)
+    assert "random token ids" in report.data_note and report.num_sequences == 2
+    pytest.importorskip("tokenizers")
+    from onnx_kvcache import calibrate_kv_cache, convert_model
+    from onnx_kvcache.models.decoder import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "demo", num_layers=2)
+    scales = calibrate_kv_cache(folder, format="int8", progress=False)
+    convert_model(folder, tmp_path / "int8", format="int8", scales=scales)
+    report = evaluate_kv_cache(folder, tmp_path / "int8", num_seqs=1, seq_len=32, max_new_tokens=2)
+    assert report.data_note == "built-in corpus, model tokenizer"
+    assert report.kernel_rule_reason == "target cpu: converted for cpu (its onnx_kvcache.converted metadata)"
+    assert f"({report.kernel_rule_reason})" in report.format_table()
+    text = tmp_path / "elsewhere" / "text.txt"  # text away from the model: the baseline's tokenizer reads it
+    text.parent.mkdir()
+    text.write_text("The cache holds keys and values for every past token. " * 8)
+    report = evaluate_kv_cache(folder, tmp_path / "int8", text, num_seqs=1, seq_len=32, max_new_tokens=2)
+    assert report.data_note == "text from text.txt"
+
+
+def test_models_with_different_caches_are_refused():
+    with pytest.raises(KvCacheError, match="differ in their KV caches"):
+        evaluate_kv_cache(build_decoder(num_layers=2), build_decoder(num_layers=3), DATA)
+
+
+def test_cli_evaluate_with_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    base, cand = tmp_path / "base.onnx", tmp_path / "cand.onnx"
+    ir.save(build_decoder(num_layers=2, vocab_size=300), base)
+    ir.save(quantized("int8"), cand)
+    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in DATA[0]]]))
+    argv = [
+        "evaluate",
+        str(base),
+        str(cand),
+        "--token-ids",
+        str(tmp_path / "ids.json"),
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plot",
+        str(tmp_path / "r.png"),
+        "--max-new-tokens",
+        "4",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "KL mean / max" in out and "layer   1" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert set(doc["layer_errors"]) == {"0", "1"} and doc["candidate_format"] == "int8 per_tensor"
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_perfect_match(tmp_path):
+    pytest.importorskip("matplotlib")
+    from onnx_kvcache.runtime._plots import plot_evaluation
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(base, build_decoder(num_layers=2, vocab_size=300), DATA, max_new_tokens=0)
+    plot_evaluation(report, tmp_path / "same.png")  # all-zero KL: no log axis
+    assert (tmp_path / "same.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_paged_models_evaluate_on_cpu(fmt):
+    base = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    cand = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
+    from onnx_kvcache import calibrate_kv_cache
+
+    scales = calibrate_kv_cache(base, DATA * 4, format=fmt, progress=False, min_tokens=0)
+    KvCacheQuantizationPass(fmt, scales=scales)(cand)
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=4, prompt_len=8, progress=False)
+    assert report.kernel_rule.startswith("PagedAttention CPU reference")
+    assert report.emulated and report.candidate_format == f"{fmt} per_tensor"
+    assert report.baseline_bytes_per_token / report.candidate_bytes_per_token == (4 if fmt == "int4" else 2)
+    assert 0 < report.kl_mean < 1 and set(report.layer_errors) == {0, 1}
+    assert all(0 < k < 0.5 and 0 < v < 0.5 for k, v in report.layer_errors.values())
+
+
+def _calibrated_paged_pair(fmt, granularity, **config):
+    from onnx_kvcache import calibrate_kv_cache
+
+    base, cand = (build_decoder(num_layers=2, vocab_size=300, paged=True, **config) for _ in range(2))
+    scales = calibrate_kv_cache(
+        base, DATA * 4, format=fmt, granularity=granularity, progress=False, min_tokens=0
+    )
+    KvCacheQuantizationPass(fmt, granularity, scales)(cand)
+    return base, cand
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_bfloat16_paged_models_evaluate_on_cpu(fmt, granularity):
+    """bf16 weights and caches (no CPU kernels for either): computed in float32, the cache
+    bytes counted as the model stores them (bf16: 2 a value)."""
+    base, cand = _calibrated_paged_pair(fmt, granularity, dtype="bfloat16")
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=4, prompt_len=8, progress=False)
+    assert report.kernel_rule.startswith("PagedAttention CPU reference") and report.emulated
+    assert report.candidate_format == f"{fmt} {granularity}"
+    assert report.baseline_bytes_per_token == 2 * 2 * 2 * 32 * 2  # layers, K and V, heads, head, bf16
+    assert report.baseline_bytes_per_token / report.candidate_bytes_per_token == (4 if fmt == "int4" else 2)
+    assert np.isfinite(report.kl_mean) and 0 < report.kl_mean < 2 and set(report.layer_errors) == {0, 1}
+    bound = 0.5 if fmt == "int4" else 0.1  # relative L2 of the calibrated cache (measured: 0.35, 0.04)
+    assert all(0 < k < bound and 0 < v < bound for k, v in report.layer_errors.values())
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_latent_paged_models_evaluate_on_cpu(fmt, granularity):
+    """LATENT (MLA) layers keep one cache, which serves K and V: one error a layer, the bytes
+    of one cache."""
+    base, cand = _calibrated_paged_pair(fmt, granularity, latent=True, head_size=32, dtype="float16")
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=4, prompt_len=8, progress=False)
+    assert report.kernel_rule.startswith("PagedAttention CPU reference") and report.emulated
+    assert report.candidate_format == f"{fmt} {granularity}"
+    assert report.baseline_bytes_per_token == 2 * 1 * 32 * 2  # layers, one kv head, head, fp16
+    assert report.baseline_bytes_per_token / report.candidate_bytes_per_token == (4 if fmt == "int4" else 2)
+    assert np.isfinite(report.kl_mean) and 0 < report.kl_mean < 2 and set(report.layer_errors) == {0, 1}
+    bound = 0.5 if fmt == "int4" else 0.1
+    assert all(0 < k == v < bound for k, v in report.layer_errors.values())
+    assert "layer   1" in report.format_table()
