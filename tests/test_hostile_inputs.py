@@ -31,11 +31,11 @@ from onnx_kvcache import (
     KvCacheScales,
     KvCacheTypeError,
     calibrate_kv_cache,
-    cli,
     convert_model,
     evaluate_kv_cache,
     load_kv_cache_scale_file,
 )
+from onnx_kvcache.cli import commands as cli
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
