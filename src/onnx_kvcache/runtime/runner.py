@@ -116,7 +116,8 @@ def _layout(bindings: list[CacheBinding], source: ModelSource, block_size: int |
 def _open(
     source: ModelSource, options: SessionOptions, block_size: int | None
 ) -> tuple[DecoderSession, KvCache]:
-    """The session and the caches of ``source``, each checked in the order a user fixes them."""
+    """The session and the caches of ``source``, checked in the runner's order: providers and
+    kernel rule, logits output, cache bindings, cache layout, then the session's inputs."""
     target = choose_target(source, options)
     logits = logits_output(source.model)
     bindings = with_feed_dtypes(discover_cache_bindings(source.model), target.model)
