@@ -33,7 +33,7 @@ TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
 
 
 def numpy_agreement() -> list[tuple[str, str, int, float]]:
-    sys.path.insert(0, str(TESTS))
+    sys.path[:0] = [str(TESTS), str(TESTS / "passes")]
     from test_paged_attention_reference import CACHE_CASES, _scales, converted, run_case
 
     from conftest import paged_model

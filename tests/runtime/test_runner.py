@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-import onnx_kvcache.runtime.runner as runner_module
+import onnx_kvcache.runtime._decoder_session as session_module
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
 from onnx_kvcache.models.decoder import save_genai_folder
 from onnx_kvcache.runtime.runner import discover_cache_bindings
@@ -544,13 +544,13 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
     model = make(tmp_path)
     before = sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*"))
     seen = []
-    real = runner_module.create_session
+    real = session_module.create_session
 
     def spy(model, providers=None, base_dir=None):
         seen.append(model)
         return real(model, providers, base_dir)
 
-    monkeypatch.setattr(runner_module, "create_session", spy)
+    monkeypatch.setattr(session_module, "create_session", spy)
     monkeypatch.chdir(tmp_path.parent)
     runner = KvCacheRunner(model, caches_only=caches_only)
     (given,) = seen

@@ -7,17 +7,30 @@ grow (taking turns between sequences, so no table is a contiguous run), grows th
 when it runs out, and builds each call's packed inputs: ``cumulative_sequence_lengths``,
 ``past_sequence_lengths``, ``block_table`` (``-1`` past a sequence's blocks) and
 ``attention_metadata`` (the host-side bounds ``[max new tokens, max context, 0]``).
+
+:class:`PagedLayout` is what the model fixes (its block size, the graph inputs its
+PagedAttention nodes read the lengths from); :class:`PagedCache` is the runner's cache of a
+paged decoder: one pool tensor per cache, grown with the block pool, the batch's rows packed
+into one token list each call.
 """
 
 from __future__ import annotations
 
-__all__ = ["BlockPool", "check_block_size"]
+__all__ = ["BlockPool", "PagedCache", "PagedLayout", "check_block_size"]
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
+from onnx_kvcache.cache.operators import PAGED
+from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.files.genai_folder import block_size as configured_block_size
+from onnx_kvcache.runtime._cache import CacheBinding, Feeding, Rows
+from onnx_kvcache.runtime._sessions import fed_as_bits, host_array
 
 
 def check_block_size(block_size: int) -> int:
@@ -99,3 +112,158 @@ class BlockPool:
         blocks = np.asarray(self.blocks[sequence], np.int64)
         positions = np.arange(length)
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+
+_LENGTHS = ("cumulative_sequence_length", "past_seqlens", "block_table", "attention_metadata")
+
+
+def _paged_inputs(model: ir.Model) -> dict[str, str]:
+    """The graph inputs a paged decoder's PagedAttention nodes read their lengths from."""
+    inputs = {v.name for v in model.graph.inputs}
+    names: dict[str, str] = {}
+    for site in find_attention_sites(model, ops=(PAGED,)):
+        for role in (*_LENGTHS, "slot_mapping"):
+            value = site.input(role)
+            if value is None:
+                continue
+            if value.name not in inputs:
+                raise KvCacheError(
+                    f"{site.label} reads its {role} from {value.name!r}, which is not a graph input; "
+                    "the runner feeds paged decoders whose lengths and block table are graph inputs "
+                    "(onnxruntime-genai's layout)."
+                )
+            if names.setdefault(role, value.name) != value.name:  # type: ignore[arg-type]
+                raise KvCacheError(
+                    f"{site.label} reads its {role} from {value.name!r}, other layers from "
+                    f"{names[role]!r}: layers with their own tables (genai's windowed paged layers, "
+                    "block_table_windowed) are not run by the runner; build the model with full-size "
+                    "paged caches."
+                )
+    return names
+
+
+def _block_size(bindings: Sequence[CacheBinding], requested: int | None, config: dict | None) -> int:
+    """The pool's block size: the model's static one, else ``requested``, else the genai
+    config's ``engine.dynamic_batching.block_size``, else 16."""
+    static = {b.block_size for b in bindings if b.block_size is not None}
+    if len(static) > 1:
+        raise KvCacheError(
+            f"The model's paged caches declare different block sizes {sorted(static)}; one block table "
+            "cannot address them. Rebuild the model with one block size."
+        )
+    if static:
+        fixed = static.pop()
+        if requested is not None and requested != fixed:
+            raise KvCacheError(
+                f"block_size={requested} does not match the model's caches, which fix block_size {fixed}."
+            )
+        return check_block_size(fixed)
+    if requested is not None:
+        return check_block_size(requested)
+    configured = configured_block_size(config)
+    return check_block_size(configured) if configured is not None else 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """A paged decoder's block size and the graph inputs of its lengths, by role."""
+
+    block_size: int
+    inputs: Mapping[str, str]
+
+    @classmethod
+    def read(
+        cls, bindings: Sequence[CacheBinding], model: ir.Model, requested: int | None, config: dict | None
+    ) -> PagedLayout:
+        """The layout of ``model``'s pools (``requested`` and genai ``config``: the block size)."""
+        return cls(_block_size(bindings, requested, config), _paged_inputs(model))
+
+    def cache(self, bindings: list[CacheBinding], feeding: Feeding) -> PagedCache:
+        return PagedCache(bindings, feeding, self)
+
+
+class PagedCache:
+    """One block pool tensor per cache, shared by ``batch`` sequences of any lengths."""
+
+    kernel_rule = "PagedAttention CPU reference (quantized before attending, as every paged kernel)"
+
+    def __init__(self, bindings: list[CacheBinding], feeding: Feeding, layout: PagedLayout) -> None:
+        self.bindings = bindings
+        self.feeding = feeding
+        self.layout = layout
+        self.block_size: int = layout.block_size
+        self.pool = BlockPool(layout.block_size, 1)
+        self.batch = 1
+        self.caches: dict[str, Any] = {}
+
+    @property
+    def length(self) -> int:
+        return max(self.pool.lengths)
+
+    def reset(self, batch: int, min_capacity: int = 0) -> None:
+        """A fresh pool with blocks for ``min_capacity`` tokens per sequence."""
+        self.batch = batch
+        self.pool = BlockPool(self.block_size, batch)
+        self.pool.reserve([min_capacity] * batch)
+        self.caches = {
+            b.past: self.feeding.hold(b.empty_pool(self.pool.num_blocks, self.block_size), b)
+            for b in self.bindings
+        }
+
+    def require_packed(self) -> None:
+        """A block pool takes sequences of different lengths in one call."""
+
+    def feeds(self, rows: Rows) -> dict[str, np.ndarray]:
+        """Pack ``rows`` (new tokens per sequence) with the pool's lengths and table."""
+        pool = self.pool
+        new = [len(s) for s in rows]
+        grow = pool.reserve([n + k for n, k in zip(pool.lengths, new)])
+        if grow:
+            self._grow(grow)
+        lengths = pool.feeds(new)
+        feeds: dict[str, np.ndarray] = {self.feeding.ids_name: np.concatenate(rows).astype(np.int64)}
+        for role, name in self.layout.inputs.items():
+            feeds[name] = pool.slots(new) if role == "slot_mapping" else lengths[role]
+        if "position_ids" in self.feeding.input_names:
+            feeds["position_ids"] = np.concatenate(
+                [np.arange(n, n + k, dtype=np.int64) for n, k in zip(pool.lengths, new)]
+            )
+        return feeds
+
+    def _grow(self, blocks: int) -> None:
+        """Add ``blocks`` empty blocks to every layer's pool (host copy for device pools)."""
+        feeding = self.feeding
+        for b in self.bindings:
+            grown = np.concatenate([host_array(self.caches[b.past]), b.empty_pool(blocks, self.block_size)])
+            if feeding.io_binding and fed_as_bits(b.feed_dtype or b.dtype) and feeding.device != "cpu":
+                raise KvCacheError(
+                    "The fp8 block pool on the device is full; reset(batch, min_capacity=...) with "
+                    "room for the whole context first."
+                )
+            self.caches[b.past] = feeding.hold(grown, b)
+
+    def advance(self, rows: Rows) -> None:
+        self.pool.advance([len(r) for r in rows])
+
+    def logits(self, logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The packed call's ``[tokens, vocab]`` logits as ``[batch, seq, vocab]``."""
+        if logits.size % ids.size:
+            raise KvCacheError(f"The model's logits {logits.shape} are not {ids.size} tokens' rows.")
+        return logits.reshape(ids.shape[0], ids.shape[1], -1)
+
+    def bind_present(self, binding: Any, cache: CacheBinding) -> None:
+        if self.feeding.device != "cpu":  # the kernel updates its pool in place
+            binding.bind_ortvalue_output(cache.present, self.caches[cache.past])
+        else:
+            binding.bind_output(cache.present, self.feeding.device)
+
+    def values(self, cache: CacheBinding) -> np.ndarray:
+        """Each sequence's tokens gathered from the pool, BNSH, dequantized."""
+        pool = host_array(self.caches[cache.past])
+        flat = pool.reshape(-1, *pool.shape[2:])
+        rows = [flat[self.pool.rows(i)] for i in range(self.batch)]
+        longest = max(len(r) for r in rows)
+        view = np.zeros((self.batch, longest, *pool.shape[2:]), pool.dtype)
+        for i, r in enumerate(rows):
+            view[i, : len(r)] = r
+        return cache.values(view.transpose(0, 2, 1, 3))
