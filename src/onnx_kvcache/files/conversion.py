@@ -23,7 +23,7 @@ what a killed run leaves behind.
 
 from __future__ import annotations
 
-__all__ = ["ConvertResult", "convert_model"]
+__all__ = ["ConvertResult", "Placement", "Weights", "WeightsMode", "convert_model"]
 
 import contextlib
 import dataclasses
@@ -32,34 +32,29 @@ import logging
 import os
 import pathlib
 import stat
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import (
     CACHE_FORMATS,
     get_format,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
-from onnx_kvcache.capabilities.table import (
-    check_kv_cache_support,
-    conversion_warnings,
-    default_format,
-    get_capabilities,
-    infer_target,
-)
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, require_type, warn
+from onnx_kvcache.capabilities.gating import infer_target
+from onnx_kvcache.capabilities.refusals import Refusal, texts
+from onnx_kvcache.capabilities.rows import get_capabilities
+from onnx_kvcache.errors import KvCacheError, require_type, warn
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
-from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
-from onnx_kvcache.scales.files import as_kv_cache_scales, resolve_granularity
+from onnx_kvcache.passes.kv_cache_quantization import format_for
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
+from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +69,43 @@ LINK_WARNING = (
 
 # -- planning a conversion --------------------------------------------------------------
 
-WeightsMode = Literal["copy", "link"]
-Placement = Literal["in-place", "beside", "elsewhere", "folder"]
+
+class WeightsMode(StrEnum):
+    """Where the output's weights come from: the input's files (``share``, beside it), its own
+    copy (``copy``: cloned where the filesystem can) or hard links (``link``). A caller asks for
+    ``copy`` or ``link``; ``share`` is what a model file beside its input gets."""
+
+    SHARE = "share"
+    COPY = "copy"
+    LINK = "link"
+
+
+#: What a caller may ask for (``convert_model(weights=...)``).
+_ASKED = (WeightsMode.COPY, WeightsMode.LINK)
+
+
+class Placement(StrEnum):
+    """Where the output goes relative to the input."""
+
+    IN_PLACE = "in-place"
+    BESIDE = "beside"
+    ELSEWHERE = "elsewhere"
+    FOLDER = "folder"
+
+
+class Weights(StrEnum):
+    """What a conversion did with the weights (:attr:`ConvertResult.weights`)."""
+
+    SHARED = "shared"
+    CLONED = "cloned"
+    COPIED = "copied"
+    LINKED = "linked"
+    UNCHANGED = "unchanged"
+    INLINE = "inline"
+
+    @classmethod
+    def copied(cls, cloned: bool) -> Weights:
+        return cls.CLONED if cloned else cls.COPIED
 
 
 @dataclasses.dataclass
@@ -83,7 +113,7 @@ class _Plan:
     placement: Placement
     out: pathlib.Path
     """The output file or folder (absolute, as named)."""
-    weights: Literal["share", "copy", "link"]
+    weights: WeightsMode
     data_names: dict[str, str] = dataclasses.field(default_factory=dict)
     """Input location -> output location, when the output gets its own data files."""
     replace: bool = False
@@ -210,7 +240,7 @@ def _plan(
                 f"{source.graph} belongs to user {st.st_uid}; converting in place would make it yours. "
                 "Run as that user, or convert to another path."
             )
-        return _Plan("in-place", source.folder or source.graph, "share")
+        return _Plan(Placement.IN_PLACE, source.folder or source.graph, WeightsMode.SHARE)
     if out_path is None:
         raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
@@ -236,7 +266,7 @@ def _plan(
                 f"The input {source.folder} is a folder, so the output is a folder too; {out.name} looks "
                 f"like a file name. To convert only the model file, give {source.graph} as the input."
             )
-        plan = _Plan("folder", out, weights or "copy")
+        plan = _Plan(Placement.FOLDER, out, WeightsMode(weights or WeightsMode.COPY))
         if os.path.lexists(out):
             if not out.is_dir():
                 raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
@@ -281,9 +311,9 @@ def _plan(
             f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
         )
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
-    mode: Literal["share", "copy", "link"] = weights or ("share" if beside else "copy")
+    mode = WeightsMode(weights or (WeightsMode.SHARE if beside else WeightsMode.COPY))
     linked = [d for d in source.data.values() if d.path.is_symlink()]
-    if mode == "share" and linked:
+    if mode is WeightsMode.SHARE and linked:
         raise KvCacheError(
             f"The input's data file {linked[0].path.name} is a symbolic link (to {linked[0].real}); onnx "
             "refuses linked external data (onnxruntime too, when it leads out of the folder), so an "
@@ -291,7 +321,7 @@ def _plan(
             "Convert into another folder (the linked content is copied), or pass weights='copy' for "
             "this output's own copy."
         )
-    plan = _Plan("beside" if beside else "elsewhere", out, mode)
+    plan = _Plan(Placement.BESIDE if beside else Placement.ELSEWHERE, out, mode)
     if os.path.lexists(out):
         if not out.is_file():
             raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
@@ -303,7 +333,7 @@ def _plan(
         _refuse_mount_point(out)
         plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
         plan.obsolete, plan.kept = previous.own_data_files(out, marker, inputs)
-    if mode != "share":
+    if mode is not WeightsMode.SHARE:
         plan.data_names = _data_names(out, sorted(source.data))
     return plan
 
@@ -411,15 +441,16 @@ class ConvertResult:
     bytes_written: int = 0
     """Everything written: graph, config, copied data and other files."""
     converted: bool = True
-    reasons: list[str] = dataclasses.field(default_factory=list)
+    refusals: list[Refusal] = dataclasses.field(default_factory=list)
+    """Why nothing was written: each a code, the parameter it concerns and its text."""
     target: str | None = None
     """The provider gated on; ``None`` when gating was skipped (``ep=None``)."""
     target_source: str = ""
     """How the target was chosen: ``given`` (``ep=``), or ``assumed: ...`` what it was inferred from."""
-    placement: str = ""
-    """``beside``, ``elsewhere``, ``folder`` or ``in-place``."""
-    weights: str = ""
-    """``shared``, ``cloned``, ``copied``, ``linked``, ``unchanged`` or ``inline``."""
+    placement: Placement | Literal[""] = ""
+    """``beside``, ``elsewhere``, ``folder`` or ``in-place`` (a :class:`Placement`)."""
+    weights: Weights | Literal[""] = ""
+    """``shared``, ``cloned``, ``copied``, ``linked``, ``unchanged`` or ``inline`` (a :class:`Weights`)."""
     weight_bytes: int = 0
     """Size of the data files the output uses."""
     weight_bytes_written: int = 0
@@ -432,30 +463,46 @@ class ConvertResult:
     fused: int = 0
     """Attention layers fused into GroupQueryAttention first (an export)."""
 
+    @property
+    def reasons(self) -> list[str]:
+        """The refusals' texts (why nothing was written)."""
+        return list(texts(self.refusals))
+
     def weights_summary(self) -> str:
-        size = format_bytes(self.weight_bytes)
-        if self.weights == "inline":
-            return "weights: inline in the graph"
-        if self.weights == "unchanged":
-            return f"weights: unchanged ({size} in place, 0 bytes written)"
-        if self.weights == "shared":
-            name = self.shared_with.name if self.shared_with else "the input"
-            files = self.data_files
-            which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
-            return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
-        if self.weights == "cloned":
-            return f"weights: cloned {size} (0 bytes written)"
-        if self.weights == "linked":
-            return (
-                f"weights: hard-linked {size} (0 bytes written); onnx.load and onnx-ir refuse both "
-                "models' weights"
-            )
-        holes = (
-            f", {format_bytes(self.weight_bytes_written)} of data (holes kept)"
-            if self.weight_bytes_written < self.weight_bytes
-            else ""
-        )
-        return f"weights: copied {size}{holes}"
+        summary = _WEIGHTS_SUMMARIES.get(self.weights, _copied_summary) if self.weights else _copied_summary
+        return summary(self)
+
+
+def _shared_summary(result: ConvertResult) -> str:
+    name = result.shared_with.name if result.shared_with else "the input"
+    files = result.data_files
+    which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
+    return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
+
+
+def _copied_summary(result: ConvertResult) -> str:
+    holes = (
+        f", {format_bytes(result.weight_bytes_written)} of data (holes kept)"
+        if result.weight_bytes_written < result.weight_bytes
+        else ""
+    )
+    return f"weights: copied {format_bytes(result.weight_bytes)}{holes}"
+
+
+#: ``ConvertResult.weights_summary`` per outcome.
+_WEIGHTS_SUMMARIES: dict[Weights, Callable[[ConvertResult], str]] = {
+    Weights.INLINE: lambda r: "weights: inline in the graph",
+    Weights.UNCHANGED: lambda r: (
+        f"weights: unchanged ({format_bytes(r.weight_bytes)} in place, 0 bytes written)"
+    ),
+    Weights.SHARED: _shared_summary,
+    Weights.CLONED: lambda r: f"weights: cloned {format_bytes(r.weight_bytes)} (0 bytes written)",
+    Weights.LINKED: lambda r: (
+        f"weights: hard-linked {format_bytes(r.weight_bytes)} (0 bytes written); onnx.load and onnx-ir "
+        "refuse both models' weights"
+    ),
+    Weights.COPIED: _copied_summary,
+}
 
 
 # -- conversion ----------------------------------------------------------------------
@@ -513,135 +560,189 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.files._marker`); an existing
     empty output folder is filled, with or without it.
     """
-    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
-    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
-    scales = as_kv_cache_scales(scales, stem=_model_stem(in_path))
-    named = format or (scales.implied_format if scales is not None else None)  # None: the target's
-    if named is not None:
-        get_format(named)  # an unknown name fails before any work
-    recorded = scales.granularity if scales is not None else None
-    if granularity is not None:
-        granularity = resolve_granularity(granularity, scales)  # a contradiction fails before any work
-    if weights not in (None, "copy", "link"):
-        raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
+    scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
     named = named or format_for(source.model)  # an already-quantized model keeps its own
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
+    _check_writable(source, plan)
+    decision = decide(_request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale))
+    result = _result(source, plan, decision)
+    if carry_out(decision):
+        _finish(source, plan, decision, result, progress)
+    return result
+
+
+def _arguments(
+    in_path: str | os.PathLike,
+    out_path: str | os.PathLike | None,
+    format: str | None,
+    granularity: str | None,
+    scales: Any,
+    weights: WeightsMode | str | None,
+    ep: str | None,
+) -> tuple[KvCacheScales | None, str | None, str | None]:
+    """The arguments that need no model, checked before any work: the scales read, the
+    format they or ``format`` name, the granularity asked (checked against the scales)."""
+    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
+    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
+    read = as_kv_cache_scales(scales, stem=_model_stem(in_path))
+    named = format or (read.implied_format if read is not None else None)  # None: the target's
+    if named is not None:
+        get_format(named)  # an unknown name fails before any work
+    if granularity is not None:
+        granularity = resolve_granularity(granularity, read)  # a contradiction fails before any work
+    if weights is not None and weights not in _ASKED:
+        raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
+    return read, named, granularity
+
+
+def _check_writable(source: ModelSource, plan: _Plan) -> None:
+    """The folders the output is written in take new files (checked before any work)."""
+    in_place = plan.placement is Placement.IN_PLACE
     file_io.check_writable_folder(
-        source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
+        source.graph.parent if in_place else plan.out if plan.fill else plan.out.parent
     )
-    if plan.placement == "in-place" and source.config_path is not None:
+    if in_place and source.config_path is not None:
         file_io.check_writable_folder(source.config_path.parent)
 
-    model = source.model
-    said = granularity or recorded or "per_tensor"
-    result = ConvertResult(plan.out, source.graph, 0, said, named or "", placement=plan.placement)
-    refusal = None
-    fusion_said: list[warnings.WarningMessage] = []
-    if not find_attention_sites(model, with_cache_only=False):
-        fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
-        with warnings.catch_warnings(record=True) as fusion_said:  # said once it is converted
-            warnings.simplefilter("always")
-            fusion(model)
-        result.fused = fusion.fused
-        refusal = unfused_refusal(fusion.fused, fusion.refused)
-    if refusal is None and scales is None and not shared_kv_scale and named is not None:
-        states = {
-            (s.cache_format.name if s.cache_format else None, s.granularity)
-            for s in find_attention_sites(model)
-        }
-        wanted = (get_format(named).name, granularity or granularity_for(model, None))
-        if states == {wanted}:
-            refusal = f"{source.graph.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
-    if refusal is None and not find_attention_sites(model):
-        refusal = (
-            f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
-            "and attention fusion found no attention to fuse: nothing to convert. Export the decoder "
-            "with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+
+def _request(
+    source: ModelSource,
+    named: str | None,
+    granularity: str | None,
+    scales: KvCacheScales | None,
+    ep: str | None,
+    check_device: bool,
+    strict: bool,
+    shared_kv_scale: bool,
+) -> Request:
+    """The pipeline's request for a conversion of ``source``."""
+    return Request(
+        source.model,
+        Entry.CONVERT,
+        named,
+        granularity,
+        scales,
+        ep.lower() if ep not in (None, AUTO) else ep,
+        source.config,
+        check_device=check_device,
+        strict=strict,
+        shared_kv_scale=shared_kv_scale,
+        name=source.graph.name,
+    )
+
+
+def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResult:
+    """What the conversion will have done, as decided (the writing fills in the rest)."""
+    fmt, granularity = decision.format, decision.granularity
+    result = ConvertResult(
+        plan.out,
+        source.graph,
+        0,
+        granularity.name if granularity is not None else "per_tensor",
+        fmt.name if fmt is not None else "",
+        placement=plan.placement,
+        fused=decision.fusion.fused,
+        converted=decision.converted,
+        refusals=list(decision.refusals),
+        target=decision.target,
+    )
+    if decision.target is not None:
+        result.target_source = f"assumed: {decision.why}" if decision.why else "given"
+    if decision.converted and fmt is not None and granularity is not None:
+        requantized = _requantized_note(
+            decision.model, fmt.name, granularity.name, decision.scales is not None
         )
-    if refusal is not None:
-        result.converted = False
-        result.reasons = [refusal]
-        if strict:
-            raise KvCacheError(refusal)
-        warn(f"Not converted: {refusal}", NotConvertedWarning)
-        return result
-    if granularity is None:
-        granularity = result.granularity = granularity_for(model, scales)
-    if ep == "auto":
-        target, why = infer_target(model, source.config, named)
-        result.target_source = f"assumed: {why}"
-    elif ep is not None:
-        target, result.target_source = ep.lower(), "given"
-    result.target = target if ep is not None else None
-    fmt = get_format(named or (ep is not None and default_format(model, target, granularity)) or "fp8")
-    scales = as_kv_cache_scales(scales, format=fmt.name)
-    result.format = fmt.name
-    if ep is not None:
-        reasons = _gate(model, target, fmt.name, granularity, check_device)
-        if reasons:
-            result.converted = False
-            result.reasons = reasons
-            message = f"KV cache not converted to {fmt.name} {granularity} for {target}: " + " ".join(reasons)
-            if strict:
-                raise KvCacheError(message)
-            warn(message, NotConvertedWarning)
-            return result
-    requantized = _requantized_note(model, fmt.name, granularity, scales is not None)
-    KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
-    if requantized:
-        result.notes.insert(0, requantized)
-    for said in fusion_said:
-        warn(str(said.message), said.category)
+        if requantized:
+            result.notes.append(requantized)
+    return result
+
+
+def _count_ops(result: ConvertResult, model: ir.Model) -> None:
     for site in find_attention_sites(model):
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
-    for warning in conversion_warnings(model, fmt.name, result.target):
-        warn(warning)
-    cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in find_attention_sites(model))
+
+
+def _new_config(source: ModelSource, decision: Decision, result: ConvertResult) -> dict[str, Any] | None:
+    """The genai config the output gets (None: the input's, unchanged): past and present share
+    one buffer where the target does; ``provider_options`` name the provider given."""
+    if source.config is None:
+        return None
+    fmt = get_format(result.format)
+    sites = find_attention_sites(decision.model)
+    cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in sites)
     share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
-    new_config = None
-    if source.config is not None:
-        new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
-        if ep not in (None, "auto"):
-            new_config = _with_provider(new_config, target, result)
-        if new_config == source.config:
-            new_config = None
-    entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
+    config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
+    if decision.request.target not in (None, AUTO):
+        config = _with_provider(config, str(decision.target), result)
+    return None if config == source.config else config
+
+
+def _finish(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult, progress: bool | None
+) -> None:
+    """Mark, serialize and write the converted model (the cache is quantized)."""
+    model = decision.model
+    _count_ops(result, model)
+    new_config = _new_config(source, decision, result)
+    entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
+    scales = decision.scales
     own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
-        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target, method
+        result.format,
+        result.granularity,
+        plan.placement,
+        plan.data_names.values(),
+        entries,
+        result.target,
+        method,
     )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
-    if plan.weights == "link":
+    _warn_links(source, plan)
+    _write(source, plan, data, new_config, result, progress)
+
+
+def _warn_links(source: ModelSource, plan: _Plan) -> None:
+    """Hard-linked data files (the output's, or the input's from an earlier link) load nowhere in onnx."""
+    if plan.weights is WeightsMode.LINK:
         warn(LINK_WARNING)
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
-    if linked and plan.weights != "link":
+    if linked and plan.weights is not WeightsMode.LINK:
         warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
             "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
             "the other link is deleted."
         )
 
+
+def _write(
+    source: ModelSource,
+    plan: _Plan,
+    data: bytes,
+    config: dict[str, Any] | None,
+    result: ConvertResult,
+    progress: bool | None,
+) -> None:
+    """Write the output where the plan places it; a lost race for its name is said plainly."""
     try:
-        if plan.placement == "in-place":
-            _write_in_place(source, data, new_config, fmt.name, result)
-        elif plan.placement == "folder":
-            _write_folder(source, plan, data, new_config, result, progress)
+        if plan.placement is Placement.IN_PLACE:
+            _write_in_place(source, data, config, result.format, result)
+        elif plan.placement is Placement.FOLDER:
+            _write_folder(source, plan, data, config, result, progress)
         else:
             _write_file(source, plan, data, result, progress)
     except FileExistsError as e:  # the last rename lost a race: someone created the output meanwhile
         named = {os.path.abspath(f) for f in (e.filename, e.filename2) if isinstance(f, (str, os.PathLike))}
-        if os.path.abspath(plan.out) not in named or plan.placement == "in-place":
+        if os.path.abspath(plan.out) not in named or plan.placement is Placement.IN_PLACE:
             raise
         raise KvCacheError(
             f"Output {plan.out} was created by someone else (another conversion?) while this one ran; "
             "nothing was written and it is left as it is. Check it, or choose another output path."
         ) from None
-    return result
 
 
 #: The ``provider_options`` onnxruntime-genai reads for a provider row (cpu: none), named as
@@ -690,27 +791,12 @@ def _model_stem(in_path: Any) -> str | None:
         return None
 
 
-def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
-    """Every reason ``target`` cannot run the converted model (the capability table)."""
-    capability = cuda_compute_capability() if check_device else None
-    report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
-    reasons = list(report.reasons)
-    if check_device and capability is None and report.ep == "cuda":
-        reasons.append(
-            "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-            "left to the GPU that runs the model)."
-        )
-    if reasons and get_capabilities(target).name == "default":
-        reasons.insert(0, f"{target!r} is not a provider onnx-kvcache knows.")
-    return reasons
-
-
 def _write_in_place(
     source: ModelSource, data: bytes, config: dict[str, Any] | None, fmt: str, result: ConvertResult
 ) -> None:
     """Replace the graph (and genai_config) in one commit, keeping mode and owner."""
     graph = source.graph
-    result.weights = "unchanged" if source.data else "inline"
+    result.weights = Weights.UNCHANGED if source.data else Weights.INLINE
     result.data_files = sorted(source.data)
     for folder in {graph.parent, source.root}:
         file_io.sweep_stale(folder)
@@ -836,12 +922,12 @@ def _write_file(
             staged = []
             files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
             if not source.data:
-                result.weights = "inline"
+                result.weights = Weights.INLINE
             elif not files:
-                result.weights, result.shared_with = "shared", source.graph
-            elif plan.weights == "link":
+                result.weights, result.shared_with = Weights.SHARED, source.graph
+            elif plan.weights is WeightsMode.LINK:
                 staged = [(d.real, out.parent / name, True) for d, name in files]
-                result.weights = "linked"
+                result.weights = Weights.LINKED
             else:
                 copier = _Copier([d.real for d, _ in files], out.parent, progress)
                 try:
@@ -852,7 +938,7 @@ def _write_file(
                         staged.append((tmp.path / str(i), out.parent / name, False))
                 finally:
                     copier.close()
-                result.weights = "cloned" if copier.cloned else "copied"
+                result.weights = Weights.copied(copier.cloned)
                 result.weight_bytes_written = copier.written
             file_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
             file_io.publish_as_one(
@@ -917,7 +1003,7 @@ def _write_folder(
             for e in source.entries
             if e.real is not None
             and e.rel not in (rel_graph, rel_config)
-            and not (plan.weights == "link" and e.rel in data_rel)
+            and not (plan.weights is WeightsMode.LINK and e.rel in data_rel)
         ]
         copier = _Copier([e.real for e in to_copy if e.real is not None], work, progress)
         written = len(data)
@@ -925,7 +1011,7 @@ def _write_folder(
             try:
                 for entry in source.entries:
                     dst = tmp.path / entry.rel
-                    linked = plan.weights == "link" and entry.rel in data_rel
+                    linked = plan.weights is WeightsMode.LINK and entry.rel in data_rel
                     if entry.real is None:
                         os.mkdir(dst, 0o777)
                     elif entry.rel == rel_graph:
@@ -960,11 +1046,11 @@ def _write_folder(
             file_io.remove_empty_dirs(created)
         raise
     if not source.data:
-        result.weights = "inline"
-    elif plan.weights == "link":
-        result.weights = "linked"
+        result.weights = Weights.INLINE
+    elif plan.weights is WeightsMode.LINK:
+        result.weights = Weights.LINKED
     else:
-        result.weights = "cloned" if copier.cloned else "copied"
+        result.weights = Weights.copied(copier.cloned)
     result.bytes_written = written
     _replaced_notes(plan, result)
     if config is not None:
