@@ -218,76 +218,100 @@ def _plan(
     weights: WeightsMode | None,
 ) -> _Plan:
     """Decide where everything goes, and refuse every unsafe path before any write."""
-    inputs = source.input_files()
     if in_place:
-        if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
-            source.folder or source.graph
-        ):
-            raise KvCacheError("Give either an output path or in_place=True, not both.")
-        if weights is not None:
-            raise KvCacheError(
-                "in_place=True keeps the data files where they are; weights=MODE does not apply."
-            )
-        for path in (source.graph, source.config_path):
-            if path is not None and path.is_symlink():
-                raise KvCacheError(
-                    f"{path} is a symbolic link; converting in place would replace the link. "
-                    "Convert to another path instead."
-                )
-        st = source.graph.stat()
-        if hasattr(os, "geteuid") and os.geteuid() != 0 and st.st_uid != os.geteuid():
-            raise KvCacheError(
-                f"{source.graph} belongs to user {st.st_uid}; converting in place would make it yours. "
-                "Run as that user, or convert to another path."
-            )
-        return _Plan(Placement.IN_PLACE, source.folder or source.graph, WeightsMode.SHARE)
+        return _plan_in_place(source, out_path, weights)
     if out_path is None:
         raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
-    out_real = _real(out)
-    root_real = pathlib.Path(os.path.realpath(source.root))
     if out.is_symlink():
         raise KvCacheError(f"Output {out} is a symbolic link; refusing to write through it.")
-
     if source.folder is not None:
-        if out_real == root_real:
-            raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
-        if _is_within(out_real, root_real):
-            raise KvCacheError(_inside_the_folder(source, out, out_real))
-        if _is_within(root_real, out_real):
-            raise KvCacheError(
-                f"Output {out} contains the input folder {source.folder}; choose another path."
-            )
-        for f in inputs:
-            if _is_within(f, out_real):
-                raise KvCacheError(f"Output {out} contains {f}, which the input uses; choose another path.")
-        if out.suffix == ".onnx":
-            raise KvCacheError(
-                f"The input {source.folder} is a folder, so the output is a folder too; {out.name} looks "
-                f"like a file name. To convert only the model file, give {source.graph} as the input."
-            )
-        plan = _Plan(Placement.FOLDER, out, WeightsMode(weights or WeightsMode.COPY))
-        if os.path.lexists(out):
-            if not out.is_dir():
-                raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
-            if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
-                file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
-            if not os.listdir(out):
-                plan.fill = True  # nothing there to replace: overwrite is not needed
-                return plan
-            previous.check_replaceable_folder(out)
-            if not overwrite:
-                raise KvCacheError(
-                    f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to "
-                    "replace it."
-                )
-            if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), out_real):
-                raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
-            _refuse_mount_point(out)
-            plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
-        return plan
+        return _plan_folder(source, out, out_path, overwrite, weights)
+    return _plan_file(source, out, out_path, fmt, overwrite, weights)
 
-    if out_real in inputs:
+
+def _plan_in_place(
+    source: ModelSource, out_path: str | os.PathLike | None, weights: WeightsMode | None
+) -> _Plan:
+    """Rewrite the input: its graph (and config) replaced, its data files kept."""
+    if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
+        source.folder or source.graph
+    ):
+        raise KvCacheError("Give either an output path or in_place=True, not both.")
+    if weights is not None:
+        raise KvCacheError("in_place=True keeps the data files where they are; weights=MODE does not apply.")
+    for path in (source.graph, source.config_path):
+        if path is not None and path.is_symlink():
+            raise KvCacheError(
+                f"{path} is a symbolic link; converting in place would replace the link. "
+                "Convert to another path instead."
+            )
+    st = source.graph.stat()
+    if hasattr(os, "geteuid") and os.geteuid() != 0 and st.st_uid != os.geteuid():
+        raise KvCacheError(
+            f"{source.graph} belongs to user {st.st_uid}; converting in place would make it yours. "
+            "Run as that user, or convert to another path."
+        )
+    return _Plan(Placement.IN_PLACE, source.folder or source.graph, WeightsMode.SHARE)
+
+
+def _check_folder_output(source: ModelSource, out: pathlib.Path) -> None:
+    """A folder converts to a folder that is not the input, inside it, containing it or any
+    file it uses, and not named like a model file."""
+    assert source.folder is not None
+    out_real = _real(out)
+    root_real = pathlib.Path(os.path.realpath(source.root))
+    if out_real == root_real:
+        raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
+    if _is_within(out_real, root_real):
+        raise KvCacheError(_inside_the_folder(source, out, out_real))
+    if _is_within(root_real, out_real):
+        raise KvCacheError(f"Output {out} contains the input folder {source.folder}; choose another path.")
+    for f in source.input_files():
+        if _is_within(f, out_real):
+            raise KvCacheError(f"Output {out} contains {f}, which the input uses; choose another path.")
+    if out.suffix == ".onnx":
+        raise KvCacheError(
+            f"The input {source.folder} is a folder, so the output is a folder too; {out.name} looks "
+            f"like a file name. To convert only the model file, give {source.graph} as the input."
+        )
+
+
+def _plan_folder(
+    source: ModelSource,
+    out: pathlib.Path,
+    out_path: str | os.PathLike,
+    overwrite: bool,
+    weights: WeightsMode | None,
+) -> _Plan:
+    """A genai folder to another folder: a new one, an empty one filled, or ours replaced."""
+    _check_folder_output(source, out)
+    plan = _Plan(Placement.FOLDER, out, WeightsMode(weights or WeightsMode.COPY))
+    if not os.path.lexists(out):
+        return plan
+    if not out.is_dir():
+        raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
+    if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
+        file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
+    if not os.listdir(out):
+        plan.fill = True  # nothing there to replace: overwrite is not needed
+        return plan
+    previous.check_replaceable_folder(out)
+    if not overwrite:
+        raise KvCacheError(
+            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+        )
+    if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), _real(out)):
+        raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
+    _refuse_mount_point(out)
+    plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
+    return plan
+
+
+def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | os.PathLike, fmt: str) -> None:
+    """A model file converts to a ``.onnx`` file that is neither the input nor a file it uses."""
+    out_real = _real(out)
+    if out_real in source.input_files():
         what = (
             "the input"
             if out_real == pathlib.Path(os.path.realpath(source.graph))
@@ -310,6 +334,18 @@ def _plan(
         raise KvCacheError(
             f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
         )
+
+
+def _plan_file(
+    source: ModelSource,
+    out: pathlib.Path,
+    out_path: str | os.PathLike,
+    fmt: str,
+    overwrite: bool,
+    weights: WeightsMode | None,
+) -> _Plan:
+    """A model file beside its input (weights shared) or elsewhere (its own data files)."""
+    _check_file_output(source, out, out_path, fmt)
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
     mode = WeightsMode(weights or (WeightsMode.SHARE if beside else WeightsMode.COPY))
     linked = [d for d in source.data.values() if d.path.is_symlink()]
@@ -323,19 +359,25 @@ def _plan(
         )
     plan = _Plan(Placement.BESIDE if beside else Placement.ELSEWHERE, out, mode)
     if os.path.lexists(out):
-        if not out.is_file():
-            raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
-        marker = previous.check_replaceable_file(out)
-        if not overwrite:
-            raise KvCacheError(
-                f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
-            )
-        _refuse_mount_point(out)
-        plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
-        plan.obsolete, plan.kept = previous.own_data_files(out, marker, inputs)
+        _replace_file(source, plan, out_path, overwrite)
     if mode is not WeightsMode.SHARE:
         plan.data_names = _data_names(out, sorted(source.data))
     return plan
+
+
+def _replace_file(source: ModelSource, plan: _Plan, out_path: str | os.PathLike, overwrite: bool) -> None:
+    """The existing output file is replaced only when ours and with ``overwrite``."""
+    out = plan.out
+    if not out.is_file():
+        raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
+    marker = previous.check_replaceable_file(out)
+    if not overwrite:
+        raise KvCacheError(
+            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+        )
+    _refuse_mount_point(out)
+    plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
+    plan.obsolete, plan.kept = previous.own_data_files(out, marker, source.input_files())
 
 
 # -- graph and config -------------------------------------------------------------------
@@ -904,6 +946,37 @@ def _replaced_notes(plan: _Plan, result: ConvertResult) -> None:
     result.notes.extend(f"{note}." for note in plan.kept)
 
 
+def _stage_data(
+    source: ModelSource, plan: _Plan, tmp: pathlib.Path, result: ConvertResult, progress: bool | None
+) -> list[tuple[pathlib.Path, pathlib.Path, bool]]:
+    """The output file's own data files, copied into ``tmp`` (or hard links to make), as
+    ``publish_as_one`` takes them; says in ``result`` what became of the weights."""
+    out = plan.out
+    files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
+    if not source.data:
+        result.weights = Weights.INLINE
+        return []
+    if not files:
+        result.weights, result.shared_with = Weights.SHARED, source.graph
+        return []
+    if plan.weights is WeightsMode.LINK:
+        result.weights = Weights.LINKED
+        return [(d.real, out.parent / name, True) for d, name in files]
+    staged = []
+    copier = _Copier([d.real for d, _ in files], out.parent, progress)
+    try:
+        for i, (d, name) in enumerate(files):
+            copier.copy(d.real, tmp / str(i))
+            if plan.replaced is not None:
+                file_io.keep_mode_and_owner(tmp / str(i), plan.replaced)
+            staged.append((tmp / str(i), out.parent / name, False))
+    finally:
+        copier.close()
+    result.weights = Weights.copied(copier.cloned)
+    result.weight_bytes_written = copier.written
+    return staged
+
+
 def _write_file(
     source: ModelSource, plan: _Plan, data: bytes, result: ConvertResult, progress: bool | None
 ) -> None:
@@ -919,27 +992,7 @@ def _write_file(
     try:
         file_io.sweep_stale(out.parent)
         with _replacing(plan), file_io.TempDir(out.parent) as tmp:
-            staged = []
-            files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
-            if not source.data:
-                result.weights = Weights.INLINE
-            elif not files:
-                result.weights, result.shared_with = Weights.SHARED, source.graph
-            elif plan.weights is WeightsMode.LINK:
-                staged = [(d.real, out.parent / name, True) for d, name in files]
-                result.weights = Weights.LINKED
-            else:
-                copier = _Copier([d.real for d, _ in files], out.parent, progress)
-                try:
-                    for i, (d, name) in enumerate(files):
-                        copier.copy(d.real, tmp.path / str(i))
-                        if like is not None:
-                            file_io.keep_mode_and_owner(tmp.path / str(i), like)
-                        staged.append((tmp.path / str(i), out.parent / name, False))
-                finally:
-                    copier.close()
-                result.weights = Weights.copied(copier.cloned)
-                result.weight_bytes_written = copier.written
+            staged = _stage_data(source, plan, tmp.path, result, progress)
             file_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
             file_io.publish_as_one(
                 out.parent,
@@ -969,6 +1022,72 @@ def _old_entries(folder: pathlib.Path) -> dict[str, os.stat_result]:
     return found
 
 
+@dataclasses.dataclass
+class _FolderCopy:
+    """Filling a temporary folder with a converted genai folder: each entry of the input
+    written (the graph, the config), hard-linked (``weights="link"``) or copied."""
+
+    source: ModelSource
+    plan: _Plan
+    data: bytes
+    config: dict[str, Any] | None
+    result: ConvertResult
+    old: dict[str, os.stat_result]
+    """The replaced output's entries: one of the same name and kind passes on its mode."""
+    written: int = 0
+    """Bytes written: the graph, the config, the copies."""
+
+    def __post_init__(self) -> None:
+        self.written = len(self.data)
+        folder = self.source.folder
+        assert folder is not None
+        self.rel_graph = pathlib.PurePosixPath(self.source.graph.relative_to(folder).as_posix())
+        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if self.source.config is not None else None
+        self.data_rel = {
+            pathlib.PurePosixPath(d.path.relative_to(folder).as_posix()): d for d in self.source.data.values()
+        }
+
+    def linked(self, rel: pathlib.PurePosixPath) -> bool:
+        return self.plan.weights is WeightsMode.LINK and rel in self.data_rel
+
+    def to_copy(self) -> list[pathlib.Path]:
+        """The input files that are copied (cloned where the filesystem can)."""
+        own = (self.rel_graph, self.rel_config)
+        return [
+            e.real
+            for e in self.source.entries
+            if e.real is not None and e.rel not in own and not self.linked(e.rel)
+        ]
+
+    def fill(self, tmp: pathlib.Path, copier: _Copier) -> None:
+        for entry in self.source.entries:
+            dst = tmp / entry.rel
+            self.entry(entry.rel, entry.real, dst, copier)
+            like = self.old.get(entry.rel.as_posix())
+            same_kind = like is not None and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
+            if like is not None and same_kind and not self.linked(entry.rel):
+                file_io.keep_mode_and_owner(dst, like)
+
+    def entry(
+        self, rel: pathlib.PurePosixPath, real: pathlib.Path | None, dst: pathlib.Path, copier: _Copier
+    ) -> None:
+        if real is None:
+            os.mkdir(dst, 0o777)
+        elif rel == self.rel_graph:
+            file_io.write_new_file(dst, self.data)
+        elif rel == self.rel_config and self.config is not None:
+            config_data = _config_bytes(self.config)
+            file_io.write_new_file(dst, config_data)
+            self.written += len(config_data)
+        elif self.linked(rel):
+            os.link(real, dst, follow_symlinks=True)
+        else:
+            n = copier.copy(real, dst)
+            self.written += n
+            if rel in self.data_rel:
+                self.result.weight_bytes_written += n
+
+
 def _write_folder(
     source: ModelSource,
     plan: _Plan,
@@ -984,60 +1103,22 @@ def _write_folder(
     before anything is created in it (so a set-group-ID folder's group passes on as it
     does there); each entry that replaces one of the same name and kind takes its mode.
     """
-    assert source.folder is not None
     out = plan.out
-    rel_graph = pathlib.PurePosixPath(source.graph.relative_to(source.folder).as_posix())
-    rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if source.config is not None else None
-    data_rel = {
-        pathlib.PurePosixPath(d.path.relative_to(source.folder).as_posix()): d for d in source.data.values()
-    }
-    result.model_file = out / rel_graph
-    result.data_files = sorted(str(r) for r in data_rel)
+    job = _FolderCopy(source, plan, data, config, result, _old_entries(out) if plan.replace else {})
+    result.model_file = out / job.rel_graph
+    result.data_files = sorted(str(r) for r in job.data_rel)
     created = file_io.make_dirs(out.parent)
     work = out if plan.fill else out.parent  # where the temporary folder is built
-    old = _old_entries(out) if plan.replace else {}
     try:
         file_io.sweep_stale(work)
-        to_copy = [
-            e
-            for e in source.entries
-            if e.real is not None
-            and e.rel not in (rel_graph, rel_config)
-            and not (plan.weights is WeightsMode.LINK and e.rel in data_rel)
-        ]
-        copier = _Copier([e.real for e in to_copy if e.real is not None], work, progress)
-        written = len(data)
+        copier = _Copier(job.to_copy(), work, progress)
         with _replacing(plan), file_io.TempDir(work, like=plan.replaced) as tmp:
             try:
-                for entry in source.entries:
-                    dst = tmp.path / entry.rel
-                    linked = plan.weights is WeightsMode.LINK and entry.rel in data_rel
-                    if entry.real is None:
-                        os.mkdir(dst, 0o777)
-                    elif entry.rel == rel_graph:
-                        file_io.write_new_file(dst, data)
-                    elif entry.rel == rel_config and config is not None:
-                        config_data = _config_bytes(config)
-                        file_io.write_new_file(dst, config_data)
-                        written += len(config_data)
-                    elif linked:
-                        os.link(entry.real, dst, follow_symlinks=True)
-                    else:
-                        n = copier.copy(entry.real, dst)
-                        written += n
-                        if entry.rel in data_rel:
-                            result.weight_bytes_written += n
-                    like = old.get(entry.rel.as_posix())
-                    if (
-                        like is not None
-                        and not linked
-                        and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
-                    ):
-                        file_io.keep_mode_and_owner(dst, like)
+                job.fill(tmp.path, copier)
             finally:
                 copier.close()
             if plan.fill:
-                file_io.publish_into_empty(tmp, out, rel_config or rel_graph)
+                file_io.publish_into_empty(tmp, out, job.rel_config or job.rel_graph)
             else:
                 with file_io.uninterrupted(completes=True):
                     tmp.publish(out, replace=plan.replace)
@@ -1045,15 +1126,21 @@ def _write_folder(
         if not os.path.lexists(out):
             file_io.remove_empty_dirs(created)
         raise
+    _folder_written(source, plan, job, copier.cloned)
+
+
+def _folder_written(source: ModelSource, plan: _Plan, job: _FolderCopy, cloned: bool) -> None:
+    """What the folder's result says once it is in place."""
+    result = job.result
     if not source.data:
         result.weights = Weights.INLINE
     elif plan.weights is WeightsMode.LINK:
         result.weights = Weights.LINKED
     else:
-        result.weights = Weights.copied(copier.cloned)
-    result.bytes_written = written
+        result.weights = Weights.copied(cloned)
+    result.bytes_written = job.written
     _replaced_notes(plan, result)
-    if config is not None:
+    if job.config is not None:
         result.notes.append(
-            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(config)).lower()}."
+            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(job.config)).lower()}."
         )

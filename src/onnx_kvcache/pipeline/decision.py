@@ -63,7 +63,7 @@ from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 logger = logging.getLogger(__name__)
 
 NO_CUDA_DEVICE = Refusal(

@@ -52,9 +52,10 @@ from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeErro
 from onnx_kvcache.files.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
 from onnx_kvcache.passes.fusion._window_present import present_output
-from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING, GqaFusionPass
+from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
+from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.runtime._paged_cache import BlockPool, check_block_size
 from onnx_kvcache.runtime._sessions import (
     create_session,
@@ -250,7 +251,7 @@ def _fused(model: ir.Model) -> ir.Model:
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
-        modified = GqaFusionPass()(model).modified
+        modified = fuse_unless_attention(model, record=False).modified
     if modified:
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
     return model
