@@ -15,7 +15,7 @@ __all__ = ["optimize_model"]
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import onnx_ir as ir
 
@@ -86,7 +86,7 @@ def _format_and_scales(
     return fmt, read
 
 
-def _request(model: ModelLike, options: dict, fmt: str | None) -> Request:
+def _request(model: ModelLike, options: dict[str, Any], fmt: str | None) -> Request:
     """The decision's request for ``optimize_model``'s arguments (``options``: the rest)."""
     model = as_model(model)
     shared = options["shared_kv_scale"]
