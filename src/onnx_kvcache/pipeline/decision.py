@@ -308,8 +308,8 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     fusion = fuse_unless_attention(request.model, request.fuse, in_copy=rules.fuse_in_copy)
-    decision = Decision(request, fusion, format=_named_format(request))
-    decision = dataclasses.replace(decision, granularity=scale_granularity(_said_granularity(request)))
+    said = scale_granularity(_said_granularity(request))  # until the model decides
+    decision = Decision(request, fusion, format=_named_format(request), granularity=said)
     early = _early_refusal(request, fusion)
     if early is not None:
         return _refused(decision, rules.refused_head, (early,), bare=rules.raise_bare)
@@ -336,8 +336,7 @@ def decide(request: Request) -> Decision:
         if refusals:
             head = f"KV cache not converted to {fmt.name} {granularity.name} for {named}"
             return _refused(decision, head, refusals)
-    said = conversion_warnings(fusion.model, fmt.name, target)
-    return dataclasses.replace(decision, warnings=tuple(said))
+    return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
 
 
 def _named_format(request: Request) -> CacheFormat | None:
