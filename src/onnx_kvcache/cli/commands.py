@@ -300,18 +300,14 @@ def cli_wording(message: str) -> str:
 def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     """What would convert ``model_path``: the providers that run the format, the formats the
     target runs (read from the graph; none when neither helps)."""
-    from onnx_kvcache.cache.sites import find_attention_sites
+    from onnx_kvcache.capabilities.refusals import RefusalCode
     from onnx_kvcache.capabilities.table import check_kv_cache_support
     from onnx_kvcache.files.reading import load_model
-    from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+    from onnx_kvcache.pipeline.decision import fuse_unless_attention
 
-    if any(r.startswith("check_device") for r in result.reasons):
+    if any(r.code is RefusalCode.NO_CUDA_DEVICE for r in result.refusals):
         return ""
-    model = load_model(model_path)
-    if not find_attention_sites(model, with_cache_only=False):  # an export: judge what it fuses to
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            GqaFusionPass()(model)
+    model = fuse_unless_attention(load_model(model_path)).model  # an export: judge what it fuses to
 
     def runs(ep: str, fmt: str) -> bool:
         return check_kv_cache_support(model, ep, fmt, result.granularity).supported

@@ -23,7 +23,7 @@ what a killed run leaves behind.
 
 from __future__ import annotations
 
-__all__ = ["ConvertResult", "convert_model"]
+__all__ = ["ConvertResult", "Placement", "Weights", "WeightsMode", "convert_model"]
 
 import contextlib
 import dataclasses
@@ -32,34 +32,29 @@ import logging
 import os
 import pathlib
 import stat
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import onnx_ir as ir
 
+from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import (
     CACHE_FORMATS,
     get_format,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
-from onnx_kvcache.capabilities.table import (
-    check_kv_cache_support,
-    conversion_warnings,
-    default_format,
-    get_capabilities,
-    infer_target,
-)
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, require_type, warn
+from onnx_kvcache.capabilities.gating import infer_target
+from onnx_kvcache.capabilities.refusals import Refusal, texts
+from onnx_kvcache.capabilities.rows import get_capabilities
+from onnx_kvcache.errors import KvCacheError, require_type, warn
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
-from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
-from onnx_kvcache.scales.files import as_kv_cache_scales, resolve_granularity
+from onnx_kvcache.passes.kv_cache_quantization import format_for
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
+from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +69,43 @@ LINK_WARNING = (
 
 # -- planning a conversion --------------------------------------------------------------
 
-WeightsMode = Literal["copy", "link"]
-Placement = Literal["in-place", "beside", "elsewhere", "folder"]
+
+class WeightsMode(StrEnum):
+    """Where the output's weights come from: the input's files (``share``, beside it), its own
+    copy (``copy``: cloned where the filesystem can) or hard links (``link``). A caller asks for
+    ``copy`` or ``link``; ``share`` is what a model file beside its input gets."""
+
+    SHARE = "share"
+    COPY = "copy"
+    LINK = "link"
+
+
+#: What a caller may ask for (``convert_model(weights=...)``).
+_ASKED = (WeightsMode.COPY, WeightsMode.LINK)
+
+
+class Placement(StrEnum):
+    """Where the output goes relative to the input."""
+
+    IN_PLACE = "in-place"
+    BESIDE = "beside"
+    ELSEWHERE = "elsewhere"
+    FOLDER = "folder"
+
+
+class Weights(StrEnum):
+    """What a conversion did with the weights (:attr:`ConvertResult.weights`)."""
+
+    SHARED = "shared"
+    CLONED = "cloned"
+    COPIED = "copied"
+    LINKED = "linked"
+    UNCHANGED = "unchanged"
+    INLINE = "inline"
+
+    @classmethod
+    def copied(cls, cloned: bool) -> Weights:
+        return cls.CLONED if cloned else cls.COPIED
 
 
 @dataclasses.dataclass
@@ -83,7 +113,7 @@ class _Plan:
     placement: Placement
     out: pathlib.Path
     """The output file or folder (absolute, as named)."""
-    weights: Literal["share", "copy", "link"]
+    weights: WeightsMode
     data_names: dict[str, str] = dataclasses.field(default_factory=dict)
     """Input location -> output location, when the output gets its own data files."""
     replace: bool = False
@@ -188,76 +218,100 @@ def _plan(
     weights: WeightsMode | None,
 ) -> _Plan:
     """Decide where everything goes, and refuse every unsafe path before any write."""
-    inputs = source.input_files()
     if in_place:
-        if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
-            source.folder or source.graph
-        ):
-            raise KvCacheError("Give either an output path or in_place=True, not both.")
-        if weights is not None:
-            raise KvCacheError(
-                "in_place=True keeps the data files where they are; weights=MODE does not apply."
-            )
-        for path in (source.graph, source.config_path):
-            if path is not None and path.is_symlink():
-                raise KvCacheError(
-                    f"{path} is a symbolic link; converting in place would replace the link. "
-                    "Convert to another path instead."
-                )
-        st = source.graph.stat()
-        if hasattr(os, "geteuid") and os.geteuid() != 0 and st.st_uid != os.geteuid():
-            raise KvCacheError(
-                f"{source.graph} belongs to user {st.st_uid}; converting in place would make it yours. "
-                "Run as that user, or convert to another path."
-            )
-        return _Plan("in-place", source.folder or source.graph, "share")
+        return _plan_in_place(source, out_path, weights)
     if out_path is None:
         raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
-    out_real = _real(out)
-    root_real = pathlib.Path(os.path.realpath(source.root))
     if out.is_symlink():
         raise KvCacheError(f"Output {out} is a symbolic link; refusing to write through it.")
-
     if source.folder is not None:
-        if out_real == root_real:
-            raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
-        if _is_within(out_real, root_real):
-            raise KvCacheError(_inside_the_folder(source, out, out_real))
-        if _is_within(root_real, out_real):
-            raise KvCacheError(
-                f"Output {out} contains the input folder {source.folder}; choose another path."
-            )
-        for f in inputs:
-            if _is_within(f, out_real):
-                raise KvCacheError(f"Output {out} contains {f}, which the input uses; choose another path.")
-        if out.suffix == ".onnx":
-            raise KvCacheError(
-                f"The input {source.folder} is a folder, so the output is a folder too; {out.name} looks "
-                f"like a file name. To convert only the model file, give {source.graph} as the input."
-            )
-        plan = _Plan("folder", out, weights or "copy")
-        if os.path.lexists(out):
-            if not out.is_dir():
-                raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
-            if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
-                file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
-            if not os.listdir(out):
-                plan.fill = True  # nothing there to replace: overwrite is not needed
-                return plan
-            previous.check_replaceable_folder(out)
-            if not overwrite:
-                raise KvCacheError(
-                    f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to "
-                    "replace it."
-                )
-            if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), out_real):
-                raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
-            _refuse_mount_point(out)
-            plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
-        return plan
+        return _plan_folder(source, out, out_path, overwrite, weights)
+    return _plan_file(source, out, out_path, fmt, overwrite, weights)
 
-    if out_real in inputs:
+
+def _plan_in_place(
+    source: ModelSource, out_path: str | os.PathLike | None, weights: WeightsMode | None
+) -> _Plan:
+    """Rewrite the input: its graph (and config) replaced, its data files kept."""
+    if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
+        source.folder or source.graph
+    ):
+        raise KvCacheError("Give either an output path or in_place=True, not both.")
+    if weights is not None:
+        raise KvCacheError("in_place=True keeps the data files where they are; weights=MODE does not apply.")
+    for path in (source.graph, source.config_path):
+        if path is not None and path.is_symlink():
+            raise KvCacheError(
+                f"{path} is a symbolic link; converting in place would replace the link. "
+                "Convert to another path instead."
+            )
+    st = source.graph.stat()
+    if hasattr(os, "geteuid") and os.geteuid() != 0 and st.st_uid != os.geteuid():
+        raise KvCacheError(
+            f"{source.graph} belongs to user {st.st_uid}; converting in place would make it yours. "
+            "Run as that user, or convert to another path."
+        )
+    return _Plan(Placement.IN_PLACE, source.folder or source.graph, WeightsMode.SHARE)
+
+
+def _check_folder_output(source: ModelSource, out: pathlib.Path) -> None:
+    """A folder converts to a folder that is not the input, inside it, containing it or any
+    file it uses, and not named like a model file."""
+    assert source.folder is not None
+    out_real = _real(out)
+    root_real = pathlib.Path(os.path.realpath(source.root))
+    if out_real == root_real:
+        raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
+    if _is_within(out_real, root_real):
+        raise KvCacheError(_inside_the_folder(source, out, out_real))
+    if _is_within(root_real, out_real):
+        raise KvCacheError(f"Output {out} contains the input folder {source.folder}; choose another path.")
+    for f in source.input_files():
+        if _is_within(f, out_real):
+            raise KvCacheError(f"Output {out} contains {f}, which the input uses; choose another path.")
+    if out.suffix == ".onnx":
+        raise KvCacheError(
+            f"The input {source.folder} is a folder, so the output is a folder too; {out.name} looks "
+            f"like a file name. To convert only the model file, give {source.graph} as the input."
+        )
+
+
+def _plan_folder(
+    source: ModelSource,
+    out: pathlib.Path,
+    out_path: str | os.PathLike,
+    overwrite: bool,
+    weights: WeightsMode | None,
+) -> _Plan:
+    """A genai folder to another folder: a new one, an empty one filled, or ours replaced."""
+    _check_folder_output(source, out)
+    plan = _Plan(Placement.FOLDER, out, WeightsMode(weights or WeightsMode.COPY))
+    if not os.path.lexists(out):
+        return plan
+    if not out.is_dir():
+        raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
+    if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
+        file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
+    if not os.listdir(out):
+        plan.fill = True  # nothing there to replace: overwrite is not needed
+        return plan
+    previous.check_replaceable_folder(out)
+    if not overwrite:
+        raise KvCacheError(
+            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+        )
+    if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), _real(out)):
+        raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
+    _refuse_mount_point(out)
+    plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
+    return plan
+
+
+def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | os.PathLike, fmt: str) -> None:
+    """A model file converts to a ``.onnx`` file that is neither the input nor a file it uses."""
+    out_real = _real(out)
+    if out_real in source.input_files():
         what = (
             "the input"
             if out_real == pathlib.Path(os.path.realpath(source.graph))
@@ -280,10 +334,22 @@ def _plan(
         raise KvCacheError(
             f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
         )
+
+
+def _plan_file(
+    source: ModelSource,
+    out: pathlib.Path,
+    out_path: str | os.PathLike,
+    fmt: str,
+    overwrite: bool,
+    weights: WeightsMode | None,
+) -> _Plan:
+    """A model file beside its input (weights shared) or elsewhere (its own data files)."""
+    _check_file_output(source, out, out_path, fmt)
     beside = pathlib.Path(os.path.realpath(out.parent)) == pathlib.Path(os.path.realpath(source.graph.parent))
-    mode: Literal["share", "copy", "link"] = weights or ("share" if beside else "copy")
+    mode = WeightsMode(weights or (WeightsMode.SHARE if beside else WeightsMode.COPY))
     linked = [d for d in source.data.values() if d.path.is_symlink()]
-    if mode == "share" and linked:
+    if mode is WeightsMode.SHARE and linked:
         raise KvCacheError(
             f"The input's data file {linked[0].path.name} is a symbolic link (to {linked[0].real}); onnx "
             "refuses linked external data (onnxruntime too, when it leads out of the folder), so an "
@@ -291,21 +357,27 @@ def _plan(
             "Convert into another folder (the linked content is copied), or pass weights='copy' for "
             "this output's own copy."
         )
-    plan = _Plan("beside" if beside else "elsewhere", out, mode)
+    plan = _Plan(Placement.BESIDE if beside else Placement.ELSEWHERE, out, mode)
     if os.path.lexists(out):
-        if not out.is_file():
-            raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
-        marker = previous.check_replaceable_file(out)
-        if not overwrite:
-            raise KvCacheError(
-                f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
-            )
-        _refuse_mount_point(out)
-        plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
-        plan.obsolete, plan.kept = previous.own_data_files(out, marker, inputs)
-    if mode != "share":
+        _replace_file(source, plan, out_path, overwrite)
+    if mode is not WeightsMode.SHARE:
         plan.data_names = _data_names(out, sorted(source.data))
     return plan
+
+
+def _replace_file(source: ModelSource, plan: _Plan, out_path: str | os.PathLike, overwrite: bool) -> None:
+    """The existing output file is replaced only when ours and with ``overwrite``."""
+    out = plan.out
+    if not out.is_file():
+        raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
+    marker = previous.check_replaceable_file(out)
+    if not overwrite:
+        raise KvCacheError(
+            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+        )
+    _refuse_mount_point(out)
+    plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
+    plan.obsolete, plan.kept = previous.own_data_files(out, marker, source.input_files())
 
 
 # -- graph and config -------------------------------------------------------------------
@@ -411,15 +483,16 @@ class ConvertResult:
     bytes_written: int = 0
     """Everything written: graph, config, copied data and other files."""
     converted: bool = True
-    reasons: list[str] = dataclasses.field(default_factory=list)
+    refusals: list[Refusal] = dataclasses.field(default_factory=list)
+    """Why nothing was written: each a code, the parameter it concerns and its text."""
     target: str | None = None
     """The provider gated on; ``None`` when gating was skipped (``ep=None``)."""
     target_source: str = ""
     """How the target was chosen: ``given`` (``ep=``), or ``assumed: ...`` what it was inferred from."""
-    placement: str = ""
-    """``beside``, ``elsewhere``, ``folder`` or ``in-place``."""
-    weights: str = ""
-    """``shared``, ``cloned``, ``copied``, ``linked``, ``unchanged`` or ``inline``."""
+    placement: Placement | Literal[""] = ""
+    """``beside``, ``elsewhere``, ``folder`` or ``in-place`` (a :class:`Placement`)."""
+    weights: Weights | Literal[""] = ""
+    """``shared``, ``cloned``, ``copied``, ``linked``, ``unchanged`` or ``inline`` (a :class:`Weights`)."""
     weight_bytes: int = 0
     """Size of the data files the output uses."""
     weight_bytes_written: int = 0
@@ -432,30 +505,46 @@ class ConvertResult:
     fused: int = 0
     """Attention layers fused into GroupQueryAttention first (an export)."""
 
+    @property
+    def reasons(self) -> list[str]:
+        """The refusals' texts (why nothing was written)."""
+        return list(texts(self.refusals))
+
     def weights_summary(self) -> str:
-        size = format_bytes(self.weight_bytes)
-        if self.weights == "inline":
-            return "weights: inline in the graph"
-        if self.weights == "unchanged":
-            return f"weights: unchanged ({size} in place, 0 bytes written)"
-        if self.weights == "shared":
-            name = self.shared_with.name if self.shared_with else "the input"
-            files = self.data_files
-            which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
-            return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
-        if self.weights == "cloned":
-            return f"weights: cloned {size} (0 bytes written)"
-        if self.weights == "linked":
-            return (
-                f"weights: hard-linked {size} (0 bytes written); onnx.load and onnx-ir refuse both "
-                "models' weights"
-            )
-        holes = (
-            f", {format_bytes(self.weight_bytes_written)} of data (holes kept)"
-            if self.weight_bytes_written < self.weight_bytes
-            else ""
-        )
-        return f"weights: copied {size}{holes}"
+        summary = _WEIGHTS_SUMMARIES.get(self.weights, _copied_summary) if self.weights else _copied_summary
+        return summary(self)
+
+
+def _shared_summary(result: ConvertResult) -> str:
+    name = result.shared_with.name if result.shared_with else "the input"
+    files = result.data_files
+    which = ", ".join(files) if 0 < len(files) <= 3 else f"{len(files)} data files"
+    return f"weights: {which}, shared with {name} (0 bytes)"  # the data, not the graph
+
+
+def _copied_summary(result: ConvertResult) -> str:
+    holes = (
+        f", {format_bytes(result.weight_bytes_written)} of data (holes kept)"
+        if result.weight_bytes_written < result.weight_bytes
+        else ""
+    )
+    return f"weights: copied {format_bytes(result.weight_bytes)}{holes}"
+
+
+#: ``ConvertResult.weights_summary`` per outcome.
+_WEIGHTS_SUMMARIES: dict[Weights, Callable[[ConvertResult], str]] = {
+    Weights.INLINE: lambda r: "weights: inline in the graph",
+    Weights.UNCHANGED: lambda r: (
+        f"weights: unchanged ({format_bytes(r.weight_bytes)} in place, 0 bytes written)"
+    ),
+    Weights.SHARED: _shared_summary,
+    Weights.CLONED: lambda r: f"weights: cloned {format_bytes(r.weight_bytes)} (0 bytes written)",
+    Weights.LINKED: lambda r: (
+        f"weights: hard-linked {format_bytes(r.weight_bytes)} (0 bytes written); onnx.load and onnx-ir "
+        "refuse both models' weights"
+    ),
+    Weights.COPIED: _copied_summary,
+}
 
 
 # -- conversion ----------------------------------------------------------------------
@@ -513,135 +602,189 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.files._marker`); an existing
     empty output folder is filled, with or without it.
     """
-    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
-    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
-    scales = as_kv_cache_scales(scales, stem=_model_stem(in_path))
-    named = format or (scales.implied_format if scales is not None else None)  # None: the target's
-    if named is not None:
-        get_format(named)  # an unknown name fails before any work
-    recorded = scales.granularity if scales is not None else None
-    if granularity is not None:
-        granularity = resolve_granularity(granularity, scales)  # a contradiction fails before any work
-    if weights not in (None, "copy", "link"):
-        raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
+    scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
     source = open_model_source(in_path, follow_symlinks=follow_symlinks)
     named = named or format_for(source.model)  # an already-quantized model keeps its own
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
+    _check_writable(source, plan)
+    decision = decide(_request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale))
+    result = _result(source, plan, decision)
+    if carry_out(decision):
+        _finish(source, plan, decision, result, progress)
+    return result
+
+
+def _arguments(
+    in_path: str | os.PathLike,
+    out_path: str | os.PathLike | None,
+    format: str | None,
+    granularity: str | None,
+    scales: Any,
+    weights: WeightsMode | str | None,
+    ep: str | None,
+) -> tuple[KvCacheScales | None, str | None, str | None]:
+    """The arguments that need no model, checked before any work: the scales read, the
+    format they or ``format`` name, the granularity asked (checked against the scales)."""
+    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
+    require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
+    read = as_kv_cache_scales(scales, stem=_model_stem(in_path))
+    named = format or (read.implied_format if read is not None else None)  # None: the target's
+    if named is not None:
+        get_format(named)  # an unknown name fails before any work
+    if granularity is not None:
+        granularity = resolve_granularity(granularity, read)  # a contradiction fails before any work
+    if weights is not None and weights not in _ASKED:
+        raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
+    return read, named, granularity
+
+
+def _check_writable(source: ModelSource, plan: _Plan) -> None:
+    """The folders the output is written in take new files (checked before any work)."""
+    in_place = plan.placement is Placement.IN_PLACE
     file_io.check_writable_folder(
-        source.graph.parent if plan.placement == "in-place" else plan.out if plan.fill else plan.out.parent
+        source.graph.parent if in_place else plan.out if plan.fill else plan.out.parent
     )
-    if plan.placement == "in-place" and source.config_path is not None:
+    if in_place and source.config_path is not None:
         file_io.check_writable_folder(source.config_path.parent)
 
-    model = source.model
-    said = granularity or recorded or "per_tensor"
-    result = ConvertResult(plan.out, source.graph, 0, said, named or "", placement=plan.placement)
-    refusal = None
-    fusion_said: list[warnings.WarningMessage] = []
-    if not find_attention_sites(model, with_cache_only=False):
-        fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
-        with warnings.catch_warnings(record=True) as fusion_said:  # said once it is converted
-            warnings.simplefilter("always")
-            fusion(model)
-        result.fused = fusion.fused
-        refusal = unfused_refusal(fusion.fused, fusion.refused)
-    if refusal is None and scales is None and not shared_kv_scale and named is not None:
-        states = {
-            (s.cache_format.name if s.cache_format else None, s.granularity)
-            for s in find_attention_sites(model)
-        }
-        wanted = (get_format(named).name, granularity or granularity_for(model, None))
-        if states == {wanted}:
-            refusal = f"{source.graph.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
-    if refusal is None and not find_attention_sites(model):
-        refusal = (
-            f"{source.graph.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
-            "and attention fusion found no attention to fuse: nothing to convert. Export the decoder "
-            "with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+
+def _request(
+    source: ModelSource,
+    named: str | None,
+    granularity: str | None,
+    scales: KvCacheScales | None,
+    ep: str | None,
+    check_device: bool,
+    strict: bool,
+    shared_kv_scale: bool,
+) -> Request:
+    """The pipeline's request for a conversion of ``source``."""
+    return Request(
+        source.model,
+        Entry.CONVERT,
+        named,
+        granularity,
+        scales,
+        ep.lower() if ep not in (None, AUTO) else ep,
+        source.config,
+        check_device=check_device,
+        strict=strict,
+        shared_kv_scale=shared_kv_scale,
+        name=source.graph.name,
+    )
+
+
+def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResult:
+    """What the conversion will have done, as decided (the writing fills in the rest)."""
+    fmt, granularity = decision.format, decision.granularity
+    result = ConvertResult(
+        plan.out,
+        source.graph,
+        0,
+        granularity.name if granularity is not None else "per_tensor",
+        fmt.name if fmt is not None else "",
+        placement=plan.placement,
+        fused=decision.fusion.fused,
+        converted=decision.converted,
+        refusals=list(decision.refusals),
+        target=decision.target,
+    )
+    if decision.target is not None:
+        result.target_source = f"assumed: {decision.why}" if decision.why else "given"
+    if decision.converted and fmt is not None and granularity is not None:
+        requantized = _requantized_note(
+            decision.model, fmt.name, granularity.name, decision.scales is not None
         )
-    if refusal is not None:
-        result.converted = False
-        result.reasons = [refusal]
-        if strict:
-            raise KvCacheError(refusal)
-        warn(f"Not converted: {refusal}", NotConvertedWarning)
-        return result
-    if granularity is None:
-        granularity = result.granularity = granularity_for(model, scales)
-    if ep == "auto":
-        target, why = infer_target(model, source.config, named)
-        result.target_source = f"assumed: {why}"
-    elif ep is not None:
-        target, result.target_source = ep.lower(), "given"
-    result.target = target if ep is not None else None
-    fmt = get_format(named or (ep is not None and default_format(model, target, granularity)) or "fp8")
-    scales = as_kv_cache_scales(scales, format=fmt.name)
-    result.format = fmt.name
-    if ep is not None:
-        reasons = _gate(model, target, fmt.name, granularity, check_device)
-        if reasons:
-            result.converted = False
-            result.reasons = reasons
-            message = f"KV cache not converted to {fmt.name} {granularity} for {target}: " + " ".join(reasons)
-            if strict:
-                raise KvCacheError(message)
-            warn(message, NotConvertedWarning)
-            return result
-    requantized = _requantized_note(model, fmt.name, granularity, scales is not None)
-    KvCacheQuantizationPass(fmt.name, granularity, scales, shared_kv_scale=shared_kv_scale)(model)
-    if requantized:
-        result.notes.insert(0, requantized)
-    for said in fusion_said:
-        warn(str(said.message), said.category)
+        if requantized:
+            result.notes.append(requantized)
+    return result
+
+
+def _count_ops(result: ConvertResult, model: ir.Model) -> None:
     for site in find_attention_sites(model):
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
-    for warning in conversion_warnings(model, fmt.name, result.target):
-        warn(warning)
-    cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in find_attention_sites(model))
+
+
+def _new_config(source: ModelSource, decision: Decision, result: ConvertResult) -> dict[str, Any] | None:
+    """The genai config the output gets (None: the input's, unchanged): past and present share
+    one buffer where the target does; ``provider_options`` name the provider given."""
+    if source.config is None:
+        return None
+    fmt = get_format(result.format)
+    sites = find_attention_sites(decision.model)
+    cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in sites)
     share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
-    new_config = None
-    if source.config is not None:
-        new_config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
-        if ep not in (None, "auto"):
-            new_config = _with_provider(new_config, target, result)
-        if new_config == source.config:
-            new_config = None
-    entries = [e.rel.as_posix() for e in source.entries] if plan.placement == "folder" else []
+    config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
+    if decision.request.target not in (None, AUTO):
+        config = _with_provider(config, str(decision.target), result)
+    return None if config == source.config else config
+
+
+def _finish(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult, progress: bool | None
+) -> None:
+    """Mark, serialize and write the converted model (the cache is quantized)."""
+    model = decision.model
+    _count_ops(result, model)
+    new_config = _new_config(source, decision, result)
+    entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
+    scales = decision.scales
     own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
-        fmt.name, granularity, plan.placement, plan.data_names.values(), entries, result.target, method
+        result.format,
+        result.granularity,
+        plan.placement,
+        plan.data_names.values(),
+        entries,
+        result.target,
+        method,
     )
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
-    if plan.weights == "link":
+    _warn_links(source, plan)
+    _write(source, plan, data, new_config, result, progress)
+
+
+def _warn_links(source: ModelSource, plan: _Plan) -> None:
+    """Hard-linked data files (the output's, or the input's from an earlier link) load nowhere in onnx."""
+    if plan.weights is WeightsMode.LINK:
         warn(LINK_WARNING)
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
-    if linked and plan.weights != "link":
+    if linked and plan.weights is not WeightsMode.LINK:
         warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
             "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
             "the other link is deleted."
         )
 
+
+def _write(
+    source: ModelSource,
+    plan: _Plan,
+    data: bytes,
+    config: dict[str, Any] | None,
+    result: ConvertResult,
+    progress: bool | None,
+) -> None:
+    """Write the output where the plan places it; a lost race for its name is said plainly."""
     try:
-        if plan.placement == "in-place":
-            _write_in_place(source, data, new_config, fmt.name, result)
-        elif plan.placement == "folder":
-            _write_folder(source, plan, data, new_config, result, progress)
+        if plan.placement is Placement.IN_PLACE:
+            _write_in_place(source, data, config, result.format, result)
+        elif plan.placement is Placement.FOLDER:
+            _write_folder(source, plan, data, config, result, progress)
         else:
             _write_file(source, plan, data, result, progress)
     except FileExistsError as e:  # the last rename lost a race: someone created the output meanwhile
         named = {os.path.abspath(f) for f in (e.filename, e.filename2) if isinstance(f, (str, os.PathLike))}
-        if os.path.abspath(plan.out) not in named or plan.placement == "in-place":
+        if os.path.abspath(plan.out) not in named or plan.placement is Placement.IN_PLACE:
             raise
         raise KvCacheError(
             f"Output {plan.out} was created by someone else (another conversion?) while this one ran; "
             "nothing was written and it is left as it is. Check it, or choose another output path."
         ) from None
-    return result
 
 
 #: The ``provider_options`` onnxruntime-genai reads for a provider row (cpu: none), named as
@@ -690,27 +833,12 @@ def _model_stem(in_path: Any) -> str | None:
         return None
 
 
-def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device: bool) -> list[str]:
-    """Every reason ``target`` cannot run the converted model (the capability table)."""
-    capability = cuda_compute_capability() if check_device else None
-    report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
-    reasons = list(report.reasons)
-    if check_device and capability is None and report.ep == "cuda":
-        reasons.append(
-            "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-            "left to the GPU that runs the model)."
-        )
-    if reasons and get_capabilities(target).name == "default":
-        reasons.insert(0, f"{target!r} is not a provider onnx-kvcache knows.")
-    return reasons
-
-
 def _write_in_place(
     source: ModelSource, data: bytes, config: dict[str, Any] | None, fmt: str, result: ConvertResult
 ) -> None:
     """Replace the graph (and genai_config) in one commit, keeping mode and owner."""
     graph = source.graph
-    result.weights = "unchanged" if source.data else "inline"
+    result.weights = Weights.UNCHANGED if source.data else Weights.INLINE
     result.data_files = sorted(source.data)
     for folder in {graph.parent, source.root}:
         file_io.sweep_stale(folder)
@@ -818,6 +946,37 @@ def _replaced_notes(plan: _Plan, result: ConvertResult) -> None:
     result.notes.extend(f"{note}." for note in plan.kept)
 
 
+def _stage_data(
+    source: ModelSource, plan: _Plan, tmp: pathlib.Path, result: ConvertResult, progress: bool | None
+) -> list[tuple[pathlib.Path, pathlib.Path, bool]]:
+    """The output file's own data files, copied into ``tmp`` (or hard links to make), as
+    ``publish_as_one`` takes them; says in ``result`` what became of the weights."""
+    out = plan.out
+    files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
+    if not source.data:
+        result.weights = Weights.INLINE
+        return []
+    if not files:
+        result.weights, result.shared_with = Weights.SHARED, source.graph
+        return []
+    if plan.weights is WeightsMode.LINK:
+        result.weights = Weights.LINKED
+        return [(d.real, out.parent / name, True) for d, name in files]
+    staged = []
+    copier = _Copier([d.real for d, _ in files], out.parent, progress)
+    try:
+        for i, (d, name) in enumerate(files):
+            copier.copy(d.real, tmp / str(i))
+            if plan.replaced is not None:
+                file_io.keep_mode_and_owner(tmp / str(i), plan.replaced)
+            staged.append((tmp / str(i), out.parent / name, False))
+    finally:
+        copier.close()
+    result.weights = Weights.copied(copier.cloned)
+    result.weight_bytes_written = copier.written
+    return staged
+
+
 def _write_file(
     source: ModelSource, plan: _Plan, data: bytes, result: ConvertResult, progress: bool | None
 ) -> None:
@@ -833,27 +992,7 @@ def _write_file(
     try:
         file_io.sweep_stale(out.parent)
         with _replacing(plan), file_io.TempDir(out.parent) as tmp:
-            staged = []
-            files = [(source.data[loc], name) for loc, name in plan.data_names.items()]
-            if not source.data:
-                result.weights = "inline"
-            elif not files:
-                result.weights, result.shared_with = "shared", source.graph
-            elif plan.weights == "link":
-                staged = [(d.real, out.parent / name, True) for d, name in files]
-                result.weights = "linked"
-            else:
-                copier = _Copier([d.real for d, _ in files], out.parent, progress)
-                try:
-                    for i, (d, name) in enumerate(files):
-                        copier.copy(d.real, tmp.path / str(i))
-                        if like is not None:
-                            file_io.keep_mode_and_owner(tmp.path / str(i), like)
-                        staged.append((tmp.path / str(i), out.parent / name, False))
-                finally:
-                    copier.close()
-                result.weights = "cloned" if copier.cloned else "copied"
-                result.weight_bytes_written = copier.written
+            staged = _stage_data(source, plan, tmp.path, result, progress)
             file_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
             file_io.publish_as_one(
                 out.parent,
@@ -883,6 +1022,72 @@ def _old_entries(folder: pathlib.Path) -> dict[str, os.stat_result]:
     return found
 
 
+@dataclasses.dataclass
+class _FolderCopy:
+    """Filling a temporary folder with a converted genai folder: each entry of the input
+    written (the graph, the config), hard-linked (``weights="link"``) or copied."""
+
+    source: ModelSource
+    plan: _Plan
+    data: bytes
+    config: dict[str, Any] | None
+    result: ConvertResult
+    old: dict[str, os.stat_result]
+    """The replaced output's entries: one of the same name and kind passes on its mode."""
+    written: int = 0
+    """Bytes written: the graph, the config, the copies."""
+
+    def __post_init__(self) -> None:
+        self.written = len(self.data)
+        folder = self.source.folder
+        assert folder is not None
+        self.rel_graph = pathlib.PurePosixPath(self.source.graph.relative_to(folder).as_posix())
+        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if self.source.config is not None else None
+        self.data_rel = {
+            pathlib.PurePosixPath(d.path.relative_to(folder).as_posix()): d for d in self.source.data.values()
+        }
+
+    def linked(self, rel: pathlib.PurePosixPath) -> bool:
+        return self.plan.weights is WeightsMode.LINK and rel in self.data_rel
+
+    def to_copy(self) -> list[pathlib.Path]:
+        """The input files that are copied (cloned where the filesystem can)."""
+        own = (self.rel_graph, self.rel_config)
+        return [
+            e.real
+            for e in self.source.entries
+            if e.real is not None and e.rel not in own and not self.linked(e.rel)
+        ]
+
+    def fill(self, tmp: pathlib.Path, copier: _Copier) -> None:
+        for entry in self.source.entries:
+            dst = tmp / entry.rel
+            self.entry(entry.rel, entry.real, dst, copier)
+            like = self.old.get(entry.rel.as_posix())
+            same_kind = like is not None and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
+            if like is not None and same_kind and not self.linked(entry.rel):
+                file_io.keep_mode_and_owner(dst, like)
+
+    def entry(
+        self, rel: pathlib.PurePosixPath, real: pathlib.Path | None, dst: pathlib.Path, copier: _Copier
+    ) -> None:
+        if real is None:
+            os.mkdir(dst, 0o777)
+        elif rel == self.rel_graph:
+            file_io.write_new_file(dst, self.data)
+        elif rel == self.rel_config and self.config is not None:
+            config_data = _config_bytes(self.config)
+            file_io.write_new_file(dst, config_data)
+            self.written += len(config_data)
+        elif self.linked(rel):
+            os.link(real, dst, follow_symlinks=True)
+        else:
+            n = copier.copy(real, dst)
+            self.written += n
+            if rel in self.data_rel:
+                self.result.weight_bytes_written += n
+
+
 def _write_folder(
     source: ModelSource,
     plan: _Plan,
@@ -898,60 +1103,22 @@ def _write_folder(
     before anything is created in it (so a set-group-ID folder's group passes on as it
     does there); each entry that replaces one of the same name and kind takes its mode.
     """
-    assert source.folder is not None
     out = plan.out
-    rel_graph = pathlib.PurePosixPath(source.graph.relative_to(source.folder).as_posix())
-    rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if source.config is not None else None
-    data_rel = {
-        pathlib.PurePosixPath(d.path.relative_to(source.folder).as_posix()): d for d in source.data.values()
-    }
-    result.model_file = out / rel_graph
-    result.data_files = sorted(str(r) for r in data_rel)
+    job = _FolderCopy(source, plan, data, config, result, _old_entries(out) if plan.replace else {})
+    result.model_file = out / job.rel_graph
+    result.data_files = sorted(str(r) for r in job.data_rel)
     created = file_io.make_dirs(out.parent)
     work = out if plan.fill else out.parent  # where the temporary folder is built
-    old = _old_entries(out) if plan.replace else {}
     try:
         file_io.sweep_stale(work)
-        to_copy = [
-            e
-            for e in source.entries
-            if e.real is not None
-            and e.rel not in (rel_graph, rel_config)
-            and not (plan.weights == "link" and e.rel in data_rel)
-        ]
-        copier = _Copier([e.real for e in to_copy if e.real is not None], work, progress)
-        written = len(data)
+        copier = _Copier(job.to_copy(), work, progress)
         with _replacing(plan), file_io.TempDir(work, like=plan.replaced) as tmp:
             try:
-                for entry in source.entries:
-                    dst = tmp.path / entry.rel
-                    linked = plan.weights == "link" and entry.rel in data_rel
-                    if entry.real is None:
-                        os.mkdir(dst, 0o777)
-                    elif entry.rel == rel_graph:
-                        file_io.write_new_file(dst, data)
-                    elif entry.rel == rel_config and config is not None:
-                        config_data = _config_bytes(config)
-                        file_io.write_new_file(dst, config_data)
-                        written += len(config_data)
-                    elif linked:
-                        os.link(entry.real, dst, follow_symlinks=True)
-                    else:
-                        n = copier.copy(entry.real, dst)
-                        written += n
-                        if entry.rel in data_rel:
-                            result.weight_bytes_written += n
-                    like = old.get(entry.rel.as_posix())
-                    if (
-                        like is not None
-                        and not linked
-                        and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
-                    ):
-                        file_io.keep_mode_and_owner(dst, like)
+                job.fill(tmp.path, copier)
             finally:
                 copier.close()
             if plan.fill:
-                file_io.publish_into_empty(tmp, out, rel_config or rel_graph)
+                file_io.publish_into_empty(tmp, out, job.rel_config or job.rel_graph)
             else:
                 with file_io.uninterrupted(completes=True):
                     tmp.publish(out, replace=plan.replace)
@@ -959,15 +1126,21 @@ def _write_folder(
         if not os.path.lexists(out):
             file_io.remove_empty_dirs(created)
         raise
+    _folder_written(source, plan, job, copier.cloned)
+
+
+def _folder_written(source: ModelSource, plan: _Plan, job: _FolderCopy, cloned: bool) -> None:
+    """What the folder's result says once it is in place."""
+    result = job.result
     if not source.data:
-        result.weights = "inline"
-    elif plan.weights == "link":
-        result.weights = "linked"
+        result.weights = Weights.INLINE
+    elif plan.weights is WeightsMode.LINK:
+        result.weights = Weights.LINKED
     else:
-        result.weights = "cloned" if copier.cloned else "copied"
-    result.bytes_written = written
+        result.weights = Weights.copied(cloned)
+    result.bytes_written = job.written
     _replaced_notes(plan, result)
-    if config is not None:
+    if job.config is not None:
         result.notes.append(
-            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(config)).lower()}."
+            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(job.config)).lower()}."
         )

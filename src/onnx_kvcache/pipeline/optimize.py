@@ -4,7 +4,8 @@ It never returns a model that cannot load where the user said it will run: when 
 request cannot be honoured it warns once with every reason and returns the model as it was,
 unfused and unconverted (``strict=True`` raises instead); an error leaves it as it was too.
 It returns the model, always: ask :func:`~onnx_kvcache.capabilities.table.check_kv_cache_support`
-or :func:`~onnx_kvcache.cache.layout.inspect_kv_cache` what became of it.
+or :func:`~onnx_kvcache.cache.layout.inspect_kv_cache` what became of it. The decision is
+:mod:`onnx_kvcache.pipeline.decision`'s, as ``convert_model``'s.
 """
 
 from __future__ import annotations
@@ -12,47 +13,18 @@ from __future__ import annotations
 __all__ = ["optimize_model"]
 
 import contextlib
-import dataclasses
-import logging
 import re
-import warnings
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
-from onnx_kvcache.capabilities.table import check_kv_cache_support, conversion_warnings, infer_target
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
-from onnx_kvcache.files.reading import ModelLike, as_model, check_defined
-from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
-from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
-from onnx_kvcache.scales.files import ScalesLike, as_kv_cache_scales, resolve_granularity
-
-AUTO = "auto"
-logger = logging.getLogger(__name__)
-
-
-def _target(model: ir.Model, ep: str | None, fmt: str | None) -> tuple[str | None, str]:
-    """``(provider, how it was chosen)``: ``ep`` as given, or for ``"auto"`` where the model
-    will run (:func:`~onnx_kvcache.capabilities.table.infer_target`; an fp8 cache means CUDA)."""
-    if ep != AUTO:
-        return ep, ""
-    return infer_target(model, format=fmt)
-
-
-def _fused(model: ir.Model) -> tuple[ir.Model, list[warnings.WarningMessage], str | None]:
-    """A fused copy of ``model``, the warnings the fusion gave (said only if it is kept) and
-    why converting it must not go on (:func:`unfused_refusal`: attention left unfused)."""
-    check_defined(model.graph)
-    fused = model.clone()
-    fusion = GqaFusionPass()
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        fusion(fused)
-    return fused, said, unfused_refusal(fusion.fused, fusion.refused)
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.files.reading import ModelLike, as_model
+from onnx_kvcache.passes.kv_cache_quantization import format_for
+from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
+from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
 
 
 def _commit(model: ir.Model, work: ir.Model) -> None:
@@ -62,6 +34,76 @@ def _commit(model: ir.Model, work: ir.Model) -> None:
         model.ir_version = work.ir_version  # float8 caches raise it
         model.functions.clear()
         model.functions.update(work.functions)
+
+
+def _check_options(
+    execution_provider: str | None, fp8_kv_cache: bool, kv_cache_format: str | None, fuse_attention: object
+) -> str | None:
+    """The options that need no model, checked; the format ``fp8_kv_cache`` names."""
+    if fuse_attention not in (True, False, "auto"):
+        raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
+    if fp8_kv_cache:
+        if kv_cache_format not in (None, "fp8"):
+            raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
+        kv_cache_format = "fp8"
+    if execution_provider is not None and (not isinstance(execution_provider, str) or not execution_provider):
+        raise KvCacheError(
+            f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
+            f"{execution_provider!r}."
+        )
+    return kv_cache_format
+
+
+def _format_and_scales(
+    model: ir.Model, kv_cache_format: str | None, scales: ScalesLike, granularity: str | None, shared: bool
+) -> tuple[str | None, KvCacheScales | None]:
+    """The format to convert to (None: fuse only) and the scales read for it.
+
+    An already-quantized model's own format is requantized unless another is named; scales
+    without a format give the one they were made for."""
+    own = format_for(model)
+    if kv_cache_format is None and scales is not None:  # as convert: the scales' format
+        scales = as_kv_cache_scales(scales)  # a file is read once
+        implied = scales.implied_format if scales is not None else None
+        kv_cache_format = implied or own
+        if kv_cache_format is None:
+            raise KvCacheError(
+                "kv_cache_scales were given without kv_cache_format, and they record no format: "
+                "name it (kv_cache_format='int8', ...)."
+            )
+    if kv_cache_format is None and (granularity is not None or shared):
+        if own is None:
+            raise KvCacheError(
+                "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its "
+                "format (kv_cache_format='int8', ...) or drop them."
+            )
+        kv_cache_format = own
+    if not kv_cache_format:
+        return None, None
+    fmt = get_format(kv_cache_format).name
+    read = as_kv_cache_scales(scales, format=fmt)
+    resolve_granularity(granularity, read)  # a contradiction fails before any work
+    return fmt, read
+
+
+def _request(model: ModelLike, options: dict[str, Any], fmt: str | None) -> Request:
+    """The decision's request for ``optimize_model``'s arguments (``options``: the rest)."""
+    model = as_model(model)
+    shared = options["shared_kv_scale"]
+    granularity = options["kv_cache_granularity"]
+    fmt, scales = _format_and_scales(model, fmt, options["kv_cache_scales"], granularity, shared)
+    return Request(
+        model,
+        Entry.OPTIMIZE,
+        fmt,
+        resolve_granularity(granularity, scales) if granularity is not None else None,
+        scales,
+        options["execution_provider"],
+        fuse=options["fuse_attention"],
+        check_device=options["check_device"],
+        strict=options["strict"],
+        shared_kv_scale=shared,
+    )
 
 
 def optimize_model(
@@ -106,92 +148,14 @@ def optimize_model(
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
         warning, as it was.
     """
+    options = dict(locals())
     with _in_optimize_words():
-        if fuse_attention not in (True, False, "auto"):
-            raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
-        model = as_model(model)
-        if fp8_kv_cache:
-            if kv_cache_format not in (None, "fp8"):
-                raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
-            kv_cache_format = "fp8"
-        if execution_provider is not None and (
-            not isinstance(execution_provider, str) or not execution_provider
-        ):
-            raise KvCacheError(
-                f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
-                f"{execution_provider!r}."
-            )
-        own = format_for(model)  # an already-quantized model's: requantized in it unless named
-        if kv_cache_format is None and kv_cache_scales is not None:  # as convert: the scales' format
-            kv_cache_scales = as_kv_cache_scales(kv_cache_scales)  # a file is read once
-            implied = kv_cache_scales.implied_format if kv_cache_scales is not None else None
-            kv_cache_format = implied or own
-            if kv_cache_format is None:
-                raise KvCacheError(
-                    "kv_cache_scales were given without kv_cache_format, and they record no format: "
-                    "name it (kv_cache_format='int8', ...)."
-                )
-        if kv_cache_format is None and (kv_cache_granularity is not None or shared_kv_scale):
-            if own is None:
-                raise KvCacheError(
-                    "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its "
-                    "format (kv_cache_format='int8', ...) or drop them."
-                )
-            kv_cache_format = own
-        scales = (
-            as_kv_cache_scales(kv_cache_scales, format=get_format(kv_cache_format).name)
-            if kv_cache_format
-            else None
-        )
-        resolve_granularity(kv_cache_granularity, scales)  # a contradiction fails before any work
-        had_attention = bool(find_attention_sites(model, with_cache_only=False))
-        work = model  # converted in a copy when fusing: a refusal or error leaves model as it was
-        said: list[warnings.WarningMessage] = []
-        unfused = None
-        if fuse_attention is True or (fuse_attention == "auto" and not had_attention):
-            work, said, unfused = _fused(model)
-        if kv_cache_format is not None and unfused is not None:  # all or nothing, as convert
-            return _refuse(model, "KV cache not converted", unfused, strict)
-        target, why = _target(work, execution_provider, kv_cache_format)
-        logger.info("optimize_model: target %s (%s).", target, why or "given")
-        if target is not None and not had_attention and find_attention_sites(work):
-            fusion = check_kv_cache_support(work, target, None, "per_tensor")  # the float attention
-            if not fusion.supported:
-                where = f"Attention not fused for {_named(target, why)}"
-                return _refuse(model, where, " ".join(fusion.reasons), strict)
-        if kv_cache_format is None:
-            _commit(model, work)
-            _say(said)
-            return model
-        fmt = get_format(kv_cache_format)
-        quantize = KvCacheQuantizationPass(
-            fmt.name, kv_cache_granularity, scales, shared_kv_scale=shared_kv_scale
-        )
-        if target is None:
-            quantize(work)
-            _commit(model, work)
-            _say(said)
-            for warning in conversion_warnings(model, fmt.name):
-                warn(warning)
-            return model
-        capability = cuda_compute_capability() if check_device else None
-        granularity = quantize.granularity or granularity_for(work, scales)
-        report = check_kv_cache_support(work, target, fmt.name, granularity, compute_capability=capability)
-        if check_device and capability is None and report.ep == "cuda":
-            no_gpu = (
-                "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-                "left to the GPU that runs the model)."
-            )
-            report = dataclasses.replace(report, supported=False, reasons=(*report.reasons, no_gpu))
-        if not report.supported:
-            where = f"KV cache not converted to {fmt.name} {granularity} for {_named(target, why)}"
-            return _refuse(model, where, " ".join(report.reasons), strict)
-        quantize(work)
-        _commit(model, work)
-        _say(said)
-        for warning in report.warnings:
-            warn(warning)
-        return model
+        fmt = _check_options(execution_provider, fp8_kv_cache, kv_cache_format, fuse_attention)
+        request = _request(options.pop("model"), options, fmt)
+        decision = decide(request)
+        if carry_out(decision):
+            _commit(request.model, decision.model)
+        return request.model
 
 
 @contextlib.contextmanager
@@ -204,24 +168,3 @@ def _in_optimize_words() -> Iterator[None]:
         if worded == str(error):
             raise
         raise type(error)(worded) from error
-
-
-def _refuse(model: ir.Model, where: str, reasons: str, strict: bool) -> ir.Model:
-    """The model as it was, with one warning (``strict``: an error) saying why."""
-    message = f"{where}: {reasons}"
-    if strict:
-        raise KvCacheError(message)
-    warn(message, NotConvertedWarning)
-    return model
-
-
-def _say(said: list[warnings.WarningMessage]) -> None:
-    for warning in said:
-        warn(str(warning.message), warning.category)
-
-
-def _named(target: str | None, why: str) -> str:
-    """The target as a message names it: with how it was inferred and how to name another."""
-    if not why:
-        return str(target)
-    return f"{target} (inferred: {why}; name the target with execution_provider=...)"

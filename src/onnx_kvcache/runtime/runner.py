@@ -44,8 +44,9 @@ from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning, require_type
 from onnx_kvcache.files.genai_folder import eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
-from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING, GqaFusionPass
+from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
+from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.runtime._cache import (
     CacheBinding,
     CacheLayout,
@@ -79,7 +80,7 @@ def _fused(model: ir.Model) -> ir.Model:
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
-        modified = GqaFusionPass()(model).modified
+        modified = fuse_unless_attention(model, record=False).modified
     if modified:
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
     return model

@@ -1,0 +1,371 @@
+"""One decision for ``convert_model`` and ``optimize_model``: a :class:`Request` in, a :class:`Decision` out.
+
+Rules, in order, each a function:
+
+1. :func:`fuse_unless_attention`: a model without attention nodes (an export) is fused first;
+   the fusion's warnings are recorded, said only if the result is kept.
+2. A layer left unfused refuses a conversion (all or nothing); ``convert_model`` also refuses a
+   model with nothing to convert (no attention after fusion, or already as asked).
+3. :func:`target_of`: the provider given, or the one the model will run on
+   (:func:`~onnx_kvcache.capabilities.gating.infer_target`).
+4. ``optimize_model``: a fused float attention the target cannot run is refused.
+5. :func:`plan`: the granularity (given, else the scales' or the model's) and the format
+   (named, else for ``convert_model`` the first the target runs).
+6. :func:`gate`: every :class:`~onnx_kvcache.capabilities.refusals.Refusal` of the capability rows
+   (``check_device``: no CUDA GPU here is one).
+
+:func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
+decided and replays the warnings, or warns why nothing was done. How the two entry points
+differ is a row of :data:`ENTRIES`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ENTRIES",
+    "Decision",
+    "Entry",
+    "EntryRules",
+    "Fusion",
+    "Request",
+    "carry_out",
+    "decide",
+    "fuse_unless_attention",
+    "gate",
+    "plan",
+    "target_of",
+]
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import onnx_ir as ir
+
+from onnx_kvcache._enums import StrEnum
+from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
+from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.capabilities.device import cuda_compute_capability
+from onnx_kvcache.capabilities.gating import (
+    NO_ATTENTION,
+    check_kv_cache_support,
+    conversion_warnings,
+    default_format,
+    infer_target,
+)
+from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
+from onnx_kvcache.capabilities.rows import get_capabilities
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
+from onnx_kvcache.files.reading import check_defined
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
+from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
+
+AUTO: Literal["auto"] = "auto"
+logger = logging.getLogger(__name__)
+
+NO_CUDA_DEVICE = Refusal(
+    RefusalCode.NO_CUDA_DEVICE,
+    Parameter.CHECK_DEVICE,
+    "check_device=True: no CUDA GPU found on this machine (without it, the check is left to the "
+    "GPU that runs the model).",
+)
+
+
+class Entry(StrEnum):
+    """The public function a request comes from."""
+
+    CONVERT = "convert_model"
+    OPTIMIZE = "optimize_model"
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryRules:
+    """How one entry point's decision differs from the other's."""
+
+    fuse_in_copy: bool
+    """Fuse a copy, so that a refusal leaves the caller's model as it was."""
+    choose_format: bool
+    """No format named takes the target's first; else it means fusing only."""
+    refuse_nothing_to_do: bool
+    """Refuse a model with no attention after fusion, or already in the format asked."""
+    gate_fusion: bool
+    """Refuse a fused float attention the target cannot run (rule 4)."""
+    explain_target: bool
+    """Messages say how the target was inferred and how to name another."""
+    name_unknown_provider: bool
+    """A gate refusal for a provider the table does not know says so first."""
+    refused_head: str
+    """What a refusal before gating (rule 2) warns with."""
+    raise_bare: bool
+    """``strict`` raises rule 2's refusal without :attr:`refused_head`."""
+
+
+ENTRIES: dict[Entry, EntryRules] = {
+    Entry.CONVERT: EntryRules(False, True, True, False, False, True, "Not converted", True),
+    Entry.OPTIMIZE: EntryRules(True, False, False, True, True, False, "KV cache not converted", False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a caller asks, validated by its entry point (names resolved, scales read)."""
+
+    model: ir.Model
+    entry: Entry
+    format: str | None = None
+    granularity: str | None = None
+    """As given (checked against the scales); None: the scales' or the model's."""
+    scales: KvCacheScales | None = None
+    target: str | None = AUTO
+    """A provider, ``"auto"`` (infer it) or None (no gating)."""
+    genai_config: Mapping[str, Any] | None = None
+    fuse: bool | Literal["auto"] = AUTO
+    check_device: bool = False
+    strict: bool = False
+    shared_kv_scale: bool = False
+    name: str = "The model"
+    """The model as messages name it (its file name)."""
+
+    @property
+    def rules(self) -> EntryRules:
+        return ENTRIES[self.entry]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """What :func:`fuse_unless_attention` did."""
+
+    model: ir.Model
+    """The model to go on with: the one given, or its fused copy."""
+    had_attention: bool
+    ran: bool = False
+    fused: int = 0
+    """Layers fused."""
+    modified: bool = False
+    refusal: Refusal | None = None
+    """A layer left unfused (:func:`~onnx_kvcache.passes.fusion.gqa_fusion.unfused_refusal`)."""
+    said: tuple[warnings.WarningMessage, ...] = ()
+    """The fusion's warnings, recorded (``record=True``) to say once the result is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do with a request: convert (no refusals) or say why not."""
+
+    request: Request
+    fusion: Fusion
+    target: str | None = None
+    why: str = ""
+    """How the target was inferred (``""``: given, or none)."""
+    format: CacheFormat | None = None
+    granularity: ScaleGranularity | None = None
+    scales: KvCacheScales | None = None
+    """The request's scales, retargeted to :attr:`format`."""
+    refusals: tuple[Refusal, ...] = ()
+    message: str = ""
+    """The :class:`~onnx_kvcache.errors.NotConvertedWarning` a refusal says."""
+    warnings: tuple[str, ...] = ()
+    """Said once converted (the capability rows' warnings for the format)."""
+
+    @property
+    def model(self) -> ir.Model:
+        return self.fusion.model
+
+    @property
+    def converted(self) -> bool:
+        return not self.refusals
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return texts(self.refusals)
+
+
+def fuse_unless_attention(
+    model: ir.Model, when: bool | Literal["auto"] = AUTO, *, in_copy: bool = False, record: bool = True
+) -> Fusion:
+    """Fuse ``model``'s attention into GroupQueryAttention (:class:`GqaFusionPass`) when it has
+    no attention node (``when="auto"``), always (``True``) or never (``False``).
+
+    ``in_copy`` fuses a clone (the model given stays as it is); ``record`` keeps the fusion's
+    warnings in :attr:`Fusion.said` instead of saying them (the caller's filters apply then).
+    """
+    had = bool(find_attention_sites(model, with_cache_only=False))
+    if when is False or (when == AUTO and had):
+        return Fusion(model, had)
+    if in_copy:
+        check_defined(model.graph)
+        model = model.clone()
+    fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
+    with warnings.catch_warnings(record=record) as said:
+        if record:
+            warnings.simplefilter("always")
+        modified = fusion(model).modified
+    refused = unfused_refusal(fusion.fused, fusion.refused)
+    refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
+    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(said or ()))
+
+
+def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
+    """``convert_model``'s refusal of a model already as asked, or without attention to convert."""
+    if request.scales is None and not request.shared_kv_scale and request.format is not None:
+        states = {
+            (s.cache_format.name if s.cache_format else None, s.granularity)
+            for s in find_attention_sites(model)
+        }
+        wanted = (get_format(request.format).name, request.granularity or granularity_for(model, None))
+        if states == {wanted}:
+            text = f"{request.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
+            return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
+    if not find_attention_sites(model):
+        text = (
+            f"{request.name} has no GroupQueryAttention or PagedAttention node with a KV cache, "
+            "and attention fusion found no attention to fuse: nothing to convert. Export the decoder "
+            "with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+        )
+        return dataclasses.replace(NO_ATTENTION, text=text)
+    return None
+
+
+def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
+    """Rule 2: a layer left unfused (when the cache is to be converted), nothing to convert."""
+    rules = request.rules
+    if fusion.refusal is not None and (request.format is not None or rules.choose_format):
+        return fusion.refusal
+    return _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
+
+
+def target_of(request: Request, model: ir.Model) -> tuple[str | None, str]:
+    """``(provider, how it was inferred)``: the request's, or for ``"auto"`` where ``model`` will
+    run (an fp8 cache: CUDA; a genai config's provider; the dtype)."""
+    if request.target != AUTO:
+        return request.target, ""
+    return infer_target(model, request.genai_config, request.format)
+
+
+def _named(target: str | None, why: str, explain: bool) -> str:
+    """The target as a message names it (``explain``: with how it was inferred)."""
+    if not why or not explain:
+        return str(target)
+    return f"{target} (inferred: {why}; name the target with execution_provider=...)"
+
+
+def _fusion_refusals(request: Request, fusion: Fusion, target: str | None) -> tuple[Refusal, ...]:
+    """Rule 4: the fused float attention on the target (``optimize_model``)."""
+    if not request.rules.gate_fusion or target is None or fusion.had_attention:
+        return ()
+    if not find_attention_sites(fusion.model):
+        return ()
+    return check_kv_cache_support(fusion.model, target, None, "per_tensor").refusals
+
+
+def plan(
+    request: Request, model: ir.Model, target: str | None
+) -> tuple[CacheFormat | None, ScaleGranularity]:
+    """Rule 5: the format (None: fuse only) and the granularity to convert with."""
+    granularity = request.granularity
+    name = request.format
+    if name is None and not request.rules.choose_format:
+        return None, scale_granularity(granularity or "per_tensor")
+    granularity = granularity or granularity_for(model, request.scales)
+    if name is None:
+        name = (target is not None and default_format(model, target, granularity)) or "fp8"
+    return get_format(name), scale_granularity(granularity)
+
+
+def gate(
+    model: ir.Model,
+    target: str,
+    fmt: str,
+    granularity: str,
+    *,
+    check_device: bool = False,
+    name_unknown: bool = False,
+) -> tuple[Refusal, ...]:
+    """Rule 6: every refusal of ``target``'s capability rows for the converted model."""
+    capability = cuda_compute_capability() if check_device else None
+    report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
+    refusals = list(report.refusals)
+    if check_device and capability is None and report.ep == "cuda":
+        refusals.append(NO_CUDA_DEVICE)
+    if refusals and name_unknown and get_capabilities(target).name == "default":
+        text = f"{target!r} is not a provider onnx-kvcache knows."
+        refusals.insert(0, Refusal(RefusalCode.UNKNOWN_PROVIDER, Parameter.EP, text))
+    return tuple(refusals)
+
+
+def _refused(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, bare: bool = False) -> Decision:
+    """``decision`` refused with ``refusals``: ``strict`` raises (``bare``: the texts alone)."""
+    message = f"{head}: {' '.join(texts(refusals))}"
+    if decision.request.strict:
+        raise KvCacheError(" ".join(texts(refusals)) if bare else message)
+    return dataclasses.replace(decision, refusals=refusals, message=message)
+
+
+def decide(request: Request) -> Decision:
+    """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
+    rules = request.rules
+    fusion = fuse_unless_attention(request.model, request.fuse, in_copy=rules.fuse_in_copy)
+    said = scale_granularity(_said_granularity(request))  # until the model decides
+    decision = Decision(request, fusion, format=_named_format(request), granularity=said)
+    early = _early_refusal(request, fusion)
+    if early is not None:
+        return _refused(decision, rules.refused_head, (early,), bare=rules.raise_bare)
+    target, why = target_of(request, fusion.model)
+    logger.info("%s: target %s (%s).", request.entry, target, why or "given")
+    decision = dataclasses.replace(decision, target=target, why=why)
+    named = _named(target, why, rules.explain_target)
+    if refusals := _fusion_refusals(request, fusion, target):
+        return _refused(decision, f"Attention not fused for {named}", refusals)
+    fmt, granularity = plan(request, fusion.model, target)
+    scales = as_kv_cache_scales(request.scales, format=fmt.name) if fmt is not None else request.scales
+    decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
+    if fmt is None:
+        return decision
+    if target is not None:
+        refusals = gate(
+            fusion.model,
+            target,
+            fmt.name,
+            granularity.name,
+            check_device=request.check_device,
+            name_unknown=rules.name_unknown_provider,
+        )
+        if refusals:
+            head = f"KV cache not converted to {fmt.name} {granularity.name} for {named}"
+            return _refused(decision, head, refusals)
+    return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
+
+
+def _named_format(request: Request) -> CacheFormat | None:
+    return get_format(request.format) if request.format is not None else None
+
+
+def _said_granularity(request: Request) -> str:
+    """The granularity before the model decides (given, the scales' or per tensor)."""
+    recorded = request.scales.granularity if request.scales is not None else None
+    return request.granularity or recorded or "per_tensor"
+
+
+def carry_out(decision: Decision) -> bool:
+    """Quantize the decided model's cache and say the fusion's and the rows' warnings; or, for
+    a refused decision, warn why (:class:`~onnx_kvcache.errors.NotConvertedWarning`). Whether
+    it was carried out."""
+    if decision.refusals:
+        warn(decision.message, NotConvertedWarning)
+        return False
+    request = decision.request
+    if decision.format is not None and decision.granularity is not None:
+        KvCacheQuantizationPass(
+            decision.format.name,
+            decision.granularity.name,
+            decision.scales,
+            shared_kv_scale=request.shared_kv_scale,
+        )(decision.model)
+    for said in decision.fusion.said:
+        warn(str(said.message), said.category)
+    for warning in decision.warnings:
+        warn(warning)
+    return True
