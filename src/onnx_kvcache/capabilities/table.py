@@ -41,7 +41,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity
 from onnx_kvcache.cache.operators import GQA, PAGED, AttentionOp, get_op
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.errors import require_type
+from onnx_kvcache.errors import Message, Param, require_type
 from onnx_kvcache.files._marker import MARKER_KEY, converted_for
 from onnx_kvcache.files.genai_folder import provider_names
 from onnx_kvcache.files.reading import ModelLike, as_model
@@ -565,8 +565,12 @@ def fast_path_diagnostics(
             k = site.input("k_scale")
             if k is None or k is not site.input("v_scale"):
                 reasons.append(
-                    f"onnxruntime {version} < {before} needs k_scale and v_scale to be one tensor "
-                    "(convert with shared_kv_scale=True)"
+                    Message(
+                        f"onnxruntime {version} < {before} needs k_scale and v_scale to be one tensor "
+                        "(convert with ",
+                        Param("shared_kv_scale", True),
+                        ")",
+                    )
                 )
         reports.append(FastPathReport(site.name, site.layer_id, not reasons, tuple(reasons), site.op.op_type))
     return reports

@@ -43,7 +43,7 @@ from onnx_kvcache.cache.formats import (
     get_format,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
+from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.table import (
     check_kv_cache_support,
     conversion_warnings,
@@ -51,7 +51,7 @@ from onnx_kvcache.capabilities.table import (
     get_capabilities,
     infer_target,
 )
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, require_type, warn
+from onnx_kvcache.errors import KvCacheError, Message, NotConvertedWarning, Param, require_type, warn
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
@@ -71,6 +71,7 @@ LINK_WARNING = (
     "load_external_data=False)), onnxruntime and onnxruntime-genai load both."
 )
 
+IN_PLACE, OVERWRITE = Param("in_place", True), Param("overwrite", True)
 
 # -- planning a conversion --------------------------------------------------------------
 
@@ -158,7 +159,7 @@ def _refuse_mount_point(out: pathlib.Path) -> None:
         raise KvCacheError(f"Output {out} is a mount point, which cannot be replaced. {fix}")
 
 
-def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib.Path) -> str:
+def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib.Path) -> Message:
     """Why a folder is not converted to a path inside itself, and what does what was meant.
 
     "Beside" is a placement of model files: a folder converts to another folder or in place.
@@ -167,15 +168,15 @@ def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib
     """
     message = f"Output {out} is inside the input folder {source.folder}; a folder converts to another folder"
     if out.suffix != ".onnx":
-        return f"{message}. Choose another path."
+        return Message(f"{message}. Choose another path.")
     if out_real == pathlib.Path(os.path.realpath(source.graph)):
-        return f"{message}. {out.name} is its model file: use in_place=True to rewrite the folder."
+        return Message(f"{message}. {out.name} is its model file: use ", IN_PLACE, " to rewrite the folder.")
     kept = f"; {GENAI_CONFIG} keeps naming {source.graph.name}" if source.config is not None else ""
     return (
         f"{message}. For a converted graph beside {source.graph.name} (sharing its weights), give the "
         f"model file {source.graph} as the input and an output in its folder{kept}. For the folder "
-        "to run the converted graph, use in_place=True."
-    )
+        "to run the converted graph, use "
+    ) + Message(IN_PLACE, ".")
 
 
 def _plan(
@@ -193,10 +194,13 @@ def _plan(
         if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
             source.folder or source.graph
         ):
-            raise KvCacheError("Give either an output path or in_place=True, not both.")
+            raise KvCacheError("Give either an output path or ", IN_PLACE, ", not both.")
         if weights is not None:
             raise KvCacheError(
-                "in_place=True keeps the data files where they are; weights=MODE does not apply."
+                IN_PLACE,
+                " keeps the data files where they are; ",
+                Param("weights", placeholder="MODE"),
+                " does not apply.",
             )
         for path in (source.graph, source.config_path):
             if path is not None and path.is_symlink():
@@ -212,7 +216,7 @@ def _plan(
             )
         return _Plan("in-place", source.folder or source.graph, "share")
     if out_path is None:
-        raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
+        raise KvCacheError("Give an output path, or ", IN_PLACE, " to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
     out_real = _real(out)
     root_real = pathlib.Path(os.path.realpath(source.root))
@@ -221,7 +225,7 @@ def _plan(
 
     if source.folder is not None:
         if out_real == root_real:
-            raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
+            raise KvCacheError(f"Output {out} is the input; use ", IN_PLACE, " to rewrite it.")
         if _is_within(out_real, root_real):
             raise KvCacheError(_inside_the_folder(source, out, out_real))
         if _is_within(root_real, out_real):
@@ -248,8 +252,9 @@ def _plan(
             previous.check_replaceable_folder(out)
             if not overwrite:
                 raise KvCacheError(
-                    f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to "
-                    "replace it."
+                    f"Output {out} exists (a previous output of onnx-kvcache); pass ",
+                    OVERWRITE,
+                    " to replace it.",
                 )
             if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), out_real):
                 raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
@@ -263,8 +268,8 @@ def _plan(
             if out_real == pathlib.Path(os.path.realpath(source.graph))
             else "a file the input uses"
         )
-        fix = "; use in_place=True to rewrite it" if what == "the input" else ""
-        raise KvCacheError(f"Output {out} is {what}{fix}.")
+        fix = Message("; use ", IN_PLACE, " to rewrite it") if what == "the input" else ""
+        raise KvCacheError(f"Output {out} is {what}", fix, ".")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         if previous.is_output_folder(out):  # a file of ours in it would block its replacement
             raise KvCacheError(
@@ -287,9 +292,10 @@ def _plan(
         raise KvCacheError(
             f"The input's data file {linked[0].path.name} is a symbolic link (to {linked[0].real}); onnx "
             "refuses linked external data (onnxruntime too, when it leads out of the folder), so an "
-            "output sharing it would not load. "
-            "Convert into another folder (the linked content is copied), or pass weights='copy' for "
-            "this output's own copy."
+            "output sharing it would not load. Convert into another folder (the linked content is "
+            "copied), or pass ",
+            Param("weights", "copy"),
+            " for this output's own copy.",
         )
     plan = _Plan("beside" if beside else "elsewhere", out, mode)
     if os.path.lexists(out):
@@ -298,7 +304,9 @@ def _plan(
         marker = previous.check_replaceable_file(out)
         if not overwrite:
             raise KvCacheError(
-                f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+                f"Output {out} exists (a previous output of onnx-kvcache); pass ",
+                OVERWRITE,
+                " to replace it.",
             )
         _refuse_mount_point(out)
         plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
@@ -582,7 +590,9 @@ def convert_model(
         if reasons:
             result.converted = False
             result.reasons = reasons
-            message = f"KV cache not converted to {fmt.name} {granularity} for {target}: " + " ".join(reasons)
+            message = Message(
+                f"KV cache not converted to {fmt.name} {granularity} for {target}: ", Message.joined(reasons)
+            )
             if strict:
                 raise KvCacheError(message)
             warn(message, NotConvertedWarning)
@@ -592,7 +602,7 @@ def convert_model(
     if requantized:
         result.notes.insert(0, requantized)
     for said in fusion_said:
-        warn(str(said.message), said.category)
+        warn(said.message, said.category)
     for site in find_attention_sites(model):
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
@@ -621,9 +631,12 @@ def convert_model(
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
     if linked and plan.weights != "link":
         warn(
-            f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
-            "the other link is deleted."
+            Message(
+                f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier ",
+                Param("weights", "link"),
+                "?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until the other "
+                "link is deleted.",
+            )
         )
 
     try:
@@ -696,10 +709,7 @@ def _gate(model: ir.Model, target: str, fmt: str, granularity: str, check_device
     report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
     reasons = list(report.reasons)
     if check_device and capability is None and report.ep == "cuda":
-        reasons.append(
-            "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-            "left to the GPU that runs the model)."
-        )
+        reasons.append(NO_GPU)
     if reasons and get_capabilities(target).name == "default":
         reasons.insert(0, f"{target!r} is not a provider onnx-kvcache knows.")
     return reasons

@@ -11,21 +11,27 @@ from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
-import contextlib
 import dataclasses
 import logging
-import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
+from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.table import check_kv_cache_support, conversion_warnings, infer_target
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
+from onnx_kvcache.errors import (
+    OPTIMIZE_MODEL,
+    KvCacheError,
+    Message,
+    NotConvertedWarning,
+    Param,
+    speaking,
+    warn,
+)
 from onnx_kvcache.files.reading import ModelLike, as_model, check_defined
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
@@ -106,20 +112,24 @@ def optimize_model(
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
         warning, as it was.
     """
-    with _in_optimize_words():
+    with speaking(OPTIMIZE_MODEL):
         if fuse_attention not in (True, False, "auto"):
-            raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
+            raise KvCacheError(
+                Param("fuse_attention"), f" must be True, False or 'auto', got {fuse_attention!r}."
+            )
         model = as_model(model)
         if fp8_kv_cache:
             if kv_cache_format not in (None, "fp8"):
-                raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
+                raise KvCacheError(
+                    Param("fp8_kv_cache", True), " conflicts with ", Param("format", kv_cache_format), "."
+                )
             kv_cache_format = "fp8"
         if execution_provider is not None and (
             not isinstance(execution_provider, str) or not execution_provider
         ):
             raise KvCacheError(
-                f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
-                f"{execution_provider!r}."
+                Param("ep"),
+                f" must name a provider (cpu, cuda, ...), 'auto' or None; got {execution_provider!r}.",
             )
         own = format_for(model)  # an already-quantized model's: requantized in it unless named
         if kv_cache_format is None and kv_cache_scales is not None:  # as convert: the scales' format
@@ -128,14 +138,22 @@ def optimize_model(
             kv_cache_format = implied or own
             if kv_cache_format is None:
                 raise KvCacheError(
-                    "kv_cache_scales were given without kv_cache_format, and they record no format: "
-                    "name it (kv_cache_format='int8', ...)."
+                    Param("scales"),
+                    " were given without ",
+                    Param("format"),
+                    ", and they record no format: name it (",
+                    Param("format", "int8"),
+                    ", ...).",
                 )
         if kv_cache_format is None and (kv_cache_granularity is not None or shared_kv_scale):
             if own is None:
                 raise KvCacheError(
-                    "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its "
-                    "format (kv_cache_format='int8', ...) or drop them."
+                    Param("granularity"),
+                    " and ",
+                    Param("shared_kv_scale"),
+                    " apply to a quantized cache: name its format (",
+                    Param("format", "int8"),
+                    ", ...) or drop them.",
                 )
             kv_cache_format = own
         scales = (
@@ -157,8 +175,8 @@ def optimize_model(
         if target is not None and not had_attention and find_attention_sites(work):
             fusion = check_kv_cache_support(work, target, None, "per_tensor")  # the float attention
             if not fusion.supported:
-                where = f"Attention not fused for {_named(target, why)}"
-                return _refuse(model, where, " ".join(fusion.reasons), strict)
+                where = Message("Attention not fused for ", _named(target, why))
+                return _refuse(model, where, fusion.reasons, strict)
         if kv_cache_format is None:
             _commit(model, work)
             _say(said)
@@ -178,14 +196,10 @@ def optimize_model(
         granularity = quantize.granularity or granularity_for(work, scales)
         report = check_kv_cache_support(work, target, fmt.name, granularity, compute_capability=capability)
         if check_device and capability is None and report.ep == "cuda":
-            no_gpu = (
-                "check_device=True: no CUDA GPU found on this machine (without it, the check is "
-                "left to the GPU that runs the model)."
-            )
-            report = dataclasses.replace(report, supported=False, reasons=(*report.reasons, no_gpu))
+            report = dataclasses.replace(report, supported=False, reasons=(*report.reasons, NO_GPU))
         if not report.supported:
-            where = f"KV cache not converted to {fmt.name} {granularity} for {_named(target, why)}"
-            return _refuse(model, where, " ".join(report.reasons), strict)
+            where = Message(f"KV cache not converted to {fmt.name} {granularity} for ", _named(target, why))
+            return _refuse(model, where, report.reasons, strict)
         quantize(work)
         _commit(model, work)
         _say(said)
@@ -194,21 +208,9 @@ def optimize_model(
         return model
 
 
-@contextlib.contextmanager
-def _in_optimize_words() -> Iterator[None]:
-    """Errors of the passes name their parameters (``scales=``); say optimize_model's."""
-    try:
-        yield
-    except KvCacheError as error:
-        worded = re.sub(r"(?<![\w.-])(scales|granularity)=", r"kv_cache_\1=", str(error))
-        if worded == str(error):
-            raise
-        raise type(error)(worded) from error
-
-
-def _refuse(model: ir.Model, where: str, reasons: str, strict: bool) -> ir.Model:
+def _refuse(model: ir.Model, where: str, reasons: Iterable[str], strict: bool) -> ir.Model:
     """The model as it was, with one warning (``strict``: an error) saying why."""
-    message = f"{where}: {reasons}"
+    message = Message(where, ": ", Message.joined(reasons))
     if strict:
         raise KvCacheError(message)
     warn(message, NotConvertedWarning)
@@ -217,11 +219,11 @@ def _refuse(model: ir.Model, where: str, reasons: str, strict: bool) -> ir.Model
 
 def _say(said: list[warnings.WarningMessage]) -> None:
     for warning in said:
-        warn(str(warning.message), warning.category)
+        warn(warning.message, warning.category)
 
 
 def _named(target: str | None, why: str) -> str:
     """The target as a message names it: with how it was inferred and how to name another."""
     if not why:
         return str(target)
-    return f"{target} (inferred: {why}; name the target with execution_provider=...)"
+    return Message(f"{target} (inferred: {why}; name the target with ", Param("ep", placeholder="..."), ")")

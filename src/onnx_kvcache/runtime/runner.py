@@ -48,7 +48,15 @@ from onnx_kvcache.cache.sites import (
     resident_rows,
 )
 from onnx_kvcache.capabilities.table import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, require_type, warn
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheWarning,
+    Message,
+    MissingRuntimeError,
+    Param,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
 from onnx_kvcache.passes.fusion._window_present import present_output
@@ -377,7 +385,8 @@ def _paged_block_size(bindings: list[CacheBinding], requested: int | None, confi
         fixed = static.pop()
         if requested is not None and requested != fixed:
             raise KvCacheError(
-                f"block_size={requested} does not match the model's caches, which fix block_size {fixed}."
+                Param("block_size", requested),
+                f" does not match the model's caches, which fix block_size {fixed}.",
             )
         return check_block_size(fixed)
     if requested is not None:
@@ -480,7 +489,9 @@ class KvCacheRunner:
         on_cuda = any("CUDA" in str(p) for p in self.providers)
         if on_cuda:
             if semantics not in (None, "cuda"):
-                raise KvCacheError(f"On CUDA the CUDA kernel runs: semantics={semantics!r} is not possible.")
+                raise KvCacheError(
+                    "On CUDA the CUDA kernel runs: ", Param("semantics", semantics), " is not possible."
+                )
             self.semantics: Semantics = "cuda"
             self.emulated = False
             self.semantics_reason = "running on CUDA"
@@ -495,8 +506,11 @@ class KvCacheRunner:
                     s.cache_format is not None and s.cache_format.is_float for s in find_gqa_sites(model)
                 ):
                     warn(
-                        "semantics='cpu' on an fp8 cache: no CPU kernel stores fp8, so this rule is "
-                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets."
+                        Message(
+                            Param("semantics", "cpu"),
+                            " on an fp8 cache: no CPU kernel stores fp8, so this rule is "
+                            "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
+                        )
                     )
             model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
         self.max_positions = _max_positions(self.source_model)
@@ -564,7 +578,12 @@ class KvCacheRunner:
             )
         self.device = "cuda" if on_cuda else "cpu"
         if capture_queries and io_binding:
-            raise KvCacheError("capture_queries fetches the queries as host arrays: use io_binding=False.")
+            raise KvCacheError(
+                Param("capture_queries"),
+                " fetches the queries as host arrays: use ",
+                Param("io_binding", False),
+                ".",
+            )
         self.io_binding = (on_cuda and not capture_queries) if io_binding is None else io_binding
         self.reset()
 
