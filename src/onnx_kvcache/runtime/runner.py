@@ -732,8 +732,11 @@ class KvCacheRunner:
     def _need_logits(self) -> None:
         if self.caches_only:
             raise KvCacheError(
-                "This runner runs the graph pruned to its caches (caches_only=True) and computes no "
-                "logits: use fill(ids), or a runner built without caches_only."
+                "This runner runs the graph pruned to its caches (",
+                Param("caches_only", True),
+                ") and computes no logits: use fill(ids), or a runner built without ",
+                Param("caches_only"),
+                ".",
             )
 
     @property
