@@ -75,6 +75,11 @@ class Param:
     value: Any = _NO_VALUE
     placeholder: str | None = None
 
+    @property
+    def bare(self) -> bool:
+        """Neither a value nor a placeholder: the name alone."""
+        return self.value is _NO_VALUE and self.placeholder is None
+
 
 @dataclasses.dataclass(frozen=True)
 class Function:
@@ -97,7 +102,7 @@ class Wording:
         name = self.names.get(param.name, param.name)
         if param.placeholder is not None:
             return f"{name}={param.placeholder}"
-        return name if param.value is _NO_VALUE else f"{name}={param.value!r}"
+        return name if param.bare else f"{name}={param.value!r}"
 
     def function(self, function: Function) -> str:
         return f"{function.name}({', '.join(map(self.param, function.args))})"

@@ -205,9 +205,9 @@ class _CommandWording(Wording):
         flag = action.option_strings[-1]
         if action.nargs == 0:  # store_true / store_false: only the value that sets it
             return flag if param.value is (not action.default) else super().param(param)
-        if param.placeholder is not None:
-            return f"{flag} {param.placeholder}"
-        return flag if param.value is Param(param.name).value else f"{flag} {param.value}"
+        if param.bare:
+            return flag
+        return f"{flag} {param.value if param.placeholder is None else param.placeholder}"
 
     def function(self, function: Function) -> str:
         command = self.commands.get(function.name)
