@@ -160,9 +160,10 @@ class Message(str):
 
     @classmethod
     def joined(cls, parts: Iterable[str], sep: str = " ") -> Message:
-        """``sep.join(parts)``, keeping the parts of those that are messages."""
+        """``sep.join(parts)``, keeping the parts of those that are messages (one string is
+        one part, not its characters)."""
         items: list[Any] = []
-        for part in parts:
+        for part in [parts] if isinstance(parts, str) else parts:
             items += [sep, part] if items else [part]
         return cls(*items)
 

@@ -14,7 +14,7 @@ __all__ = ["optimize_model"]
 import dataclasses
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Literal
 
 import onnx_ir as ir
@@ -169,7 +169,7 @@ def optimize_model(
         if fuse_attention is True or (fuse_attention == "auto" and not had_attention):
             work, said, unfused = _fused(model)
         if kv_cache_format is not None and unfused is not None:  # all or nothing, as convert
-            return _refuse(model, "KV cache not converted", unfused, strict)
+            return _refuse(model, "KV cache not converted", [unfused], strict)
         target, why = _target(work, execution_provider, kv_cache_format)
         logger.info("optimize_model: target %s (%s).", target, why or "given")
         if target is not None and not had_attention and find_attention_sites(work):
@@ -208,7 +208,7 @@ def optimize_model(
         return model
 
 
-def _refuse(model: ir.Model, where: str, reasons: Iterable[str], strict: bool) -> ir.Model:
+def _refuse(model: ir.Model, where: str, reasons: Sequence[str], strict: bool) -> ir.Model:
     """The model as it was, with one warning (``strict``: an error) saying why."""
     message = Message(where, ": ", Message.joined(reasons))
     if strict:
