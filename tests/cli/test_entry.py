@@ -38,7 +38,7 @@ if moment == "importing":  # while the command imports onnx-ir
 elif moment == "exiting":  # after the command returned: in the exit functions
     atexit.register(fire)
 else:  # set up (imports done here, before the handlers: the hooks need the modules)
-    from onnx_kvcache.files import _atomic, conversion
+    from onnx_kvcache.files import _atomic, model_files
     def after(real):
         def call(*args, **kwargs):
             result = real(*args, **kwargs)
@@ -46,9 +46,9 @@ else:  # set up (imports done here, before the handlers: the hooks need the modu
             return result
         return call
     if moment == "committed":  # the output is complete; the conversion still has work to do
-        _atomic.publish_as_one = after(_atomic.publish_as_one)
+        _file_io.publish_as_one = after(_file_io.publish_as_one)
     elif moment == "printing":  # the summary lines
-        conversion.ConvertResult.weights_summary = after(conversion.ConvertResult.weights_summary)
+        model_files.ConvertResult.weights_summary = after(model_files.ConvertResult.weights_summary)
 from onnx_kvcache.cli._entry import main
 main()
 """
