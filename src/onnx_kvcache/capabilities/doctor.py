@@ -303,12 +303,15 @@ def _converted(
 
 
 def _session(model: ir.Model, provider: str) -> tuple[str, str]:
-    """``(kind, message)``: ``created``, ``not implemented`` or ``rejected``."""
+    """``(kind, message)``: ``created``, ``not implemented`` (onnxruntime's NOT_IMPLEMENTED
+    status, raised as its own class) or ``rejected``."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedStatus
+
     try:
         create_session(model, [provider])
     except Exception as e:  # onnxruntime raises several unrelated types
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "NOT_IMPLEMENTED" in message:
+        if isinstance(e, NotImplementedStatus):
             return "not implemented", message
         return "rejected", message[:160]
     return "created", ""
