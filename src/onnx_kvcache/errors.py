@@ -10,6 +10,12 @@ TypeError`` catch them as they would anywhere else:
   ``ModelProto`` or a path given to a pass, ``seq_len="64"``, ``ep=3``).
 * :class:`KvCachePreconditionError` (also onnx-ir's ``PreconditionError``): a pass cannot
   run on this model.
+
+A message that names a parameter or a function holds it as a part (:class:`Param`,
+:class:`Function`), not as text: a :class:`Message` is the text in the words of the Python
+API that was called (``in_place=True``; inside ``optimize_model``, whose
+:data:`OPTIMIZE_MODEL` vocabulary names ``scales`` ``kv_cache_scales``), and
+:meth:`Message.render` says it in another audience's words (the command's options).
 """
 
 from __future__ import annotations
@@ -20,17 +26,30 @@ __all__ = [
     "KvCachePreconditionError",
     "KvCacheTypeError",
     "KvCacheWarning",
+    "Message",
     "MissingRuntimeError",
     "NotConvertedWarning",
+    "OPTIMIZE_MODEL",
+    "PYTHON",
+    "Function",
+    "Param",
+    "Wording",
+    "render",
     "require_type",
+    "speaking",
     "warn",
 ]
 
+import contextlib
+import contextvars
+import dataclasses
+import enum
 import errno
 import numbers
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 TYPE_CHECKING = False  # standard library only: the command imports this before onnx-ir
@@ -38,8 +57,147 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
 
+class _Unset(enum.Enum):
+    UNSET = "unset"  # a Param with no value: its name alone (pickles as itself)
+
+
+_NO_VALUE: Any = _Unset.UNSET
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A parameter a message names: ``Param("in_place", True)`` is ``in_place=True`` in
+    Python and ``--in-place`` on the command line; ``placeholder`` stands for a value the
+    user fills in (``Param("seq_len", placeholder="N")``: ``seq_len=N``); with neither, the
+    name alone."""
+
+    name: str
+    value: Any = _NO_VALUE
+    placeholder: str | None = None
+
+    @property
+    def bare(self) -> bool:
+        """Neither a value nor a placeholder: the name alone."""
+        return self.value is _NO_VALUE and self.placeholder is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+    """A library function a message names, with the arguments it tells the user to give:
+    ``calibrate_kv_cache(format='int8')`` in Python, the command that does the same on the
+    command line (``onnx-kvcache calibrate --format int8``)."""
+
+    name: str
+    args: tuple[Param, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Wording:
+    """How an audience names parameters and functions. ``names``: this API's name for a
+    canonical parameter (:data:`OPTIMIZE_MODEL`); the base class speaks Python."""
+
+    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def param(self, param: Param) -> str:
+        name = self.names.get(param.name, param.name)
+        if param.placeholder is not None:
+            return f"{name}={param.placeholder}"
+        return name if param.bare else f"{name}={param.value!r}"
+
+    def function(self, function: Function) -> str:
+        return f"{function.name}({', '.join(map(self.param, function.args))})"
+
+
+#: The Python API's words: ``format=``, ``scales=``, ``granularity=``, ``ep=``.
+PYTHON = Wording()
+#: ``optimize_model``'s names for the canonical parameters.
+OPTIMIZE_MODEL = Wording(
+    {
+        "format": "kv_cache_format",
+        "scales": "kv_cache_scales",
+        "granularity": "kv_cache_granularity",
+        "ep": "execution_provider",
+    }
+)
+_SPEAKING: contextvars.ContextVar[Wording] = contextvars.ContextVar("onnx_kvcache_wording", default=PYTHON)
+
+
+@contextlib.contextmanager
+def speaking(wording: Wording) -> Iterator[None]:
+    """Messages made inside say their parameters in ``wording`` (the API that was called)."""
+    token = _SPEAKING.set(wording)
+    try:
+        yield
+    finally:
+        _SPEAKING.reset(token)
+
+
+class Message(str):
+    """A message made of parts: text, :class:`Param`, :class:`Function` and other messages.
+    As a ``str`` it is the text in the words of the API being called (:func:`speaking`);
+    :meth:`render` says it for another audience. ``+`` and :meth:`joined` keep the parts."""
+
+    parts: tuple[Any, ...]
+
+    def __new__(cls, *parts: Any) -> Message:
+        held = tuple(p if isinstance(p, (str, Param, Function)) else str(p) for p in parts)
+        self = super().__new__(cls, _render(held, _SPEAKING.get()))
+        self.parts = held
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # type: ignore[override]
+        return self.parts
+
+    def render(self, wording: Wording) -> str:
+        """The text in ``wording``'s words."""
+        return _render(self.parts, wording)
+
+    def __add__(self, other: str) -> Message:  # type: ignore[override]
+        return Message(self, other)
+
+    def __radd__(self, other: str) -> Message:
+        return Message(other, self)
+
+    @classmethod
+    def joined(cls, parts: Iterable[str], sep: str = " ") -> Message:
+        """``sep.join(parts)``, keeping the parts of those that are messages (one string is
+        one part, not its characters)."""
+        items: list[Any] = []
+        for part in [parts] if isinstance(parts, str) else parts:
+            items += [sep, part] if items else [part]
+        return cls(*items)
+
+
+def _render(parts: tuple[Any, ...], wording: Wording) -> str:
+    said = []
+    for part in parts:
+        if isinstance(part, Message):
+            said.append(part.render(wording))
+        elif isinstance(part, Param):
+            said.append(wording.param(part))
+        elif isinstance(part, Function):
+            said.append(wording.function(part))
+        else:
+            said.append(str(part))
+    return "".join(said)
+
+
+def render(said: object, wording: Wording) -> str:
+    """An error's, a warning's or a message's text in ``wording``'s words (a plain string as
+    it is)."""
+    if isinstance(said, BaseException) and said.args and isinstance(said.args[0], Message):
+        said = said.args[0]
+    return said.render(wording) if isinstance(said, Message) else str(said)
+
+
 class KvCacheError(ValueError):
-    """Bad input to a conversion: the message names the problem and the fix."""
+    """Bad input to a conversion: the message names the problem and the fix. Given parts
+    (``KvCacheError("Give ", Param("in_place", True), " to rewrite it.")``), its message is a
+    :class:`Message`."""
+
+    def __init__(self, *parts: Any) -> None:
+        plain = len(parts) == 1 and not isinstance(parts[0], (Param, Function))
+        super().__init__(*(parts if plain or not parts else (Message(*parts),)))
 
 
 class KvCacheFileNotFoundError(KvCacheError, FileNotFoundError):
@@ -73,16 +231,18 @@ def missing_dependency(error: ImportError, message: str) -> MissingRuntimeError:
 
 
 class KvCacheWarning(UserWarning):
-    """Something was converted with a default or skipped; the message says what."""
+    """Something was converted with a default or skipped; the message says what (a
+    :class:`Message` when it names a parameter: see :func:`render`)."""
 
 
 class NotConvertedWarning(KvCacheWarning):
     """A conversion wrote nothing; the message (and ``ConvertResult.reasons``) says why."""
 
 
-def warn(message: str, category: type[Warning] = KvCacheWarning) -> None:
+def warn(message: str | Warning, category: type[Warning] = KvCacheWarning) -> None:
     """Issue a :class:`KvCacheWarning` attributed to the user's line: the first caller
-    outside this package and onnx_ir (whose pass machinery calls our passes)."""
+    outside this package and onnx_ir (whose pass machinery calls our passes). A warning
+    given (one recorded, said again) keeps its class and its message's parts."""
     onnx_ir = getattr(sys.modules.get("onnx_ir"), "__file__", None)  # not imported: none of its frames
     internal = tuple(os.path.dirname(f) + os.sep for f in (__file__, onnx_ir) if f)
     frame, level = sys._getframe(1), 2

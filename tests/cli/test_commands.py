@@ -20,8 +20,8 @@ import pytest
 from onnx_kvcache import convert_model
 from onnx_kvcache.capabilities.table import EP_CAPABILITIES
 from onnx_kvcache.cli import _demo as demo
-from onnx_kvcache.cli.commands import build_parser, cli_wording, main
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.cli.commands import _wording, build_parser, main
+from onnx_kvcache.errors import Function, KvCacheError, Message, Param, render
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
@@ -424,22 +424,52 @@ def test_inspect_ep_takes_known_providers_only(capsys):
 
 
 @pytest.mark.parametrize(
-    ("python", "cli"),
+    ("parts", "python", "cli"),
     [
-        ("Output x.onnx is the input; use in_place=True to rewrite it.", "use --in-place to rewrite it."),
-        ("Output o exists; pass overwrite=True to replace it.", "pass --overwrite to replace it."),
-        ("convert with granularity='per_channel'.", "convert with --granularity per_channel."),
-        ("use longer sequences (seq_len=N).", "use longer sequences (--seq-len N)."),
-        ("or knowingly lower min_tokens=N.", "or knowingly lower --min-tokens N."),
-        ("Pass scales=PATH, or measure them with calibrate_kv_cache().", "Pass --scales PATH, or measure"),
-        ("(an earlier weights='link'?)", "(an earlier --weights link?)"),
-        ("semantics='cpu' on an fp8 cache", "--semantics cpu on an fp8 cache"),
-        ("use quantized_io=True.", "use quantized_io=True."),  # no option: left as it is
-        ("in_place=False", "in_place=False"),  # a value no option gives
+        (("use ", Param("in_place", True), " to rewrite it."), "use in_place=True to", "use --in-place to"),
+        (("pass ", Param("overwrite", True), " to"), "pass overwrite=True to", "pass --overwrite to"),
+        (
+            ("convert with ", Param("granularity", "per_channel"), "."),
+            "convert with granularity='per_channel'.",
+            "convert with --granularity per_channel.",
+        ),
+        (("(", Param("seq_len", placeholder="N"), ")"), "(seq_len=N)", "(--seq-len N)"),
+        (("lower ", Param("min_tokens", placeholder="N")), "lower min_tokens=N", "lower --min-tokens N"),
+        (
+            (
+                "Pass ",
+                Param("scales", placeholder="PATH"),
+                ", or measure them with ",
+                Function("calibrate_kv_cache"),
+                ".",
+            ),
+            "Pass scales=PATH, or measure them with calibrate_kv_cache().",
+            "Pass --scales PATH, or measure them with onnx-kvcache calibrate.",
+        ),
+        (
+            ("(an earlier ", Param("weights", "link"), "?)"),
+            "(an earlier weights='link'?)",
+            "(an earlier --weights link?)",
+        ),
+        ((Param("semantics", "cpu"), " on an fp8 cache"), "semantics='cpu' on an", "--semantics cpu on an"),
+        (
+            ("use ", Param("quantized_io", True), "."),
+            "use quantized_io=True.",
+            "use quantized_io=True.",
+        ),  # no option
+        ((Param("in_place", False),), "in_place=False", "in_place=False"),  # a value no option gives
+        ((Param("progress", False),), "progress=False", "--no-progress"),  # store_false: the value it sets
+        (
+            (Function("calibrate_kv_cache", (Param("format", "int4"), Param("method", "mse"))),),
+            "calibrate_kv_cache(format='int4', method='mse')",
+            "onnx-kvcache calibrate --format int4 --method mse",
+        ),
     ],
 )
-def test_cli_wording(python, cli):
-    assert cli in cli_wording(python)
+def test_library_messages_in_the_commands_words(parts, python, cli):
+    message = Message(*parts)
+    assert python in message and python in str(KvCacheError(*parts))
+    assert cli in render(message, _wording()) and cli in render(KvCacheError(*parts), _wording())
 
 
 def test_errors_speak_cli_in_the_cli_and_python_in_python(tmp_path, model_file, capsys):
@@ -470,7 +500,7 @@ _OPTION_IN_STRING = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w=-])")
 
 
 def test_library_messages_name_no_command_line_option():
-    """Only cli/commands.py speaks options; the library names Python parameters (cli_wording translates)."""
+    """Only cli/commands.py speaks options; the library names Python parameters (as errors.Param parts)."""
     options = {o for p in _subcommands().values() for a in p._actions for o in a.option_strings}
     commands = pathlib.Path(main.__code__.co_filename)
     found = []

@@ -6,12 +6,20 @@ machines without one), so the driver is asked directly.
 
 from __future__ import annotations
 
-__all__ = ["cuda_compute_capability"]
+__all__ = ["NO_GPU", "cuda_compute_capability"]
 
 import ctypes
 import ctypes.util
 import shutil
 import subprocess
+
+from onnx_kvcache.errors import Message, Param
+
+#: Why ``check_device=True`` refuses a CUDA target on a machine without a GPU.
+NO_GPU = Message(
+    Param("check_device", True),
+    ": no CUDA GPU found on this machine (without it, the check is left to the GPU that runs the model).",
+)
 
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76

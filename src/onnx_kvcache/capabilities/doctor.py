@@ -40,7 +40,7 @@ from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, scale
 from onnx_kvcache.cache.operators import ATTENTION_OPS, PAGED, AttentionOp
 from onnx_kvcache.capabilities.device import cuda_compute_capability
 from onnx_kvcache.capabilities.table import CAPABILITIES, EpCapabilities, get_capabilities
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.errors import Function, KvCacheError, KvCacheWarning
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 from onnx_kvcache.runtime._sessions import create_session, import_onnxruntime, installed_ort_version
 
@@ -303,12 +303,15 @@ def _converted(
 
 
 def _session(model: ir.Model, provider: str) -> tuple[str, str]:
-    """``(kind, message)``: ``created``, ``not implemented`` or ``rejected``."""
+    """``(kind, message)``: ``created``, ``not implemented`` (onnxruntime's NOT_IMPLEMENTED
+    status, raised as its own class) or ``rejected``."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedStatus
+
     try:
         create_session(model, [provider])
     except Exception as e:  # onnxruntime raises several unrelated types
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "NOT_IMPLEMENTED" in message:
+        if isinstance(e, NotImplementedStatus):
             return "not implemented", message
         return "rejected", message[:160]
     return "created", ""
@@ -323,9 +326,10 @@ def _onnxruntime_names(requested: Sequence[str]) -> list[str]:
         row = get_capabilities(name)
         if row.name != "default" and row.runtime != "onnxruntime":
             raise KvCacheError(
-                f"The {row.name} row is run by {row.runtime}, not onnxruntime: run_doctor() checks "
-                "onnxruntime's providers (the test suite checks that row against the installed "
-                f"{row.runtime})."
+                f"The {row.name} row is run by {row.runtime}, not onnxruntime: ",
+                Function("run_doctor"),
+                " checks onnxruntime's providers (the test suite checks that row against the "
+                f"installed {row.runtime}).",
             )
         if row.name != "default" and row.provider:
             names.append(row.provider)

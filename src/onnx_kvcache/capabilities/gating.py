@@ -36,6 +36,7 @@ from onnx_kvcache.capabilities.rows import (
     FormatSupport,
     get_capabilities,
 )
+from onnx_kvcache.errors import Message, Param
 from onnx_kvcache.files._marker import MARKER_KEY, converted_for
 from onnx_kvcache.files.genai_folder import provider_names
 from onnx_kvcache.files.reading import ModelLike, as_model
@@ -369,8 +370,12 @@ def fast_path_diagnostics(
             k = site.input("k_scale")
             if k is None or k is not site.input("v_scale"):
                 reasons.append(
-                    f"onnxruntime {version} < {before} needs k_scale and v_scale to be one tensor "
-                    "(convert with shared_kv_scale=True)"
+                    Message(
+                        f"onnxruntime {version} < {before} needs k_scale and v_scale to be one tensor "
+                        "(convert with ",
+                        Param("shared_kv_scale", True),
+                        ")",
+                    )
                 )
         reports.append(FastPathReport(site.name, site.layer_id, not reasons, tuple(reasons), site.op.op_type))
     return reports

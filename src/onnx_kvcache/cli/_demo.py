@@ -20,6 +20,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
+from onnx_kvcache.errors import Message, Param
 from onnx_kvcache.files._atomic import atomic_write_bytes
 from onnx_kvcache.files._outputs import CONVERTED, check_demo_folder, record_demo_folder
 from onnx_kvcache.files.conversion import convert_model
@@ -66,8 +67,12 @@ def run_demo(
             record_demo_folder(folder, {baseline.name: hashlib.sha256(graph).hexdigest()})
         atomic_write_bytes(baseline, graph)
         info = inspect_kv_cache(ir.load(baseline))
-        where = f"in {folder}" if keep else "in a temporary folder (keep=DIR keeps them)"
-        echo(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models {where}")
+        where = (
+            f"in {folder}"
+            if keep
+            else Message("in a temporary folder (", Param("keep", placeholder="DIR"), " keeps them)")
+        )
+        echo(Message(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models ", where))
         corpus = [corpus_byte_ids()]  # what the decoder's byte-level tokenizer makes of the corpus
         rows = [_HEADER, ("float32", "-", "-", "cpu (native)", f"{info.bytes_per_token:g}", *"----")]
         reports = []

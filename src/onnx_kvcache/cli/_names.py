@@ -2,17 +2,32 @@
 
 The command parses its arguments, answers ``--help`` and refuses a bad value before it
 imports onnx, onnx-ir and numpy, which the tables themselves need. These are the keys of
-:data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`
-and :data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` (``tests/cli/test_commands.py`` checks that they
-are, so a new row fails there until it is named here too).
+:data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`,
+:data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` and
+:data:`~onnx_kvcache.scales.calibration.CALIBRATION_METHODS`, the kernel rules of
+:data:`~onnx_kvcache.passes.kv_cache_emulation.SEMANTICS` and the ``WeightsMode`` values
+(``tests/cli/test_commands.py`` and ``tests/cli/test_names.py`` check that they are, so a new row fails
+there until it is named here too).
 """
 
 from __future__ import annotations
 
-__all__ = ["EP_ALIASES", "FORMATS", "GRANULARITIES", "PROVIDERS", "ep_name"]
+__all__ = [
+    "EP_ALIASES",
+    "FORMATS",
+    "GRANULARITIES",
+    "METHODS",
+    "PROVIDERS",
+    "SEMANTICS",
+    "WEIGHTS",
+    "ep_name",
+]
 
 FORMATS = ("fp8", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_channel")
+METHODS = ("minmax", "percentile", "mse", "attention")
+SEMANTICS = ("cuda", "cpu")
+WEIGHTS = ("copy", "link")
 #: ``--ep`` value -> onnxruntime's provider name ("" for a row of another runtime), the
 #: capability table's rows but ``default``.
 PROVIDERS = {

@@ -17,6 +17,7 @@ __all__ = ["main"]
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -28,19 +29,23 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from onnx_kvcache import _signals
 from onnx_kvcache._version import __version__
 from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
-from onnx_kvcache.cli._names import PROVIDERS, ep_name
+from onnx_kvcache.cli._names import METHODS, PROVIDERS, SEMANTICS, WEIGHTS, ep_name
 from onnx_kvcache.errors import (
+    Function,
     KvCacheError,
     KvCacheWarning,
     MissingRuntimeError,
     NotConvertedWarning,
+    Param,
+    Wording,
+    render,
 )
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files._atomic import format_bytes
@@ -165,26 +170,6 @@ _POSITIVE = _bounded(int, 1)
 _NON_NEGATIVE = _bounded(int, 0)
 
 
-def _add_format_args(p: argparse.ArgumentParser, granularity: str | None = "per_tensor") -> None:
-    default = (
-        "the scale file's, else the first the target runs: fp8 on CUDA, int8 on CPU"
-        if granularity is None
-        else "the first its target runs, the target as convert infers it: fp8 on CUDA, int8 on CPU"
-    )
-    p.add_argument("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})")
-    p.add_argument(
-        "--granularity",
-        default=granularity,
-        choices=list(SCALE_GRANULARITIES),
-        help="scale granularity"
-        + (
-            " (default: the one the scale file states, else the one its sizes fit, else per_tensor)"
-            if granularity is None
-            else ""
-        ),
-    )
-
-
 _IDS_SUFFIXES = (".json", ".npy")
 
 
@@ -204,97 +189,51 @@ def _ids_file(value: str) -> str:
     return value
 
 
-def _add_data_args(p: argparse.ArgumentParser, whose: str) -> None:
-    data = p.add_mutually_exclusive_group()
-    data.add_argument(
-        "--text",
-        type=_text_file,
-        metavar="FILE",
-        help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
-        "corpus with that tokenizer, else seeded random token ids)",
-    )
-    data.add_argument(
-        "--token-ids",
-        type=_ids_file,
-        metavar="FILE",
-        help="token ids: a .json file (a list of ids, or of lists) or .npy (default: as for --text)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help=f"tokenizer.json or its folder (default: the one in {whose} folder)",
-    )
+@dataclasses.dataclass(frozen=True)
+class _CommandWording(Wording):
+    """The command's words for a library message: a parameter as the option that sets it
+    (``in_place=True``: ``--in-place``; a flag only for the value it sets, else as Python
+    says it), a function as the command that does the same."""
 
+    options: Mapping[str, argparse.Action] = dataclasses.field(default_factory=dict)
+    commands: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-def _add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help=f"no progress bar ({what} shows one on a terminal)",
-    )
+    def param(self, param: Param) -> str:
+        action = self.options.get(param.name)
+        if action is None:
+            return super().param(param)
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true / store_false: only the value that sets it
+            return flag if param.value is (not action.default) else super().param(param)
+        if param.bare:
+            return flag
+        return f"{flag} {param.value if param.placeholder is None else param.placeholder}"
 
-
-def _add_overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
-        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
-        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
-    )
-
-
-_PYTHON_ARGUMENT = re.compile(
-    r"""\b([a-z][a-z0-9_]*)=(True|False|'[^']*'|"[^"]*"|[A-Z][A-Z_]*\b|-?[0-9][0-9.]*)"""
-)
+    def function(self, function: Function) -> str:
+        command = self.commands.get(function.name)
+        if command is None:
+            return super().function(function)
+        return " ".join([f"onnx-kvcache {command}", *map(self.param, function.args)])
 
 
 @functools.cache
-def _options() -> dict[str, argparse.Action]:
-    """Python parameter name -> the command-line option that sets it (every command's)."""
-    found: dict[str, argparse.Action] = {}
+def _wording() -> _CommandWording:
+    """Every command's options by the Python parameter they set, and the commands by the
+    library function each runs (:data:`_COMMANDS`)."""
+    options: dict[str, argparse.Action] = {}
     parsers = [build_parser()]
     while parsers:
         for action in parsers.pop()._actions:
             if isinstance(action, argparse._SubParsersAction):
                 parsers.extend(action.choices.values())
             elif action.option_strings and action.option_strings[-1].startswith("--"):
-                found.setdefault(action.dest, action)
-    return found
+                options.setdefault(action.dest, action)
+    return _CommandWording(options=options, commands={c.function: c.name for c in _COMMANDS if c.function})
 
 
-#: Library functions a message may name, and the commands that do the same.
-_COMMANDS = {
-    "calibrate_kv_cache()": "onnx-kvcache calibrate",
-    "convert_model()": "onnx-kvcache convert",
-    "evaluate_kv_cache()": "onnx-kvcache evaluate",
-    "inspect_kv_cache()": "onnx-kvcache inspect",
-    "run_doctor()": "onnx-kvcache doctor",
-}
-
-
-def cli_wording(message: str) -> str:
-    """A library message in the command's words: ``in_place=True`` -> ``--in-place``.
-
-    Library messages name Python parameters (``overwrite=True``, ``granularity="per_tensor"``,
-    ``seq_len=N``) and functions (``calibrate_kv_cache()``); through the command they name its
-    options and commands instead. Parameters with no option are left as they are.
-    """
-
-    def option(match: re.Match[str]) -> str:
-        action = _options().get(match[1])
-        value = match[2]
-        if action is None:
-            return match[0]
-        flag = action.option_strings[-1]
-        if action.nargs == 0:  # store_true / store_false: only the value that sets it
-            return flag if value == str(not action.default) else match[0]
-        return f"{flag} {value.strip(chr(39) + chr(34))}"
-
-    for function, command in _COMMANDS.items():
-        message = message.replace(function, command)
-    return _PYTHON_ARGUMENT.sub(option, message)
+def _words(said: object) -> str:
+    """A library error, warning or message in the command's words."""
+    return render(said, _wording())
 
 
 def _convert_fixes(model_path: str, result: ConvertResult) -> str:
@@ -343,7 +282,30 @@ def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    start = args.started  # the entry point's first line: the imports count too
+    result = _converted(args)
+    source = "--ep" if result.target_source == "given" else result.target_source
+    if not result.converted:
+        return _not_converted(args, result, source)
+    args.done = f"the conversion completed ({result.model_file})"
+    target = f" for {result.target}" if result.target else ""
+    if result.target and source != "--ep":
+        target += f" ({source}; --ep to choose)"
+    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
+    if result.fused:
+        nodes += f" (fused from the export's {result.fused} attention layer(s))"
+    _print(
+        f"converted {nodes} to {result.format} {result.granularity}"
+        f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
+        f"{time.perf_counter() - args.started:.2f}s"  # from the entry point's first line: imports count
+    )
+    _print(result.weights_summary())
+    for note in result.notes:
+        _print(_words(note))
+    return 0
+
+
+def _converted(args: argparse.Namespace) -> ConvertResult:
+    """``convert_model`` with the command's arguments; a failed read or write says what it left."""
     what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
     try:
         from onnx_kvcache.files.conversion import convert_model
@@ -375,35 +337,19 @@ def _convert(args: argparse.Namespace) -> int:
     except file_io.Interrupted as e:
         e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
         raise
-    source = "--ep" if result.target_source == "given" else result.target_source
-    if not result.converted:
-        line = cli_wording(" ".join(result.reasons))
-        if result.target is not None:
-            chosen = source if source == "--ep" else f"{source}; --ep to choose"
-            line = f"for {result.target} ({chosen}): {line}{_convert_fixes(args.input, result)}"
-        _print(
-            f"onnx-kvcache: not converted {line}"
-            if result.target
-            else f"onnx-kvcache: not converted: {line}",
-            file=sys.stderr,
-        )
+    return result
+
+
+def _not_converted(args: argparse.Namespace, result: ConvertResult, source: str) -> int:
+    """Why not, on stderr, with what would convert it: exit 1."""
+    line = " ".join(map(_words, result.reasons))
+    if result.target is None:
+        _print(f"onnx-kvcache: not converted: {line}", file=sys.stderr)
         return 1
-    args.done = f"the conversion completed ({result.model_file})"
-    target = f" for {result.target}" if result.target else ""
-    if result.target and source != "--ep":
-        target += f" ({source}; --ep to choose)"
-    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
-    if result.fused:
-        nodes += f" (fused from the export's {result.fused} attention layer(s))"
-    _print(
-        f"converted {nodes} to {result.format} {result.granularity}"
-        f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
-        f"{time.perf_counter() - start:.2f}s"
-    )
-    _print(result.weights_summary())
-    for note in result.notes:
-        _print(cli_wording(note))
-    return 0
+    chosen = source if source == "--ep" else f"{source}; --ep to choose"
+    fixes = _convert_fixes(args.input, result)
+    _print(f"onnx-kvcache: not converted for {result.target} ({chosen}): {line}{fixes}", file=sys.stderr)
+    return 1
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -438,7 +384,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if diagnostics is not None:
         _print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
-            verdict = "eligible" if d.eligible else "not eligible: " + cli_wording("; ".join(d.reasons))
+            verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(map(_words, d.reasons))
             _print(f"  layer {d.layer_id}: {verdict}")
     return 0
 
@@ -573,7 +519,7 @@ def _demo(args: argparse.Namespace) -> int:
     from onnx_kvcache.cli._demo import run_demo
 
     try:
-        run_demo(args.keep, lambda line: _print(cli_wording(line)), progress=args.progress)
+        run_demo(args.keep, lambda line: _print(_words(line)), progress=args.progress)
     except KeyboardInterrupt as e:
         kept = args.keep and os.path.isdir(args.keep) and any(os.scandir(args.keep))
         if kept and getattr(e, "detail", None) is None:  # each model is whole; the record lists them
@@ -590,83 +536,141 @@ def _demo(args: argparse.Namespace) -> int:
 _MODEL = "a .onnx file or an onnxruntime-genai folder"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = _Parser(
-        prog="onnx-kvcache",
-        description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
-        epilog="Every command has --help, with the default of each option.",
-        formatter_class=_HelpFormatter,
-    )
-    verbose_help = "log what each step does (INFO messages on stderr)"
-    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    common = _Parser(add_help=False)  # -v also after the command
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One argument of a command: ``add_argument``'s names and settings; ``group`` names a
+    mutually exclusive group of the command's."""
 
-    def command(name: str, summary: str, description: str = "") -> argparse.ArgumentParser:
-        return sub.add_parser(
-            name,
-            help=summary,
-            description=f"{summary[0].upper()}{summary[1:]}. {description}".strip(),
-            parents=[common],
-            formatter_class=_HelpFormatter,
-        )
+    names: tuple[str, ...]
+    settings: Mapping[str, Any]
+    group: str | None = None
 
-    p = command(
-        "convert",
-        "convert a model file or genai folder to a quantized KV cache",
-        "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
-        "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
-        "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
+
+def _option(*names: str, group: str | None = None, **settings: Any) -> _Option:
+    return _Option(names, settings, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """A command: its help, what runs it, its options, and the library function that does the
+    same (a library message naming that function names the command instead)."""
+
+    name: str
+    summary: str
+    description: str
+    run: Callable[[argparse.Namespace], int]
+    options: tuple[_Option, ...]
+    function: str | None = None
+
+
+def _format_options(granularity: str | None = "per_tensor") -> tuple[_Option, ...]:
+    default = (
+        "the scale file's, else the first the target runs: fp8 on CUDA, int8 on CPU"
+        if granularity is None
+        else "the first its target runs, the target as convert infers it: fp8 on CUDA, int8 on CPU"
     )
-    p.add_argument("input", metavar="INPUT", help=_MODEL)
-    p.add_argument(
+    recorded = " (default: the one the scale file states, else the one its sizes fit, else per_tensor)"
+    return (
+        _option("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})"),
+        _option(
+            "--granularity",
+            default=granularity,
+            choices=list(SCALE_GRANULARITIES),
+            help="scale granularity" + (recorded if granularity is None else ""),
+        ),
+    )
+
+
+def _data_options(whose: str) -> tuple[_Option, ...]:
+    return (
+        _option(
+            "--text",
+            group="data",
+            type=_text_file,
+            metavar="FILE",
+            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
+            "corpus with that tokenizer, else seeded random token ids)",
+        ),
+        _option(
+            "--token-ids",
+            group="data",
+            type=_ids_file,
+            metavar="FILE",
+            help="token ids: a .json file (a list of ids, or of lists) or .npy (default: as for --text)",
+        ),
+        _option(
+            "--tokenizer",
+            metavar="PATH",
+            help=f"tokenizer.json or its folder (default: the one in {whose} folder)",
+        ),
+    )
+
+
+def _progress_option(what: str) -> _Option:
+    help = f"no progress bar ({what} shows one on a terminal)"
+    return _option("--no-progress", dest="progress", action="store_false", help=help)
+
+
+def _overwrite_option(what: str) -> _Option:
+    return _option(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
+        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
+        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
+    )
+
+
+_EP_RUNS = ", ".join(n for n in ep_choices() if PROVIDERS[n])
+
+_CONVERT = (
+    _option("input", metavar="INPUT", help=_MODEL),
+    _option(
         "output",
         metavar="OUTPUT",
         nargs="?",
         help="the new .onnx file (a folder, for a folder INPUT); omitted with --in-place",
-    )
-    _add_format_args(p, granularity=None)
-    p.add_argument(
+    ),
+    *_format_options(granularity=None),
+    _option(
         "--scales",
         metavar="FILE",
         help="scale file (onnxruntime-genai format; default: none, which fp8 takes as unit scales "
         "with a warning and int8/int4 refuse)",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--shared-kv-scale",
         action="store_true",
         help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
         "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--ep",
         type=_ep,
         choices=ep_choices(),
-        help=f"where the model will run: {', '.join(n for n in ep_choices() if PROVIDERS[n])} "
+        help=f"where the model will run: {_EP_RUNS} "
         "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
         "runtime; onnxruntime's OpenVINOExecutionProvider is not a row, so it is refused); the "
         "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: a "
         "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
-    )
-    p.add_argument("--check-device", action="store_true", help="check this machine's GPU too")
-    p.add_argument(
+    ),
+    _option("--check-device", action="store_true", help="check this machine's GPU too"),
+    _option(
         "--weights",
-        choices=["copy", "link"],
+        choices=list(WEIGHTS),
         help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
         "that keeps holes) or link (hard links: onnx.load, onnx.checker and onnx-ir, reading a weight, "
         "then refuse BOTH models until one is deleted; onnxruntime and onnxruntime-genai load them) "
         "(default: shared beside INPUT, copy in another folder)",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--follow-symlinks",
         action="store_true",
         help="accept input files that link out of the model's folder (Hugging Face cache "
         "snapshots); a conversion elsewhere copies their content",
-    )
-    p.add_argument("--in-place", action="store_true", help="rewrite INPUT itself, atomically (no OUTPUT)")
-    p.add_argument(
+    ),
+    _option("--in-place", action="store_true", help="rewrite INPUT itself, atomically (no OUTPUT)"),
+    _option(
         "--overwrite",
         action="store_true",
         help="replace OUTPUT only if it is a previous output of onnx-kvcache: a file or folder whose "
@@ -674,140 +678,203 @@ def build_parser() -> argparse.ArgumentParser:
         "converted in place), a folder only while it holds nothing that conversion did not write; "
         "a file's own data files (those it created) go too unless another readable .onnx file beside "
         "it names them. Nothing else is replaced or removed; an empty OUTPUT folder needs no --overwrite",
-    )
-    _add_progress_arg(p, "copying data files")
-    p.set_defaults(func=_convert)
+    ),
+    _progress_option("copying data files"),
+)
 
-    p = command("inspect", "show the KV cache of a model", "Reads the graph only, never a weight.")
-    p.add_argument("model", metavar="MODEL", help=_MODEL)
-    p.add_argument(
+_INSPECT = (
+    _option("model", metavar="MODEL", help=_MODEL),
+    _option(
         "--ep",
         type=_ep,
         choices=ep_choices(),
         help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
         "runs each layer (default: none, the cache only)",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--context",
         metavar="N",
         type=_POSITIVE,
         help="also report the cache bytes at this context length (default: per token only)",
-    )
-    p.add_argument("--batch", metavar="B", type=_POSITIVE, help="batch size for --context (default: 1)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_inspect)
+    ),
+    _option("--batch", metavar="B", type=_POSITIVE, help="batch size for --context (default: 1)"),
+    _option("--json", action="store_true", help="machine-readable output"),
+)
 
-    p = command(
-        "calibrate",
-        "measure KV-cache scales",
-        "Runs the unquantized model on CPU over token windows and writes one scale per layer (or "
-        "per channel) for K and V.",
-    )
-    p.add_argument("model", metavar="MODEL", help=f"the unquantized model: {_MODEL}")
-    p.add_argument(
-        "--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"
-    )
-    _add_overwrite_arg(p, "FILE")
-    _add_format_args(p)
-    p.add_argument(
+_CALIBRATE = (
+    _option("model", metavar="MODEL", help=f"the unquantized model: {_MODEL}"),
+    _option("--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"),
+    _overwrite_option("FILE"),
+    *_format_options(),
+    _option(
         "--method",
-        choices=["minmax", "percentile", "mse", "attention"],
+        choices=list(METHODS),
         help="threshold rule (default: attention for int4, else minmax; see docs/calibration.md)",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--percentile",
         metavar="P",
         type=_bounded(float, 0, inclusive=False, high=100),
         help="the percentile of |x| that --method percentile takes (default: 99.99)",
-    )
-    _add_data_args(p, "the model's")
-    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens")
-    p.add_argument(
-        "--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"
-    )
-    p.add_argument(
+    ),
+    *_data_options("the model's"),
+    _option("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens"),
+    _option("--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"),
+    _option(
         "--min-tokens",
         metavar="N",
         type=_NON_NEGATIVE,
         default=256,
         help="refuse to calibrate on fewer tokens",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--margin",
         metavar="M",
         type=_bounded(float, 0, inclusive=False),
         default=1.0,
         help="headroom: multiply thresholds by this",
-    )
-    p.add_argument(
+    ),
+    _option(
         "--no-rope-envelope",
         dest="rope_envelope",
         action="store_false",
         help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
-    )
-    _add_progress_arg(p, "calibration")
-    p.set_defaults(func=_calibrate)
+    ),
+    _progress_option("calibration"),
+)
 
-    p = command(
-        "evaluate",
-        "compare a converted model with its original",
-        "Runs both on the same tokens on CPU (quantized caches the CPU cannot run are emulated) and "
-        "reports KL divergence, top-1 and greedy agreement, and the per-layer cache error.",
-    )
-    p.add_argument("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}")
-    p.add_argument("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}")
-    _add_data_args(p, "the baseline's")
-    p.add_argument(
-        "--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"
-    )
-    p.add_argument("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate")
-    p.add_argument("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence")
-    p.add_argument(
+_EVALUATE = (
+    _option("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}"),
+    _option("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}"),
+    *_data_options("the baseline's"),
+    _option("--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"),
+    _option("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate"),
+    _option("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence"),
+    _option(
         "--semantics",
-        choices=["cuda", "cpu"],
+        choices=list(SEMANTICS),
         help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
         "attended unquantized) or cpu (default: the rule of the candidate's target provider)",
-    )
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here (default: none)")
-    p.add_argument(
+    ),
+    _option("--json", metavar="FILE", help="also write the report as JSON here (default: none)"),
+    _option(
         "--plot",
         metavar="FILE",
         help="also write a PNG (per-layer error, KL per position), named *.png; needs matplotlib "
         "(default: none)",
-    )
-    _add_overwrite_arg(p, "the --json or --plot FILE")
-    _add_progress_arg(p, "evaluation")
-    p.set_defaults(func=_evaluate)
+    ),
+    _overwrite_option("the --json or --plot FILE"),
+    _progress_option("evaluation"),
+)
 
-    p = command(
-        "doctor",
-        "check the capability table against the installed onnxruntime",
-        "Reads its operator schemas and creates a session per provider row and cache; exits 1 when "
-        "anything disagrees.",
-    )
-    p.add_argument(
+_DOCTOR = (
+    _option(
         "--provider",
         metavar="P",
         action="append",
         help="provider to create sessions on: a table row (cpu, cuda, ...) or onnxruntime's name "
         "(repeatable; default: every one this onnxruntime lists); exits 1 when one is not present",
-    )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_doctor)
+    ),
+    _option("--json", action="store_true", help="machine-readable output"),
+)
 
-    p = command(
+_DEMO = (
+    _option(
+        "--keep",
+        metavar="DIR",
+        help="write the demo models into this folder and keep them (default: a temporary folder)",
+    ),
+    _progress_option("the demo"),
+)
+
+#: The commands, in the order ``--help`` lists them.
+_COMMANDS = (
+    _Command(
+        "convert",
+        "convert a model file or genai folder to a quantized KV cache",
+        "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
+        "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
+        "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
+        _convert,
+        _CONVERT,
+        "convert_model",
+    ),
+    _Command(
+        "inspect",
+        "show the KV cache of a model",
+        "Reads the graph only, never a weight.",
+        _inspect,
+        _INSPECT,
+        "inspect_kv_cache",
+    ),
+    _Command(
+        "calibrate",
+        "measure KV-cache scales",
+        "Runs the unquantized model on CPU over token windows and writes one scale per layer (or "
+        "per channel) for K and V.",
+        _calibrate,
+        _CALIBRATE,
+        "calibrate_kv_cache",
+    ),
+    _Command(
+        "evaluate",
+        "compare a converted model with its original",
+        "Runs both on the same tokens on CPU (quantized caches the CPU cannot run are emulated) and "
+        "reports KL divergence, top-1 and greedy agreement, and the per-layer cache error.",
+        _evaluate,
+        _EVALUATE,
+        "evaluate_kv_cache",
+    ),
+    _Command(
+        "doctor",
+        "check the capability table against the installed onnxruntime",
+        "Reads its operator schemas and creates a session per provider row and cache; exits 1 when "
+        "anything disagrees.",
+        _doctor,
+        _DOCTOR,
+        "run_doctor",
+    ),
+    _Command(
         "demo",
         "convert and evaluate the bundled decoder",
         "Builds a small 4-layer decoder, calibrates, converts it to every format and granularity, "
         "evaluates each on CPU and prints one table.",
+        _demo,
+        _DEMO,
+    ),
+)
+
+_VERBOSE = "log what each step does (INFO messages on stderr)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser: one subparser per :data:`_COMMANDS` row."""
+    parser: argparse.ArgumentParser = _Parser(
+        prog="onnx-kvcache",
+        description="Quantize the KV cache of ONNX GroupQueryAttention and PagedAttention decoders.",
+        epilog="Every command has --help, with the default of each option.",
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument(
-        "--keep",
-        metavar="DIR",
-        help="write the demo models into this folder and keep them (default: a temporary folder)",
-    )
-    _add_progress_arg(p, "the demo")
-    p.set_defaults(func=_demo)
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    common = _Parser(add_help=False)  # -v also after the command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in _COMMANDS:
+        p = sub.add_parser(
+            command.name,
+            help=command.summary,
+            description=f"{command.summary[0].upper()}{command.summary[1:]}. {command.description}".strip(),
+            parents=[common],
+            formatter_class=_HelpFormatter,
+        )
+        groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+        for option in command.options:
+            where = p if option.group is None else groups.get(option.group)
+            if where is None:
+                where = groups[option.group] = p.add_mutually_exclusive_group()  # type: ignore[index]
+            where.add_argument(*option.names, **option.settings)
+        p.set_defaults(func=command.run)
     return parser
 
 
@@ -845,7 +912,7 @@ def _say(line: str) -> None:
 
 
 def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    _say(f"onnx-kvcache: warning: {cli_wording(str(message))}")
+    _say(f"onnx-kvcache: warning: {_words(message)}")
 
 
 _STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
@@ -904,11 +971,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if command == "convert":
         same = args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.input)
         if args.in_place and args.output is not None and not same:
-            raise KvCacheError("Give either an output path or in_place=True, not both.")
+            raise KvCacheError("Give either an output path or --in-place, not both.")
         if not args.in_place and args.output is None:
-            raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
+            raise KvCacheError("Give an output path, or --in-place to rewrite the input.")
         if not args.in_place and same:
-            raise KvCacheError(f"Output {args.output} is the input; use in_place=True to rewrite it.")
+            raise KvCacheError(f"Output {args.output} is the input; use --in-place to rewrite it.")
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -944,8 +1011,8 @@ def _check_provider(name: str) -> None:
     )
 
 
-def _error(message: str) -> None:
-    _say(f"onnx-kvcache: error: {cli_wording(message)}")
+def _error(message: object) -> None:
+    _say(f"onnx-kvcache: error: {_words(message)}")
 
 
 _FILE_OPTIONS = ("output", "out", "json", "plot", "keep")
@@ -993,56 +1060,77 @@ def _flush_stdout() -> None:
         raise _StdoutFailed(e) from e
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the handlers of a failure need: the arguments once parsed, and whether the
+    command itself started (until then nothing was written)."""
+
+    args: argparse.Namespace | None = None
+    started: bool = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. SIGINT, SIGTERM and SIGHUP are handled from the first
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache.cli._entry` for the rest."""
-    args: argparse.Namespace | None = None
-    started = False  # the command itself: until then nothing was written
-    code = 0
+    run = _Run()
     _reserve_standard_streams()
     with warnings.catch_warnings(), file_io.signal_handlers():
-        try:
-            args = build_parser().parse_args(argv)
-            args.started = _signals.STARTED or time.perf_counter()  # the entry point's, once
-            _signals.STARTED = None
-            logging.basicConfig(
-                level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                format="%(levelname)s %(name)s: %(message)s",
-            )
-            warnings.simplefilter("always", KvCacheWarning)
-            warnings.showwarning = _show_warning
-            check_inputs(args)
-            with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
-                import onnx_ir  # noqa: F401
-            started = True
-            code = args.func(args)
-            _flush_stdout()
-        except (KvCacheError, MissingRuntimeError) as e:
-            _error(str(e))
-            code = 2
-        except KeyboardInterrupt as e:  # file_io.Interrupted for SIGTERM and SIGHUP
-            signum = getattr(e, "signum", signal.SIGINT)
-            done = getattr(args, "done", None)
-            detail = getattr(e, "detail", None) or done
-            if detail is None:
-                detail = "no partial output was left" if started else "nothing was written"
-            _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
-            code = 128 + signum
-        except _StdoutFailed as e:
-            code = _stdout_failed(args, e.error)
-        except OSError as e:
-            if getattr(args, "done", None) or isinstance(e, BrokenPipeError):
-                code = _stdout_failed(args, e)
-            else:
-                _error(_describe_os_error(e) + ".")
-                code = 2
-        except UnicodeDecodeError as e:
-            _error(f"a file is not UTF-8 text ({e}).")
-            code = 2
-        _signals.outcome = getattr(args, "done", None) or (
+        code = _handled(run, argv)
+        _signals.outcome = getattr(run.args, "done", None) or (
             "the command had finished" if code == 0 else "nothing was written"
         )
         return code
+
+
+def _handled(run: _Run, argv: Sequence[str] | None) -> int:
+    """:func:`_run`'s exit code; a failure is one line on stderr and its code."""
+    try:
+        return _run(run, argv)
+    except (KvCacheError, MissingRuntimeError) as e:
+        _error(e)
+        return 2
+    except KeyboardInterrupt as e:  # file_io.Interrupted for SIGTERM and SIGHUP
+        return _stopped(run, e)
+    except _StdoutFailed as e:
+        return _stdout_failed(run.args, e.error)
+    except OSError as e:
+        if getattr(run.args, "done", None) or isinstance(e, BrokenPipeError):
+            return _stdout_failed(run.args, e)
+        _error(_describe_os_error(e) + ".")
+        return 2
+    except UnicodeDecodeError as e:
+        _error(f"a file is not UTF-8 text ({e}).")
+        return 2
+
+
+def _run(run: _Run, argv: Sequence[str] | None) -> int:
+    """Parse, check the inputs, import onnx-ir with signals held, run the command."""
+    run.args = args = build_parser().parse_args(argv)
+    args.started = _signals.STARTED or time.perf_counter()  # the entry point's, once
+    _signals.STARTED = None
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    warnings.simplefilter("always", KvCacheWarning)
+    warnings.showwarning = _show_warning
+    check_inputs(args)
+    with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
+        import onnx_ir  # noqa: F401
+    run.started = True
+    code: int = args.func(args)
+    _flush_stdout()
+    return code
+
+
+def _stopped(run: _Run, e: KeyboardInterrupt) -> int:
+    """Stopped by a signal: one line saying what was left, exit 128 + N."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    detail = getattr(e, "detail", None) or getattr(run.args, "done", None)
+    if detail is None:
+        detail = "no partial output was left" if run.started else "nothing was written"
+    _say(f"onnx-kvcache: stopped by {signal.Signals(signum).name}; {detail}.")
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, Param
 
 try:
     import fcntl
@@ -995,12 +995,18 @@ def check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool) 
     if real == root_real or root_real in real.parents or follow_symlinks:
         return real
     link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
+    follow = Param("follow_symlinks", True)
     hint = (
-        "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass "
-        "follow_symlinks=True to accept the links; a conversion elsewhere then "
-        "copies their content."
+        (
+            "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass ",
+            follow,
+            " to accept the links; a conversion elsewhere then copies their content.",
+        )
         if _looks_like_hf_snapshot(root)
-        else "Copy the file into the folder, or pass follow_symlinks=True to "
-        "accept links (a conversion elsewhere copies their content)."
+        else (
+            "Copy the file into the folder, or pass ",
+            follow,
+            " to accept links (a conversion elsewhere copies their content).",
+        )
     )
-    raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. {hint}")
+    raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. ", *hint)

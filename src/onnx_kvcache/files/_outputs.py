@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from onnx_kvcache._version import __version__
-from onnx_kvcache.errors import KvCacheError, require_type
+from onnx_kvcache.errors import KvCacheError, Param, require_type
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files._marker import check_replaceable_file, is_model_file, possible_users
 
@@ -238,8 +238,9 @@ def check_output(
     for p in inputs:
         if os.path.lexists(path) and _same(path, pathlib.Path(p)):
             raise KvCacheError(
-                f"{path} is one of the input's files; write the {row.what} elsewhere "
-                "(overwrite=True never replaces an input)."
+                f"{path} is one of the input's files; write the {row.what} elsewhere (",
+                Param("overwrite", True),
+                " never replaces an input).",
             )
     try:
         st = os.lstat(path)
@@ -276,7 +277,9 @@ def check_output(
         if why is not None and not overwrite:
             raise KvCacheError(
                 f"{path} exists and is not a {row.what} onnx-kvcache wrote ({why}); refusing to "
-                "replace it. Name another file, or pass overwrite=True to replace it."
+                "replace it. Name another file, or pass ",
+                Param("overwrite", True),
+                " to replace it.",
             )
     parent = path.parent
     if not os.path.lexists(parent):

@@ -46,7 +46,7 @@ from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.capabilities.gating import infer_target
 from onnx_kvcache.capabilities.refusals import Refusal, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
-from onnx_kvcache.errors import KvCacheError, require_type, warn
+from onnx_kvcache.errors import KvCacheError, Message, Param, require_type, warn
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
@@ -66,6 +66,8 @@ LINK_WARNING = (
     "load_external_data=False)), onnxruntime and onnxruntime-genai load both."
 )
 
+
+IN_PLACE, OVERWRITE = Param("in_place", True), Param("overwrite", True)
 
 # -- planning a conversion --------------------------------------------------------------
 
@@ -188,7 +190,7 @@ def _refuse_mount_point(out: pathlib.Path) -> None:
         raise KvCacheError(f"Output {out} is a mount point, which cannot be replaced. {fix}")
 
 
-def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib.Path) -> str:
+def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib.Path) -> Message:
     """Why a folder is not converted to a path inside itself, and what does what was meant.
 
     "Beside" is a placement of model files: a folder converts to another folder or in place.
@@ -197,15 +199,15 @@ def _inside_the_folder(source: ModelSource, out: pathlib.Path, out_real: pathlib
     """
     message = f"Output {out} is inside the input folder {source.folder}; a folder converts to another folder"
     if out.suffix != ".onnx":
-        return f"{message}. Choose another path."
+        return Message(f"{message}. Choose another path.")
     if out_real == pathlib.Path(os.path.realpath(source.graph)):
-        return f"{message}. {out.name} is its model file: use in_place=True to rewrite the folder."
+        return Message(f"{message}. {out.name} is its model file: use ", IN_PLACE, " to rewrite the folder.")
     kept = f"; {GENAI_CONFIG} keeps naming {source.graph.name}" if source.config is not None else ""
     return (
         f"{message}. For a converted graph beside {source.graph.name} (sharing its weights), give the "
         f"model file {source.graph} as the input and an output in its folder{kept}. For the folder "
-        "to run the converted graph, use in_place=True."
-    )
+        "to run the converted graph, use "
+    ) + Message(IN_PLACE, ".")
 
 
 def _plan(
@@ -221,7 +223,7 @@ def _plan(
     if in_place:
         return _plan_in_place(source, out_path, weights)
     if out_path is None:
-        raise KvCacheError("Give an output path, or in_place=True to rewrite the input.")
+        raise KvCacheError("Give an output path, or ", IN_PLACE, " to rewrite the input.")
     out = pathlib.Path(os.path.abspath(out_path))
     if out.is_symlink():
         raise KvCacheError(f"Output {out} is a symbolic link; refusing to write through it.")
@@ -237,9 +239,14 @@ def _plan_in_place(
     if out_path is not None and _real(pathlib.Path(os.path.abspath(out_path))) != _real(
         source.folder or source.graph
     ):
-        raise KvCacheError("Give either an output path or in_place=True, not both.")
+        raise KvCacheError("Give either an output path or ", IN_PLACE, ", not both.")
     if weights is not None:
-        raise KvCacheError("in_place=True keeps the data files where they are; weights=MODE does not apply.")
+        raise KvCacheError(
+            IN_PLACE,
+            " keeps the data files where they are; ",
+            Param("weights", placeholder="MODE"),
+            " does not apply.",
+        )
     for path in (source.graph, source.config_path):
         if path is not None and path.is_symlink():
             raise KvCacheError(
@@ -262,7 +269,7 @@ def _check_folder_output(source: ModelSource, out: pathlib.Path) -> None:
     out_real = _real(out)
     root_real = pathlib.Path(os.path.realpath(source.root))
     if out_real == root_real:
-        raise KvCacheError(f"Output {out} is the input; use in_place=True to rewrite it.")
+        raise KvCacheError(f"Output {out} is the input; use ", IN_PLACE, " to rewrite it.")
     if _is_within(out_real, root_real):
         raise KvCacheError(_inside_the_folder(source, out, out_real))
     if _is_within(root_real, out_real):
@@ -299,7 +306,7 @@ def _plan_folder(
     previous.check_replaceable_folder(out)
     if not overwrite:
         raise KvCacheError(
-            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+            f"Output {out} exists (a previous output of onnx-kvcache); pass ", OVERWRITE, " to replace it."
         )
     if _is_within(pathlib.Path(os.path.realpath(os.getcwd())), _real(out)):
         raise KvCacheError(f"Output {out} contains the current folder; refusing to replace it.")
@@ -317,8 +324,8 @@ def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | o
             if out_real == pathlib.Path(os.path.realpath(source.graph))
             else "a file the input uses"
         )
-        fix = "; use in_place=True to rewrite it" if what == "the input" else ""
-        raise KvCacheError(f"Output {out} is {what}{fix}.")
+        fix = Message("; use ", IN_PLACE, " to rewrite it") if what == "the input" else ""
+        raise KvCacheError(f"Output {out} is {what}", fix, ".")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         if previous.is_output_folder(out):  # a file of ours in it would block its replacement
             raise KvCacheError(
@@ -353,9 +360,10 @@ def _plan_file(
         raise KvCacheError(
             f"The input's data file {linked[0].path.name} is a symbolic link (to {linked[0].real}); onnx "
             "refuses linked external data (onnxruntime too, when it leads out of the folder), so an "
-            "output sharing it would not load. "
-            "Convert into another folder (the linked content is copied), or pass weights='copy' for "
-            "this output's own copy."
+            "output sharing it would not load. Convert into another folder (the linked content is "
+            "copied), or pass ",
+            Param("weights", "copy"),
+            " for this output's own copy.",
         )
     plan = _Plan(Placement.BESIDE if beside else Placement.ELSEWHERE, out, mode)
     if os.path.lexists(out):
@@ -373,7 +381,7 @@ def _replace_file(source: ModelSource, plan: _Plan, out_path: str | os.PathLike,
     marker = previous.check_replaceable_file(out)
     if not overwrite:
         raise KvCacheError(
-            f"Output {out} exists (a previous output of onnx-kvcache); pass overwrite=True to replace it."
+            f"Output {out} exists (a previous output of onnx-kvcache); pass ", OVERWRITE, " to replace it."
         )
     _refuse_mount_point(out)
     plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
@@ -755,9 +763,12 @@ def _warn_links(source: ModelSource, plan: _Plan) -> None:
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
     if linked and plan.weights is not WeightsMode.LINK:
         warn(
-            f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
-            "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
-            "the other link is deleted."
+            Message(
+                f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier ",
+                Param("weights", "link"),
+                "?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until the other "
+                "link is deleted.",
+            )
         )
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, Param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +148,11 @@ class DecoderConfig:
             and (self.head_size - self.latent_rope_dim) % 8 == 0
         ):
             raise KvCacheError(
-                "latent needs paged=True and an even latent_rope_dim below head_size that leaves a "
-                "multiple of 8 channels before it (PagedAttention's rotary_offset)."
+                Param("latent"),
+                " needs ",
+                Param("paged", True),
+                " and an even latent_rope_dim below head_size that leaves a "
+                "multiple of 8 channels before it (PagedAttention's rotary_offset).",
             )
 
     @property

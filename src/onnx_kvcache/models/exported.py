@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, Param
 from onnx_kvcache.models._torchscript import build_torchscript_decoder
 from onnx_kvcache.models.config import DecoderConfig, ExportStyle, WeightFactory
 
@@ -134,8 +134,9 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         return build_torchscript_decoder(config, weight_factory=weight_factory)
     if style.opset == 18 or style.qkv_bias or style.fused_qkv or style.weights != "float":
         raise KvCacheError(
-            "opset 18, qkv_bias, fused_qkv and quantized weights are the TorchScript form: "
-            "set exporter='torchscript'."
+            "opset 18, qkv_bias, fused_qkv and quantized weights are the TorchScript form: set ",
+            Param("exporter", "torchscript"),
+            ".",
         )
     c, w = config, _Writer(config, weight_factory)
     h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
@@ -457,7 +458,12 @@ def _sdpa_decomposed(w: _Writer, q, k, v, mask, scale: float, shape) -> ir.Value
 
 def _check_new_styles(style: ExportStyle) -> None:
     if style.static_shapes is not None and (style.opset != 20 or style.attention != "sdpa"):
-        raise KvCacheError("static_shapes writes the opset-20 scaled dot-product form; set opset=20.")
+        raise KvCacheError(
+            Param("static_shapes"),
+            " writes the opset-20 scaled dot-product form; set ",
+            Param("opset", 20),
+            ".",
+        )
     if style.attention == "eager" and (style.qk_matmul_output is not None or style.mask == "top_left"):
         raise KvCacheError("eager attention has no attention-weights output and no is_causal.")
 

@@ -55,7 +55,7 @@ from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.capabilities.table import get_capabilities
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
 from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
@@ -567,7 +567,9 @@ class KvCacheEmulationPass(InPlacePass):
                     if cache is not None and not cache.is_graph_input() and producer is None:
                         raise KvCachePreconditionError(
                             f"Cannot emulate {site.name} with float cache I/O: its cache "
-                            f"{cache.name!r} is not a graph input; use quantized_io=True."
+                            f"{cache.name!r} is not a graph input; use ",
+                            Param("quantized_io", True),
+                            ".",
                         )
         steps: dict[tuple, _Step] = {}
         return [_Rewrite(site, self.semantics, self.quantized_io, steps) for site in sites]

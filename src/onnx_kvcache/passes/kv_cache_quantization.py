@@ -72,7 +72,7 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.operators import AttentionOp, CacheSide, op_of
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, function_call_sites
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
+from onnx_kvcache.errors import Function, KvCacheError, KvCachePreconditionError, Message, Param, warn
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
@@ -85,6 +85,8 @@ from onnx_kvcache.scales.files import (
 )
 
 logger = logging.getLogger(__name__)
+#: What a message tells the user to give for scales: ``scales=PATH``, ``--scales PATH``.
+SCALE_FILE = Param("scales", placeholder="PATH")
 
 
 @dataclasses.dataclass
@@ -252,8 +254,12 @@ class KvCacheQuantizationPass(InPlacePass):
             notes.append(mse_moved(moved[0], self.format.name))  # the marker of our conversion says so
         if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
-                "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
-                "Calibrated scales are more accurate (calibrate_kv_cache())."
+                Message(
+                    "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
+                    "Calibrated scales are more accurate (",
+                    Function("calibrate_kv_cache"),
+                    ").",
+                )
             )
         if self.shared_kv_scale:
             notes += _shared_scale_coarsens(plans)
@@ -309,8 +315,11 @@ class KvCacheQuantizationPass(InPlacePass):
         if scales is None and source is None and not self.format.is_float:
             raise KvCachePreconditionError(
                 f"The {self.format.name} KV cache needs calibrated scales: a unit scale is "
-                "meaningless for integer formats. Pass scales=PATH (a scale file), or measure them "
-                "with calibrate_kv_cache()."
+                "meaningless for integer formats. Pass ",
+                SCALE_FILE,
+                " (a scale file), or measure them with ",
+                Function("calibrate_kv_cache"),
+                ".",
             )
         symbolic = any(
             v.shape is not None and len(v.shape) == 4 and not isinstance(v.shape[3], int)
@@ -347,12 +356,19 @@ class KvCacheQuantizationPass(InPlacePass):
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
             if fits is not None:
-                hint = f"These scales are {fits.replace('_', ' ')}: convert with granularity={fits!r}."
+                hint = Message(
+                    f"These scales are {fits.replace('_', ' ')}: convert with ",
+                    Param("granularity", fits),
+                    ".",
+                )
             else:
-                hint = "These scales were measured for a model of another shape: calibrate this model."
+                hint = Message(
+                    "These scales were measured for a model of another shape: calibrate this model."
+                )
             raise KvCachePreconditionError(
                 f"Layer {site.layer_id} ({site.label}): {self._granularity.name} scales need "
-                f"{expected} element(s) per cache{shape}, got {k.size}. {hint}"
+                f"{expected} element(s) per cache{shape}, got {k.size}. ",
+                hint,
             )
         return _Plan(site, done, sources, sinks, k, v, head, source)
 
@@ -375,16 +391,18 @@ class KvCacheQuantizationPass(InPlacePass):
             if found is None:
                 reason = "has no scale input" if value is None else f"reads {value.name!r}, not a constant"
                 raise KvCachePreconditionError(
-                    f"{what}, but its {side.scale} {reason}; give scales=PATH (a scale file) to "
-                    f"convert it to {self.format.name} {self._granularity.name}."
+                    f"{what}, but its {side.scale} {reason}; give ",
+                    SCALE_FILE,
+                    f" (a scale file) to convert it to {self.format.name} {self._granularity.name}.",
                 )
             own = np.asarray(found, np.float32)
             fits = granularity_of([(own.size, kv, head)])
             if fits is None or not np.all(np.isfinite(own)) or not np.all(own > 0):
                 raise KvCachePreconditionError(
                     f"{what}, but its {side.scale} {value.name!r} holds {own.size} value(s) "  # type: ignore[union-attr]
-                    f"that are no finite positive scales of kv_num_heads {kv} x head_size {head}; "
-                    "give scales=PATH (a scale file) to convert it."
+                    f"that are no finite positive scales of kv_num_heads {kv} x head_size {head}; give ",
+                    SCALE_FILE,
+                    " (a scale file) to convert it.",
                 )
             heads, dims = scale_granularity(fits).grid(kv, head)
             grid = own.reshape(heads, dims)
@@ -524,10 +542,15 @@ def _retarget_notes(
     if unit:
         source = unit[0][1].format
         notes.append(
-            f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
-            f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
-            "far too coarse for an integer cache. Calibrate the model (calibrate_kv_cache()) and "
-            "give scales=PATH (a scale file)."
+            Message(
+                f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
+                f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
+                "far too coarse for an integer cache. Calibrate the model (",
+                Function("calibrate_kv_cache"),
+                ") and give ",
+                SCALE_FILE,
+                " (a scale file).",
+            )
         )
     return notes
 
@@ -858,7 +881,9 @@ def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
             fits = {layer: granularity_of([c]) for layer, c in caches.items()}
             raise KvCachePreconditionError(
                 f"The scales of different layers fit different granularities ({fits}): give scales "
-                "of one granularity for every layer (calibrate_kv_cache() measures them)."
+                "of one granularity for every layer (",
+                Function("calibrate_kv_cache"),
+                " measures them).",
             )
         layer, (size, kv, head) = misfits[0]
         sizes = ", ".join(

@@ -47,7 +47,7 @@ import onnx_ir as ir
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.capabilities.device import cuda_compute_capability
+from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.gating import (
     NO_ATTENTION,
     check_kv_cache_support,
@@ -57,7 +57,7 @@ from onnx_kvcache.capabilities.gating import (
 )
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
+from onnx_kvcache.errors import KvCacheError, Message, NotConvertedWarning, Param, warn
 from onnx_kvcache.files.reading import check_defined
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
@@ -66,12 +66,7 @@ from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 AUTO: Literal["auto"] = "auto"
 logger = logging.getLogger(__name__)
 
-NO_CUDA_DEVICE = Refusal(
-    RefusalCode.NO_CUDA_DEVICE,
-    Parameter.CHECK_DEVICE,
-    "check_device=True: no CUDA GPU found on this machine (without it, the check is left to the "
-    "GPU that runs the model).",
-)
+NO_CUDA_DEVICE = Refusal(RefusalCode.NO_CUDA_DEVICE, Parameter.CHECK_DEVICE, NO_GPU)
 
 
 class Entry(StrEnum):
@@ -249,7 +244,7 @@ def _named(target: str | None, why: str, explain: bool) -> str:
     """The target as a message names it (``explain``: with how it was inferred)."""
     if not why or not explain:
         return str(target)
-    return f"{target} (inferred: {why}; name the target with execution_provider=...)"
+    return Message(f"{target} (inferred: {why}; name the target with ", Param("ep", placeholder="..."), ")")
 
 
 def _fusion_refusals(request: Request, fusion: Fusion, target: str | None) -> tuple[Refusal, ...]:
@@ -298,9 +293,10 @@ def gate(
 
 def _refused(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, bare: bool = False) -> Decision:
     """``decision`` refused with ``refusals``: ``strict`` raises (``bare``: the texts alone)."""
-    message = f"{head}: {' '.join(texts(refusals))}"
+    said = Message.joined(texts(refusals))
+    message = Message(head, ": ", said)
     if decision.request.strict:
-        raise KvCacheError(" ".join(texts(refusals)) if bare else message)
+        raise KvCacheError(said if bare else message)
     return dataclasses.replace(decision, refusals=refusals, message=message)
 
 
@@ -318,7 +314,7 @@ def decide(request: Request) -> Decision:
     decision = dataclasses.replace(decision, target=target, why=why)
     named = _named(target, why, rules.explain_target)
     if refusals := _fusion_refusals(request, fusion, target):
-        return _refused(decision, f"Attention not fused for {named}", refusals)
+        return _refused(decision, Message("Attention not fused for ", named), refusals)
     fmt, granularity = plan(request, fusion.model, target)
     scales = as_kv_cache_scales(request.scales, format=fmt.name) if fmt is not None else request.scales
     decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
@@ -334,7 +330,7 @@ def decide(request: Request) -> Decision:
             name_unknown=rules.name_unknown_provider,
         )
         if refusals:
-            head = f"KV cache not converted to {fmt.name} {granularity.name} for {named}"
+            head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
             return _refused(decision, head, refusals)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
 
@@ -365,7 +361,7 @@ def carry_out(decision: Decision) -> bool:
             shared_kv_scale=request.shared_kv_scale,
         )(decision.model)
     for said in decision.fusion.said:
-        warn(str(said.message), said.category)
+        warn(said.message, said.category)
     for warning in decision.warnings:
         warn(warning)
     return True

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
-import contextlib
-import re
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import OPTIMIZE_MODEL, KvCacheError, Param, speaking
 from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -41,15 +38,19 @@ def _check_options(
 ) -> str | None:
     """The options that need no model, checked; the format ``fp8_kv_cache`` names."""
     if fuse_attention not in (True, False, "auto"):
-        raise KvCacheError(f"fuse_attention must be True, False or 'auto', got {fuse_attention!r}.")
+        raise KvCacheError(
+            Param("fuse_attention"), f" must be True, False or 'auto', got {fuse_attention!r}."
+        )
     if fp8_kv_cache:
         if kv_cache_format not in (None, "fp8"):
-            raise KvCacheError(f"fp8_kv_cache=True conflicts with kv_cache_format={kv_cache_format!r}.")
+            raise KvCacheError(
+                Param("fp8_kv_cache", True), " conflicts with ", Param("format", kv_cache_format), "."
+            )
         kv_cache_format = "fp8"
     if execution_provider is not None and (not isinstance(execution_provider, str) or not execution_provider):
         raise KvCacheError(
-            f"execution_provider must name a provider (cpu, cuda, ...), 'auto' or None; got "
-            f"{execution_provider!r}."
+            Param("ep"),
+            f" must name a provider (cpu, cuda, ...), 'auto' or None; got {execution_provider!r}.",
         )
     return kv_cache_format
 
@@ -68,14 +69,22 @@ def _format_and_scales(
         kv_cache_format = implied or own
         if kv_cache_format is None:
             raise KvCacheError(
-                "kv_cache_scales were given without kv_cache_format, and they record no format: "
-                "name it (kv_cache_format='int8', ...)."
+                Param("scales"),
+                " were given without ",
+                Param("format"),
+                ", and they record no format: name it (",
+                Param("format", "int8"),
+                ", ...).",
             )
     if kv_cache_format is None and (granularity is not None or shared):
         if own is None:
             raise KvCacheError(
-                "kv_cache_granularity and shared_kv_scale apply to a quantized cache: name its "
-                "format (kv_cache_format='int8', ...) or drop them."
+                Param("granularity"),
+                " and ",
+                Param("shared_kv_scale"),
+                " apply to a quantized cache: name its format (",
+                Param("format", "int8"),
+                ", ...) or drop them.",
             )
         kv_cache_format = own
     if not kv_cache_format:
@@ -149,22 +158,10 @@ def optimize_model(
         warning, as it was.
     """
     options = dict(locals())
-    with _in_optimize_words():
+    with speaking(OPTIMIZE_MODEL):
         fmt = _check_options(execution_provider, fp8_kv_cache, kv_cache_format, fuse_attention)
         request = _request(options.pop("model"), options, fmt)
         decision = decide(request)
         if carry_out(decision):
             _commit(request.model, decision.model)
         return request.model
-
-
-@contextlib.contextmanager
-def _in_optimize_words() -> Iterator[None]:
-    """Errors of the passes name their parameters (``scales=``); say optimize_model's."""
-    try:
-        yield
-    except KvCacheError as error:
-        worded = re.sub(r"(?<![\w.-])(scales|granularity)=", r"kv_cache_\1=", str(error))
-        if worded == str(error):
-            raise
-        raise type(error)(worded) from error

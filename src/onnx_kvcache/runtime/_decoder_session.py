@@ -39,7 +39,7 @@ import onnx_ir.passes.common as common_passes
 from onnx_kvcache.cache.operators import PAGED, GqaInput
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
-from onnx_kvcache.errors import KvCacheError, MissingRuntimeError, warn
+from onnx_kvcache.errors import KvCacheError, Message, MissingRuntimeError, Param, warn
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, KvCache
@@ -191,8 +191,11 @@ def _cpu_semantics(source: ModelSource, semantics: str | None) -> tuple[Semantic
         s.cache_format is not None and s.cache_format.is_float for s in find_gqa_sites(source.model)
     ):
         warn(
-            "semantics='cpu' on an fp8 cache: no CPU kernel stores fp8, so this rule is "
-            "hypothetical; CUDA's ('cuda') is what an fp8 model gets."
+            Message(
+                Param("semantics", "cpu"),
+                " on an fp8 cache: no CPU kernel stores fp8, so this rule is "
+                "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
+            )
         )
     return rule, "asked for"
 
@@ -205,7 +208,7 @@ def choose_target(source: ModelSource, options: SessionOptions) -> Target:
     if any("CUDA" in str(p) for p in providers):
         if options.semantics not in (None, "cuda"):
             raise KvCacheError(
-                f"On CUDA the CUDA kernel runs: semantics={options.semantics!r} is not possible."
+                "On CUDA the CUDA kernel runs: ", Param("semantics", options.semantics), " is not possible."
             )
         return Target(providers, "cuda", "cuda", "running on CUDA", source.model, False)
     rule, reason = _cpu_semantics(source, options.semantics)
@@ -305,7 +308,12 @@ class DecoderSession:
             {ids_name, "attention_mask", "position_ids", *(b.past for b in bindings), *cache_inputs.values()},
         )
         if options.capture_queries and options.io_binding:
-            raise KvCacheError("capture_queries fetches the queries as host arrays: use io_binding=False.")
+            raise KvCacheError(
+                Param("capture_queries"),
+                " fetches the queries as host arrays: use ",
+                Param("io_binding", False),
+                ".",
+            )
         on_device = self.target.device == "cuda" and not options.capture_queries
         bound = on_device if options.io_binding is None else options.io_binding
         return Feeding(ids_name, tuple(names), self.target.device, bound)

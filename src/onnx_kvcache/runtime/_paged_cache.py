@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import PAGED
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import KvCacheError, Param
 from onnx_kvcache.files.genai_folder import block_size as configured_block_size
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, Rows
 from onnx_kvcache.runtime._sessions import fed_as_bits, host_array
@@ -155,7 +155,8 @@ def _block_size(bindings: Sequence[CacheBinding], requested: int | None, config:
         fixed = static.pop()
         if requested is not None and requested != fixed:
             raise KvCacheError(
-                f"block_size={requested} does not match the model's caches, which fix block_size {fixed}."
+                Param("block_size", requested),
+                f" does not match the model's caches, which fix block_size {fixed}.",
             )
         return check_block_size(fixed)
     if requested is not None:

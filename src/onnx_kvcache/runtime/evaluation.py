@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import INTEGER, KvCacheError, require_type, warn
+from onnx_kvcache.errors import INTEGER, KvCacheError, Param, require_type, warn
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import TokenData, load_token_windows
 
@@ -196,7 +196,9 @@ def evaluate_kv_cache(
     if not any(len(w) - min(prompt_len, max(1, len(w) // 2)) >= 2 for w in windows):
         raise KvCacheError(
             f"The sequences ({max(len(w) for w in windows)} tokens at most) leave no decode step after "
-            f"a prompt of up to {prompt_len}: use longer sequences (seq_len=N)."
+            f"a prompt of up to {prompt_len}: use longer sequences (",
+            Param("seq_len", placeholder="N"),
+            ").",
         )
     kls: list[np.ndarray] = []
     prompt_kls: list[np.ndarray] = []

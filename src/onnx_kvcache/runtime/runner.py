@@ -41,7 +41,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, require_type
+from onnx_kvcache.errors import KvCacheError, KvCacheWarning, Param, require_type
 from onnx_kvcache.files.genai_folder import eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
 from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING
@@ -353,8 +353,11 @@ class KvCacheRunner:
     def _need_logits(self) -> None:
         if self.caches_only:
             raise KvCacheError(
-                "This runner runs the graph pruned to its caches (caches_only=True) and computes no "
-                "logits: use fill(ids), or a runner built without caches_only."
+                "This runner runs the graph pruned to its caches (",
+                Param("caches_only", True),
+                ") and computes no logits: use fill(ids), or a runner built without ",
+                Param("caches_only"),
+                ".",
             )
 
     @property

@@ -60,7 +60,7 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.capabilities.table import default_format, infer_target
-from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, require_type, warn
+from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, Message, Param, require_type, warn
 from onnx_kvcache.files._inputs import check_input_file
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import TokenData, find_tokenizer, load_token_windows
@@ -356,7 +356,9 @@ def calibrate_kv_cache(
         if format is None:
             raise KvCacheError(
                 f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
-                "format of the provider it will run on, e.g. format='int8'."
+                "format of the provider it will run on, e.g. ",
+                Param("format", "int8"),
+                ".",
             )
         chosen_for = f"{target} (assumed: {why})"
     fmt = get_format(format)
@@ -367,7 +369,7 @@ def calibrate_kv_cache(
     chosen = CALIBRATION_METHODS[method]
     if chosen.clip_search and fmt.is_float:
         raise KvCacheError(
-            f"method={method!r} is for integer formats (int8/int4); use minmax or percentile for fp8."
+            Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
         )
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
@@ -384,7 +386,9 @@ def calibrate_kv_cache(
     if loaded.tokens < min_tokens:
         raise KvCacheError(
             f"Calibration data has {loaded.tokens} token(s) ({loaded.source}); scales need at least "
-            f"{min_tokens}. Give more text or token ids, or knowingly lower min_tokens=N."
+            f"{min_tokens}. Give more text or token ids, or knowingly lower ",
+            Param("min_tokens", placeholder="N"),
+            ".",
         )
     if loaded.random:
         warn(
@@ -471,10 +475,17 @@ def calibrate_kv_cache(
                 beyond = max(beyond, float((np.abs(res.rows) > limit).mean()))
         if beyond > CLIP_WARN_FRACTION and not chosen.clip_search:  # those clip by design, where it pays
             warn(
-                f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
-                f"(more than {CLIP_WARN_FRACTION:.0%}): check margin={margin:g}"
-                + (f" and percentile={percentile:g}" if method == "percentile" else "")
-                + "; clipped values lose far more than rounding does."
+                Message(
+                    f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
+                    f"(more than {CLIP_WARN_FRACTION:.0%}): check ",
+                    Param("margin", placeholder=f"{margin:g}"),
+                    *(
+                        (" and ", Param("percentile", placeholder=f"{percentile:g}"))
+                        if method == "percentile"
+                        else ()
+                    ),
+                    "; clipped values lose far more than rounding does.",
+                )
             )
         (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
         stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))

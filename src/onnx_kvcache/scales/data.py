@@ -28,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from onnx_kvcache.errors import INTEGER, KvCacheError, KvCacheTypeError, missing_dependency, require_type
+from onnx_kvcache.errors import (
+    INTEGER,
+    KvCacheError,
+    KvCacheTypeError,
+    Param,
+    missing_dependency,
+    require_type,
+)
 from onnx_kvcache.files._inputs import (
     check_input_file,
     load_json,
@@ -75,8 +82,9 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
     """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
     if tokenizer is None:
         raise KvCacheError(
-            "Text data needs a tokenizer: pass tokenizer=PATH (a tokenizer.json), use a "
-            "model folder that has one, or give token ids instead."
+            "Text data needs a tokenizer: pass ",
+            Param("tokenizer", placeholder="PATH"),
+            " (a tokenizer.json), use a model folder that has one, or give token ids instead.",
         )
     try:
         from tokenizers import Tokenizer

@@ -42,7 +42,7 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
-from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, warn
+from onnx_kvcache.errors import Function, KvCacheError, KvCacheTypeError, Message, Param, warn
 from onnx_kvcache.files._inputs import load_json
 from onnx_kvcache.files._outputs import stamp_json, write_output
 
@@ -85,17 +85,25 @@ def _as_scale_array(value: Any, where: str) -> np.ndarray:
     return wide.astype(np.float32)
 
 
-def _check_qmax(qmax: Any) -> float:
+def _qmax_problem(qmax: Any) -> str | None:
+    """Why ``qmax`` is no largest quantized value (None when it is one), after its name."""
     low, high = QMAX_RANGE
     if (
         isinstance(qmax, bool)
         or not isinstance(qmax, (int, float, np.integer, np.floating))
         or not low <= float(qmax) <= high
     ):
-        raise KvCacheError(
-            f"qmax must be a number from {low:g} to {high:g} (the largest quantized value of the "
+        return (
+            f"must be a number from {low:g} to {high:g} (the largest quantized value of the "
             f"cache format), got {qmax!r}."
         )
+    return None
+
+
+def _check_qmax(qmax: Any) -> float:
+    problem = _qmax_problem(qmax)
+    if problem is not None:
+        raise KvCacheError(f"qmax {problem}")
     return float(qmax)
 
 
@@ -265,13 +273,14 @@ class KvCacheScales:
         write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
 
-def mse_moved(source: str, target: str) -> str:
+def mse_moved(source: str, target: str) -> Message:
     """The warning for mse thresholds made for ``source`` used as ``target`` scales."""
-    return (
+    return Message(
         f"These KV-cache scales hold mse thresholds chosen for {source}'s levels; as {target} "
         f"scales they keep those thresholds, which are not what mse chooses for {target} "
-        f"(an int4 mse threshold clips far more than int8 needs). Calibrate for {target}: "
-        f"calibrate_kv_cache(format='{target}', method='mse')."
+        f"(an int4 mse threshold clips far more than int8 needs). Calibrate for {target}: ",
+        Function("calibrate_kv_cache", (Param("format", target), Param("method", "mse"))),
+        ".",
     )
 
 
@@ -398,10 +407,10 @@ def load_kv_cache_scale_file(
     granularity = section.get("granularity", doc.get("granularity"))
     qmax = section.get("qmax", doc.get("qmax"))
     if qmax is not None:
-        try:
-            qmax = _check_qmax(qmax)
-        except KvCacheError as e:
-            raise _fail(p, f"'qmax' {str(e).removeprefix('qmax ')}") from None
+        problem = _qmax_problem(qmax)
+        if problem is not None:
+            raise _fail(p, f"'qmax' {problem}")
+        qmax = float(qmax)
     method = section.get("method", doc.get("method"))
     try:
         result = KvCacheScales(
@@ -428,8 +437,9 @@ def resolve_granularity(granularity: str | None, scales: KvCacheScales | None) -
     granularity = get_granularity(granularity)
     if recorded is not None and recorded != granularity and not scale_granularity(granularity).single:
         raise KvCacheError(
-            f"The scales are {recorded} (as recorded when they were made), not {granularity}: "
-            f"convert with granularity='{recorded}', or give {granularity} scales."
+            f"The scales are {recorded} (as recorded when they were made), not {granularity}: convert with ",
+            Param("granularity", recorded),
+            f", or give {granularity} scales.",
         )
     return granularity
 

@@ -1,0 +1,43 @@
+"""cli/_names.py: the parser's choices are the tables' rows (standard library copies)."""
+
+from __future__ import annotations
+
+import typing
+
+from onnx_kvcache.cli import _names
+from onnx_kvcache.cli.commands import _COMMANDS, build_parser
+
+
+def test_the_choices_copied_for_the_parser_are_the_tables():
+    from onnx_kvcache.files.conversion import WeightsMode
+    from onnx_kvcache.passes.kv_cache_emulation import SEMANTICS
+    from onnx_kvcache.scales.calibration import CALIBRATION_METHODS
+
+    assert tuple(SEMANTICS) == _names.SEMANTICS
+    assert typing.get_args(WeightsMode) == _names.WEIGHTS
+    assert tuple(CALIBRATION_METHODS) == _names.METHODS
+
+
+def test_every_choice_of_the_parser_is_a_named_table():
+    """No option hard-codes its choices: each list is one of _names' tables."""
+    tables = {
+        tuple(t)
+        for t in (
+            _names.FORMATS,
+            _names.GRANULARITIES,
+            _names.METHODS,
+            _names.SEMANTICS,
+            _names.WEIGHTS,
+            _names.PROVIDERS,
+        )
+    }
+    sub = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.choices is not None:
+                assert tuple(action.choices) in tables, (name, action.dest)
+
+
+def test_each_command_row_is_a_subcommand_in_order():
+    sub = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict))
+    assert list(sub.choices) == [c.name for c in _COMMANDS]
