@@ -83,7 +83,7 @@ class WeightsMode(StrEnum):
 
 
 #: What a caller may ask for (``convert_model(weights=...)``).
-_ASKED = (WeightsMode.COPY, WeightsMode.LINK)
+ASKED_WEIGHTS = (WeightsMode.COPY, WeightsMode.LINK)
 
 
 class Placement(StrEnum):
@@ -641,7 +641,7 @@ def _arguments(
         get_format(named)  # an unknown name fails before any work
     if granularity is not None:
         granularity = resolve_granularity(granularity, read)  # a contradiction fails before any work
-    if weights is not None and weights not in _ASKED:
+    if weights is not None and weights not in ASKED_WEIGHTS:
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     return read, named, granularity
 
