@@ -65,13 +65,15 @@ from onnx_kvcache.passes.fusion._symbolic import (
     Conj,
     Le,
     MaskAt,
+    Symbol,
     SymbolicEvaluator,
+    SymbolKind,
     Unprovable,
     axis,
     reshape_dims,
 )
 
-BATCH, HEAD, QUERY, KEY = "#batch", "#head", "#query", "#key"
+BATCH, HEAD, QUERY, KEY = (Symbol.index(name) for name in ("batch", "head", "query", "key"))
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
 ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
@@ -785,13 +787,9 @@ def _bsh_shape(q: Sequence[Affine], width: int) -> ir.Shape | None:
 def _dim(value: Affine) -> int | str | None:
     if value.is_const:
         return value.const
-    if (
-        len(value.terms) == 1
-        and value.terms[0][1] == 1
-        and not value.const
-        and value.terms[0][0].startswith("d:")
-    ):
-        return value.terms[0][0][2:]
+    if len(value.terms) == 1 and value.terms[0][1] == 1 and not value.const:
+        symbol = value.terms[0][0]
+        return symbol.name if symbol.kind is SymbolKind.DIM else None
     return None
 
 
