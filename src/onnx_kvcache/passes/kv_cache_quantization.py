@@ -75,6 +75,7 @@ from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, warn
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._graph import prepend
 from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
 from onnx_kvcache.scales.files import (
     KvCacheScales,
@@ -755,11 +756,7 @@ class _ScaleStore:
                 return node.outputs[0]
         output = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
         constant = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array))], outputs=[output])
-        first = next(iter(function), None)
-        if first is None:
-            function.append(constant)
-        else:
-            function.insert_before(first, constant)
+        prepend(function, constant)
         self.modified = True
         return output
 

@@ -56,6 +56,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA, GqaInput, GqaOutput
+from onnx_kvcache.passes._graph import insert
 from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
@@ -446,10 +447,7 @@ class GqaWriter:
     def _add(
         self, before: ir.Node, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs
     ) -> ir.Value:
-        node = ir.node(op_type, inputs, attrs or None, name=self._name(name))
-        node.outputs[0].name = node.name
-        self.graph.insert_before(before, node)
-        return node.outputs[0]
+        return insert(self.graph, before, op_type, inputs, self._name(name), **attrs)
 
     def _const(self, before: ir.Node, array: np.ndarray, name: str) -> ir.Value:
         return self._add(before, "Constant", [], name, value=ir.tensor(array))
