@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import types
 import warnings
 
@@ -20,6 +19,7 @@ from onnx_kvcache.passes.fusion._base import (
     FusionResult,
     RefusalCode,
     Refused,
+    summarize_refusals,
 )
 from onnx_kvcache.passes.fusion._match import MaskFacts
 from onnx_kvcache.passes.fusion._symbolic import Unprovable
@@ -35,7 +35,6 @@ class Relus(FusionPass):
     ``odd*`` with a code of its own and any other Relu as unprovable."""
 
     label = "Relu"
-    logger = logging.getLogger(__name__)
     padding = MaskFacts(causal=True, window=4, padding="attention_mask")
 
     def is_candidate(self, node: ir.Node) -> bool:
@@ -174,3 +173,16 @@ def test_gqa_fusion_returns_and_keeps_the_merged_report():
     assert isinstance(result, FusionResult) and result.report is fusion.report
     assert fusion.fused == result.report.fused == count(model, "GroupQueryAttention") == 2
     assert result.report.padded == 2 and fusion.refused == []
+
+
+def test_refusals_are_summarized_from_their_parts_as_from_their_text():
+    x = ir.val("x", F, [2])
+    nodes = [relu(x, f"layers.{k}/attention") for k in range(3)] + [ir.node("Relu", [x])]
+    reasons = ["head size 12: needs a multiple of 8", "head size 20: needs a multiple of 8", "odd", "odd"]
+    refusals = [FusionRefusal(RefusalCode.UNPROVABLE, n, why) for n, why in zip(nodes, reasons)]
+    said = summarize_refusals(refusals, "thing(s)")
+    assert said == summarize_refusals([str(r) for r in refusals], "thing(s)")
+    assert said == (
+        "4 thing(s) not provably GroupQueryAttention with a KV cache: head size 12: needs a multiple "
+        "of 8 (2; first layers.0/attention); odd (2; first layers.2/attention)"
+    )

@@ -19,13 +19,22 @@ refusals, padding facts) is also kept as the pass's ``report`` attribute; report
 
 from __future__ import annotations
 
-__all__ = ["FusionPass", "FusionRefusal", "FusionReport", "FusionResult", "RefusalCode", "Refused"]
+__all__ = [
+    "FusionPass",
+    "FusionRefusal",
+    "FusionReport",
+    "FusionResult",
+    "RefusalCode",
+    "Refused",
+    "summarize_refusals",
+]
 
 import abc
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 import onnx_ir as ir
@@ -122,8 +131,6 @@ class FusionPass(InPlacePass, abc.ABC):
 
     label: ClassVar[str]
     """What the fusion fuses, as its INFO log line names it."""
-    logger: ClassVar[logging.Logger]
-    """The fusion module's logger."""
     prime: ClassVar[bool] = False
     """Evaluate the whole graph first (:meth:`SymbolicEvaluator.prime`: deep, unannotated graphs)."""
     reports_elsewhere: ClassVar[bool] = False
@@ -152,6 +159,11 @@ class FusionPass(InPlacePass, abc.ABC):
     @abc.abstractmethod
     def is_candidate(self, node: ir.Node) -> bool:
         """A node this fusion may fuse (cheap: no proof)."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The logger of the fusion's module (what it fused and left, at INFO)."""
+        return logging.getLogger(type(self).__module__)
 
     @abc.abstractmethod
     def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
@@ -213,3 +225,25 @@ class FusionPass(InPlacePass, abc.ABC):
         for refusal in refusals:
             self.logger.info("Left %s", refusal)
         return FusionResult(model, modified=bool(report.fused), report=report)
+
+
+def summarize_refusals(refused: Sequence[FusionRefusal | str], what: str = "attention node(s)") -> str:
+    """Refusals as one line: each reason once, with its count and first node.
+
+    Reasons that differ only in numbers (layer indices, node counters) are one reason. A
+    ``"node: reason"`` string (what a fusion's ``refused`` lists) is read as that pair.
+    """
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for entry in refused:
+        node, reason = _named(entry)
+        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
+    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
+    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+
+
+def _named(entry: FusionRefusal | str) -> tuple[str, str]:
+    """(node name, reason) of a refusal."""
+    if isinstance(entry, FusionRefusal):
+        return entry.node.name or "<unnamed>", entry.text
+    node, _, reason = entry.partition(": ")
+    return (node, reason) if reason else ("<unnamed>", entry)

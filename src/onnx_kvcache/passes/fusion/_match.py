@@ -44,12 +44,10 @@ __all__ = [
     "cache_mask_facts",
     "mask_condition",
     "mask_facts",
-    "summarize_refusals",
 ]
 
 import dataclasses
 import math
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -820,18 +818,3 @@ def _unused_initializer(value: ir.Value, graph: ir.Graph) -> bool:
 
 def default_scale(head: int) -> float:
     return 1.0 / math.sqrt(head)
-
-
-def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") -> str:
-    """``"node: reason"`` entries as one line: each reason once, with its count and first node.
-
-    Reasons that differ only in numbers (layer indices, node counters) are one reason.
-    """
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in refused:
-        node, _, reason = entry.partition(": ")
-        if not reason:
-            node, reason = "<unnamed>", entry
-        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
-    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
-    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)

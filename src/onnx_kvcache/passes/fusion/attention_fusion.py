@@ -24,13 +24,12 @@ from __future__ import annotations
 
 __all__ = ["AttentionFusionPass"]
 
-import logging
 import math
 
 import onnx_ir as ir
 
 from onnx_kvcache.errors import warn
-from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult
+from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
     KEY,
     QUERY,
@@ -41,11 +40,8 @@ from onnx_kvcache.passes.fusion._match import (
     check_shapes,
     default_scale,
     mask_condition,
-    summarize_refusals,
 )
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
-
-logger = logging.getLogger(__name__)
 
 _QK_SOFTMAX = 3
 
@@ -127,14 +123,10 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
 
 
 class AttentionFusionPass(FusionPass):
-    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention.
-
-    Returns a :class:`~onnx_kvcache.passes.fusion._base.FusionResult`; its ``report`` is
-    also kept as :attr:`report`.
-    """
+    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention
+    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Attention"
-    logger = logger
     reports_elsewhere = True
 
     @property
@@ -150,7 +142,7 @@ class AttentionFusionPass(FusionPass):
 
     def call(self, model: ir.Model) -> FusionResult:
         result = super().call(model)
-        refused = result.report.refused
+        refused = result.report.refusals
         if refused:
             warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
         return result

@@ -34,8 +34,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.errors import warn
 from onnx_kvcache.passes._base import InPlacePass
-from onnx_kvcache.passes.fusion._base import FusionReport, FusionResult
-from onnx_kvcache.passes.fusion._match import summarize_refusals
+from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
@@ -115,7 +114,7 @@ class GqaFusionPass(InPlacePass):
             applied = {k: v for k, v in counts.items() if v}
             modified = modified or _structure(model) != before_ort
         remaining = decomposed.left()  # what onnxscript fused since is no longer left
-        left = remaining.refused
+        left = remaining.refusals
         self.report = report = attention + remaining
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
@@ -141,7 +140,7 @@ def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
 
 
-def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
+def unfused_refusal(fused: int, refused: Sequence[FusionRefusal | str]) -> str | None:
     """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
 
     Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 __all__ = ["DecomposedAttentionFusionPass"]
 
-import logging
 
 import onnx_ir as ir
 
@@ -43,8 +42,6 @@ from onnx_kvcache.passes.fusion._match import (
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
-
-logger = logging.getLogger(__name__)
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -161,14 +158,10 @@ def _is_candidate(node: ir.Node) -> bool:
 
 
 class DecomposedAttentionFusionPass(FusionPass):
-    """Replace each provably equivalent decomposed attention with GroupQueryAttention.
-
-    Returns a :class:`~onnx_kvcache.passes.fusion._base.FusionResult`; its ``report`` is
-    also kept as :attr:`report`.
-    """
+    """Replace each provably equivalent decomposed attention with GroupQueryAttention
+    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Decomposed attention"
-    logger = logger
     prime = True
 
     @property
