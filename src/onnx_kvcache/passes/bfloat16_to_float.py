@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes._graph import prepend
 
 _BF16 = ir.DataType.BFLOAT16
 _F32 = ir.DataType.FLOAT
@@ -72,11 +73,7 @@ def _cast_initializer(graph: ir.Graph, value: ir.Value) -> None:
     cast.outputs[0].name = f"{value.name}/float32"
     cast.outputs[0].type = ir.TensorType(_F32)
     cast.outputs[0].shape = value.shape
-    first = next(iter(graph), None)
-    if first is None:
-        graph.append(cast)
-    else:
-        graph.insert_before(first, cast)
+    prepend(graph, cast)
     for user, slot in uses:
         user.replace_input_with(slot, cast.outputs[0])
 

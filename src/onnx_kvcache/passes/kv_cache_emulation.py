@@ -58,6 +58,7 @@ from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
 from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 from onnx_kvcache.passes.fusion._window_present import follow_present_types
 
@@ -132,139 +133,8 @@ def needs_emulation(site: CacheSite, semantics: Semantics) -> bool:
     return support is None or site.granularity not in support.granularities or semantics != "cpu"
 
 
-class _Builder:
-    """An ``onnx_ir`` tape whose every node and value gets a unique, prefixed name."""
-
-    def __init__(self, prefix: str) -> None:
-        self.tape = ir.tape.Tape()
-        self.prefix = prefix
-        self._count = 0
-
-    def op(
-        self,
-        op_type: str,
-        inputs: Sequence[ir.Value | None],
-        domain: str = "",
-        dtype: ir.DataType | None = None,
-        **attrs,
-    ) -> ir.Value:
-        """One node's single output; ``dtype`` records its element type when known."""
-        value = self.ops(op_type, inputs, 1, domain, **attrs)[0]
-        if dtype is not None:
-            value.dtype = dtype
-        return value
-
-    def ops(
-        self, op_type: str, inputs: Sequence[ir.Value | None], n: int, domain: str = "", **attrs
-    ) -> Sequence[ir.Value]:
-        self._count += 1
-        name = f"{self.prefix}/{op_type}_{self._count}"
-        outputs = self.tape.op_multi_out(
-            op_type, inputs, attrs or None, num_outputs=n, domain=domain, name=name
-        )
-        for i, value in enumerate(outputs):
-            value.name = f"{name}_out{i}"
-        return outputs
-
-    def const(self, array: np.ndarray) -> ir.Value:
-        return self.op("Constant", [], value=ir.tensor(array))
-
-    def cast(self, x: ir.Value, dtype: ir.DataType) -> ir.Value:
-        return x if x.dtype == dtype else self.op("Cast", [x], dtype=dtype, to=dtype)
-
-    @property
-    def nodes(self) -> Sequence[ir.Node]:
-        return self.tape.nodes
-
-
-class _Codec:
-    """The format's quantize/dequantize rule as ops, for one scale of a fitting shape."""
-
-    def __init__(self, b: _Builder, fmt: CacheFormat, scale: ir.Value) -> None:
-        self.b, self.fmt, self.scale = b, fmt, scale
-        self.inverse = b.op("Reciprocal", [scale], dtype=_F32)
-
-    @classmethod
-    def reshaped(cls, b: _Builder, fmt: CacheFormat, scale: ir.Value, shape: list[int]) -> _Codec:
-        return cls(b, fmt, b.op("Reshape", [scale, b.const(np.array(shape, np.int64))], dtype=_F32))
-
-    def levels(self, x: ir.Value) -> ir.Value:
-        """Quantized values as float32 (fp8: as the float8 type itself)."""
-        b, fmt = self.b, self.fmt
-        scaled = b.op("Mul", [b.cast(x, _F32), self.inverse], dtype=_F32)
-        if fmt.is_float:
-            return b.op("Cast", [scaled], to=fmt.dtype, saturate=1)
-        low, high = (b.const(np.array(v, np.float32)) for v in (fmt.qmin_stored, fmt.qmax_stored))
-        return b.op("Clip", [b.op("Round", [scaled]), low, high], dtype=_F32)
-
-    def from_levels(self, levels: ir.Value, dtype: ir.DataType) -> ir.Value:
-        b = self.b
-        return b.cast(b.op("Mul", [b.cast(levels, _F32), self.scale], dtype=_F32), dtype)
-
-    def round_trip(self, x: ir.Value, dtype: ir.DataType) -> ir.Value:
-        """``x`` as the cache will hold it, dequantized, in ``dtype``."""
-        return self.from_levels(self.levels(x), dtype)
-
-    def store(self, x: ir.Value, head: int) -> ir.Value:
-        """``x`` (BNSH) as the stored cache tensor: fp8, int8, or packed integers."""
-        b, fmt = self.b, self.fmt
-        levels = self.levels(x)
-        if fmt.values_per_byte == 1:
-            return b.cast(levels, fmt.dtype)
-        return _pack(b, fmt, levels, head)
-
-    def load(self, stored: ir.Value, head: int, dtype: ir.DataType) -> ir.Value:
-        """The dequantized values of a stored cache tensor (BNSH)."""
-        levels = stored if self.fmt.values_per_byte == 1 else _unpack(self.b, self.fmt, stored, head)
-        return self.from_levels(levels, dtype)
-
-
-def _reshape_tail(b: _Builder, x: ir.Value, leading: ir.Value, tail: list[int]) -> ir.Value:
-    """Reshape ``x`` to ``leading``'s dimensions but the last, then ``tail`` (zero rows allowed)."""
-    shape = b.op(
-        "Concat", [b.op("Slice", [leading, *_ints(b, [0], [-1])]), b.const(np.array(tail, np.int64))], axis=0
-    )
-    return b.op("Reshape", [x, shape])
-
-
-def _ints(b: _Builder, *lists: list[int]) -> list[ir.Value]:
-    return [b.const(np.array(v, np.int64)) for v in lists]
-
-
-def _pack(b: _Builder, fmt: CacheFormat, levels: ir.Value, head: int) -> ir.Value:
-    """``values_per_byte`` values a byte, element ``2i`` in the low bits, offset to unsigned."""
-    bits, n = 8 // fmt.values_per_byte, fmt.values_per_byte
-    packed = fmt.packed_dim(head)
-    codes = b.op("Cast", [b.op("Add", [levels, b.const(np.array(fmt.storage_offset, np.float32))])], to=_I64)
-    if packed * n != head:  # odd head: pad with the stored zero
-        pads = np.zeros(8, np.int64)
-        pads[7] = packed * n - head
-        codes = b.op("Pad", [codes, b.const(pads), b.const(np.array(fmt.storage_offset, np.int64))])
-    groups = _reshape_tail(b, codes, b.op("Shape", [levels]), [packed, n])
-    weights = b.const(np.array([1 << (bits * i) for i in range(n)], np.int64))
-    byte = b.op("ReduceSum", [b.op("Mul", [groups, weights]), *_ints(b, [-1])], keepdims=0)
-    return b.op("Cast", [byte], to=fmt.dtype)
-
-
-def _unpack(b: _Builder, fmt: CacheFormat, stored: ir.Value, head: int) -> ir.Value:
-    bits, n = 8 // fmt.values_per_byte, fmt.values_per_byte
-    axis = b.const(np.array([-1], np.int64))
-    parts = []
-    for i in range(n):
-        shifted = b.op("BitShift", [stored, b.const(np.array(bits * i, np.uint8))], direction="RIGHT")
-        part = b.op("BitwiseAnd", [shifted, b.const(np.array((1 << bits) - 1, np.uint8))])
-        parts.append(b.op("Unsqueeze", [part, axis]))
-    codes = _reshape_tail(
-        b, b.op("Concat", parts, axis=-1), b.op("Shape", [stored]), [fmt.packed_dim(head) * n]
-    )
-    if fmt.packed_dim(head) * n != head:
-        codes = b.op("Slice", [codes, *_ints(b, [0], [head], [-1])])
-    offset = b.const(np.array(fmt.storage_offset, np.float32))
-    return b.op("Sub", [b.cast(codes, _F32), offset], dtype=_F32)
-
-
 def _rms_norm_heads(
-    b: _Builder, x: ir.Value, weight: ir.Value, heads: int, head: int, eps: float, dtype: ir.DataType
+    b: Builder, x: ir.Value, weight: ir.Value, heads: int, head: int, eps: float, dtype: ir.DataType
 ) -> ir.Value:
     shape = b.op("Shape", [x])
     split = b.cast(b.op("Reshape", [x, b.const(np.array([0, 0, heads, head], np.int64))]), _F32)
@@ -324,7 +194,7 @@ class _Rewrite:
         self.site, self.semantics, self.quantized_io = site, semantics, quantized_io
         self.steps = steps
         node = site.node
-        self.b = _Builder((node.name or f"gqa{site.layer_id}") + "/emulation")
+        self.b = Builder((node.name or f"gqa{site.layer_id}") + "/emulation")
         self.fmt = site.cache_format
         dtype = site.query_dtype
         if dtype is None:
@@ -367,7 +237,7 @@ class _Rewrite:
             query, key = self._rotary(query, key, step)
         past_key, past_value = self.pasts
         stored_key, stored_value = key, value
-        codecs: list[_Codec] = []
+        codecs: list[Codec] = []
         if fmt is not None:
             assert self.granularity is not None and self.scales is not None
             row = scale_granularity(self.granularity)
@@ -377,8 +247,8 @@ class _Rewrite:
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
             scales = self.scales
             new_shape = [heads, dims] if split else [heads * dims]
-            new = [_Codec.reshaped(b, fmt, s, new_shape) for s in scales]
-            codecs = [_Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
+            new = [Codec.reshaped(b, fmt, s, new_shape) for s in scales]
+            codecs = [Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
             stored_key, stored_value = (
                 self._round_trip_new(x, codec, split) for x, codec in zip((key, value), new)
             )
@@ -393,9 +263,9 @@ class _Rewrite:
         results = list(inner)
         if fmt is not None and self.semantics == "cuda":
             # CUDA's first prompt attends over the new K/V unquantized; the cache is the same.
-            raw = _Builder(f"{b.prefix}/first_prompt")
+            raw = Builder(f"{b.prefix}/first_prompt")
             full = self._attention(raw, [query, key, value, past_key, past_value, *rest], attrs)[0]
-            later = _Builder(f"{b.prefix}/later")
+            later = Builder(f"{b.prefix}/later")
             same = later.op("Identity", [inner[0]])
             results[0] = b.op(
                 "If",
@@ -409,7 +279,7 @@ class _Rewrite:
                     results[slot] = codec.store(inner[slot], self.head)
         self._replace(results)
 
-    def _round_trip_new(self, x: ir.Value, codec: _Codec, split: bool) -> ir.Value:
+    def _round_trip_new(self, x: ir.Value, codec: Codec, split: bool) -> ir.Value:
         """New tokens ``[B, S, kv * head]`` as the cache will hold them, dequantized."""
         if not split:
             return codec.round_trip(x, self.dtype)
@@ -418,7 +288,7 @@ class _Rewrite:
         merged = b.const(np.array([0, 0, self.kv * self.head], np.int64))
         return b.op("Reshape", [codec.round_trip(heads, self.dtype), merged], dtype=self.dtype)
 
-    def _attention(self, b: _Builder, inputs: list[ir.Value | None], attrs: dict) -> Sequence[ir.Value]:
+    def _attention(self, b: Builder, inputs: list[ir.Value | None], attrs: dict) -> Sequence[ir.Value]:
         """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""
         node = self.site.node
         inputs = list(inputs)

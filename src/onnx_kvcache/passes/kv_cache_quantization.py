@@ -75,6 +75,7 @@ from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_
 from onnx_kvcache.errors import Function, KvCacheError, KvCachePreconditionError, Message, Param, warn
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._graph import prepend
 from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
 from onnx_kvcache.scales.files import (
     KvCacheScales,
@@ -112,6 +113,19 @@ class _Quantized:
 
     format: CacheFormat
     granularity: ScaleGranularity
+
+
+@dataclasses.dataclass
+class _ModelPlan:
+    """What the pass will do to one model; the pass's settings stay as ``__init__`` set them."""
+
+    granularity: ScaleGranularity
+    """The granularity this model's caches are converted to (:func:`granularity_for`)."""
+    sites: list[_Plan] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """The warnings the conversion gives."""
+    merged: set[int] = dataclasses.field(default_factory=set)
+    """Layers whose given per-channel scales were merged for a per-tensor cache."""
 
 
 class _Skip(Exception):
@@ -160,8 +174,6 @@ class KvCacheQuantizationPass(InPlacePass):
         self.granularity: str | None = None if unrecorded else resolve_granularity(granularity, self.scales)
         """None: each model decides (:func:`granularity_for`): scales that record none
         (onnxruntime-genai's files) fit its caches; without scales, its quantized caches'."""
-        self._granularity = scale_granularity(self.granularity or "per_tensor")
-        """The granularity of the model being converted (:func:`granularity_for`)."""
         self.shared_kv_scale = shared_kv_scale
 
     def requires(self, model: ir.Model) -> None:
@@ -171,13 +183,14 @@ class KvCacheQuantizationPass(InPlacePass):
             self._plan_model(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        plans, notes = self._plan_model(model)
+        planned = self._plan_model(model)
+        plans, notes = planned.sites, planned.notes
         for note in notes:
             warn(note)
         store = _ScaleStore(model)
         modified = False
         for plan in plans:
-            modified |= self._apply(plan, store)
+            modified |= self._apply(plan, store, planned.granularity)
         cast_fp8_windows(model.graph)
         modified |= store.modified | store.remove_unused()
         if plans and model.ir_version < _MIN_IR_VERSION.get(self.format.dtype, 0):
@@ -193,7 +206,7 @@ class KvCacheQuantizationPass(InPlacePass):
             "KV cache: %s in %s %s format%s%s.",
             ", ".join(f"{n} {op} node(s)" for op, n in counts.items()) or "no attention node",
             self.format.name,
-            self._granularity.name,
+            planned.granularity.name,
             f" (requantized from {', '.join(moved)}, "
             + ("the scales given)" if self.scales is not None else "its own scales retargeted by qmax)")
             if moved
@@ -204,13 +217,11 @@ class KvCacheQuantizationPass(InPlacePass):
 
     # -- planning: checks only, no changes ---------------------------------------------
 
-    def _plan_model(self, model: ir.Model) -> tuple[list[_Plan], list[str]]:
+    def _plan_model(self, model: ir.Model) -> _ModelPlan:
         """What the pass will do to each site, and the warnings it will give; raises
         :class:`KvCachePreconditionError` when it cannot convert."""
         scales = self.scales
-        self._granularity = scale_granularity(self.granularity or granularity_for(model, scales))
-        self._merged: set[int] = set()
-        """Layers whose given per-channel scales were merged for a per-tensor cache."""
+        planned = _ModelPlan(scale_granularity(self.granularity or granularity_for(model, scales)))
         sites = find_attention_sites(model)
         cache_readers = {id(s.node): s.op for s in sites}
         groups: dict[int, list[CacheSite]] = {}
@@ -220,7 +231,7 @@ class KvCacheQuantizationPass(InPlacePass):
         notes: list[str] = []
         for group in groups.values():
             try:
-                plans += [self._plan(model, site, group, cache_readers, scales) for site in group]
+                plans += [self._plan(model, site, group, cache_readers, planned) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
                 notes.append(
@@ -243,10 +254,10 @@ class KvCacheQuantizationPass(InPlacePass):
                 f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
                 "the V scales given for them are not used."
             )
-        notes += _retarget_notes(plans, self.format, self._granularity, scales is None)
-        if self._merged:
+        notes += _retarget_notes(plans, self.format, planned.granularity, scales is None)
+        if planned.merged:
             notes.append(
-                f"Layer(s) {sorted(self._merged)}: the per-channel scales given merged into one per "
+                f"Layer(s) {sorted(planned.merged)}: the per-channel scales given merged into one per "
                 f"tensor, their max: {_MERGED}."
             )
         moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
@@ -263,11 +274,13 @@ class KvCacheQuantizationPass(InPlacePass):
             )
         if self.shared_kv_scale:
             notes += _shared_scale_coarsens(plans)
-        return plans, notes
+        planned.sites, planned.notes = plans, notes
+        return planned
 
-    def _source(self, site: CacheSite) -> _Quantized | None:
+    def _source(self, site: CacheSite, target: ScaleGranularity) -> _Quantized | None:
         """The format and granularity the node's cache is in, None for a float cache;
-        refuses a cache in a format this library does not know."""
+        refuses a cache in a format this library does not know (``target``: the granularity
+        converted to, for the message)."""
         quant = site.str_attr(site.op.key.quant_attr, "NONE")
         current, described = _current_format(site)
         if quant == "NONE" and current is None and site.cache_format is None:
@@ -277,7 +290,7 @@ class KvCacheQuantizationPass(InPlacePass):
             raise KvCachePreconditionError(
                 f"{site.label} already has a quantized KV cache ({described}, {quant.lower()}) in a "
                 f"format onnx-kvcache does not know; cannot convert it to {self.format.name} "
-                f"{self._granularity.name}. Convert the original (unquantized) model instead."
+                f"{target.name}. Convert the original (unquantized) model instead."
             )
         return _Quantized(current, scale_granularity(granularity))
 
@@ -287,10 +300,11 @@ class KvCacheQuantizationPass(InPlacePass):
         site: CacheSite,
         group: list[CacheSite],
         cache_readers: dict[int, AttentionOp],
-        scales: KvCacheScales | None,
+        planned: _ModelPlan,
     ) -> _Plan:
-        source = self._source(site)
-        done = source == _Quantized(self.format, self._granularity)
+        scales, granularity = self.scales, planned.granularity
+        source = self._source(site, granularity)
+        done = source == _Quantized(self.format, granularity)
         _check_cache_shapes(site)
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
@@ -327,31 +341,31 @@ class KvCacheQuantizationPass(InPlacePass):
         )
         head = None
         unpacks = source is not None and source.format.packed and not self.format.packed
-        if self._granularity.per_dim or (self.format.packed and symbolic) or unpacks:
+        if granularity.per_dim or (self.format.packed and symbolic) or unpacks:
             head = self._head_size(site)
         if scales is None:
             if done and not (self.shared_kv_scale and len(site.sides) > 1):
                 return _Plan(site, done, sources, sinks, None, None, head, source)
             if done:  # only shared_kv_scale changes: the node's own scales, made one tensor
-                k, v = self._retargeted(site, source)  # type: ignore[arg-type]
+                k, v = self._retargeted(site, source, granularity)  # type: ignore[arg-type]
                 return _Plan(site, done, sources, sinks, k, v, head, source)
             if source is not None:
-                k, v = self._retargeted(site, source)
+                k, v = self._retargeted(site, source, granularity)
                 return _Plan(site, done, sources, sinks, k, v, head, source)
-            size = self._granularity.size(site.kv_num_heads, head) if head is not None else 1
+            size = granularity.size(site.kv_num_heads, head) if head is not None else 1
             ones = np.ones(size, np.float32)
             return _Plan(site, done, sources, sinks, ones, ones.copy(), head)
         if site.layer_id not in scales.k:
             return _Plan(site, done, sources, sinks, None, None, head, source)  # see _check_coverage
         k, v = scales.for_layer(site.layer_id)
-        per_tensor = not (self._granularity.per_head or self._granularity.per_dim)
-        expected = self._granularity.size(site.kv_num_heads, head or 1)
+        per_tensor = not (granularity.per_head or granularity.per_dim)
+        expected = granularity.size(site.kv_num_heads, head or 1)
         merged = (
             per_tensor and k.size > 1 and granularity_of([(k.size, site.kv_num_heads, _head_or_none(site))])
         )
         if merged:  # finer scales for one per tensor: their max, as a node's own (rule 5)
             k, v = np.array([k.max()], np.float32), np.array([v.max()], np.float32)
-            self._merged.add(site.layer_id)
+            planned.merged.add(site.layer_id)
         if k.size != expected:
             shape = "" if per_tensor else f" (kv_num_heads {site.kv_num_heads} x head_size {head})"
             fits = granularity_of([(k.size, site.kv_num_heads, head or site.head_size())])
@@ -366,7 +380,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     "These scales were measured for a model of another shape: calibrate this model."
                 )
             raise KvCachePreconditionError(
-                f"Layer {site.layer_id} ({site.label}): {self._granularity.name} scales need "
+                f"Layer {site.layer_id} ({site.label}): {granularity.name} scales need "
                 f"{expected} element(s) per cache{shape}, got {k.size}. ",
                 hint,
             )
@@ -375,7 +389,9 @@ class KvCacheQuantizationPass(InPlacePass):
     def _head_size(self, site: CacheSite) -> int:
         return site.head_size()
 
-    def _retargeted(self, site: CacheSite, source: _Quantized) -> tuple[np.ndarray, np.ndarray]:
+    def _retargeted(
+        self, site: CacheSite, source: _Quantized, granularity: ScaleGranularity
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The node's own K and V scales as scales of the requested format and granularity
         (rule 5): the same threshold; per channel to per tensor by the max, per tensor to
         per channel broadcast."""
@@ -385,7 +401,7 @@ class KvCacheQuantizationPass(InPlacePass):
             value = site.input(side.scale)
             found = constant_values(value)
             # one scale staying one needs no head size (a function's node may know none)
-            single = found is not None and len(found) == 1 and self._granularity.single
+            single = found is not None and len(found) == 1 and granularity.single
             head = 1 if single else self._head_size(site)
             what = f"{site.label}: its {side.kind} cache is {source.format.name} {source.granularity.name}"
             if found is None:
@@ -393,7 +409,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 raise KvCachePreconditionError(
                     f"{what}, but its {side.scale} {reason}; give ",
                     SCALE_FILE,
-                    f" (a scale file) to convert it to {self.format.name} {self._granularity.name}.",
+                    f" (a scale file) to convert it to {self.format.name} {granularity.name}.",
                 )
             own = np.asarray(found, np.float32)
             fits = granularity_of([(own.size, kv, head)])
@@ -406,7 +422,7 @@ class KvCacheQuantizationPass(InPlacePass):
                 )
             heads, dims = scale_granularity(fits).grid(kv, head)
             grid = own.reshape(heads, dims)
-            wanted = self._granularity.grid(kv, head)
+            wanted = granularity.grid(kv, head)
             merged = tuple(axis for axis in range(2) if wanted[axis] < grid.shape[axis])
             grid = np.broadcast_to(grid.max(axis=merged, keepdims=True), wanted)
             arrays.append((grid.reshape(-1).astype(np.float64) * factor).astype(np.float32))
@@ -430,7 +446,7 @@ class KvCacheQuantizationPass(InPlacePass):
 
     # -- applying -------------------------------------------------------------------
 
-    def _apply(self, plan: _Plan, store: _ScaleStore) -> bool:
+    def _apply(self, plan: _Plan, store: _ScaleStore, granularity: ScaleGranularity) -> bool:
         site = plan.site
         node, op = site.node, site.op
         modified = False
@@ -439,7 +455,7 @@ class KvCacheQuantizationPass(InPlacePass):
             modified |= _retype(value, self.format, plan.head_size, unpack=unpack)
         if plan.k_scale is not None and plan.v_scale is not None:
             owner = site.owner  # scales are named after the owner's caches: one per cache
-            shape = op.scale_shape(self._granularity.name, site.kv_num_heads, plan.head_size or 0)
+            shape = op.scale_shape(granularity.name, site.kv_num_heads, plan.head_size or 0)
             arrays = {"key": plan.k_scale, "value": plan.v_scale}
             values: dict[str, ir.Value] = {}
             if self.shared_kv_scale and len(site.sides) > 1:
@@ -459,7 +475,7 @@ class KvCacheQuantizationPass(InPlacePass):
                     store.retire(node.inputs[slot])
                     node.replace_input_with(slot, value)
                     modified = True
-        attributes = op.quant_attributes(self.format, self._granularity.name, site.sides)
+        attributes = op.quant_attributes(self.format, granularity.name, site.sides)
         for name, wanted in attributes.items():
             attr = ir.AttrString(name, wanted) if isinstance(wanted, str) else ir.AttrInt64(name, wanted)
             old = node.attributes.get(name)
@@ -778,11 +794,7 @@ class _ScaleStore:
                 return node.outputs[0]
         output = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT))
         constant = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array))], outputs=[output])
-        first = next(iter(function), None)
-        if first is None:
-            function.append(constant)
-        else:
-            function.insert_before(first, constant)
+        prepend(function, constant)
         self.modified = True
         return output
 

@@ -45,7 +45,7 @@ from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.files.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.passes.kv_cache_emulation import _Builder, _Codec
+from onnx_kvcache.passes._graph import Builder, Codec, ints
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,12 @@ _STEP_INPUTS = ("cumulative_sequence_length", "past_seqlens", "block_table")
 class _Step:
     """Per-call facts of one batch, shared by every node reading the same length inputs."""
 
-    def __init__(self, b: _Builder, lengths: tuple[ir.Value, ...], query: ir.Value) -> None:
+    def __init__(self, b: Builder, lengths: tuple[ir.Value, ...], query: ir.Value) -> None:
         cu, past, block_table = (b.cast(x, _I64) for x in lengths)
         self.block_table = block_table
         self.past = past
-        ends = b.op("Slice", [cu, *_ints(b, [1], [np.iinfo(np.int64).max])])
-        starts = b.op("Slice", [cu, *_ints(b, [0], [-1])])
+        ends = b.op("Slice", [cu, *ints(b, [1], [np.iinfo(np.int64).max])])
+        starts = b.op("Slice", [cu, *ints(b, [0], [-1])])
         self.total = b.op("Add", [past, b.op("Sub", [ends, starts])])
         self.max_q = b.op("ReduceMax", [b.op("Sub", [ends, starts])], keepdims=1)
         self.batch = b.op("Shape", [past], start=0, end=1)
@@ -85,23 +85,19 @@ class _Step:
         tok = b.op("Range", [b.const(np.array(0, np.int64)), tokens, b.const(np.array(1, np.int64))])
         before = b.op(
             "LessOrEqual",
-            [b.op("Unsqueeze", [ends, *_ints(b, [0])]), b.op("Unsqueeze", [tok, *_ints(b, [1])])],
+            [b.op("Unsqueeze", [ends, *ints(b, [0])]), b.op("Unsqueeze", [tok, *ints(b, [1])])],
         )
-        self.seq = b.op("ReduceSum", [b.cast(before, _I64), *_ints(b, [1])], keepdims=0)
+        self.seq = b.op("ReduceSum", [b.cast(before, _I64), *ints(b, [1])], keepdims=0)
         self.offset = b.op("Sub", [tok, b.op("Gather", [starts, self.seq], axis=0)])
         self.position = b.op("Add", [b.op("Gather", [past, self.seq], axis=0), self.offset])
         self.padded = b.op(
             "Concat",
-            [b.op("Unsqueeze", [self.seq, *_ints(b, [1])]), b.op("Unsqueeze", [self.offset, *_ints(b, [1])])],
+            [b.op("Unsqueeze", [self.seq, *ints(b, [1])]), b.op("Unsqueeze", [self.offset, *ints(b, [1])])],
             axis=1,
         )
 
 
-def _ints(b: _Builder, *lists: list[int]) -> list[ir.Value]:
-    return [b.const(np.array(v, np.int64)) for v in lists]
-
-
-def _scalar(b: _Builder, value: float | int, dtype: type = np.float32) -> ir.Value:
+def _scalar(b: Builder, value: float | int, dtype: type = np.float32) -> ir.Value:
     return b.const(np.array(value, dtype))
 
 
@@ -124,7 +120,7 @@ class _Rewrite:
     def __init__(self, site: CacheSite, steps: dict[tuple, _Step]) -> None:
         self.site = site
         self.steps = steps
-        self.b = _Builder((site.node.name or f"paged{site.layer_id}") + "/reference")
+        self.b = Builder((site.node.name or f"paged{site.layer_id}") + "/reference")
         dtype = site.query_dtype
         if dtype is None:
             raise KvCachePreconditionError(f"{site.label}: the query has no known dtype.")
@@ -211,7 +207,7 @@ class _Rewrite:
             presents[side.kind], read[side.kind] = self._write_and_read(side, new, slots)
         keys = read["key"]
         if site.single_cache:
-            values = b.op("Slice", [keys, *_ints(b, [0], [self.v_head], [-1])])
+            values = b.op("Slice", [keys, *ints(b, [0], [self.v_head], [-1])])
         else:
             values = read["value"]
         output = self._attend(q, keys, values, step)
@@ -232,10 +228,10 @@ class _Rewrite:
             q, k, v = b.ops("Split", [query, sizes], 3, axis=-1)
         else:
             q, k, v = query, self.key, self.value
-        q = b.op("Reshape", [b.cast(q, _F32), *_ints(b, [0, heads, head])], dtype=_F32)
-        k = b.op("Reshape", [b.cast(k, _F32), *_ints(b, [0, kv, head])], dtype=_F32)
+        q = b.op("Reshape", [b.cast(q, _F32), *ints(b, [0, heads, head])], dtype=_F32)
+        k = b.op("Reshape", [b.cast(k, _F32), *ints(b, [0, kv, head])], dtype=_F32)
         if v is not None:
-            v = b.op("Reshape", [b.cast(v, _F32), *_ints(b, [0, kv, head])], dtype=_F32)
+            v = b.op("Reshape", [b.cast(v, _F32), *ints(b, [0, kv, head])], dtype=_F32)
         if self.norms is not None:
             q_norm, k_norm = self.norms
             eps = site.float_attr("qk_norm_epsilon", 1e-6)
@@ -244,7 +240,7 @@ class _Rewrite:
 
     def _rms_norm(self, x: ir.Value, weight: ir.Value, eps: float) -> ir.Value:
         b = self.b
-        mean = b.op("ReduceMean", [b.op("Mul", [x, x]), *_ints(b, [-1])], keepdims=1)
+        mean = b.op("ReduceMean", [b.op("Mul", [x, x]), *ints(b, [-1])], keepdims=1)
         rms = b.op("Sqrt", [b.op("Add", [mean, _scalar(b, eps)])])
         return b.op("Mul", [b.op("Div", [x, rms]), b.cast(weight, _F32)], dtype=_F32)
 
@@ -259,42 +255,42 @@ class _Rewrite:
         assert self.rotary is not None
         cos, sin, half, offset = self.rotary
         c, s = (
-            b.op("Unsqueeze", [b.cast(b.op("Gather", [t, step.position], axis=0), _F32), *_ints(b, [1])])
+            b.op("Unsqueeze", [b.cast(b.op("Gather", [t, step.position], axis=0), _F32), *ints(b, [1])])
             for t in (cos, sin)
         )
         parts = []
         if offset:
-            parts.append(b.op("Slice", [x, *_ints(b, [0], [offset], [-1])]))
-        rot = b.op("Slice", [x, *_ints(b, [offset], [offset + 2 * half], [-1])])
+            parts.append(b.op("Slice", [x, *ints(b, [0], [offset], [-1])]))
+        rot = b.op("Slice", [x, *ints(b, [offset], [offset + 2 * half], [-1])])
         if site.int_attr("rotary_interleaved"):
-            pairs = b.op("Reshape", [rot, *_ints(b, [0, 0, half, 2])])
+            pairs = b.op("Reshape", [rot, *ints(b, [0, 0, half, 2])])
             a, z = (
-                b.op("Squeeze", [p, *_ints(b, [-1])])
+                b.op("Squeeze", [p, *ints(b, [-1])])
                 for p in b.ops("Split", [pairs], 2, axis=-1, num_outputs=2)
             )
             first = b.op("Sub", [b.op("Mul", [a, c]), b.op("Mul", [z, s])])
             second = b.op("Add", [b.op("Mul", [z, c]), b.op("Mul", [a, s])])
             stacked = b.op(
-                "Concat", [b.op("Unsqueeze", [t, *_ints(b, [-1])]) for t in (first, second)], axis=-1
+                "Concat", [b.op("Unsqueeze", [t, *ints(b, [-1])]) for t in (first, second)], axis=-1
             )
-            parts.append(b.op("Reshape", [stacked, *_ints(b, [0, 0, 2 * half])]))
+            parts.append(b.op("Reshape", [stacked, *ints(b, [0, 0, 2 * half])]))
         else:
             a, z = b.ops("Split", [rot], 2, axis=-1, num_outputs=2)
             parts.append(b.op("Sub", [b.op("Mul", [a, c]), b.op("Mul", [z, s])]))
             parts.append(b.op("Add", [b.op("Mul", [z, c]), b.op("Mul", [a, s])]))
         if offset + 2 * half < self.head:
-            parts.append(b.op("Slice", [x, *_ints(b, [offset + 2 * half], [self.head], [-1])]))
+            parts.append(b.op("Slice", [x, *ints(b, [offset + 2 * half], [self.head], [-1])]))
         return parts[0] if len(parts) == 1 else b.op("Concat", parts, axis=-1, dtype=_F32)
 
     # -- the cache ------------------------------------------------------------------
 
-    def _codec(self, side: CacheSide) -> _Codec | None:
+    def _codec(self, side: CacheSide) -> Codec | None:
         if self.fmt is None:
             return None
         assert self.granularity is not None
         shape = list(scale_granularity(self.granularity).grid(self.kv, self.head))
         scale = self.scales[side.kind]
-        return _Codec.reshaped(self.b, self.fmt, scale, shape)
+        return Codec.reshaped(self.b, self.fmt, scale, shape)
 
     def _write_and_read(self, side: CacheSide, new: ir.Value, slots: ir.Value) -> tuple[ir.Value, ir.Value]:
         """Store ``new`` [T, kv, D] at ``slots``; returns (present pool, context [B, C, kv, D] f32)."""
@@ -307,15 +303,15 @@ class _Rewrite:
         codec = self._codec(side)
         updates = codec.store(new, self.head) if codec is not None else b.cast(new, stored)
         updates = b.cast(updates, work)
-        rows = b.op("Reshape", [self._rows, *_ints(b, [1])])
+        rows = b.op("Reshape", [self._rows, *ints(b, [1])])
         flat = b.op(
-            "Reshape", [b.cast(past, work), b.op("Concat", [rows, *_ints(b, [self.kv, width])], axis=0)]
+            "Reshape", [b.cast(past, work), b.op("Concat", [rows, *ints(b, [self.kv, width])], axis=0)]
         )
         spare = b.const(np.zeros((1, self.kv, width), work.numpy()))  # where skipped tokens write
         extended = b.op("Concat", [flat, spare], axis=0)
-        indices = b.op("Unsqueeze", [slots, *_ints(b, [1])])
+        indices = b.op("Unsqueeze", [slots, *ints(b, [1])])
         pool = b.op(
-            "Slice", [b.op("ScatterND", [extended, indices, updates]), *_ints(b, [0]), rows, *_ints(b, [0])]
+            "Slice", [b.op("ScatterND", [extended, indices, updates]), *ints(b, [0]), rows, *ints(b, [0])]
         )
         present = b.cast(b.op("Reshape", [pool, b.op("Shape", [past])]), stored)
         context = b.op("Gather", [pool, self._context_rows], axis=0)
@@ -338,7 +334,7 @@ class _Rewrite:
         clamped = b.op("Min", [index, b.op("Sub", [width, b.const(np.array([1], np.int64))])])
         pair = b.op(
             "Concat",
-            [b.op("Unsqueeze", [step.seq, *_ints(b, [1])]), b.op("Unsqueeze", [clamped, *_ints(b, [1])])],
+            [b.op("Unsqueeze", [step.seq, *ints(b, [1])]), b.op("Unsqueeze", [clamped, *ints(b, [1])])],
             axis=1,
         )
         block = b.op("GatherND", [step.block_table, pair])
@@ -365,36 +361,36 @@ class _Rewrite:
     def _mask(self, step: _Step) -> ir.Value:
         """``[B, 1, max_q, C]``: which context positions each (padded) query row attends to."""
         site, b = self.site, self.b
-        j = b.op("Unsqueeze", [self._positions, *_ints(b, [0, 1])])  # [1, 1, C]
+        j = b.op("Unsqueeze", [self._positions, *ints(b, [0, 1])])  # [1, 1, C]
         i = b.op(
             "Range",
             [b.const(np.array(0, np.int64)), b.op("Squeeze", [step.max_q]), b.const(np.array(1, np.int64))],
         )
         p = b.op(
-            "Add", [b.op("Unsqueeze", [step.past, *_ints(b, [1])]), b.op("Unsqueeze", [i, *_ints(b, [0])])]
+            "Add", [b.op("Unsqueeze", [step.past, *ints(b, [1])]), b.op("Unsqueeze", [i, *ints(b, [0])])]
         )
-        p = b.op("Unsqueeze", [p, *_ints(b, [2])])  # [B, max_q, 1]
-        total = b.op("Unsqueeze", [step.total, *_ints(b, [1, 2])])
-        allowed = b.op("And", [b.op("Less", [j, total]), b.op("Unsqueeze", [self._mapped, *_ints(b, [1])])])
+        p = b.op("Unsqueeze", [p, *ints(b, [2])])  # [B, max_q, 1]
+        total = b.op("Unsqueeze", [step.total, *ints(b, [1, 2])])
+        allowed = b.op("And", [b.op("Less", [j, total]), b.op("Unsqueeze", [self._mapped, *ints(b, [1])])])
         if site.int_attr("is_causal", 1):
             allowed = b.op("And", [allowed, b.op("LessOrEqual", [j, p])])
         window = site.int_attr("local_window_size", -1)
         if window > 0:
             start = b.op("Sub", [p, b.const(np.array(window, np.int64))])
             allowed = b.op("And", [allowed, b.op("Greater", [j, start])])
-        return b.op("Unsqueeze", [allowed, *_ints(b, [1])])
+        return b.op("Unsqueeze", [allowed, *ints(b, [1])])
 
     def _attend(self, q: ir.Value, keys: ir.Value, values: ir.Value, step: _Step) -> ir.Value:
         site, b = self.site, self.b
         heads, kv, head, v_head = self.heads, self.kv, self.head, self.v_head
-        dims = b.op("Concat", [step.batch, step.max_q, *_ints(b, [heads, head])], axis=0)
+        dims = b.op("Concat", [step.batch, step.max_q, *ints(b, [heads, head])], axis=0)
         zeros = b.op("ConstantOfShape", [dims], value=ir.tensor(np.zeros(1, np.float32)))
         padded = b.op("ScatterND", [zeros, step.padded, q])  # [B, max_q, H, D]
         grouped = b.op(
-            "Reshape", [b.op("Transpose", [padded], perm=[0, 2, 1, 3]), *_ints(b, [0, kv, -1, head])]
+            "Reshape", [b.op("Transpose", [padded], perm=[0, 2, 1, 3]), *ints(b, [0, kv, -1, head])]
         )
         scores = b.op("MatMul", [grouped, b.op("Transpose", [keys], perm=[0, 2, 3, 1])])
-        scores = b.op("Reshape", [scores, *_ints(b, [0, heads, -1, 0])])  # [B, H, max_q, C]
+        scores = b.op("Reshape", [scores, *ints(b, [0, heads, -1, 0])])  # [B, H, max_q, C]
         scale = site.float_attr("scale", 0.0) or 1.0 / np.sqrt(head)
         scores = b.op("Mul", [scores, _scalar(b, scale)])
         softcap = site.float_attr("softcap", 0.0)
@@ -404,17 +400,17 @@ class _Rewrite:
         scores = b.op("Where", [self._mask(step), scores, _scalar(b, _LOWEST)])
         sink = site.input("head_sink")
         if sink is not None:
-            column = b.op("Reshape", [b.cast(sink, _F32), *_ints(b, [1, heads, 1, 1])])
-            shape = b.op("Concat", [b.op("Shape", [scores], start=0, end=3), *_ints(b, [1])], axis=0)
+            column = b.op("Reshape", [b.cast(sink, _F32), *ints(b, [1, heads, 1, 1])])
+            shape = b.op("Concat", [b.op("Shape", [scores], start=0, end=3), *ints(b, [1])], axis=0)
             scores = b.op("Concat", [scores, b.op("Expand", [column, shape])], axis=-1)
         probs = b.op("Softmax", [scores], axis=-1)
         if sink is not None:
-            probs = b.op("Slice", [probs, *_ints(b, [0], [-1], [-1])])
-        probs = b.op("Reshape", [probs, *_ints(b, [0, kv, -1, 0])])
+            probs = b.op("Slice", [probs, *ints(b, [0], [-1], [-1])])
+        probs = b.op("Reshape", [probs, *ints(b, [0, kv, -1, 0])])
         context = b.op("MatMul", [probs, b.op("Transpose", [values], perm=[0, 2, 1, 3])])
-        context = b.op("Reshape", [context, *_ints(b, [0, heads, -1, v_head])])
+        context = b.op("Reshape", [context, *ints(b, [0, heads, -1, v_head])])
         rows = b.op("GatherND", [b.op("Transpose", [context], perm=[0, 2, 1, 3]), step.padded])
-        output = b.op("Reshape", [rows, *_ints(b, [0, heads * v_head])], dtype=_F32)
+        output = b.op("Reshape", [rows, *ints(b, [0, heads * v_head])], dtype=_F32)
         return b.cast(output, self.dtype)
 
     def _replace(self, results: dict[int, ir.Value]) -> None:

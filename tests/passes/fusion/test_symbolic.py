@@ -13,6 +13,7 @@ from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.passes.fusion._match import MaskFacts, mask_condition, mask_facts
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
+    Symbol,
     SymbolicEvaluator,
     Unprovable,
     parse_dim,
@@ -20,7 +21,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
 )
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "export_llama_opset23.onnx"
-PAST, SEQ = Affine.of("d:past"), Affine.of("d:seq")
+PAST, SEQ = Affine.of(Symbol.dim("past")), Affine.of(Symbol.dim("seq"))
 
 
 @pytest.mark.parametrize(
@@ -29,11 +30,11 @@ PAST, SEQ = Affine.of("d:past"), Affine.of("d:seq")
         (4, Affine(const=4)),
         ("past + seq", PAST + SEQ),
         ("2*seq - 1", SEQ.scale(2) - 1),
-        ("(past + seq)", Affine.of("d:(past + seq)")),
+        ("(past + seq)", Affine.of(Symbol.dim("(past + seq)"))),
     ],
 )
 def test_dimensions_are_affine_forms(dim, want):
-    assert parse_dim(dim, lambda: "?") == want
+    assert parse_dim(dim, lambda: Symbol.fresh(0)) == want
 
 
 def test_unnamed_dimensions_equal_nothing():
@@ -139,13 +140,13 @@ def test_a_diagonal_off_the_cache_length_is_named():
     ("dims", "target", "want"),
     [
         (
-            (Affine.of("b"), SEQ, Affine(const=128)),
-            (Affine.of("b"), SEQ, Affine(const=-1), Affine(const=32)),
+            (Affine.of(Symbol.dim("b")), SEQ, Affine(const=128)),
+            (Affine.of(Symbol.dim("b")), SEQ, Affine(const=-1), Affine(const=32)),
             4,
         ),
         (
-            (Affine.of("b"), Affine(const=2), Affine(const=2), PAST + SEQ, Affine(const=32)),
-            (Affine.of("b"), Affine(const=-1), PAST + SEQ, Affine(const=32)),
+            (Affine.of(Symbol.dim("b")), Affine(const=2), Affine(const=2), PAST + SEQ, Affine(const=32)),
+            (Affine.of(Symbol.dim("b")), Affine(const=-1), PAST + SEQ, Affine(const=32)),
             4,
         ),
     ],

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache.passes.fusion._match import mask_condition, mask_facts
-from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable, parse_dim
+from onnx_kvcache.passes.fusion._symbolic import Affine, Symbol, SymbolicEvaluator, Unprovable, parse_dim
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "optimum_llama" / "model.onnx"
 
@@ -27,7 +27,7 @@ def node(model: ir.Model, name: str) -> ir.Node:
 
 
 def dims(*texts: str | int) -> tuple[Affine, ...]:
-    return tuple(parse_dim(t, lambda: "?") for t in texts)
+    return tuple(parse_dim(t, lambda: Symbol.fresh(0)) for t in texts)
 
 
 def test_activations_get_shapes_and_types_from_the_inputs(export):

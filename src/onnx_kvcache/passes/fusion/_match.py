@@ -44,18 +44,17 @@ __all__ = [
     "cache_mask_facts",
     "mask_condition",
     "mask_facts",
-    "summarize_refusals",
 ]
 
 import dataclasses
 import math
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA, GqaInput, GqaOutput
+from onnx_kvcache.passes._graph import insert
 from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
@@ -65,13 +64,15 @@ from onnx_kvcache.passes.fusion._symbolic import (
     Conj,
     Le,
     MaskAt,
+    Symbol,
     SymbolicEvaluator,
+    SymbolKind,
     Unprovable,
     axis,
     reshape_dims,
 )
 
-BATCH, HEAD, QUERY, KEY = "#batch", "#head", "#query", "#key"
+BATCH, HEAD, QUERY, KEY = (Symbol.index(name) for name in ("batch", "head", "query", "key"))
 _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
 ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
@@ -444,10 +445,7 @@ class GqaWriter:
     def _add(
         self, before: ir.Node, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs
     ) -> ir.Value:
-        node = ir.node(op_type, inputs, attrs or None, name=self._name(name))
-        node.outputs[0].name = node.name
-        self.graph.insert_before(before, node)
-        return node.outputs[0]
+        return insert(self.graph, before, op_type, inputs, self._name(name), **attrs)
 
     def _const(self, before: ir.Node, array: np.ndarray, name: str) -> ir.Value:
         return self._add(before, "Constant", [], name, value=ir.tensor(array))
@@ -785,13 +783,9 @@ def _bsh_shape(q: Sequence[Affine], width: int) -> ir.Shape | None:
 def _dim(value: Affine) -> int | str | None:
     if value.is_const:
         return value.const
-    if (
-        len(value.terms) == 1
-        and value.terms[0][1] == 1
-        and not value.const
-        and value.terms[0][0].startswith("d:")
-    ):
-        return value.terms[0][0][2:]
+    if len(value.terms) == 1 and value.terms[0][1] == 1 and not value.const:
+        symbol = value.terms[0][0]
+        return symbol.name if symbol.kind is SymbolKind.DIM else None
     return None
 
 
@@ -824,18 +818,3 @@ def _unused_initializer(value: ir.Value, graph: ir.Graph) -> bool:
 
 def default_scale(head: int) -> float:
     return 1.0 / math.sqrt(head)
-
-
-def summarize_refusals(refused: Sequence[str], what: str = "attention node(s)") -> str:
-    """``"node: reason"`` entries as one line: each reason once, with its count and first node.
-
-    Reasons that differ only in numbers (layer indices, node counters) are one reason.
-    """
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in refused:
-        node, _, reason = entry.partition(": ")
-        if not reason:
-            node, reason = "<unnamed>", entry
-        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
-    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
-    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)

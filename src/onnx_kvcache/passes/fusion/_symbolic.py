@@ -25,6 +25,23 @@ Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable`
 the reason; the caller then leaves the graph alone. Graphs without shape annotations
 (TorchScript exports) are followed from their inputs by the rules of
 :mod:`onnx_kvcache.passes.fusion._symbolic_ops` (call :meth:`SymbolicEvaluator.prime` first on deep ones).
+
+Symbols (:class:`Symbol`, of a :class:`SymbolKind`; how messages print them):
+
+- ``past``, ``batch``, ``past + seq`` (:attr:`SymbolKind.DIM`): a dimension the graph names;
+  a name that is no sum (``(past + seq)``) is one symbol;
+- ``?3`` (:attr:`SymbolKind.FRESH`): an unnamed dimension, equal only to itself;
+- ``@0``, ``@1`` (:attr:`SymbolKind.AXIS`): the index along a tensor's axis 0, 1, ... in
+  the element expression of that tensor;
+- ``batch``, ``head``, ``query``, ``key`` (:attr:`SymbolKind.INDEX`): attention's indices
+  (:mod:`onnx_kvcache.passes.fusion._match` names a mask's axes so: batch ``b``, head,
+  query row ``i``, key column ``j``);
+- ``max(0, e)`` (:attr:`SymbolKind.MAX`): the opaque maximum of :func:`max_of`.
+
+Dimensions in the fusions' rules: ``B`` batch, ``N`` query heads (``num_heads``), ``N_kv``
+KV heads (``kv_num_heads``), ``S`` new tokens (the query length), ``P`` the past cache's
+length, ``P + S`` the present cache's (the mask's key columns), ``H`` the head size, ``W``
+a sliding window.
 """
 
 from __future__ import annotations
@@ -36,6 +53,8 @@ __all__ = [
     "Le",
     "MaskAt",
     "SymTensor",
+    "Symbol",
+    "SymbolKind",
     "SymbolicEvaluator",
     "Unprovable",
     "constant_array",
@@ -43,6 +62,7 @@ __all__ = [
 
 import contextlib
 import dataclasses
+import enum
 import math
 import re
 from collections import Counter
@@ -74,19 +94,73 @@ class Unprovable(Exception):
     """The evaluator cannot prove what a value computes; the message says why."""
 
 
+class SymbolKind(enum.IntEnum):
+    """What a :class:`Symbol` stands for (see the module docstring); forms list their terms
+    in this order."""
+
+    INDEX = 0
+    FRESH = 1
+    AXIS = 2
+    DIM = 3
+    MAX = 4
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Symbol:
+    """One variable of an :class:`Affine` form: its kind and name."""
+
+    kind: SymbolKind
+    name: str
+    form: Affine | None = dataclasses.field(default=None, compare=False)
+    """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it)."""
+
+    @staticmethod
+    def dim(name: str) -> Symbol:
+        """A dimension the graph names."""
+        return Symbol(SymbolKind.DIM, name)
+
+    @staticmethod
+    def index(name: str) -> Symbol:
+        """One of attention's indices (batch, head, query, key)."""
+        return Symbol(SymbolKind.INDEX, name)
+
+    @staticmethod
+    def fresh(number: int) -> Symbol:
+        """The ``number``-th unnamed dimension."""
+        return Symbol(SymbolKind.FRESH, str(number))
+
+    @staticmethod
+    def maximum(form: Affine) -> Symbol:
+        """``max(0, form)``, one symbol per (normalized) form."""
+        key = ",".join(f"{s.kind.name}:{s.name}*{c}" for s, c in form.terms) + f"+{form.const}"
+        return Symbol(SymbolKind.MAX, key, form)
+
+    def __str__(self) -> str:
+        return _SHOWN[self.kind](self)
+
+
+_SHOWN: dict[SymbolKind, Callable[[Symbol], str]] = {
+    SymbolKind.INDEX: lambda s: s.name,
+    SymbolKind.FRESH: lambda s: f"?{s.name}",
+    SymbolKind.AXIS: lambda s: f"@{s.name}",
+    SymbolKind.DIM: lambda s: s.name,
+    SymbolKind.MAX: lambda s: f"max(0, {s.form})",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Affine:
     """``const + sum(coefficient * symbol)`` with integer coefficients."""
 
-    terms: tuple[tuple[str, int], ...] = ()
+    terms: tuple[tuple[Symbol, int], ...] = ()
     const: int = 0
 
     @staticmethod
-    def of(value: int | str) -> Affine:
+    def of(value: int | Symbol) -> Affine:
         return Affine(const=value) if isinstance(value, int) else Affine(((value, 1),))
 
     @staticmethod
-    def _make(terms: Mapping[str, int], const: int) -> Affine:
+    def _make(terms: Mapping[Symbol, int], const: int) -> Affine:
         return Affine(tuple(sorted((k, v) for k, v in terms.items() if v)), const)
 
     def __add__(self, other: Affine | int) -> Affine:
@@ -109,14 +183,14 @@ class Affine:
     def is_const(self) -> bool:
         return not self.terms
 
-    def coefficient(self, symbol: str) -> int:
+    def coefficient(self, symbol: Symbol) -> int:
         return dict(self.terms).get(symbol, 0)
 
     @property
-    def symbols(self) -> frozenset[str]:
+    def symbols(self) -> frozenset[Symbol]:
         return frozenset(k for k, _ in self.terms)
 
-    def subs(self, mapping: Mapping[str, Affine]) -> Affine:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> Affine:
         out = Affine(const=self.const)
         for name, coefficient in self.terms:
             out = out + (
@@ -125,20 +199,10 @@ class Affine:
         return out
 
     def __str__(self) -> str:
-        parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{_readable(k)}" for k, v in self.terms]
+        parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{k}" for k, v in self.terms]
         if self.const or not parts:
             parts.append(str(self.const))
         return " + ".join(parts).replace("+ -", "- ")
-
-
-def _readable(symbol: str) -> str:
-    """A symbol as messages show it: ``d:past`` -> ``past``, ``#query`` -> ``query``."""
-    if symbol.startswith("max0:"):
-        inner, const = symbol[5:].rsplit("+", 1)
-        terms = [part.rsplit("*", 1) for part in inner.split(",")]
-        form = Affine(tuple((k, int(v)) for k, v in terms), int(const))
-        return f"max(0, {form})"
-    return symbol.removeprefix("d:").removeprefix("#")
 
 
 ONE = Affine(const=1)
@@ -151,7 +215,7 @@ class Le:
 
     lhs: Affine
 
-    def subs(self, mapping: Mapping[str, Affine]) -> Le:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> Le:
         return Le(self.lhs.subs(mapping))
 
 
@@ -163,7 +227,7 @@ class MaskAt:
     row: Affine
     col: Affine
 
-    def subs(self, mapping: Mapping[str, Affine]) -> MaskAt:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> MaskAt:
         return MaskAt(self.source, self.row.subs(mapping), self.col.subs(mapping))
 
 
@@ -194,7 +258,7 @@ class Conj:
     def is_false(self) -> bool:
         return self == FALSE
 
-    def subs(self, mapping: Mapping[str, Affine]) -> Conj:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> Conj:
         return Conj.of(*(atom.subs(mapping) for atom in self.atoms))
 
     def negate(self) -> Conj:
@@ -219,7 +283,7 @@ class Additive:
 
     cond: Conj
 
-    def subs(self, mapping: Mapping[str, Affine]) -> Additive:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> Additive:
         return Additive(self.cond.subs(mapping))
 
 
@@ -227,7 +291,7 @@ class Additive:
 class FloatConst:
     value: float
 
-    def subs(self, mapping: Mapping[str, Affine]) -> FloatConst:
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> FloatConst:
         return self
 
 
@@ -238,7 +302,7 @@ Elem = Affine | Conj | Additive | FloatConst
 class SymTensor:
     """A tensor for all inputs at once: symbolic shape and element expression.
 
-    ``elem`` is in terms of the axis variables ``@0 .. @{rank-1}`` (None: unknown,
+    ``elem`` is in terms of the axis symbols ``@0 .. @{rank-1}`` (None: unknown,
     e.g. float data). ``values`` lists a small integer tensor's elements (rank 0 or
     1); ``stack`` lists the components of an index tensor whose last axis stacks
     them (GatherND indices); ``source`` names the graph input a tensor is.
@@ -265,14 +329,15 @@ class SymTensor:
         raise Unprovable("a tensor's elements are not known")
 
 
-def axis(k: int) -> str:
-    return f"@{k}"
+def axis(k: int) -> Symbol:
+    """The index along axis ``k`` of the tensor an element expression describes."""
+    return Symbol(SymbolKind.AXIS, str(k))
 
 
 _TERM = re.compile(r"\s*([+-])?\s*(?:(\d+)\s*\*\s*)?([A-Za-z_][\w.]*|\d+)\s*")
 
 
-def parse_dim(dim: object, fresh: Callable[[], str]) -> Affine:
+def parse_dim(dim: object, fresh: Callable[[], Symbol]) -> Affine:
     """A shape dimension as an affine form: ints, names, sums like ``past + seq``."""
     if isinstance(dim, int):
         return Affine(const=dim)
@@ -283,20 +348,20 @@ def parse_dim(dim: object, fresh: Callable[[], str]) -> Affine:
     while pos < len(text):
         match = _TERM.match(text, pos)
         if not match or match.end() == pos:
-            return Affine.of("d:" + text)
+            return Affine.of(Symbol.dim(text))
         sign = -1 if match.group(1) == "-" else 1
         factor = int(match.group(2) or 1) * sign
         atom = match.group(3)
         out = out + (
-            Affine(const=int(atom) * factor) if atom.isdigit() else Affine.of("d:" + atom).scale(factor)
+            Affine(const=int(atom) * factor) if atom.isdigit() else Affine.of(Symbol.dim(atom)).scale(factor)
         )
         pos = match.end()
         if pos < len(text) and text[pos] not in "+-":
-            return Affine.of("d:" + text)
+            return Affine.of(Symbol.dim(text))
     return out
 
 
-def _shift(elem: Elem, mapping: Mapping[str, Affine]) -> Elem:
+def _shift(elem: Elem, mapping: Mapping[Symbol, Affine]) -> Elem:
     return elem.subs(mapping)
 
 
@@ -408,9 +473,9 @@ class SymbolicEvaluator:
             self._dtypes[value] = infer_dtype(self, value)
         return self._dtypes[value]
 
-    def fresh(self) -> str:
+    def fresh(self) -> Symbol:
         self._fresh += 1
-        return f"?{self._fresh}"
+        return Symbol.fresh(self._fresh)
 
     def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]:
         """The shape a value is annotated with; an unnamed dimension is one fresh symbol."""
@@ -590,7 +655,7 @@ def _squeeze(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         rank = x.rank + len(axes)
         axes = sorted(a + rank if a < 0 else a for a in axes)
         shape: list[Affine] = []
-        mapping: dict[str, Affine] = {}
+        mapping: dict[Symbol, Affine] = {}
         old = 0
         for k in range(rank):
             if k in axes:
@@ -783,27 +848,26 @@ def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind, elem)
 
 
-_MAX_PREFIX = "max0:"
-
-
 def max_of(a: Affine, b: Affine) -> Affine:
     """``max(a, b)`` as an affine form over one opaque symbol ``max(0, e)``.
 
     ``max(a, b) = b + max(0, a - b)``; ``e`` is normalized (its first coefficient positive,
     else ``a + max(0, b - a)``), so every computation of the same maximum names the same
     symbol. Sound: the symbol is only ever compared for identity. Maxima over index
-    variables (``@k``, ``#...``) are refused: substitution does not reach inside them.
+    variables (axes, attention's indices) are refused: substitution does not reach inside them.
     """
     e = a - b
     if e.is_const:
         return b + max(0, e.const)
-    if any(name.startswith(("@", "#")) for name in e.symbols):
+    if any(symbol.kind in _INDICES for symbol in e.symbols):
         raise Unprovable("a maximum over tensor indices is not followed")
     base = b
     if e.terms[0][1] < 0:
         e, base = -e, a
-    key = ",".join(f"{k}*{v}" for k, v in e.terms) + f"+{e.const}"
-    return base + Affine.of(_MAX_PREFIX + key)
+    return base + Affine.of(Symbol.maximum(e))
+
+
+_INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX})
 
 
 def min_of(a: Affine, b: Affine) -> Affine:

@@ -46,6 +46,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     Handler,
     Le,
     SymbolicEvaluator,
+    SymbolKind,
     SymTensor,
     Unprovable,
     _attr_int,
@@ -345,10 +346,10 @@ def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine) -> boo
     """``elem`` is an axis index over an axis of ``length`` (so within ``[0, length)``)."""
     if not isinstance(elem, Affine) or elem.const or len(elem.terms) != 1:
         return False
-    ((name, coefficient),) = elem.terms
-    if coefficient != 1 or not name.startswith("@"):
+    ((symbol, coefficient),) = elem.terms
+    if coefficient != 1 or symbol.kind is not SymbolKind.AXIS:
         return False
-    return shape[int(name[1:])] == length
+    return shape[int(symbol.name)] == length
 
 
 def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:

@@ -15,6 +15,8 @@ __all__ = ["cast_fp8_windows", "follow_present_types", "present_output", "tail_s
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._graph import insert
+
 _SLICE_TYPES = frozenset(
     {
         ir.DataType.FLOAT,
@@ -101,11 +103,9 @@ def cast_fp8_windows(graph: ir.Graph) -> int:
         if not _is_tail(node) or source is None or source.dtype is None or source.dtype in _SLICE_TYPES:
             continue
         dtype = source.dtype
-        wide = ir.node("Cast", [source], {"to": ir.DataType.FLOAT16}, name=f"{node.name}/to_float16")
-        graph.insert_before(node, wide)
-        wide.outputs[0].name = wide.name
-        wide.outputs[0].dtype = ir.DataType.FLOAT16
-        node.replace_input_with(0, wide.outputs[0])
+        wide = insert(graph, node, "Cast", [source], f"{node.name}/to_float16", to=ir.DataType.FLOAT16)
+        wide.dtype = ir.DataType.FLOAT16
+        node.replace_input_with(0, wide)
         result = node.outputs[0]
         sliced = ir.Value(name=f"{node.name}/float16", type=ir.TensorType(ir.DataType.FLOAT16))
         narrow = ir.node("Cast", [sliced], {"to": dtype}, name=f"{node.name}/to_{dtype.name.lower()}")

@@ -24,30 +24,24 @@ from __future__ import annotations
 
 __all__ = ["AttentionFusionPass"]
 
-import logging
 import math
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.sites import GQA_DOMAIN
 from onnx_kvcache.errors import warn
-from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
     KEY,
     QUERY,
     AttentionMatch,
-    GqaWriter,
     MaskFacts,
     cache_link,
     cache_mask_facts,
     check_shapes,
     default_scale,
     mask_condition,
-    summarize_refusals,
 )
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
-
-logger = logging.getLogger(__name__)
 
 _QK_SOFTMAX = 3
 
@@ -128,65 +122,27 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     )
 
 
-class AttentionFusionPass(InPlacePass):
-    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention."""
+class AttentionFusionPass(FusionPass):
+    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention
+    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.fused = 0
-        """Attention nodes fused by the last call."""
-        self.padded = 0
-        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
-        self.padded_windows = 0
-        """Of those, how many also have a sliding window."""
-        self.refused: list[str] = []
+    label = "Attention"
+    reports_elsewhere = True
+
+    @property
+    def refused(self) -> list[str]:
         """``"node: reason"`` for each Attention node left as it was."""
+        return self.report.refused
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        ev = SymbolicEvaluator()
-        writer = GqaWriter(graph, ev)
-        fused, padded, windows, refused = 0, 0, 0, []
-        for node in list(graph):
-            if not _is_attention(node):
-                continue
-            try:
-                site = match_attention(ev, graph, node)
-            except Unprovable as reason:
-                refused.append(f"{node.name or '<unnamed>'}: {reason}")
-                continue
-            gqa = writer.write(site)
-            fused += 1
-            padded += site.mask.padding is not None
-            windows += site.mask.padding is not None and site.mask.window is not None
-            logger.debug("Fused %s into %s (%s).", node.name, gqa.name, site.mask)
-        refused += [f"{n.name or '<unnamed>'}: {where}" for n, where in _elsewhere(model)]
-        self.fused, self.padded, self.padded_windows, self.refused = fused, padded, windows, refused
-        if fused:
-            model.opset_imports.setdefault(GQA_DOMAIN, 1)
-        logger.info("Attention -> GroupQueryAttention: %d fused, %d left.", fused, len(refused))
-        for entry in refused:
-            logger.info("Left %s", entry)
+    def is_candidate(self, node: ir.Node) -> bool:
+        return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+
+    def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
+        return match_attention(ev, graph, node)
+
+    def call(self, model: ir.Model) -> FusionResult:
+        result = super().call(model)
+        refused = result.report.refusals
         if refused:
             warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
-        return ir.passes.PassResult(model, modified=bool(fused))
-
-
-def _elsewhere(model: ir.Model) -> list[tuple[ir.Node, str]]:
-    """Attention nodes outside the main graph's own node list, with where they are."""
-    found = [
-        (node, "inside a control-flow subgraph (not fused)")
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
-        if node.graph is not model.graph and _is_attention(node)
-    ]
-    for function in model.functions.values():
-        found += [
-            (node, f"inside function {function.name} (not fused)")
-            for node in ir.traversal.RecursiveGraphIterator(function)
-            if _is_attention(node)
-        ]
-    return found
-
-
-def _is_attention(node: ir.Node) -> bool:
-    return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+        return result

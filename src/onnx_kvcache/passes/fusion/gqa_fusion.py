@@ -34,7 +34,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.errors import warn
 from onnx_kvcache.passes._base import InPlacePass
-from onnx_kvcache.passes.fusion._match import summarize_refusals
+from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
@@ -78,19 +78,28 @@ class GqaFusionPass(InPlacePass):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fused = 0
-        """Attention nodes our passes fused in the last call (onnxscript's not counted)."""
-        self.refused: list[str] = []
-        """``"node: reason"`` for each attention our passes left as it was."""
+        self.report = FusionReport()
+        """What our fusions did in the last call, merged (onnxscript's fusions not counted; a
+        refusal of a node onnxscript fused since is dropped). ``call`` returns it too, as
+        its :class:`~onnx_kvcache.passes.fusion._base.FusionResult`'s ``report``."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    @property
+    def fused(self) -> int:
+        """Attention nodes our passes fused in the last call (onnxscript's not counted)."""
+        return self.report.fused
+
+    @property
+    def refused(self) -> list[str]:
+        """``"node: reason"`` for each attention our passes left as it was."""
+        return self.report.refused
+
+    def call(self, model: ir.Model) -> FusionResult:
         before = len(find_gqa_sites(model, with_cache_only=False))
-        attention, decomposed = AttentionFusionPass(), DecomposedAttentionFusionPass()
-        modified = attention(model).modified
-        modified = decomposed(model).modified or modified
-        self.fused = attention.fused + decomposed.fused
+        attention = _report(AttentionFusionPass()(model))
+        decomposed = _report(DecomposedAttentionFusionPass()(model))
+        modified = bool(attention.fused or decomposed.fused)
         applied: dict[str, int] = {}
-        if not self.fused and _has_contrib_rotary(model.graph):
+        if not (attention.fused or decomposed.fused) and _has_contrib_rotary(model.graph):
             from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
             before_ort = _structure(model)
@@ -104,28 +113,34 @@ class GqaFusionPass(InPlacePass):
                 raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
             applied = {k: v for k, v in counts.items() if v}
             modified = modified or _structure(model) != before_ort
-        left = [f"{n.name or '<unnamed>'}: {why}" for n, why in decomposed.refused if n.graph is not None]
-        self.refused = attention.refused + left  # what onnxscript fused since is no longer left
+        remaining = decomposed.left()  # what onnxscript fused since is no longer left
+        left = remaining.refusals
+        self.report = report = attention + remaining
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
             warn(f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.")
-        if attention.padded + decomposed.padded:
-            windows = attention.padded_windows + decomposed.padded_windows
+        if report.padded:
+            windows = report.padded_windows
             cropped = _has_cropped_windows(model)
             warn(
                 PADDING_WARNING
                 + (" " + WINDOW_PADDING_WARNING if windows else "")
                 + (" " + CROPPED_WINDOW_WARNING if cropped else "")
             )
-        return ir.passes.PassResult(model, modified=modified)
+        return FusionResult(model, modified=modified, report=report)
+
+
+def _report(result: ir.passes.PassResult) -> FusionReport:
+    assert isinstance(result, FusionResult)
+    return result.report
 
 
 def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
 
 
-def unfused_refusal(fused: int, refused: Sequence[str]) -> str | None:
+def unfused_refusal(fused: int, refused: Sequence[FusionRefusal | str]) -> str | None:
     """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
 
     Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model

@@ -19,7 +19,7 @@ follows the scores chain (``scale`` is the product of its factors, ``softcap`` t
 A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that (Q
 and K^T, when both are scaled, by the same scalar constant) and every rule of
 :mod:`onnx_kvcache.passes.fusion._match` holds (cache, repeat, mask, shapes). Anything
-else is left alone; the refusals are kept in :attr:`refused` (and logged) so that a
+else is left alone; the refusals are kept in its report (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
 Fuses in the main graph only.
 """
@@ -28,15 +28,12 @@ from __future__ import annotations
 
 __all__ = ["DecomposedAttentionFusionPass"]
 
-import logging
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.sites import GQA_DOMAIN
-from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._base import FusionPass
 from onnx_kvcache.passes.fusion._match import (
     AttentionMatch,
-    GqaWriter,
     cache_link,
     cache_mask_facts,
     check_shapes,
@@ -45,8 +42,6 @@ from onnx_kvcache.passes.fusion._match import (
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
-
-logger = logging.getLogger(__name__)
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -162,45 +157,20 @@ def _is_candidate(node: ir.Node) -> bool:
     return _op(value, "Softmax") is not None
 
 
-class DecomposedAttentionFusionPass(InPlacePass):
-    """Replace each provably equivalent decomposed attention with GroupQueryAttention."""
+class DecomposedAttentionFusionPass(FusionPass):
+    """Replace each provably equivalent decomposed attention with GroupQueryAttention
+    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.refused: list[tuple[ir.Node, str]] = []
+    label = "Decomposed attention"
+    prime = True
+
+    @property
+    def refused(self) -> list[tuple[ir.Node, str]]:
         """(output MatMul, reason) of each attention-like chain left alone."""
-        self.fused = 0
-        """Attention chains fused by the last call."""
-        self.padded = 0
-        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
-        self.padded_windows = 0
-        """Of those, how many also have a sliding window."""
+        return [(refusal.node, refusal.text) for refusal in self.report.refusals]
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.refused = []
-        self.padded = self.padded_windows = 0
-        fused = 0
-        ev = SymbolicEvaluator()
-        ev.prime(model.graph)
-        writer = GqaWriter(model.graph, ev)
-        for node in list(model.graph):
-            if node.graph is None or not _is_candidate(node):
-                continue
-            try:
-                site = match_decomposed(ev, model.graph, node)
-            except Unprovable as reason:
-                self.refused.append((node, str(reason)))
-                continue
-            writer.write(site)
-            fused += 1
-            self.padded += site.mask.padding is not None
-            self.padded_windows += site.mask.padding is not None and site.mask.window is not None
-        self.fused = fused
-        if fused:
-            model.opset_imports.setdefault(GQA_DOMAIN, 1)
-        logger.info(
-            "Decomposed attention -> GroupQueryAttention: %d fused, %d left.", fused, len(self.refused)
-        )
-        for node, why in self.refused:
-            logger.info("Left %s: %s", node.name, why)
-        return ir.passes.PassResult(model, modified=bool(fused))
+    def is_candidate(self, node: ir.Node) -> bool:
+        return _is_candidate(node)
+
+    def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
+        return match_decomposed(ev, graph, node)

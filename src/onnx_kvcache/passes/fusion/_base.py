@@ -1,0 +1,249 @@
+"""What every attention fusion shares: one loop, one typed refusal, one report.
+
+A fusion (one a module, as onnxscript's ``ort_fusions``) says three things:
+
+1. :meth:`FusionPass.is_candidate`: a node it may fuse (``candidates`` walks the main graph's
+   nodes lazily, skipping those an earlier rewrite removed);
+2. :meth:`FusionPass.match`: the :class:`~onnx_kvcache.passes.fusion._match.AttentionMatch` a
+   candidate is proven to be, or a refusal: :class:`Unprovable` from a rule (code
+   :attr:`RefusalCode.UNPROVABLE`) or :class:`Refused` with a code of its own;
+3. :meth:`FusionPass.rewrite`: write the match (by default one GroupQueryAttention node).
+
+The loop (:meth:`FusionPass.call`) lives here once. It fuses in the main graph; with
+``reports_elsewhere`` the candidates of control-flow subgraphs and model-local functions are
+refused (:attr:`RefusalCode.IN_SUBGRAPH`, :attr:`RefusalCode.IN_FUNCTION`), not fused. Every
+fusion returns a :class:`FusionResult` whose ``report`` (:class:`FusionReport`: fused count,
+refusals, padding facts) is also kept as the pass's ``report`` attribute; reports merge with
+``+`` (:class:`~onnx_kvcache.passes.fusion.gqa_fusion.GqaFusionPass` merges its fusions').
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FusionPass",
+    "FusionRefusal",
+    "FusionReport",
+    "FusionResult",
+    "RefusalCode",
+    "Refused",
+    "summarize_refusals",
+]
+
+import abc
+import dataclasses
+import enum
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.sites import GQA_DOMAIN
+from onnx_kvcache.passes._base import InPlacePass
+from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
+from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
+
+
+class RefusalCode(enum.Enum):
+    """Why a fusion left a candidate as it was."""
+
+    UNPROVABLE = "unprovable"
+    """A rule of the fusion does not hold or cannot be proven; the text says which."""
+    IN_SUBGRAPH = "in_subgraph"
+    """The candidate is inside a control-flow subgraph (fusions rewrite the main graph)."""
+    IN_FUNCTION = "in_function"
+    """The candidate is inside a model-local function."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRefusal:
+    """One candidate left as it was: its code, the node and the text a user reads."""
+
+    code: RefusalCode
+    node: ir.Node
+    text: str
+
+    def __str__(self) -> str:
+        """``"node: text"``, as messages list it."""
+        return f"{self.node.name or '<unnamed>'}: {self.text}"
+
+
+class Refused(Exception):
+    """Raised by :meth:`FusionPass.match` with a refusal of a code other than UNPROVABLE."""
+
+    def __init__(self, refusal: FusionRefusal) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What one fusion (or several, merged with ``+``) did to a model."""
+
+    fused: int = 0
+    """Attentions fused."""
+    refusals: tuple[FusionRefusal, ...] = ()
+    """Candidates left as they were, in graph order."""
+    padded: int = 0
+    """Of the fused, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+    padded_windows: int = 0
+    """Of those, how many also have a sliding window."""
+
+    @property
+    def refused(self) -> list[str]:
+        """``"node: reason"`` for each refusal (what messages list)."""
+        return [str(refusal) for refusal in self.refusals]
+
+    def __add__(self, other: FusionReport) -> FusionReport:
+        return FusionReport(
+            self.fused + other.fused,
+            self.refusals + other.refusals,
+            self.padded + other.padded,
+            self.padded_windows + other.padded_windows,
+        )
+
+    def left(self) -> FusionReport:
+        """This report without the refusals whose node a later rewrite removed."""
+        kept = tuple(r for r in self.refusals if r.node.graph is not None)
+        return dataclasses.replace(self, refusals=kept)
+
+    def with_match(self, match: AttentionMatch) -> FusionReport:
+        """This report with one more fused ``match`` counted."""
+        padded = match.mask.padding is not None
+        return dataclasses.replace(
+            self,
+            fused=self.fused + 1,
+            padded=self.padded + padded,
+            padded_windows=self.padded_windows + (padded and match.mask.window is not None),
+        )
+
+
+@dataclasses.dataclass
+class FusionResult(ir.passes.PassResult):
+    """A pass result with the fusion's :class:`FusionReport`."""
+
+    report: FusionReport = dataclasses.field(default_factory=FusionReport)
+
+
+class FusionPass(InPlacePass, abc.ABC):
+    """The loop of an attention fusion into GroupQueryAttention (see the module docstring)."""
+
+    label: ClassVar[str]
+    """What the fusion fuses, as its INFO log line names it."""
+    prime: ClassVar[bool] = False
+    """Evaluate the whole graph first (:meth:`SymbolicEvaluator.prime`: deep, unannotated graphs)."""
+    reports_elsewhere: ClassVar[bool] = False
+    """Refuse the candidates of subgraphs and functions (else they are not looked at)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.report = FusionReport()
+        """What the last call did."""
+
+    @property
+    def fused(self) -> int:
+        """Attentions fused by the last call."""
+        return self.report.fused
+
+    @property
+    def padded(self) -> int:
+        """Of those, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
+        return self.report.padded
+
+    @property
+    def padded_windows(self) -> int:
+        """Of those, how many also have a sliding window."""
+        return self.report.padded_windows
+
+    @abc.abstractmethod
+    def is_candidate(self, node: ir.Node) -> bool:
+        """A node this fusion may fuse (cheap: no proof)."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The logger of the fusion's module (what it fused and left, at INFO)."""
+        return logging.getLogger(type(self).__module__)
+
+    @abc.abstractmethod
+    def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
+        """What ``node`` is proven to be; raise :class:`Unprovable` or :class:`Refused` otherwise."""
+
+    def rewrite(self, writer: GqaWriter, match: AttentionMatch) -> ir.Node:
+        """Write ``match`` into the graph; returns the new node."""
+        return writer.write(match)
+
+    def candidates(self, graph: ir.Graph) -> Iterator[ir.Node]:
+        """The candidates of ``graph`` in order, each looked at when reached (after the
+        rewrites before it), those already removed skipped."""
+        for node in list(graph):
+            if node.graph is not None and self.is_candidate(node):
+                yield node
+
+    def elsewhere(self, model: ir.Model) -> list[FusionRefusal]:
+        """The candidates outside the main graph's own nodes, refused with where they are."""
+        found = [
+            FusionRefusal(RefusalCode.IN_SUBGRAPH, node, "inside a control-flow subgraph (not fused)")
+            for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node.graph is not model.graph and self.is_candidate(node)
+        ]
+        for function in model.functions.values():
+            found += [
+                FusionRefusal(RefusalCode.IN_FUNCTION, node, f"inside function {function.name} (not fused)")
+                for node in ir.traversal.RecursiveGraphIterator(function)
+                if self.is_candidate(node)
+            ]
+        return found
+
+    def call(self, model: ir.Model) -> FusionResult:
+        graph = model.graph
+        ev = SymbolicEvaluator()
+        if self.prime:
+            ev.prime(graph)
+        writer = GqaWriter(graph, ev)
+        report, refusals = FusionReport(), []
+        for node in self.candidates(graph):
+            try:
+                found = self.match(ev, graph, node)
+            except Unprovable as reason:
+                refusals.append(FusionRefusal(RefusalCode.UNPROVABLE, node, str(reason)))
+                continue
+            except Refused as refused:
+                refusals.append(refused.refusal)
+                continue
+            gqa = self.rewrite(writer, found)
+            report = report.with_match(found)
+            self.logger.debug("Fused %s into %s (%s).", node.name, gqa.name, found.mask)
+        if self.reports_elsewhere:
+            refusals += self.elsewhere(model)
+        self.report = report = dataclasses.replace(report, refusals=tuple(refusals))
+        if report.fused:
+            model.opset_imports.setdefault(GQA_DOMAIN, 1)
+        self.logger.info(
+            "%s -> GroupQueryAttention: %d fused, %d left.", self.label, report.fused, len(refusals)
+        )
+        for refusal in refusals:
+            self.logger.info("Left %s", refusal)
+        return FusionResult(model, modified=bool(report.fused), report=report)
+
+
+def summarize_refusals(refused: Sequence[FusionRefusal | str], what: str = "attention node(s)") -> str:
+    """Refusals as one line: each reason once, with its count and first node.
+
+    Reasons that differ only in numbers (layer indices, node counters) are one reason. A
+    ``"node: reason"`` string (what a fusion's ``refused`` lists) is read as that pair.
+    """
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for entry in refused:
+        node, reason = _named(entry)
+        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
+    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
+    return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+
+
+def _named(entry: FusionRefusal | str) -> tuple[str, str]:
+    """(node name, reason) of a refusal."""
+    if isinstance(entry, FusionRefusal):
+        return entry.node.name or "<unnamed>", entry.text
+    node, _, reason = entry.partition(": ")
+    return (node, reason) if reason else ("<unnamed>", entry)
