@@ -10,18 +10,32 @@ TypeError`` catch them as they would anywhere else:
   ``ModelProto`` or a path given to a pass, ``seq_len="64"``, ``ep=3``).
 * :class:`KvCachePreconditionError` (also onnx-ir's ``PreconditionError``): a pass cannot
   run on this model.
+
+Every warning is a :class:`KvCacheWarning`, and one subclass for each kind of thing said
+(:data:`WARNINGS`), so callers and pytest filter by class, never by text.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CalibrationDataWarning",
+    "ClippingWarning",
+    "FusionSkippedWarning",
+    "GenaiConfigWarning",
     "KvCacheError",
     "KvCacheFileNotFoundError",
     "KvCachePreconditionError",
     "KvCacheTypeError",
     "KvCacheWarning",
+    "MeasurementWarning",
     "MissingRuntimeError",
     "NotConvertedWarning",
+    "PaddingAssumptionWarning",
+    "RuntimeSupportWarning",
+    "ScalesAdjustedWarning",
+    "SharedWeightsWarning",
+    "SkippedNodeWarning",
+    "UnitScalesWarning",
     "require_type",
     "warn",
 ]
@@ -80,15 +94,84 @@ class NotConvertedWarning(KvCacheWarning):
     """A conversion wrote nothing; the message (and ``ConvertResult.reasons``) says why."""
 
 
-def warn(message: str, category: type[Warning] = KvCacheWarning) -> None:
-    """Issue a :class:`KvCacheWarning` attributed to the user's line: the first caller
-    outside this package and onnx_ir (whose pass machinery calls our passes)."""
+class PaddingAssumptionWarning(KvCacheWarning):
+    """A fused attention assumes each row's valid tokens come first (a padding mask, a
+    sliding window cropped by the export): what a fusion of a padded export relies on."""
+
+
+class FusionSkippedWarning(KvCacheWarning):
+    """A fusion left attention as it was (a pattern it could not prove, a failed rewrite)."""
+
+
+class SkippedNodeWarning(KvCacheWarning):
+    """The quantization pass left an attention node's cache as it was (not a graph input)."""
+
+
+class UnitScalesWarning(KvCacheWarning):
+    """A cache gets (or keeps) unit scales, 1.0: never calibrated."""
+
+
+class ScalesAdjustedWarning(KvCacheWarning):
+    """Scales are used other than as given: merged, repeated per channel, made one tensor,
+    partly unused, or mse thresholds carried to another format."""
+
+
+class CalibrationDataWarning(KvCacheWarning):
+    """The calibration data is not real text (seeded random token ids)."""
+
+
+class ClippingWarning(KvCacheWarning):
+    """Calibrated scales clip more of the sampled values than rounding would cost."""
+
+
+class MeasurementWarning(KvCacheWarning):
+    """A runner or evaluation measures something other than it seems (a hypothetical CPU rule
+    for fp8, a quantized baseline)."""
+
+
+class RuntimeSupportWarning(KvCacheWarning):
+    """The target runs the cache only in some builds of onnxruntime (the capability row's warning)."""
+
+
+class SharedWeightsWarning(KvCacheWarning):
+    """A data file is hard-linked (``weights='link'``, or an earlier one): loaders refuse it
+    until the other link is gone."""
+
+
+class GenaiConfigWarning(KvCacheWarning):
+    """An onnxruntime-genai config names another provider than the target and was not changed."""
+
+
+def warn(message: str | KvCacheWarning, category: type[Warning] = KvCacheWarning) -> None:
+    """Issue a :class:`KvCacheWarning` (``message`` an instance: its class) attributed to the
+    user's line: the first caller outside this package and onnx_ir (whose pass machinery
+    calls our passes)."""
     onnx_ir = getattr(sys.modules.get("onnx_ir"), "__file__", None)  # not imported: none of its frames
     internal = tuple(os.path.dirname(f) + os.sep for f in (__file__, onnx_ir) if f)
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)
+    if isinstance(message, Warning):
+        warnings.warn(message, stacklevel=level)
+    else:
+        warnings.warn(message, category, stacklevel=level)
+
+
+#: The kinds of warning the library says, each a :class:`KvCacheWarning` (docs/warnings.md).
+WARNINGS: tuple[type[KvCacheWarning], ...] = (
+    NotConvertedWarning,
+    PaddingAssumptionWarning,
+    FusionSkippedWarning,
+    SkippedNodeWarning,
+    UnitScalesWarning,
+    ScalesAdjustedWarning,
+    CalibrationDataWarning,
+    ClippingWarning,
+    MeasurementWarning,
+    RuntimeSupportWarning,
+    SharedWeightsWarning,
+    GenaiConfigWarning,
+)
 
 
 #: What :func:`require_type` takes for an integer (numpy's too, never a bool) and a number.

@@ -51,7 +51,15 @@ from onnx_kvcache.capabilities.table import (
     get_capabilities,
     infer_target,
 )
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, require_type, warn
+from onnx_kvcache.errors import (
+    GenaiConfigWarning,
+    KvCacheError,
+    NotConvertedWarning,
+    RuntimeSupportWarning,
+    SharedWeightsWarning,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
@@ -598,7 +606,7 @@ def convert_model(
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
     for warning in conversion_warnings(model, fmt.name, result.target):
-        warn(warning)
+        warn(warning, RuntimeSupportWarning)
     cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in find_attention_sites(model))
     share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
     new_config = None
@@ -617,13 +625,14 @@ def convert_model(
     data = _serialize(model, plan.data_names)
     result.weight_bytes = sum(d.size for d in source.data.values())
     if plan.weights == "link":
-        warn(LINK_WARNING)
+        warn(LINK_WARNING, SharedWeightsWarning)
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
     if linked and plan.weights != "link":
         warn(
             f"the input's data file(s) {', '.join(linked)} have more than one hard link (an earlier "
             "weights='link'?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until "
-            "the other link is deleted."
+            "the other link is deleted.",
+            SharedWeightsWarning,
         )
 
     try:
@@ -668,7 +677,8 @@ def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -
         warn(
             f"{GENAI_CONFIG}'s provider_options name {folder}, not {target}: onnxruntime-genai will "
             f"run the model on {folder}. Edit model.decoder.session_options.provider_options to "
-            f"name {target}."
+            f"name {target}.",
+            GenaiConfigWarning,
         )
         return config
     config = json.loads(json.dumps(config))

@@ -25,7 +25,7 @@ from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.capabilities.device import cuda_compute_capability
 from onnx_kvcache.capabilities.table import check_kv_cache_support, conversion_warnings, infer_target
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, warn
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, RuntimeSupportWarning, warn
 from onnx_kvcache.files.reading import ModelLike, as_model, check_defined
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, format_for, granularity_for
@@ -172,7 +172,7 @@ def optimize_model(
             _commit(model, work)
             _say(said)
             for warning in conversion_warnings(model, fmt.name):
-                warn(warning)
+                warn(warning, RuntimeSupportWarning)
             return model
         capability = cuda_compute_capability() if check_device else None
         granularity = quantize.granularity or granularity_for(work, scales)
@@ -190,7 +190,7 @@ def optimize_model(
         _commit(model, work)
         _say(said)
         for warning in report.warnings:
-            warn(warning)
+            warn(warning, RuntimeSupportWarning)
         return model
 
 

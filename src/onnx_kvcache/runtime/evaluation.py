@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import INTEGER, KvCacheError, require_type, warn
+from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, require_type, warn
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import TokenData, load_token_windows
 
@@ -177,7 +177,8 @@ def evaluate_kv_cache(
     if any(b.format is not None for b in base.bindings):
         warn(
             "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
-            "or the figures measure one quantization against another."
+            "or the figures measure one quantization against another.",
+            MeasurementWarning,
         )
     if _layout(base) != _layout(cand) or base.vocab_size != cand.vocab_size:
         raise KvCacheError(

@@ -48,11 +48,18 @@ from onnx_kvcache.cache.sites import (
     resident_rows,
 )
 from onnx_kvcache.capabilities.table import infer_target
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError, require_type, warn
+from onnx_kvcache.errors import (
+    KvCacheError,
+    MeasurementWarning,
+    MissingRuntimeError,
+    PaddingAssumptionWarning,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files.genai_folder import block_size, eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
 from onnx_kvcache.passes.fusion._window_present import present_output
-from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING, GqaFusionPass
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime._paged_cache import BlockPool, check_block_size
@@ -249,7 +256,7 @@ def _fused(model: ir.Model) -> ir.Model:
     The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
+        warnings.simplefilter("ignore", PaddingAssumptionWarning)
         modified = GqaFusionPass()(model).modified
     if modified:
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
@@ -496,7 +503,8 @@ class KvCacheRunner:
                 ):
                     warn(
                         "semantics='cpu' on an fp8 cache: no CPU kernel stores fp8, so this rule is "
-                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets."
+                        "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
+                        MeasurementWarning,
                     )
             model, self.emulated = prepare_for_cpu(model, self.semantics, quantized_io=quantized_io)
         self.max_positions = _max_positions(self.source_model)

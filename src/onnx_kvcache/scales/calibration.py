@@ -60,7 +60,15 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.capabilities.table import default_format, infer_target
-from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, require_type, warn
+from onnx_kvcache.errors import (
+    INTEGER,
+    NUMBER,
+    CalibrationDataWarning,
+    ClippingWarning,
+    KvCacheError,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files._inputs import check_input_file
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import TokenData, find_tokenizer, load_token_windows
@@ -389,7 +397,8 @@ def calibrate_kv_cache(
     if loaded.random:
         warn(
             "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
-            "those of real text. Give text and its tokenizer, or token ids."
+            "those of real text. Give text and its tokenizer, or token ids.",
+            CalibrationDataWarning,
         )
     windows = loaded.windows
     sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
@@ -474,7 +483,8 @@ def calibrate_kv_cache(
                 f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
                 f"(more than {CLIP_WARN_FRACTION:.0%}): check margin={margin:g}"
                 + (f" and percentile={percentile:g}" if method == "percentile" else "")
-                + "; clipped values lose far more than rounding does."
+                + "; clipped values lose far more than rounding does.",
+                ClippingWarning,
             )
         (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
         stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))

@@ -30,7 +30,7 @@ import math
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import GQA_DOMAIN
-from onnx_kvcache.errors import warn
+from onnx_kvcache.errors import FusionSkippedWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import (
     KEY,
@@ -168,7 +168,9 @@ class AttentionFusionPass(InPlacePass):
         for entry in refused:
             logger.info("Left %s", entry)
         if refused:
-            warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
+            warn(
+                f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.", FusionSkippedWarning
+            )
         return ir.passes.PassResult(model, modified=bool(fused))
 
 
