@@ -68,6 +68,9 @@ NOT_RUN = {
     ("docs/calibration.md", "python benchmarks/real_model.py"): (
         "a benchmark: downloads a model from PyPI and takes tens of minutes"
     ),
+    ("docs/warnings.md", "filterwarnings = ["): (
+        "pytest settings, not a program; tests/test_warnings.py checks this project's"
+    ),
 }
 
 SHELLS = ("bash", "sh", "console")
