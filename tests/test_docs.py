@@ -22,7 +22,8 @@ right above its fence (docs/index.md, "The docs are tested"):
 In a ``console`` block, ``$ `` lines are commands and the others what they print. In a
 Python block each statement runs on its own, and a trailing comment is checked when it
 states a result: ``# raises`` (the statement must raise), ``# warns ...`` (it must emit a
-KvCacheWarning; nothing else may), or a literal (``# 256.0``, ``# [1,1,32] None False``,
+KvCacheWarning, of the class it names if it names one; nothing else may), or a literal
+(``# 256.0``, ``# [1,1,32] None False``,
 ``# "cuda (emulated on CPU)"``: what it prints or evaluates to, up to a `` (`` remark; ``...``
 elides).
 """
@@ -50,7 +51,7 @@ import pytest
 
 from onnx_kvcache import calibrate_kv_cache, convert_model
 from onnx_kvcache.cli.commands import build_parser, main
-from onnx_kvcache.errors import KvCacheWarning
+from onnx_kvcache.errors import WARNINGS, KvCacheWarning
 from onnx_kvcache.models.decoder import build_decoder, byte_level_tokenizer, save_genai_folder
 from onnx_kvcache.models.exported import exported_config
 
@@ -66,6 +67,9 @@ NOT_RUN = {
     ("docs/choosing-a-format.md", "python benchmarks/evaluate.py"): "a benchmark: timings of that machine",
     ("docs/calibration.md", "python benchmarks/real_model.py"): (
         "a benchmark: downloads a model from PyPI and takes tens of minutes"
+    ),
+    ("docs/warnings.md", "filterwarnings = ["): (
+        "pytest settings, not a program; tests/test_warnings.py checks this project's"
     ),
 }
 
@@ -309,6 +313,11 @@ def run_python(block: Block, names: dict[str, Any]) -> str:
         ours = [w for w in caught if issubclass(w.category, KvCacheWarning)]
         if comment.startswith("warns"):
             assert ours, f"{where}: the page says it warns; it did not"
+            named = [c for c in WARNINGS if c.__name__ in comment.split()[1:2]]  # "# warns ClassName ..."
+            said = [w.category.__name__ for w in ours]
+            assert not named or named[0].__name__ in said, (
+                f"{where}: the page says {named[0].__name__}: {said}"
+            )
         else:
             assert not ours, f"{where}: warns, and the page does not say so: {ours[0].message}"
         expected = _expected(comment)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
+from onnx_kvcache.errors import RuntimeSupportWarning
 from onnx_kvcache.models.decoder import save_genai_folder
 
 from conftest import og_generate
@@ -67,7 +68,6 @@ def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, f
     import onnx
     import onnx_ir as ir
 
-    from onnx_kvcache import KvCacheWarning
     from onnx_kvcache.runtime._sessions import create_session
 
     scales = calibrate_kv_cache(paged_folder, format=fmt, granularity=granularity, progress=False)
@@ -79,7 +79,7 @@ def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, f
         "weights": "copy",
     }  # onnx refuses hard links
     if fmt == "int4":
-        with pytest.warns(KvCacheWarning, match="int4 KV-cache option"):
+        with pytest.warns(RuntimeSupportWarning, match="int4 KV-cache option"):
             convert_model(paged_folder, out, **kwargs)
     else:
         convert_model(paged_folder, out, **kwargs)

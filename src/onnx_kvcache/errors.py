@@ -16,23 +16,37 @@ A message that names a parameter or a function holds it as a part (:class:`Param
 API that was called (``in_place=True``; inside ``optimize_model``, whose
 :data:`OPTIMIZE_MODEL` vocabulary names ``scales`` ``kv_cache_scales``), and
 :meth:`Message.render` says it in another audience's words (the command's options).
+
+Every warning is a :class:`KvCacheWarning`, and one subclass for each kind of thing said
+(:data:`WARNINGS`), so callers and pytest filter by class, never by text.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CalibrationDataWarning",
+    "ClippingWarning",
+    "FusionSkippedWarning",
+    "GenaiConfigWarning",
     "KvCacheError",
     "KvCacheFileNotFoundError",
     "KvCachePreconditionError",
     "KvCacheTypeError",
     "KvCacheWarning",
+    "Function",
+    "MeasurementWarning",
     "Message",
     "MissingRuntimeError",
     "NotConvertedWarning",
     "OPTIMIZE_MODEL",
     "PYTHON",
-    "Function",
+    "PaddingAssumptionWarning",
     "Param",
+    "RuntimeSupportWarning",
+    "ScalesAdjustedWarning",
+    "SharedWeightsWarning",
+    "SkippedNodeWarning",
+    "UnitScalesWarning",
     "Wording",
     "render",
     "require_type",
@@ -239,16 +253,85 @@ class NotConvertedWarning(KvCacheWarning):
     """A conversion wrote nothing; the message (and ``ConvertResult.reasons``) says why."""
 
 
+class PaddingAssumptionWarning(KvCacheWarning):
+    """A fused attention assumes each row's valid tokens come first (a padding mask, a
+    sliding window cropped by the export): what a fusion of a padded export relies on."""
+
+
+class FusionSkippedWarning(KvCacheWarning):
+    """A fusion left attention as it was (a pattern it could not prove, a failed rewrite)."""
+
+
+class SkippedNodeWarning(KvCacheWarning):
+    """The quantization pass left an attention node's cache as it was (not a graph input)."""
+
+
+class UnitScalesWarning(KvCacheWarning):
+    """A cache gets (or keeps) unit scales, 1.0: never calibrated."""
+
+
+class ScalesAdjustedWarning(KvCacheWarning):
+    """Scales are used other than as given: merged, repeated per channel, made one tensor,
+    partly unused, or mse thresholds carried to another format."""
+
+
+class CalibrationDataWarning(KvCacheWarning):
+    """The calibration data is not real text (seeded random token ids)."""
+
+
+class ClippingWarning(KvCacheWarning):
+    """Calibrated scales clip more of the sampled values than rounding would cost."""
+
+
+class MeasurementWarning(KvCacheWarning):
+    """A runner or evaluation measures something other than it seems (a hypothetical CPU rule
+    for fp8, a quantized baseline)."""
+
+
+class RuntimeSupportWarning(KvCacheWarning):
+    """The target runs the cache only in some builds of onnxruntime (the capability row's warning)."""
+
+
+class SharedWeightsWarning(KvCacheWarning):
+    """A data file is hard-linked (``weights='link'``, or an earlier one): loaders refuse it
+    until the other link is gone."""
+
+
+class GenaiConfigWarning(KvCacheWarning):
+    """An onnxruntime-genai config names another provider than the target and was not changed."""
+
+
 def warn(message: str | Warning, category: type[Warning] = KvCacheWarning) -> None:
-    """Issue a :class:`KvCacheWarning` attributed to the user's line: the first caller
-    outside this package and onnx_ir (whose pass machinery calls our passes). A warning
-    given (one recorded, said again) keeps its class and its message's parts."""
+    """Issue a :class:`KvCacheWarning` (``message`` an instance: its class) attributed to the
+    user's line: the first caller outside this package and onnx_ir (whose pass machinery
+    calls our passes). A warning given (one recorded, said again) keeps its class and its
+    message's parts."""
     onnx_ir = getattr(sys.modules.get("onnx_ir"), "__file__", None)  # not imported: none of its frames
     internal = tuple(os.path.dirname(f) + os.sep for f in (__file__, onnx_ir) if f)
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)
+    if isinstance(message, Warning):
+        warnings.warn(message, stacklevel=level)
+    else:
+        warnings.warn(message, category, stacklevel=level)
+
+
+#: The kinds of warning the library says, each a :class:`KvCacheWarning` (docs/warnings.md).
+WARNINGS: tuple[type[KvCacheWarning], ...] = (
+    NotConvertedWarning,
+    PaddingAssumptionWarning,
+    FusionSkippedWarning,
+    SkippedNodeWarning,
+    UnitScalesWarning,
+    ScalesAdjustedWarning,
+    CalibrationDataWarning,
+    ClippingWarning,
+    MeasurementWarning,
+    RuntimeSupportWarning,
+    SharedWeightsWarning,
+    GenaiConfigWarning,
+)
 
 
 #: What :func:`require_type` takes for an integer (numpy's too, never a bool) and a number.

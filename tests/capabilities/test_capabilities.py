@@ -10,6 +10,7 @@ import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, check_kv_cache_support, fast_path_diagnostics
 from onnx_kvcache.capabilities.table import EP_CAPABILITIES, PAGED_CAPABILITIES, get_capabilities
+from onnx_kvcache.errors import NotConvertedWarning, RuntimeSupportWarning
 
 from conftest import gqa_model, paged_model
 
@@ -176,14 +177,14 @@ def test_compute_capability_is_none_without_a_gpu(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("cc", "converted"), [("8.6", False), ("8.9", True), ("9.0", True)])
 def test_check_device_gates_fp8_on_the_local_gpu(tmp_path, monkeypatch, cc, converted):
-    from onnx_kvcache import KvCacheWarning, optimize_model
+    from onnx_kvcache import optimize_model
 
     fake_nvidia_smi(tmp_path, monkeypatch, cc)
     model = gqa_model(dtype=F16)
     if converted:
         optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
     else:
-        with pytest.warns(KvCacheWarning, match=f"compute capability {cc} is below 8.9"):
+        with pytest.warns(NotConvertedWarning, match=f"compute capability {cc} is below 8.9"):
             optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
     assert (model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN) == converted
 
@@ -283,11 +284,11 @@ def test_paged_rows_say_what_is_documented_only():
 
 
 def test_paged_int4_conversion_warns_about_the_build_option():
-    from onnx_kvcache import KvCacheWarning, optimize_model
+    from onnx_kvcache import optimize_model
 
     for ep in ("cuda", None):
         model = paged_model(dtype=F16)
-        with pytest.warns(KvCacheWarning, match="int4 KV-cache option"):
+        with pytest.warns(RuntimeSupportWarning, match="int4 KV-cache option"):
             optimize_model(
                 model, execution_provider=ep, kv_cache_format="int4", kv_cache_scales={0: (0.1, 0.1)}
             )

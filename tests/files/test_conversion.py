@@ -30,6 +30,7 @@ import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, __version__, convert_model
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import GenaiConfigWarning, SharedWeightsWarning, UnitScalesWarning
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files._atomic import TEMP_PREFIX
 from onnx_kvcache.files.genai_folder import resolve_model_path
@@ -405,7 +406,7 @@ def test_a_70b_sized_weight_in_a_sparse_file_is_never_read_and_stays_sparse(tmp_
         f.truncate(3 * 1024**3)
     model = build_decoder(num_layers=2, dtype="float16", weight_factory=factory)
     (folder / "model.onnx").write_bytes(ir.to_proto(model).SerializeToString())
-    with pytest.warns(KvCacheWarning, match="unit scales"):
+    with pytest.warns(UnitScalesWarning, match="unit scales"):
         result = convert_model(folder / "model.onnx", tmp_path / "out" / "model.onnx", format="fp8")
     assert result.target == "cuda" and result.target_source == "assumed: a float16 model"
     copy = tmp_path / "out" / "model.onnx.data"
@@ -1025,7 +1026,7 @@ def test_weights_kept_in_the_model_file_itself_are_refused(tmp_path):
 def test_an_input_with_hard_linked_data_is_warned_about(tmp_path):
     src = save_external(tmp_path / "in")
     os.link(tmp_path / "in" / "model.onnx.data", tmp_path / "elsewhere.data")
-    with pytest.warns(KvCacheWarning, match="more than one hard link"):
+    with pytest.warns(SharedWeightsWarning, match="more than one hard link"):
         convert_model(src, tmp_path / "out" / "m.onnx", format="int8", scales=SCALES)
     assert (tmp_path / "out" / "m.onnx.data").stat().st_nlink == 1  # the copy is clean
     onnx.load(tmp_path / "out" / "m.onnx")
@@ -1590,7 +1591,7 @@ def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, sh
     out = tmp_path / ep
     stale = ep == "openvino"  # no provider_options genai's builder writes for it: left, with a warning
     with (
-        pytest.warns(KvCacheWarning, match="provider_options name cpu, not openvino")
+        pytest.warns(GenaiConfigWarning, match="provider_options name cpu, not openvino")
         if stale
         else nullcontext()
     ):
@@ -1632,7 +1633,7 @@ def test_without_a_format_or_scales_the_target_picks_the_format(tmp_path, dtype,
             convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
         result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx", scales={0: (0.05, 0.05)})
     else:
-        with pytest.warns(KvCacheWarning, match="unit scales"):
+        with pytest.warns(UnitScalesWarning, match="unit scales"):
             result = convert_model(tmp_path / "m.onnx", tmp_path / "o.onnx")
     assert result.converted and result.format == fmt
 

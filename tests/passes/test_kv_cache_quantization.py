@@ -11,6 +11,7 @@ import pytest
 from onnx_kvcache import Fp8KvCachePass, KvCacheError, KvCacheQuantizationPass, KvCacheWarning
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_gqa_sites, layer_id_from_name
+from onnx_kvcache.errors import ScalesAdjustedWarning, SkippedNodeWarning, UnitScalesWarning
 from onnx_kvcache.runtime._sessions import create_session
 
 from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
@@ -86,7 +87,7 @@ def test_cache_produced_by_a_node_is_skipped_with_warning():
     ident = ir.Node("", "Identity", [past], num_outputs=1, name="copy_cache")
     model.graph.insert_before(node, ident)
     node.replace_input_with(3, ident.outputs[0])
-    with pytest.warns(KvCacheWarning, match=r"gqa\.1.*produced by Identity"):
+    with pytest.warns(SkippedNodeWarning, match=r"gqa\.1.*produced by Identity"):
         KvCacheQuantizationPass("int8", scales=scales_for([0, 1], "per_tensor"))(model)
     assert "k_quant_type" not in node.attributes
     assert gqa_nodes(model)[0].attributes["k_quant_type"].as_string() == "PER_TENSOR"
@@ -120,7 +121,7 @@ def test_non_empty_initializer_cache_is_skipped():
     model.graph.register_initializer(init)
     node.replace_input_with(3, init)
     model.graph.inputs.remove(old)
-    with pytest.warns(KvCacheWarning, match="non-empty initializer"):
+    with pytest.warns(SkippedNodeWarning, match="non-empty initializer"):
         result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
     assert not result.modified
 
@@ -141,7 +142,9 @@ def test_cache_shared_by_two_nodes_gets_one_scale():
 def test_shared_kv_scale_is_one_tensor_holding_the_max_and_warns_when_far_apart():
     model = gqa_model(layers=2)
     scales = {0: (0.02, 0.03), 1: (0.05, 0.01)}
-    with pytest.warns(KvCacheWarning, match=r"in layer\(s\) 1 a scale .* \(up to 5.0x for layer 1's V\)"):
+    with pytest.warns(
+        ScalesAdjustedWarning, match=r"in layer\(s\) 1 a scale .* \(up to 5.0x for layer 1's V\)"
+    ):
         KvCacheQuantizationPass("fp8", scales=scales, shared_kv_scale=True)(model)
     for node, expected in zip(gqa_nodes(model), (0.03, 0.05)):
         assert node.inputs[12] is node.inputs[13]
@@ -187,7 +190,7 @@ def test_requantizing_without_scales_needs_constant_ones(first, second):
 
 def test_fp8_without_scales_uses_unit_scales_and_warns_once():
     model = gqa_model(layers=3)
-    with pytest.warns(KvCacheWarning, match="unit scales") as record:
+    with pytest.warns(UnitScalesWarning, match="unit scales") as record:
         Fp8KvCachePass()(model)
     assert len([w for w in record if issubclass(w.category, KvCacheWarning)]) == 1
     for node in gqa_nodes(model):
@@ -455,7 +458,7 @@ def test_a_present_read_by_another_op_skips_the_whole_group():
     model.graph.append(tap)
     model.graph.outputs.append(tap.outputs[0])
     text = ir.to_onnx_text(model)
-    with pytest.warns(KvCacheWarning, match=r"gqa\.0, gqa\.1.*read by Identity node 'tap'"):
+    with pytest.warns(SkippedNodeWarning, match=r"gqa\.0, gqa\.1.*read by Identity node 'tap'"):
         result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
     assert not result.modified and ir.to_onnx_text(model) == text
 
@@ -511,7 +514,7 @@ def test_a_past_read_by_another_op_skips_the_node_and_the_model_still_loads():
     model.graph.outputs.append(tap.outputs[0])
     text = ir.to_onnx_text(model)
     with pytest.warns(
-        KvCacheWarning, match=r"past cache 'past_key_values\.0\.key' is also read by Mul node 'double'"
+        SkippedNodeWarning, match=r"past cache 'past_key_values\.0\.key' is also read by Mul node 'double'"
     ):
         result = KvCacheQuantizationPass("int8", scales=scales_for([0], "per_tensor"))(model)
     assert not result.modified and ir.to_onnx_text(model) == text
@@ -542,7 +545,7 @@ def test_a_shape_of_the_leading_dimensions_is_no_reader(end, converts):
         (length,) = create_session(model).run(["past_length"], feeds)
         assert list(length) == [5]
         return
-    with pytest.warns(KvCacheWarning, match="is also read by Shape node 'length'"):
+    with pytest.warns(SkippedNodeWarning, match="is also read by Shape node 'length'"):
         assert not KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified
 
 

@@ -18,9 +18,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, build_decoder
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.errors import ScalesAdjustedWarning, UnitScalesWarning
 from onnx_kvcache.runtime._sessions import create_session
 
 from conftest import FORMATS, GRANULARITIES, paged_model
@@ -152,7 +153,9 @@ def test_latent_cache_gets_the_key_side_only(fmt, granularity):
     )
     n = 1 if granularity == "per_tensor" else HEAD
     scales = {i: (np.full(n, 0.03, np.float32), np.full(n, 0.5, np.float32)) for i in range(LAYERS)}
-    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\] keep one \(LATENT\) cache.*V scales"):
+    with pytest.warns(
+        ScalesAdjustedWarning, match=r"Layer\(s\) \[0, 1\] keep one \(LATENT\) cache.*V scales"
+    ):
         KvCacheQuantizationPass(fmt, granularity, scales)(model)
     row = get_format(fmt)
     for site in find_attention_sites(model):
@@ -228,7 +231,7 @@ def test_int_formats_need_scales_on_paged_models_too():
 
 def test_fp8_without_scales_warns_and_uses_unit_scales():
     model = paged_decoder()
-    with pytest.warns(KvCacheWarning, match="unit scales"):
+    with pytest.warns(UnitScalesWarning, match="unit scales"):
         KvCacheQuantizationPass("fp8", "per_channel")(model)
     scale = find_attention_sites(model)[0].node.inputs[14].const_value.numpy()
     assert scale.shape == (KV, 1, HEAD) and np.all(scale == 1)

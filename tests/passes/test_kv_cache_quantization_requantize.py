@@ -41,6 +41,7 @@ from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.operators import op_of
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import RuntimeSupportWarning, ScalesAdjustedWarning, UnitScalesWarning
 from onnx_kvcache.files.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import save_genai_folder
 from onnx_kvcache.runtime._sessions import create_session
@@ -156,7 +157,7 @@ def test_requantized_with_its_own_scales_keeps_their_thresholds(op, pair):
     expected = own_scales_as_file(model, g2)
     if g1 != g2:
         said = "merged into one, their max" if g2 == "per_tensor" else "repeated for every channel"
-        with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {g2} .*{said}"):
+        with pytest.warns(ScalesAdjustedWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {g2} .*{said}"):
             KvCacheQuantizationPass(f2, g2)(model)
     else:
         KvCacheQuantizationPass(f2, g2)(model)  # no warning: the thresholds are the same
@@ -297,7 +298,7 @@ def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granulari
     ):
         same = convert_model(src, tmp_path / "same")  # already int4 per tensor: nothing written
     assert not same.converted and not (tmp_path / "same").exists()
-    with pytest.warns(KvCacheWarning, match="repeated for every channel"):
+    with pytest.warns(ScalesAdjustedWarning, match="repeated for every channel"):
         result = convert_model(src, tmp_path / "out", granularity="per_channel")
     assert (result.format, result.granularity, result.target) == ("int4", "per_channel", "cpu")
     info = inspect_kv_cache(loaded(tmp_path / "out"))
@@ -353,7 +354,7 @@ def test_matches_genai_kv_cache_variant_beside_the_source(tmp_path, source, targ
         folder / "model.onnx", folder / "variant.onnx", calibrated
     )
     int4_build = "onnxruntime_USE_INT4_KV_CACHE" if target == "int4" else None
-    with pytest.warns(KvCacheWarning, match=int4_build) if int4_build else contextlib.nullcontext():
+    with pytest.warns(RuntimeSupportWarning, match=int4_build) if int4_build else contextlib.nullcontext():
         result = convert_model(
             folder / "model.onnx",
             folder / f"model.{target}.onnx",
@@ -452,9 +453,9 @@ def test_one_scale_tensor_for_k_and_v_is_requantized_into_two():
 @pytest.mark.parametrize("target", ["int8", "int4"])
 def test_unit_fp8_scales_warn_when_retargeted_to_an_integer_format(target):
     model = BUILDERS["gqa"]()
-    with pytest.warns(KvCacheWarning, match="unit scales"):
+    with pytest.warns(UnitScalesWarning, match="unit scales"):
         KvCacheQuantizationPass("fp8")(model)  # never calibrated
-    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\] had unit fp8 scales .*threshold 448"):
+    with pytest.warns(UnitScalesWarning, match=r"Layer\(s\) \[0, 1\] had unit fp8 scales .*threshold 448"):
         KvCacheQuantizationPass(target)(model)
     k = next(iter(model.graph)).inputs[12].const_value.numpy()
     np.testing.assert_array_equal(k, [448 / get_format(target).qmax])
@@ -475,7 +476,7 @@ def test_genai_per_token_caches_are_refused_not_requantized(op):
 
 def test_inspect_describes_a_requantized_model():
     model = quantized("paged", "int8", "per_channel")
-    with pytest.warns(KvCacheWarning, match="merged into one"):
+    with pytest.warns(ScalesAdjustedWarning, match="merged into one"):
         KvCacheQuantizationPass("int4", "per_tensor")(model)
     info = inspect_kv_cache(model)
     assert [(lay.dtype, lay.bit_width, lay.k_quant_type, len(lay.k_scale)) for lay in info.layers] == [
@@ -487,7 +488,7 @@ def test_inspect_describes_a_requantized_model():
 
 def test_optimize_model_keeps_an_already_quantized_models_format():
     model = quantized("gqa", "int8", "per_tensor")
-    with pytest.warns(KvCacheWarning, match="repeated for every channel"):
+    with pytest.warns(ScalesAdjustedWarning, match="repeated for every channel"):
         optimize_model(model, execution_provider="cpu", kv_cache_granularity="per_channel")
     direct = BUILDERS["gqa"]()
     KvCacheQuantizationPass(
@@ -649,11 +650,11 @@ def test_mse_thresholds_moved_to_another_format_warn(tmp_path, source, method):
     model = BUILDERS["gqa"]() if source == "float" else quantized("gqa", "int4", "per_channel")
     mse = method == "mse"
     expected = "mse thresholds chosen for int4"
-    with pytest.warns(KvCacheWarning, match=expected) if mse else warnings_as_errors():
+    with pytest.warns(ScalesAdjustedWarning, match=expected) if mse else warnings_as_errors():
         KvCacheQuantizationPass("int8", scales=str(tmp_path / "s.json"))(model)
     ir.save(BUILDERS["gqa"](), tmp_path / "model.onnx")
     convert_model(tmp_path / "model.onnx", tmp_path / "int4.onnx", scales=tmp_path / "s.json", ep="cpu")
-    with pytest.warns(KvCacheWarning, match="mse thresholds") if mse else warnings_as_errors():
+    with pytest.warns(ScalesAdjustedWarning, match="mse thresholds") if mse else warnings_as_errors():
         convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8", ep="cpu")
 
 
@@ -674,7 +675,7 @@ def test_per_channel_scales_for_a_per_tensor_cache_merge_by_their_max_with_a_war
     per_channel.save(tmp_path / "s.json")
     model = quantized(op, "int8", "per_channel", seed=4) if given == "own" else BUILDERS[op]()
     argument = {"own": None, "scale-file": str(tmp_path / "s.json"), "scales": per_channel}[given]
-    with pytest.warns(KvCacheWarning, match=r"Layer\(s\) \[0, 1\].*merged into one.*their max"):
+    with pytest.warns(ScalesAdjustedWarning, match=r"Layer\(s\) \[0, 1\].*merged into one.*their max"):
         KvCacheQuantizationPass("int8", "per_tensor", argument)(model)
     direct = BUILDERS[op]()
     merged = {i: (k.max(), v.max()) for i, (k, v) in ((i, per_channel.for_layer(i)) for i in range(LAYERS))}
@@ -692,7 +693,7 @@ def test_mixed_granularity_caches_warn_for_the_side_that_changes(target):
             v = node.inputs[13]
             v.const_value = ir.tensor(np.array([v.const_value.numpy().max()], np.float32), name=v.name)
             v.shape = ir.Shape([1])
-    with pytest.warns(KvCacheWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {target}"):
+    with pytest.warns(ScalesAdjustedWarning, match=rf"Layer\(s\) \[0, 1\] requantized to {target}"):
         KvCacheQuantizationPass("int4", target)(model)
 
 

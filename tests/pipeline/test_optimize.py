@@ -19,6 +19,7 @@ from onnx_kvcache import (
     NotConvertedWarning,
     optimize_model,
 )
+from onnx_kvcache.errors import ScalesAdjustedWarning
 
 from conftest import gqa_model
 
@@ -213,7 +214,7 @@ def test_granularity_defaults_to_the_one_the_scales_record():
         gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=per_channel
     )
     assert quant_type(model) == "PER_CHANNEL"
-    with pytest.warns(KvCacheWarning, match="merged into one per tensor, their max"):
+    with pytest.warns(ScalesAdjustedWarning, match="merged into one per tensor, their max"):
         model = optimize_model(
             gqa_model(),
             kv_cache_format="int8",
@@ -235,7 +236,7 @@ def test_a_failed_call_leaves_the_model_as_it_was():
     assert ir.to_onnx_text(export) == text
     scales = {0: (0.05, 0.05), 1: (0.05, 0.05)}
     with pytest.warns(
-        KvCacheWarning, match=r"^KV cache not converted to int8 per_tensor for webgpu: "
+        NotConvertedWarning, match=r"^KV cache not converted to int8 per_tensor for webgpu: "
     ) as said:
         optimize_model(export, execution_provider="webgpu", kv_cache_format="int8", kv_cache_scales=scales)
     assert ir.to_onnx_text(export) == text and len(said) == 1  # nothing about a fusion not kept
@@ -261,7 +262,9 @@ def test_scales_that_record_no_granularity_fit_the_model(tmp_path):
         gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=genai_file
     )
     assert quant_type(model) == "PER_CHANNEL"
-    with pytest.warns(KvCacheWarning, match="merged into one per tensor, their max"):  # as a node's own
+    with pytest.warns(
+        ScalesAdjustedWarning, match="merged into one per tensor, their max"
+    ):  # as a node's own
         model = optimize_model(
             gqa_model(), kv_cache_format="int8", kv_cache_granularity="per_tensor", kv_cache_scales=genai_file
         )

@@ -46,7 +46,15 @@ from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.capabilities.gating import infer_target
 from onnx_kvcache.capabilities.refusals import Refusal, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
-from onnx_kvcache.errors import KvCacheError, Message, Param, require_type, warn
+from onnx_kvcache.errors import (
+    GenaiConfigWarning,
+    KvCacheError,
+    Message,
+    Param,
+    SharedWeightsWarning,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
@@ -759,7 +767,7 @@ def _finish(
 def _warn_links(source: ModelSource, plan: _Plan) -> None:
     """Hard-linked data files (the output's, or the input's from an earlier link) load nowhere in onnx."""
     if plan.weights is WeightsMode.LINK:
-        warn(LINK_WARNING)
+        warn(LINK_WARNING, SharedWeightsWarning)
     linked = [d.path.name for d in source.data.values() if d.real.stat().st_nlink > 1]
     if linked and plan.weights is not WeightsMode.LINK:
         warn(
@@ -769,6 +777,7 @@ def _warn_links(source: ModelSource, plan: _Plan) -> None:
                 "?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until the other "
                 "link is deleted.",
             )
+            SharedWeightsWarning,
         )
 
 
@@ -822,7 +831,8 @@ def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -
         warn(
             f"{GENAI_CONFIG}'s provider_options name {folder}, not {target}: onnxruntime-genai will "
             f"run the model on {folder}. Edit model.decoder.session_options.provider_options to "
-            f"name {target}."
+            f"name {target}.",
+            GenaiConfigWarning,
         )
         return config
     config = json.loads(json.dumps(config))

@@ -72,7 +72,18 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.operators import AttentionOp, CacheSide, op_of
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, function_call_sites
-from onnx_kvcache.errors import Function, KvCacheError, KvCachePreconditionError, Message, Param, warn
+from onnx_kvcache.errors import (
+    Function,
+    KvCacheError,
+    KvCachePreconditionError,
+    KvCacheWarning,
+    Message,
+    Param,
+    ScalesAdjustedWarning,
+    SkippedNodeWarning,
+    UnitScalesWarning,
+    warn,
+)
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import prepend
@@ -122,7 +133,7 @@ class _ModelPlan:
     granularity: ScaleGranularity
     """The granularity this model's caches are converted to (:func:`granularity_for`)."""
     sites: list[_Plan] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
+    notes: list[KvCacheWarning] = dataclasses.field(default_factory=list)
     """The warnings the conversion gives."""
     merged: set[int] = dataclasses.field(default_factory=set)
     """Layers whose given per-channel scales were merged for a per-tensor cache."""
@@ -228,15 +239,17 @@ class KvCacheQuantizationPass(InPlacePass):
         for site in sites:
             groups.setdefault(id(site.owner.node), []).append(site)
         plans: list[_Plan] = []
-        notes: list[str] = []
+        notes: list[KvCacheWarning] = []
         for group in groups.values():
             try:
                 plans += [self._plan(model, site, group, cache_readers, planned) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
                 notes.append(
-                    f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
-                    "graph inputs (or another converted node's present) are converted."
+                    SkippedNodeWarning(
+                        f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
+                        "graph inputs (or another converted node's present) are converted."
+                    )
                 )
         self._check_coverage(plans, scales, {s.layer_id for s in sites})
         unused = sorted(
@@ -251,25 +264,33 @@ class KvCacheQuantizationPass(InPlacePass):
         )
         if scales is not None and unused:
             notes.append(
-                f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
-                "the V scales given for them are not used."
+                ScalesAdjustedWarning(
+                    f"Layer(s) {unused} keep one (LATENT) cache, read as K and V with the K scale; "
+                    "the V scales given for them are not used."
+                )
             )
         notes += _retarget_notes(plans, self.format, planned.granularity, scales is None)
         if planned.merged:
             notes.append(
-                f"Layer(s) {sorted(planned.merged)}: the per-channel scales given merged into one per "
-                f"tensor, their max: {_MERGED}."
+                ScalesAdjustedWarning(
+                    f"Layer(s) {sorted(planned.merged)}: the per-channel scales given merged into one per "
+                    f"tensor, their max: {_MERGED}."
+                )
             )
         moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
         if scales is None and moved and calibrated_by(model.metadata_props) == "mse":
-            notes.append(mse_moved(moved[0], self.format.name))  # the marker of our conversion says so
+            notes.append(
+                ScalesAdjustedWarning(mse_moved(moved[0], self.format.name))
+            )  # the marker of our conversion says so
         if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
-                Message(
-                    "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
-                    "Calibrated scales are more accurate (",
-                    Function("calibrate_kv_cache"),
-                    ").",
+                UnitScalesWarning(
+                    Message(
+                        "No KV-cache scales given: using unit scales (1.0) for the fp8 cache. "
+                        "Calibrated scales are more accurate (",
+                        Function("calibrate_kv_cache"),
+                        ").",
+                    )
                 )
             )
         if self.shared_kv_scale:
@@ -501,7 +522,7 @@ _MERGED = "the range stays covered, channels of a smaller range get coarser step
 SHARED_SCALE_WARN_FACTOR = 2.0
 
 
-def _shared_scale_coarsens(plans: list[_Plan]) -> list[str]:
+def _shared_scale_coarsens(plans: list[_Plan]) -> list[KvCacheWarning]:
     """The warning for layers whose K or V scale ``max(k, v)`` makes much coarser, if any."""
     coarser: dict[int, tuple[float, str]] = {}  # layer -> (factor, "K"/"V"), its worst
     for plan in plans:
@@ -516,22 +537,25 @@ def _shared_scale_coarsens(plans: list[_Plan]) -> list[str]:
         return []
     worst_layer, (factor, kind) = max(over.items(), key=lambda item: item[1])
     return [
-        f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
-        f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x coarser "
-        f"(up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less precise. "
-        "Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop the option."
+        ScalesAdjustedWarning(
+            f"shared_kv_scale feeds max(k_scale, v_scale) to both inputs: in layer(s) "
+            f"{', '.join(map(str, over))} a scale becomes more than {SHARED_SCALE_WARN_FACTOR:g}x "
+            f"coarser (up to {factor:.1f}x for layer {worst_layer}'s {kind}), its cache that much less "
+            "precise. Only CUDA's decode fast path before onnxruntime 1.29 needs one tensor; else drop "
+            "the option."
+        )
     ]
 
 
 def _retarget_notes(
     plans: list[_Plan], fmt: CacheFormat, granularity: ScaleGranularity, own_scales: bool
-) -> list[str]:
+) -> list[KvCacheWarning]:
     """Where a node's own scales, retargeted, differ from what calibrating the float model
     for the target gives (docs/scales.md, "Requantizing")."""
     if not own_scales:
         return []
     moved = [(p.site.layer_id, p.source, p.k_scale) for p in plans if p.source is not None and not p.done]
-    notes = []
+    notes: list[KvCacheWarning] = []
     changed = sorted(
         {
             p.site.layer_id
@@ -546,7 +570,11 @@ def _retarget_notes(
             else "their one scale repeated for every channel: no channel gets finer steps "
             "(calibrate the float model per channel for that)"
         )
-        notes.append(f"Layer(s) {changed} requantized to {granularity.name} from their own scales, {how}.")
+        notes.append(
+            ScalesAdjustedWarning(
+                f"Layer(s) {changed} requantized to {granularity.name} from their own scales, {how}."
+            )
+        )
     unit = [
         (layer, source)
         for layer, source, k in moved
@@ -558,14 +586,16 @@ def _retarget_notes(
     if unit:
         source = unit[0][1].format
         notes.append(
-            Message(
-                f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
-                f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
-                "far too coarse for an integer cache. Calibrate the model (",
-                Function("calibrate_kv_cache"),
-                ") and give ",
-                SCALE_FILE,
-                " (a scale file).",
+            UnitScalesWarning(
+                Message(
+                    f"Layer(s) {sorted({layer for layer, _ in unit})} had unit {source.name} scales (1.0: "
+                    f"never calibrated); as {fmt.name} scales they keep the threshold {source.qmax:g}, "
+                    "far too coarse for an integer cache. Calibrate the model (",
+                    Function("calibrate_kv_cache"),
+                    ") and give ",
+                    SCALE_FILE,
+                    " (a scale file).",
+                )
             )
         )
     return notes

@@ -57,7 +57,7 @@ from onnx_kvcache.capabilities.gating import (
 )
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
-from onnx_kvcache.errors import KvCacheError, Message, NotConvertedWarning, Param, warn
+from onnx_kvcache.errors import KvCacheError, Message, NotConvertedWarning, Param, RuntimeSupportWarning, warn
 from onnx_kvcache.files.reading import check_defined
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
@@ -363,5 +363,5 @@ def carry_out(decision: Decision) -> bool:
     for said in decision.fusion.said:
         warn(said.message, said.category)
     for warning in decision.warnings:
-        warn(warning)
+        warn(warning, RuntimeSupportWarning)
     return True

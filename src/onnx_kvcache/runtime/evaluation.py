@@ -31,9 +31,9 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import INTEGER, KvCacheError, Param, require_type, warn
+from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales.data import TokenData, load_token_windows
+from onnx_kvcache.scales.data import TokenData, TokenWindows, load_token_windows
 
 logger = logging.getLogger(__name__)
 
@@ -165,63 +165,135 @@ def evaluate_kv_cache(
     reported apart. The report states which rule produced it. A progress bar (tqdm) shows on
     a terminal unless ``progress=False``.
     """
-    for name, value in dict(max_new_tokens=max_new_tokens, prompt_len=prompt_len, seq_len=seq_len).items():
+    scoring = _Scoring(max_new_tokens, prompt_len, seq_len, num_seqs, tokenizer, progress)
+    _check(scoring)
+    base, cand = _runners(baseline, candidate, providers, semantics)
+    loaded = _windows(baseline, data, base, scoring)
+    tally = _Tally()
+    for window in _progress(loaded.windows, scoring.progress):
+        tally.score(base, cand, window, scoring)
+    return tally.report(base, cand, loaded)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scoring:
+    """Which windows are scored and how (:func:`evaluate_kv_cache`'s arguments)."""
+
+    max_new_tokens: int
+    prompt_len: int
+    seq_len: int
+    num_seqs: int | None
+    tokenizer: str | os.PathLike | None
+    progress: bool
+
+    def prompt(self, window: np.ndarray) -> int:
+        """The window's prompt length: ``prompt_len``, at most half the window, at least 1."""
+        return min(self.prompt_len, max(1, len(window) // 2))
+
+
+def _check(scoring: _Scoring) -> None:
+    max_new_tokens, prompt_len = scoring.max_new_tokens, scoring.prompt_len
+    for name, value in dict(
+        max_new_tokens=max_new_tokens, prompt_len=prompt_len, seq_len=scoring.seq_len
+    ).items():
         require_type(value, INTEGER, name, "an integer")
-    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    require_type(scoring.num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
     if max_new_tokens < 0 or prompt_len < 1:
         raise KvCacheError(
             f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
         )
+
+
+def _runners(
+    baseline: ir.Model | str | os.PathLike,
+    candidate: ir.Model | str | os.PathLike,
+    providers: Sequence[Any] | None,
+    semantics: str | None,
+) -> tuple[KvCacheRunner, KvCacheRunner]:
+    """The baseline's and the candidate's runners, under the candidate's rule; they must
+    have the same caches and vocabulary."""
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
     base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
     if any(b.format is not None for b in base.bindings):
         warn(
             "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
-            "or the figures measure one quantization against another."
+            "or the figures measure one quantization against another.",
+            MeasurementWarning,
         )
     if _layout(base) != _layout(cand) or base.vocab_size != cand.vocab_size:
         raise KvCacheError(
             "Baseline and candidate differ in their KV caches (layers, heads, windows) or vocabulary; "
             "compare a model with its own conversion."
         )
+    return base, cand
+
+
+def _windows(
+    baseline: ir.Model | str | os.PathLike, data: TokenData, base: KvCacheRunner, scoring: _Scoring
+) -> TokenWindows:
+    """The windows to score; at least one must leave a decode step after its prompt."""
     loaded = load_token_windows(
         data,
         model=baseline if not isinstance(baseline, ir.Model) else None,  # its folder's tokenizer
-        seq_len=seq_len,
-        num_seqs=num_seqs,
-        tokenizer=tokenizer,
+        seq_len=scoring.seq_len,
+        num_seqs=scoring.num_seqs,
+        tokenizer=scoring.tokenizer,
         vocab_size=base.vocab_size,
     )
-    windows, note = loaded.windows, loaded.source
-    if not any(len(w) - min(prompt_len, max(1, len(w) // 2)) >= 2 for w in windows):
+    windows, prompt_len = loaded.windows, scoring.prompt_len
+    if not any(len(w) - scoring.prompt(w) >= 2 for w in windows):
         raise KvCacheError(
             f"The sequences ({max(len(w) for w in windows)} tokens at most) leave no decode step after "
             f"a prompt of up to {prompt_len}: use longer sequences (",
             Param("seq_len", placeholder="N"),
             ").",
         )
-    kls: list[np.ndarray] = []
-    prompt_kls: list[np.ndarray] = []
-    agree = []
-    errors: dict[int, list[tuple[float, float]]] = {}
-    prefixes, shares = [], []
-    iterator: Any = windows
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
+    return loaded
 
-        iterator = tqdm(windows, desc="evaluating", unit="seq")
-    for window in iterator:
-        p = min(prompt_len, max(1, len(window) // 2))
+
+def _progress(windows: list[np.ndarray], progress: bool) -> Any:
+    """The windows, through a tqdm bar on a terminal."""
+    if not (progress and sys.stderr.isatty()):
+        return windows
+    from tqdm import tqdm
+
+    return tqdm(windows, desc="evaluating", unit="seq")
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What the windows scored so far measured."""
+
+    kls: list[np.ndarray] = dataclasses.field(default_factory=list)
+    prompt_kls: list[np.ndarray] = dataclasses.field(default_factory=list)
+    agree: list[np.ndarray] = dataclasses.field(default_factory=list)
+    errors: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    prefixes: list[int] = dataclasses.field(default_factory=list)
+    shares: list[float] = dataclasses.field(default_factory=list)
+
+    def score(self, base: KvCacheRunner, cand: KvCacheRunner, window: np.ndarray, scoring: _Scoring) -> None:
+        """Prefill the prompt, teacher-force the rest, compare the caches, then generate."""
+        p = scoring.prompt(window)
         prompt, rest = window[:p], window[p:]
-        prompt_kls.append(kl_divergence(base.prefill(prompt)[0], cand.prefill(prompt)[0]))
+        self.prompt_kls.append(kl_divergence(base.prefill(prompt)[0], cand.prefill(prompt)[0]))
         seq_b, seq_c = [], []
         for token in rest[:-1]:
             seq_b.append(base.step(int(token))[0])
             seq_c.append(cand.step(int(token))[0])
         if seq_b:
             b_logits, c_logits = np.stack(seq_b), np.stack(seq_c)
-            kls.append(kl_divergence(b_logits, c_logits))
-            agree.append(top1_agreement(b_logits, c_logits))
+            self.kls.append(kl_divergence(b_logits, c_logits))
+            self.agree.append(top1_agreement(b_logits, c_logits))
+        self.cache_errors(base, cand)
+        if scoring.max_new_tokens > 0:
+            gb = base.generate(prompt.tolist(), scoring.max_new_tokens)
+            gc = cand.generate(prompt.tolist(), scoring.max_new_tokens)
+            prefix, share = greedy_agreement(gb, gc)
+            self.prefixes.append(prefix)
+            self.shares.append(share)
+
+    def cache_errors(self, base: KvCacheRunner, cand: KvCacheRunner) -> None:
+        """Each layer's relative K and V error of the candidate's cache (dequantized)."""
         per_layer: dict[int, list[float]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = base.cache_values(bb.layer_id, bb.kind)
@@ -229,38 +301,35 @@ def evaluate_kv_cache(
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
             per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
         for layer, found in per_layer.items():  # a single (LATENT) cache serves K and V
-            errors.setdefault(layer, []).append((found[0], found[-1]))
-        if max_new_tokens > 0:
-            gb = base.generate(prompt.tolist(), max_new_tokens)
-            gc = cand.generate(prompt.tolist(), max_new_tokens)
-            prefix, share = greedy_agreement(gb, gc)
-            prefixes.append(prefix)
-            shares.append(share)
-    positions = max(len(k) for k in kls)
-    kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
-    all_kl = np.concatenate(kls)
-    return EvaluationReport(
-        kl_mean=float(all_kl.mean()),
-        kl_max=float(all_kl.max()),
-        top1_agreement=float(np.concatenate(agree).mean()),
-        greedy_match_prefix=float(np.mean(prefixes)) if prefixes else float("nan"),
-        greedy_match_share=float(np.mean(shares)) if shares else float("nan"),
-        kl_prompt_mean=float(np.concatenate(prompt_kls).mean()),
-        layer_errors={
-            layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
-            for layer, errs in errors.items()
-        },
-        kl_per_position=kl_pos,
-        baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
-        candidate_bytes_per_token=_bytes_per_token(cand),
-        candidate_format=_format_name(cand),
-        emulated=cand.emulated,
-        kernel_rule=cand.kernel_rule,
-        kernel_rule_reason=cand.semantics_reason,
-        data_note=note,
-        num_sequences=len(windows),
-        positions=int(all_kl.size),
-    )
+            self.errors.setdefault(layer, []).append((found[0], found[-1]))
+
+    def report(self, base: KvCacheRunner, cand: KvCacheRunner, loaded: TokenWindows) -> EvaluationReport:
+        kls = self.kls
+        positions = max(len(k) for k in kls)
+        kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
+        all_kl = np.concatenate(kls)
+        return EvaluationReport(
+            kl_mean=float(all_kl.mean()),
+            kl_max=float(all_kl.max()),
+            top1_agreement=float(np.concatenate(self.agree).mean()),
+            greedy_match_prefix=float(np.mean(self.prefixes)) if self.prefixes else float("nan"),
+            greedy_match_share=float(np.mean(self.shares)) if self.shares else float("nan"),
+            kl_prompt_mean=float(np.concatenate(self.prompt_kls).mean()),
+            layer_errors={
+                layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
+                for layer, errs in self.errors.items()
+            },
+            kl_per_position=kl_pos,
+            baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
+            candidate_bytes_per_token=_bytes_per_token(cand),
+            candidate_format=_format_name(cand),
+            emulated=cand.emulated,
+            kernel_rule=cand.kernel_rule,
+            kernel_rule_reason=cand.semantics_reason,
+            data_note=loaded.source,
+            num_sequences=len(loaded.windows),
+            positions=int(all_kl.size),
+        )
 
 
 def _layout(runner: KvCacheRunner) -> list[tuple]:

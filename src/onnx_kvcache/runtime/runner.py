@@ -41,10 +41,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.errors import KvCacheError, KvCacheWarning, Param, require_type
+from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
 from onnx_kvcache.files.genai_folder import eos_token_ids, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
-from onnx_kvcache.passes.fusion.gqa_fusion import PADDING_WARNING
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
 from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.runtime._cache import (
@@ -79,7 +78,7 @@ def _fused(model: ir.Model) -> ir.Model:
     The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=PADDING_WARNING[:40], category=KvCacheWarning)
+        warnings.simplefilter("ignore", PaddingAssumptionWarning)
         modified = fuse_unless_attention(model, record=False).modified
     if modified:
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")

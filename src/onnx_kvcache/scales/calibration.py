@@ -60,10 +60,20 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.capabilities.table import default_format, infer_target
-from onnx_kvcache.errors import INTEGER, NUMBER, KvCacheError, Message, Param, require_type, warn
+from onnx_kvcache.errors import (
+    INTEGER,
+    NUMBER,
+    CalibrationDataWarning,
+    ClippingWarning,
+    KvCacheError,
+    Message,
+    Param,
+    require_type,
+    warn,
+)
 from onnx_kvcache.files._inputs import check_input_file
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales.data import TokenData, find_tokenizer, load_token_windows
+from onnx_kvcache.scales.data import TokenData, TokenWindows, find_tokenizer, load_token_windows
 from onnx_kvcache.scales.files import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -315,17 +325,84 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
+    sampling = _Sampling(seq_len, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
+    choice = _checked(_Choice(format, granularity, method, percentile, rope_envelope, margin), sampling, data)
+    setup = _setup(model, providers, choice)
+    loaded = _token_windows(model, data, setup.runner, sampling)
+    sampler = _Sampler.of(setup, choice.rope_envelope, sampling)
+    tokens = sampler.run(setup.runner, loaded.windows, sampling.progress)
+    stats = [_layer_stats(layer, sampler, setup, choice) for layer in sampler.layers()]
+    return _scales(model, setup, choice, _Measured(loaded, tokens, tuple(stats)), sampling)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """How thresholds are taken and made scales (:func:`calibrate_kv_cache`'s arguments)."""
+
+    format: str | None
+    granularity: str
+    method: str | None
+    percentile: float
+    rope_envelope: bool
+    margin: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    """Which token windows are sampled, and how much of them is kept."""
+
+    seq_len: int
+    num_seqs: int | None
+    tokenizer: str | os.PathLike | None
+    sample_budget: int
+    seed: int
+    min_tokens: int
+    progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """The runner over the model, and the format and method the scales are for."""
+
+    runner: KvCacheRunner
+    fmt: CacheFormat
+    method: CalibrationMethod
+    chosen_for: str | None
+    """The target the format was chosen for, when none was named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What the sampled windows gave: their source, tokens and each layer's statistics."""
+
+    loaded: TokenWindows
+    tokens: int
+    stats: tuple[CalibrationStats, ...]
+
+
+def _check_types(choice: _Choice, sampling: _Sampling) -> None:
     for name, value in dict(
-        seq_len=seq_len, sample_budget=sample_budget, seed=seed, min_tokens=min_tokens
+        seq_len=sampling.seq_len,
+        sample_budget=sampling.sample_budget,
+        seed=sampling.seed,
+        min_tokens=sampling.min_tokens,
     ).items():
         require_type(value, INTEGER, name, "an integer")
-    require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
-    for arg, number in dict(percentile=percentile, margin=margin).items():
+    require_type(sampling.num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    for arg, number in dict(percentile=choice.percentile, margin=choice.margin).items():
         require_type(number, NUMBER, arg, "a number")
-    require_type(method, (str, type(None)), "method", f"a name ({', '.join(METHODS)}) or None")
+    require_type(choice.method, (str, type(None)), "method", f"a name ({', '.join(METHODS)}) or None")
+
+
+def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
+    """The settings checked before any work (types, ranges, the data and tokenizer files), with
+    the granularity's name and, for a named format, its default method."""
+    _check_types(choice, sampling)
+    format, method, percentile, margin = choice.format, choice.method, choice.percentile, choice.margin
+    sample_budget, min_tokens = sampling.sample_budget, sampling.min_tokens
     if format is not None:
         get_format(format)  # an unknown name fails before any work
-    granularity = get_granularity(granularity)
+    granularity = get_granularity(choice.granularity)
     if method is not None and method not in METHODS:
         raise KvCacheError(f"Unknown calibration method {method!r}; choose one of {', '.join(METHODS)}.")
     if not 0 < percentile <= 100:
@@ -340,19 +417,25 @@ def calibrate_kv_cache(
         method = DEFAULT_METHODS.get(get_format(format).name, "minmax")
     if isinstance(data, (str, os.PathLike)):  # a FIFO or folder is refused before the model loads
         check_input_file(data, "Data file", missing="does not exist")
-    if tokenizer is not None:
-        find_tokenizer(tokenizer=tokenizer)
-    # no LM head: only caches are read (and, for ``attention``, each layer's query)
+    if sampling.tokenizer is not None:
+        find_tokenizer(tokenizer=sampling.tokenizer)
+    return dataclasses.replace(choice, granularity=granularity, method=method)
+
+
+def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None, choice: _Choice) -> _Setup:
+    """The runner (no LM head: only caches are read and, for ``attention``, each layer's
+    query), the format (by default the target's) and the method (by default the format's)."""
+    method = choice.method
     runner = KvCacheRunner(
         model,
         providers,
         caches_only=True,
         capture_queries=method is not None and CALIBRATION_METHODS[method].attention,
     )
-    chosen_for = None
+    format, chosen_for = choice.format, None
     if format is None:
         target, why = infer_target(runner.source_model, runner.genai_config)
-        format = default_format(runner.source_model, target, granularity)
+        format = default_format(runner.source_model, target, choice.granularity)
         if format is None:
             raise KvCacheError(
                 f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
@@ -375,14 +458,22 @@ def calibrate_kv_cache(
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
+    return _Setup(runner, fmt, chosen, chosen_for)
+
+
+def _token_windows(
+    model: ir.Model | str | os.PathLike, data: TokenData, runner: KvCacheRunner, sampling: _Sampling
+) -> TokenWindows:
+    """The calibration windows; too few tokens are an error, random ids a warning."""
     loaded = load_token_windows(
         data,
         model=model,
-        seq_len=seq_len,
-        num_seqs=num_seqs,
-        tokenizer=tokenizer,
+        seq_len=sampling.seq_len,
+        num_seqs=sampling.num_seqs,
+        tokenizer=sampling.tokenizer,
         vocab_size=runner.vocab_size,
     )
+    min_tokens = sampling.min_tokens
     if loaded.tokens < min_tokens:
         raise KvCacheError(
             f"Calibration data has {loaded.tokens} token(s) ({loaded.source}); scales need at least "
@@ -393,132 +484,186 @@ def calibrate_kv_cache(
     if loaded.random:
         warn(
             "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
-            "those of real text. Give text and its tokenizer, or token ids."
+            "those of real text. Give text and its tokenizer, or token ids.",
+            CalibrationDataWarning,
         )
-    windows = loaded.windows
-    sites = {s.layer_id: s for s in find_attention_sites(runner.source_model)}
-    rng = np.random.default_rng(seed)
-    positions = np.random.default_rng([seed, 1])  # attention's K positions (rng stays the other methods')
-    rope_tables = {
-        layer: _rope_tables(site)
-        for layer, site in sites.items()
-        if chosen.attention and site.int_attr("do_rotary")
-    }
-    reservoirs: dict[tuple[int, str], _Reservoir] = {}
-    bar: Any = None
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
+    return loaded
 
-        bar = tqdm(total=len(windows), desc="calibrating", unit="seq")
-    tokens = 0
-    # windows of one length run together; attention weighs each window with its own queries
-    for run in _runs(windows, 1 if chosen.attention else TOKENS_PER_RUN):
-        length = len(run[0])
-        runner.reset(len(run), min_capacity=length)  # window caches keep every row resident
-        runner.fill(np.asarray(run, np.int64))
-        tokens += length * len(run)
-        attention = _attention_weights(runner, sites, length, rope_tables) if chosen.attention else {}
-        caches = {(b.layer_id, b.kind): runner.cache_values(b.layer_id, b.kind) for b in runner.bindings}
-        for row, b in ((row, b) for row in range(len(run)) for b in runner.bindings):  # window by window
-            site = sites[b.layer_id]
-            x = caches[b.layer_id, b.kind][row]  # [kv, S, hd]
-            x = x[:, : b.resident_rows(length, x.shape[1])]
-            if not np.all(np.isfinite(x)):
-                raise KvCacheError(
-                    f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
-                    "produced NaN/inf on the calibration data."
-                )
-            seen = x  # signed; under the envelope, K's pair norms
-            rotary = _rotary(site) if b.kind == "key" and rope_envelope else None
-            if rotary is not None:
-                seen = rope_pair_norm(
-                    x,
-                    interleaved=rotary[0],
-                    rotary_dim=rotary[1],
-                    rotary_offset=site.int_attr("rotary_offset", 0),
-                )
-            bound = None
-            if rotary is not None and (tables := rope_tables.get(b.layer_id)) is not None:
-                # the search sees K where RoPE may put it (any position); the envelope bounds it
-                bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
-                seen = _rotated_anywhere(x, tables, rotary[0], positions)  # type: ignore[index]
-            rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
-            key = (b.layer_id, b.kind)
-            if key not in reservoirs:
-                reservoirs[key] = _Reservoir(rows.shape[1], max(1, sample_budget // rows.shape[1]), rng)
-            weights = attention.get(key)
-            if chosen.attention and weights is None:  # no query to weigh with: plain round-trip error
-                weights = np.ones_like(rows)
-            reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]], bound)
-        if bar is not None:
-            bar.update(len(run))
-    if bar is not None:
-        bar.close()
-    stats = []
-    for layer in sorted({k[0] for k in reservoirs}):
-        result = {}
-        beyond = 0.0  # share of values beyond the threshold itself: what the settings clip
-        for kind in ("key", "value"):
-            # a single (LATENT) cache: V is read from the key cache, with the key's scale
-            res = reservoirs.get((layer, kind)) or reservoirs[(layer, "key")]
-            thr = _thresholds(res, method, percentile, fmt, granularity, sites[layer].kv_num_heads)
-            with np.errstate(over="ignore"):
-                scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
-            if not np.all(np.isfinite(scale)):
-                raise KvCacheError(
-                    f"Layer {layer} {kind} scales overflow float32 (threshold {thr.max():.3g} x margin "
-                    f"{margin:g}); use a margin near 1."
-                )
-            result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
-            if res.rows.size:
-                limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
-                beyond = max(beyond, float((np.abs(res.rows) > limit).mean()))
-        if beyond > CLIP_WARN_FRACTION and not chosen.clip_search:  # those clip by design, where it pays
-            warn(
-                Message(
-                    f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
-                    f"(more than {CLIP_WARN_FRACTION:.0%}): check ",
-                    Param("margin", placeholder=f"{margin:g}"),
-                    *(
-                        (" and ", Param("percentile", placeholder=f"{percentile:g}"))
-                        if method == "percentile"
-                        else ()
-                    ),
-                    "; clipped values lose far more than rounding does.",
-                )
+
+@dataclasses.dataclass(frozen=True)
+class _Sampler:
+    """Each layer's reservoirs of K and V rows, filled window by window."""
+
+    sites: dict[int, CacheSite]
+    attention: bool
+    """Weigh each row by the attention it gets (the method's); windows then run one by one."""
+    rope_envelope: bool
+    sample_budget: int
+    rng: np.random.Generator
+    positions: np.random.Generator
+    """attention's K positions (``rng`` stays the other methods')."""
+    rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None]
+    reservoirs: dict[tuple[int, str], _Reservoir] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, setup: _Setup, rope_envelope: bool, sampling: _Sampling) -> _Sampler:
+        sites = {s.layer_id: s for s in find_attention_sites(setup.runner.source_model)}
+        attention = setup.method.attention
+        rope_tables = {
+            layer: _rope_tables(site)
+            for layer, site in sites.items()
+            if attention and site.int_attr("do_rotary")
+        }
+        rng, positions = np.random.default_rng(sampling.seed), np.random.default_rng([sampling.seed, 1])
+        return cls(sites, attention, rope_envelope, sampling.sample_budget, rng, positions, rope_tables)
+
+    def layers(self) -> list[int]:
+        return sorted({k[0] for k in self.reservoirs})
+
+    def run(self, runner: KvCacheRunner, windows: Sequence[np.ndarray], progress: bool) -> int:
+        """Prefill the windows (those of one length together; ``attention`` weighs each with its
+        own queries) and sample their caches; the tokens seen."""
+        bar = _progress_bar(len(windows)) if progress else None
+        tokens = 0
+        for run in _runs(windows, 1 if self.attention else TOKENS_PER_RUN):
+            length = len(run[0])
+            runner.reset(len(run), min_capacity=length)  # window caches keep every row resident
+            runner.fill(np.asarray(run, np.int64))
+            tokens += length * len(run)
+            attention = (
+                _attention_weights(runner, self.sites, length, self.rope_tables) if self.attention else {}
             )
-        (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
-        stats.append(CalibrationStats(layer, kt, vt, ks, vs, kc, vc))
+            caches = {(b.layer_id, b.kind): runner.cache_values(b.layer_id, b.kind) for b in runner.bindings}
+            for row, b in ((row, b) for row in range(len(run)) for b in runner.bindings):  # window by window
+                self.add(b, caches[b.layer_id, b.kind][row], length, attention.get((b.layer_id, b.kind)))
+            if bar is not None:
+                bar.update(len(run))
+        if bar is not None:
+            bar.close()
+        return tokens
+
+    def add(self, b: Any, x: np.ndarray, length: int, weights: np.ndarray | None) -> None:
+        """Sample one window's cache ``x`` ``[kv, S, hd]`` of binding ``b``."""
+        site = self.sites[b.layer_id]
+        x = x[:, : b.resident_rows(length, x.shape[1])]
+        if not np.all(np.isfinite(x)):
+            raise KvCacheError(
+                f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
+                "produced NaN/inf on the calibration data."
+            )
+        seen = x  # signed; under the envelope, K's pair norms
+        rotary = _rotary(site) if b.kind == "key" and self.rope_envelope else None
+        if rotary is not None:
+            seen = rope_pair_norm(
+                x,
+                interleaved=rotary[0],
+                rotary_dim=rotary[1],
+                rotary_offset=site.int_attr("rotary_offset", 0),
+            )
+        bound = None
+        if rotary is not None and (tables := self.rope_tables.get(b.layer_id)) is not None:
+            # the search sees K where RoPE may put it (any position); the envelope bounds it
+            bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
+            seen = _rotated_anywhere(x, tables, rotary[0], self.positions)
+        rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
+        key = (b.layer_id, b.kind)
+        if key not in self.reservoirs:
+            self.reservoirs[key] = _Reservoir(
+                rows.shape[1], max(1, self.sample_budget // rows.shape[1]), self.rng
+            )
+        if self.attention and weights is None:  # no query to weigh with: plain round-trip error
+            weights = np.ones_like(rows)
+        self.reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]], bound)
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar on a terminal, else None."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="calibrating", unit="seq")
+
+
+def _layer_stats(layer: int, sampler: _Sampler, setup: _Setup, choice: _Choice) -> CalibrationStats:
+    """One layer's thresholds, scales and clip fractions; warns when the settings clip."""
+    fmt, method, margin = setup.fmt, setup.method.name, choice.margin
+    result = {}
+    beyond = 0.0  # share of values beyond the threshold itself: what the settings clip
+    for kind in ("key", "value"):
+        # a single (LATENT) cache: V is read from the key cache, with the key's scale
+        res = sampler.reservoirs.get((layer, kind)) or sampler.reservoirs[(layer, "key")]
+        kv_heads = sampler.sites[layer].kv_num_heads
+        thr = _thresholds(res, method, choice.percentile, fmt, choice.granularity, kv_heads)
+        with np.errstate(over="ignore"):
+            scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)
+        if not np.all(np.isfinite(scale)):
+            raise KvCacheError(
+                f"Layer {layer} {kind} scales overflow float32 (threshold {thr.max():.3g} x margin "
+                f"{margin:g}); use a margin near 1."
+            )
+        result[kind] = (thr, scale, _clip_fraction(res, scale, fmt))
+        if res.rows.size:
+            limit = _expand(scale, res.channels) * fmt.qmax * (1 + 2e-7)
+            beyond = max(beyond, float((np.abs(res.rows) > limit).mean()))
+    if beyond > CLIP_WARN_FRACTION and not setup.method.clip_search:  # those clip by design, where it pays
+        warn(
+            Message(
+                f"The scales clip {beyond:.1%} of layer {layer}'s sampled values beyond their threshold "
+                f"(more than {CLIP_WARN_FRACTION:.0%}): check ",
+                Param("margin", placeholder=f"{margin:g}"),
+                *(
+                    (" and ", Param("percentile", placeholder=f"{choice.percentile:g}"))
+                    if method == "percentile"
+                    else ()
+                ),
+                "; clipped values lose far more than rounding does.",
+            ),
+            ClippingWarning,
+        )
+    (kt, ks, kc), (vt, vs, vc) = result["key"], result["value"]
+    return CalibrationStats(layer, kt, vt, ks, vs, kc, vc)
+
+
+def _scales(
+    model: ir.Model | str | os.PathLike,
+    setup: _Setup,
+    choice: _Choice,
+    measured: _Measured,
+    sampling: _Sampling,
+) -> KvCacheScales:
+    """The scales, their metadata recording how they were measured."""
+    method, loaded, stats = setup.method.name, measured.loaded, measured.stats
     metadata = {
         "method": method,
-        "rope_envelope": rope_envelope,
-        "margin": margin,
-        "seq_len": seq_len,
-        "num_seqs": len(windows),
-        "tokens": tokens,
+        "rope_envelope": choice.rope_envelope,
+        "margin": choice.margin,
+        "seq_len": sampling.seq_len,
+        "num_seqs": len(loaded.windows),
+        "tokens": measured.tokens,
         "data": loaded.source,
         # never "model": onnxruntime-genai reads a top-level key named after the model file's
         # stem (model.onnx -> "model") as that file's section of scales
         "calibrated_model": (
             None if isinstance(model, ir.Model) else os.path.basename(os.path.normpath(model))
         ),
-        "model_dtype": _model_dtype(runner),
+        "model_dtype": _model_dtype(setup.runner),
     }
     if method == "percentile":
-        metadata["percentile"] = percentile
-    if chosen_for is not None:
-        metadata["format_for"] = chosen_for  # the format was the target's, not named
+        metadata["percentile"] = choice.percentile
+    if setup.chosen_for is not None:
+        metadata["format_for"] = setup.chosen_for  # the format was the target's, not named
     scales = KvCacheScales(
         {s.layer_id: s.k_scale for s in stats},
         {s.layer_id: s.v_scale for s in stats},
-        format=fmt.name,
-        qmax=fmt.qmax,
+        format=setup.fmt.name,
+        qmax=setup.fmt.qmax,
         metadata=metadata,
-        granularity=granularity,
-        stats=tuple(stats),
+        granularity=choice.granularity,
+        stats=stats,
     )
     logger.info(  # the table: format_calibration_summary(scales.stats)
-        "Calibrated %d layers on %d tokens (%s).", len(stats), tokens, loaded.source
+        "Calibrated %d layers on %d tokens (%s).", len(stats), measured.tokens, loaded.source
     )
     return scales
 
@@ -634,45 +779,67 @@ def _attention_weights(
             continue
         q = runner.query(layer)[0][0]  # [S, H, D]
         k = runner.cache_values(layer, "key")[0][:, :length]  # [kv, S, D], after RoPE
-        kv, heads, head = k.shape[0], q.shape[1], q.shape[2]
-        if q.shape[0] != length or heads % kv:
-            continue
-        interleaved = bool(site.int_attr("rotary_interleaved"))
-        rotary_dim = head
-        if site.int_attr("do_rotary"):
-            tables = rope_tables.get(layer)
-            if tables is None or tables[0].shape[0] < length:
-                continue
-            rotary_dim = 2 * tables[0].shape[-1]
-            q = _rope(q, tables[0][:length], tables[1][:length], interleaved)
-        q = q[picks]  # [n, H, D]
-        energy = _pair_energy(q, interleaved, rotary_dim) if site.int_attr("do_rotary") else q * q
-        scale = site.float_attr("scale") or 1.0 / np.sqrt(head)
-        softcap = site.float_attr("softcap")
-        window = site.int_attr("local_window_size", -1)
-        group = heads // kv
-        pos = np.arange(length)
-        masked = pos[None, :] > picks[:, None]
-        if window > 0:
-            masked |= pos[None, :] <= picks[:, None] - window
-        wk = np.empty((length, kv, head), np.float32)
-        wv = np.empty((length, kv, head), np.float32)
-        for g in range(kv):
-            qg = q[:, g * group : (g + 1) * group]  # [n, group, D]
-            scores = np.matmul(qg.transpose(1, 0, 2), k[g].T) * np.float32(scale)  # [group, n, S]
-            if softcap > 0:
-                scores = softcap * np.tanh(scores / softcap)
-            scores[:, masked] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)  # [group, n, S]
-            wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(
-                1, 0, 2
-            ).reshape(-1, head)
-            wv[:, g] = (p * p).sum(axis=(0, 1))[:, None]
-        out[(layer, "key")] = wk.reshape(length, kv * head)
-        out[(layer, "value")] = wv.reshape(length, kv * head)
+        weights = _layer_attention_weights(site, q, k, length, picks, rope_tables.get(layer))
+        if weights is not None:
+            out[(layer, "key")], out[(layer, "value")] = weights
     return out
+
+
+def _layer_attention_weights(
+    site: CacheSite,
+    q: np.ndarray,
+    k: np.ndarray,
+    length: int,
+    picks: np.ndarray,
+    tables: tuple[np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One layer's K and V weights ``[S, kv*hd]`` (see :func:`_attention_weights`) from its
+    query ``[S, H, D]`` and present K ``[kv, S, D]``; None when the query is not usable."""
+    kv, heads, head = k.shape[0], q.shape[1], q.shape[2]
+    if q.shape[0] != length or heads % kv:
+        return None
+    interleaved = bool(site.int_attr("rotary_interleaved"))
+    rotary_dim = head
+    if site.int_attr("do_rotary"):
+        if tables is None or tables[0].shape[0] < length:
+            return None
+        rotary_dim = 2 * tables[0].shape[-1]
+        q = _rope(q, tables[0][:length], tables[1][:length], interleaved)
+    q = q[picks]  # [n, H, D]
+    energy = _pair_energy(q, interleaved, rotary_dim) if site.int_attr("do_rotary") else q * q
+    pos = np.arange(length)
+    masked = pos[None, :] > picks[:, None]
+    window = site.int_attr("local_window_size", -1)
+    if window > 0:
+        masked |= pos[None, :] <= picks[:, None] - window
+    return _kv_head_weights(site, q, k, energy, masked)
+
+
+def _kv_head_weights(
+    site: CacheSite, q: np.ndarray, k: np.ndarray, energy: np.ndarray, masked: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per KV head, the attention ``p`` of its query heads' picked positions over the rows
+    (``masked`` ones excluded), made K and V weights ``[S, kv*hd]``."""
+    kv, length, head = k.shape[0], masked.shape[1], q.shape[2]
+    group = q.shape[1] // kv
+    scale = site.float_attr("scale") or 1.0 / np.sqrt(head)
+    softcap = site.float_attr("softcap")
+    wk = np.empty((length, kv, head), np.float32)
+    wv = np.empty((length, kv, head), np.float32)
+    for g in range(kv):
+        qg = q[:, g * group : (g + 1) * group]  # [n, group, D]
+        scores = np.matmul(qg.transpose(1, 0, 2), k[g].T) * np.float32(scale)  # [group, n, S]
+        if softcap > 0:
+            scores = softcap * np.tanh(scores / softcap)
+        scores[:, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)  # [group, n, S]
+        wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(
+            1, 0, 2
+        ).reshape(-1, head)
+        wv[:, g] = (p * p).sum(axis=(0, 1))[:, None]
+    return wk.reshape(length, kv * head), wv.reshape(length, kv * head)
 
 
 def _rotary(site: Any) -> tuple[bool, int | None] | None:

@@ -42,7 +42,15 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
-from onnx_kvcache.errors import Function, KvCacheError, KvCacheTypeError, Message, Param, warn
+from onnx_kvcache.errors import (
+    Function,
+    KvCacheError,
+    KvCacheTypeError,
+    Message,
+    Param,
+    ScalesAdjustedWarning,
+    warn,
+)
 from onnx_kvcache.files._inputs import load_json
 from onnx_kvcache.files._outputs import stamp_json, write_output
 
@@ -229,7 +237,7 @@ class KvCacheScales:
             return dataclasses.replace(self, format=target.name, qmax=target.qmax)
         factor = self.qmax / target.qmax  # in float64: the result is checked, never overflows
         if self.metadata.get("method") == "mse":
-            warn(mse_moved(self.implied_format or f"qmax {self.qmax:g}", target.name))
+            warn(mse_moved(self.implied_format or f"qmax {self.qmax:g}", target.name), ScalesAdjustedWarning)
         return KvCacheScales(
             {i: a.astype(np.float64) * factor for i, a in self.k.items()},
             {i: a.astype(np.float64) * factor for i, a in self.v.items()},

@@ -28,6 +28,7 @@ from onnx_kvcache import (
     calibrate_kv_cache,
     optimize_model,
 )
+from onnx_kvcache.errors import FusionSkippedWarning, NotConvertedWarning, PaddingAssumptionWarning
 from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.runtime._sessions import create_session
@@ -175,7 +176,7 @@ def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
 def test_optimize_model_without_cache_options_returns_a_float_gqa_model():
     """No target named: a float32 export runs on CPU, which has float32 GroupQueryAttention."""
     original = ir.load(FIXTURE)
-    with pytest.warns(KvCacheWarning, match="a prompt padded anywhere"):
+    with pytest.warns(PaddingAssumptionWarning, match="a prompt padded anywhere"):
         model = optimize_model(ir.load(FIXTURE))
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 3 and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in gqa)
@@ -195,7 +196,7 @@ def test_a_fusion_the_target_cannot_run_is_not_applied():
         "execution_provider=...): cuda's GroupQueryAttention takes queries of BFLOAT16, FLOAT16, the "
         "model's are FLOAT; export the model in a supported dtype."
     ]
-    with pytest.warns(KvCacheWarning, match=r"Attention not fused for cuda: .*takes queries of"):
+    with pytest.warns(NotConvertedWarning, match=r"Attention not fused for cuda: .*takes queries of"):
         optimize_model(model, execution_provider="cuda")
 
 
@@ -417,7 +418,7 @@ def test_a_scale_attention_and_gqa_read_differently_is_left_alone(scale):
     model = ir.load(FIXTURE)
     first = next(n for n in model.graph if n.op_type == "Attention")
     first.attributes["scale"] = ir.AttrFloat32("scale", scale)
-    with pytest.warns(KvCacheWarning, match=r"left as they are .*scale="):
+    with pytest.warns(FusionSkippedWarning, match=r"left as they are .*scale="):
         AttentionFusionPass()(model)
     assert count(model, "Attention") == 1 and count(model, "GroupQueryAttention") == 2
 
@@ -430,7 +431,7 @@ def test_gqa_fusion_says_what_a_padding_mask_assumes_and_skips_onnxscript(monkey
 
     monkeypatch.setattr("onnxscript.rewriter.ort_fusions.optimize_for_ort", must_not_run)
     model = ir.load(FIXTURE)
-    with pytest.warns(KvCacheWarning, match="a prompt padded anywhere.*paused row") as caught:
+    with pytest.warns(PaddingAssumptionWarning, match="a prompt padded anywhere.*paused row") as caught:
         fusion = GqaFusionPass()
         fusion(model)
     assert fusion.fused == 3 and fusion.refused == []
@@ -441,7 +442,8 @@ def test_gqa_fusion_warns_about_windows_under_right_padding():
     from onnx_kvcache import GqaFusionPass
 
     with pytest.warns(
-        KvCacheWarning, match="paused row.*Sliding-window layers differ.*padding after their first token"
+        PaddingAssumptionWarning,
+        match="paused row.*Sliding-window layers differ.*padding after their first token",
     ):
         GqaFusionPass()(exported("mistral"))
 
@@ -458,7 +460,7 @@ def test_a_partly_fused_export_is_not_converted_and_the_runner_says_why(tmp_path
     err = capsys.readouterr().err
     assert "fused 2 layer(s) but left 1 unfused" in err and not (tmp_path / "out.onnx").exists()
     with (
-        pytest.warns(KvCacheWarning, match="left as they are"),
+        pytest.warns(FusionSkippedWarning, match="left as they are"),
         pytest.raises(KvCacheError, match="cannot feed the model's input"),
     ):
         KvCacheRunner(path)
@@ -502,7 +504,7 @@ def test_refused_attention_nodes_are_grouped_and_listed_under_verbose(layers, tm
     nodes = [n for n in model.graph if n.op_type == "Attention"][:layers]
     for node in nodes:
         node.attributes["scale"] = ir.AttrFloat32("scale", float("nan"))
-    with caplog.at_level(logging.INFO), pytest.warns(KvCacheWarning, match="left as they are") as said:
+    with caplog.at_level(logging.INFO), pytest.warns(FusionSkippedWarning, match="left as they are") as said:
         AttentionFusionPass()(model)
     message = str(said[0].message)
     assert f"{layers} Attention node(s) left as they are" in message

@@ -11,7 +11,8 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import GqaFusionPass, KvCacheWarning, build_decoder, optimize_model
+from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
+from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning
 from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 
@@ -119,7 +120,7 @@ def test_unprovable_attention_is_left_alone(make, reason):
 
 def test_attention_no_fusion_takes_is_reported_once():
     model = guarded(0.5)
-    with pytest.warns(KvCacheWarning, match="2 decomposed attention.*not a NaN guard") as record:
+    with pytest.warns(FusionSkippedWarning, match="2 decomposed attention.*not a NaN guard") as record:
         GqaFusionPass()(model)
     assert len(record) == 1 and count(model, "GroupQueryAttention") == 0
 
@@ -163,7 +164,7 @@ def test_a_static_batch_and_seq_export_fuses():
     """transformers 5.24 at opset 20 with batch 1 / seq 3 fixed, shapes folded by the optimizer."""
     original, model = exported(static_shapes=(1, 3, None)), exported(static_shapes=(1, 3, None))
     assert model.graph.inputs[0].shape == ir.Shape([1, 3])
-    with pytest.warns(KvCacheWarning, match="valid tokens"):
+    with pytest.warns(PaddingAssumptionWarning, match="valid tokens"):
         optimize_model(model)
     assert count(model, "GroupQueryAttention") == 2
     for want, got in zip(_chunks(original), _chunks(model)):

@@ -28,7 +28,7 @@ import math
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import warn
+from onnx_kvcache.errors import FusionSkippedWarning, warn
 from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
     KEY,
@@ -144,5 +144,7 @@ class AttentionFusionPass(FusionPass):
         result = super().call(model)
         refused = result.report.refusals
         if refused:
-            warn(f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.")
+            warn(
+                f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.", FusionSkippedWarning
+            )
         return result

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import find_gqa_sites
-from onnx_kvcache.errors import warn
+from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._window_present import tail_slice
@@ -107,7 +107,10 @@ class GqaFusionPass(InPlacePass):
                 fused, counts = optimize_for_ort(model)
             except Exception as error:
                 # Each of its rewrites is an equivalence, so what it did before failing stands.
-                warn(f"onnxscript's ORT fusions (optimize_for_ort) failed on this graph, skipped: {error}")
+                warn(
+                    f"onnxscript's ORT fusions (optimize_for_ort) failed on this graph, skipped: {error}",
+                    FusionSkippedWarning,
+                )
                 fused, counts = model, {}
             if fused is not model:
                 raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
@@ -119,14 +122,18 @@ class GqaFusionPass(InPlacePass):
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
-            warn(f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.")
+            warn(
+                f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.",
+                FusionSkippedWarning,
+            )
         if report.padded:
             windows = report.padded_windows
             cropped = _has_cropped_windows(model)
             warn(
                 PADDING_WARNING
                 + (" " + WINDOW_PADDING_WARNING if windows else "")
-                + (" " + CROPPED_WINDOW_WARNING if cropped else "")
+                + (" " + CROPPED_WINDOW_WARNING if cropped else ""),
+                PaddingAssumptionWarning,
             )
         return FusionResult(model, modified=modified, report=report)
 
