@@ -776,7 +776,7 @@ def _warn_links(source: ModelSource, plan: _Plan) -> None:
                 Param("weights", "link"),
                 "?): onnx.load, onnx.checker and onnx-ir (reading a weight) refuse them until the other "
                 "link is deleted.",
-            )
+            ),
             SharedWeightsWarning,
         )
 
