@@ -198,7 +198,7 @@ def fuse_unless_attention(
         if record:
             warnings.simplefilter("always")
         modified = fusion(model).modified
-    refused = unfused_refusal(fusion.fused, fusion.refused)
+    refused = unfused_refusal(fusion.fused, fusion.report.refusals)
     refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
     return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(said or ()))
 

@@ -39,7 +39,7 @@ import onnx_ir.passes.common as common_passes
 from onnx_kvcache.cache.operators import PAGED, GqaInput
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
-from onnx_kvcache.errors import KvCacheError, Message, MissingRuntimeError, Param, warn
+from onnx_kvcache.errors import KvCacheError, MeasurementWarning, Message, MissingRuntimeError, Param, warn
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, KvCache
@@ -195,7 +195,8 @@ def _cpu_semantics(source: ModelSource, semantics: str | None) -> tuple[Semantic
                 Param("semantics", "cpu"),
                 " on an fp8 cache: no CPU kernel stores fp8, so this rule is "
                 "hypothetical; CUDA's ('cuda') is what an fp8 model gets.",
-            )
+            ),
+            MeasurementWarning,
         )
     return rule, "asked for"
 

@@ -175,14 +175,21 @@ def test_gqa_fusion_returns_and_keeps_the_merged_report():
     assert result.report.padded == 2 and fusion.refused == []
 
 
-def test_refusals_are_summarized_from_their_parts_as_from_their_text():
+def _head_size_rule(size: int) -> Unprovable:
+    return Unprovable(f"head size {size}: needs a multiple of 8")  # one rule, whatever the size
+
+
+def test_refusals_of_one_rule_are_one_reason_in_the_summary():
+    """Refusals raised at one place are grouped by that place, not by reading their text."""
     x = ir.val("x", F, [2])
     nodes = [relu(x, f"layers.{k}/attention") for k in range(3)] + [ir.node("Relu", [x])]
-    reasons = ["head size 12: needs a multiple of 8", "head size 20: needs a multiple of 8", "odd", "odd"]
-    refusals = [FusionRefusal(RefusalCode.UNPROVABLE, n, why) for n, why in zip(nodes, reasons)]
+    odd = Unprovable("odd")
+    also_odd = Unprovable("odd")  # the same text, another rule
+    raised = [_head_size_rule(12), _head_size_rule(20), odd, also_odd]
+    assert raised[0].rule == raised[1].rule != odd.rule != also_odd.rule
+    refusals = [FusionRefusal(RefusalCode.UNPROVABLE, n, str(e), e.rule) for n, e in zip(nodes, raised)]
     said = summarize_refusals(refusals, "thing(s)")
-    assert said == summarize_refusals([str(r) for r in refusals], "thing(s)")
     assert said == (
         "4 thing(s) not provably GroupQueryAttention with a KV cache: head size 12: needs a multiple "
-        "of 8 (2; first layers.0/attention); odd (2; first layers.2/attention)"
+        "of 8 (2; first layers.0/attention); odd (1; first layers.2/attention); odd (1; first <unnamed>)"
     )

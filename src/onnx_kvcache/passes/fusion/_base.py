@@ -33,7 +33,6 @@ import abc
 import dataclasses
 import enum
 import logging
-import re
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -63,6 +62,8 @@ class FusionRefusal:
     code: RefusalCode
     node: ir.Node
     text: str
+    rule: str = ""
+    """Where it was raised (refusals of one rule are one reason in a summary); empty: its code."""
 
     def __str__(self) -> str:
         """``"node: text"``, as messages list it."""
@@ -206,7 +207,7 @@ class FusionPass(InPlacePass, abc.ABC):
             try:
                 found = self.match(ev, graph, node)
             except Unprovable as reason:
-                refusals.append(FusionRefusal(RefusalCode.UNPROVABLE, node, str(reason)))
+                refusals.append(FusionRefusal(RefusalCode.UNPROVABLE, node, str(reason), reason.rule))
                 continue
             except Refused as refused:
                 refusals.append(refused.refusal)
@@ -227,23 +228,17 @@ class FusionPass(InPlacePass, abc.ABC):
         return FusionResult(model, modified=bool(report.fused), report=report)
 
 
-def summarize_refusals(refused: Sequence[FusionRefusal | str], what: str = "attention node(s)") -> str:
+def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention node(s)") -> str:
     """Refusals as one line: each reason once, with its count and first node.
 
-    Reasons that differ only in numbers (layer indices, node counters) are one reason. A
-    ``"node: reason"`` string (what a fusion's ``refused`` lists) is read as that pair.
+    Refusals of one rule (raised at one place: their texts differ only in the numbers or names
+    they hold) are one reason, said as the first of them says it.
     """
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in refused:
-        node, reason = _named(entry)
-        groups.setdefault(re.sub(r"\d+", "#", reason), []).append((node, reason))
-    parts = [f"{items[0][1]} ({len(items)}; first {items[0][0]})" for items in groups.values()]
+    groups: dict[tuple[RefusalCode, str], list[FusionRefusal]] = {}
+    for refusal in refused:
+        groups.setdefault((refusal.code, refusal.rule), []).append(refusal)
+    parts = [
+        f"{items[0].text} ({len(items)}; first {items[0].node.name or '<unnamed>'})"
+        for items in groups.values()
+    ]
     return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
-
-
-def _named(entry: FusionRefusal | str) -> tuple[str, str]:
-    """(node name, reason) of a refusal."""
-    if isinstance(entry, FusionRefusal):
-        return entry.node.name or "<unnamed>", entry.text
-    node, _, reason = entry.partition(": ")
-    return (node, reason) if reason else ("<unnamed>", entry)

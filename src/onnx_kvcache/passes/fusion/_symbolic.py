@@ -65,6 +65,7 @@ import dataclasses
 import enum
 import math
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -91,7 +92,15 @@ _MAX_CONST_ELEMENTS = 64
 
 
 class Unprovable(Exception):
-    """The evaluator cannot prove what a value computes; the message says why."""
+    """The evaluator cannot prove what a value computes; the message says why.
+
+    ``rule`` is where it was raised (file and line): refusals raised at one place are one
+    reason, whatever numbers or names their messages hold."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        caller = sys._getframe(1)
+        self.rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
 
 class SymbolKind(enum.IntEnum):

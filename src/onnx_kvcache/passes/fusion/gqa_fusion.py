@@ -147,7 +147,7 @@ def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
 
 
-def unfused_refusal(fused: int, refused: Sequence[FusionRefusal | str]) -> str | None:
+def unfused_refusal(fused: int, refused: Sequence[FusionRefusal]) -> str | None:
     """Why a conversion after fusing must not go on (``None``: it may): a layer was left unfused.
 
     Running, calibrating and evaluating need every cache in GroupQueryAttention, and a model
