@@ -36,7 +36,13 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.models.config import DecoderConfig, ExportStyle, WeightFactory
+from onnx_kvcache.models.config import (
+    DecoderConfig,
+    ExportStyle,
+    GraphWriter,
+    WeightFactory,
+    refuse_unwritten,
+)
 
 B, S, P = "batch_size", "sequence_length", "past_sequence_length"
 T = f"{P} + {S}"
@@ -44,19 +50,14 @@ _END = np.iinfo(np.int64).max
 _BLOCK = 32
 
 
-class _Script:
+class _Script(GraphWriter):
     """A graph written with TorchScript's habits: Constant nodes, no annotations."""
 
     def __init__(self, config: DecoderConfig, weight_factory: WeightFactory | None) -> None:
-        self.c = config
-        self.dtype, self.np_dtype = config.ir_dtype, config.np_dtype
-        self.weight_factory = weight_factory
-        self.rng = np.random.default_rng(config.seed)
         opset = {"": 18}
-        style = config.exported or ExportStyle()
-        if style.weights == "q4":
+        if (config.exported or ExportStyle()).weights == "q4":
             opset["com.microsoft"] = 1
-        self.graph = ir.Graph([], [], nodes=[], opset_imports=opset, name="main_graph")
+        super().__init__(config, weight_factory, opset)
         self.count = 0
 
     def op(self, op_type: str, inputs: list, domain: str = "", outputs: int = 1, **attrs):
@@ -125,22 +126,15 @@ def build_torchscript_decoder(
             "Quantized weights (q4, int8) are made from the builder's seeded weights: no "
             "weight_factory; int8 needs dtype float32."
         )
-    unsupported = [
-        name
-        for name, value in (
-            ("no_cache_layers", c.no_cache_layers),
-            ("sliding_window_cache", c.sliding_window_cache),
-            ("rotary_interleaved", c.rotary_interleaved),
-            ("qk_norm", c.qk_norm),
-            ("kv_repeat", style.kv_repeat != "expand"),
-            ("mask", style.mask != "causal"),
-            ("qk_matmul_output", style.qk_matmul_output is not None),
-            ("position_ids=False", not style.position_ids),
-        )
-        if value
-    ]
-    if unsupported:
-        raise KvCacheError(f"The TorchScript form does not write {', '.join(unsupported)}; unset it.")
+    refuse_unwritten(
+        c,
+        "TorchScript form",
+        qk_norm=bool(c.qk_norm),
+        kv_repeat=style.kv_repeat != "expand",
+        mask=style.mask != "causal",
+        qk_matmul_output=style.qk_matmul_output is not None,
+        **{"position_ids=False": not style.position_ids},
+    )
     group = h // kv
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, T])

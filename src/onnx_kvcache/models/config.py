@@ -6,7 +6,7 @@ read these settings; nothing here builds a graph.
 
 from __future__ import annotations
 
-__all__ = ["DecoderConfig", "ExportStyle", "WeightFactory"]
+__all__ = ["DecoderConfig", "ExportStyle", "GraphWriter", "WeightFactory", "refuse_unwritten"]
 
 import dataclasses
 from collections.abc import Callable
@@ -169,3 +169,31 @@ _DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat
 
 WeightFactory = Callable[[str, tuple[int, ...], ir.DataType], ir.TensorProtocol]
 """Makes a weight tensor from (name, shape, dtype) instead of seeded random values."""
+
+
+class GraphWriter:
+    """What every bundled exporter's graph starts from: the config, its dtypes, the weights'
+    source (``weight_factory``, else seeded random) and an empty ``main_graph``."""
+
+    def __init__(
+        self, config: DecoderConfig, weight_factory: WeightFactory | None, opset_imports: dict[str, int]
+    ) -> None:
+        self.c = config
+        self.dtype, self.np_dtype = config.ir_dtype, config.np_dtype
+        self.weight_factory = weight_factory
+        self.rng = np.random.default_rng(config.seed)
+        self.graph = ir.Graph([], [], nodes=[], opset_imports=opset_imports, name="main_graph")
+
+
+def refuse_unwritten(config: DecoderConfig, form: str, **more: bool) -> None:
+    """Refuse the settings an exporter's form does not write: the genai-only ones (layers
+    without a cache, sliding-window caches, interleaved rotary) and ``more`` (name: set)."""
+    settings = {
+        "no_cache_layers": bool(config.no_cache_layers),
+        "sliding_window_cache": bool(config.sliding_window_cache),
+        "rotary_interleaved": bool(config.rotary_interleaved),
+        **more,
+    }
+    unwritten = [name for name, value in settings.items() if value]
+    if unwritten:
+        raise KvCacheError(f"The {form} does not write {', '.join(unwritten)}; unset it.")

@@ -29,7 +29,13 @@ import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError, Param
 from onnx_kvcache.models._torchscript import build_torchscript_decoder
-from onnx_kvcache.models.config import DecoderConfig, ExportStyle, WeightFactory
+from onnx_kvcache.models.config import (
+    DecoderConfig,
+    ExportStyle,
+    GraphWriter,
+    WeightFactory,
+    refuse_unwritten,
+)
 
 EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
     "llama": ({}, ExportStyle()),
@@ -75,16 +81,12 @@ def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
     return DecoderConfig(**settings)
 
 
-class _Writer:
+class _Writer(GraphWriter):
     """An ir graph under construction with the exporter's naming and constants."""
 
     def __init__(self, config: DecoderConfig, weight_factory: WeightFactory | None) -> None:
-        self.c = config
-        self.dtype, self.np_dtype = config.ir_dtype, config.np_dtype
-        self.weight_factory = weight_factory
-        self.rng = np.random.default_rng(config.seed)
         opset = config.exported.opset if config.exported is not None else 23
-        self.graph = ir.Graph([], [], nodes=[], opset_imports={"": opset}, name="main_graph")
+        super().__init__(config, weight_factory, {"": opset})
         self.tape = ir.tape.Tape(self.graph)
         self._consts: dict[tuple, ir.Value] = {}
 
@@ -150,17 +152,7 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
     if style.opset == 20 and style.kv_repeat == "grouped":
         raise KvCacheError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
     _check_new_styles(style)
-    unsupported = [
-        name
-        for name, value in (
-            ("no_cache_layers", c.no_cache_layers),
-            ("sliding_window_cache", c.sliding_window_cache),
-            ("rotary_interleaved", c.rotary_interleaved),
-        )
-        if value
-    ]
-    if unsupported:
-        raise KvCacheError(f"The exported mode does not write {', '.join(unsupported)}; unset it.")
+    refuse_unwritten(c, "exported mode")
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, "total"])
     w.graph.inputs.extend([input_ids, mask_in])
