@@ -1,0 +1,174 @@
+"""What calibration reads: token id files, text and tokenizers, the built-in corpus, too little data."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import onnx_kvcache.scales.calibration as calibration_module
+from onnx_kvcache import (
+    KvCacheError,
+    KvCacheWarning,
+    calibrate_kv_cache,
+    load_kv_cache_scale_file,
+)
+from onnx_kvcache.cli.commands import main
+from onnx_kvcache.models.decoder import byte_level_tokenizer, save_genai_folder
+
+
+def test_token_id_files_and_cli(tmp_path, model, data, capsys):
+    path = tmp_path / "model.onnx"
+    ir.save(model, path)
+    (tmp_path / "ids.json").write_text(json.dumps([[int(x) for x in s] for s in data]))
+    np.save(tmp_path / "ids.npy", np.asarray(data[0], np.int64))
+    for ids in ("ids.json", "ids.npy"):
+        out = tmp_path / f"{ids}.scales.json"
+        assert (
+            main(
+                [
+                    "calibrate",
+                    str(path),
+                    "--out",
+                    str(out),
+                    "--token-ids",
+                    str(tmp_path / ids),
+                    "--format",
+                    "int8",
+                    "--seq-len",
+                    "16",
+                ]
+            )
+            == 0
+        )
+        assert load_kv_cache_scale_file(out).layer_ids == (0, 1)
+    assert "k clip" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text('{"not": "ids"}')
+    assert (
+        main(
+            [
+                "calibrate",
+                str(path),
+                "--out",
+                str(tmp_path / "x.json"),
+                "--token-ids",
+                str(tmp_path / "bad.json"),
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_text_with_a_tokenizer(tmp_path, model):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(299)} | {"[UNK]": 299}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 50}" for i in range(300)))
+    scales = calibrate_kv_cache(
+        model, tmp_path / "text.txt", tokenizer=tmp_path / "tokenizer.json", progress=False
+    )
+    assert scales.metadata["tokens"] == 300
+    assert scales.metadata["data"] == f"text from text.txt, tokenizer {tmp_path / 'tokenizer.json'}"
+
+
+def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    from onnx_kvcache.scales.data import corpus_byte_ids
+
+    folder = save_genai_folder(tmp_path / "demo", num_layers=2)
+    scales = calibrate_kv_cache(folder, format="int8", progress=False)
+    assert scales.metadata["tokens"] == len(corpus_byte_ids())  # the byte-level tokenizer's ids
+
+
+def test_without_a_tokenizer_random_tokens_warn_and_are_recorded(model):
+    with pytest.warns(KvCacheWarning, match="No tokenizer found: calibrating on seeded random token ids"):
+        scales = calibrate_kv_cache(model, format="int8", seq_len=32, progress=False)
+    assert scales.metadata["tokens"] == 8 * 32
+    assert scales.metadata["data"] == "seeded random token ids (no tokenizer)"
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "message"),
+    [
+        ([[1, 2, 3]], {}, r"has 3 token\(s\) \(given token ids\); scales need at least 256"),
+        (None, {"num_seqs": 0}, "num_seqs must be >= 1"),
+        (None, {"num_seqs": -1}, "num_seqs must be >= 1"),
+        ("empty.txt", {}, "holds no tokens"),
+    ],
+)
+def test_too_little_data_is_an_error(tmp_path, model, data, kwargs, message):
+    pytest.importorskip("tokenizers")
+    if data == "empty.txt":
+        (tmp_path / "empty.txt").write_text("")
+        (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer()))
+        kwargs["tokenizer"] = tmp_path / "tokenizer.json"
+        data = tmp_path / "empty.txt"
+    with pytest.raises(KvCacheError, match=message):
+        calibrate_kv_cache(model, data, progress=False, **kwargs)
+
+
+def test_text_without_a_tokenizer_is_an_error(tmp_path, model):
+    (tmp_path / "t.txt").write_text("some text")
+    with pytest.raises(KvCacheError, match="needs a tokenizer"):
+        calibrate_kv_cache(model, tmp_path / "t.txt", progress=False)
+
+
+def test_a_margin_that_breaks_the_scales_is_caught(model, data):
+    with pytest.raises(KvCacheError, match=r"overflow float32.*use a margin near 1"):
+        calibrate_kv_cache(model, data, format="int8", margin=1e300, progress=False)
+    with pytest.warns(KvCacheWarning, match=r"clip 100.0% of layer .* beyond .* check margin=1e-50"):
+        calibrate_kv_cache(model, data, format="int8", margin=1e-50, progress=False)
+
+
+def test_a_tokenizer_file_that_is_not_one_is_an_error(tmp_path, model):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "notes.txt").write_text("plain words")
+    with pytest.raises(KvCacheError, match=r"is not a tokenizers tokenizer\.json"):
+        calibrate_kv_cache(model, tmp_path / "notes.txt", tokenizer=tmp_path / "notes.txt", progress=False)
+
+
+@pytest.mark.parametrize(("fmt", "noted"), [("fp8", False), ("int8", True), ("int4", True)])
+def test_the_integer_rounding_note_is_printed_for_integer_formats_only(tmp_path, model, capsys, fmt, noted):
+    ir.save(model, tmp_path / "model.onnx")
+    argv = ["calibrate", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "s.json"), "--format", fmt]
+    assert main([*argv, "--seq-len", "64", "--num-seqs", "4", "--min-tokens", "64", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "k clip" in out and ("minmax clips int8/int4" in out) is noted
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [("folder", "is a folder"), ("fifo", "is a FIFO"), ("dangling", "broken symbolic link")],
+)
+@pytest.mark.parametrize("argument", ["data", "tokenizer"])
+def test_data_and_tokenizer_files_are_checked_before_the_model_loads(
+    tmp_path, monkeypatch, kind, message, argument
+):
+    """A FIFO or folder given as the data or tokenizer cost the whole model load first."""
+    path = tmp_path / "given.txt"
+    if kind == "folder":
+        path.mkdir()
+        (path / "tokenizer.json").mkdir()  # a tokenizer folder whose tokenizer.json is a folder
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(tmp_path / "nowhere")
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input files were checked")
+
+    monkeypatch.setattr(calibration_module, "KvCacheRunner", no_runner)
+    with pytest.raises(KvCacheError, match=message):
+        calibrate_kv_cache(tmp_path / "model.onnx", **{argument: str(path)})
+
+
+@pytest.mark.parametrize("margin", [float("inf"), float("nan")])
+def test_a_non_finite_margin_is_refused(margin):
+    with pytest.raises(KvCacheError, match="margin must be > 0 and finite"):
+        calibrate_kv_cache("model.onnx", margin=margin)
