@@ -22,7 +22,7 @@ from onnx_kvcache.cli.commands import _wording, build_parser, main
 from onnx_kvcache.errors import Function, KvCacheError, Message, Param, render
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
-from command_cases import scale_file
+from command_cases import fp16_model_file, model_file, scale_file  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize("started_ago", [0.0, 100.0])

@@ -17,7 +17,7 @@ from onnx_kvcache.cli.commands import build_parser, main
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.models.decoder import save_genai_folder
 
-from command_cases import scale_file
+from command_cases import fp16_model_file, model_file, scale_file  # noqa: F401  (fixtures)
 
 # -- issue 10, item 5: convert refuses what nothing can run, inferring the target ------
 

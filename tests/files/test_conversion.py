@@ -41,6 +41,7 @@ from conversion_cases import (
     genai,
     marker_of,
     save_external,
+    scale_file,  # noqa: F401  (fixtures)
     snapshot,
     umask022,  # noqa: F401  (an autouse fixture)
     unit_scales,

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
-from calibration_cases import HEAD, KV, LAYERS, presents
+from calibration_cases import HEAD, KV, LAYERS, data, model, presents  # noqa: F401  (fixtures)
 
 from onnx_kvcache import (
     DecoderConfig,

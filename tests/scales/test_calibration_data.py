@@ -8,6 +8,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 import pytest
+from calibration_cases import data, model  # noqa: F401  (fixtures)
 
 import onnx_kvcache.scales.calibration as calibration_module
 from onnx_kvcache import (

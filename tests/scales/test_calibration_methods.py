@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import onnx_ir as ir
 import pytest
-from calibration_cases import HEAD, KV, LAYERS
+from calibration_cases import HEAD, KV, LAYERS, data, model  # noqa: F401  (fixtures)
 
 import onnx_kvcache.scales.calibration as calibration_module
 from onnx_kvcache import (
