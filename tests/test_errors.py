@@ -257,3 +257,14 @@ def test_no_warning_filter_names_message_text():
                 if name in ("filterwarnings", "catch_warnings"):
                     found.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not found
+
+
+def test_a_pickled_message_keeps_the_wording_it_was_said_in():
+    """An error raised inside optimize_model says kv_cache_scales; across processes too."""
+    from onnx_kvcache.errors import OPTIMIZE_MODEL, speaking
+
+    with speaking(OPTIMIZE_MODEL):
+        error = KvCacheError(Param("scales"), " were given without ", Param("format"), ".")
+    again = pickle.loads(pickle.dumps(error))
+    assert str(again) == str(error) == "kv_cache_scales were given without kv_cache_format."
+    assert again.args[0].parts == error.args[0].parts

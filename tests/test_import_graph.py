@@ -18,17 +18,26 @@ def _parents(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(2, len(parts))]
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str | None:
+    """The package module an import names (``from ..cli import x`` resolved), None for another."""
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        return ".".join([*base, *([node.module] if node.module else [])])
+    return node.module if node.module and node.module.startswith("onnx_kvcache") else None
+
+
 def import_graph() -> dict[str, set[str]]:
     """``{module: modules of the package it imports}``, at any depth of its code."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("onnx_kvcache"):
+            if isinstance(node, ast.ImportFrom) and (target := _absolute(node, package)) is not None:
                 for alias in node.names:  # `from onnx_kvcache import file_io` names a module
-                    candidate = f"{node.module}.{alias.name}"
-                    found.add(candidate if candidate in modules else node.module)
+                    candidate = f"{target}.{alias.name}"
+                    found.add(candidate if candidate in modules else target)
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith("onnx_kvcache")}
         # importing a.b.c runs package a.b first, unless the importer is inside a.b already
@@ -75,3 +84,10 @@ def test_no_module_imports_the_package_root():
                 modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
                 names = [a.name for a in node.names if f"onnx_kvcache.{a.name}" not in modules]
                 assert not names, f"{path.name} imports {names} from the package root"
+
+
+def test_a_relative_import_is_an_arrow_too(tmp_path):
+    tree = ast.parse("from ..cli import commands\nfrom . import sites\n")
+    first, second = (n for n in tree.body if isinstance(n, ast.ImportFrom))
+    assert _absolute(first, "onnx_kvcache.cache") == "onnx_kvcache.cli"
+    assert _absolute(second, "onnx_kvcache.cache") == "onnx_kvcache.cache"

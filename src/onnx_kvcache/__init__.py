@@ -213,6 +213,8 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
+    elif f"{__name__}.{name}" in _moved.MOVED_MODULES:  # a 0.x path: the warning names the caller's line
+        value = _moved.moved(f"{__name__}.{name}", stacklevel=3)
     elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")
     else:

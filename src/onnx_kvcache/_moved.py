@@ -15,7 +15,7 @@ import types
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["MOVED_MODULES", "install"]
+__all__ = ["MOVED_MODULES", "install", "moved"]
 
 #: old module path -> new module path (public modules only; private ones moved without a shim)
 MOVED_MODULES: dict[str, str] = {
@@ -42,17 +42,21 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
+def moved(old: str, stacklevel: int) -> types.ModuleType:
+    """The module ``old`` (a key of :data:`MOVED_MODULES`) now is, with the warning that says
+    so, attributed ``stacklevel`` frames up (the caller's line)."""
+    new = MOVED_MODULES[old]
+    message = f"{old} moved to {new}; the old path goes away in the next release"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+    return importlib.import_module(new)
+
+
 class _Alias(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
         self.target = target
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        warnings.warn(
-            f"{spec.name} moved to {self.target}; the old path goes away in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module(self.target)
+        return moved(spec.name, stacklevel=3)
 
     def exec_module(self, module: types.ModuleType) -> None:
         """The target module ran when it was imported."""

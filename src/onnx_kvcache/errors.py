@@ -159,8 +159,9 @@ class Message(str):
         self.parts = held
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # type: ignore[override]
-        return self.parts
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as said (the wording it was made in) with its parts."""
+        return (_said, (str(self), self.parts))
 
     def render(self, wording: Wording) -> str:
         """The text in ``wording``'s words."""
@@ -180,6 +181,13 @@ class Message(str):
         for part in [parts] if isinstance(parts, str) else parts:
             items += [sep, part] if items else [part]
         return cls(*items)
+
+
+def _said(text: str, parts: tuple[Any, ...]) -> Message:
+    """A :class:`Message` as it was said (unpickling keeps its wording)."""
+    message = str.__new__(Message, text)
+    message.parts = parts
+    return message
 
 
 def _render(parts: tuple[Any, ...], wording: Wording) -> str:

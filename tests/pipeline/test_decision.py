@@ -58,10 +58,10 @@ def test_an_export_is_fused_first_and_its_warnings_wait(entry, in_copy, recwarn)
     decision = decide(Request(model, entry, "int8", scales=scales, target="cpu"))
     assert decision.fusion.ran and decision.fusion.fused == 2 and decision.fusion.refusal is None
     assert (decision.model is not model) == in_copy
-    assert decision.fusion.said and not recwarn.list  # the padding fact waits for the conversion
+    assert decision.fusion.recorded and not recwarn.list  # the padding fact waits for the conversion
     assert decision.converted and carry_out(decision)
     assert cache_dtype(decision.model) == ir.DataType.INT8
-    assert [str(w.message) for w in recwarn] == [str(w.message) for w in decision.fusion.said]
+    assert [str(w.message) for w in recwarn] == [str(w.message) for w in decision.fusion.recorded]
 
 
 def test_fuse_unless_attention_leaves_a_model_with_attention_alone():

@@ -1,6 +1,6 @@
 """Who can run what: capability rows, gating, the local device, ``doctor``.
 
-``onnx_kvcache.capabilities`` keeps the names of the capability table (:mod:`.table`).
+``onnx_kvcache.capabilities`` keeps the public names (``__all__``) of the 0.x capability module.
 """
 
 from __future__ import annotations

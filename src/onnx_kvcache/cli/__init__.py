@@ -1,1 +1,23 @@
-"""The ``onnx-kvcache`` command (standard library only here: the command parses before heavy imports)."""
+"""The ``onnx-kvcache`` command (standard library only here: the command parses before heavy imports).
+
+``onnx_kvcache.cli.main``, the 0.x module's one public name, still works for one release
+(it is :func:`onnx_kvcache.cli.commands.main`, with a ``DeprecationWarning``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+
+def __getattr__(name: str) -> object:
+    if name == "main":
+        warnings.warn(
+            "onnx_kvcache.cli.main moved to onnx_kvcache.cli.commands.main; the old path goes away "
+            "in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from onnx_kvcache.cli.commands import main
+
+        return main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

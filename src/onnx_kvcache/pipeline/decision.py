@@ -99,8 +99,26 @@ class EntryRules:
 
 
 ENTRIES: dict[Entry, EntryRules] = {
-    Entry.CONVERT: EntryRules(False, True, True, False, False, True, "Not converted", True),
-    Entry.OPTIMIZE: EntryRules(True, False, False, True, True, False, "KV cache not converted", False),
+    Entry.CONVERT: EntryRules(
+        fuse_in_copy=False,
+        choose_format=True,
+        refuse_nothing_to_do=True,
+        gate_fusion=False,
+        explain_target=False,
+        name_unknown_provider=True,
+        refused_head="Not converted",
+        raise_bare=True,
+    ),
+    Entry.OPTIMIZE: EntryRules(
+        fuse_in_copy=True,
+        choose_format=False,
+        refuse_nothing_to_do=False,
+        gate_fusion=True,
+        explain_target=True,
+        name_unknown_provider=False,
+        refused_head="KV cache not converted",
+        raise_bare=False,
+    ),
 }
 
 
@@ -142,7 +160,7 @@ class Fusion:
     modified: bool = False
     refusal: Refusal | None = None
     """A layer left unfused (:func:`~onnx_kvcache.passes.fusion.gqa_fusion.unfused_refusal`)."""
-    said: tuple[warnings.WarningMessage, ...] = ()
+    recorded: tuple[warnings.WarningMessage, ...] = ()
     """The fusion's warnings, recorded (``record=True``) to say once the result is kept."""
 
 
@@ -173,10 +191,6 @@ class Decision:
     def converted(self) -> bool:
         return not self.refusals
 
-    @property
-    def reasons(self) -> tuple[str, ...]:
-        return texts(self.refusals)
-
 
 def fuse_unless_attention(
     model: ir.Model, when: bool | Literal["auto"] = AUTO, *, in_copy: bool = False, record: bool = True
@@ -185,7 +199,7 @@ def fuse_unless_attention(
     no attention node (``when="auto"``), always (``True``) or never (``False``).
 
     ``in_copy`` fuses a clone (the model given stays as it is); ``record`` keeps the fusion's
-    warnings in :attr:`Fusion.said` instead of saying them (the caller's filters apply then).
+    warnings in :attr:`Fusion.recorded` instead of saying them (the caller's filters apply then).
     """
     had = bool(find_attention_sites(model, with_cache_only=False))
     if when is False or (when == AUTO and had):
@@ -194,13 +208,13 @@ def fuse_unless_attention(
         check_defined(model.graph)
         model = model.clone()
     fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
-    with warnings.catch_warnings(record=record) as said:
+    with warnings.catch_warnings(record=record) as recorded:
         if record:
             warnings.simplefilter("always")
         modified = fusion(model).modified
     refused = unfused_refusal(fusion.fused, fusion.report.refusals)
     refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
-    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(said or ()))
+    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()))
 
 
 def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
@@ -293,10 +307,10 @@ def gate(
 
 def _refused(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, bare: bool = False) -> Decision:
     """``decision`` refused with ``refusals``: ``strict`` raises (``bare``: the texts alone)."""
-    said = Message.joined(texts(refusals))
-    message = Message(head, ": ", said)
+    text = Message.joined(texts(refusals))
+    message = Message(head, ": ", text)
     if decision.request.strict:
-        raise KvCacheError(said if bare else message)
+        raise KvCacheError(text if bare else message)
     return dataclasses.replace(decision, refusals=refusals, message=message)
 
 
@@ -304,8 +318,8 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     fusion = fuse_unless_attention(request.model, request.fuse, in_copy=rules.fuse_in_copy)
-    said = scale_granularity(_said_granularity(request))  # until the model decides
-    decision = Decision(request, fusion, format=_named_format(request), granularity=said)
+    asked = scale_granularity(_asked_granularity(request))  # until the model decides
+    decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)
     if early is not None:
         return _refused(decision, rules.refused_head, (early,), bare=rules.raise_bare)
@@ -339,7 +353,7 @@ def _named_format(request: Request) -> CacheFormat | None:
     return get_format(request.format) if request.format is not None else None
 
 
-def _said_granularity(request: Request) -> str:
+def _asked_granularity(request: Request) -> str:
     """The granularity before the model decides (given, the scales' or per tensor)."""
     recorded = request.scales.granularity if request.scales is not None else None
     return request.granularity or recorded or "per_tensor"
@@ -360,8 +374,8 @@ def carry_out(decision: Decision) -> bool:
             decision.scales,
             shared_kv_scale=request.shared_kv_scale,
         )(decision.model)
-    for said in decision.fusion.said:
-        warn(said.message, said.category)
+    for recorded in decision.fusion.recorded:
+        warn(recorded.message, recorded.category)
     for warning in decision.warnings:
         warn(warning, RuntimeSupportWarning)
     return True

@@ -1,6 +1,6 @@
 """Where scales come from: scale files, calibration, and the token data it reads.
 
-``onnx_kvcache.scales`` keeps the names of the scale-file module (:mod:`.files`).
+``onnx_kvcache.scales`` keeps the public names (``__all__``) of the 0.x scale-file module, now :mod:`.files`.
 """
 
 from __future__ import annotations

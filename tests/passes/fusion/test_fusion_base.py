@@ -15,9 +15,9 @@ from onnx_kvcache.models.exported import ExportStyle
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
+    FusionRefusalCode,
     FusionReport,
     FusionResult,
-    RefusalCode,
     Refused,
     summarize_refusals,
 )
@@ -42,7 +42,7 @@ class Relus(FusionPass):
 
     def match(self, ev, graph, node):
         if node.name.startswith("odd"):
-            raise Refused(FusionRefusal(RefusalCode.IN_FUNCTION, node, "a refusal of its own"))
+            raise Refused(FusionRefusal(FusionRefusalCode.IN_FUNCTION, node, "a refusal of its own"))
         if not node.name.startswith("fuse"):
             raise Unprovable(f"{node.name} is no attention")
         return types.SimpleNamespace(node=node, mask=self.padding)
@@ -90,7 +90,7 @@ def relus_everywhere() -> ir.Model:
     return ir.Model(graph, ir_version=10, functions=[function])
 
 
-def codes(report: FusionReport) -> list[tuple[RefusalCode, str]]:
+def codes(report: FusionReport) -> list[tuple[FusionRefusalCode, str]]:
     return [(r.code, r.node.name) for r in report.refusals]
 
 
@@ -105,10 +105,10 @@ def test_the_loop_fuses_the_main_graph_and_refuses_subgraphs_and_functions(fusio
     result = fusion_pass(model)
     assert isinstance(result, FusionResult) and result.report is fusion_pass.report
     assert result.modified and fusion_pass.fused == 1
-    where = {"subgraph": RefusalCode.IN_SUBGRAPH, "function": RefusalCode.IN_FUNCTION}
+    where = {"subgraph": FusionRefusalCode.IN_SUBGRAPH, "function": FusionRefusalCode.IN_FUNCTION}
     assert codes(result.report) == [
-        (RefusalCode.IN_FUNCTION, "odd"),
-        (RefusalCode.UNPROVABLE, "plain"),
+        (FusionRefusalCode.IN_FUNCTION, "odd"),
+        (FusionRefusalCode.UNPROVABLE, "plain"),
         *((where[kind], name) for name, kind in elsewhere),
     ]
     texts = [r.text for r in result.report.refusals]
@@ -129,7 +129,9 @@ def test_attention_in_a_function_is_refused_with_its_code_and_node():
         result = fusion(model)
     (refusal,) = result.report.refusals
     (attention,) = model.functions[("local", "attend", "")]
-    assert refusal == FusionRefusal(RefusalCode.IN_FUNCTION, attention, "inside function attend (not fused)")
+    assert refusal == FusionRefusal(
+        FusionRefusalCode.IN_FUNCTION, attention, "inside function attend (not fused)"
+    )
     assert fusion.refused == [str(refusal)] == ["attention: inside function attend (not fused)"]
 
 
@@ -147,7 +149,7 @@ def test_an_unprovable_attention_is_refused_with_its_code_node_and_reason(fusion
     assert len(said) == warns and all(issubclass(w.category, KvCacheWarning) for w in said)
     assert report.fused == 0 and len(report.refusals) == 2
     for refusal in report.refusals:
-        assert refusal.code is RefusalCode.UNPROVABLE and refusal.node.graph is model.graph
+        assert refusal.code is FusionRefusalCode.UNPROVABLE and refusal.node.graph is model.graph
         assert refusal.text == "the mask is not causal (a query would see later keys)"
         assert str(refusal) == f"{refusal.node.name}: {refusal.text}"
 
@@ -156,8 +158,8 @@ def test_reports_merge_and_drop_what_a_later_rewrite_removed():
     x = ir.val("x", F, [2])
     kept, gone = relu(x, "kept"), relu(x, "gone")
     ir.Graph([x], [kept.outputs[0]], nodes=[kept])
-    first = FusionReport(2, (FusionRefusal(RefusalCode.UNPROVABLE, kept, "one"),), padded=1)
-    second = FusionReport(1, (FusionRefusal(RefusalCode.IN_SUBGRAPH, gone, "two"),), 1, 1)
+    first = FusionReport(2, (FusionRefusal(FusionRefusalCode.UNPROVABLE, kept, "one"),), padded=1)
+    second = FusionReport(1, (FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, gone, "two"),), 1, 1)
     merged = first + second
     assert (merged.fused, merged.padded, merged.padded_windows) == (3, 2, 1)
     assert merged.refused == ["kept: one", "gone: two"]
@@ -187,7 +189,7 @@ def test_refusals_of_one_rule_are_one_reason_in_the_summary():
     also_odd = Unprovable("odd")  # the same text, another rule
     raised = [_head_size_rule(12), _head_size_rule(20), odd, also_odd]
     assert raised[0].rule == raised[1].rule != odd.rule != also_odd.rule
-    refusals = [FusionRefusal(RefusalCode.UNPROVABLE, n, str(e), e.rule) for n, e in zip(nodes, raised)]
+    refusals = [FusionRefusal(FusionRefusalCode.UNPROVABLE, n, str(e), e.rule) for n, e in zip(nodes, raised)]
     said = summarize_refusals(refusals, "thing(s)")
     assert said == (
         "4 thing(s) not provably GroupQueryAttention with a KV cache: head size 12: needs a multiple "

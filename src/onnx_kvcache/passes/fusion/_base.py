@@ -6,12 +6,12 @@ A fusion (one a module, as onnxscript's ``ort_fusions``) says three things:
    nodes lazily, skipping those an earlier rewrite removed);
 2. :meth:`FusionPass.match`: the :class:`~onnx_kvcache.passes.fusion._match.AttentionMatch` a
    candidate is proven to be, or a refusal: :class:`Unprovable` from a rule (code
-   :attr:`RefusalCode.UNPROVABLE`) or :class:`Refused` with a code of its own;
+   :attr:`FusionRefusalCode.UNPROVABLE`) or :class:`Refused` with a code of its own;
 3. :meth:`FusionPass.rewrite`: write the match (by default one GroupQueryAttention node).
 
 The loop (:meth:`FusionPass.call`) lives here once. It fuses in the main graph; with
 ``reports_elsewhere`` the candidates of control-flow subgraphs and model-local functions are
-refused (:attr:`RefusalCode.IN_SUBGRAPH`, :attr:`RefusalCode.IN_FUNCTION`), not fused. Every
+refused (:attr:`FusionRefusalCode.IN_SUBGRAPH`, :attr:`FusionRefusalCode.IN_FUNCTION`), not fused. Every
 fusion returns a :class:`FusionResult` whose ``report`` (:class:`FusionReport`: fused count,
 refusals, padding facts) is also kept as the pass's ``report`` attribute; reports merge with
 ``+`` (:class:`~onnx_kvcache.passes.fusion.gqa_fusion.GqaFusionPass` merges its fusions').
@@ -24,7 +24,7 @@ __all__ = [
     "FusionRefusal",
     "FusionReport",
     "FusionResult",
-    "RefusalCode",
+    "FusionRefusalCode",
     "Refused",
     "summarize_refusals",
 ]
@@ -44,7 +44,7 @@ from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 
 
-class RefusalCode(enum.Enum):
+class FusionRefusalCode(enum.Enum):
     """Why a fusion left a candidate as it was."""
 
     UNPROVABLE = "unprovable"
@@ -59,7 +59,7 @@ class RefusalCode(enum.Enum):
 class FusionRefusal:
     """One candidate left as it was: its code, the node and the text a user reads."""
 
-    code: RefusalCode
+    code: FusionRefusalCode
     node: ir.Node
     text: str
     rule: str = ""
@@ -184,13 +184,15 @@ class FusionPass(InPlacePass, abc.ABC):
     def elsewhere(self, model: ir.Model) -> list[FusionRefusal]:
         """The candidates outside the main graph's own nodes, refused with where they are."""
         found = [
-            FusionRefusal(RefusalCode.IN_SUBGRAPH, node, "inside a control-flow subgraph (not fused)")
+            FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, node, "inside a control-flow subgraph (not fused)")
             for node in ir.traversal.RecursiveGraphIterator(model.graph)
             if node.graph is not model.graph and self.is_candidate(node)
         ]
         for function in model.functions.values():
             found += [
-                FusionRefusal(RefusalCode.IN_FUNCTION, node, f"inside function {function.name} (not fused)")
+                FusionRefusal(
+                    FusionRefusalCode.IN_FUNCTION, node, f"inside function {function.name} (not fused)"
+                )
                 for node in ir.traversal.RecursiveGraphIterator(function)
                 if self.is_candidate(node)
             ]
@@ -207,7 +209,7 @@ class FusionPass(InPlacePass, abc.ABC):
             try:
                 found = self.match(ev, graph, node)
             except Unprovable as reason:
-                refusals.append(FusionRefusal(RefusalCode.UNPROVABLE, node, str(reason), reason.rule))
+                refusals.append(FusionRefusal(FusionRefusalCode.UNPROVABLE, node, str(reason), reason.rule))
                 continue
             except Refused as refused:
                 refusals.append(refused.refusal)
@@ -234,7 +236,7 @@ def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention 
     Refusals of one rule (raised at one place: their texts differ only in the numbers or names
     they hold) are one reason, said as the first of them says it.
     """
-    groups: dict[tuple[RefusalCode, str], list[FusionRefusal]] = {}
+    groups: dict[tuple[FusionRefusalCode, str], list[FusionRefusal]] = {}
     for refusal in refused:
         groups.setdefault((refusal.code, refusal.rule), []).append(refusal)
     parts = [
