@@ -33,6 +33,7 @@ __all__ = [
     "fuse_unless_attention",
     "gate",
     "plan",
+    "inferred_format",
     "target_of",
 ]
 
@@ -244,6 +245,15 @@ def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
     if fusion.refusal is not None and (request.format is not None or rules.choose_format):
         return fusion.refusal
     return _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
+
+
+def inferred_format(
+    model: ir.Model, genai_config: Mapping[str, Any] | None, granularity: str
+) -> tuple[str, str, str | None]:
+    """``(target, how it was inferred, the first cache format it runs)`` for a model whose
+    caller named no format (the format None: the target runs no quantized cache)."""
+    target, why = infer_target(model, genai_config)
+    return target, why, default_format(model, target, granularity)
 
 
 def target_of(request: Request, model: ir.Model) -> tuple[str | None, str]:

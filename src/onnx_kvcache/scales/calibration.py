@@ -59,7 +59,6 @@ from onnx_kvcache.cache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
-from onnx_kvcache.capabilities.table import default_format, infer_target
 from onnx_kvcache.errors import (
     INTEGER,
     NUMBER,
@@ -72,6 +71,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.files._inputs import check_input_file
+from onnx_kvcache.pipeline.decision import inferred_format
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import TokenData, TokenWindows, find_tokenizer, load_token_windows
 from onnx_kvcache.scales.files import KvCacheScales
@@ -434,8 +434,7 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
     )
     format, chosen_for = choice.format, None
     if format is None:
-        target, why = infer_target(runner.source_model, runner.genai_config)
-        format = default_format(runner.source_model, target, choice.granularity)
+        target, why, format = inferred_format(runner.source_model, runner.genai_config, choice.granularity)
         if format is None:
             raise KvCacheError(
                 f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
