@@ -7,21 +7,11 @@ import json
 import numpy as np
 import onnx_ir as ir
 import pytest
+from calibration_cases import data, model  # noqa: F401  (fixtures)
 
 import onnx_kvcache.scales.calibration as calibration_module
-from onnx_kvcache import KvCacheError, build_decoder, calibrate_kv_cache, load_kv_cache_scale_file
+from onnx_kvcache import KvCacheError, calibrate_kv_cache, load_kv_cache_scale_file
 from onnx_kvcache.cli.commands import main
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_decoder(num_layers=2, vocab_size=300)
-
-
-@pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(3)
-    return [list(rng.integers(0, 300, n)) for n in (300, 125, 200)]
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
