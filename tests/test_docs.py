@@ -68,6 +68,12 @@ NOT_RUN = {
     ("docs/calibration.md", "python benchmarks/real_model.py"): (
         "a benchmark: downloads a model from PyPI and takes tens of minutes"
     ),
+    ("docs/calibration.md", "python benchmarks/int4_sensitivity.py"): (
+        "a benchmark: needs benchmarks/real_model.py's model and takes tens of minutes"
+    ),
+    ("docs/calibration.md", "python benchmarks/int4_sensitivity.py --scales FILE"): (
+        "a benchmark: needs benchmarks/real_model.py's model and takes tens of minutes"
+    ),
     ("docs/warnings.md", "filterwarnings = ["): (
         "pytest settings, not a program; tests/test_warnings.py checks this project's"
     ),

@@ -438,6 +438,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             "granularity",
             "method",
             "rope_envelope",
+            "rope_positions",
             "margin",
             "seq_len",
             "num_seqs",
@@ -739,6 +740,13 @@ _CALIBRATE = (
         dest="rope_envelope",
         action="store_false",
         help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
+    ),
+    _option(
+        "--rope-positions",
+        metavar="N",
+        type=_POSITIVE,
+        help="the longest context the scales must hold for: the attention methods' K search "
+        "assumes keys at positions below N (default: the model's whole rotary table)",
     ),
     _progress_option("calibration"),
 )

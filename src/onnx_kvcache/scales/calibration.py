@@ -295,6 +295,7 @@ def calibrate_kv_cache(
     method: str | None = None,
     percentile: float = 99.99,
     rope_envelope: bool = True,
+    rope_positions: int | None = None,
     margin: float = 1.0,
     seq_len: int = 512,
     num_seqs: int | None = None,
@@ -319,6 +320,10 @@ def calibrate_kv_cache(
             corpus (tokenized with the model's tokenizer when it has one).
         seq_len: Longer sequences are cut into windows of this length.
         num_seqs: Use at most this many windows.
+        rope_positions: Under the envelope, the context the attention methods' K search
+            assumes: keys are moved to random positions below it (default: the whole rotary
+            table). Contexts no longer than the calibration windows keep slow RoPE pairs near
+            their calibrated phase; scales chosen for them clip such pairs further out.
         sample_budget: Values kept per layer and tensor for percentile/mse.
         min_tokens: Fewer calibration tokens are an error (scales from a handful of
             tokens are noise). Random ids (no tokenizer found) warn.
@@ -326,10 +331,11 @@ def calibrate_kv_cache(
     The scales' metadata records the data source and token count.
     """
     sampling = _Sampling(seq_len, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
-    choice = _checked(_Choice(format, granularity, method, percentile, rope_envelope, margin), sampling, data)
+    asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions)
+    choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)
     loaded = _token_windows(model, data, setup.runner, sampling)
-    sampler = _Sampler.of(setup, choice.rope_envelope, sampling)
+    sampler = _Sampler.of(setup, choice, sampling)
     tokens = sampler.run(setup.runner, loaded.windows, sampling.progress)
     stats = [_layer_stats(layer, sampler, setup, choice) for layer in sampler.layers()]
     return _scales(model, setup, choice, _Measured(loaded, tokens, tuple(stats)), sampling)
@@ -345,6 +351,8 @@ class _Choice:
     percentile: float
     rope_envelope: bool
     margin: float
+    rope_positions: int | None = None
+    """Under the envelope, the context attention's K search assumes (None: the whole table)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +397,7 @@ def _check_types(choice: _Choice, sampling: _Sampling) -> None:
     ).items():
         require_type(value, INTEGER, name, "an integer")
     require_type(sampling.num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    require_type(choice.rope_positions, (*INTEGER, type(None)), "rope_positions", "an integer or None")
     for arg, number in dict(percentile=choice.percentile, margin=choice.margin).items():
         require_type(number, NUMBER, arg, "a number")
     require_type(choice.method, (str, type(None)), "method", f"a name ({', '.join(METHODS)}) or None")
@@ -409,6 +418,10 @@ def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
         raise KvCacheError(f"percentile must be in (0, 100], got {percentile}.")
     if not 0 < margin < float("inf"):
         raise KvCacheError(f"margin must be > 0 and finite, got {margin}.")
+    if choice.rope_positions is not None and choice.rope_positions < 1:
+        raise KvCacheError(
+            Param("rope_positions"), f" must be >= 1 (or None: the whole table), got {choice.rope_positions}."
+        )
     if sample_budget < 1 or min_tokens < 0:
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
@@ -501,11 +514,13 @@ class _Sampler:
     rng: np.random.Generator
     positions: np.random.Generator
     """attention's K positions (``rng`` stays the other methods')."""
+    rope_positions: int | None
+    """attention's K positions are drawn below this (None: the whole rotary table)."""
     rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None]
     reservoirs: dict[tuple[int, str], _Reservoir] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, setup: _Setup, rope_envelope: bool, sampling: _Sampling) -> _Sampler:
+    def of(cls, setup: _Setup, choice: _Choice, sampling: _Sampling) -> _Sampler:
         sites = {s.layer_id: s for s in find_attention_sites(setup.runner.source_model)}
         attention = setup.method.attention
         rope_tables = {
@@ -514,7 +529,16 @@ class _Sampler:
             if attention and site.int_attr("do_rotary")
         }
         rng, positions = np.random.default_rng(sampling.seed), np.random.default_rng([sampling.seed, 1])
-        return cls(sites, attention, rope_envelope, sampling.sample_budget, rng, positions, rope_tables)
+        return cls(
+            sites,
+            attention,
+            choice.rope_envelope,
+            sampling.sample_budget,
+            rng,
+            positions,
+            choice.rope_positions,
+            rope_tables,
+        )
 
     def layers(self) -> list[int]:
         return sorted({k[0] for k in self.reservoirs})
@@ -563,7 +587,7 @@ class _Sampler:
         if rotary is not None and (tables := self.rope_tables.get(b.layer_id)) is not None:
             # the search sees K where RoPE may put it (any position); the envelope bounds it
             bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
-            seen = _rotated_anywhere(x, tables, rotary[0], self.positions)
+            seen = _rotated_anywhere(x, tables, rotary[0], self.positions, self.rope_positions)
         rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
         key = (b.layer_id, b.kind)
         if key not in self.reservoirs:
@@ -633,9 +657,10 @@ def _scales(
 ) -> KvCacheScales:
     """The scales, their metadata recording how they were measured."""
     method, loaded, stats = setup.method.name, measured.loaded, measured.stats
-    metadata = {
+    metadata: dict[str, Any] = {
         "method": method,
         "rope_envelope": choice.rope_envelope,
+        **({"rope_positions": choice.rope_positions} if choice.rope_positions is not None else {}),
         "margin": choice.margin,
         "seq_len": sampling.seq_len,
         "num_seqs": len(loaded.windows),
@@ -745,14 +770,19 @@ def _rope_tables(site: CacheSite, length: int | None = None) -> tuple[np.ndarray
 
 
 def _rotated_anywhere(
-    x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], interleaved: bool, rng: np.random.Generator
+    x: np.ndarray,
+    tables: tuple[np.ndarray, np.ndarray],
+    interleaved: bool,
+    rng: np.random.Generator,
+    limit: int | None = None,
 ) -> np.ndarray:
     """``|K|`` ``[kv, S, D]`` (rotated at positions 0..S-1) moved to positions drawn uniformly
-    over the whole rotary table: what the cache stores for these keys anywhere in the context."""
+    over the rotary table (its first ``limit``): what the cache stores for these keys anywhere
+    in the context."""
     cos, sin = tables
     kv, length, _ = x.shape
     pre = _rope(x.transpose(1, 0, 2), cos[:length], -sin[:length], interleaved)  # undo RoPE
-    where = rng.integers(0, cos.shape[0], size=(length, kv))
+    where = rng.integers(0, min(limit or cos.shape[0], cos.shape[0]), size=(length, kv))
     return np.abs(_rope(pre, cos[where], sin[where], interleaved)).transpose(1, 0, 2)
 
 
