@@ -13,7 +13,14 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "src" / "onnx_kvcache"
-ORCHESTRATION = ["pipeline", "files/conversion.py", "scales/calibration.py", "runtime", "cli/commands.py"]
+ORCHESTRATION = [
+    "pipeline",
+    "files/conversion.py",
+    "scales/calibration.py",
+    "runtime",
+    "cli",
+    "capabilities/doctor.py",
+]
 #: documented entry points: any signature, body of at most 15 lines
 ENTRY_POINTS = {
     "convert_model",

@@ -30,7 +30,7 @@ __all__ = ["DoctorReport", "ProbeResult", "SchemaCheck", "check_schemas", "run_d
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -158,77 +158,122 @@ def _schemas() -> dict[tuple[str, str], Any]:
 def check_schemas() -> list[SchemaCheck]:
     """Each operator row against the installed onnxruntime's schema; see the module."""
     schemas = _schemas()
-    checks = []
-    for op in ATTENTION_OPS.values():
-        schema = schemas.get((op.domain, op.op_type))
-        if schema is None:
-            checks.append(SchemaCheck(op.op_type, False, (), ()))
-            continue
-        facts: list[str] = []
-        problems: list[str] = []
-        names = [i.name for i in schema.inputs]
-        wrong = [
-            f"{i} {want}!={have}" for i, (want, have) in enumerate(zip(op.inputs, names)) if want != have
-        ]
-        if len(names) < len(op.inputs):
-            wrong.append(f"the schema has {len(names)} inputs, the row {len(op.inputs)}")
-        if wrong:
-            problems.append("input names differ: " + "; ".join(wrong))
-        else:
-            facts.append(f"inputs 0-{len(op.inputs) - 1} as the row names them")
-        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
-        types = [constraints.get(i.typeStr, {i.typeStr}) for i in schema.inputs]
+    return [_check_schema(op, schemas.get((op.domain, op.op_type))) for op in ATTENTION_OPS.values()]
 
-        def allowed(slot: int, types: list[set[str]] = types) -> set[str]:
-            return types[slot] if slot < len(types) else set()
 
-        for side in op.sides:
-            scale_slot = op.slot(side.scale)
-            if "tensor(float)" not in allowed(scale_slot):
-                problems.append(f"{side.scale} (input {scale_slot}) does not take float32")
-        cache_types = allowed(op.slot(op.key.past))
-        missing = [
-            f"{f.name} ({f.dtype.name.lower()})"
-            for f in CACHE_FORMATS.values()
-            if _type_name(f.dtype) not in cache_types
-        ]
-        if missing:
-            problems.append("the cache type constraint lacks " + ", ".join(missing))
-        else:
-            facts.append(
-                f"caches ({schema.inputs[op.slot(op.key.past)].typeStr}) take "
-                + ", ".join(f"{f.name} as {f.dtype.name.lower()}" for f in CACHE_FORMATS.values())
-                + f"; scales at inputs {'/'.join(str(op.slot(s.scale)) for s in op.sides)} float32"
-            )
-        attrs = set(schema.attributes)
-        absent = [a for a in op.quant_attribute_names if a not in attrs]
-        if absent:
-            problems.append("the schema lacks attributes " + ", ".join(absent))
-        else:
-            facts.append("attributes " + ", ".join(op.quant_attribute_names))
-        if op.bit_width_attr is None:
-            stray = sorted(attrs & {"kv_cache_bit_width"})
-            if stray:
-                problems.append("the schema has kv_cache_bit_width, the row none")
-            else:
-                facts.append("no kv_cache_bit_width attribute (the element type names the format)")
-        if op.single_cache is not None:
-            attr, value = op.single_cache
-            described = attr in attrs and value in schema.attributes[attr].description
-            if not described:
-                problems.append(f"the schema does not describe {attr}={value!r}")
-            else:
-                facts.append(f"{attr}={value!r}: one cache (value inputs/attributes unset)")
-        query = allowed(op.slot("query"))
-        for row in CAPABILITIES[op.op_type].values():
-            bad = sorted(t.name.lower() for t in row.query_dtypes if _type_name(t) not in query)
-            if bad and row.runtime == "onnxruntime":
-                problems.append(f"row {row.name} lists query dtypes {bad} the schema's T does not admit")
-        facts.append(
-            "query T admits " + ", ".join(sorted(t.removeprefix("tensor(").rstrip(")") for t in query))
+def _check_schema(op: AttentionOp, schema: Any | None) -> SchemaCheck:
+    if schema is None:
+        return SchemaCheck(op.op_type, False, (), ())
+    reading = _Reading(op, schema, _allowed_types(schema))
+    for check in _SCHEMA_CHECKS:
+        check(reading)
+    return SchemaCheck(op.op_type, True, tuple(reading.facts), tuple(reading.problems))
+
+
+def _allowed_types(schema: Any) -> list[set[str]]:
+    """The type strings each of the schema's inputs admits."""
+    constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    return [constraints.get(i.typeStr, {i.typeStr}) for i in schema.inputs]
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One operator row, its installed schema, and the facts and problems found so far."""
+
+    op: AttentionOp
+    schema: Any
+    types: list[set[str]]
+    facts: list[str] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def allowed(self, slot: int) -> set[str]:
+        return self.types[slot] if slot < len(self.types) else set()
+
+
+def _check_input_names(r: _Reading) -> None:
+    op, names = r.op, [i.name for i in r.schema.inputs]
+    wrong = [f"{i} {want}!={have}" for i, (want, have) in enumerate(zip(op.inputs, names)) if want != have]
+    if len(names) < len(op.inputs):
+        wrong.append(f"the schema has {len(names)} inputs, the row {len(op.inputs)}")
+    if wrong:
+        r.problems.append("input names differ: " + "; ".join(wrong))
+    else:
+        r.facts.append(f"inputs 0-{len(op.inputs) - 1} as the row names them")
+
+
+def _check_scale_types(r: _Reading) -> None:
+    for side in r.op.sides:
+        scale_slot = r.op.slot(side.scale)
+        if "tensor(float)" not in r.allowed(scale_slot):
+            r.problems.append(f"{side.scale} (input {scale_slot}) does not take float32")
+
+
+def _check_cache_types(r: _Reading) -> None:
+    op = r.op
+    cache_types = r.allowed(op.slot(op.key.past))
+    missing = [
+        f"{f.name} ({f.dtype.name.lower()})"
+        for f in CACHE_FORMATS.values()
+        if _type_name(f.dtype) not in cache_types
+    ]
+    if missing:
+        r.problems.append("the cache type constraint lacks " + ", ".join(missing))
+    else:
+        r.facts.append(
+            f"caches ({r.schema.inputs[op.slot(op.key.past)].typeStr}) take "
+            + ", ".join(f"{f.name} as {f.dtype.name.lower()}" for f in CACHE_FORMATS.values())
+            + f"; scales at inputs {'/'.join(str(op.slot(s.scale)) for s in op.sides)} float32"
         )
-        checks.append(SchemaCheck(op.op_type, True, tuple(facts), tuple(problems)))
-    return checks
+
+
+def _check_attributes(r: _Reading) -> None:
+    absent = [a for a in r.op.quant_attribute_names if a not in set(r.schema.attributes)]
+    if absent:
+        r.problems.append("the schema lacks attributes " + ", ".join(absent))
+    else:
+        r.facts.append("attributes " + ", ".join(r.op.quant_attribute_names))
+
+
+def _check_bit_width(r: _Reading) -> None:
+    if r.op.bit_width_attr is not None:
+        return
+    if "kv_cache_bit_width" in set(r.schema.attributes):
+        r.problems.append("the schema has kv_cache_bit_width, the row none")
+    else:
+        r.facts.append("no kv_cache_bit_width attribute (the element type names the format)")
+
+
+def _check_single_cache(r: _Reading) -> None:
+    if r.op.single_cache is None:
+        return
+    attr, value = r.op.single_cache
+    if attr in set(r.schema.attributes) and value in r.schema.attributes[attr].description:
+        r.facts.append(f"{attr}={value!r}: one cache (value inputs/attributes unset)")
+    else:
+        r.problems.append(f"the schema does not describe {attr}={value!r}")
+
+
+def _check_query_types(r: _Reading) -> None:
+    query = r.allowed(r.op.slot("query"))
+    for row in CAPABILITIES[r.op.op_type].values():
+        bad = sorted(t.name.lower() for t in row.query_dtypes if _type_name(t) not in query)
+        if bad and row.runtime == "onnxruntime":
+            r.problems.append(f"row {row.name} lists query dtypes {bad} the schema's T does not admit")
+    r.facts.append(
+        "query T admits " + ", ".join(sorted(t.removeprefix("tensor(").rstrip(")") for t in query))
+    )
+
+
+#: The schema checks, in the order their facts and problems are listed.
+_SCHEMA_CHECKS: tuple[Callable[[_Reading], None], ...] = (
+    _check_input_names,
+    _check_scale_types,
+    _check_cache_types,
+    _check_attributes,
+    _check_bit_width,
+    _check_single_cache,
+    _check_query_types,
+)
 
 
 # -- probe nodes -----------------------------------------------------------------------
@@ -238,18 +283,9 @@ _HEADS, _KV, _HEAD = 4, 2, 64
 
 def _probe_model(op: AttentionOp, dtype: ir.DataType, latent: bool = False) -> ir.Model:
     """One attention node of ``op`` whose tensors are graph inputs (rotary caches inside)."""
-    np_dtype = dtype.numpy()
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, op.domain: 1}, name="doctor")
     kv = 1 if latent else _KV
-    half = 8 if latent else _HEAD // 2
-    angles = np.outer(np.arange(16), np.ones(half))
-    tables = []
-    for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
-        value = ir.Value(name=name, const_value=ir.tensor(fn(angles).astype(np_dtype), name=name))
-        value.dtype, value.shape = dtype, ir.Shape([16, half])
-        graph.register_initializer(value)
-        tables.append(value)
-    int32 = ir.DataType.INT32
+    tables = _rotary_tables(graph, dtype, 8 if latent else _HEAD // 2)
     paged = op is PAGED
     rows: list[str | int] = ["num_tokens"] if paged else ["batch", "sequence"]
     cache: list[str | int] = (
@@ -260,19 +296,9 @@ def _probe_model(op: AttentionOp, dtype: ir.DataType, latent: bool = False) -> i
     v = None if latent else ir.val("value", dtype, [*rows, kv * _HEAD])
     pk = ir.val("past_key_values.0.key", dtype, cache)
     pv = None if latent else ir.val("past_key_values.0.value", dtype, cache)
-    if paged:
-        lengths = [
-            ir.val("cumulative_sequence_lengths", int32, ["batch + 1"]),
-            ir.val("past_sequence_lengths", int32, ["batch"]),
-            ir.val("block_table", int32, ["batch", "max_blocks"]),
-        ]
-    else:
-        lengths = [ir.val("seqlens_k", int32, ["batch"]), ir.val("total_sequence_length", int32, [])]
+    lengths = _length_inputs(paged)
     graph.inputs.extend(x for x in (q, k, v, pk, pv, *lengths) if x is not None)
-    attrs: dict[str, Any] = {"num_heads": _HEADS, "kv_num_heads": kv, "do_rotary": 1}
-    if latent:
-        attrs |= {"kv_cache_layout": "LATENT", "v_head_size": _HEAD - 16, "rotary_offset": _HEAD - 16}
-        attrs["scale"] = float(1 / np.sqrt(_HEAD))
+    attrs = _probe_attributes(kv, latent)
     width = _HEADS * (attrs.get("v_head_size") or _HEAD)
     outputs = [ir.val("output", dtype, [*rows, width]), ir.val("present.0.key", dtype, cache)]
     if not latent:
@@ -288,6 +314,38 @@ def _probe_model(op: AttentionOp, dtype: ir.DataType, latent: bool = False) -> i
     graph.append(node)
     graph.outputs.extend(outputs)
     return ir.Model(graph, ir_version=10)
+
+
+def _rotary_tables(graph: ir.Graph, dtype: ir.DataType, half: int) -> list[ir.Value]:
+    """``cos_cache`` and ``sin_cache`` of 16 positions, registered as ``graph``'s initializers."""
+    angles = np.outer(np.arange(16), np.ones(half))
+    tables = []
+    for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
+        value = ir.Value(name=name, const_value=ir.tensor(fn(angles).astype(dtype.numpy()), name=name))
+        value.dtype, value.shape = dtype, ir.Shape([16, half])
+        graph.register_initializer(value)
+        tables.append(value)
+    return tables
+
+
+def _length_inputs(paged: bool) -> list[ir.Value]:
+    """The sequence-length inputs: PagedAttention's three, or GroupQueryAttention's two."""
+    int32 = ir.DataType.INT32
+    if paged:
+        return [
+            ir.val("cumulative_sequence_lengths", int32, ["batch + 1"]),
+            ir.val("past_sequence_lengths", int32, ["batch"]),
+            ir.val("block_table", int32, ["batch", "max_blocks"]),
+        ]
+    return [ir.val("seqlens_k", int32, ["batch"]), ir.val("total_sequence_length", int32, [])]
+
+
+def _probe_attributes(kv: int, latent: bool) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"num_heads": _HEADS, "kv_num_heads": kv, "do_rotary": 1}
+    if latent:
+        attrs |= {"kv_cache_layout": "LATENT", "v_head_size": _HEAD - 16, "rotary_offset": _HEAD - 16}
+        attrs["scale"] = float(1 / np.sqrt(_HEAD))
+    return attrs
 
 
 def _converted(
@@ -420,34 +478,41 @@ def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
                     table, runs = _table_cell(row, fmt, g)
                     provider = row.provider if on_here else "CPUExecutionProvider"
                     kind, message = probe(op, dtype, fmt, g, latent, provider)
-                    results.append(_verdict(op, row, label, table, runs, on_here, kind, message, dtype))
+                    asked = _Probe(op, row, dtype, label, table, runs, on_here)
+                    results.append(_verdict(asked, kind, message))
     return DoctorReport(
         installed_ort_version(), tuple(present), tuple(absent), tuple(schemas), tuple(results)
     )
 
 
-def _verdict(
-    op: AttentionOp,
-    row: EpCapabilities,
-    label: str,
-    table: str,
-    runs: bool,
-    on_here: bool,
-    kind: str,
-    message: str,
-    dtype: ir.DataType,
-) -> ProbeResult:
-    t = dtype.name.lower()
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """One provider row x cache as probed: the node's dtype, the table's cell, where it ran."""
+
+    op: AttentionOp
+    row: EpCapabilities
+    dtype: ir.DataType
+    label: str
+    table: str
+    runs: bool
+    on_here: bool
+
+    def result(self, outcome: str, verdict: Verdict) -> ProbeResult:
+        return ProbeResult(self.op.op_type, self.row.name, self.label, self.table, outcome, verdict)
+
+
+def _verdict(probe: _Probe, kind: str, message: str) -> ProbeResult:
+    t = probe.dtype.name.lower()
     if kind == "rejected":
         outcome = f"{t} node rejected: {message}"
-        return ProbeResult(op.op_type, row.name, label, table, outcome, "disagrees")
-    if not on_here:
+        return probe.result(outcome, "disagrees")
+    if not probe.on_here:
         outcome = f"types resolve ({t}, checked on CPU); kernel not run here"
-        return ProbeResult(op.op_type, row.name, label, table, outcome, "schema only")
+        return probe.result(outcome, "schema only")
     if kind == "created":
         outcome = f"session created ({t})"
-        verdict: Verdict = "proven" if runs else "disagrees"
+        verdict: Verdict = "proven" if probe.runs else "disagrees"
     else:
         outcome = f"NOT_IMPLEMENTED only ({t}): types resolve, no kernel"
-        verdict = "disagrees" if runs else "proven"
-    return ProbeResult(op.op_type, row.name, label, table, outcome, verdict)
+        verdict = "disagrees" if probe.runs else "proven"
+    return probe.result(outcome, verdict)

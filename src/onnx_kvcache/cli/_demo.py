@@ -9,12 +9,13 @@ from __future__ import annotations
 
 __all__ = ["DEMO_VARIANTS", "run_demo"]
 
+import dataclasses
 import hashlib
 import os
 import pathlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import onnx_ir as ir
 from tqdm import tqdm
@@ -61,70 +62,114 @@ def run_demo(
     with tempfile.TemporaryDirectory(prefix="onnx-kvcache-demo-") as tmp:
         folder = pathlib.Path(keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        baseline = folder / "model.onnx"
-        graph = ir.to_proto(build_decoder()).SerializeToString()
-        if keep is not None:  # recorded first: a demo stopped at any point leaves a folder it accepts
-            record_demo_folder(folder, {baseline.name: hashlib.sha256(graph).hexdigest()})
-        atomic_write_bytes(baseline, graph)
+        demo = _Demo(folder, keep is not None)
+        baseline = _write_baseline(demo)
         info = inspect_kv_cache(ir.load(baseline))
-        where = (
-            f"in {folder}"
-            if keep
-            else Message("in a temporary folder (", Param("keep", placeholder="DIR"), " keeps them)")
+        echo(
+            Message(
+                f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models ", _where(keep, folder)
+            )
         )
-        echo(Message(f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models ", where))
         corpus = [corpus_byte_ids()]  # what the decoder's byte-level tokenizer makes of the corpus
+        reports = _evaluate_variants(demo, baseline, corpus, progress)
         rows = [_HEADER, ("float32", "-", "-", "cpu (native)", f"{info.bytes_per_token:g}", *"----")]
-        reports = []
-        bar = tqdm(DEMO_VARIANTS, desc="demo", unit="model", leave=False, disable=None if progress else True)
-        for fmt, granularity, method in bar:
-            bar.set_postfix_str(f"{fmt} {granularity}")
-            scales = calibrate_kv_cache(
-                baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
-            )
-            out = folder / f"model.{fmt}.{granularity}.onnx"
-            if keep is not None:
-                record_demo_folder(folder, {out.name: CONVERTED})
-            convert_model(
-                baseline,
-                out,
-                format=fmt,
-                granularity=granularity,
-                scales=scales,
-                overwrite=True,
-                ep=None,  # fp8 of a float32 model, for evaluation through CPU emulation
-                progress=False,
-            )
-            if keep is not None:
-                record_demo_folder(folder)
-            report = evaluate_kv_cache(baseline, out, corpus, max_new_tokens=_NEW_TOKENS, progress=False)
-            reports.append(report)
-            rows.append(
-                (
-                    fmt,
-                    granularity,
-                    method,
-                    report.kernel_rule.replace("onnxruntime CPU kernel", "native"),
-                    f"{report.candidate_bytes_per_token:g}",
-                    f"{report.kl_mean:.2e}",
-                    f"{report.kl_max:.2e}",
-                    f"{report.top1_agreement:.1%}",
-                    f"{report.greedy_match_share:.1%}",
-                )
-            )
-        bar.close()  # cleared: nothing is left above the table
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        echo("")
-        for row in rows:
-            echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        echo("")
-        echo(
-            f"B/token: cache bytes per token; KL mean/max, top-1: next token vs float32 over "
-            f"{reports[0].positions} positions; greedy: share of {_NEW_TOKENS} greedy tokens matching"
-        )
-        echo(
-            "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated); calibrated and "
-            "evaluated on the built-in corpus (byte-level ids)"
-        )
+        rows += [_row(variant, report) for variant, report in zip(DEMO_VARIANTS, reports)]
+        _print_table(rows, reports, echo)
         echo(f"done in {time.perf_counter() - start:.1f}s")
     return reports
+
+
+@dataclasses.dataclass(frozen=True)
+class _Demo:
+    """Where the demo writes, and whether it records the folder (a kept one)."""
+
+    folder: pathlib.Path
+    recorded: bool
+
+    def record(self, pending: Mapping[str, str] | None = None) -> None:
+        if self.recorded:
+            record_demo_folder(self.folder, pending)
+
+
+def _write_baseline(demo: _Demo) -> pathlib.Path:
+    """The bundled decoder written as ``model.onnx``, recorded first when the folder is kept."""
+    baseline = demo.folder / "model.onnx"
+    graph = ir.to_proto(build_decoder()).SerializeToString()
+    demo.record(
+        {baseline.name: hashlib.sha256(graph).hexdigest()}
+    )  # a stopped demo leaves a folder it accepts
+    atomic_write_bytes(baseline, graph)
+    return baseline
+
+
+def _where(keep: str | os.PathLike | None, folder: pathlib.Path) -> str:
+    if keep:
+        return f"in {folder}"
+    return Message("in a temporary folder (", Param("keep", placeholder="DIR"), " keeps them)")
+
+
+def _evaluate_variants(
+    demo: _Demo, baseline: pathlib.Path, corpus: list[list[int]], progress: bool
+) -> list[EvaluationReport]:
+    """Each of :data:`DEMO_VARIANTS` calibrated, converted and evaluated, under one progress bar."""
+    reports = []
+    bar = tqdm(DEMO_VARIANTS, desc="demo", unit="model", leave=False, disable=None if progress else True)
+    for fmt, granularity, method in bar:
+        bar.set_postfix_str(f"{fmt} {granularity}")
+        reports.append(_evaluate_variant(demo, baseline, corpus, fmt, granularity, method))
+    bar.close()  # cleared: nothing is left above the table
+    return reports
+
+
+def _evaluate_variant(
+    demo: _Demo, baseline: pathlib.Path, corpus: list[list[int]], fmt: str, granularity: str, method: str
+) -> EvaluationReport:
+    scales = calibrate_kv_cache(
+        baseline, corpus, format=fmt, granularity=granularity, method=method, progress=False
+    )
+    out = demo.folder / f"model.{fmt}.{granularity}.onnx"
+    demo.record({out.name: CONVERTED})
+    convert_model(
+        baseline,
+        out,
+        format=fmt,
+        granularity=granularity,
+        scales=scales,
+        overwrite=True,
+        ep=None,  # fp8 of a float32 model, for evaluation through CPU emulation
+        progress=False,
+    )
+    demo.record()
+    return evaluate_kv_cache(baseline, out, corpus, max_new_tokens=_NEW_TOKENS, progress=False)
+
+
+def _row(variant: tuple[str, str, str], report: EvaluationReport) -> tuple[str, ...]:
+    """One table row: the variant, its kernel rule and figures."""
+    return (
+        *variant,
+        report.kernel_rule.replace("onnxruntime CPU kernel", "native"),
+        f"{report.candidate_bytes_per_token:g}",
+        f"{report.kl_mean:.2e}",
+        f"{report.kl_max:.2e}",
+        f"{report.top1_agreement:.1%}",
+        f"{report.greedy_match_share:.1%}",
+    )
+
+
+def _print_table(
+    rows: list[tuple[str, ...]], reports: list[EvaluationReport], echo: Callable[[str], None]
+) -> None:
+    """The rows in aligned columns, then the legend."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    echo("")
+    for row in rows:
+        echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    echo("")
+    echo(
+        f"B/token: cache bytes per token; KL mean/max, top-1: next token vs float32 over "
+        f"{reports[0].positions} positions; greedy: share of {_NEW_TOKENS} greedy tokens matching"
+    )
+    echo(
+        "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated); calibrated and "
+        "evaluated on the built-in corpus (byte-level ids)"
+    )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 __all__ = ["optimize_model"]
 
-from typing import Any, Literal
+import dataclasses
+from typing import Literal
 
 import onnx_ir as ir
 
@@ -95,24 +96,52 @@ def _format_and_scales(
     return fmt, read
 
 
-def _request(model: ModelLike, options: dict[str, Any], fmt: str | None) -> Request:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """``optimize_model``'s keyword arguments, in its signature's order."""
+
+    execution_provider: str | None
+    fp8_kv_cache: bool
+    kv_cache_format: str | None
+    kv_cache_granularity: str | None
+    kv_cache_scales: ScalesLike
+    fuse_attention: bool | Literal["auto"]
+    check_device: bool
+    strict: bool
+    shared_kv_scale: bool
+
+
+def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
     """The decision's request for ``optimize_model``'s arguments (``options``: the rest)."""
     model = as_model(model)
-    shared = options["shared_kv_scale"]
-    granularity = options["kv_cache_granularity"]
-    fmt, scales = _format_and_scales(model, fmt, options["kv_cache_scales"], granularity, shared)
+    shared = options.shared_kv_scale
+    granularity = options.kv_cache_granularity
+    fmt, scales = _format_and_scales(model, fmt, options.kv_cache_scales, granularity, shared)
     return Request(
         model,
         Entry.OPTIMIZE,
         fmt,
         resolve_granularity(granularity, scales) if granularity is not None else None,
         scales,
-        options["execution_provider"],
-        fuse=options["fuse_attention"],
-        check_device=options["check_device"],
-        strict=options["strict"],
+        options.execution_provider,
+        fuse=options.fuse_attention,
+        check_device=options.check_device,
+        strict=options.strict,
         shared_kv_scale=shared,
     )
+
+
+def _optimize(model: ModelLike, options: _Options) -> ir.Model:
+    """Check, decide and carry out ``optimize_model``'s request; the model it returns."""
+    with speaking(OPTIMIZE_MODEL):
+        fmt = _check_options(
+            options.execution_provider, options.fp8_kv_cache, options.kv_cache_format, options.fuse_attention
+        )
+        request = _request(model, options, fmt)
+        decision = decide(request)
+        if carry_out(decision):
+            _commit(request.model, decision.model)
+        return request.model
 
 
 def optimize_model(
@@ -157,11 +186,15 @@ def optimize_model(
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
         warning, as it was.
     """
-    options = dict(locals())
-    with speaking(OPTIMIZE_MODEL):
-        fmt = _check_options(execution_provider, fp8_kv_cache, kv_cache_format, fuse_attention)
-        request = _request(options.pop("model"), options, fmt)
-        decision = decide(request)
-        if carry_out(decision):
-            _commit(request.model, decision.model)
-        return request.model
+    options = _Options(
+        execution_provider,
+        fp8_kv_cache,
+        kv_cache_format,
+        kv_cache_granularity,
+        kv_cache_scales,
+        fuse_attention,
+        check_device,
+        strict,
+        shared_kv_scale,
+    )
+    return _optimize(model, options)
