@@ -8,6 +8,7 @@ import pytest
 from onnx_kvcache import KvCacheError, KvCacheRunner, build_decoder, calibrate_kv_cache
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.scales._attention_error import scale_grid
 from onnx_kvcache.scales._clip_search import LayerSample, _error, _Node, _stored_k, collect, refine
 from onnx_kvcache.scales.calibration import DEFAULT_METHODS, _rope_tables
 
@@ -58,14 +59,10 @@ def test_held_out_error_is_never_above_attentions(decoder, windows, granularity,
         node = _Node(32**-0.5, 0.0, -1, tables[layer], False)
         kv, _, head = layer_samples[0].k.shape
 
-        def grid(s, kv=kv, head=head):
-            s = np.asarray(s, np.float32).ravel()
-            return s.reshape(kv, 1, head) if s.size > 1 else s.reshape(1, 1, 1)
-
         check = layer_samples[-1:]
         new, old = (
-            _error(check, grid(ks), grid(vs), fmt, node),
-            _error(check, grid(ks0), grid(vs0), fmt, node),
+            _error(check, scale_grid(ks, kv, head), scale_grid(vs, kv, head), fmt, node),
+            _error(check, scale_grid(ks0, kv, head), scale_grid(vs0, kv, head), fmt, node),
         )
         assert new <= old
         if not (np.array_equal(ks, ks0) and np.array_equal(vs, vs0)):

@@ -19,7 +19,7 @@ Used to diagnose what a calibration loses, layer by layer (``benchmarks/attentio
 
 from __future__ import annotations
 
-__all__ = ["AttentionError", "attention_error", "attention_output", "rope"]
+__all__ = ["AttentionError", "attention_error", "attention_output", "rope", "scale_grid"]
 
 import dataclasses
 import functools
@@ -93,7 +93,7 @@ class AttentionError:
         return self.both / self.norm, self.key / self.norm, self.value / self.norm
 
 
-def _per_channel(scale: np.ndarray, kv: int, head: int) -> np.ndarray:
+def scale_grid(scale: np.ndarray, kv: int, head: int) -> np.ndarray:
     """A scale (1 element, or ``kv * head`` channels) shaped to broadcast over ``[kv, S, D]``."""
     scale = np.asarray(scale, np.float32).ravel()
     return scale.reshape(kv, 1, head) if scale.size > 1 else scale.reshape(1, 1, 1)
@@ -118,8 +118,8 @@ def attention_error(
     kv, _, head = k.shape
     attend = functools.partial(attention_output, q, scale=scale, picks=picks, softcap=softcap, window=window)
     out, p = attend(k, v)
-    kq = fmt.round_trip(k, _per_channel(k_scale, kv, head))
-    vq = fmt.round_trip(v, _per_channel(v_scale, kv, head))
+    kq = fmt.round_trip(k, scale_grid(k_scale, kv, head))
+    vq = fmt.round_trip(v, scale_grid(v_scale, kv, head))
     rows = list(exact_rows)
     kq[:, rows], vq[:, rows] = k[:, rows], v[:, rows]
     both, key, value = (float(((attend(a, b)[0] - out) ** 2).sum()) for a, b in ((kq, vq), (kq, v), (k, vq)))

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from onnx_kvcache.cache.formats import CacheFormat
-from onnx_kvcache.scales._attention_error import attention_output
+from onnx_kvcache.scales._attention_error import attention_output, scale_grid
 from onnx_kvcache.scales._attention_error import rope as _rope
 
 K_MULTIPLIERS = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.4)
@@ -55,11 +55,6 @@ class _Node:
     window: int
     tables: tuple[np.ndarray, np.ndarray] | None
     interleaved: bool
-
-
-def _grid(scale: np.ndarray, kv: int, head: int) -> np.ndarray:
-    scale = np.asarray(scale, np.float32).ravel()
-    return scale.reshape(kv, 1, head) if scale.size > 1 else scale.reshape(1, 1, 1)
 
 
 def _stored_k(s: LayerSample, k_scale: np.ndarray, fmt: CacheFormat, node: _Node) -> np.ndarray:
@@ -132,7 +127,7 @@ def refine(
     held = max(1, len(samples) // 4)
     fit, check = samples[:-held], samples[-held:]
     kv, _, head = samples[0].k.shape
-    ks0, vs0 = _grid(k_scale, kv, head), _grid(v_scale, kv, head)
+    ks0, vs0 = scale_grid(k_scale, kv, head), scale_grid(v_scale, kv, head)
     k_errors = [_error(fit, ks0 * np.float32(m), vs0, fmt, node) for m in K_MULTIPLIERS]
     ks = (ks0 * np.float32(K_MULTIPLIERS[int(np.argmin(k_errors))])).astype(np.float32)
     vs = _v_search(fit, ks, vs0.shape, fmt, node)
