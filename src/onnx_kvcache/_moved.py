@@ -2,20 +2,21 @@
 
 ``import onnx_kvcache.formats`` gives the module object of :mod:`onnx_kvcache.cache.formats` itself
 (so a monkeypatch on either name reaches the same code), after a :class:`DeprecationWarning`
-that names the new path. Standard library only: the package installs the finder on import.
+that names the new path. Standard library only, and light: the package installs the finder on
+import, so the command's start-up pays for it (``importlib.abc`` alone costs 20-40 ms: the
+finder and loader implement its protocols without subclassing it).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 import types
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["MOVED_MODULES", "install", "moved"]
+__all__ = ["MOVED_MODULES", "announce", "install", "moved"]
 
 #: old module path -> new module path (public modules only; private ones moved without a shim)
 MOVED_MODULES: dict[str, str] = {
@@ -42,18 +43,23 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
-def moved(old: str, stacklevel: int) -> types.ModuleType:
-    """The module ``old`` (a key of :data:`MOVED_MODULES`) now is, with the warning that says
-    so, attributed ``stacklevel`` frames up (the caller's line)."""
-    new = MOVED_MODULES[old]
+def announce(old: str, new: str, stacklevel: int) -> None:
+    """The :class:`DeprecationWarning` of a 0.x name; ``stacklevel`` as ``warnings.warn`` would
+    take it where this is called."""
     message = f"{old} moved to {new}; the old path goes away in the next release"
-    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def moved(old: str, stacklevel: int) -> types.ModuleType:
+    """The module ``old`` (a key of :data:`MOVED_MODULES`) now is, with its warning
+    attributed ``stacklevel`` frames up (the caller's line)."""
+    new = MOVED_MODULES[old]
+    announce(old, new, stacklevel)
     return importlib.import_module(new)
 
 
-class _Alias(importlib.abc.Loader):
-    def __init__(self, target: str) -> None:
-        self.target = target
+class _Alias:
+    """The loader of a moved path: the new module itself (``importlib.abc.Loader``'s protocol)."""
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return moved(spec.name, stacklevel=3)
@@ -62,12 +68,15 @@ class _Alias(importlib.abc.Loader):
         """The target module ran when it was imported."""
 
 
-class _MovedFinder(importlib.abc.MetaPathFinder):
+class _MovedFinder:
+    """Finds the moved paths (``importlib.abc.MetaPathFinder``'s protocol)."""
+
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        new = MOVED_MODULES.get(fullname)
-        return None if new is None else importlib.machinery.ModuleSpec(fullname, _Alias(new))
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Alias())  # type: ignore[arg-type]  # the protocol
 
 
 def install() -> None:

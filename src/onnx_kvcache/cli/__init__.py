@@ -6,17 +6,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 
 def __getattr__(name: str) -> object:
     if name == "main":
-        warnings.warn(
-            "onnx_kvcache.cli.main moved to onnx_kvcache.cli.commands.main; the old path goes away "
-            "in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        from onnx_kvcache._moved import announce
+
+        announce("onnx_kvcache.cli.main", "onnx_kvcache.cli.commands.main", stacklevel=2)
         from onnx_kvcache.cli.commands import main
 
         return main
