@@ -87,9 +87,9 @@ def test_without_a_gpu_it_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out.startswith("GPU: none found; compute capability ?; driver ?; onnxruntime")
     lines = err.strip().splitlines()
-    assert (
-        len(lines) == 1 and lines[0].startswith("cuda_check: ") and "pip install onnxruntime-gpu" in lines[0]
-    )
+    assert len(lines) == 1 and lines[0].startswith("cuda_check: ")
+    # onnxruntime without CUDA (this CI): how to install it; onnxruntime-gpu: the GPU is missing
+    assert "pip install onnxruntime-gpu" in lines[0] or "NVIDIA GPU and its driver" in lines[0]
     assert not (tmp_path / "report.json").exists()
 
 
