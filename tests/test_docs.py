@@ -80,6 +80,10 @@ NOT_RUN = {
     ("docs/calibration.md", "python benchmarks/attention_error.py"): (
         "a benchmark: needs the model benchmarks/real_model.py downloads and builds"
     ),
+    ("docs/capabilities.md", "pip install"): "installs onnxruntime-gpu and this package on the GPU machine",
+    ("docs/capabilities.md", "python benchmarks/cuda_check.py"): (
+        "needs a CUDA GPU (tests/test_cuda_check.py runs its dry run, preflight, models and CPU side)"
+    ),
 }
 
 SHELLS = ("bash", "sh", "console")
