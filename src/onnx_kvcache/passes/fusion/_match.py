@@ -743,8 +743,11 @@ class GqaWriter:
             out = self._reorder(
                 out, order.scatter, site.num_heads * site.head_size, at, "padding_order/output"
             )
-        dead = self._rewire_output(site, out)
+        named = next((i for i, v in enumerate(self.graph.outputs) if v is site.output), None)
+        bsh = len(self._try_shape(site.query)) == 3  # a 3-D attention's output is BSH already
+        dead = [] if bsh else self._rewire_output(site, out)
         replaced = [
+            *([(site.output, out)] if bsh else []),
             self._present(site.key, gqa.outputs[GqaOutput.PRESENT_KEY], at),
             self._present(site.value, gqa.outputs[GqaOutput.PRESENT_VALUE], at),
         ]
@@ -765,6 +768,8 @@ class GqaWriter:
         remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
+        if named is not None:  # the attention output was a graph output: its name stays
+            self.graph.outputs[named].name = site.output.name
         return gqa
 
     def _present(self, link: CacheLink, present: ir.Value, at: ir.Node) -> tuple[ir.Value, ir.Value]:
@@ -790,9 +795,6 @@ class GqaWriter:
         width = site.num_heads * site.head_size
         q_dims = self._try_shape(site.query)
         dead: list[ir.Node | None] = []
-        if len(q_dims) == 3:  # a 3-D attention's output is BSH already
-            site.output.replace_all_uses_with(out, replace_graph_outputs=True)
-            return dead
         for user, _ in list(site.output.uses()):
             if user.op_type != "Transpose" or list(user.attributes["perm"].as_ints()) != [0, 2, 1, 3]:
                 continue

@@ -195,7 +195,12 @@ def _mask_facts(
     if mask is not None:
         columns = ev.shape(mask)[-1] if ev.shape(mask) else ONE
         fit = columns != total
-        cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+        try:
+            cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+        except Unprovable as reason:
+            raise Unprovable(
+                f"attn_mask {mask.name!r} is not a provable causal/padding mask: {reason}"
+            ) from None
     if _attr(node, "is_causal", 0):  # bottom-right: offset = past_sequence_length
         cond = cond & Conj.of(Le(Affine.of(KEY) - Affine.of(QUERY) - past))
     facts = mask_facts(cond, past=past, batch=batch)
