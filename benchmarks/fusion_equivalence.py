@@ -1,11 +1,17 @@
 """How exactly fused exports match their originals, per architecture shape and padding.
 
-    python benchmarks/fusion_equivalence.py [--torchscript]
+    python benchmarks/fusion_equivalence.py [--torchscript | --cached-attention [MODEL ...]]
 
 ``--torchscript`` prints only the TorchScript (optimum / onnx-community) forms instead:
 tests/data/optimum_llama and the builder's ``optimum-*`` presets (2 layers, window 64),
 for one sequence, a left-padded batch of two, and a 70-token prefill (longer than the
 window) with three decode steps.
+
+``--cached-attention`` prints only the ONNX ``Attention`` holding its own cache:
+tests/data/mobius_llama_default (or the MODEL files given, e.g. other mobius default
+builds), for one sequence, a batch of two right- and left-padded, then the logits of an
+int8 cache (onnxruntime CPU) and an fp8 cache (the CUDA rule, emulated) against the fused
+float model, scales calibrated on 256 random token ids.
 
 For the torch export in tests/data and the exported builder's shapes (opset 23, and
 opset 20 decomposed), runs the original and the fused model over a 7-token prefill and
@@ -86,11 +92,57 @@ def torchscript() -> None:
             print(f"| {name} | {prompt} | {worst['logits']:.1e} | {worst['present']:.1e} |")
 
 
+def cached_attention(paths: list[str]) -> None:
+    files = [pathlib.Path(p) for p in paths] or [
+        ROOT / "tests" / "data" / "mobius_llama_default" / "model.onnx"
+    ]
+    print("| model | prompt | logits | presents |")
+    print("|---|---|---|---|")
+    for path in files:
+        path = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+        fused = ir.load(ROOT / path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = GqaFusionPass()(fused).report
+        if report.refusals:
+            print(f"| {path} | refused | {report.refused[0]} | |")
+            continue
+        for prompt in ("single", "right_padded", "left_padded"):
+            worst = max_differences(
+                generate(ir.load(ROOT / path), PROMPTS[prompt]), generate(fused, PROMPTS[prompt])
+            )
+            print(f"| {path} | {prompt} | {worst['logits']:.1e} | {worst['present']:.1e} |")
+        vocab = next(v for v in fused.graph.outputs if v.name == "logits").shape[-1]
+        calibration = [list(np.random.default_rng(7).integers(0, vocab, 128)) for _ in range(2)]
+        ids = np.random.default_rng(1).integers(0, vocab, 7)
+        for fmt, target in (("int8", "cpu"), ("fp8", None)):
+            scales = calibrate_kv_cache(fused, calibration, format=fmt, seq_len=128, progress=False)
+            model = ir.load(ROOT / path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                optimize_model(model, execution_provider=target, kv_cache_format=fmt, kv_cache_scales=scales)
+            want, got = KvCacheRunner(fused), KvCacheRunner(model, semantics="cuda" if fmt == "fp8" else None)
+            a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
+            for token in (5, 17, 99):
+                a.append(want.step(token)[0])
+                b.append(got.step(token)[0])
+            diff = float(np.abs(np.stack(a) - np.stack(b)).max())
+            rel = diff / float(np.abs(np.stack(a)).max())
+            print(f"| {path} | {fmt} ({got.kernel_rule}) vs float | {diff:.2e} | {rel:.1%} of max |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--torchscript", action="store_true", help="only the TorchScript (optimum) forms")
-    if parser.parse_args().torchscript:
+    parser.add_argument(
+        "--cached-attention", nargs="*", metavar="MODEL", help="only ONNX Attention with a cache"
+    )
+    args = parser.parse_args()
+    if args.torchscript:
         torchscript()
+        return
+    if args.cached_attention is not None:
+        cached_attention(args.cached_attention)
         return
     print("| shape | prompt | logits | presents |")
     print("|---|---|---|---|")

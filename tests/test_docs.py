@@ -525,7 +525,7 @@ def _spans(page: pathlib.Path) -> list[str]:
 
 OPTION = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
 #: Options of other tools that the pages name.
-FOREIGN_OPTIONS = {"--extra_options": "onnxruntime-genai's model builder"}
+FOREIGN_OPTIONS = {"--extra_options": "onnxruntime-genai's model builder", "--features": "mobius build"}
 
 
 def _benchmark_options() -> dict[str, set[str]]:

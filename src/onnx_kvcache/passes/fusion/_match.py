@@ -19,7 +19,8 @@ exporter's attention and build an :class:`AttentionMatch` from facts proven with
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
   term, the attention ignores the attention mask and so does the fused node.
 - **Shapes.** 4-D (BNSH) Q, K, V; static head counts; a head size that is a multiple
-  of 8 (GQA's requirement), the same for V.
+  of 8 (GQA's requirement), the same for V. (An ONNX ``Attention`` holding its own cache
+  may take 3-D (BSH) Q, K, V, which GQA reads as they are, and its output is BSH.)
 
 GQA takes ``seqlens_k = max(sum(attention_mask != 0, axis=1) - 1, 0)`` (a row without a token
 reads as one, which only padding attends to) and
@@ -372,6 +373,10 @@ class AttentionMatch:
     softcap: float = 0.0
     probs: ir.Value | None = None
     """A softmax output to deliver as GQA's ``output_qk`` (``qk_output=2``)."""
+    fit_mask: bool = False
+    """The padding input's columns are fitted to the cache's ``P + S`` (cut, or zeros
+    appended): an ONNX ``Attention`` with its own cache reads a mask with fewer key columns
+    as padded with ``-inf``, and its mask's width is not provably ``P + S``."""
 
 
 def check_shapes(
@@ -485,7 +490,8 @@ class GqaWriter:
             width = self._add(at, "Shape", [mask], "attention_mask/Shape", start=1, end=2)
         else:
             past = self._add(at, "Shape", [site.key.past], "cache/past_length", start=2, end=3)
-            new = self._add(at, "Shape", [site.query], "cache/new_length", start=2, end=3)
+            axis = _seq_axis(self.ev, site.query)
+            new = self._add(at, "Shape", [site.query], "cache/new_length", start=axis, end=axis + 1)
             width = self._add(at, "Add", [past, new], "cache/total")
             batch = self._add(at, "Shape", [site.query], "cache/batch", start=0, end=1)
             one = self._const(at, np.array([1], np.int64), "cache/one")
@@ -499,10 +505,17 @@ class GqaWriter:
         self._lengths[key] = (seqlens, total)
         return seqlens, total
 
-    @staticmethod
-    def _padding_key(site: AttentionMatch) -> str | None:
-        """The padding input, and for a cropped cache the columns of it that the layer reads."""
-        if site.mask.padding is None or site.key.window is None:
+    def _padding_key(self, site: AttentionMatch) -> str | None:
+        """The padding input, and for a cropped cache or a fitted mask the columns of it
+        that the layer reads."""
+        if site.mask.padding is None:
+            return None
+        if site.fit_mask:
+            width = (
+                self.ev.shape(site.key.past)[2] + self.ev.shape(site.query)[_seq_axis(self.ev, site.query)]
+            )
+            return f"{site.mask.padding}|columns:{width}"
+        if site.key.window is None:
             return site.mask.padding
         return f"{site.mask.padding}|first columns:{site.key.past.name}"
 
@@ -510,6 +523,8 @@ class GqaWriter:
         """The padding input; for a cropped cache its first ``past + seq`` columns (the
         columns the export's mask reads: one per row of the uncropped cache)."""
         mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
+        if site.fit_mask:
+            return self._fitted_mask(site, mask, at)
         if site.key.window is None:
             return mask
         past = self._add(at, "Shape", [site.key.past], "window_mask/past_length", start=2, end=3)
@@ -520,6 +535,25 @@ class GqaWriter:
         columns = self._add(at, "Slice", [mask, zero, width, axes], "window_mask/columns")
         columns.type, columns.shape = mask.type, ir.Shape([mask.shape[0] if mask.shape else None, None])
         return columns
+
+    def _fitted_mask(self, site: AttentionMatch, mask: ir.Value, at: ir.Node) -> ir.Value:
+        """``mask`` with exactly ``P + S`` columns: cut, or zeros (padding) appended."""
+        axis = _seq_axis(self.ev, site.query)
+        past = self._add(at, "Shape", [site.key.past], "fit_mask/past_length", start=2, end=3)
+        new = self._add(at, "Shape", [site.query], "fit_mask/new_length", start=axis, end=axis + 1)
+        width = self._add(at, "Add", [past, new], "fit_mask/width")
+        have = self._add(at, "Shape", [mask], "fit_mask/columns", start=1, end=2)
+        zero = self._const(at, np.array([0], np.int64), "fit_mask/zero")
+        short = self._add(
+            at, "Max", [self._add(at, "Sub", [width, have], "fit_mask/missing"), zero], "fit_mask/short"
+        )
+        front = self._const(at, np.array([0, 0, 0], np.int64), "fit_mask/front")
+        pads = self._add(at, "Concat", [front, short], "fit_mask/pads", axis=0)
+        padded = self._add(at, "Pad", [mask, pads], "fit_mask/Pad")
+        axes = self._const(at, np.array([1], np.int64), "fit_mask/axes")
+        fitted = self._add(at, "Slice", [padded, zero, width, axes], "fit_mask/Slice")
+        fitted.type, fitted.shape = mask.type, ir.Shape([mask.shape[0] if mask.shape else None, None])
+        return fitted
 
     def order(self, site: AttentionMatch, query: ir.Value) -> PaddingOrder | None:
         """The reorder that puts each row's valid new tokens first, and its inverse.
@@ -596,6 +630,8 @@ class GqaWriter:
     def bsh(self, value: ir.Value, heads: int, head: int, at: ir.Node) -> ir.Value:
         """``value`` (BNSH) as BSH ``[batch, seq, heads * head]``, reusing exporter values."""
         cached = self._bsh.get(id(value))
+        if cached is None and len(self._try_shape(value)) == 3:
+            cached = value  # already BSH (ONNX Attention's 3-D form)
         if cached is None:
             cached = self._shortcut(value, heads, head, at)
             if cached is None:
@@ -707,8 +743,11 @@ class GqaWriter:
             out = self._reorder(
                 out, order.scatter, site.num_heads * site.head_size, at, "padding_order/output"
             )
-        dead = self._rewire_output(site, out)
+        named = next((i for i, v in enumerate(self.graph.outputs) if v is site.output), None)
+        bsh = len(self._try_shape(site.query)) == 3  # a 3-D attention's output is BSH already
+        dead = [] if bsh else self._rewire_output(site, out)
         replaced = [
+            *([(site.output, out)] if bsh else []),
             self._present(site.key, gqa.outputs[GqaOutput.PRESENT_KEY], at),
             self._present(site.value, gqa.outputs[GqaOutput.PRESENT_VALUE], at),
         ]
@@ -729,6 +768,8 @@ class GqaWriter:
         remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
+        if named is not None:  # the attention output was a graph output: its name stays
+            self.graph.outputs[named].name = site.output.name
         return gqa
 
     def _present(self, link: CacheLink, present: ir.Value, at: ir.Node) -> tuple[ir.Value, ir.Value]:
@@ -772,6 +813,14 @@ class GqaWriter:
             bnsh.type, bnsh.shape = site.output.type, site.output.shape
             site.output.replace_all_uses_with(bnsh, replace_graph_outputs=True)
         return dead
+
+
+def _seq_axis(ev: SymbolicEvaluator, query: ir.Value) -> int:
+    """The sequence axis of a query: 1 in BSH (3-D), 2 in BNSH."""
+    try:
+        return 1 if len(ev.shape(query)) == 3 else 2
+    except Unprovable:
+        return 2
 
 
 def _bsh_shape(q: Sequence[Affine], width: int) -> ir.Shape | None:

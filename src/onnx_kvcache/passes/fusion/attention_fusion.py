@@ -6,7 +6,9 @@ explicit boolean mask. An ``Attention`` node becomes one
 ``com.microsoft::GroupQueryAttention`` when every rule of
 :mod:`onnx_kvcache.passes.fusion._match` holds, and here:
 
-- inputs 0-3 only (Q, K, V, mask) with the cache outside, 4-D;
+- inputs 0-3 only (Q, K, V, mask) with the cache outside, 4-D (an ``Attention`` with
+  ``past_key``/``past_value``/``nonpad_kv_seqlen`` is not a candidate: see
+  :mod:`onnx_kvcache.passes.fusion.cached_attention_fusion`);
 - the mask input (if any) ANDed with ``is_causal`` and the window attributes (which
   without a ``past_key`` input count from offset 0, ignoring the cache) is proven causal,
   with optional padding and window;
@@ -42,6 +44,7 @@ from onnx_kvcache.passes.fusion._match import (
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion.cached_attention_fusion import holds_own_cache
 
 _QK_SOFTMAX = 3
 
@@ -135,7 +138,8 @@ class AttentionFusionPass(FusionPass):
         return self.report.refused
 
     def is_candidate(self, node: ir.Node) -> bool:
-        return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+        # one holding its own cache is CachedAttentionFusionPass's
+        return node.op_type == "Attention" and node.domain in ("", "ai.onnx") and not holds_own_cache(node)
 
     def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
         return match_attention(ev, graph, node)

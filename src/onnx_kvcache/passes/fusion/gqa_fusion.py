@@ -1,8 +1,10 @@
 """Fuse exported attention into GroupQueryAttention.
 
-In order: :class:`AttentionFusionPass` (the ONNX ``Attention`` operator that
-``torch.onnx.export(..., opset_version=23)`` writes), :class:`DecomposedAttentionFusionPass`
-(the same exports below opset 23, and TorchScript exports), then, only when neither
+In order: :class:`CachedAttentionFusionPass` (the ONNX ``Attention`` operator holding its
+own cache, as mobius's default build writes it), :class:`AttentionFusionPass` (the ONNX
+``Attention`` operator that ``torch.onnx.export(..., opset_version=23)`` writes),
+:class:`DecomposedAttentionFusionPass` (the same exports below opset 23, and TorchScript
+exports), then, only when none of them
 fused anything and the graph holds ``com.microsoft::RotaryEmbedding`` (what its GQA
 fusion consumes), onnxscript's ``optimize_for_ort`` (older exports' attention). That
 last one reads weights and matches patterns against the whole graph per node: on a
@@ -37,6 +39,7 @@ from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 
 logger = logging.getLogger(__name__)
@@ -95,7 +98,7 @@ class GqaFusionPass(InPlacePass):
 
     def call(self, model: ir.Model) -> FusionResult:
         before = len(find_gqa_sites(model, with_cache_only=False))
-        attention = _report(AttentionFusionPass()(model))
+        attention = _report(CachedAttentionFusionPass()(model)) + _report(AttentionFusionPass()(model))
         decomposed = _report(DecomposedAttentionFusionPass()(model))
         modified = bool(attention.fused or decomposed.fused)
         applied: dict[str, int] = {}
