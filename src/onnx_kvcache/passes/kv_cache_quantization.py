@@ -53,7 +53,7 @@ scales) are given once the checks have passed, attributed to the caller's line.
 
 from __future__ import annotations
 
-__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "format_for", "granularity_for"]
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "Unconverted", "format_for", "granularity_for"]
 
 import dataclasses
 import logging
@@ -137,6 +137,19 @@ class _ModelPlan:
     """The warnings the conversion gives."""
     merged: set[int] = dataclasses.field(default_factory=set)
     """Layers whose given per-channel scales were merged for a per-tensor cache."""
+    skipped: list[Unconverted] = dataclasses.field(default_factory=list)
+    """The groups of nodes whose caches stay as they are (rule 1, 2), with why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unconverted:
+    """Nodes whose caches the pass leaves in their type (:meth:`KvCacheQuantizationPass.unconverted`)."""
+
+    layers: tuple[int, ...]
+    nodes: tuple[str, ...]
+    dtype: str
+    """The caches' element type as it stays (``float32``)."""
+    reason: str
 
 
 class _Skip(Exception):
@@ -193,6 +206,12 @@ class KvCacheQuantizationPass(InPlacePass):
         with preconditions():
             self._plan_model(model)
 
+    def unconverted(self, model: ir.Model) -> list[Unconverted]:
+        """The nodes whose caches this pass would leave in their type (a skipped node, rule 1
+        and 2), with why; nothing changes. Raises what :meth:`requires` raises."""
+        with preconditions():
+            return self._plan_model(model).skipped
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         planned = self._plan_model(model)
         plans, notes = planned.sites, planned.notes
@@ -245,6 +264,10 @@ class KvCacheQuantizationPass(InPlacePass):
                 plans += [self._plan(model, site, group, cache_readers, planned) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
+                layers = tuple(sorted({s.layer_id for s in group}))
+                planned.skipped.append(
+                    Unconverted(layers, tuple(s.name for s in group), _dtype_name(group[0]), str(e))
+                )
                 notes.append(
                     SkippedNodeWarning(
                         f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
@@ -627,6 +650,17 @@ def _current_format(site: CacheSite) -> tuple[CacheFormat | None, str]:
         described = f"{described} ({site.op.key.dtype_attr}={site.cache_logical_type!r})"
     fmt = site.cache_format
     return (fmt, fmt.name) if fmt is not None else (None, described)
+
+
+def _dtype_name(site: CacheSite) -> str:
+    """A site's cache element type as numpy names it (``float32``), for messages."""
+    past = site.past(site.sides[0])
+    if past is None or past.dtype is None:
+        return "float"
+    try:
+        return str(past.dtype.numpy().name)
+    except TypeError:
+        return past.dtype.name.lower()
 
 
 def _check_cache_shapes(site: CacheSite) -> None:
