@@ -55,6 +55,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     aligned_elem,
     axis,
     broadcast_shapes,
+    reshape_dims,
 )
 
 _BIG = 2**62
@@ -299,6 +300,10 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     if x.elem is None:
         return None
     target = ev.values(node.inputs[1], "Reshape shape")
+    try:  # ``0`` and ``-1`` resolved (transformers 4.57's ``view(-1, 1)``), exactly as Reshape does
+        target = reshape_dims(x.shape, target, allowzero=bool(_attr_int(node, "allowzero", 0)))
+    except Unprovable:
+        return None
     if any(d.is_const and d.const <= 0 for d in target):
         return None
     kept_in = [k for k, d in enumerate(x.shape) if d != ONE]
@@ -307,7 +312,8 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
         return None
     mapping = {axis(k): Affine(const=0) for k in range(x.rank)}
     mapping.update({axis(i): Affine.of(axis(o)) for i, o in zip(kept_in, kept_out)})
-    return SymTensor(tuple(target), x.kind, x.elem.subs(mapping))
+    values = x.values if x.values is not None and len(x.values) == 1 and len(target) <= 1 else None
+    return SymTensor(tuple(target), x.kind, x.elem.subs(mapping), values)
 
 
 def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
