@@ -17,14 +17,13 @@ import warnings
 
 import numpy as np
 import pytest
+from producers import CONVERTS, EXPECTED, MANIFEST, ROOT, entries, model_path, outcome, render_support_table
 
 from decoding import generate, max_differences
 from onnx_kvcache import KvCacheQuantizationPass
 from onnx_kvcache.files.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.pipeline.decision import carry_out
-
-from producers import CONVERTS, EXPECTED, MANIFEST, ROOT, entries, model_path, outcome, render_support_table
 
 ENTRIES = entries()
 TOLERANCE = 1e-4
