@@ -24,6 +24,7 @@ CONVERTS = "converts"
 EXPECTED: dict[str, str] = {
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset20-optimize/llama": CONVERTS,
+    "torch-tf4.57/dynamo-opset23-optimize/llama": CONVERTS,
 }
 
 
