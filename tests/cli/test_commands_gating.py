@@ -111,6 +111,33 @@ def test_a_model_with_nothing_to_convert_is_refused(tmp_path, capsys):
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_a_partial_conversion_is_refused_unless_allowed(tmp_path, capsys):
+    """Issue 28, part 5: a cache another node reads would stay float32: exit 1, the layer named."""
+    from conftest import gqa_model
+
+    model = gqa_model(layers=2)
+    past = next(v for v in model.graph.inputs if v.name == "past_key_values.1.value")
+    tap = ir.Node("", "Neg", [past], name="tap")
+    model.graph.append(tap)
+    model.graph.outputs.append(tap.outputs[0])
+    tap.outputs[0].name = "negated"
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    ir.save(model, src)
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.1, 0.1]}, "qmax": 128}))
+    argv = ["convert", str(src), str(out), "--format", "int8", "--scales", str(scales)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layer(s) 1 would keep float32 caches while the others become int8" in err
+    assert "read by Neg node 'tap'" in err and err.rstrip().endswith("only with --allow-partial.")
+    assert not out.exists()
+    assert main([*argv, "--allow-partial"]) == 0
+    assert "warning: Skipped GroupQueryAttention node(s) gqa.1" in capsys.readouterr().err
+    types = {v.name: v.dtype for v in ir.load(out).graph.inputs}
+    assert types["past_key_values.1.value"] == ir.DataType.FLOAT
+    assert types["past_key_values.0.value"] == ir.DataType.INT8
+
+
 # -- issue 9: calibrate --out, errors as one line --------------------------------------
 
 

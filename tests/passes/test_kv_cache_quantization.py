@@ -521,32 +521,52 @@ def test_a_past_read_by_another_op_skips_the_node_and_the_model_still_loads():
     create_session(model)
 
 
-@pytest.mark.parametrize(("end", "converts"), [(3, True), (-1, True), (None, False)])
-def test_a_shape_of_the_leading_dimensions_is_no_reader(end, converts):
-    """Exports read batch and past length with Shape(past, start, end); int4 changes only the last dim."""
+READERS = {  # Shape/Size of a past [1, 2, 5, 16]: what each gives, in every format
+    "length": ("Shape", {"start": 2, "end": 3}, [5]),
+    "leading": ("Shape", {"end": -1}, [1, 2, 5]),
+    "whole": ("Shape", {}, [1, 2, 5, 16]),
+    "from_length": ("Shape", {"start": 2}, [5, 16]),
+    "head": ("Shape", {"start": -1}, [16]),
+    "empty": ("Shape", {"start": 3, "end": 1}, []),
+    "size": ("Size", {}, 1 * 2 * 5 * 16),
+}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("side", ["past", "present"])
+def test_shape_and_size_readers_convert_and_still_see_the_head_size(reader, fmt, side):
+    """Issue 28, part 4: readers of the dimensions never keep a cache float; int4 packs the head
+    dimension, and what such a reader gives is unchanged (run on onnxruntime's CPU kernel)."""
+    op_type, attrs, want = READERS[reader]
     model = gqa_model()
-    past = model.graph.inputs[3]
-    attrs = {"start": 2} if end is None else {"start": 2, "end": end}
-    tap = ir.Node("", "Shape", [past], attributes=ir.convenience.convert_attributes(attrs), name="length")
+    cache = model.graph.inputs[3] if side == "past" else model.graph.outputs[1]
+    assert cache.name == ("past_key_values.0.key" if side == "past" else "present.0.key")
+    tap = ir.Node("", op_type, [cache], attributes=ir.convenience.convert_attributes(attrs), name="tap")
     model.graph.append(tap)
     model.graph.outputs.append(tap.outputs[0])
-    tap.outputs[0].name = "past_length"
-    if converts:
-        assert KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified
-        feeds = {
-            "query.0": np.zeros((1, 1, 64), np.float32),
-            "key.0": np.zeros((1, 1, 32), np.float32),
-            "value.0": np.zeros((1, 1, 32), np.float32),
-            "past_key_values.0.key": np.zeros((1, 2, 5, 8), np.uint8),
-            "past_key_values.0.value": np.zeros((1, 2, 5, 8), np.uint8),
-            "seqlens_k": np.array([5], np.int32),
-            "total_sequence_length": np.array(6, np.int32),
-        }
-        (length,) = create_session(model).run(["past_length"], feeds)
-        assert list(length) == [5]
-        return
-    with pytest.warns(SkippedNodeWarning, match="is also read by Shape node 'length'"):
-        assert not KvCacheQuantizationPass("int4", scales=scales_for([0], "per_tensor"))(model).modified
+    tap.outputs[0].name = "dims"
+    assert KvCacheQuantizationPass(fmt, scales=scales_for([0], "per_tensor"))(model).modified
+    past = model.graph.inputs[3]
+    assert past.dtype == (ir.DataType.UINT8 if fmt == "int4" else ir.DataType.INT8)
+    packed = fmt == "int4"
+    feeds = {
+        "query.0": np.zeros((1, 1, 64), np.float32),
+        "key.0": np.zeros((1, 1, 32), np.float32),
+        "value.0": np.zeros((1, 1, 32), np.float32),
+        "past_key_values.0.key": np.zeros(
+            (1, 2, 4 if side == "present" else 5, 8 if packed else 16), past.dtype.numpy()
+        ),
+        "past_key_values.0.value": np.zeros(
+            (1, 2, 4 if side == "present" else 5, 8 if packed else 16), past.dtype.numpy()
+        ),
+        "seqlens_k": np.array([4 if side == "present" else 5], np.int32),
+        "total_sequence_length": np.array(5 if side == "present" else 6, np.int32),
+    }
+    (dims,) = create_session(model).run(["dims"], feeds)
+    assert np.asarray(dims).tolist() == want
+    rewritten = packed and reader not in ("length", "leading", "empty")  # int4 and the head seen
+    assert (tap.graph is None) == rewritten
 
 
 def test_a_graph_input_named_like_a_scale_keeps_its_name():

@@ -9,6 +9,7 @@ import pytest
 
 from onnx_kvcache import KvCacheError, NotConvertedWarning, build_decoder, check_kv_cache_support
 from onnx_kvcache.capabilities.refusals import Parameter, RefusalCode
+from onnx_kvcache.errors import FusionSkippedWarning, SkippedNodeWarning
 from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.pipeline import decision as pipeline
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide, fuse_unless_attention
@@ -187,3 +188,82 @@ def test_requests_and_decisions_are_frozen():
         decision.request.format = "int8"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.target = "cuda"  # type: ignore[misc]
+
+
+def tapped(layers: int = 2) -> ir.Model:
+    """GQA layers whose first past key is also read by a Mul: the pass would skip that layer."""
+    model = gqa_model(layers=layers)
+    past = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key")
+    tap = ir.Node("", "Mul", [past, past], num_outputs=1, name="double")
+    model.graph.append(tap)
+    model.graph.outputs.append(tap.outputs[0])
+    tap.outputs[0].name = "doubled"
+    return model
+
+
+SCALES2 = as_kv_cache_scales({0: (0.1, 0.2), 1: (0.1, 0.2)})
+
+
+@pytest.mark.parametrize("entry", list(Entry))
+def test_a_cache_left_in_its_type_refuses_the_conversion_naming_the_layers(entry):
+    model = tapped()
+    text = ir.to_onnx_text(model)
+    decision = decide(Request(model, entry, "int8", scales=SCALES2, target="cpu"))
+    assert codes(decision) == [RefusalCode.PARTIAL_CONVERSION]
+    assert decision.refusals[0].parameter is Parameter.ALLOW_PARTIAL
+    message = str(decision.message)
+    assert "\n" not in message
+    assert "layer(s) 0 would keep float32 caches while the others become int8" in message
+    assert "also read by Mul node 'double'" in message and message.endswith("only with allow_partial=True.")
+    with pytest.warns(NotConvertedWarning, match=r"layer\(s\) 0 would keep"):
+        assert not carry_out(decision)
+    assert ir.to_onnx_text(model) == text
+
+
+def test_every_cache_left_in_its_type_is_refused_too():
+    decision = decide(Request(tapped(layers=1), Entry.CONVERT, "int8", scales=SCALES, target="cpu"))
+    assert codes(decision) == [RefusalCode.PARTIAL_CONVERSION]
+    assert "layer(s) 0 would keep float32 caches (" in decision.message
+
+
+@pytest.mark.parametrize(("entry", "head"), [(Entry.CONVERT, "layer(s) 0"), (Entry.OPTIMIZE, "KV cache not")])
+def test_strict_raises_a_partial_conversion(entry, head):
+    with pytest.raises(KvCacheError) as raised:
+        decide(Request(tapped(), entry, "int8", scales=SCALES2, target="cpu", strict=True))
+    assert str(raised.value).startswith(head)
+
+
+@pytest.mark.parametrize("entry", list(Entry))
+def test_allow_partial_converts_the_other_caches(entry):
+    model = tapped()
+    decision = decide(Request(model, entry, "int8", scales=SCALES2, target="cpu", allow_partial=True))
+    assert decision.converted
+    with pytest.warns(SkippedNodeWarning, match="read by Mul node 'double'"):
+        assert carry_out(decision)
+    dtypes = {v.name: v.dtype for v in decision.model.graph.inputs if v.name.startswith("past")}
+    assert dtypes["past_key_values.0.key"] == ir.DataType.FLOAT
+    assert dtypes["past_key_values.1.key"] == ir.DataType.INT8
+
+
+def test_allow_partial_converts_the_layers_a_fusion_fused():
+    from test_optimize import half_guarded_fp16_export
+
+    scales = as_kv_cache_scales({0: (0.05, 0.05), 1: (0.05, 0.05)})
+    refused = decide(Request(half_guarded_fp16_export(), Entry.CONVERT, "int8", scales=scales, target="cpu"))
+    assert codes(refused) == [RefusalCode.ATTENTION_UNFUSED]
+    assert refused.message.endswith(
+        "allow_partial=True converts the fused layers alone, leaving the others as they are."
+    )
+    scales = as_kv_cache_scales({1: (0.05, 0.05)})  # layer 0 stays unfused
+    request = Request(
+        half_guarded_fp16_export(), Entry.CONVERT, "int8", scales=scales, target="cpu", allow_partial=True
+    )
+    decision = decide(request)
+    assert decision.converted and decision.fusion.fused == 1
+    with pytest.warns(FusionSkippedWarning, match="not provably"):
+        assert carry_out(decision)
+    assert count_int8(decision.model) == 2  # the fused layer's past key and value
+
+
+def count_int8(model: ir.Model) -> int:
+    return sum(v.dtype == ir.DataType.INT8 for v in model.graph.inputs)

@@ -44,6 +44,8 @@ class RefusalCode(enum.Enum):
     """The provider's kernel rejects q/k norm weights."""
     QUERY_DTYPE_UNSUPPORTED = enum.auto()
     """The provider's kernel does not take the model's query dtype."""
+    PARTIAL_CONVERSION = enum.auto()
+    """Some caches would keep their type while others convert (``allow_partial`` permits it)."""
 
 
 class Parameter(StrEnum):
@@ -53,6 +55,7 @@ class Parameter(StrEnum):
     FORMAT = "format"
     GRANULARITY = "granularity"
     CHECK_DEVICE = "check_device"
+    ALLOW_PARTIAL = "allow_partial"
 
 
 @dataclasses.dataclass(frozen=True)

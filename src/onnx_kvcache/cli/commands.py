@@ -1,9 +1,9 @@
 """The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
 
-Exit codes: 0 done; 1 conversion refused (the target cannot run the result, or the
-model has nothing to convert); 2 bad input or a failed read/write (one line on stderr,
-no traceback); 128 + N when stopped by signal N (130 Ctrl-C, 143 SIGTERM). Outputs are
-atomic, so an error or a signal leaves no partial output.
+Exit codes: 0 done; 1 conversion refused (the target cannot run the result, some caches
+would keep their type, or the model has nothing to convert); 2 bad input or a failed
+read/write (one line on stderr, no traceback); 128 + N when stopped by signal N (130
+Ctrl-C, 143 SIGTERM). Outputs are atomic, so an error or a signal leaves no partial output.
 
 Start-up: this module imports the standard library and the package's light modules only
 (tests/cli/test_commands.py keeps it so). It parses the arguments, answers ``--help`` and
@@ -244,8 +244,8 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     from onnx_kvcache.files.reading import load_model
     from onnx_kvcache.pipeline.decision import fuse_unless_attention
 
-    if any(r.code is RefusalCode.NO_CUDA_DEVICE for r in result.refusals):
-        return ""
+    if any(r.code in (RefusalCode.NO_CUDA_DEVICE, RefusalCode.PARTIAL_CONVERSION) for r in result.refusals):
+        return ""  # no other provider or format helps
     model = fuse_unless_attention(load_model(model_path)).model  # an export: judge what it fuses to
 
     def runs(ep: str, fmt: str) -> bool:
@@ -328,6 +328,7 @@ def _converted(args: argparse.Namespace) -> ConvertResult:
                     "overwrite",
                     "check_device",
                     "follow_symlinks",
+                    "allow_partial",
                 ),
             )
     except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it
@@ -656,6 +657,13 @@ _CONVERT = (
         "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
     ),
     _option("--check-device", action="store_true", help="check this machine's GPU too"),
+    _option(
+        "--allow-partial",
+        action="store_true",
+        help="convert the caches that can be when others would keep their type (a layer the fusion "
+        "left unfused, a cache another node also reads); without it such a model is refused (exit 1, "
+        "nothing written, the layers named)",
+    ),
     _option(
         "--weights",
         choices=list(WEIGHTS),

@@ -582,6 +582,7 @@ def convert_model(
     check_device: bool = False,
     follow_symlinks: bool = False,
     progress: bool | None = None,
+    allow_partial: bool = False,
 ) -> ConvertResult:
     """Convert a model file or onnxruntime-genai folder to a quantized KV cache.
 
@@ -612,7 +613,9 @@ def convert_model(
     (:func:`~onnx_kvcache.capabilities.table.default_format`: fp8 on CUDA, int8 on CPU; fp8 when
     gating is skipped). ``follow_symlinks`` accepts input files that link out
     of the model's folder (Hugging Face cache snapshots); their content is copied.
-    ``progress``: a progress bar for copies (default: on a terminal).
+    ``progress``: a progress bar for copies (default: on a terminal). A model some of whose
+    caches would keep their type (a layer left unfused, a cache also read by another node) is
+    not converted, the layers named, unless ``allow_partial``: then the others are.
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.files._marker`); an existing
@@ -623,7 +626,8 @@ def convert_model(
     named = named or format_for(source.model)  # an already-quantized model keeps its own
     plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
     _check_writable(source, plan)
-    decision = decide(_request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale))
+    request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
+    decision = decide(dataclasses.replace(request, allow_partial=allow_partial))
     result = _result(source, plan, decision)
     if carry_out(decision):
         _finish(source, plan, decision, result, progress)

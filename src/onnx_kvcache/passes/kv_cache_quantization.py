@@ -13,12 +13,14 @@ node's operator row:
    node's present as its past (KV sharing across layers) is converted with that writer,
    sharing its layer id and scales; the two convert together or not at all, and a present
    read by any other node is skipped.
-2. The caches in and out take the format's element type and keep their shapes; int4 packs
-   two values a byte, so the head dimension becomes the static ``(head_size + 1) // 2``,
-   also where it was symbolic (runtimes allocate caches from the declared shape). A cache
-   also read by a node other than a converted attention node skips the node's group with a
-   warning. Key and value caches of one node must agree in every static dimension but the
-   last, and in their heads axis with ``kv_num_heads`` (else the model is malformed: error).
+2. The caches in and out take the format's element type and keep their shapes; int4 packs two
+   values a byte, so the head dimension becomes the static ``(head_size + 1) // 2``, also where
+   it was symbolic (runtimes allocate caches from the declared shape). A cache also read by a
+   node other than a converted attention node skips the node's group with a warning, but for
+   Shape and Size, which read only its dimensions: where int4 packs the head dimension they are
+   rewritten to give the head size still (:mod:`._shape_readers`). Key and value caches of one
+   node must agree in every static dimension but the last, and in their heads axis with
+   ``kv_num_heads`` (else the model is malformed: error).
 3. float32 scales go to the row's scale inputs (GQA 12/13, PagedAttention 14/15): ``[1]``
    per tensor; per channel ``kv_num_heads * head_size`` (GQA, flat) or
    ``(kv_num_heads, 1, head_size)`` (PagedAttention), as onnxruntime-genai writes them. They
@@ -53,7 +55,7 @@ scales) are given once the checks have passed, attributed to the caller's line.
 
 from __future__ import annotations
 
-__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "format_for", "granularity_for"]
+__all__ = ["Fp8KvCachePass", "KvCacheQuantizationPass", "Unconverted", "format_for", "granularity_for"]
 
 import dataclasses
 import logging
@@ -87,6 +89,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import prepend
+from onnx_kvcache.passes._shape_readers import keep_head_size, reads_dimensions_only, sees_head_dimension
 from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
 from onnx_kvcache.scales.files import (
     KvCacheScales,
@@ -137,6 +140,19 @@ class _ModelPlan:
     """The warnings the conversion gives."""
     merged: set[int] = dataclasses.field(default_factory=set)
     """Layers whose given per-channel scales were merged for a per-tensor cache."""
+    skipped: list[Unconverted] = dataclasses.field(default_factory=list)
+    """The groups of nodes whose caches stay as they are (rule 1, 2), with why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unconverted:
+    """Nodes whose caches the pass leaves in their type (:meth:`KvCacheQuantizationPass.unconverted`)."""
+
+    layers: tuple[int, ...]
+    nodes: tuple[str, ...]
+    dtype: str
+    """The caches' element type as it stays (``float32``)."""
+    reason: str
 
 
 class _Skip(Exception):
@@ -193,6 +209,12 @@ class KvCacheQuantizationPass(InPlacePass):
         with preconditions():
             self._plan_model(model)
 
+    def unconverted(self, model: ir.Model) -> list[Unconverted]:
+        """The nodes whose caches this pass would leave in their type (a skipped node, rule 1
+        and 2), with why; nothing changes. Raises what :meth:`requires` raises."""
+        with preconditions():
+            return self._plan_model(model).skipped
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         planned = self._plan_model(model)
         plans, notes = planned.sites, planned.notes
@@ -245,6 +267,10 @@ class KvCacheQuantizationPass(InPlacePass):
                 plans += [self._plan(model, site, group, cache_readers, planned) for site in group]
             except _Skip as e:
                 names = ", ".join(s.name for s in group)
+                layers = tuple(sorted({s.layer_id for s in group}))
+                planned.skipped.append(
+                    Unconverted(layers, tuple(s.name for s in group), _dtype_name(group[0]), str(e))
+                )
                 notes.append(
                     SkippedNodeWarning(
                         f"Skipped {group[0].op.op_type} node(s) {names}: {e}; only caches that are "
@@ -362,7 +388,13 @@ class KvCacheQuantizationPass(InPlacePass):
         )
         head = None
         unpacks = source is not None and source.format.packed and not self.format.packed
-        if granularity.per_dim or (self.format.packed and symbolic) or unpacks:
+        packs = self.format.packed and not done
+        if (
+            granularity.per_dim
+            or (self.format.packed and symbolic)
+            or unpacks
+            or (packs and _head_readers(sources + sinks))
+        ):
             head = self._head_size(site)
         if scales is None:
             if done and not (self.shared_kv_scale and len(site.sides) > 1):
@@ -472,6 +504,9 @@ class KvCacheQuantizationPass(InPlacePass):
         node, op = site.node, site.op
         modified = False
         unpack = plan.source is not None and plan.source.format.packed
+        if self.format.packed and not plan.done and plan.head_size is not None:
+            for reader in _head_readers(plan.sources + plan.sinks):  # they keep seeing the head size
+                modified |= keep_head_size(reader, plan.head_size)
         for value in plan.sources + plan.sinks:
             modified |= _retype(value, self.format, plan.head_size, unpack=unpack)
         if plan.k_scale is not None and plan.v_scale is not None:
@@ -629,6 +664,17 @@ def _current_format(site: CacheSite) -> tuple[CacheFormat | None, str]:
     return (fmt, fmt.name) if fmt is not None else (None, described)
 
 
+def _dtype_name(site: CacheSite) -> str:
+    """A site's cache element type as numpy names it (``float32``), for messages."""
+    past = site.past(site.sides[0])
+    if past is None or past.dtype is None:
+        return "float"
+    try:
+        return str(past.dtype.numpy().name)
+    except TypeError:
+        return past.dtype.name.lower()
+
+
 def _check_cache_shapes(site: CacheSite) -> None:
     """Key and value caches agree in every static dimension but the last; heads match."""
     shapes = [site.past(side).shape for side in site.sides]  # type: ignore[union-attr]
@@ -664,18 +710,22 @@ def _check_only_attention_reads(
             continue  # a cropped sliding-window present (its output is retyped too)
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
-        if _reads_leading_dims(user):
-            continue  # batch, heads, length: the same in every format (exports read them)
+        if reads_dimensions_only(user):
+            continue  # Shape, Size: the dimensions, kept (int4's head: _shape_readers)
         raise _Skip(
             f"{what} cache {value.name!r} is also read by {user.op_type} node {user.name!r}, "
             "which would see the quantized type"
         )
 
 
-def _reads_leading_dims(node: ir.Node) -> bool:
-    """A Shape of a cache's dimensions before the head dimension, which no format changes."""
-    end = node.attributes.get("end")
-    return node.op_type == "Shape" and node.domain == "" and end is not None and end.as_int() <= 3
+def _head_readers(values: list[ir.Value]) -> list[ir.Node]:
+    """The Shape and Size nodes reading ``values`` whose output depends on the head dimension."""
+    return [
+        user
+        for value in values
+        for user, _ in value.uses()
+        if reads_dimensions_only(user) and sees_head_dimension(user)
+    ]
 
 
 def _owner_function(model: ir.Model, value: ir.Value) -> ir.Function | None:

@@ -4,8 +4,9 @@ Rules, in order, each a function:
 
 1. :func:`fuse_unless_attention`: a model without attention nodes (an export) is fused first;
    the fusion's warnings are recorded, said only if the result is kept.
-2. A layer left unfused refuses a conversion (all or nothing); ``convert_model`` also refuses a
-   model with nothing to convert (no attention after fusion, or already as asked).
+2. A layer left unfused refuses a conversion (all or nothing) unless ``allow_partial`` and
+   some fused; ``convert_model`` also refuses a model with nothing to convert (no attention
+   after fusion, or already as asked).
 3. :func:`target_of`: the provider given, or the one the model will run on
    (:func:`~onnx_kvcache.capabilities.gating.infer_target`).
 4. ``optimize_model``: a fused float attention the target cannot run is refused.
@@ -13,6 +14,8 @@ Rules, in order, each a function:
    (named, else for ``convert_model`` the first the target runs).
 6. :func:`gate`: every :class:`~onnx_kvcache.capabilities.refusals.Refusal` of the capability rows
    (``check_device``: no CUDA GPU here is one).
+7. :func:`partial_refusal`: a cache the quantization pass would leave in its type (a node it
+   skips) refuses the conversion: no model mixes cache types unless ``allow_partial``.
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
@@ -34,6 +37,7 @@ __all__ = [
     "gate",
     "plan",
     "inferred_format",
+    "partial_refusal",
     "target_of",
 ]
 
@@ -140,6 +144,8 @@ class Request:
     check_device: bool = False
     strict: bool = False
     shared_kv_scale: bool = False
+    allow_partial: bool = False
+    """Convert what can be, leaving other caches in their type (rules 2 and 7)."""
     name: str = "The model"
     """The model as messages name it (its file name)."""
 
@@ -242,9 +248,50 @@ def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
 def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
     """Rule 2: a layer left unfused (when the cache is to be converted), nothing to convert."""
     rules = request.rules
-    if fusion.refusal is not None and (request.format is not None or rules.choose_format):
-        return fusion.refusal
+    partial = request.allow_partial and fusion.fused > 0
+    if fusion.refusal is not None and (request.format is not None or rules.choose_format) and not partial:
+        return dataclasses.replace(fusion.refusal, text=fusion.refusal.text + _mixing(fusion.fused))
     return _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
+
+
+def _mixing(fused: int) -> Message | str:
+    """How to convert a model whose layers would keep different cache types anyway."""
+    if not fused:
+        return ""
+    return Message(
+        " ", Param("allow_partial", True), " converts the fused layers alone, leaving the others as they are."
+    )
+
+
+def partial_refusal(
+    request: Request, model: ir.Model, fmt: CacheFormat, granularity: ScaleGranularity
+) -> Refusal | None:
+    """Rule 7: the layers whose caches the quantization pass would leave in their type (a
+    node it skips: a cache read by another node, one that is no graph input), unless
+    ``allow_partial``. An error the pass raises is left for it to raise."""
+    if request.allow_partial:
+        return None
+    quantize = KvCacheQuantizationPass(
+        fmt.name, granularity.name, request.scales, shared_kv_scale=request.shared_kv_scale
+    )
+    try:
+        left = quantize.unconverted(model)
+    except KvCacheError:
+        return None
+    if not left:
+        return None
+    layers = sorted({layer for group in left for layer in group.layers})
+    dtypes = "/".join(sorted({group.dtype for group in left}))
+    why = "; ".join(f"{', '.join(group.nodes)}: {group.reason}" for group in left)
+    skipped = sum(len(group.nodes) for group in left)
+    others = "" if skipped >= len(find_attention_sites(model)) else f" while the others become {fmt.name}"
+    text = Message(
+        f"layer(s) {', '.join(map(str, layers))} would keep {dtypes} caches{others} ({why}). A model "
+        "whose caches mix types is converted only with ",
+        Param("allow_partial", True),
+        ".",
+    )
+    return Refusal(RefusalCode.PARTIAL_CONVERSION, Parameter.ALLOW_PARTIAL, text)
 
 
 def inferred_format(
@@ -356,6 +403,9 @@ def decide(request: Request) -> Decision:
         if refusals:
             head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
             return _refused(decision, head, refusals)
+    partial = partial_refusal(request, fusion.model, fmt, granularity)
+    if partial is not None:
+        return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
 
 

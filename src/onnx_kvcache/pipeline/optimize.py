@@ -109,6 +109,7 @@ class _Options:
     check_device: bool
     strict: bool
     shared_kv_scale: bool
+    allow_partial: bool = False
 
 
 def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
@@ -128,6 +129,7 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
         check_device=options.check_device,
         strict=options.strict,
         shared_kv_scale=shared,
+        allow_partial=options.allow_partial,
     )
 
 
@@ -156,6 +158,7 @@ def optimize_model(
     check_device: bool = False,
     strict: bool = False,
     shared_kv_scale: bool = False,
+    allow_partial: bool = False,
 ) -> ir.Model:
     """Optimize a decoder for onnxruntime and store its KV cache quantized.
 
@@ -181,6 +184,9 @@ def optimize_model(
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
         shared_kv_scale: One tensor for k_scale and v_scale (older CUDA fast path).
+        allow_partial: Convert the caches that can be when others would keep their type (a
+            layer left unfused, a cache also read by another node); without it such a model
+            is left as it was, with a warning naming the layers (``strict``: raises).
 
     Returns:
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
@@ -196,5 +202,6 @@ def optimize_model(
         check_device,
         strict,
         shared_kv_scale,
+        allow_partial,
     )
     return _optimize(model, options)

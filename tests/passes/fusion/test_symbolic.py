@@ -162,3 +162,46 @@ def test_weights_are_never_read():
     graph.register_initializer(big)
     with pytest.raises(Unprovable, match="too large"):
         SymbolicEvaluator().eval(big)
+
+
+def _evaluate(build) -> object:
+    """The element of the last value ``build(tape)`` makes, from a graph with input ``ids [seq]``."""
+    ids = ir.val("ids", ir.DataType.INT64, ["seq"])
+    graph = ir.Graph([ids], [], nodes=[], opset_imports={"": 18})
+    tape = ir.tape.Tape(graph)
+    out = build(tape, ids)
+    for node in tape.nodes:
+        graph.append(node)
+    for value in tape.initializers:
+        graph.register_initializer(value)
+    return SymbolicEvaluator().eval(out)
+
+
+@pytest.mark.parametrize(("fill", "want"), [(1.0, "true"), (0.0, "false"), (-2.5, "true")])
+def test_a_uniform_float_cast_to_bool_is_where_it_is_not_zero(fill, want):
+    """transformers 4.57's ``new_ones(seq, dtype=bool)``: Expand(1.0, [seq]) then Cast to bool."""
+    from onnx_kvcache.passes.fusion._symbolic import FALSE, TRUE
+
+    def build(tape, ids):
+        one = tape.initializer(ir.tensor(np.array(fill, np.float32), name="fill"))
+        shape = tape.op("Shape", [ids])
+        return tape.op("Cast", [tape.op("Expand", [one, shape])], {"to": ir.DataType.BOOL})
+
+    tensor = _evaluate(build)
+    assert tensor.kind == "bool" and tensor.shape == (SEQ,)
+    assert tensor.elem == (TRUE if want == "true" else FALSE)
+
+
+def test_a_reshape_to_minus_one_by_one_keeps_the_elements():
+    """``arange(seq).view(-1, 1)``: the -1 resolved, the element followed to the new axes."""
+    from onnx_kvcache.passes.fusion._symbolic import axis
+
+    def build(tape, ids):
+        zero = tape.initializer(ir.tensor(np.array(0, np.int64), name="zero"))
+        one = tape.initializer(ir.tensor(np.array(1, np.int64), name="one"))
+        target = tape.initializer(ir.tensor(np.array([-1, 1], np.int64), name="target"))
+        length = tape.op("Squeeze", [tape.op("Shape", [ids])])
+        return tape.op("Reshape", [tape.op("Range", [zero, length, one]), target])
+
+    tensor = _evaluate(build)
+    assert tensor.shape == (SEQ, Affine(const=1)) and tensor.elem == Affine.of(axis(0))

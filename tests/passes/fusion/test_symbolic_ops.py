@@ -75,3 +75,24 @@ def test_a_slice_end_that_is_not_the_axis_length_is_not_followed():
     ev = SymbolicEvaluator()
     with pytest.raises(Unprovable, match="Slice end"):
         ev.eval(sliced.outputs[0])
+
+
+@pytest.mark.parametrize(
+    ("attrs", "sizes", "want"),
+    [({"axis": -1}, [32, 96], [(32,), (96,)]), ({"axis": 2, "num_outputs": 2}, None, [(64,), (64,)])],
+)
+def test_a_split_of_activations_gives_each_part_its_shape(attrs, sizes, want):
+    """phi3's fused gate/up projection, chunked in two: layers after it keep their shapes."""
+    x = ir.val("x", ir.DataType.FLOAT, ["batch", "seq", 128])
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 18})
+    inputs = [x]
+    if sizes is not None:
+        split = ir.Value(name="sizes", const_value=ir.tensor(np.array(sizes, np.int64), name="sizes"))
+        graph.register_initializer(split)
+        inputs.append(split)
+    node = ir.Node("", "Split", inputs, ir.convenience.convert_attributes(attrs), num_outputs=2)
+    graph.append(node)
+    ev = SymbolicEvaluator()
+    for output, (last,) in zip(node.outputs, want):
+        assert output.shape is None
+        assert ev.shape(output) == dims("batch", "seq", last)

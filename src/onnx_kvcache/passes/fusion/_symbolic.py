@@ -823,6 +823,10 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         return SymTensor(x.shape, "data")  # integer data as floats (positions for rotary): shape only
     if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
         return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
+    if kind == "bool" and x.kind == "float" and isinstance(x.elem, FloatConst):
+        # one float everywhere (transformers 4.57's ``new_ones``, Expand(1.0) then Cast): it is
+        # True exactly where it is not 0 (NaN included)
+        return SymTensor(x.shape, "bool", FALSE if x.elem.value == 0.0 else TRUE)
     raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")
 
 

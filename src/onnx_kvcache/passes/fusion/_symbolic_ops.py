@@ -11,6 +11,8 @@ the evaluator follow such a graph from its inputs, every rule exact:
 - **Shape idioms** of torch's exporter: ``ConstantOfShape``, integer ``Div`` of known
   vectors by a constant, comparisons of known vectors and ``Where`` between them (the
   ``Expand`` target ``Where(shape == -1, 1, shape)``), ``Reshape`` of a known vector.
+- **Split** of any tensor by constant sizes or into equal parts of a constant axis (phi3's
+  fused projections): each output's shape.
 - **Slices** of any tensor along an axis, from a constant start to the end of the axis,
   a constant end or an end proven equal to the axis length (the mask sliced to the key
   length).
@@ -55,6 +57,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     aligned_elem,
     axis,
     broadcast_shapes,
+    reshape_dims,
 )
 
 _BIG = 2**62
@@ -299,6 +302,10 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     if x.elem is None:
         return None
     target = ev.values(node.inputs[1], "Reshape shape")
+    try:  # ``0`` and ``-1`` resolved (transformers 4.57's ``view(-1, 1)``), exactly as Reshape does
+        target = reshape_dims(x.shape, target, allowzero=bool(_attr_int(node, "allowzero", 0)))
+    except Unprovable:
+        return None
     if any(d.is_const and d.const <= 0 for d in target):
         return None
     kept_in = [k for k, d in enumerate(x.shape) if d != ONE]
@@ -307,7 +314,8 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
         return None
     mapping = {axis(k): Affine(const=0) for k in range(x.rank)}
     mapping.update({axis(i): Affine.of(axis(o)) for i, o in zip(kept_in, kept_out)})
-    return SymTensor(tuple(target), x.kind, x.elem.subs(mapping))
+    values = x.values if x.values is not None and len(x.values) == 1 and len(target) <= 1 else None
+    return SymTensor(tuple(target), x.kind, x.elem.subs(mapping), values)
 
 
 def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
@@ -392,6 +400,35 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(tuple(shape), x.kind, elem, values)
 
 
+def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+    """One output of a Split (phi3's fused gate/up and qkv projections, ``chunk`` in torch): its
+    shape along the axis from the ``split`` sizes, else ``num_outputs`` parts of a constant axis
+    (the last one shorter, as the operator divides); a known vector's values are sliced."""
+    x = ev.eval(node.inputs[0])
+    at = _attr_int(node, "axis", 0)
+    at = at + x.rank if at < 0 else at
+    if not 0 <= at < x.rank:
+        raise Unprovable("a Split axis out of range")
+    dim = x.shape[at]
+    sizes = _attr_ints(node, "split") or ev.const_ints(_input(node, 1), "Split sizes")
+    if sizes is None:
+        parts = _attr_int(node, "num_outputs", len(node.outputs))
+        if not dim.is_const or parts <= 0:
+            raise Unprovable(f"a Split of an axis of {dim} into {parts} parts")
+        size = -(-dim.const // parts)
+        sizes = [min(size, max(0, dim.const - size * k)) for k in range(parts)]
+    if index >= len(sizes) or (dim.is_const and sum(sizes) != dim.const):
+        raise Unprovable("Split sizes that do not add up to the axis")
+    shape = list(x.shape)
+    shape[at] = Affine(const=sizes[index])
+    first = sum(sizes[:index])
+    values = None
+    if x.values is not None and x.rank == 1:
+        values = x.values[first : first + sizes[index]]
+    kind = "data" if x.kind in ("data", "float") else x.kind
+    return SymTensor(tuple(shape), kind, None, values)
+
+
 def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     """A Cast to a float type of integer data (positions for rotary angles): followed by shape."""
     to = ir.DataType(_attr_int(node, "to", 0))
@@ -463,5 +500,6 @@ _combine("ConstantOfShape", _constant_of_shape)
 _combine("Reshape", None, pre=_reshape_vector)
 _combine("Reshape", None, pre=_unit_reshape)
 _OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
+_OUTPUT_HANDLERS[("", "Split")] = _split
 _OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize
 _OUTPUT_HANDLERS[("com.microsoft", "MatMulNBits")] = _matmul_nbits
