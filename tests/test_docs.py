@@ -521,7 +521,10 @@ def _spans(page: pathlib.Path) -> list[str]:
 
 OPTION = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
 #: Options of other tools that the pages name.
-FOREIGN_OPTIONS = {"--extra_options": "onnxruntime-genai's model builder"}
+FOREIGN_OPTIONS = {
+    "--extra_options": "onnxruntime-genai's model builder",
+    "--kv-cache-scale-file": "mobius's builder",
+}
 
 
 def _benchmark_options() -> dict[str, set[str]]:
