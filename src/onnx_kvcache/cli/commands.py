@@ -582,15 +582,14 @@ def _format_options(granularity: str | None = "per_tensor") -> tuple[_Option, ..
     )
 
 
-def _data_options(whose: str) -> tuple[_Option, ...]:
+def _data_options(whose: str, default: str) -> tuple[_Option, ...]:
     return (
         _option(
             "--text",
             group="data",
             type=_text_file,
             metavar="FILE",
-            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
-            "corpus with that tokenizer, else seeded random token ids)",
+            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: {default})",
         ),
         _option(
             "--token-ids",
@@ -718,7 +717,10 @@ _CALIBRATE = (
         type=_bounded(float, 0, inclusive=False, high=100),
         help="the percentile of |x| that --method percentile takes (default: 99.99)",
     ),
-    *_data_options("the model's"),
+    *_data_options(
+        "the model's",
+        "the built-in corpus's calibration part with that tokenizer, else seeded random token ids",
+    ),
     _option("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens"),
     _option("--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"),
     _option(
@@ -754,7 +756,11 @@ _CALIBRATE = (
 _EVALUATE = (
     _option("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}"),
     _option("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}"),
-    *_data_options("the baseline's"),
+    *_data_options(
+        "the baseline's",
+        "the built-in corpus's evaluation part with that tokenizer, else random token ids of another "
+        "seed: both held out from calibrate's default data",
+    ),
     _option("--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"),
     _option("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate"),
     _option("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence"),
