@@ -419,7 +419,7 @@ not run "pip install": installed already
 ```console
 $ pip install onnx-kvcache
 $ onnx-kvcache calibrate g --out s.json --format int8 --seq-len 512 --num-seqs 2 --min-tokens 64
-wrote s.json (1 layers, int8 per_tensor, minmax)
+wrote s.json (1 layers, int8 per_tensor, method minmax)
 ```
 
 <!-- docs-test:

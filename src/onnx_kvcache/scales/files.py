@@ -433,13 +433,19 @@ def load_kv_cache_scale_file(
             raise _fail(p, f"'qmax' {problem}")
         qmax = float(qmax)
     method = section.get("method", doc.get("method"))
+    rope_positions = section.get("rope_positions", doc.get("rope_positions"))
+    if rope_positions is not None and (
+        isinstance(rope_positions, bool) or not isinstance(rope_positions, int) or rope_positions < 1
+    ):
+        raise _fail(p, f"'rope_positions' must be an integer >= 1, got {rope_positions!r}.")
+    recorded = {"method": method, "rope_positions": rope_positions}
     try:
         result = KvCacheScales(
             dict(zip(layer_ids, k)),
             dict(zip(layer_ids, v)),
             format=file_format,
             qmax=qmax,
-            metadata={"method": method} if method is not None else {},
+            metadata={key: value for key, value in recorded.items() if value is not None},
             granularity=granularity,
         )
         return result.retarget(format) if format is not None else result
