@@ -229,3 +229,5 @@ def test_given_data_is_read_whatever_the_purpose(tmp_path):
         loaded = load_token_windows(data, seq_len=16, purpose=purpose)
         assert [w.tolist() for w in loaded.windows] == [data[0][:16], data[0][16:32], data[0][32:]]
         assert not loaded.held_out and loaded.source == "given token ids"
+    with pytest.raises(KvCacheError, match="Unknown data purpose 'test'; choose one of calibration, eval"):
+        load_token_windows(data, purpose="test")

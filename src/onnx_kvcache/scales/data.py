@@ -259,6 +259,8 @@ def load_token_windows(
     """Token windows of at most ``seq_len`` ids from sequences, files or, without data, the
     ``purpose``'s default (:data:`DEFAULT_DATA`: its corpus part, or random ids of its seed
     unless ``seed`` is given)."""
+    if purpose not in DEFAULT_DATA:
+        raise KvCacheError(f"Unknown data purpose {purpose!r}; choose one of {', '.join(DEFAULT_DATA)}.")
     default = DEFAULT_DATA[purpose]
     require_type(seq_len, INTEGER, "seq_len", "an integer")
     require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
