@@ -58,7 +58,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
-from onnx_kvcache.files.context import warn_short_scales
+from onnx_kvcache.files._context import warn_short_scales
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
