@@ -26,6 +26,12 @@ K search assumes contexts of N positions; default rows: the whole rotary table).
 
 The built model, the token windows and the results of every row are cached in the cache
 folder (delete ``results.json`` to re-score). Not part of CI.
+
+``--by-position N`` scores instead the rows given (``--rows``) on two N-token held-out windows
+(the held-out modules' first 2 x N tokens): the perplexity change against the float cache by
+position range (the window's quarters; the first 256 positions, the prompt, are not scored), what
+scales calibrated for short contexts (``attention@N``) cost further out. Results are cached in
+``results-by-position-N.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import itertools
 import json
 import pathlib
 import subprocess
@@ -304,6 +311,98 @@ def genai_scales(
     return load_kv_cache_scale_file(out, format=fmt)
 
 
+PROMPT, PARTS = 256, 4
+"""``--by-position``: unscored prompt positions; the window's quarters after it."""
+
+
+def long_windows(folder: pathlib.Path, cache: pathlib.Path, length: int, count: int = 2) -> list[list[int]]:
+    """``count`` held-out windows of ``length`` tokens (cached with the Python version)."""
+    path = cache / f"long-windows-{length}-py{sys.version_info[0]}{sys.version_info[1]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(module_text(HELD_OUT_MODULES)).ids
+    if len(ids) < count * length:
+        raise SystemExit(f"Only {len(ids)} held-out tokens; {count} x {length} needed.")
+    windows = [ids[i * length : (i + 1) * length] for i in range(count)]
+    path.write_text(json.dumps(windows))
+    return windows
+
+
+def position_nll(runner: KvCacheRunner, windows: list[list[int]]) -> np.ndarray:
+    """``[window, position]``: each token's negative log-likelihood (position 1-based; the
+    first, predicted by nothing, is NaN), teacher-forced CHUNK tokens at a time, so each
+    chunk attends over the cache as the previous chunks left it."""
+    out = np.full((len(windows), len(windows[0]) + 1), np.nan)
+    for w, window in enumerate(windows):
+        runner.reset(1)
+        for i in range(0, len(window), CHUNK):
+            logits = runner.forward(np.asarray(window[i : i + CHUNK], np.int64)[None])[0].astype(np.float64)
+            logits -= logits.max(axis=-1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+            targets = window[i + 1 : i + 1 + len(logp)]  # the token each logit row predicts
+            out[w, i + 2 : i + 2 + len(targets)] = -logp[np.arange(len(targets)), targets]
+    return out
+
+
+def position_ranges(length: int) -> list[tuple[int, int]]:
+    """``[start, end)`` 1-based positions: the window's quarters, the first after the prompt
+    (8192: 257-2049, 2049-4097, 4097-6145, 6145-8193)."""
+    bounds = [PROMPT + 1, *(k * length // PARTS + 1 for k in range(1, PARTS + 1))]
+    return list(itertools.pairwise(sorted(b for b in set(bounds) if b >= PROMPT + 1)))
+
+
+def row_scales(key: str, folder: pathlib.Path, calib: list[list[int]], cache: pathlib.Path) -> KvCacheScales:
+    """The scales of a row ``format:granularity:ours|genai:method[@N]``."""
+    fmt, gran, who, method = key.split(":")
+    if who == "genai":
+        return genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
+    # "attention@512": the attention methods' RoPE envelope for contexts of 512 positions
+    method, _, positions = method.partition("@")
+    return calibrate_kv_cache(
+        folder,
+        calib,
+        format=fmt,
+        granularity=gran,
+        method=method,
+        progress=False,
+        rope_positions=int(positions) if positions else None,
+    )
+
+
+def by_position(folder: pathlib.Path, cache: pathlib.Path, keys: list[str], length: int) -> None:
+    """Perplexity change against the float cache by position range, per row (``--by-position``)."""
+    windows = long_windows(folder, cache, length)
+    ranges = position_ranges(length)
+    path = cache / f"results-by-position-{length}.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    if "float" not in results:
+        results["float"] = position_nll(KvCacheRunner(folder), windows).tolist()
+        path.write_text(json.dumps(results))
+    calib = token_windows(folder, cache)[0]
+    for key in keys:
+        if key in results:
+            continue
+        start = time.perf_counter()
+        model = load_model(folder)
+        fmt, gran = key.split(":")[:2]
+        KvCacheQuantizationPass(fmt, gran, row_scales(key, folder, calib, cache))(model)
+        results[key] = position_nll(KvCacheRunner(model), windows).tolist()
+        path.write_text(json.dumps(results))
+        print(f"  {key:<34} ({time.perf_counter() - start:.0f} s)", flush=True)
+    base = np.asarray(results["float"])
+    names = [f"{a:,}-{b:,}" for a, b in ranges]
+    print(f"\nperplexity change against the float cache, 2 x {length:,}-token held-out windows, by position")
+    print(f"{'row':<38}" + "".join(f"{n:>13}" for n in names))
+    for key in [k for k in results if k != "float"]:
+        nll = np.asarray(results[key])
+        cells = [np.exp(np.mean(nll[:, a:b]) - np.mean(base[:, a:b])) - 1 for a, b in ranges]
+        print(f"{key:<38}" + "".join(f"{c:>+13.0%}" for c in cells))
+    ppl = [np.exp(np.mean(base[:, a:b])) for a, b in ranges]
+    print(f"{'float32 cache (perplexity)':<38}" + "".join(f"{p:>13.3f}" for p in ppl))
+
+
 def rows(args: argparse.Namespace) -> list[str]:
     """The table's rows ``format:granularity:who:method``, int4 first (the acceptance rows)."""
     every = [
@@ -331,10 +430,20 @@ def main() -> None:
         "attention, attention_search) of the 8 x 512 windows, side by side in this process; medians and "
         "ratios to minmax",
     )
+    parser.add_argument(
+        "--by-position",
+        type=int,
+        metavar="N",
+        help="instead of the table: the --rows' perplexity change against the float cache by position "
+        "range on two N-token held-out windows (e.g. 8192)",
+    )
     args = parser.parse_args()
     cache = args.cache.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     folder = build_model(cache)
+    if args.by_position:
+        by_position(folder, cache, rows(args), args.by_position)
+        return
     if args.time_calibration:
         time_calibration(folder, token_windows(folder, cache)[0], args.time_calibration)
         return
@@ -359,24 +468,11 @@ def main() -> None:
         f"baseline (float32 cache): perplexity {baseline['ppl']:.3f} over {baseline['positions']} positions"
     )
     for key in rows(args):
-        fmt, gran, who, method = key.split(":")
+        fmt, gran = key.split(":")[:2]
         if key in results:
             continue
         start = time.perf_counter()
-        if who == "ours":
-            # "attention@512": the attention methods' RoPE envelope for contexts of 512 positions
-            method, _, positions = method.partition("@")
-            scales = calibrate_kv_cache(
-                folder,
-                calib,
-                format=fmt,
-                granularity=gran,
-                method=method,
-                progress=False,
-                rope_positions=int(positions) if positions else None,
-            )
-        else:
-            scales = genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
+        scales = row_scales(key, folder, calib, cache)
         seconds = time.perf_counter() - start
         model = load_model(folder)
         KvCacheQuantizationPass(fmt, gran, scales)(model)

@@ -423,7 +423,7 @@ not run "pip install": installed already
 ```console
 $ pip install onnx-kvcache
 $ onnx-kvcache calibrate g --out s.json --format int8 --seq-len 512 --num-seqs 2 --min-tokens 64
-wrote s.json (1 layers, int8 per_tensor, minmax)
+wrote s.json (1 layers, int8 per_tensor, method minmax)
 ```
 
 <!-- docs-test:
@@ -525,7 +525,11 @@ def _spans(page: pathlib.Path) -> list[str]:
 
 OPTION = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
 #: Options of other tools that the pages name.
-FOREIGN_OPTIONS = {"--extra_options": "onnxruntime-genai's model builder", "--features": "mobius build"}
+FOREIGN_OPTIONS = {
+    "--extra_options": "onnxruntime-genai's model builder",
+    "--kv-cache-scale-file": "mobius's builder",
+    "--features": "mobius build",
+}
 
 
 def _benchmark_options() -> dict[str, set[str]]:

@@ -143,6 +143,13 @@ def _genai_for_openvino(tmp_path: pathlib.Path) -> None:
     )
 
 
+def _short_context_scales(tmp_path: pathlib.Path) -> None:
+    folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300)  # context_length 4096
+    scales = KvCacheScales.from_mapping({0: (0.5, 0.2), 1: (0.5, 0.2)}, format="int4")
+    scales = dataclasses.replace(scales, metadata={"rope_positions": 512})
+    convert_model(folder, tmp_path / "o", scales=scales, ep="cpu")
+
+
 CALIBRATION_DATA = [list(np.random.default_rng(3).integers(0, 300, n)) for n in (300, 125, 200)]
 
 TRIGGERS: dict[type[E.KvCacheWarning], Callable[[pathlib.Path], object]] = {
@@ -164,6 +171,7 @@ TRIGGERS: dict[type[E.KvCacheWarning], Callable[[pathlib.Path], object]] = {
         margin=1e-50,
         progress=False,
     ),
+    E.ContextLengthWarning: _short_context_scales,
     E.MeasurementWarning: lambda _: (_quantized_baseline(), _fp8_under_cpu_rule()),
     E.RuntimeSupportWarning: lambda _: optimize_model(
         paged_model(dtype=ir.DataType.FLOAT16), kv_cache_format="int4", kv_cache_scales={0: (0.1, 0.1)}

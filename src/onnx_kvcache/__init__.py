@@ -81,6 +81,7 @@ __all__ = [
     # errors
     "CalibrationDataWarning",
     "ClippingWarning",
+    "ContextLengthWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -146,6 +147,7 @@ _EXPORTS = {  # where each name lives; imported on first use
     "onnx_kvcache.errors": (
         "CalibrationDataWarning",
         "ClippingWarning",
+        "ContextLengthWarning",
         "FusionSkippedWarning",
         "GenaiConfigWarning",
         "KvCacheError",
@@ -261,6 +263,7 @@ if TYPE_CHECKING:
     from onnx_kvcache.errors import (
         CalibrationDataWarning,
         ClippingWarning,
+        ContextLengthWarning,
         FusionSkippedWarning,
         GenaiConfigWarning,
         KvCacheError,

@@ -26,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "CalibrationDataWarning",
     "ClippingWarning",
+    "ContextLengthWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -291,6 +292,11 @@ class ClippingWarning(KvCacheWarning):
     """Calibrated scales clip more of the sampled values than rounding would cost."""
 
 
+class ContextLengthWarning(KvCacheWarning):
+    """The scales were calibrated for a shorter context (``rope_positions``) than the model
+    serves: keys past it clip more."""
+
+
 class MeasurementWarning(KvCacheWarning):
     """A runner or evaluation measures something other than it seems (a hypothetical CPU rule
     for fp8, a quantized baseline)."""
@@ -335,6 +341,7 @@ WARNINGS: tuple[type[KvCacheWarning], ...] = (
     ScalesAdjustedWarning,
     CalibrationDataWarning,
     ClippingWarning,
+    ContextLengthWarning,
     MeasurementWarning,
     RuntimeSupportWarning,
     SharedWeightsWarning,

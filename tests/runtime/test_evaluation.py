@@ -143,14 +143,16 @@ def test_data_notes(tmp_path):
     scales = calibrate_kv_cache(folder, format="int8", progress=False)
     convert_model(folder, tmp_path / "int8", format="int8", scales=scales)
     report = evaluate_kv_cache(folder, tmp_path / "int8", num_seqs=1, seq_len=32, max_new_tokens=2)
-    assert report.data_note == "built-in corpus, model tokenizer"
+    assert report.data_note == "built-in corpus, evaluation part, model tokenizer"
+    assert report.held_out_from_calibration and report.tokens == 32
     assert report.kernel_rule_reason == "target cpu: converted for cpu (its onnx_kvcache.converted metadata)"
     assert f"({report.kernel_rule_reason})" in report.format_table()
     text = tmp_path / "elsewhere" / "text.txt"  # text away from the model: the baseline's tokenizer reads it
     text.parent.mkdir()
     text.write_text("The cache holds keys and values for every past token. " * 8)
     report = evaluate_kv_cache(folder, tmp_path / "int8", text, num_seqs=1, seq_len=32, max_new_tokens=2)
-    assert report.data_note == "text from text.txt"
+    assert report.data_note == "text from text.txt" and not report.held_out_from_calibration
+    assert "held out" not in report.format_table()
 
 
 def test_models_with_different_caches_are_refused():
@@ -183,6 +185,30 @@ def test_cli_evaluate_with_json_and_plot(tmp_path, capsys):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert set(doc["layer_errors"]) == {"0", "1"} and doc["candidate_format"] == "int8 per_tensor"
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_evaluate_says_what_it_scored(tmp_path, capsys):
+    """Default data: the report names the corpus part, windows and tokens, and that it is
+    held out from calibrate's default data, in text and in --json."""
+    pytest.importorskip("tokenizers")
+    from onnx_kvcache.models.decoder import save_genai_folder
+
+    folder = save_genai_folder(tmp_path / "model", num_layers=2)
+    argv = ["calibrate", str(folder), "--out", str(tmp_path / "s.json"), "--format", "int8", "--no-progress"]
+    assert main(argv) == 0
+    assert main(["convert", str(folder), str(tmp_path / "int8"), "--scales", str(tmp_path / "s.json")]) == 0
+    capsys.readouterr()
+    argv = ["evaluate", str(folder), str(tmp_path / "int8"), "--num-seqs", "2", "--seq-len", "48"]
+    assert main([*argv, "--max-new-tokens", "2", "--json", str(tmp_path / "r.json"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "built-in corpus, evaluation part, model tokenizer (held out: disjoint from calibrate's default "
+        "data); 2 windows, 96 tokens, " in out
+    )
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["held_out_from_calibration"] is True and doc["tokens"] == 96 and doc["num_sequences"] == 2
+    calibrated = json.loads((tmp_path / "s.json").read_text())
+    assert calibrated["data"] == "built-in corpus, model tokenizer"  # the calibration part
 
 
 def test_plot_of_a_perfect_match(tmp_path):

@@ -134,8 +134,9 @@ def test_a_tokenizer_file_that_is_not_one_is_an_error(tmp_path, model):
         calibrate_kv_cache(model, tmp_path / "notes.txt", tokenizer=tmp_path / "notes.txt", progress=False)
 
 
-@pytest.mark.parametrize(("fmt", "noted"), [("fp8", False), ("int8", True), ("int4", True)])
+@pytest.mark.parametrize(("fmt", "noted"), [("fp8", False), ("int8", True), ("int4", False)])
 def test_the_integer_rounding_note_is_printed_for_integer_formats_only(tmp_path, model, capsys, fmt, noted):
+    """Only for minmax (int8's default; int4's is attention, tests/cli/test_commands_voice.py)."""
     ir.save(model, tmp_path / "model.onnx")
     argv = ["calibrate", str(tmp_path / "model.onnx"), "--out", str(tmp_path / "s.json"), "--format", fmt]
     assert main([*argv, "--seq-len", "64", "--num-seqs", "4", "--min-tokens", "64", "--no-progress"]) == 0
@@ -173,3 +174,60 @@ def test_data_and_tokenizer_files_are_checked_before_the_model_loads(
 def test_a_non_finite_margin_is_refused(margin):
     with pytest.raises(KvCacheError, match="margin must be > 0 and finite"):
         calibrate_kv_cache("model.onnx", margin=margin)
+
+
+def _ngrams(windows, n):
+    return {tuple(w[i : i + n]) for w in windows for i in range(len(w) - n + 1)}
+
+
+@pytest.mark.parametrize("tokenized", [True, False], ids=["corpus", "random ids"])
+def test_evaluations_default_data_is_disjoint_from_calibrations(tmp_path, tokenized):
+    """Without data, evaluation never scores what calibration measured: another part of the
+    corpus (no 16-token run in common), or random ids of another seed."""
+    from onnx_kvcache.scales.data import load_token_windows
+
+    if tokenized:
+        pytest.importorskip("tokenizers")
+        model = save_genai_folder(tmp_path / "demo", num_layers=2)  # a byte-level tokenizer.json
+    else:
+        model = None
+    loaded = {
+        purpose: load_token_windows(None, model=model, seq_len=64, vocab_size=300, purpose=purpose)
+        for purpose in ("calibration", "evaluation")
+    }
+    calibration, evaluation = loaded["calibration"], loaded["evaluation"]
+    assert calibration.tokens >= 256 and evaluation.tokens >= 256
+    assert not _ngrams([w.tolist() for w in calibration.windows], 16) & _ngrams(
+        [w.tolist() for w in evaluation.windows], 16
+    )
+    assert evaluation.held_out and not calibration.held_out
+    assert calibration.random is evaluation.random is (not tokenized)
+    assert calibration.source != evaluation.source
+
+
+def test_the_corpus_parts_share_no_sentence():
+    from onnx_kvcache.scales.data import CORPUS_PARTS, builtin_corpus
+
+    parts = {part: builtin_corpus(part) for part in CORPUS_PARTS}
+    sentences = {
+        part: {s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20}
+        for part, text in parts.items()
+    }
+    assert not sentences["calibration"] & sentences["evaluation"]
+    assert all(len(text.encode()) > 4000 for text in parts.values())
+    assert "===" not in "".join(parts.values())  # the part lines are no text of either
+    assert builtin_corpus() == parts["calibration"]  # calibration's default, as before
+    with pytest.raises(KvCacheError, match="Unknown corpus part 'test'; choose one of calibration, eval"):
+        builtin_corpus("test")
+
+
+def test_given_data_is_read_whatever_the_purpose(tmp_path):
+    from onnx_kvcache.scales.data import load_token_windows
+
+    data = [list(range(40))]
+    for purpose in ("calibration", "evaluation"):
+        loaded = load_token_windows(data, seq_len=16, purpose=purpose)
+        assert [w.tolist() for w in loaded.windows] == [data[0][:16], data[0][16:32], data[0][32:]]
+        assert not loaded.held_out and loaded.source == "given token ids"
+    with pytest.raises(KvCacheError, match="Unknown data purpose 'test'; choose one of calibration, eval"):
+        load_token_windows(data, purpose="test")

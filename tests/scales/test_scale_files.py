@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -117,6 +118,85 @@ def test_save_load_round_trip(tmp_path, fmt, channels):
     for i in scales.layer_ids:
         np.testing.assert_array_equal(again.for_layer(i)[0], scales.for_layer(i)[0])
         np.testing.assert_array_equal(again.for_layer(i)[1], scales.for_layer(i)[1])
+
+
+def mobius_accepts(doc: dict) -> bool:
+    """mobius's ``--kv-cache-scale-file`` rule, replicated from its loader: onnxruntime/mobius
+    ``src/mobius/_passes/_fp8_kv_cache.py`` (commit 78437cd0), ``load_kv_cache_scale_file`` and
+    ``_validate_scales``: ``scales.k_scales`` and ``scales.v_scales`` are JSON arrays of equal
+    length, entry i is layer i, and each entry is ``float(entry)``, finite and > 0 (a list
+    such as ``[0.0072]`` raises TypeError there: refused)."""
+    try:
+        k_scales, v_scales = doc["scales"]["k_scales"], doc["scales"]["v_scales"]
+    except (KeyError, TypeError):
+        return False
+    if not isinstance(k_scales, list) or not isinstance(v_scales, list) or len(k_scales) != len(v_scales):
+        return False
+    for k, v in zip(k_scales, v_scales):
+        try:
+            k_f, v_f = float(k), float(v)
+        except (TypeError, ValueError):
+            return False
+        if not (math.isfinite(k_f) and k_f > 0.0 and math.isfinite(v_f) and v_f > 0.0):
+            return False
+    return True
+
+
+def genai_builder_reads(doc: dict, scale_size: int) -> list[np.ndarray]:
+    """onnxruntime-genai 0.18's builder (``models/builders/base.py``, ``make_kv_cache_scale``):
+    each entry as ``np.asarray(entry, float32).reshape(-1)`` of the scale size."""
+    entries = doc["scales"]["k_scales"] + doc["scales"]["v_scales"]
+    arrays = [np.asarray(entry, dtype=np.float32).reshape(-1) for entry in entries]
+    assert all(a.size == scale_size for a in arrays)
+    return arrays
+
+
+def test_mobius_rule_as_replicated_refuses_the_nested_form():
+    """The replica's own check: the form issue 32 saw mobius refuse, and the one it takes."""
+    assert not mobius_accepts({"scales": {"k_scales": [[0.0072]], "v_scales": [[0.0081]]}})
+    assert mobius_accepts({"scales": {"k_scales": [0.0072], "v_scales": [0.0081]}})
+    assert not mobius_accepts({"scales": {"k_scales": [0.1, 0.0], "v_scales": [0.3, 0.4]}})
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_per_tensor_scales_are_written_as_numbers_every_reader_takes(tmp_path, fmt):
+    scales = KvCacheScales(
+        {0: [0.0072], 1: [0.0081]}, {0: [0.0065], 1: [0.0093]}, format=fmt, granularity="per_tensor"
+    )
+    scales.save(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["scales"] == {"k_scales": [0.0072, 0.0081], "v_scales": [0.0065, 0.0093]}
+    assert mobius_accepts(doc)
+    assert [a.tolist() for a in genai_builder_reads(doc, 1)] == [
+        [np.float32(x)] for x in (0.0072, 0.0081, 0.0065, 0.0093)
+    ]
+    again = load_kv_cache_scale_file(tmp_path / "s.json")
+    assert again.to_json() == scales.to_json() and again.granularity == "per_tensor"
+
+
+def test_per_channel_scales_stay_a_list_per_layer(tmp_path):
+    scales = KvCacheScales(
+        {0: [0.1, 0.2, 0.3, 0.4]}, {0: [0.5, 0.6, 0.7, 0.8]}, format="int8", granularity="per_channel"
+    )
+    scales.save(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["scales"]["k_scales"] == [[0.1, 0.2, 0.3, 0.4]]
+    assert not mobius_accepts(doc)  # mobius takes per-tensor fp8 scales only
+    assert genai_builder_reads(doc, 4)[1].tolist() == pytest.approx([0.5, 0.6, 0.7, 0.8])
+    assert load_kv_cache_scale_file(tmp_path / "s.json").to_json() == scales.to_json()
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [[[0.0072], [0.0081]], [0.0072, 0.0081], [[0.0072], 0.0081]],
+    ids=["nested (genai's calibrator)", "flat", "mixed"],
+)
+def test_every_per_tensor_form_reads_the_same(tmp_path, entries):
+    path = write(tmp_path, {"scales": {"k_scales": entries, "v_scales": entries}, "qmax": 448.0})
+    scales = load_kv_cache_scale_file(path)
+    assert [scales.for_layer(i)[0].tolist() for i in (0, 1)] == [[np.float32(0.0072)], [np.float32(0.0081)]]
+    scales.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["scales"]["k_scales"] == [0.0072, 0.0081]
 
 
 MALFORMED = {

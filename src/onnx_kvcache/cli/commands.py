@@ -1,9 +1,11 @@
 """The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
 
 Exit codes: 0 done; 1 conversion refused (the target cannot run the result, some caches
-would keep their type, or the model has nothing to convert); 2 bad input or a failed
-read/write (one line on stderr, no traceback); 128 + N when stopped by signal N (130
-Ctrl-C, 143 SIGTERM). Outputs are atomic, so an error or a signal leaves no partial output.
+would keep their type, or the model has nothing to convert: ``onnx-kvcache: not converted
+...``); 2 bad input or a failed read/write (one line on stderr, ``onnx-kvcache: error: ...``,
+no traceback); 128 + N when stopped by signal N (130 Ctrl-C, 143 SIGTERM). Outputs are
+atomic, so an error or a signal leaves no partial output. Every warning is one
+``onnx-kvcache: warning: ...`` line, once per kind (:mod:`onnx_kvcache.cli._voice`).
 
 Start-up: this module imports the standard library and the package's light modules only
 (tests/cli/test_commands.py keeps it so). It parses the arguments, answers ``--help`` and
@@ -20,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import logging
 import math
 import os
 import pathlib
@@ -30,10 +31,11 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from onnx_kvcache import _signals
 from onnx_kvcache._version import __version__
+from onnx_kvcache.cli import _voice
 from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
 from onnx_kvcache.cli._names import METHODS, PROVIDERS, SEMANTICS, WEIGHTS, ep_name
@@ -80,6 +82,11 @@ class _Parser(argparse.ArgumentParser):
                 action = self._option_string_actions.get(word)
                 value = action is not None and action.nargs != 0
         return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """The usage, then the refusal in the command's one voice (``onnx-kvcache: error:``), exit 2."""
+        self.print_usage(sys.stderr)
+        self.exit(2, _voice.line("error", f"{message} (see {self.prog} --help)") + "\n")
 
     def _known_option(self, word: str) -> bool:
         if self._negative_number_matcher.match(word):  # type: ignore[attr-defined]
@@ -299,6 +306,9 @@ def _convert(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - args.started:.2f}s"  # from the entry point's first line: imports count
     )
     _print(result.weights_summary())
+    if args.scales:
+        method = f"method {result.method}" if result.method else "no method recorded"
+        _print(f"scales: {args.scales} ({method})")
     for note in result.notes:
         _print(_words(note))
     return 0
@@ -412,15 +422,22 @@ def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
 
 def _write_completely(
     args: argparse.Namespace, outputs: list[tuple[str, bytes, str]], done: str, inputs: list[pathlib.Path]
-) -> None:
-    """Publish ``outputs`` as one unit; a signal held over the publication says they were written."""
+) -> list[pathlib.Path]:
+    """Publish ``outputs`` as one unit; a signal held over the publication says they were
+    written. The files that replaced one."""
     try:
-        write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
+        replaced = write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
     except _signals.Interrupted as e:
         if e.completed and e.detail is None:
             e.detail = done
         raise
     args.done = done
+    return replaced
+
+
+def _wrote(path: str, replaced: list[pathlib.Path]) -> str:
+    """``wrote PATH``, or ``replaced PATH`` when it replaced a file."""
+    return f"{'replaced' if pathlib.Path(path) in replaced else 'wrote'} {path}"
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -448,18 +465,21 @@ def _calibrate(args: argparse.Namespace) -> int:
             "progress",
         ),
     )
-    _write_completely(
+    method = scales.metadata["method"]
+    replaced = _write_completely(
         args,
         [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
         f"the scale file was written ({args.out})",
         inputs,
     )
-    _print(format_calibration_summary(scales.stats, scales.format))
+    _print(format_calibration_summary(scales.stats, scales.format, method))
     layers = len(scales.layer_ids)
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
-    method = scales.metadata["method"]
-    _print(f"wrote {args.out} ({layers} layers, {scales.format} {scales.granularity}, {method}){target}")
+    _print(
+        f"{_wrote(args.out, replaced)} ({layers} layers, {scales.format} {scales.granularity}, "
+        f"method {method}){target}"
+    )
     return 0
 
 
@@ -491,10 +511,13 @@ def _evaluate(args: argparse.Namespace) -> int:
         from onnx_kvcache.runtime._plots import render_plot
 
         outputs.append((args.plot, render_plot(report), "plot"))
+    replaced: list[pathlib.Path] = []
     if outputs:
         names = ", ".join(path for path, _, _ in outputs)
-        _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
+        replaced = _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
     _print(report.format_table())
+    if outputs:
+        _print("; ".join(f"{_wrote(path, replaced)} ({kind})" for path, _, kind in outputs))
     return 0
 
 
@@ -583,15 +606,14 @@ def _format_options(granularity: str | None = "per_tensor") -> tuple[_Option, ..
     )
 
 
-def _data_options(whose: str) -> tuple[_Option, ...]:
+def _data_options(whose: str, default: str) -> tuple[_Option, ...]:
     return (
         _option(
             "--text",
             group="data",
             type=_text_file,
             metavar="FILE",
-            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: the built-in "
-            "corpus with that tokenizer, else seeded random token ids)",
+            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: {default})",
         ),
         _option(
             "--token-ids",
@@ -726,7 +748,10 @@ _CALIBRATE = (
         type=_bounded(float, 0, inclusive=False, high=100),
         help="the percentile of |x| that --method percentile takes (default: 99.99)",
     ),
-    *_data_options("the model's"),
+    *_data_options(
+        "the model's",
+        "the built-in corpus's calibration part with that tokenizer, else seeded random token ids",
+    ),
     _option("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens"),
     _option("--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"),
     _option(
@@ -762,7 +787,11 @@ _CALIBRATE = (
 _EVALUATE = (
     _option("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}"),
     _option("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}"),
-    *_data_options("the baseline's"),
+    *_data_options(
+        "the baseline's",
+        "the built-in corpus's evaluation part with that tokenizer, else random token ids of another "
+        "seed: both held out from calibrate's default data",
+    ),
     _option("--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"),
     _option("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate"),
     _option("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence"),
@@ -927,10 +956,6 @@ def _say(line: str) -> None:
         _print(line, file=sys.stderr, flush=True)
 
 
-def _show_warning(message, category, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    _say(f"onnx-kvcache: warning: {_words(message)}")
-
-
 _STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
 
 
@@ -1028,7 +1053,7 @@ def _check_provider(name: str) -> None:
 
 
 def _error(message: object) -> None:
-    _say(f"onnx-kvcache: error: {_words(message)}")
+    _say(_voice.line("error", _words(message)))
 
 
 _FILE_OPTIONS = ("output", "out", "json", "plot", "keep")
@@ -1124,18 +1149,14 @@ def _run(run: _Run, argv: Sequence[str] | None) -> int:
     run.args = args = build_parser().parse_args(argv)
     args.started = _signals.STARTED or time.perf_counter()  # the entry point's, once
     _signals.STARTED = None
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    warnings.simplefilter("always", KvCacheWarning)
-    warnings.showwarning = _show_warning
-    check_inputs(args)
-    with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
-        import onnx_ir  # noqa: F401
-    run.started = True
-    code: int = args.func(args)
-    _flush_stdout()
+    warnings.simplefilter("always", KvCacheWarning)  # the voice says each kind once
+    with _voice.Voice(_say, _words, verbose=getattr(args, "verbose", False)).speaking():
+        check_inputs(args)
+        with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
+            import onnx_ir  # noqa: F401
+        run.started = True
+        code: int = args.func(args)
+        _flush_stdout()
     return code
 
 

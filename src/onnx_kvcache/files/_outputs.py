@@ -315,11 +315,12 @@ def write_outputs(
     *,
     overwrite: bool = False,
     inputs: Iterable[os.PathLike | str] = (),
-) -> None:
+) -> list[pathlib.Path]:
     """Write every ``(path, data, kind)`` by the rules above, as one unit: each is written
     to a temporary file first (where a full disk or a signal stops the run with nothing
     published), then all are published together, signals held; should a later publication
-    fail, the new files published before it are removed again."""
+    fail, the new files published before it are removed again. The paths that replaced a
+    file (as given)."""
     files = list(files)
     inputs = list(inputs)
     for i, (path, _, _) in enumerate(files):
@@ -355,6 +356,7 @@ def write_outputs(
                     with contextlib.suppress(OSError):
                         os.unlink(done)
                 raise
+    return [path for path, _, identity in plans if identity is not None]
 
 
 def _publish(tmp: file_io.TempFile, path: pathlib.Path, identity: file_io.Identity | None) -> None:

@@ -58,6 +58,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
+from onnx_kvcache.files._context import warn_short_scales
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
@@ -520,6 +521,9 @@ class ConvertResult:
     """Converted nodes per operator (``{"PagedAttention": 32}``)."""
     fused: int = 0
     """Attention layers fused into GroupQueryAttention first (an export)."""
+    method: str | None = None
+    """The calibration method of the cache's scales, as they record it (None: not recorded,
+    or no scales)."""
 
     @property
     def reasons(self) -> list[str]:
@@ -630,6 +634,7 @@ def convert_model(
     decision = decide(dataclasses.replace(request, allow_partial=allow_partial))
     result = _result(source, plan, decision)
     if carry_out(decision):
+        warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
         _finish(source, plan, decision, result, progress)
     return result
 
@@ -753,6 +758,7 @@ def _finish(
     scales = decision.scales
     own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
+    result.method = method
     model.metadata_props[previous.MARKER_KEY] = previous.marker(
         result.format,
         result.granularity,

@@ -90,15 +90,32 @@ class EvaluationReport:
     positions: int
     """Decode steps scored (the prompt's own positions are reported apart)."""
     kl_prompt_mean: float = float("nan")
+    """Mean KL over the prompt's positions (CUDA's first prompt reads K/V unquantized: ~0)."""
     kernel_rule_reason: str = ""
     """Why that rule: the candidate's target and how it was inferred, or ``asked for``."""
-    """Mean KL over the prompt's positions (CUDA's first prompt reads K/V unquantized: ~0)."""
+    tokens: int = 0
+    """Tokens in the scored windows (prompts and decode steps)."""
+    held_out_from_calibration: bool = False
+    """The data is evaluation's default, disjoint from calibration's default data (another
+    part of the built-in corpus, or random ids of another seed); False for data given, whose
+    overlap with the calibration data the caller knows."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; numbers that were not measured (NaN) are null."""
         doc = dataclasses.asdict(self)
         doc["layer_errors"] = {str(k): {"k": v[0], "v": v[1]} for k, v in self.layer_errors.items()}
         return {k: None if isinstance(v, float) and v != v else v for k, v in doc.items()}
+
+    def _data_row(self) -> str:
+        """What was scored: the source, windows, tokens, decode steps, and whether it is held
+        out from calibration's default data."""
+        held_out = ""
+        if self.held_out_from_calibration:
+            held_out = " (held out: disjoint from calibrate's default data)"
+        return (
+            f"{self.data_note}{held_out}; {_count(self.num_sequences, 'window')}, "
+            f"{_count(self.tokens, 'token')}, {self.positions} decode steps scored"
+        )
 
     def format_table(self) -> str:
         rows = [
@@ -123,10 +140,7 @@ class EvaluationReport:
                 if self.greedy_match_share == self.greedy_match_share  # not NaN
                 else "not measured (no tokens generated)",
             ),
-            (
-                "data",
-                f"{self.data_note}; {_count(self.num_sequences, 'sequence')}, {self.positions} decode steps",
-            ),
+            ("data", self._data_row()),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
@@ -239,6 +253,7 @@ def _windows(
         num_seqs=scoring.num_seqs,
         tokenizer=scoring.tokenizer,
         vocab_size=base.vocab_size,
+        purpose="evaluation",  # without data: held out from calibration's default
     )
     windows, prompt_len = loaded.windows, scoring.prompt_len
     if not any(len(w) - scoring.prompt(w) >= 2 for w in windows):
@@ -329,6 +344,8 @@ class _Tally:
             data_note=loaded.source,
             num_sequences=len(loaded.windows),
             positions=int(all_kl.size),
+            tokens=loaded.tokens,
+            held_out_from_calibration=loaded.held_out,
         )
 
 

@@ -752,9 +752,12 @@ def _scales(
     return scales
 
 
-def format_calibration_summary(stats: Sequence[CalibrationStats], format: str | None = None) -> str:
+def format_calibration_summary(
+    stats: Sequence[CalibrationStats], format: str | None = None, method: str | None = None
+) -> str:
     """A table: per layer, K/V thresholds, scales and the fraction of values clipped
-    (``format``: the scales'; an fp8 table leaves out the integer formats' note).
+    (``format`` and ``method``: the scales'; the integer formats' minmax note is left out
+    of an fp8 table and of another method's, whose clipping is its choice).
 
     A value is clipped when it lies beyond the top or bottom stored level by more than half
     a step (integers) or beyond it at all (fp8), so storing it costs more than rounding.
@@ -776,7 +779,7 @@ def format_calibration_summary(stats: Sequence[CalibrationStats], format: str | 
         "clip: share of sampled values stored at the top or bottom level with more than rounding "
         "error (thresholds and scales: largest per layer)"
     )
-    if format is None or not get_format(format).is_float:
+    if (format is None or not get_format(format).is_float) and method in (None, "minmax"):
         lines.append(
             "minmax clips int8/int4 a little: onnxruntime-genai's amax/128 (/8) stores amax as 127/128 (7/8)"
         )

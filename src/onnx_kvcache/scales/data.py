@@ -4,11 +4,19 @@ Text is tokenized with the ``tokenizers`` library from a ``tokenizer.json`` (the
 ``text`` extra): one given explicitly, or the one beside the model. Without data the
 built-in corpus is used when a tokenizer is found, else seeded random token ids within
 the model's vocabulary, and the caller is told which.
+
+The defaults are disjoint by purpose (:data:`DEFAULT_DATA`, one row each): calibration
+reads the corpus's calibration part and random ids of seed 0, evaluation its evaluation
+part (held out: text calibration never reads) and random ids of seed 1, so a default
+evaluation never scores the windows a default calibration measured.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CORPUS_PARTS",
+    "DEFAULT_DATA",
+    "DefaultData",
     "TokenData",
     "TokenWindows",
     "builtin_corpus",
@@ -23,6 +31,7 @@ import importlib.resources
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,14 +61,66 @@ MAX_TOKEN_ID = 2**31 - 1
 """Token ids are int32 or int64 model inputs; every vocabulary fits int32."""
 
 
-def builtin_corpus() -> str:
-    """A multi-domain English corpus written for this project (prose, code, dialogue)."""
-    return importlib.resources.files("onnx_kvcache.scales").joinpath("corpus.txt").read_text("utf-8")
+CORPUS_PARTS = ("calibration", "evaluation")
+"""The parts of ``corpus.txt``, in file order: the first runs from the top, each other one
+from a line ``=== NAME ===``."""
+
+_PART_LINE = re.compile(r"\n=== (\w+) ===\n")
 
 
-def corpus_byte_ids() -> list[int]:
-    """The built-in corpus as byte-level token ids (the demo decoder's own tokenizer)."""
-    return list(builtin_corpus().encode("utf-8"))
+@dataclasses.dataclass(frozen=True)
+class DefaultData:
+    """What one purpose reads when it is given no data."""
+
+    purpose: str
+    corpus_part: str
+    """The part of the built-in corpus it tokenizes (:data:`CORPUS_PARTS`)."""
+    seed: int
+    """The seed of its random token ids (no tokenizer found)."""
+    corpus_source: str
+    random_source: str
+    held_out: bool
+    """Disjoint from calibration's default data: another corpus part and another seed."""
+
+
+DEFAULT_DATA: Mapping[str, DefaultData] = {
+    row.purpose: row
+    for row in (
+        DefaultData(
+            "calibration",
+            "calibration",
+            0,
+            "built-in corpus",
+            "seeded random token ids (no tokenizer)",
+            False,
+        ),
+        DefaultData(
+            "evaluation",
+            "evaluation",
+            1,
+            "built-in corpus, evaluation part",
+            "seeded random token ids (no tokenizer, evaluation seed)",
+            True,
+        ),
+    )
+}
+
+
+def builtin_corpus(part: str = "calibration") -> str:
+    """A part of the multi-domain English corpus written for this project (prose, code,
+    dialogue, law, medicine, maths, SQL): ``calibration`` (calibration's default data) or
+    ``evaluation`` (evaluation's default, held out from calibration)."""
+    if part not in CORPUS_PARTS:
+        raise KvCacheError(f"Unknown corpus part {part!r}; choose one of {', '.join(CORPUS_PARTS)}.")
+    text = importlib.resources.files("onnx_kvcache.scales").joinpath("corpus.txt").read_text("utf-8")
+    pieces = _PART_LINE.split(text)
+    parts = dict(zip([CORPUS_PARTS[0], *pieces[1::2]], pieces[0::2]))
+    return parts[part]
+
+
+def corpus_byte_ids(part: str = "calibration") -> list[int]:
+    """A part of the built-in corpus as byte-level token ids (the demo decoder's own tokenizer)."""
+    return list(builtin_corpus(part).encode("utf-8"))
 
 
 def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None) -> pathlib.Path | None:
@@ -173,9 +234,11 @@ class TokenWindows:
     windows: list[np.ndarray]
     source: str
     """``given token ids``, ``text file NAME``, ``built-in corpus, model tokenizer`` or
-    ``seeded random token ids (no tokenizer)``."""
+    ``seeded random token ids (no tokenizer)`` (a :data:`DEFAULT_DATA` row's words)."""
     random: bool = False
     """The ids are random (no tokenizer was found): fine for a smoke test only."""
+    held_out: bool = False
+    """The windows are evaluation's default data, disjoint from calibration's default."""
 
     @property
     def tokens(self) -> int:
@@ -190,9 +253,15 @@ def load_token_windows(
     num_seqs: int | None = None,
     tokenizer: str | os.PathLike | None = None,
     vocab_size: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
+    purpose: str = "calibration",
 ) -> TokenWindows:
-    """Token windows of at most ``seq_len`` ids from sequences, files or the corpus."""
+    """Token windows of at most ``seq_len`` ids from sequences, files or, without data, the
+    ``purpose``'s default (:data:`DEFAULT_DATA`: its corpus part, or random ids of its seed
+    unless ``seed`` is given)."""
+    if purpose not in DEFAULT_DATA:
+        raise KvCacheError(f"Unknown data purpose {purpose!r}; choose one of {', '.join(DEFAULT_DATA)}.")
+    default = DEFAULT_DATA[purpose]
     require_type(seq_len, INTEGER, "seq_len", "an integer")
     require_type(num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
     if seq_len < 1:
@@ -207,12 +276,12 @@ def load_token_windows(
             if tok is None:
                 if vocab_size is None:
                     raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
-                rng = np.random.default_rng(seed)
+                rng = np.random.default_rng(default.seed if seed is None else seed)
                 sequences = [rng.integers(0, vocab_size, seq_len) for _ in range(num_seqs or 8)]
-                source, random = "seeded random token ids (no tokenizer)", True
+                source, random = default.random_source, True
             else:
-                sequences = [np.asarray(tokenize_text(builtin_corpus(), tok), np.int64)]
-                source = "built-in corpus, " + (
+                sequences = [np.asarray(tokenize_text(builtin_corpus(default.corpus_part), tok), np.int64)]
+                source = f"{default.corpus_source}, " + (
                     "model tokenizer" if tokenizer is None else f"tokenizer {tok}"
                 )
         else:
@@ -257,4 +326,5 @@ def load_token_windows(
         if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
             raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
         windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-    return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random)
+    held_out = data is None and default.held_out
+    return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random, held_out)

@@ -1,11 +1,17 @@
 """Where scales come from: the in-memory :class:`KvCacheScales` and scale files.
 
-File format (onnxruntime-genai's, the de facto standard)::
+File format (onnxruntime-genai's, the de facto standard), as written here::
 
-    {"scales": {"k_scales": [[0.0019], [0.0022]], "v_scales": [[0.0018], [0.0020]]},
+    {"scales": {"k_scales": [0.0019, 0.0022], "v_scales": [0.0018, 0.0020]},
      "qmax": 448.0, "layer_ids": [0, 1]}
 
-Variants read here: entries as numbers or lists (one element per tensor,
+A per-tensor scale is written as a number, a per-channel one as a list of
+``kv_num_heads * head_size`` numbers: the form every reader takes (onnxruntime-genai's
+builder reads an entry as ``np.asarray(entry).reshape(-1)``; mobius's
+``--kv-cache-scale-file`` takes ``float(entry)``, so numbers only).
+
+Variants read here: entries as numbers or lists (one element per tensor, as
+onnxruntime-genai's calibrator writes ``[[0.0019], [0.0022]]``, or
 ``kv_num_heads * head_size`` per channel), optional sparse ``layer_ids``, optional
 ``qmax`` (the file is retargeted to another format by ``file_qmax / target_qmax``),
 optional ``format`` and ``granularity`` (written by us), one section per model file keyed
@@ -251,8 +257,8 @@ class KvCacheScales:
         ids = self.layer_ids
         doc: dict[str, Any] = {
             "scales": {
-                "k_scales": [_shortest(self.k[i]) for i in ids],
-                "v_scales": [_shortest(self.v[i]) for i in ids],
+                "k_scales": [_entry(self.k[i]) for i in ids],
+                "v_scales": [_entry(self.v[i]) for i in ids],
             },
             "layer_ids": list(ids),
         }
@@ -295,6 +301,13 @@ def mse_moved(source: str, target: str) -> Message:
 def _layer_id(key: Any) -> Any:
     """A digit string as the layer id it spells; anything else as it is (checked later)."""
     return int(key) if isinstance(key, str) and key.isdecimal() else key
+
+
+def _entry(scales: np.ndarray) -> float | list[float]:
+    """A layer's scales as a file entry: one scale as a number (the form mobius's reader
+    takes too), several as a list."""
+    values = _shortest(scales)
+    return values[0] if len(values) == 1 else values
 
 
 def _shortest(scales: np.ndarray) -> list[float]:
@@ -420,13 +433,19 @@ def load_kv_cache_scale_file(
             raise _fail(p, f"'qmax' {problem}")
         qmax = float(qmax)
     method = section.get("method", doc.get("method"))
+    rope_positions = section.get("rope_positions", doc.get("rope_positions"))
+    if rope_positions is not None and (
+        isinstance(rope_positions, bool) or not isinstance(rope_positions, int) or rope_positions < 1
+    ):
+        raise _fail(p, f"'rope_positions' must be an integer >= 1, got {rope_positions!r}.")
+    recorded = {"method": method, "rope_positions": rope_positions}
     try:
         result = KvCacheScales(
             dict(zip(layer_ids, k)),
             dict(zip(layer_ids, v)),
             format=file_format,
             qmax=qmax,
-            metadata={"method": method} if method is not None else {},
+            metadata={key: value for key, value in recorded.items() if value is not None},
             granularity=granularity,
         )
         return result.retarget(format) if format is not None else result

@@ -46,10 +46,9 @@ logger = logging.getLogger(__name__)
 
 #: Said once when a fused attention reads the export's attention_mask.
 PADDING_WARNING = (
-    "the fused attention keeps each row's valid tokens (nonzero attention_mask entries) first in its "
-    "cache: a prompt padded anywhere computes as the export does, but after the prompt every row "
-    "must get a nonzero entry per new token once it has one (a row given a 0 then, a paused row, "
-    "computes wrong results; docs/exporting.md)."
+    "fused attention: a prompt padded anywhere computes as the export does; after it, every row "
+    "needs a nonzero attention_mask entry per new token (a paused row computes wrong results; "
+    "docs/exporting.md, Padding)."
 )
 #: Added when a fused attention with a padding mask also has a sliding window.
 WINDOW_PADDING_WARNING = (
