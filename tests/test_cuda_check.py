@@ -277,3 +277,18 @@ def test_the_report_is_json(tmp_path):
         warnings.simplefilter("error")
         doc = cc.report(INFO, cc.make_plan(True), {"x": 1.0}, [row], speed, claims, [], True)
     assert json.loads(json.dumps(doc))["comparisons"][0]["verdict"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "variant", [V(None), V("fp8", "per_tensor"), V("int8", "per_channel")], ids=lambda v: v.label
+)
+def test_bf16_references_run_on_cpu(variant, tmp_path):
+    """The CPU side of every bf16 comparison: the emulated model loads (the runner and the
+    emulation both compute bf16 in float32) and gives finite logits at every step."""
+    spec = cc.ModelSpec("bf16-h64", "bfloat16", 64, num_layers=1)
+    model, folder = cc.build_model(spec, 320)  # calibration reads 256 tokens
+    qmodel, _ = cc.converted(spec, model, folder, variant, tmp_path)
+    prompt, decode = cc.token_batches(2, 16, 3, spec.vocab_size)
+    found = cc.reference_run(qmodel, "cuda", prompt, decode)
+    assert len(found.logits) == 4 and all(s.shape == (2, spec.vocab_size) for s in found.logits)
+    assert all(np.isfinite(s).all() for s in found.logits)
