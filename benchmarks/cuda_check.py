@@ -56,7 +56,7 @@ rounding, clamping, which tokens are attended before quantization), or a kernel 
 The JSON report is written after each phase (``"complete": false`` until the last), so a run
 stopped by a time limit or Ctrl-C keeps what ended. Exit status: 0 nothing flagged, 1 a run
 flagged or failed or a table contradiction, 2 this machine or ``--json`` cannot run it (one
-line), 130 interrupted.
+line), 130 interrupted (Ctrl-C, or SIGTERM: the working files are removed).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -1373,7 +1374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="The CUDA check: kernels vs emulation, and what the cache buys. "
         "Exit status: 0 nothing flagged, 1 something flagged or failed, 2 this machine or an "
-        "argument cannot run it (one line says why), 130 interrupted."
+        "argument cannot run it (one line says why), 130 interrupted (Ctrl-C or SIGTERM)."
     )
     parser.add_argument("--quick", action="store_true", help="fewer models and contexts (under 2 minutes)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (any machine)")
@@ -1394,6 +1395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from onnx_kvcache.errors import KvCacheError
 
     reporter = Reporter(args.json, args.overwrite)
+
+    def terminated(signum: int, frame: Any) -> None:  # a time limit's SIGTERM: as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         return _check(args, plan, reporter)
     except KvCacheError as error:  # the --json file, refused before any work
@@ -1403,6 +1409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = f"the phases that ended are in {reporter.written}" if reporter.written else "no report written"
         print(f"cuda_check: interrupted; {kept}", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check(args: argparse.Namespace, plan: Plan, reporter: Reporter) -> int:

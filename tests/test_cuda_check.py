@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
+import signal
 import sys
 import warnings
 
@@ -347,6 +349,25 @@ def _canned(plan, device, work, failures=None, **kw):
 
 def _interrupt(*args, **kw):
     raise KeyboardInterrupt
+
+
+def _terminate(*args, **kw):
+    os.kill(os.getpid(), signal.SIGTERM)  # a time limit (timeout(1)) stops the run
+
+
+@pytest.mark.parametrize("stop", [_interrupt, _terminate])
+def test_sigterm_is_ctrl_c(stop, on_cpu, tmp_path, capsys):
+    """Stopped in the speed phase: exit 130, one line, the earlier phases kept, the working
+    folder removed, SIGTERM's handler restored."""
+    before = signal.getsignal(signal.SIGTERM)
+    on_cpu.setattr(cc, "kernel_phase", _canned)
+    on_cpu.setattr(cc, "speed_phase", stop)
+    on_cpu.setattr(cc.tempfile, "tempdir", str(tmp_path))
+    assert cc.main(["--json", str(tmp_path / "r.json")]) == 130
+    assert capsys.readouterr().err.startswith("cuda_check: interrupted; the phases that ended are in ")
+    assert json.loads((tmp_path / "r.json").read_text())["complete"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("where", ["kernel_phase", "paged_phase"])
