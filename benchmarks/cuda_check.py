@@ -52,6 +52,11 @@ What the kernel's own arithmetic explains (the bound each step is held to):
 
 Anything beyond is flagged (``FLAG``): a rule the emulation gets wrong (scale meaning,
 rounding, clamping, which tokens are attended before quantization), or a kernel bug.
+
+The JSON report is written after each phase (``"complete": false`` until the last), so a run
+stopped by a time limit or Ctrl-C keeps what ended. Exit status: 0 nothing flagged, 1 a run
+flagged or failed or a table contradiction, 2 this machine or ``--json`` cannot run it (one
+line), 130 interrupted (Ctrl-C, or SIGTERM: the working files are removed).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -378,6 +384,12 @@ def missing(
             "onnxruntime is not installed: pip install onnxruntime-gpu (never beside onnxruntime), "
             "then pip install ."
         )
+    if providers is not None and _CUDA not in providers and info.gpu is None:
+        return (
+            f"no CUDA GPU (nvidia-smi and the driver library find none) and {info.ort_package} "
+            f"{info.ort_version} has no CUDAExecutionProvider: on a machine with an NVIDIA GPU and its "
+            "driver, pip uninstall -y onnxruntime && pip install onnxruntime-gpu"
+        )
     if providers is not None and _CUDA not in providers:
         return (
             f"{info.ort_package} {info.ort_version} has no CUDAExecutionProvider: "
@@ -517,6 +529,7 @@ class DeviceDecoder:
             disable = False
         self.fallback_disabled, self.fallback_note = disable, note
         self.placement: Placement | None = None
+        self.zero_note = ""
 
     def _session(self, data: bytes, base: Any, profile_dir: str | None, disable: bool) -> Any:
         options = self.ort.SessionOptions()
@@ -533,14 +546,19 @@ class DeviceDecoder:
         providers = [_CUDA] if self.device == "cuda" else [_CPU]
         return self.ort.InferenceSession(data, options, providers=providers)
 
-    def empty(self, binding: Any, batch: int, length: int) -> Any:
-        """A cache OrtValue ``[batch, kv, length, last_dim]`` on the device (fresh caches are
-        never read beyond the tokens written)."""
+    def empty(self, binding: Any, batch: int, length: int, zero: bool = True) -> Any:
+        """A cache OrtValue ``[batch, kv, length, last_dim]`` on the device, all zeros as
+        onnxruntime-genai allocates its caches (a shared buffer's rows beyond the context are
+        then zeros, not leftover bits: an fp8 NaN there would flag a kernel that reads them
+        harmlessly in genai); ``zero=False``: left as allocated (the speed phase)."""
         from onnx_kvcache.runtime._sessions import fed_as_bits, to_ort_value
 
         shape = (batch, binding.kv_num_heads, length, binding.last_dim)
-        if self.device == "cuda" and (fed_as_bits(binding.dtype) or length > 4096):
-            return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), int(binding.dtype), "cuda", 0)
+        if self.device == "cuda" and (fed_as_bits(binding.dtype) or not zero):
+            value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), int(binding.dtype), "cuda", 0)
+            if zero and not fill_zeros(self.ort, value, shape, binding.dtype):
+                self.zero_note = "caches not zeroed (this onnxruntime copies no tensor to the device)"
+            return value
         return to_ort_value(np.zeros(shape, binding.dtype.numpy()), binding.dtype, self.device)
 
     def step(
@@ -588,6 +606,24 @@ class DeviceDecoder:
         if keep_codes and not shared:
             codes = {(b.layer_id, b.kind): host_array(caches[b.past]) for b in self.bindings}
         return Run(logits, codes, seconds)
+
+
+def fill_zeros(ort: Any, value: Any, shape: Sequence[int], dtype: Any) -> bool:
+    """Copy an all-zero host tensor of ``dtype`` into ``value`` (any device): whether it was
+    done (``OrtValue.update_inplace`` of an OrtValue, else ``onnxruntime.copy_tensors``)."""
+    from onnx_kvcache.runtime._sessions import to_ort_value
+
+    host = to_ort_value(np.zeros(tuple(shape), dtype.numpy()), dtype, "cpu")
+    try:
+        value.update_inplace(host)
+        return True
+    except Exception:  # older onnxruntime: numpy sources only (no fp8/bf16 numpy type)
+        pass
+    try:
+        ort.copy_tensors([host], [value])
+        return True
+    except Exception:  # not in this onnxruntime, or no transfer between these devices
+        return False
 
 
 # --- the CPU reference -------------------------------------------------------------------------
@@ -842,13 +878,33 @@ def converted(
     return ir.load(out / "model.onnx"), out
 
 
+def _ran(ran: dict[tuple[str, str, str], str], key: tuple[str, str, str], what: str) -> None:
+    """Record what a cell did on the device: "ran" once any run of it ran, else its first
+    failure (a layout that fails beside one that runs is a failure row, not a refusal)."""
+    if what == "ran" or key not in ran:
+        ran[key] = what
+
+
 def kernel_phase(
-    plan: Plan, device: str, work: pathlib.Path, rule: str = "cuda", echo: Callable[[str], None] = print
+    plan: Plan,
+    device: str,
+    work: pathlib.Path,
+    rule: str = "cuda",
+    echo: Callable[[str], None] = print,
+    failures: list[str] | None = None,
 ) -> tuple[list[Comparison], dict[tuple[str, str, str], str]]:
     """Every model x cache x batch x layout on ``device`` against the ``rule`` emulation.
 
-    Returns the comparisons and what ran: ``(op, format, granularity) -> "ran"`` or the error.
+    Returns the comparisons and what ran on the device: ``(op, format, granularity) ->
+    "ran"`` or its failure. Every failure, the CPU side's included (which says nothing
+    about the device, so it is not in what ran), is appended to ``failures`` as a line.
     """
+    failures = [] if failures is None else failures
+
+    def failed(line: str) -> None:
+        failures.append(line)
+        echo(f"  {line}")
+
     from onnx_kvcache.cache.formats import get_format
 
     results: list[Comparison] = []
@@ -866,8 +922,7 @@ def kernel_phase(
                 qmodel, base = converted(spec, model, folder, variant, work)
                 reference = reference_run(qmodel, rule, prompt, decode)
             except Exception as error:
-                echo(f"  {spec.name} {variant.label}: could not prepare: {_one_line(error)}")
-                ran[key] = f"not prepared: {_one_line(error)}"
+                failed(f"{spec.name} {variant.label}: CPU side not prepared: {_one_line(error)}")
                 continue
             if variant.fmt is None:
                 float_ref = reference
@@ -877,19 +932,19 @@ def kernel_phase(
                     profile = tempfile.mkdtemp(dir=work)
                     decoder = DeviceDecoder(qmodel, device, base, profile_dir=profile)
                 except Exception as error:
-                    ran.setdefault(key, f"session failed: {_one_line(error)}")
-                    echo(f"  {spec.name} {variant.label} {layout}: session failed: {_one_line(error)}")
-                    break
+                    _ran(ran, key, f"session failed: {_one_line(error)}")
+                    failed(f"{spec.name} {variant.label} {layout}: session failed: {_one_line(error)}")
+                    continue
                 for batch in plan.batches:
                     try:
                         run = decoder.run(prompt[:batch], decode[:batch], layout == "shared", keep_codes=True)
                     except Exception as error:
-                        ran.setdefault(key, f"run failed: {_one_line(error)}")
-                        echo(
-                            f"  {spec.name} {variant.label} {layout} b{batch}: run failed: {_one_line(error)}"
+                        _ran(ran, key, f"run failed: {_one_line(error)}")
+                        failed(
+                            f"{spec.name} {variant.label} {layout} b{batch}: run failed: {_one_line(error)}"
                         )
                         continue
-                    ran.setdefault(key, "ran")
+                    _ran(ran, key, "ran")
                     floor = floors.get((batch, layout)) if variant.fmt else None
                     found = compare(
                         run,
@@ -904,6 +959,8 @@ def kernel_phase(
                         placement=decoder.placement,
                         provider=_CUDA if device == "cuda" else _CPU,
                     )
+                    if decoder.zero_note:
+                        found.note = "; ".join(filter(None, (found.note, decoder.zero_note)))
                     if variant.fmt is None:
                         ref = [r[:batch] for r in reference.logits]
                         floors[(batch, layout)] = step_errors(run.logits, ref)[0]
@@ -921,7 +978,11 @@ def _one_line(error: BaseException) -> str:
 
 
 def paged_phase(
-    plan: Plan, device: str, rule_providers: Sequence[str] = (_CUDA,), echo: Callable[[str], None] = print
+    plan: Plan,
+    device: str,
+    rule_providers: Sequence[str] = (_CUDA,),
+    echo: Callable[[str], None] = print,
+    failures: list[str] | None = None,
 ) -> tuple[list[Comparison], dict[tuple[str, str, str], str]]:
     """A PagedAttention decoder (fp16, head 64) per format on ``rule_providers`` against its
     CPU reference (``PagedAttentionReferencePass``: every paged kernel quantizes before
@@ -947,17 +1008,23 @@ def paged_phase(
                     {i: (np.full(n, scale), np.full(n, scale)) for i in range(spec.num_layers)},
                 )(model)
         runs = []
-        try:
-            for providers in ([_CPU], list(rule_providers)):
+        for side, providers in (("CPU reference", [_CPU]), ("device", list(rule_providers))):
+            try:
                 runner = KvCacheRunner(model, providers=providers)
                 start = time.perf_counter()
                 logits = [runner.prefill(prompt)[:, -1]] + [
                     runner.step(decode[:, i].tolist()) for i in range(decode.shape[1])
                 ]
                 runs.append(Run(logits, None, time.perf_counter() - start))
-        except Exception as error:
-            ran[key] = f"failed: {_one_line(error)}"
-            echo(f"  {spec.name} {variant.label}: {_one_line(error)}")
+            except Exception as error:
+                if side == "device":  # the CPU side's failure says nothing about the device
+                    ran[key] = f"failed: {_one_line(error)}"
+                line = f"{spec.name} {variant.label}: {side} failed: {_one_line(error)}"
+                echo(f"  {line}")
+                if failures is not None:
+                    failures.append(line)
+                break
+        if len(runs) < 2:
             continue
         ran[key] = "ran"
         if variant.fmt is None:
@@ -1066,7 +1133,7 @@ def decode_speed(
     """Decode tokens/s at ``context`` past tokens (shared-buffer caches, rows unwritten),
     the caches' MiB, and the device memory in use after the timed steps."""
     capacity = context + warmup + steps
-    caches = {b.past: decoder.empty(b, batch, capacity) for b in decoder.bindings}
+    caches = {b.past: decoder.empty(b, batch, capacity, zero=False) for b in decoder.bindings}
     nbytes = sum(b.nbytes((batch, b.kv_num_heads, capacity)) for b in decoder.bindings)
     ids = np.ones((batch, 1), np.int64)
     for i in range(warmup):
@@ -1085,9 +1152,14 @@ def speed_phase(
 ) -> list[SpeedRow]:
     """Tokens/s and memory per cache x context x batch (smallest caches first)."""
     max_position = max(plan.contexts) + plan.speed_steps + 8
-    paths = speed_models(plan.speed, plan.speed_variants, max_position, work)
     rows: list[SpeedRow] = []
     grid = sorted(((c, b) for c in plan.contexts for b in plan.speed_batches), key=lambda cb: cb[0] * cb[1])
+    try:
+        paths = speed_models(plan.speed, plan.speed_variants, max_position, work)
+    except Exception as error:  # building or converting: every row says so
+        found = f"model not built: {_one_line(error)}"
+        echo(f"  {found}")
+        return [SpeedRow(v.label, c, b, None, 0.0, None, found) for v in plan.speed_variants for c, b in grid]
     for v in plan.speed_variants:
         import onnx_ir as ir
 
@@ -1203,15 +1275,24 @@ class Phases:
         return Timer()
 
 
-def summary(comparisons: Sequence[Comparison], speed: Sequence[SpeedRow], claims: Sequence[Claim]) -> str:
-    """The one table of the check: every comparison, every speed row, every contradiction."""
+def summary(
+    comparisons: Sequence[Comparison],
+    speed: Sequence[SpeedRow],
+    claims: Sequence[Claim],
+    failures: Sequence[str] = (),
+) -> str:
+    """The one table of the check: every comparison, every failure, every speed row, every
+    contradiction."""
     lines = [
         "kernel vs CUDA-rule emulation (max over steps; /bound <= 1: explained by the kernel's arithmetic)"
     ]
     lines += [_HEADER] + [_row_text(c) for c in comparisons]
     lines.append(f"{sum(c.flagged for c in comparisons)} of {len(comparisons)} runs flagged")
+    if failures:
+        lines.append(f"{len(failures)} failed (no comparison):")
+        lines += [f"  FAILED {line}" for line in failures]
     if speed:
-        lines.append("decode speed (shared-buffer caches)")
+        lines.append("decode speed (shared-buffer caches; dev MiB: nvidia-smi's memory in use on the GPU)")
         lines.append(f"{'cache':<20} {'ctx':>5} {'B':>3} {'tok/s':>9} {'cache MiB':>10} {'dev MiB':>9}")
         lines += [_speed_text(r) for r in speed]
     contradictions = [c for c in claims if c.contradiction]
@@ -1229,29 +1310,78 @@ def report(
     claims: Sequence[Claim],
     doctor: Sequence[str],
     quick: bool,
+    failures: Sequence[str] = (),
+    complete: bool = True,
 ) -> dict[str, Any]:
-    """The JSON document of a run."""
+    """The JSON document of a run (``complete`` False: written after a phase, the later
+    phases not run yet)."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "mode": "quick" if quick else "default",
+        "complete": complete,
         "device": dataclasses.asdict(info),
         "plan": describe(plan).splitlines(),
         "phases_s": phases,
         "comparisons": [dataclasses.asdict(c) | {"verdict": c.verdict()} for c in comparisons],
+        "failures": list(failures),
         "speed": [dataclasses.asdict(r) for r in speed],
         "capabilities": [dataclasses.asdict(c) for c in claims],
         "doctor_disagreements": list(doctor),
     }
 
 
+def _words(error: BaseException) -> str:
+    """A library error in this script's words (``--overwrite``, not ``overwrite=True``)."""
+    from onnx_kvcache.errors import Param, Wording, render
+
+    class Flags(Wording):
+        def param(self, param: Param) -> str:
+            flag = "--" + param.name.replace("_", "-")
+            return flag if param.value is True else super().param(param)
+
+    return render(error, Flags())
+
+
+class Reporter:
+    """Writes the JSON report (guarded, atomic) after each phase, so that a run stopped by a
+    time limit or Ctrl-C leaves the phases that ended; when ``path`` cannot be written at
+    the end of minutes of work, the report goes to a new file in the temporary folder and
+    the line saying so names it."""
+
+    def __init__(self, path: str, overwrite: bool) -> None:
+        self.path, self.overwrite = path, overwrite
+        self.written: str | None = None
+        self.failed: str | None = None
+
+    def write(self, doc: dict[str, Any]) -> None:
+        from onnx_kvcache.errors import KvCacheError
+        from onnx_kvcache.files._outputs import stamp_json, write_output
+
+        data = stamp_json(doc, "report")
+        try:
+            write_output(self.path, data, "report", overwrite=self.overwrite)
+        except (KvCacheError, OSError) as error:
+            why = _words(error) if isinstance(error, KvCacheError) else (error.strerror or str(error))
+            fallback = os.path.join(tempfile.mkdtemp(prefix="cuda-check-"), "cuda_check.json")
+            write_output(fallback, data, "report")
+            self.failed = f"cannot write {self.path} ({why.rstrip('.')}); the report is in {fallback}"
+            print(f"cuda_check: {self.failed}", file=sys.stderr)
+            self.path, self.overwrite = fallback, False
+        self.written = self.path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="The CUDA check: kernels vs emulation, and what the cache buys."
+        description="The CUDA check: kernels vs emulation, and what the cache buys. "
+        "Exit status: 0 nothing flagged, 1 something flagged or failed, 2 this machine or an "
+        "argument cannot run it (one line says why), 130 interrupted (Ctrl-C or SIGTERM)."
     )
     parser.add_argument("--quick", action="store_true", help="fewer models and contexts (under 2 minutes)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (any machine)")
     parser.add_argument(
-        "--json", default="cuda_check.json", help="where to write the report (default: %(default)s)"
+        "--json",
+        default="cuda_check.json",
+        help="where to write the report, after each phase (default: %(default)s)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a --json file onnx-kvcache did not write"
@@ -1262,40 +1392,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(describe(plan))
         return 0
+    from onnx_kvcache.errors import KvCacheError
+
+    reporter = Reporter(args.json, args.overwrite)
+
+    def terminated(signum: int, frame: Any) -> None:  # a time limit's SIGTERM: as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return _check(args, plan, reporter)
+    except KvCacheError as error:  # the --json file, refused before any work
+        print(f"cuda_check: {_words(error)}", file=sys.stderr)
+        return NO_DEVICE
+    except KeyboardInterrupt:
+        kept = f"the phases that ended are in {reporter.written}" if reporter.written else "no report written"
+        print(f"cuda_check: interrupted; {kept}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _check(args: argparse.Namespace, plan: Plan, reporter: Reporter) -> int:
     from onnx_kvcache.files._outputs import check_output
 
     check_output(args.json, "report", overwrite=args.overwrite)  # refused before minutes of work
     info = preflight()
     warnings.simplefilter("ignore")
     phases = Phases(print)
+    comparisons: list[Comparison] = []
+    failures: list[str] = []
+    speed: list[SpeedRow] = []
+    ran: dict[tuple[str, str, str], str] = {}
+
+    def save(complete: bool = False, claims: Sequence[Claim] = (), doctor: Sequence[str] = ()) -> None:
+        doc = report(
+            info, plan, phases.seconds, comparisons, speed, claims, doctor, args.quick, failures, complete
+        )
+        reporter.write(doc)
+
     with tempfile.TemporaryDirectory(prefix="cuda-check-") as tmp:
         work = pathlib.Path(tmp)
         with phases("kernel vs emulation"):
             print(_HEADER)
-            comparisons, ran = kernel_phase(plan, "cuda", work)
+            found, ran = kernel_phase(plan, "cuda", work, failures=failures)
+            comparisons += found
+        save()
         if plan.paged:
             with phases("PagedAttention vs its CPU reference"):
-                paged, paged_ran = paged_phase(plan, "cuda")
+                paged, paged_ran = paged_phase(plan, "cuda", failures=failures)
             comparisons += paged
             ran |= paged_ran
-        speed: list[SpeedRow] = []
+            save()
         if not args.skip_speed:
             with phases("decode speed"):
-                speed = speed_phase(plan, "cuda", work)
+                speed += speed_phase(plan, "cuda", work)
+            save()
     with phases("capability table"):
         from onnx_kvcache.capabilities.doctor import run_doctor
 
         claims = capability_claims(ran, info.ort_version, info.compute_capability)
         doctor = run_doctor(["cuda"]).disagreements
-    print(summary(comparisons, speed, claims))
+    print(summary(comparisons, speed, claims, failures))
     for line in doctor:
         print(f"  doctor: {line}")
-    from onnx_kvcache.files._outputs import stamp_json, write_output
-
-    doc = report(info, plan, phases.seconds, comparisons, speed, claims, doctor, args.quick)
-    write_output(args.json, stamp_json(doc, "report"), "report", overwrite=args.overwrite)
-    print(f"wrote {args.json}; total {sum(phases.seconds.values()):.1f} s")
-    return 1 if any(c.flagged for c in comparisons) or any(c.contradiction for c in claims) else 0
+    save(True, claims, doctor)
+    print(f"wrote {reporter.written}; total {sum(phases.seconds.values()):.1f} s")
+    if reporter.failed:
+        return NO_DEVICE
+    bad = any(c.flagged for c in comparisons) or any(c.contradiction for c in claims) or failures
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
+import signal
 import sys
 import warnings
 
@@ -102,6 +104,9 @@ NO_ORT = dataclasses.replace(INFO, ort_version=None)
     [
         (NO_ORT, None, None, "not installed: pip install onnxruntime-gpu"),
         (INFO, ["CPUExecutionProvider"], None, "no CUDAExecutionProvider: pip uninstall -y onnxruntime"),
+        (dataclasses.replace(INFO, gpu=None, ort_package="onnxruntime"), ["CPUExecutionProvider"], None,
+         "no CUDA GPU (nvidia-smi and the driver library find none) and onnxruntime 1.32.0 has no "
+         "CUDAExecutionProvider: on a machine with an NVIDIA GPU"),  # both missing: both said
         (dataclasses.replace(INFO, gpu=None), ["CUDAExecutionProvider"], None, "no CUDA GPU"),
         (INFO, ["CUDAExecutionProvider"], "libcudnn.so.9: cannot open", "does not run here (libcudnn.so.9"),
         (INFO, ["CUDAExecutionProvider", "CPUExecutionProvider"], None, None),
@@ -277,3 +282,190 @@ def test_the_report_is_json(tmp_path):
         warnings.simplefilter("error")
         doc = cc.report(INFO, cc.make_plan(True), {"x": 1.0}, [row], speed, claims, [], True)
     assert json.loads(json.dumps(doc))["comparisons"][0]["verdict"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "variant", [V(None), V("fp8", "per_tensor"), V("int8", "per_channel")], ids=lambda v: v.label
+)
+def test_bf16_references_run_on_cpu(variant, tmp_path):
+    """The CPU side of every bf16 comparison: the emulated model loads (the runner and the
+    emulation both compute bf16 in float32) and gives finite logits at every step."""
+    spec = cc.ModelSpec("bf16-h64", "bfloat16", 64, num_layers=1)
+    model, folder = cc.build_model(spec, 320)  # calibration reads 256 tokens
+    qmodel, _ = cc.converted(spec, model, folder, variant, tmp_path)
+    prompt, decode = cc.token_batches(2, 16, 3, spec.vocab_size)
+    found = cc.reference_run(qmodel, "cuda", prompt, decode)
+    assert len(found.logits) == 4 and all(s.shape == (2, spec.vocab_size) for s in found.logits)
+    assert all(np.isfinite(s).all() for s in found.logits)
+
+
+# --- the command: bad --json, Ctrl-C, a report that cannot be written, failures -----------------
+
+
+@pytest.mark.parametrize("case", ["folder", "not ours", "device", "no parent", "empty"])
+def test_a_bad_json_is_one_line_and_exit_2(case, tmp_path, capsys):
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("[1, 2]\n")
+    path, said = {
+        "folder": (str(tmp_path), "is a folder"),
+        "not ours": (str(foreign), "pass --overwrite to replace it"),
+        "device": ("/dev/null", "not a regular file"),
+        "no parent": (str(tmp_path / "no" / "r.json"), "does not exist; create it first"),
+        "empty": ("", "is a folder"),
+    }[case]
+    assert cc.main(["--json", path]) == cc.NO_DEVICE == 2  # before the preflight: no device line
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("cuda_check: ") and said in err
+    assert "overwrite=True" not in err and foreign.read_text() == "[1, 2]\n"
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """main() on this machine: the preflight passes, the phases run on the CPU kernel."""
+    monkeypatch.setattr(cc, "preflight", lambda: INFO)
+    plan = dataclasses.replace(small_plan((V(None), V("int8", "per_tensor"))), batches=(1,), paged=False)
+    monkeypatch.setattr(cc, "make_plan", lambda quick=False: plan)
+    real = cc.kernel_phase
+    monkeypatch.setattr(
+        cc, "kernel_phase", lambda plan, device, work, **kw: real(plan, "cpu", work, rule="cpu", **kw)
+    )
+    return monkeypatch
+
+
+def test_a_run_writes_its_report(on_cpu, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert cc.main(["--json", str(path), "--skip-speed"]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and doc["failures"] == [] and len(doc["comparisons"]) == 4
+    assert {c["verdict"] for c in doc["comparisons"]} == {"ok"}
+    assert [c["contradiction"] for c in doc["capabilities"]] == [False, False]
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert cc.main(["--json", str(path), "--skip-speed"]) == 0  # its own report: replaced
+
+
+def _canned(plan, device, work, failures=None, **kw):
+    return [cc.Comparison("m", "float", 1, "growing", 0.0, 0.0, 1.0, 0.0, [])], {}
+
+
+def _interrupt(*args, **kw):
+    raise KeyboardInterrupt
+
+
+def _terminate(*args, **kw):
+    os.kill(os.getpid(), signal.SIGTERM)  # a time limit (timeout(1)) stops the run
+
+
+@pytest.mark.parametrize("stop", [_interrupt, _terminate])
+def test_sigterm_is_ctrl_c(stop, on_cpu, tmp_path, capsys):
+    """Stopped in the speed phase: exit 130, one line, the earlier phases kept, the working
+    folder removed, SIGTERM's handler restored."""
+    before = signal.getsignal(signal.SIGTERM)
+    on_cpu.setattr(cc, "kernel_phase", _canned)
+    on_cpu.setattr(cc, "speed_phase", stop)
+    on_cpu.setattr(cc.tempfile, "tempdir", str(tmp_path))
+    assert cc.main(["--json", str(tmp_path / "r.json")]) == 130
+    assert capsys.readouterr().err.startswith("cuda_check: interrupted; the phases that ended are in ")
+    assert json.loads((tmp_path / "r.json").read_text())["complete"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("where", ["kernel_phase", "paged_phase"])
+def test_ctrl_c(where, on_cpu, tmp_path, capsys):
+    """Ctrl-C: exit 130 and one line; the phases that ended are in the report, marked
+    incomplete (a time limit that kills the run leaves them too)."""
+    plan = dataclasses.replace(small_plan((V(None),)), paged=True)
+    on_cpu.setattr(cc, "make_plan", lambda quick=False: plan)
+    on_cpu.setattr(cc, "kernel_phase", _canned)
+    on_cpu.setattr(cc, where, _interrupt)
+    path = tmp_path / "r.json"
+    assert cc.main(["--json", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cuda_check: interrupted; ")
+    if where == "kernel_phase":
+        assert not path.exists() and "no report written" in err
+    else:
+        doc = json.loads(path.read_text())
+        assert doc["complete"] is False and len(doc["comparisons"]) == 1 and str(path) in err
+
+
+def test_a_report_that_cannot_be_written_goes_elsewhere(on_cpu, tmp_path, capsys):
+    """The --json folder vanishes during the run: the report of minutes of work is kept in a
+    new temporary file, named on one line, and the exit status says the argument failed."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def vanish(*args, **kw):
+        folder.rmdir()
+        return _canned(*args, **kw)
+
+    on_cpu.setattr(cc, "kernel_phase", vanish)
+    assert cc.main(["--json", str(folder / "r.json"), "--skip-speed"]) == cc.NO_DEVICE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"cuda_check: cannot write {folder / 'r.json'} (")
+    kept = pathlib.Path(err[0].rsplit(" ", 1)[1])
+    assert json.loads(kept.read_text())["complete"] is True
+    kept.unlink()
+    kept.parent.rmdir()
+
+
+def test_failures_are_reported_and_each_layout_tried(tmp_path, monkeypatch):
+    """fp8 has no CPU kernel: its session fails in both layouts (the second is still tried),
+    the cell records the failure, the failures are listed; a CPU side that fails is a
+    failure but says nothing about the device."""
+    plan = dataclasses.replace(
+        small_plan((V(None), V("fp8", "per_tensor"), V("int8", "per_tensor"))), batches=(1,)
+    )
+    real = cc.reference_run
+
+    def reference(model, rule, prompt, decode):
+        if any(
+            n.attributes.get("k_quant_type") and n.inputs[3].dtype == ir.DataType.INT8 for n in model.graph
+        ):
+            raise RuntimeError("the CPU side broke")
+        return real(model, rule, prompt, decode)
+
+    monkeypatch.setattr(cc, "reference_run", reference)
+    failures: list[str] = []
+    results, ran = cc.kernel_phase(plan, "cpu", tmp_path, rule="cpu", failures=failures)
+    assert ran[("GroupQueryAttention", "float", "per_tensor")] == "ran"
+    assert ran[("GroupQueryAttention", "fp8", "per_tensor")].startswith("session failed: ")
+    assert ("GroupQueryAttention", "int8", "per_tensor") not in ran
+    assert [f.split(":")[0].removeprefix("genai-fp16-h64 ") for f in failures] == [
+        "fp8 per_tensor growing", "fp8 per_tensor shared", "int8 per_tensor"
+    ]  # fmt: skip
+    assert "CPU side not prepared: the CPU side broke" in failures[2]
+    assert len(results) == 2  # the float cache, both layouts
+    text = cc.summary(results, [], [], failures)
+    assert "3 failed (no comparison):" in text and text.count("  FAILED ") == 3
+
+
+def test_a_layout_that_runs_makes_the_cell_run(tmp_path, monkeypatch):
+    """One layout failing beside one that runs: the cell ran (no table contradiction), the
+    failing layout is a failure line."""
+    real = cc.DeviceDecoder.run
+
+    def growing_fails(self, prompt, decode, shared, keep_codes=False):
+        if not shared:
+            raise RuntimeError("growing broke")
+        return real(self, prompt, decode, shared, keep_codes)
+
+    monkeypatch.setattr(cc.DeviceDecoder, "run", growing_fails)
+    failures: list[str] = []
+    plan = dataclasses.replace(small_plan((V("int8", "per_tensor"),)), batches=(1,))
+    results, ran = cc.kernel_phase(plan, "cpu", tmp_path, rule="cpu", failures=failures)
+    assert ran == {("GroupQueryAttention", "int8", "per_tensor"): "ran"}
+    assert [r.layout for r in results] == ["shared"] and len(failures) == 1 and "growing broke" in failures[0]
+
+
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT8E4M3FN, ir.DataType.BFLOAT16, ir.DataType.INT8])
+def test_fill_zeros(dtype):
+    """A fresh cache is zeroed in place, as onnxruntime-genai zeroes its shared buffers (fp8
+    and bf16: types numpy lacks, copied from an OrtValue)."""
+    import onnxruntime as ort
+
+    from onnx_kvcache.runtime._sessions import host_array, to_ort_value
+
+    value = to_ort_value(np.ones((2, 3), dtype.numpy()), dtype, "cpu")
+    assert cc.fill_zeros(ort, value, (2, 3), dtype)
+    assert not host_array(value).any()

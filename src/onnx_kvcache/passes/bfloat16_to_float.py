@@ -7,7 +7,8 @@ the main graph, its subgraphs and the model's functions:
 1. Every value declared bfloat16 (graph inputs and outputs included) is declared float32;
    shapes are kept.
 2. A bfloat16 initializer keeps its stored tensor (weights are not read here); its readers
-   get ``Cast(to=FLOAT)`` of it instead, which onnxruntime folds once at session creation.
+   get ``Cast(to=FLOAT)`` of it instead, which onnxruntime folds once at session creation;
+   one read only through such Casts is left as it is (a second run changes nothing).
 3. ``Cast``/``CastLike`` and any ``to``/``dtype`` attribute naming bfloat16 name float32;
    bfloat16 tensor attributes (``Constant``, ``ConstantOfShape``) are converted.
 
@@ -64,11 +65,17 @@ def _fix_attributes(node: ir.Node) -> bool:
     return modified
 
 
-def _cast_initializer(graph: ir.Graph, value: ir.Value) -> None:
-    """Readers of a bf16 initializer read ``Cast(to=FLOAT)`` of it; the tensor stays."""
+def _reads_as_float(node: ir.Node) -> bool:
+    to = node.attributes.get("to")
+    return node.op_type == "Cast" and node.domain in ("", "ai.onnx") and to is not None and to.value == _F32
+
+
+def _cast_initializer(graph: ir.Graph, value: ir.Value) -> bool:
+    """Readers of a bf16 initializer read ``Cast(to=FLOAT)`` of it; the tensor stays. An
+    initializer read only through such Casts already is left alone (the pass ran before)."""
     uses = list(value.uses())
-    if not uses or value.is_graph_output():
-        return
+    if not uses or value.is_graph_output() or all(_reads_as_float(user) for user, _ in uses):
+        return False
     cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", _F32)], name=f"{value.name}/to_float32")
     cast.outputs[0].name = f"{value.name}/float32"
     cast.outputs[0].type = ir.TensorType(_F32)
@@ -76,6 +83,7 @@ def _cast_initializer(graph: ir.Graph, value: ir.Value) -> None:
     prepend(graph, cast)
     for user, slot in uses:
         user.replace_input_with(slot, cast.outputs[0])
+    return True
 
 
 class Bfloat16ToFloatPass(InPlacePass):
@@ -87,8 +95,7 @@ class Bfloat16ToFloatPass(InPlacePass):
             if isinstance(graph, ir.Graph):
                 for value in list(graph.initializers.values()):
                     if value.dtype == _BF16:
-                        _cast_initializer(graph, value)
-                        modified = True
+                        modified |= _cast_initializer(graph, value)
             for value in graph.inputs:
                 modified |= _retype(value)
             for node in graph:
