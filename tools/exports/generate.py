@@ -30,7 +30,7 @@ import onnxruntime as ort
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from families import FAMILIES, config_summary  # noqa: E402
+from families import COMMON, FAMILIES, WINDOW, config_summary  # noqa: E402
 
 VENVS = pathlib.Path(os.environ.get("SIDEVENVS", "/work/sidevenvs"))
 OUT = pathlib.Path(os.environ.get("PRODUCERS", "/work/producers"))
@@ -275,7 +275,11 @@ def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
         elif name == "nonpad_kv_seqlen":
             feed[name] = np.array([past + seq], dt)
         else:
-            shape = [1 if k == 0 else (d if isinstance(d, int) else past) for k, d in enumerate(i.shape)]
+            # batch 1, a symbolic head dimension (genai's kv_cache_dim) the head size, others the past
+            symbolic = [1, past, past, COMMON["head_dim"]]
+            shape = [d if isinstance(d, int) and k else symbolic[min(k, 3)] for k, d in enumerate(i.shape)]
+            if len(i.shape) > 2 and "sliding" in str(i.shape[2]):  # genai's window-sized buffer
+                shape[2] = WINDOW
             feed[name] = (
                 rng.standard_normal(shape) if np.issubdtype(dt, np.floating) else np.ones(shape)
             ).astype(dt)
@@ -316,7 +320,9 @@ def check(folder: pathlib.Path) -> dict:
     res["ops"] = sorted({(n.domain + "::" if n.domain else "") + n.op_type for n in model.graph.node})
     res.update(io_of(model))
     try:
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         res["ort_cpu_session"] = "ok"
     except Exception as e:
         res["ort_cpu_session"] = one_line(e)
@@ -395,7 +401,8 @@ def producer_version(job: dict, versions: dict) -> str | None:
     }[job["producer"]]
 
 
-def run_job(job: dict, versions: dict) -> dict:
+def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
+    """Run one producer job (or, with ``execute=False``, only record the folder it wrote)."""
     rel = f"{job['dir']}/{job['form']}/{job['family']}"
     dest = OUT / rel
     bindir = VENVS / job["venv"] / "bin"
@@ -442,20 +449,24 @@ def run_job(job: dict, versions: dict) -> dict:
             PYTHONWARNINGS="ignore",
             CUDA_VISIBLE_DEVICES="",
         )
+        if not execute:
+            cmd = []
         t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        entry["seconds"] = round(time.time() - t0, 1)
-        if p.returncode != 0 or not (out / "model.onnx").exists():
+        p = subprocess.run(cmd or ["true"], capture_output=True, text=True, env=env, cwd=tmp)
+        if execute:
+            entry["seconds"] = round(time.time() - t0, 1)
+        if execute and (p.returncode != 0 or not (out / "model.onnx").exists()):
             entry["error"] = error_line(p.stderr + p.stdout) if p.returncode else "no model.onnx written"
             (OUT / "logs").mkdir(parents=True, exist_ok=True)
             (OUT / "logs" / (rel.replace("/", "__") + ".log")).write_text(p.stdout + "\n" + p.stderr)
             if dest.exists():
                 shutil.rmtree(dest)
             return entry
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(out, dest)
+        if execute:
+            if dest.exists():
+                shutil.rmtree(dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(out, dest)
     entry["files"] = {
         str(f.relative_to(dest)): f.stat().st_size for f in sorted(dest.rglob("*")) if f.is_file()
     }
@@ -518,6 +529,12 @@ def main() -> None:
     }
     save_manifest(man)
     if a.recheck:
+        known = {e["path"] for e in man["models"]}
+        for j in jobs():  # folders written by a worker whose entry was lost: record them
+            rel = f"{j['dir']}/{j['form']}/{j['family']}"
+            if rel not in known and j["venv"] in versions and (OUT / rel / "model.onnx").exists():
+                save_entry(run_job(j, versions, execute=False))
+        save_manifest(man)
         for e in man["models"]:
             if "error" not in e and (OUT / e["path"] / "model.onnx").exists():
                 e.update(check(OUT / e["path"]))
