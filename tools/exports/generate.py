@@ -1,0 +1,617 @@
+"""Make the tiny producer files and their manifest (not run by CI; see README.md here).
+
+Run with a Python that has onnx and onnxruntime (the project venv):
+    /work/venv/bin/python tools/exports/generate.py [--only REGEX] [--force] [--publish]
+
+Each job runs a real producer in its own side virtual environment (setup_venvs.sh), writes
+/work/producers/<producer>/<form>/<family>/, checks the file with onnx.checker and
+onnxruntime CPU, and records it (or the producer's one-line error) in
+/work/producers/manifest.json. --publish copies the tree to tests/data/producers/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from families import COMMON, FAMILIES, WINDOW, config_summary  # noqa: E402
+
+VENVS = pathlib.Path(os.environ.get("SIDEVENVS", "/work/sidevenvs"))
+OUT = pathlib.Path(os.environ.get("PRODUCERS", "/work/producers"))
+MOBIUS_SRC = VENVS / "mobius-src"
+MANIFEST = OUT / "manifest.json"
+
+#: venv -> what it is for (and the transformers its HF dirs are saved with)
+VENV_TF = {"t457": "t457", "t5": "t5", "genai": "t5"}
+
+ALL = list(FAMILIES)
+PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
+
+
+def torch_form(exporter: str, opset: int | None, optimize: bool) -> str:
+    if exporter == "torchscript":
+        return f"torchscript-opset{opset}"
+    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}"
+
+
+def torch_job(venv: str, exporter: str, opset: int | None, optimize: bool, family: str) -> dict:
+    args = (
+        ["--exporter", exporter]
+        + (["--opset", str(opset)] if opset else [])
+        + ([] if optimize else ["--no-optimize"])
+    )
+    return {
+        "producer": "torch.onnx.export",
+        "dir": f"torch-{'tf4.57' if venv == 't457' else 'tf5'}",
+        "venv": venv,
+        "form": torch_form(exporter, opset, optimize),
+        "family": family,
+        "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
+        **(
+            {
+                "note": "transformers 4.57's torch.vmap mask does not trace under TorchScript "
+                "(RuntimeError: unordered_map::at); export_torch.py registers optimum's "
+                "sdpa_mask_without_vmap, as optimum-cli does"
+            }
+            if exporter == "torchscript" and venv == "t457"
+            else {}
+        ),
+    }
+
+
+def optimum_job(family: str) -> dict:
+    return {
+        "producer": "optimum-onnx",
+        "dir": "optimum",
+        "venv": "t457",
+        "form": "optimum-cli",
+        "family": family,
+        "cmd": [
+            "{bin}/optimum-cli",
+            "export",
+            "onnx",
+            "--model",
+            "{hf}",
+            "--task",
+            "text-generation-with-past",
+            "{out}",
+        ],
+    }
+
+
+MOBIUS_FORMS = {
+    "mobius-default": [],
+    "mobius-static": ["--features", "static-cache", "--max-seq-len", "64"],
+    "mobius-cpu-gqa": ["--ep", "cpu"],
+    "mobius-cuda-f16": ["--ep", "cuda", "--dtype", "f16"],
+    "mobius-ort-genai": ["--ep", "cpu", "--runtime", "ort-genai"],
+}
+
+
+def mobius_job(form: str, family: str) -> dict:
+    return {
+        "producer": "mobius",
+        "dir": "mobius",
+        "venv": "t5",
+        "form": form,
+        "family": family,
+        "cmd": ["{bin}/mobius", "build", "--config", "{hf}", "{out}", *MOBIUS_FORMS[form]],
+    }
+
+
+def genai_job(family: str) -> dict:
+    return {
+        "producer": "onnxruntime-genai builder",
+        "dir": "genai-builder",
+        "venv": "genai",
+        "form": "genai-builder-cpu-fp32",
+        "family": family,
+        "cmd": [
+            "{py}",
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            "{hf}",
+            "-o",
+            "{out}",
+            "-e",
+            "cpu",
+            "-p",
+            "fp32",
+            "-c",
+            "{tmp}/cache",
+        ],
+    }
+
+
+def jobs() -> list[dict]:
+    out: list[dict] = []
+    # priority 1: the forms that fail today (issue 28)
+    for fam in ("llama", "qwen3"):
+        out += [torch_job("t457", "dynamo", o, True, fam) for o in (18, 20, 23)]  # 20 is torch 2.13's default
+    for fam in ("mistral", "gemma2"):
+        out.append(torch_job("t5", "dynamo", 23, True, fam))
+    out += [optimum_job("phi3"), optimum_job("gemma2")]
+    for form in ("mobius-default", "mobius-static"):
+        out += [mobius_job(form, fam) for fam in ("qwen2", "gemma2", "phi3")]
+    # priority 2: widen, breadth first (every producer x form once, then more families)
+    wide = [
+        ("genai", "llama"),
+        ("mobius-cpu-gqa", "llama"),
+        ("mobius-cuda-f16", "llama"),
+        ("mobius-ort-genai", "llama"),
+        ("mobius-default", "llama"),
+        ("mobius-static", "llama"),
+        ("optimum", "llama"),
+        ("t5-d23", "llama"),
+        ("t457-ts18", "llama"),
+        ("t457-d18-noopt", "llama"),
+        ("t5-d23-noopt", "llama"),
+        ("genai", "qwen3"),
+        ("genai", "gemma2"),
+        ("genai", "granite"),
+        ("genai", "smollm3"),
+        ("genai", "olmo2"),
+        ("mobius-default", "qwen3"),
+        ("mobius-default", "mistral"),
+        ("mobius-default", "gemma3"),
+        ("mobius-default", "granite"),
+        ("mobius-default", "olmo2"),
+        ("mobius-default", "smollm3"),
+        ("t5-d23", "qwen3"),
+        ("t5-d23", "gemma3"),
+        ("t5-d23", "phi3"),
+        ("t5-d23", "granite"),
+        ("optimum", "qwen3"),
+        ("optimum", "mistral"),
+        ("optimum", "granite"),
+        ("optimum", "olmo2"),
+        ("mobius-cpu-gqa", "gemma2"),
+        ("mobius-cpu-gqa", "phi3"),
+        ("mobius-cuda-f16", "gemma2"),
+        ("mobius-static", "gemma3"),
+        ("mobius-ort-genai", "qwen2"),
+        ("genai", "qwen2"),
+        ("genai", "mistral"),
+        ("genai", "phi3"),
+        ("genai", "gemma3"),
+        ("t457-d23", "mistral"),
+        ("t457-d23", "gemma2"),
+        ("t457-ts18", "gemma2"),
+        ("t5-d18", "llama"),
+        ("optimum", "qwen2"),
+        ("optimum", "gemma3"),
+        ("optimum", "smollm3"),
+        ("t457-d23", "qwen2"),
+        ("t457-d23", "phi3"),
+        ("t457-d23", "gemma3"),
+        ("t457-d23", "granite"),
+        ("t5-d23", "qwen2"),
+        ("t5-d23", "olmo2"),
+        ("t5-d23", "smollm3"),
+        ("t457-d18-noopt", "gemma2"),
+        ("mobius-static", "mistral"),
+        ("mobius-static", "granite"),
+        ("mobius-cpu-gqa", "qwen3"),
+        ("mobius-cuda-f16", "qwen3"),
+        ("mobius-ort-genai", "gemma2"),
+        ("t5-ts18", "llama"),
+    ]
+    for what, fam in wide:
+        if what == "genai":
+            out.append(genai_job(fam))
+        elif what == "optimum":
+            out.append(optimum_job(fam))
+        elif what.startswith("mobius"):
+            out.append(mobius_job(what, fam))
+        else:
+            venv, kind, *rest = what.split("-")
+            opset = int(kind[-2:])
+            exporter = "torchscript" if kind.startswith("ts") else "dynamo"
+            out.append(torch_job(venv, exporter, opset, not rest, fam))
+    seen, uniq = set(), []
+    for j in out:
+        key = (j["dir"], j["form"], j["family"])
+        if key not in seen:
+            seen.add(key)
+            uniq.append(j)
+    return uniq
+
+
+# --- checking ------------------------------------------------------------------------------------
+
+
+def io_of(model: onnx.ModelProto) -> dict:
+    def one(v):
+        t = v.type.tensor_type
+        return {
+            "name": v.name,
+            "type": onnx.TensorProto.DataType.Name(t.elem_type).lower(),
+            "shape": [d.dim_param or d.dim_value for d in t.shape.dim],
+        }
+
+    return {"inputs": [one(v) for v in model.graph.input], "outputs": [one(v) for v in model.graph.output]}
+
+
+_NP = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
+
+
+def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    feed: dict[str, np.ndarray] = {}
+    for i in sess.get_inputs():
+        dt = _NP.get(i.type, np.float32)
+        name = i.name
+        if name == "input_ids":
+            feed[name] = rng.integers(3, 128, (1, seq)).astype(dt)
+        elif name == "attention_mask":
+            feed[name] = np.ones((1, past + seq), dt)
+        elif name == "position_ids":
+            feed[name] = np.arange(past, past + seq, dtype=dt)[None]
+        elif name == "write_indices":
+            feed[name] = np.array([past], dt)
+        elif name == "nonpad_kv_seqlen":
+            feed[name] = np.array([past + seq], dt)
+        else:
+            # batch 1, a symbolic head dimension (genai's kv_cache_dim) the head size, others the past
+            symbolic = [1, past, past, COMMON["head_dim"]]
+            shape = [d if isinstance(d, int) and k else symbolic[min(k, 3)] for k, d in enumerate(i.shape)]
+            if len(i.shape) > 2 and "sliding" in str(i.shape[2]):  # genai's window-sized buffer
+                shape[2] = WINDOW
+            feed[name] = (
+                rng.standard_normal(shape) if np.issubdtype(dt, np.floating) else np.ones(shape)
+            ).astype(dt)
+    return feed
+
+
+GENAI_CHECK = """
+import sys, onnxruntime_genai as og
+model = og.Model(sys.argv[1])
+params = og.GeneratorParams(model)
+params.set_search_options(max_length=12, do_sample=False)
+gen = og.Generator(model, params)
+gen.append_tokens([[1, 72, 105, 33]])
+while not gen.is_done():
+    gen.generate_next_token()
+print([int(t) for t in gen.get_sequence(0)])
+"""
+
+
+def genai_check(folder: pathlib.Path) -> str:
+    """Whether onnxruntime-genai (of the checking Python) loads the folder and generates."""
+    p = subprocess.run([sys.executable, "-c", GENAI_CHECK, str(folder)], capture_output=True, text=True)
+    return "ok: " + p.stdout.strip() if p.returncode == 0 else error_line(p.stderr)
+
+
+def check(folder: pathlib.Path) -> dict:
+    path = folder / "model.onnx"
+    res: dict = {}
+    if (folder / "genai_config.json").exists():
+        res["genai_cpu_generate"] = genai_check(folder)
+    try:
+        onnx.checker.check_model(str(path))
+        res["checker"] = "ok"
+    except Exception as e:
+        res["checker"] = one_line(e)
+    model = onnx.load(str(path), load_external_data=False)
+    res["opsets"] = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+    res["ops"] = sorted({(n.domain + "::" if n.domain else "") + n.op_type for n in model.graph.node})
+    res.update(io_of(model))
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        res["ort_cpu_session"] = "ok"
+    except Exception as e:
+        res["ort_cpu_session"] = one_line(e)
+        res["ran_on_cpu"] = False
+        return res
+    try:
+        outs = sess.run(None, feed_for(sess))
+        res["ran_on_cpu"] = bool(
+            all(np.isfinite(o.astype(np.float32)).all() for o in outs if o.dtype.kind == "f")
+        )
+    except Exception as e:
+        res["ran_on_cpu"] = False
+        res["ort_cpu_run"] = one_line(e)
+    return res
+
+
+def one_line(e: object) -> str:
+    text = str(e).strip().splitlines()
+    lines = [t.strip() for t in text if t.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:400]
+
+
+def error_line(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for pat in (r"^\S*(Error|Exception)\b.*:", r"^<class '.*'>:", r"Error:", r"error:"):
+        hits = [ln for ln in lines if re.search(pat, ln)]
+        if hits:
+            return hits[-1][:400]
+    return (lines[-1] if lines else "no output")[:400]
+
+
+# --- versions ------------------------------------------------------------------------------------
+
+
+def venv_versions(venv: str) -> dict:
+    py = VENVS / venv / "bin" / "python"
+    code = (
+        "import importlib.metadata as m, json, platform\n"
+        "out={'python': platform.python_version()}\n"
+        "for p in ['torch','transformers','optimum-onnx','optimum','onnxscript','onnx','onnx-ir',"
+        "'onnxruntime','onnxruntime-genai','mobius-onnx']:\n"
+        "    try: out[p]=m.version(p)\n"
+        "    except Exception: pass\n"
+        "print(json.dumps(out))"
+    )
+    return json.loads(
+        subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+
+
+def mobius_commit() -> str | None:
+    f = MOBIUS_SRC / "COMMIT"
+    return f.read_text().strip() if f.exists() else None
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+def hf_dir(venv: str, family: str) -> pathlib.Path:
+    tf = VENV_TF[venv]
+    d = VENVS / "hf" / tf / family
+    if not (d / "model.safetensors").exists():
+        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+        subprocess.run([str(py), str(HERE / "make_hf.py"), family, str(d)], check=True, capture_output=True)
+    return d
+
+
+def producer_version(job: dict, versions: dict) -> str | None:
+    v = versions[job["venv"]]
+    commit = mobius_commit()
+    return {
+        "torch.onnx.export": v.get("torch"),
+        "optimum-onnx": v.get("optimum-onnx"),
+        "mobius": (v.get("mobius-onnx") or "") + (f"+{commit[:12]}" if commit else ""),
+        "onnxruntime-genai builder": v.get("onnxruntime-genai"),
+    }[job["producer"]]
+
+
+def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
+    """Run one producer job (or, with ``execute=False``, only record the folder it wrote)."""
+    rel = f"{job['dir']}/{job['form']}/{job['family']}"
+    dest = OUT / rel
+    bindir = VENVS / job["venv"] / "bin"
+    entry = {
+        "path": rel,
+        "producer": job["producer"],
+        "producer_version": producer_version(job, versions),
+        "form": job["form"],
+        "family": job["family"],
+        "transformers": versions[job["venv"]].get("transformers"),
+        "venv": job["venv"],
+        "config": config_summary(job["family"]),
+        **({"note": job["note"]} if "note" in job else {}),
+    }
+    with tempfile.TemporaryDirectory(prefix="prod-") as tmp:
+        try:
+            hf = hf_dir(job["venv"], job["family"])
+        except subprocess.CalledProcessError as e:
+            entry["error"] = "making the HF model failed: " + error_line(
+                e.stderr.decode() if e.stderr else ""
+            )
+            return entry
+        out = pathlib.Path(tmp) / "out"
+        subs = {"{py}": str(bindir / "python"), "{hf}": str(hf), "{out}": str(out), "{tmp}": tmp}
+        cmd = []
+        for a in job["cmd"]:
+            for k, v in subs.items():
+                a = a.replace(k, v)
+            a = a.replace("{bin}", str(bindir))
+            cmd.append(a)
+        entry["command"] = " ".join(
+            c.replace(str(hf), f"<hf:{VENV_TF[job['venv']]}/{job['family']}>")
+            .replace(str(out), "OUT")
+            .replace(tmp, "TMP")
+            .replace(str(VENVS), "$SIDEVENVS")
+            .replace(str(HERE), "tools/exports")
+            for c in cmd
+        )
+        env = dict(
+            os.environ,
+            PATH=f"{bindir}:{os.environ['PATH']}",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONWARNINGS="ignore",
+            CUDA_VISIBLE_DEVICES="",
+        )
+        if not execute:
+            cmd = []
+        t0 = time.time()
+        p = subprocess.run(cmd or ["true"], capture_output=True, text=True, env=env, cwd=tmp)
+        if execute:
+            entry["seconds"] = round(time.time() - t0, 1)
+        if execute and (p.returncode != 0 or not (out / "model.onnx").exists()):
+            entry["error"] = error_line(p.stderr + p.stdout) if p.returncode else "no model.onnx written"
+            (OUT / "logs").mkdir(parents=True, exist_ok=True)
+            (OUT / "logs" / (rel.replace("/", "__") + ".log")).write_text(p.stdout + "\n" + p.stderr)
+            if dest.exists():
+                shutil.rmtree(dest)
+            return entry
+        if execute:
+            if dest.exists():
+                shutil.rmtree(dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(out, dest)
+    entry["files"] = {
+        str(f.relative_to(dest)): f.stat().st_size for f in sorted(dest.rglob("*")) if f.is_file()
+    }
+    entry.update(check(dest))
+    return entry
+
+
+ENTRIES = OUT / "logs" / "entries"  # one JSON per job, so that several workers can run at once
+
+
+def load_manifest() -> dict:
+    if MANIFEST.exists():
+        return json.loads(MANIFEST.read_text())
+    return {"versions": {}, "models": []}
+
+
+def save_entry(entry: dict) -> None:
+    ENTRIES.mkdir(parents=True, exist_ok=True)
+    (ENTRIES / (entry["path"].replace("/", "__") + ".json")).write_text(json.dumps(entry, indent=1))
+
+
+def save_manifest(man: dict) -> None:
+    models = {e["path"]: e for e in man["models"]}
+    for f in ENTRIES.glob("*.json") if ENTRIES.exists() else []:
+        e = json.loads(f.read_text())
+        models[e["path"]] = e
+    man["models"] = [models[k] for k in sorted(models)]
+    tmp = MANIFEST.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(man, indent=1) + "\n")
+    tmp.replace(MANIFEST)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None, help="regex over <dir>/<form>/<family>")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--recheck", action="store_true", help="only re-run the checks of the files there")
+    ap.add_argument("--worker", default="0/1", help="K/N: run every Nth job starting at K")
+    ap.add_argument("--publish", action="store_true", help="copy the tree into tests/data/producers")
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    man = load_manifest()
+    todo = [j for j in jobs() if not a.only or re.search(a.only, f"{j['dir']}/{j['form']}/{j['family']}")]
+    k, n = (int(x) for x in a.worker.split("/"))
+    todo = todo[k::n]
+    if a.list:
+        for j in todo:
+            print(f"{j['dir']}/{j['form']}/{j['family']}")
+        return
+    versions = {}
+    for v in VENV_TF:
+        if (VENVS / v / "bin" / "python").exists():
+            versions[v] = venv_versions(v)
+    man["versions"] = {
+        "generator_python": platform.python_version(),
+        "checked_with": {"onnx": onnx.__version__, "onnxruntime": ort.__version__},
+        "mobius_commit": mobius_commit(),
+        "venvs": versions,
+    }
+    save_manifest(man)
+    if a.recheck:
+        known = {e["path"] for e in man["models"]}
+        for j in jobs():  # folders written by a worker whose entry was lost: record them
+            rel = f"{j['dir']}/{j['form']}/{j['family']}"
+            if rel not in known and j["venv"] in versions and (OUT / rel / "model.onnx").exists():
+                save_entry(run_job(j, versions, execute=False))
+        save_manifest(man)
+        for e in man["models"]:
+            if "error" not in e and (OUT / e["path"] / "model.onnx").exists():
+                e.update(check(OUT / e["path"]))
+                save_entry(e)
+        save_manifest(man)
+    done = {e["path"] for e in man["models"]}
+    for j in todo:
+        rel = f"{j['dir']}/{j['form']}/{j['family']}"
+        if a.recheck or j["venv"] not in versions or (rel in done and not a.force):
+            continue
+        entry = run_job(j, versions)
+        save_entry(entry)
+        save_manifest(man)
+        status = (
+            entry.get("error") or f"ok cpu={entry.get('ran_on_cpu')} {entry.get('ort_cpu_session')}"[:160]
+        )
+        print(f"{rel}: {status}", flush=True)
+    save_manifest(man)
+    if a.publish:
+        publish()
+
+
+README_HEAD = """# Producer files: the real exporters' output (the test oracle)
+
+Tiny random-weight decoders written by the real producers (torch.onnx.export with
+transformers 4.57 and 5.x, optimum-cli, mobius, onnxruntime-genai's builder), made by
+`tools/exports/generate.py` (see `tools/exports/README.md` for how to regenerate; not run
+by CI). Every family has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head
+size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` form is float16);
+mistral, gemma2 and gemma3 have a sliding window of 4 tokens (gemma2/gemma3 alternate
+sliding and full layers), so a 7-token prefill is longer than the window.
+
+Layout: `<producer dir>/<form>/<family>/` holds what the producer wrote (`model.onnx`, its
+`model.onnx.data` when the producer writes external data, and the `config.json`,
+`generation_config.json`, tokenizer files and `genai_config.json` that the producer writes
+beside it). `manifest.json` lists every job: `path` (relative to this folder), `producer`,
+`producer_version`, `form`, `family`, `transformers`, `config` (layers, heads, kv heads, head
+size, window, layer types, soft-caps), `command`, `files` with sizes, the graph `inputs` and
+`outputs` (name, element type, shape), `opsets`, `ops`, the checks (`checker`: onnx.checker;
+`ort_cpu_session`: onnxruntime CPU session creation; `ran_on_cpu`: one run of a 3-token
+step over a 2-token past gave finite outputs; `ort_cpu_run`: why a run failed), or, when the
+producer could not export the family, `"error"`: its one-line reason and no folder.
+`versions` records python, torch, transformers, optimum-onnx, onnxscript, onnx, onnx-ir,
+onnxruntime, onnxruntime-genai and mobius (package version and source commit) of each side
+environment, and the onnx/onnxruntime the checks ran with.
+
+| producer dir | form | family | producer version | transformers | result |
+|---|---|---|---|---|---|
+"""
+
+
+def table_rows(man: dict) -> str:
+    rows = []
+    for e in man["models"]:
+        d, form, fam = e["path"].split("/")
+        if "error" in e:
+            res = "error: " + e["error"].replace("|", "\\|")[:160]
+        else:
+            res = (
+                "ok, ran on CPU"
+                if e.get("ran_on_cpu")
+                else "ok, " + (e.get("ort_cpu_run") or e.get("ort_cpu_session", ""))[:120]
+            )
+        rows.append(
+            f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def publish() -> None:
+    dest = REPO / "tests" / "data" / "producers"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp"))
+    man = json.loads(MANIFEST.read_text())
+    (dest / "README.md").write_text(README_HEAD + table_rows(man))
+
+
+if __name__ == "__main__":
+    main()
