@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
+from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.files.reading import ModelLike, as_model
 
 
@@ -109,6 +110,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
 def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
     """Read the cache layout of every attention layer from the graph (no weights are read)."""
     model = as_model(model)
+    validate_model(model, sort=False)  # malformed: one line, never a ZeroDivisionError
     seen: set[int] = set()
     layers = []
     for site in find_attention_sites(model):
