@@ -130,11 +130,11 @@ def _fmt_scale(values: list[float] | None) -> str:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} PiB"
 
 
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
