@@ -385,8 +385,28 @@ def _drop_cache(rng: random.Random, model: ir.Model) -> None:
             node.replace_input_with(slot, None)
 
 
-MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache]
-BASES = {"genai-shaped": _genai_shaped, "torch export": _export}
+def _scale(rng: random.Random, model: ir.Model) -> None:
+    """A scale of another dtype or size (a quantized base; others have none to change)."""
+    nodes = [n for n in _attention_nodes(model) if len(n.inputs) > 12 and n.inputs[12] is not None]
+    if not nodes:
+        return
+    node, slot = rng.choice(nodes), rng.choice([12, 13])
+    dtype, size = rng.choice([(np.float16, 1), (np.float64, 1), (np.float32, 3), (np.float32, 64)])
+    name = f"mutant_scale_{slot}"
+    value = ir.Value(name=name, const_value=ir.tensor(np.full(size, 0.05, dtype), name=name))
+    value.dtype, value.shape = value.const_value.dtype, ir.Shape([size])
+    model.graph.register_initializer(value)
+    node.replace_input_with(slot, value)
+
+
+def _genai_shaped_int8() -> ir.Model:
+    model = _genai_shaped()
+    KvCacheQuantizationPass("int8", scales=SCALES)(model)
+    return model
+
+
+MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale]
+BASES = {"genai-shaped": _genai_shaped, "genai-shaped int8": _genai_shaped_int8, "torch export": _export}
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -394,7 +414,8 @@ BASES = {"genai-shaped": _genai_shaped, "torch export": _export}
 def test_fuzz_every_mutant_is_one_line_or_an_output_that_loads(tmp_path, base, seed):
     rng = random.Random(seed)
     model = BASES[base]()
-    rng.choice(MUTATIONS)(rng, model)
+    mutations = MUTATIONS if base != "genai-shaped int8" else [_scale, _set_heads, _shuffle]
+    rng.choice(mutations)(rng, model)
     src = tmp_path / "mutant.onnx"
     ir.save(model, src)
     layers = 2 if base == "genai-shaped" else 3
