@@ -35,6 +35,7 @@ __all__ = [
     "KvCacheTypeError",
     "KvCacheWarning",
     "Function",
+    "MalformedModelError",
     "MeasurementWarning",
     "Message",
     "MissingRuntimeError",
@@ -233,6 +234,12 @@ class KvCacheFileNotFoundError(KvCacheError, FileNotFoundError):
 
 class KvCacheTypeError(KvCacheError, TypeError):
     """An argument of the wrong type; the message names the type expected and the one given."""
+
+
+class MalformedModelError(KvCacheError):
+    """A model no runtime would run: a node reads an undefined value, an attention node's
+    head counts, widths, caches or scales contradict each other (the message names the node
+    and the attribute; :mod:`onnx_kvcache.cache.validation` lists the checks)."""
 
 
 class MissingRuntimeError(ImportError):

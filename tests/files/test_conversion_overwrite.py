@@ -556,3 +556,32 @@ def test_beside_an_input_whose_data_files_are_links_is_refused_with_the_fix(tmp_
         assert main([*args[:2], str(out), *args[2:], *extra]) == 0  # the fixes: the content is copied
         assert not any(p.is_symlink() for p in data_files(out))
         assert_loads_everywhere(out, ir.DataType.INT8)
+
+
+@pytest.mark.parametrize("victim_size", [18, 3_000_000])
+def test_a_crafted_marker_never_removes_a_file_the_graph_does_not_fill(tmp_path, capsys, victim_size):
+    """A replaced output's marker named an unrelated 18-byte file as its own data file, its graph
+    declaring megabytes of tensors in it: --overwrite removed the file. A data file is removed
+    only when its size fits the bytes the graph's own tensors span in it."""
+    src = save_external(tmp_path / "in")
+    out = tmp_path / "out" / "model.onnx"
+    convert_model(src, out, format="int8", scales=SCALES)
+    victim = out.parent / "notes.bin"
+    victim.write_bytes(b"x" * victim_size)
+    proto = onnx.load(out, load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = victim.name
+    props = {p.key: p for p in proto.metadata_props}
+    doc = json.loads(props[MARKER].value)
+    doc["data"] = [victim.name]
+    props[MARKER].value = json.dumps(doc)
+    onnx.save(proto, out)
+    args = ["convert", str(src), str(out), "--format", "int4", "--scales", str(unit_scales(tmp_path))]
+    assert main([*args, "--overwrite"]) == 0
+    assert victim.read_bytes() == b"x" * victim_size
+    said = capsys.readouterr().out
+    assert "kept notes.bin: " in said
+    assert not [line for line in said.splitlines() if "removed" in line and "notes.bin" in line]
+    assert_loads_everywhere(out, ir.DataType.UINT8)

@@ -464,3 +464,45 @@ def test_an_opset_18_export_with_an_fp8_cache_runs_emulated(opset, runs):
     assert emulated.opset_imports[""] == 19 and model.opset_imports[""] == 18
     logits = KvCacheRunner(model, semantics="cuda").prefill([1, 2, 3, 4])
     assert np.isfinite(logits).all() and logits.shape[-1] == 300
+
+
+def _seqlens_keepdims(model: ir.Model) -> ir.Model:
+    """``model`` with seqlens_k computed as mobius's gemma2/gemma3 builds do: ``[batch, 1]``."""
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    seqlens = nodes[0].inputs[5]
+    unsqueeze = ir.node(
+        "Unsqueeze",
+        [seqlens, ir.Value(name="axes_1", const_value=ir.tensor(np.array([1], np.int64), name="axes_1"))],
+        name="seqlens_keepdims",
+    )
+    axes = unsqueeze.inputs[1]
+    axes.dtype, axes.shape = ir.DataType.INT64, ir.Shape([1])
+    model.graph.register_initializer(axes)
+    model.graph.insert_after(seqlens.producer(), unsqueeze)
+    kept = unsqueeze.outputs[0]
+    kept.name, kept.dtype, kept.shape = "seqlens_k_2d", ir.DataType.INT32, ir.Shape(["batch", 1])
+    for node in nodes:
+        node.replace_input_with(5, kept)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::onnx_kvcache.errors.MeasurementWarning")  # fp8 under the cpu rule
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_seqlens_k_of_shape_batch_by_1_is_emulated_as_the_kernels_read_it(fmt, semantics):
+    """mobius's gemma2/gemma3 GQA builds feed seqlens_k ``[batch, 1]`` (ReduceSum keepdims), which
+    onnxruntime's kernels accept: the emulation reads it as ``[batch]``, the same logits."""
+    scales = {0: (0.02, 0.01), 1: (0.02, 0.01)}
+    flat, kept = (build_decoder(num_layers=2, vocab_size=300) for _ in range(2))
+    _seqlens_keepdims(kept)
+    gqa = next(n for n in kept.graph if n.op_type == "GroupQueryAttention")
+    assert gqa.inputs[5].shape == ir.Shape(["batch", 1])
+    native = KvCacheRunner(kept.clone())  # the float kernel takes [batch, 1]
+    assert np.isfinite(native.prefill([1, 2, 3])).all()
+    for model in (flat, kept):
+        KvCacheQuantizationPass(fmt, scales=scales)(model)
+    want, got = (KvCacheRunner(m, semantics=semantics) for m in (flat, kept))
+    assert got.emulated == (semantics == "cuda" or fmt == "fp8")  # else the CPU kernel runs it
+    np.testing.assert_array_equal(got.prefill([5, 6, 7, 8]), want.prefill([5, 6, 7, 8]))
+    for token in (9, 10):
+        np.testing.assert_array_equal(got.step(token), want.step(token))

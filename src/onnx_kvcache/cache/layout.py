@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
+from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.files.reading import ModelLike, as_model
 
 
@@ -109,6 +110,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
 def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
     """Read the cache layout of every attention layer from the graph (no weights are read)."""
     model = as_model(model)
+    validate_model(model, sort=False)  # malformed: one line, never a ZeroDivisionError
     seen: set[int] = set()
     layers = []
     for site in find_attention_sites(model):
@@ -128,11 +130,11 @@ def _fmt_scale(values: list[float] | None) -> str:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} PiB"
 
 
 def _allocation_lines(info: CacheModelInfo) -> list[str]:

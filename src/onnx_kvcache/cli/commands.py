@@ -175,6 +175,8 @@ def _ep(text: str) -> str:
 
 _POSITIVE = _bounded(int, 1)
 _NON_NEGATIVE = _bounded(int, 0)
+_CONTEXT = _bounded(int, 1, high=2**31 - 1)  # GroupQueryAttention counts positions in int32
+_BATCH = _bounded(int, 1, high=2**20)
 
 
 _IDS_SUFFIXES = (".json", ".npy")
@@ -302,7 +304,7 @@ def _convert(args: argparse.Namespace) -> int:
         nodes += f" (fused from the export's {result.fused} attention layer(s))"
     _print(
         f"converted {nodes} to {result.format} {result.granularity}"
-        f"{target}: {result.model_file} ({format_bytes(result.bytes_written)} written) in "
+        f"{target}: {_printable(str(result.model_file))} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - args.started:.2f}s"  # from the entry point's first line: imports count
     )
     _print(result.weights_summary())
@@ -421,12 +423,17 @@ def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
 
 
 def _write_completely(
-    args: argparse.Namespace, outputs: list[tuple[str, bytes, str]], done: str, inputs: list[pathlib.Path]
+    args: argparse.Namespace,
+    outputs: list[tuple[str, bytes, str]],
+    done: str,
+    inputs: list[pathlib.Path],
+    seen: list[Any] | None = None,
 ) -> list[pathlib.Path]:
     """Publish ``outputs`` as one unit; a signal held over the publication says they were
-    written. The files that replaced one."""
+    written. ``seen``: the outputs' identities before the work (one changed since: refused).
+    The files that replaced one."""
     try:
-        replaced = write_outputs(outputs, overwrite=args.overwrite, inputs=inputs)
+        replaced = write_outputs(outputs, overwrite=args.overwrite, inputs=inputs, seen=seen)
     except _signals.Interrupted as e:
         if e.completed and e.detail is None:
             e.detail = done
@@ -436,8 +443,9 @@ def _write_completely(
 
 
 def _wrote(path: str, replaced: list[pathlib.Path]) -> str:
-    """``wrote PATH``, or ``replaced PATH`` when it replaced a file."""
-    return f"{'replaced' if pathlib.Path(path) in replaced else 'wrote'} {path}"
+    """``wrote PATH``, or ``replaced PATH`` when it replaced a file (the path one inert line,
+    as in errors)."""
+    return f"{'replaced' if pathlib.Path(path) in replaced else 'wrote'} {_printable(str(path))}"
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -445,7 +453,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     data = args.token_ids or args.text
     inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
-    check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
+    seen = check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
     scales = calibrate_kv_cache(
         args.model,
         data,
@@ -471,6 +479,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
         f"the scale file was written ({args.out})",
         inputs,
+        [seen],  # another calibrate to this --out that finished first is never replaced silently
     )
     _print(format_calibration_summary(scales.stats, scales.format, method))
     layers = len(scales.layer_ids)
@@ -725,10 +734,10 @@ _INSPECT = (
     _option(
         "--context",
         metavar="N",
-        type=_POSITIVE,
+        type=_CONTEXT,
         help="also report the cache bytes at this context length (default: per token only)",
     ),
-    _option("--batch", metavar="B", type=_POSITIVE, help="batch size for --context (default: 1)"),
+    _option("--batch", metavar="B", type=_BATCH, help="batch size for --context (default: 1)"),
     _option("--json", action="store_true", help="machine-readable output"),
 )
 

@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 import json
+import math
 import os
 import pathlib
 import stat
@@ -223,21 +224,26 @@ def own_data_files(
     """The data files a replaced output file owns and nothing else in its folder may use,
     and a note for each one kept because something may (``kept NAME: FILE names it``)."""
     proto = _graph(out)
-    named = _locations(proto) if proto is not None else set()
+    extents = _extents(proto) if proto is not None else {}
     data = doc.get("data")
     own = {
         name
         for name in (data if isinstance(data, list) else [])
         if isinstance(name, str)
-        and name in named
+        and name in extents
         and "/" not in name
         and os.sep not in name
         and (out.parent / name).is_file()
         and not (out.parent / name).is_symlink()
         and pathlib.Path(os.path.realpath(out.parent / name)) not in inputs
     }
-    users = possible_users(out.parent, own, skip={pathlib.Path(os.path.realpath(out))}) if own else {}
     notes = []
+    for name in sorted(own):  # a marker names a file; the graph's own tensors must be what it holds
+        size, end = (out.parent / name).stat().st_size, extents[name]
+        if not end <= size <= end + _SLACK:
+            own.discard(name)
+            notes.append(f"kept {name}: {size} bytes, but the graph's tensors in it span {end}")
+    users = possible_users(out.parent, own, skip={pathlib.Path(os.path.realpath(out))}) if own else {}
     for name, files in sorted(users.items()):
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         notes.append(f"kept {name}: {shown} {'names' if len(files) == 1 else 'name'} it")
@@ -359,8 +365,34 @@ def _is_wire_format(f: Any) -> bool:
     return True  # too many fields to walk: it may be one
 
 
-def _locations(proto: Any) -> set[str]:
-    """Every external data location a ModelProto names (graphs, nodes, functions)."""
+_SLACK = 2**16
+"""Bytes a data file may hold past its last tensor (a writer's alignment) and still be the
+graph's own; anything else is not removed with the graph."""
+
+
+def _extents(proto: Any) -> dict[str, int]:
+    """Each external data location a ModelProto names, and the byte its tensors end at."""
+    import onnx
+
+    ends: dict[str, int] = {}
+    for tensor in _external_tensors(proto):
+        info = {e.key: e.value for e in tensor.external_data}
+        try:
+            offset = int(info.get("offset", 0))
+            if "length" in info:
+                length = int(info["length"])
+            else:
+                itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+                length = itemsize * math.prod(tensor.dims)
+        except (ValueError, TypeError, KeyError):
+            length, offset = 2**62, 0  # unreadable: spans more than any file, so kept
+        location = info.get("location", "")
+        ends[location] = max(ends.get(location, 0), offset + length)
+    return ends
+
+
+def _external_tensors(proto: Any) -> list[Any]:
+    """Every tensor of a ModelProto with external data (graphs, nodes, functions)."""
     graphs = [proto.graph]
     tensors = []
 
@@ -382,4 +414,4 @@ def _locations(proto: Any) -> set[str]:
             tensors += [sparse.values, sparse.indices]
         for node in graph.node:
             of_node(node)
-    return {e.value for t in tensors for e in t.external_data if e.key == "location"}
+    return [t for t in tensors if t.external_data]

@@ -49,7 +49,7 @@ import pathlib
 import stat
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from onnx_kvcache._version import __version__
@@ -315,12 +315,17 @@ def write_outputs(
     *,
     overwrite: bool = False,
     inputs: Iterable[os.PathLike | str] = (),
+    seen: Sequence[file_io.Identity | None] | None = None,
 ) -> list[pathlib.Path]:
     """Write every ``(path, data, kind)`` by the rules above, as one unit: each is written
     to a temporary file first (where a full disk or a signal stops the run with nothing
     published), then all are published together, signals held; should a later publication
     fail, the new files published before it are removed again. The paths that replaced a
-    file (as given)."""
+    file (as given).
+
+    ``seen``: each output's identity when the run checked it before its work
+    (:func:`check_output`); an output that appeared or changed since (another run to the same
+    path finished first) is left as it is and the run refused, never replaced silently."""
     files = list(files)
     inputs = list(inputs)
     for i, (path, _, _) in enumerate(files):
@@ -328,8 +333,13 @@ def write_outputs(
             if same_output(path, other):
                 raise KvCacheError(f"{other} and {path} name one file; name two files.")
     plans = []
-    for path, data, kind in files:
+    for i, (path, data, kind) in enumerate(files):
         identity = check_output(path, kind, overwrite=overwrite, inputs=inputs)
+        if seen is not None and identity != seen[i]:
+            raise KvCacheError(
+                f"{path} was written by another run (to the same output?) while this one worked; it is "
+                "left as it is and this run wrote nothing. Run again, or name another file."
+            )
         plans.append((pathlib.Path(path), data, identity))
     with contextlib.ExitStack() as stack:
         temps = []

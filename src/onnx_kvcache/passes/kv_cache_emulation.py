@@ -6,7 +6,9 @@ CPU cannot run as asked into ops it can run:
 
 1. q/k RMS norm (inputs 14/15) and RoPE are applied outside the node, with the kernel's
    positions (``0..S-1`` on the first prompt, else ``seqlens_k + 1 - S + s``, or
-   ``position_ids`` when given);
+   ``position_ids`` when given); ``seqlens_k`` and ``query_seqlens`` are read as ``[batch]``
+   whether they come ``[batch]`` or ``[batch, 1]`` (mobius's ReduceSum with keepdims), as the
+   kernels read them;
 2. the new K (after norm and RoPE) and V are quantized and dequantized by the cache
    format's rule: multiply by the float32 reciprocal of the scale, then saturate to the
    fp8 grid, or round half to even and clamp for integers;
@@ -344,11 +346,12 @@ class _Rewrite:
         site, b = self.site, self.b
         seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
         steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
+        flat = b.const(np.array([-1], np.int64))  # [batch] or [batch, 1] (ReduceSum keepdims): [batch]
         valid = seq
         if site.input(GqaInput.QUERY_SEQLENS) is not None:  # right-padded chunks
-            valid = b.cast(site.input(GqaInput.QUERY_SEQLENS), _I64)  # type: ignore[arg-type]
+            valid = b.op("Reshape", [b.cast(site.input(GqaInput.QUERY_SEQLENS), _I64), flat])  # type: ignore[arg-type]
         assert self.seqlens is not None
-        seqlens = b.cast(self.seqlens, _I64)
+        seqlens = b.op("Reshape", [b.cast(self.seqlens, _I64), flat])
         start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
         later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
         prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])

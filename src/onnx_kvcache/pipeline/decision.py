@@ -52,6 +52,7 @@ import onnx_ir as ir
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.gating import (
     NO_ATTENTION,
@@ -374,6 +375,7 @@ def _refused(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, ba
 def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
+    validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
     fusion = fuse_unless_attention(request.model, request.fuse, in_copy=rules.fuse_in_copy)
     asked = scale_granularity(_asked_granularity(request))  # until the model decides
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
@@ -434,6 +436,7 @@ def carry_out(decision: Decision) -> bool:
             decision.scales,
             shared_kv_scale=request.shared_kv_scale,
         )(decision.model)
+        validate_model(decision.model)  # what is returned or written loads: the same checks
     for recorded in decision.fusion.recorded:
         warn(recorded.message, recorded.category)
     for warning in decision.warnings:

@@ -182,6 +182,7 @@ def evaluate_kv_cache(
     scoring = _Scoring(max_new_tokens, prompt_len, seq_len, num_seqs, tokenizer, progress)
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
+    _check_positions(scoring, cand)
     loaded = _windows(baseline, data, base, scoring)
     tally = _Tally()
     for window in _progress(loaded.windows, scoring.progress):
@@ -215,6 +216,44 @@ def _check(scoring: _Scoring) -> None:
     if max_new_tokens < 0 or prompt_len < 1:
         raise KvCacheError(
             f"max_new_tokens must be >= 0 and prompt_len >= 1, got {max_new_tokens} and {prompt_len}."
+        )
+    for name, value in dict(seq_len=scoring.seq_len, max_new_tokens=max_new_tokens).items():
+        if value > MAX_POSITIONS:
+            raise KvCacheError(
+                Param(name, value),
+                f" is more positions than any KV cache model counts: GroupQueryAttention counts them in "
+                f"int32 (at most {MAX_POSITIONS}).",
+            )
+
+
+#: The most positions a GroupQueryAttention model counts (``seqlens_k`` and
+#: ``total_sequence_length`` are int32).
+MAX_POSITIONS = 2**31 - 1
+
+
+def _check_positions(scoring: _Scoring, runner: KvCacheRunner) -> None:
+    """Lengths against the positions the model covers (its rotary table), before any run: a
+    window of ``seq_len`` tokens feeds ``seq_len - 1``; generating after a prompt of ``p``
+    feeds ``p + max_new_tokens - 1``."""
+    limit = runner.max_positions
+    if limit is None:
+        return
+    prompt = min(scoring.prompt_len, max(1, scoring.seq_len // 2))
+    why = f"the model's rotary tables (cos_cache) cover {limit} positions (its context)"
+    if scoring.seq_len - 1 > limit:
+        raise KvCacheError(
+            Param("seq_len", scoring.seq_len),
+            f" feeds {scoring.seq_len - 1} positions, but {why}: give at most ",
+            Param("seq_len", limit + 1),
+            ".",
+        )
+    if prompt + scoring.max_new_tokens - 1 > limit:
+        raise KvCacheError(
+            Param("max_new_tokens", scoring.max_new_tokens),
+            f" after a prompt of {prompt} token(s) feeds {prompt + scoring.max_new_tokens - 1} positions, "
+            f"but {why}: give at most ",
+            Param("max_new_tokens", limit - prompt + 1),
+            ".",
         )
 
 

@@ -41,9 +41,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
 from onnx_kvcache.files.genai_folder import eos_token_ids, resolve_model_path
-from onnx_kvcache.files.reading import check_defined, load_model
+from onnx_kvcache.files.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
 from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.runtime._cache import (
@@ -90,12 +91,13 @@ def _load(model_or_path: ir.Model | str | os.PathLike) -> ModelSource:
     memory when it has none (the caller's model and the file unchanged)."""
     if isinstance(model_or_path, ir.Model):
         model = model_or_path
+        validate_model(model)  # malformed: one line; out of order: sorted (computing the same)
         if not find_attention_sites(model, with_cache_only=False):
-            check_defined(model.graph)
             model = _fused(model.clone())  # the caller's model stays as it is
         return ModelSource(model)
     path, config = resolve_model_path(model_or_path)
     model = load_model(path)
+    validate_model(model)  # the session still reads the file: onnxruntime runs it in any order
     if find_attention_sites(model, with_cache_only=False):
         return ModelSource(model, path, config, path.parent)
     return ModelSource(_fused(model), None, config, path.parent)  # the session runs the fused graph

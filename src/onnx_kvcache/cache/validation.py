@@ -1,0 +1,371 @@
+"""One validation of a model, before it is read or any output is committed: a table of checks.
+
+Every entry point runs :func:`validate_model` on the model it reads (``convert_model`` and
+``optimize_model`` through the pipeline's decision, ``inspect_kv_cache``, ``KvCacheRunner``
+and through it calibration and evaluation), and the pipeline runs it again on the model it
+quantized before that model is returned or written: no output is one onnxruntime refuses,
+and no malformed input ends in a traceback. A model that fails is refused with
+:class:`~onnx_kvcache.errors.MalformedModelError`, one line naming the node and the
+attribute or input; nothing is written. docs/validation.md lists the checks.
+
+The rules, in order (:data:`GRAPH_CHECKS`, then :data:`NODE_CHECKS` on every attention node of
+:data:`~onnx_kvcache.cache.operators.ATTENTION_OPS`, in the graph, its subgraphs and functions;
+a node's rows run in order, each only once the rows before it passed):
+
+- every value a node reads is defined (a graph input, an initializer or a node's output);
+- nodes are in topological order: a graph that is not (onnxruntime runs it; graph-surgery
+  tools write such graphs) is sorted in memory, the file read is never changed; a cycle is
+  refused;
+- an attention node has ``num_heads`` and ``kv_num_heads``, both 1 or more, ``num_heads`` a
+  multiple of ``kv_num_heads``; where shapes are static the query and key widths are whole
+  heads of one head size, and a cache's heads axis holds ``kv_num_heads``;
+- its caches: both past inputs or neither (the key alone in a single-cache layout), and no
+  present output of the graph without its past input;
+- quantization: ``k_quant_type``/``v_quant_type`` name a granularity, the bit width is one a
+  format has, and a quantized side has its scale input; a scale is float32 with the number of
+  elements its granularity takes (one per tensor, ``kv_num_heads * head_size`` per channel).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GRAPH_CHECKS",
+    "NODE_CHECKS",
+    "GraphCheck",
+    "NodeCheck",
+    "validate_model",
+]
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, format_of
+from onnx_kvcache.cache.operators import op_of
+from onnx_kvcache.cache.sites import CacheSite, constant_values
+from onnx_kvcache.errors import MalformedModelError
+
+_FIX = "The model is malformed: export it again, or repair the node."
+
+GraphLike = ir.Graph | ir.Function
+
+
+# -- graph checks --------------------------------------------------------------------
+
+
+def _roots(model: ir.Model) -> list[GraphLike]:
+    """The main graph and every function (each sorted on its own)."""
+    return [model.graph, *model.functions.values()]
+
+
+def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            yield attr.value
+        elif attr.type == ir.AttributeType.GRAPHS:
+            yield from attr.value
+
+
+def _graphs(model: ir.Model) -> Iterator[GraphLike]:
+    """The main graph, every function and every subgraph of their nodes."""
+    for root in _roots(model):
+        yield root
+        for node in ir.traversal.RecursiveGraphIterator(root):
+            yield from _subgraphs(node)
+
+
+def _where(graph: GraphLike) -> str:
+    return f" in function {graph.name}" if isinstance(graph, ir.Function) else ""
+
+
+def _undefined(model: ir.Model, sort: bool) -> str | None:
+    """A value a node reads that nothing defines (a node removed by hand, a broken export)."""
+    for graph in _graphs(model):
+        for node in graph:
+            for value in node.inputs:
+                if value is None or value.producer() is not None or value.is_graph_input():
+                    continue
+                if value.is_initializer() or value.const_value is not None:
+                    continue
+                return (
+                    f"node {node.name or node.op_type!r}{_where(graph)} reads {value.name!r}, which no "
+                    "node, graph input or initializer defines. The model is malformed: export it again, "
+                    "or repair it (onnx.checker.check_model names the problem)."
+                )
+    return None
+
+
+def _in_order(graph: GraphLike) -> bool:
+    """Whether every node comes after the producers of what it (and its subgraphs) reads."""
+    nodes = {id(node) for node in graph}
+    seen: set[int] = set()
+    for node in graph:
+        seen.add(id(node))
+        inner = [node]
+        for subgraph in _subgraphs(node):
+            inner += list(ir.traversal.RecursiveGraphIterator(subgraph))
+        for reader in inner:
+            for value in reader.inputs:
+                producer = value.producer() if value is not None else None
+                if producer is not None and id(producer) in nodes and id(producer) not in seen:
+                    return False
+    return True
+
+
+def _order(model: ir.Model, sort: bool) -> str | None:
+    """Nodes in topological order: sorted in memory when not (``sort``); a cycle refused."""
+    for graph in _roots(model):
+        if _in_order(graph):
+            continue
+        if not sort:
+            continue  # reading only: onnxruntime runs an unsorted graph too
+        try:
+            graph.sort()
+        except ValueError:
+            return f"the graph{_where(graph)} has a cycle: its nodes cannot be ordered. {_FIX}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCheck:
+    """One rule on the whole model: ``run(model, sort)`` is the problem's text, or None."""
+
+    name: str
+    rule: str
+    """What it checks, for docs/validation.md."""
+    run: Callable[[ir.Model, bool], str | None]
+
+
+GRAPH_CHECKS: tuple[GraphCheck, ...] = (
+    GraphCheck(
+        "defined",
+        "every value a node reads is a graph input, an initializer or a node's output",
+        _undefined,
+    ),
+    GraphCheck(
+        "order",
+        "nodes are in topological order (sorted in memory when not; a cycle is refused)",
+        _order,
+    ),
+)
+
+
+# -- node checks ---------------------------------------------------------------------
+
+
+def _last_dim(value: ir.Value | None) -> int | None:
+    shape = value.shape if value is not None else None
+    if shape is None or len(shape) == 0 or not isinstance(shape[-1], int):
+        return None
+    return shape[-1]
+
+
+def _attributes(site: CacheSite) -> str | None:
+    missing = [a for a in ("num_heads", "kv_num_heads") if a not in site.node.attributes]
+    return f"lacks {' and '.join(missing)}" if missing else None
+
+
+def _positive(site: CacheSite) -> str | None:
+    for attr in ("num_heads", "kv_num_heads"):
+        if site.int_attr(attr) < 1:
+            return f"has {attr}={site.int_attr(attr)}: a head count must be 1 or more"
+    return None
+
+
+def _groups(site: CacheSite) -> str | None:
+    n, kv = site.num_heads, site.kv_num_heads
+    if n % kv:
+        return f"has num_heads={n} and kv_num_heads={kv}: num_heads must be a multiple of kv_num_heads"
+    return None
+
+
+def _head_size(site: CacheSite) -> int | None:
+    """The head size the query's static width tells (whole heads), else the key's, else None."""
+    n, kv = site.num_heads, site.kv_num_heads
+    query, key = _last_dim(site.input("query")), _last_dim(site.input("key"))
+    if query is not None:
+        heads = n + 2 * kv if site.packed_qkv else n
+        if query % heads == 0:
+            return query // heads
+    if key is not None and key % kv == 0:
+        return key // kv
+    return None
+
+
+def _widths(site: CacheSite) -> str | None:
+    """Query and key widths are whole heads of one head size."""
+    n, kv = site.num_heads, site.kv_num_heads
+    query, key = _last_dim(site.input("query")), _last_dim(site.input("key"))
+    if query is not None:
+        heads, said = (n + 2 * kv, "num_heads + 2 * kv_num_heads") if site.packed_qkv else (n, "num_heads")
+        if query % heads:
+            return f"has {said} = {heads}, which does not divide its query's width {query}"
+    if key is not None and key % kv:
+        return f"has kv_num_heads={kv}, which does not divide its key's width {key}"
+    if query is not None and key is not None and not site.packed_qkv and query // n != key // kv:
+        return (
+            f"has num_heads={n} and kv_num_heads={kv}, which give its query ({query} wide) and key "
+            f"({key} wide) different head sizes"
+        )
+    return None
+
+
+def _cache_heads(site: CacheSite) -> str | None:
+    """A cache's heads axis, where static, holds kv_num_heads."""
+    if site.single_cache:
+        return None
+    axis = site.op.layout.heads_axis
+    for side in site.sides:
+        past = site.past(side)
+        if past is None or past.shape is None or len(past.shape) != len(site.op.layout.dims):
+            continue
+        heads = past.shape[axis]
+        if isinstance(heads, int) and heads != site.kv_num_heads:
+            return (
+                f"has kv_num_heads={site.kv_num_heads} but its {side.past} {past.name!r} holds {heads} heads"
+            )
+    return None
+
+
+def _caches(site: CacheSite) -> str | None:
+    """Both past inputs or neither; no present output of the graph without its past."""
+    given = [side.past for side in site.sides if site.past(side) is not None]
+    missing = [side.past for side in site.sides if site.past(side) is None]
+    if given and missing:
+        return f"reads {given[0]} but has no {missing[0]} input: its cache inputs are incomplete"
+    for side in site.sides:
+        present = site.present(side)
+        if site.past(side) is None and present is not None and present.is_graph_output():
+            return (
+                f"writes {side.present} {present.name!r}, an output of the graph, but has no {side.past} "
+                "input: its cache input is missing"
+            )
+    return None
+
+
+def _quantization(site: CacheSite) -> str | None:
+    """Granularity attributes name a row; the bit width is a format's; quantized sides have scales."""
+    quant_types = ("NONE", *(row.quant_type for row in SCALE_GRANULARITIES.values()))  # the tables as now
+    bit_widths = tuple(sorted({row.bit_width for row in CACHE_FORMATS.values()}))
+    quants = {side.quant_attr: site.str_attr(side.quant_attr, "NONE") for side in site.sides}
+    for attr, quant in quants.items():
+        if quant not in quant_types:
+            return f"has {attr}={quant!r}: expected one of {', '.join(quant_types)}"
+    quantized = [side for side in site.sides if quants[side.quant_attr] != "NONE"]
+    bits_attr = site.op.bit_width_attr
+    if quantized and bits_attr is not None and bits_attr in site.node.attributes:
+        bits = site.int_attr(bits_attr)
+        if bits not in bit_widths:
+            return f"has {bits_attr}={bits}: expected one of {', '.join(map(str, bit_widths))}"
+    for side in quantized:
+        if site.input(side.scale) is None:
+            return f"has {side.quant_attr}={quants[side.quant_attr]} but no {side.scale} input"
+    return None
+
+
+def _elements(value: ir.Value) -> int | None:
+    found = constant_values(value)
+    if found is not None:
+        return len(found)
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(d for d in shape if isinstance(d, int))
+
+
+def _scales(site: CacheSite) -> str | None:
+    """Scale inputs are float32, as many elements as their granularity takes."""
+    for side in site.sides:
+        scale = site.input(side.scale)
+        if scale is None:
+            continue
+        if scale.dtype is not None and scale.dtype != ir.DataType.FLOAT:
+            return f"has a {scale.dtype.name.lower()} {side.scale} {scale.name!r}: scales are float32"
+        quant = site.str_attr(side.quant_attr, "NONE")
+        row = next((r for r in SCALE_GRANULARITIES.values() if r.quant_type == quant), None)
+        count = _elements(scale)
+        if row is None or count is None:
+            continue
+        head = _head_size(site)
+        fmt = format_of(site.cache_dtype, site.cache_bit_width, site.cache_logical_type)
+        if head is None and not (fmt is not None and fmt.packed):
+            head = _last_dim(site.past(side))
+        if head is None and row.per_dim:
+            continue
+        wanted = row.size(site.kv_num_heads, head or 1)
+        if count != wanted:
+            return (
+                f"has {side.quant_attr}={quant} and a {side.scale} {scale.name!r} of {count} element(s); "
+                f"that granularity takes {wanted}"
+            )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCheck:
+    """One rule on an attention node: ``run(site)`` is the problem (said after the node), or None."""
+
+    name: str
+    rule: str
+    """What it checks, for docs/validation.md."""
+    run: Callable[[CacheSite], str | None]
+
+
+NODE_CHECKS: tuple[NodeCheck, ...] = (
+    NodeCheck("attributes", "num_heads and kv_num_heads are given", _attributes),
+    NodeCheck("head counts", "num_heads and kv_num_heads are 1 or more", _positive),
+    NodeCheck("groups", "num_heads is a multiple of kv_num_heads", _groups),
+    NodeCheck(
+        "widths",
+        "a static query width (packed: num_heads + 2 * kv_num_heads heads) and key width are "
+        "whole heads of one size",
+        _widths,
+    ),
+    NodeCheck("cache heads", "a cache's static heads axis holds kv_num_heads", _cache_heads),
+    NodeCheck(
+        "caches", "both past inputs or neither; a present output of the graph has its past input", _caches
+    ),
+    NodeCheck(
+        "quantization",
+        "k_quant_type/v_quant_type name a granularity, kv_cache_bit_width a format's width; a "
+        "quantized side has its scale input",
+        _quantization,
+    ),
+    NodeCheck(
+        "scales",
+        "k_scale/v_scale are float32: one element per tensor, kv_num_heads * head_size per channel",
+        _scales,
+    ),
+)
+
+
+def _sites(model: ir.Model) -> Iterator[CacheSite]:
+    roots: list[tuple[GraphLike, ir.Function | None]] = [(model.graph, None)]
+    roots += [(function, function) for function in model.functions.values()]
+    for root, function in roots:
+        for node in ir.traversal.RecursiveGraphIterator(root):
+            row = op_of(node)
+            if row is not None:
+                yield CacheSite(node, function, op=row)
+
+
+def validate_model(model: ir.Model, *, sort: bool = True) -> bool:
+    """Run every check on ``model``; whether its nodes were sorted (``sort``: a graph out of
+    topological order is sorted in place, else left as it is: reading it needs no order).
+
+    Raises:
+        MalformedModelError: the first check that fails, naming the node and the attribute.
+    """
+    was_in_order = all(_in_order(graph) for graph in _roots(model))
+    for graph_check in GRAPH_CHECKS:
+        problem = graph_check.run(model, sort)
+        if problem is not None:
+            raise MalformedModelError(problem[:1].upper() + problem[1:])
+    for site in _sites(model):
+        for check in NODE_CHECKS:
+            problem = check.run(site)
+            if problem is not None:
+                raise MalformedModelError(f"{site.label} {problem}. {_FIX}")
+    return sort and not was_in_order

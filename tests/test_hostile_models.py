@@ -1,0 +1,433 @@
+"""Hostile models (issue 29): every malformed model ends in one line before any work, on every
+command and API that reads it; a graph out of topological order is run as its sorted twin;
+arguments are checked against the model before it runs; outputs are never replaced silently.
+Then a fuzz test over real-producer files: every mutant is one line, or an output onnxruntime loads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import random
+import re
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import (
+    KvCacheQuantizationPass,
+    KvCacheRunner,
+    MalformedModelError,
+    build_decoder,
+    convert_model,
+    inspect_kv_cache,
+    optimize_model,
+)
+from onnx_kvcache.cli.commands import main
+from onnx_kvcache.runtime._sessions import create_session
+
+DATA = pathlib.Path(__file__).parent / "data"
+SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
+
+
+def run(argv: list[object]) -> tuple[int, str, str]:
+    """The command in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse refuses an option's value
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def one_line(err: str) -> str:
+    """The error line (after any warnings), the run's last: one line, no traceback."""
+    lines = err.splitlines()
+    assert lines and lines[-1].startswith("onnx-kvcache: error: "), err
+    assert all(line.startswith("onnx-kvcache: warning: ") for line in lines[:-1]), err
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+def gqa(model: ir.Model, index: int = 1) -> ir.Node:
+    return [n for n in model.graph if n.op_type == "GroupQueryAttention"][index]
+
+
+def with_int(attr: str, value: int):
+    def mutate(model: ir.Model) -> None:
+        gqa(model).attributes[attr] = ir.AttrInt64(attr, value)
+
+    return mutate
+
+
+def without_caches(model: ir.Model) -> None:
+    node = gqa(model)
+    node.replace_input_with(3, None)
+    node.replace_input_with(4, None)
+    model.graph.inputs[:] = [v for v in model.graph.inputs if v.uses()]
+
+
+def float16_scales(model: ir.Model) -> None:
+    KvCacheQuantizationPass("int8", scales=SCALES)(model)
+    node = gqa(model)
+    for slot in (12, 13):
+        value = ir.Value(
+            name=f"half_{slot}", const_value=ir.tensor(np.array([0.05], np.float16), name=f"half_{slot}")
+        )
+        value.dtype, value.shape = ir.DataType.FLOAT16, ir.Shape([1])
+        model.graph.register_initializer(value)
+        node.replace_input_with(slot, value)
+
+
+def without_a_node(model: ir.Model) -> None:
+    """A node removed by hand (its readers left dangling)."""
+    proto = ir.to_proto(model)
+    victim = next(i for i, n in enumerate(proto.graph.node) if n.op_type == "MatMul")
+    del proto.graph.node[victim]
+    model.graph = ir.from_proto(proto).graph
+
+
+def shuffled(model: ir.Model, seed: int = 0) -> None:
+    """The nodes in a random order (onnxruntime runs it; graph-surgery tools write such graphs)."""
+    nodes = list(model.graph)
+    random.Random(seed).shuffle(nodes)
+    model.graph.remove(nodes, safe=False)
+    model.graph.extend(nodes)
+
+
+#: mutant -> (mutation, what the one line says)
+MALFORMED = {
+    "num_heads 0": (with_int("num_heads", 0), "has num_heads=0"),
+    "num_heads -3": (with_int("num_heads", -3), "has num_heads=-3"),
+    "kv_num_heads 0": (with_int("kv_num_heads", 0), "has kv_num_heads=0"),
+    "kv_num_heads 3": (with_int("kv_num_heads", 3), "num_heads must be a multiple of kv_num_heads"),
+    "no cache inputs": (without_caches, "but has no past_key input: its cache input is missing"),
+    "float16 scales": (float16_scales, "has a float16 k_scale 'half_12': scales are float32"),
+    "a node removed": (without_a_node, "which no node, graph input or initializer defines"),
+}
+
+
+def saved(folder: pathlib.Path, name: str, mutate=None) -> pathlib.Path:
+    model = build_decoder(num_layers=2, vocab_size=300)
+    if mutate is not None:
+        mutate(model)
+    path = folder / f"{name.replace(' ', '_')}.onnx"
+    ir.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile_models")
+    files = {name: saved(root, name, mutate) for name, (mutate, _) in MALFORMED.items()}
+    files["good"] = saved(root, "good")
+    files["shuffled"] = saved(root, "shuffled", shuffled)
+    return files
+
+
+def commands(model: pathlib.Path, good: pathlib.Path, out: pathlib.Path) -> dict[str, list[object]]:
+    return {
+        "inspect": ["inspect", model],
+        "inspect --json": ["inspect", "--json", model],
+        "convert": ["convert", model, out / "converted.onnx", "--format", "int8"],
+        "calibrate": ["calibrate", model, "--out", out / "scales.json", "--num-seqs", "1", "--seq-len", "16"],
+        "evaluate": ["evaluate", good, model, "--num-seqs", "1", "--seq-len", "16"],
+    }
+
+
+@pytest.mark.parametrize("command", ["inspect", "inspect --json", "convert", "calibrate", "evaluate"])
+@pytest.mark.parametrize("mutant", list(MALFORMED))
+def test_a_malformed_model_is_one_line_on_every_command_and_nothing_is_written(
+    tmp_path, models, mutant, command
+):
+    argv = commands(models[mutant], models["good"], tmp_path)[command]
+    code, out, err = run(argv)
+    assert code in (1, 2)
+    assert MALFORMED[mutant][1] in one_line(err) and "malformed" in err
+    assert list(tmp_path.iterdir()) == [] and out == ""
+
+
+@pytest.mark.parametrize("mutant", list(MALFORMED))
+def test_a_malformed_model_is_a_malformed_model_error_in_python(models, mutant):
+    for call in (
+        inspect_kv_cache,
+        KvCacheRunner,
+        lambda m: optimize_model(m, kv_cache_format="int8", kv_cache_scales=SCALES),
+    ):
+        with pytest.raises(MalformedModelError, match=re.escape(MALFORMED[mutant][1])):
+            call(ir.load(models[mutant]))
+
+
+def test_a_missing_cache_is_named_not_blamed_on_the_scales(tmp_path, models):
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": 128}))
+    code, _, err = run(["convert", models["no cache inputs"], tmp_path / "o.onnx", "--scales", scales])
+    assert code in (1, 2) and "measured for another model" not in err
+    assert "/model/layers.1/attn/GroupQueryAttention writes present_key 'present.1.key'" in one_line(err)
+
+
+# -- a graph out of topological order ------------------------------------------------------
+
+
+def test_an_unsorted_decoder_calibrates_as_its_sorted_twin(tmp_path, models):
+    argv = ["--num-seqs", "2", "--seq-len", "64", "--min-tokens", "64", "--format", "int8"]
+    before = models["shuffled"].read_bytes()
+    for name in ("good", "shuffled"):
+        code, _, err = run(["calibrate", models[name], "--out", tmp_path / f"{name}.json", *argv])
+        assert code == 0, err
+    docs = [json.loads((tmp_path / f"{name}.json").read_text())["scales"] for name in ("good", "shuffled")]
+    assert docs[0] == docs[1]
+    assert models["shuffled"].read_bytes() == before  # the file read is never sorted
+
+
+def test_an_unsorted_decoder_evaluates_against_its_sorted_twin_as_the_same_model(tmp_path, models):
+    code, out, err = run(
+        ["evaluate", models["good"], models["shuffled"], "--num-seqs", "1", "--seq-len", "16"]
+    )
+    assert code == 0, err
+    assert "differ in their KV caches" not in err
+    errors = re.findall(r"layer +\d+: ([0-9.e+-]+) / ([0-9.e+-]+)", out)
+    assert errors and all(float(k) == 0 == float(v) for k, v in errors)
+
+
+def test_an_unsorted_model_in_memory_runs_and_is_sorted_in_place(models):
+    model = ir.load(models["shuffled"])
+    runner = KvCacheRunner(model)
+    want = KvCacheRunner(models["good"]).prefill([1, 2, 3])
+    np.testing.assert_array_equal(runner.prefill([1, 2, 3]), want)
+    model.clone()  # sorted: onnx-ir clones it (it refused the unsorted graph)
+
+
+def test_an_unsorted_export_converts_and_its_file_is_never_touched(tmp_path):
+    model = ir.load(DATA / "export_llama_opset23.onnx")
+    shuffled(model, seed=3)
+    src = tmp_path / "shuffled_export.onnx"
+    ir.save(model, src)
+    before = src.read_bytes()
+    result = convert_model(
+        src, tmp_path / "out.onnx", format="int8", scales=dict(enumerate([(0.05, 0.04)] * 3))
+    )
+    assert result.converted and src.read_bytes() == before
+    create_session(str(result.model_file))
+
+
+# -- outputs: validated before they are committed ----------------------------------------------
+
+
+def test_an_output_the_validation_refuses_is_never_written(tmp_path, models, monkeypatch):
+    """The pipeline validates what it made before writing it (here a pass gone wrong)."""
+    from onnx_kvcache.pipeline import decision
+
+    real = decision.KvCacheQuantizationPass
+
+    class Broken(real):  # type: ignore[misc, valid-type]
+        def call(self, model):
+            result = super().call(model)
+            gqa(model, 0).attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 3)
+            return result
+
+    monkeypatch.setattr(decision, "KvCacheQuantizationPass", Broken)
+    with pytest.raises(MalformedModelError, match="kv_cache_bit_width=3"):
+        convert_model(models["good"], tmp_path / "out.onnx", format="int8", scales=SCALES)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- arguments against the model, before any work ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        (
+            "--max-new-tokens",
+            1_000_000_000,
+            ["--max-new-tokens 1000000000", "4096 positions", "--max-new-tokens 4033"],
+        ),
+        ("--seq-len", 5000, ["--seq-len 5000", "4096 positions", "--seq-len 4097"]),
+        ("--seq-len", 99_999_999_999, ["--seq-len 99999999999", "int32 (at most 2147483647)"]),
+    ],
+)
+def test_lengths_past_the_models_positions_are_refused_before_it_runs(
+    models, monkeypatch, option, value, words
+):
+    def never(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(KvCacheRunner, "prefill", never)
+    code, _, err = run(["evaluate", models["good"], models["good"], option, value])
+    assert code in (1, 2)
+    for word in words:
+        assert word in one_line(err)
+
+
+@pytest.mark.parametrize("value", ["100000000000000000000000", "2147483648", "1e23"])
+def test_an_inspect_context_past_any_models_positions_is_refused(models, value):
+    code, out, err = run(["inspect", models["good"], "--context", value])
+    assert code == 2 and "--context" in err and out == ""
+
+
+def test_the_largest_inspect_context_prints_a_short_size(models):
+    code, out, _ = run(["inspect", models["good"], "--context", 2**31 - 1, "--batch", 2**20])
+    assert code == 0
+    assert re.search(r"tokens: \d{1,7}\.\d PiB$", out.strip().splitlines()[-1])
+
+
+# -- the success summary and concurrent runs --------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "calibrate"])
+def test_a_newline_in_an_output_path_prints_escaped_in_the_summary(tmp_path, models, command):
+    out = tmp_path / ("a\nb.onnx" if command == "convert" else "a\nb.json")
+    argv = (
+        ["convert", models["good"], out, "--format", "int8", "--scales", _scales(tmp_path)]
+        if command == "convert"
+        else [
+            "calibrate",
+            models["good"],
+            "--out",
+            out,
+            "--num-seqs",
+            "1",
+            "--seq-len",
+            "64",
+            "--min-tokens",
+            "32",
+        ]
+    )
+    code, said, err = run(argv)
+    assert code == 0, err
+    line = next(line for line in said.splitlines() if "a\\nb" in line)
+    assert line.startswith(("converted ", "wrote ")) and "\nb." not in said
+
+
+def _scales(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "scales_file.json"
+    path.write_text(json.dumps({"scales": {"k_scales": [0.1, 0.1], "v_scales": [0.05, 0.05]}, "qmax": 128}))
+    return path
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_two_calibrations_to_one_out_never_both_say_wrote(tmp_path, models, monkeypatch, existing):
+    """The run that finishes second finds the first's file, which appeared (or changed) while it
+    worked: it is left as it is and the second run says so in one line."""
+    from onnx_kvcache.scales import calibration
+
+    out = tmp_path / "scales.json"
+    argv = [
+        "calibrate",
+        models["good"],
+        "--out",
+        out,
+        "--num-seqs",
+        "1",
+        "--seq-len",
+        "64",
+        "--min-tokens",
+        "32",
+    ]
+    if existing:
+        assert run(argv)[0] == 0
+    real, other = calibration.calibrate_kv_cache, []
+
+    def calibrate(*args, **kwargs):
+        if not other:
+            other.append(None)
+            other[0] = run([*argv, "--method", "percentile"])  # another run, finishing first
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "calibrate_kv_cache", calibrate)
+    code, said, err = run(argv)
+    assert other[0][0] == 0 and "wrote" in other[0][1]
+    assert code in (1, 2) and "was written by another run" in one_line(err) and "wrote" not in said
+    assert json.loads(out.read_text())["method"] == "percentile"  # the first run's file
+
+
+# -- a fuzz test over real-producer files and genai-shaped builds ----------------------------
+
+
+def _genai_shaped() -> ir.Model:
+    return build_decoder(num_layers=2, vocab_size=300)
+
+
+def _export() -> ir.Model:
+    return ir.load(DATA / "export_llama_opset23.onnx")
+
+
+def _attention_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.op_type in ("GroupQueryAttention", "Attention")]
+
+
+def _set_heads(rng: random.Random, model: ir.Model) -> None:
+    node = rng.choice(_attention_nodes(model))
+    names = [a for a in ("num_heads", "kv_num_heads", "q_num_heads") if a in node.attributes]
+    attr = rng.choice(names or ["q_num_heads", "kv_num_heads"])  # an export's 4D Attention has none
+    node.attributes[attr] = ir.AttrInt64(attr, rng.choice([0, -1, -3, 3, 5, 64]))
+
+
+def _delete_node(rng: random.Random, model: ir.Model) -> None:
+    proto = ir.to_proto(model)
+    del proto.graph.node[rng.randrange(len(proto.graph.node))]
+    model.graph = ir.from_proto(proto).graph
+
+
+def _shuffle(rng: random.Random, model: ir.Model) -> None:
+    shuffled(model, rng.randrange(1000))
+
+
+def _drop_cache(rng: random.Random, model: ir.Model) -> None:
+    node = rng.choice(_attention_nodes(model))
+    slots = (3, 4) if node.op_type == "GroupQueryAttention" else (4, 5)
+    for slot in rng.sample(slots, rng.choice([1, 2])):
+        if slot < len(node.inputs):
+            node.replace_input_with(slot, None)
+
+
+def _scale(rng: random.Random, model: ir.Model) -> None:
+    """A scale of another dtype or size (a quantized base; others have none to change)."""
+    nodes = [n for n in _attention_nodes(model) if len(n.inputs) > 12 and n.inputs[12] is not None]
+    if not nodes:
+        return
+    node, slot = rng.choice(nodes), rng.choice([12, 13])
+    dtype, size = rng.choice([(np.float16, 1), (np.float64, 1), (np.float32, 3), (np.float32, 64)])
+    name = f"mutant_scale_{slot}"
+    value = ir.Value(name=name, const_value=ir.tensor(np.full(size, 0.05, dtype), name=name))
+    value.dtype, value.shape = value.const_value.dtype, ir.Shape([size])
+    model.graph.register_initializer(value)
+    node.replace_input_with(slot, value)
+
+
+def _genai_shaped_int8() -> ir.Model:
+    model = _genai_shaped()
+    KvCacheQuantizationPass("int8", scales=SCALES)(model)
+    return model
+
+
+MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale]
+BASES = {"genai-shaped": _genai_shaped, "genai-shaped int8": _genai_shaped_int8, "torch export": _export}
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("base", list(BASES))
+def test_fuzz_every_mutant_is_one_line_or_an_output_that_loads(tmp_path, base, seed):
+    rng = random.Random(seed)
+    model = BASES[base]()
+    mutations = MUTATIONS if base != "genai-shaped int8" else [_scale, _set_heads, _shuffle]
+    rng.choice(mutations)(rng, model)
+    src = tmp_path / "mutant.onnx"
+    ir.save(model, src)
+    layers = 2 if base == "genai-shaped" else 3
+    scales = tmp_path / "scales.json"
+    scales.write_text(
+        json.dumps({"scales": {"k_scales": [0.1] * layers, "v_scales": [0.05] * layers}, "qmax": 128})
+    )
+    out = tmp_path / "out.onnx"
+    code, _, err = run(["convert", src, out, "--scales", scales, "--ep", "cpu"])
+    if code == 0:
+        create_session(str(out), ["CPUExecutionProvider"])  # onnxruntime loads what was written
+    else:
+        assert code in (1, 2)
+        one_line(err)
+        assert not out.exists()
