@@ -16,9 +16,10 @@ fusion returns a :class:`FusionResult` whose ``report`` (:class:`FusionReport`: 
 refusals, padding facts) is also kept as the pass's ``report`` attribute; reports merge with
 ``+`` (:class:`~onnx_kvcache.passes.fusion.gqa_fusion.GqaFusionPass` merges its fusions').
 
-Before matching, the loop reads a one-input ``Concat`` of a graph input (TorchScript's copy of
-layer 0's past cache, ``Concat([past_key_values.0.key])``: the tensor itself) as that input:
-its readers read the input, and the copy is removed (:func:`bypass_input_copies`).
+Before matching, the loop reads a one-input ``Concat`` or an ``Identity`` of a graph input
+(TorchScript's copy of layer 0's past cache, ``Concat([past_key_values.0.key])``; the unoptimized
+dynamo export's ``Identity``: the tensor itself) as that input: its readers read the input, and
+the copy is removed (:func:`bypass_input_copies`).
 """
 
 from __future__ import annotations
@@ -237,12 +238,12 @@ class FusionPass(InPlacePass, abc.ABC):
 
 
 def bypass_input_copies(graph: ir.Graph) -> int:
-    """Remove each one-input ``Concat`` of a graph input (the input itself, exactly), its
+    """Remove each one-input ``Concat`` or ``Identity`` of a graph input (the input itself, exactly), its
     readers reading the input; one that is a graph output stays. Returns how many."""
     copies = [
         node
         for node in graph
-        if node.op_type == "Concat"
+        if node.op_type in ("Concat", "Identity")
         and node.domain in ("", "ai.onnx")
         and len(node.inputs) == 1
         and node.inputs[0] is not None
