@@ -91,7 +91,16 @@ class MaskFacts:
 
 def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
     """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
-    tensor = ev.eval(mask)
+    try:
+        tensor = ev.eval(mask)
+    except Unprovable:
+        counted = _running_count(mask)
+        if counted is None:
+            raise
+        raise Unprovable(
+            f"it compares token positions counted by CumSum of {counted} (a position-based "
+            "causal/sliding-window mask), not key and query indices"
+        ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")
     elem = tensor.element()
@@ -109,6 +118,23 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         for k, (name, dim) in enumerate(zip(names, tensor.shape))
     }
     return cond.subs(mapping)
+
+
+def _running_count(mask: ir.Value, limit: int = 200) -> str | None:
+    """The input of a ``CumSum`` the mask is computed from (mobius's position-based masks for
+    gemma3, granite, olmo2: ``cumsum(attention_mask)`` of query and key compared), or None."""
+    seen: set[int] = set()
+    todo = [mask]
+    while todo and len(seen) < limit:
+        node = todo.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "CumSum" and node.domain in ("", "ai.onnx"):
+            source = node.inputs[0]
+            return source.name if source is not None and source.name else "a tensor"
+        todo.extend(v for v in node.inputs if v is not None)
+    return None
 
 
 def _always_true(lhs: Affine) -> bool:
