@@ -252,7 +252,9 @@ def bypass_input_copies(graph: ir.Graph) -> int:
         and not node.outputs[0].is_graph_output()
     ]
     for node in copies:
-        node.outputs[0].replace_all_uses_with(node.inputs[0])
+        source = node.inputs[0]
+        assert source is not None
+        node.outputs[0].replace_all_uses_with(source)
         graph.remove(node, safe=True)
     return len(copies)
 
