@@ -23,19 +23,52 @@ CONVERTS = "converts"
 
 #: One row per file (its manifest path): ``converts`` or the refusal's one line.
 EXPECTED: dict[str, str] = {
+    "genai-builder/genai-builder-cpu-fp32/gemma2": CONVERTS,
+    "genai-builder/genai-builder-cpu-fp32/granite": CONVERTS,
+    "genai-builder/genai-builder-cpu-fp32/llama": CONVERTS,
+    "genai-builder/genai-builder-cpu-fp32/qwen3": CONVERTS,
     "mobius/mobius-cpu-gqa/llama": CONVERTS,
     "mobius/mobius-cuda-f16/llama": CONVERTS,
-    "mobius/mobius-default/llama": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: Attention keeps its own past_key/past_value/nonpad_kv_seqlen (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node)."
+    "mobius/mobius-default/gemma3": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_36' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_55); nothing to convert (-v lists each node)."
     ),
-    "mobius/mobius-default/qwen2": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: Attention keeps its own past_key/past_value/nonpad_kv_seqlen (2; first model/layers.0/self_attn/Attention_node_23); nothing to convert (-v lists each node)."
+    "mobius/mobius-default/granite": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_17' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_27); nothing to convert (-v lists each node)."
     ),
+    "mobius/mobius-default/llama": CONVERTS,
+    "mobius/mobius-default/mistral": CONVERTS,
+    "mobius/mobius-default/olmo2": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_16' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_27); nothing to convert (-v lists each node)."
+    ),
+    "mobius/mobius-default/phi3": CONVERTS,
+    "mobius/mobius-default/qwen2": CONVERTS,
+    "mobius/mobius-default/qwen3": CONVERTS,
     "mobius/mobius-ort-genai/llama": CONVERTS,
+    "mobius/mobius-static/llama": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node)."
+    ),
+    "mobius/mobius-static/phi3": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node)."
+    ),
+    "mobius/mobius-static/qwen2": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_17); nothing to convert (-v lists each node)."
+    ),
+    "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/llama": CONVERTS,
+    "optimum/optimum-cli/phi3": CONVERTS,
+    "torch-tf4.57/dynamo-opset18-nooptimize/llama": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: K reaches the scores MatMul without a transpose of its last two axes (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+    ),
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
+    "torch-tf4.57/dynamo-opset18-optimize/qwen3": CONVERTS,
     "torch-tf4.57/dynamo-opset20-optimize/llama": CONVERTS,
+    "torch-tf4.57/dynamo-opset20-optimize/qwen3": CONVERTS,
+    "torch-tf4.57/dynamo-opset23-optimize/llama": CONVERTS,
+    "torch-tf4.57/dynamo-opset23-optimize/qwen3": CONVERTS,
+    "torch-tf4.57/torchscript-opset18/llama": CONVERTS,
+    "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/mistral": CONVERTS,
 }
 

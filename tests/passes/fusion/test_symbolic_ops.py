@@ -9,7 +9,16 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache.passes.fusion._match import mask_condition, mask_facts
-from onnx_kvcache.passes.fusion._symbolic import Affine, Symbol, SymbolicEvaluator, Unprovable, parse_dim
+from onnx_kvcache.passes.fusion._symbolic import (
+    Affine,
+    Conj,
+    MaskAt,
+    Symbol,
+    SymbolicEvaluator,
+    Unprovable,
+    axis,
+    parse_dim,
+)
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "optimum_llama" / "model.onnx"
 
@@ -96,3 +105,90 @@ def test_a_split_of_activations_gives_each_part_its_shape(attrs, sizes, want):
     for output, (last,) in zip(node.outputs, want):
         assert output.shape is None
         assert ev.shape(output) == dims("batch", "seq", last)
+
+
+def _const(name: str, array: np.ndarray) -> ir.Value:
+    return ir.Value(name=name, const_value=ir.tensor(array))
+
+
+@pytest.mark.parametrize(
+    ("numerator", "denominator", "want"),
+    [(129, 2, 64), (128, 2, 64), (7, 7, 1), (0, 3, 0)],
+)
+def test_an_integer_div_of_constants_floors_as_onnx_truncates(numerator, denominator, want):
+    # torch's chunk: (size + 1) / 2 (phi3's fused gate/up projection)
+    div = ir.node(
+        "Div", [_const("a", np.array(numerator, np.int64)), _const("b", np.array(denominator, np.int64))]
+    )
+    ir.Graph([], [div.outputs[0]], nodes=[div], opset_imports={"": 18})
+    assert SymbolicEvaluator().values(div.outputs[0], "quotient") == (Affine(const=want),)
+
+
+def test_an_integer_div_of_a_symbolic_length_still_needs_divisibility():
+    n = ir.val("n", ir.DataType.INT64, [1])
+    shape = ir.node("Shape", [ir.val("x", ir.DataType.FLOAT, ["seq"])])
+    div = ir.node("Div", [shape.outputs[0], _const("two", np.array(2, np.int64))])
+    ir.Graph([n, shape.inputs[0]], [div.outputs[0]], nodes=[shape, div], opset_imports={"": 18})
+    with pytest.raises(Unprovable, match="divisible"):
+        SymbolicEvaluator().values(div.outputs[0], "quotient")
+
+
+@pytest.mark.parametrize(
+    ("array", "want"),
+    [
+        (np.array(0.0, np.float32), 0),  # torch's unoptimized dynamo Range start / step
+        (np.array(1.0, np.float32), 1),
+        (np.array(3, np.int32), 3),
+        (np.array(0.5, np.float32), None),  # not an integer: not followed
+    ],
+)
+def test_castlike_of_a_constant_to_an_integer_keeps_integral_values(array, want):
+    like = ir.val("like", ir.DataType.INT64, [])
+    cast = ir.node("CastLike", [_const("c", array), like])
+    ir.Graph([like], [cast.outputs[0]], nodes=[cast], opset_imports={"": 18})
+    ev = SymbolicEvaluator()
+    if want is None:
+        with pytest.raises(Unprovable):
+            ev.values(cast.outputs[0], "cast")
+    else:
+        assert ev.values(cast.outputs[0], "cast") == (Affine(const=want),)
+
+
+def _flat_lookup(rows: str, key_length: str) -> tuple[ir.Value, list[ir.Node], list[ir.Value]]:
+    """TorchScript's padding lookup: Gather(Flatten(mask), b * width + j), b over ``rows``
+    and j over ``key_length`` (the mask is declared ``[batch, total]``)."""
+    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])
+    b_len = ir.val("b_len", ir.DataType.FLOAT, [rows])
+    j_len = ir.val("j_len", ir.DataType.FLOAT, [key_length])
+    nodes: list[ir.Node] = []
+
+    def add(op, inputs, **attrs):
+        node = ir.node(op, inputs, attributes=attrs)
+        nodes.append(node)
+        return node.outputs[0]
+
+    zero, one = _const("zero", np.array(0, np.int64)), _const("one", np.array(1, np.int64))
+    b = add("Range", [zero, add("Squeeze", [add("Shape", [b_len])]), one])
+    j = add("Range", [zero, add("Squeeze", [add("Shape", [j_len])]), one])
+    b = add("Unsqueeze", [b, _const("ax1", np.array([1], np.int64))])  # [rows, 1]
+    width = add("Gather", [add("Shape", [mask]), _const("i1", np.array(1, np.int64))], axis=0)
+    flat = add("Flatten", [add("Cast", [mask], to=ir.DataType.BOOL)], axis=2)
+    index = add("Add", [j, add("Mul", [b, width])])
+    out = add("Gather", [flat, index], axis=0)
+    return out, nodes, [mask, b_len, j_len]
+
+
+@pytest.mark.parametrize("key_length", ["total", "past + seq"])
+def test_the_flat_padding_lookup_reads_the_mask_over_any_key_range(key_length):
+    out, nodes, inputs = _flat_lookup("batch", key_length)
+    ir.Graph(inputs, [out], nodes=nodes, opset_imports={"": 18})
+    looked_up = SymbolicEvaluator().eval(out)  # [batch, key, 1]: attention_mask[b, j] != 0
+    assert looked_up.shape == dims("batch", key_length, 1)
+    assert looked_up.elem == Conj.of(MaskAt("attention_mask", Affine.of(axis(0)), Affine.of(axis(1))))
+
+
+def test_the_flat_padding_lookup_needs_the_rows_of_the_mask():
+    out, nodes, inputs = _flat_lookup("rows", "total")  # rows != batch: may read another row
+    ir.Graph(inputs, [out], nodes=nodes, opset_imports={"": 18})
+    ev = SymbolicEvaluator()
+    assert ev.eval(out).elem is None

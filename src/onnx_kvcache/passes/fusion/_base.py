@@ -15,6 +15,11 @@ refused (:attr:`FusionRefusalCode.IN_SUBGRAPH`, :attr:`FusionRefusalCode.IN_FUNC
 fusion returns a :class:`FusionResult` whose ``report`` (:class:`FusionReport`: fused count,
 refusals, padding facts) is also kept as the pass's ``report`` attribute; reports merge with
 ``+`` (:class:`~onnx_kvcache.passes.fusion.gqa_fusion.GqaFusionPass` merges its fusions').
+
+Before matching, the loop reads a one-input ``Concat`` or an ``Identity`` of a graph input
+(TorchScript's copy of layer 0's past cache, ``Concat([past_key_values.0.key])``; the unoptimized
+dynamo export's ``Identity``: the tensor itself) as that input: its readers read the input, and
+the copy is removed (:func:`bypass_input_copies`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "FusionResult",
     "FusionRefusalCode",
     "Refused",
+    "bypass_input_copies",
     "summarize_refusals",
 ]
 
@@ -200,6 +206,7 @@ class FusionPass(InPlacePass, abc.ABC):
 
     def call(self, model: ir.Model) -> FusionResult:
         graph = model.graph
+        bypass_input_copies(graph)
         ev = SymbolicEvaluator()
         if self.prime:
             ev.prime(graph)
@@ -228,6 +235,28 @@ class FusionPass(InPlacePass, abc.ABC):
         for refusal in refusals:
             self.logger.info("Left %s", refusal)
         return FusionResult(model, modified=bool(report.fused), report=report)
+
+
+def bypass_input_copies(graph: ir.Graph) -> int:
+    """Remove each one-input ``Concat`` or ``Identity`` of a graph input (the input itself, exactly), its
+    readers reading the input; one that is a graph output stays. Returns how many."""
+    copies = [
+        node
+        for node in graph
+        if node.op_type in ("Concat", "Identity")
+        and node.domain in ("", "ai.onnx")
+        and len(node.inputs) == 1
+        and node.inputs[0] is not None
+        and node.inputs[0].is_graph_input()
+        and node.inputs[0].graph is graph
+        and not node.outputs[0].is_graph_output()
+    ]
+    for node in copies:
+        source = node.inputs[0]
+        assert source is not None
+        node.outputs[0].replace_all_uses_with(source)
+        graph.remove(node, safe=True)
+    return len(copies)
 
 
 def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention node(s)") -> str:

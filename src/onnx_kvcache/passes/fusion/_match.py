@@ -91,7 +91,16 @@ class MaskFacts:
 
 def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
     """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
-    tensor = ev.eval(mask)
+    try:
+        tensor = ev.eval(mask)
+    except Unprovable:
+        counted = _running_count(mask)
+        if counted is None:
+            raise
+        raise Unprovable(
+            f"it compares token positions counted by CumSum of {counted} (a position-based "
+            "causal/sliding-window mask), not key and query indices"
+        ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")
     elem = tensor.element()
@@ -109,6 +118,23 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         for k, (name, dim) in enumerate(zip(names, tensor.shape))
     }
     return cond.subs(mapping)
+
+
+def _running_count(mask: ir.Value, limit: int = 200) -> str | None:
+    """The input of a ``CumSum`` the mask is computed from (mobius's position-based masks for
+    gemma3, granite, olmo2: ``cumsum(attention_mask)`` of query and key compared), or None."""
+    seen: set[int] = set()
+    todo = [mask]
+    while todo and len(seen) < limit:
+        node = todo.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "CumSum" and node.domain in ("", "ai.onnx"):
+            source = node.inputs[0]
+            return source.name if source is not None and source.name else "a tensor"
+        todo.extend(v for v in node.inputs if v is not None)
+    return None
 
 
 def _always_true(lhs: Affine) -> bool:
@@ -195,20 +221,53 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
+def _whole_slice(ev: SymbolicEvaluator, node: ir.Node) -> bool:
+    """``node`` is a Slice that keeps every element: starts 0, steps 1, its output's shape its
+    input's (torch's unoptimized export writes ``x[:, :, None, :, :]`` so)."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    try:
+        starts = ev.values(inputs[1], "Slice starts")
+        steps = ev.const_ints(inputs[4], "Slice steps") if inputs[4] is not None else None
+        whole = ev.shape(node.outputs[0]) == ev.shape(inputs[0])
+    except Unprovable:
+        return False
+    return whole and all(s == ZERO for s in starts) and (steps is None or set(steps) <= {1})
+
+
+def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[ir.Node]) -> ir.Value | None:
+    """``value`` before any Identity and whole-tensor Slices that produce it (added to ``chain``)."""
+    while value is not None:
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return value
+        if node.op_type == "Identity" or (node.op_type == "Slice" and _whole_slice(ev, node)):
+            chain.append(node)
+            value = node.inputs[0]
+            continue
+        return value
+    return value
+
+
 def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
-    """``value`` without transformers' repeat_kv in front: (grouped value, group, chain)."""
+    """``value`` without transformers' repeat_kv in front: (grouped value, group, chain).
+
+    Identity (``clone``) and Slices that keep every element between the repeat's nodes, and
+    before it, are part of the chain (torch's unoptimized dynamo export writes them)."""
     reshape = _producer(value, "Reshape")
     if reshape is None:
         return value, 1, []
-    expand = _producer(reshape.inputs[0], "Expand")
-    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    copies: list[ir.Node] = []
+    expand = _producer(_through_copies(ev, reshape.inputs[0], copies), "Expand")
+    unsqueeze = (
+        _producer(_through_copies(ev, expand.inputs[0], copies), "Unsqueeze") if expand is not None else None
+    )
     if expand is None or unsqueeze is None:
         raise Unprovable("K/V reach attention through a Reshape that is not repeat_kv")
     axes = ev.const_ints(unsqueeze.inputs[1] if len(unsqueeze.inputs) > 1 else None, "Unsqueeze axes")
     if axes is None:
         attr = unsqueeze.attributes.get("axes")
         axes = None if attr is None else list(attr.as_ints())
-    base = unsqueeze.inputs[0]
+    base = _through_copies(ev, unsqueeze.inputs[0], copies)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):
         raise Unprovable("the K/V repeat does not insert its group axis after the head axis")
@@ -231,7 +290,10 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
         raise Unprovable("the number of KV heads is not static")
     if out != (dims[0], dims[1].scale(group), dims[2], dims[3]):
         raise Unprovable("the repeat's Reshape does not fold the group axis into the head axis")
-    return base, group, [reshape, expand, unsqueeze]
+    for node in copies:  # the copies are read by the repeat only: removed with it
+        if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
+            raise Unprovable(f"a copy in the K/V repeat ({node.op_type} {node.name!r}) is read elsewhere")
+    return base, group, [reshape, expand, unsqueeze, *copies]
 
 
 def cache_link(

@@ -11,6 +11,8 @@ the evaluator follow such a graph from its inputs, every rule exact:
 - **Shape idioms** of torch's exporter: ``ConstantOfShape``, integer ``Div`` of known
   vectors by a constant, comparisons of known vectors and ``Where`` between them (the
   ``Expand`` target ``Where(shape == -1, 1, shape)``), ``Reshape`` of a known vector.
+- **CastLike** to an integer type of an integer tensor of that type, or of integer (or
+  integral float) constants the target type holds: the values unchanged.
 - **Split** of any tensor by constant sizes or into equal parts of a constant axis (phi3's
   fused projections): each output's shape.
 - **Slices** of any tensor along an axis, from a constant start to the end of the axis,
@@ -261,6 +263,8 @@ def _constant_of_shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
 def _divide(x: Affine, y: Affine) -> Affine:
     if not y.is_const or y.const <= 0:
         raise Unprovable(f"the quotient {x} / {y} is not by a positive constant")
+    if x.is_const and x.const >= 0:  # ONNX's integer Div truncates: floor, for x >= 0 (torch's
+        return Affine(const=x.const // y.const)  # ceil-division chunk sizes: (128 + 1) / 2)
     if x.const % y.const or any(c % y.const for _, c in x.terms):
         raise Unprovable(f"{x} is not proven divisible by {y.const}")
     return Affine(tuple((k, c // y.const) for k, c in x.terms), x.const // y.const)
@@ -319,7 +323,11 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
 
 
 def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
-    """``Gather(Flatten(m), b * width + j)`` of a 2-D ``m``: ``m[b, j]`` (indices in range)."""
+    """``Gather(Flatten(m), b * width + j)`` of a 2-D ``m``: ``m[b, j]``, ``b`` over exactly
+    ``m``'s rows, ``j`` over an axis of any length ``L``: every pair ``(b, j)`` is gathered, so
+    with ``L > width`` the last row's ``(rows - 1) * width + L - 1`` is past the tensor and
+    onnxruntime refuses the run; whenever it runs, ``j < width`` and the lookup is ``m[b, j]``
+    (TorchScript's mask reads the key range ``past + seq`` of a mask declared ``[batch, total]``)."""
     flatten = _producer(node.inputs[0], "Flatten")
     add = _producer(node.inputs[1], "Add")
     if flatten is None or add is None or _attr_int(node, "axis", 0) != 0:
@@ -342,7 +350,7 @@ def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
             if (
                 isinstance(ec, Affine)
                 and isinstance(er, Affine)
-                and _ranges_over(ec, shape, width)
+                and _ranges_over(ec, shape, None)
                 and _ranges_over(er, shape, rows)
             ):
                 elem = data.elem.subs({axis(0): er, axis(1): ec})
@@ -350,14 +358,15 @@ def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine) -> bool:
-    """``elem`` is an axis index over an axis of ``length`` (so within ``[0, length)``)."""
+def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine | None) -> bool:
+    """``elem`` is an axis index over an axis of ``length`` (so within ``[0, length)``; None:
+    of any length)."""
     if not isinstance(elem, Affine) or elem.const or len(elem.terms) != 1:
         return False
     ((symbol, coefficient),) = elem.terms
     if coefficient != 1 or symbol.kind is not SymbolKind.AXIS:
         return False
-    return shape[int(symbol.name)] == length
+    return length is None or shape[int(symbol.name)] == length
 
 
 def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
@@ -438,6 +447,34 @@ def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
+def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``CastLike`` of an integer tensor to its own integer type (torch's dynamo export casts a
+    Range step or bound like the other bound), or of known constants the target type holds:
+    the values unchanged; a float constant of an integral value (the Range ``0.0`` and ``1.0``
+    of torch's unoptimized dynamo export) cast like an integer is that integer."""
+    x = ev.eval(node.inputs[0])
+    source, target = ev.dtype(node.inputs[0]), ev.dtype(_input(node, 1))
+    if target not in _INT_TYPES or source is None:
+        return None
+    info = np.iinfo(target.numpy())
+    if x.kind == "float" and isinstance(x.elem, FloatConst) and x.rank <= 1:
+        value = x.elem.value
+        if not (math.isfinite(value) and value == int(value) and info.min <= value <= info.max):
+            return None
+        const = Affine(const=int(value))
+        count = 1 if x.rank == 0 else (x.shape[0].const if x.shape[0].is_const else None)
+        if count is None or count > 64:
+            return None
+        return SymTensor(x.shape, "int", const, (const,) * count)
+    if x.kind != "int":
+        return None
+    if source == target:
+        return x
+    if x.values is not None and all(v.is_const and info.min <= v.const <= info.max for v in x.values):
+        return SymTensor(x.shape, "int", x.elem, x.values)
+    return None
+
+
 # ---- registration ----
 
 
@@ -486,7 +523,7 @@ for _op in (
 ):  # fmt: skip
     _combine(_op, _same)
 _combine("Cast", _same, pre=_cast_to_float)
-_combine("CastLike", _same)
+_combine("CastLike", _same, pre=_cast_like_int)
 for _op in ("Softmax", "LogSoftmax"):
     _combine(_op, _softmax)
 for _op in ("MatMul", "MatMulInteger"):
