@@ -265,15 +265,20 @@ def _mixing(fused: int) -> Message | str:
 
 
 def partial_refusal(
-    request: Request, model: ir.Model, fmt: CacheFormat, granularity: ScaleGranularity
+    request: Request,
+    model: ir.Model,
+    fmt: CacheFormat,
+    granularity: ScaleGranularity,
+    scales: KvCacheScales | None,
 ) -> Refusal | None:
     """Rule 7: the layers whose caches the quantization pass would leave in their type (a
     node it skips: a cache read by another node, one that is no graph input), unless
-    ``allow_partial``. An error the pass raises is left for it to raise."""
+    ``allow_partial``. ``scales``: the request's, already retargeted to ``fmt`` (so nothing
+    about them is said twice). An error the pass raises is left for it to raise."""
     if request.allow_partial:
         return None
     quantize = KvCacheQuantizationPass(
-        fmt.name, granularity.name, request.scales, shared_kv_scale=request.shared_kv_scale
+        fmt.name, granularity.name, scales, shared_kv_scale=request.shared_kv_scale
     )
     try:
         left = quantize.unconverted(model)
@@ -405,7 +410,7 @@ def decide(request: Request) -> Decision:
         if refusals:
             head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
             return _refused(decision, head, refusals)
-    partial = partial_refusal(request, fusion.model, fmt, granularity)
+    partial = partial_refusal(request, fusion.model, fmt, granularity, scales)
     if partial is not None:
         return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
