@@ -58,6 +58,12 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
+from onnx_kvcache.files.export_folder import (
+    MODEL_CONFIG,
+    NoGenaiConfig,
+    genai_config_for_export,
+    read_export_config,
+)
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
@@ -723,19 +729,65 @@ def _count_ops(result: ConvertResult, model: ir.Model) -> None:
     result.nodes = sum(result.ops.values())
 
 
-def _new_config(source: ModelSource, decision: Decision, result: ConvertResult) -> dict[str, Any] | None:
-    """The genai config the output gets (None: the input's, unchanged): past and present share
-    one buffer where the target does; ``provider_options`` name the provider given."""
-    if source.config is None:
-        return None
+def _share_target(decision: Decision, result: ConvertResult) -> str:
+    """The provider whose rule sets ``search.past_present_share_buffer``: the target, else
+    the CPU where it runs the format, else CUDA."""
     fmt = get_format(result.format)
     sites = find_attention_sites(decision.model)
     cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in sites)
-    share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
+    return result.target or ("cpu" if cpu_runs_it else "cuda")
+
+
+def _new_config(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
+) -> dict[str, Any] | None:
+    """The genai config the output gets (None: the input's, unchanged): past and present share
+    one buffer where the target does; ``provider_options`` name the provider given. An export
+    folder converted to a folder gets one made from its ``config.json`` (:func:`_export_config`)."""
+    if source.config is None:
+        return _export_config(source, plan, decision, result)
+    share_target = _share_target(decision, result)
     config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
     if decision.request.target not in (None, AUTO):
         config = _with_provider(config, str(decision.target), result)
     return None if config == source.config else config
+
+
+def _export_config(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
+) -> dict[str, Any] | None:
+    """An export folder's ``genai_config.json`` (see :mod:`onnx_kvcache.files.export_folder`):
+    written into a folder output when the folder holds ``config.json``; when onnxruntime-genai
+    cannot drive the graph, one warning says why and the conversion goes on without it."""
+    if plan.placement is not Placement.FOLDER or source.folder is None:
+        return None
+    try:
+        export = read_export_config(source.folder)
+        if export is None or not export.model:
+            return None
+        share_target = _share_target(decision, result)
+        options = _GENAI_PROVIDER_OPTIONS.get(get_capabilities(share_target).name)
+        if options is None:
+            raise NoGenaiConfig(f"onnxruntime-genai's config cannot name {share_target}, the target")
+        config = genai_config_for_export(
+            decision.model,
+            source.graph.relative_to(source.folder).as_posix(),
+            export,
+            share_buffer=get_capabilities(share_target).share_buffer,
+            provider_options=json.loads(json.dumps(options)),
+        )
+    except (NoGenaiConfig, KvCacheError) as e:
+        warn(
+            f"no {GENAI_CONFIG} written in {plan.out.name}: {str(e).rstrip('.')}; the model is converted, "
+            "but onnxruntime-genai cannot run the folder.",
+            GenaiConfigWarning,
+        )
+        return None
+    result.notes.append(
+        f"{GENAI_CONFIG} written from {MODEL_CONFIG}: onnxruntime-genai runs the folder "
+        f"({len(find_attention_sites(decision.model))} layers, context {config['model']['context_length']})."
+    )
+    return config
 
 
 def _finish(
@@ -744,8 +796,10 @@ def _finish(
     """Mark, serialize and write the converted model (the cache is quantized)."""
     model = decision.model
     _count_ops(result, model)
-    new_config = _new_config(source, decision, result)
+    new_config = _new_config(source, plan, decision, result)
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
+    if new_config is not None and source.config is None:
+        entries.append(GENAI_CONFIG)  # an export folder's new config
     scales = decision.scales
     own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
@@ -1063,7 +1117,8 @@ class _FolderCopy:
         folder = self.source.folder
         assert folder is not None
         self.rel_graph = pathlib.PurePosixPath(self.source.graph.relative_to(folder).as_posix())
-        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if self.source.config is not None else None
+        has_config = self.source.config is not None or self.config is not None  # an export's new one too
+        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if has_config else None
         self.data_rel = {
             pathlib.PurePosixPath(d.path.relative_to(folder).as_posix()): d for d in self.source.data.values()
         }
@@ -1081,6 +1136,8 @@ class _FolderCopy:
         ]
 
     def fill(self, tmp: pathlib.Path, copier: _Copier) -> None:
+        if self.config is not None and self.source.config is None:  # an export's new config
+            self.entry(pathlib.PurePosixPath(GENAI_CONFIG), None, tmp / GENAI_CONFIG, copier)
         for entry in self.source.entries:
             dst = tmp / entry.rel
             self.entry(entry.rel, entry.real, dst, copier)
@@ -1092,14 +1149,14 @@ class _FolderCopy:
     def entry(
         self, rel: pathlib.PurePosixPath, real: pathlib.Path | None, dst: pathlib.Path, copier: _Copier
     ) -> None:
-        if real is None:
-            os.mkdir(dst, 0o777)
-        elif rel == self.rel_graph:
-            file_io.write_new_file(dst, self.data)
-        elif rel == self.rel_config and self.config is not None:
+        if rel == self.rel_config and self.config is not None:
             config_data = _config_bytes(self.config)
             file_io.write_new_file(dst, config_data)
             self.written += len(config_data)
+        elif real is None:
+            os.mkdir(dst, 0o777)
+        elif rel == self.rel_graph:
+            file_io.write_new_file(dst, self.data)
         elif self.linked(rel):
             os.link(real, dst, follow_symlinks=True)
         else:
