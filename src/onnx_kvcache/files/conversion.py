@@ -38,6 +38,7 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
+from onnx_kvcache._gc import gc_paused
 from onnx_kvcache.cache.formats import (
     CACHE_FORMATS,
     get_format,
@@ -625,14 +626,19 @@ def convert_model(
     empty output folder is filled, with or without it.
     """
     scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
-    source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    named = named or format_for(source.model)  # an already-quantized model keeps its own
-    plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
-    _check_writable(source, plan)
-    decision = decide(_request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale))
-    result = _result(source, plan, decision)
-    if carry_out(decision):
-        _finish(source, plan, decision, result, progress)
+    with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector
+        source = open_model_source(in_path, follow_symlinks=follow_symlinks)
+        named = named or format_for(source.model)  # an already-quantized model keeps its own
+        plan = _plan(
+            source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights
+        )
+        _check_writable(source, plan)
+        decision = decide(
+            _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
+        )
+        result = _result(source, plan, decision)
+        if carry_out(decision):
+            _finish(source, plan, decision, result, progress)
     return result
 
 

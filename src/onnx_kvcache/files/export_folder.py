@@ -11,11 +11,11 @@ often ``generation_config.json`` (:data:`GENERATION_CONFIG`) and tokenizer files
   graph shows (its inputs and outputs by name, the cache names as ``%d`` patterns, head
   counts and head size from its GroupQueryAttention nodes, the vocabulary from the logits)
   and what ``config.json`` says (model type, ``context_length`` from
-  ``max_position_embeddings``, hidden size, the token ids), with onnxruntime-genai's model
-  builder's search options (``generation_config.json``'s sampling values where it gives
-  them). Every graph input must be one onnxruntime-genai feeds (:data:`GENAI_INPUTS` and the
-  caches): it runs a graph with an input it does not know without feeding it, so such a
-  graph gets no config, and the reason says which input.
+  ``max_position_embeddings``, hidden size, the token ids), and search options as
+  ``generation_config.json`` gives them (transformers' defaults for the others). Every
+  graph input must be one onnxruntime-genai feeds (:data:`GENAI_INPUTS` and the caches): it
+  runs a graph with an input it does not know without feeding it, so such a graph gets no
+  config, and the reason says which input.
 """
 
 from __future__ import annotations
@@ -72,12 +72,13 @@ GENAI_MODEL_TYPES = frozenset(
 #: ``config.json`` keys that give the context length, in the order they are tried.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
-#: onnxruntime-genai's model builder's search options; ``generation_config.json`` values of the
-#: same name and type replace them (``max_length`` is the context length, as the builder writes).
+#: The search options, as transformers' ``GenerationConfig`` defaults them (what ``generate``
+#: does with the export); ``generation_config.json`` values of the same name and type replace
+#: them. ``max_length`` is the context length, as onnxruntime-genai's model builder writes it.
 _SEARCH_DEFAULTS: Mapping[str, bool | int | float] = {
     "diversity_penalty": 0.0,
     "do_sample": False,
-    "early_stopping": True,
+    "early_stopping": False,
     "length_penalty": 1.0,
     "min_length": 0,
     "no_repeat_ngram_size": 0,
@@ -85,7 +86,7 @@ _SEARCH_DEFAULTS: Mapping[str, bool | int | float] = {
     "num_return_sequences": 1,
     "repetition_penalty": 1.0,
     "temperature": 1.0,
-    "top_k": 1,
+    "top_k": 50,
     "top_p": 1.0,
 }
 
