@@ -242,15 +242,58 @@ def test_a_config_json_that_is_no_object_is_one_error(tmp_path):
     assert read_export_config(tmp_path / "nowhere") is None
 
 
-def test_cache_names_that_are_no_numbered_pattern_are_a_reason(export):
-    model = ir.load(export / "model.onnx")
+@pytest.fixture(scope="module")
+def fused():
+    """The fixture's graph with its attention fused (what a conversion writes genai_config for)."""
     from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 
+    model = ir.load(OPTIMUM / "model.onnx")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the padding note
         GqaFusionPass()(model)
+    return model
+
+
+def _genai_config(model: ir.Model, export: ExportConfig, **kwargs) -> dict:
+    options = {"share_buffer": False, "provider_options": []} | kwargs
+    return genai_config_for_export(model, "model.onnx", export, **options)
+
+
+def test_cache_names_that_are_no_numbered_pattern_are_a_reason(fused):
+    model = fused.clone()
     model.graph.inputs[3].name = "past_key_values.7.key"  # layer 0's key named as layer 7's
     with pytest.raises(NoGenaiConfig, match="not numbered 0, 1, 2"):
-        genai_config_for_export(
-            model, "model.onnx", read_export_config(export), share_buffer=False, provider_options=[]
-        )
+        _genai_config(model, read_export_config(OPTIMUM))
+
+
+@pytest.mark.parametrize(
+    ("generation", "expected"),
+    [
+        ({}, {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1}),
+        (
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20},
+            {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9, "num_beams": 1},
+        ),
+        (  # values of another type are not taken: transformers' defaults stand
+            {"do_sample": 1, "temperature": "0.6", "top_k": 2.5, "num_beams": True, "top_p": 1},
+            {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1, "num_beams": 1},
+        ),
+    ],
+)
+def test_search_options_come_from_generation_config(fused, generation, expected):
+    config = json.loads((OPTIMUM / "config.json").read_text())
+    search = _genai_config(fused, ExportConfig(config, generation | {"eos_token_id": 2}))["search"]
+    assert {k: search[k] for k in expected} == expected
+    assert search["max_length"] == 2048 and search["past_present_share_buffer"] is False
+
+
+@pytest.mark.parametrize(
+    ("model_type", "written"),
+    [("llama", "llama"), ("qwen3", "qwen3"), ("olmo2", "decoder"), (None, "decoder")],
+)
+def test_the_model_type_is_one_onnxruntime_genai_knows(fused, model_type, written):
+    config = json.loads((OPTIMUM / "config.json").read_text()) | {"model_type": model_type}
+    genai = _genai_config(fused, ExportConfig(config, {}), share_buffer=True, provider_options=[{"cuda": {}}])
+    assert genai["model"]["type"] == written
+    assert genai["search"]["past_present_share_buffer"] is True
+    assert genai["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {}}]
