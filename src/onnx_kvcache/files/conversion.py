@@ -59,12 +59,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
-from onnx_kvcache.files.export_folder import (
-    MODEL_CONFIG,
-    NoGenaiConfig,
-    genai_config_for_export,
-    read_export_config,
-)
+from onnx_kvcache.files.export_folder import written_genai_config
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
@@ -762,37 +757,21 @@ def _new_config(
 def _export_config(
     source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
 ) -> dict[str, Any] | None:
-    """An export folder's ``genai_config.json`` (see :mod:`onnx_kvcache.files.export_folder`):
-    written into a folder output when the folder holds ``config.json``; when onnxruntime-genai
-    cannot drive the graph, one warning says why and the conversion goes on without it."""
+    """An export folder's ``genai_config.json``, for a folder output (see
+    :func:`~onnx_kvcache.files.export_folder.written_genai_config`)."""
     if plan.placement is not Placement.FOLDER or source.folder is None:
         return None
-    try:
-        export = read_export_config(source.folder)
-        if export is None or not export.model:
-            return None
-        share_target = _share_target(decision, result)
-        options = _GENAI_PROVIDER_OPTIONS.get(get_capabilities(share_target).name)
-        if options is None:
-            raise NoGenaiConfig(f"onnxruntime-genai's config cannot name {share_target}, the target")
-        config = genai_config_for_export(
-            decision.model,
-            source.graph.relative_to(source.folder).as_posix(),
-            export,
-            share_buffer=get_capabilities(share_target).share_buffer,
-            provider_options=json.loads(json.dumps(options)),
-        )
-    except (NoGenaiConfig, KvCacheError) as e:
-        warn(
-            f"no {GENAI_CONFIG} written in {plan.out.name}: {str(e).rstrip('.')}; the model is converted, "
-            "but onnxruntime-genai cannot run the folder.",
-            GenaiConfigWarning,
-        )
-        return None
-    result.notes.append(
-        f"{GENAI_CONFIG} written from {MODEL_CONFIG}: onnxruntime-genai runs the folder "
-        f"({len(find_attention_sites(decision.model))} layers, context {config['model']['context_length']})."
+    target = get_capabilities(_share_target(decision, result))
+    config, note = written_genai_config(
+        source.folder,
+        source.graph,
+        decision.model,
+        plan.out.name,
+        target=target.name,
+        share_buffer=target.share_buffer,
+        provider_options=_GENAI_PROVIDER_OPTIONS.get(target.name),
     )
+    result.notes += [note] if note else []
     return config
 
 

@@ -29,9 +29,11 @@ __all__ = [
     "NoGenaiConfig",
     "genai_config_for_export",
     "read_export_config",
+    "written_genai_config",
 ]
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -42,8 +44,9 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import GenaiConfigWarning, KvCacheError, warn
 from onnx_kvcache.files._inputs import load_json
+from onnx_kvcache.files.genai_folder import GENAI_CONFIG
 
 MODEL_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -313,3 +316,45 @@ def genai_config_for_export(
     if genai_model["bos_token_id"] is None:
         del genai_model["bos_token_id"]
     return {"model": genai_model, "search": _search(export, context, share_buffer)}
+
+
+def written_genai_config(
+    folder: pathlib.Path,
+    graph: pathlib.Path,
+    model: ir.Model,
+    out_name: str,
+    *,
+    target: str,
+    share_buffer: bool,
+    provider_options: list[dict[str, Any]] | None,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``genai_config.json`` an export ``folder`` converted into the folder ``out_name``
+    gets, and the summary's note saying so; ``(None, None)`` for a folder without
+    ``config.json``. When there is none to write (see :func:`genai_config_for_export`; or
+    ``provider_options`` None: genai's config cannot name the ``target``), one
+    :class:`~onnx_kvcache.errors.GenaiConfigWarning` says why, and the conversion goes on."""
+    try:
+        export = read_export_config(folder)
+        if export is None or not export.model:
+            return None, None
+        if provider_options is None:
+            raise NoGenaiConfig(f"onnxruntime-genai's config cannot name {target}, the target")
+        config = genai_config_for_export(
+            model,
+            graph.relative_to(folder).as_posix(),
+            export,
+            share_buffer=share_buffer,
+            provider_options=json.loads(json.dumps(provider_options)),
+        )
+    except (NoGenaiConfig, KvCacheError) as e:
+        warn(
+            f"no {GENAI_CONFIG} written in {out_name}: {str(e).rstrip('.')}; the model is converted, "
+            "but onnxruntime-genai cannot run the folder.",
+            GenaiConfigWarning,
+        )
+        return None, None
+    layers, context = config["model"]["decoder"]["num_hidden_layers"], config["model"]["context_length"]
+    return config, (
+        f"{GENAI_CONFIG} written from {MODEL_CONFIG}: onnxruntime-genai runs the folder "
+        f"({layers} layers, context {context})."
+    )
