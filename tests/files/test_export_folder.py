@@ -14,13 +14,13 @@ import pytest
 
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
 from onnx_kvcache.errors import GenaiConfigWarning, KvCacheError
-from onnx_kvcache.files._marker import check_replaceable_folder
-from onnx_kvcache.files.export_folder import (
+from onnx_kvcache.files._export_folder import (
     ExportConfig,
     NoGenaiConfig,
     genai_config_for_export,
     read_export_config,
 )
+from onnx_kvcache.files._marker import check_replaceable_folder
 from onnx_kvcache.scales.data import builtin_corpus
 
 from conftest import og_generate

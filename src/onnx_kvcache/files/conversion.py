@@ -59,7 +59,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
-from onnx_kvcache.files.export_folder import written_genai_config
+from onnx_kvcache.files._export_folder import written_genai_config
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
@@ -758,7 +758,7 @@ def _export_config(
     source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
 ) -> dict[str, Any] | None:
     """An export folder's ``genai_config.json``, for a folder output (see
-    :func:`~onnx_kvcache.files.export_folder.written_genai_config`)."""
+    :func:`~onnx_kvcache.files._export_folder.written_genai_config`)."""
     if plan.placement is not Placement.FOLDER or source.folder is None:
         return None
     target = get_capabilities(_share_target(decision, result))

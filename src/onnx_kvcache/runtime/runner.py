@@ -42,7 +42,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
-from onnx_kvcache.files.export_folder import read_export_config
+from onnx_kvcache.files._export_folder import read_export_config
 from onnx_kvcache.files.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
 from onnx_kvcache.files.reading import check_defined, load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
