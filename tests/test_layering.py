@@ -19,6 +19,7 @@ LAYERS = {
     "onnx_kvcache._signals": 0,
     "onnx_kvcache._moved": 0,
     "onnx_kvcache._enums": 0,
+    "onnx_kvcache._gc": 0,
     "onnx_kvcache.files._atomic": 0,
     "onnx_kvcache.files._inputs": 0,
     "onnx_kvcache.files._outputs": 0,

@@ -85,6 +85,10 @@ def _not_regular_files(tmp: pathlib.Path) -> None:
 
 
 _CALIBRATE = ["calibrate", "{model}", "--out", "{tmp}/s.json"]
+_HUB_ID = (
+    "Tokenizer meta-llama/Llama-3.2-1B does not exist; give a local tokenizer.json or a folder holding "
+    "one (hub ids are not downloaded)."
+)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +105,9 @@ _CALIBRATE = ["calibrate", "{model}", "--out", "{tmp}/s.json"]
         ([*_CALIBRATE, "--tokenizer", "{tmp}/fifo.json"], "is a FIFO"),
         ([*_CALIBRATE, "--tokenizer", "{tmp}/tokdir"], "is a FIFO"),
         ([*_CALIBRATE, "--tokenizer", "/dev/null"], "is a character device"),
+        ([*_CALIBRATE, "--tokenizer", "meta-llama/Llama-3.2-1B"], _HUB_ID),
+        (["evaluate", "{model}", "{model}", "--tokenizer", "meta-llama/Llama-3.2-1B"], _HUB_ID),
+        ([*_CALIBRATE, "--tokenizer", "{tmp}/dir.txt"], "tokenizer.json does not exist; give a local"),
         (["evaluate", "{model}", "{model}", "--text", "{tmp}/dir.txt"], "is a folder"),
         (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/dir.json"], "is a folder"),
         (["convert", "{model}", "{tmp}/o.onnx", "--scales", "{tmp}/fifo.json"], "is a FIFO"),

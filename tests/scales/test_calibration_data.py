@@ -78,6 +78,30 @@ def test_text_with_a_tokenizer(tmp_path, model):
     assert scales.metadata["data"] == f"text from text.txt, tokenizer {tmp_path / 'tokenizer.json'}"
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("meta-llama/Llama-3.2-1B", "{HUB} does not exist; {WANTED} (hub ids are not downloaded)."),
+        ("{tmp}", "Tokenizer {tmp}/tokenizer.json does not exist; {WANTED}."),
+        ("/dev/null", "Tokenizer /dev/null is a character device, not a tokenizer.json file; {WANTED}."),
+    ],
+)
+def test_a_tokenizer_that_is_no_local_file_says_what_is_wanted(tmp_path, model, given, said):
+    """A hub id was said only not to exist; the user was not told a local tokenizer.json (or its
+    folder) is wanted and nothing is downloaded."""
+    from onnx_kvcache.errors import KvCacheFileNotFoundError
+
+    words = {
+        "tmp": str(tmp_path),
+        "HUB": "Tokenizer meta-llama/Llama-3.2-1B",
+        "WANTED": "give a local tokenizer.json or a folder holding one",
+    }
+    kind = KvCacheFileNotFoundError if "exist" in said else KvCacheError
+    with pytest.raises(kind) as caught:
+        calibrate_kv_cache(model, tokenizer=given.format(**words), progress=False)
+    assert str(caught.value) == said.format(**words)
+
+
 def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
     pytest.importorskip("tokenizers")
     from onnx_kvcache.scales.data import corpus_byte_ids

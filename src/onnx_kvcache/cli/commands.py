@@ -51,7 +51,7 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files._atomic import format_bytes
-from onnx_kvcache.files._inputs import check_input_file
+from onnx_kvcache.files._inputs import check_input_file, tokenizer_file
 from onnx_kvcache.files._outputs import check_output, same_output, stamp_json, write_outputs
 from onnx_kvcache.files.genai_folder import resolve_model_path
 
@@ -1006,7 +1006,6 @@ _FILE_ARGUMENTS: dict[str, dict[str, str]] = {
     "scales": {"what": "Scale file", "fix": "give the path of a JSON scale file"},
     "text": {"what": "Data file", "missing": "does not exist"},
     "token_ids": {"what": "Data file", "missing": "does not exist"},
-    "tokenizer": {"what": "Tokenizer", "expected": "a tokenizer.json file", "missing": "does not exist"},
 }
 
 
@@ -1040,10 +1039,9 @@ def check_inputs(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is None:
             continue
-        path = pathlib.Path(value)
-        if name == "tokenizer" and path.is_dir():  # tokenizer.json or its folder
-            path /= "tokenizer.json"
-        check_input_file(path, **words)  # type: ignore[arg-type]
+        check_input_file(pathlib.Path(value), **words)  # type: ignore[arg-type]
+    if getattr(args, "tokenizer", None) is not None:
+        tokenizer_file(args.tokenizer)  # a tokenizer.json or its folder (no hub id is downloaded)
     if getattr(args, "command", None) == "doctor":
         for provider in args.provider or ():
             _check_provider(provider)

@@ -29,6 +29,7 @@ __all__ = [
     "load_json",
     "load_npy_integers",
     "read_input_bytes",
+    "tokenizer_file",
 ]
 
 import errno
@@ -122,6 +123,23 @@ def check_input_file(
     if kind is not None:
         raise _refusal(path, what, kind, expected, fix, missing)
     return pathlib.Path(path)
+
+
+#: What a tokenizer argument must name (``--tokenizer``, ``tokenizer=``): nothing is downloaded.
+TOKENIZER_WANTED = "give a local tokenizer.json or a folder holding one"
+
+
+def tokenizer_file(path: os.PathLike | str) -> pathlib.Path:
+    """A tokenizer argument: a ``tokenizer.json`` file, or a folder holding one. Anything else
+    is one error saying what is wanted; for a name that is no local path (a Hugging Face hub id
+    such as ``meta-llama/Llama-3.2-1B``), that nothing is downloaded."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        p, hub = p / "tokenizer.json", ""
+    else:
+        hub = " (hub ids are not downloaded)" if input_kind(p) == _MISSING else ""
+    words = {"expected": "a tokenizer.json file", "missing": "does not exist"}
+    return check_input_file(p, "Tokenizer", **words, fix=TOKENIZER_WANTED + hub)
 
 
 def read_input_bytes(

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
+from onnx_kvcache._gc import gc_paused
 from onnx_kvcache.cache.formats import (
     CACHE_FORMATS,
     get_format,
@@ -59,6 +60,7 @@ from onnx_kvcache.files import _atomic as file_io
 from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._atomic import format_bytes
 from onnx_kvcache.files._context import warn_short_scales
+from onnx_kvcache.files._export_folder import written_genai_config
 from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
 from onnx_kvcache.files.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
@@ -626,16 +628,19 @@ def convert_model(
     empty output folder is filled, with or without it.
     """
     scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
-    source = open_model_source(in_path, follow_symlinks=follow_symlinks)
-    named = named or format_for(source.model)  # an already-quantized model keeps its own
-    plan = _plan(source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights)
-    _check_writable(source, plan)
-    request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-    decision = decide(dataclasses.replace(request, allow_partial=allow_partial))
-    result = _result(source, plan, decision)
-    if carry_out(decision):
-        warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
-        _finish(source, plan, decision, result, progress)
+    with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector
+        source = open_model_source(in_path, follow_symlinks=follow_symlinks)
+        named = named or format_for(source.model)  # an already-quantized model keeps its own
+        plan = _plan(
+            source, out_path, fmt=named or "kv", in_place=in_place, overwrite=overwrite, weights=weights
+        )
+        _check_writable(source, plan)
+        request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
+        decision = decide(dataclasses.replace(request, allow_partial=allow_partial))
+        result = _result(source, plan, decision)
+        if carry_out(decision):
+            warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
+            _finish(source, plan, decision, result, progress)
     return result
 
 
@@ -732,19 +737,49 @@ def _count_ops(result: ConvertResult, model: ir.Model) -> None:
     result.nodes = sum(result.ops.values())
 
 
-def _new_config(source: ModelSource, decision: Decision, result: ConvertResult) -> dict[str, Any] | None:
-    """The genai config the output gets (None: the input's, unchanged): past and present share
-    one buffer where the target does; ``provider_options`` name the provider given."""
-    if source.config is None:
-        return None
+def _share_target(decision: Decision, result: ConvertResult) -> str:
+    """The provider whose rule sets ``search.past_present_share_buffer``: the target, else
+    the CPU where it runs the format, else CUDA."""
     fmt = get_format(result.format)
     sites = find_attention_sites(decision.model)
     cpu_runs_it = all(fmt.name in get_capabilities("cpu", s.op).formats for s in sites)
-    share_target = result.target or ("cpu" if cpu_runs_it else "cuda")
+    return result.target or ("cpu" if cpu_runs_it else "cuda")
+
+
+def _new_config(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
+) -> dict[str, Any] | None:
+    """The genai config the output gets (None: the input's, unchanged): past and present share
+    one buffer where the target does; ``provider_options`` name the provider given. An export
+    folder converted to a folder gets one made from its ``config.json`` (:func:`_export_config`)."""
+    if source.config is None:
+        return _export_config(source, plan, decision, result)
+    share_target = _share_target(decision, result)
     config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
     if decision.request.target not in (None, AUTO):
         config = _with_provider(config, str(decision.target), result)
     return None if config == source.config else config
+
+
+def _export_config(
+    source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
+) -> dict[str, Any] | None:
+    """An export folder's ``genai_config.json``, for a folder output (see
+    :func:`~onnx_kvcache.files._export_folder.written_genai_config`)."""
+    if plan.placement is not Placement.FOLDER or source.folder is None:
+        return None
+    target = get_capabilities(_share_target(decision, result))
+    config, note = written_genai_config(
+        source.folder,
+        source.graph,
+        decision.model,
+        plan.out.name,
+        target=target.name,
+        share_buffer=target.share_buffer,
+        provider_options=_GENAI_PROVIDER_OPTIONS.get(target.name),
+    )
+    result.notes += [note] if note else []
+    return config
 
 
 def _finish(
@@ -753,8 +788,10 @@ def _finish(
     """Mark, serialize and write the converted model (the cache is quantized)."""
     model = decision.model
     _count_ops(result, model)
-    new_config = _new_config(source, decision, result)
+    new_config = _new_config(source, plan, decision, result)
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
+    if new_config is not None and source.config is None:
+        entries.append(GENAI_CONFIG)  # an export folder's new config
     scales = decision.scales
     own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
@@ -1073,7 +1110,8 @@ class _FolderCopy:
         folder = self.source.folder
         assert folder is not None
         self.rel_graph = pathlib.PurePosixPath(self.source.graph.relative_to(folder).as_posix())
-        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if self.source.config is not None else None
+        has_config = self.source.config is not None or self.config is not None  # an export's new one too
+        self.rel_config = pathlib.PurePosixPath(GENAI_CONFIG) if has_config else None
         self.data_rel = {
             pathlib.PurePosixPath(d.path.relative_to(folder).as_posix()): d for d in self.source.data.values()
         }
@@ -1091,6 +1129,8 @@ class _FolderCopy:
         ]
 
     def fill(self, tmp: pathlib.Path, copier: _Copier) -> None:
+        if self.config is not None and self.source.config is None:  # an export's new config
+            self.entry(pathlib.PurePosixPath(GENAI_CONFIG), None, tmp / GENAI_CONFIG, copier)
         for entry in self.source.entries:
             dst = tmp / entry.rel
             self.entry(entry.rel, entry.real, dst, copier)
@@ -1102,14 +1142,14 @@ class _FolderCopy:
     def entry(
         self, rel: pathlib.PurePosixPath, real: pathlib.Path | None, dst: pathlib.Path, copier: _Copier
     ) -> None:
-        if real is None:
-            os.mkdir(dst, 0o777)
-        elif rel == self.rel_graph:
-            file_io.write_new_file(dst, self.data)
-        elif rel == self.rel_config and self.config is not None:
+        if rel == self.rel_config and self.config is not None:
             config_data = _config_bytes(self.config)
             file_io.write_new_file(dst, config_data)
             self.written += len(config_data)
+        elif real is None:
+            os.mkdir(dst, 0o777)
+        elif rel == self.rel_graph:
+            file_io.write_new_file(dst, self.data)
         elif self.linked(rel):
             os.link(real, dst, follow_symlinks=True)
         else:

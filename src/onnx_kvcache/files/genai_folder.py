@@ -14,6 +14,7 @@ __all__ = [
     "block_size",
     "decoder_filename",
     "eos_token_ids",
+    "pad_token_id",
     "provider_names",
     "read_genai_config",
     "resolve_model_path",
@@ -116,6 +117,12 @@ def eos_token_ids(config: dict[str, Any] | None) -> frozenset[int]:
     eos = (config or {}).get("model", {}).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     return frozenset(int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
+
+
+def pad_token_id(config: dict[str, Any] | None) -> int | None:
+    """``model.pad_token_id``, when the config gives one."""
+    pad = (config or {}).get("model", {}).get("pad_token_id")
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
 
 
 def provider_names(config: Mapping[str, Any] | None) -> list[str]:

@@ -43,7 +43,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
-from onnx_kvcache.files.genai_folder import eos_token_ids, resolve_model_path
+from onnx_kvcache.files._export_folder import read_export_config
+from onnx_kvcache.files.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
 from onnx_kvcache.files.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
 from onnx_kvcache.pipeline.decision import fuse_unless_attention
@@ -101,6 +102,15 @@ def _load(model_or_path: ir.Model | str | os.PathLike) -> ModelSource:
     if find_attention_sites(model, with_cache_only=False):
         return ModelSource(model, path, config, path.parent)
     return ModelSource(_fused(model), None, config, path.parent)  # the session runs the fused graph
+
+
+def _special_tokens(source: ModelSource) -> tuple[frozenset[int], int | None]:
+    """End-of-sequence and padding ids: a genai config's, else those of the transformers
+    configs beside the model file (optimum's export folder)."""
+    if source.config is not None or source.base_dir is None:
+        return eos_token_ids(source.config), pad_token_id(source.config)
+    export = read_export_config(source.base_dir)
+    return (frozenset(export.eos_token_ids), export.pad_token_id) if export else (frozenset(), None)
 
 
 #: the layout of each kind of cache, by ``CacheBinding.paged``
@@ -179,8 +189,12 @@ class KvCacheRunner:
         )
         require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
         self._source = _load(model_or_path)
-        self.eos_token_ids: frozenset[int] = eos_token_ids(self._source.config)
-        """End-of-sequence tokens; read from genai_config.json for a genai folder."""
+        self.eos_token_ids: frozenset[int]
+        """End-of-sequence tokens: a genai folder's genai_config.json, else an export's
+        generation_config.json or config.json (as transformers' ``generate`` reads them)."""
+        self.pad_token_id: int | None
+        """The padding token, from the same files (None when they give none)."""
+        self.eos_token_ids, self.pad_token_id = _special_tokens(self._source)
         options = SessionOptions(providers, io_binding, semantics, quantized_io, caches_only, capture_queries)
         self._session, self._cache = _open(self._source, options, block_size)
         self.max_positions = max_positions(self._source.model)

@@ -51,6 +51,7 @@ from onnx_kvcache.files._inputs import (
     load_npy_integers,
     read_input_bytes,
     shown_shape,
+    tokenizer_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -127,9 +128,7 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     """``tokenizer.json`` given explicitly, or beside a model folder/file."""
     if tokenizer is not None:
         require_type(tokenizer, (str, os.PathLike), "tokenizer", "a path")
-        p = pathlib.Path(tokenizer)
-        p = p / "tokenizer.json" if p.is_dir() else p
-        return check_input_file(p, "Tokenizer", expected="a tokenizer.json file", missing="does not exist")
+        return tokenizer_file(tokenizer)
     if isinstance(model, (str, os.PathLike)):
         p = pathlib.Path(model)
         folder = p if p.is_dir() else p.parent

@@ -901,24 +901,27 @@ def _dim(value: Affine) -> int | str | None:
 
 
 def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node | None]) -> int:
-    """Remove ``nodes`` and, transitively, their producers once nothing reads them."""
+    """Remove ``nodes`` and, transitively, their producers once nothing reads them.
+
+    The dead set is found first and removed in one ``Graph.remove`` (which costs a pass over
+    the graph's outputs per call: per node, that was a fifth of fusing 80 layers)."""
+    dead: dict[ir.Node, None] = {}  # ordered: the removal is deterministic
     work = [n for n in nodes if n is not None]
-    removed = 0
     while work:
         node = work.pop()
-        if node.graph is not graph or any(o.uses() or o.is_graph_output() for o in node.outputs):
+        if node in dead or node.graph is not graph:
             continue
-        inputs = [v for v in node.inputs if v is not None]
-        graph.remove(node, safe=True)
-        removed += 1
-        for value in inputs:
-            producer = value.producer()
-            if producer is not None:
-                work.append(producer)
-            elif _unused_initializer(value, graph):
-                assert value.name is not None
-                del graph.initializers[value.name]
-    return removed
+        if any(o.is_graph_output() or any(u.node not in dead for u in o.uses()) for o in node.outputs):
+            continue
+        dead[node] = None
+        work.extend(p for v in node.inputs if v is not None and (p := v.producer()) is not None)
+    inputs = {v: None for node in dead for v in node.inputs if v is not None and v.producer() is None}
+    graph.remove(dead, safe=True)
+    for value in inputs:
+        if _unused_initializer(value, graph):
+            assert value.name is not None
+            del graph.initializers[value.name]
+    return len(dead)
 
 
 def _unused_initializer(value: ir.Value, graph: ir.Graph) -> bool:

@@ -582,6 +582,12 @@ def _affine_fit(array: np.ndarray) -> Affine | None:
     constant-folded ``Range`` or index grid), else None."""
     if not array.size or array.size > _MAX_FIT_ELEMENTS:
         return None
+    if array.ndim <= 1:  # most constants (axes, indices, shapes): the same fit without the grid
+        c0 = int(array.reshape(-1)[0])
+        delta = int(array[1]) - c0 if array.size > 1 else 0
+        if array.ndim and not np.array_equal(c0 + delta * np.arange(array.size, dtype=np.int64), array):
+            return None
+        return Affine._make({axis(0): delta}, c0)
     origin = (0,) * array.ndim
     c0 = int(array[origin])
     coefficients = []
