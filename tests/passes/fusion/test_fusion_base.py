@@ -170,7 +170,7 @@ def test_reports_merge_and_drop_what_a_later_rewrite_removed():
 def test_gqa_fusion_returns_and_keeps_the_merged_report():
     model = exported()
     fusion = GqaFusionPass()
-    with pytest.warns(KvCacheWarning, match="valid tokens"):
+    with pytest.warns(KvCacheWarning, match="a prompt padded anywhere"):
         result = fusion(model)
     assert isinstance(result, FusionResult) and result.report is fusion.report
     assert fusion.fused == result.report.fused == count(model, "GroupQueryAttention") == 2
