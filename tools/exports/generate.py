@@ -212,6 +212,10 @@ def jobs() -> list[dict]:
         ("mobius-cuda-f16", "qwen3"),
         ("mobius-ort-genai", "gemma2"),
         ("t5-ts18", "llama"),
+        *(("mobius-cpu-gqa", f) for f in ("qwen2", "granite", "olmo2", "smollm3", "mistral")),
+        *(("mobius-static", f) for f in ("qwen3", "olmo2", "smollm3")),
+        *(("mobius-ort-genai", f) for f in ("qwen3", "gemma3")),
+        *(("mobius-cuda-f16", f) for f in ("phi3", "granite")),
     ]
     for what, fam in wide:
         if what == "genai":
@@ -346,12 +350,16 @@ def one_line(e: object) -> str:
 
 
 def error_line(stderr: str) -> str:
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    for pat in (r"^\S*(Error|Exception)\b.*:", r"^<class '.*'>:", r"Error:", r"error:"):
-        hits = [ln for ln in lines if re.search(pat, ln)]
-        if hits:
-            return hits[-1][:400]
-    return (lines[-1] if lines else "no output")[:400]
+    """The exception line of a producer's output; with the root cause when it was chained."""
+    lines = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b[^ ]*:? ", ln + " ")]
+    if not exc:
+        exc = [ln.strip() for ln in lines if re.search(r"[Ee]rror:", ln)]
+    if not exc:
+        return (lines[-1].strip() if lines else "no output")[:400]
+    last, first = exc[-1].strip(), exc[0].strip()
+    text = last if first == last else f"{last[:240]} (caused by {first[:200]})"
+    return text[:480]
 
 
 # --- versions ------------------------------------------------------------------------------------
@@ -463,6 +471,7 @@ def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
                 shutil.rmtree(dest)
             return entry
         if execute:
+            (OUT / "logs" / (rel.replace("/", "__") + ".log")).unlink(missing_ok=True)  # stale failure
             if dest.exists():
                 shutil.rmtree(dest)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -485,7 +494,9 @@ def load_manifest() -> dict:
 
 def save_entry(entry: dict) -> None:
     ENTRIES.mkdir(parents=True, exist_ok=True)
-    (ENTRIES / (entry["path"].replace("/", "__") + ".json")).write_text(json.dumps(entry, indent=1))
+    text = json.dumps(entry, indent=1).replace(str(VENVS), "$SIDEVENVS")  # no machine paths
+    text = re.sub(r"/tmp/prod-[a-z0-9_]+/out", "OUT", text)
+    (ENTRIES / (entry["path"].replace("/", "__") + ".json")).write_text(text)
 
 
 def save_manifest(man: dict) -> None:
@@ -536,6 +547,10 @@ def main() -> None:
                 save_entry(run_job(j, versions, execute=False))
         save_manifest(man)
         for e in man["models"]:
+            log = OUT / "logs" / (e["path"].replace("/", "__") + ".log")
+            if "error" in e and log.exists():
+                e["error"] = error_line(log.read_text())
+                save_entry(e)
             if "error" not in e and (OUT / e["path"] / "model.onnx").exists():
                 e.update(check(OUT / e["path"]))
                 save_entry(e)
@@ -579,7 +594,9 @@ step over a 2-token past gave finite outputs; `ort_cpu_run`: why a run failed), 
 producer could not export the family, `"error"`: its one-line reason and no folder.
 `versions` records python, torch, transformers, optimum-onnx, onnxscript, onnx, onnx-ir,
 onnxruntime, onnxruntime-genai and mobius (package version and source commit) of each side
-environment, and the onnx/onnxruntime the checks ran with.
+environment, and the onnx/onnxruntime the checks ran with. A few cells the generator makes
+are left out of this folder to keep it near 25 MB (`NOT_COMMITTED` in generate.py; each of
+those forms is here for other families).
 
 | producer dir | form | family | producer version | transformers | result |
 |---|---|---|---|---|---|
@@ -604,12 +621,37 @@ def table_rows(man: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+#: made in /work/producers but left out of tests/data/producers (the form is there for other
+#: families) to keep the committed tree near 25 MB: dynamo files carry ~400 KB of node metadata
+NOT_COMMITTED = frozenset(
+    {
+        "torch-tf4.57/dynamo-opset18-nooptimize/gemma2",
+        *(
+            f"torch-tf4.57/dynamo-opset23-optimize/{f}"
+            for f in ("qwen2", "granite", "gemma3", "phi3", "mistral")
+        ),
+        "torch-tf4.57/dynamo-opset20-optimize/qwen3",
+        "torch-tf5/dynamo-opset23-optimize/qwen2",
+        "torch-tf5/dynamo-opset23-optimize/granite",
+        *(f"mobius/mobius-cpu-gqa/{f}" for f in ("qwen2", "granite", "olmo2", "smollm3")),
+    }
+)
+
+
 def publish() -> None:
     dest = REPO / "tests" / "data" / "producers"
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp"))
     man = json.loads(MANIFEST.read_text())
+    man["models"] = [e for e in man["models"] if e["path"] not in NOT_COMMITTED]
+    for rel in NOT_COMMITTED:
+        if (dest / rel).exists():
+            shutil.rmtree(dest / rel)
+    for d in sorted(dest.rglob("*"), reverse=True):  # folders left empty
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+    (dest / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
     (dest / "README.md").write_text(README_HEAD + table_rows(man))
 
 
