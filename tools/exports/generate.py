@@ -44,23 +44,28 @@ ALL = list(FAMILIES)
 PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
-def torch_form(exporter: str, opset: int | None, optimize: bool) -> str:
+def torch_form(exporter: str, opset: int | None, optimize: bool, f16: bool = False) -> str:
     if exporter == "torchscript":
-        return f"torchscript-opset{opset}"
-    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}"
+        return f"torchscript-opset{opset}" + ("-f16" if f16 else "")
+    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + (
+        "-f16" if f16 else ""
+    )
 
 
-def torch_job(venv: str, exporter: str, opset: int | None, optimize: bool, family: str) -> dict:
+def torch_job(
+    venv: str, exporter: str, opset: int | None, optimize: bool, family: str, f16: bool = False
+) -> dict:
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
         + ([] if optimize else ["--no-optimize"])
+        + (["--dtype", "float16"] if f16 else [])
     )
     return {
         "producer": "torch.onnx.export",
         "dir": f"torch-{'tf4.57' if venv == 't457' else 'tf5'}",
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize),
+        "form": torch_form(exporter, opset, optimize, f16),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -216,6 +221,10 @@ def jobs() -> list[dict]:
         *(("mobius-static", f) for f in ("qwen3", "olmo2", "smollm3")),
         *(("mobius-ort-genai", f) for f in ("qwen3", "gemma3")),
         *(("mobius-cuda-f16", f) for f in ("phi3", "granite")),
+        ("t457-d18-f16", "llama"),
+        ("t5-d23-f16", "llama"),
+        ("t457-ts18", "phi3"),
+        ("t457-ts18", "mistral"),
     ]
     for what, fam in wide:
         if what == "genai":
@@ -228,7 +237,7 @@ def jobs() -> list[dict]:
             venv, kind, *rest = what.split("-")
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
-            out.append(torch_job(venv, exporter, opset, not rest, fam))
+            out.append(torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest))
     seen, uniq = set(), []
     for j in out:
         key = (j["dir"], j["form"], j["family"])
@@ -633,6 +642,8 @@ NOT_COMMITTED = frozenset(
         "torch-tf4.57/dynamo-opset20-optimize/qwen3",
         "torch-tf5/dynamo-opset23-optimize/qwen2",
         "torch-tf5/dynamo-opset23-optimize/granite",
+        "torch-tf4.57/torchscript-opset18/mistral",
+        "optimum/optimum-cli/granite",
         *(f"mobius/mobius-cpu-gqa/{f}" for f in ("qwen2", "granite", "olmo2", "smollm3")),
     }
 )
