@@ -271,14 +271,14 @@ _NP = {
 }
 
 
-def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
+def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3, ids: np.ndarray | None = None) -> dict:
     rng = np.random.default_rng(0)
     feed: dict[str, np.ndarray] = {}
     for i in sess.get_inputs():
         dt = _NP.get(i.type, np.float32)
         name = i.name
         if name == "input_ids":
-            feed[name] = rng.integers(3, 128, (1, seq)).astype(dt)
+            feed[name] = (rng.integers(3, 128, (1, seq)) if ids is None else ids).astype(dt)
         elif name == "attention_mask":
             feed[name] = np.ones((1, past + seq), dt)
         elif name == "position_ids":
@@ -293,9 +293,11 @@ def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
             shape = [d if isinstance(d, int) and k else symbolic[min(k, 3)] for k, d in enumerate(i.shape)]
             if len(i.shape) > 2 and "sliding" in str(i.shape[2]):  # genai's window-sized buffer
                 shape[2] = WINDOW
-            feed[name] = (
-                rng.standard_normal(shape) if np.issubdtype(dt, np.floating) else np.ones(shape)
-            ).astype(dt)
+            floating = np.issubdtype(dt, np.floating)
+            if floating and past == 0:  # a prefill: an empty cache (a fixed-size buffer of zeros)
+                feed[name] = np.zeros(shape, dt)
+            else:
+                feed[name] = (rng.standard_normal(shape) if floating else np.ones(shape)).astype(dt)
     return feed
 
 
@@ -318,7 +320,16 @@ def genai_check(folder: pathlib.Path) -> str:
     return "ok: " + p.stdout.strip() if p.returncode == 0 else error_line(p.stderr)
 
 
-def check(folder: pathlib.Path) -> dict:
+def reference_diff(sess: ort.InferenceSession, ref: dict) -> float:
+    """Largest |logit - transformers' logit| over a 7-token prefill from an empty cache."""
+    ids = ref["input_ids"]
+    outs = sess.run(None, feed_for(sess, past=0, seq=ids.shape[1], ids=ids))
+    names = [o.name for o in sess.get_outputs()]
+    logits = outs[names.index("logits")].astype(np.float32)
+    return float(np.abs(logits - ref["logits"]).max())
+
+
+def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
     path = folder / "model.onnx"
     res: dict = {}
     if (folder / "genai_config.json").exists():
@@ -349,6 +360,13 @@ def check(folder: pathlib.Path) -> dict:
     except Exception as e:
         res["ran_on_cpu"] = False
         res["ort_cpu_run"] = one_line(e)
+    if ref is not None:
+        try:
+            res["logits_vs_transformers"] = reference_diff(sess, ref)
+            res["logits_scale"] = float(np.abs(ref["logits"]).max())
+        except Exception as e:
+            res["logits_vs_transformers"] = None
+            res["reference_run"] = one_line(e)
     return res
 
 
@@ -404,7 +422,20 @@ def hf_dir(venv: str, family: str) -> pathlib.Path:
     if not (d / "model.safetensors").exists():
         py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
         subprocess.run([str(py), str(HERE / "make_hf.py"), family, str(d)], check=True, capture_output=True)
+    if not (d / "reference.npz").exists():
+        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+        subprocess.run([str(py), str(HERE / "reference.py"), str(d)], check=True, capture_output=True)
     return d
+
+
+def reference_of(entry: dict) -> dict | None:
+    """transformers' logits for the entry's HF model (made by hf_dir)."""
+    try:
+        f = hf_dir(entry["venv"], entry["family"]) / "reference.npz"
+    except subprocess.CalledProcessError:
+        return None
+    with np.load(f) as z:
+        return {k: z[k] for k in z.files}
 
 
 def producer_version(job: dict, versions: dict) -> str | None:
@@ -488,7 +519,7 @@ def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
     entry["files"] = {
         str(f.relative_to(dest)): f.stat().st_size for f in sorted(dest.rglob("*")) if f.is_file()
     }
-    entry.update(check(dest))
+    entry.update(check(dest, reference_of(entry)))
     return entry
 
 
@@ -561,7 +592,7 @@ def main() -> None:
                 e["error"] = error_line(log.read_text())
                 save_entry(e)
             if "error" not in e and (OUT / e["path"] / "model.onnx").exists():
-                e.update(check(OUT / e["path"]))
+                e.update(check(OUT / e["path"], reference_of(e)))
                 save_entry(e)
         save_manifest(man)
     done = {e["path"] for e in man["models"]}
@@ -603,12 +634,23 @@ step over a 2-token past gave finite outputs; `ort_cpu_run`: why a run failed), 
 producer could not export the family, `"error"`: its one-line reason and no folder.
 `versions` records python, torch, transformers, optimum-onnx, onnxscript, onnx, onnx-ir,
 onnxruntime, onnxruntime-genai and mobius (package version and source commit) of each side
-environment, and the onnx/onnxruntime the checks ran with. A few cells the generator makes
+environment, and the onnx/onnxruntime the checks ran with.
+
+`logits_vs_transformers` is the largest |logit - transformers' logit| over a 7-token prefill
+(`<s>Hello!`, ids 1 72 101 108 108 111 33) from an empty cache, transformers' logits computed
+by `tools/exports/reference.py` from the same saved model (`logits_scale`: their largest |logit|).
+About 1e-6 means the file computes as transformers does; float16 files are near 4e-3. What
+the figures show (transformers 5.24's mistral with `sliding_window=4`): onnxruntime-genai's
+builder (0.18.0) and mobius's default and static-cache builds ignore mistral's window (their
+logits equal transformers' with the window removed, within 2e-6), while mobius's `--ep cpu`
+build and every torch/optimum export keep it; genai's builder's phi3 and mobius's
+`--runtime ort-genai` gemma3 differ from transformers too (not investigated). A model whose
+file does not compute as transformers does is still what that producer writes. A few cells the generator makes
 are left out of this folder to keep it near 25 MB (`NOT_COMMITTED` in generate.py; each of
 those forms is here for other families).
 
-| producer dir | form | family | producer version | transformers | result |
-|---|---|---|---|---|---|
+| producer dir | form | family | producer version | transformers | result | logits vs transformers |
+|---|---|---|---|---|---|---|
 """
 
 
@@ -624,8 +666,11 @@ def table_rows(man: dict) -> str:
                 if e.get("ran_on_cpu")
                 else "ok, " + (e.get("ort_cpu_run") or e.get("ort_cpu_session", ""))[:120]
             )
+        diff = e.get("logits_vs_transformers")
+        diff_text = "" if "error" in e else (f"{diff:.1e}" if diff is not None else "did not run")
         rows.append(
-            f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} |"
+            f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} "
+            f"| {diff_text} |"
         )
     return "\n".join(rows) + "\n"
 
