@@ -618,7 +618,7 @@ Tiny random-weight decoders written by the real producers (torch.onnx.export wit
 transformers 4.57 and 5.x, optimum-cli, mobius, onnxruntime-genai's builder), made by
 `tools/exports/generate.py` (see `tools/exports/README.md` for how to regenerate; not run
 by CI). Every family has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head
-size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` form is float16);
+size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` and `*-f16` torch forms are float16);
 mistral, gemma2 and gemma3 have a sliding window of 4 tokens (gemma2/gemma3 alternate
 sliding and full layers), so a 7-token prefill is longer than the window.
 
