@@ -1,10 +1,11 @@
 """torch.onnx.export of one tiny model (run inside a side venv with torch + transformers).
 
 python export_torch.py HF_DIR OUT_DIR --exporter dynamo|torchscript [--opset N] [--no-optimize]
+    [--dtype float16]
 
 The wrapper is docs/exporting.md section 1: inputs input_ids, attention_mask [batch, past+seq],
 position_ids, past_key_values.{i}.key|value [batch, kv_heads, past, head]; outputs logits,
-present.{i}.key|value; dynamic batch, seq and past. Float32, weights inline.
+present.{i}.key|value; dynamic batch, seq and past. Float32 (or --dtype float16), weights inline.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def main() -> None:
     ap.add_argument("--exporter", choices=["dynamo", "torchscript"], required=True)
     ap.add_argument("--opset", type=int, default=None)
     ap.add_argument("--no-optimize", action="store_true")
+    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     a = ap.parse_args()
 
     config = AutoConfig.from_pretrained(a.hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.float32).eval()
+    dtype = getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=dtype).eval()
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -64,7 +67,7 @@ def main() -> None:
         torch.randint(3, config.vocab_size, (batch, seq)),
         torch.ones(batch, past_len + seq, dtype=torch.int64),
         torch.arange(past_len, past_len + seq).expand(batch, seq),
-        *(torch.randn(batch, kv_heads, past_len, head) for _ in names),
+        *(torch.randn(batch, kv_heads, past_len, head, dtype=dtype) for _ in names),
     )
     input_names = ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in names)]
     output_names = ["logits", *(f"present.{n}" for n in names)]

@@ -44,23 +44,28 @@ ALL = list(FAMILIES)
 PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
-def torch_form(exporter: str, opset: int | None, optimize: bool) -> str:
+def torch_form(exporter: str, opset: int | None, optimize: bool, f16: bool = False) -> str:
     if exporter == "torchscript":
-        return f"torchscript-opset{opset}"
-    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}"
+        return f"torchscript-opset{opset}" + ("-f16" if f16 else "")
+    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + (
+        "-f16" if f16 else ""
+    )
 
 
-def torch_job(venv: str, exporter: str, opset: int | None, optimize: bool, family: str) -> dict:
+def torch_job(
+    venv: str, exporter: str, opset: int | None, optimize: bool, family: str, f16: bool = False
+) -> dict:
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
         + ([] if optimize else ["--no-optimize"])
+        + (["--dtype", "float16"] if f16 else [])
     )
     return {
         "producer": "torch.onnx.export",
         "dir": f"torch-{'tf4.57' if venv == 't457' else 'tf5'}",
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize),
+        "form": torch_form(exporter, opset, optimize, f16),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -212,6 +217,14 @@ def jobs() -> list[dict]:
         ("mobius-cuda-f16", "qwen3"),
         ("mobius-ort-genai", "gemma2"),
         ("t5-ts18", "llama"),
+        *(("mobius-cpu-gqa", f) for f in ("qwen2", "granite", "olmo2", "smollm3", "mistral")),
+        *(("mobius-static", f) for f in ("qwen3", "olmo2", "smollm3")),
+        *(("mobius-ort-genai", f) for f in ("qwen3", "gemma3")),
+        *(("mobius-cuda-f16", f) for f in ("phi3", "granite")),
+        ("t457-d18-f16", "llama"),
+        ("t5-d23-f16", "llama"),
+        ("t457-ts18", "phi3"),
+        ("t457-ts18", "mistral"),
     ]
     for what, fam in wide:
         if what == "genai":
@@ -224,7 +237,7 @@ def jobs() -> list[dict]:
             venv, kind, *rest = what.split("-")
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
-            out.append(torch_job(venv, exporter, opset, not rest, fam))
+            out.append(torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest))
     seen, uniq = set(), []
     for j in out:
         key = (j["dir"], j["form"], j["family"])
@@ -258,14 +271,14 @@ _NP = {
 }
 
 
-def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
+def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3, ids: np.ndarray | None = None) -> dict:
     rng = np.random.default_rng(0)
     feed: dict[str, np.ndarray] = {}
     for i in sess.get_inputs():
         dt = _NP.get(i.type, np.float32)
         name = i.name
         if name == "input_ids":
-            feed[name] = rng.integers(3, 128, (1, seq)).astype(dt)
+            feed[name] = (rng.integers(3, 128, (1, seq)) if ids is None else ids).astype(dt)
         elif name == "attention_mask":
             feed[name] = np.ones((1, past + seq), dt)
         elif name == "position_ids":
@@ -280,9 +293,11 @@ def feed_for(sess: ort.InferenceSession, past: int = 2, seq: int = 3) -> dict:
             shape = [d if isinstance(d, int) and k else symbolic[min(k, 3)] for k, d in enumerate(i.shape)]
             if len(i.shape) > 2 and "sliding" in str(i.shape[2]):  # genai's window-sized buffer
                 shape[2] = WINDOW
-            feed[name] = (
-                rng.standard_normal(shape) if np.issubdtype(dt, np.floating) else np.ones(shape)
-            ).astype(dt)
+            floating = np.issubdtype(dt, np.floating)
+            if floating and past == 0:  # a prefill: an empty cache (a fixed-size buffer of zeros)
+                feed[name] = np.zeros(shape, dt)
+            else:
+                feed[name] = (rng.standard_normal(shape) if floating else np.ones(shape)).astype(dt)
     return feed
 
 
@@ -305,7 +320,16 @@ def genai_check(folder: pathlib.Path) -> str:
     return "ok: " + p.stdout.strip() if p.returncode == 0 else error_line(p.stderr)
 
 
-def check(folder: pathlib.Path) -> dict:
+def reference_diff(sess: ort.InferenceSession, ref: dict) -> float:
+    """Largest |logit - transformers' logit| over a 7-token prefill from an empty cache."""
+    ids = ref["input_ids"]
+    outs = sess.run(None, feed_for(sess, past=0, seq=ids.shape[1], ids=ids))
+    names = [o.name for o in sess.get_outputs()]
+    logits = outs[names.index("logits")].astype(np.float32)
+    return float(np.abs(logits - ref["logits"]).max())
+
+
+def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
     path = folder / "model.onnx"
     res: dict = {}
     if (folder / "genai_config.json").exists():
@@ -336,6 +360,13 @@ def check(folder: pathlib.Path) -> dict:
     except Exception as e:
         res["ran_on_cpu"] = False
         res["ort_cpu_run"] = one_line(e)
+    if ref is not None:
+        try:
+            res["logits_vs_transformers"] = reference_diff(sess, ref)
+            res["logits_scale"] = float(np.abs(ref["logits"]).max())
+        except Exception as e:
+            res["logits_vs_transformers"] = None
+            res["reference_run"] = one_line(e)
     return res
 
 
@@ -346,12 +377,16 @@ def one_line(e: object) -> str:
 
 
 def error_line(stderr: str) -> str:
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    for pat in (r"^\S*(Error|Exception)\b.*:", r"^<class '.*'>:", r"Error:", r"error:"):
-        hits = [ln for ln in lines if re.search(pat, ln)]
-        if hits:
-            return hits[-1][:400]
-    return (lines[-1] if lines else "no output")[:400]
+    """The exception line of a producer's output; with the root cause when it was chained."""
+    lines = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b[^ ]*:? ", ln + " ")]
+    if not exc:
+        exc = [ln.strip() for ln in lines if re.search(r"[Ee]rror:", ln)]
+    if not exc:
+        return (lines[-1].strip() if lines else "no output")[:400]
+    last, first = exc[-1].strip(), exc[0].strip()
+    text = last if first == last else f"{last[:240]} (caused by {first[:200]})"
+    return text[:480]
 
 
 # --- versions ------------------------------------------------------------------------------------
@@ -387,7 +422,20 @@ def hf_dir(venv: str, family: str) -> pathlib.Path:
     if not (d / "model.safetensors").exists():
         py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
         subprocess.run([str(py), str(HERE / "make_hf.py"), family, str(d)], check=True, capture_output=True)
+    if not (d / "reference.npz").exists():
+        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+        subprocess.run([str(py), str(HERE / "reference.py"), str(d)], check=True, capture_output=True)
     return d
+
+
+def reference_of(entry: dict) -> dict | None:
+    """transformers' logits for the entry's HF model (made by hf_dir)."""
+    try:
+        f = hf_dir(entry["venv"], entry["family"]) / "reference.npz"
+    except subprocess.CalledProcessError:
+        return None
+    with np.load(f) as z:
+        return {k: z[k] for k in z.files}
 
 
 def producer_version(job: dict, versions: dict) -> str | None:
@@ -463,6 +511,7 @@ def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
                 shutil.rmtree(dest)
             return entry
         if execute:
+            (OUT / "logs" / (rel.replace("/", "__") + ".log")).unlink(missing_ok=True)  # stale failure
             if dest.exists():
                 shutil.rmtree(dest)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -470,7 +519,7 @@ def run_job(job: dict, versions: dict, execute: bool = True) -> dict:
     entry["files"] = {
         str(f.relative_to(dest)): f.stat().st_size for f in sorted(dest.rglob("*")) if f.is_file()
     }
-    entry.update(check(dest))
+    entry.update(check(dest, reference_of(entry)))
     return entry
 
 
@@ -485,7 +534,9 @@ def load_manifest() -> dict:
 
 def save_entry(entry: dict) -> None:
     ENTRIES.mkdir(parents=True, exist_ok=True)
-    (ENTRIES / (entry["path"].replace("/", "__") + ".json")).write_text(json.dumps(entry, indent=1))
+    text = json.dumps(entry, indent=1).replace(str(VENVS), "$SIDEVENVS")  # no machine paths
+    text = re.sub(r"/tmp/prod-[a-z0-9_]+/out", "OUT", text)
+    (ENTRIES / (entry["path"].replace("/", "__") + ".json")).write_text(text)
 
 
 def save_manifest(man: dict) -> None:
@@ -536,8 +587,12 @@ def main() -> None:
                 save_entry(run_job(j, versions, execute=False))
         save_manifest(man)
         for e in man["models"]:
+            log = OUT / "logs" / (e["path"].replace("/", "__") + ".log")
+            if "error" in e and log.exists():
+                e["error"] = error_line(log.read_text())
+                save_entry(e)
             if "error" not in e and (OUT / e["path"] / "model.onnx").exists():
-                e.update(check(OUT / e["path"]))
+                e.update(check(OUT / e["path"], reference_of(e)))
                 save_entry(e)
         save_manifest(man)
     done = {e["path"] for e in man["models"]}
@@ -563,7 +618,7 @@ Tiny random-weight decoders written by the real producers (torch.onnx.export wit
 transformers 4.57 and 5.x, optimum-cli, mobius, onnxruntime-genai's builder), made by
 `tools/exports/generate.py` (see `tools/exports/README.md` for how to regenerate; not run
 by CI). Every family has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head
-size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` form is float16);
+size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` and `*-f16` torch forms are float16);
 mistral, gemma2 and gemma3 have a sliding window of 4 tokens (gemma2/gemma3 alternate
 sliding and full layers), so a 7-token prefill is longer than the window.
 
@@ -581,8 +636,21 @@ producer could not export the family, `"error"`: its one-line reason and no fold
 onnxruntime, onnxruntime-genai and mobius (package version and source commit) of each side
 environment, and the onnx/onnxruntime the checks ran with.
 
-| producer dir | form | family | producer version | transformers | result |
-|---|---|---|---|---|---|
+`logits_vs_transformers` is the largest |logit - transformers' logit| over a 7-token prefill
+(`<s>Hello!`, ids 1 72 101 108 108 111 33) from an empty cache, transformers' logits computed
+by `tools/exports/reference.py` from the same saved model (`logits_scale`: their largest |logit|).
+About 1e-6 means the file computes as transformers does; float16 files are near 4e-3. What
+the figures show (transformers 5.24's mistral with `sliding_window=4`): onnxruntime-genai's
+builder (0.18.0) and mobius's default and static-cache builds ignore mistral's window (their
+logits equal transformers' with the window removed, within 2e-6), while mobius's `--ep cpu`
+build and every torch/optimum export keep it; genai's builder's phi3 and mobius's
+`--runtime ort-genai` gemma3 differ from transformers too (not investigated). A model whose
+file does not compute as transformers does is still what that producer writes. A few cells the generator makes
+are left out of this folder to keep it near 25 MB (`NOT_COMMITTED` in generate.py; each of
+those forms is here for other families).
+
+| producer dir | form | family | producer version | transformers | result | logits vs transformers |
+|---|---|---|---|---|---|---|
 """
 
 
@@ -598,10 +666,32 @@ def table_rows(man: dict) -> str:
                 if e.get("ran_on_cpu")
                 else "ok, " + (e.get("ort_cpu_run") or e.get("ort_cpu_session", ""))[:120]
             )
+        diff = e.get("logits_vs_transformers")
+        diff_text = "" if "error" in e else (f"{diff:.1e}" if diff is not None else "did not run")
         rows.append(
-            f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} |"
+            f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} "
+            f"| {diff_text} |"
         )
     return "\n".join(rows) + "\n"
+
+
+#: made in /work/producers but left out of tests/data/producers (the form is there for other
+#: families) to keep the committed tree near 25 MB: dynamo files carry ~400 KB of node metadata
+NOT_COMMITTED = frozenset(
+    {
+        "torch-tf4.57/dynamo-opset18-nooptimize/gemma2",
+        *(
+            f"torch-tf4.57/dynamo-opset23-optimize/{f}"
+            for f in ("qwen2", "granite", "gemma3", "phi3", "mistral")
+        ),
+        "torch-tf4.57/dynamo-opset20-optimize/qwen3",
+        "torch-tf5/dynamo-opset23-optimize/qwen2",
+        "torch-tf5/dynamo-opset23-optimize/granite",
+        "torch-tf4.57/torchscript-opset18/mistral",
+        "optimum/optimum-cli/granite",
+        *(f"mobius/mobius-cpu-gqa/{f}" for f in ("qwen2", "granite", "olmo2", "smollm3")),
+    }
+)
 
 
 def publish() -> None:
@@ -610,6 +700,14 @@ def publish() -> None:
         shutil.rmtree(dest)
     shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp"))
     man = json.loads(MANIFEST.read_text())
+    man["models"] = [e for e in man["models"] if e["path"] not in NOT_COMMITTED]
+    for rel in NOT_COMMITTED:
+        if (dest / rel).exists():
+            shutil.rmtree(dest / rel)
+    for d in sorted(dest.rglob("*"), reverse=True):  # folders left empty
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+    (dest / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
     (dest / "README.md").write_text(README_HEAD + table_rows(man))
 
 
