@@ -53,6 +53,7 @@ __all__ = [
     "AttentionFusionPass",
     "Bfloat16ToFloatPass",
     "DecomposedAttentionFusionPass",
+    "Float16AttentionPass",
     "Fp8KvCachePass",
     "GqaFusionPass",
     "KvCacheEmulationPass",
@@ -81,6 +82,7 @@ __all__ = [
     # errors
     "CalibrationDataWarning",
     "ClippingWarning",
+    "Float16AttentionWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -96,6 +98,7 @@ __all__ = [
     "ScalesAdjustedWarning",
     "SharedWeightsWarning",
     "SkippedNodeWarning",
+    "UnfusedAttentionWarning",
     "UnitScalesWarning",
 ]
 
@@ -146,6 +149,7 @@ _EXPORTS = {  # where each name lives; imported on first use
     "onnx_kvcache.errors": (
         "CalibrationDataWarning",
         "ClippingWarning",
+        "Float16AttentionWarning",
         "FusionSkippedWarning",
         "GenaiConfigWarning",
         "KvCacheError",
@@ -161,6 +165,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "ScalesAdjustedWarning",
         "SharedWeightsWarning",
         "SkippedNodeWarning",
+        "UnfusedAttentionWarning",
         "UnitScalesWarning",
     ),
     "onnx_kvcache.runtime.evaluation": (
@@ -185,6 +190,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "AttentionFusionPass",
         "Bfloat16ToFloatPass",
         "DecomposedAttentionFusionPass",
+        "Float16AttentionPass",
         "Fp8KvCachePass",
         "GqaFusionPass",
         "KvCacheEmulationPass",
@@ -261,6 +267,7 @@ if TYPE_CHECKING:
     from onnx_kvcache.errors import (
         CalibrationDataWarning,
         ClippingWarning,
+        Float16AttentionWarning,
         FusionSkippedWarning,
         GenaiConfigWarning,
         KvCacheError,
@@ -276,6 +283,7 @@ if TYPE_CHECKING:
         ScalesAdjustedWarning,
         SharedWeightsWarning,
         SkippedNodeWarning,
+        UnfusedAttentionWarning,
         UnitScalesWarning,
     )
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
@@ -285,6 +293,7 @@ if TYPE_CHECKING:
         AttentionFusionPass,
         Bfloat16ToFloatPass,
         DecomposedAttentionFusionPass,
+        Float16AttentionPass,
         Fp8KvCachePass,
         GqaFusionPass,
         KvCacheEmulationPass,

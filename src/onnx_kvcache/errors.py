@@ -26,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "CalibrationDataWarning",
     "ClippingWarning",
+    "Float16AttentionWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -46,6 +47,7 @@ __all__ = [
     "ScalesAdjustedWarning",
     "SharedWeightsWarning",
     "SkippedNodeWarning",
+    "UnfusedAttentionWarning",
     "UnitScalesWarning",
     "Wording",
     "render",
@@ -274,6 +276,11 @@ class SkippedNodeWarning(KvCacheWarning):
     """The quantization pass left an attention node's cache as it was (not a graph input)."""
 
 
+class UnfusedAttentionWarning(KvCacheWarning):
+    """A quantization pass converted nothing: the model's attention is not GroupQueryAttention
+    yet (an export), and becomes it only by fusion (``GqaFusionPass``, ``optimize_model``)."""
+
+
 class UnitScalesWarning(KvCacheWarning):
     """A cache gets (or keeps) unit scales, 1.0: never calibrated."""
 
@@ -305,6 +312,11 @@ class SharedWeightsWarning(KvCacheWarning):
     until the other link is gone."""
 
 
+class Float16AttentionWarning(KvCacheWarning):
+    """A float32 model's attention computes in float16 for a target without float32
+    GroupQueryAttention (CUDA): the conversion casts around it, weights untouched."""
+
+
 class GenaiConfigWarning(KvCacheWarning):
     """An onnxruntime-genai config names another provider than the target and was not changed."""
 
@@ -331,6 +343,7 @@ WARNINGS: tuple[type[KvCacheWarning], ...] = (
     PaddingAssumptionWarning,
     FusionSkippedWarning,
     SkippedNodeWarning,
+    UnfusedAttentionWarning,
     UnitScalesWarning,
     ScalesAdjustedWarning,
     CalibrationDataWarning,
@@ -339,6 +352,7 @@ WARNINGS: tuple[type[KvCacheWarning], ...] = (
     RuntimeSupportWarning,
     SharedWeightsWarning,
     GenaiConfigWarning,
+    Float16AttentionWarning,
 )
 
 

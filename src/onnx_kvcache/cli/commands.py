@@ -242,14 +242,16 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     from onnx_kvcache.capabilities.refusals import RefusalCode
     from onnx_kvcache.capabilities.table import check_kv_cache_support
     from onnx_kvcache.files.reading import load_model
-    from onnx_kvcache.pipeline.decision import fuse_unless_attention
+    from onnx_kvcache.pipeline.decision import adaptation_for, fuse_unless_attention
 
     if any(r.code is RefusalCode.NO_CUDA_DEVICE for r in result.refusals):
         return ""
     model = fuse_unless_attention(load_model(model_path)).model  # an export: judge what it fuses to
 
-    def runs(ep: str, fmt: str) -> bool:
-        return check_kv_cache_support(model, ep, fmt, result.granularity).supported
+    def runs(ep: str, fmt: str) -> bool:  # as convert would decide: with an adaptation's pass
+        refusals = check_kv_cache_support(model, ep, fmt, result.granularity).refusals
+        row = adaptation_for(model, ep, refusals)
+        return not [r for r in refusals if row is None or r.code != row.cures]
 
     fixes = []
     providers = [ep for ep in ep_choices() if ep != result.target and runs(ep, result.format)]
