@@ -28,6 +28,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache import errors as E
 from onnx_kvcache.models.decoder import save_genai_folder
+from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.scales.files import KvCacheScales
 
 from conftest import gqa_model, paged_model
@@ -178,6 +179,10 @@ TRIGGERS: dict[type[E.KvCacheWarning], Callable[[pathlib.Path], object]] = {
     ),
     E.SharedWeightsWarning: _linked,
     E.GenaiConfigWarning: _genai_for_openvino,
+    E.UnfusedAttentionWarning: lambda _: KvCacheQuantizationPass("fp8")(
+        build_decoder(exported_config("llama", num_layers=2))
+    ),
+    E.Float16AttentionWarning: lambda _: optimize_model(build_decoder(num_layers=1), fp8_kv_cache=True),
 }
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "AttentionFusionPass",
     "Bfloat16ToFloatPass",
     "DecomposedAttentionFusionPass",
+    "Float16AttentionPass",
     "Fp8KvCachePass",
     "GqaFusionPass",
     "KvCacheEmulationPass",
@@ -82,6 +83,7 @@ __all__ = [
     "CalibrationDataWarning",
     "ClippingWarning",
     "ContextLengthWarning",
+    "Float16AttentionWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -98,6 +100,7 @@ __all__ = [
     "ScalesAdjustedWarning",
     "SharedWeightsWarning",
     "SkippedNodeWarning",
+    "UnfusedAttentionWarning",
     "UnitScalesWarning",
 ]
 
@@ -149,6 +152,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "CalibrationDataWarning",
         "ClippingWarning",
         "ContextLengthWarning",
+        "Float16AttentionWarning",
         "FusionSkippedWarning",
         "GenaiConfigWarning",
         "KvCacheError",
@@ -165,6 +169,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "ScalesAdjustedWarning",
         "SharedWeightsWarning",
         "SkippedNodeWarning",
+        "UnfusedAttentionWarning",
         "UnitScalesWarning",
     ),
     "onnx_kvcache.runtime.evaluation": (
@@ -189,6 +194,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "AttentionFusionPass",
         "Bfloat16ToFloatPass",
         "DecomposedAttentionFusionPass",
+        "Float16AttentionPass",
         "Fp8KvCachePass",
         "GqaFusionPass",
         "KvCacheEmulationPass",
@@ -266,6 +272,7 @@ if TYPE_CHECKING:
         CalibrationDataWarning,
         ClippingWarning,
         ContextLengthWarning,
+        Float16AttentionWarning,
         FusionSkippedWarning,
         GenaiConfigWarning,
         KvCacheError,
@@ -282,6 +289,7 @@ if TYPE_CHECKING:
         ScalesAdjustedWarning,
         SharedWeightsWarning,
         SkippedNodeWarning,
+        UnfusedAttentionWarning,
         UnitScalesWarning,
     )
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
@@ -291,6 +299,7 @@ if TYPE_CHECKING:
         AttentionFusionPass,
         Bfloat16ToFloatPass,
         DecomposedAttentionFusionPass,
+        Float16AttentionPass,
         Fp8KvCachePass,
         GqaFusionPass,
         KvCacheEmulationPass,

@@ -27,6 +27,7 @@ __all__ = [
     "CalibrationDataWarning",
     "ClippingWarning",
     "ContextLengthWarning",
+    "Float16AttentionWarning",
     "FusionSkippedWarning",
     "GenaiConfigWarning",
     "KvCacheError",
@@ -48,6 +49,7 @@ __all__ = [
     "ScalesAdjustedWarning",
     "SharedWeightsWarning",
     "SkippedNodeWarning",
+    "UnfusedAttentionWarning",
     "UnitScalesWarning",
     "Wording",
     "render",
@@ -282,6 +284,11 @@ class SkippedNodeWarning(KvCacheWarning):
     """The quantization pass left an attention node's cache as it was (not a graph input)."""
 
 
+class UnfusedAttentionWarning(KvCacheWarning):
+    """A quantization pass converted nothing: the model's attention is not GroupQueryAttention
+    yet (an export), and becomes it only by fusion (``GqaFusionPass``, ``optimize_model``)."""
+
+
 class UnitScalesWarning(KvCacheWarning):
     """A cache gets (or keeps) unit scales, 1.0: never calibrated."""
 
@@ -318,6 +325,11 @@ class SharedWeightsWarning(KvCacheWarning):
     until the other link is gone."""
 
 
+class Float16AttentionWarning(KvCacheWarning):
+    """A float32 model's attention computes in float16 for a target without float32
+    GroupQueryAttention (CUDA): the conversion casts around it, weights untouched."""
+
+
 class GenaiConfigWarning(KvCacheWarning):
     """An onnxruntime-genai config names another provider than the target and was not changed."""
 
@@ -344,6 +356,7 @@ WARNINGS: tuple[type[KvCacheWarning], ...] = (
     PaddingAssumptionWarning,
     FusionSkippedWarning,
     SkippedNodeWarning,
+    UnfusedAttentionWarning,
     UnitScalesWarning,
     ScalesAdjustedWarning,
     CalibrationDataWarning,
@@ -353,6 +366,7 @@ WARNINGS: tuple[type[KvCacheWarning], ...] = (
     RuntimeSupportWarning,
     SharedWeightsWarning,
     GenaiConfigWarning,
+    Float16AttentionWarning,
 )
 
 

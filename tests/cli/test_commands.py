@@ -434,3 +434,60 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
     assert main([*argv, "--semantics", "cpu"]) == 0
     cpu = "cpu (emulated on CPU)" if fmt == "fp8" else "cpu (onnxruntime CPU kernel)"
     assert f"kernel rule           {cpu}" in capsys.readouterr().out
+
+
+# -- issue 32, item 2: inspect previews what convert does to an export -----------------------
+
+
+@pytest.mark.parametrize(
+    ("export", "ep", "line"),
+    [
+        (
+            "export_llama_opset23.onnx",
+            [],
+            "convert for cpu (a float32 model): int8 per_tensor, cache bytes per token 384",
+        ),
+        (
+            "optimum_llama",
+            ["--ep", "cuda"],
+            "convert for cuda (given): fp8 per_tensor, cache bytes per token 384 (now 1536, 4.00x smaller); "
+            "the attention computes in float16",
+        ),
+        (
+            "optimum_llama",
+            ["--ep", "dml"],
+            "convert for dml (given) would refuse: KV cache not converted to fp8",
+        ),
+    ],
+)
+def test_inspect_previews_an_export_without_writing_it(capsys, export, ep, line):
+    path = pathlib.Path(__file__).parents[1] / "data" / export
+    graph = path / "model.onnx" if path.is_dir() else path
+    before = graph.read_bytes()
+    assert main(["inspect", str(path), *ep]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no GroupQueryAttention node yet: convert fuses 3 attention layer(s)")
+    assert "past_key_values.2.key" in out and "cache bytes per token: 1536 (unquantized)" in out
+    assert line in out
+    assert graph.read_bytes() == before
+    assert main(["inspect", str(path), *ep, "--json", "--context", "100"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["layers"]) == 3 and doc["cache_bytes"] == 153600
+    assert doc["preview"]["fused_layers"] == 3 and (doc["preview"]["refused"] is None) == (
+        "refuse" not in line
+    )
+    assert graph.read_bytes() == before
+
+
+def test_inspect_of_an_export_that_does_not_fuse_says_why(tmp_path, capsys):
+    model = ir.load(pathlib.Path(__file__).parents[1] / "data" / "export_llama_opset23.onnx")
+    for node in model.graph:
+        if node.op_type == "Attention":
+            node.attributes["scale"] = ir.AttrFloat32("scale", float("nan"))
+    ir.save(model, tmp_path / "m.onnx")
+    assert main(["inspect", str(tmp_path / "m.onnx")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "no GroupQueryAttention or PagedAttention node with a KV cache"
+    assert lines[1].startswith(
+        "convert would refuse: Not converted: attention fusion fused nothing: 3 attention"
+    )

@@ -23,13 +23,14 @@ from command_cases import fp16_model_file, model_file, scale_file  # noqa: F401 
 
 
 def test_without_ep_the_target_is_inferred_and_gated(tmp_path, model_file, fp16_model_file, capsys):
-    out = tmp_path / "o.onnx"
-    assert main(["convert", str(model_file), str(out), "--format", "fp8"]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("onnx-kvcache: not converted for cuda")
-    assert "(assumed: fp8 caches run only on CUDA; --ep to choose)" in err
-    assert "Fix: --ep cpu --format int8 or int4, if the model will run there." in err
-    assert not out.exists()
+    out, out32 = tmp_path / "o.onnx", tmp_path / "o32.onnx"
+    # float32: CUDA computes the attention in float16
+    assert main(["convert", str(model_file), str(out32), "--format", "fp8"]) == 0
+    said = capsys.readouterr()
+    assert "to fp8 per_tensor for cuda (assumed: fp8 caches run only on CUDA; --ep to choose)" in said.out
+    warned = "onnx-kvcache: warning: cuda has no float32 GroupQueryAttention: the 2 attention layer(s)"
+    assert warned in said.err
+    assert out32.exists()
     assert main(["convert", str(fp16_model_file), str(out), "--format", "fp8"]) == 0
     stdout = capsys.readouterr().out
     assert "to fp8 per_tensor for cuda (assumed: a float16 model; --ep to choose)" in stdout
@@ -62,10 +63,16 @@ def test_genai_provider_options_name_the_target(tmp_path, capsys):
     config["model"]["decoder"]["session_options"]["provider_options"] = [{"cuda": {"enable_cuda_graph": "0"}}]
     (folder / "genai_config.json").write_text(json.dumps(config))
     scales = str(scale_file(tmp_path))
-    assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 1
+    assert main(["convert", str(folder), str(tmp_path / "o"), "--format", "int8", "--scales", scales]) == 0
+    said = capsys.readouterr()
+    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda'; --ep to choose)" in said.out
+    assert "compute in float16" in said.err  # a float32 folder: CUDA takes no float32 query
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"dml": {}}]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert main(["convert", str(folder), str(tmp_path / "o2"), "--format", "int8", "--scales", scales]) == 1
     err = capsys.readouterr().err
-    assert "for cuda (assumed: genai_config.json's provider_options name 'cuda'; --ep to choose)" in err
-    assert "FLOAT" in err and "Fix: --ep cpu or openvino runs int8, if the model will run there" in err
+    assert "for dml (assumed: genai_config.json's provider_options name 'dml'; --ep to choose)" in err
+    assert "Fix: --ep cpu or cuda or openvino runs int8, if the model will run there" in err
 
 
 def test_ep_takes_the_providers_of_the_capability_table(capsys):
@@ -347,11 +354,13 @@ def test_fp8_for_openvino_is_refused_for_its_true_reason(tmp_path, model_file, c
         "onnx-kvcache: not converted for openvino (--ep): openvino does not list fp8: an fp8 cache compiles "
         "there, but its codes differ from onnxruntime's rule"
     )
-    assert "no GroupQueryAttention kernel" not in err and "Fix: openvino runs --format int8 or int4." in err
+    assert "no GroupQueryAttention kernel" not in err
+    # cuda runs fp8 for this float32 model too, with its attention in float16
+    assert "Fix: --ep cuda runs fp8, if the model will run there; openvino runs --format int8 or int4." in err
 
 
 @pytest.mark.parametrize("name", ["CUDAExecutionProvider", "CUDA", "gpu"])
 def test_ep_takes_onnxruntimes_provider_names_too(tmp_path, model_file, capsys, name):
     out = tmp_path / "o.onnx"
-    assert main(["convert", str(model_file), str(out), "--format", "fp8", "--ep", name]) == 1
-    assert "not converted for cuda (--ep)" in capsys.readouterr().err  # float32: CUDA has no kernel
+    assert main(["convert", str(model_file), str(out), "--format", "fp8", "--ep", name]) == 0
+    assert "to fp8 per_tensor for cuda: " in capsys.readouterr().out  # the row of cuda

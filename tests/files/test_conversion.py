@@ -481,12 +481,8 @@ def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, sh
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        (
-            {"format": "fp8"},
-            "not converted to fp8 per_tensor for cuda: cuda's GroupQueryAttention takes queries",
-        ),
-        ({"format": "fp8", "ep": "cuda"}, "cuda's GroupQueryAttention takes queries of"),
         ({"format": "fp8", "ep": "cpu"}, "KV cache not converted to fp8 per_tensor for cpu: cpu has no"),
+        ({"format": "int8", "ep": "dml"}, "KV cache not converted to int8 per_tensor for dml: dml has no"),
     ],
 )
 def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_path, kwargs, reason):
@@ -500,6 +496,26 @@ def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
     with pytest.raises(KvCacheError, match=reason):
         convert_model(source, tmp_path / "o.onnx", strict=True, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"format": "fp8"}, {"format": "fp8", "ep": "cuda"}, {"ep": "cuda"}])
+def test_a_float32_model_converts_to_fp8_for_cuda_with_its_attention_in_float16(tmp_path, kwargs):
+    """CUDA has no float32 GroupQueryAttention: the attention computes in float16, one warning says so."""
+    from onnx_kvcache import Float16AttentionWarning, build_decoder, check_kv_cache_support
+
+    source = tmp_path / "m.onnx"
+    ir.save(build_decoder(num_layers=2), source)
+    with pytest.warns(KvCacheWarning) as said:
+        result = convert_model(source, tmp_path / "o.onnx", strict=True, **kwargs)
+    assert result.converted and result.target == "cuda" and result.format == "fp8"
+    assert [str(w.message).split(":")[0] for w in said if w.category is Float16AttentionWarning] == [
+        "cuda has no float32 GroupQueryAttention"
+    ]
+    out = ir.load(tmp_path / "o.onnx")
+    assert check_kv_cache_support(out, "cuda", "fp8").supported
+    assert {v.dtype for v in out.graph.initializers.values() if v.name.startswith("model.")} == {
+        ir.DataType.FLOAT
+    }
 
 
 @pytest.mark.parametrize(("dtype", "fmt"), [("float32", "int8"), ("float16", "fp8")])

@@ -7,7 +7,14 @@ import dataclasses
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, NotConvertedWarning, build_decoder, check_kv_cache_support
+from onnx_kvcache import (
+    Float16AttentionWarning,
+    KvCacheError,
+    NotConvertedWarning,
+    build_decoder,
+    check_kv_cache_support,
+)
+from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.capabilities.refusals import Parameter, RefusalCode
 from onnx_kvcache.errors import FusionSkippedWarning, SkippedNodeWarning
 from onnx_kvcache.models.exported import ExportStyle, exported_config
@@ -110,7 +117,7 @@ def test_convert_refuses_a_model_with_nothing_to_convert():
     ("model", "target", "fmt", "expected"),
     [
         (gqa_model, "cpu", "fp8", [RefusalCode.FORMAT_UNSUPPORTED]),
-        (gqa_model, "cuda", "fp8", [RefusalCode.QUERY_DTYPE_UNSUPPORTED]),
+        (lambda: gqa_model(dtype=ir.DataType.BFLOAT16), "cpu", "int8", [RefusalCode.QUERY_DTYPE_UNSUPPORTED]),
         (gqa_model, "webgpu", "int8", [RefusalCode.FORMAT_UNSUPPORTED]),
         (gqa_model, "dml", "int8", [RefusalCode.FORMAT_UNSUPPORTED]),
         (lambda: gqa_model(qk_norm=True), "cpu", "int8", [RefusalCode.QK_NORM_UNSUPPORTED]),
@@ -131,10 +138,11 @@ def test_an_unknown_provider_is_named_first_by_convert_only():
     assert {r.parameter for r in convert.refusals} == {Parameter.EP}
 
 
-def test_the_inferred_target_is_explained_by_optimize():
+def test_the_inferred_target_is_explained_by_optimize(monkeypatch):
+    monkeypatch.setattr(pipeline, "cuda_compute_capability", lambda: (8, 6))  # no fp8 there
     model = gqa_model()
-    optimize = decide(Request(model, Entry.OPTIMIZE, "fp8", scales=SCALES))
-    convert = decide(Request(gqa_model(), Entry.CONVERT, "fp8", scales=SCALES))
+    optimize = decide(Request(model, Entry.OPTIMIZE, "fp8", scales=SCALES, check_device=True))
+    convert = decide(Request(gqa_model(), Entry.CONVERT, "fp8", scales=SCALES, check_device=True))
     assert optimize.target == convert.target == "cuda"  # an fp8 cache runs only there
     assert "(inferred: fp8 caches run only on CUDA; name the target with" in optimize.message
     assert convert.message.startswith("KV cache not converted to fp8 per_tensor for cuda: ")
@@ -267,3 +275,46 @@ def test_allow_partial_converts_the_layers_a_fusion_fused():
 
 def count_int8(model: ir.Model) -> int:
     return sum(v.dtype == ir.DataType.INT8 for v in model.graph.inputs)
+
+
+@pytest.mark.parametrize("entry", list(Entry))
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_a_float32_model_for_cuda_converts_with_its_attention_in_float16(entry, fmt):
+    """Rule 7: CUDA takes no float32 query; the row of ADAPTATIONS lifts that refusal."""
+    model = gqa_model()
+    decision = decide(Request(model, entry, fmt, scales=SCALES, target="cuda"))
+    assert decision.converted and decision.adaptation is pipeline.ADAPTATIONS[0]
+    with pytest.warns(
+        Float16AttentionWarning, match="cuda has no float32 GroupQueryAttention: the 1 attention"
+    ):
+        assert carry_out(decision)
+    assert check_kv_cache_support(decision.model, "cuda", fmt).supported
+    assert cache_dtype(decision.model) == get_format(fmt).dtype
+
+
+@pytest.mark.parametrize(
+    ("model", "target", "fmt"),
+    [
+        (lambda: gqa_model(dtype=ir.DataType.FLOAT16), "cuda", "fp8"),  # nothing to cure
+        (gqa_model, "cpu", "int8"),  # cpu takes float32
+        (lambda: gqa_model(dtype=ir.DataType.BFLOAT16), "cpu", "int8"),  # not float32: refused as it is
+    ],
+)
+def test_no_adaptation_where_none_is_needed_or_none_cures(model, target, fmt):
+    decision = decide(Request(model(), Entry.OPTIMIZE, fmt, scales=SCALES, target=target))
+    assert decision.adaptation is None
+
+
+def test_an_adaptation_lifts_only_the_refusal_it_cures(monkeypatch):
+    monkeypatch.setattr(pipeline, "cuda_compute_capability", lambda: (8, 6))
+    decision = decide(
+        Request(gqa_model(), Entry.OPTIMIZE, "fp8", scales=SCALES, target="cuda", check_device=True)
+    )
+    assert codes(decision) == [RefusalCode.COMPUTE_CAPABILITY_TOO_LOW] and decision.adaptation is None
+
+
+def test_an_export_fused_for_cuda_converts_only_when_a_format_is_asked():
+    fused_only = decide(Request(export(), Entry.OPTIMIZE, target="cuda"))
+    assert codes(fused_only) == [RefusalCode.QUERY_DTYPE_UNSUPPORTED]
+    converted = decide(Request(export(), Entry.OPTIMIZE, "fp8", target="cuda"))
+    assert converted.converted and converted.adaptation is not None

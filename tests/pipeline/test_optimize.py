@@ -12,6 +12,7 @@ import pytest
 
 from exported_attention import exported_decoder
 from onnx_kvcache import (
+    Float16AttentionWarning,
     Fp8KvCachePass,
     GqaFusionPass,
     KvCacheError,
@@ -19,6 +20,7 @@ from onnx_kvcache import (
     NotConvertedWarning,
     optimize_model,
 )
+from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import ScalesAdjustedWarning
 
 from conftest import gqa_model
@@ -42,7 +44,10 @@ def test_fp8_on_cuda_for_a_fp16_model():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"execution_provider": "cuda", "fp8_kv_cache": True}, "takes queries of"),  # float32 model
+        (
+            {"execution_provider": "dml", "kv_cache_format": "int8"},
+            "no GroupQueryAttention kernel for an int8",
+        ),
         ({"execution_provider": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for an fp8"),
         ({"execution_provider": "webgpu", "kv_cache_format": "int8"}, "no GroupQueryAttention kernel"),
     ],
@@ -55,6 +60,34 @@ def test_declines_with_one_warning_or_raises_when_strict(kwargs, reason):
     with pytest.raises(KvCacheError, match=reason):
         optimize_model(model, kv_cache_scales=SCALES, strict=True, **kwargs)
     assert quant_type(model) == "NONE"
+
+
+@pytest.mark.parametrize("provider", ["cuda", "auto"])
+def test_fp8_for_a_float32_model_computes_its_attention_in_float16(provider):
+    model = gqa_model()
+    weights = dict(model.graph.initializers)
+    with pytest.warns(Float16AttentionWarning, match="weights and every other node stay float32") as said:
+        optimize_model(
+            model, fp8_kv_cache=True, kv_cache_scales=SCALES, execution_provider=provider, strict=True
+        )
+    assert len([w for w in said if w.category is Float16AttentionWarning]) == 1
+    assert quant_type(model) == "PER_TENSOR" and model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
+    gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert gqa.inputs[0].dtype == ir.DataType.FLOAT16 and gqa.inputs[0].producer().op_type == "Cast"
+    assert dict(model.graph.initializers).keys() - weights.keys() == {
+        "past_key_values.0.key_scale",
+        "past_key_values.0.value_scale",
+    }
+
+
+def test_fp8_that_converts_nothing_is_seen_in_the_model_or_raised_with_strict():
+    """The docstring's advice: a model returned as it was is told by its cache, or by strict."""
+    model = gqa_model()
+    with pytest.warns(NotConvertedWarning):
+        optimize_model(model, fp8_kv_cache=True, execution_provider="cpu")
+    assert not any(s.cache_format for s in find_attention_sites(model))
+    with pytest.raises(KvCacheError, match="fp8"):
+        optimize_model(model, fp8_kv_cache=True, execution_provider="cpu", strict=True)
 
 
 def test_check_device_without_gpu_declines():

@@ -251,14 +251,16 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     from onnx_kvcache.capabilities.refusals import RefusalCode
     from onnx_kvcache.capabilities.table import check_kv_cache_support
     from onnx_kvcache.files.reading import load_model
-    from onnx_kvcache.pipeline.decision import fuse_unless_attention
+    from onnx_kvcache.pipeline.decision import adaptation_for, fuse_unless_attention
 
     if any(r.code in (RefusalCode.NO_CUDA_DEVICE, RefusalCode.PARTIAL_CONVERSION) for r in result.refusals):
         return ""  # no other provider or format helps
     model = fuse_unless_attention(load_model(model_path)).model  # an export: judge what it fuses to
 
-    def runs(ep: str, fmt: str) -> bool:
-        return check_kv_cache_support(model, ep, fmt, result.granularity).supported
+    def runs(ep: str, fmt: str) -> bool:  # as convert would decide: with an adaptation's pass
+        refusals = check_kv_cache_support(model, ep, fmt, result.granularity).refusals
+        row = adaptation_for(model, ep, refusals)
+        return not [r for r in refusals if row is None or r.code != row.cures]
 
     fixes = []
     providers = [ep for ep in ep_choices() if ep != result.target and runs(ep, result.format)]
@@ -374,24 +376,20 @@ def _inspect(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     info = inspect_kv_cache(model)
     _, config = resolve_model_path(args.model)
-    diagnostics = (
-        fast_path_diagnostics(model, share_buffer=share_buffer(config)) if args.ep == "cuda" else None
-    )
+    if not info.layers and not args.json:
+        return _inspect_preview(args, model, config)
+    cuda = args.ep == "cuda" and bool(info.layers)  # an export's fast path: once converted
+    diagnostics = fast_path_diagnostics(model, share_buffer=share_buffer(config)) if cuda else None
     if args.json:
         doc = info.to_json(args.context, args.batch or 1)
+        if not info.layers:
+            doc = _preview_json(args, model, config)
         if diagnostics is not None:
             doc["fast_path"] = [
                 {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
                 for d in diagnostics
             ]
         _print(json.dumps(doc, indent=2))
-        return 0
-    if not info.layers:
-        exported = any(n.op_type in ("Attention", "Softmax") for n in model.graph)
-        _print(
-            "no GroupQueryAttention or PagedAttention node with a KV cache"
-            + ("; convert fuses an export's attention first (docs/exporting.md)" if exported else "")
-        )
         return 0
     _print(format_cache_table(info, args.context, args.batch or 1))
     if diagnostics is not None:
@@ -400,6 +398,50 @@ def _inspect(args: argparse.Namespace) -> int:
             verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(map(_words, d.reasons))
             _print(f"  layer {d.layer_id}: {verdict}")
     return 0
+
+
+def _preview_json(args: argparse.Namespace, model: Any, config: Any) -> dict[str, Any]:
+    """``inspect --json`` of a model without attention nodes: its fused copy's cache and what
+    ``convert`` would do (``preview``)."""
+    from onnx_kvcache.pipeline.preview import preview_conversion
+
+    preview = preview_conversion(model, args.ep, config)
+    return preview.cache.to_json(args.context, args.batch or 1) | {"preview": preview.to_json(_words)}
+
+
+def _inspect_preview(args: argparse.Namespace, model: Any, config: Any) -> int:
+    """``inspect`` of a model without attention nodes (an export): the cache of a copy fused in
+    memory, and what ``convert`` would do (the file is never written)."""
+    from onnx_kvcache.cache.layout import format_cache_table
+    from onnx_kvcache.pipeline.preview import preview_conversion
+
+    preview = preview_conversion(model, args.ep, config)
+    if not preview.cache.layers:
+        _print("no GroupQueryAttention or PagedAttention node with a KV cache")
+        if preview.refusal is not None:
+            _print(f"convert would refuse: {_words(preview.refusal)}")
+        return 0
+    _print(
+        f"no GroupQueryAttention node yet: convert fuses {preview.fused} attention layer(s) into "
+        "GroupQueryAttention; the cache below is that of a copy fused in memory (the file is unchanged)"
+    )
+    _print(format_cache_table(preview.cache, args.context, args.batch or 1))
+    _print(_preview_line(preview))
+    return 0
+
+
+def _preview_line(preview: Any) -> str:
+    """What ``convert`` would do: the target, format and bytes per token, or its refusal."""
+    where = f"{preview.target} ({preview.target_source})" if preview.target else "no target"
+    if preview.refusal is not None:
+        return f"convert for {where} would refuse: {_words(preview.refusal)}"
+    before, after = preview.cache.bytes_per_token, preview.bytes_per_token_after
+    ratio = f", {before / after:.2f}x smaller" if after else ""
+    half = "; the attention computes in float16" if preview.float16_attention else ""
+    return (
+        f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
+        f"{after:g} (now {before:g}{ratio}){half}"
+    )
 
 
 def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:

@@ -6,6 +6,7 @@ __all__ = [
     "AttentionFusionPass",
     "Bfloat16ToFloatPass",
     "DecomposedAttentionFusionPass",
+    "Float16AttentionPass",
     "Fp8KvCachePass",
     "GqaFusionPass",
     "KvCacheEmulationPass",
@@ -14,6 +15,7 @@ __all__ = [
 ]
 
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
+from onnx_kvcache.passes.float16_attention import Float16AttentionPass
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass

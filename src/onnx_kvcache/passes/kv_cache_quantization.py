@@ -48,6 +48,11 @@ node's operator row:
    the target would give (docs/scales.md, "Requantizing"); so do mse thresholds (a scale
    file's ``method``, or the marker of our conversion) moved to another format.
 
+A model with no attention node at all but attention a fusion would try (an export: ONNX
+``Attention``, or decomposed) is left as it is with an
+:class:`~onnx_kvcache.errors.UnfusedAttentionWarning` naming ``GqaFusionPass`` and
+``optimize_model``: the pass converts GroupQueryAttention and PagedAttention only.
+
 Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
 before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
 scales) are given once the checks have passed, attributed to the caller's line.
@@ -83,6 +88,7 @@ from onnx_kvcache.errors import (
     Param,
     ScalesAdjustedWarning,
     SkippedNodeWarning,
+    UnfusedAttentionWarning,
     UnitScalesWarning,
     warn,
 )
@@ -218,6 +224,8 @@ class KvCacheQuantizationPass(InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         planned = self._plan_model(model)
         plans, notes = planned.sites, planned.notes
+        if not plans and not find_attention_sites(model, with_cache_only=False):
+            notes = [*_unfused_notes(model, type(self).__name__), *notes]
         for note in notes:
             warn(note)
         store = _ScaleStore(model)
@@ -549,6 +557,25 @@ class Fp8KvCachePass(KvCacheQuantizationPass):
 
     def __init__(self, scales: ScalesLike = None, *, shared_kv_scale: bool = False) -> None:
         super().__init__("fp8", "per_tensor", scales, shared_kv_scale=shared_kv_scale)
+
+
+def _unfused_notes(model: ir.Model, name: str) -> list[KvCacheWarning]:
+    """The warning for a model whose attention this pass converts only once fused (an export)."""
+    from onnx_kvcache.passes.fusion.gqa_fusion import fusion_candidates  # only when there is no GQA
+
+    found = fusion_candidates(model)
+    if not found:
+        return []
+    first = found[0].name or found[0].op_type
+    return [
+        UnfusedAttentionWarning(
+            f"{name} converted nothing: the model has no GroupQueryAttention or PagedAttention node, "
+            f"but {len(found)} attention node(s) (ONNX Attention or decomposed; first {first}) that "
+            "become GroupQueryAttention only by fusion. Run GqaFusionPass first "
+            f"(ir.passes.PassManager([GqaFusionPass(), {name}(...)])), or call optimize_model, which "
+            "fuses, checks the target and quantizes (docs/exporting.md)."
+        )
+    ]
 
 
 _MERGED = "the range stays covered, channels of a smaller range get coarser steps"

@@ -14,7 +14,10 @@ Rules, in order, each a function:
    (named, else for ``convert_model`` the first the target runs).
 6. :func:`gate`: every :class:`~onnx_kvcache.capabilities.refusals.Refusal` of the capability rows
    (``check_device``: no CUDA GPU here is one).
-7. :func:`partial_refusal`: a cache the quantization pass would leave in its type (a node it
+7. :func:`adaptation_for`: refusals a row of :data:`ADAPTATIONS` cures are lifted, and its pass
+   runs after quantizing (a float32 model for CUDA, which has no float32 GroupQueryAttention:
+   the attention computes in float16, :class:`~onnx_kvcache.passes.float16_attention.Float16AttentionPass`).
+8. :func:`partial_refusal`: a cache the quantization pass would leave in its type (a node it
    skips) refuses the conversion: no model mixes cache types unless ``allow_partial``.
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
@@ -25,12 +28,15 @@ differ is a row of :data:`ENTRIES`.
 from __future__ import annotations
 
 __all__ = [
+    "ADAPTATIONS",
     "ENTRIES",
+    "Adaptation",
     "Decision",
     "Entry",
     "EntryRules",
     "Fusion",
     "Request",
+    "adaptation_for",
     "carry_out",
     "decide",
     "fuse_unless_attention",
@@ -44,14 +50,14 @@ __all__ = [
 import dataclasses
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
-from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.gating import (
@@ -63,8 +69,22 @@ from onnx_kvcache.capabilities.gating import (
 )
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
-from onnx_kvcache.errors import KvCacheError, Message, NotConvertedWarning, Param, RuntimeSupportWarning, warn
+from onnx_kvcache.errors import (
+    Float16AttentionWarning,
+    KvCacheError,
+    KvCacheWarning,
+    Message,
+    NotConvertedWarning,
+    Param,
+    RuntimeSupportWarning,
+    warn,
+)
 from onnx_kvcache.files.reading import check_defined
+from onnx_kvcache.passes.float16_attention import (
+    FLOAT16_ATTENTION_NOTE,
+    Float16AttentionPass,
+    float32_attention_sites,
+)
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
@@ -129,6 +149,35 @@ ENTRIES: dict[Entry, EntryRules] = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Adaptation:
+    """A refusal a pass cures: the model converts, and the pass runs after quantizing."""
+
+    cures: RefusalCode
+    """The refusal it lifts (the target's rows refuse the model's query dtype)."""
+    computes_in: ir.DataType
+    """The dtype the attention computes in afterwards: the target's row must take it."""
+    sites: Callable[[ir.Model], list[CacheSite]]
+    """The attention nodes the pass rewrites: it applies only when they are all of the model's."""
+    make_pass: Callable[[], ir.passes.PassBase]
+    note: str
+    """The line said once converted (``{target}``, ``{layers}``, ``{format}``)."""
+    category: type[KvCacheWarning]
+
+
+#: The refusals a pass run after quantizing cures, one row each (rule 7).
+ADAPTATIONS: tuple[Adaptation, ...] = (
+    Adaptation(
+        RefusalCode.QUERY_DTYPE_UNSUPPORTED,
+        ir.DataType.FLOAT16,
+        float32_attention_sites,
+        Float16AttentionPass,
+        FLOAT16_ATTENTION_NOTE,
+        Float16AttentionWarning,
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     """What a caller asks, validated by its entry point (names resolved, scales read)."""
 
@@ -190,6 +239,8 @@ class Decision:
     """The :class:`~onnx_kvcache.errors.NotConvertedWarning` a refusal says."""
     warnings: tuple[str, ...] = ()
     """Said once converted (the capability rows' warnings for the format)."""
+    adaptation: Adaptation | None = None
+    """Rule 7's row: its pass runs after quantizing (None: none needed)."""
 
     @property
     def model(self) -> ir.Model:
@@ -330,7 +381,30 @@ def _fusion_refusals(request: Request, fusion: Fusion, target: str | None) -> tu
         return ()
     if not find_attention_sites(fusion.model):
         return ()
-    return check_kv_cache_support(fusion.model, target, None, "per_tensor").refusals
+    refusals = check_kv_cache_support(fusion.model, target, None, "per_tensor").refusals
+    if request.format is not None:  # the cache is converted too: rule 7 may cure them
+        refusals = _lifted(refusals, adaptation_for(fusion.model, target, refusals))
+    return refusals
+
+
+def adaptation_for(model: ir.Model, target: str, refusals: tuple[Refusal, ...]) -> Adaptation | None:
+    """Rule 7: the row of :data:`ADAPTATIONS` that cures ``refusals`` of ``model`` on ``target``
+    (None: none does). A row applies when a refusal has its code, its pass rewrites every
+    attention node of the model, and every row of ``target`` for them takes its dtype."""
+    for row in ADAPTATIONS:
+        if not any(r.code == row.cures for r in refusals):
+            continue
+        sites = find_attention_sites(model, with_cache_only=False)
+        rewritten = {id(s.node) for s in row.sites(model)}
+        takes = all(row.computes_in in get_capabilities(target, s.op).query_dtypes for s in sites)
+        if sites and rewritten == {id(s.node) for s in sites} and takes:
+            return row
+    return None
+
+
+def _lifted(refusals: tuple[Refusal, ...], row: Adaptation | None) -> tuple[Refusal, ...]:
+    """``refusals`` without those ``row`` cures."""
+    return refusals if row is None else tuple(r for r in refusals if r.code != row.cures)
 
 
 def plan(
@@ -407,13 +481,26 @@ def decide(request: Request) -> Decision:
             check_device=request.check_device,
             name_unknown=rules.name_unknown_provider,
         )
-        if refusals:
+        adaptation = adaptation_for(fusion.model, target, refusals)
+        decision = dataclasses.replace(decision, adaptation=adaptation)
+        if refusals := _lifted(refusals, adaptation):
             head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
-            return _refused(decision, head, refusals)
+            return _refused(dataclasses.replace(decision, adaptation=None), head, refusals)
     partial = partial_refusal(request, fusion.model, fmt, granularity, scales)
     if partial is not None:
+        decision = dataclasses.replace(decision, adaptation=None)
         return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
+
+
+def _adapt(decision: Decision) -> None:
+    """Rule 7 carried out: the row's pass on the quantized model, and its one line."""
+    row = decision.adaptation
+    if row is None or decision.format is None:
+        return
+    layers = len(row.sites(decision.model))
+    row.make_pass()(decision.model)
+    warn(row.note.format(target=decision.target, layers=layers, format=decision.format.name), row.category)
 
 
 def _named_format(request: Request) -> CacheFormat | None:
@@ -444,6 +531,7 @@ def carry_out(decision: Decision) -> bool:
         validate_model(decision.model)  # what is returned or written loads: the same checks
     for recorded in decision.fusion.recorded:
         warn(recorded.message, recorded.category)
+    _adapt(decision)
     for warning in decision.warnings:
         warn(warning, RuntimeSupportWarning)
     return True

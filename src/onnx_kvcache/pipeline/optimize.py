@@ -188,9 +188,18 @@ def optimize_model(
             layer left unfused, a cache also read by another node); without it such a model
             is left as it was, with a warning naming the layers (``strict``: raises).
 
+    A function, not a pass: call it, or compose the passes it runs (``ir.passes.PassManager(
+    [GqaFusionPass(), Fp8KvCachePass(scales)])``). A float32 model for a target without float32
+    GroupQueryAttention (CUDA) gets its attention computed in float16 around the converted cache
+    (:class:`~onnx_kvcache.passes.float16_attention.Float16AttentionPass`, one
+    ``Float16AttentionWarning``), weights untouched.
+
     Returns:
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
-        warning, as it was.
+        warning, as it was. A request that converts nothing is easy to miss in a script: it
+        returns the model unchanged with one ``NotConvertedWarning`` (the reasons), so pass
+        ``strict=True`` to raise :class:`~onnx_kvcache.KvCacheError` instead, or check the result
+        (``inspect_kv_cache(model)``: every layer's cache dtype).
     """
     options = _Options(
         execution_provider,

@@ -24,6 +24,7 @@ __all__ = [
     "PADDING_WARNING",
     "WINDOW_PADDING_WARNING",
     "GqaFusionPass",
+    "fusion_candidates",
     "summarize_refusals",
     "unfused_refusal",
 ]
@@ -147,6 +148,13 @@ def _report(result: ir.passes.PassResult) -> FusionReport:
 
 def _has_contrib_rotary(graph: ir.Graph) -> bool:
     return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
+
+
+def fusion_candidates(model: ir.Model) -> list[ir.Node]:
+    """The main graph's nodes :class:`GqaFusionPass`'s own fusions would try (ONNX ``Attention``,
+    decomposed attention's last MatMul): a cheap look, nothing proven or changed."""
+    fusions = (AttentionFusionPass(), DecomposedAttentionFusionPass())
+    return [node for node in model.graph if any(f.is_candidate(node) for f in fusions)]
 
 
 def unfused_refusal(fused: int, refused: Sequence[FusionRefusal]) -> str | None:

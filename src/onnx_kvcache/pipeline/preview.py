@@ -1,0 +1,87 @@
+"""What ``convert`` would do to a model, decided on a copy: ``inspect``'s preview of an export.
+
+An export has no GroupQueryAttention node until its attention is fused, so its cache cannot be
+read from the graph as it is. :func:`preview_conversion` takes :mod:`~onnx_kvcache.pipeline.decision`'s
+decision for ``convert_model`` (no format named: the target's first) on a clone of the graph: the
+fusion (:func:`~onnx_kvcache.pipeline.decision.fuse_unless_attention`), the target, the format and
+granularity it would take, and the refusal ``convert`` would print. Nothing is quantized and the
+model given is never changed (nor is any file written); weights are not read.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Preview", "preview_conversion"]
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import onnx_ir as ir
+
+from onnx_kvcache.cache.layout import CacheModelInfo, inspect_kv_cache
+from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.files.reading import check_defined
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, decide
+
+
+@dataclasses.dataclass(frozen=True)
+class Preview:
+    """``convert_model``'s decision for a model, taken on its copy."""
+
+    fused: int
+    """Attention layers the fusion turned into GroupQueryAttention (0: none, or no fusion ran)."""
+    cache: CacheModelInfo
+    """The cache of the fused copy (float, as converting would find it)."""
+    target: str | None
+    target_source: str
+    """``"given"``, or how the target was inferred."""
+    format: str | None
+    granularity: str
+    bytes_per_token_after: float | None
+    """Cache bytes per token once converted (None: refused)."""
+    refusal: object | None
+    """What ``convert`` would say instead of converting (a :class:`~onnx_kvcache.errors.Message`)."""
+    float16_attention: bool = False
+    """The attention would compute in float16 (a float32 model for CUDA)."""
+
+    def to_json(self, render: Any = str) -> dict[str, Any]:
+        """The preview as ``inspect --json`` gives it (``render``: a message to text)."""
+        return {
+            "fused_layers": self.fused,
+            "target": self.target,
+            "target_source": self.target_source,
+            "format": self.format,
+            "granularity": self.granularity,
+            "bytes_per_token_after": self.bytes_per_token_after,
+            "float16_attention": self.float16_attention,
+            "refused": None if self.refusal is None else render(self.refusal),
+        }
+
+
+def _bytes_after(decision: Decision) -> float | None:
+    """Cache bytes per token of the decided model once in the decided format."""
+    if not decision.converted or decision.format is None:
+        return None
+    fmt = decision.format
+    sites = {id(s.past_key): s for s in find_attention_sites(decision.model)}.values()
+    return sum(len(s.sides) * s.kv_num_heads * s.head_size() * fmt.bytes_per_value() for s in sites)
+
+
+def preview_conversion(
+    model: ir.Model, ep: str | None = None, genai_config: Mapping[str, Any] | None = None
+) -> Preview:
+    """What ``convert_model(model, ep=ep)`` would decide, on a copy of ``model``'s graph."""
+    check_defined(model.graph)
+    request = Request(model.clone(), Entry.CONVERT, target=ep or AUTO, genai_config=genai_config)
+    decision = decide(request)
+    return Preview(
+        fused=decision.fusion.fused,
+        cache=inspect_kv_cache(decision.model),
+        target=decision.target,
+        target_source=decision.why or ("given" if decision.target is not None else ""),
+        format=decision.format.name if decision.format is not None else None,
+        granularity=decision.granularity.name if decision.granularity is not None else "per_tensor",
+        bytes_per_token_after=_bytes_after(decision),
+        refusal=decision.message if decision.refusals else None,
+        float16_attention=decision.adaptation is not None,
+    )
