@@ -62,8 +62,17 @@ from onnx_kvcache.passes.fusion._match import (
     default_scale,
     mask_condition,
     mask_facts,
+    running_count,
 )
-from onnx_kvcache.passes.fusion._symbolic import ONE, Affine, Conj, Le, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion._symbolic import (
+    ONE,
+    Affine,
+    Conj,
+    Le,
+    SymbolicEvaluator,
+    SymbolKind,
+    Unprovable,
+)
 
 _PAST_KEY, _PAST_VALUE, _NONPAD = 4, 5, 6
 _QK_SOFTMAX = 3
@@ -196,7 +205,13 @@ def _mask_facts(
         columns = ev.shape(mask)[-1] if ev.shape(mask) else ONE
         fit = columns != total
         try:
-            cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+            try:
+                cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+            except Unprovable:
+                tied = _tied(ev, mask, columns, total)
+                if tied is None:
+                    raise
+                cond = mask_condition(tied, mask, query_len=query_len, kv_len=total)
         except Unprovable as reason:
             raise Unprovable(
                 f"attn_mask {mask.name!r} is not a provable causal/padding mask: {reason}"
@@ -212,6 +227,28 @@ def _mask_facts(
         if len(declared) != 2 or declared[1] != columns:
             raise Unprovable(f"the mask has {columns} key columns, the cache {total}")
     return facts, fit
+
+
+def _tied(ev: SymbolicEvaluator, mask: ir.Value, columns: Affine, total: Affine) -> SymbolicEvaluator | None:
+    """An evaluator in which the mask's key columns are the cache's ``P + S``, for a mask
+    computed from a running count (``CumSum``) of its padding input; None for any other.
+
+    onnxruntime's ``Attention`` runs only with ``attn_mask.shape[-1] == P + S`` ("inconsistent
+    total_sequence_length"); mobius names the two lengths differently, so the equation is
+    stated: one name of the mask's width is replaced by what it equals then. A mask of
+    counted positions reads the query's position at column ``width - S``, which is the
+    causal diagonal only where the two are equal."""
+    if running_count(mask) is None:
+        return None
+    difference = columns - total
+    free = [
+        s for s, c in difference.terms if abs(c) == 1 and s.kind is SymbolKind.DIM and s not in total.symbols
+    ]
+    if not free:
+        return None
+    symbol = free[0]
+    sign = difference.coefficient(symbol)
+    return SymbolicEvaluator(ties={symbol: (Affine.of(symbol).scale(sign) - difference).scale(sign)})
 
 
 def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
