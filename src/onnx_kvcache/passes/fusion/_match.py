@@ -109,6 +109,7 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
     """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
     try:
         tensor = ev.eval(mask)
+        elem = tensor.element()
     except Unprovable:
         counted = running_count(mask)
         if counted is None:
@@ -119,7 +120,6 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")
-    elem = tensor.element()
     cond = elem.cond if isinstance(elem, Additive) else elem
     if not isinstance(cond, Conj):
         raise Unprovable("the mask is neither boolean nor a 0/-inf additive mask")

@@ -21,6 +21,11 @@ node becomes one ``com.microsoft::GroupQueryAttention`` when, besides those rule
   padding input's own (mobius names the two lengths differently) is read as the operator
   reads it: its missing columns padded with ``-inf``, so GQA reads the padding input cut or
   padded with zeros to ``P + S`` columns;
+- a mask of positions counted by ``CumSum`` of the padding input (mobius's gemma3, granite,
+  olmo2, smollm3: the query's position at the mask's column ``width - S + i``) is proven
+  with its width tied to ``P + S``: onnxruntime's ``Attention`` runs only with that width,
+  and only there is the query's column the causal diagonal ``P + i``
+  (:mod:`onnx_kvcache.passes.fusion._match` states the proof and its assumption, entries 0/1);
 - ``scale`` (default ``1/sqrt(head_size)``, finite and positive) and ``softcap`` carry
   over; ``softmax_precision`` unset or float; a read ``qk_matmul_output`` must be mode 3
   (softmax probabilities: GQA's ``qk_output=2``).
