@@ -117,3 +117,19 @@ def test_a_mask_of_cumsum_positions_compares_running_sums(cumsum, col):
 def test_a_reverse_cumsum_mask_is_refused_naming_it():
     with pytest.raises(Unprovable, match="token positions counted by CumSum of attention_mask"):
         _condition(*_cumsum_mask(reverse=1))
+
+
+def test_a_mask_comparing_the_padding_values_is_refused_naming_it():
+    """``attention_mask == 1`` reads the values, not nonzero/zero: not a padding lookup."""
+    from onnx_kvcache.passes.fusion._match import mask_facts
+    from onnx_kvcache.passes.fusion._symbolic import ZERO
+
+    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])
+    g = _Builder()
+    one = g("Equal", [mask, _ints("one", [1])])
+    seen = g("Unsqueeze", [one, _ints("axes", [1, 2])])  # [batch, 1, 1, key]
+    ir.Graph([mask], [seen], nodes=g.nodes, opset_imports={"": 18})
+    total = SymbolicEvaluator().shape(mask)[1]
+    cond = mask_condition(SymbolicEvaluator(), seen, query_len=total, kv_len=total)
+    with pytest.raises(Unprovable, match="compares an input's values"):
+        mask_facts(cond, past=ZERO)

@@ -221,6 +221,11 @@ def _counted_atom(lhs: Affine, *, past: Affine, batch: Affine | None) -> tuple[s
     """``(input, None)`` for ``c[b, j] - c[b, P + i] <= 0`` (causal), ``(input, W)`` for
     ``c[b, P + i] - c[b, j] - (W - 1) <= 0`` (a window of ``W`` counted tokens), where
     ``c = cumsum(input)`` along its columns; Unprovable for any other use of a lookup."""
+    if any(symbol.kind is SymbolKind.ENTRY for symbol in lhs.lookups):
+        raise Unprovable(
+            f"the mask condition {lhs} <= 0 compares an input's values (a padding input is read "
+            "only as nonzero or zero)"
+        )
     query, key, source = None, None, None
     for symbol, coefficient in lhs.terms:
         at = symbol.at
