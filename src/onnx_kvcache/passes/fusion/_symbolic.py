@@ -917,25 +917,6 @@ def _entry(elem: Elem | None) -> Symbol | None:
     return symbol if coefficient == 1 and symbol.at is not None else None
 
 
-@_handles("CumSum")
-def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-    """``CumSum`` of a 2-D integer input along its columns: ``cumsum(m)[r, c]`` (``exclusive``:
-    at ``c - 1``). A sum of anything else, or in reverse, is not followed."""
-    x = ev.eval(node.inputs[0])
-    along = ev.const_ints(_input(node, 1), "CumSum axis")
-    if along is None or len(along) != 1 or _attr_int(node, "reverse", 0):
-        raise Unprovable("a CumSum other than forward along a constant axis is not followed")
-    k = along[0] + x.rank if along[0] < 0 else along[0]
-    entry = _entry(x.elem) if x.kind == "int" else None
-    if entry is None or entry.kind is not SymbolKind.ENTRY or entry.at is None:
-        raise Unprovable("a CumSum of other than a 2-D integer input's entries is not followed")
-    col = Affine.of(axis(k))
-    if entry.at.col != col or axis(k) in entry.at.row.symbols:
-        raise Unprovable("a CumSum along other than the input's columns is not followed")
-    col = col - 1 if _attr_int(node, "exclusive", 0) else col
-    return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
-
-
 def _widens(value: ir.Value | None, to: ir.DataType) -> bool:
     """An integer Cast that keeps every value (so a 0/1 mask stays one)."""
     dtype = value.dtype if value is not None else None
