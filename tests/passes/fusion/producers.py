@@ -29,17 +29,11 @@ EXPECTED: dict[str, str] = {
     "genai-builder/genai-builder-cpu-fp32/qwen3": CONVERTS,
     "mobius/mobius-cpu-gqa/llama": CONVERTS,
     "mobius/mobius-cuda-f16/llama": CONVERTS,
-    "mobius/mobius-default/gemma3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_36' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_55); nothing to convert (-v lists each node)."
-    ),
-    "mobius/mobius-default/granite": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_17' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_27); nothing to convert (-v lists each node)."
-    ),
+    "mobius/mobius-default/gemma3": CONVERTS,
+    "mobius/mobius-default/granite": CONVERTS,
     "mobius/mobius-default/llama": CONVERTS,
     "mobius/mobius-default/mistral": CONVERTS,
-    "mobius/mobius-default/olmo2": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: attn_mask 'v_model.Unsqueeze_16' is not a provable causal/padding mask: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/Attention_node_27); nothing to convert (-v lists each node)."
-    ),
+    "mobius/mobius-default/olmo2": CONVERTS,
     "mobius/mobius-default/phi3": CONVERTS,
     "mobius/mobius-default/qwen2": CONVERTS,
     "mobius/mobius-default/qwen3": CONVERTS,
@@ -56,9 +50,7 @@ EXPECTED: dict[str, str] = {
     "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/llama": CONVERTS,
     "optimum/optimum-cli/phi3": CONVERTS,
-    "torch-tf4.57/dynamo-opset18-nooptimize/llama": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: K reaches the scores MatMul without a transpose of its last two axes (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
-    ),
+    "torch-tf4.57/dynamo-opset18-nooptimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/qwen3": CONVERTS,
     "torch-tf4.57/dynamo-opset20-optimize/llama": CONVERTS,

@@ -85,20 +85,51 @@ def test_repeat_kv_through_a_slice_that_cuts_is_refused():
         _strip_repeat(SymbolicEvaluator(), out)
 
 
-def test_a_mask_of_cumsum_positions_is_refused_naming_it():
-    """mobius (gemma3, granite, olmo2): query and key positions counted by CumSum(attention_mask)."""
+def _cumsum_mask(**cumsum) -> tuple[ir.Value, ir.Value]:
+    """``c[b, i] >= c[b, j]`` for ``c = CumSum(attention_mask)`` along the columns, 4-D."""
     mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])
     g = _Builder()
-    positions = g("CumSum", [mask, _const("axis", np.array(1, np.int64))])
+    positions = g("CumSum", [mask, _const("axis", np.array(1, np.int64))], **cumsum)
     seen = g(
         "GreaterOrEqual",
         [g("Unsqueeze", [positions, _ints("a2", [2])]), g("Unsqueeze", [positions, _ints("a1", [1])])],
     )
+    seen = g("Unsqueeze", [seen, _ints("heads", [1])])  # [batch, 1, query, key]
     ir.Graph([mask], [seen], nodes=g.nodes, opset_imports={"": 18})
+    return mask, seen
+
+
+def _condition(mask: ir.Value, seen: ir.Value):
+    total = SymbolicEvaluator().shape(mask)[1]
+    return mask_condition(SymbolicEvaluator(), seen, query_len=total, kv_len=total)
+
+
+@pytest.mark.parametrize(("cumsum", "col"), [({}, "query"), ({"exclusive": 1}, "query - 1")])
+def test_a_mask_of_cumsum_positions_compares_running_sums(cumsum, col):
+    """mobius (gemma3, granite, olmo2, smollm3): positions counted by CumSum(attention_mask)."""
+    (atom,) = _condition(*_cumsum_mask(**cumsum)).atoms
+    assert {str(s) for s in atom.lhs.lookups} == {
+        f"cumsum(attention_mask)[batch, {col.replace('query', 'key')}]",
+        f"cumsum(attention_mask)[batch, {col}]",
+    }
+
+
+def test_a_reverse_cumsum_mask_is_refused_naming_it():
     with pytest.raises(Unprovable, match="token positions counted by CumSum of attention_mask"):
-        mask_condition(
-            SymbolicEvaluator(),
-            seen,
-            query_len=SymbolicEvaluator().shape(mask)[1],
-            kv_len=SymbolicEvaluator().shape(mask)[1],
-        )
+        _condition(*_cumsum_mask(reverse=1))
+
+
+def test_a_mask_comparing_the_padding_values_is_refused_naming_it():
+    """``attention_mask == 1`` reads the values, not nonzero/zero: not a padding lookup."""
+    from onnx_kvcache.passes.fusion._match import mask_facts
+    from onnx_kvcache.passes.fusion._symbolic import ZERO
+
+    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])
+    g = _Builder()
+    one = g("Equal", [mask, _ints("one", [1])])
+    seen = g("Unsqueeze", [one, _ints("axes", [1, 2])])  # [batch, 1, 1, key]
+    ir.Graph([mask], [seen], nodes=g.nodes, opset_imports={"": 18})
+    total = SymbolicEvaluator().shape(mask)[1]
+    cond = mask_condition(SymbolicEvaluator(), seen, query_len=total, kv_len=total)
+    with pytest.raises(Unprovable, match="compares an input's values"):
+        mask_facts(cond, past=ZERO)

@@ -81,6 +81,44 @@ def q_scaled_by(factor: float) -> ir.Model:
     return model
 
 
+def scaled_through_sqrt(q_scale: float, k_scale: float | None = None, *, constant: bool = True) -> ir.Model:
+    """Q and K^T each scaled by ``Sqrt(CastLike(scale, operand))``, as torch's unoptimized
+    dynamo export writes sdpa's ``sqrt(scale)`` factors; ``constant`` False: the scale a graph
+    input."""
+    model = exported()
+    if constant:
+        scales = [_constant(model, f"scale_{i}", np.float32(s)) for i, s in enumerate((q_scale, k_scale))]
+    else:
+        scales = [ir.val("scale", ir.DataType.FLOAT, [])] * 2
+        model.graph.inputs.append(scales[0])
+    for matmul in [n for n in model.graph if n.op_type == "MatMul"]:
+        operands = [v.producer() for v in matmul.inputs]
+        if [u.op_type for u, _ in matmul.outputs[0].uses()] != ["Add"] or None in operands:
+            continue  # not the scores MatMul (a projection reads a weight)
+        for index, operand in enumerate(matmul.inputs):
+            mul = operand.producer()
+            assert mul.op_type == "Mul"
+            scale = scales[index] if k_scale is not None or not constant else scales[0]
+            like = ir.node("CastLike", [scale, mul.inputs[0]], name=f"{mul.name}/CastLike")
+            root = ir.node("Sqrt", like.outputs, name=f"{mul.name}/Sqrt")
+            model.graph.insert_before(mul, [like, root])
+            mul.replace_input_with(1, root.outputs[0])
+    return model
+
+
+@pytest.mark.parametrize("scale", [0.125, 32**-0.5])
+def test_factors_written_as_sqrt_of_a_cast_scale_are_constants(scale):
+    """torch's unoptimized opset-18 export (tests/data/producers/torch-tf4.57/dynamo-opset18-nooptimize)."""
+    original, model = scaled_through_sqrt(scale), scaled_through_sqrt(scale)
+    assert DecomposedAttentionFusionPass()(model).modified and count(model, "GroupQueryAttention") == 2
+    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert node.attributes["scale"].as_float() == pytest.approx(np.float32(scale), rel=1e-6)
+    worst = max_differences(
+        generate(original, PROMPTS["right_padded"]), generate(model, PROMPTS["right_padded"])
+    )
+    assert max(worst.values()) < 1e-4, worst
+
+
 def dropout_in_training_mode() -> ir.Model:
     model = exported()
     training = _constant(model, "training", np.bool_(True))
@@ -106,8 +144,18 @@ def test_a_nan_guard_after_the_softmax_is_followed():
         (lambda: q_scaled_by(0.3), "different factors"),
         (dropout_in_training_mode, "Dropout in training mode"),
         (lambda: guarded(0.5), "not a NaN guard"),
+        (lambda: scaled_through_sqrt(0.125, 0.25), "different factors"),
+        (lambda: scaled_through_sqrt(0.125, constant=False), "without a transpose of its last two axes"),
     ],
-    ids=["bidirectional", "tile_repeat", "unequal_factors", "training_dropout", "nan_fill"],
+    ids=[
+        "bidirectional",
+        "tile_repeat",
+        "unequal_factors",
+        "training_dropout",
+        "nan_fill",
+        "unequal_sqrt_factors",
+        "sqrt_of_an_input",
+    ],
 )
 def test_unprovable_attention_is_left_alone(make, reason):
     model = make()

@@ -95,7 +95,9 @@ class FusionReport:
     padded: int = 0
     """Of the fused, how many read a padding mask (see ``gqa_fusion.PADDING_WARNING``)."""
     padded_windows: int = 0
-    """Of those, how many also have a sliding window."""
+    """Of those, how many also have a sliding window of key indices (a window of counted
+    tokens, :attr:`~onnx_kvcache.passes.fusion._match.MaskFacts.counted`, computes as the
+    export under any padding)."""
 
     @property
     def refused(self) -> list[str]:
@@ -122,7 +124,8 @@ class FusionReport:
             self,
             fused=self.fused + 1,
             padded=self.padded + padded,
-            padded_windows=self.padded_windows + (padded and match.mask.window is not None),
+            padded_windows=self.padded_windows  # a window of counted tokens is exact under any padding
+            + (padded and match.mask.window is not None and not match.mask.counted),
         )
 
 

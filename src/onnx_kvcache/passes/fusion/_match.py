@@ -18,6 +18,18 @@ exporter's attention and build an :class:`AttentionMatch` from facts proven with
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
   term, the attention ignores the attention mask and so does the fused node.
+- **Positions counted from the mask** (mobius's gemma3, granite, olmo2, smollm3): with
+  ``c = CumSum(attention_mask)`` along the columns, the query's position ``c[b, P + i]``
+  compared with the key's ``c[b, j]``. With entries 0 or 1 (an attention mask's contract:
+  this proof assumes it, the others read any nonzero entry as a token and assume nothing
+  of the values) and ``attention_mask[b, j]`` in the condition, ``c[b, P + i] >= c[b, j]``
+  is exactly ``j <= P + i`` (a later valid key counts at least one more). And
+  ``c[b, P + i] - c[b, j] < W`` counts the valid tokens in ``(j, P + i]``: for a valid key
+  and query that is the distance of their compacted positions ``c - 1``, which is where
+  the fusion puts each row's valid tokens (below), so it is exactly GQA's
+  ``local_window_size = W`` over its cache, for any padding (a padding query's row is not
+  a token's: its output is not compared, as for every padding mask). A window counted so
+  is not combined with a window of key indices.
 - **Shapes.** 4-D (BNSH) Q, K, V; static head counts; a head size that is a multiple
   of 8 (GQA's requirement), the same for V. (An ONNX ``Attention`` holding its own cache
   may take 3-D (BSH) Q, K, V, which GQA reads as they are, and its output is BSH.)
@@ -45,6 +57,7 @@ __all__ = [
     "cache_mask_facts",
     "mask_condition",
     "mask_facts",
+    "running_count",
 ]
 
 import dataclasses
@@ -87,14 +100,18 @@ class MaskFacts:
     """Keys ``j > P + i - window`` (GQA ``local_window_size``), or None."""
     padding: str | None = None
     """The 2-D graph input read as ``attention_mask[b, j]``, or None."""
+    counted: bool = False
+    """The window counts the padding input's valid tokens (a CumSum of it), not key indices:
+    GQA's window over the compacted cache is exactly that for any padding."""
 
 
 def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
     """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
     try:
         tensor = ev.eval(mask)
+        elem = tensor.element()
     except Unprovable:
-        counted = _running_count(mask)
+        counted = running_count(mask)
         if counted is None:
             raise
         raise Unprovable(
@@ -103,7 +120,6 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")
-    elem = tensor.element()
     cond = elem.cond if isinstance(elem, Additive) else elem
     if not isinstance(cond, Conj):
         raise Unprovable("the mask is neither boolean nor a 0/-inf additive mask")
@@ -120,7 +136,7 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
     return cond.subs(mapping)
 
 
-def _running_count(mask: ir.Value, limit: int = 200) -> str | None:
+def running_count(mask: ir.Value, limit: int = 200) -> str | None:
     """The input of a ``CumSum`` the mask is computed from (mobius's position-based masks for
     gemma3, granite, olmo2: ``cumsum(attention_mask)`` of query and key compared), or None."""
     seen: set[int] = set()
@@ -152,7 +168,17 @@ def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> Mask
         raise Unprovable("the mask masks everything")
     causal_lhs = _J - _I - past  # j - i - P <= 0
     causal, window, padding = False, None, None
+    counts: set[str] = set()  # the inputs whose running sums the mask compares
+    counted_window: int | None = None
     for atom in cond.atoms:
+        if isinstance(atom, Le) and atom.lhs.lookups:
+            source, width = _counted_atom(atom.lhs, past=past, batch=batch)
+            counts.add(source)
+            if width is None:
+                causal = True
+            else:
+                counted_window = width if counted_window is None else min(counted_window, width)
+            continue
         if isinstance(atom, MaskAt):
             row = _B if batch == ONE and atom.row == ZERO else atom.row
             if row != _B or atom.col != _J:
@@ -177,7 +203,54 @@ def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> Mask
             )
         else:
             raise Unprovable(f"the mask condition {lhs} <= 0 is neither causal, a window nor padding")
+    if counts:
+        if counts != {padding}:
+            raise Unprovable(
+                f"the mask compares positions counted by CumSum of {', '.join(sorted(counts))} "
+                f"but masks the keys of {padding or 'no padding input'}: without the valid keys "
+                "masked, counted positions are not key positions"
+            )
+        if counted_window is not None and window is not None:
+            raise Unprovable("the mask has both a window of key indices and one of counted positions")
+        if counted_window is not None:
+            return MaskFacts(causal, counted_window, padding, counted=True)
     return MaskFacts(causal, window, padding)
+
+
+def _counted_atom(lhs: Affine, *, past: Affine, batch: Affine | None) -> tuple[str, int | None]:
+    """``(input, None)`` for ``c[b, j] - c[b, P + i] <= 0`` (causal), ``(input, W)`` for
+    ``c[b, P + i] - c[b, j] - (W - 1) <= 0`` (a window of ``W`` counted tokens), where
+    ``c = cumsum(input)`` along its columns; Unprovable for any other use of a lookup."""
+    if any(symbol.kind is SymbolKind.ENTRY for symbol in lhs.lookups):
+        raise Unprovable(
+            f"the mask condition {lhs} <= 0 compares an input's values (a padding input is read "
+            "only as nonzero or zero)"
+        )
+    query, key, source = None, None, None
+    for symbol, coefficient in lhs.terms:
+        at = symbol.at
+        if symbol.kind is not SymbolKind.COUNT or at is None or abs(coefficient) != 1:
+            break
+        row = _B if batch == ONE and at.row == ZERO else at.row
+        if row != _B or source not in (None, at.source):
+            break
+        source = at.source
+        if at.col == _I + past and query is None:
+            query = coefficient
+        elif at.col == _J and key is None:
+            key = coefficient
+        else:
+            break
+    else:
+        if source is not None and query is not None and key == -query and len(lhs.terms) == 2:
+            if query == -1 and lhs.const == 0:  # c[b, P + i] >= c[b, j]
+                return source, None
+            if query == 1 and 1 - lhs.const >= 1:  # c[b, P + i] - c[b, j] < 1 - const
+                return source, 1 - lhs.const
+    raise Unprovable(
+        f"the mask condition {lhs} <= 0 reads counted positions other than the query's (at "
+        f"key {past} + query) against the key's, in causal order or a window"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,10 @@ Between the softmax and the ``Q @ K^T`` MatMul, :func:`scores_chain` follows:
 - constant scalar ``Mul``/``Div`` of the scores (eager attention's ``* scaling``);
 - the MatMul, each operand optionally scaled by a scalar constant (sdpa's
   decomposition scales Q and K^T by ``sqrt(scale)`` each; both factors must then be
-  equal).
+  equal). A constant is a scalar constant, or ``Sqrt`` and float ``Cast``/``CastLike`` of
+  one (torch's unoptimized export writes ``Sqrt(CastLike(scale, q))``), evaluated in the
+  float type each computes in (a ``CastLike`` to a type not known: only values every float
+  type holds exactly).
 
 GQA computes ``softcap * tanh(scale * QK^T / softcap)`` when ``softcap > 0``, else
 ``scale * QK^T``: the factors must all come before the soft-cap.
@@ -36,9 +39,50 @@ def op_of(value: ir.Value | None, *op_types: str) -> ir.Node | None:
     return node
 
 
-def _scalar(value: ir.Value | None) -> float | None:
+def _scalar(value: ir.Value | None, ev: SymbolicEvaluator | None = None) -> float | None:
+    """A scalar constant's value, or of ``Sqrt`` and float ``Cast``/``CastLike`` of one (torch's
+    unoptimized export scales Q and K^T by ``Sqrt(CastLike(scale, q))``), computed in the
+    float type each node computes in; None for anything else."""
+    typed = _typed_scalar(value, ev)
+    return None if typed is None else typed[0]
+
+
+def _typed_scalar(
+    value: ir.Value | None, ev: SymbolicEvaluator | None
+) -> tuple[float, ir.DataType | None] | None:
+    """``(value, its float type or None where not known)`` of :func:`_scalar`."""
     array = constant_array(value) if value is not None else None
-    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+    if array is not None:
+        if array.size != 1:
+            return None
+        dtype = {np.dtype(t.numpy()): t for t in _FLOATS}.get(array.dtype)
+        return float(array.reshape(-1)[0]), dtype
+    node = op_of(value, "Sqrt", "Cast", "CastLike")
+    inner = _typed_scalar(node.inputs[0], ev) if node is not None else None
+    if node is None or inner is None:
+        return None
+    x, dtype = inner
+    if node.op_type == "Sqrt":
+        root = _rounded(float(np.sqrt(x)), dtype) if x >= 0 else None
+        return None if root is None else (root, dtype)
+    if node.op_type == "Cast":
+        dtype = ir.DataType(node.attributes["to"].as_int())
+    else:  # CastLike: to its second input's type (Q's, which the Mul it scales shares)
+        like = node.inputs[1] if len(node.inputs) > 1 else None
+        dtype = (ev.dtype(like) if ev is not None else like.dtype) if like is not None else None
+    if dtype is not None and dtype not in _FLOATS:
+        return None
+    cast = _rounded(x, dtype)
+    return (cast, dtype) if cast is not None else None
+
+
+def _rounded(x: float, dtype: ir.DataType | None) -> float | None:
+    """``x`` in ``dtype`` (float32, float16, bfloat16); with the type unknown, ``x`` when every
+    one of them holds it exactly, else None."""
+    if dtype is not None:
+        return float(np.asarray(x, dtype.numpy()))
+    held = {float(np.asarray(x, t.numpy())) for t in _FLOATS}
+    return x if held == {x} else None
 
 
 def _cast_to(node: ir.Node) -> ir.DataType:
@@ -92,21 +136,24 @@ class ScoresChain:
     softcap: float
 
 
-def _constant_step(node: ir.Node) -> tuple[ir.Value, float] | None:
+def _constant_step(node: ir.Node, ev: SymbolicEvaluator | None = None) -> tuple[ir.Value, float] | None:
     """``(x, factor)`` for ``Mul(x, c)``, ``Mul(c, x)`` or ``Div(x, c)`` with a scalar ``c``."""
     a, b = node.inputs[0], node.inputs[1]
     if node.op_type == "Div":
-        c = _scalar(b)
+        c = _scalar(b, ev)
         return (a, 1.0 / c) if a is not None and c else None
     for x, factor in ((a, b), (b, a)):
-        c = _scalar(factor)
+        c = _scalar(factor, ev)
         if c is not None and x is not None:
             return x, c
     return None
 
 
-def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
-    """Prove ``value`` is ``[softcap o] scale * (Q @ K^T)``; raise otherwise."""
+def scores_chain(
+    value: ir.Value | None, nodes: list[ir.Node], ev: SymbolicEvaluator | None = None
+) -> ScoresChain:
+    """Prove ``value`` is ``[softcap o] scale * (Q @ K^T)``; raise otherwise (``ev``: the
+    element types of values without one declared)."""
     softcap = 0.0
     outer = op_of(value, "Mul")
     tanh, cap = None, None
@@ -117,15 +164,15 @@ def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
                 break
     if outer is not None and tanh is not None:
         inner = op_of(tanh.inputs[0], "Mul", "Div")
-        step = _constant_step(inner) if inner is not None else None
-        c = _scalar(cap)
+        step = _constant_step(inner, ev) if inner is not None else None
+        c = _scalar(cap, ev)
         if step is None or c is None or c <= 0 or not np.isclose(step[1], 1.0 / c, rtol=1e-6):
             raise Unprovable("the scores go through a Tanh that is not a soft-cap c * tanh(s / c)")
         nodes += [outer, tanh, inner]  # type: ignore[list-item]
         softcap, value = c, step[0]
     scale = 1.0
     while (node := op_of(value, "Mul", "Div")) is not None:
-        step = _constant_step(node)
+        step = _constant_step(node, ev)
         if step is None:
             break
         nodes.append(node)
@@ -138,7 +185,7 @@ def scores_chain(value: ir.Value | None, nodes: list[ir.Node]) -> ScoresChain:
     operands, factors = [], []
     for operand in matmul.inputs:
         mul = op_of(operand, "Mul")
-        step = _constant_step(mul) if mul is not None else None
+        step = _constant_step(mul, ev) if mul is not None else None
         if step is not None:
             nodes.append(mul)  # type: ignore[arg-type]
             operand, factor = step

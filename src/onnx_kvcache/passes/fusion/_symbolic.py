@@ -19,7 +19,13 @@ than match one exporter's op sequence:
 - ``Max``/``Min`` of lengths (transformers 5.x's sliding-window sizes) are one opaque
   symbol ``max(0, e)`` per normalized ``e``, compared only for identity;
 - a constant-folded integer tensor that is an affine function of its indices (a folded
-  ``Range``, a ``GatherND`` index grid) is read as that function.
+  ``Range``, a ``GatherND`` index grid) is read as that function;
+- a 2-D integer graph input's element is its entry symbol ``m[@0, @1]``; ``Cast`` of one
+  entry to bool is the lookup ``m[r, c] != 0`` (:class:`MaskAt`), a ``CumSum`` along its
+  columns the running sum ``cumsum(m)[r, c]``;
+- ``ties`` (:class:`SymbolicEvaluator`) state equations between the dimensions the graph
+  names, applied to every declared shape (a caller that knows two lengths are equal
+  whenever the graph runs says so).
 
 Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with
 the reason; the caller then leaves the graph alone. Graphs without shape annotations
@@ -36,7 +42,12 @@ Symbols (:class:`Symbol`, of a :class:`SymbolKind`; how messages print them):
 - ``batch``, ``head``, ``query``, ``key`` (:attr:`SymbolKind.INDEX`): attention's indices
   (:mod:`onnx_kvcache.passes.fusion._match` names a mask's axes so: batch ``b``, head,
   query row ``i``, key column ``j``);
-- ``max(0, e)`` (:attr:`SymbolKind.MAX`): the opaque maximum of :func:`max_of`.
+- ``max(0, e)`` (:attr:`SymbolKind.MAX`): the opaque maximum of :func:`max_of`;
+- ``m[r, c]`` (:attr:`SymbolKind.ENTRY`): the entry of a 2-D integer graph input ``m`` at
+  row ``r``, column ``c`` (affine forms, substituted into like any other);
+- ``cumsum(m)[r, c]`` (:attr:`SymbolKind.COUNT`): ``m[r, 0] + ... + m[r, c]``, a ``CumSum``
+  of such an input along its columns (mobius's token positions counted from
+  ``attention_mask``); ``0`` at ``c = -1``.
 
 Dimensions in the fusions' rules: ``B`` batch, ``N`` query heads (``num_heads``), ``N_kv``
 KV heads (``kv_num_heads``), ``S`` new tokens (the query length), ``P`` the past cache's
@@ -51,6 +62,7 @@ __all__ = [
     "Affine",
     "Conj",
     "Le",
+    "Lookup",
     "MaskAt",
     "SymTensor",
     "Symbol",
@@ -58,6 +70,7 @@ __all__ = [
     "SymbolicEvaluator",
     "Unprovable",
     "constant_array",
+    "nonnegative",
 ]
 
 import contextlib
@@ -112,6 +125,8 @@ class SymbolKind(enum.IntEnum):
     AXIS = 2
     DIM = 3
     MAX = 4
+    ENTRY = 5
+    COUNT = 6
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -122,6 +137,9 @@ class Symbol:
     name: str
     form: Affine | None = dataclasses.field(default=None, compare=False)
     """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it)."""
+    at: Lookup | None = dataclasses.field(default=None, compare=False)
+    """For :attr:`SymbolKind.ENTRY` and :attr:`SymbolKind.COUNT`: the input and the indices
+    (``name`` identifies them)."""
 
     @staticmethod
     def dim(name: str) -> Symbol:
@@ -141,11 +159,44 @@ class Symbol:
     @staticmethod
     def maximum(form: Affine) -> Symbol:
         """``max(0, form)``, one symbol per (normalized) form."""
-        key = ",".join(f"{s.kind.name}:{s.name}*{c}" for s, c in form.terms) + f"+{form.const}"
-        return Symbol(SymbolKind.MAX, key, form)
+        return Symbol(SymbolKind.MAX, _key(form), form)
+
+    @staticmethod
+    def entry(source: str, row: Affine, col: Affine) -> Symbol:
+        """``source[row, col]``: an entry of a 2-D integer graph input."""
+        return Symbol(SymbolKind.ENTRY, f"{source}|{_key(row)}|{_key(col)}", at=Lookup(source, row, col))
+
+    @staticmethod
+    def count(source: str, row: Affine, col: Affine) -> Symbol:
+        """``source[row, 0] + ... + source[row, col]``: a CumSum along the input's columns."""
+        return Symbol(SymbolKind.COUNT, f"{source}|{_key(row)}|{_key(col)}", at=Lookup(source, row, col))
+
+    def subs(self, mapping: Mapping[Symbol, Affine]) -> Symbol:
+        """A lookup symbol with ``mapping`` applied to its indices (others: itself)."""
+        if self.at is None:
+            return self
+        row, col = self.at.row.subs(mapping), self.at.col.subs(mapping)
+        if (row, col) == (self.at.row, self.at.col):
+            return self
+        make = Symbol.entry if self.kind is SymbolKind.ENTRY else Symbol.count
+        return make(self.at.source, row, col)
 
     def __str__(self) -> str:
         return _SHOWN[self.kind](self)
+
+
+def _key(form: Affine) -> str:
+    """``form`` spelled out unambiguously (kinds named): what identifies a symbol over it."""
+    return ",".join(f"{s.kind.name}:{s.name}*{c}" for s, c in form.terms) + f"+{form.const}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """Where an :attr:`SymbolKind.ENTRY` or :attr:`SymbolKind.COUNT` symbol reads."""
+
+    source: str
+    row: Affine
+    col: Affine
 
 
 _SHOWN: dict[SymbolKind, Callable[[Symbol], str]] = {
@@ -154,6 +205,8 @@ _SHOWN: dict[SymbolKind, Callable[[Symbol], str]] = {
     SymbolKind.AXIS: lambda s: f"@{s.name}",
     SymbolKind.DIM: lambda s: s.name,
     SymbolKind.MAX: lambda s: f"max(0, {s.form})",
+    SymbolKind.ENTRY: lambda s: f"{s.at.source}[{s.at.row}, {s.at.col}]" if s.at else s.name,
+    SymbolKind.COUNT: lambda s: f"cumsum({s.at.source})[{s.at.row}, {s.at.col}]" if s.at else s.name,
 }
 
 
@@ -202,10 +255,16 @@ class Affine:
     def subs(self, mapping: Mapping[Symbol, Affine]) -> Affine:
         out = Affine(const=self.const)
         for name, coefficient in self.terms:
-            out = out + (
-                mapping[name].scale(coefficient) if name in mapping else Affine(((name, coefficient),))
-            )
+            if name in mapping:
+                out = out + mapping[name].scale(coefficient)
+            else:  # a lookup's indices are substituted too
+                out = out + Affine(((name.subs(mapping), coefficient),))
         return out
+
+    @property
+    def lookups(self) -> frozenset[Symbol]:
+        """The entry and running-sum symbols of the form."""
+        return frozenset(k for k, _ in self.terms if k.at is not None)
 
     def __str__(self) -> str:
         parts = [f"{'' if v == 1 else '-' if v == -1 else f'{v}*'}{k}" for k, v in self.terms]
@@ -453,11 +512,14 @@ def _handles(*op_types: str) -> Callable[[Handler], Handler]:
 class SymbolicEvaluator:
     """Evaluates values of one graph (or function) symbolically; results are cached."""
 
-    def __init__(self) -> None:
+    def __init__(self, ties: Mapping[Symbol, Affine] | None = None) -> None:
         self._cache: dict[ir.Value, SymTensor | Unprovable] = {}
         self._declared: dict[ir.Value, tuple[Affine, ...]] = {}
         self._dtypes: dict[ir.Value, ir.DataType | None] = {}
         self._fresh = 0
+        self.ties: Mapping[Symbol, Affine] = dict(ties or {})
+        """Dimension symbols replaced in every declared shape: equations that hold whenever
+        the graph runs (the caller proves them)."""
 
     def prime(self, graph: ir.Graph) -> None:
         """Evaluate every value of ``graph`` in order, so that later queries recurse shallowly.
@@ -492,7 +554,7 @@ class SymbolicEvaluator:
             if value.shape is None:
                 raise Unprovable(f"value {value.name!r} has no known rank")
             dims = (d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape)
-            self._declared[value] = tuple(parse_dim(d, self.fresh) for d in dims)
+            self._declared[value] = tuple(parse_dim(d, self.fresh).subs(self.ties) for d in dims)
         return self._declared[value]
 
     def shape(self, value: ir.Value | None) -> tuple[Affine, ...]:
@@ -540,7 +602,11 @@ class SymbolicEvaluator:
                 return SymTensor(self.declared_shape(value), "data")
             if not value.is_graph_input():
                 raise Unprovable(f"constant {value.name!r} is too large to follow")
-            return SymTensor(self.declared_shape(value), kind, source=value.name)
+            shape = self.declared_shape(value)
+            elem = None
+            if kind == "int" and len(shape) == 2 and value.name:  # its entries, looked up
+                elem = Affine.of(Symbol.entry(value.name, Affine.of(axis(0)), Affine.of(axis(1))))
+            return SymTensor(shape, kind, elem, source=value.name)
         handler = _HANDLERS.get(producer.op_type) if producer.domain in ("", "ai.onnx") else None
         if handler is None:
             if value.dtype in _FLOAT_TYPES:
@@ -824,16 +890,31 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     to = ir.DataType(_attr_int(node, "to", 0))
     kind = _kind(to)
     if kind == x.kind or (kind == "float" and x.kind == "data"):
-        return dataclasses.replace(x, source=x.source if _widens(node.inputs[0], to) else None)
+        if _widens(node.inputs[0], to):
+            return x
+        elem = None if isinstance(x.elem, Affine) and x.elem.lookups else x.elem  # values may change
+        return dataclasses.replace(x, elem=elem, source=None)
     if kind == "float" and x.kind == "int" and x.elem is None and x.values is None and x.source is None:
         return SymTensor(x.shape, "data")  # integer data as floats (positions for rotary): shape only
     if kind == "bool" and x.kind == "int" and x.source is not None and x.rank == 2:
         return SymTensor(x.shape, "bool", Conj.of(MaskAt(x.source, Affine.of(axis(0)), Affine.of(axis(1)))))
+    entry = _entry(x.elem) if x.kind == "int" else None
+    if kind == "bool" and entry is not None and entry.kind is SymbolKind.ENTRY and entry.at is not None:
+        # one entry of a 2-D input, moved by Unsqueeze/Expand/Transpose: its lookup != 0
+        return SymTensor(x.shape, "bool", Conj.of(MaskAt(entry.at.source, entry.at.row, entry.at.col)))
     if kind == "bool" and x.kind == "float" and isinstance(x.elem, FloatConst):
         # one float everywhere (transformers 4.57's ``new_ones``, Expand(1.0) then Cast): it is
         # True exactly where it is not 0 (NaN included)
         return SymTensor(x.shape, "bool", FALSE if x.elem.value == 0.0 else TRUE)
     raise Unprovable(f"Cast from {x.kind} to {kind} is not followed")
+
+
+def _entry(elem: Elem | None) -> Symbol | None:
+    """The lookup symbol ``elem`` is exactly (coefficient 1, no constant), or None."""
+    if not isinstance(elem, Affine) or elem.const or len(elem.terms) != 1:
+        return None
+    ((symbol, coefficient),) = elem.terms
+    return symbol if coefficient == 1 and symbol.at is not None else None
 
 
 def _widens(value: ir.Value | None, to: ir.DataType) -> bool:
@@ -886,7 +967,13 @@ def max_of(a: Affine, b: Affine) -> Affine:
     return base + Affine.of(Symbol.maximum(e))
 
 
-_INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX})
+_INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.ENTRY, SymbolKind.COUNT})
+_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX})
+
+
+def nonnegative(form: Affine) -> bool:
+    """``form >= 0`` for every value of its symbols: a sum of lengths and a constant >= 0."""
+    return form.const >= 0 and all(c > 0 and s.kind in _LENGTHS for s, c in form.terms)
 
 
 def min_of(a: Affine, b: Affine) -> Affine:
@@ -1029,6 +1116,8 @@ def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
             return max_of(n + bound, ZERO)
         if bound.is_const:
             return min_of(bound, n) if not n.is_const else Affine(const=min(bound.const, n.const))
+        if nonnegative(bound) and nonnegative(n - bound):  # within [0, n]: as it is
+            return bound
         return bound if bound == n else min_of(bound, n)
 
     lo, hi = clamp(start), clamp(end)
@@ -1047,15 +1136,21 @@ def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTens
     if not (len(starts) == len(ends) == len(axes) == len(steps)) or any(step != 1 for step in steps):
         raise Unprovable("a Slice with steps other than 1 is not followed")
     shape = list(x.shape)
-    whole = True
+    shifts: dict[Symbol, Affine] | None = {}
     for axis_, start, end in zip(axes, starts, ends):
         k = axis_ + x.rank if axis_ < 0 else axis_
         if not 0 <= k < x.rank:
             raise Unprovable("a Slice axis is out of range")
         length = _sliced_length(shape[k], start, end)
-        whole = whole and start == ZERO and length == shape[k]
+        if shifts is not None and start != ZERO:
+            # a start proven within the axis is where the slice begins: element @k is x's @k + start
+            inside = start.is_const and start.const > 0 and nonnegative(shape[k] - start)
+            if inside or (nonnegative(start) and nonnegative(shape[k] - start)):
+                shifts[axis(k)] = Affine.of(axis(k)) + start
+            else:
+                shifts = None
         shape[k] = length
-    elem = x.elem if whole else None
+    elem = None if x.elem is None or shifts is None else x.elem.subs(shifts)
     return SymTensor(tuple(shape), x.kind, elem)
 
 

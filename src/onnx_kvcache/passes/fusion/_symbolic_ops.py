@@ -18,6 +18,9 @@ the evaluator follow such a graph from its inputs, every rule exact:
 - **Slices** of any tensor along an axis, from a constant start to the end of the axis,
   a constant end or an end proven equal to the axis length (the mask sliced to the key
   length).
+- **Running sums**: ``CumSum`` of a 2-D integer input along its columns is
+  ``cumsum(m)[r, c]`` (:attr:`SymbolKind.COUNT`; mobius's positions counted from
+  ``attention_mask``), ``exclusive`` at ``c - 1``; in reverse, not followed.
 - **The padding lookup** ``Gather(Flatten(mask), batch * width + key)``: the element of
   the 2-D mask at ``[batch, key]`` when ``width`` is the mask's width and both indices are
   proven in range; a ``Reshape`` that only inserts or removes unit axes (after a
@@ -49,12 +52,14 @@ from onnx_kvcache.passes.fusion._symbolic import (
     FloatConst,
     Handler,
     Le,
+    Symbol,
     SymbolicEvaluator,
     SymbolKind,
     SymTensor,
     Unprovable,
     _attr_int,
     _attr_ints,
+    _entry,
     _input,
     aligned_elem,
     axis,
@@ -475,6 +480,27 @@ def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
+# ---- running sums ----
+
+
+def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``CumSum`` of a 2-D integer input along its columns: ``cumsum(m)[r, c]`` (``exclusive``:
+    at ``c - 1``). A sum of anything else, or in reverse, is not followed."""
+    x = ev.eval(node.inputs[0])
+    along = ev.const_ints(_input(node, 1), "CumSum axis")
+    if along is None or len(along) != 1 or _attr_int(node, "reverse", 0):
+        raise Unprovable("a CumSum other than forward along a constant axis is not followed")
+    k = along[0] + x.rank if along[0] < 0 else along[0]
+    entry = _entry(x.elem) if x.kind == "int" else None
+    if entry is None or entry.kind is not SymbolKind.ENTRY or entry.at is None:
+        raise Unprovable("a CumSum of other than a 2-D integer input's entries is not followed")
+    col = Affine.of(axis(k))
+    if entry.at.col != col or axis(k) in entry.at.row.symbols:
+        raise Unprovable("a CumSum along other than the input's columns is not followed")
+    col = col - 1 if _attr_int(node, "exclusive", 0) else col
+    return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
+
+
 # ---- registration ----
 
 
@@ -536,6 +562,7 @@ _combine("Slice", _slice_any, always=True)
 _combine("ConstantOfShape", _constant_of_shape)
 _combine("Reshape", None, pre=_reshape_vector)
 _combine("Reshape", None, pre=_unit_reshape)
+_HANDLERS["CumSum"] = _cumsum
 _OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
 _OUTPUT_HANDLERS[("", "Split")] = _split
 _OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize

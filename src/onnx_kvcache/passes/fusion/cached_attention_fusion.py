@@ -21,6 +21,11 @@ node becomes one ``com.microsoft::GroupQueryAttention`` when, besides those rule
   padding input's own (mobius names the two lengths differently) is read as the operator
   reads it: its missing columns padded with ``-inf``, so GQA reads the padding input cut or
   padded with zeros to ``P + S`` columns;
+- a mask of positions counted by ``CumSum`` of the padding input (mobius's gemma3, granite,
+  olmo2, smollm3: the query's position at the mask's column ``width - S + i``) is proven
+  with its width tied to ``P + S``: onnxruntime's ``Attention`` runs only with that width,
+  and only there is the query's column the causal diagonal ``P + i``
+  (:mod:`onnx_kvcache.passes.fusion._match` states the proof and its assumption, entries 0/1);
 - ``scale`` (default ``1/sqrt(head_size)``, finite and positive) and ``softcap`` carry
   over; ``softmax_precision`` unset or float; a read ``qk_matmul_output`` must be mode 3
   (softmax probabilities: GQA's ``qk_output=2``).
@@ -62,8 +67,17 @@ from onnx_kvcache.passes.fusion._match import (
     default_scale,
     mask_condition,
     mask_facts,
+    running_count,
 )
-from onnx_kvcache.passes.fusion._symbolic import ONE, Affine, Conj, Le, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion._symbolic import (
+    ONE,
+    Affine,
+    Conj,
+    Le,
+    SymbolicEvaluator,
+    SymbolKind,
+    Unprovable,
+)
 
 _PAST_KEY, _PAST_VALUE, _NONPAD = 4, 5, 6
 _QK_SOFTMAX = 3
@@ -196,7 +210,13 @@ def _mask_facts(
         columns = ev.shape(mask)[-1] if ev.shape(mask) else ONE
         fit = columns != total
         try:
-            cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+            try:
+                cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
+            except Unprovable:
+                tied = _tied(ev, mask, columns, total)
+                if tied is None:
+                    raise
+                cond = mask_condition(tied, mask, query_len=query_len, kv_len=total)
         except Unprovable as reason:
             raise Unprovable(
                 f"attn_mask {mask.name!r} is not a provable causal/padding mask: {reason}"
@@ -212,6 +232,28 @@ def _mask_facts(
         if len(declared) != 2 or declared[1] != columns:
             raise Unprovable(f"the mask has {columns} key columns, the cache {total}")
     return facts, fit
+
+
+def _tied(ev: SymbolicEvaluator, mask: ir.Value, columns: Affine, total: Affine) -> SymbolicEvaluator | None:
+    """An evaluator in which the mask's key columns are the cache's ``P + S``, for a mask
+    computed from a running count (``CumSum``) of its padding input; None for any other.
+
+    onnxruntime's ``Attention`` runs only with ``attn_mask.shape[-1] == P + S`` ("inconsistent
+    total_sequence_length"); mobius names the two lengths differently, so the equation is
+    stated: one name of the mask's width is replaced by what it equals then. A mask of
+    counted positions reads the query's position at column ``width - S``, which is the
+    causal diagonal only where the two are equal."""
+    if running_count(mask) is None:
+        return None
+    difference = columns - total
+    free = [
+        s for s, c in difference.terms if abs(c) == 1 and s.kind is SymbolKind.DIM and s not in total.symbols
+    ]
+    if not free:
+        return None
+    symbol = free[0]
+    sign = difference.coefficient(symbol)
+    return SymbolicEvaluator(ties={symbol: (Affine.of(symbol).scale(sign) - difference).scale(sign)})
 
 
 def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:

@@ -99,7 +99,7 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
     if scores is None or mask is None:
         raise Unprovable("the softmax input is not scores + mask")
     nodes += [softmax, add]
-    chain = scores_chain(scores, nodes)
+    chain = scores_chain(scores, nodes, ev)
     query, key_t = chain.query, chain.key_t
     key = _untransposed(ev, key_t, nodes)
     return _site(ev, graph, out, nodes, query, key, value, mask, scale=chain.scale, softcap=chain.softcap)
