@@ -62,6 +62,7 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/mistral": CONVERTS,
+    "torch-tf5/torchscript-opset18/llama": CONVERTS,
 }
 
 

@@ -6,6 +6,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from decoding import PROMPTS, count, generate, max_differences
+from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
+from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.passes.fusion._base import bypass_input_copies
 from onnx_kvcache.passes.fusion._match import _strip_repeat, mask_condition
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
@@ -133,3 +136,70 @@ def test_a_mask_comparing_the_padding_values_is_refused_naming_it():
     cond = mask_condition(SymbolicEvaluator(), seen, query_len=total, kv_len=total)
     with pytest.raises(Unprovable, match="compares an input's values"):
         mask_facts(cond, past=ZERO)
+
+
+def _constant(g: _Builder, values: int | list[int]) -> ir.Value:
+    return g("Constant", [], value=ir.tensor(np.array(values, np.int64)))
+
+
+def _dim(g: _Builder, value: ir.Value, axis: int) -> ir.Value:
+    """TorchScript's ``x.size(axis)`` as a 1-element tensor."""
+    size = g("Gather", [g("Shape", [value]), _constant(g, axis)], axis=0)
+    return g("Unsqueeze", [size, _constant(g, [0])])
+
+
+def _reshaped_attention_output(model: ir.Model, heads: int, *, own_shape: bool = True) -> int:
+    """transformers 5's TorchScript export: each attention output reshaped to its own shape,
+    ``[batch, heads, seq, head]``, before its transpose, the head size read from the repeated V
+    (``Shape(repeat_kv(present))``); not ``own_shape``: to ``[batch, seq, heads, head]``, a
+    Reshape that moves elements. Returns how many it reshaped."""
+    graph, done = model.graph, 0
+    for matmul in [n for n in graph if n.op_type == "MatMul"]:
+        attn, values = matmul.outputs[0], matmul.inputs[1]
+        merges = [
+            u
+            for u, _ in attn.uses()
+            if u.op_type == "Transpose" and list(u.attributes["perm"].as_ints()) == [0, 2, 1, 3]
+        ]
+        if not merges or values is None:
+            continue
+        g = _Builder()
+        dims = [_dim(g, attn, 0), _constant(g, [heads]), _dim(g, attn, 2), _dim(g, values, 3)]
+        if not own_shape:
+            dims[1], dims[2] = dims[2], dims[1]
+        reshaped = g("Reshape", [attn, g("Concat", dims, axis=0)])
+        graph.insert_after(matmul, g.nodes)
+        merges[0].replace_input_with(0, reshaped)
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("own_shape", [True, False])
+def test_an_attention_output_reshaped_before_its_transpose(own_shape):
+    """torch-tf5/torchscript-opset18/llama: a Reshape of the attention output to its own shape is
+    read through, so it goes with the attention, and with it the Shape of the repeated V that kept
+    repeat_kv reading the present cache (which then could not be converted). A Reshape that moves
+    elements stays, reading the fused output turned back to BNSH."""
+    config = exported_config("optimum-llama", num_layers=2, vocab_size=300)
+    assert config.kv_num_heads < config.num_heads  # repeat_kv is written
+
+    def export() -> ir.Model:
+        model = build_decoder(config)
+        assert _reshaped_attention_output(model, config.num_heads, own_shape=own_shape) == 2
+        return model
+
+    original, model = export(), export()
+    assert GqaFusionPass()(model).modified and count(model, "GroupQueryAttention") == 2
+    worst = max_differences(generate(original, PROMPTS["single"]), generate(model, PROMPTS["single"]))
+    assert max(worst.values()) < 1e-4, worst
+    presents = [v for v in model.graph.outputs if v.name.startswith("present")]
+    only_shapes = all(u.op_type == "Shape" for v in presents for u, _ in v.uses())
+    assert only_shapes is own_shape  # no repeat_kv left; else V's, read by the Reshape's Shape
+    if own_shape:
+        scales = {i: (0.05, 0.05) for i in range(2)}
+        converted = optimize_model(
+            model, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=scales
+        )
+        assert all(
+            v.dtype == ir.DataType.INT8 for v in converted.graph.outputs if v.name.startswith("present")
+        )

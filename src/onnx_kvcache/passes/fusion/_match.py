@@ -43,6 +43,11 @@ and its output is put back in the caller's order: a left-padded prompt is then c
 as the same prompt right-padded, and the cache holds each row's valid tokens compacted at
 its start. Rotary embeddings and q/k norms stay where the exporter put them
 (``do_rotary=0``): the node receives K already rotated, as the export's cache holds it.
+The attention output's ``Reshape(Transpose(y, [0, 2, 1, 3]), [B, S, heads * head])`` reads
+GQA's BSH output itself, ``y`` also reached through Reshapes proven to keep its shape
+(transformers 5's TorchScript export writes one, its shape read from the repeated V); any
+other reader reads the output turned back to BNSH. What only the replaced nodes read goes
+with them (the repeat_kv chains, the shape computations).
 """
 
 from __future__ import annotations
@@ -924,13 +929,14 @@ class GqaWriter:
         """Feed the GQA output (BSH) to the attention output's users (BNSH).
 
         A user chain ``Reshape(Transpose(y, [0, 2, 1, 3]), [B, S, heads * head])``
-        reads ``out`` itself; any other user reads ``out`` turned back to BNSH.
+        reads ``out`` itself, also when ``y`` is reached through Reshapes to its own shape
+        (:meth:`_views`); any other user reads ``out`` turned back to BNSH.
         Returns the nodes this left unread.
         """
         width = site.num_heads * site.head_size
         q_dims = self._try_shape(site.query)
         dead: list[ir.Node | None] = []
-        for user, _ in list(site.output.uses()):
+        for user in self._views(site.output):
             if user.op_type != "Transpose" or list(user.attributes["perm"].as_ints()) != [0, 2, 1, 3]:
                 continue
             for merge, _ in list(user.outputs[0].uses()):
@@ -940,7 +946,8 @@ class GqaWriter:
                 if len(q_dims) == 4 and dims == (q_dims[0], q_dims[2], Affine(const=width)):
                     merge.outputs[0].replace_all_uses_with(out)
                     dead.append(merge)
-        if site.output.uses() or site.output.is_graph_output():
+        unread = dead_nodes(self.graph, dead)  # with them, what only they read (shapes)
+        if site.output.is_graph_output() or any(u not in unread for u, _ in site.output.uses()):
             at = site.node
             shape = self._const(at, np.array([0, 0, site.num_heads, site.head_size], np.int64), "bsnh_shape")
             split = self._add(at, "Reshape", [out, shape], "to_bsnh")
@@ -948,6 +955,28 @@ class GqaWriter:
             bnsh.type, bnsh.shape = site.output.type, site.output.shape
             site.output.replace_all_uses_with(bnsh, replace_graph_outputs=True)
         return dead
+
+    def _views(self, output: ir.Value) -> list[ir.Node]:
+        """The readers of ``output`` and, through each Reshape proven to keep its shape (an
+        identity: transformers 5's TorchScript export reshapes the attention output to
+        ``[B, heads, S, head]`` before its transpose, the head size read from the repeated
+        V's Shape), that Reshape's readers."""
+        shape = self._try_shape(output)
+        readers: list[ir.Node] = []
+        work = [output]
+        while work:
+            for user, slot in list(work.pop().uses()):
+                readers.append(user)
+                if (
+                    user.op_type == "Reshape"
+                    and user.domain in ("", "ai.onnx")
+                    and slot == 0
+                    and len(shape) == 4
+                    and not user.outputs[0].is_graph_output()
+                    and self._try_shape(user.outputs[0]) == shape
+                ):
+                    work.append(user.outputs[0])
+        return readers
 
 
 def _seq_axis(ev: SymbolicEvaluator, query: ir.Value) -> int:
@@ -976,9 +1005,22 @@ def _dim(value: Affine) -> int | str | None:
 def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node | None]) -> int:
     """Remove ``nodes`` and, transitively, their producers once nothing reads them.
 
-    The dead set is found first and removed in one ``Graph.remove`` (which costs a pass over
-    the graph's outputs per call: per node, that was a fifth of fusing 80 layers)."""
-    dead: dict[ir.Node, None] = {}  # ordered: the removal is deterministic
+    The dead set is found first (:func:`dead_nodes`) and removed in one ``Graph.remove`` (which
+    costs a pass over the graph's outputs per call: per node, that was a fifth of fusing 80 layers)."""
+    dead = dead_nodes(graph, nodes)
+    inputs = {v: None for node in dead for v in node.inputs if v is not None and v.producer() is None}
+    graph.remove(dead, safe=True)
+    for value in inputs:
+        if _unused_initializer(value, graph):
+            assert value.name is not None
+            del graph.initializers[value.name]
+    return len(dead)
+
+
+def dead_nodes(graph: ir.Graph, nodes: Iterable[ir.Node | None]) -> dict[ir.Node, None]:
+    """Of ``nodes`` and, transitively, their producers, those that nothing else reads (in the
+    order found: a removal of them is deterministic); the graph is left as it is."""
+    dead: dict[ir.Node, None] = {}
     work = [n for n in nodes if n is not None]
     while work:
         node = work.pop()
@@ -988,13 +1030,7 @@ def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node | None]) -> int:
             continue
         dead[node] = None
         work.extend(p for v in node.inputs if v is not None and (p := v.producer()) is not None)
-    inputs = {v: None for node in dead for v in node.inputs if v is not None and v.producer() is None}
-    graph.remove(dead, safe=True)
-    for value in inputs:
-        if _unused_initializer(value, graph):
-            assert value.name is not None
-            del graph.initializers[value.name]
-    return len(dead)
+    return dead
 
 
 def _unused_initializer(value: ir.Value, graph: ir.Graph) -> bool:
