@@ -147,10 +147,13 @@ def _order(model: ir.Model, sort: bool) -> str | None:
     for graph in _roots(model):
         if _in_order(graph):
             continue
-        if not _acyclic(graph):
+        try:
+            if sort:
+                graph.sort()
+            elif not _acyclic(graph):  # reading only needs no order, but onnxruntime runs no cycle
+                raise ValueError("a cycle")
+        except ValueError:
             return f"the graph{_where(graph)} has a cycle: its nodes cannot be ordered. {_FIX}"
-        if sort:  # reading only needs no order: onnxruntime runs an unsorted graph too
-            graph.sort()
     return None
 
 
