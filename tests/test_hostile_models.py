@@ -98,6 +98,24 @@ def shuffled(model: ir.Model, seed: int = 0) -> None:
     model.graph.extend(nodes)
 
 
+def float_num_heads(model: ir.Model) -> None:
+    gqa(model).attributes["num_heads"] = ir.AttrFloat32("num_heads", 4.0)
+
+
+def reads_its_own_output(model: ir.Model) -> None:
+    node = next(n for n in model.graph if n.op_type == "MatMul")
+    node.replace_input_with(0, node.outputs[0])
+
+
+def two_nodes_of_one_name(model: ir.Model) -> None:
+    first, second = [n for n in model.graph if n.op_type == "MatMul"][:2]
+    second.name = first.name
+
+
+def past_key_of_half_heads(model: ir.Model) -> None:
+    gqa(model).inputs[3].shape = ir.Shape(["batch_size", 2, "past_sequence_length", 16])
+
+
 #: mutant -> (mutation, what the one line says)
 MALFORMED = {
     "num_heads 0": (with_int("num_heads", 0), "has num_heads=0"),
@@ -107,6 +125,11 @@ MALFORMED = {
     "no cache inputs": (without_caches, "but has no past_key input: its cache input is missing"),
     "float16 scales": (float16_scales, "has a float16 k_scale 'half_12': scales are float32"),
     "a node removed": (without_a_node, "which no node, graph input or initializer defines"),
+    # rev29: a traceback; a cyclic graph and one onnxruntime refuses written; a model failing its first run
+    "float num_heads": (float_num_heads, "has num_heads of type FLOAT, where onnxruntime's schema takes INT"),
+    "a node reading its own output": (reads_its_own_output, "has a cycle"),
+    "two nodes of one name": (two_nodes_of_one_name, "Two nodes of the graph are named"),
+    "a past key of half heads": (past_key_of_half_heads, "has heads of size 32 but its past_key"),
 }
 
 
@@ -340,8 +363,10 @@ def test_two_calibrations_to_one_out_never_both_say_wrote(tmp_path, models, monk
 
     monkeypatch.setattr(calibration, "calibrate_kv_cache", calibrate)
     code, said, err = run(argv)
-    assert other[0][0] == 0 and "wrote" in other[0][1]
-    assert code in (1, 2) and "was written by another run" in one_line(err) and "wrote" not in said
+    said_first = "replaced" if existing else "wrote"  # the summary of a run that replaced a file
+    assert other[0][0] == 0 and f"{said_first} " in other[0][1]
+    assert code in (1, 2) and "was written by another run" in one_line(err)
+    assert "wrote" not in said and "replaced" not in said
     assert json.loads(out.read_text())["method"] == "percentile"  # the first run's file
 
 

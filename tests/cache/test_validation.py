@@ -50,11 +50,25 @@ def drop_input(slot: int):
     return mutate
 
 
-def scale_of(dtype: np.dtype, size: int = 1, slot: int = 12):
+def set_attr(attr: ir.Attr):
+    def mutate(model: ir.Model) -> None:
+        gqa_nodes(model)[1].attributes[attr.name] = attr
+
+    return mutate
+
+
+def set_past_shape(dims: list):
+    def mutate(model: ir.Model) -> None:
+        gqa_nodes(model)[1].inputs[3].shape = ir.Shape(dims)
+
+    return mutate
+
+
+def scale_of(dtype: np.dtype, size: int = 1, slot: int = 12, fill: float = 0.01):
     def mutate(model: ir.Model) -> None:
         node = gqa_nodes(model)[1]
         name = f"bad_scale_{slot}"
-        value = ir.Value(name=name, const_value=ir.tensor(np.full(size, 0.01, dtype), name=name))
+        value = ir.Value(name=name, const_value=ir.tensor(np.full(size, fill, dtype), name=name))
         value.dtype, value.shape = value.const_value.dtype, ir.Shape([size])
         model.graph.register_initializer(value)
         node.replace_input_with(slot, value)
@@ -104,6 +118,42 @@ MUTANTS = {
     "PER_BLOCK": (set_str("k_quant_type", "PER_BLOCK"), True, "has k_quant_type='PER_BLOCK'"),
     "bit width 5": (set_int("kv_cache_bit_width", 5), True, "has kv_cache_bit_width=5: expected one of 4, 8"),
     "dangling input": (remove_a_node, False, "reads '.*', which no node, graph input or initializer defines"),
+    # found by a hostile review (rev29): each was a traceback, an output onnxruntime refuses, or a
+    # model that loads and fails in its first run
+    "float num_heads": (
+        set_attr(ir.AttrFloat32("num_heads", 4.0)),
+        False,
+        "has num_heads of type FLOAT, where onnxruntime's schema takes INT",
+    ),
+    "string kv_num_heads": (
+        set_attr(ir.AttrString("kv_num_heads", "2")),
+        False,
+        "kv_num_heads of type STRING",
+    ),
+    "int k_quant_type": (set_attr(ir.AttrInt64("k_quant_type", 1)), True, "k_quant_type of type INT"),
+    "cache head size 16": (
+        set_past_shape(["batch", 2, "past", 16]),
+        False,
+        "has heads of size 32 but its past_key 'past_key_values.1.key' holds 16 per head",
+    ),
+    "cache of rank 3": (set_past_shape(["batch", "past", 64]), False, "past_key .* of rank 3"),
+    "int8 cache of 4 bits": (
+        set_int("kv_cache_bit_width", 4),
+        True,
+        "has a quantized int8 cache and kv_cache_bit_width=4, which is no format's",
+    ),
+    "bit width on a float cache": (
+        set_int("kv_cache_bit_width", 8),
+        False,
+        "has kv_cache_bit_width=8 but no quantized side",
+    ),
+    "zero k_scale": (
+        scale_of(np.float32, fill=0.0),
+        True,
+        "k_scale 'bad_scale_12' holding 0.0: a scale is finite",
+    ),
+    "nan v_scale": (scale_of(np.float32, slot=13, fill=np.nan), True, "v_scale 'bad_scale_13' holding nan"),
+    "negative k_scale": (scale_of(np.float32, fill=-0.5), True, "holding -0.5"),
 }
 
 
@@ -177,13 +227,42 @@ def _in_order(model: ir.Model) -> bool:
     return True
 
 
-def test_a_cycle_is_refused():
+@pytest.mark.parametrize("sort", [True, False])
+@pytest.mark.parametrize("cycle", ["two MatMuls", "a node reading its own output"])
+def test_a_cycle_is_refused(cycle, sort):
+    """A node reading its own output was taken as in order (and written); reading only
+    (``sort=False``, inspect) refuses a cycle too: onnxruntime runs no cyclic graph."""
     model = decoder(False)
     nodes = [n for n in model.graph if n.op_type == "MatMul"]
-    first, later = nodes[0], nodes[3]
+    first, later = nodes[0], nodes[0] if cycle == "a node reading its own output" else nodes[3]
     first.replace_input_with(0, later.outputs[0])
     with pytest.raises(MalformedModelError, match="has a cycle"):
+        validate_model(model, sort=sort)
+
+
+def test_two_nodes_of_one_name_are_refused():
+    """onnxruntime refuses "two nodes with same node name"; convert wrote such a graph."""
+    model = decoder(False)
+    first, second = [n for n in model.graph if n.op_type == "MatMul"][:2]
+    second.name = first.name
+    with pytest.raises(MalformedModelError, match=f"Two nodes of the graph are named '{first.name}'"):
         validate_model(model)
+
+
+def test_attribute_types_are_onnxruntimes():
+    from onnx_kvcache.cache.validation import ATTRIBUTE_TYPES
+
+    ort = pytest.importorskip("onnxruntime")
+    schemas = {
+        s.name: s
+        for s in ort.capi.onnxruntime_pybind11_state.get_all_operator_schema()
+        if s.domain == "com.microsoft" and s.name in ("GroupQueryAttention", "PagedAttention")
+    }
+    assert set(schemas) == {"GroupQueryAttention", "PagedAttention"}
+    for schema in schemas.values():
+        for name, attr in schema.attributes.items():
+            assert name in ATTRIBUTE_TYPES, (schema.name, name)
+            assert ATTRIBUTE_TYPES[name].name == str(attr.type).split(".")[-1], (schema.name, name)
 
 
 REAL = sorted(

@@ -29,6 +29,7 @@ a node's rows run in order, each only once the rows before it passed):
 from __future__ import annotations
 
 __all__ = [
+    "ATTRIBUTE_TYPES",
     "GRAPH_CHECKS",
     "NODE_CHECKS",
     "GraphCheck",
@@ -38,7 +39,8 @@ __all__ = [
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 
 import onnx_ir as ir
 
@@ -102,7 +104,6 @@ def _in_order(graph: GraphLike) -> bool:
     nodes = {id(node) for node in graph}
     seen: set[int] = set()
     for node in graph:
-        seen.add(id(node))
         inner = [node]
         for subgraph in _subgraphs(node):
             inner += list(ir.traversal.RecursiveGraphIterator(subgraph))
@@ -110,8 +111,35 @@ def _in_order(graph: GraphLike) -> bool:
             for value in reader.inputs:
                 producer = value.producer() if value is not None else None
                 if producer is not None and id(producer) in nodes and id(producer) not in seen:
-                    return False
+                    return False  # read before it is made (a node reading its own output too)
+        seen.add(id(node))
     return True
+
+
+def _acyclic(graph: GraphLike) -> bool:
+    """Whether the nodes can be ordered (Kahn's count; a subgraph's reads are its node's)."""
+    nodes = {id(node): node for node in graph}
+    waiting: dict[int, int] = {}
+    readers: dict[int, list[int]] = {key: [] for key in nodes}
+    for key, node in nodes.items():
+        producers = set()
+        for reader in [node, *(n for g in _subgraphs(node) for n in ir.traversal.RecursiveGraphIterator(g))]:
+            for value in reader.inputs:
+                producer = value.producer() if value is not None else None
+                if producer is not None and id(producer) in nodes:
+                    producers.add(id(producer))
+        waiting[key] = len(producers)
+        for producer_key in producers:
+            readers[producer_key].append(key)
+    ready = [key for key, count in waiting.items() if count == 0]
+    done = 0
+    while ready:
+        done += 1
+        for reader_key in readers[ready.pop()]:
+            waiting[reader_key] -= 1
+            if waiting[reader_key] == 0:
+                ready.append(reader_key)
+    return done == len(nodes)
 
 
 def _order(model: ir.Model, sort: bool) -> str | None:
@@ -119,12 +147,26 @@ def _order(model: ir.Model, sort: bool) -> str | None:
     for graph in _roots(model):
         if _in_order(graph):
             continue
-        if not sort:
-            continue  # reading only: onnxruntime runs an unsorted graph too
         try:
-            graph.sort()
+            if sort:
+                graph.sort()
+            elif not _acyclic(graph):  # reading only needs no order, but onnxruntime runs no cycle
+                raise ValueError("a cycle")
         except ValueError:
             return f"the graph{_where(graph)} has a cycle: its nodes cannot be ordered. {_FIX}"
+    return None
+
+
+def _names(model: ir.Model, sort: bool) -> str | None:
+    """Node names of the main graph are unique (onnxruntime: "two nodes with same node name")."""
+    seen: set[str] = set()
+    for node in model.graph:
+        if node.name and node.name in seen:
+            return (
+                f"two nodes of the graph are named {node.name!r}: onnxruntime refuses a graph whose "
+                "node names repeat. The model is malformed: export it again, or rename one of them."
+            )
+        seen.add(node.name or "")
     return None
 
 
@@ -149,6 +191,7 @@ GRAPH_CHECKS: tuple[GraphCheck, ...] = (
         "nodes are in topological order (sorted in memory when not; a cycle is refused)",
         _order,
     ),
+    GraphCheck("names", "the main graph's node names are unique", _names),
 )
 
 
@@ -160,6 +203,48 @@ def _last_dim(value: ir.Value | None) -> int | None:
     if shape is None or len(shape) == 0 or not isinstance(shape[-1], int):
         return None
     return shape[-1]
+
+
+ATTRIBUTE_TYPES: Mapping[str, ir.AttributeType] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            (
+                "num_heads",
+                "kv_num_heads",
+                "do_rotary",
+                "rotary_interleaved",
+                "local_window_size",
+                "sliding_window_cache",
+                "rotary_offset",
+                "v_head_size",
+                "is_causal",
+                "causal",
+                "kv_cache_bit_width",
+                "smooth_softmax",
+                "qk_output",
+            ),
+            ir.AttributeType.INT,
+        ),
+        **dict.fromkeys(
+            ("scale", "softcap", "qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"),
+            ir.AttributeType.FLOAT,
+        ),
+        **dict.fromkeys(
+            ("k_quant_type", "v_quant_type", "k_cache_dtype", "v_cache_dtype", "kv_cache_layout"),
+            ir.AttributeType.STRING,
+        ),
+    }
+)
+"""The type of each attribute of GroupQueryAttention and PagedAttention (onnxruntime's
+schemas; both operators agree where they share a name)."""
+
+
+def _attribute_types(site: CacheSite) -> str | None:
+    for name, attr in site.node.attributes.items():
+        wanted = ATTRIBUTE_TYPES.get(name)
+        if wanted is not None and attr.type != wanted:
+            return f"has {name} of type {attr.type.name}, where onnxruntime's schema takes {wanted.name}"
+    return None
 
 
 def _attributes(site: CacheSite) -> str | None:
@@ -213,18 +298,33 @@ def _widths(site: CacheSite) -> str | None:
 
 
 def _cache_heads(site: CacheSite) -> str | None:
-    """A cache's heads axis, where static, holds kv_num_heads."""
+    """A cache has the layout's rank; where static, its heads axis holds kv_num_heads and the key
+    cache's last axis the head size the query and key tell (a packed format: its elements)."""
     if site.single_cache:
         return None
-    axis = site.op.layout.heads_axis
+    layout = site.op.layout
+    fmt = format_of(site.cache_dtype, site.cache_bit_width, site.cache_logical_type)
+    head = _head_size(site)
+    stored = head if head is None or fmt is None else fmt.packed_dim(head)
     for side in site.sides:
         past = site.past(side)
-        if past is None or past.shape is None or len(past.shape) != len(site.op.layout.dims):
+        if past is None or past.shape is None:
             continue
-        heads = past.shape[axis]
+        if len(past.shape) != len(layout.dims):
+            return (
+                f"has a {side.past} {past.name!r} of rank {len(past.shape)}: its cache is "
+                f"[{', '.join(layout.dims)}]"
+            )
+        heads = past.shape[layout.heads_axis]
         if isinstance(heads, int) and heads != site.kv_num_heads:
             return (
                 f"has kv_num_heads={site.kv_num_heads} but its {side.past} {past.name!r} holds {heads} heads"
+            )
+        width = past.shape[-1]
+        if side is site.sides[0] and stored is not None and isinstance(width, int) and width != stored:
+            packed = f" ({fmt.name}: {stored} elements)" if fmt is not None and fmt.packed else ""
+            return (
+                f"has heads of size {head}{packed} but its {side.past} {past.name!r} holds {width} per head"
             )
     return None
 
@@ -259,9 +359,21 @@ def _quantization(site: CacheSite) -> str | None:
         bits = site.int_attr(bits_attr)
         if bits not in bit_widths:
             return f"has {bits_attr}={bits}: expected one of {', '.join(map(str, bit_widths))}"
+    if not quantized and bits_attr is not None and bits_attr in site.node.attributes:
+        bits = site.int_attr(bits_attr)
+        if bits != 0:
+            return f"has {bits_attr}={bits} but no quantized side: onnxruntime takes 0 for a float cache"
     for side in quantized:
         if site.input(side.scale) is None:
             return f"has {side.quant_attr}={quants[side.quant_attr]} but no {side.scale} input"
+    dtype = site.cache_dtype
+    known = dtype is None or format_of(dtype, site.cache_bit_width, site.cache_logical_type) is not None
+    if quantized and site.past_key is not None and not known and dtype is not None:
+        said = f" and {bits_attr}={site.cache_bit_width}" if bits_attr in site.node.attributes else ""
+        names = ", ".join(
+            f"{row.name} ({row.dtype.name.lower()}, {row.bit_width} bits)" for row in CACHE_FORMATS.values()
+        )
+        return f"has a quantized {dtype.name.lower()} cache{said}, which is no format's: {names}"
     return None
 
 
@@ -283,6 +395,10 @@ def _scales(site: CacheSite) -> str | None:
             continue
         if scale.dtype is not None and scale.dtype != ir.DataType.FLOAT:
             return f"has a {scale.dtype.name.lower()} {side.scale} {scale.name!r}: scales are float32"
+        found = constant_values(scale) or []
+        bad = next((x for x in found if not (math.isfinite(x) and x > 0)), None)
+        if bad is not None:
+            return f"has a {side.scale} {scale.name!r} holding {bad}: a scale is finite and above 0"
         quant = site.str_attr(side.quant_attr, "NONE")
         row = next((r for r in SCALE_GRANULARITIES.values() if r.quant_type == quant), None)
         count = _elements(scale)
@@ -314,6 +430,9 @@ class NodeCheck:
 
 
 NODE_CHECKS: tuple[NodeCheck, ...] = (
+    NodeCheck(
+        "attribute types", "each attribute has the type onnxruntime's schema gives it", _attribute_types
+    ),
     NodeCheck("attributes", "num_heads and kv_num_heads are given", _attributes),
     NodeCheck("head counts", "num_heads and kv_num_heads are 1 or more", _positive),
     NodeCheck("groups", "num_heads is a multiple of kv_num_heads", _groups),
@@ -323,19 +442,25 @@ NODE_CHECKS: tuple[NodeCheck, ...] = (
         "whole heads of one size",
         _widths,
     ),
-    NodeCheck("cache heads", "a cache's static heads axis holds kv_num_heads", _cache_heads),
+    NodeCheck(
+        "cache heads",
+        "a cache has the layout's rank; its static heads axis holds kv_num_heads, a key cache's "
+        "last axis the head size (packed: its elements)",
+        _cache_heads,
+    ),
     NodeCheck(
         "caches", "both past inputs or neither; a present output of the graph has its past input", _caches
     ),
     NodeCheck(
         "quantization",
         "k_quant_type/v_quant_type name a granularity, kv_cache_bit_width a format's width; a "
-        "quantized side has its scale input",
+        "quantized side has its scale input, a quantized cache a format's element type",
         _quantization,
     ),
     NodeCheck(
         "scales",
-        "k_scale/v_scale are float32: one element per tensor, kv_num_heads * head_size per channel",
+        "k_scale/v_scale are float32, finite and above 0: one element per tensor, kv_num_heads * "
+        "head_size per channel",
         _scales,
     ),
 )

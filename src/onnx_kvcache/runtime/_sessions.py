@@ -93,7 +93,7 @@ def create_session(
     """
     ort = import_onnxruntime()
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # its errors reach the caller as exceptions: one line
     if base_dir is None and isinstance(model, ir.Model):
         base_dir = external_data_dir(model)
     if base_dir is not None:
