@@ -469,18 +469,18 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
         (
             "export_llama_opset23.onnx",
             [],
-            "convert for cpu (a float32 model): int8 per_tensor, cache bytes per token 384",
+            "convert for cpu (assumed: a float32 model; --ep to choose): int8 per_tensor, cache bytes per token 384",
         ),
         (
             "optimum_llama",
             ["--ep", "cuda"],
-            "convert for cuda (given): fp8 per_tensor, cache bytes per token 384 (now 1536, 4.00x smaller); "
+            "convert for cuda (--ep): fp8 per_tensor, cache bytes per token 384 (now 1536, 4.00x smaller); "
             "the attention computes in float16",
         ),
         (
             "optimum_llama",
             ["--ep", "dml"],
-            "convert for dml (given) would refuse: KV cache not converted to fp8",
+            "convert for dml (--ep) would refuse: KV cache not converted to fp8",
         ),
     ],
 )
