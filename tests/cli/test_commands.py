@@ -469,7 +469,8 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
         (
             "export_llama_opset23.onnx",
             [],
-            "convert for cpu (assumed: a float32 model; --ep to choose): int8 per_tensor, cache bytes per token 384",
+            "convert for cpu (assumed: a float32 model; --ep to choose): int8 per_tensor, "
+            "cache bytes per token 384",
         ),
         (
             "optimum_llama",
