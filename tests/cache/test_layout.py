@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from onnx_kvcache import build_decoder, optimize_model
+from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
 from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
 from onnx_kvcache.errors import KvCacheWarning
 from onnx_kvcache.models.exported import exported_config
@@ -33,3 +33,23 @@ def test_the_table_says_what_past_inputs_to_allocate(fmt, allocate):
         assert "past inputs to allocate" not in table
     else:
         assert "past inputs to allocate" in table and f"  {allocate}" in table, table
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_unquantized_bytes_are_the_models_own_when_the_attention_computes_in_float16(fmt, dtype):
+    """A float32 model converted for CUDA computes its attention in float16 (Float16AttentionPass):
+    its cache held float32 before, as evaluate's baseline says, not float16."""
+    model = build_decoder(exported_config("optimum-llama", num_layers=2, dtype=dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        GqaFusionPass()(model)
+        before = inspect_kv_cache(model).bytes_per_token
+        scales = {0: (0.1, 0.1), 1: (0.1, 0.1)}
+        optimize_model(model, execution_provider="cuda", kv_cache_format=fmt, kv_cache_scales=scales)
+    info = inspect_kv_cache(model)
+    assert any(node.name.endswith("/to_float16") for node in model.graph) == (dtype == "float32")
+    assert info.original_bytes_per_token == before
+    ratio = {"float32": {"fp8": 4, "int8": 4, "int4": 8}, "float16": {"fp8": 2, "int8": 2, "int4": 4}}
+    assert before / info.bytes_per_token == ratio[dtype][fmt]
+    assert f"unquantized {before:g}, {ratio[dtype][fmt]:.2f}x smaller" in format_cache_table(info)

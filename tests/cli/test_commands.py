@@ -21,6 +21,7 @@ from onnx_kvcache.cli import _demo as demo
 from onnx_kvcache.cli.commands import _wording, build_parser, main
 from onnx_kvcache.errors import Function, KvCacheError, Message, Param, render
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
+from onnx_kvcache.scales.data import builtin_corpus
 
 from command_cases import fp16_model_file, model_file, scale_file  # noqa: F401  (fixtures)
 
@@ -142,6 +143,29 @@ def test_demo_table_legend_keep_and_no_leftover_bar(tmp_path, monkeypatch, capsy
     assert (tmp_path / "model.int8.per_channel.onnx").is_file()
     assert "demo" in terminal.getvalue()  # a bar was drawn on the terminal ...
     assert _screen(terminal.getvalue()) == []  # ... and nothing of it is left above the table
+
+
+def test_demo_evaluates_on_data_its_scales_never_saw(monkeypatch, capsys):
+    """Scales from the corpus's calibration part, scores on its held-out evaluation part."""
+    seen: dict[str, list[list[int]]] = {}
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            seen[name] = next(arg for arg in args if isinstance(arg, list))  # the token windows
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(demo, name, call)
+
+    spy("calibrate_kv_cache", demo.calibrate_kv_cache)
+    spy("evaluate_kv_cache", demo.evaluate_kv_cache)
+    monkeypatch.setattr(demo, "DEMO_VARIANTS", (demo.DEMO_VARIANTS[3],))
+    assert main(["demo", "--no-progress"]) == 0
+    calibrated, evaluated = (
+        bytes(seen[name][0]).decode() for name in ("calibrate_kv_cache", "evaluate_kv_cache")
+    )
+    assert calibrated == builtin_corpus("calibration") and evaluated == builtin_corpus("evaluation")
+    assert evaluated not in calibrated and calibrated not in evaluated
+    assert "evaluated on its held-out evaluation part" in capsys.readouterr().out
 
 
 def test_no_progress_draws_no_bar(tmp_path, model_file, monkeypatch):
@@ -445,18 +469,19 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
         (
             "export_llama_opset23.onnx",
             [],
-            "convert for cpu (a float32 model): int8 per_tensor, cache bytes per token 384",
+            "convert for cpu (assumed: a float32 model; --ep to choose): int8 per_tensor, "
+            "cache bytes per token 384",
         ),
         (
             "optimum_llama",
             ["--ep", "cuda"],
-            "convert for cuda (given): fp8 per_tensor, cache bytes per token 384 (now 1536, 4.00x smaller); "
+            "convert for cuda (--ep): fp8 per_tensor, cache bytes per token 384 (now 1536, 4.00x smaller); "
             "the attention computes in float16",
         ),
         (
             "optimum_llama",
             ["--ep", "dml"],
-            "convert for dml (given) would refuse: KV cache not converted to fp8",
+            "convert for dml (--ep) would refuse: KV cache not converted to fp8",
         ),
     ],
 )

@@ -65,7 +65,7 @@ def test_a_kind_of_warning_is_said_once_per_run(tmp_path, model_file, capsys, ve
     said = [line for line in lines(capsys.readouterr().err) if line.startswith(WARNING)]
     clipping = [line for line in said if "of layer" in line]
     random_ids = [line for line in said if "No tokenizer found" in line]
-    assert len(random_ids) == 1
+    assert len(random_ids) == 1 and "Give the model's tokenizer (--tokenizer PATH: " in random_ids[0]
     if verbose:
         assert [line.split("of layer ")[1][:1] for line in clipping] == ["0", "1"]
     else:

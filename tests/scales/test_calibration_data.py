@@ -112,8 +112,11 @@ def test_builtin_corpus_through_the_folders_tokenizer(tmp_path):
 
 
 def test_without_a_tokenizer_random_tokens_warn_and_are_recorded(model):
-    with pytest.warns(KvCacheWarning, match="No tokenizer found: calibrating on seeded random token ids"):
+    with pytest.warns(
+        KvCacheWarning, match="No tokenizer found: calibrating on seeded random token ids"
+    ) as said:
         scales = calibrate_kv_cache(model, format="int8", seq_len=32, progress=False)
+    assert any("Give the model's tokenizer (tokenizer=PATH: " in str(w.message) for w in said)
     assert scales.metadata["tokens"] == 8 * 32
     assert scales.metadata["data"] == "seeded random token ids (no tokenizer)"
 

@@ -7,6 +7,8 @@ __all__ = ["CacheLayerInfo", "CacheModelInfo", "format_cache_table", "inspect_kv
 import dataclasses
 from typing import Any
 
+import onnx_ir as ir
+
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.files.reading import ModelLike, as_model
@@ -73,6 +75,23 @@ class CacheModelInfo:
         return doc
 
 
+def _unquantized_dtype(site: CacheSite) -> ir.DataType | None:
+    """The type the cache held before quantization: the node's T, unless its T inputs are a
+    float32 model's values cast to float16 for the attention alone (Float16AttentionPass), whose
+    cache was float32 (the figure ``evaluate`` takes for the original)."""
+    query = site.query_dtype
+    if query != ir.DataType.FLOAT16:
+        return query
+    for name in site.op.t_inputs:
+        value = site.input(name)
+        if value is None or value.dtype is None:
+            continue
+        cast = value.producer()
+        source = cast.inputs[0] if cast is not None and cast.op_type == "Cast" and cast.inputs else None
+        return ir.DataType.FLOAT if source is not None and source.dtype == ir.DataType.FLOAT else query
+    return query
+
+
 def _layer_info(site: CacheSite) -> CacheLayerInfo:
     past_k, past_v = site.past_key, site.past_value
     assert past_k is not None
@@ -81,7 +100,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
     head = site.head_size()
     bits = fmt.bit_width if fmt is not None else None
     per_value = fmt.bytes_per_value() if fmt is not None else (dtype.itemsize if dtype is not None else 0)
-    query = site.query_dtype or dtype
+    query = _unquantized_dtype(site) or dtype
     caches = len(site.sides)
     original = caches * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
     k, v = site.input(site.op.key.scale), None if site.single_cache else site.input(site.op.value.scale)

@@ -432,7 +432,10 @@ def _inspect_preview(args: argparse.Namespace, model: Any, config: Any) -> int:
 
 def _preview_line(preview: Any) -> str:
     """What ``convert`` would do: the target, format and bytes per token, or its refusal."""
-    where = f"{preview.target} ({preview.target_source})" if preview.target else "no target"
+    source = (
+        "--ep" if preview.target_source == "given" else f"assumed: {preview.target_source}; --ep to choose"
+    )
+    where = f"{preview.target} ({source})" if preview.target else "no target"  # as convert says it
     if preview.refusal is not None:
         return f"convert for {where} would refuse: {_words(preview.refusal)}"
     before, after = preview.cache.bytes_per_token, preview.bytes_per_token_after

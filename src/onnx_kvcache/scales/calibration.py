@@ -507,8 +507,12 @@ def _token_windows(
         )
     if loaded.random:
         warn(
-            "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
-            "those of real text. Give text and its tokenizer, or token ids.",
+            Message(
+                "No tokenizer found: calibrating on seeded random token ids, whose activations are not "
+                "those of real text. Give the model's tokenizer (",
+                Param("tokenizer", placeholder="PATH"),
+                ": tokenizer.json or its folder; the built-in corpus is then read) or token ids.",
+            ),
             CalibrationDataWarning,
         )
     return loaded
