@@ -52,6 +52,7 @@ __all__ = [
     # passes
     "AttentionFusionPass",
     "Bfloat16ToFloatPass",
+    "CachedAttentionFusionPass",
     "DecomposedAttentionFusionPass",
     "Float16AttentionPass",
     "Fp8KvCachePass",
@@ -193,6 +194,7 @@ _EXPORTS = {  # where each name lives; imported on first use
     "onnx_kvcache.passes": (
         "AttentionFusionPass",
         "Bfloat16ToFloatPass",
+        "CachedAttentionFusionPass",
         "DecomposedAttentionFusionPass",
         "Float16AttentionPass",
         "Fp8KvCachePass",
@@ -298,6 +300,7 @@ if TYPE_CHECKING:
     from onnx_kvcache.passes import (
         AttentionFusionPass,
         Bfloat16ToFloatPass,
+        CachedAttentionFusionPass,
         DecomposedAttentionFusionPass,
         Float16AttentionPass,
         Fp8KvCachePass,

@@ -88,6 +88,13 @@ def remove_a_node(model: ir.Model) -> None:
     model.graph = loaded.graph
 
 
+def remove_a_node_in_memory(model: ir.Model) -> None:
+    """A node removed from the graph in memory (``Graph.remove(safe=False)``): its readers still
+    hold its outputs, whose producer is in no graph (onnx-ir's clone calls them outer-scope)."""
+    victim = next(n for n in model.graph if n.op_type == "MatMul")
+    model.graph.remove(victim, safe=False)
+
+
 #: mutant -> (mutation, quantized first, the words the message must hold)
 MUTANTS = {
     "num_heads 0": (set_int("num_heads", 0), False, "GroupQueryAttention node .* has num_heads=0"),
@@ -118,6 +125,11 @@ MUTANTS = {
     "PER_BLOCK": (set_str("k_quant_type", "PER_BLOCK"), True, "has k_quant_type='PER_BLOCK'"),
     "bit width 5": (set_int("kv_cache_bit_width", 5), True, "has kv_cache_bit_width=5: expected one of 4, 8"),
     "dangling input": (remove_a_node, False, "reads '.*', which no node, graph input or initializer defines"),
+    "removed producer": (
+        remove_a_node_in_memory,
+        False,
+        "reads '.*', which no node, graph input or initializer defines",
+    ),
     # found by a hostile review (rev29): each was a traceback, an output onnxruntime refuses, or a
     # model that loads and fails in its first run
     "float num_heads": (
@@ -175,7 +187,7 @@ def test_a_malformed_model_is_one_line_naming_the_node_and_the_attribute(mutant)
     message = str(caught.value)
     assert "\n" not in message and "malformed" in message
     assert isinstance(caught.value, KvCacheError)
-    if mutant != "dangling input":
+    if mutant not in ("dangling input", "removed producer"):
         assert "/model/layers.1/attn/GroupQueryAttention" in message  # the node, by name
 
 

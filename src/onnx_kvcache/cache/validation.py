@@ -87,7 +87,10 @@ def _undefined(model: ir.Model, sort: bool) -> str | None:
     for graph in _graphs(model):
         for node in graph:
             for value in node.inputs:
-                if value is None or value.producer() is not None or value.is_graph_input():
+                if value is None or value.is_graph_input():
+                    continue
+                producer = value.producer()
+                if producer is not None and producer.graph is not None:  # not a node removed since
                     continue
                 if value.is_initializer() or value.const_value is not None:
                     continue

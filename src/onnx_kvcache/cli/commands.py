@@ -527,14 +527,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         [seen],  # another calibrate to this --out that finished first is never replaced silently
     )
     _print(format_calibration_summary(scales.stats, scales.format, method))
-    layers = len(scales.layer_ids)
+    _print(_calibrated(args.out, replaced, scales))
+    return 0
+
+
+def _calibrated(out: str, replaced: list[pathlib.Path], scales: Any) -> str:
+    """The last line of ``calibrate``: what was written, its layers, format and method."""
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
-    _print(
-        f"{_wrote(args.out, replaced)} ({layers} layers, {scales.format} {scales.granularity}, "
-        f"method {method}){target}"
+    return (
+        f"{_wrote(out, replaced)} ({len(scales.layer_ids)} layers, {scales.format} {scales.granularity}, "
+        f"method {scales.metadata['method']}){target}"
     )
-    return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AttentionFusionPass",
     "Bfloat16ToFloatPass",
+    "CachedAttentionFusionPass",
     "DecomposedAttentionFusionPass",
     "Float16AttentionPass",
     "Fp8KvCachePass",
@@ -17,6 +18,7 @@ __all__ = [
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 from onnx_kvcache.passes.float16_attention import Float16AttentionPass
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import KvCacheEmulationPass

@@ -189,11 +189,9 @@ class KvCacheRunner:
         )
         require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
         self._source = _load(model_or_path)
-        self.eos_token_ids: frozenset[int]
-        """End-of-sequence tokens: a genai folder's genai_config.json, else an export's
-        generation_config.json or config.json (as transformers' ``generate`` reads them)."""
-        self.pad_token_id: int | None
-        """The padding token, from the same files (None when they give none)."""
+        #: End-of-sequence tokens and the padding token (None when none is given): a genai
+        #: folder's genai_config.json, else an export's generation_config.json or config.json
+        #: (as transformers' ``generate`` reads them).
         self.eos_token_ids, self.pad_token_id = _special_tokens(self._source)
         options = SessionOptions(providers, io_binding, semantics, quantized_io, caches_only, capture_queries)
         self._session, self._cache = _open(self._source, options, block_size)
