@@ -116,7 +116,7 @@ def keep_query_width(query: ir.Value | None, width: int, rank: int, dtype: ir.Da
     if (shape is not None and len(shape) and isinstance(shape[-1], int)) or (query.dtype or dtype) is None:
         return False
     dims = list(shape) if shape is not None and len(shape) else [None] * rank
-    if query.dtype is None:
+    if query.dtype is None and dtype is not None:
         query.dtype = dtype
     query.shape = ir.Shape([*dims[:-1], width])
     return True
