@@ -582,3 +582,28 @@ def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_pat
     assert "\n" not in err and "Traceback" not in err
     assert "attention fusion fused nothing" in err and "CumSum of attention_mask" in err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_an_export_whose_fusion_leaves_the_graph_out_of_order_runs():
+    """transformers 5.24's TorchScript export: after fusing, Shape nodes reading a present come
+    before the GroupQueryAttention that writes it; the calibration session's clone of the graph
+    needs it sorted (before: onnx-ir's RuntimeError, a traceback from calibrate)."""
+    from onnx_kvcache import calibrate_kv_cache
+
+    path = (
+        pathlib.Path(__file__).parents[1]
+        / "data"
+        / "producers"
+        / "torch-tf5"
+        / "torchscript-opset18"
+        / "llama"
+    )
+    source = (path / "model.onnx").read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        assert len(KvCacheRunner(path / "model.onnx").generate([1, 72, 101, 108], 3)) == 3
+        scales = calibrate_kv_cache(
+            path / "model.onnx", format="int8", seq_len=32, num_seqs=8, progress=False
+        )
+    assert sorted(scales.layer_ids) == [0, 1]
+    assert (path / "model.onnx").read_bytes() == source

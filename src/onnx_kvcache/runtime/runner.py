@@ -89,6 +89,7 @@ def _fused(model: ir.Model) -> ir.Model:
         if not issubclass(recorded.category, PaddingAssumptionWarning):
             warnings.warn_explicit(recorded.message, recorded.category, recorded.filename, recorded.lineno)
     if fusion.modified:
+        model.graph.sort()  # a fused node may land after a reader of its outputs; sessions clone it
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
     return model
 
