@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -96,3 +97,29 @@ def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, f
         config.clear_providers()
         with pytest.raises(Exception, match="implementation for PagedAttention"):
             og.Model(config)
+
+
+GENAI_GEMMA2 = (
+    pathlib.Path(__file__).parent
+    / "data"
+    / "producers"
+    / "genai-builder"
+    / "genai-builder-cpu-fp32"
+    / "gemma2"
+)
+
+
+@pytest.mark.parametrize("ep", ["cpu", None])
+def test_a_window_sized_cache_keeps_sharing_its_buffer_so_genai_runs_it(tmp_path, ep):
+    """genai's builder writes Gemma-2's window layers with sliding_window_cache=1; onnxruntime-
+    genai allocates such a cache window-sized only when past and present share one buffer, and
+    otherwise feeds an empty past that GroupQueryAttention refuses ("KV cache capacity (0) must be
+    at least local_window_size (4)"). The converted folder keeps sharing, and generates as the
+    runner does."""
+    out = tmp_path / "int8"
+    scales = {0: (0.03, 0.03), 1: (0.03, 0.03)}
+    convert_model(GENAI_GEMMA2, out, format="int8", scales=scales, **({"ep": ep} if ep else {}))
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
+    prompt = [1, 72, 101, 108, 108, 111, 33]  # 7 tokens: past the 4-token window
+    tokens = og_generate(out, prompt, 6)
+    assert len(tokens) == 6 and tokens == KvCacheRunner(out).generate(prompt, 6)

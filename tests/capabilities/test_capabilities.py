@@ -346,3 +346,34 @@ def test_a_converted_model_keeps_the_target_it_was_converted_for(tmp_path, ep, s
     convert_model(tmp_path / "m.onnx", out, format="int8", scales={0: (0.05, 0.05)}, ep=ep)
     assert infer_target(ir.load(out)) == (ep, f"converted for {ep} (its onnx_kvcache.converted metadata)")
     assert KvCacheRunner(out).semantics == semantics
+
+
+@pytest.mark.parametrize(
+    ("head", "fmt", "runs"),
+    [(16, "int4", False), (48, "int4", False), (32, "int4", True), (64, "int4", True), (16, "int8", True)],
+)
+def test_a_window_sized_cache_runs_int4_on_cpu_only_with_a_head_size_multiple_of_32(
+    tmp_path, head, fmt, runs
+):
+    """onnxruntime 1.32's CPU kernel, at run time: "sliding_window_cache: head_size (16) must be
+    a multiple of 32 for a 4-bit KV cache" (genai's builder writes such caches for Gemma-2):
+    the conversion is refused where the kernel would refuse the model, and runs where it is not."""
+    from onnx_kvcache import KvCacheRunner, convert_model
+    from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
+
+    config = DecoderConfig(
+        num_layers=2, head_size=head, sliding_window=4, sliding_window_layers=(0,), sliding_window_cache=True
+    )
+    model = build_decoder(config)
+    report = check_kv_cache_support(model, "cpu", fmt)
+    assert report.supported is runs
+    if not runs:
+        assert f"multiple of 32, the model's is {head}" in report.reasons[0]
+        return
+    path = tmp_path / "model.onnx"
+    ir.save(model, path)
+    result = convert_model(
+        path, tmp_path / "q.onnx", format=fmt, scales={0: (0.05, 0.05), 1: (0.05, 0.05)}, ep="cpu"
+    )
+    assert result.converted
+    assert len(KvCacheRunner(result.model_file).generate([1, 2, 3, 4, 5, 6], 3)) == 3  # past the window

@@ -189,3 +189,17 @@ def test_onnxruntime_resolves_the_fp8_graph_and_lacks_only_the_cpu_kernel():
     # the CPU kernels (T float and float16) differ from it in the cache's type only
     kernel = "(tensor(float16),tensor(uint8),tensor(int8),), but the node in the model has the following type"
     assert f"{kernel} (tensor(float8e4m3fn))" in str(refused.value)
+
+
+def test_a_query_whose_type_the_graph_does_not_state_is_cast_too(tmp_path):
+    """mobius writes no value_info: the query (a MatMul's output) has no stated type, the rotary
+    tables say T is float32. Every T input reaches the node as float16, so CUDA's kernel gets one
+    type (before, the query stayed float32 beside float16 tables)."""
+    path = pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-cpu-gqa" / "llama"
+    model = ir.load(path / "model.onnx")
+    assert all(site.input("query").dtype is None for site in find_gqa_sites(model))
+    KvCacheQuantizationPass("fp8", "per_tensor", {0: (0.1, 0.1), 1: (0.1, 0.1)})(model)
+    Float16AttentionPass()(model)
+    for site in find_gqa_sites(model):
+        types = {name: site.input(name).dtype for name in GQA.t_inputs if site.input(name) is not None}
+        assert set(types.values()) == {ir.DataType.FLOAT16}, types

@@ -600,3 +600,26 @@ def test_a_float8_cache_raises_the_ir_version_to_9(fmt, ir_version):
     KvCacheQuantizationPass(fmt, scales={0: (0.05, 0.05)})(model)
     assert model.ir_version == ir_version
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+PRODUCERS = __import__("pathlib").Path(__file__).parents[1] / "data" / "producers" / "mobius"
+
+
+@pytest.mark.parametrize("form", ["mobius-cpu-gqa", "mobius-cuda-f16"])
+def test_a_packed_cache_of_a_graph_without_value_info_still_tells_its_head_size(tmp_path, form):
+    """mobius writes no value_info: the head size was only on the cache's last dimension, which
+    int4 packs. The converted model still tells it (the query's width), so the runner, evaluate
+    and a requantization read it; onnxruntime and onnx.checker take the model."""
+    import onnx
+
+    from onnx_kvcache import KvCacheRunner
+
+    model = ir.load(PRODUCERS / form / "llama" / "model.onnx")
+    KvCacheQuantizationPass("int4", "per_tensor", {0: (0.2, 0.2), 1: (0.2, 0.2)})(model)
+    assert all(site.head_size() == 16 for site in find_gqa_sites(model))
+    path = tmp_path / "model.int4.onnx"
+    ir.save(model, path, external_data="model.int4.onnx.data")
+    onnx.checker.check_model(str(path), full_check=True)
+    assert len(KvCacheRunner(path).generate([1, 72, 101, 108], 3)) == 3
+    KvCacheQuantizationPass("int8", "per_tensor")(model)  # its own scales, unpacked: head size 16 again
+    assert {v.shape[3] for v in model.graph.inputs if v.name.startswith("past_key_values")} == {16}

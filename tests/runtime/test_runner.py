@@ -560,3 +560,50 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
     runner.fill([1, 2, 3])
     assert runner.cache_values(0, "key").shape == (1, 2, 3, 32)
     assert sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*")) == before  # nothing written
+
+
+MOBIUS_DEFAULT = pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-default"
+
+
+@pytest.mark.parametrize("command", ["calibrate", "evaluate"])
+def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_path, capsys, command):
+    """calibrate and evaluate fuse an export in memory; one that does not fuse (mobius's default
+    gemma3 build: a CumSum position mask) is refused in the one line convert says, not with a
+    warning and advice to fuse it first (which would fail the same way)."""
+    from onnx_kvcache.cli import main
+
+    model = str(MOBIUS_DEFAULT / "gemma3" / "model.onnx")
+    args = {
+        "calibrate": ["calibrate", model, "--out", str(tmp_path / "s.json"), "--format", "int8"],
+        "evaluate": ["evaluate", model, model, "--num-seqs", "1", "--seq-len", "16"],
+    }[command]
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "attention fusion fused nothing" in err and "CumSum of attention_mask" in err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_an_export_whose_fusion_leaves_the_graph_out_of_order_runs():
+    """transformers 5.24's TorchScript export: after fusing, Shape nodes reading a present come
+    before the GroupQueryAttention that writes it; the calibration session's clone of the graph
+    needs it sorted (before: onnx-ir's RuntimeError, a traceback from calibrate)."""
+    from onnx_kvcache import calibrate_kv_cache
+
+    path = (
+        pathlib.Path(__file__).parents[1]
+        / "data"
+        / "producers"
+        / "torch-tf5"
+        / "torchscript-opset18"
+        / "llama"
+    )
+    source = (path / "model.onnx").read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        assert len(KvCacheRunner(path / "model.onnx").generate([1, 72, 101, 108], 3)) == 3
+        scales = calibrate_kv_cache(
+            path / "model.onnx", format="int8", seq_len=32, num_seqs=8, progress=False
+        )
+    assert sorted(scales.layer_ids) == [0, 1]
+    assert (path / "model.onnx").read_bytes() == source

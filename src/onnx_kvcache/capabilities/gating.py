@@ -221,7 +221,21 @@ def _site_refusals(
             f"{', '.join(bad)}; export the model in a supported dtype."
         )
         found.append(Refusal(RefusalCode.QUERY_DTYPE_UNSUPPORTED, Parameter.EP, text))
+    multiple = support.window_cache_head_multiple if support is not None else 0
+    windowed = [s for s in mine if multiple and _window_sized(s) and s.head_size() % multiple]
+    if windowed:
+        text = (
+            f"{label}'s {row.op} runs a window-sized cache (sliding_window_cache=1, "
+            f"{len(windowed)} node(s) of this model) in this format only with a head size that is a "
+            f"multiple of {multiple}, the model's is {windowed[0].head_size()}."
+        )
+        found.append(Refusal(RefusalCode.FORMAT_UNSUPPORTED, Parameter.FORMAT, text))
     return found
+
+
+def _window_sized(site: CacheSite) -> bool:
+    """The site keeps a window-sized cache (``sliding_window_cache=1`` with a window)."""
+    return bool(site.int_attr("sliding_window_cache", 0)) and site.int_attr("local_window_size", -1) > 0
 
 
 def _row_refusals(

@@ -54,6 +54,9 @@ class FormatSupport:
     """What is unsettled about the row (e.g. an earlier version that may already have it)."""
     warning: str = ""
     """Said when converting to this format for this provider (e.g. a build option it needs)."""
+    window_cache_head_multiple: int = 0
+    """A window-sized cache (GQA's ``sliding_window_cache=1``, genai's builder for Gemma-2's
+    window layers) runs only with a head size that is a multiple of this (0: any)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,9 @@ _GQA_ROWS = (
         _CPU_T,
         {
             "int8": FormatSupport(_BOTH, "1.27", evidence=_RUN),
-            "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN),
+            # onnxruntime 1.32 at run time: "sliding_window_cache: head_size (16) must be a
+            # multiple of 32 for a 4-bit KV cache" (tests/capabilities/test_gating.py runs it)
+            "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
     ),

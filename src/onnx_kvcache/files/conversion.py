@@ -746,16 +746,30 @@ def _share_target(decision: Decision, result: ConvertResult) -> str:
     return result.target or ("cpu" if cpu_runs_it else "cuda")
 
 
+def _shares_buffer(decision: Decision, result: ConvertResult) -> bool:
+    """``search.past_present_share_buffer`` of the output: the target's rule, except that a
+    window-sized cache (``sliding_window_cache=1``, what genai's builder writes for Gemma-2's
+    window layers) always shares: onnxruntime-genai allocates such a cache window-sized only
+    in one shared buffer, and without it feeds an empty past that GroupQueryAttention refuses
+    ("KV cache capacity (0) must be at least local_window_size"), float or quantized."""
+    if any(
+        s.int_attr("sliding_window_cache", 0) and s.int_attr("local_window_size", -1) > 0
+        for s in find_attention_sites(decision.model)
+    ):
+        return True
+    return get_capabilities(_share_target(decision, result)).share_buffer
+
+
 def _new_config(
     source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult
 ) -> dict[str, Any] | None:
     """The genai config the output gets (None: the input's, unchanged): past and present share
-    one buffer where the target does; ``provider_options`` name the provider given. An export
-    folder converted to a folder gets one made from its ``config.json`` (:func:`_export_config`)."""
+    one buffer where the target does (:func:`_shares_buffer`); ``provider_options`` name the
+    provider given. An export folder converted to a folder gets one made from its
+    ``config.json`` (:func:`_export_config`)."""
     if source.config is None:
         return _export_config(source, plan, decision, result)
-    share_target = _share_target(decision, result)
-    config = with_share_buffer(source.config, get_capabilities(share_target).share_buffer)
+    config = with_share_buffer(source.config, _shares_buffer(decision, result))
     if decision.request.target not in (None, AUTO):
         config = _with_provider(config, str(decision.target), result)
     return None if config == source.config else config
@@ -775,7 +789,7 @@ def _export_config(
         decision.model,
         plan.out.name,
         target=target.name,
-        share_buffer=target.share_buffer,
+        share_buffer=_shares_buffer(decision, result),
         provider_options=_GENAI_PROVIDER_OPTIONS.get(target.name),
     )
     result.notes += [note] if note else []

@@ -17,11 +17,16 @@ Rules, for a node of the default domain reading a cache (past or present) of ran
    A ``Shape`` of the leading dimensions only (``end <= 3``, or an empty range) is left as it
    is. The rewritten readers read no last dimension, so they stay right whatever format the
    cache is converted to later (requantizing int4 to int8).
+3. The attention node itself must still tell its head size once its cache is packed (the
+   runner, ``evaluate``, ``inspect`` and a later requantization read it from a static last
+   dimension of the query, key or unpacked cache). A graph without ``value_info`` (mobius
+   writes none) had it only on the cache: the query gets its width as a static last dimension
+   (:func:`keep_query_width`), what it computes anyway.
 """
 
 from __future__ import annotations
 
-__all__ = ["keep_head_size", "reads_dimensions_only", "sees_head_dimension"]
+__all__ = ["keep_head_size", "keep_query_width", "reads_dimensions_only", "sees_head_dimension"]
 
 import numpy as np
 import onnx_ir as ir
@@ -98,4 +103,20 @@ def keep_head_size(node: ir.Node, head_size: int) -> bool:
     name = old.name
     graph.remove(node, safe=True)
     result.name = name
+    return True
+
+
+def keep_query_width(query: ir.Value | None, width: int, rank: int, dtype: ir.DataType | None) -> bool:
+    """Give ``query`` (an attention node's query, not a graph input) the static last dimension
+    ``width`` when its shape leaves it unknown (rule 3), and its element type ``dtype`` when it
+    has none (a shape is saved only with a type); whether it changed."""
+    if query is None or query.is_graph_input() or query.const_value is not None:
+        return False
+    shape = query.shape
+    if (shape is not None and len(shape) and isinstance(shape[-1], int)) or (query.dtype or dtype) is None:
+        return False
+    dims = list(shape) if shape is not None and len(shape) else [None] * rank
+    if query.dtype is None and dtype is not None:
+        query.dtype = dtype
+    query.shape = ir.Shape([*dims[:-1], width])
     return True

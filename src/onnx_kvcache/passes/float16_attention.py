@@ -9,7 +9,8 @@ model's functions) whose query is float32:
 1. Each input of the node's T type (its row's ``t_inputs``: query, key, value, cos_cache,
    sin_cache, attention_bias, head_sink, q_norm_weight, k_norm_weight) is read through a
    ``Cast(to=FLOAT16)`` inserted before the node; one Cast per value and graph, shared by every
-   node that reads it (the rotary tables every layer reads are cast once).
+   node that reads it (the rotary tables every layer reads are cast once). An input whose type
+   the graph leaves unstated is float32 too (T is one type), and is cast the same way.
 2. Each T output (``output``, ``output_qk``) is written in float16 under a new name and cast
    back to float32 by a ``Cast(to=FLOAT)`` that takes its old name and its place everywhere
    (graph outputs included): what reads it sees float32 as before.
@@ -99,7 +100,9 @@ class Float16AttentionPass(InPlacePass):
         for name in GQA.t_inputs:
             slot = GQA.slot(name)
             value = site.input(slot)
-            if value is None or value.dtype != _F32:
+            # T is one type: an input whose type the graph does not state (mobius writes no
+            # value_info) is float32 as the node's other T inputs are
+            if value is None or value.dtype not in (_F32, None):
                 continue
             key = (id(graph), id(value))
             if key not in casts:

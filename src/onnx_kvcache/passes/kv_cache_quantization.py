@@ -95,7 +95,12 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.files._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import prepend
-from onnx_kvcache.passes._shape_readers import keep_head_size, reads_dimensions_only, sees_head_dimension
+from onnx_kvcache.passes._shape_readers import (
+    keep_head_size,
+    keep_query_width,
+    reads_dimensions_only,
+    sees_head_dimension,
+)
 from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows, tail_slice
 from onnx_kvcache.scales.files import (
     KvCacheScales,
@@ -404,6 +409,8 @@ class KvCacheQuantizationPass(InPlacePass):
             or (packs and _head_readers(sources + sinks))
         ):
             head = self._head_size(site)
+        elif packs:  # the node must still tell it once packed, where it can now (_shape_readers rule 3)
+            head = _head_or_none(site)
         if scales is None:
             if done and not (self.shared_kv_scale and len(site.sides) > 1):
                 return _Plan(site, done, sources, sinks, None, None, head, source)
@@ -515,6 +522,9 @@ class KvCacheQuantizationPass(InPlacePass):
         if self.format.packed and not plan.done and plan.head_size is not None:
             for reader in _head_readers(plan.sources + plan.sinks):  # they keep seeing the head size
                 modified |= keep_head_size(reader, plan.head_size)
+            heads = site.num_heads + 2 * site.kv_num_heads if site.packed_qkv else site.num_heads
+            rank = 3 if op.op_type == "GroupQueryAttention" else 2  # PagedAttention: [tokens, hidden]
+            modified |= keep_query_width(site.input("query"), heads * plan.head_size, rank, site.query_dtype)
         for value in plan.sources + plan.sinks:
             modified |= _retype(value, self.format, plan.head_size, unpack=unpack)
         if plan.k_scale is not None and plan.v_scale is not None:

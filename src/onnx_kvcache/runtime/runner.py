@@ -77,12 +77,19 @@ def _fused(model: ir.Model) -> ir.Model:
     """A decoder without attention nodes (a PyTorch export), fused in memory (the file, or
     the caller's model, unchanged).
 
-    The runner feeds unpadded rows, so what a fused padding mask assumes does not apply.
+    The runner feeds unpadded rows, so what a fused padding mask assumes does not apply. An
+    export whose attention does not fuse in full is refused in one line, the fusion's reason
+    (as ``convert`` says it), its warnings unsaid: the runner needs every cache in
+    GroupQueryAttention.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PaddingAssumptionWarning)
-        modified = fuse_unless_attention(model, record=False).modified
-    if modified:
+    fusion = fuse_unless_attention(model)  # its warnings recorded, said below unless refused
+    if fusion.refusal is not None:
+        raise KvCacheError(f"Cannot run this export: {fusion.refusal.text}")
+    for recorded in fusion.recorded:
+        if not issubclass(recorded.category, PaddingAssumptionWarning):
+            warnings.warn_explicit(recorded.message, recorded.category, recorded.filename, recorded.lineno)
+    if fusion.modified:
+        model.graph.sort()  # a fused node may land after a reader of its outputs; sessions clone it
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
     return model
 
