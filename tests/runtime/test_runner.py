@@ -562,17 +562,17 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
     assert sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*")) == before  # nothing written
 
 
-MOBIUS_DEFAULT = pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-default"
+MOBIUS_STATIC = pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-static"
 
 
 @pytest.mark.parametrize("command", ["calibrate", "evaluate"])
 def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_path, capsys, command):
-    """calibrate and evaluate fuse an export in memory; one that does not fuse (mobius's default
-    gemma3 build: a CumSum position mask) is refused in the one line convert says, not with a
-    warning and advice to fuse it first (which would fail the same way)."""
-    from onnx_kvcache.cli import main
+    """calibrate and evaluate fuse an export in memory; one that does not fuse (mobius's
+    static-cache build: TensorScatter into fixed buffers) is refused in the one line convert
+    says, not with a warning and advice to fuse it first (which would fail the same way)."""
+    from onnx_kvcache.cli.commands import main
 
-    model = str(MOBIUS_DEFAULT / "gemma3" / "model.onnx")
+    model = str(MOBIUS_STATIC / "llama" / "model.onnx")
     args = {
         "calibrate": ["calibrate", model, "--out", str(tmp_path / "s.json"), "--format", "int8"],
         "evaluate": ["evaluate", model, model, "--num-seqs", "1", "--seq-len", "16"],
@@ -580,7 +580,7 @@ def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_pat
     assert main([*args, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
-    assert "attention fusion fused nothing" in err and "CumSum of attention_mask" in err
+    assert "attention fusion fused nothing" in err and "static cache written by TensorScatter" in err
     assert not (tmp_path / "s.json").exists()
 
 
