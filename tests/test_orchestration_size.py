@@ -16,6 +16,9 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "src" / "onnx_kvcache"
 ORCHESTRATION = [
     "pipeline",
     "files/conversion.py",
+    "files/_conversion_plan.py",
+    "files/_conversion_write.py",
+    "files/_conversion_terms.py",
     "scales/calibration.py",
     "runtime",
     "cli",
