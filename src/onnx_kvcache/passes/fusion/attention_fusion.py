@@ -26,11 +26,11 @@ from __future__ import annotations
 
 __all__ = ["AttentionFusionPass"]
 
-import math
 
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
+from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, probs_and_scale
 from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
     KEY,
@@ -40,24 +40,10 @@ from onnx_kvcache.passes.fusion._match import (
     cache_link,
     cache_mask_facts,
     check_shapes,
-    default_scale,
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion.cached_attention_fusion import holds_own_cache
-
-_QK_SOFTMAX = 3
-
-
-def _attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    if attr is None:
-        return default
-    return float(attr.as_float()) if attr.type == ir.AttributeType.FLOAT else float(attr.as_int())
-
-
-def _read(value: ir.Value | None) -> bool:
-    return value is not None and (bool(value.uses()) or value.is_graph_output())
 
 
 def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
@@ -66,7 +52,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     query, key, value, mask = inputs[:4]
     if any(v is not None for v in inputs[4:]):
         raise Unprovable("Attention keeps its own past_key/past_value/nonpad_kv_seqlen")
-    if any(_read(v) for v in node.outputs[1:3]):
+    if any(is_read(v) for v in node.outputs[1:3]):
         raise Unprovable("Attention's present outputs are read")
     if query is None or key is None or value is None:
         raise Unprovable("Attention lacks Q, K or V")
@@ -87,9 +73,9 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
     # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
     query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
-    if _attr(node, "is_causal", 0):
+    if attribute(node, "is_causal", 0):
         cond = cond & Conj.of(Le(key_index - query_index))
-    left, right = int(_attr(node, "left_window_size", -1)), int(_attr(node, "right_window_size", -1))
+    left, right = int(attribute(node, "left_window_size", -1)), int(attribute(node, "right_window_size", -1))
     if left >= 0:
         cond = cond & Conj.of(Le(query_index - key_index - left))
     if right >= 0:
@@ -98,17 +84,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     if not facts.causal:
         raise Unprovable("the mask is not causal (a query would see later keys)")
 
-    probs = node.outputs[3] if len(node.outputs) > 3 and _read(node.outputs[3]) else None
-    mode = int(_attr(node, "qk_matmul_output_mode", 0))
-    if probs is not None and mode != _QK_SOFTMAX:
-        raise Unprovable(
-            f"qk_matmul_output (mode {mode}) is read; GQA's output_qk equals only mode 3 (softmax)"
-        )
-    scale = _attr(node, "scale", default_scale(head))
-    if not (math.isfinite(scale) and scale > 0):
-        raise Unprovable(
-            f"scale={scale} (onnxruntime's Attention and GQA read a non-positive or NaN scale differently)"
-        )
+    probs, scale = probs_and_scale(node, head)
     return AttentionMatch(
         node=node,
         output=node.outputs[0],
@@ -120,7 +96,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         head_size=head,
         scale=scale,
         mask=facts,
-        softcap=_attr(node, "softcap", 0.0),
+        softcap=attribute(node, "softcap", 0.0),
         probs=probs,
     )
 

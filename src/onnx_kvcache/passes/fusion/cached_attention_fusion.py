@@ -43,11 +43,11 @@ from __future__ import annotations
 
 __all__ = ["CachedAttentionFusionPass", "holds_own_cache", "match_cached_attention"]
 
-import math
 
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
+from onnx_kvcache.passes.fusion._attention_node import attribute, probs_and_scale
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
@@ -64,7 +64,6 @@ from onnx_kvcache.passes.fusion._match import (
     CacheLink,
     MaskFacts,
     check_shapes,
-    default_scale,
     mask_condition,
     mask_facts,
     running_count,
@@ -80,18 +79,6 @@ from onnx_kvcache.passes.fusion._symbolic import (
 )
 
 _PAST_KEY, _PAST_VALUE, _NONPAD = 4, 5, 6
-_QK_SOFTMAX = 3
-
-
-def _attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    if attr is None:
-        return default
-    return float(attr.as_float()) if attr.type == ir.AttributeType.FLOAT else float(attr.as_int())
-
-
-def _read(value: ir.Value | None) -> bool:
-    return value is not None and (bool(value.uses()) or value.is_graph_output())
 
 
 def _inputs(node: ir.Node) -> list[ir.Value | None]:
@@ -168,7 +155,7 @@ def _bsh_shapes(
     ev: SymbolicEvaluator, node: ir.Node, query: ir.Value, key: CacheLink, value: CacheLink
 ) -> tuple[int, int, int]:
     """(num_heads, kv_num_heads, head_size) of 3-D (BSH) Q/K/V, proven static and GQA-compatible."""
-    heads, kv_heads = int(_attr(node, "q_num_heads", 0)), int(_attr(node, "kv_num_heads", 0))
+    heads, kv_heads = int(attribute(node, "q_num_heads", 0)), int(attribute(node, "kv_num_heads", 0))
     if heads <= 0 or kv_heads <= 0:
         raise Unprovable("3-D Attention without positive q_num_heads and kv_num_heads")
     q, k, v = ev.shape(query), ev.shape(key.new), ev.shape(value.new)
@@ -221,7 +208,7 @@ def _mask_facts(
             raise Unprovable(
                 f"attn_mask {mask.name!r} is not a provable causal/padding mask: {reason}"
             ) from None
-    if _attr(node, "is_causal", 0):  # bottom-right: offset = past_sequence_length
+    if attribute(node, "is_causal", 0):  # bottom-right: offset = past_sequence_length
         cond = cond & Conj.of(Le(Affine.of(KEY) - Affine.of(QUERY) - past))
     facts = mask_facts(cond, past=past, batch=batch)
     if not facts.causal:
@@ -293,17 +280,7 @@ def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node
         ev, graph, node, query_len=query_len, past=ev.shape(key.past)[2], batch=q_dims[0]
     )
 
-    probs = node.outputs[3] if len(node.outputs) > 3 and _read(node.outputs[3]) else None
-    mode = int(_attr(node, "qk_matmul_output_mode", 0))
-    if probs is not None and mode != _QK_SOFTMAX:
-        raise Unprovable(
-            f"qk_matmul_output (mode {mode}) is read; GQA's output_qk equals only mode 3 (softmax)"
-        )
-    scale = _attr(node, "scale", default_scale(head))
-    if not (math.isfinite(scale) and scale > 0):
-        raise Unprovable(
-            f"scale={scale} (onnxruntime's Attention and GQA read a non-positive or NaN scale differently)"
-        )
+    probs, scale = probs_and_scale(node, head)
     return AttentionMatch(
         node=node,
         output=node.outputs[0],
@@ -315,7 +292,7 @@ def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node
         head_size=head,
         scale=scale,
         mask=facts,
-        softcap=_attr(node, "softcap", 0.0),
+        softcap=attribute(node, "softcap", 0.0),
         probs=probs,
         fit_mask=fit,
     )
