@@ -16,10 +16,9 @@ PACKAGE = pathlib.Path(__file__).parents[1] / "src" / "onnx_kvcache"
 ORCHESTRATION = [
     "pipeline",
     "files/conversion.py",
-    "scales/calibration.py",
+    "calibrate/calibration.py",
     "runtime",
     "cli",
-    "capabilities/doctor.py",
 ]
 #: documented entry points: any signature, body of at most 15 lines
 ENTRY_POINTS = {

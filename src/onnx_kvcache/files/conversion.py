@@ -15,9 +15,9 @@ read. Where the output's weights live:
 Every path relationship is checked before anything is written: the output is never the
 input, inside it or containing it, never a file the model uses, and replaces nothing but
 a previous output of onnx-kvcache (with ``overwrite``; every model written here carries
-a marker, see :mod:`onnx_kvcache.files._marker`), never a mount point, and takes the
+a marker, see :mod:`onnx_kvcache.model_io._marker`), never a mount point, and takes the
 replaced output's mode (owner and group where we may). An existing empty output folder is
-filled, not replaced. See :mod:`onnx_kvcache.files._atomic` for how writes stay atomic and
+filled, not replaced. See :mod:`onnx_kvcache.model_io._atomic` for how writes stay atomic and
 what a killed run leaves behind.
 """
 
@@ -56,13 +56,18 @@ from onnx_kvcache.errors import (
     require_type,
     warn,
 )
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files import _marker as previous
-from onnx_kvcache.files._atomic import format_bytes
 from onnx_kvcache.files._context import warn_short_scales
 from onnx_kvcache.files._export_folder import written_genai_config
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, share_buffer, with_share_buffer
-from onnx_kvcache.files.reading import ModelSource, open_model_source
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io import _marker as previous
+from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io.genai_folder import (
+    GENAI_CONFIG,
+    resolve_model_path,
+    share_buffer,
+    with_share_buffer,
+)
+from onnx_kvcache.model_io.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
@@ -624,7 +629,7 @@ def convert_model(
     not converted, the layers named, unless ``allow_partial``: then the others are.
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
-    output of onnx-kvcache (the rules: :mod:`onnx_kvcache.files._marker`); an existing
+    output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
     scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
