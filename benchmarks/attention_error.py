@@ -8,7 +8,7 @@ calibration windows (or loads ``--scales``), then, on the first ``--windows`` he
 (the scoring text), captures every layer's query and float K/V and prints per layer, for 128
 query positions per window, the attention-output error of the int4 cache as a share of the
 output's energy (every row quantized, as onnxruntime's CPU kernel does; see
-``onnx_kvcache.scales._attention_error``): K and V together, K alone, V alone, V with the first row
+``onnx_kvcache.calibrate._attention_error``): K and V together, K alone, V alone, V with the first row
 (the attention sink) kept exact, and the attention share the sink receives. Not part of CI.
 """
 
@@ -27,9 +27,9 @@ import real_model
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.scales._attention_error import attention_error
-from onnx_kvcache.scales._attention_error import rope as _rope
-from onnx_kvcache.scales.calibration import ATTENTION_QUERIES, _rope_tables
+from onnx_kvcache.calibrate._attention_error import attention_error
+from onnx_kvcache.calibrate._attention_error import rope as _rope
+from onnx_kvcache.calibrate.calibration import ATTENTION_QUERIES, _rope_tables
 from onnx_kvcache.scales.files import load_kv_cache_scale_file
 
 

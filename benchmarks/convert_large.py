@@ -37,7 +37,7 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.files._atomic import allocated_bytes, format_bytes
+from onnx_kvcache.model_io._atomic import allocated_bytes, format_bytes
 from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
 from onnx_kvcache.models.exported import exported_config
 

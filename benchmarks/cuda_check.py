@@ -323,7 +323,7 @@ def _libcuda() -> tuple[str, tuple[int, int] | None, str] | None:
 
 def device_info() -> DeviceInfo:
     """What this machine has: the GPU (nvidia-smi, else the driver library) and onnxruntime."""
-    from onnx_kvcache.runtime._sessions import installed_ort_version
+    from onnx_kvcache.model_io._sessions import installed_ort_version
 
     info = DeviceInfo()
     found = _nvidia_smi() or _libcuda()
@@ -348,7 +348,7 @@ def _tiny_cuda_run() -> str | None:
     device; else what failed, in one line."""
     import onnx_ir as ir
 
-    from onnx_kvcache.runtime._sessions import import_onnxruntime
+    from onnx_kvcache.model_io._sessions import import_onnxruntime
 
     ort = import_onnxruntime()
     x = ir.val("x", ir.DataType.FLOAT16, [4])
@@ -436,7 +436,7 @@ def _host_float(value: Any) -> np.ndarray:
     import ml_dtypes
     import onnx_ir as ir
 
-    from onnx_kvcache.runtime._sessions import host_array
+    from onnx_kvcache.model_io._sessions import host_array
 
     array = host_array(value)
     if not isinstance(value, np.ndarray) and ir.DataType(value.element_type()) == ir.DataType.BFLOAT16:
@@ -505,9 +505,9 @@ class DeviceDecoder:
     ) -> None:
         import onnx_ir as ir
 
+        from onnx_kvcache.model_io._sessions import external_data_dir, import_onnxruntime
         from onnx_kvcache.runtime._cache import discover_cache_bindings
         from onnx_kvcache.runtime._decoder_session import logits_output
-        from onnx_kvcache.runtime._sessions import external_data_dir, import_onnxruntime
 
         self.ort = import_onnxruntime()
         self.device = device
@@ -551,7 +551,7 @@ class DeviceDecoder:
         onnxruntime-genai allocates its caches (a shared buffer's rows beyond the context are
         then zeros, not leftover bits: an fp8 NaN there would flag a kernel that reads them
         harmlessly in genai); ``zero=False``: left as allocated (the speed phase)."""
-        from onnx_kvcache.runtime._sessions import fed_as_bits, to_ort_value
+        from onnx_kvcache.model_io._sessions import fed_as_bits, to_ort_value
 
         shape = (batch, binding.kv_num_heads, length, binding.last_dim)
         if self.device == "cuda" and (fed_as_bits(binding.dtype) or not zero):
@@ -582,7 +582,7 @@ class DeviceDecoder:
 
     def run(self, prompt: np.ndarray, decode: np.ndarray, shared: bool, keep_codes: bool = False) -> Run:
         """A prefill of ``prompt`` ``[B, T]`` then one decode step per column of ``decode``."""
-        from onnx_kvcache.runtime._sessions import host_array
+        from onnx_kvcache.model_io._sessions import host_array
 
         batch, length = prompt.shape
         capacity = length + decode.shape[1] if shared else 0
@@ -611,7 +611,7 @@ class DeviceDecoder:
 def fill_zeros(ort: Any, value: Any, shape: Sequence[int], dtype: Any) -> bool:
     """Copy an all-zero host tensor of ``dtype`` into ``value`` (any device): whether it was
     done (``OrtValue.update_inplace`` of an OrtValue, else ``onnxruntime.copy_tensors``)."""
-    from onnx_kvcache.runtime._sessions import to_ort_value
+    from onnx_kvcache.model_io._sessions import to_ort_value
 
     host = to_ort_value(np.zeros(tuple(shape), dtype.numpy()), dtype, "cpu")
     try:
@@ -1355,7 +1355,7 @@ class Reporter:
 
     def write(self, doc: dict[str, Any]) -> None:
         from onnx_kvcache.errors import KvCacheError
-        from onnx_kvcache.files._outputs import stamp_json, write_output
+        from onnx_kvcache.model_io._outputs import stamp_json, write_output
 
         data = stamp_json(doc, "report")
         try:
@@ -1414,7 +1414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check(args: argparse.Namespace, plan: Plan, reporter: Reporter) -> int:
-    from onnx_kvcache.files._outputs import check_output
+    from onnx_kvcache.model_io._outputs import check_output
 
     check_output(args.json, "report", overwrite=args.overwrite)  # refused before minutes of work
     info = preflight()
@@ -1449,7 +1449,7 @@ def _check(args: argparse.Namespace, plan: Plan, reporter: Reporter) -> int:
                 speed += speed_phase(plan, "cuda", work)
             save()
     with phases("capability table"):
-        from onnx_kvcache.capabilities.doctor import run_doctor
+        from onnx_kvcache.runtime.doctor import run_doctor
 
         claims = capability_claims(ran, info.ort_version, info.compute_capability)
         doctor = run_doctor(["cuda"]).disagreements

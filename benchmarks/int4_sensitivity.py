@@ -28,9 +28,9 @@ from real_model import build_model, token_windows
 import onnx_kvcache.passes.kv_cache_emulation as emulation
 from onnx_kvcache.cache.operators import GqaInput
 from onnx_kvcache.cache.sites import find_gqa_sites
-from onnx_kvcache.files.reading import load_model
+from onnx_kvcache.calibrate.calibration import calibrate_kv_cache
+from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
-from onnx_kvcache.scales.calibration import calibrate_kv_cache
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
 
 SIDES = (("k", "key"), ("v", "value"))

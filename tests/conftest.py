@@ -141,7 +141,7 @@ def run_gqa_steps(
     Caches are fed as the session declares them: stored (fp8 as OrtValues of its bits) or
     float (emulated caches holding values). ``feeds`` has the past caches as fed.
     """
-    from onnx_kvcache.runtime._sessions import to_ort_value
+    from onnx_kvcache.model_io._sessions import to_ort_value
 
     rng = np.random.default_rng(seed)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.runtime._sessions import create_session
+from onnx_kvcache.model_io._sessions import create_session
 
 STEPS = 3
 

@@ -464,7 +464,7 @@ def test_fill_zeros(dtype):
     and bf16: types numpy lacks, copied from an OrtValue)."""
     import onnxruntime as ort
 
-    from onnx_kvcache.runtime._sessions import host_array, to_ort_value
+    from onnx_kvcache.model_io._sessions import host_array, to_ort_value
 
     value = to_ort_value(np.ones((2, 3), dtype.numpy()), dtype, "cpu")
     assert cc.fill_zeros(ort, value, (2, 3), dtype)

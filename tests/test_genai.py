@@ -69,7 +69,7 @@ def test_paged_folders_load_everywhere_they_can_on_cpu(paged_folder, tmp_path, f
     import onnx
     import onnx_ir as ir
 
-    from onnx_kvcache.runtime._sessions import create_session
+    from onnx_kvcache.model_io._sessions import create_session
 
     scales = calibrate_kv_cache(paged_folder, format=fmt, granularity=granularity, progress=False)
     out = tmp_path / "converted"

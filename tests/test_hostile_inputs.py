@@ -37,7 +37,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cli import commands as cli
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.files import _atomic as file_io
+from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 
@@ -565,7 +565,7 @@ def test_fuzz_the_commands_file_arguments(tmp_path, models, monkeypatch):
 
 
 def _import_onnxruntime():
-    from onnx_kvcache.runtime._sessions import import_onnxruntime
+    from onnx_kvcache.model_io._sessions import import_onnxruntime
 
     import_onnxruntime()
 

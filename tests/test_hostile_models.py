@@ -26,7 +26,7 @@ from onnx_kvcache import (
     optimize_model,
 )
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.runtime._sessions import create_session
+from onnx_kvcache.model_io._sessions import create_session
 
 DATA = pathlib.Path(__file__).parent / "data"
 SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
@@ -336,7 +336,7 @@ def _scales(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_two_calibrations_to_one_out_never_both_say_wrote(tmp_path, models, monkeypatch, existing):
     """The run that finishes second finds the first's file, which appeared (or changed) while it
     worked: it is left as it is and the second run says so in one line."""
-    from onnx_kvcache.scales import calibration
+    from onnx_kvcache.calibrate import calibration
 
     out = tmp_path / "scales.json"
     argv = [

@@ -1,4 +1,4 @@
-"""Issue 20, outputs: every file the tool writes follows one rule (onnx_kvcache.files._outputs).
+"""Issue 20, outputs: every file the tool writes follows one rule (onnx_kvcache.model_io._outputs).
 
 Each test replays a finding of a hostile run: what the output may replace (a file
 onnx-kvcache wrote, as the file proves; anything else only with --overwrite / overwrite=True;
@@ -27,8 +27,8 @@ from onnx_kvcache import KvCacheScales, convert_model, load_kv_cache_scale_file
 from onnx_kvcache.cli import _demo as demo
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.files import _outputs as outputs
 from onnx_kvcache.files.conversion import LINK_WARNING
+from onnx_kvcache.model_io import _outputs as outputs
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

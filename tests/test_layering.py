@@ -1,9 +1,11 @@
-"""The package tree is layered: a module imports only modules of its own layer or below.
+"""The package tree is layered: a module imports only modules of its own folder or below.
 
-cache < capabilities < scale files < passes < pipeline < files / runtime / models < what runs
-the model to measure it (calibration, doctor) < cli. The file primitives every layer reads a
-model or writes a file with (safe reads and writes, the converted marker, genai folders) and
-the onnxruntime import sit at the bottom with the errors.
+model_io < cache < models < capabilities < scales < passes < pipeline < files < runtime <
+calibrate < cli. Each folder (package) has one rank, and no module of it is an exception: the
+file primitives every layer reads a model or writes a file with (safe reads and writes, the
+converted marker, genai folders) and the onnxruntime import are ``model_io``, the bottom folder;
+only the package's own top-level modules (errors, the version, signals) sit below it. Every
+import counts, a function's lazy one too (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -12,40 +14,34 @@ import pytest
 
 from test_import_graph import PACKAGE, import_graph
 
-#: package (or module) -> layer; the longest matching prefix wins
+#: the package's top-level modules, below every folder
+BOTTOM = ("errors", "_version", "_signals", "_moved", "_enums", "_gc")
+#: folder (package) -> rank, bottom first: a folder imports only folders ranked below it
+FOLDERS = (
+    "model_io",  # reading models and genai folders, the marker, safe reads and writes, onnxruntime
+    "cache",  # what a cache is: formats, operators, sites, layout, validation
+    "models",  # the test decoders' builders
+    "capabilities",  # who can run what: rows, gating, the device
+    "scales",  # scale values and files, the token data
+    "passes",  # the graph rewrites
+    "pipeline",  # choosing and running the passes
+    "files",  # converting model files and folders
+    "runtime",  # running models: sessions, the runner, evaluation, doctor
+    "calibrate",  # measuring scales by running the model
+    "cli",  # the command
+)
 LAYERS = {
-    "onnx_kvcache.errors": 0,
-    "onnx_kvcache._version": 0,
-    "onnx_kvcache._signals": 0,
-    "onnx_kvcache._moved": 0,
-    "onnx_kvcache._enums": 0,
-    "onnx_kvcache._gc": 0,
-    "onnx_kvcache.files._atomic": 0,
-    "onnx_kvcache.files._inputs": 0,
-    "onnx_kvcache.files._outputs": 0,
-    "onnx_kvcache.files._marker": 0,
-    "onnx_kvcache.files.genai_folder": 0,
-    "onnx_kvcache.files.reading": 0,
-    "onnx_kvcache.runtime._sessions": 0,
-    "onnx_kvcache.cache": 1,
-    "onnx_kvcache.capabilities": 2,
-    "onnx_kvcache.scales": 3,
-    "onnx_kvcache.passes": 4,
-    "onnx_kvcache.pipeline": 5,
-    "onnx_kvcache.files": 6,
-    "onnx_kvcache.runtime": 6,
-    "onnx_kvcache.models": 6,
-    "onnx_kvcache.scales.calibration": 7,
-    "onnx_kvcache.capabilities.doctor": 7,
-    "onnx_kvcache.cli": 8,
-    "onnx_kvcache.__main__": 8,
+    **{f"onnx_kvcache.{m}": 0 for m in BOTTOM},
+    **{f"onnx_kvcache.{f}": rank for rank, f in enumerate(FOLDERS, start=1)},
+    "onnx_kvcache.__main__": len(FOLDERS) + 1,  # `python -m onnx_kvcache`: runs the command
 }
 
 
 def layer(module: str) -> int:
     prefixes = [p for p in LAYERS if module == p or module.startswith(p + ".")]
-    assert prefixes, f"{module} has no layer: add its package to LAYERS"
-    return LAYERS[max(prefixes, key=len)]
+    assert len(prefixes) <= 1, f"{module}: nested ranks {prefixes}"
+    assert prefixes, f"{module} has no layer: add its folder to FOLDERS"
+    return LAYERS[prefixes[0]]
 
 
 def _empty_package(module: str, graph: dict[str, set[str]]) -> bool:
@@ -89,3 +85,38 @@ def test_every_module_has_a_layer():
     for module in import_graph():
         if module != "onnx_kvcache":
             layer(module)
+
+
+def test_each_folder_has_one_rank():
+    """LAYERS names folders (packages) and the bottom modules only: no module is an exception."""
+    for name in LAYERS:
+        path = PACKAGE.parent.joinpath(*name.split("."))
+        if name.removeprefix("onnx_kvcache.") in (*BOTTOM, "__main__"):
+            assert path.with_suffix(".py").is_file(), name
+        else:
+            assert (path / "__init__.py").is_file(), f"{name} is not a folder"
+    assert sorted(f.name for f in PACKAGE.iterdir() if (f / "__init__.py").is_file()) == sorted(FOLDERS)
+
+
+def test_a_lazy_import_is_an_arrow_too():
+    """An import inside a function runs when it is called: it counts as one at the top."""
+    graph = import_graph()
+    # cli.commands imports calibration in the command's function only
+    assert "onnx_kvcache.calibrate.calibration" in graph["onnx_kvcache.cli.commands"]
+    assert "onnx_kvcache.runtime.doctor" in graph["onnx_kvcache.cli.commands"]
+
+
+def test_the_folders_form_an_order_with_no_cycle():
+    """Read from the imports, folder to folder: each arrow runs from a higher rank to a lower."""
+    graph = import_graph()
+    arrows = {
+        (a.split(".")[1], b.split(".")[1])
+        for a, targets in graph.items()
+        for b in targets
+        if a.count(".") >= 1 and b.count(".") >= 1 and a.split(".")[1] != b.split(".")[1]
+    }
+    both_ways = sorted((a, b) for a, b in arrows if (b, a) in arrows and a < b)
+    assert both_ways == []
+    assert all(layer(f"onnx_kvcache.{a}") > layer(f"onnx_kvcache.{b}") for a, b in arrows), sorted(
+        (a, b) for a, b in arrows if layer(f"onnx_kvcache.{a}") <= layer(f"onnx_kvcache.{b}")
+    )

@@ -19,10 +19,9 @@ ORCHESTRATION = [
     "files/_conversion_plan.py",
     "files/_conversion_write.py",
     "files/_conversion_terms.py",
-    "scales/calibration.py",
+    "calibrate/calibration.py",
     "runtime",
     "cli",
-    "capabilities/doctor.py",
 ]
 #: documented entry points: any signature, body of at most 15 lines
 ENTRY_POINTS = {

@@ -61,7 +61,7 @@ def test_every_error_and_warning_the_library_raises_is_exported():
 #: public name, and why. Any other such module is ``_``-prefixed.
 UNPREFIXED_INTERNAL = {
     "onnx_kvcache.cli.commands": "the command's module, conventionally named",
-    "onnx_kvcache.files.genai_folder": "genai folder rules: whether users import them is undecided",
+    "onnx_kvcache.model_io.genai_folder": "genai folder rules: whether users import them is undecided",
     "onnx_kvcache.cache.sites": "finding attention sites; the passes import it, so a rename goes with theirs",
 }
 
@@ -181,6 +181,22 @@ def test_a_moved_module_path_imports_its_new_module_with_a_warning(old):
     with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])):
         module = importlib.import_module(old)
     assert module is importlib.import_module(_moved.MOVED_MODULES[old])
+
+
+@pytest.mark.parametrize(
+    "old",
+    ["onnx_kvcache.files._atomic", "onnx_kvcache.scales.calibration", "onnx_kvcache.capabilities.doctor"],
+)
+@pytest.mark.parametrize("statement", ["import {old}", "from {parent} import {name}"])
+def test_a_moved_module_path_warns_at_the_callers_line(old, statement):
+    """The modules moved so the folders rank as their imports run: the warning names the importer."""
+    sys.modules.pop(old, None)
+    parent, _, name = old.rpartition(".")
+    vars(importlib.import_module(parent)).pop(name, None)
+    code = compile("x = 1\n" + statement.format(old=old, parent=parent, name=name), "caller.py", "exec")
+    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])) as record:
+        exec(code, {})
+    assert [(w.filename, w.lineno) for w in record] == [("caller.py", 2)]
 
 
 def test_the_old_site_names_are_the_cache_site_with_a_warning():

@@ -24,7 +24,7 @@ from onnx_kvcache import (
     evaluate_kv_cache,
 )
 from onnx_kvcache.capabilities.table import get_capabilities, infer_target
-from onnx_kvcache.files.reading import load_model
+from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.models.decoder import save_genai_folder
 
 pytest.importorskip("tokenizers", reason="install the test extra")

@@ -126,7 +126,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "CacheModelInfo",
         "inspect_kv_cache",
     ),
-    "onnx_kvcache.scales.calibration": (
+    "onnx_kvcache.calibrate.calibration": (
         "CalibrationStats",
         "calibrate_kv_cache",
     ),
@@ -145,7 +145,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "build_decoder",
     ),
     "onnx_kvcache.capabilities.device": ("cuda_compute_capability",),
-    "onnx_kvcache.capabilities.doctor": (
+    "onnx_kvcache.runtime.doctor": (
         "DoctorReport",
         "run_doctor",
     ),
@@ -189,7 +189,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "ConvertResult",
         "convert_model",
     ),
-    "onnx_kvcache.files.reading": ("load_model",),
+    "onnx_kvcache.model_io.reading": ("load_model",),
     "onnx_kvcache.pipeline.optimize": ("optimize_model",),
     "onnx_kvcache.passes": (
         "AttentionFusionPass",
@@ -258,8 +258,8 @@ if TYPE_CHECKING:
         PagedInput,
         PagedOutput,
     )
+    from onnx_kvcache.calibrate.calibration import CalibrationStats, calibrate_kv_cache
     from onnx_kvcache.capabilities.device import cuda_compute_capability
-    from onnx_kvcache.capabilities.doctor import DoctorReport, run_doctor
     from onnx_kvcache.capabilities.table import (
         CAPABILITIES,
         EP_CAPABILITIES,
@@ -295,7 +295,7 @@ if TYPE_CHECKING:
         UnitScalesWarning,
     )
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
-    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.model_io.reading import load_model
     from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
     from onnx_kvcache.passes import (
         AttentionFusionPass,
@@ -312,7 +312,7 @@ if TYPE_CHECKING:
     from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache
     from onnx_kvcache.passes.paged_attention_reference import paged_attention_reference
     from onnx_kvcache.pipeline.optimize import optimize_model
+    from onnx_kvcache.runtime.doctor import DoctorReport, run_doctor
     from onnx_kvcache.runtime.evaluation import EvaluationReport, evaluate_kv_cache
     from onnx_kvcache.runtime.runner import KvCacheRunner
-    from onnx_kvcache.scales.calibration import CalibrationStats, calibrate_kv_cache
     from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, load_kv_cache_scale_file

@@ -18,28 +18,41 @@ from collections.abc import Sequence
 
 __all__ = ["MOVED_MODULES", "announce", "install", "moved"]
 
-#: old module path -> new module path (public modules only; private ones moved without a shim)
+#: old module path -> new module path: the 0.x layout's public modules, and every module (private
+#: ones too) moved since, so the folders rank as their imports run (tests/test_layering.py)
 MOVED_MODULES: dict[str, str] = {
     "onnx_kvcache.formats": "onnx_kvcache.cache.formats",
     "onnx_kvcache.attention_ops": "onnx_kvcache.cache.operators",
     "onnx_kvcache.gqa": "onnx_kvcache.cache.sites",
     "onnx_kvcache.cache_layout": "onnx_kvcache.cache.layout",
     "onnx_kvcache.device": "onnx_kvcache.capabilities.device",
-    "onnx_kvcache.doctor": "onnx_kvcache.capabilities.doctor",
-    "onnx_kvcache.calibration": "onnx_kvcache.scales.calibration",
+    "onnx_kvcache.doctor": "onnx_kvcache.runtime.doctor",
+    "onnx_kvcache.calibration": "onnx_kvcache.calibrate.calibration",
     "onnx_kvcache.data": "onnx_kvcache.scales.data",
     "onnx_kvcache.passes.attention_fusion": "onnx_kvcache.passes.fusion.attention_fusion",
     "onnx_kvcache.passes.sdpa_fusion": "onnx_kvcache.passes.fusion.sdpa_fusion",
     "onnx_kvcache.passes.gqa_fusion": "onnx_kvcache.passes.fusion.gqa_fusion",
     "onnx_kvcache.optimize": "onnx_kvcache.pipeline.optimize",
     "onnx_kvcache.model_files": "onnx_kvcache.files.conversion",
-    "onnx_kvcache.model_source": "onnx_kvcache.files.reading",
-    "onnx_kvcache.genai_folder": "onnx_kvcache.files.genai_folder",
+    "onnx_kvcache.model_source": "onnx_kvcache.model_io.reading",
+    "onnx_kvcache.genai_folder": "onnx_kvcache.model_io.genai_folder",
     "onnx_kvcache.runner": "onnx_kvcache.runtime.runner",
     "onnx_kvcache.evaluation": "onnx_kvcache.runtime.evaluation",
     "onnx_kvcache.decoder_config": "onnx_kvcache.models.config",
     "onnx_kvcache.demo_model": "onnx_kvcache.models.decoder",
     "onnx_kvcache.exported_decoder": "onnx_kvcache.models.exported",
+    # moved so that each folder ranks as its imports run (tests/test_layering.py)
+    "onnx_kvcache.files.reading": "onnx_kvcache.model_io.reading",
+    "onnx_kvcache.files.genai_folder": "onnx_kvcache.model_io.genai_folder",
+    "onnx_kvcache.files._marker": "onnx_kvcache.model_io._marker",
+    "onnx_kvcache.files._atomic": "onnx_kvcache.model_io._atomic",
+    "onnx_kvcache.files._inputs": "onnx_kvcache.model_io._inputs",
+    "onnx_kvcache.files._outputs": "onnx_kvcache.model_io._outputs",
+    "onnx_kvcache.runtime._sessions": "onnx_kvcache.model_io._sessions",
+    "onnx_kvcache.capabilities.doctor": "onnx_kvcache.runtime.doctor",
+    "onnx_kvcache.scales.calibration": "onnx_kvcache.calibrate.calibration",
+    "onnx_kvcache.scales._clip_search": "onnx_kvcache.calibrate._clip_search",
+    "onnx_kvcache.scales._attention_error": "onnx_kvcache.calibrate._attention_error",
 }
 
 

@@ -99,7 +99,7 @@ def test_unknown_names_are_clear_errors():
 def test_stored_codes_equal_the_cpu_kernel_at_ties(name, granularity):
     """The kernel multiplies by 1/scale: at exact ties ``x / scale`` would round differently."""
     from onnx_kvcache import KvCacheQuantizationPass
-    from onnx_kvcache.runtime._sessions import create_session
+    from onnx_kvcache.model_io._sessions import create_session
 
     from conftest import gqa_model
 
@@ -235,7 +235,7 @@ def test_new_rows_reach_the_doctor(extra_rows):
     """Every format x granularity is probed, and the runtime's answer is reported: this
     onnxruntime's schemas lack float8e5m2 and its kernels reject PER_HEAD."""
     pytest.importorskip("onnxruntime")
-    from onnx_kvcache.capabilities.doctor import run_doctor
+    from onnx_kvcache.runtime.doctor import run_doctor
 
     report = run_doctor(["cpu"])
     for schema in report.schemas:

@@ -14,7 +14,7 @@ import pytest
 
 from onnx_kvcache.capabilities.table import EP_CAPABILITIES
 from onnx_kvcache.cli.commands import build_parser, main
-from onnx_kvcache.files import _atomic as file_io
+from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.models.decoder import save_genai_folder
 
 from command_cases import fp16_model_file, model_file, scale_file  # noqa: F401  (fixtures)
@@ -155,7 +155,7 @@ def test_calibrate_checks_out_before_calibrating(tmp_path, monkeypatch, capsys):
     def must_not_run(*args, **kwargs):
         raise AssertionError("calibration ran before --out was checked")
 
-    monkeypatch.setattr("onnx_kvcache.scales.calibration.calibrate_kv_cache", must_not_run)
+    monkeypatch.setattr("onnx_kvcache.calibrate.calibration.calibrate_kv_cache", must_not_run)
     (tmp_path / "a_file").write_text("x")
     for out, message in [
         (folder / "model.onnx", "one of the input's files"),  # used to replace the model with JSON
@@ -253,7 +253,7 @@ def test_an_unwritable_destination_is_refused_before_any_work(tmp_path, model_fi
         raise AssertionError("work started before the output was checked")
 
     monkeypatch.setattr("onnx_kvcache.pipeline.optimize.optimize_model", must_not_run)
-    monkeypatch.setattr("onnx_kvcache.scales.calibration.calibrate_kv_cache", must_not_run)
+    monkeypatch.setattr("onnx_kvcache.calibrate.calibration.calibrate_kv_cache", must_not_run)
     scales = str(scale_file(tmp_path))
     for argv in (
         ["convert", str(model_file), str(ro / "o.onnx"), "--format", "int8", "--scales", scales],

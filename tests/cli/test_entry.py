@@ -38,7 +38,8 @@ if moment == "importing":  # while the command imports onnx-ir
 elif moment == "exiting":  # after the command returned: in the exit functions
     atexit.register(fire)
 else:  # set up (imports done here, before the handlers: the hooks need the modules)
-    from onnx_kvcache.files import _atomic as _file_io, conversion as model_files
+    from onnx_kvcache.files import conversion as model_files
+    from onnx_kvcache.model_io import _atomic as _file_io
     def after(real):
         def call(*args, **kwargs):
             result = real(*args, **kwargs)

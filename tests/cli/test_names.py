@@ -7,9 +7,9 @@ from onnx_kvcache.cli.commands import _COMMANDS, build_parser
 
 
 def test_the_choices_copied_for_the_parser_are_the_tables():
+    from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS
     from onnx_kvcache.files.conversion import ASKED_WEIGHTS
     from onnx_kvcache.passes.kv_cache_emulation import SEMANTICS
-    from onnx_kvcache.scales.calibration import CALIBRATION_METHODS
 
     assert tuple(SEMANTICS) == _names.SEMANTICS
     assert tuple(ASKED_WEIGHTS) == _names.WEIGHTS

@@ -13,8 +13,8 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheRunner
-from onnx_kvcache.files._atomic import TEMP_PREFIX
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 from conftest import og_generate

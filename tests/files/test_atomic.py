@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
 
 MiB = 2**20
 
@@ -423,7 +423,7 @@ def test_sweep_removes_only_our_entries_that_no_process_owns(tmp_path):
 
 def test_sweep_leaves_entries_of_a_live_process_alone_until_it_dies(tmp_path):
     code = (
-        "import sys, pathlib; from onnx_kvcache.files import _atomic as file_io; "
+        "import sys, pathlib; from onnx_kvcache.model_io import _atomic as file_io; "
         f"t = file_io.TempDir({str(tmp_path)!r}); print(t.path.name, flush=True); sys.stdin.read()"
     )
     child = subprocess.Popen(

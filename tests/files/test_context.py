@@ -14,7 +14,7 @@ import pytest
 from onnx_kvcache import ContextLengthWarning, KvCacheError, KvCacheScales, convert_model
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.files._context import model_context
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 from onnx_kvcache.scales.files import load_kv_cache_scale_file
 

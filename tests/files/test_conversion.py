@@ -24,8 +24,8 @@ import pytest
 from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, __version__, convert_model
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import GenaiConfigWarning, UnitScalesWarning
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 from conftest import og_generate
@@ -416,7 +416,7 @@ def test_overwrite_keeps_the_old_data_while_another_file_may_name_it_and_says_so
 
 def test_a_file_protobuf_cannot_parse_is_never_read_through(tmp_path, monkeypatch):
     """A weights file fails the wire-format check within a few bytes; one over 2 GiB is not opened."""
-    from onnx_kvcache.files import _marker as previous
+    from onnx_kvcache.model_io import _marker as previous
 
     folder = tmp_path / "f"
     src = save_external(folder)

@@ -21,8 +21,8 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import convert_model
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
 from onnx_kvcache.models.decoder import build_decoder
 
 from conversion_cases import (

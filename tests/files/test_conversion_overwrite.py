@@ -18,8 +18,8 @@ import pytest
 from onnx_kvcache import KvCacheError, convert_model
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import SharedWeightsWarning
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 
 from conversion_cases import (
     LAYOUTS,
@@ -306,7 +306,7 @@ def test_an_empty_output_folder_is_filled_and_kept(tmp_path, layout, overwrite):
 _KILL_AFTER = """
 import os, sys
 from onnx_kvcache import convert_model
-from onnx_kvcache.files import _atomic as _file_io
+from onnx_kvcache.model_io import _atomic as _file_io
 real, calls = _file_io.rename_noreplace, []
 def rename(src, dst):
     if len(calls) == int(sys.argv[3]):

@@ -12,8 +12,8 @@ import pytest
 
 from onnx_kvcache import KvCacheError, convert_model
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
 
 from conversion_cases import (
     LAYOUTS,

@@ -20,7 +20,7 @@ from onnx_kvcache.files._export_folder import (
     genai_config_for_export,
     read_export_config,
 )
-from onnx_kvcache.files._marker import check_replaceable_folder
+from onnx_kvcache.model_io._marker import check_replaceable_folder
 from onnx_kvcache.scales.data import builtin_corpus
 
 from conftest import og_generate

@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import DecoderConfig, build_decoder
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.exported import EXPORT_PRESETS, ExportStyle, exported_config
-from onnx_kvcache.runtime._sessions import create_session
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "export_llama_opset23.onnx"
 

@@ -23,8 +23,8 @@ from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import GqaFusionPass, KvCacheWarning, build_decoder, optimize_model
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import FusionSkippedWarning
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.exported import EXPORT_PRESETS, exported_config
-from onnx_kvcache.runtime._sessions import create_session
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "optimum_llama" / "model.onnx"
 FAMILIES = ["optimum-llama", "optimum-qwen2", "optimum-mistral", "optimum-phi3", "optimum-gemma2"]

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import Bfloat16ToFloatPass, KvCacheQuantizationPass, build_decoder
-from onnx_kvcache.runtime._sessions import create_session
+from onnx_kvcache.model_io._sessions import create_session
 
 
 def _bf16_decoder(fmt):

@@ -21,7 +21,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import find_gqa_sites
-from onnx_kvcache.runtime._sessions import create_session, import_onnxruntime
+from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime
 
 from conftest import FORMATS, GRANULARITIES, gqa_model
 

@@ -13,13 +13,13 @@ import pytest
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
+from onnx_kvcache.model_io._sessions import create_session, to_ort_value
 from onnx_kvcache.passes.kv_cache_emulation import (
     KvCacheEmulationPass,
     emulate_fp8_kv_cache,
     emulate_kv_cache,
     get_semantics,
 )
-from onnx_kvcache.runtime._sessions import create_session, to_ort_value
 
 from conftest import FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 

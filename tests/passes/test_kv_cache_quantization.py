@@ -12,7 +12,7 @@ from onnx_kvcache import Fp8KvCachePass, KvCacheError, KvCacheQuantizationPass, 
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_gqa_sites, layer_id_from_name
 from onnx_kvcache.errors import ScalesAdjustedWarning, SkippedNodeWarning, UnitScalesWarning
-from onnx_kvcache.runtime._sessions import create_session
+from onnx_kvcache.model_io._sessions import create_session
 
 from conftest import CPU_FORMATS, FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 

@@ -42,9 +42,9 @@ from onnx_kvcache.cache.operators import op_of
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import RuntimeSupportWarning, ScalesAdjustedWarning, UnitScalesWarning
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import save_genai_folder
-from onnx_kvcache.runtime._sessions import create_session
 
 from conftest import (
     CPU_FORMATS,

@@ -14,11 +14,11 @@ import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass
 from onnx_kvcache.cache.formats import get_format
+from onnx_kvcache.model_io._sessions import create_session, to_ort_value
 from onnx_kvcache.passes.paged_attention_reference import (
     PagedAttentionReferencePass,
     paged_attention_reference,
 )
-from onnx_kvcache.runtime._sessions import create_session, to_ort_value
 
 from conftest import paged_model
 from paged_reference import paged_attention

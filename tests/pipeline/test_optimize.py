@@ -170,7 +170,7 @@ def exported_feeds():
 
 
 def test_auto_fusion_turns_an_export_into_a_quantized_gqa():
-    from onnx_kvcache.runtime._sessions import create_session
+    from onnx_kvcache.model_io._sessions import create_session
 
     model = exported_decoder()
     want = create_session(model).run(None, exported_feeds())[0]

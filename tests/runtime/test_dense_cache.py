@@ -10,9 +10,9 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache.model_io._sessions import host_array
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, discover_cache_bindings
 from onnx_kvcache.runtime._dense_cache import DenseCache, DenseLayout
-from onnx_kvcache.runtime._sessions import host_array
 
 NAMES = ("input_ids", "attention_mask", "position_ids")
 

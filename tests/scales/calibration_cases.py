@@ -8,7 +8,7 @@ import pytest
 from onnx_kvcache import (
     build_decoder,
 )
-from onnx_kvcache.runtime._sessions import create_session
+from onnx_kvcache.model_io._sessions import create_session
 
 LAYERS, KV, HEAD = 2, 2, 32
 

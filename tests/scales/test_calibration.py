@@ -18,11 +18,11 @@ from onnx_kvcache import (
     load_kv_cache_scale_file,
 )
 from onnx_kvcache.cache.formats import get_format
+from onnx_kvcache.calibrate.calibration import _Reservoir, _thresholds, rope_pair_norm
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import save_genai_folder
 from onnx_kvcache.models.exported import exported_config
-from onnx_kvcache.runtime._sessions import create_session
 from onnx_kvcache.runtime.evaluation import evaluate_kv_cache
-from onnx_kvcache.scales.calibration import _Reservoir, _thresholds, rope_pair_norm
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
@@ -340,7 +340,7 @@ def test_the_largest_value_is_stored_at_the_top_code(model, data, fmt):
 
 
 def test_the_summary_says_why_integer_minmax_clips(model, data):
-    from onnx_kvcache.scales.calibration import format_calibration_summary
+    from onnx_kvcache.calibrate.calibration import format_calibration_summary
 
     text = format_calibration_summary(calibrate_kv_cache(model, data, format="int8", progress=False).stats)
     legend = text.splitlines()[-1]

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 from calibration_cases import data, model  # noqa: F401  (fixtures)
 
-import onnx_kvcache.scales.calibration as calibration_module
+import onnx_kvcache.calibrate.calibration as calibration_module
 from onnx_kvcache import (
     KvCacheError,
     KvCacheWarning,

@@ -11,7 +11,7 @@ import onnx_ir as ir
 import pytest
 from calibration_cases import HEAD, KV, LAYERS, data, model  # noqa: F401  (fixtures)
 
-import onnx_kvcache.scales.calibration as calibration_module
+import onnx_kvcache.calibrate.calibration as calibration_module
 from onnx_kvcache import (
     KvCacheQuantizationPass,
     build_decoder,
@@ -19,12 +19,12 @@ from onnx_kvcache import (
     load_kv_cache_scale_file,
 )
 from onnx_kvcache.cache.formats import SCALE_GRANULARITIES, get_format
+from onnx_kvcache.calibrate.calibration import METHODS, rope_pair_norm
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import save_genai_folder
 from onnx_kvcache.models.exported import exported_config
-from onnx_kvcache.runtime._sessions import create_session
 from onnx_kvcache.runtime.evaluation import kl_divergence
-from onnx_kvcache.scales.calibration import METHODS, rope_pair_norm
 
 SMALL = {"num_layers": LAYERS, "vocab_size": 300}
 PRUNED_DECODERS = {
@@ -136,7 +136,7 @@ def test_attention_weights_match_the_nodes_attention(data):
     them and the present V to float32 rounding (rotary, both layouts)."""
     from onnx_kvcache import KvCacheRunner
     from onnx_kvcache.cache.sites import find_attention_sites
-    from onnx_kvcache.scales.calibration import _rope, _rope_tables
+    from onnx_kvcache.calibrate.calibration import _rope, _rope_tables
 
     for interleaved in (False, True):
         m = build_decoder(num_layers=LAYERS, vocab_size=300, rotary_interleaved=interleaved)
@@ -200,7 +200,7 @@ def test_keys_rotated_anywhere_keep_their_envelope(interleaved):
     Rotation keeps every pair's norm, so the envelope (what the scales must hold) is unchanged
     while the values themselves move."""
     from onnx_kvcache.cache.sites import find_attention_sites
-    from onnx_kvcache.scales.calibration import _rope_tables, _rotated_anywhere
+    from onnx_kvcache.calibrate.calibration import _rope_tables, _rotated_anywhere
 
     site = find_attention_sites(build_decoder(num_layers=1, rotary_interleaved=interleaved))[0]
     tables = _rope_tables(site)

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
-from onnx_kvcache.files.reading import ModelLike, as_model
+from onnx_kvcache.model_io.reading import ModelLike, as_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Who can run what: capability rows, gating, the local device, ``doctor``.
+"""Who can run what: capability rows, gating, the local device.
 
 ``onnx_kvcache.capabilities`` keeps the public names (``__all__``) of the 0.x capability module.
 """

@@ -37,10 +37,10 @@ from onnx_kvcache.capabilities.rows import (
     get_capabilities,
 )
 from onnx_kvcache.errors import Message, Param
-from onnx_kvcache.files._marker import MARKER_KEY, converted_for
-from onnx_kvcache.files.genai_folder import provider_names
-from onnx_kvcache.files.reading import ModelLike, as_model
-from onnx_kvcache.runtime._sessions import installed_ort_version, installed_version
+from onnx_kvcache.model_io._marker import MARKER_KEY, converted_for
+from onnx_kvcache.model_io._sessions import installed_ort_version, installed_version
+from onnx_kvcache.model_io.genai_folder import provider_names
+from onnx_kvcache.model_io.reading import ModelLike, as_model
 
 
 def _ops_in(sites: list[CacheSite]) -> list[AttentionOp]:

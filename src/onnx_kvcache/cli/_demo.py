@@ -24,13 +24,13 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
+from onnx_kvcache.calibrate.calibration import calibrate_kv_cache
 from onnx_kvcache.errors import Message, Param
-from onnx_kvcache.files._atomic import atomic_write_bytes
-from onnx_kvcache.files._outputs import CONVERTED, check_demo_folder, record_demo_folder
 from onnx_kvcache.files.conversion import convert_model
+from onnx_kvcache.model_io._atomic import atomic_write_bytes
+from onnx_kvcache.model_io._outputs import CONVERTED, check_demo_folder, record_demo_folder
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime.evaluation import EvaluationReport, evaluate_kv_cache
-from onnx_kvcache.scales.calibration import calibrate_kv_cache
 from onnx_kvcache.scales.data import corpus_byte_ids
 
 #: (format, granularity, calibration method) shown by the demo.

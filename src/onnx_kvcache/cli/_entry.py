@@ -101,7 +101,7 @@ def main() -> int:
         for s in _signals.HANDLED:
             if signal.getsignal(s) is not signal.SIG_IGN:
                 signal.signal(s, _after_the_command)
-        file_io = sys.modules.get("onnx_kvcache.files._atomic")  # loaded only if the command wrote
+        file_io = sys.modules.get("onnx_kvcache.model_io._atomic")  # loaded only if the command wrote
         if file_io is not None:
             file_io.close_temporary_entries()
         _flush()

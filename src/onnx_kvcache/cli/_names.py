@@ -4,7 +4,7 @@ The command parses its arguments, answers ``--help`` and refuses a bad value bef
 imports onnx, onnx-ir and numpy, which the tables themselves need. These are the keys of
 :data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`,
 :data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` and
-:data:`~onnx_kvcache.scales.calibration.CALIBRATION_METHODS`, the kernel rules of
+:data:`~onnx_kvcache.calibrate.calibration.CALIBRATION_METHODS`, the kernel rules of
 :data:`~onnx_kvcache.passes.kv_cache_emulation.SEMANTICS` and the ``WeightsMode`` values
 (``tests/cli/test_commands.py`` and ``tests/cli/test_names.py`` check that they are, so a new row fails
 there until it is named here too).

@@ -49,11 +49,11 @@ from onnx_kvcache.errors import (
     Wording,
     render,
 )
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import format_bytes
-from onnx_kvcache.files._inputs import check_input_file, tokenizer_file
-from onnx_kvcache.files._outputs import check_output, same_output, stamp_json, write_outputs
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io._inputs import check_input_file, tokenizer_file
+from onnx_kvcache.model_io._outputs import check_output, same_output, stamp_json, write_outputs
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 
 if TYPE_CHECKING:
     from onnx_kvcache.files.conversion import ConvertResult
@@ -250,7 +250,7 @@ def _convert_fixes(model_path: str, result: ConvertResult) -> str:
     target runs (read from the graph; none when neither helps)."""
     from onnx_kvcache.capabilities.refusals import RefusalCode
     from onnx_kvcache.capabilities.table import check_kv_cache_support
-    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.model_io.reading import load_model
     from onnx_kvcache.pipeline.decision import adaptation_for, fuse_unless_attention
 
     if any(r.code in (RefusalCode.NO_CUDA_DEVICE, RefusalCode.PARTIAL_CONVERSION) for r in result.refusals):
@@ -370,8 +370,8 @@ def _not_converted(args: argparse.Namespace, result: ConvertResult, source: str)
 def _inspect(args: argparse.Namespace) -> int:
     from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.capabilities.table import fast_path_diagnostics
-    from onnx_kvcache.files.genai_folder import share_buffer
-    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.model_io.genai_folder import share_buffer
+    from onnx_kvcache.model_io.reading import load_model
 
     model = load_model(args.model)
     info = inspect_kv_cache(model)
@@ -451,8 +451,8 @@ def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
     """Files an output must never replace: every file of the model as ``convert`` finds them
     (its graph, each external data file it names, and every file of a genai folder:
     ``genai_config.json``, tokenizer files), and the data files given."""
-    from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path
-    from onnx_kvcache.files.reading import open_model_source
+    from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG, resolve_model_path
+    from onnx_kvcache.model_io.reading import open_model_source
 
     model_file, config = resolve_model_path(model)
     inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
@@ -494,7 +494,7 @@ def _wrote(path: str, replaced: list[pathlib.Path]) -> str:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from onnx_kvcache.scales.calibration import calibrate_kv_cache, format_calibration_summary
+    from onnx_kvcache.calibrate.calibration import calibrate_kv_cache, format_calibration_summary
 
     data = args.token_ids or args.text
     inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
@@ -580,7 +580,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from onnx_kvcache.capabilities.doctor import run_doctor
+    from onnx_kvcache.runtime.doctor import run_doctor
 
     report = run_doctor(args.provider)
     if args.json:

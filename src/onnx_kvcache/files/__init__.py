@@ -1,1 +1,1 @@
-"""Files: reading models, converting files and onnxruntime-genai folders, safe input and output files."""
+"""Files: converting models, files and onnxruntime-genai folders (reading and writing: ``model_io``)."""

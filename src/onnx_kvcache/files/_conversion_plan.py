@@ -6,7 +6,7 @@ returns a :class:`_Plan`: the :class:`~onnx_kvcache.files._conversion_terms.Plac
 the data files the output gets, and what it replaces. Every path relationship is refused
 here, one line each: the output is never the input, inside it or containing it, never a file
 the model uses, never a mount point, and replaces nothing but a previous output of
-onnx-kvcache (with ``overwrite``; :mod:`onnx_kvcache.files._marker`). Nothing is written
+onnx-kvcache (with ``overwrite``; :mod:`onnx_kvcache.model_io._marker`). Nothing is written
 (:mod:`onnx_kvcache.files._conversion_write` writes what was planned).
 """
 
@@ -18,11 +18,11 @@ import pathlib
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS
 from onnx_kvcache.errors import KvCacheError, Message, Param
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._conversion_terms import Placement, WeightsMode
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG
-from onnx_kvcache.files.reading import ModelSource
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io import _marker as previous
+from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG
+from onnx_kvcache.model_io.reading import ModelSource
 
 IN_PLACE, OVERWRITE = Param("in_place", True), Param("overwrite", True)
 

@@ -5,7 +5,7 @@ serialized with its data files renamed (:func:`_serialize`); weights are cloned 
 filesystem can, else copied with their holes (:class:`_Copier`, one progress bar, free space
 checked before the first copy) or hard-linked when asked; a graph file, a folder
 (:class:`_FolderCopy`) or the input itself (:func:`_write_in_place`) is then published in
-one commit through :mod:`onnx_kvcache.files._atomic`, so nothing partial is ever left, and a
+one commit through :mod:`onnx_kvcache.model_io._atomic`, so nothing partial is ever left, and a
 replaced output is locked and checked again before it goes.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import format_bytes
 from onnx_kvcache.files._conversion_plan import _free_graph_name, _named_format, _Plan
 from onnx_kvcache.files._conversion_terms import ConvertResult, Weights, WeightsMode
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG, share_buffer
-from onnx_kvcache.files.reading import ModelSource
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG, share_buffer
+from onnx_kvcache.model_io.reading import ModelSource
 
 
 def _rename_locations(proto: Any, names: dict[str, str]) -> None:

@@ -45,8 +45,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import GenaiConfigWarning, KvCacheError, warn
-from onnx_kvcache.files._inputs import load_json
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG
+from onnx_kvcache.model_io._inputs import load_json
+from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG
 
 MODEL_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

@@ -15,9 +15,9 @@ read. Where the output's weights live:
 Every path relationship is checked before anything is written: the output is never the
 input, inside it or containing it, never a file the model uses, and replaces nothing but
 a previous output of onnx-kvcache (with ``overwrite``; every model written here carries
-a marker, see :mod:`onnx_kvcache.files._marker`), never a mount point, and takes the
+a marker, see :mod:`onnx_kvcache.model_io._marker`), never a mount point, and takes the
 replaced output's mode (owner and group where we may). An existing empty output folder is
-filled, not replaced. See :mod:`onnx_kvcache.files._atomic` for how writes stay atomic and
+filled, not replaced. See :mod:`onnx_kvcache.model_io._atomic` for how writes stay atomic and
 what a killed run leaves behind.
 
 The parts: :mod:`onnx_kvcache.files._conversion_terms` (the weights' modes, the placements,
@@ -55,15 +55,19 @@ from onnx_kvcache.errors import (
     require_type,
     warn,
 )
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files import _marker as previous
 from onnx_kvcache.files._context import warn_short_scales
 from onnx_kvcache.files._conversion_plan import _Plan, _plan
 from onnx_kvcache.files._conversion_terms import ASKED_WEIGHTS, ConvertResult, Placement, Weights, WeightsMode
 from onnx_kvcache.files._conversion_write import _serialize, _write_file, _write_folder, _write_in_place
 from onnx_kvcache.files._export_folder import written_genai_config
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path, with_share_buffer
-from onnx_kvcache.files.reading import ModelSource, open_model_source
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io import _marker as previous
+from onnx_kvcache.model_io.genai_folder import (
+    GENAI_CONFIG,
+    resolve_model_path,
+    with_share_buffer,
+)
+from onnx_kvcache.model_io.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
@@ -151,7 +155,7 @@ def convert_model(
     not converted, the layers named, unless ``allow_partial``: then the others are.
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
-    output of onnx-kvcache (the rules: :mod:`onnx_kvcache.files._marker`); an existing
+    output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
     scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)

@@ -58,7 +58,7 @@ from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
-from onnx_kvcache.files.reading import ModelLike, as_model
+from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass

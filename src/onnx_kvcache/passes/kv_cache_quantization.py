@@ -92,7 +92,7 @@ from onnx_kvcache.errors import (
     UnitScalesWarning,
     warn,
 )
-from onnx_kvcache.files._marker import calibrated_by
+from onnx_kvcache.model_io._marker import calibrated_by
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import prepend
 from onnx_kvcache.passes._shape_readers import (

@@ -43,7 +43,7 @@ from onnx_kvcache.cache.formats import scale_granularity
 from onnx_kvcache.cache.operators import PAGED, CacheSide
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
-from onnx_kvcache.files.reading import ModelLike, as_model
+from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import Builder, Codec, ints
 

@@ -79,7 +79,7 @@ from onnx_kvcache.errors import (
     RuntimeSupportWarning,
     warn,
 )
-from onnx_kvcache.files.reading import check_defined
+from onnx_kvcache.model_io.reading import check_defined
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,

@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.errors import OPTIMIZE_MODEL, KvCacheError, Param, speaking
-from onnx_kvcache.files.reading import ModelLike, as_model
+from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
 from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity

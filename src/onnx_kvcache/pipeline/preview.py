@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import CacheModelInfo, inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.files.reading import check_defined
+from onnx_kvcache.model_io.reading import check_defined
 from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, decide
 
 

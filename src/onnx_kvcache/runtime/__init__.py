@@ -1,1 +1,1 @@
-"""Running and evaluating converted models: sessions, the runner, evaluation, plots."""
+"""Running and evaluating converted models: the runner, evaluation, plots, ``doctor``."""

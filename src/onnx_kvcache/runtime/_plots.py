@@ -11,7 +11,7 @@ from typing import Any
 
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import missing_dependency
-from onnx_kvcache.files._outputs import check_output, stamp_png, write_output
+from onnx_kvcache.model_io._outputs import check_output, stamp_png, write_output
 from onnx_kvcache.runtime.evaluation import EvaluationReport
 
 
@@ -30,7 +30,7 @@ def check_plotting(
     path: str | os.PathLike, *, overwrite: bool = False, inputs: Iterable[os.PathLike | str] = ()
 ) -> None:
     """Refuse, before an evaluation, a plot that could not be written: no matplotlib, a name
-    that is not ``.png``, or a path the output rules (:mod:`onnx_kvcache.files._outputs`) refuse."""
+    that is not ``.png``, or a path the output rules (:mod:`onnx_kvcache.model_io._outputs`) refuse."""
     check_output(path, "plot", overwrite=overwrite, inputs=inputs)
     _pyplot()
 
@@ -43,7 +43,7 @@ def plot_evaluation(
     inputs: Iterable[os.PathLike | str] = (),
 ) -> None:
     """Write a PNG with per-layer K/V cache error and mean KL per position (atomically, by
-    the rules of :mod:`onnx_kvcache.files._outputs`)."""
+    the rules of :mod:`onnx_kvcache.model_io._outputs`)."""
     check_output(path, "plot", overwrite=overwrite, inputs=inputs)
     write_output(path, render_plot(report), "plot", overwrite=overwrite, inputs=inputs)
 

@@ -44,8 +44,9 @@ from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
 from onnx_kvcache.files._export_folder import read_export_config
-from onnx_kvcache.files.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
-from onnx_kvcache.files.reading import load_model
+from onnx_kvcache.model_io._sessions import host_array
+from onnx_kvcache.model_io.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
+from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
 from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.runtime._cache import (
@@ -68,7 +69,6 @@ from onnx_kvcache.runtime._decoder_session import (
 )
 from onnx_kvcache.runtime._dense_cache import DenseLayout
 from onnx_kvcache.runtime._paged_cache import BlockPool, PagedLayout
-from onnx_kvcache.runtime._sessions import host_array
 
 logger = logging.getLogger(__name__)
 

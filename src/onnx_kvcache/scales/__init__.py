@@ -1,4 +1,4 @@
-"""Where scales come from: scale files, calibration, and the token data it reads.
+"""Scale values: scale files and the token data calibration reads (calibration itself is in ``calibrate``).
 
 ``onnx_kvcache.scales`` keeps the public names (``__all__``) of the 0.x scale-file module, now :mod:`.files`.
 """

@@ -45,7 +45,7 @@ from onnx_kvcache.errors import (
     missing_dependency,
     require_type,
 )
-from onnx_kvcache.files._inputs import (
+from onnx_kvcache.model_io._inputs import (
     check_input_file,
     load_json,
     load_npy_integers,

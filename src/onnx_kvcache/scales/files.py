@@ -57,8 +57,8 @@ from onnx_kvcache.errors import (
     ScalesAdjustedWarning,
     warn,
 )
-from onnx_kvcache.files._inputs import load_json
-from onnx_kvcache.files._outputs import stamp_json, write_output
+from onnx_kvcache.model_io._inputs import load_json
+from onnx_kvcache.model_io._outputs import stamp_json, write_output
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 
@@ -135,7 +135,7 @@ class KvCacheScales:
             does not state it): the model's cache shapes then decide.
         metadata: Free-form provenance (method, data, ...), saved with the file.
         stats: Per-layer calibration statistics when the scales were just measured (not
-            saved; see ``onnx_kvcache.scales.calibration.CalibrationStats``).
+            saved; see ``onnx_kvcache.calibrate.calibration.CalibrationStats``).
     """
 
     k: Mapping[int, np.ndarray]

@@ -121,7 +121,7 @@ def model_path(entry: dict[str, Any]) -> pathlib.Path:
 def outcome(entry: dict[str, Any]) -> tuple[str, Any]:
     """``(converts or the refusal's line, the decision)`` of converting the file to int8 for
     onnxruntime's CPU (fp16 files: for CUDA, fp8): fusion, then every cache converted."""
-    from onnx_kvcache.files.reading import load_model
+    from onnx_kvcache.model_io.reading import load_model
     from onnx_kvcache.pipeline.decision import Entry, Request, decide
 
     model = load_model(model_path(entry))

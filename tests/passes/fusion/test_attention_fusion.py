@@ -29,9 +29,9 @@ from onnx_kvcache import (
     optimize_model,
 )
 from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
-from onnx_kvcache.runtime._sessions import create_session
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "export_llama_opset23.onnx"
 VOCAB = 300

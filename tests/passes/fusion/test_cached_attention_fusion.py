@@ -25,10 +25,10 @@ import pytest
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheRunner, KvCacheWarning, calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.errors import FusionSkippedWarning, NotConvertedWarning
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
-from onnx_kvcache.runtime._sessions import create_session
 
 DATA = pathlib.Path(__file__).parents[2] / "data"
 DEFAULT = DATA / "mobius_llama_default" / "model.onnx"

@@ -19,8 +19,8 @@ import pytest
 
 from onnx_kvcache import KvCacheWarning
 from onnx_kvcache.errors import FusionSkippedWarning
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
-from onnx_kvcache.runtime._sessions import create_session
 
 F = ir.DataType.FLOAT
 HEADS, KV_HEADS, HEAD = 4, 2, 16

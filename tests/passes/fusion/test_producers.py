@@ -21,7 +21,7 @@ from producers import CONVERTS, EXPECTED, MANIFEST, ROOT, entries, model_path, o
 
 from decoding import generate, max_differences
 from onnx_kvcache import KvCacheQuantizationPass
-from onnx_kvcache.files.reading import load_model
+from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.pipeline.decision import carry_out
 

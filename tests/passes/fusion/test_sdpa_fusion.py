@@ -188,7 +188,7 @@ def test_optimize_model_fuses_then_quantizes():
 
 def _chunks(model: ir.Model, chunks: int = 3, seq: int = 3) -> list[dict]:
     """Feed ``chunks`` steps of ``seq`` tokens each at batch 1 (a static-seq export's only shape)."""
-    from onnx_kvcache.runtime._sessions import create_session
+    from onnx_kvcache.model_io._sessions import create_session
 
     session = create_session(model)
     names = [o.name for o in session.get_outputs()]

@@ -19,10 +19,10 @@ import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import build_decoder, calibrate_kv_cache, convert_model, optimize_model
+from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
-from onnx_kvcache.runtime._sessions import create_session
 
 GEMMA2 = {
     "attention": "eager",

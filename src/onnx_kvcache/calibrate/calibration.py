@@ -20,7 +20,7 @@ quantize. Per channel (``kv_num_heads * head_size``) a threshold is taken by
   stays the grid's top): the values RoPE will store, not their worst phase.
 * ``attention_search``: ``attention``'s scales, then refined per layer on the layer's true
   attention-output error, kept where held-out windows agree
-  (:mod:`onnx_kvcache.scales._clip_search`).
+  (:mod:`onnx_kvcache.calibrate._clip_search`).
 
 Per tensor takes the max over channels; ``scale = max(threshold * margin, tiny) / qmax``.
 With ``rope_envelope``, K thresholds are taken on the rotation-invariant pair norm
@@ -62,6 +62,8 @@ from onnx_kvcache.cache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
+from onnx_kvcache.calibrate import _clip_search
+from onnx_kvcache.calibrate._attention_error import rope as _rope
 from onnx_kvcache.errors import (
     INTEGER,
     NUMBER,
@@ -73,11 +75,9 @@ from onnx_kvcache.errors import (
     require_type,
     warn,
 )
-from onnx_kvcache.files._inputs import check_input_file
+from onnx_kvcache.model_io._inputs import check_input_file
 from onnx_kvcache.pipeline.decision import inferred_format
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales import _clip_search
-from onnx_kvcache.scales._attention_error import rope as _rope
 from onnx_kvcache.scales.data import TokenData, TokenWindows, find_tokenizer, load_token_windows
 from onnx_kvcache.scales.files import KvCacheScales
 
@@ -94,7 +94,7 @@ class CalibrationMethod:
         attention: Weights each cached row's error by the attention the model pays it
             (captures every layer's queries; see the module docstring).
         exact: Then refines each layer's scales on its true attention-output error, checked
-            on held-out windows (:mod:`onnx_kvcache.scales._clip_search`).
+            on held-out windows (:mod:`onnx_kvcache.calibrate._clip_search`).
     """
 
     name: str

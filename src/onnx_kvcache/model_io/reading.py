@@ -30,10 +30,10 @@ import onnx
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError, require_type
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._atomic import check_inside, check_relative
-from onnx_kvcache.files._inputs import input_kind
-from onnx_kvcache.files.genai_folder import GENAI_CONFIG, resolve_model_path
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._atomic import check_inside, check_relative
+from onnx_kvcache.model_io._inputs import input_kind
+from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG, resolve_model_path
 
 _NOT_CARRIED = (".git",)
 """Top-level entries of an input folder that are not part of the model."""

@@ -3,10 +3,10 @@
 Scale files (``calibrate --out``, :meth:`KvCacheScales.save`), reports (``evaluate
 --json``), plots (``evaluate --plot``) and the demo's record (``demo --keep``) are written
 by :func:`write_output` only (converted models follow the same rules in
-:mod:`onnx_kvcache.files.conversion`, with their own marker, :mod:`onnx_kvcache.files._marker`):
+:mod:`onnx_kvcache.files.conversion`, with their own marker, :mod:`onnx_kvcache.model_io._marker`):
 
 * A **regular file**, written under a temporary name, fsynced and published by one
-  rename (:mod:`onnx_kvcache.files._atomic`); never through a symbolic link, never over a
+  rename (:mod:`onnx_kvcache.model_io._atomic`); never through a symbolic link, never over a
   folder, a link, a device, a FIFO or a socket, an ONNX model or one of the run's inputs.
 * An existing file is replaced only when it is **one onnx-kvcache wrote**, as the file
   itself proves: a JSON file carries :data:`WRITTEN_KEY`, the SHA-256 of the rest of its
@@ -54,8 +54,8 @@ from typing import Any
 
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import KvCacheError, Param, require_type
-from onnx_kvcache.files import _atomic as file_io
-from onnx_kvcache.files._marker import check_replaceable_file, is_model_file, possible_users
+from onnx_kvcache.model_io import _atomic as file_io
+from onnx_kvcache.model_io._marker import check_replaceable_file, is_model_file, possible_users
 
 WRITTEN_KEY = "onnx_kvcache.written"
 """The JSON key (and PNG ``tEXt`` keyword) proving onnx-kvcache wrote a file."""
@@ -220,7 +220,7 @@ def check_output(
 
     ``inputs`` are files the run reads (an input model's every file): never replaced, even
     with ``overwrite``; nor is a file some graph in the output's folder names as its external
-    data (:func:`onnx_kvcache.files._marker.possible_users`, the check ``convert`` makes)."""
+    data (:func:`onnx_kvcache.model_io._marker.possible_users`, the check ``convert`` makes)."""
     row = OUTPUT_KINDS[kind]
     require_type(path, (str, os.PathLike), f"The {row.what}'s path", "a path (str or os.PathLike)")
     require_type(overwrite, bool, "overwrite", "True or False")

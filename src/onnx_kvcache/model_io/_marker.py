@@ -45,8 +45,8 @@ from typing import Any
 
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.files._atomic import TEMP_PREFIX
-from onnx_kvcache.files.genai_folder import resolve_model_path
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
 
 MARKER_KEY = "onnx_kvcache.converted"
 _FILE_PLACEMENTS = ("beside", "elsewhere")

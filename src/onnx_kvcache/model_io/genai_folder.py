@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from onnx_kvcache.errors import KvCacheError, require_type
-from onnx_kvcache.files._atomic import check_relative
-from onnx_kvcache.files._inputs import check_input_file, input_kind, load_json
+from onnx_kvcache.model_io._atomic import check_relative
+from onnx_kvcache.model_io._inputs import check_input_file, input_kind, load_json
 
 GENAI_CONFIG = "genai_config.json"
 _MAX_CONFIG_BYTES = 64 * 2**20
@@ -38,7 +38,7 @@ _MAX_CONFIG_BYTES = 64 * 2**20
 
 def read_genai_config(path: pathlib.Path) -> dict[str, Any]:
     """The config as a dict; one clear error for a folder, a FIFO or device, bad encoding
-    or bad JSON (:func:`~onnx_kvcache.files._inputs.load_json`'s bounds)."""
+    or bad JSON (:func:`~onnx_kvcache.model_io._inputs.load_json`'s bounds)."""
     config = load_json(path, "onnxruntime-genai config", max_bytes=_MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise KvCacheError(f"{path} is not a JSON object.")

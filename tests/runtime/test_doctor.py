@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from onnx_kvcache.capabilities import doctor
 from onnx_kvcache.capabilities.table import CAPABILITIES, FormatSupport
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.runtime import doctor
 
 pytest.importorskip("onnxruntime")
 

@@ -1,5 +1,5 @@
 """``attention_search``: the ``attention`` method's int scales refined on each layer's true
-attention-output error (:mod:`onnx_kvcache.scales._attention_error`, the CPU kernel's rule).
+attention-output error (:mod:`onnx_kvcache.calibrate._attention_error`, the CPU kernel's rule).
 
 Rules:
 
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from onnx_kvcache.cache.formats import CacheFormat
-from onnx_kvcache.scales._attention_error import attention_output, scale_grid
-from onnx_kvcache.scales._attention_error import rope as _rope
+from onnx_kvcache.calibrate._attention_error import attention_output, scale_grid
+from onnx_kvcache.calibrate._attention_error import rope as _rope
 
 K_MULTIPLIERS = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.4)
 V_FRACTIONS = tuple(float(f) for f in np.geomspace(0.1, 1.0, 32))

@@ -1,0 +1,1 @@
+"""Calibration: measuring a model's cache scales by running it (above ``runtime``, which runs it)."""
