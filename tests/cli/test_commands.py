@@ -300,12 +300,14 @@ _OPTION_IN_STRING = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w=-])")
 
 
 def test_library_messages_name_no_command_line_option():
-    """Only cli/commands.py speaks options; the library names Python parameters (as errors.Param parts)."""
+    """Only the command speaks options: the modules of cli/ (its parser and dispatcher in
+    commands.py, each command in its own module). The library outside it never names one; it
+    names Python parameters (as errors.Param parts), which the command words as its options."""
     options = {o for p in _subcommands().values() for a in p._actions for o in a.option_strings}
-    commands = pathlib.Path(main.__code__.co_filename)
+    cli = pathlib.Path(main.__code__.co_filename).parent
     found = []
-    for path in sorted(commands.parents[1].rglob("*.py")):
-        if path == commands:
+    for path in sorted(cli.parent.rglob("*.py")):
+        if path.is_relative_to(cli):
             continue
         tree = ast.parse(path.read_text())
         docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings

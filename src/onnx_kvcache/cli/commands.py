@@ -8,9 +8,16 @@ atomic, so an error or a signal leaves no partial output. Every warning is one
 ``onnx-kvcache: warning: ...`` line, once per kind (:mod:`onnx_kvcache.cli._voice`).
 
 Start-up: this module imports the standard library and the package's light modules only
-(tests/cli/test_commands.py keeps it so). It parses the arguments, answers ``--help`` and
-``--version``, refuses a bad value and checks the input paths before a command imports
-onnx, onnx-ir, numpy (and ml_dtypes) or onnxruntime, which take most of a second.
+(tests/cli/test_commands.py keeps it so), and so do the commands' own modules it imports. It
+parses the arguments, answers ``--help`` and ``--version``, refuses a bad value and checks the
+input paths before a command imports onnx, onnx-ir, numpy (and ml_dtypes) or onnxruntime,
+which take most of a second.
+
+This module is the parser and the dispatcher: the parser built from the options' rows
+(:mod:`onnx_kvcache.cli._options`), the library messages in the command's words, the checks
+before the imports, the failures and signals. Each command runs in its own module
+(``_convert``, ``_inspect``, ``_calibrate``, ``_evaluate``; ``doctor`` and ``demo`` here, a few
+lines each), printing through :mod:`onnx_kvcache.cli._output`.
 """
 
 from __future__ import annotations
@@ -22,41 +29,49 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import pathlib
-import re
 import signal
 import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from onnx_kvcache import _signals
 from onnx_kvcache._version import __version__
-from onnx_kvcache.cli import _voice
-from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
-from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
-from onnx_kvcache.cli._names import METHODS, PROVIDERS, SEMANTICS, WEIGHTS, ep_name
+from onnx_kvcache.cli import _calibrate, _convert, _evaluate, _inspect, _voice
+from onnx_kvcache.cli._names import PROVIDERS, ep_name
+from onnx_kvcache.cli._options import (
+    _CALIBRATE,
+    _CONVERT,
+    _DEMO,
+    _DOCTOR,
+    _EVALUATE,
+    _INSPECT,
+    _Option,
+)
+from onnx_kvcache.cli._output import (
+    _describe_os_error,
+    _flush_stdout,
+    _print,
+    _reserve_standard_streams,
+    _say,
+    _silence_stdout,
+    _StdoutFailed,
+)
 from onnx_kvcache.errors import (
     Function,
     KvCacheError,
     KvCacheWarning,
     MissingRuntimeError,
-    NotConvertedWarning,
     Param,
     Wording,
     render,
 )
 from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io._atomic import format_bytes
 from onnx_kvcache.model_io._inputs import check_input_file, tokenizer_file
-from onnx_kvcache.model_io._outputs import check_output, same_output, stamp_json, write_outputs
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
-
-if TYPE_CHECKING:
-    from onnx_kvcache.files.conversion import ConvertResult
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,77 +142,6 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def ep_choices() -> list[str]:
-    """``--ep`` values: every provider of the capability table."""
-    return list(PROVIDERS)
-
-
-def _bounded(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):  # type: ignore[no-untyped-def]
-    """An argparse type: a ``kind`` number >= ``low`` (> when not inclusive), <= ``high``."""
-
-    def parse(text: str):  # type: ignore[no-untyped-def]
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if (
-            not math.isfinite(value)
-            or (value < low if inclusive else value <= low)
-            or (high is not None and value > high)
-        ):
-            bound = (f">= {low}" if inclusive else f"> {low}") + (
-                f" and <= {high}" if high is not None else ""
-            )
-            finite = "" if math.isfinite(value) else "a finite number "
-            raise argparse.ArgumentTypeError(f"must be {finite}{bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _ep(text: str) -> str:
-    """An ``--ep`` value: a table row, or onnxruntime's name for one; else why not, in the
-    user's spelling."""
-    name = ep_name(text)
-    if name in PROVIDERS:
-        return name
-    rows = ", ".join(ep_choices())
-    if name == "openvinoexecutionprovider":
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (onnxruntime's OpenVINOExecutionProvider is not a row of the "
-            f"capability table: openvino is OpenVINO's own runtime); choose from {rows}"
-        )
-    raise argparse.ArgumentTypeError(
-        f"invalid choice: {text!r} (not a provider of the capability table); choose from {rows}, or "
-        "onnxruntime's name for one (e.g. CUDAExecutionProvider)"
-    )
-
-
-_POSITIVE = _bounded(int, 1)
-_NON_NEGATIVE = _bounded(int, 0)
-_CONTEXT = _bounded(int, 1, high=2**31 - 1)  # GroupQueryAttention counts positions in int32
-_BATCH = _bounded(int, 1, high=2**20)
-
-
-_IDS_SUFFIXES = (".json", ".npy")
-
-
-def _text_file(value: str) -> str:
-    """A text file; ``.json``/``.npy`` files are read as token ids, so they are refused here."""
-    if pathlib.Path(value).suffix in _IDS_SUFFIXES:
-        raise argparse.ArgumentTypeError(f"{value} would be read as token ids; give it as --token-ids")
-    return value
-
-
-def _ids_file(value: str) -> str:
-    if pathlib.Path(value).suffix not in _IDS_SUFFIXES:
-        raise argparse.ArgumentTypeError(
-            f"{value}: token ids come in a .json (a list of ids, or of lists) or .npy file; "
-            "give text as --text"
-        )
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class _CommandWording(Wording):
     """The command's words for a library message: a parameter as the option that sets it
@@ -245,341 +189,8 @@ def _words(said: object) -> str:
     return render(said, _wording())
 
 
-def _convert_fixes(model_path: str, result: ConvertResult) -> str:
-    """What would convert ``model_path``: the providers that run the format, the formats the
-    target runs (read from the graph; none when neither helps)."""
-    from onnx_kvcache.capabilities.refusals import RefusalCode
-    from onnx_kvcache.capabilities.table import check_kv_cache_support
-    from onnx_kvcache.model_io.reading import load_model
-    from onnx_kvcache.pipeline.decision import adaptation_for, fuse_unless_attention
-
-    if any(r.code in (RefusalCode.NO_CUDA_DEVICE, RefusalCode.PARTIAL_CONVERSION) for r in result.refusals):
-        return ""  # no other provider or format helps
-    model = fuse_unless_attention(load_model(model_path)).model  # an export: judge what it fuses to
-
-    def runs(ep: str, fmt: str) -> bool:  # as convert would decide: with an adaptation's pass
-        refusals = check_kv_cache_support(model, ep, fmt, result.granularity).refusals
-        row = adaptation_for(model, ep, refusals)
-        return not [r for r in refusals if row is None or r.code != row.cures]
-
-    fixes = []
-    providers = [ep for ep in ep_choices() if ep != result.target and runs(ep, result.format)]
-    if providers:
-        fixes.append(f"--ep {' or '.join(providers)} runs {result.format}, if the model will run there")
-    formats = [f for f in CACHE_FORMATS if f != result.format and runs(result.target or "", f)]
-    if formats:
-        fixes.append(f"{result.target} runs --format {' or '.join(formats)}")
-    if not fixes:  # neither another provider nor another format alone: both
-        for ep in (ep for ep in ep_choices() if ep != result.target):
-            others = [f for f in CACHE_FORMATS if runs(ep, f)]
-            if others:
-                fixes.append(f"--ep {ep} --format {' or '.join(others)}, if the model will run there")
-                break
-    return f" Fix: {'; '.join(fixes)}." if fixes else ""
-
-
-def _describe_os_error(e: OSError) -> str:
-    text = e.strerror or str(e)
-    if e.filename is not None:
-        text += f": {e.filename}"
-    if e.filename2 is not None:
-        text += f" -> {e.filename2}"
-    return text
-
-
-def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
-    """``{name: args.name}``: options passed as the library parameters of the same name."""
-    return {name: getattr(args, name) for name in names}
-
-
-def _convert(args: argparse.Namespace) -> int:
-    result = _converted(args)
-    source = "--ep" if result.target_source == "given" else result.target_source
-    if not result.converted:
-        return _not_converted(args, result, source)
-    args.done = f"the conversion completed ({result.model_file})"
-    target = f" for {result.target}" if result.target else ""
-    if result.target and source != "--ep":
-        target += f" ({source}; --ep to choose)"
-    nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
-    if result.fused:
-        nodes += f" (fused from the export's {result.fused} attention layer(s))"
-    _print(
-        f"converted {nodes} to {result.format} {result.granularity}"
-        f"{target}: {_printable(str(result.model_file))} ({format_bytes(result.bytes_written)} written) in "
-        f"{time.perf_counter() - args.started:.2f}s"  # from the entry point's first line: imports count
-    )
-    _print(result.weights_summary())
-    if args.scales:
-        method = f"method {result.method}" if result.method else "no method recorded"
-        _print(f"scales: {args.scales} ({method})")
-    for note in result.notes:
-        _print(_words(note))
-    return 0
-
-
-def _converted(args: argparse.Namespace) -> ConvertResult:
-    """``convert_model`` with the command's arguments; a failed read or write says what it left."""
-    what = "nothing was written" + ("" if args.in_place else f" and {args.input} is unchanged")
-    try:
-        from onnx_kvcache.files.conversion import convert_model
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NotConvertedWarning)  # said below, with the fixes
-            result = convert_model(
-                args.input,
-                args.output,
-                ep=args.ep or "auto",
-                progress=None if args.progress else False,
-                **_given(
-                    args,
-                    "format",
-                    "granularity",
-                    "scales",
-                    "shared_kv_scale",
-                    "weights",
-                    "in_place",
-                    "overwrite",
-                    "check_device",
-                    "follow_symlinks",
-                    "allow_partial",
-                ),
-            )
-    except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it
-        raise
-    except OSError as e:
-        raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
-    except file_io.Interrupted as e:
-        e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
-        raise
-    return result
-
-
-def _not_converted(args: argparse.Namespace, result: ConvertResult, source: str) -> int:
-    """Why not, on stderr, with what would convert it: exit 1."""
-    line = " ".join(map(_words, result.reasons))
-    if result.target is None:
-        _print(f"onnx-kvcache: not converted: {line}", file=sys.stderr)
-        return 1
-    chosen = source if source == "--ep" else f"{source}; --ep to choose"
-    fixes = _convert_fixes(args.input, result)
-    _print(f"onnx-kvcache: not converted for {result.target} ({chosen}): {line}{fixes}", file=sys.stderr)
-    return 1
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
-    from onnx_kvcache.capabilities.table import fast_path_diagnostics
-    from onnx_kvcache.model_io.genai_folder import share_buffer
-    from onnx_kvcache.model_io.reading import load_model
-
-    model = load_model(args.model)
-    info = inspect_kv_cache(model)
-    _, config = resolve_model_path(args.model)
-    if not info.layers and not args.json:
-        return _inspect_preview(args, model, config)
-    cuda = args.ep == "cuda" and bool(info.layers)  # an export's fast path: once converted
-    diagnostics = fast_path_diagnostics(model, share_buffer=share_buffer(config)) if cuda else None
-    if args.json:
-        doc = info.to_json(args.context, args.batch or 1)
-        if not info.layers:
-            doc = _preview_json(args, model, config)
-        if diagnostics is not None:
-            doc["fast_path"] = [
-                {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
-                for d in diagnostics
-            ]
-        _print(json.dumps(doc, indent=2))
-        return 0
-    _print(format_cache_table(info, args.context, args.batch or 1))
-    if diagnostics is not None:
-        _print("CUDA quantized decode fast path (XQA):")
-        for d in diagnostics:
-            verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(map(_words, d.reasons))
-            _print(f"  layer {d.layer_id}: {verdict}")
-    return 0
-
-
-def _preview_json(args: argparse.Namespace, model: Any, config: Any) -> dict[str, Any]:
-    """``inspect --json`` of a model without attention nodes: its fused copy's cache and what
-    ``convert`` would do (``preview``)."""
-    from onnx_kvcache.pipeline.preview import preview_conversion
-
-    preview = preview_conversion(model, args.ep, config)
-    return preview.cache.to_json(args.context, args.batch or 1) | {"preview": preview.to_json(_words)}
-
-
-def _inspect_preview(args: argparse.Namespace, model: Any, config: Any) -> int:
-    """``inspect`` of a model without attention nodes (an export): the cache of a copy fused in
-    memory, and what ``convert`` would do (the file is never written)."""
-    from onnx_kvcache.cache.layout import format_cache_table
-    from onnx_kvcache.pipeline.preview import preview_conversion
-
-    preview = preview_conversion(model, args.ep, config)
-    if not preview.cache.layers:
-        _print("no GroupQueryAttention or PagedAttention node with a KV cache")
-        if preview.refusal is not None:
-            _print(f"convert would refuse: {_words(preview.refusal)}")
-        return 0
-    _print(
-        f"no GroupQueryAttention node yet: convert fuses {preview.fused} attention layer(s) into "
-        "GroupQueryAttention; the cache below is that of a copy fused in memory (the file is unchanged)"
-    )
-    _print(format_cache_table(preview.cache, args.context, args.batch or 1))
-    _print(_preview_line(preview))
-    return 0
-
-
-def _preview_line(preview: Any) -> str:
-    """What ``convert`` would do: the target, format and bytes per token, or its refusal."""
-    source = (
-        "--ep" if preview.target_source == "given" else f"assumed: {preview.target_source}; --ep to choose"
-    )
-    where = f"{preview.target} ({source})" if preview.target else "no target"  # as convert says it
-    if preview.refusal is not None:
-        return f"convert for {where} would refuse: {_words(preview.refusal)}"
-    before, after = preview.cache.bytes_per_token, preview.bytes_per_token_after
-    ratio = f", {before / after:.2f}x smaller" if after else ""
-    half = "; the attention computes in float16" if preview.float16_attention else ""
-    return (
-        f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
-        f"{after:g} (now {before:g}{ratio}){half}"
-    )
-
-
-def _model_inputs(model: str, *files: str | None) -> list[pathlib.Path]:
-    """Files an output must never replace: every file of the model as ``convert`` finds them
-    (its graph, each external data file it names, and every file of a genai folder:
-    ``genai_config.json``, tokenizer files), and the data files given."""
-    from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG, resolve_model_path
-    from onnx_kvcache.model_io.reading import open_model_source
-
-    model_file, config = resolve_model_path(model)
-    inputs = [model_file, *(pathlib.Path(f) for f in files if f)]
-    if config is not None:
-        inputs.append(pathlib.Path(model) / GENAI_CONFIG)
-    try:
-        inputs += sorted(open_model_source(model, follow_symlinks=True).input_files())
-    except (KvCacheError, OSError):  # a model convert refuses: the run says why, or reads no more
-        folder = pathlib.Path(model)
-        if folder.is_dir():
-            inputs += sorted(p for p in folder.iterdir() if p.is_file())
-    return inputs
-
-
-def _write_completely(
-    args: argparse.Namespace,
-    outputs: list[tuple[str, bytes, str]],
-    done: str,
-    inputs: list[pathlib.Path],
-    seen: list[Any] | None = None,
-) -> list[pathlib.Path]:
-    """Publish ``outputs`` as one unit; a signal held over the publication says they were
-    written. ``seen``: the outputs' identities before the work (one changed since: refused).
-    The files that replaced one."""
-    try:
-        replaced = write_outputs(outputs, overwrite=args.overwrite, inputs=inputs, seen=seen)
-    except _signals.Interrupted as e:
-        if e.completed and e.detail is None:
-            e.detail = done
-        raise
-    args.done = done
-    return replaced
-
-
-def _wrote(path: str, replaced: list[pathlib.Path]) -> str:
-    """``wrote PATH``, or ``replaced PATH`` when it replaced a file (the path one inert line,
-    as in errors)."""
-    return f"{'replaced' if pathlib.Path(path) in replaced else 'wrote'} {_printable(str(path))}"
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    from onnx_kvcache.calibrate.calibration import calibrate_kv_cache, format_calibration_summary
-
-    data = args.token_ids or args.text
-    inputs = _model_inputs(args.model, args.text, args.token_ids, args.tokenizer)
-    seen = check_output(args.out, "scales", overwrite=args.overwrite, inputs=inputs)
-    scales = calibrate_kv_cache(
-        args.model,
-        data,
-        percentile=99.99 if args.percentile is None else args.percentile,
-        **_given(
-            args,
-            "format",
-            "granularity",
-            "method",
-            "rope_envelope",
-            "rope_positions",
-            "margin",
-            "seq_len",
-            "num_seqs",
-            "tokenizer",
-            "min_tokens",
-            "progress",
-        ),
-    )
-    method = scales.metadata["method"]
-    replaced = _write_completely(
-        args,
-        [(args.out, stamp_json(scales.to_json(), "scales"), "scales")],
-        f"the scale file was written ({args.out})",
-        inputs,
-        [seen],  # another calibrate to this --out that finished first is never replaced silently
-    )
-    _print(format_calibration_summary(scales.stats, scales.format, method))
-    _print(_calibrated(args.out, replaced, scales))
-    return 0
-
-
-def _calibrated(out: str, replaced: list[pathlib.Path], scales: Any) -> str:
-    """The last line of ``calibrate``: what was written, its layers, format and method."""
-    chosen = scales.metadata.get("format_for")
-    target = f" for {chosen}; --format to choose" if chosen else ""
-    return (
-        f"{_wrote(out, replaced)} ({len(scales.layer_ids)} layers, {scales.format} {scales.granularity}, "
-        f"method {scales.metadata['method']}){target}"
-    )
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    from onnx_kvcache.runtime.evaluation import evaluate_kv_cache
-
-    inputs = [
-        *_model_inputs(args.baseline, args.text, args.token_ids, args.tokenizer),
-        *_model_inputs(args.candidate),
-    ]
-    if args.json:
-        check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs)
-    if args.plot:
-        from onnx_kvcache.runtime._plots import check_plotting
-
-        check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
-    if args.json and args.plot and same_output(args.json, args.plot):
-        raise KvCacheError(f"--json {args.json} and --plot {args.plot} name one file; name two files.")
-    report = evaluate_kv_cache(
-        args.baseline,
-        args.candidate,
-        args.token_ids or args.text,
-        **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
-    )
-    outputs: list[tuple[str, bytes, str]] = []
-    if args.json:
-        outputs.append((args.json, stamp_json(report.to_json(), "report"), "report"))
-    if args.plot:
-        from onnx_kvcache.runtime._plots import render_plot
-
-        outputs.append((args.plot, render_plot(report), "plot"))
-    replaced: list[pathlib.Path] = []
-    if outputs:
-        names = ", ".join(path for path, _, _ in outputs)
-        replaced = _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
-    _print(report.format_table())
-    if outputs:
-        _print("; ".join(f"{_wrote(path, replaced)} ({kind})" for path, _, kind in outputs))
-    return 0
-
-
-def _doctor(args: argparse.Namespace) -> int:
+def _doctor(args: argparse.Namespace, words: Callable[[object], str]) -> int:
+    """``doctor``: the table checked against this onnxruntime; exit 1 when they disagree."""
     from onnx_kvcache.runtime.doctor import run_doctor
 
     report = run_doctor(args.provider)
@@ -598,11 +209,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if report.disagreements else 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, words: Callable[[object], str]) -> int:
+    """``demo``: the bundled decoder converted and evaluated, one table printed."""
     from onnx_kvcache.cli._demo import run_demo
 
     try:
-        run_demo(args.keep, lambda line: _print(_words(line)), progress=args.progress)
+        run_demo(args.keep, lambda line: _print(words(line)), progress=args.progress)
     except KeyboardInterrupt as e:
         kept = args.keep and os.path.isdir(args.keep) and any(os.scandir(args.keep))
         if kept and getattr(e, "detail", None) is None:  # each model is whole; the record lists them
@@ -616,23 +228,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-_MODEL = "a .onnx file or an onnxruntime-genai folder"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Option:
-    """One argument of a command: ``add_argument``'s names and settings; ``group`` names a
-    mutually exclusive group of the command's."""
-
-    names: tuple[str, ...]
-    settings: Mapping[str, Any]
-    group: str | None = None
-
-
-def _option(*names: str, group: str | None = None, **settings: Any) -> _Option:
-    return _Option(names, settings, group)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Command:
     """A command: its help, what runs it, its options, and the library function that does the
@@ -641,254 +236,11 @@ class _Command:
     name: str
     summary: str
     description: str
-    run: Callable[[argparse.Namespace], int]
+    run: Callable[[argparse.Namespace, Callable[[object], str]], int]
+    """Runs the command: the arguments, and the words a library message is said in."""
     options: tuple[_Option, ...]
     function: str | None = None
 
-
-def _format_options(granularity: str | None = "per_tensor") -> tuple[_Option, ...]:
-    default = (
-        "the scale file's, else the first the target runs: fp8 on CUDA, int8 on CPU"
-        if granularity is None
-        else "the first its target runs, the target as convert infers it: fp8 on CUDA, int8 on CPU"
-    )
-    recorded = " (default: the one the scale file states, else the one its sizes fit, else per_tensor)"
-    return (
-        _option("--format", choices=list(CACHE_FORMATS), help=f"cache format (default: {default})"),
-        _option(
-            "--granularity",
-            default=granularity,
-            choices=list(SCALE_GRANULARITIES),
-            help="scale granularity" + (recorded if granularity is None else ""),
-        ),
-    )
-
-
-def _data_options(whose: str, default: str) -> tuple[_Option, ...]:
-    return (
-        _option(
-            "--text",
-            group="data",
-            type=_text_file,
-            metavar="FILE",
-            help=f"text file, tokenized with {whose} or --tokenizer's tokenizer (default: {default})",
-        ),
-        _option(
-            "--token-ids",
-            group="data",
-            type=_ids_file,
-            metavar="FILE",
-            help="token ids: a .json file (a list of ids, or of lists) or .npy (default: as for --text)",
-        ),
-        _option(
-            "--tokenizer",
-            metavar="PATH",
-            help=f"tokenizer.json or its folder (default: the one in {whose} folder)",
-        ),
-    )
-
-
-def _progress_option(what: str) -> _Option:
-    help = f"no progress bar ({what} shows one on a terminal)"
-    return _option("--no-progress", dest="progress", action="store_false", help=help)
-
-
-def _overwrite_option(what: str) -> _Option:
-    return _option(
-        "--overwrite",
-        action="store_true",
-        help=f"replace {what} even if onnx-kvcache did not write it (or it was edited since); without "
-        "it, only a file onnx-kvcache wrote (its onnx_kvcache.written record matches its content) is "
-        "replaced. Never a folder, link, device, FIFO, ONNX model or input",
-    )
-
-
-_EP_RUNS = ", ".join(n for n in ep_choices() if PROVIDERS[n])
-
-_CONVERT = (
-    _option("input", metavar="INPUT", help=_MODEL),
-    _option(
-        "output",
-        metavar="OUTPUT",
-        nargs="?",
-        help="the new .onnx file (a folder, for a folder INPUT); omitted with --in-place",
-    ),
-    *_format_options(granularity=None),
-    _option(
-        "--scales",
-        metavar="FILE",
-        help="scale file (onnxruntime-genai format; default: none, which fp8 takes as unit scales "
-        "with a warning and int8/int4 refuse)",
-    ),
-    _option(
-        "--shared-kv-scale",
-        action="store_true",
-        help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
-        "needs before onnxruntime 1.29; the smaller scale gets coarser (a warning says when > 2x)",
-    ),
-    _option(
-        "--ep",
-        type=_ep,
-        choices=ep_choices(),
-        help=f"where the model will run: {_EP_RUNS} "
-        "(or onnxruntime's name for one, e.g. CUDAExecutionProvider), or openvino (OpenVINO's own "
-        "runtime; onnxruntime's OpenVINOExecutionProvider is not a row, so it is refused); the "
-        "conversion is refused when it cannot run there (default: inferred, docs/capabilities.md: a "
-        "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
-    ),
-    _option("--check-device", action="store_true", help="check this machine's GPU too"),
-    _option(
-        "--allow-partial",
-        action="store_true",
-        help="convert the caches that can be when others would keep their type (a layer the fusion "
-        "left unfused, a cache another node also reads); without it such a model is refused (exit 1, "
-        "nothing written, the layers named)",
-    ),
-    _option(
-        "--weights",
-        choices=list(WEIGHTS),
-        help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "
-        "that keeps holes) or link (hard links: onnx.load, onnx.checker and onnx-ir, reading a weight, "
-        "then refuse BOTH models until one is deleted; onnxruntime and onnxruntime-genai load them) "
-        "(default: shared beside INPUT, copy in another folder)",
-    ),
-    _option(
-        "--follow-symlinks",
-        action="store_true",
-        help="accept input files that link out of the model's folder (Hugging Face cache "
-        "snapshots); a conversion elsewhere copies their content",
-    ),
-    _option("--in-place", action="store_true", help="rewrite INPUT itself, atomically (no OUTPUT)"),
-    _option(
-        "--overwrite",
-        action="store_true",
-        help="replace OUTPUT only if it is a previous output of onnx-kvcache: a file or folder whose "
-        "model carries onnx_kvcache.converted metadata from a conversion to a new path (never one "
-        "converted in place), a folder only while it holds nothing that conversion did not write; "
-        "a file's own data files (those it created) go too unless another readable .onnx file beside "
-        "it names them. Nothing else is replaced or removed; an empty OUTPUT folder needs no --overwrite",
-    ),
-    _progress_option("copying data files"),
-)
-
-_INSPECT = (
-    _option("model", metavar="MODEL", help=_MODEL),
-    _option(
-        "--ep",
-        type=_ep,
-        choices=ep_choices(),
-        help="where the model will run: cuda adds whether CUDA's quantized decode fast path (XQA) "
-        "runs each layer (default: none, the cache only)",
-    ),
-    _option(
-        "--context",
-        metavar="N",
-        type=_CONTEXT,
-        help="also report the cache bytes at this context length (default: per token only)",
-    ),
-    _option("--batch", metavar="B", type=_BATCH, help="batch size for --context (default: 1)"),
-    _option("--json", action="store_true", help="machine-readable output"),
-)
-
-_CALIBRATE = (
-    _option("model", metavar="MODEL", help=f"the unquantized model: {_MODEL}"),
-    _option("--out", metavar="FILE", required=True, help="scale file to write (onnxruntime-genai format)"),
-    _overwrite_option("FILE"),
-    *_format_options(),
-    _option(
-        "--method",
-        choices=list(METHODS),
-        help="threshold rule (default: attention for int4, else minmax; see docs/calibration.md)",
-    ),
-    _option(
-        "--percentile",
-        metavar="P",
-        type=_bounded(float, 0, inclusive=False, high=100),
-        help="the percentile of |x| that --method percentile takes (default: 99.99)",
-    ),
-    *_data_options(
-        "the model's",
-        "the built-in corpus's calibration part with that tokenizer, else seeded random token ids",
-    ),
-    _option("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens"),
-    _option("--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"),
-    _option(
-        "--min-tokens",
-        metavar="N",
-        type=_NON_NEGATIVE,
-        default=256,
-        help="refuse to calibrate on fewer tokens",
-    ),
-    _option(
-        "--margin",
-        metavar="M",
-        type=_bounded(float, 0, inclusive=False),
-        default=1.0,
-        help="headroom: multiply thresholds by this",
-    ),
-    _option(
-        "--no-rope-envelope",
-        dest="rope_envelope",
-        action="store_false",
-        help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
-    ),
-    _option(
-        "--rope-positions",
-        metavar="N",
-        type=_POSITIVE,
-        help="the longest context the scales must hold for: the attention methods' K search "
-        "assumes keys at positions below N (default: the model's whole rotary table)",
-    ),
-    _progress_option("calibration"),
-)
-
-_EVALUATE = (
-    _option("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}"),
-    _option("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}"),
-    *_data_options(
-        "the baseline's",
-        "the built-in corpus's evaluation part with that tokenizer, else random token ids of another "
-        "seed: both held out from calibrate's default data",
-    ),
-    _option("--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"),
-    _option("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate"),
-    _option("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence"),
-    _option(
-        "--semantics",
-        choices=list(SEMANTICS),
-        help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
-        "attended unquantized) or cpu (default: the rule of the candidate's target provider)",
-    ),
-    _option("--json", metavar="FILE", help="also write the report as JSON here (default: none)"),
-    _option(
-        "--plot",
-        metavar="FILE",
-        help="also write a PNG (per-layer error, KL per position), named *.png; needs matplotlib "
-        "(default: none)",
-    ),
-    _overwrite_option("the --json or --plot FILE"),
-    _progress_option("evaluation"),
-)
-
-_DOCTOR = (
-    _option(
-        "--provider",
-        metavar="P",
-        action="append",
-        help="provider to create sessions on: a table row (cpu, cuda, ...) or onnxruntime's name "
-        "(repeatable; default: every one this onnxruntime lists); exits 1 when one is not present",
-    ),
-    _option("--json", action="store_true", help="machine-readable output"),
-)
-
-_DEMO = (
-    _option(
-        "--keep",
-        metavar="DIR",
-        help="write the demo models into this folder and keep them (default: a temporary folder)",
-    ),
-    _progress_option("the demo"),
-)
 
 #: The commands, in the order ``--help`` lists them.
 _COMMANDS = (
@@ -898,7 +250,7 @@ _COMMANDS = (
         "Weights are never rewritten: beside INPUT (same folder) the new graph shares its data files; "
         "in another folder they are cloned where the filesystem can, else copied. Exit codes: 0 done, "
         "1 conversion refused (see the message), 2 bad input or a failed write (nothing written).",
-        _convert,
+        _convert.run,
         _CONVERT,
         "convert_model",
     ),
@@ -906,7 +258,7 @@ _COMMANDS = (
         "inspect",
         "show the KV cache of a model",
         "Reads the graph only, never a weight.",
-        _inspect,
+        _inspect.run,
         _INSPECT,
         "inspect_kv_cache",
     ),
@@ -915,7 +267,7 @@ _COMMANDS = (
         "measure KV-cache scales",
         "Runs the unquantized model on CPU over token windows and writes one scale per layer (or "
         "per channel) for K and V.",
-        _calibrate,
+        _calibrate.run,
         _CALIBRATE,
         "calibrate_kv_cache",
     ),
@@ -924,7 +276,7 @@ _COMMANDS = (
         "compare a converted model with its original",
         "Runs both on the same tokens on CPU (quantized caches the CPU cannot run are emulated) and "
         "reports KL divergence, top-1 and greedy agreement, and the per-layer cache error.",
-        _evaluate,
+        _evaluate.run,
         _EVALUATE,
         "evaluate_kv_cache",
     ),
@@ -979,72 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
             where.add_argument(*option.names, **option.settings)
         p.set_defaults(func=command.run)
     return parser
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def _printable(text: str, *, lines: bool = False) -> str:
-    """``text`` with every control character escaped (``\\n``, ``\\x1b``): a path holding a
-    newline or a terminal escape prints as one inert line. ``lines``: keep newlines."""
-
-    def escape(match: re.Match[str]) -> str:
-        char = match[0]
-        return char if lines and char == "\n" else char.encode("unicode_escape").decode("ascii")
-
-    return _CONTROL.sub(escape, text)
-
-
-def _print(*values: object, file: Any = None, flush: bool = False) -> None:
-    """Print as :func:`print` does, control characters escaped (:func:`_printable`); on stderr
-    (errors, warnings) a message is one line, so newlines too."""
-    stream = sys.stdout if file is None else file
-    text = _printable(" ".join(map(str, values)), lines=stream is not sys.stderr)
-    try:
-        print(text, file=stream, flush=flush)
-    except OSError as e:
-        if stream is sys.stdout:
-            raise _StdoutFailed(e) from e
-        raise
-
-
-def _say(line: str) -> None:
-    """One line on stderr; a stderr that cannot take it (``2>/dev/full``) drops it."""
-    with contextlib.suppress(OSError, ValueError):
-        _print(line, file=sys.stderr, flush=True)
-
-
-_STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
-
-
-def _reserve_standard_streams() -> None:
-    """A closed stdin, stdout or stderr (``>&-``) becomes /dev/null: otherwise the first file
-    the command opens takes its number, and whatever prints there (onnxruntime's own logging
-    included) writes into that file; and Python's ``sys.stdout`` is None. A stream that
-    cannot print a path that is not UTF-8 (strict errors) prints its bytes escaped."""
-    for fd, name, mode in _STREAMS:
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-        if getattr(sys, name) is None:
-            stream = open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
-            setattr(sys, name, stream)  # for the process's life
-        stream = getattr(sys, name)
-        if fd and getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-
-
-def _silence_stdout() -> None:
-    """After a broken pipe: send further output (and the exit-time flush) nowhere."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 #: Arguments that name a model, read before any command imports onnx-ir: each must resolve.
@@ -1142,21 +428,6 @@ def _stdout_failed(args: argparse.Namespace | None, error: OSError) -> int:
     return 2
 
 
-class _StdoutFailed(Exception):
-    """Writing standard output failed (``error``): told apart from a file's failure."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _flush_stdout() -> None:
-    try:
-        sys.stdout.flush()
-    except OSError as e:
-        raise _StdoutFailed(e) from e
-
-
 @dataclasses.dataclass
 class _Run:
     """What the handlers of a failure need: the arguments once parsed, and whether the
@@ -1211,7 +482,7 @@ def _run(run: _Run, argv: Sequence[str] | None) -> int:
         with _signals.held():  # onnx-ir, onnx, numpy, ml_dtypes: a signal waits for their C code
             import onnx_ir  # noqa: F401
         run.started = True
-        code: int = args.func(args)
+        code: int = args.func(args, _words)
         _flush_stdout()
     return code
 

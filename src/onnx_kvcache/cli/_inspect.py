@@ -1,0 +1,105 @@
+"""``onnx-kvcache inspect``: the KV cache of a model, per layer and per token (and at a
+context); with ``--ep cuda``, whether CUDA's quantized decode fast path runs each layer. A
+model without attention nodes (an export) shows the cache of a copy fused in memory and what
+``convert`` would do; the file is never written.
+
+Imports the standard library and the package's light modules at import time; the model's
+readers and the tables are imported when the command runs.
+"""
+
+from __future__ import annotations
+
+__all__ = ["run"]
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from onnx_kvcache.cli._output import _print
+from onnx_kvcache.model_io.genai_folder import resolve_model_path
+
+
+def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
+    """``inspect``: the cache table (or JSON), and the fast path's verdict per layer for cuda."""
+    from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
+    from onnx_kvcache.capabilities.table import fast_path_diagnostics
+    from onnx_kvcache.model_io.genai_folder import share_buffer
+    from onnx_kvcache.model_io.reading import load_model
+
+    model = load_model(args.model)
+    info = inspect_kv_cache(model)
+    _, config = resolve_model_path(args.model)
+    if not info.layers and not args.json:
+        return _inspect_preview(args, model, config, words)
+    cuda = args.ep == "cuda" and bool(info.layers)  # an export's fast path: once converted
+    diagnostics = fast_path_diagnostics(model, share_buffer=share_buffer(config)) if cuda else None
+    if args.json:
+        doc = info.to_json(args.context, args.batch or 1)
+        if not info.layers:
+            doc = _preview_json(args, model, config, words)
+        if diagnostics is not None:
+            doc["fast_path"] = [
+                {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}
+                for d in diagnostics
+            ]
+        _print(json.dumps(doc, indent=2))
+        return 0
+    _print(format_cache_table(info, args.context, args.batch or 1))
+    if diagnostics is not None:
+        _print("CUDA quantized decode fast path (XQA):")
+        for d in diagnostics:
+            verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(map(words, d.reasons))
+            _print(f"  layer {d.layer_id}: {verdict}")
+    return 0
+
+
+def _preview_json(
+    args: argparse.Namespace, model: Any, config: Any, words: Callable[[object], str]
+) -> dict[str, Any]:
+    """``inspect --json`` of a model without attention nodes: its fused copy's cache and what
+    ``convert`` would do (``preview``)."""
+    from onnx_kvcache.pipeline.preview import preview_conversion
+
+    preview = preview_conversion(model, args.ep, config)
+    return preview.cache.to_json(args.context, args.batch or 1) | {"preview": preview.to_json(words)}
+
+
+def _inspect_preview(
+    args: argparse.Namespace, model: Any, config: Any, words: Callable[[object], str]
+) -> int:
+    """``inspect`` of a model without attention nodes (an export): the cache of a copy fused in
+    memory, and what ``convert`` would do (the file is never written)."""
+    from onnx_kvcache.cache.layout import format_cache_table
+    from onnx_kvcache.pipeline.preview import preview_conversion
+
+    preview = preview_conversion(model, args.ep, config)
+    if not preview.cache.layers:
+        _print("no GroupQueryAttention or PagedAttention node with a KV cache")
+        if preview.refusal is not None:
+            _print(f"convert would refuse: {words(preview.refusal)}")
+        return 0
+    _print(
+        f"no GroupQueryAttention node yet: convert fuses {preview.fused} attention layer(s) into "
+        "GroupQueryAttention; the cache below is that of a copy fused in memory (the file is unchanged)"
+    )
+    _print(format_cache_table(preview.cache, args.context, args.batch or 1))
+    _print(_preview_line(preview, words))
+    return 0
+
+
+def _preview_line(preview: Any, words: Callable[[object], str]) -> str:
+    """What ``convert`` would do: the target, format and bytes per token, or its refusal."""
+    source = (
+        "--ep" if preview.target_source == "given" else f"assumed: {preview.target_source}; --ep to choose"
+    )
+    where = f"{preview.target} ({source})" if preview.target else "no target"  # as convert says it
+    if preview.refusal is not None:
+        return f"convert for {where} would refuse: {words(preview.refusal)}"
+    before, after = preview.cache.bytes_per_token, preview.bytes_per_token_after
+    ratio = f", {before / after:.2f}x smaller" if after else ""
+    half = "; the attention computes in float16" if preview.float16_attention else ""
+    return (
+        f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
+        f"{after:g} (now {before:g}{ratio}){half}"
+    )
