@@ -1,5 +1,9 @@
 """Safe output files: temporary names, one-rename publication, clone-or-copy, cleanup.
 
+The module the writers use (``from onnx_kvcache.model_io import _atomic as file_io``): it also
+keeps the names of :mod:`._paths` (path checks), :mod:`._copying` (clone-or-copy of data
+files) and :mod:`._os` (open flags, ``fcntl``, libc), which hold those ideas.
+
 Rules every writer in the package follows:
 
 * Output is written under a temporary name that starts with :data:`TEMP_PREFIX`, in the
@@ -69,12 +73,10 @@ __all__ = [
 
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import json
 import os
 import pathlib
-import re
 import secrets
 import shutil
 import stat
@@ -83,22 +85,26 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
-from onnx_kvcache.errors import KvCacheError, Param
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock, so no stale-entry sweeping either
-    fcntl = None  # type: ignore[assignment]
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.model_io._copying import (
+    PLAIN_COPY_ENV,
+    CopyStats,
+    allocated_bytes,
+    clone_file,
+    copy_data,
+    free_bytes,
+)
+from onnx_kvcache.model_io._os import _LIBC, _O_CLOEXEC, _O_DIRECTORY, _O_NOFOLLOW, fcntl
+from onnx_kvcache.model_io._paths import (
+    check_inside,
+    check_relative,
+    check_writable_folder,
+    is_mount_point,
+)
 
 TEMP_PREFIX = ".onnx-kvcache-tmp-"
 """Every temporary entry this package creates starts with this."""
-PLAIN_COPY_ENV = "ONNX_KVCACHE_PLAIN_COPY"
 _JOURNAL = ".journal"
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_FICLONE = 0x40049409
-_CHUNK = 64 * 1024 * 1024
 
 
 def format_bytes(n: float) -> str:
@@ -113,18 +119,6 @@ def format_bytes(n: float) -> str:
 
 
 # -- low-level helpers ------------------------------------------------------------------
-
-
-def _libc() -> Any:
-    if sys.platform not in ("linux", "darwin"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 
 
 def _renameat2(src: os.PathLike | str, dst: os.PathLike | str, flags: int) -> bool:
@@ -659,145 +653,7 @@ def sweep_stale(folder: os.PathLike | str) -> list[str]:
     return removed
 
 
-# -- copying ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class CopyStats:
-    """What :func:`copy_file` did: ``size`` bytes long, ``written`` bytes of data written."""
-
-    size: int
-    written: int
-    cloned: bool
-
-
-def _plain_copy_only() -> bool:
-    return os.environ.get(PLAIN_COPY_ENV, "") not in ("", "0")
-
-
-def _clone_fd(src_fd: int, dst_fd: int) -> bool:
-    if sys.platform != "linux" or fcntl is None:
-        return False
-    try:
-        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
-    except OSError:
-        return False
-    return True
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _clone_darwin(src: pathlib.Path, dst: pathlib.Path) -> bool:
-    """macOS ``clonefile``: creates ``dst`` as a clone (then given the umask's mode)."""
-    fn = getattr(_LIBC, "clonefile", None) if sys.platform == "darwin" else None
-    if fn is None or fn(os.fsencode(src), os.fsencode(dst), ctypes.c_uint(0)) != 0:
-        return False
-    os.chmod(dst, 0o666 & ~_umask())
-    return True
-
-
-def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of every data extent; the whole file where holes cannot be found."""
-    seek_data, seek_hole = getattr(os, "SEEK_DATA", None), getattr(os, "SEEK_HOLE", None)
-    if seek_data is None or seek_hole is None:
-        if size:
-            yield 0, size
-        return
-    pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, seek_data)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # only a hole after pos
-                return
-            if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                yield pos, size
-                return
-            raise
-        end = min(os.lseek(fd, start, seek_hole), size)
-        yield start, end
-        pos = end
-
-
-def _copy_extent(src_fd: int, dst_fd: int, start: int, end: int, progress: Any, kernel: list[bool]) -> None:
-    pos = start
-    while pos < end:
-        n = min(_CHUNK, end - pos)
-        done = 0
-        if kernel[0]:
-            try:
-                done = os.copy_file_range(src_fd, dst_fd, n, pos, pos)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                    raise
-                kernel[0] = False
-        if not kernel[0]:
-            block = os.pread(src_fd, min(n, 8 * 1024 * 1024), pos)
-            view = memoryview(block)
-            offset = pos
-            while view:
-                w = os.pwrite(dst_fd, view, offset)
-                view, offset = view[w:], offset + w
-            done = len(block)
-        if done == 0:
-            raise OSError(errno.EIO, "source file shrank while being copied")
-        pos += done
-        if progress is not None:
-            progress.update(done)
-
-
-def clone_file(src: os.PathLike | str, dst: os.PathLike | str) -> bool:
-    """Create ``dst`` as a clone of ``src`` (shared extents, no data written) if the filesystem can.
-
-    Returns False, with ``dst`` not created, where it cannot (or with ``ONNX_KVCACHE_PLAIN_COPY``).
-    """
-    src, dst = pathlib.Path(src), pathlib.Path(dst)
-    if _plain_copy_only():
-        return False
-    if _clone_darwin(src, dst):
-        return True
-    if sys.platform != "linux":
-        return False
-    with open(src, "rb") as f:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
-        cloned = False
-        try:
-            cloned = _clone_fd(f.fileno(), fd)
-            if cloned:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-            if not cloned:
-                os.unlink(dst)
-    return cloned
-
-
-def copy_data(src: os.PathLike | str, dst: os.PathLike | str, *, progress: Any = None) -> int:
-    """Create ``dst`` with ``src``'s data extents (holes stay holes), fsynced; bytes written.
-
-    ``copy_file_range`` moves the bytes inside the kernel where it can.
-    """
-    with open(src, "rb") as f:
-        src_fd = f.fileno()
-        size = os.fstat(src_fd).st_size
-        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW, 0o666)
-        try:
-            kernel = [hasattr(os, "copy_file_range") and not _plain_copy_only()]
-            written = 0
-            for start, end in _data_extents(src_fd, size):
-                _copy_extent(src_fd, dst_fd, start, end, progress, kernel)
-                written += end - start
-            os.ftruncate(dst_fd, size)  # a trailing hole
-            os.fsync(dst_fd)
-        finally:
-            os.close(dst_fd)
-    if progress is not None:
-        progress.update(size - written)
-    return written
+# -- copying: the choice here (tests replace either way), the ways in _copying ----------
 
 
 def copy_file(src: os.PathLike | str, dst: os.PathLike | str, *, progress: Any = None) -> CopyStats:
@@ -813,40 +669,7 @@ def copy_file(src: os.PathLike | str, dst: os.PathLike | str, *, progress: Any =
     return CopyStats(size, copy_data(src, dst, progress=progress), False)
 
 
-def allocated_bytes(path: os.PathLike | str) -> int:
-    """Bytes ``path`` occupies on disk (less than its size when sparse)."""
-    st = os.stat(path)
-    blocks = getattr(st, "st_blocks", None)
-    return min(st.st_size, blocks * 512) if blocks is not None else st.st_size
-
-
-def free_bytes(folder: os.PathLike | str) -> int | None:
-    try:
-        st = os.statvfs(folder)
-    except (OSError, AttributeError):
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 # -- folders and single files -----------------------------------------------------------
-
-
-def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
-    path = pathlib.Path(os.path.abspath(path))
-    while not os.path.lexists(path) and path.parent != path:
-        path = path.parent
-    return path
-
-
-def check_writable_folder(folder: os.PathLike | str) -> None:
-    """Refuse, before any work, a folder (or the ancestor that would hold it) we cannot write."""
-    base = _nearest_existing(pathlib.Path(folder))
-    if not base.is_dir():
-        raise KvCacheError(f"{base} is not a folder, so nothing can be written in {os.path.abspath(folder)}.")
-    if not os.access(base, os.W_OK | os.X_OK):
-        read_only = hasattr(os, "statvfs") and os.statvfs(base).f_flag & getattr(os, "ST_RDONLY", 1)
-        why = "the file system is read-only" if read_only else "permission denied"
-        raise KvCacheError(f"Cannot write in {base} ({why}).")
 
 
 def make_dirs(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -864,25 +687,6 @@ def make_dirs(folder: pathlib.Path) -> list[pathlib.Path]:
             continue
         created.append(d)
     return created
-
-
-def is_mount_point(path: os.PathLike | str) -> bool:
-    """Whether ``path`` (a file or folder, not followed if a link) is a mount point: on
-    another device than its folder, or listed in ``/proc/self/mountinfo`` (bind mounts)."""
-    path = pathlib.Path(os.path.abspath(path))
-    try:
-        if os.lstat(path).st_dev != os.stat(path.parent).st_dev or os.path.ismount(path):
-            return True
-    except OSError:
-        return False
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            points = {line.split(" ")[4] for line in f if line.count(" ") >= 4}
-    except OSError:
-        return False
-    real = os.path.join(os.path.realpath(path.parent), path.name)
-    decoded = {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), p) for p in points}
-    return real in decoded
 
 
 @contextlib.contextmanager
@@ -951,62 +755,3 @@ def atomic_write_bytes(target: os.PathLike | str, data: bytes, *, like: os.stat_
 
 def atomic_write_text(target: os.PathLike | str, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
-
-
-# -- paths a model names ---------------------------------------------------------------
-
-
-def check_relative(location: Any, what: str, folder: pathlib.Path) -> str:
-    """A path a model file names: relative, no ``..``, so inside its folder (lexically)."""
-    if not isinstance(location, str) or not location:
-        raise KvCacheError(f"{what} is {location!r}; it must name a file inside {folder}.")
-    parts = pathlib.PurePosixPath(location.replace("\\", "/")).parts
-    if (
-        os.path.isabs(location)
-        or pathlib.PureWindowsPath(location).is_absolute()
-        or location.startswith(("/", "\\"))
-        or ".." in parts
-    ):
-        raise KvCacheError(
-            f"{what} is {location!r}, outside the model's folder {folder} (an absolute path or '..'). "
-            "Refusing to read or write it: it must be a relative path inside the folder."
-        )
-    return location
-
-
-def _looks_like_hf_snapshot(folder: pathlib.Path) -> bool:
-    folder = pathlib.Path(os.path.abspath(folder))
-    return folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir()
-
-
-def _first_escaping_link(path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
-    p = root
-    for part in path.relative_to(root).parts:
-        p = p / part
-        if p.is_symlink():
-            return p
-    return path
-
-
-def check_inside(path: pathlib.Path, root: pathlib.Path, follow_symlinks: bool) -> pathlib.Path:
-    """Where ``path``'s bytes are; a symbolic link out of ``root`` needs ``follow_symlinks``."""
-    real = pathlib.Path(os.path.realpath(path))
-    root_real = pathlib.Path(os.path.realpath(root))
-    if real == root_real or root_real in real.parents or follow_symlinks:
-        return real
-    link = _first_escaping_link(pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.abspath(root)))
-    follow = Param("follow_symlinks", True)
-    hint = (
-        (
-            "This looks like a Hugging Face cache snapshot (files linking into ../../blobs/): pass ",
-            follow,
-            " to accept the links; a conversion elsewhere then copies their content.",
-        )
-        if _looks_like_hf_snapshot(root)
-        else (
-            "Copy the file into the folder, or pass ",
-            follow,
-            " to accept links (a conversion elsewhere copies their content).",
-        )
-    )
-    raise KvCacheError(f"{link} is a symbolic link to {real}, outside the model's folder {root}. ", *hint)
