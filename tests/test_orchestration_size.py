@@ -20,6 +20,13 @@ ORCHESTRATION = [
     "files/_conversion_write.py",
     "files/_conversion_terms.py",
     "calibrate/calibration.py",
+    "calibrate/_settings.py",
+    "calibrate/_sampler.py",
+    "calibrate/_stats.py",
+    "calibrate/_methods.py",
+    "calibrate/_reservoir.py",
+    "calibrate/_rope_envelope.py",
+    "calibrate/_attention_weights.py",
     "runtime",
     "cli",
 ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 __all__ = ["build_paged_decoder", "paged_genai_config"]
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -68,6 +69,22 @@ def _head_rms_norm(b: Any, x: ir.Value, weight: ir.Value, heads: int, name: str)
 def build_paged_decoder(b: Any) -> ir.Model:
     """Build the paged decoder into ``b`` (a :mod:`~onnx_kvcache.models.decoder` builder)."""
     c = b.config
+    _refuse_unbuilt(c)
+    io = _paged_io(b)
+    axes_last = b.const("const_axes_last", np.array([-1], np.int64))
+    eps = b.const("const_eps", np.array(1e-5, c.np_dtype))
+    rope = b.rope_tables(c.latent_rope_dim if c.latent else c.head_size)
+    x = b.embed(io["input_ids"])
+    for i in range(c.num_layers):
+        x = _paged_layer(b, i, x, io, rope, (axes_last, eps))
+    b.logits(x, (axes_last, eps), ["num_tokens"])
+    b.graph.name = "onnx_kvcache_demo_paged_decoder"
+    return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
+
+
+def _refuse_unbuilt(c: Any) -> None:
+    """Refuse the settings a paged decoder is not built with (layers without a cache,
+    window-sized caches)."""
     if c.no_cache_layers:
         raise KvCacheError("A paged decoder has a cache in every layer (PagedAttention requires key_cache).")
     if c.sliding_window_cache:
@@ -75,106 +92,144 @@ def build_paged_decoder(b: Any) -> ir.Model:
             "Window-sized paged caches (genai's block_table_windowed) are not built; drop "
             "sliding_window_cache (sliding-window layers then keep full-size caches)."
         )
-    dtype = c.ir_dtype
-    io = _paged_io(b)
-    axes_last = b.const("const_axes_last", np.array([-1], np.int64))
-    eps = b.const("const_eps", np.array(1e-5, c.np_dtype))
-    cos_cache, sin_cache = b.rope_tables(c.latent_rope_dim if c.latent else c.head_size)
-    x = b.embed(io["input_ids"])
-    kv = 1 if c.latent else c.kv_num_heads
-    kv_dim = kv * c.head_size
-    q_dim = c.num_heads * c.head_size
-    v_head = c.head_size - c.latent_rope_dim if c.latent else c.head_size
-    for i in range(c.num_layers):
-        p = f"/model/layers.{i}"
-        xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", axes_last, eps)
 
-        def dense(fan_in: int, fan_out: int, gain: float = 1.0) -> np.ndarray:
-            return b.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
 
-        def make_wk() -> np.ndarray:
-            wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
-            outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
-            wk[:, outliers] *= c.outlier_scale
-            return wk
+@dataclasses.dataclass(frozen=True)
+class _Widths:
+    """A layer's sizes: KV heads (one latent cache under ``latent``), the K/V and Q widths,
+    and V's head size (the latent's leading channels)."""
 
-        inputs: list[ir.Value]
-        if c.latent or c.qk_norm:  # separate projections: K is the latent's kv_a_proj
-            wq = b.weight(
-                f"model.layers.{i}.attn.q_proj.weight",
-                (c.hidden_size, q_dim),
-                lambda: dense(c.hidden_size, q_dim),
-            )
-            k_proj = "kv_a_proj" if c.latent else "k_proj"
-            wk = b.weight(f"model.layers.{i}.attn.{k_proj}.weight", (c.hidden_size, kv_dim), make_wk)
-            weights = [(wq, "q_proj"), (wk, k_proj)]
-            if not c.latent:
-                make_wv = functools.partial(dense, c.hidden_size, kv_dim)
-                wv = b.weight(f"model.layers.{i}.attn.v_proj.weight", (c.hidden_size, kv_dim), make_wv)
-                weights.append((wv, "v_proj"))
-            inputs = [b.op("MatMul", [xn, w], f"{p}/attn/{name}/MatMul") for w, name in weights]
-        else:  # one packed MatMul, as the builder writes paged models without q/k norm
+    kv: int
+    kv_dim: int
+    q_dim: int
+    v_head: int
 
-            def make_qkv() -> np.ndarray:
-                return np.concatenate(
-                    [dense(c.hidden_size, q_dim), make_wk(), dense(c.hidden_size, kv_dim)], axis=1
-                )
+    @classmethod
+    def of(cls, c: Any) -> _Widths:
+        kv = 1 if c.latent else c.kv_num_heads
+        v_head = c.head_size - c.latent_rope_dim if c.latent else c.head_size
+        return cls(kv, kv * c.head_size, c.num_heads * c.head_size, v_head)
 
-            wqkv = b.weight(
-                f"model.layers.{i}.attn.qkv_proj.weight", (c.hidden_size, q_dim + 2 * kv_dim), make_qkv
-            )
-            qkv = b.op("MatMul", [xn, wqkv], f"{p}/attn/qkv_proj/MatMul")
-            inputs = [qkv]
-        for value, width in zip(
-            inputs, (q_dim, kv_dim, kv_dim) if len(inputs) > 1 else (q_dim + 2 * kv_dim,)
-        ):
-            value.dtype, value.shape = dtype, ir.Shape(["num_tokens", width])
-        past_k = ir.val(f"past_key_values.{i}.key", dtype, ["num_blocks", "block_size", kv, c.head_size])
-        b.graph.inputs.append(past_k)
-        past_v = None
+
+def _paged_layer(
+    b: Any,
+    i: int,
+    x: ir.Value,
+    io: dict[str, ir.Value],
+    rope: tuple[ir.Value, ir.Value],
+    norm: tuple[ir.Value, ir.Value],
+) -> ir.Value:
+    """Layer ``i``: input norm, the projections, its cache pool, the optional q/k norm, the
+    PagedAttention node, then o_proj, MLP and residuals."""
+    c, p, n = b.config, f"/model/layers.{i}", _Widths.of(b.config)
+    xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", *norm)
+    inputs = _paged_projections(b, i, xn, n)
+    past_k, past_v, presents = _paged_cache_io(b, i, n)
+    slots: dict[int, ir.Value | None] = dict(zip(PagedInput, inputs))
+    slots |= {
+        PagedInput.KEY_CACHE: past_k,
+        PagedInput.VALUE_CACHE: past_v,
+        PagedInput.CUMULATIVE_SEQUENCE_LENGTH: io["cumulative_sequence_lengths"],
+        PagedInput.PAST_SEQLENS: io["past_sequence_lengths"],
+        PagedInput.BLOCK_TABLE: io["block_table"],
+        PagedInput.COS_CACHE: rope[0],
+        PagedInput.SIN_CACHE: rope[1],
+        PagedInput.ATTENTION_METADATA: io["attention_metadata"],
+    }
+    if c.qk_norm and not c.latent:
+        b.qk_norm(slots, PAGED, i, n.kv, functools.partial(_head_rms_norm, b))
+    attn_out = ir.val(f"{p}/attn/PagedAttention/output_0", c.ir_dtype, ["num_tokens", c.num_heads * n.v_head])
+    attn = b.attention(PAGED, slots, _paged_attributes(c, i, n), [attn_out, *presents], p)
+    return b.residual_mlp(x, attn, i, c.num_heads * n.v_head, norm)
+
+
+def _dense(b: Any, fan_in: int, fan_out: int, gain: float = 1.0) -> np.ndarray:
+    return b.rng.standard_normal((fan_in, fan_out)) * gain / np.sqrt(fan_in)
+
+
+def _k_weight(b: Any, n: _Widths) -> np.ndarray:
+    """K's projection weight, with the config's outlier channels."""
+    c = b.config
+    wk = b.rng.standard_normal((c.hidden_size, n.kv_dim)) / np.sqrt(c.hidden_size)
+    outliers = b.rng.choice(n.kv_dim, size=min(c.outlier_channels, n.kv_dim), replace=False)
+    wk[:, outliers] *= c.outlier_scale
+    return wk
+
+
+def _paged_projections(b: Any, i: int, xn: ir.Value, n: _Widths) -> list[ir.Value]:
+    """Layer ``i``'s query/key/value inputs ``[num_tokens, width]``: one packed qkv MatMul, as the
+    builder writes paged models, or separate ones under q/k norm (K: the latent's kv_a_proj)."""
+    c, p = b.config, f"/model/layers.{i}"
+    inputs: list[ir.Value]
+    if c.latent or c.qk_norm:  # separate projections: K is the latent's kv_a_proj
+        wq = b.weight(
+            f"model.layers.{i}.attn.q_proj.weight",
+            (c.hidden_size, n.q_dim),
+            lambda: _dense(b, c.hidden_size, n.q_dim),
+        )
+        k_proj = "kv_a_proj" if c.latent else "k_proj"
+        wk = b.weight(
+            f"model.layers.{i}.attn.{k_proj}.weight", (c.hidden_size, n.kv_dim), lambda: _k_weight(b, n)
+        )
+        weights = [(wq, "q_proj"), (wk, k_proj)]
         if not c.latent:
-            past_v = ir.val(
-                f"past_key_values.{i}.value", dtype, ["num_blocks", "block_size", kv, c.head_size]
+            make_wv = functools.partial(_dense, b, c.hidden_size, n.kv_dim)
+            wv = b.weight(f"model.layers.{i}.attn.v_proj.weight", (c.hidden_size, n.kv_dim), make_wv)
+            weights.append((wv, "v_proj"))
+        inputs = [b.op("MatMul", [xn, w], f"{p}/attn/{name}/MatMul") for w, name in weights]
+    else:  # one packed MatMul, as the builder writes paged models without q/k norm
+
+        def make_qkv() -> np.ndarray:
+            return np.concatenate(
+                [_dense(b, c.hidden_size, n.q_dim), _k_weight(b, n), _dense(b, c.hidden_size, n.kv_dim)],
+                axis=1,
             )
-            b.graph.inputs.append(past_v)
-        slots: dict[int, ir.Value | None] = dict(zip(PagedInput, inputs))
-        slots |= {
-            PagedInput.KEY_CACHE: past_k,
-            PagedInput.VALUE_CACHE: past_v,
-            PagedInput.CUMULATIVE_SEQUENCE_LENGTH: io["cumulative_sequence_lengths"],
-            PagedInput.PAST_SEQLENS: io["past_sequence_lengths"],
-            PagedInput.BLOCK_TABLE: io["block_table"],
-            PagedInput.COS_CACHE: cos_cache,
-            PagedInput.SIN_CACHE: sin_cache,
-            PagedInput.ATTENTION_METADATA: io["attention_metadata"],
+
+        wqkv = b.weight(
+            f"model.layers.{i}.attn.qkv_proj.weight", (c.hidden_size, n.q_dim + 2 * n.kv_dim), make_qkv
+        )
+        inputs = [b.op("MatMul", [xn, wqkv], f"{p}/attn/qkv_proj/MatMul")]
+    widths = (n.q_dim, n.kv_dim, n.kv_dim) if len(inputs) > 1 else (n.q_dim + 2 * n.kv_dim,)
+    for value, width in zip(inputs, widths):
+        value.dtype, value.shape = c.ir_dtype, ir.Shape(["num_tokens", width])
+    return inputs
+
+
+def _paged_cache_io(b: Any, i: int, n: _Widths) -> tuple[ir.Value, ir.Value | None, list[ir.Value]]:
+    """Layer ``i``'s block pools, added to the graph inputs (no value cache under ``latent``),
+    and the presents that alias them."""
+    c, dtype = b.config, b.config.ir_dtype
+    cache_shape: list[int | str | None] = ["num_blocks", "block_size", n.kv, c.head_size]
+    past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
+    b.graph.inputs.append(past_k)
+    past_v = None
+    if not c.latent:
+        past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
+        b.graph.inputs.append(past_v)
+    presents = [ir.val(f"present.{i}.key", dtype, cache_shape)]
+    if not c.latent:
+        presents.append(ir.val(f"present.{i}.value", dtype, cache_shape))
+    return past_k, past_v, presents
+
+
+def _paged_attributes(c: Any, i: int, n: _Widths) -> dict:
+    """The PagedAttention node's attributes (RoPE inside; the LATENT layout; a local window)."""
+    attributes: dict = {
+        "num_heads": c.num_heads,
+        "kv_num_heads": n.kv,
+        "do_rotary": 1,
+        "rotary_interleaved": int(c.rotary_interleaved),
+    }
+    if c.latent:
+        attributes |= {
+            "kv_cache_layout": "LATENT",
+            "v_head_size": n.v_head,
+            "rotary_offset": n.v_head,
+            "scale": float(1 / np.sqrt(c.head_size)),
         }
-        if c.qk_norm and not c.latent:
-            b.qk_norm(slots, PAGED, i, kv, functools.partial(_head_rms_norm, b))
-        attributes: dict = {
-            "num_heads": c.num_heads,
-            "kv_num_heads": kv,
-            "do_rotary": 1,
-            "rotary_interleaved": int(c.rotary_interleaved),
-        }
-        if c.latent:
-            attributes |= {
-                "kv_cache_layout": "LATENT",
-                "v_head_size": v_head,
-                "rotary_offset": v_head,
-                "scale": float(1 / np.sqrt(c.head_size)),
-            }
-        if i in c.sliding_window_layers and c.sliding_window:
-            attributes["local_window_size"] = c.sliding_window
-        cache_shape: list[int | str | None] = ["num_blocks", "block_size", kv, c.head_size]
-        outputs = [ir.val(f"{p}/attn/PagedAttention/output_0", dtype, ["num_tokens", c.num_heads * v_head])]
-        outputs.append(ir.val(f"present.{i}.key", dtype, cache_shape))
-        if not c.latent:
-            outputs.append(ir.val(f"present.{i}.value", dtype, cache_shape))
-        attn = b.attention(PAGED, slots, attributes, outputs, p)
-        x = b.residual_mlp(x, attn, i, c.num_heads * v_head, (axes_last, eps))
-    b.logits(x, (axes_last, eps), ["num_tokens"])
-    b.graph.name = "onnx_kvcache_demo_paged_decoder"
-    return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
+    if i in c.sliding_window_layers and c.sliding_window:
+        attributes["local_window_size"] = c.sliding_window
+    return attributes
 
 
 def paged_genai_config(genai: dict[str, Any], block_size: int) -> dict[str, Any]:

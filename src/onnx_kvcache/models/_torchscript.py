@@ -31,6 +31,8 @@ from __future__ import annotations
 
 __all__ = ["build_torchscript_decoder"]
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
@@ -115,9 +117,24 @@ def build_torchscript_decoder(
 ) -> ir.Model:
     """The decoder of ``config`` as optimum's TorchScript export writes it."""
     style = config.exported or ExportStyle(exporter="torchscript", opset=18)
-    c, w = config, _Script(config, weight_factory)
-    h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
-    if h % kv:
+    _refuse_unwritten_styles(style, config, weight_factory)
+    w = _Script(config, weight_factory)
+    input_ids, mask_in, position_ids, pasts = _graph_inputs(w)
+    embed = w.weight("model.embed_tokens.weight", (config.vocab_size, config.hidden_size), 1.0)
+    x = w.op("Gather", [embed, input_ids])
+    if style.embed_scale:
+        x = w.op("Mul", [x, w.scalar(config.hidden_size**0.5)])
+    g = _Layers.of(w, style, x, mask_in, position_ids, pasts)
+    for i in range(config.num_layers):
+        x = _layer(g, i, x)
+    return _head(g, x)
+
+
+def _refuse_unwritten_styles(
+    style: ExportStyle, c: DecoderConfig, weight_factory: WeightFactory | None
+) -> None:
+    """Refuse what the TorchScript form does not write (and quantized weights it cannot make)."""
+    if c.num_heads % c.kv_num_heads:
         raise KvCacheError("num_heads must be a multiple of kv_num_heads.")
     if style.weights != "float" and (
         weight_factory is not None or (style.weights == "int8" and c.dtype != "float32")
@@ -135,7 +152,11 @@ def build_torchscript_decoder(
         qk_matmul_output=style.qk_matmul_output is not None,
         **{"position_ids=False": not style.position_ids},
     )
-    group = h // kv
+
+
+def _graph_inputs(w: _Script) -> tuple[ir.Value, ir.Value, ir.Value, list[tuple[ir.Value, ...]]]:
+    """``input_ids``, ``attention_mask``, ``position_ids`` and each layer's past K/V."""
+    c = w.c
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, T])
     position_ids = ir.val("position_ids", ir.DataType.INT64, [B, S])
@@ -143,101 +164,158 @@ def build_torchscript_decoder(
     pasts = []
     for i in range(c.num_layers):
         pair = tuple(
-            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, kv, P, d]) for kind in ("key", "value")
+            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, c.kv_num_heads, P, c.head_size])
+            for kind in ("key", "value")
         )
         w.graph.inputs.extend(pair)
         pasts.append(pair)
+    return input_ids, mask_in, position_ids, pasts
 
-    embed = w.weight("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), 1.0)
-    x = w.op("Gather", [embed, input_ids])
-    if style.embed_scale:
-        x = w.op("Mul", [x, w.scalar(c.hidden_size**0.5)])
-    masks = _masks(w, x, mask_in, pasts[0][0])
-    eager = bool(style.attn_softcap)
-    if eager:  # transformers' eager_mask: 0 where attended, the dtype's lowest elsewhere
-        low = float(ml_dtypes.finfo(w.np_dtype).min)  # numpy has no bfloat16 finfo
-        masks = {k: w.op("Where", [m, w.scalar(0.0), w.scalar(low)]) for k, m in masks.items()}
-    cos, sin = _rotary(w, position_ids)
-    scale = style.query_scale if style.query_scale is not None else d**-0.5
 
-    def linear(value: ir.Value, name: str, fan_in: int, fan_out: int, bias: bool = False) -> ir.Value:
-        out = _linear(w, style, value, name, fan_in, fan_out)
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """What every layer reads: the writer and style, the pasts, the masks per window (additive
+    under eager attention), the rotary cos/sin and the attention scale."""
+
+    w: _Script
+    style: ExportStyle
+    pasts: list[tuple[ir.Value, ...]]
+    masks: dict[int, ir.Value]
+    eager: bool
+    """Soft-capped attention is transformers' eager attention (Gemma-2)."""
+    cos: ir.Value
+    sin: ir.Value
+    scale: float
+
+    @classmethod
+    def of(
+        cls,
+        w: _Script,
+        style: ExportStyle,
+        embeds: ir.Value,
+        mask_in: ir.Value,
+        position_ids: ir.Value,
+        pasts: list[tuple[ir.Value, ...]],
+    ) -> _Layers:
+        masks = _masks(w, embeds, mask_in, pasts[0][0])
+        eager = bool(style.attn_softcap)
+        if eager:  # transformers' eager_mask: 0 where attended, the dtype's lowest elsewhere
+            low = float(ml_dtypes.finfo(w.np_dtype).min)  # numpy has no bfloat16 finfo
+            masks = {k: w.op("Where", [m, w.scalar(0.0), w.scalar(low)]) for k, m in masks.items()}
+        cos, sin = _rotary(w, position_ids)
+        scale = style.query_scale if style.query_scale is not None else w.c.head_size**-0.5
+        return cls(w, style, pasts, masks, eager, cos, sin, scale)
+
+    def linear(self, value: ir.Value, name: str, fan_in: int, fan_out: int, bias: bool = False) -> ir.Value:
+        w = self.w
+        out = _linear(w, self.style, value, name, fan_in, fan_out)
         if bias:
             out = w.op("Add", [out, w.weight(name.replace(".weight", ".bias"), (fan_out,), 0.02)])
         return out
 
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        xn = _rms_norm(w, x, f"{p}.input_layernorm.weight")
-        batch, seq = w.size(xn, 0), w.size(xn, 1)
-        if style.fused_qkv:
-            qkv = linear(xn, f"{p}.self_attn.qkv_proj.weight", c.hidden_size, (h + 2 * kv) * d)
-            bounds = {"q": (0, h * d), "k": (h * d, (h + kv) * d), "v": ((h + kv) * d, _END)}
-            flats = {
-                n: w.op("Slice", [qkv, w.ints(a), w.ints(b), w.ints(-1), w.ints(1)])
-                for n, (a, b) in bounds.items()
-            }
+
+def _layer(g: _Layers, i: int, x: ir.Value) -> ir.Value:
+    """Layer ``i``: q/k/v in heads and rotated, the presents, attention, o_proj, MLP and the
+    residuals; its presents become graph outputs."""
+    c, w = g.w.c, g.w
+    h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
+    p = f"model.layers.{i}"
+    xn = _rms_norm(w, x, f"{p}.input_layernorm.weight")
+    batch, seq = w.size(xn, 0), w.size(xn, 1)
+    flats = _projections(g, p, xn)
+    heads = {}
+    for n in ("q", "k", "v"):
+        shape = w.op("Concat", [w.u0(batch), w.u0(seq), w.ints(-1), w.ints(d)], axis=0)
+        heads[n] = w.op("Transpose", [w.op("Reshape", [flats[n], shape])], perm=[0, 2, 1, 3])
+    cos_u, sin_u = (w.op("Unsqueeze", [t, w.ints(1)]) for t in (g.cos, g.sin))
+    q, k = (_rotate(w, heads[n], cos_u, sin_u) for n in ("q", "k"))
+    present_k = w.op("Concat", [g.pasts[i][0], k], axis=-2)
+    present_v = w.op("Concat", [g.pasts[i][1], heads["v"]], axis=-2)
+    for value, kind in ((present_k, "key"), (present_v, "value")):
+        value.name, value.dtype = f"present.{i}.{kind}", w.dtype
+        value.shape = ir.Shape([B, kv, T, d])
+    keys, values = (_repeat_kv(w, cache, h // kv) for cache in (present_k, present_v))
+    window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
+    attn = _attention(g, q, keys, values, g.masks[window])
+    merged = w.op("Transpose", [attn], perm=[0, 2, 1, 3])
+    merged = w.op("Reshape", [merged, w.op("Concat", [w.u0(batch), w.u0(seq), w.ints(-1)], axis=0)])
+    x = w.op("Add", [x, g.linear(merged, f"{p}.self_attn.o_proj.weight", h * d, c.hidden_size)])
+    x = _mlp(g, p, x)
+    w.graph.outputs.extend([present_k, present_v])
+    return x
+
+
+def _projections(g: _Layers, p: str, xn: ir.Value) -> dict[str, ir.Value]:
+    """The flat q, k, v: one qkv projection sliced (Phi-3) or three (with biases: Qwen2)."""
+    c, w, style = g.w.c, g.w, g.style
+    h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
+    if style.fused_qkv:
+        qkv = g.linear(xn, f"{p}.self_attn.qkv_proj.weight", c.hidden_size, (h + 2 * kv) * d)
+        bounds = {"q": (0, h * d), "k": (h * d, (h + kv) * d), "v": ((h + kv) * d, _END)}
+        return {
+            n: w.op("Slice", [qkv, w.ints(a), w.ints(b), w.ints(-1), w.ints(1)])
+            for n, (a, b) in bounds.items()
+        }
+    return {
+        n: g.linear(xn, f"{p}.self_attn.{n}_proj.weight", c.hidden_size, heads * d, bias=style.qkv_bias)
+        for n, heads in (("q", h), ("k", kv), ("v", kv))
+    }
+
+
+def _attention(g: _Layers, q: ir.Value, keys: ir.Value, values: ir.Value, window_mask: ir.Value) -> ir.Value:
+    """Attention over the repeated keys/values, the mask sliced to the key length: eager
+    (scale, soft-cap, additive mask, float32 softmax) or sdpa's decomposition."""
+    w, style = g.w, g.style
+    key_len = w.op("Unsqueeze", [w.size(keys, 2), w.ints(0)])
+    mask = w.op("Slice", [window_mask, w.ints(0), key_len, w.ints(3), w.ints(1)])
+    key_t = w.op("Transpose", [keys], perm=[0, 1, 3, 2])
+    if g.eager:
+        scores = w.op("Mul", [w.op("MatMul", [q, key_t]), w.scalar(g.scale)])
+        cap = w.scalar(style.attn_softcap)
+        scores = w.op("Mul", [w.op("Tanh", [w.op("Div", [scores, cap])]), cap])
+        scores = w.op("Add", [scores, mask])
+        if w.dtype == ir.DataType.FLOAT:
+            probs = w.op("Cast", [w.op("Softmax", [scores], axis=-1)], to=ir.DataType.FLOAT)
         else:
-            flats = {
-                n: linear(xn, f"{p}.self_attn.{n}_proj.weight", c.hidden_size, heads * d, bias=style.qkv_bias)
-                for n, heads in (("q", h), ("k", kv), ("v", kv))
-            }
-        heads = {}
-        for n in ("q", "k", "v"):
-            shape = w.op("Concat", [w.u0(batch), w.u0(seq), w.ints(-1), w.ints(d)], axis=0)
-            heads[n] = w.op("Transpose", [w.op("Reshape", [flats[n], shape])], perm=[0, 2, 1, 3])
-        cos_u, sin_u = (w.op("Unsqueeze", [t, w.ints(1)]) for t in (cos, sin))
-        q, k = (_rotate(w, heads[n], cos_u, sin_u) for n in ("q", "k"))
-        present_k = w.op("Concat", [pasts[i][0], k], axis=-2)
-        present_v = w.op("Concat", [pasts[i][1], heads["v"]], axis=-2)
-        for value, kind in ((present_k, "key"), (present_v, "value")):
-            value.name, value.dtype = f"present.{i}.{kind}", w.dtype
-            value.shape = ir.Shape([B, kv, T, d])
-        keys, values = (_repeat_kv(w, cache, group) for cache in (present_k, present_v))
-        window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
-        key_len = w.op("Unsqueeze", [w.size(keys, 2), w.ints(0)])
-        mask = w.op("Slice", [masks[window], w.ints(0), key_len, w.ints(3), w.ints(1)])
-        key_t = w.op("Transpose", [keys], perm=[0, 1, 3, 2])
-        if eager:
-            scores = w.op("Mul", [w.op("MatMul", [q, key_t]), w.scalar(scale)])
-            cap = w.scalar(style.attn_softcap)
-            scores = w.op("Mul", [w.op("Tanh", [w.op("Div", [scores, cap])]), cap])
-            scores = w.op("Add", [scores, mask])
-            if w.dtype == ir.DataType.FLOAT:
-                probs = w.op("Cast", [w.op("Softmax", [scores], axis=-1)], to=ir.DataType.FLOAT)
-            else:
-                wide = w.op("Cast", [scores], to=ir.DataType.FLOAT)
-                probs = w.op("Cast", [w.op("Softmax", [wide], axis=-1)], to=w.dtype)
-        else:
-            factor = w.scalar(float(np.sqrt(scale)))
-            scores = w.op("MatMul", [w.op("Mul", [q, factor]), w.op("Mul", [key_t, factor])])
-            bias = w.op(
-                "Where", [mask, w.cst(np.array([0.0], w.np_dtype)), w.cst(np.array([-np.inf], w.np_dtype))]
-            )
-            probs = w.op("Softmax", [w.op("Add", [scores, bias])], axis=-1)
-            probs = w.op("Where", [w.op("IsNaN", [probs]), w.cst(np.array([0.0], w.np_dtype)), probs])
-        attn = w.op("MatMul", [probs, values])
-        merged = w.op("Transpose", [attn], perm=[0, 2, 1, 3])
-        merged = w.op("Reshape", [merged, w.op("Concat", [w.u0(batch), w.u0(seq), w.ints(-1)], axis=0)])
-        x = w.op("Add", [x, linear(merged, f"{p}.self_attn.o_proj.weight", h * d, c.hidden_size)])
-        xn = _rms_norm(w, x, f"{p}.post_attention_layernorm.weight")
-        width = c.intermediate_size
-        if style.fused_qkv:
-            both = linear(xn, f"{p}.mlp.gate_up_proj.weight", c.hidden_size, 2 * width)
-            gate = w.op("Slice", [both, w.ints(0), w.ints(width), w.ints(-1), w.ints(1)])
-            up = w.op("Slice", [both, w.ints(width), w.ints(_END), w.ints(-1), w.ints(1)])
-        else:
-            gate = linear(xn, f"{p}.mlp.gate_proj.weight", c.hidden_size, width)
-            up = linear(xn, f"{p}.mlp.up_proj.weight", c.hidden_size, width)
-        act = _gelu_tanh(w, gate) if eager else w.op("Mul", [gate, w.op("Sigmoid", [gate])])
-        x = w.op(
-            "Add", [x, linear(w.op("Mul", [act, up]), f"{p}.mlp.down_proj.weight", width, c.hidden_size)]
+            wide = w.op("Cast", [scores], to=ir.DataType.FLOAT)
+            probs = w.op("Cast", [w.op("Softmax", [wide], axis=-1)], to=w.dtype)
+    else:
+        factor = w.scalar(float(np.sqrt(g.scale)))
+        scores = w.op("MatMul", [w.op("Mul", [q, factor]), w.op("Mul", [key_t, factor])])
+        bias = w.op(
+            "Where", [mask, w.cst(np.array([0.0], w.np_dtype)), w.cst(np.array([-np.inf], w.np_dtype))]
         )
-        w.graph.outputs.extend([present_k, present_v])
+        probs = w.op("Softmax", [w.op("Add", [scores, bias])], axis=-1)
+        probs = w.op("Where", [w.op("IsNaN", [probs]), w.cst(np.array([0.0], w.np_dtype)), probs])
+    return w.op("MatMul", [probs, values])
+
+
+def _mlp(g: _Layers, p: str, x: ir.Value) -> ir.Value:
+    """Post-attention norm, the gated MLP (SiLU; gelu-tanh under eager attention; gate/up fused
+    for Phi-3) and its residual."""
+    c, w = g.w.c, g.w
+    xn = _rms_norm(w, x, f"{p}.post_attention_layernorm.weight")
+    width = c.intermediate_size
+    if g.style.fused_qkv:
+        both = g.linear(xn, f"{p}.mlp.gate_up_proj.weight", c.hidden_size, 2 * width)
+        gate = w.op("Slice", [both, w.ints(0), w.ints(width), w.ints(-1), w.ints(1)])
+        up = w.op("Slice", [both, w.ints(width), w.ints(_END), w.ints(-1), w.ints(1)])
+    else:
+        gate = g.linear(xn, f"{p}.mlp.gate_proj.weight", c.hidden_size, width)
+        up = g.linear(xn, f"{p}.mlp.up_proj.weight", c.hidden_size, width)
+    act = _gelu_tanh(w, gate) if g.eager else w.op("Mul", [gate, w.op("Sigmoid", [gate])])
+    return w.op(
+        "Add", [x, g.linear(w.op("Mul", [act, up]), f"{p}.mlp.down_proj.weight", width, c.hidden_size)]
+    )
+
+
+def _head(g: _Layers, x: ir.Value) -> ir.Model:
+    """The final norm, lm_head and logit soft-cap: ``logits``, the first output; the model."""
+    c, w = g.w.c, g.w
     x = _rms_norm(w, x, "model.norm.weight")
-    logits = linear(x, "lm_head.weight", c.hidden_size, c.vocab_size)
-    if style.final_softcap:
-        cap = w.scalar(style.final_softcap)
+    logits = g.linear(x, "lm_head.weight", c.hidden_size, c.vocab_size)
+    if g.style.final_softcap:
+        cap = w.scalar(g.style.final_softcap)
         logits = w.op("Mul", [w.op("Tanh", [w.op("Div", [logits, cap])]), cap])
     logits.name, logits.dtype, logits.shape = "logits", w.dtype, ir.Shape([B, S, c.vocab_size])
     w.graph.outputs.insert(0, logits)

@@ -195,8 +195,23 @@ def build_decoder(
     b = _Builder(config, weight_factory)
     if config.paged:
         return build_paged_decoder(b)
-    c = config
-    dtype = c.ir_dtype
+    return _build_gqa_decoder(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """What every GQA layer reads: the mask's sizes, the RoPE tables, the RMS norms' (axes, eps)."""
+
+    seqlens_k: ir.Value
+    total_len: ir.Value
+    cos_cache: ir.Value
+    sin_cache: ir.Value
+    norm: tuple[ir.Value, ir.Value]
+
+
+def _build_gqa_decoder(b: _Builder) -> ir.Model:
+    """The GQA decoder: token inputs, the mask's sizes, the layers, the head."""
+    c = b.config
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch_size", "sequence_length"])
     mask = ir.val("attention_mask", ir.DataType.INT64, ["batch_size", "total_sequence_length"])
     b.graph.inputs.extend([input_ids, mask])
@@ -205,81 +220,104 @@ def build_decoder(
     axes_1 = b.const("const_axes_1", np.array([1], np.int64))
     eps = b.const("const_eps", np.array(1e-5, c.np_dtype))
     one = b.const("const_one_i64", np.array(1, np.int64))
+    seqlens_k, total_len = _mask_sizes(b, mask, axes_1, one)
+    cos_cache, sin_cache = b.rope_tables(c.head_size)
+    shared = _Shared(seqlens_k, total_len, cos_cache, sin_cache, (axes_last, eps))
+    x = b.embed(input_ids)
+    for i in range(c.num_layers):
+        x = _gqa_layer(b, i, x, shared)
+    b.logits(x, (axes_last, eps), ["batch_size", "sequence_length"])
+    b.graph.name = "onnx_kvcache_demo_decoder"
+    return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
+
+
+def _mask_sizes(b: _Builder, mask: ir.Value, axes_1: ir.Value, one: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """GQA's ``seqlens_k`` (tokens per row minus one) and ``total_sequence_length`` (int32),
+    from the attention mask."""
     seqlens = b.op("ReduceSum", [mask, axes_1], "/model/attn_mask/ReduceSum", keepdims=0)
     seqlens = b.op("Sub", [seqlens, one], "/model/attn_mask/Sub")
     seqlens_k = b.op("Cast", [seqlens], "/model/attn_mask/Cast_seqlens", to=ir.DataType.INT32)
     shape = b.op("Shape", [mask], "/model/attn_mask/Shape")
     total = b.op("Gather", [shape, one], "/model/attn_mask/Gather", axis=0)
     total_len = b.op("Cast", [total], "/model/attn_mask/Cast_total", to=ir.DataType.INT32)
+    return seqlens_k, total_len
 
-    cos_cache, sin_cache = b.rope_tables(c.head_size)
-    x = b.embed(input_ids)
+
+def _gqa_layer(b: _Builder, i: int, x: ir.Value, shared: _Shared) -> ir.Value:
+    """Layer ``i``: input norm, q/k/v, its caches (unless a no-cache layer), the optional q/k
+    norm, the GroupQueryAttention node, then o_proj, MLP and residuals."""
+    c, p = b.config, f"/model/layers.{i}"
+    xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", *shared.norm)
+    q, k, v = _gqa_projections(b, i, xn)
+    slots: dict[int, ir.Value | None] = {
+        GqaInput.QUERY: q,
+        GqaInput.KEY: k,
+        GqaInput.VALUE: v,
+        GqaInput.SEQLENS_K: shared.seqlens_k,
+        GqaInput.TOTAL_SEQUENCE_LENGTH: shared.total_len,
+        GqaInput.COS_CACHE: shared.cos_cache,
+        GqaInput.SIN_CACHE: shared.sin_cache,
+    }
+    window = c.sliding_window if i in c.sliding_window_layers else 0
+    outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
+    if i not in c.no_cache_layers:
+        slots[GqaInput.PAST_KEY], slots[GqaInput.PAST_VALUE], presents = _gqa_cache_io(b, i, window)
+        outputs += presents
+    if c.qk_norm:
+        b.qk_norm(slots, GQA, i, c.kv_num_heads)
+    attn = b.attention(GQA, slots, _gqa_attributes(c, window), outputs, p)
+    return b.residual_mlp(x, attn, i, c.num_heads * c.head_size, shared.norm)
+
+
+def _gqa_projections(b: _Builder, i: int, xn: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """Layer ``i``'s q, k, v ``[batch, seq, width]``; K's weight carries the outlier channels."""
+    c, p = b.config, f"/model/layers.{i}"
     kv_dim = c.kv_num_heads * c.head_size
-    for i in range(c.num_layers):
-        p = f"/model/layers.{i}"
-        xn = b.rms_norm(x, f"model.layers.{i}.input_layernorm", axes_last, eps)
-        q = b.linear(xn, f"model.layers.{i}.attn.q_proj", c.hidden_size, c.num_heads * c.head_size)
+    q = b.linear(xn, f"model.layers.{i}.attn.q_proj", c.hidden_size, c.num_heads * c.head_size)
 
-        def make_wk() -> np.ndarray:
-            wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
-            outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
-            wk[:, outliers] *= c.outlier_scale
-            return wk
+    def make_wk() -> np.ndarray:
+        wk = b.rng.standard_normal((c.hidden_size, kv_dim)) / np.sqrt(c.hidden_size)
+        outliers = b.rng.choice(kv_dim, size=min(c.outlier_channels, kv_dim), replace=False)
+        wk[:, outliers] *= c.outlier_scale
+        return wk
 
-        wk = b.weight(f"model.layers.{i}.attn.k_proj.weight", (c.hidden_size, kv_dim), make_wk)
-        k = b.op("MatMul", [xn, wk], f"{p}/k")
-        v = b.linear(xn, f"model.layers.{i}.attn.v_proj", c.hidden_size, kv_dim)
-        for value, width in ((q, c.num_heads * c.head_size), (k, kv_dim), (v, kv_dim)):
-            value.dtype = dtype
-            value.shape = ir.Shape(["batch_size", "sequence_length", width])
-        slots: dict[int, ir.Value | None] = {
-            GqaInput.QUERY: q,
-            GqaInput.KEY: k,
-            GqaInput.VALUE: v,
-            GqaInput.SEQLENS_K: seqlens_k,
-            GqaInput.TOTAL_SEQUENCE_LENGTH: total_len,
-            GqaInput.COS_CACHE: cos_cache,
-            GqaInput.SIN_CACHE: sin_cache,
-        }
-        has_cache = i not in c.no_cache_layers
-        window = c.sliding_window if i in c.sliding_window_layers else 0
-        if has_cache:
-            past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
-            head_dim: int | str = "kv_cache_dim" if c.symbolic_cache_dim else c.head_size
-            cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, head_dim]
-            past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
-            past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
-            b.graph.inputs.extend([past_k, past_v])
-            slots[GqaInput.PAST_KEY], slots[GqaInput.PAST_VALUE] = past_k, past_v
-        if c.qk_norm:
-            b.qk_norm(slots, GQA, i, c.kv_num_heads)
-        attributes: dict = {
-            "num_heads": c.num_heads,
-            "kv_num_heads": c.kv_num_heads,
-            "do_rotary": 1,
-            "rotary_interleaved": int(c.rotary_interleaved),
-        }
-        if window:
-            attributes["local_window_size"] = window
-            if c.sliding_window_cache:
-                attributes["sliding_window_cache"] = 1
-        outputs = [ir.Value(name=f"{p}/attn/GroupQueryAttention/output_0")]
-        if has_cache:
-            cache_out: list[int | str | None] = [
-                "batch_size",
-                c.kv_num_heads,
-                "total_sequence_length",
-                head_dim,
-            ]
-            outputs += [
-                ir.val(f"present.{i}.key", dtype, cache_out),
-                ir.val(f"present.{i}.value", dtype, cache_out),
-            ]
-        attn = b.attention(GQA, slots, attributes, outputs, p)
-        x = b.residual_mlp(x, attn, i, c.num_heads * c.head_size, (axes_last, eps))
-    b.logits(x, (axes_last, eps), ["batch_size", "sequence_length"])
-    b.graph.name = "onnx_kvcache_demo_decoder"
-    return ir.Model(b.graph, ir_version=10, producer_name="onnx-kvcache")
+    wk = b.weight(f"model.layers.{i}.attn.k_proj.weight", (c.hidden_size, kv_dim), make_wk)
+    k = b.op("MatMul", [xn, wk], f"{p}/k")
+    v = b.linear(xn, f"model.layers.{i}.attn.v_proj", c.hidden_size, kv_dim)
+    for value, width in ((q, c.num_heads * c.head_size), (k, kv_dim), (v, kv_dim)):
+        value.dtype = c.ir_dtype
+        value.shape = ir.Shape(["batch_size", "sequence_length", width])
+    return q, k, v
+
+
+def _gqa_cache_io(b: _Builder, i: int, window: int) -> tuple[ir.Value, ir.Value, list[ir.Value]]:
+    """Layer ``i``'s past K/V, added to the graph inputs, and its present K/V (BNSH; a
+    window-sized past with ``sliding_window_cache``, ``kv_cache_dim`` with ``symbolic_cache_dim``)."""
+    c, dtype = b.config, b.config.ir_dtype
+    past_len = "sliding_window" if window and c.sliding_window_cache else "past_sequence_length"
+    head_dim: int | str = "kv_cache_dim" if c.symbolic_cache_dim else c.head_size
+    cache_shape: list[int | str | None] = ["batch_size", c.kv_num_heads, past_len, head_dim]
+    past_k = ir.val(f"past_key_values.{i}.key", dtype, cache_shape)
+    past_v = ir.val(f"past_key_values.{i}.value", dtype, cache_shape)
+    b.graph.inputs.extend([past_k, past_v])
+    cache_out: list[int | str | None] = ["batch_size", c.kv_num_heads, "total_sequence_length", head_dim]
+    presents = [ir.val(f"present.{i}.key", dtype, cache_out), ir.val(f"present.{i}.value", dtype, cache_out)]
+    return past_k, past_v, presents
+
+
+def _gqa_attributes(c: DecoderConfig, window: int) -> dict:
+    """The GroupQueryAttention node's attributes (RoPE inside; a local window when set)."""
+    attributes: dict = {
+        "num_heads": c.num_heads,
+        "kv_num_heads": c.kv_num_heads,
+        "do_rotary": 1,
+        "rotary_interleaved": int(c.rotary_interleaved),
+    }
+    if window:
+        attributes["local_window_size"] = window
+        if c.sliding_window_cache:
+            attributes["sliding_window_cache"] = 1
+    return attributes
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -134,16 +134,27 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
     style = config.exported or ExportStyle()
     if style.exporter == "torchscript":
         return build_torchscript_decoder(config, weight_factory=weight_factory)
+    _refuse_unwritten_styles(style, config)
+    w = _Writer(config, weight_factory)
+    input_ids, mask_in, position_ids, pasts = _graph_inputs(w, style)
+    sizes = _Sizes.of(w, input_ids, pasts)
+    x = _embed(w, style, input_ids)
+    g = _Layers.of(w, style, mask_in, position_ids, pasts, sizes)
+    for i in range(config.num_layers):
+        x = _layer(g, i, x)
+    return _head(g, x)
+
+
+def _refuse_unwritten_styles(style: ExportStyle, c: DecoderConfig) -> None:
+    """Refuse the settings the exporter's form does not write (the TorchScript form's, opset
+    20's limits, the genai-only settings)."""
     if style.opset == 18 or style.qkv_bias or style.fused_qkv or style.weights != "float":
         raise KvCacheError(
             "opset 18, qkv_bias, fused_qkv and quantized weights are the TorchScript form: set ",
             Param("exporter", "torchscript"),
             ".",
         )
-    c, w = config, _Writer(config, weight_factory)
-    h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
-    group = h // kv
-    if h % kv:
+    if c.num_heads % c.kv_num_heads:
         raise KvCacheError("num_heads must be a multiple of kv_num_heads.")
     if style.opset == 20 and (
         style.attn_softcap or style.qk_matmul_output is not None or style.mask == "top_left"
@@ -153,6 +164,14 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
         raise KvCacheError("opset 20 repeats K/V to the query heads (the exporter has no grouped form).")
     _check_new_styles(style)
     refuse_unwritten(c, "exported mode")
+
+
+def _graph_inputs(
+    w: _Writer, style: ExportStyle
+) -> tuple[ir.Value, ir.Value, ir.Value | None, list[tuple[ir.Value, ...]]]:
+    """``input_ids``, ``attention_mask``, ``position_ids`` (when an input) and each layer's
+    past K/V (a cropped sliding-window layer's: ``sliding_past`` long)."""
+    c = w.c
     input_ids = ir.val("input_ids", ir.DataType.INT64, [B, S])
     mask_in = ir.val("attention_mask", ir.DataType.INT64, [B, "total"])
     w.graph.inputs.extend([input_ids, mask_in])
@@ -164,130 +183,229 @@ def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFacto
     for i in range(c.num_layers):
         past_dim = SP if _cropped(style, c, i) else P
         pair = tuple(
-            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, kv, past_dim, d]) for kind in ("key", "value")
+            ir.val(f"past_key_values.{i}.{kind}", w.dtype, [B, c.kv_num_heads, past_dim, c.head_size])
+            for kind in ("key", "value")
         )
         w.graph.inputs.extend(pair)
         pasts.append(pair)
+    return input_ids, mask_in, position_ids, pasts
 
-    # Sizes, as the exporter reads them: batch from a cache, past from the last cache.
-    seq1 = w.i64("Shape", [input_ids], [1], start=1, end=2)
-    seq = w.i64("Squeeze", [seq1], [])
-    batch1 = w.i64("Shape", [pasts[0][0]], [1], start=0, end=1)
-    batch = w.i64("Squeeze", [batch1], [])
-    past = w.i64("Squeeze", [w.i64("Shape", [pasts[-1][1]], [1], start=2, end=3)], [])
-    total = w.i64("Add", [past, seq], [])
-    total1 = w.i64("Reshape", [total, w.ints(-1)], [1])
-    zero, one = w.const(np.array(0, np.int64)), w.const(np.array(1, np.int64))
 
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The sizes as the exporter reads them (batch from a cache, past from the last cache),
+    as scalars and 1-element vectors, and the int64 0 and 1."""
+
+    seq1: ir.Value
+    seq: ir.Value
+    batch1: ir.Value
+    batch: ir.Value
+    past: ir.Value
+    total: ir.Value
+    total1: ir.Value
+    zero: ir.Value
+    one: ir.Value
+
+    @classmethod
+    def of(cls, w: _Writer, input_ids: ir.Value, pasts: list[tuple[ir.Value, ...]]) -> _Sizes:
+        seq1 = w.i64("Shape", [input_ids], [1], start=1, end=2)
+        seq = w.i64("Squeeze", [seq1], [])
+        batch1 = w.i64("Shape", [pasts[0][0]], [1], start=0, end=1)
+        batch = w.i64("Squeeze", [batch1], [])
+        past = w.i64("Squeeze", [w.i64("Shape", [pasts[-1][1]], [1], start=2, end=3)], [])
+        total = w.i64("Add", [past, seq], [])
+        total1 = w.i64("Reshape", [total, w.ints(-1)], [1])
+        zero, one = w.const(np.array(0, np.int64)), w.const(np.array(1, np.int64))
+        return cls(seq1, seq, batch1, batch, past, total, total1, zero, one)
+
+
+def _embed(w: _Writer, style: ExportStyle, input_ids: ir.Value) -> ir.Value:
+    """The token embedding (times ``sqrt(hidden)`` with ``embed_scale``)."""
+    c = w.c
     embed = w.weight("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), 1.0)
     x = w.op("Gather", [embed, input_ids], [B, S, c.hidden_size], axis=0)
     if style.embed_scale:
         x = w.op("Mul", [x, w.const(np.array(c.hidden_size**0.5, w.np_dtype))], [B, S, c.hidden_size])
+    return x
 
-    masks = _masks(w, style, mask_in, batch, batch1, seq, seq1, past, total, total1, zero, one)
-    angles = _rotary_angles(w, c, position_ids, batch1, seq, seq1, past, zero, one)
-    hidden_shape = w.i64("Concat", [batch1, seq1, w.ints(-1), w.ints(d)], [4], axis=0)
-    out_shape = w.i64("Concat", [batch1, seq1, w.ints(-1)], [3], axis=0)
-    repeat5 = w.i64("Concat", [batch1, w.ints(kv), w.ints(group), total1, w.ints(d)], [5], axis=0)
-    repeat4 = w.i64("Concat", [batch1, w.ints(h), total1, w.ints(d)], [4], axis=0)
-    eps = 1e-6
-    scale = style.query_scale if style.query_scale is not None else d**-0.5
 
-    def norm(value, name, shape, size):
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """What every layer reads: the writer and style, the inputs, sizes, masks (per window),
+    rotary angles, the reshape and repeat shapes and the attention scale."""
+
+    w: _Writer
+    style: ExportStyle
+    mask_in: ir.Value
+    pasts: list[tuple[ir.Value, ...]]
+    sizes: _Sizes
+    masks: dict
+    angles: ir.Value
+    hidden_shape: ir.Value
+    out_shape: ir.Value
+    repeat: tuple[ir.Value, ir.Value]
+    scale: float
+
+    @classmethod
+    def of(
+        cls,
+        w: _Writer,
+        style: ExportStyle,
+        mask_in: ir.Value,
+        position_ids: ir.Value | None,
+        pasts: list[tuple[ir.Value, ...]],
+        z: _Sizes,
+    ) -> _Layers:
+        c = w.c
+        h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
+        masks = _masks(
+            w, style, mask_in, z.batch, z.batch1, z.seq, z.seq1, z.past, z.total, z.total1, z.zero, z.one
+        )
+        angles = _rotary_angles(w, c, position_ids, z.batch1, z.seq, z.seq1, z.past, z.zero, z.one)
+        hidden_shape = w.i64("Concat", [z.batch1, z.seq1, w.ints(-1), w.ints(d)], [4], axis=0)
+        out_shape = w.i64("Concat", [z.batch1, z.seq1, w.ints(-1)], [3], axis=0)
+        repeat5 = w.i64("Concat", [z.batch1, w.ints(kv), w.ints(h // kv), z.total1, w.ints(d)], [5], axis=0)
+        repeat4 = w.i64("Concat", [z.batch1, w.ints(h), z.total1, w.ints(d)], [4], axis=0)
+        scale = style.query_scale if style.query_scale is not None else d**-0.5
+        return cls(
+            w, style, mask_in, pasts, z, masks, angles, hidden_shape, out_shape, (repeat5, repeat4), scale
+        )
+
+    def norm(self, value: ir.Value, name: str, shape: list, size: int) -> ir.Value:
+        """RMS norm: RMSNormalization (opset 23) or decomposed (opset 20); epsilon 1e-6."""
+        w, eps = self.w, 1e-6
         weight = w.weight(name, (size,), 0.1, 1.0)
-        if style.opset == 20:
+        if self.style.opset == 20:
             return _rms_norm_decomposed(w, value, weight, shape, eps)
         return w.op("RMSNormalization", [value, weight], shape, axis=-1, epsilon=eps, stash_type=1)
 
-    def linear(value, name, fan_in, fan_out, shape):
-        weight = w.weight(name, (fan_in, fan_out), fan_in**-0.5)
-        return w.op("MatMul", [value, weight], shape)
+    def linear(self, value: ir.Value, name: str, fan_in: int, fan_out: int, shape: list) -> ir.Value:
+        weight = self.w.weight(name, (fan_in, fan_out), fan_in**-0.5)
+        return self.w.op("MatMul", [value, weight], shape)
 
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        xn = norm(x, f"{p}.input_layernorm.weight", [B, S, c.hidden_size], c.hidden_size)
-        heads = {}
-        for name, n in (("q", h), ("k", kv), ("v", kv)):
-            flat = linear(xn, f"{p}.self_attn.{name}_proj.weight", c.hidden_size, n * d, [B, S, n * d])
-            split = w.op("Reshape", [flat, hidden_shape], [B, S, n, d], allowzero=1)
-            if c.qk_norm and name != "v":
-                split = norm(split, f"{p}.self_attn.{name}_norm.weight", [B, S, n, d], d)
-            bnsh = w.op("Transpose", [split], [B, n, S, d], perm=[0, 2, 1, 3])
-            if name != "v" and style.opset == 20:
-                bnsh = _rotary_decomposed(w, bnsh, angles, [B, n, S, d])
-            elif name != "v":
-                cos, sin = _cos_sin(w, angles, d)
-                bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
-            heads[name] = bnsh
-        window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
-        if _cropped(style, c, i):
-            full_k, full_v, present_k, present_v, layer_mask, layer_repeat = _cropped_cache(
-                w, pasts[i], heads, window, mask_in, seq, batch1, seq1, zero, one
-            )
-        else:
-            present_k = w.op("Concat", [pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
-            present_v = w.op("Concat", [pasts[i][1], heads["v"]], [B, kv, T, d], axis=-2)
-            full_k, full_v = present_k, present_v
-            layer_mask, layer_repeat = masks[window], (repeat5, repeat4)
-        present_k.name, present_v.name = f"present.{i}.key", f"present.{i}.value"
-        keys, values = (
-            _repeat(w, style, cache, *layer_repeat, kv, group, h, d) for cache in (full_k, full_v)
-        )
-        attrs: dict = {"is_causal": int(style.mask == "top_left"), "scale": float(scale)}
-        if style.attn_softcap:
-            attrs["softcap"] = float(style.attn_softcap)
-        inputs = [heads["q"], keys, values]
-        if style.mask != "top_left":
-            inputs.append(layer_mask)
-        outputs = 1
-        if style.qk_matmul_output is not None:
-            attrs["qk_matmul_output_mode"] = style.qk_matmul_output
-            outputs = 4
-        if style.attention == "eager":
-            attn = _eager_attention(w, style, heads["q"], keys, values, layer_mask, scale, [B, h, S, d])
-        elif style.opset == 20:
-            attn = _sdpa_decomposed(w, heads["q"], keys, values, layer_mask, scale, [B, h, S, d])
-        else:
-            node = ir.node("Attention", inputs, attrs, num_outputs=outputs, name=f"node_Attention_{i}")
-            w.graph.append(node)
-            attn = node.outputs[0]
-            attn.dtype, attn.shape = w.dtype, ir.Shape([B, h, S, d])
-        attn.name = f"scaled_dot_product_attention_{i}"
+
+def _layer(g: _Layers, i: int, x: ir.Value) -> ir.Value:
+    """Layer ``i``: attention block and MLP, each with its residual; its presents (and scores)
+    become graph outputs."""
+    c, w = g.w.c, g.w
+    h, kv, d = c.num_heads, c.kv_num_heads, c.head_size
+    p = f"model.layers.{i}"
+    xn = g.norm(x, f"{p}.input_layernorm.weight", [B, S, c.hidden_size], c.hidden_size)
+    heads = _heads(g, p, xn)
+    window = c.sliding_window if i in c.sliding_window_layers and c.sliding_window else 0
+    full_k, full_v, present_k, present_v, layer_mask, layer_repeat = _layer_caches(g, i, heads, window)
+    present_k.name, present_v.name = f"present.{i}.key", f"present.{i}.value"
+    keys, values = (
+        _repeat(w, g.style, cache, *layer_repeat, kv, h // kv, h, d) for cache in (full_k, full_v)
+    )
+    attn, qk = _attention(g, i, heads["q"], keys, values, layer_mask)
+    merged = w.op("Transpose", [attn], [B, S, h, d], perm=[0, 2, 1, 3])
+    merged = w.op("Reshape", [merged, g.out_shape], [B, S, h * d], allowzero=1)
+    x = w.op(
+        "Add",
+        [x, g.linear(merged, f"{p}.self_attn.o_proj.weight", h * d, c.hidden_size, [B, S, c.hidden_size])],
+        [B, S, c.hidden_size],
+    )
+    x = _mlp(g, p, x)
+    w.graph.outputs.extend([present_k, present_v])
+    if qk is not None:
+        w.graph.outputs.append(qk)
+    return x
+
+
+def _heads(g: _Layers, p: str, xn: ir.Value) -> dict[str, ir.Value]:
+    """q, k, v in BNSH: projected, split into heads, q/k normed (Qwen3) and rotated."""
+    c, w = g.w.c, g.w
+    d = c.head_size
+    heads = {}
+    for name, n in (("q", c.num_heads), ("k", c.kv_num_heads), ("v", c.kv_num_heads)):
+        flat = g.linear(xn, f"{p}.self_attn.{name}_proj.weight", c.hidden_size, n * d, [B, S, n * d])
+        split = w.op("Reshape", [flat, g.hidden_shape], [B, S, n, d], allowzero=1)
+        if c.qk_norm and name != "v":
+            split = g.norm(split, f"{p}.self_attn.{name}_norm.weight", [B, S, n, d], d)
+        bnsh = w.op("Transpose", [split], [B, n, S, d], perm=[0, 2, 1, 3])
+        if name != "v" and g.style.opset == 20:
+            bnsh = _rotary_decomposed(w, bnsh, g.angles, [B, n, S, d])
+        elif name != "v":
+            cos, sin = _cos_sin(w, g.angles, d)
+            bnsh = w.op("RotaryEmbedding", [bnsh, cos, sin], [B, n, S, d], interleaved=0, num_heads=n)
+        heads[name] = bnsh
+    return heads
+
+
+def _layer_caches(g: _Layers, i: int, heads: dict[str, ir.Value], window: int) -> _CroppedLayer:
+    """(K and V attention reads, present K and V, the layer's mask, its repeat shapes):
+    ``Concat(past, new)`` as both, or a cropped sliding-window layer's."""
+    w, z, c = g.w, g.sizes, g.w.c
+    if _cropped(g.style, c, i):
+        return _cropped_cache(w, g.pasts[i], heads, window, g.mask_in, z.seq, z.batch1, z.seq1, z.zero, z.one)
+    kv, d = c.kv_num_heads, c.head_size
+    present_k = w.op("Concat", [g.pasts[i][0], heads["k"]], [B, kv, T, d], axis=-2)
+    present_v = w.op("Concat", [g.pasts[i][1], heads["v"]], [B, kv, T, d], axis=-2)
+    return present_k, present_v, present_k, present_v, g.masks[window], g.repeat
+
+
+def _attention(
+    g: _Layers, i: int, q: ir.Value, keys: ir.Value, values: ir.Value, layer_mask: ir.Value
+) -> tuple[ir.Value, ir.Value | None]:
+    """The attention output ``[B, h, S, d]`` (eager, decomposed sdpa or the ONNX Attention node)
+    and, with ``qk_matmul_output``, its scores output ``attn_weights.{i}``."""
+    w, style, c = g.w, g.style, g.w.c
+    shape: list[int | str | None] = [B, c.num_heads, S, c.head_size]
+    attrs: dict = {"is_causal": int(style.mask == "top_left"), "scale": float(g.scale)}
+    if style.attn_softcap:
+        attrs["softcap"] = float(style.attn_softcap)
+    inputs = [q, keys, values]
+    if style.mask != "top_left":
+        inputs.append(layer_mask)
+    outputs = 1
+    if style.qk_matmul_output is not None:
+        attrs["qk_matmul_output_mode"] = style.qk_matmul_output
+        outputs = 4
+    qk = None
+    if style.attention == "eager":
+        attn = _eager_attention(w, style, q, keys, values, layer_mask, g.scale, shape)
+    elif style.opset == 20:
+        attn = _sdpa_decomposed(w, q, keys, values, layer_mask, g.scale, shape)
+    else:
+        node = ir.node("Attention", inputs, attrs, num_outputs=outputs, name=f"node_Attention_{i}")
+        w.graph.append(node)
+        attn = node.outputs[0]
+        attn.dtype, attn.shape = w.dtype, ir.Shape(shape)
         if outputs == 4:
             for k in (1, 2):
                 node.outputs[k].name = ""
             qk = node.outputs[3]
-            qk.name, qk.dtype, qk.shape = f"attn_weights.{i}", w.dtype, ir.Shape([B, h, S, None])
-        merged = w.op("Transpose", [attn], [B, S, h, d], perm=[0, 2, 1, 3])
-        merged = w.op("Reshape", [merged, out_shape], [B, S, h * d], allowzero=1)
-        x = w.op(
-            "Add",
-            [x, linear(merged, f"{p}.self_attn.o_proj.weight", h * d, c.hidden_size, [B, S, c.hidden_size])],
-            [B, S, c.hidden_size],
-        )
-        xn = norm(x, f"{p}.post_attention_layernorm.weight", [B, S, c.hidden_size], c.hidden_size)
-        gate = linear(
-            xn, f"{p}.mlp.gate_proj.weight", c.hidden_size, c.intermediate_size, [B, S, c.intermediate_size]
-        )
-        up = linear(
-            xn, f"{p}.mlp.up_proj.weight", c.hidden_size, c.intermediate_size, [B, S, c.intermediate_size]
-        )
-        gate = w.op(
-            "Mul", [gate, w.op("Sigmoid", [gate], [B, S, c.intermediate_size])], [B, S, c.intermediate_size]
-        )
-        down = linear(
-            w.op("Mul", [gate, up], [B, S, c.intermediate_size]),
-            f"{p}.mlp.down_proj.weight",
-            c.intermediate_size,
-            c.hidden_size,
-            [B, S, c.hidden_size],
-        )
-        x = w.op("Add", [x, down], [B, S, c.hidden_size])
-        w.graph.outputs.extend([present_k, present_v])
-        if outputs == 4:
-            w.graph.outputs.append(qk)
-    x = norm(x, "model.norm.weight", [B, S, c.hidden_size], c.hidden_size)
-    logits = linear(x, "lm_head.weight", c.hidden_size, c.vocab_size, [B, S, c.vocab_size])
+    attn.name = f"scaled_dot_product_attention_{i}"
+    if qk is not None:
+        qk.name, qk.dtype, qk.shape = f"attn_weights.{i}", w.dtype, ir.Shape([B, c.num_heads, S, None])
+    return attn, qk
+
+
+def _mlp(g: _Layers, p: str, x: ir.Value) -> ir.Value:
+    """Post-attention norm, SwiGLU MLP and its residual."""
+    c, w = g.w.c, g.w
+    xn = g.norm(x, f"{p}.post_attention_layernorm.weight", [B, S, c.hidden_size], c.hidden_size)
+    width = c.intermediate_size
+    gate = g.linear(xn, f"{p}.mlp.gate_proj.weight", c.hidden_size, width, [B, S, width])
+    up = g.linear(xn, f"{p}.mlp.up_proj.weight", c.hidden_size, width, [B, S, width])
+    gate = w.op("Mul", [gate, w.op("Sigmoid", [gate], [B, S, width])], [B, S, width])
+    down = g.linear(
+        w.op("Mul", [gate, up], [B, S, width]),
+        f"{p}.mlp.down_proj.weight",
+        width,
+        c.hidden_size,
+        [B, S, c.hidden_size],
+    )
+    return w.op("Add", [x, down], [B, S, c.hidden_size])
+
+
+def _head(g: _Layers, x: ir.Value) -> ir.Model:
+    """The final norm, lm_head and logit soft-cap: ``logits``, the first output; the model
+    (shapes made static with ``static_shapes``)."""
+    c, w, style = g.w.c, g.w, g.style
+    x = g.norm(x, "model.norm.weight", [B, S, c.hidden_size], c.hidden_size)
+    logits = g.linear(x, "lm_head.weight", c.hidden_size, c.vocab_size, [B, S, c.vocab_size])
     if style.final_softcap:
         cap = w.const(np.array(style.final_softcap, w.np_dtype))
         logits = w.op("Div", [logits, cap], [B, S, c.vocab_size])
