@@ -187,7 +187,10 @@ def test_a_moved_module_path_imports_its_new_module_with_a_warning(old):
     "old",
     ["onnx_kvcache.files._atomic", "onnx_kvcache.scales.calibration", "onnx_kvcache.capabilities.doctor"],
 )
-@pytest.mark.parametrize("statement", ["import {old}", "from {parent} import {name}"])
+@pytest.mark.parametrize(
+    "statement",
+    ["import {old}", "from {parent} import {name}", "__import__('importlib').import_module('{old}')"],
+)
 def test_a_moved_module_path_warns_at_the_callers_line(old, statement):
     """The modules moved so the folders rank as their imports run: the warning names the importer."""
     sys.modules.pop(old, None)
@@ -205,3 +208,13 @@ def test_the_old_site_names_are_the_cache_site_with_a_warning():
     for old in ("AttentionSite", "GqaSite"):
         with pytest.warns(DeprecationWarning, match="CacheSite"):
             assert getattr(sites, old) is sites.CacheSite
+
+
+def test_convert_result_lives_at_its_public_path():
+    """Split into private modules, the result class still names its public module (pickles)."""
+    import pickle
+
+    from onnx_kvcache.files import conversion
+
+    assert conversion.ConvertResult.__module__ == "onnx_kvcache.files.conversion"
+    assert "onnx_kvcache.files.conversion" in pickle.dumps(conversion.ConvertResult).decode("latin-1")

@@ -56,6 +56,24 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
+def _importlib_frames() -> int:
+    """The frames of importlib's own Python code (``importlib.import_module``) between the
+    import system and the importing line: ``warnings`` skips only the frozen bootstrap's, so
+    these are counted for the warning to name the caller's line."""
+    frame: types.FrameType | None = sys._getframe(2)  # create_module's caller: the import system
+    count = 0
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:  # skipped by warnings already
+            frame = frame.f_back
+        elif name == importlib.__file__:
+            count += 1
+            frame = frame.f_back
+        else:
+            break
+    return count
+
+
 def announce(old: str, new: str, stacklevel: int) -> None:
     """The :class:`DeprecationWarning` of a 0.x name; ``stacklevel`` as ``warnings.warn`` would
     take it where this is called."""
@@ -75,7 +93,7 @@ class _Alias:
     """The loader of a moved path: the new module itself (``importlib.abc.Loader``'s protocol)."""
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return moved(spec.name, stacklevel=3)
+        return moved(spec.name, stacklevel=3 + _importlib_frames())
 
     def exec_module(self, module: types.ModuleType) -> None:
         """The target module ran when it was imported."""

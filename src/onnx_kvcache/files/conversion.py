@@ -72,6 +72,8 @@ from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
+ConvertResult.__module__ = __name__  # its public home: what pickles and docs name
+
 logger = logging.getLogger(__name__)
 
 LINK_WARNING = (
