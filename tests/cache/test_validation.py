@@ -276,9 +276,7 @@ def test_attribute_types_are_onnxruntimes():
             assert ATTRIBUTE_TYPES[name].name == str(attr.type).split(".")[-1], (schema.name, name)
 
 
-REAL = sorted(
-    sorted(DATA.rglob("*.onnx"))  # the shared fixtures are copied here
-)
+REAL = sorted(DATA.rglob("*.onnx"))  # the shared fixtures are copied here
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: str(p.relative_to(p.parents[1])))
