@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -627,7 +628,9 @@ def test_a_signal_while_a_temporary_entry_is_created_leaves_nothing(tmp_path, mo
 
     def lock_then_signal(fd):
         real_lock(fd)
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered while creating
+        # delivered while creating; to this thread, as a process-directed kill may go to an
+        # onnxruntime pool thread (earlier tests' sessions) and come only after the entry
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     monkeypatch.setattr(file_io, "_lock", lock_then_signal)
     with signal_handlers(), pytest.raises(file_io.Interrupted):
