@@ -281,22 +281,34 @@ class DeviceInfo:
         return f"GPU: {self.gpu or 'none found'}; compute capability {cc}; driver {self.driver or '?'}; {ort}"
 
 
-def _nvidia_smi() -> tuple[str, tuple[int, int] | None, str] | None:
+def _gpu_query(fields: str, *formats: str) -> str | None:
+    """GPU 0's first CSV line of ``nvidia-smi --query-gpu=fields`` (None: no nvidia-smi, or it
+    failed)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader", "--id=0"],
+            [exe, f"--query-gpu={fields}", f"--format={','.join(('csv', 'noheader', *formats))}", "--id=0"],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         ).stdout
-        name, cap, driver = (part.strip() for part in out.splitlines()[0].split(","))
+        return out.splitlines()[0]
+    except (subprocess.SubprocessError, OSError, IndexError):
+        return None
+
+
+def _nvidia_smi() -> tuple[str, tuple[int, int] | None, str] | None:
+    line = _gpu_query("name,compute_cap,driver_version")
+    if line is None:
+        return None
+    try:
+        name, cap, driver = (part.strip() for part in line.split(","))
         major, minor = cap.split(".")
         return name, (int(major), int(minor)), driver
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+    except ValueError:
         return None
 
 
@@ -1095,19 +1107,10 @@ def speed_models(
 
 def device_memory_mib() -> float | None:
     """Memory in use on GPU 0 (nvidia-smi), or None."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
+    line = _gpu_query("memory.used", "nounits")
     try:
-        out = subprocess.run(
-            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-        return float(out.splitlines()[0])
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None if line is None else float(line)
+    except ValueError:
         return None
 
 

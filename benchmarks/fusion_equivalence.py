@@ -48,6 +48,17 @@ from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass  # noqa: E402
 FIXTURE = ROOT / "tests" / "data" / "export_llama_opset23.onnx"
 
 
+def decode_difference(want: KvCacheRunner, got: KvCacheRunner, ids) -> tuple[float, float]:
+    """Largest logit difference over a prefill's last position and three decode steps, and
+    that as a share of the largest logit of ``want``."""
+    a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
+    for token in (5, 17, 99):
+        a.append(want.step(token)[0])
+        b.append(got.step(token)[0])
+    diff = float(np.abs(np.stack(a) - np.stack(b)).max())
+    return diff, diff / float(np.abs(np.stack(a)).max())
+
+
 def shapes() -> dict:
     def built(arch: str, **style):
         return lambda: build_decoder(
@@ -122,12 +133,7 @@ def cached_attention(paths: list[str]) -> None:
                 warnings.simplefilter("ignore")
                 optimize_model(model, execution_provider=target, kv_cache_format=fmt, kv_cache_scales=scales)
             want, got = KvCacheRunner(fused), KvCacheRunner(model, semantics="cuda" if fmt == "fp8" else None)
-            a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
-            for token in (5, 17, 99):
-                a.append(want.step(token)[0])
-                b.append(got.step(token)[0])
-            diff = float(np.abs(np.stack(a) - np.stack(b)).max())
-            rel = diff / float(np.abs(np.stack(a)).max())
+            diff, rel = decode_difference(want, got, ids)
             print(f"| {path} | {fmt} ({got.kernel_rule}) vs float | {diff:.2e} | {rel:.1%} of max |")
 
 
@@ -173,12 +179,7 @@ def main() -> None:
                 kv_cache_scales=scales,
             )
             want, got = KvCacheRunner(float_gqa), KvCacheRunner(model)
-            a, b = [want.prefill(ids)[0, -1]], [got.prefill(ids)[0, -1]]
-            for token in (5, 17, 99):
-                a.append(want.step(token)[0])
-                b.append(got.step(token)[0])
-            diff = float(np.abs(np.stack(a) - np.stack(b)).max())
-            rel = diff / float(np.abs(np.stack(a)).max())
+            diff, rel = decode_difference(want, got, ids)
             print(f"| {fmt} | {granularity} | {diff:.2e} | {rel:.1%} | ({time.perf_counter() - start:.1f} s)")
     reorder_cost()
 
