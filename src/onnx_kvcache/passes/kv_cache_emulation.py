@@ -60,6 +60,7 @@ from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._gqa_prologue import MOVED_ATTRS, MOVED_INPUTS, Prologue, Step, required
 from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 from onnx_kvcache.passes.fusion._window_present import follow_present_types
@@ -71,18 +72,7 @@ SEMANTICS: tuple[Semantics, ...] = ("cuda", "cpu")
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
-_DROPPED_ATTRS = frozenset(
-    {
-        "k_quant_type",
-        "v_quant_type",
-        "kv_cache_bit_width",
-        "do_rotary",
-        "rotary_interleaved",
-        "qk_norm_epsilon",
-        "q_norm_epsilon",
-        "k_norm_epsilon",
-    }
-)
+_DROPPED_ATTRS = MOVED_ATTRS | {"k_quant_type", "v_quant_type", "kv_cache_bit_width"}
 
 
 def _min_opset(site: CacheSite, quantized_io: bool) -> tuple[int, str]:
@@ -135,30 +125,8 @@ def needs_emulation(site: CacheSite, semantics: Semantics) -> bool:
     return support is None or site.granularity not in support.granularities or semantics != "cpu"
 
 
-def _rms_norm_heads(
-    b: Builder, x: ir.Value, weight: ir.Value, heads: int, head: int, eps: float, dtype: ir.DataType
-) -> ir.Value:
-    shape = b.op("Shape", [x])
-    split = b.cast(b.op("Reshape", [x, b.const(np.array([0, 0, heads, head], np.int64))]), _F32)
-    mean = b.op("ReduceMean", [b.op("Mul", [split, split]), b.const(np.array([-1], np.int64))], keepdims=1)
-    rms = b.op("Sqrt", [b.op("Add", [mean, b.const(np.array(eps, np.float32))])])
-    normed = b.cast(b.op("Div", [split, rms], dtype=_F32), dtype)
-    return b.op("Reshape", [b.op("Mul", [normed, weight]), shape], dtype=dtype)
-
-
-def _float_attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.as_float()
-
-
 def _required(site: CacheSite, slot: GqaInput) -> ir.Value:
-    value = site.input(slot)
-    if value is None:
-        raise KvCachePreconditionError(
-            f"Cannot emulate GroupQueryAttention node {site.name}: it has no {slot.name.lower()} "
-            f"(input {int(slot)})."
-        )
-    return value
+    return required(site, slot, "emulate")
 
 
 def _quantized_granularity(site: CacheSite, fmt: CacheFormat) -> str:
@@ -173,16 +141,6 @@ def _quantized_granularity(site: CacheSite, fmt: CacheFormat) -> str:
     return granularity
 
 
-class _Step:
-    """Per-call facts every node of one decoder shares: computed once, read by each layer."""
-
-    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
-        self.first = first
-        """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
-        self.positions = positions
-        """Rotary positions ``[B, S]`` as the kernel derives them (None: not needed yet)."""
-
-
 class _Rewrite:
     """The emulated replacement of one GroupQueryAttention node.
 
@@ -191,7 +149,7 @@ class _Rewrite:
     """
 
     def __init__(
-        self, site: CacheSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, _Step]
+        self, site: CacheSite, semantics: Semantics, quantized_io: bool, steps: dict[tuple, Step]
     ) -> None:
         self.site, self.semantics, self.quantized_io = site, semantics, quantized_io
         self.steps = steps
@@ -204,39 +162,22 @@ class _Rewrite:
                 f"GroupQueryAttention node {site.name}: the query has no known dtype."
             )
         self.dtype = dtype
-        self.kv, self.heads = site.kv_num_heads, site.num_heads
+        self.kv = site.kv_num_heads
         self.head = site.head_size()
-        self.query = _required(site, GqaInput.QUERY)
+        _required(site, GqaInput.QUERY)
         self.pasts = (_required(site, GqaInput.PAST_KEY), _required(site, GqaInput.PAST_VALUE))
-        self.total = _required(site, GqaInput.TOTAL_SEQUENCE_LENGTH)
         self.granularity: str | None = None
         self.scales: tuple[ir.Value, ir.Value] | None = None
         if self.fmt is not None:
             self.granularity = _quantized_granularity(site, self.fmt)
             self.scales = (_required(site, GqaInput.K_SCALE), _required(site, GqaInput.V_SCALE))
-        self.rotary: tuple[ir.Value, ir.Value] | None = None
-        self.seqlens = site.input(GqaInput.SEQLENS_K)
-        if site.int_attr("do_rotary"):
-            self.rotary = (_required(site, GqaInput.COS_CACHE), _required(site, GqaInput.SIN_CACHE))
-            if site.input(GqaInput.POSITION_IDS) is None:  # the kernel's positions need seqlens_k
-                self.seqlens = _required(site, GqaInput.SEQLENS_K)
+        self.prologue = Prologue(site, self.b, dtype, steps, "emulate")
 
     def run(self) -> None:
         site, b, fmt = self.site, self.b, self.fmt
         node = site.node
-        query = self.query
-        key, value = site.input(GqaInput.KEY), site.input(GqaInput.VALUE)
-        if key is None or value is None:
-            sizes = b.const(
-                np.array([self.heads * self.head, self.kv * self.head, self.kv * self.head], np.int64)
-            )
-            query, key, value = b.ops("Split", [query, sizes], 3, axis=-1)
-            for x in (query, key, value):
-                x.dtype = self.dtype
-        query, key = self._norm(query, key)
-        step = self._step(query)
-        if site.int_attr("do_rotary"):
-            query, key = self._rotary(query, key, step)
+        query, key, value = self.prologue.inputs()
+        query, key, step = self.prologue.apply(query, key)
         past_key, past_value = self.pasts
         stored_key, stored_value = key, value
         codecs: list[Codec] = []
@@ -294,89 +235,12 @@ class _Rewrite:
         """A float-cache GroupQueryAttention on prepared q/k/v: no rotary, norm or scales."""
         node = self.site.node
         inputs = list(inputs)
-        for slot in (
-            GqaInput.COS_CACHE,
-            GqaInput.SIN_CACHE,
-            GqaInput.POSITION_IDS,
-            GqaInput.K_SCALE,
-            GqaInput.V_SCALE,
-            GqaInput.Q_NORM_WEIGHT,
-            GqaInput.K_NORM_WEIGHT,
-        ):
+        for slot in (*MOVED_INPUTS, GqaInput.K_SCALE, GqaInput.V_SCALE):
             if slot < len(inputs):
                 inputs[slot] = None
         while inputs and inputs[-1] is None:
             inputs.pop()
         return b.ops(node.op_type, inputs, len(node.outputs), node.domain, **attrs)
-
-    def _norm(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
-        site, node = self.site, self.site.node
-        shared = _float_attr(node, "qk_norm_epsilon", 1e-6)
-        q_norm, k_norm = site.input(GqaInput.Q_NORM_WEIGHT), site.input(GqaInput.K_NORM_WEIGHT)
-        if q_norm is not None:
-            eps = _float_attr(node, "q_norm_epsilon", shared)
-            query = _rms_norm_heads(self.b, query, q_norm, self.heads, self.head, eps, self.dtype)
-        if k_norm is not None:
-            eps = _float_attr(node, "k_norm_epsilon", shared)
-            key = _rms_norm_heads(self.b, key, k_norm, self.kv, self.head, eps, self.dtype)
-        return query, key
-
-    def _step(self, query: ir.Value) -> _Step:
-        """The shared per-call facts for this node's inputs, built by the first node to ask."""
-        site, b = self.site, self.b
-        sources = (
-            GqaInput.SEQLENS_K,
-            GqaInput.TOTAL_SEQUENCE_LENGTH,
-            GqaInput.POSITION_IDS,
-            GqaInput.QUERY_SEQLENS,
-        )
-        key = (id(site.node.graph), *(id(site.input(slot)) for slot in sources))
-        step = self.steps.get(key)
-        if step is None:
-            seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-            total = b.cast(self.total, _I64)
-            first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS))
-        if step.positions is None and site.int_attr("do_rotary"):
-            step.positions = self._positions(query, step.first)
-        return step
-
-    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
-        """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
-        site, b = self.site, self.b
-        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
-        steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
-        flat = b.const(np.array([-1], np.int64))  # [batch] or [batch, 1] (ReduceSum keepdims): [batch]
-        valid = seq
-        if site.input(GqaInput.QUERY_SEQLENS) is not None:  # right-padded chunks
-            valid = b.op("Reshape", [b.cast(site.input(GqaInput.QUERY_SEQLENS), _I64), flat])  # type: ignore[arg-type]
-        assert self.seqlens is not None
-        seqlens = b.op("Reshape", [b.cast(self.seqlens, _I64), flat])
-        start = b.op("Sub", [b.op("Add", [seqlens, b.const(np.array(1, np.int64))]), valid])
-        later = b.op("Add", [b.op("Unsqueeze", [start, b.const(np.array([1], np.int64))]), steps])
-        prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
-        return b.op("Where", [first, prompt, later])
-
-    def _rotary(self, query: ir.Value, key: ir.Value, step: _Step) -> tuple[ir.Value, ir.Value]:
-        site, b = self.site, self.b
-        assert step.positions is not None and self.rotary is not None
-        cos, sin = self.rotary
-        rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
-        extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
-        interleaved = site.int_attr("rotary_interleaved")
-        rotated = [
-            b.op(
-                "RotaryEmbedding",
-                [x, step.positions, cos, sin],
-                domain="com.microsoft",
-                dtype=self.dtype,
-                interleaved=interleaved,
-                num_heads=n,
-                **extra,
-            )
-            for x, n in ((query, self.heads), (key, self.kv))
-        ]
-        return rotated[0], rotated[1]
 
     def _replace(self, results: list[ir.Value]) -> None:
         node = self.site.node
@@ -444,7 +308,7 @@ class KvCacheEmulationPass(InPlacePass):
                             Param("quantized_io", True),
                             ".",
                         )
-        steps: dict[tuple, _Step] = {}
+        steps: dict[tuple, Step] = {}
         return [_Rewrite(site, self.semantics, self.quantized_io, steps) for site in sites]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
