@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.model_io._sessions import create_session
 
 STEPS = 3
@@ -27,6 +28,16 @@ PROMPTS = {  # attention masks of a 7-token prompt
 }
 
 
+def _empty_cache(model: ir.Model, cache: ir.Value, batch: int) -> np.ndarray:
+    """An empty past: no rows, or a window-sized cache's window of zeros (``sliding_window_cache``,
+    genai's builder for Gemma-2), its last dimension the shape's or the node's head size."""
+    assert cache.shape is not None
+    site = next(s for s in find_attention_sites(model) if cache in (s.past_key, s.past_value))
+    head = cache.shape[3] if isinstance(cache.shape[3], int) else site.head_size()
+    rows = site.int_attr("local_window_size", -1) if site.int_attr("sliding_window_cache") else 0
+    return np.zeros((batch, cache.shape[1], max(rows, 0), head), cache.dtype.numpy())
+
+
 def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0) -> list:
     """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens).
 
@@ -41,7 +52,7 @@ def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int
     feeds = {"input_ids": rng.integers(0, vocab_of(model), mask.shape), "attention_mask": mask}
     positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
     for value in caches:
-        feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), value.dtype.numpy())
+        feeds[value.name] = _empty_cache(model, value, batch)
     history = []
     for _ in range(steps + 1):
         if "position_ids" in inputs:

@@ -22,7 +22,7 @@ build on this; neither copies it.
 
 from __future__ import annotations
 
-__all__ = ["MOVED_ATTRS", "MOVED_INPUTS", "Prologue", "Step", "required"]
+__all__ = ["MOVED_ATTRS", "MOVED_INPUTS", "Prologue", "Step", "prologue_opset", "required"]
 
 import numpy as np
 import onnx_ir as ir
@@ -57,6 +57,13 @@ def required(site: CacheSite, slot: GqaInput, doing: str = "emulate") -> ir.Valu
             f"(input {int(slot)})."
         )
     return value
+
+
+def prologue_opset(site: CacheSite) -> tuple[int, str]:
+    """The default-domain opset the prologue of ``site`` needs, and for what."""
+    if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
+        return 18, "ReduceMean with axes as an input (q/k norm)"
+    return 13, "Split and Unsqueeze with inputs"
 
 
 def _float_attr(node: ir.Node, name: str, default: float) -> float:

@@ -60,7 +60,14 @@ from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
-from onnx_kvcache.passes._gqa_prologue import MOVED_ATTRS, MOVED_INPUTS, Prologue, Step, required
+from onnx_kvcache.passes._gqa_prologue import (
+    MOVED_ATTRS,
+    MOVED_INPUTS,
+    Prologue,
+    Step,
+    prologue_opset,
+    required,
+)
 from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 from onnx_kvcache.passes.fusion._window_present import follow_present_types
@@ -80,11 +87,10 @@ def _min_opset(site: CacheSite, quantized_io: bool) -> tuple[int, str]:
     fmt = site.cache_format
     if fmt is not None and fmt.is_float:
         return 19, f"Cast to {fmt.dtype.name} with saturate"
-    if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
-        return 18, "ReduceMean with axes as an input (q/k norm)"
-    if fmt is not None and fmt.values_per_byte > 1 and quantized_io:
+    need = prologue_opset(site)
+    if need[0] < 18 and fmt is not None and fmt.values_per_byte > 1 and quantized_io:
         return 18, "BitwiseAnd (unpacking)"
-    return 13, "Split and Unsqueeze with inputs"
+    return need
 
 
 #: Default-domain opset raises that change no node's meaning: every operator with a new

@@ -1,0 +1,160 @@
+"""Rotated caches: which tensors a rotation turns, its matrix, and how a graph shows one.
+
+A rotated cache holds each head's key ``k H`` (after RoPE and q/k norms) and the query is
+turned alike (``q H``), so attention is unchanged: ``(q H)(k H)^T = q k^T`` for an orthonormal
+``H``. Rotating the value too (``v H``) turns the attention's output, which is turned back
+(``o' H^T = o``). ``H`` is one graph constant shared by every layer; weights are untouched.
+
+Rules:
+
+* ``H`` for head size ``d``: when ``d`` is a power of two, the normalized Walsh-Hadamard
+  matrix (Sylvester's construction, every entry ``+-1/sqrt(d)``, symmetric); otherwise, with
+  ``d = 2^a * m`` (``m`` odd), ``kron(W_(2^a), C_m)``: the Walsh-Hadamard matrix of the
+  power-of-two part times the orthonormal DCT-II of size ``m`` (orthonormal too; its entries
+  are not all of one size, so it spreads a channel less evenly).
+* What is turned is a row of :data:`ROTATIONS`: ``none``, ``keys`` (query and key) or
+  ``keys_and_values`` (query, key and value, the output turned back).
+* A graph shows a rotation when the node's key input (and value input) is
+  ``Reshape(MatMul(Reshape(x, [0, 0, -1, d]), H), [0, 0, -1])`` with ``H`` a constant equal to
+  :func:`rotation_matrix` (``d``): :func:`site_rotation` reads it from the graph, never from a
+  name or a record.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ROTATIONS",
+    "ROTATION_MATRIX",
+    "Rotation",
+    "get_rotation",
+    "rotate",
+    "rotation_matrix",
+    "site_rotation",
+]
+
+import dataclasses
+import functools
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.cache.sites import CacheSite
+from onnx_kvcache.errors import KvCacheError, require_type
+
+#: The construction :func:`rotation_matrix` follows, as metadata and ``inspect`` name it.
+ROTATION_MATRIX = "hadamard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """Which of a node's tensors a rotation turns."""
+
+    name: str
+    keys: bool
+    """The query and the key (after RoPE and q/k norms)."""
+    values: bool
+    """The value, before the cache (the attention's output turned back)."""
+    description: str
+
+    @property
+    def rotates(self) -> bool:
+        return self.keys or self.values
+
+
+ROTATIONS: dict[str, Rotation] = {
+    row.name: row
+    for row in (
+        Rotation("none", False, False, "no rotation"),
+        Rotation("keys", True, False, "the query and the key turned by H"),
+        Rotation("keys_and_values", True, True, "the query, the key and the value turned by H"),
+    )
+}
+
+
+def get_rotation(name: str | Rotation) -> Rotation:
+    """The :data:`ROTATIONS` row for ``name`` (``none``, ``keys`` or ``keys_and_values``)."""
+    if isinstance(name, Rotation):
+        return name
+    require_type(name, str, "The rotation", f"a name ({', '.join(ROTATIONS)})")
+    row = ROTATIONS.get(str(name).lower().replace("-", "_"))
+    if row is None:
+        raise KvCacheError(f"Unknown rotation {name!r}; choose one of {', '.join(ROTATIONS)}.")
+    return row
+
+
+def _walsh_hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def _dct2(m: int) -> np.ndarray:
+    """The orthonormal DCT-II matrix of size ``m`` (rows: frequencies)."""
+    k, n = np.meshgrid(np.arange(m), np.arange(m), indexing="ij")
+    c = np.sqrt(2.0 / m) * np.cos(np.pi * (n + 0.5) * k / m)
+    c[0] /= np.sqrt(2.0)
+    return c
+
+
+@functools.cache
+def _matrix(size: int) -> np.ndarray:
+    power = size & -size  # the largest power of two dividing size
+    odd = size // power
+    h = _walsh_hadamard(power)
+    matrix = h if odd == 1 else np.kron(h, _dct2(odd))
+    matrix.setflags(write=False)
+    return matrix
+
+
+def rotation_matrix(size: int) -> np.ndarray:
+    """``H`` (float64, ``[size, size]``, orthonormal) for head size ``size``; see the rules."""
+    require_type(size, int, "The head size", "a positive integer")
+    if size < 1:
+        raise KvCacheError(f"The head size must be >= 1, got {size}.")
+    return _matrix(size)
+
+
+def rotate(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+    """``x @ H`` (``x @ H^T`` with ``inverse``) over the last axis, in ``x``'s dtype."""
+    h = rotation_matrix(x.shape[-1])
+    return (np.asarray(x, np.float64) @ (h.T if inverse else h)).astype(x.dtype, copy=False)
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant" and not producer.domain:
+        attr = producer.attributes.get("value")
+        tensor = None if attr is None else attr.as_tensor()
+    return None if tensor is None else np.asarray(tensor.numpy())
+
+
+def _rotated(value: ir.Value | None, size: int) -> bool:
+    """``value`` is ``Reshape(MatMul(., H))`` with ``H`` this library's matrix for ``size``."""
+    reshape = value.producer() if value is not None else None
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain:
+        return False
+    matmul = reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
+    if matmul is None or matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
+        return False
+    h = _const(matmul.inputs[1])
+    want = rotation_matrix(size)
+    return h is not None and h.shape == want.shape and np.allclose(h.astype(np.float64), want, atol=1e-3)
+
+
+def site_rotation(site: CacheSite) -> Rotation:
+    """What the graph turns before ``site``'s node (the rules): a row of :data:`ROTATIONS`."""
+    key, value = site.input("key"), site.input("value")
+    if key is None:
+        return ROTATIONS["none"]
+    try:
+        size = site.head_size()
+    except KvCacheError:
+        return ROTATIONS["none"]
+    keys, values = _rotated(key, size), _rotated(value, size)
+    if keys and values:
+        return ROTATIONS["keys_and_values"]
+    return ROTATIONS["keys"] if keys else ROTATIONS["none"]

@@ -1,0 +1,177 @@
+"""KvCacheRotationPass: the real producers' GroupQueryAttention builds, rotated, compute as they did.
+
+The oracle is each file itself (genai's builder and mobius's GQA builds, RoPE inside the node):
+rotated, its logits and every cache entry (turned back by ``H^T``) stay within 1e-4 of the
+original's over a 7-token prefill and 3 decode steps, a batch whose second row is left-padded
+by 3, and for windowed files a prefill longer than the window, before any quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from decoding import generate
+from onnx_kvcache.cache.rotation import ROTATIONS, get_rotation, rotate, rotation_matrix, site_rotation
+from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
+from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.model_io.reading import load_model
+from onnx_kvcache.passes import KvCacheQuantizationPass
+from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
+from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
+
+from conftest import gqa_model
+
+PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers"
+TOLERANCE = 1e-4
+GQA_FORMS = ("genai-builder-cpu-fp32", "mobius-cpu-gqa", "mobius-ort-genai")
+BUILDS = [
+    m
+    for m in json.loads((PRODUCERS / "manifest.json").read_text())["models"]
+    if m["form"] in GQA_FORMS and "error" not in m
+]
+
+
+def _masks(entry: dict) -> dict[str, np.ndarray]:
+    masks = {"single": np.ones((1, 7), np.int64), "left_padded": np.array([[1] * 7, [0] * 3 + [1] * 4])}
+    if entry["config"].get("window"):
+        masks["past_the_window"] = np.ones((1, entry["config"]["window"] + 5), np.int64)
+    return masks
+
+
+def _worst(want: list, got: list, rotation: str) -> tuple[float, float]:
+    """Largest |difference| of the logits of real tokens and of the cache entries (turned back)."""
+    logits = caches = 0.0
+    values = get_rotation(rotation).values
+    for (mask, a), (_, b) in zip(want, got):
+        rows = mask[:, -a["logits"].shape[1] :].astype(bool)
+        logits = max(logits, float(np.abs(a["logits"] - b["logits"])[rows].max()))
+        for name, x in a.items():
+            if name.startswith("present"):
+                y = rotate(b[name], inverse=True) if name.endswith("key") or values else b[name]
+                caches = max(caches, float(np.abs(x - y).max()))
+    return logits, caches
+
+
+CASES = [(b, "keys_and_values") for b in BUILDS] + [
+    (b, "keys")
+    for b in BUILDS
+    if b["path"].endswith(("genai-builder-cpu-fp32/llama", "mobius-cpu-gqa/qwen3"))
+]
+
+
+@pytest.mark.parametrize(("entry", "rotation"), CASES, ids=[f"{b['path']}-{r}" for b, r in CASES])
+def test_a_rotated_build_computes_as_the_original(entry, rotation):
+    path = PRODUCERS / entry["path"] / "model.onnx"
+    original, rotated = load_model(path), load_model(path)
+    assert KvCacheRotationPass(rotation)(rotated).modified
+    assert {site_rotation(s).name for s in find_attention_sites(rotated)} == {rotation}
+    for name, mask in _masks(entry).items():
+        try:
+            want = generate(original, mask)
+        except Exception as refused:  # genai's Gemma-2 window caches refuse a left-padded row
+            with pytest.raises(type(refused), match=re.escape(str(refused).split("Status Message: ")[-1])):
+                generate(rotated, mask)
+            continue
+        logits, caches = _worst(want, generate(rotated, mask), rotation)
+        assert logits < TOLERANCE and caches < TOLERANCE, (name, logits, caches)
+
+
+def test_the_genai_build_has_what_the_kernel_applied_outside_and_one_matrix():
+    path = PRODUCERS / "genai-builder/genai-builder-cpu-fp32/llama/model.onnx"
+    model = load_model(path)
+    KvCacheRotationPass()(model)
+    nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert all("do_rotary" not in n.attributes and len(n.inputs) <= 7 for n in nodes)
+    assert sum(n.op_type == "RotaryEmbedding" for n in model.graph) == 2 * len(nodes)
+    matrices = {n.inputs[1].name for n in model.graph if n.op_type == "MatMul" and n.name.endswith("_2")}
+    assert [v for v in model.graph.initializers if v.startswith("kv_cache_rotation")] == [
+        "kv_cache_rotation_16"
+    ]
+    assert matrices <= {"kv_cache_rotation_16"}
+    # the positions are computed once for every layer
+    assert sum(n.op_type == "Range" for n in model.graph) == 1
+    assert not KvCacheRotationPass()(model).modified  # already rotated as asked
+    with pytest.raises(KvCachePreconditionError, match="already rotated"):
+        KvCacheRotationPass("keys")(model)
+    create_session(model)
+
+
+@pytest.mark.parametrize("size", [1, 2, 6, 16, 64, 80, 96, 112, 128])
+def test_the_matrix_is_orthonormal_and_walsh_hadamard_for_powers_of_two(size):
+    h = rotation_matrix(size)
+    np.testing.assert_allclose(h @ h.T, np.eye(size), atol=1e-12)
+    if size & (size - 1) == 0:
+        np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(size))
+        np.testing.assert_array_equal(h, h.T)
+
+
+def test_rotation_names_and_bad_ones():
+    assert get_rotation("keys-and-values") is ROTATIONS["keys_and_values"]
+    assert not get_rotation("none").rotates
+    with pytest.raises(KvCacheError, match="choose one of none, keys, keys_and_values"):
+        get_rotation("values")
+    assert not KvCacheRotationPass("none")(gqa_model()).modified
+
+
+def _steps(model: ir.Model, session, steps=(3, 2, 1), seed=1):
+    """Random q/k/v (or packed QKV) fed by the graph's input names; every step's outputs."""
+    rng = np.random.default_rng(seed)
+    names = [i.name for i in session.get_inputs()]
+    shapes = {v.name: v.shape for v in model.graph.inputs}
+    dtype = model.graph.inputs[0].dtype.numpy()
+    pasts = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), dtype) for n in names if "past" in n}
+    length, out = 0, []
+    for s in steps:
+        length += s
+        feeds = {
+            n: rng.standard_normal((1, s, shapes[n][2])).astype(dtype)
+            for n in names
+            if n.split(".")[0] in ("query", "key", "value", "qkv")
+        }
+        feeds |= pasts | {
+            "seqlens_k": np.full((1,), length - 1, np.int32),
+            "total_sequence_length": np.array(length, np.int32),
+        }
+        result = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        out.append(result)
+        pasts = {n: result[n.replace("past_key_values", "present")] for n in pasts}
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"qk_norm": True}, {"interleaved": True}, {"packed_qkv": True}, {"num_heads": 8, "head": 32}]
+)
+def test_qk_norms_interleaved_rope_and_packed_qkv_move_out(kwargs):
+    """q/k norm inputs (which the CPU kernel refuses) against the emulation's, proven there."""
+    model = gqa_model(**kwargs)
+    want = _steps(model, create_session(emulate_kv_cache(model, "cpu")))
+    KvCacheRotationPass()(model)
+    assert not any(n.op_type == "GroupQueryAttention" and len(n.inputs) > 7 for n in model.graph)
+    got = _steps(model, create_session(model))
+    for a, b in zip(want, got):
+        for name, x in a.items():
+            y = rotate(b[name], inverse=True) if name.startswith("present") else b[name]
+            np.testing.assert_allclose(y, x, atol=TOLERANCE, rtol=0)
+
+
+def test_a_float16_build_gets_a_float16_matrix():
+    model = load_model(PRODUCERS / "mobius/mobius-cuda-f16/llama/model.onnx")
+    KvCacheRotationPass()(model)
+    assert model.graph.initializers["kv_cache_rotation_16_float16"].dtype == ir.DataType.FLOAT16
+    assert {site_rotation(s).name for s in find_attention_sites(model)} == {"keys_and_values"}
+
+
+def test_a_quantized_cache_is_refused_and_the_model_left_as_it_was():
+    model = gqa_model()
+    KvCacheQuantizationPass("int8", "per_tensor", {0: (0.02, 0.02)})(model)
+    before = [n.op_type for n in model.graph]
+    with pytest.raises(KvCachePreconditionError, match=r"already int8.*scales calibrated for the rotation"):
+        KvCacheRotationPass()(model)
+    assert [n.op_type for n in model.graph] == before
