@@ -55,6 +55,7 @@ import onnx_ir as ir
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache, load_model
 from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS, METHODS
 from onnx_kvcache.models.decoder import GenaiTokenizer, bpe_tokenizer, save_genai_folder
+from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.runtime.evaluation import kl_divergence, top1_agreement
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
 
@@ -353,10 +354,18 @@ def position_ranges(length: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(sorted(b for b in set(bounds) if b >= PROMPT + 1)))
 
 
+def _fields(key: str) -> tuple[str, str, str, str, str]:
+    """``format:granularity:ours|genai:method[@N][:rotation]`` (rotation: none unless named)."""
+    fmt, gran, who, method, *rest = key.split(":")
+    return fmt, gran, who, method, rest[0] if rest else "none"
+
+
 def row_scales(key: str, folder: pathlib.Path, calib: list[list[int]], cache: pathlib.Path) -> KvCacheScales:
-    """The scales of a row ``format:granularity:ours|genai:method[@N]``."""
-    fmt, gran, who, method = key.split(":")
+    """The scales of a row ``format:granularity:ours|genai:method[@N][:rotation]``."""
+    fmt, gran, who, method, rotation = _fields(key)
     if who == "genai":
+        if rotation != "none":
+            raise SystemExit(f"{key}: onnxruntime-genai calibrates unrotated caches only.")
         return genai_scales(folder, calib, fmt, gran, method, cache / "genai_scales.json")
     # "attention@512": the attention methods' RoPE envelope for contexts of 512 positions
     method, _, positions = method.partition("@")
@@ -368,7 +377,17 @@ def row_scales(key: str, folder: pathlib.Path, calib: list[list[int]], cache: pa
         method=method,
         progress=False,
         rope_positions=int(positions) if positions else None,
+        rotation=rotation,
     )
+
+
+def quantized(folder: pathlib.Path, key: str, scales: KvCacheScales) -> ir.Model:
+    """The float model with the row's cache: rotated as the scales record, then quantized."""
+    fmt, gran = key.split(":")[:2]
+    model = load_model(folder)
+    KvCacheRotationPass(scales.metadata.get("rotation", "none"))(model)
+    KvCacheQuantizationPass(fmt, gran, scales)(model)
+    return model
 
 
 def by_position(folder: pathlib.Path, cache: pathlib.Path, keys: list[str], length: int) -> None:
@@ -385,22 +404,28 @@ def by_position(folder: pathlib.Path, cache: pathlib.Path, keys: list[str], leng
         if key in results:
             continue
         start = time.perf_counter()
-        model = load_model(folder)
-        fmt, gran = key.split(":")[:2]
-        KvCacheQuantizationPass(fmt, gran, row_scales(key, folder, calib, cache))(model)
-        results[key] = position_nll(KvCacheRunner(model), windows).tolist()
+        runner = KvCacheRunner(quantized(folder, key, row_scales(key, folder, calib, cache)))
+        results[key] = position_nll(runner, windows).tolist()
+        results.setdefault("rules", {})[key] = runner.kernel_rule
         path.write_text(json.dumps(results))
         print(f"  {key:<34} ({time.perf_counter() - start:.0f} s)", flush=True)
     base = np.asarray(results["float"])
+    ranges = [*ranges, (ranges[0][0], ranges[-1][1])]  # and every scored position
     names = [f"{a:,}-{b:,}" for a, b in ranges]
     print(f"\nperplexity change against the float cache, 2 x {length:,}-token held-out windows, by position")
-    print(f"{'row':<38}" + "".join(f"{n:>13}" for n in names))
-    for key in [k for k in results if k != "float"]:
-        nll = np.asarray(results[key])
-        cells = [np.exp(np.mean(nll[:, a:b]) - np.mean(base[:, a:b])) - 1 for a, b in ranges]
-        print(f"{key:<38}" + "".join(f"{c:>+13.0%}" for c in cells))
+    print(f"{'row':<52}" + "".join(f"{n:>13}" for n in names) + "  kernel rule")
+    rules = results.get("rules", {})
+    for key in [k for k in results if k not in ("float", "rules")]:
+        cells = position_changes(results, key, ranges)
+        print(f"{key:<52}" + "".join(f"{c:>+13.1%}" for c in cells) + f"  {rules.get(key, '')}")
     ppl = [np.exp(np.mean(base[:, a:b])) for a, b in ranges]
-    print(f"{'float32 cache (perplexity)':<38}" + "".join(f"{p:>13.3f}" for p in ppl))
+    print(f"{'float32 cache (perplexity)':<52}" + "".join(f"{p:>13.3f}" for p in ppl))
+
+
+def position_changes(results: dict[str, Any], key: str, ranges: list[tuple[int, int]]) -> list[float]:
+    """The row's perplexity change against the float cache over each ``[start, end)`` range."""
+    base, nll = np.asarray(results["float"]), np.asarray(results[key])
+    return [float(np.exp(np.mean(nll[:, a:b]) - np.mean(base[:, a:b])) - 1) for a, b in ranges]
 
 
 def rows(args: argparse.Namespace) -> list[str]:
@@ -468,14 +493,12 @@ def main() -> None:
         f"baseline (float32 cache): perplexity {baseline['ppl']:.3f} over {baseline['positions']} positions"
     )
     for key in rows(args):
-        fmt, gran = key.split(":")[:2]
         if key in results:
             continue
         start = time.perf_counter()
         scales = row_scales(key, folder, calib, cache)
         seconds = time.perf_counter() - start
-        model = load_model(folder)
-        KvCacheQuantizationPass(fmt, gran, scales)(model)
+        model = quantized(folder, key, scales)
         runner = KvCacheRunner(model)
         row = metrics(score(runner, held), base, held)
         row.update(seconds=seconds, rule=runner.kernel_rule)
@@ -505,15 +528,16 @@ def time_calibration(folder: pathlib.Path, windows: list[list[int]], rounds: int
 def print_table(results: dict[str, Any], baseline: dict[str, float]) -> None:
     print(f"\nbaseline perplexity {baseline['ppl']:.3f} (float32 cache), {baseline['positions']} positions")
     print(
-        f"{'format':<6} {'granularity':<11} {'calibration':<18} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
+        f"{'format':<6} {'granularity':<11} {'calibration':<34} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
         f"{'top-1':>7}  kernel rule"
     )
     for key in sorted(results, key=lambda k: (FORMATS.index(k.split(":")[0]), k.split(":")[1], k)):
-        fmt, gran, who, method = key.split(":")
+        fmt, gran, who, method, rotation = _fields(key)
         row = results[key]
         delta = row["ppl"] / baseline["ppl"] - 1
+        turned = "" if rotation == "none" else f" +{rotation}"
         print(
-            f"{fmt:<6} {gran:<11} {who + ' ' + method:<18} {row['ppl']:8.3f} {delta:+8.2%} "
+            f"{fmt:<6} {gran:<11} {who + ' ' + method + turned:<34} {row['ppl']:8.3f} {delta:+8.2%} "
             f"{row['kl']:9.2e} {row['top1']:7.2%}  {row['rule']}"
         )
 

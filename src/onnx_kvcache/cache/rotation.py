@@ -23,11 +23,13 @@ Rules:
 from __future__ import annotations
 
 __all__ = [
+    "DEFAULT_ROTATIONS",
     "ROTATIONS",
     "ROTATION_MATRIX",
     "Rotation",
     "get_rotation",
     "rotate",
+    "default_rotation",
     "rotation_matrix",
     "site_rotation",
 ]
@@ -69,6 +71,20 @@ ROTATIONS: dict[str, Rotation] = {
         Rotation("keys_and_values", True, True, "the query, the key and the value turned by H"),
     )
 }
+
+
+#: The rotation calibration takes for a format when none is named (by measurement on the real
+#: model, ``benchmarks/real_model.py``; docs/rotation.md); formats not listed: ``none``.
+DEFAULT_ROTATIONS: dict[str, str] = {"int4": "keys_and_values"}
+
+
+def default_rotation(format: str, sites: list[CacheSite]) -> Rotation:
+    """The rotation for a ``format`` cache of ``sites`` when none is named: the format's
+    :data:`DEFAULT_ROTATIONS` where every node is a GroupQueryAttention (the rotation pass
+    rewrites no other), else ``none``."""
+    if not sites or any(s.op.op_type != "GroupQueryAttention" for s in sites):
+        return ROTATIONS["none"]
+    return ROTATIONS[DEFAULT_ROTATIONS.get(format, "none")]
 
 
 def get_rotation(name: str | Rotation) -> Rotation:

@@ -7,6 +7,9 @@ heads grouped over KV heads. K's error moves the score ``q . k`` of every query 
 the row, so K is weighted by ``sum_i p_ij * q_i[d]^2`` (``q`` as its RoPE-pair energy, which no
 rotation changes); V's error reaches the output in proportion to ``p`` and independent errors
 add in square, so V is weighted by ``sum_i p_ij^2``. Layers without a usable query are left out.
+A rotated cache's K channels are ``k H``'s, whose error moves ``q H . k H``: K is weighted by
+the query's energy in those channels, its expectation over RoPE's phases where the node rotates
+(``e H∘H``, ``e`` the pair energy); V's weights stand (``H`` keeps the error's norm).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ __all__ = ["ATTENTION_QUERIES"]
 
 import numpy as np
 
+from onnx_kvcache.cache.rotation import Rotation, rotate, rotation_matrix
 from onnx_kvcache.cache.sites import CacheSite
 from onnx_kvcache.calibrate._attention_error import rope as _rope
 from onnx_kvcache.runtime.runner import KvCacheRunner
@@ -41,6 +45,7 @@ def _attention_weights(
     sites: dict[int, CacheSite],
     length: int,
     rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None],
+    rotation: Rotation | None = None,
 ) -> dict[tuple[int, str], np.ndarray]:
     """Per (layer, kind), the weight of each cached value's squared error in this window.
 
@@ -58,7 +63,7 @@ def _attention_weights(
             continue
         q = runner.query(layer)[0][0]  # [S, H, D]
         k = runner.cache_values(layer, "key")[0][:, :length]  # [kv, S, D], after RoPE
-        weights = _layer_attention_weights(site, q, k, length, picks, rope_tables.get(layer))
+        weights = _layer_attention_weights(site, q, k, length, picks, rope_tables.get(layer), rotation)
         if weights is not None:
             out[(layer, "key")], out[(layer, "value")] = weights
     return out
@@ -71,6 +76,7 @@ def _layer_attention_weights(
     length: int,
     picks: np.ndarray,
     tables: tuple[np.ndarray, np.ndarray] | None,
+    rotation: Rotation | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One layer's K and V weights ``[S, kv*hd]`` (see :func:`_attention_weights`) from its
     query ``[S, H, D]`` and present K ``[kv, S, D]``; None when the query is not usable."""
@@ -86,6 +92,9 @@ def _layer_attention_weights(
         q = _rope(q, tables[0][:length], tables[1][:length], interleaved)
     q = q[picks]  # [n, H, D]
     energy = _pair_energy(q, interleaved, rotary_dim) if site.int_attr("do_rotary") else q * q
+    if rotation is not None and rotation.keys:  # the rotated channels' energy (module docstring)
+        h = rotation_matrix(head)
+        energy = (energy @ (h * h)).astype(np.float32) if site.int_attr("do_rotary") else rotate(q) ** 2
     pos = np.arange(length)
     masked = pos[None, :] > picks[:, None]
     window = site.int_attr("local_window_size", -1)

@@ -13,6 +13,8 @@ Rules:
   chose); then V's clip points (:data:`V_FRACTIONS` of the fit windows' amax, per scale) are
   searched exactly on the output error given the quantized K's probabilities (V's error
   reaches the output linearly, so each V scale's choice is independent).
+* A rotated cache rounds ``k H`` and ``v H`` (then turned back): its scales are searched where
+  it rounds.
 * A layer keeps ``attention``'s scales unless the check windows' output error with the new
   scales is lower: the refinement never ends worse than ``attention`` on held-out windows. One
   window only: no refinement.
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from onnx_kvcache.cache.formats import CacheFormat
+from onnx_kvcache.cache.rotation import Rotation, rotate
 from onnx_kvcache.calibrate._attention_error import attention_output, scale_grid
 from onnx_kvcache.calibrate._attention_error import rope as _rope
 
@@ -55,16 +58,29 @@ class _Node:
     window: int
     tables: tuple[np.ndarray, np.ndarray] | None
     interleaved: bool
+    rotation: Rotation | None = None
+
+
+def _round_trip(x: np.ndarray, scale: np.ndarray, fmt: CacheFormat, turned: bool) -> np.ndarray:
+    """``x`` ``[kv, S, D]`` as the cache reads it back (``turned``: stored as ``x H``, turned back)."""
+    if not turned:
+        return fmt.round_trip(x, scale)
+    return rotate(fmt.round_trip(rotate(x), scale), inverse=True)
 
 
 def _stored_k(s: LayerSample, k_scale: np.ndarray, fmt: CacheFormat, node: _Node) -> np.ndarray:
     """K as the cache reads it back, rotated at the sample's offset (then rotated back)."""
+    turned = node.rotation is not None and node.rotation.keys
     if not s.offset or node.tables is None:
-        return fmt.round_trip(s.k, k_scale)
+        return _round_trip(s.k, k_scale, fmt, turned)
     cos, sin = (np.broadcast_to(t[s.offset], (s.k.shape[1], t.shape[-1])) for t in node.tables)
     moved = _rope(s.k.transpose(1, 0, 2), cos, sin, node.interleaved).transpose(1, 0, 2)
-    stored = fmt.round_trip(moved, k_scale).transpose(1, 0, 2)
+    stored = _round_trip(moved, k_scale, fmt, turned).transpose(1, 0, 2)
     return _rope(stored, cos, -sin, node.interleaved).transpose(1, 0, 2)
+
+
+def _stored_v(v: np.ndarray, v_scale: np.ndarray, fmt: CacheFormat, node: _Node) -> np.ndarray:
+    return _round_trip(v, v_scale, fmt, node.rotation is not None and node.rotation.values)
 
 
 def _error(
@@ -74,7 +90,7 @@ def _error(
     for s in samples:
         kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
         out, _ = attention_output(s.q, s.k, s.v, **kw)  # type: ignore[arg-type]
-        got, _ = attention_output(s.q, _stored_k(s, ks, fmt, node), fmt.round_trip(s.v, vs), **kw)  # type: ignore[arg-type]
+        got, _ = attention_output(s.q, _stored_k(s, ks, fmt, node), _stored_v(s.v, vs, fmt, node), **kw)  # type: ignore[arg-type]
         total += float(((got - out) ** 2).sum())
     return total
 
@@ -84,18 +100,20 @@ def _v_search(
 ) -> np.ndarray:
     """V scales (shaped like ``v_shape``'s grid) minimizing the fit windows' output error."""
     kv, _, head = samples[0].v.shape
-    amax = np.max([np.abs(s.v).max(axis=1, keepdims=True) for s in samples], axis=0)  # [kv, 1, D]
+    turned = node.rotation is not None and node.rotation.values
+    stored_v = [rotate(s.v) if turned else s.v for s in samples]  # where the cache rounds V
+    amax = np.max([np.abs(v).max(axis=1, keepdims=True) for v in stored_v], axis=0)  # [kv, 1, D]
     if v_shape == (1, 1, 1):
         amax = np.full_like(amax, amax.max())
     err = np.zeros((len(V_FRACTIONS), kv, head))
-    for s in samples:
+    for s, v in zip(samples, stored_v):
         kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
-        out, _ = attention_output(s.q, s.k, s.v, **kw)  # type: ignore[arg-type]
-        _, p = attention_output(s.q, _stored_k(s, ks, fmt, node), s.v, **kw)  # type: ignore[arg-type]
+        out, _ = attention_output(s.q, s.k, v, **kw)  # type: ignore[arg-type]
+        _, p = attention_output(s.q, _stored_k(s, ks, fmt, node), v, **kw)  # type: ignore[arg-type]
         group = p.shape[0] // kv
-        target = out.transpose(1, 0, 2).reshape(kv, group, -1, head)
+        target = out.transpose(1, 0, 2).reshape(kv, group, -1, head)  # turned as V is: the error's norm
         for c, frac in enumerate(V_FRACTIONS):
-            stored = fmt.round_trip(s.v, np.maximum(amax * np.float32(frac), np.float32(1e-30)) / fmt.qmax)
+            stored = fmt.round_trip(v, np.maximum(amax * np.float32(frac), np.float32(1e-30)) / fmt.qmax)
             got = np.matmul(p.reshape(kv, group, *p.shape[1:]), stored[:, None])  # [kv, group, n, D]
             err[c] += ((got - target) ** 2).sum(axis=(1, 2))
     best = (
@@ -118,12 +136,13 @@ def refine(
     window: int = -1,
     tables: tuple[np.ndarray, np.ndarray] | None = None,
     interleaved: bool = False,
+    rotation: Rotation | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer's (K, V) scales, flat as given: ``attention``'s unless the held-out windows'
     output error is lower with the refined ones (module docstring)."""
     if len(samples) < 2:
         return k_scale, v_scale
-    node = _Node(scale, softcap, window, tables, interleaved)
+    node = _Node(scale, softcap, window, tables, interleaved, rotation)
     held = max(1, len(samples) // 4)
     fit, check = samples[:-held], samples[-held:]
     kv, _, head = samples[0].k.shape

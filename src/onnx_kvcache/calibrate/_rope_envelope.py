@@ -10,6 +10,9 @@ Rules:
   input through Reshape/Transpose/Identity and whole-row Gathers (fused exports).
 * The attention methods' search sees K moved to positions drawn uniformly over the node's
   constant cos/sin tables (the first ``rope_positions``): the values RoPE will store.
+* A rotated cache (``k H``) mixes the pairs, so no pair norm bounds it: every method sees K
+  moved to such random positions (signed), then turned by ``H``: what the rotated cache stores
+  anywhere in the context.
 """
 
 from __future__ import annotations
@@ -74,15 +77,18 @@ def _rotated_anywhere(
     interleaved: bool,
     rng: np.random.Generator,
     limit: int | None = None,
+    *,
+    signed: bool = False,
 ) -> np.ndarray:
     """``|K|`` ``[kv, S, D]`` (rotated at positions 0..S-1) moved to positions drawn uniformly
     over the rotary table (its first ``limit``): what the cache stores for these keys anywhere
-    in the context."""
+    in the context (``signed``: K itself, not its magnitude)."""
     cos, sin = tables
     kv, length, _ = x.shape
     pre = _rope(x.transpose(1, 0, 2), cos[:length], -sin[:length], interleaved)  # undo RoPE
     where = rng.integers(0, min(limit or cos.shape[0], cos.shape[0]), size=(length, kv))
-    return np.abs(_rope(pre, cos[where], sin[where], interleaved)).transpose(1, 0, 2)
+    moved = _rope(pre, cos[where], sin[where], interleaved).transpose(1, 0, 2)
+    return moved if signed else np.abs(moved)
 
 
 def _rotary(site: Any) -> tuple[bool, int | None] | None:

@@ -8,6 +8,9 @@ Rules:
 * Only resident rows are read (a windowed cache keeps its last rows); a non-finite value is an
   error. Under the RoPE envelope K is sampled as its pair norms (the amax), and for the
   attention methods as moved to random positions of the rotary table.
+* For a rotated cache (``rotation``) K and V are sampled as the cache will hold them: turned
+  by ``H``, K first moved to random positions of the rotary table under the envelope (every
+  method: no pair norm bounds a rotated key).
 * ``attention_search`` keeps each window's queries and float K/V for its refinement.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from onnx_kvcache.cache.rotation import Rotation, rotate
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.calibrate import _clip_search
 from onnx_kvcache.calibrate._attention_weights import ATTENTION_QUERIES, _attention_weights
@@ -70,16 +74,19 @@ class _Sampler:
     rope_tables: dict[int, tuple[np.ndarray, np.ndarray] | None]
     exact: _Exact | None = None
     """``attention_search``'s windows, kept for the refinement."""
+    rotation: Rotation | None = None
+    """The cache's rotation: K and V are sampled turned (None: as the model computes them)."""
     reservoirs: dict[tuple[int, str], _Reservoir] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, setup: _Setup, choice: _Choice, sampling: _Sampling) -> _Sampler:
         sites = {s.layer_id: s for s in find_attention_sites(setup.runner.source_model)}
         attention = setup.method.attention
+        moves_keys = attention or setup.rotation.keys
         rope_tables = {
             layer: _rope_tables(site)
             for layer, site in sites.items()
-            if attention and site.int_attr("do_rotary")
+            if moves_keys and site.int_attr("do_rotary")
         }
         rng, positions = np.random.default_rng(sampling.seed), np.random.default_rng([sampling.seed, 1])
         exact = _Exact(np.random.default_rng([sampling.seed, 2])) if setup.method.exact else None
@@ -93,6 +100,7 @@ class _Sampler:
             choice.rope_positions,
             rope_tables,
             exact,
+            setup.rotation if setup.rotation.rotates else None,
         )
 
     def layers(self) -> list[int]:
@@ -111,7 +119,9 @@ class _Sampler:
             runner.fill(np.asarray(run, np.int64))
             tokens += length * len(run)
             attention = (
-                _attention_weights(runner, self.sites, length, self.rope_tables) if self.attention else {}
+                _attention_weights(runner, self.sites, length, self.rope_tables, self.rotation)
+                if self.attention
+                else {}
             )
             if self.exact is not None:
                 self.exact.collect(runner, self, length)
@@ -133,6 +143,9 @@ class _Sampler:
                 f"Layer {b.layer_id} {b.kind} cache holds non-finite values; the model "
                 "produced NaN/inf on the calibration data."
             )
+        if self.rotation is not None and (self.rotation.keys if b.kind == "key" else self.rotation.values):
+            self._sample(b, self._turned(b, site, x), weights, None)
+            return
         seen = x  # signed; under the envelope, K's pair norms
         rotary = _rotary(site) if b.kind == "key" and self.rope_envelope else None
         if rotary is not None:
@@ -147,6 +160,17 @@ class _Sampler:
             # the search sees K where RoPE may put it (any position); the envelope bounds it
             bound = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)
             seen = _rotated_anywhere(x, tables, rotary[0], self.positions, self.rope_positions)
+        self._sample(b, seen, weights, bound)
+
+    def _turned(self, b: Any, site: CacheSite, x: np.ndarray) -> np.ndarray:
+        """K or V ``[kv, S, hd]`` as the rotated cache holds it (module rules)."""
+        rotary = _rotary(site) if b.kind == "key" and self.rope_envelope else None
+        if rotary is not None and (tables := self.rope_tables.get(b.layer_id)) is not None:
+            x = _rotated_anywhere(x, tables, rotary[0], self.positions, self.rope_positions, signed=True)
+        return rotate(x)
+
+    def _sample(self, b: Any, seen: np.ndarray, weights: np.ndarray | None, bound: np.ndarray | None) -> None:
+        """Rows ``[kv, S, hd]`` of one window into the binding's reservoir."""
         rows = seen.transpose(1, 0, 2).reshape(seen.shape[1], -1)  # [S, kv*hd]
         key = (b.layer_id, b.kind)
         if key not in self.reservoirs:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 from onnx_kvcache.cache.formats import CacheFormat
+from onnx_kvcache.cache.rotation import ROTATIONS, Rotation
 from onnx_kvcache.calibrate._methods import CalibrationMethod
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
@@ -29,6 +30,8 @@ class _Choice:
     margin: float
     rope_positions: int | None = None
     """Under the envelope, the context attention's K search assumes (None: the whole table)."""
+    rotation: str | None = None
+    """The cache's rotation (a row of ROTATIONS; None: the format's default)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +56,5 @@ class _Setup:
     method: CalibrationMethod
     chosen_for: str | None
     """The target the format was chosen for, when none was named."""
+    rotation: Rotation = ROTATIONS["none"]
+    """The rotation the scales are for: K and V are sampled as the rotated cache holds them."""

@@ -101,6 +101,7 @@ def _refined(stats: CalibrationStats, sampler: _Sampler, setup: _Setup) -> Calib
         window=site.int_attr("local_window_size", -1),
         tables=sampler.rope_tables.get(layer),
         interleaved=bool(site.int_attr("rotary_interleaved")),
+        rotation=sampler.rotation,
     )
     kc, vc = (
         _clip_fraction(sampler.reservoirs[layer, kind], s, fmt) for kind, s in (("key", ks), ("value", vs))

@@ -51,7 +51,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.formats import get_format, get_granularity
+from onnx_kvcache.cache.formats import CacheFormat, get_format, get_granularity
+from onnx_kvcache.cache.rotation import Rotation, default_rotation, get_rotation, site_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 
 # The steps live in the modules below; the names tests, benchmarks and the CLI import from here
@@ -114,6 +115,7 @@ def calibrate_kv_cache(
     percentile: float = 99.99,
     rope_envelope: bool = True,
     rope_positions: int | None = None,
+    rotation: str | None = None,
     margin: float = 1.0,
     seq_len: int = 512,
     num_seqs: int | None = None,
@@ -143,6 +145,12 @@ def calibrate_kv_cache(
             assumes: keys are moved to random positions below it (default: the whole rotary
             table). Contexts no longer than the calibration windows keep slow RoPE pairs near
             their calibrated phase; scales chosen for them clip such pairs further out.
+        rotation: The rotated cache the scales are for (:mod:`onnx_kvcache.cache.rotation`):
+            ``none``, ``keys`` or ``keys_and_values``; K and V are sampled turned as that cache
+            holds them, K moved over the rotary table. By default the format's
+            (:data:`~onnx_kvcache.cache.rotation.DEFAULT_ROTATIONS`: int4 ``keys_and_values``),
+            ``none`` for other formats and for PagedAttention models. Recorded as ``rotation`` in
+            the metadata: converting with these scales rotates the cache alike.
         sample_budget: Values kept per layer and tensor for percentile/mse.
         min_tokens: Fewer calibration tokens are an error (scales from a handful of
             tokens are noise). Random ids (no tokenizer found) warn.
@@ -150,7 +158,7 @@ def calibrate_kv_cache(
     The scales' metadata records the data source and token count.
     """
     sampling = _Sampling(seq_len, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
-    asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions)
+    asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions, rotation)
     choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)
     loaded = _token_windows(model, data, setup.runner, sampling)
@@ -209,6 +217,8 @@ def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
         raise KvCacheError(
             f"sample_budget must be >= 1 and min_tokens >= 0, got {sample_budget}, {min_tokens}."
         )
+    if choice.rotation is not None:
+        get_rotation(choice.rotation)  # an unknown name fails before any work
     if method is None and format is not None:
         method = DEFAULT_METHODS.get(get_format(format).name, "minmax")
     if isinstance(data, (str, os.PathLike)):  # a FIFO or folder is refused before the model loads
@@ -253,7 +263,28 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
-    return _Setup(runner, fmt, chosen, chosen_for)
+    return _Setup(runner, fmt, chosen, chosen_for, _rotation(runner.source_model, fmt, choice.rotation))
+
+
+def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
+    """The rotation the scales are for: the one asked, else the format's default (module docs)."""
+    sites = find_attention_sites(model)
+    if any(site_rotation(s).rotates for s in sites):
+        raise KvCacheError(
+            "Calibrate the original model: this one's cache is already rotated (the scales record the "
+            "rotation they are for, and converting applies it)."
+        )
+    if asked is None:
+        return default_rotation(fmt.name, sites)
+    rotation = get_rotation(asked)
+    if rotation.rotates and any(s.op.op_type != "GroupQueryAttention" for s in sites):
+        raise KvCacheError(
+            Param("rotation", rotation.name),
+            " is for GroupQueryAttention caches; this model's PagedAttention caches are calibrated with ",
+            Param("rotation", "none"),
+            ".",
+        )
+    return rotation
 
 
 def _token_windows(
@@ -302,6 +333,7 @@ def _scales(
         "method": method,
         "rope_envelope": choice.rope_envelope,
         **({"rope_positions": choice.rope_positions} if choice.rope_positions is not None else {}),
+        "rotation": setup.rotation.name,
         "margin": choice.margin,
         "seq_len": sampling.seq_len,
         "num_seqs": len(loaded.windows),
