@@ -7,6 +7,7 @@ from onnx_kvcache.cli.commands import _COMMANDS, build_parser
 
 
 def test_the_choices_copied_for_the_parser_are_the_tables():
+    from onnx_kvcache.cache.rotation import ROTATIONS
     from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS
     from onnx_kvcache.files.conversion import ASKED_WEIGHTS
     from onnx_kvcache.passes.kv_cache_emulation import SEMANTICS
@@ -14,6 +15,7 @@ def test_the_choices_copied_for_the_parser_are_the_tables():
     assert tuple(SEMANTICS) == _names.SEMANTICS
     assert tuple(ASKED_WEIGHTS) == _names.WEIGHTS
     assert tuple(CALIBRATION_METHODS) == _names.METHODS
+    assert tuple(ROTATIONS) == _names.ROTATIONS
 
 
 def test_every_choice_of_the_parser_is_a_named_table():
@@ -27,6 +29,7 @@ def test_every_choice_of_the_parser_is_a_named_table():
             _names.SEMANTICS,
             _names.WEIGHTS,
             _names.PROVIDERS,
+            _names.ROTATIONS,
         )
     }
     sub = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict))

@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.model_io.reading import ModelLike, as_model
@@ -37,6 +38,10 @@ class CacheLayerInfo:
     layout: tuple[str, ...] = ()
     """Names of the cache dimensions (``batch, kv_num_heads, sequence, head_size`` or
     ``num_blocks, block_size, kv_num_heads, head_size``)."""
+    rotation: str = "none"
+    """What the graph turns before the node (:func:`~onnx_kvcache.cache.rotation.site_rotation`):
+    ``none``, ``keys`` or ``keys_and_values``; the cache holds the turned values."""
+    head_size: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -123,6 +128,8 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         original_bytes_per_token=original,
         op=site.op.op_type,
         layout=site.op.layout.dims,
+        rotation=site_rotation(site).name,
+        head_size=head,
     )
 
 
@@ -173,6 +180,19 @@ def _allocation_lines(info: CacheModelInfo) -> list[str]:
     return lines
 
 
+def _rotation_lines(info: CacheModelInfo) -> list[str]:
+    """Which layers' caches hold rotated values, and by what."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for layer in info.layers:
+        if layer.rotation != "none":
+            groups.setdefault((layer.rotation, layer.head_size), []).append(layer.layer_id)
+    return [
+        f"rotated cache: {ROTATIONS[name].description} ({matrix_name(size)}, after RoPE and q/k norms) "
+        f"in layer(s) {_ranges(ids)}; its scales are for the turned values"
+        for (name, size), ids in groups.items()
+    ]
+
+
 def _ranges(ids: list[int]) -> str:
     return (
         f"{ids[0]}-{ids[-1]}"
@@ -204,7 +224,7 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += _allocation_lines(info)
+    lines += _allocation_lines(info) + _rotation_lines(info)
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

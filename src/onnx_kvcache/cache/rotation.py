@@ -25,9 +25,9 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_ROTATIONS",
     "ROTATIONS",
-    "ROTATION_MATRIX",
     "Rotation",
     "get_rotation",
+    "matrix_name",
     "rotate",
     "default_rotation",
     "rotation_matrix",
@@ -42,9 +42,6 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite
 from onnx_kvcache.errors import KvCacheError, require_type
-
-#: The construction :func:`rotation_matrix` follows, as metadata and ``inspect`` name it.
-ROTATION_MATRIX = "hadamard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +118,14 @@ def _matrix(size: int) -> np.ndarray:
     matrix = h if odd == 1 else np.kron(h, _dct2(odd))
     matrix.setflags(write=False)
     return matrix
+
+
+def matrix_name(size: int) -> str:
+    """How :func:`rotation_matrix` builds ``H`` for head size ``size``, in words."""
+    power = size & -size
+    if power == size:
+        return f"normalized Walsh-Hadamard {size}x{size}"
+    return f"Walsh-Hadamard {power}x{power} x DCT-II {size // power}x{size // power}"
 
 
 def rotation_matrix(size: int) -> np.ndarray:

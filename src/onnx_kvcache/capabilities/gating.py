@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity
 from onnx_kvcache.cache.operators import GQA, AttentionOp, get_op
+from onnx_kvcache.cache.rotation import get_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
 from onnx_kvcache.capabilities.rows import (
@@ -197,14 +198,32 @@ def _format_refusals(
     return found
 
 
+def _rotation_refusals(row: EpCapabilities, ep: str, sites: list[CacheSite]) -> list[Refusal]:
+    """A rotated cache (:mod:`~onnx_kvcache.cache.rotation`) on ``row``: its operator must be
+    GroupQueryAttention and the provider known to run the operators it adds."""
+    if not any(s.op.op_type == row.op for s in sites):
+        return []
+    if row.op != "GroupQueryAttention":
+        text = f"a rotated cache is for GroupQueryAttention; this model's {row.op} caches take rotation none."
+    elif row.rotation is None:
+        text = (
+            f"{_label(row, ep)} is not known to run the operators a rotated cache adds (com.microsoft "
+            "RotaryEmbedding, MatMul); convert with rotation none."
+        )
+    else:
+        return []
+    return [Refusal(RefusalCode.ROTATION_UNSUPPORTED, Parameter.ROTATION, text)]
+
+
 def _site_refusals(
-    row: EpCapabilities, ep: str, sites: list[CacheSite], support: FormatSupport | None
+    row: EpCapabilities, ep: str, sites: list[CacheSite], support: FormatSupport | None, rotated: bool = False
 ) -> list[Refusal]:
-    """What the model's own nodes of ``row``'s operator need that ``row`` lacks."""
+    """What the model's own nodes of ``row``'s operator need that ``row`` lacks (``rotated``:
+    the rotation moves q/k norms out of the nodes)."""
     label = _label(row, ep)
     mine = [s for s in sites if s.op.op_type == row.op]
     found = []
-    with_norm = [s for s in mine if s.input("q_norm_weight") is not None]
+    with_norm = [s for s in mine if s.input("q_norm_weight") is not None and not rotated]
     if with_norm and not row.qk_norm:
         text = (
             f"{label}'s {row.op} rejects q/k norm weights, which "
@@ -270,6 +289,7 @@ def check_kv_cache_support(
     runtime_version: str | None = None,
     compute_capability: tuple[int, int] | None = None,
     op: str | AttentionOp = "GroupQueryAttention",
+    rotation: str = "none",
 ) -> SupportReport:
     """Check every requirement of a quantized cache on ``ep``; one refusal per failure.
 
@@ -278,7 +298,10 @@ def check_kv_cache_support(
     operator's kernel for the model's dtypes. ``runtime_version`` is the version of the row's
     runtime (onnxruntime, or openvino for the ``openvino`` row); it defaults to the installed
     one (unchecked when none is installed). ``compute_capability`` is checked only when given.
+    ``rotation``: the cache will be rotated (:mod:`~onnx_kvcache.cache.rotation`): the row must
+    run the operators that adds, and q/k norms move out of the nodes.
     """
+    rotated = get_rotation(rotation).rotates
     fmt = get_format(format).name if format is not None else None
     granularity = get_granularity(granularity)
     sites = find_attention_sites(as_model(model)) if model is not None else []
@@ -292,7 +315,8 @@ def check_kv_cache_support(
             warnings.append(support.warning)
         refusals += [r for r in found if r not in refusals]
         if model is not None:
-            refusals += _site_refusals(row, ep, sites, support)
+            refusals += _site_refusals(row, ep, sites, support, rotated)
+            refusals += _rotation_refusals(row, ep, sites) if rotated else []
     if model is not None and not sites:
         refusals.append(NO_ATTENTION)
     said = () if refusals else tuple(warnings)

@@ -46,6 +46,9 @@ class RefusalCode(enum.Enum):
     """The provider's kernel does not take the model's query dtype."""
     PARTIAL_CONVERSION = enum.auto()
     """Some caches would keep their type while others convert (``allow_partial`` permits it)."""
+    ROTATION_UNSUPPORTED = enum.auto()
+    """The provider is not known to run a rotated cache's added operators, or the attention
+    operator takes no rotation."""
 
 
 class Parameter(StrEnum):
@@ -56,6 +59,7 @@ class Parameter(StrEnum):
     GRANULARITY = "granularity"
     CHECK_DEVICE = "check_device"
     ALLOW_PARTIAL = "allow_partial"
+    ROTATION = "rotation"
 
 
 @dataclasses.dataclass(frozen=True)

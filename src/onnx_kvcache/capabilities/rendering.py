@@ -34,15 +34,18 @@ def render_capability_table() -> str:
         lines += [
             f"**{op_type}**",
             "",
-            "| provider | query dtypes | q/k norm | " + " | ".join(CACHE_FORMATS) + " | note |",
-            "|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+            "| provider | query dtypes | q/k norm | rotation | " + " | ".join(CACHE_FORMATS) + " | note |",
+            "|---|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
         ]
         for row in table.values():
             cells = [_format_cell(row, name) for name in CACHE_FORMATS]
             dtypes = ", ".join(sorted(t.name.lower() for t in row.query_dtypes)) or "- (no kernel)"
             label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
             norm = "yes" if row.qk_norm else "no"
-            lines.append(f"| {label} | {dtypes} | {norm} | " + " | ".join(cells) + f" | {row.note} |")
+            turned = f"yes ({row.rotation})" if row.rotation else "no"
+            lines.append(
+                f"| {label} | {dtypes} | {norm} | {turned} | " + " | ".join(cells) + f" | {row.note} |"
+            )
     lines += [
         "",
         "**CUDA decode fast path (XQA)**",

@@ -80,6 +80,11 @@ class EpCapabilities:
     """The attention operator of the row."""
     unlisted: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Formats its kernel takes that the row does not list, and why (said when refusing them)."""
+    rotation: Evidence | None = None
+    """Runs the operators a rotated cache adds before the attention node (com.microsoft
+    ``RotaryEmbedding`` where RoPE moves out of it, ``MatMul``, ``Reshape``, ``Split``, and
+    for q/k norms ``ReduceMean``, ``Sqrt``, ``Div``): how that is known; None: not known to
+    (a rotated cache is refused there)."""
 
     @property
     def has_kernel(self) -> bool:
@@ -102,6 +107,7 @@ _GQA_ROWS = (
             "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
+        rotation=_RUN,
     ),
     EpCapabilities(
         "cuda",
@@ -115,6 +121,7 @@ _GQA_ROWS = (
         "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
         qk_norm=True,
         share_buffer=True,
+        rotation="documented",
     ),
     EpCapabilities("dml", "DmlExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}),
     EpCapabilities(
@@ -137,6 +144,7 @@ _GQA_ROWS = (
         "Whether 2026.3 runs them is unsettled. fp8 compiles, but its codes differ from "
         "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed.",
         runtime="openvino",
+        rotation=_RUN,
         unlisted={
             "fp8": "an fp8 cache compiles there, but its codes differ from onnxruntime's rule (one "
             "fp8 step in 0.3% of values, measured on 2026.4.1), so it would not compute what "

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
             "method",
             "rope_envelope",
             "rope_positions",
+            "rotation",
             "margin",
             "seq_len",
             "num_seqs",
@@ -62,7 +63,9 @@ def _calibrated(out: str, replaced: list[pathlib.Path], scales: Any) -> str:
     """The last line of ``calibrate``: what was written, its layers, format and method."""
     chosen = scales.metadata.get("format_for")
     target = f" for {chosen}; --format to choose" if chosen else ""
+    rotation = scales.metadata.get("rotation", "none")
+    turned = "" if rotation == "none" else f", rotation {rotation}"
     return (
         f"{_wrote(out, replaced)} ({len(scales.layer_ids)} layers, {scales.format} {scales.granularity}, "
-        f"method {scales.metadata['method']}){target}"
+        f"method {scales.metadata['method']}{turned}){target}"
     )

@@ -42,8 +42,9 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     nodes = ", ".join(f"{n} {op} node(s)" for op, n in result.ops.items()) or "no node"
     if result.fused:
         nodes += f" (fused from the export's {result.fused} attention layer(s))"
+    turned = "" if result.rotation == "none" else f", rotated ({result.rotation})"
     _print(
-        f"converted {nodes} to {result.format} {result.granularity}"
+        f"converted {nodes} to {result.format} {result.granularity}{turned}"
         f"{target}: {_printable(str(result.model_file))} ({format_bytes(result.bytes_written)} written) in "
         f"{time.perf_counter() - args.started:.2f}s"  # from the entry point's first line: imports count
     )
@@ -81,6 +82,7 @@ def _converted(args: argparse.Namespace) -> ConvertResult:
                     "check_device",
                     "follow_symlinks",
                     "allow_partial",
+                    "rotation",
                 ),
             )
     except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it

@@ -4,7 +4,8 @@ The command parses its arguments, answers ``--help`` and refuses a bad value bef
 imports onnx, onnx-ir and numpy, which the tables themselves need. These are the keys of
 :data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`,
 :data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` and
-:data:`~onnx_kvcache.calibrate.calibration.CALIBRATION_METHODS`, the kernel rules of
+:data:`~onnx_kvcache.calibrate.calibration.CALIBRATION_METHODS`,
+:data:`~onnx_kvcache.cache.rotation.ROTATIONS`, the kernel rules of
 :data:`~onnx_kvcache.passes.kv_cache_emulation.SEMANTICS` and the ``WeightsMode`` values
 (``tests/cli/test_commands.py`` and ``tests/cli/test_names.py`` check that they are, so a new row fails
 there until it is named here too).
@@ -18,6 +19,7 @@ __all__ = [
     "GRANULARITIES",
     "METHODS",
     "PROVIDERS",
+    "ROTATIONS",
     "SEMANTICS",
     "WEIGHTS",
     "ep_name",
@@ -27,6 +29,7 @@ FORMATS = ("fp8", "int8", "int4")
 GRANULARITIES = ("per_tensor", "per_channel")
 METHODS = ("minmax", "percentile", "mse", "attention", "attention_search")
 SEMANTICS = ("cuda", "cpu")
+ROTATIONS = ("none", "keys", "keys_and_values")
 WEIGHTS = ("copy", "link")
 #: ``--ep`` value -> onnxruntime's provider name ("" for a row of another runtime), the
 #: capability table's rows but ``default``.

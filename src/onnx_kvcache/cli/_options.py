@@ -17,7 +17,7 @@ from typing import Any
 
 from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
-from onnx_kvcache.cli._names import METHODS, PROVIDERS, SEMANTICS, WEIGHTS, ep_name
+from onnx_kvcache.cli._names import METHODS, PROVIDERS, ROTATIONS, SEMANTICS, WEIGHTS, ep_name
 
 
 def ep_choices() -> list[str]:
@@ -183,6 +183,14 @@ _CONVERT = (
         "with a warning and int8/int4 refuse)",
     ),
     _option(
+        "--rotation",
+        choices=list(ROTATIONS),
+        help="turn the cache by an orthonormal matrix before it is quantized (docs/rotation.md): the "
+        "query and key, or the value too (default: the one the scale file records, as calibrate "
+        "writes it; none for a file without one; a rotated model keeps its own). Scales calibrated "
+        "for another rotation are refused",
+    ),
+    _option(
         "--shared-kv-scale",
         action="store_true",
         help="one tensor, max(k_scale, v_scale), for both scale inputs: what CUDA's decode fast path "
@@ -293,6 +301,12 @@ _CALIBRATE = (
         dest="rope_envelope",
         action="store_false",
         help="raw K thresholds (default: the RoPE pair norm, which no rotation exceeds)",
+    ),
+    _option(
+        "--rotation",
+        choices=list(ROTATIONS),
+        help="the rotated cache the scales are for (docs/rotation.md); recorded in the file, and "
+        "convert rotates alike (default: keys_and_values for int4, else none)",
     ),
     _option(
         "--rope-positions",

@@ -95,6 +95,8 @@ class ConvertResult:
     method: str | None = None
     """The calibration method of the cache's scales, as they record it (None: not recorded,
     or no scales)."""
+    rotation: str = "none"
+    """The cache's rotation (``none``, ``keys``, ``keys_and_values``; docs/rotation.md)."""
 
     @property
     def reasons(self) -> list[str]:

@@ -43,6 +43,7 @@ from onnx_kvcache._gc import gc_paused
 from onnx_kvcache.cache.formats import (
     get_format,
 )
+from onnx_kvcache.cache.rotation import get_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.capabilities.gating import infer_target
 from onnx_kvcache.capabilities.rows import get_capabilities
@@ -122,6 +123,7 @@ def convert_model(
     follow_symlinks: bool = False,
     progress: bool | None = None,
     allow_partial: bool = False,
+    rotation: str | None = None,
 ) -> ConvertResult:
     """Convert a model file or onnxruntime-genai folder to a quantized KV cache.
 
@@ -155,12 +157,18 @@ def convert_model(
     ``progress``: a progress bar for copies (default: on a terminal). A model some of whose
     caches would keep their type (a layer left unfused, a cache also read by another node) is
     not converted, the layers named, unless ``allow_partial``: then the others are.
+    ``rotation`` (``none``, ``keys``, ``keys_and_values``; docs/rotation.md) turns the cache by an
+    orthonormal matrix before it is quantized; by default the one the scales record (calibration
+    records it: int4 rotates), none for scales without a record; an already-rotated model keeps its
+    own. Scales calibrated for another rotation are refused.
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
-    scales, named, granularity = _arguments(in_path, out_path, format, granularity, scales, weights, ep)
+    scales, named, granularity = _arguments(
+        in_path, out_path, format, granularity, scales, weights, ep, rotation
+    )
     with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector
         source = open_model_source(in_path, follow_symlinks=follow_symlinks)
         named = named or format_for(source.model)  # an already-quantized model keeps its own
@@ -169,7 +177,7 @@ def convert_model(
         )
         _check_writable(source, plan)
         request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-        decision = decide(dataclasses.replace(request, allow_partial=allow_partial))
+        decision = decide(dataclasses.replace(request, allow_partial=allow_partial, rotation=rotation))
         result = _result(source, plan, decision)
         if carry_out(decision):
             warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
@@ -185,6 +193,7 @@ def _arguments(
     scales: Any,
     weights: WeightsMode | str | None,
     ep: str | None,
+    rotation: str | None = None,
 ) -> tuple[KvCacheScales | None, str | None, str | None]:
     """The arguments that need no model, checked before any work: the scales read, the
     format they or ``format`` name, the granularity asked (checked against the scales)."""
@@ -196,6 +205,8 @@ def _arguments(
         get_format(named)  # an unknown name fails before any work
     if granularity is not None:
         granularity = resolve_granularity(granularity, read)  # a contradiction fails before any work
+    if rotation is not None:
+        get_rotation(rotation)  # an unknown name fails before any work
     if weights is not None and weights not in ASKED_WEIGHTS:
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     return read, named, granularity
@@ -251,6 +262,7 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
         converted=decision.converted,
         refusals=list(decision.refusals),
         target=decision.target,
+        rotation=decision.rotation.name,
     )
     if decision.target is not None:
         result.target_source = f"assumed: {decision.why}" if decision.why else "given"

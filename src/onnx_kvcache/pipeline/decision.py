@@ -11,7 +11,9 @@ Rules, in order, each a function:
    (:func:`~onnx_kvcache.capabilities.gating.infer_target`).
 4. ``optimize_model``: a fused float attention the target cannot run is refused.
 5. :func:`plan`: the granularity (given, else the scales' or the model's) and the format
-   (named, else for ``convert_model`` the first the target runs).
+   (named, else for ``convert_model`` the first the target runs); :func:`rotation_for`: the
+   cache's rotation (a rotated model's own, else the one named, else the one its scales record;
+   named and recorded must agree).
 6. :func:`gate`: every :class:`~onnx_kvcache.capabilities.refusals.Refusal` of the capability rows
    (``check_device``: no CUDA GPU here is one).
 7. :func:`adaptation_for`: refusals a row of :data:`ADAPTATIONS` cures are lifted, and its pass
@@ -43,6 +45,7 @@ __all__ = [
     "gate",
     "plan",
     "inferred_format",
+    "rotation_for",
     "partial_refusal",
     "target_of",
 ]
@@ -57,6 +60,7 @@ import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
+from onnx_kvcache.cache.rotation import ROTATIONS, Rotation, get_rotation, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
@@ -87,6 +91,7 @@ from onnx_kvcache.passes.float16_attention import (
 )
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
+from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 AUTO: Literal["auto"] = "auto"
@@ -196,6 +201,8 @@ class Request:
     shared_kv_scale: bool = False
     allow_partial: bool = False
     """Convert what can be, leaving other caches in their type (rules 2 and 7)."""
+    rotation: str | None = None
+    """The cache's rotation as given (None: a rotated model's own, else the scales')."""
     name: str = "The model"
     """The model as messages name it (its file name)."""
 
@@ -241,6 +248,8 @@ class Decision:
     """Said once converted (the capability rows' warnings for the format)."""
     adaptation: Adaptation | None = None
     """Rule 7's row: its pass runs after quantizing (None: none needed)."""
+    rotation: Rotation = ROTATIONS["none"]
+    """The converted cache's rotation (:func:`rotation_for`); applied before quantizing."""
 
     @property
     def model(self) -> ir.Model:
@@ -421,6 +430,50 @@ def plan(
     return get_format(name), scale_granularity(granularity)
 
 
+def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None) -> Rotation:
+    """Rule 5: the converted cache's rotation. A rotated model keeps its own (requantizing keeps
+    it); else the one named, else the one ``scales`` record (``none`` without a record: scales
+    of other tools are for unrotated caches). Named, recorded and a rotated model's own must
+    agree: scales measured on one kind of cache are wrong for another."""
+    sites = find_attention_sites(model)
+    own = next((r for r in map(site_rotation, sites) if r.rotates), None)
+    asked = get_rotation(request.rotation) if request.rotation is not None else None
+    recorded = None if scales is None else get_rotation(scales.metadata.get("rotation", "none"))
+    have = own or asked
+    if own is not None and asked is not None and asked != own:
+        raise KvCacheError(
+            f"{request.name}'s cache is already rotated ({own.name}): requantizing keeps it. Convert the "
+            "original model for ",
+            Param("rotation", asked.name),
+            ".",
+        )
+    if have is not None and recorded is not None and recorded != have:
+        where = "the model's cache is rotated" if own is not None else "was asked"
+        raise KvCacheError(
+            f"The scales were calibrated for rotation {recorded.name}; {have.name} {where}. Calibrate with ",
+            Param("rotation", have.name),
+            *((" or convert with ", Param("rotation", recorded.name)) if own is None else ()),
+            ".",
+        )
+    rotation = have or recorded or ROTATIONS["none"]
+    if rotation.rotates and own is None:
+        if any(s.op.op_type != "GroupQueryAttention" for s in sites):
+            raise KvCacheError(
+                f"A rotated cache is for GroupQueryAttention; {request.name} has PagedAttention caches: "
+                "calibrate and convert it with ",
+                Param("rotation", "none"),
+                ".",
+            )
+        quantized = next((s for s in sites if s.cache_format is not None), None)
+        if quantized is not None:
+            raise KvCacheError(
+                f"{request.name}'s cache is already {quantized.cache_format.name}, unrotated: rotating it "  # type: ignore[union-attr]
+                f"needs scales measured on the float model. Convert the original model for rotation "
+                f"{rotation.name}."
+            )
+    return rotation
+
+
 def gate(
     model: ir.Model,
     target: str,
@@ -429,10 +482,13 @@ def gate(
     *,
     check_device: bool = False,
     name_unknown: bool = False,
+    rotation: str = "none",
 ) -> tuple[Refusal, ...]:
     """Rule 6: every refusal of ``target``'s capability rows for the converted model."""
     capability = cuda_compute_capability() if check_device else None
-    report = check_kv_cache_support(model, target, fmt, granularity, compute_capability=capability)
+    report = check_kv_cache_support(
+        model, target, fmt, granularity, compute_capability=capability, rotation=rotation
+    )
     refusals = list(report.refusals)
     if check_device and capability is None and report.ep == "cuda":
         refusals.append(NO_CUDA_DEVICE)
@@ -472,6 +528,8 @@ def decide(request: Request) -> Decision:
     decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
     if fmt is None:
         return decision
+    rotation = rotation_for(request, fusion.model, scales)
+    decision = dataclasses.replace(decision, rotation=rotation)
     if target is not None:
         refusals = gate(
             fusion.model,
@@ -480,6 +538,7 @@ def decide(request: Request) -> Decision:
             granularity.name,
             check_device=request.check_device,
             name_unknown=rules.name_unknown_provider,
+            rotation=rotation.name,
         )
         adaptation = adaptation_for(fusion.model, target, refusals)
         decision = dataclasses.replace(decision, adaptation=adaptation)
@@ -522,6 +581,7 @@ def carry_out(decision: Decision) -> bool:
         return False
     request = decision.request
     if decision.format is not None and decision.granularity is not None:
+        KvCacheRotationPass(decision.rotation)(decision.model)  # a no-op for none or a rotated model
         KvCacheQuantizationPass(
             decision.format.name,
             decision.granularity.name,

@@ -110,6 +110,7 @@ class _Options:
     strict: bool
     shared_kv_scale: bool
     allow_partial: bool = False
+    rotation: str | None = None
 
 
 def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
@@ -130,6 +131,7 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
         strict=options.strict,
         shared_kv_scale=shared,
         allow_partial=options.allow_partial,
+        rotation=options.rotation,
     )
 
 
@@ -159,6 +161,7 @@ def optimize_model(
     strict: bool = False,
     shared_kv_scale: bool = False,
     allow_partial: bool = False,
+    rotation: str | None = None,
 ) -> ir.Model:
     """Optimize a decoder for onnxruntime and store its KV cache quantized.
 
@@ -187,6 +190,9 @@ def optimize_model(
         allow_partial: Convert the caches that can be when others would keep their type (a
             layer left unfused, a cache also read by another node); without it such a model
             is left as it was, with a warning naming the layers (``strict``: raises).
+        rotation: ``none``, ``keys`` or ``keys_and_values``: the cache turned by an orthonormal
+            matrix before it is quantized (docs/rotation.md); None: the one the scales record
+            (none without a record), an already-rotated model's own.
 
     A function, not a pass: call it, or compose the passes it runs (``ir.passes.PassManager(
     [GqaFusionPass(), Fp8KvCachePass(scales)])``). A float32 model for a target without float32
@@ -212,5 +218,6 @@ def optimize_model(
         strict,
         shared_kv_scale,
         allow_partial,
+        rotation,
     )
     return _optimize(model, options)

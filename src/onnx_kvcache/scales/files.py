@@ -48,6 +48,7 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
+from onnx_kvcache.cache.rotation import ROTATIONS
 from onnx_kvcache.errors import (
     Function,
     KvCacheError,
@@ -438,7 +439,10 @@ def load_kv_cache_scale_file(
         isinstance(rope_positions, bool) or not isinstance(rope_positions, int) or rope_positions < 1
     ):
         raise _fail(p, f"'rope_positions' must be an integer >= 1, got {rope_positions!r}.")
-    recorded = {"method": method, "rope_positions": rope_positions}
+    rotation = section.get("rotation", doc.get("rotation"))
+    if rotation is not None and rotation not in ROTATIONS:
+        raise _fail(p, f"'rotation' must be one of {', '.join(ROTATIONS)}, got {rotation!r}.")
+    recorded = {"method": method, "rope_positions": rope_positions, "rotation": rotation}
     try:
         result = KvCacheScales(
             dict(zip(layer_ids, k)),
