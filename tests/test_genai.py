@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model
+from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model, inspect_kv_cache
 from onnx_kvcache.errors import RuntimeSupportWarning
 from onnx_kvcache.models.decoder import save_genai_folder
 
@@ -37,15 +37,37 @@ def test_folder_tokenizer_matches_the_byte_fallback(folder):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "granularity"), [("int8", "per_tensor"), ("int8", "per_channel"), ("int4", "per_channel")]
+    ("fmt", "granularity", "rotation"),
+    [
+        ("int8", "per_tensor", "none"),
+        ("int8", "per_channel", "keys"),
+        ("int4", "per_channel", None),  # int4's default: keys_and_values
+        ("int4", "per_tensor", "none"),
+    ],
 )
-def test_converted_folder_generates_like_the_runner(folder, tmp_path, fmt, granularity):
-    scales = calibrate_kv_cache(folder, format=fmt, granularity=granularity, method="minmax", progress=False)
+def test_converted_folder_generates_like_the_runner(folder, tmp_path, fmt, granularity, rotation):
+    scales = calibrate_kv_cache(
+        folder, format=fmt, granularity=granularity, method="minmax", rotation=rotation, progress=False
+    )
     out = tmp_path / f"{fmt}-{granularity}"
-    convert_model(folder, out, format=fmt, granularity=granularity, scales=scales)
+    result = convert_model(folder, out, format=fmt, granularity=granularity, scales=scales)
+    assert result.rotation == (rotation or "keys_and_values")  # as the scales record
+    assert {layer.rotation for layer in inspect_kv_cache(out).layers} == {result.rotation}
     assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
     tokens = og_generate(out, PROMPT, 16)
     assert len(tokens) >= 4 and tokens == runner_generate(out, PROMPT, 16)
+
+
+def test_a_genai_builder_folder_rotated_generates_like_the_runner(tmp_path):
+    """genai's own build (RoPE inside GroupQueryAttention), rotated and quantized to int4."""
+    source = pathlib.Path(__file__).parent / "data/producers/genai-builder/genai-builder-cpu-fp32/llama"
+    data = [[(7 * i + 3 * j) % 128 for j in range(64)] for i in range(6)]
+    scales = calibrate_kv_cache(source, data, format="int4", granularity="per_channel", progress=False)
+    out = tmp_path / "rotated"
+    assert convert_model(source, out, scales=scales).rotation == "keys_and_values"
+    prompt = [1, 72, 101, 108, 108, 111, 33]
+    tokens = og_generate(out, prompt, 12)
+    assert len(tokens) >= 4 and tokens == runner_generate(out, prompt, 12)
 
 
 def test_original_folder_generates_like_the_runner(folder):

@@ -1,0 +1,147 @@
+"""Rotated caches through calibration, conversion, requantization, inspection and the command.
+
+The scales say which cache they were measured on (``rotation`` in their metadata): conversion
+rotates alike, refuses scales of another rotation, and a rotated model keeps its rotation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import (
+    KvCacheRunner,
+    calibrate_kv_cache,
+    convert_model,
+    inspect_kv_cache,
+    load_model,
+    optimize_model,
+)
+from onnx_kvcache.cache.layout import format_cache_table
+from onnx_kvcache.capabilities.refusals import RefusalCode
+from onnx_kvcache.capabilities.table import check_kv_cache_support
+from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
+from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
+
+DATA = [[(11 * i + 5 * j) % 256 for j in range(96)] for i in range(4)]
+PROMPT = list(range(40, 52))
+
+
+def _calibrated(model, fmt="int4", granularity="per_channel", **kwargs) -> KvCacheScales:
+    return calibrate_kv_cache(model, DATA, format=fmt, granularity=granularity, progress=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rotation") / "model.onnx"
+    ir.save(build_decoder(num_layers=2), path)
+    return path
+
+
+@pytest.mark.parametrize(("fmt", "want"), [("int4", "keys_and_values"), ("int8", "none"), ("fp8", "none")])
+def test_calibration_records_the_formats_default_rotation(model_file, fmt, want):
+    assert _calibrated(model_file, fmt).metadata["rotation"] == want
+
+
+def test_a_rotated_int4_cache_is_closer_to_the_float_model_than_an_unrotated_one(model_file):
+    """The test decoder's keys carry a few large channels (as trained models' do): spread, they
+    cost int4 less."""
+    want = KvCacheRunner(model_file).prefill(PROMPT)
+    errors = {}
+    for rotation in ("none", "keys_and_values"):
+        model = load_model(model_file)
+        optimize_model(
+            model,
+            execution_provider="cpu",
+            kv_cache_scales=_calibrated(model_file, "int4", rotation=rotation, method="minmax"),
+        )
+        assert {layer.rotation for layer in inspect_kv_cache(model).layers} == {rotation}
+        errors[rotation] = float(np.abs(KvCacheRunner(model).prefill(PROMPT) - want).mean())
+    assert errors["keys_and_values"] < errors["none"]
+
+
+def test_conversion_follows_the_scales_and_the_file_keeps_the_record(model_file, tmp_path):
+    scales = _calibrated(model_file, rotation="keys")
+    scales.save(tmp_path / "scales.json")
+    assert load_kv_cache_scale_file(tmp_path / "scales.json").metadata["rotation"] == "keys"
+    result = convert_model(model_file, tmp_path / "out.onnx", scales=tmp_path / "scales.json")
+    assert result.rotation == "keys"
+    table = format_cache_table(inspect_kv_cache(tmp_path / "out.onnx"))
+    assert "rotated cache: the query and the key turned by H (normalized Walsh-Hadamard 32x32" in table
+
+
+def test_scales_of_another_rotation_are_refused_before_any_work(model_file, tmp_path):
+    scales = _calibrated(model_file)  # keys_and_values
+    with pytest.raises(KvCacheError, match="calibrated for rotation keys_and_values; keys was asked"):
+        convert_model(model_file, tmp_path / "a.onnx", scales=scales, rotation="keys")
+    genai_style = KvCacheScales(scales.k, scales.v, format="int4", granularity="per_channel")  # no record
+    with pytest.raises(KvCacheError, match="calibrated for rotation none; keys_and_values was asked"):
+        convert_model(model_file, tmp_path / "b.onnx", scales=genai_style, rotation="keys_and_values")
+    assert not list(tmp_path.iterdir())
+
+
+def test_requantizing_a_rotated_cache_keeps_its_rotation(model_file, tmp_path):
+    convert_model(model_file, tmp_path / "int4.onnx", scales=_calibrated(model_file))
+    result = convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8")
+    assert result.rotation == "keys_and_values"
+    requantized = load_model(tmp_path / "int8.onnx")
+    assert {(layer.rotation, layer.bit_width) for layer in inspect_kv_cache(requantized).layers} == {
+        ("keys_and_values", 8)
+    }
+    assert sum(n.op_type == "RotaryEmbedding" for n in requantized.graph) == 4  # rotated once
+    with pytest.raises(KvCacheError, match=r"already rotated \(keys_and_values\): requantizing keeps it"):
+        convert_model(tmp_path / "int4.onnx", tmp_path / "c.onnx", format="int8", rotation="none")
+    rotated = load_model(model_file)
+    KvCacheRotationPass()(rotated)
+    with pytest.raises(
+        KvCacheError, match="Calibrate the original model: this one's cache is already rotated"
+    ):
+        _calibrated(rotated)
+
+
+def test_paged_attention_takes_no_rotation():
+    model = build_decoder(num_layers=2, paged=True, dtype="float16")
+    assert calibrate_kv_cache(model, DATA, format="int4", progress=False).metadata["rotation"] == "none"
+    with pytest.raises(KvCacheError, match="rotation='keys' is for GroupQueryAttention caches"):
+        calibrate_kv_cache(model, DATA, format="int4", rotation="keys", progress=False)
+    report = check_kv_cache_support(model, "cuda", "int8", rotation="keys")
+    assert RefusalCode.ROTATION_UNSUPPORTED in [r.code for r in report.refusals]
+    with pytest.raises(Exception, match="proven for GroupQueryAttention only"):
+        KvCacheRotationPass()(model)
+
+
+def test_the_rotation_moves_q_k_norms_out_of_the_node_so_the_cpu_runs_them():
+    model = build_decoder(num_layers=1, qk_norm=True)
+    assert [r.code for r in check_kv_cache_support(model, "cpu", "int8").refusals] == [
+        RefusalCode.QK_NORM_UNSUPPORTED
+    ]
+    assert check_kv_cache_support(model, "cpu", "int8", rotation="keys").supported
+
+
+def test_the_command_calibrates_and_converts_rotated(model_file, tmp_path, capsys):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(DATA))
+    scales = tmp_path / "s.json"
+    argv = ["calibrate", str(model_file), "--out", str(scales), "--token-ids", str(ids), "--format", "int8"]
+    assert main([*argv, "--rotation", "keys", "--min-tokens", "0"]) == 0
+    assert "method minmax, rotation keys)" in capsys.readouterr().out
+    assert main(["convert", str(model_file), str(tmp_path / "o.onnx"), "--scales", str(scales)]) == 0
+    assert "to int8 per_tensor, rotated (keys) for cpu" in capsys.readouterr().out
+    bad = [
+        "convert",
+        str(model_file),
+        str(tmp_path / "p.onnx"),
+        "--scales",
+        str(scales),
+        "--rotation",
+        "none",
+    ]
+    assert main(bad) == 2
+    err = capsys.readouterr().err
+    assert "calibrated for rotation keys; none was asked" in err and "--rotation keys" in err
