@@ -123,14 +123,23 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A cache: float (``fmt`` None) or a format and granularity."""
+    """A cache: float (``fmt`` None) or a format and granularity, rotated or not
+    (docs/rotation.md: the operators a rotation adds must run on the device too)."""
 
     fmt: str | None
     granularity: str = "per_tensor"
+    rotation: str = "none"
 
     @property
     def label(self) -> str:
-        return "float" if self.fmt is None else f"{self.fmt} {self.granularity}"
+        if self.fmt is None:
+            return "float"
+        return f"{self.fmt} {self.granularity}" + ("" if self.rotation == "none" else f" +{self.rotation}")
+
+    @property
+    def cell(self) -> str:
+        """The capability cell's granularity, a rotated cache's rotation after a ``+``."""
+        return self.granularity + ("" if self.rotation == "none" else f"+{self.rotation}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +172,14 @@ class Plan:
     paged: bool
 
 
+#: The rotated caches the check adds (calibration's default for int4: keys and values turned).
+ROTATED = (("int4", "keys_and_values"),)
+
+
 def cuda_variants(granularities: Sequence[str] = GRANULARITIES) -> tuple[Variant, ...]:
-    """Float, then every format x granularity the capability table's CUDA GQA row lists."""
+    """Float, then every format x granularity the capability table's CUDA GQA row lists
+    (unrotated), then :data:`ROTATED`'s formats rotated, at the last of ``granularities``,
+    where the row runs a rotated cache."""
     from onnx_kvcache.capabilities.table import get_capabilities
 
     row = get_capabilities("cuda")
@@ -173,6 +188,10 @@ def cuda_variants(granularities: Sequence[str] = GRANULARITIES) -> tuple[Variant
         support = row.formats.get(fmt)
         if support is not None:
             found += [Variant(fmt, g) for g in granularities if g in support.granularities]
+    for fmt, rotation in ROTATED if row.rotation else ():
+        support = row.formats.get(fmt)
+        if support is not None and granularities[-1] in support.granularities:
+            found.append(Variant(fmt, granularities[-1], rotation))
     return tuple(found)
 
 
@@ -466,15 +485,23 @@ class Placement:
     """Attention node -> provider."""
     on_cpu: dict[str, int]
     """op type -> nodes of it placed on the CPU."""
+    rotation: dict[str, str] = dataclasses.field(default_factory=dict)
+    """A rotated cache's added compute nodes (RotaryEmbedding, the MatMuls by ``H``) -> provider."""
 
     def attention_on(self, provider: str) -> bool:
-        return bool(self.attention) and all(p == provider for p in self.attention.values())
+        """Every attention node, and every node a rotation adds, ran on ``provider``."""
+        return (
+            bool(self.attention)
+            and all(p == provider for p in self.attention.values())
+            and all(p == provider for p in self.rotation.values())
+        )
 
 
 def read_placement(profile: str | os.PathLike, fallback_disabled: bool, note: str) -> Placement:
     """Node placement from an onnxruntime profile (its ``Node`` events name the provider)."""
     events = json.loads(pathlib.Path(profile).read_text())
     attention: dict[str, str] = {}
+    rotation: dict[str, str] = {}
     on_cpu: dict[str, int] = {}
     seen: set[str] = set()
     for event in events:
@@ -485,10 +512,12 @@ def read_placement(profile: str | os.PathLike, fallback_disabled: bool, note: st
         node, op = name.removesuffix("_kernel_time"), args.get("op_name", "?")
         if op in ("GroupQueryAttention", "PagedAttention"):
             attention[node] = args["provider"]
+        if op == "RotaryEmbedding" or (op == "MatMul" and "/rotation/" in node):
+            rotation[node] = args["provider"]
         if args["provider"] == _CPU and node not in seen:
             on_cpu[op] = on_cpu.get(op, 0) + 1
         seen.add(node)
-    return Placement(fallback_disabled, note, attention, on_cpu)
+    return Placement(fallback_disabled, note, attention, on_cpu, rotation)
 
 
 @dataclasses.dataclass
@@ -861,6 +890,7 @@ def calibration_scales(model: Any, variant: Variant) -> Any:
             method=method,
             seq_len=256,
             progress=False,
+            rotation=variant.rotation,
         )
 
 
@@ -872,6 +902,7 @@ def converted(
     import onnx_ir as ir
 
     from onnx_kvcache import KvCacheQuantizationPass, convert_model
+    from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 
     source = model if folder is None else ir.load(folder / "model.onnx")
     if variant.fmt is None:
@@ -881,6 +912,7 @@ def converted(
         warnings.simplefilter("ignore")
         if folder is None:
             copy = model.clone()
+            KvCacheRotationPass(variant.rotation)(copy)  # convert_model follows the scales' record
             KvCacheQuantizationPass(variant.fmt, variant.granularity, scales)(copy)
             return copy, None
         out = work / f"{spec.name}-{variant.fmt}-{variant.granularity}"
@@ -929,7 +961,7 @@ def kernel_phase(
         float_ref: Run | None = None
         floors: dict[tuple[int, str], np.ndarray] = {}
         for variant in plan.variants[spec.name]:
-            key = ("GroupQueryAttention", variant.fmt or "float", variant.granularity)
+            key = ("GroupQueryAttention", variant.fmt or "float", variant.cell)
             try:
                 qmodel, base = converted(spec, model, folder, variant, work)
                 reference = reference_run(qmodel, rule, prompt, decode)
@@ -1078,6 +1110,7 @@ def speed_models(
     import onnx_ir as ir
 
     from onnx_kvcache import build_decoder, convert_model
+    from onnx_kvcache.scales.files import KvCacheScales
 
     fields = dataclasses.asdict(spec)
     model = build_decoder(
@@ -1096,8 +1129,9 @@ def speed_models(
             continue
         n = 1 if v.granularity == "per_tensor" else spec.kv_num_heads * spec.head_size
         scale = {"fp8": 0.02, "int8": 0.08, "int4": 1.2}[v.fmt]
-        scales = {i: (np.full(n, scale), np.full(n, scale)) for i in range(spec.num_layers)}
-        out = folder / f"model.{v.fmt}.{v.granularity}.onnx"
+        k = {i: np.full(n, scale, np.float32) for i in range(spec.num_layers)}
+        scales = KvCacheScales(k, k, format=v.fmt, metadata={"rotation": v.rotation})
+        out = folder / f"model.{v.fmt}.{v.cell}.onnx"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             convert_model(base, out, format=v.fmt, granularity=v.granularity, scales=scales, ep="cuda")
@@ -1203,7 +1237,8 @@ def capability_claims(
     from onnx_kvcache import check_kv_cache_support
 
     claims = []
-    for (op, fmt, granularity), observed in sorted(ran.items()):
+    for (op, fmt, cell), observed in sorted(ran.items()):
+        granularity, _, rotation = cell.partition("+")  # a rotated cache's cell: per_channel+keys...
         report = check_kv_cache_support(
             None,
             "cuda",
@@ -1212,13 +1247,14 @@ def capability_claims(
             runtime_version=ort_version,
             compute_capability=cc,
             op=op,
+            rotation=rotation or "none",
         )
         says = "runs" if report.supported else "refused: " + "; ".join(report.reasons)[:160]
         did = observed == "ran"
         claims.append(
             Claim(
                 op,
-                f"{fmt} {granularity}" if fmt != "float" else "float",
+                f"{fmt} {cell.replace('+', ' +')}" if fmt != "float" else "float",
                 says,
                 observed,
                 did != report.supported,
@@ -1245,7 +1281,7 @@ def _row_text(c: Comparison) -> str:
     if c.flagged_steps:
         text += f" (steps {c.flagged_steps[:6]}{'...' if len(c.flagged_steps) > 6 else ''})"
     if c.placement_ok is False:
-        text += " (attention not all on CUDA)"
+        text += " (attention or rotation nodes not all on CUDA)"
     return text + (f" [{c.note}]" if c.note else "")
 
 

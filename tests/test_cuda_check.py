@@ -75,7 +75,9 @@ def test_the_variants_are_the_cuda_rows():
 
     row = get_capabilities("cuda")
     expected = {(f, g) for f, s in row.formats.items() for g in s.granularities}
-    assert {(v.fmt, v.granularity) for v in cc.cuda_variants() if v.fmt} == expected
+    assert {(v.fmt, v.granularity) for v in cc.cuda_variants() if v.fmt and v.rotation == "none"} == expected
+    rotated = [v.label for v in cc.cuda_variants() if v.rotation != "none"]
+    assert row.rotation and rotated == ["int4 per_channel +keys_and_values"]  # int4's default rotation
 
 
 def test_without_a_gpu_it_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
@@ -153,10 +155,12 @@ def test_bf16_models_calibrate_on_cpu():
 def test_cpu_kernel_matches_its_emulation(tmp_path, capsys):
     """The CPU kernel stands in for CUDA's, against the same rule's emulation: every run is
     within its bound, the attention nodes ran where asked, the codes at most a step apart."""
-    variants = (V(None), V("int8", "per_channel"), V("int4", "per_tensor"))
+    variants = (V(None), V("int8", "per_channel"), V("int4", "per_tensor", "keys_and_values"))
     results, ran = cc.kernel_phase(small_plan(variants), "cpu", tmp_path, rule="cpu")
     assert len(results) == 3 * 2 * 2
-    assert set(ran.values()) == {"ran"}
+    assert (
+        set(ran.values()) == {"ran"} and ("GroupQueryAttention", "int4", "per_tensor+keys_and_values") in ran
+    )
     for r in results:
         assert not r.flagged, cc._row_text(r)
         assert r.placement_ok is None or r.placement_ok
@@ -266,12 +270,34 @@ def test_paged_and_speed_on_cpu(tmp_path, monkeypatch):
         (("GroupQueryAttention", "fp8", "per_tensor"), "run failed: no kernel", (8, 6), False),
         (("GroupQueryAttention", "int8", "per_channel"), "session failed: NOT_IMPLEMENTED", (9, 0), True),
         (("PagedAttention", "int4", "per_tensor"), "ran", (9, 0), False),
+        (("GroupQueryAttention", "int4", "per_channel+keys_and_values"), "ran", (9, 0), False),
+        (("PagedAttention", "int8", "per_tensor+keys"), "ran", (9, 0), True),  # no paged rotation
     ],
 )
 def test_capability_claims(key, observed, cc_, contradiction):
     (claim,) = cc.capability_claims({key: observed}, "1.32.0", cc_)
     assert claim.contradiction is contradiction
     assert claim.observed == observed
+
+
+def test_a_rotation_node_off_the_device_fails_the_placement(tmp_path):
+    """The profile's RotaryEmbedding and MatMul-by-H nodes count with the attention nodes."""
+    events = [
+        {"cat": "Node", "name": f"{node}_kernel_time", "args": {"provider": provider, "op_name": op}}
+        for node, op, provider in (
+            ("gqa.0", "GroupQueryAttention", "CUDAExecutionProvider"),
+            ("gqa.0/rotation/RotaryEmbedding_9", "RotaryEmbedding", "CUDAExecutionProvider"),
+            ("gqa.0/rotation/MatMul_12", "MatMul", "CPUExecutionProvider"),
+            ("/model/layers.0/mlp/MatMul", "MatMul", "CUDAExecutionProvider"),
+        )
+    ]
+    (tmp_path / "p.json").write_text(json.dumps(events))
+    placement = cc.read_placement(tmp_path / "p.json", True, "")
+    assert placement.rotation == {
+        "gqa.0/rotation/RotaryEmbedding_9": "CUDAExecutionProvider",
+        "gqa.0/rotation/MatMul_12": "CPUExecutionProvider",
+    }
+    assert not placement.attention_on("CUDAExecutionProvider")
 
 
 def test_the_report_is_json(tmp_path):

@@ -198,11 +198,9 @@ def _format_refusals(
     return found
 
 
-def _rotation_refusals(row: EpCapabilities, ep: str, sites: list[CacheSite]) -> list[Refusal]:
+def _rotation_refusals(row: EpCapabilities, ep: str) -> list[Refusal]:
     """A rotated cache (:mod:`~onnx_kvcache.cache.rotation`) on ``row``: its operator must be
     GroupQueryAttention and the provider known to run the operators it adds."""
-    if not any(s.op.op_type == row.op for s in sites):
-        return []
     if row.op != "GroupQueryAttention":
         text = f"a rotated cache is for GroupQueryAttention; this model's {row.op} caches take rotation none."
     elif row.rotation is None:
@@ -314,9 +312,10 @@ def check_kv_cache_support(
         if fmt is not None and support is not None and support.warning and not found:
             warnings.append(support.warning)
         refusals += [r for r in found if r not in refusals]
+        if rotated and (model is None or any(s.op.op_type == row.op for s in sites)):
+            refusals += _rotation_refusals(row, ep)
         if model is not None:
             refusals += _site_refusals(row, ep, sites, support, rotated)
-            refusals += _rotation_refusals(row, ep, sites) if rotated else []
     if model is not None and not sites:
         refusals.append(NO_ATTENTION)
     said = () if refusals else tuple(warnings)
