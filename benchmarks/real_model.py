@@ -410,7 +410,8 @@ def by_position(folder: pathlib.Path, cache: pathlib.Path, keys: list[str], leng
         path.write_text(json.dumps(results))
         print(f"  {key:<34} ({time.perf_counter() - start:.0f} s)", flush=True)
     base = np.asarray(results["float"])
-    ranges = [*ranges, (ranges[0][0], ranges[-1][1])]  # and every scored position
+    # first the standard table's positions (its 512-token windows score 66-512), last every scored one
+    ranges = [(CHUNK + 2, SEQ_LEN + 1), *ranges, (ranges[0][0], ranges[-1][1])]
     names = [f"{a:,}-{b:,}" for a, b in ranges]
     print(f"\nperplexity change against the float cache, 2 x {length:,}-token held-out windows, by position")
     print(f"{'row':<52}" + "".join(f"{n:>13}" for n in names) + "  kernel rule")
