@@ -88,15 +88,20 @@ def test_the_genai_build_has_what_the_kernel_applied_outside_and_one_matrix():
     model = load_model(path)
     KvCacheRotationPass()(model)
     nodes = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
-    assert all("do_rotary" not in n.attributes and len(n.inputs) <= 7 for n in nodes)
-    assert sum(n.op_type == "RotaryEmbedding" for n in model.graph) == 2 * len(nodes)
-    matrices = {n.inputs[1].name for n in model.graph if n.op_type == "MatMul" and n.name.endswith("_2")}
-    assert [v for v in model.graph.initializers if v.startswith("kv_cache_rotation")] == [
-        "kv_cache_rotation_16"
+    # packed QKV in, no rotary, tables or norms: a few nodes a layer
+    assert all("do_rotary" not in n.attributes and len(n.inputs) <= 7 and n.inputs[1] is None for n in nodes)
+    second = [
+        n.op_type
+        for n in model.graph
+        if (n.name or "").startswith(f"{nodes[1].name.split('/rotation/')[0]}/")
     ]
-    assert matrices <= {"kv_cache_rotation_16"}
-    # the positions are computed once for every layer
-    assert sum(n.op_type == "Range" for n in model.graph) == 1
+    assert second == [  # the first layer also computes the positions every layer reads
+        *("Split", "RotaryEmbedding", "Concat", "Reshape", "MatMul", "Reshape"),  # query and key at once
+        *("GroupQueryAttention", "Reshape", "MatMul", "Reshape"),  # the output turned back
+    ]
+    matrices = {n.inputs[1].name for n in model.graph if n.op_type == "MatMul" and "/rotation/" in n.name}
+    assert matrices == {"kv_cache_rotation_16"} and "kv_cache_rotation_16" in model.graph.initializers
+    assert sum(n.op_type == "Range" for n in model.graph) == 1  # the positions, once for every layer
     assert not KvCacheRotationPass()(model).modified  # already rotated as asked
     with pytest.raises(KvCachePreconditionError, match="already rotated"):
         KvCacheRotationPass("keys")(model)
@@ -154,6 +159,7 @@ def test_qk_norms_interleaved_rope_and_packed_qkv_move_out(kwargs):
     want = _steps(model, create_session(emulate_kv_cache(model, "cpu")))
     KvCacheRotationPass()(model)
     assert not any(n.op_type == "GroupQueryAttention" and len(n.inputs) > 7 for n in model.graph)
+    assert {site_rotation(s).name for s in find_attention_sites(model)} == {"keys_and_values"}
     got = _steps(model, create_session(model))
     for a, b in zip(want, got):
         for name, x in a.items():

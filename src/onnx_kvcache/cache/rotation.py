@@ -14,10 +14,10 @@ Rules:
   are not all of one size, so it spreads a channel less evenly).
 * What is turned is a row of :data:`ROTATIONS`: ``none``, ``keys`` (query and key) or
   ``keys_and_values`` (query, key and value, the output turned back).
-* A graph shows a rotation when the node's key input (and value input) is
-  ``Reshape(MatMul(Reshape(x, [0, 0, -1, d]), H), [0, 0, -1])`` with ``H`` a constant equal to
-  :func:`rotation_matrix` (``d``): :func:`site_rotation` reads it from the graph, never from a
-  name or a record.
+* A graph shows a rotation when what the node reads is turned, ``Reshape(MatMul(., H))`` with
+  ``H`` a constant equal to :func:`rotation_matrix` (``d``): its packed QKV (``keys_and_values``),
+  or the first input of the Concat that packs it (``keys``); with separate inputs, its key (and
+  value). :func:`site_rotation` reads it from the graph, never from a name or a record.
 """
 
 from __future__ import annotations
@@ -168,14 +168,20 @@ def _rotated(value: ir.Value | None, size: int) -> bool:
 
 def site_rotation(site: CacheSite) -> Rotation:
     """What the graph turns before ``site``'s node (the rules): a row of :data:`ROTATIONS`."""
-    key, value = site.input("key"), site.input("value")
-    if key is None:
+    if site.op.op_type != "GroupQueryAttention":
         return ROTATIONS["none"]
     try:
         size = site.head_size()
     except KvCacheError:
         return ROTATIONS["none"]
-    keys, values = _rotated(key, size), _rotated(value, size)
+    if site.packed_qkv:
+        packed = site.input("query")
+        if _rotated(packed, size):
+            return ROTATIONS["keys_and_values"]
+        concat = packed.producer() if packed is not None else None
+        keys = concat is not None and concat.op_type == "Concat" and _rotated(concat.inputs[0], size)
+        return ROTATIONS["keys"] if keys else ROTATIONS["none"]
+    keys, values = _rotated(site.input("key"), size), _rotated(site.input("value"), size)
     if keys and values:
         return ROTATIONS["keys_and_values"]
     return ROTATIONS["keys"] if keys else ROTATIONS["none"]

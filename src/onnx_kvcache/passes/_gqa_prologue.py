@@ -144,13 +144,21 @@ class Prologue:
 
     def apply(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value, Step]:
         """Query and key after the node's norms and RoPE (rules 2 and 3), and the step facts."""
-        query, key = self._norm(query, key)
+        query, key = self.norms(query, key)
         step = self.step(query)
         if self.rotary is not None:
-            query, key = self._rotary(query, key, step)
+            query, key = self.rope(query, self.heads, step), self.rope(key, self.kv, step)
         return query, key, step
 
-    def _norm(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
+    @property
+    def has_norms(self) -> bool:
+        site = self.site
+        return (
+            site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None
+        )
+
+    def norms(self, query: ir.Value, key: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """Query and key after the node's q/k RMS norms (rule 2; as given without)."""
         site, node = self.site, self.site.node
         shared = _float_attr(node, "qk_norm_epsilon", 1e-6)
         q_norm, k_norm = site.input(GqaInput.Q_NORM_WEIGHT), site.input(GqaInput.K_NORM_WEIGHT)
@@ -198,23 +206,20 @@ class Prologue:
         prompt = b.op("Unsqueeze", [steps, b.const(np.array([0], np.int64))])
         return b.op("Where", [first, prompt, later])
 
-    def _rotary(self, query: ir.Value, key: ir.Value, step: Step) -> tuple[ir.Value, ir.Value]:
+    def rope(self, x: ir.Value, heads: int, step: Step) -> ir.Value:
+        """``x`` ``[B, S, heads * H]`` through the node's RoPE (rule 3): every head at the same
+        positions, so query and key heads side by side may take one node."""
         site, b = self.site, self.b
         assert step.positions is not None and self.rotary is not None
         cos, sin = self.rotary
         rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
         extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
-        interleaved = site.int_attr("rotary_interleaved")
-        rotated = [
-            b.op(
-                "RotaryEmbedding",
-                [x, step.positions, cos, sin],
-                domain="com.microsoft",
-                dtype=self.dtype,
-                interleaved=interleaved,
-                num_heads=n,
-                **extra,
-            )
-            for x, n in ((query, self.heads), (key, self.kv))
-        ]
-        return rotated[0], rotated[1]
+        return b.op(
+            "RotaryEmbedding",
+            [x, step.positions, cos, sin],
+            domain="com.microsoft",
+            dtype=self.dtype,
+            interleaved=site.int_attr("rotary_interleaved"),
+            num_heads=heads,
+            **extra,
+        )

@@ -17,11 +17,15 @@ Rules:
    (:mod:`onnx_kvcache.passes._gqa_prologue`): packed QKV split, q/k RMS norms, RoPE
    (com.microsoft ``RotaryEmbedding``). The node loses ``do_rotary``, its cos/sin tables,
    ``position_ids`` and norm weights; every other input and attribute is kept.
-3. The query and the key are turned per head, ``Reshape(MatMul(Reshape(x, [0, 0, -1, d]), H),
-   [0, 0, -1])``; with ``keys_and_values`` the value too, and the node's output turned back by
-   ``H^T`` the same way. ``H`` is one initializer per head size and dtype, shared by every layer
-   (``kv_cache_rotation_<d>``; its transpose ``kv_cache_rotation_<d>_t`` when it is not
-   symmetric).
+3. The query and the key heads go side by side (``[B, S, (N + KV) * d]``: the packed QKV split
+   in two, or the two concatenated), through one RotaryEmbedding (every head at the same
+   positions), and are turned per head, ``Reshape(MatMul(Reshape(x, [0, 0, N + KV, d]), H),
+   [0, 0, (N + KV) * d])``, then packed with the value; with ``keys_and_values`` the packed QKV is
+   turned at once instead, and the node's output turned back by ``H^T`` the same way. The node
+   takes the packed QKV (a few nodes a layer: a rotated decode step costs little more than an
+   unrotated one, ``benchmarks/rotation_speed.py``). ``H`` is one initializer per head size and
+   dtype, shared by every layer (``kv_cache_rotation_<d>``; its transpose
+   ``kv_cache_rotation_<d>_t`` when it is not symmetric), as are the shapes.
 4. The presents hold the rotated K (and V): whatever reads them (onnxruntime-genai, the runner)
    reads them as caches, and quantizing them after this pass stores the rotated values.
 
@@ -51,24 +55,16 @@ logger = logging.getLogger(__name__)
 _DOING = "rotate the cache of"
 
 
-class _Matrices:
-    """``H`` (and ``H^T``) initializers of one graph, one per head size and dtype."""
+class _Constants:
+    """The initializers every rewritten node of one graph shares: ``H`` (and ``H^T``) per head
+    size and dtype, and the int64 shapes and split sizes."""
 
     def __init__(self, graph: ir.Graph) -> None:
         self.graph = graph
-        self.made: dict[tuple[int, ir.DataType, bool], ir.Value] = {}
+        self.made: dict[tuple, ir.Value] = {}
 
-    def get(self, size: int, dtype: ir.DataType, transposed: bool = False) -> ir.Value:
-        h = rotation_matrix(size)
-        if transposed and np.array_equal(h, h.T):
-            transposed = False
-        key = (size, dtype, transposed)
+    def _initializer(self, key: tuple, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
         if key not in self.made:
-            array = (h.T if transposed else h).astype(dtype.numpy())
-            base = f"kv_cache_rotation_{size}" + (
-                "" if dtype == ir.DataType.FLOAT else f"_{dtype.name.lower()}"
-            )
-            name = base + ("_t" if transposed else "")
             taken = self.graph.initializers.get(name)
             if taken is not None and (
                 taken.const_value is None or not np.array_equal(taken.const_value.numpy(), array)
@@ -77,10 +73,25 @@ class _Matrices:
             value = self.graph.initializers.get(name)
             if value is None:
                 value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
-                value.type, value.shape = ir.TensorType(dtype), ir.Shape([size, size])
+                value.type, value.shape = ir.TensorType(dtype), ir.Shape(array.shape)
                 self.graph.register_initializer(value)
             self.made[key] = value
         return self.made[key]
+
+    def matrix(self, size: int, dtype: ir.DataType, transposed: bool = False) -> ir.Value:
+        h = rotation_matrix(size)
+        transposed = transposed and not np.array_equal(h, h.T)
+        suffix = ("" if dtype == ir.DataType.FLOAT else f"_{dtype.name.lower()}") + (
+            "_t" if transposed else ""
+        )
+        array = (h.T if transposed else h).astype(dtype.numpy())
+        return self._initializer(
+            ("H", size, dtype, transposed), f"kv_cache_rotation_{size}{suffix}", array, dtype
+        )
+
+    def ints(self, values: list[int]) -> ir.Value:
+        name = "kv_cache_rotation_shape_" + "_".join(str(v).replace("-", "m") for v in values)
+        return self._initializer(("ints", *values), name, np.array(values, np.int64), ir.DataType.INT64)
 
 
 class _Rewrite:
@@ -98,30 +109,51 @@ class _Rewrite:
         self.prologue = Prologue(site, self.b, dtype, steps, _DOING)
         self.head = self.prologue.head
 
-    def _turn(self, x: ir.Value, h: ir.Value, like: ir.Value | None, heads: int) -> ir.Value:
-        """``x`` ``[B, S, heads * d]`` turned per head by ``h``."""
-        b, d = self.b, self.head
-        split = b.op("Reshape", [x, b.const(np.array([0, 0, -1, d], np.int64))], dtype=self.dtype)
-        turned = b.op("MatMul", [split, h], dtype=self.dtype)
-        out = b.op("Reshape", [turned, b.const(np.array([0, 0, -1], np.int64))], dtype=self.dtype)
-        shape = like.shape if like is not None else None
+    def _typed(self, x: ir.Value, heads: int) -> ir.Value:
+        x.dtype = self.dtype
+        shape = self.site.input(GqaInput.QUERY).shape  # type: ignore[union-attr]
         if shape is not None and len(shape) == 3:
-            out.shape = ir.Shape([shape[0], shape[1], heads * d])
-        return out
+            x.shape = ir.Shape([shape[0], shape[1], heads * self.head])
+        return x
 
-    def run(self, matrices: _Matrices) -> None:
+    def _turn(self, x: ir.Value, h: ir.Value, heads: int, k: _Constants) -> ir.Value:
+        """``x`` ``[B, S, heads * d]`` turned per head by ``h``."""
+        b = self.b
+        split = b.op("Reshape", [x, k.ints([0, 0, heads, self.head])], dtype=self.dtype)
+        turned = b.op("MatMul", [split, h], dtype=self.dtype)
+        return self._typed(b.op("Reshape", [turned, k.ints([0, 0, heads * self.head])]), heads)
+
+    def _query_and_key(self, k: _Constants) -> tuple[ir.Value, ir.Value]:
+        """The query and key heads side by side ``[B, S, (N + KV) * d]``, after the node's norms
+        and RoPE (one RotaryEmbedding: the same positions), and the value."""
+        site, b, prologue = self.site, self.b, self.prologue
+        n, kv, d = site.num_heads, site.kv_num_heads, self.head
+        if site.packed_qkv and not prologue.has_norms:
+            sizes = k.ints([(n + kv) * d, kv * d])
+            qk, value = b.ops("Split", [site.input(GqaInput.QUERY), sizes], 2, axis=-1)
+        else:
+            query, key, value = prologue.inputs()
+            query, key = prologue.norms(query, key)
+            qk = b.op("Concat", [query, key], axis=-1)
+        qk, value = self._typed(qk, n + kv), self._typed(value, kv)
+        if prologue.rotary is not None:
+            qk = self._typed(prologue.rope(qk, n + kv, prologue.step(qk)), n + kv)
+        return qk, value
+
+    def run(self, k: _Constants) -> None:
         site, b, rotation = self.site, self.b, self.rotation
         node = site.node
-        original = site.input(GqaInput.QUERY)
-        query, key, value = self.prologue.inputs()
-        query, key, _ = self.prologue.apply(query, key)
-        h = matrices.get(self.head, self.dtype)
-        query = self._turn(query, h, original, site.num_heads)
-        key = self._turn(key, h, original, site.kv_num_heads)
-        if rotation.values:
-            value = self._turn(value, h, original, site.kv_num_heads)
-        inputs = list(node.inputs)
-        inputs[GqaInput.QUERY], inputs[GqaInput.KEY], inputs[GqaInput.VALUE] = query, key, value
+        n, kv = site.num_heads, site.kv_num_heads
+        h = k.matrix(self.head, self.dtype)
+        qk, value = self._query_and_key(k)
+        if rotation.values:  # the packed QKV turned at once
+            packed = self._turn(
+                self._typed(b.op("Concat", [qk, value], axis=-1), n + 2 * kv), h, n + 2 * kv, k
+            )
+        else:
+            packed = self._typed(b.op("Concat", [self._turn(qk, h, n + kv, k), value], axis=-1), n + 2 * kv)
+        inputs: list[ir.Value | None] = list(node.inputs)
+        inputs[GqaInput.QUERY], inputs[GqaInput.KEY], inputs[GqaInput.VALUE] = packed, None, None
         for slot in MOVED_INPUTS:
             if slot < len(inputs):
                 inputs[slot] = None
@@ -130,10 +162,8 @@ class _Rewrite:
         attrs = {name: attr for name, attr in node.attributes.items() if name not in MOVED_ATTRS}
         outputs = list(b.ops(node.op_type, inputs, len(node.outputs), node.domain, **attrs))
         if rotation.values:
-            back = matrices.get(self.head, self.dtype, transposed=True)
-            outputs[GqaOutput.OUTPUT] = self._turn(
-                outputs[GqaOutput.OUTPUT], back, node.outputs[0], site.num_heads
-            )
+            back = k.matrix(self.head, self.dtype, transposed=True)
+            outputs[GqaOutput.OUTPUT] = self._turn(outputs[GqaOutput.OUTPUT], back, n, k)
         assert node.graph is not None
         ir.convenience.replace_nodes_and_values(
             node.graph, node, [node], b.nodes, list(node.outputs), outputs
@@ -200,9 +230,9 @@ class KvCacheRotationPass(InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         rewrites = self._check(model)
-        matrices = _Matrices(model.graph)
+        constants = _Constants(model.graph)
         for r in rewrites:
-            r.run(matrices)
+            r.run(constants)
         if rewrites:
             model.opset_imports.setdefault("com.microsoft", 1)
         logger.info(
