@@ -24,6 +24,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
+from onnx_kvcache.cache.rotation import DEFAULT_ROTATIONS
 from onnx_kvcache.calibrate.calibration import calibrate_kv_cache
 from onnx_kvcache.errors import Message, Param
 from onnx_kvcache.files.conversion import convert_model
@@ -158,8 +159,12 @@ def _evaluate_variant(
 
 def _row(variant: tuple[str, str, str], report: EvaluationReport) -> tuple[str, ...]:
     """One table row: the variant, its kernel rule and figures."""
+    fmt, granularity, method = variant
+    rotated = DEFAULT_ROTATIONS.get(fmt, "none") != "none"  # calibration's default, which convert follows
     return (
-        *variant,
+        fmt,
+        granularity,
+        method + ("+rot" if rotated else ""),
         report.kernel_rule.replace("onnxruntime CPU kernel", "native"),
         f"{report.candidate_bytes_per_token:g}",
         f"{report.kl_mean:.2e}",
@@ -180,7 +185,8 @@ def _print_table(
     echo("")
     echo(
         f"B/token: cache bytes per token; KL mean/max, top-1: next token vs float32 over "
-        f"{reports[0].positions} positions; greedy: share of {_NEW_TOKENS} greedy tokens matching"
+        f"{reports[0].positions} positions; greedy: share of {_NEW_TOKENS} greedy tokens matching; "
+        "+rot: the cache rotated (int4's default, docs/rotation.md)"
     )
     echo(
         "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated); calibrated on the "
