@@ -24,7 +24,7 @@ from onnx_kvcache.cache.layout import format_cache_table
 from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.capabilities.table import check_kv_cache_support
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.errors import Float16AttentionWarning, KvCacheError
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
@@ -145,3 +145,16 @@ def test_the_command_calibrates_and_converts_rotated(model_file, tmp_path, capsy
     assert main(bad) == 2
     err = capsys.readouterr().err
     assert "calibrated for rotation keys; none was asked" in err and "--rotation keys" in err
+
+
+def test_a_float32_model_for_cuda_keeps_its_rotation_around_float16_attention(model_file):
+    """Float16AttentionPass casts the node's inputs: the rotation is still read through them."""
+    with pytest.warns(Float16AttentionWarning):
+        model = optimize_model(
+            load_model(model_file), execution_provider="cuda", kv_cache_scales=_calibrated(model_file)
+        )
+    assert {layer.rotation for layer in inspect_kv_cache(model).layers} == {"keys_and_values"}
+    runner = KvCacheRunner(model)
+    assert runner.kernel_rule == "cuda (emulated on CPU)"
+    want = KvCacheRunner(model_file).prefill(PROMPT)
+    assert float(np.abs(runner.prefill(PROMPT) - want).mean()) < 0.05

@@ -153,9 +153,18 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else np.asarray(tensor.numpy())
 
 
+def _source(value: ir.Value | None) -> ir.Node | None:
+    """The node that computes ``value``, through Casts and Identities (a float32 model's
+    attention computed in float16 reads its inputs cast: Float16AttentionPass)."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in ("Cast", "Identity") and not node.domain and node.inputs:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node
+
+
 def _rotated(value: ir.Value | None, size: int) -> bool:
     """``value`` is ``Reshape(MatMul(., H))`` with ``H`` this library's matrix for ``size``."""
-    reshape = value.producer() if value is not None else None
+    reshape = _source(value)
     if reshape is None or reshape.op_type != "Reshape" or reshape.domain:
         return False
     matmul = reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
@@ -178,7 +187,7 @@ def site_rotation(site: CacheSite) -> Rotation:
         packed = site.input("query")
         if _rotated(packed, size):
             return ROTATIONS["keys_and_values"]
-        concat = packed.producer() if packed is not None else None
+        concat = _source(packed)
         keys = concat is not None and concat.op_type == "Concat" and _rotated(concat.inputs[0], size)
         return ROTATIONS["keys"] if keys else ROTATIONS["none"]
     keys, values = _rotated(site.input("key"), size), _rotated(site.input("value"), size)
