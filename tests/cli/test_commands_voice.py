@@ -97,7 +97,10 @@ def test_the_minmax_note_only_for_minmax(tmp_path, model_file, capsys, fmt, meth
     used = method or "attention"  # int4's default
     if fmt == "int8" and method is None:
         used = "minmax"
-    assert lines(out)[-1] == f"wrote {tmp_path / 's.json'} (2 layers, {fmt} per_tensor, method {used})"
+    rotated = ", rotation keys_and_values" if fmt == "int4" else ""  # int4's default rotation
+    assert (
+        lines(out)[-1] == f"wrote {tmp_path / 's.json'} (2 layers, {fmt} per_tensor, method {used}{rotated})"
+    )
 
 
 def test_summaries_say_replaced_when_they_replace(tmp_path, model_file, capsys):

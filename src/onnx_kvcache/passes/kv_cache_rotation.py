@@ -131,11 +131,12 @@ class _Rewrite:
         if site.packed_qkv and not prologue.has_norms:
             sizes = k.ints([(n + kv) * d, kv * d])
             qk, value = b.ops("Split", [site.input(GqaInput.QUERY), sizes], 2, axis=-1)
-        else:
+            value = self._typed(value, kv)
+        else:  # the node's own value, or the packed QKV's third part
             query, key, value = prologue.inputs()
             query, key = prologue.norms(query, key)
             qk = b.op("Concat", [query, key], axis=-1)
-        qk, value = self._typed(qk, n + kv), self._typed(value, kv)
+        qk = self._typed(qk, n + kv)
         if prologue.rotary is not None:
             qk = self._typed(prologue.rope(qk, n + kv, prologue.step(qk)), n + kv)
         return qk, value
