@@ -36,36 +36,58 @@ VENVS = pathlib.Path(os.environ.get("SIDEVENVS", "/work/sidevenvs"))
 OUT = pathlib.Path(os.environ.get("PRODUCERS", "/work/producers"))
 MOBIUS_SRC = VENVS / "mobius-src"
 MANIFEST = OUT / "manifest.json"
+# transformers 5.25's from_pretrained kernelizes layers with the `kernels` package by default and
+# refuses to load without it (the registry here has none recent enough): off, for every producer
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
-#: venv -> what it is for (and the transformers its HF dirs are saved with)
-VENV_TF = {"t457": "t457", "t5": "t5", "genai": "t5"}
+#: venv -> the venv that saves its HF models (the transformers they are saved with)
+VENV_TF = {"t457": "t457", "t5": "t5", "genai": "t5", "t515": "t515", "t514": "t514"}
+#: venv -> the producer dir of its torch.onnx.export files
+TORCH_DIR = {
+    "t457": "torch-tf4.57",
+    "t5": "torch-tf5",
+    "t515": "torch2.15-tf5.25",
+    "t514": "torch2.14-tf5.22",
+}
 
 ALL = list(FAMILIES)
 PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
-def torch_form(exporter: str, opset: int | None, optimize: bool, f16: bool = False) -> str:
+def torch_form(
+    exporter: str, opset: int | None, optimize: bool, f16: bool = False, rolling: bool = False
+) -> str:
+    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "")
     if exporter == "torchscript":
-        return f"torchscript-opset{opset}" + ("-f16" if f16 else "")
-    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + (
-        "-f16" if f16 else ""
-    )
+        return f"torchscript-opset{opset}" + tail
+    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + tail
 
 
 def torch_job(
-    venv: str, exporter: str, opset: int | None, optimize: bool, family: str, f16: bool = False
+    venv: str,
+    exporter: str,
+    opset: int | None,
+    optimize: bool,
+    family: str,
+    f16: bool = False,
+    rolling: bool = False,
 ) -> dict:
+    """``rolling``: the cache transformers 5.x builds from the config (``--cache config``: a
+    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one."""
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
         + ([] if optimize else ["--no-optimize"])
         + (["--dtype", "float16"] if f16 else [])
+        # a rolling cache's traced path holds for pasts up to window - 1 (what it feeds back):
+        # traced with a longer past, the export fails on any shorter one ("GatherND: invalid index")
+        + (["--cache", "config", "--past", str(WINDOW - 2)] if rolling else [])
     )
     return {
         "producer": "torch.onnx.export",
-        "dir": f"torch-{'tf4.57' if venv == 't457' else 'tf5'}",
+        "dir": TORCH_DIR[venv],
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize, f16),
+        "form": torch_form(exporter, opset, optimize, f16, rolling),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -145,7 +167,7 @@ def genai_job(family: str) -> dict:
     }
 
 
-def jobs() -> list[dict]:
+def jobs_issue28() -> list[dict]:
     out: list[dict] = []
     # priority 1: the forms that fail today (issue 28)
     for fam in ("llama", "qwen3"):
@@ -226,7 +248,14 @@ def jobs() -> list[dict]:
         ("t457-ts18", "phi3"),
         ("t457-ts18", "mistral"),
     ]
-    for what, fam in wide:
+    return out + expand(wide)
+
+
+def expand(cells: list[tuple[str, str]]) -> list[dict]:
+    """Jobs of ``(what, family)`` cells: ``genai``, ``optimum``, a mobius form, or
+    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling]`` for torch.onnx.export."""
+    out: list[dict] = []
+    for what, fam in cells:
         if what == "genai":
             out.append(genai_job(fam))
         elif what == "optimum":
@@ -237,7 +266,161 @@ def jobs() -> list[dict]:
             venv, kind, *rest = what.split("-")
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
-            out.append(torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest))
+            out.append(
+                torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest, "rolling" in rest)
+            )
+    return out
+
+
+#: issue 35: each class of attention's surroundings through the producers that export it, and
+#: the newer producers (torch 2.15 + transformers 5.25); first one file per refused class
+ISSUE35: list[tuple[str, str]] = [
+    # first batch: one file per class that a limit of the fusion refuses today
+    ("optimum", "stablelm"),  # LayerNormalization before attention
+    ("optimum", "cohere"),  # interleaved rotary as NonZero/Tile
+    ("optimum", "qwen3_moe"),  # MoE block
+    ("t457-d23", "stablelm"),  # Trilu mask
+    ("optimum", "gpt_oss"),  # attention sinks
+    ("t5-d23-rolling", "mistral"),  # rolling window cache
+    ("t5-d23", "deepseek_v3"),  # MLA
+    ("t515-d23", "gpt_oss"),
+    ("t515-d23-rolling", "gemma2"),
+    ("t515-d23", "llama"),
+    # the newer producers
+    ("t515-d18", "llama"),
+    ("t515-ts18", "llama"),
+    ("t515-d23", "qwen3"),
+    ("t515-d23", "gemma3"),
+    ("t515-d23-noopt", "llama"),
+    # LayerNormalization before attention (optimum-onnx 0.1.0 has no starcoder2)
+    ("optimum", "starcoder2"),
+    ("t457-ts18", "starcoder2"),
+    ("t457-ts18", "stablelm"),
+    ("t5-d23", "starcoder2"),
+    ("t5-d23", "stablelm"),
+    ("t515-d23", "starcoder2"),
+    ("t515-d23", "stablelm"),
+    # interleaved rotary
+    ("optimum", "helium"),
+    ("t5-d23", "cohere"),
+    ("t5-d23", "helium"),
+    ("t515-d23", "helium"),
+    # MoE
+    ("t5-d23", "qwen3_moe"),
+    ("t515-d23", "qwen3_moe"),
+    ("t457-d23", "qwen3_moe"),
+    ("optimum", "mixtral"),
+    ("optimum", "olmoe"),
+    ("t515-d23", "mixtral"),
+    ("t5-d23", "olmoe"),
+    # attention sinks
+    ("t5-d23", "gpt_oss"),
+    ("t457-d23", "gpt_oss"),
+    # rope scaling
+    ("t5-d23", "llama_rope_llama3"),
+    ("t5-d23", "phi3_longrope"),
+    ("t5-d23", "qwen2_rope_yarn"),
+    ("t5-d23", "llama_rope_linear"),
+    ("t5-d23", "llama_rope_dynamic"),
+    ("optimum", "llama_rope_llama3"),
+    ("optimum", "phi3_longrope"),
+    ("optimum", "qwen2_rope_yarn"),
+    ("t515-d23", "llama_rope_llama3"),
+    ("t515-d23", "phi3_longrope"),
+    # Trilu masks
+    ("t457-d18", "stablelm"),
+    # both window-cache forms (full-length: mistral and gemma2 are issue 28's torch-tf5 files)
+    ("t5-d23-rolling", "gemma2"),
+    ("t5-d23-rolling", "qwen2_window"),
+    ("t5-d23-rolling", "cohere2"),
+    ("t5-d23", "qwen2_window"),
+    ("t5-d23", "cohere2"),
+    ("t515-d23-rolling", "mistral"),
+    ("t515-d23", "mistral"),
+    ("t515-d23", "gemma2"),
+    ("t515-d23-rolling", "qwen2_window"),
+    ("t515-d23-rolling", "cohere2"),
+    ("t515-ts18-rolling", "mistral"),
+    ("t457-d23", "qwen2_window"),
+    ("optimum", "qwen2_window"),
+    ("optimum", "cohere2"),
+    # MLA
+    ("t515-d23", "deepseek_v3"),
+    ("optimum", "deepseek_v3"),
+    # the other producers on the new classes
+    ("mobius-default", "gpt_oss"),
+    ("mobius-default", "qwen3_moe"),
+    ("mobius-default", "cohere"),
+    ("mobius-default", "starcoder2"),
+    ("mobius-default", "deepseek_v3"),
+    ("mobius-cpu-gqa", "gpt_oss"),
+    ("genai", "gpt_oss"),
+    ("genai", "qwen3_moe"),
+    ("genai", "llama_rope_llama3"),
+    ("genai", "phi3_longrope"),
+]
+
+
+def jobs() -> list[dict]:
+    """The committed set's jobs (issue 28's, then issue 35's classes and newer producers)."""
+    return _unique(jobs_issue28() + expand(ISSUE35))
+
+
+#: the held-out set: other families and versions through the same producers (issue 35's
+#: acceptance check), never committed
+HOLDOUT_JOBS: list[tuple[str, str]] = [
+    ("optimum", "granitemoe"),
+    ("optimum", "qwen2_moe"),
+    ("optimum", "phimoe"),
+    ("optimum", "olmo3"),
+    ("optimum", "exaone4"),
+    ("optimum", "glm4"),
+    ("optimum", "arcee"),
+    ("optimum", "ministral"),
+    ("optimum", "seed_oss"),
+    ("optimum", "stablelm_qknorm"),
+    ("t514-d23", "granitemoe"),
+    ("t514-d23", "qwen2_moe"),
+    ("t514-d23", "olmo3"),
+    ("t514-d23", "exaone4"),
+    ("t514-d23", "glm4"),
+    ("t514-d23", "arcee"),
+    ("t514-d23", "ministral"),
+    ("t514-d23", "seed_oss"),
+    ("t514-d23", "llama4_text"),
+    ("t514-d23", "gemma3"),
+    ("t514-d23", "smollm3"),
+    ("t514-d23", "phimoe"),
+    ("t514-d18", "stablelm_qknorm"),
+    ("t514-ts18", "glm4"),
+    ("t514-d23-rolling", "ministral"),
+    ("t514-d23-rolling", "olmo3"),
+    ("t514-d23-rolling", "exaone4"),
+    ("t514-d23-rolling", "mistral_window6"),
+    ("t515-d23", "olmo3"),
+    ("t515-d23", "exaone4"),
+    ("t515-d23", "seed_oss"),
+    ("t515-d23", "qwen2_moe"),
+    ("t515-d20", "granitemoe"),
+    ("t515-d23-rolling", "ministral"),
+    ("t457-d23", "granitemoe"),
+    ("t457-d23", "qwen2_moe"),
+    ("t457-d23", "glm4"),
+    ("t457-ts18", "arcee"),
+    ("mobius-default", "exaone4"),
+    ("mobius-default", "arcee"),
+    ("mobius-default", "olmo3"),
+    ("mobius-cpu-gqa", "granitemoe"),
+    ("genai", "glm4"),
+    ("genai", "ministral"),
+]
+
+
+def jobs_holdout() -> list[dict]:
+    return _unique(expand(HOLDOUT_JOBS))
+
+
+def _unique(out: list[dict]) -> list[dict]:
     seen, uniq = set(), []
     for j in out:
         key = (j["dir"], j["form"], j["family"])
@@ -329,6 +512,37 @@ def reference_diff(sess: ort.InferenceSession, ref: dict) -> float:
     return float(np.abs(logits - ref["logits"]).max())
 
 
+def decode_diff(sess: ort.InferenceSession, ref: dict) -> float | None:
+    """Largest |logit - transformers' logit| over 3 decode steps after the 7-token prefill, each
+    step fed the file's own presents (``present.X`` back into ``past_key_values.X``); None when
+    the file's cache inputs are not its outputs renamed (a static cache)."""
+    outputs = [o.name for o in sess.get_outputs()]
+    pasts = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    back = {p: "present." + p[len("past_key_values.") :] for p in pasts}
+    if "decode_ids" not in ref or not pasts or not all(v in outputs for v in back.values()):
+        return None
+    ids, want = ref["decode_ids"], ref["decode_logits"]
+    prompt = ref["input_ids"].shape[1]
+    feed = feed_for(sess, past=0, seq=prompt, ids=ids[:, :prompt])
+    worst = 0.0
+    for step in range(prompt, ids.shape[1] + 1):
+        outs = dict(zip(outputs, sess.run(None, feed)))
+        if step > prompt:
+            got = outs["logits"][:, -1].astype(np.float32)
+            worst = max(worst, float(np.abs(got - want[:, step - 1]).max()))
+        if step == ids.shape[1]:
+            break
+        feed = dict(feed)
+        feed["input_ids"] = ids[:, step : step + 1].astype(feed["input_ids"].dtype)
+        if "attention_mask" in feed:
+            feed["attention_mask"] = np.ones((1, step + 1), feed["attention_mask"].dtype)
+        if "position_ids" in feed:
+            feed["position_ids"] = np.array([[step]], feed["position_ids"].dtype)
+        for p, o in back.items():
+            feed[p] = outs[o]
+    return worst
+
+
 def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
     path = folder / "model.onnx"
     res: dict = {}
@@ -367,6 +581,13 @@ def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
         except Exception as e:
             res["logits_vs_transformers"] = None
             res["reference_run"] = one_line(e)
+        try:
+            diff = decode_diff(sess, ref)
+            if diff is not None:
+                res["decode_vs_transformers"] = diff
+        except Exception as e:
+            res["decode_vs_transformers"] = None
+            res["decode_run"] = one_line(e)
     return res
 
 
@@ -420,10 +641,10 @@ def hf_dir(venv: str, family: str) -> pathlib.Path:
     tf = VENV_TF[venv]
     d = VENVS / "hf" / tf / family
     if not (d / "model.safetensors").exists():
-        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+        py = VENVS / tf / "bin" / "python"
         subprocess.run([str(py), str(HERE / "make_hf.py"), family, str(d)], check=True, capture_output=True)
-    if not (d / "reference.npz").exists():
-        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+    if not (d / "reference.npz").exists() or "decode_ids" not in np.load(d / "reference.npz").files:
+        py = VENVS / tf / "bin" / "python"
         subprocess.run([str(py), str(HERE / "reference.py"), str(d)], check=True, capture_output=True)
     return d
 
@@ -558,10 +779,24 @@ def main() -> None:
     ap.add_argument("--recheck", action="store_true", help="only re-run the checks of the files there")
     ap.add_argument("--worker", default="0/1", help="K/N: run every Nth job starting at K")
     ap.add_argument("--publish", action="store_true", help="copy the tree into tests/data/producers")
+    ap.add_argument(
+        "--holdout",
+        action="store_true",
+        help="the held-out set (HOLDOUT_JOBS) into $PRODUCERS_HOLDOUT (default /work/producers-holdout)",
+    )
+    ap.add_argument("--issue35", action="store_true", help="only issue 35's jobs (ISSUE35)")
     a = ap.parse_args()
+    table = (lambda: _unique(expand(ISSUE35))) if a.issue35 else jobs
+    if a.holdout:
+        if a.publish:
+            sys.exit("the held-out set is not committed: no --publish with --holdout")
+        global OUT, MANIFEST, ENTRIES
+        OUT = pathlib.Path(os.environ.get("PRODUCERS_HOLDOUT", "/work/producers-holdout"))
+        MANIFEST, ENTRIES = OUT / "manifest.json", OUT / "logs" / "entries"
+        table = jobs_holdout
     OUT.mkdir(parents=True, exist_ok=True)
     man = load_manifest()
-    todo = [j for j in jobs() if not a.only or re.search(a.only, f"{j['dir']}/{j['form']}/{j['family']}")]
+    todo = [j for j in table() if not a.only or re.search(a.only, f"{j['dir']}/{j['form']}/{j['family']}")]
     k, n = (int(x) for x in a.worker.split("/"))
     todo = todo[k::n]
     if a.list:
@@ -581,7 +816,7 @@ def main() -> None:
     save_manifest(man)
     if a.recheck:
         known = {e["path"] for e in man["models"]}
-        for j in jobs():  # folders written by a worker whose entry was lost: record them
+        for j in table():  # folders written by a worker whose entry was lost: record them
             rel = f"{j['dir']}/{j['form']}/{j['family']}"
             if rel not in known and j["venv"] in versions and (OUT / rel / "model.onnx").exists():
                 save_entry(run_job(j, versions, execute=False))
