@@ -79,8 +79,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # --- issue 35: the classes around a plain GQA attention ------------------------------------
     # LayerNormalization (not RMSNorm) before attention
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": None, "norm_epsilon": 1e-5}),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25, "use_qkv_bias": True}),
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        {"sliding_window": None, "norm_epsilon": 1e-5},
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25, "use_qkv_bias": True},
+    ),
     # interleaved rotary (optimum writes it with NonZero/Tile); cohere: LayerNorm, parallel block
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.25, "use_qk_norm": False}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
@@ -130,8 +138,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             }
         },
     ),
-    "llama_rope_linear": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    "llama_rope_dynamic": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama_rope_linear": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
+    "llama_rope_dynamic": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    ),
     "qwen2_rope_yarn": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
@@ -168,7 +184,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cohere2": (
         "Cohere2Config",
         "Cohere2ForCausalLM",
-        {"logit_scale": 0.25, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        {
+            "logit_scale": 0.25,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
     ),
     # MLA: a compressed latent projection, key and value head sizes differ (must be refused by name)
     "deepseek_v3": (
@@ -221,7 +241,12 @@ HOLDOUT: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phimoe": (
         "PhimoeConfig",
         "PhimoeForCausalLM",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None, "tie_word_embeddings": False},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+        },
     ),
     "olmo3": (
         "Olmo3Config",

@@ -7,8 +7,9 @@ Writes ``PRODUCERS_DIR/STATUS.md`` (default ``/work/producers``): one line per f
 manifest: path, producer and versions, the class of what surrounds its attention, whether
 onnxruntime CPU ran it, its logits against transformers', and the outcome of
 ``tests/passes/fusion/producers.py``'s :func:`outcome` (``converts`` or the refusal's one line:
-what a row of ``EXPECTED`` holds; a file with a row there shows the row, unless --recompute). Outcomes are cached in ``STATUS.json`` beside it by the
-file's size and time, so a rerun only decides the new files.
+what a row of ``EXPECTED`` holds; a file with a row there shows the row, unless --recompute).
+Outcomes are cached in ``STATUS.json`` beside it by the file's size and time, so a rerun only
+decides the new files.
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ def main() -> None:
     known = [r for r in rows if r.split(" | ")[0][2:] in producers.EXPECTED]
     failed = [r for r in rows if "| producer failed: " in r]
     new = [r for r in rows if r not in known and r not in failed]
-    text = head[:2] + ["Files without a row in tests/passes/fusion/producers.py's EXPECTED (new):", ""]
+    text = [*head[:2], "Files without a row in tests/passes/fusion/producers.py's EXPECTED (new):", ""]
     text += head[2:] + new + ["", "Files with a row there (what it holds):", ""] + head[2:] + known
-    text += ["", "Jobs whose producer failed (no file):", ""] + head[2:] + failed
+    text += ["", "Jobs whose producer failed (no file):", "", *head[2:], *failed]
     (folder / "STATUS.md").write_text("\n".join(text) + "\n")
 
 
