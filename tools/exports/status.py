@@ -90,14 +90,14 @@ def main() -> None:
     lines = [
         f"# What the library makes of each file in {folder} (tools/exports/status.py)",
         "",
-        "| path | producer | transformers | class | ort CPU runs | logits vs transformers | today |",
-        "|---|---|---|---|---|---|---|",
+        "| path | producer | transformers | class | ort CPU runs | logits vs transformers | 3 decode steps | today |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for entry in man["models"]:
         if a.only and not re.search(a.only, entry["path"]):
             continue
         if "error" in entry:
-            today, runs, diff = "producer failed: " + entry["error"][:200], "", ""
+            today, runs, diff, steps = "producer failed: " + entry["error"][:200], "", "", ""
         else:
             graph = producers.model_path(entry)
             stamp = f"{graph.stat().st_size}:{graph.stat().st_mtime_ns}"
@@ -117,11 +117,13 @@ def main() -> None:
             runs = "yes" if entry.get("ran_on_cpu") else "no"
             d = entry.get("logits_vs_transformers")
             diff = f"{d:.1e}" if d is not None else "did not run"
+            d = entry.get("decode_vs_transformers")
+            steps = f"{d:.1e}" if d is not None else (entry.get("decode_run") or "not checked")[:120]
         version = f"{entry['producer']} {entry.get('producer_version')}"
         cell = today.replace("|", "\\|")
         lines.append(
             f"| {entry['path']} | {version} | {entry.get('transformers')} | {_class(entry)} | {runs} "
-            f"| {diff} | {cell} |"
+            f"| {diff} | {steps.replace('|', '/')} | {cell} |"
         )
     head, rows = lines[:4], lines[4:]
     known = [r for r in rows if r.split(" | ")[0][2:] in producers.EXPECTED]
