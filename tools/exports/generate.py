@@ -880,7 +880,7 @@ file does not compute as transformers does is still what that producer writes. A
 are left out of this folder to keep it near 25 MB (`NOT_COMMITTED` in generate.py; each of
 those forms is here for other families).
 
-| producer dir | form | family | producer version | transformers | result | logits vs transformers | 3 decode steps |
+| producer dir | form | family | producer version | transformers | result | logits vs transformers | decode |
 |---|---|---|---|---|---|---|---|
 """
 

@@ -90,7 +90,7 @@ def main() -> None:
     lines = [
         f"# What the library makes of each file in {folder} (tools/exports/status.py)",
         "",
-        "| path | producer | transformers | class | ort CPU runs | logits vs transformers | 3 decode steps | today |",
+        "| path | producer | transformers | class | ort CPU runs | logits vs transformers | decode | today |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for entry in man["models"]:
