@@ -92,13 +92,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # interleaved rotary (optimum writes it with NonZero/Tile); cohere: LayerNorm, parallel block
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.25, "use_qk_norm": False}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
-    # MoE blocks (TopK routers) between the attentions
+    # MoE blocks (TopK routers) between the attentions. Every expert is chosen for every token
+    # (top-k = number of experts, the router's weights still softmaxed): a random router's top-2
+    # flips under a quantized cache's noise (logits 0.64 apart where the spread is 2.4), which
+    # would make the int8 check of test_producers.py measure the routing, not the cache
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
         {
             "num_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "moe_intermediate_size": 32,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
@@ -109,16 +112,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+        {"num_local_experts": 4, "num_experts_per_tok": 4, "sliding_window": None},
     ),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 4}),
     # attention sinks (a learned per-head logit beside the scores), alternating windows, MoE
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
         {
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "sliding_window": WINDOW,
             "layer_types": ["sliding_attention", "full_attention"],
             "tie_word_embeddings": False,
@@ -199,7 +202,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "moe_intermediate_size": 32,
             "n_shared_experts": 1,
             "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "n_group": 1,
             "topk_group": 1,
             "first_k_dense_replace": 1,
@@ -220,7 +223,7 @@ HOLDOUT: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GraniteMoeForCausalLM",
         {
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "embedding_multiplier": 12.0,
             "residual_multiplier": 0.22,
             "attention_multiplier": 0.0625,
@@ -232,7 +235,7 @@ HOLDOUT: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Qwen2MoeForCausalLM",
         {
             "num_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 32,
             "use_sliding_window": False,
@@ -243,7 +246,7 @@ HOLDOUT: dict[str, tuple[str, str, dict[str, Any]]] = {
         "PhimoeForCausalLM",
         {
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 4,
             "sliding_window": None,
             "tie_word_embeddings": False,
         },
@@ -271,7 +274,7 @@ HOLDOUT: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Llama4ForCausalLM",
         {
             "num_local_experts": 2,
-            "num_experts_per_tok": 1,
+            "num_experts_per_tok": 2,
             "intermediate_size_mlp": 64,
             "attention_chunk_size": 8,
             "no_rope_layers": [1, 0],

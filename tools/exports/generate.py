@@ -371,7 +371,7 @@ HOLDOUT_JOBS: list[tuple[str, str]] = [
     ("t514-d23", "gemma3"),
     ("t514-d23", "smollm3"),
     ("t514-d23", "llama4_text"),
-    ("t514-d18", "stablelm_qknorm"),
+    ("t514-d18", "stablelm"),
     ("t514-ts18", "glm4"),
     ("t514-d23-rolling", "mistral_window6"),
     ("t514-d23-rolling", "olmo3"),
@@ -931,7 +931,7 @@ def publish() -> None:
     dest = REPO / "tests" / "data" / "producers"
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp"))
+    shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp", "STATUS.*"))
     man = json.loads(MANIFEST.read_text())
     man["models"] = [e for e in man["models"] if e["path"] not in NOT_COMMITTED]
     for rel in NOT_COMMITTED:
