@@ -112,6 +112,20 @@ def two_nodes_of_one_name(model: ir.Model) -> None:
     second.name = first.name
 
 
+def an_output_nothing_produces(model: ir.Model) -> None:
+    """A graph output no node, input or initializer defines (issue 37, row 1: a traceback)."""
+    z = ir.Value(name="z", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    model.graph.outputs.append(z)
+
+
+def presents_removed_from_the_node(model: ir.Model) -> None:
+    """A GQA node whose present outputs were removed, the graph still listing them (row 4)."""
+    proto = ir.to_proto(model)
+    node = next(n for n in proto.graph.node if n.name == gqa(model).name)
+    del node.output[1:]
+    model.graph = ir.from_proto(proto).graph
+
+
 def past_key_of_half_heads(model: ir.Model) -> None:
     gqa(model).inputs[3].shape = ir.Shape(["batch_size", 2, "past_sequence_length", 16])
 
@@ -130,6 +144,12 @@ MALFORMED = {
     "a node reading its own output": (reads_its_own_output, "has a cycle"),
     "two nodes of one name": (two_nodes_of_one_name, "Two nodes of the graph are named"),
     "a past key of half heads": (past_key_of_half_heads, "has heads of size 32 but its past_key"),
+    # rev37: a traceback (inspect, optimize_model); an output onnxruntime refuses (convert)
+    "an output nothing produces": (an_output_nothing_produces, "The graph outputs 'z', which no node"),
+    "presents removed from the node": (
+        presents_removed_from_the_node,
+        "The graph outputs 'present.1.key', which no node",
+    ),
 }
 
 
@@ -190,6 +210,56 @@ def test_a_missing_cache_is_named_not_blamed_on_the_scales(tmp_path, models):
     code, _, err = run(["convert", models["no cache inputs"], tmp_path / "o.onnx", "--scales", scales])
     assert code in (1, 2) and "measured for another model" not in err
     assert "/model/layers.1/attn/GroupQueryAttention writes present_key 'present.1.key'" in one_line(err)
+
+
+# -- issue 37, row 4: models whose conversion onnxruntime would refuse ------------------------
+
+
+def _ir_version(model: ir.Model) -> None:
+    model.ir_version = 99
+
+
+def _opset(model: ir.Model) -> None:
+    model.opset_imports[""] = 99
+
+
+def _huge_heads(model: ir.Model) -> None:
+    gqa(model, 0).attributes["num_heads"] = ir.AttrInt64("num_heads", 2**40)
+
+
+def _mobius_gqa() -> ir.Model:
+    """mobius's CPU GQA build: no shape on its packed QKV, so only the projection tells the width."""
+    return ir.load(DATA / "producers" / "mobius" / "mobius-cpu-gqa" / "llama" / "model.onnx")
+
+
+def _decoder() -> ir.Model:
+    return build_decoder(num_layers=2, vocab_size=300)
+
+
+UNLOADABLE = {  # mutant -> (base, mutation, what the one line says)
+    "IR version 99": (_decoder, _ir_version, "its IR version is 99, and the installed onnxruntime"),
+    "opset 99": (_decoder, _opset, "its ai.onnx opset is 99"),
+    "num_heads 2**40 (mobius)": (
+        _mobius_gqa,
+        _huge_heads,
+        "= 1099511627780, which does not divide its query's",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", list(UNLOADABLE))
+def test_a_model_onnxruntime_would_refuse_is_never_converted(tmp_path, mutant):
+    base, mutate, said = UNLOADABLE[mutant]
+    model = base()
+    mutate(model)
+    src = tmp_path / "in" / "model.onnx"
+    src.parent.mkdir()
+    ir.save(model, src, external_data="model.onnx.data")
+    out = tmp_path / "out"
+    code, stdout, err = run(["convert", src, out / "model.onnx", "--format", "fp8", "--ep", "cuda"])
+    assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
+    with pytest.raises(MalformedModelError, match=re.escape(said)):
+        optimize_model(ir.load(src), kv_cache_format="fp8", execution_provider="cuda")
 
 
 # -- a graph out of topological order ------------------------------------------------------
@@ -424,13 +494,30 @@ def _scale(rng: random.Random, model: ir.Model) -> None:
     node.replace_input_with(slot, value)
 
 
+def _cut_outputs(rng: random.Random, model: ir.Model) -> None:
+    """An attention node's outputs after the first cut, the graph still listing them (row 4)."""
+    name = rng.choice(_attention_nodes(model)).name
+    proto = ir.to_proto(model)
+    del next(n for n in proto.graph.node if n.name == name).output[1:]
+    model.graph = ir.from_proto(proto).graph
+
+
+def _header(rng: random.Random, model: ir.Model) -> None:
+    """An IR version or an opset past what onnxruntime loads, or one it does (row 4; an older
+    ai.onnx opset than the nodes' is a model onnxruntime refuses already, converted as it is)."""
+    if rng.random() < 0.5:
+        model.ir_version = rng.choice([10, 15, 99])
+    else:
+        model.opset_imports[rng.choice(["", "com.microsoft"])] = rng.choice([29, 99])
+
+
 def _genai_shaped_int8() -> ir.Model:
     model = _genai_shaped()
     KvCacheQuantizationPass("int8", scales=SCALES)(model)
     return model
 
 
-MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale]
+MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale, _cut_outputs, _header]
 BASES = {"genai-shaped": _genai_shaped, "genai-shaped int8": _genai_shaped_int8, "torch export": _export}
 
 
