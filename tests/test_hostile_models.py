@@ -356,6 +356,59 @@ def test_lengths_past_the_models_positions_are_refused_before_it_runs(
         assert word in one_line(err)
 
 
+# -- issue 37, rows 2 and 3: sizes and counts bounded before anything is allocated ---------------
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the windows were made or the model ran")
+
+
+BOUNDED = {  # argv after the model(s) -> what the one line says
+    ("calibrate", "--seq-len", 10**12): ["--seq-len 1000000000000", "int32 (at most 2147483647)"],
+    ("calibrate", "--seq-len", 5000): ["--seq-len 5000", "4096 positions", "--seq-len 4096"],
+    ("calibrate", "--num-seqs", 10**9): ["This calibration would hold about", "TiB", "--num-seqs N"],
+    ("evaluate", "--num-seqs", 10**9): ["This evaluation would hold about", "TiB", "--num-seqs N"],
+}
+
+
+@pytest.mark.parametrize("argv", list(BOUNDED), ids=lambda a: " ".join(map(str, a)))
+def test_sizes_and_counts_are_bounded_before_anything_is_allocated(tmp_path, models, monkeypatch, argv):
+    """Once a 7.28 TiB numpy allocation (a traceback), or memory growing until the process was killed."""
+    from onnx_kvcache.calibrate import calibration
+    from onnx_kvcache.runtime import evaluation
+
+    for module in (calibration, evaluation):
+        monkeypatch.setattr(module, "load_token_windows", _never)
+    monkeypatch.setattr(KvCacheRunner, "fill", _never)
+    command, option, value = argv
+    head = (
+        ["calibrate", models["good"], "--out", tmp_path / "s.json"]
+        if command == "calibrate"
+        else ["evaluate", models["good"], models["good"], "--max-new-tokens", 1]
+    )
+    code, out, err = run([*head, option, value])
+    assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
+    for word in BOUNDED[argv]:
+        assert word in one_line(err)
+
+
+@pytest.mark.parametrize("command", ["calibrate", "evaluate"])
+def test_the_memory_limit_is_the_memory_available(tmp_path, models, monkeypatch, command):
+    """The estimate is refused past what the machine has now, naming both figures."""
+    from onnx_kvcache.runtime import _memory
+
+    monkeypatch.setattr(_memory, "available_memory", lambda: 1 << 16)
+    head = (
+        ["calibrate", models["good"], "--out", tmp_path / "s.json", "--min-tokens", 16]
+        if command == "calibrate"
+        else ["evaluate", models["good"], models["good"], "--max-new-tokens", 2]
+    )
+    code, _, err = run([*head, "--num-seqs", 4, "--seq-len", 64])
+    assert code == 2 and "more than the 64.0 KiB available; nothing was run" in one_line(err)
+    monkeypatch.setattr(_memory, "available_memory", lambda: None)  # unknown: not checked
+    assert run([*head, "--num-seqs", 4, "--seq-len", 64])[0] == 0
+
+
 @pytest.mark.parametrize("value", ["100000000000000000000000", "2147483648", "1e23"])
 def test_an_inspect_context_past_any_models_positions_is_refused(models, value):
     code, out, err = run(["inspect", models["good"], "--context", value])

@@ -32,8 +32,15 @@ import onnx_ir as ir
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
+from onnx_kvcache.runtime._memory import WINDOW_BYTES, MemoryEstimate, run_parts
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales.data import TokenData, TokenWindows, load_token_windows
+from onnx_kvcache.scales.data import (
+    RANDOM_WINDOWS,
+    TokenData,
+    TokenWindows,
+    find_tokenizer,
+    load_token_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +190,14 @@ def evaluate_kv_cache(
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
     _check_positions(scoring, cand)
+    model = baseline if not isinstance(baseline, ir.Model) else None
+    if data is None and find_tokenizer(model, scoring.tokenizer) is None:  # random ids: generated
+        _memory((base, cand), scoring, scoring.num_seqs or RANDOM_WINDOWS, scoring.seq_len, ids=True).check(
+            *_FEWER
+        )
     loaded = _windows(baseline, data, base, scoring)
+    longest = max(len(w) for w in loaded.windows)
+    _memory((base, cand), scoring, len(loaded.windows), longest, ids=False).check(*_FEWER)
     tally = _Tally()
     for window in _progress(loaded.windows, scoring.progress):
         tally.score(base, cand, window, scoring)
@@ -255,6 +269,42 @@ def _check_positions(scoring: _Scoring, runner: KvCacheRunner) -> None:
             Param("max_new_tokens", limit - prompt + 1),
             ".",
         )
+
+
+#: What lowers an evaluation's memory, said when it is refused (runtime/_memory.py).
+_FEWER = (
+    "Give fewer or shorter windows (",
+    Param("num_seqs", placeholder="N"),
+    ", ",
+    Param("seq_len", placeholder="N"),
+    ").",
+)
+
+#: Bytes kept per scored position (its KL as float64, its top-1 agreement) and per window and
+#: layer (the cache errors, the lists' entries): the report's figures until the last window.
+_KEPT_PER_TOKEN, _KEPT_PER_LAYER, _KEPT_PER_WINDOW = 17, 120, 700
+
+
+def _memory(
+    runners: tuple[KvCacheRunner, KvCacheRunner], scoring: _Scoring, windows: int, length: int, *, ids: bool
+) -> MemoryEstimate:
+    """What scoring ``windows`` windows of ``length`` tokens holds (``ids``: their random ids too):
+    what is kept per window for the report, and each model's run of one window (its caches, the
+    prompt's attention scores, the logits of its decode steps); runtime/_memory.py."""
+    layers = len({b.layer_id for b in runners[0].bindings})
+    kept = windows * (length * _KEPT_PER_TOKEN + layers * _KEPT_PER_LAYER + _KEPT_PER_WINDOW)
+    generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
+    parts = [
+        (f"random token ids of {windows} windows x {length} tokens", generated),
+        (f"the scores kept of {windows} windows", kept),
+    ]
+    prompt = min(scoring.prompt_len, max(1, length // 2))
+    for name, runner in zip(("baseline", "candidate"), runners):
+        parts += [
+            (f"{name}: {what}", size)
+            for what, size in run_parts(runner, 1, length, queries=prompt, logits=True)
+        ]
+    return MemoryEstimate("evaluation", tuple(parts))
 
 
 def _runners(
