@@ -493,6 +493,44 @@ def test_two_calibrations_to_one_out_never_both_say_wrote(tmp_path, models, monk
     assert json.loads(out.read_text())["method"] == "percentile"  # the first run's file
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_two_evaluations_to_one_report_never_both_say_wrote(tmp_path, models, monkeypatch, existing):
+    """As for calibrate (issue 37: safety.md says two runs to one output never both succeed;
+    evaluate --json replaced the other run's report silently)."""
+    from onnx_kvcache.runtime import evaluation
+
+    out = tmp_path / "report.json"
+    argv = ["evaluate", models["good"], models["good"], "--num-seqs", 1, "--seq-len", 16, "--json", out]
+    if existing:
+        assert run(argv)[0] == 0
+    real, other = evaluation.evaluate_kv_cache, []
+
+    def evaluate(*args, **kwargs):
+        if not other:
+            other.append(None)
+            other[0] = run([*argv, "--max-new-tokens", 3])  # another run, finishing first
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_kv_cache", evaluate)
+    code, said, err = run(argv)
+    assert other[0][0] == 0 and f"{'replaced' if existing else 'wrote'} " in other[0][1]
+    assert code == 2 and "was written by another run" in one_line(err)
+    assert "wrote" not in said and "replaced" not in said
+    assert json.loads(out.read_text())["greedy_match_prefix"] == 3  # the first run's report
+
+
+def test_onnxruntimes_refusal_is_said_without_its_source_paths(tmp_path, models):
+    """A model onnxruntime refuses for what validation does not check (an operator it does not
+    know): its message, without the build machine's source file, line and C++ signature."""
+    model = ir.load(models["good"])
+    node = next(n for n in model.graph if n.op_type == "MatMul")
+    node.op_type = "NoSuchOperator"
+    ir.save(model, tmp_path / "m.onnx")
+    code, _, err = run(["evaluate", models["good"], tmp_path / "m.onnx", "--num-seqs", 1, "--seq-len", 16])
+    assert code == 2 and "onnxruntime cannot load the model" in one_line(err)
+    assert "NoSuchOperator" in err and "onnxruntime_src" not in err and "::" not in err
+
+
 # -- a fuzz test over real-producer files and genai-shaped builds ----------------------------
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "import_onnxruntime",
     "installed_ort_version",
     "installed_version",
+    "ort_error_text",
     "run_on_host",
     "to_ort_value",
     "unloadable_header",
@@ -175,6 +176,34 @@ def unloadable_header(ir_version: int, opsets: Mapping[str, int]) -> str | None:
         f"it refuses the model, and would refuse a model written from it. Export the model for {what} "
         f"{newest} or below, or install an onnxruntime that loads it"
     )
+
+
+#: Where onnxruntime's messages name its own source: ``/onnxruntime_src/.../model.cc:256 ``
+#: (the build machine's path and line), then the C++ function's signature.
+_ORT_SOURCE = re.compile(r"(?:/[\w.-]+)*/onnxruntime_src/\S+:\d+ ")
+_ORT_STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+
+
+def ort_error_text(error: BaseException) -> str:
+    """onnxruntime's message without what only its developers read: the status prefix, the
+    source file and line of its build machine, the C++ signature after it."""
+    text = _ORT_STATUS.sub("", str(error).strip())
+    while (found := _ORT_SOURCE.search(text)) is not None:
+        rest, end = text[found.end() :], 0
+        if "(" in rest.split(" ", 1)[0] or "::" in rest.split("(", 1)[0]:  # a signature follows
+            depth, start = 0, rest.find("(")
+            for i in range(start, len(rest)):
+                depth += {"(": 1, ")": -1}.get(rest[i], 0)
+                if depth == 0:
+                    end = i + 1
+                    break
+            if rest[end : end + 6] == " const":
+                end += 6
+            if rest[end:].lstrip().startswith("[with ") and "]" in rest[end:]:  # a template's types
+                end = rest.index("]", end) + 1
+        head = text[: found.start()]
+        text = head + (" " if head.endswith(":") else "") + rest[end:].lstrip()
+    return text.strip()
 
 
 def external_data_dir(model: ir.Model) -> str | None:
