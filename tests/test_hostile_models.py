@@ -27,6 +27,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import save_genai_folder
 
 DATA = pathlib.Path(__file__).parent / "data"
 SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
@@ -634,3 +635,88 @@ def test_fuzz_every_mutant_is_one_line_or_an_output_that_loads(tmp_path, base, s
         assert code in (1, 2)
         one_line(err)
         assert not out.exists()
+
+
+# -- issue 37: the first hour's friction -------------------------------------------------------
+
+
+def test_rope_positions_with_a_method_that_never_reads_it_is_one_line(tmp_path, models):
+    """The default method gave the same scales for 2, 64 and 100000, yet recorded 64, and convert
+    then warned of keys clipped past position 64."""
+    argv = ["calibrate", models["good"], "--out", tmp_path / "s.json", "--rope-positions", 64]
+    code, out, err = run([*argv, "--format", "int8", "--num-seqs", 1, "--seq-len", 64])
+    assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
+    assert "--rope-positions 64 limits only the attention methods" in one_line(err)
+    assert "--method minmax never reads it" in err and "Drop --rope-positions" in err
+
+
+def test_scales_for_a_short_context_on_a_model_that_states_none_say_so(tmp_path):
+    """An export alone (its rotary angles computed from the positions): once no word at all."""
+    scales = tmp_path / "s.json"
+    doc = {"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128, "rope_positions": 64}
+    scales.write_text(json.dumps(doc))
+    code, _, err = run(
+        ["convert", DATA / "export_llama_opset23.onnx", tmp_path / "o.onnx", "--scales", scales]
+    )
+    assert code == 0
+    assert "(--rope-positions 64), and nothing states the model's context" in err
+
+
+def test_the_readmes_beside_comment_is_what_convert_does(tmp_path):
+    """README: "beside it: the weights are shared" was wrong for an export with inline weights."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("onnx-kvcache convert model.onnx model.int8"))
+    assert line.endswith("# beside it: external data shared, inline weights copied")
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
+    src = tmp_path / "model.onnx"
+    src.write_bytes((DATA / "export_llama_opset23.onnx").read_bytes())  # weights inline
+    code, out, _ = run(["convert", src, tmp_path / "model.int8.onnx", "--scales", scales])
+    assert code == 0 and "weights: inline in the graph" in out
+    external = tmp_path / "ext" / "model.onnx"
+    external.parent.mkdir()
+    ir.save(ir.load(src), external, external_data="model.onnx.data")
+    code, out, _ = run(["convert", external, tmp_path / "ext" / "model.int8.onnx", "--scales", scales])
+    assert code == 0 and "weights: model.onnx.data, shared with model.onnx" in out
+    assert not (tmp_path / "ext" / "model.int8.onnx.data").exists()
+
+
+def test_genai_and_the_runner_agree_when_an_end_token_comes_in_the_window(tmp_path):
+    """docs/converting.md's comparison held only while no end token came: genai's sequence leaves
+    it out, the runner keeps it. The page's comparison now holds either way."""
+    og = pytest.importorskip("onnxruntime_genai")
+    folder = save_genai_folder(tmp_path / "g", num_layers=2)
+    prompt = [1, 72, 101, 108, 108, 111]
+    first = KvCacheRunner(folder).generate(prompt, 1)[0]
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = first  # the first greedy token ends the sequence
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    params = og.GeneratorParams(og_model := og.Model(str(folder)))
+    params.set_search_options(max_length=len(prompt) + 8, do_sample=False)
+    generator = og.Generator(og_model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    runner = KvCacheRunner(folder)
+    tokens = runner.generate(prompt, 8)
+    ended = bool(tokens) and tokens[-1] in runner.eos_token_ids
+    assert tokens == [first] and ended
+    assert list(generator.get_sequence(0))[len(prompt) :] == tokens[: len(tokens) - ended] == []
+
+
+def test_an_optimum_folder_whose_configs_name_no_eos_takes_the_tokenizers(tmp_path):
+    """config.json and generation_config.json without eos_token_id: once no genai_config.json."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for name in ("model.onnx", "config.json"):
+        (folder / name).write_bytes((DATA / "optimum_llama" / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    del config["eos_token_id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = {"eos_token": "</s>", "added_tokens_decoder": {"2": {"content": "</s>", "special": True}}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
+    code, out, err = run(["convert", folder, tmp_path / "out", "--scales", scales])
+    assert code == 0 and "genai_config.json written from config.json" in out, err
+    assert json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["eos_token_id"] == 2

@@ -314,6 +314,7 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
             runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
     chosen = CALIBRATION_METHODS[method]
+    _check_rope_positions(choice, chosen)
     if chosen.clip_search and fmt.is_float:
         raise KvCacheError(
             Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
@@ -323,6 +324,34 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
     return _Setup(runner, fmt, chosen, chosen_for)
+
+
+def _check_rope_positions(choice: _Choice, method: CalibrationMethod) -> None:
+    """``rope_positions`` moves only the attention methods' K search under the RoPE envelope:
+    with another method, or without the envelope, any value gives the same scales, and a scale
+    file recording it would warn of a context it never limited."""
+    if choice.rope_positions is None or (method.attention and choice.rope_envelope):
+        return
+    if choice.rope_envelope:
+        why, instead = Message(Param("method", method.name), " never reads it"), "choose an attention method"
+    else:
+        off = Param("rope_envelope", False)
+        why, instead = (
+            Message("the RoPE envelope is off (", off, ")"),
+            Message("keep the envelope (no ", off, ")"),
+        )
+    raise KvCacheError(
+        Param("rope_positions", choice.rope_positions),
+        " limits only the attention methods' K search under the RoPE envelope (",
+        Param("method", "attention"),
+        " or attention_search), and ",
+        why,
+        ": the scales would be the same for any value. Drop ",
+        Param("rope_positions"),
+        ", or ",
+        instead,
+        ".",
+    )
 
 
 def _token_windows(
