@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, missing_dependency
+from onnx_kvcache.errors import KvCacheError, MissingRuntimeError, missing_dependency
 
 
 def import_onnxruntime() -> ModuleType:
@@ -167,7 +167,10 @@ def unloadable_header(ir_version: int, opsets: Mapping[str, int]) -> str | None:
     if limits is not None and all(domain in limits.opsets for domain in opsets if domain != "ai.onnx"):
         past = _past(ir_version, opsets, limits)
     else:
-        past = list(_probed(ir_version, tuple(sorted(opsets.items()))))
+        try:
+            past = list(_probed(ir_version, tuple(sorted(opsets.items()))))
+        except MissingRuntimeError:  # installed but not importable: nothing to ask
+            return None
     if not past:
         return None
     what, value, newest = past[0]

@@ -9,7 +9,8 @@ Rules:
   (evaluation's scores, ``attention_search``'s samples). Sizes are what the arrays take, so the
   estimate is a floor of what the process holds, not a ceiling.
 * An estimate above the memory available now (``MemAvailable`` of ``/proc/meminfo``, else the
-  physical memory; none known: no check) is refused before anything is allocated, with the
+  physical memory; under a container's cgroup limit, the room left below it; none known: no
+  check) is refused before anything is allocated, with the
   figure, its largest parts and the limit, and the arguments that lower it.
 """
 
@@ -32,8 +33,22 @@ _FLOAT = 4
 WINDOW_BYTES = 120
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation now, or None when unknown."""
+#: A container's memory limit and use (cgroup v2, else v1): the room left under the limit.
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # "max": no limit
+        return None
+
+
+def _machine_memory() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -45,6 +60,19 @@ def available_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (the machine's ``MemAvailable``, else
+    its physical memory; less under a container's limit), or None when unknown."""
+    found = [_machine_memory()]
+    for limit_file, usage_file in _CGROUP_FILES:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            found.append(max(limit - usage, 0))
+            break
+    known = [n for n in found if n is not None]
+    return min(known) if known else None
 
 
 @dataclasses.dataclass(frozen=True)
