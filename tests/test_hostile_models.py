@@ -261,6 +261,13 @@ def test_a_model_onnxruntime_would_refuse_is_never_converted(tmp_path, mutant):
     assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
     with pytest.raises(MalformedModelError, match=re.escape(said)):
         optimize_model(ir.load(src), kv_cache_format="fp8", execution_provider="cuda")
+    for argv in (  # every command that reads it: one line before any work
+        ["inspect", src],
+        ["calibrate", src, "--out", out / "s.json", "--format", "int8"],
+        ["evaluate", src, src, "--num-seqs", 1],
+    ):
+        code, stdout, err = run(argv)
+        assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
 
 
 # -- a graph out of topological order ------------------------------------------------------
