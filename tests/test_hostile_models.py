@@ -400,6 +400,18 @@ def test_sizes_and_counts_are_bounded_before_anything_is_allocated(tmp_path, mod
         assert word in one_line(err)
 
 
+def test_greedy_tokens_past_any_memory_are_refused_on_a_model_without_a_rotary_table(monkeypatch):
+    """An export computes its rotary angles from the positions: no context bounds
+    --max-new-tokens, the caches the generation holds do."""
+    monkeypatch.setattr(KvCacheRunner, "prefill", _never)
+    export = DATA / "export_llama_opset23.onnx"
+    code, _, err = run(
+        ["evaluate", export, export, "--num-seqs", 1, "--seq-len", 16, "--max-new-tokens", 10**9]
+    )
+    assert code == 2 and "This evaluation would hold about" in one_line(err)
+    assert "1000000008 tokens' caches" in err and "--max-new-tokens N" in err
+
+
 @pytest.mark.parametrize("command", ["calibrate", "evaluate"])
 def test_the_memory_limit_is_the_memory_available(tmp_path, models, monkeypatch, command):
     """The estimate is refused past what the machine has now, naming both figures."""

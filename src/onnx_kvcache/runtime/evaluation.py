@@ -277,6 +277,8 @@ _FEWER = (
     Param("num_seqs", placeholder="N"),
     ", ",
     Param("seq_len", placeholder="N"),
+    ") or fewer greedy tokens (",
+    Param("max_new_tokens", placeholder="N"),
     ").",
 )
 
@@ -289,8 +291,9 @@ def _memory(
     runners: tuple[KvCacheRunner, KvCacheRunner], scoring: _Scoring, windows: int, length: int, *, ids: bool
 ) -> MemoryEstimate:
     """What scoring ``windows`` windows of ``length`` tokens holds (``ids``: their random ids too):
-    what is kept per window for the report, and each model's run of one window (its caches, the
-    prompt's attention scores, the logits of its decode steps); runtime/_memory.py."""
+    what is kept per window for the report, and each model's run of one window (its caches, as
+    long as the window or the prompt and its greedy tokens, the prompt's attention scores, the
+    logits of its decode steps); runtime/_memory.py."""
     layers = len({b.layer_id for b in runners[0].bindings})
     kept = windows * (length * _KEPT_PER_TOKEN + layers * _KEPT_PER_LAYER + _KEPT_PER_WINDOW)
     generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
@@ -299,11 +302,15 @@ def _memory(
         (f"the scores kept of {windows} windows", kept),
     ]
     prompt = min(scoring.prompt_len, max(1, length // 2))
+    positions = max(length, prompt + scoring.max_new_tokens)
+    queries = -(-prompt * prompt // positions)  # the prompt's scores (p x p), else a step's (1 x T)
     for name, runner in zip(("baseline", "candidate"), runners):
         parts += [
             (f"{name}: {what}", size)
-            for what, size in run_parts(runner, 1, length, queries=prompt, logits=True)
+            for what, size in run_parts(runner, 1, positions, queries=queries, logits=False)
         ]
+        logits = length * (runner.vocab_size or 0) * 4
+        parts.append((f"{name}: {length} tokens' logits", logits))
     return MemoryEstimate("evaluation", tuple(parts))
 
 
