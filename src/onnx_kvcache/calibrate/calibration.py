@@ -93,7 +93,7 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.model_io._inputs import check_input_file
 from onnx_kvcache.pipeline.decision import inferred_format
-from onnx_kvcache.runtime._memory import WINDOW_BYTES, MemoryEstimate, run_parts
+from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
 from onnx_kvcache.runtime.evaluation import MAX_POSITIONS
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
@@ -178,13 +178,7 @@ def calibrate_kv_cache(
 
 
 #: What lowers a calibration's memory, said when it is refused (runtime/_memory.py).
-_FEWER = (
-    "Give fewer or shorter windows (",
-    Param("num_seqs", placeholder="N"),
-    ", ",
-    Param("seq_len", placeholder="N"),
-    ").",
-)
+_FEWER = (*FEWER_WINDOWS, ".")
 
 
 def _check_length(runner: KvCacheRunner, seq_len: int) -> None:

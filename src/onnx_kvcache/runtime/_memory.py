@@ -16,13 +16,14 @@ Rules:
 
 from __future__ import annotations
 
-__all__ = ["WINDOW_BYTES", "MemoryEstimate", "available_memory", "run_parts"]
+__all__ = ["FEWER_WINDOWS", "WINDOW_BYTES", "MemoryEstimate", "available_memory", "run_parts"]
 
 import dataclasses
+import math
 import os
 
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import KvCacheError, Message
+from onnx_kvcache.errors import KvCacheError, Message, Param
 from onnx_kvcache.model_io._atomic import format_bytes
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
@@ -31,6 +32,15 @@ _FLOAT = 4
 
 #: Bytes each window's numpy array takes beyond its data (the object, its list entry).
 WINDOW_BYTES = 120
+
+#: What lowers a run's memory, said when it is refused (the start of the fix).
+FEWER_WINDOWS = (
+    "Give fewer or shorter windows (",
+    Param("num_seqs", placeholder="N"),
+    ", ",
+    Param("seq_len", placeholder="N"),
+    ")",
+)
 
 
 #: A container's memory limit and use (cgroup v2, else v1): the room left under the limit.
@@ -111,10 +121,12 @@ def run_parts(
     """One run of ``batch`` windows of ``queries`` new tokens over ``length`` in all: its caches
     (the present outputs and the copies read back), the CPU GroupQueryAttention's scores (``batch *
     num_heads * queries * length`` float32, one layer at a time), its logits of ``length`` tokens."""
-    caches = sum(
-        batch * b.kv_num_heads * length * b.feed_last_dim * (b.feed_dtype or b.dtype).itemsize
-        for b in runner.bindings
-    )
+    caches = math.ceil(
+        sum(
+            batch * b.kv_num_heads * length * b.feed_last_dim * (b.feed_dtype or b.dtype).itemsize
+            for b in runner.bindings
+        )
+    )  # an int4 element is half a byte
     heads = max((s.num_heads for s in find_attention_sites(runner.source_model)), default=0)
     scores = batch * heads * queries * length * _FLOAT
     parts = [

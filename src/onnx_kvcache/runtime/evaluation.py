@@ -32,7 +32,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
-from onnx_kvcache.runtime._memory import WINDOW_BYTES, MemoryEstimate, run_parts
+from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
     RANDOM_WINDOWS,
@@ -272,15 +272,7 @@ def _check_positions(scoring: _Scoring, runner: KvCacheRunner) -> None:
 
 
 #: What lowers an evaluation's memory, said when it is refused (runtime/_memory.py).
-_FEWER = (
-    "Give fewer or shorter windows (",
-    Param("num_seqs", placeholder="N"),
-    ", ",
-    Param("seq_len", placeholder="N"),
-    ") or fewer greedy tokens (",
-    Param("max_new_tokens", placeholder="N"),
-    ").",
-)
+_FEWER = (*FEWER_WINDOWS, " or fewer greedy tokens (", Param("max_new_tokens", placeholder="N"), ").")
 
 #: Bytes kept per scored position (its KL as float64, its top-1 agreement) and per window and
 #: layer (the cache errors, the lists' entries): the report's figures until the last window.
