@@ -161,14 +161,7 @@ def calibrate_kv_cache(
     asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions)
     choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)
-    _check_length(setup.runner, sampling.seq_len)
-    if data is None and find_tokenizer(model, sampling.tokenizer) is None:  # random ids: generated
-        _memory(setup, sampling, sampling.num_seqs or RANDOM_WINDOWS, sampling.seq_len, ids=True).check(
-            *_FEWER
-        )
-    loaded = _token_windows(model, data, setup.runner, sampling)
-    longest = max(len(w) for w in loaded.windows)
-    _memory(setup, sampling, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    loaded = _bounded_windows(model, data, setup, sampling)
     sampler = _Sampler.of(setup, choice, sampling)
     tokens = sampler.run(setup.runner, loaded.windows, sampling.progress, TOKENS_PER_RUN)
     stats = [
@@ -179,6 +172,22 @@ def calibrate_kv_cache(
 
 #: What lowers a calibration's memory, said when it is refused (runtime/_memory.py).
 _FEWER = (*FEWER_WINDOWS, ".")
+
+
+def _bounded_windows(
+    model: ir.Model | str | os.PathLike, data: TokenData, setup: _Setup, sampling: _Sampling
+) -> TokenWindows:
+    """The calibration windows, once their length fits the model's positions and the memory
+    the run will hold fits the machine: random ids estimated before they are generated, other
+    data once read (runtime/_memory.py)."""
+    _check_length(setup.runner, sampling.seq_len)
+    if data is None and find_tokenizer(model, sampling.tokenizer) is None:  # random ids: generated
+        count = sampling.num_seqs or RANDOM_WINDOWS
+        _memory(setup, sampling, count, sampling.seq_len, ids=True).check(*_FEWER)
+    loaded = _token_windows(model, data, setup.runner, sampling)
+    longest = max(len(w) for w in loaded.windows)
+    _memory(setup, sampling, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    return loaded
 
 
 def _check_length(runner: KvCacheRunner, seq_len: int) -> None:

@@ -189,15 +189,7 @@ def evaluate_kv_cache(
     scoring = _Scoring(max_new_tokens, prompt_len, seq_len, num_seqs, tokenizer, progress)
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
-    _check_positions(scoring, cand)
-    model = baseline if not isinstance(baseline, ir.Model) else None
-    if data is None and find_tokenizer(model, scoring.tokenizer) is None:  # random ids: generated
-        _memory((base, cand), scoring, scoring.num_seqs or RANDOM_WINDOWS, scoring.seq_len, ids=True).check(
-            *_FEWER
-        )
-    loaded = _windows(baseline, data, base, scoring)
-    longest = max(len(w) for w in loaded.windows)
-    _memory((base, cand), scoring, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     tally = _Tally()
     for window in _progress(loaded.windows, scoring.progress):
         tally.score(base, cand, window, scoring)
@@ -277,6 +269,26 @@ _FEWER = (*FEWER_WINDOWS, " or fewer greedy tokens (", Param("max_new_tokens", p
 #: Bytes kept per scored position (its KL as float64, its top-1 agreement) and per window and
 #: layer (the cache errors, the lists' entries): the report's figures until the last window.
 _KEPT_PER_TOKEN, _KEPT_PER_LAYER, _KEPT_PER_WINDOW = 17, 120, 700
+
+
+def _bounded_windows(
+    baseline: ir.Model | str | os.PathLike,
+    data: TokenData,
+    runners: tuple[KvCacheRunner, KvCacheRunner],
+    scoring: _Scoring,
+) -> TokenWindows:
+    """The windows to score, once the lengths fit the model's positions and the memory the
+    run will hold fits the machine: random ids estimated before they are generated, other data
+    once read (runtime/_memory.py). Nothing has run yet."""
+    _check_positions(scoring, runners[1])
+    model = baseline if not isinstance(baseline, ir.Model) else None
+    if data is None and find_tokenizer(model, scoring.tokenizer) is None:  # random ids: generated
+        count = scoring.num_seqs or RANDOM_WINDOWS
+        _memory(runners, scoring, count, scoring.seq_len, ids=True).check(*_FEWER)
+    loaded = _windows(baseline, data, runners[0], scoring)
+    longest = max(len(w) for w in loaded.windows)
+    _memory(runners, scoring, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    return loaded
 
 
 def _memory(
