@@ -49,7 +49,8 @@ node's operator row:
    file's ``method``, or the marker of our conversion) moved to another format.
 
 A model with no attention node at all but attention a fusion would try (an export: ONNX
-``Attention``, or decomposed) is left as it is with an
+``Attention``, holding its cache or not, or decomposed: the candidate rules of the fusions
+``GqaFusionPass`` runs, ``FUSIONS``) is left as it is with an
 :class:`~onnx_kvcache.errors.UnfusedAttentionWarning` naming ``GqaFusionPass`` and
 ``optimize_model``: the pass converts GroupQueryAttention and PagedAttention only.
 
@@ -249,7 +250,8 @@ def _unfused_notes(model: ir.Model, name: str) -> list[KvCacheWarning]:
     return [
         UnfusedAttentionWarning(
             f"{name} converted nothing: the model has no GroupQueryAttention or PagedAttention node, "
-            f"but {len(found)} attention node(s) (ONNX Attention or decomposed; first {first}) that "
+            f"but {len(found)} attention node(s) (ONNX Attention, holding its cache or not, or decomposed; "
+            f"first {first}) that "
             "become GroupQueryAttention only by fusion. Run GqaFusionPass first "
             f"(ir.passes.PassManager([GqaFusionPass(), {name}(...)])), or call optimize_model, which "
             "fuses, checks the target and quantizes (docs/exporting.md)."

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "CROPPED_WINDOW_WARNING",
+    "FUSIONS",
     "PADDING_WARNING",
     "WINDOW_PADDING_WARNING",
     "GqaFusionPass",
@@ -37,7 +38,13 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
-from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
+from onnx_kvcache.passes.fusion._base import (
+    FusionPass,
+    FusionRefusal,
+    FusionReport,
+    FusionResult,
+    summarize_refusals,
+)
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
@@ -66,6 +73,16 @@ CROPPED_WINDOW_WARNING = (
     "but every decode step after it differs (the fused cache holds the row's valid tokens first, the "
     "export's its last positions). Pad rows by fewer than window tokens, or run such prompts unpadded "
     "(one row per batch)."
+)
+
+
+#: Our fusions, in the order :class:`GqaFusionPass` runs them: the one list the pass, its
+#: :func:`fusion_candidates` and the quantization passes' ``UnfusedAttentionWarning`` read. The
+#: last (decomposed attention) is the one whose refusals onnxscript's fusions may still lift.
+FUSIONS: tuple[type[FusionPass], ...] = (
+    CachedAttentionFusionPass,
+    AttentionFusionPass,
+    DecomposedAttentionFusionPass,
 )
 
 
@@ -98,8 +115,8 @@ class GqaFusionPass(InPlacePass):
 
     def call(self, model: ir.Model) -> FusionResult:
         before = len(find_gqa_sites(model, with_cache_only=False))
-        attention = _report(CachedAttentionFusionPass()(model)) + _report(AttentionFusionPass()(model))
-        decomposed = _report(DecomposedAttentionFusionPass()(model))
+        *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
+        attention = sum(first, FusionReport())
         modified = bool(attention.fused or decomposed.fused)
         applied: dict[str, int] = {}
         if not (attention.fused or decomposed.fused) and _has_contrib_rotary(model.graph):
@@ -151,9 +168,10 @@ def _has_contrib_rotary(graph: ir.Graph) -> bool:
 
 
 def fusion_candidates(model: ir.Model) -> list[ir.Node]:
-    """The main graph's nodes :class:`GqaFusionPass`'s own fusions would try (ONNX ``Attention``,
-    decomposed attention's last MatMul): a cheap look, nothing proven or changed."""
-    fusions = (AttentionFusionPass(), DecomposedAttentionFusionPass())
+    """The main graph's nodes :class:`GqaFusionPass`'s own fusions (:data:`FUSIONS`) would try
+    (ONNX ``Attention``, with its own cache or not; decomposed attention's last MatMul): their
+    own candidate rules, a cheap look, nothing proven or changed."""
+    fusions = [fusion() for fusion in FUSIONS]
     return [node for node in model.graph if any(f.is_candidate(node) for f in fusions)]
 
 
