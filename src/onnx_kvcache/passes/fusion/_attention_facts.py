@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
+from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     ZERO,
@@ -91,9 +92,9 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
         raise Unprovable("the mask is neither boolean nor a 0/-inf additive mask")
     names = (BATCH, HEAD, QUERY, KEY)[4 - tensor.rank :]
     dims = dict(zip(names, tensor.shape))
-    if dims.get(KEY) != kv_len:  # ONNX Attention pads a shorter mask with -inf, not broadcast
+    if KEY not in dims or not equal(dims[KEY], kv_len):  # ONNX Attention pads a shorter mask with -inf
         raise Unprovable(f"the mask has {dims.get(KEY, ONE)} key columns, the cache {kv_len}")
-    if dims.get(QUERY, ONE) not in (query_len, ONE):
+    if dims.get(QUERY, ONE) != ONE and not equal(dims[QUERY], query_len):
         raise Unprovable(f"the mask has {dims[QUERY]} query rows, the query {query_len}")
     mapping = {
         axis(k): Affine(const=0) if dim == ONE else Affine.of(name)
@@ -267,7 +268,7 @@ def _whole_slice(ev: SymbolicEvaluator, node: ir.Node) -> bool:
     try:
         starts = ev.values(inputs[1], "Slice starts")
         steps = ev.const_ints(inputs[4], "Slice steps") if inputs[4] is not None else None
-        whole = ev.shape(node.outputs[0]) == ev.shape(inputs[0])
+        whole = same_dims(ev.shape(node.outputs[0]), ev.shape(inputs[0]))
     except Unprovable:
         return False
     return whole and all(s == ZERO for s in starts) and (steps is None or set(steps) <= {1})
@@ -315,7 +316,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if len(target) != 5 or not target[2].is_const or target[2].const < 1:
         raise Unprovable("the repeat's Expand shape has no constant group size")
     for k in (0, 1, 3, 4):
-        if target[k] not in (inserted[k], ONE):
+        if target[k] != ONE and not equal(target[k], inserted[k]):
             raise Unprovable(f"the repeat's Expand changes axis {k} ({inserted[k]} -> {target[k]})")
     group = target[2].const
     expanded = (dims[0], dims[1], Affine(const=group), dims[2], dims[3])
@@ -327,7 +328,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     )
     if not dims[1].is_const:
         raise Unprovable("the number of KV heads is not static")
-    if out != (dims[0], dims[1].scale(group), dims[2], dims[3]):
+    if not same_dims(out, (dims[0], dims[1].scale(group), dims[2], dims[3])):
         raise Unprovable("the repeat's Reshape does not fold the group axis into the head axis")
     for node in copies:  # the copies are read by the repeat only: removed with it
         if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
@@ -504,7 +505,7 @@ def check_shapes(
         raise Unprovable(f"head size {head}: GroupQueryAttention needs a multiple of 8")
     for link in (key, value):
         new = ev.shape(link.new)
-        if len(new) != 4 or new[2] != q[2]:
+        if len(new) != 4 or not equal(new[2], q[2]):
             raise Unprovable("the new K/V tokens are not as many as the query tokens")
     dtypes = {ev.dtype(v) for v in (query, key.past, key.new, value.past, value.new)}
     if len(dtypes) != 1 or not dtypes <= ATTENTION_DTYPES:
