@@ -29,15 +29,22 @@ __all__ = ["MAX_CASES", "MAX_INEQUALITIES", "always_nonnegative", "equal", "same
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from onnx_kvcache.passes.fusion._symbolic_values import Affine, Symbol, SymbolKind
+# The evaluator's forms and symbols (onnx_kvcache.passes.fusion._symbolic_values, which imports
+# this module): a form has ``terms`` ((symbol, coefficient), ...), ``const``, ``subs``, ``scale``
+# and integer arithmetic; a symbol has ``kind`` (its ``name``: DIM, FRESH, MAX, ...) and, for a
+# maximum ``max(0, form)``, ``form``. Only those are read here.
+Affine = Any
+Symbol = Any
 
 MAX_CASES = 4096
 """Feasible cases examined at most; a form with more is not decided."""
 MAX_INEQUALITIES = 400
 """Inequalities one elimination step may hold; past this a case counts as feasible."""
 
-_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH})
+_LENGTHS = frozenset({"DIM", "FRESH"})
+"""The kinds of symbol that are lengths (``>= 0``); ``MAX`` is a maximum ``max(0, form)``."""
 
 # An inequality ``sum(c * x) + const >= 0``: ((symbol, coefficient), ...) sorted, const.
 _Ineq = tuple[tuple[tuple[Symbol, int], ...], int]
@@ -63,7 +70,7 @@ def always_nonnegative(form: Affine) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _zero(diff: Affine) -> bool:
     if not _maxima(diff):
-        return diff == Affine()  # an affine form other than 0 is not 0 for some lengths
+        return not diff.terms and diff.const == 0  # an affine form other than 0 is not 0 somewhere
     return _holds(diff, lambda d: [d - 1]) and _holds(diff, lambda d: [-d - 1])
 
 
@@ -88,7 +95,7 @@ def _maxima(form: Affine) -> list[Symbol]:
 
     def visit(f: Affine) -> None:
         for symbol, _ in f.terms:
-            if symbol.kind is SymbolKind.MAX and symbol not in order:
+            if symbol.kind.name == "MAX" and symbol not in order:
                 assert symbol.form is not None
                 visit(symbol.form)
                 order[symbol] = None
@@ -107,7 +114,7 @@ def _cases(maxima: list[Symbol]) -> _Cases:
         symbol = maxima[k]
         assert symbol.form is not None
         e = symbol.form.subs(mapping)
-        for condition, value in ((e, e), (-e - 1, Affine())):
+        for condition, value in ((e, e), (-e - 1, e.scale(0))):
             branch = [*constraints, condition]
             if _feasible(branch):
                 yield from split(k + 1, branch, {**mapping, symbol: value})
@@ -122,7 +129,7 @@ def _feasible(constraints: list[Affine]) -> bool:
     for form in constraints:
         symbols |= form.symbols
         system.add(_tight(dict(form.terms), form.const))
-    system |= {(((s, 1),), 0) for s in symbols if s.kind in _LENGTHS}
+    system |= {(((s, 1),), 0) for s in symbols if s.kind.name in _LENGTHS}
     return _eliminate(system, sorted(symbols))
 
 
