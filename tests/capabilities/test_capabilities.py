@@ -9,6 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, check_kv_cache_support, fast_path_diagnostics
+from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.capabilities.table import EP_CAPABILITIES, PAGED_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import NotConvertedWarning, RuntimeSupportWarning
 
@@ -151,6 +152,30 @@ def test_qk_norm_nodes_need_a_provider_that_takes_them(ep, ok):
     assert report.supported == ok
     if not ok:
         assert "q/k norm" in report.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("ep", "fmt", "version", "code"),
+    [
+        ("cpu", "int8", "1.32", None),
+        ("cpu", "int4", "1.32", None),
+        ("cpu", None, "1.22", RefusalCode.RUNTIME_TOO_OLD),
+        ("cuda", "fp8", "1.32", None),
+        ("webgpu", None, "1.32", None),
+        ("dml", None, "1.32", RefusalCode.HEAD_SINK_UNSUPPORTED),
+    ],
+)
+def test_attention_sinks_need_a_provider_that_honors_them(ep, fmt, version, code):
+    """head_sink (gpt-oss): each row says since which version, with which quantized caches."""
+    model = gqa_model(head_sink=True, dtype=F16 if ep != "cpu" else ir.DataType.FLOAT)
+    report = check_kv_cache_support(model, ep, fmt, runtime_version=version)
+    assert [r.code for r in report.refusals] == ([code] if code else [])
+    if code is RefusalCode.HEAD_SINK_UNSUPPORTED:
+        assert (
+            "not known to honor attention sinks" in report.reasons[0]
+            and "run it on cpu, cuda" in report.reasons[0]
+        )
+    assert check_kv_cache_support(gqa_model(dtype=F16), "dml", None, runtime_version=version).supported
 
 
 def fake_nvidia_smi(tmp_path, monkeypatch, output: str) -> None:
