@@ -178,6 +178,31 @@ def test_attention_sinks_need_a_provider_that_honors_them(ep, fmt, version, code
     assert check_kv_cache_support(gqa_model(dtype=F16), "dml", None, runtime_version=version).supported
 
 
+@pytest.mark.parametrize(
+    ("ep", "version", "code"),
+    [
+        ("cpu", "1.32", None),
+        ("cpu", "1.31", RefusalCode.RUNTIME_TOO_OLD),
+        ("openvino", "2026.4", RefusalCode.INPUT_UNSUPPORTED),
+    ],
+)
+def test_window_sized_caches_of_a_fusion_need_query_seqlens(ep, version, code):
+    """A rolling window cache fuses into a window-sized cache with query_seqlens (input 16)."""
+    import warnings
+
+    from onnx_kvcache import build_decoder, optimize_model
+    from onnx_kvcache.models.exported import ExportStyle, exported_config
+
+    config = exported_config(
+        "mistral", num_layers=1, sliding_window=4, exported=ExportStyle(window_cache="cropped")
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = optimize_model(build_decoder(config))
+    report = check_kv_cache_support(model, ep, "int8", runtime_version=version)
+    assert [r.code for r in report.refusals] == ([code] if code else [])
+
+
 def fake_nvidia_smi(tmp_path, monkeypatch, output: str) -> None:
     script = tmp_path / "nvidia-smi"
     script.write_text(f"#!/bin/sh\necho '{output}'\n")

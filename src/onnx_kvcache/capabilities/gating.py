@@ -226,6 +226,8 @@ def _site_refusals(
             f"{', '.join(bad)}; export the model in a supported dtype."
         )
         found.append(Refusal(RefusalCode.QUERY_DTYPE_UNSUPPORTED, Parameter.EP, text))
+    chunked = [s for s in mine if s.op.op_type == GQA.op_type and s.input("query_seqlens") is not None]
+    found += _query_seqlens_refusals(row, label, chunked, runtime_version)
     sunk = [s for s in mine if s.input("head_sink") is not None]
     found += _sink_refusals(row, label, sunk, fmt, runtime_version)
     multiple = support.window_cache_head_multiple if support is not None else 0
@@ -238,6 +240,31 @@ def _site_refusals(
         )
         found.append(Refusal(RefusalCode.FORMAT_UNSUPPORTED, Parameter.FORMAT, text))
     return found
+
+
+def _query_seqlens_refusals(
+    row: EpCapabilities, label: str, chunked: list[CacheSite], runtime_version: str | None
+) -> list[Refusal]:
+    """Nodes with ``query_seqlens`` (input 16) on a row whose kernel does not take it, or whose
+    runtime predates it."""
+    if not chunked or not row.has_kernel or row.name == "default":
+        return []
+    if not row.query_seqlens:
+        takes = [n for n, r in CAPABILITIES[row.op].items() if r.query_seqlens]
+        text = (
+            f"{label}'s {row.op} rejects query_seqlens (input 16: each row's valid new tokens, what the "
+            f"fusion writes for window-sized caches), which {len(chunked)} node(s) of this model use; "
+            f"run it on {', '.join(takes)}."
+        )
+        return [Refusal(RefusalCode.INPUT_UNSUPPORTED, Parameter.EP, text)]
+    version = runtime_version if runtime_version is not None else installed_version(row.runtime)
+    if version is None or _version_tuple(version) >= _version_tuple(row.query_seqlens):
+        return []
+    text = (
+        f"{row.runtime} {version} predates {row.query_seqlens}, the first {row.runtime} whose {row.op} "
+        f"takes query_seqlens (input 16), which {len(chunked)} node(s) of this model use; upgrade it."
+    )
+    return [Refusal(RefusalCode.RUNTIME_TOO_OLD, None, text)]
 
 
 def _sink_refusals(

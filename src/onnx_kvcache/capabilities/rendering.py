@@ -44,10 +44,10 @@ def render_capability_table() -> str:
         lines += [
             f"**{op_type}**",
             "",
-            "| provider | query dtypes | q/k norm | attention sinks | "
+            "| provider | query dtypes | q/k norm | query_seqlens | attention sinks | "
             + " | ".join(CACHE_FORMATS)
             + " | note |",
-            "|---|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+            "|---|---|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
         ]
         for row in table.values():
             cells = [_format_cell(row, name) for name in CACHE_FORMATS]
@@ -55,8 +55,11 @@ def render_capability_table() -> str:
             label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
             norm = "yes" if row.qk_norm else "no"
             sinks = _sink_cell(row)
+            chunks = f"ORT >= {row.query_seqlens}" if row.query_seqlens else "no"
             lines.append(
-                f"| {label} | {dtypes} | {norm} | {sinks} | " + " | ".join(cells) + f" | {row.note} |"
+                f"| {label} | {dtypes} | {norm} | {chunks} | {sinks} | "
+                + " | ".join(cells)
+                + f" | {row.note} |"
             )
     lines += [
         "",

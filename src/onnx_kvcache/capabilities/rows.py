@@ -96,6 +96,10 @@ class EpCapabilities:
     """Formats its kernel takes that the row does not list, and why (said when refusing them)."""
     head_sink: SinkSupport | None = None
     """Attention sinks (GQA and PagedAttention input 11); None: not known to be honored."""
+    query_seqlens: str = ""
+    """First version of the runtime whose GQA takes ``query_seqlens`` (input 16: each row's valid
+    new tokens; the fusion writes it for window-sized caches), "" for none (its schema says other
+    providers must reject a node with it)."""
 
     @property
     def has_kernel(self) -> bool:
@@ -118,6 +122,7 @@ _GQA_ROWS = (
             "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
+        query_seqlens="1.32",
         head_sink=SinkSupport(
             "1.23",
             frozenset({"int8", "int4"}),
@@ -138,6 +143,7 @@ _GQA_ROWS = (
         "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
         qk_norm=True,
         share_buffer=True,
+        query_seqlens="1.32",
         head_sink=SinkSupport(
             "1.23",
             frozenset({"fp8", "int8", "int4"}),
@@ -171,7 +177,9 @@ _GQA_ROWS = (
         },
         "OpenVINO's own runtime (ONNX frontend): int8/int4 caches store onnxruntime's codes. "
         "Whether 2026.3 runs them is unsettled. fp8 compiles, but its codes differ from "
-        "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed.",
+        "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed. "
+        "Its GroupQueryAttention takes 16 inputs at most (no query_seqlens) and no softcap "
+        "(2026.4.1).",
         runtime="openvino",
         head_sink=SinkSupport(
             "2026.4",

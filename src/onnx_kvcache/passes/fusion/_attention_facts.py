@@ -473,7 +473,7 @@ def _uncropped(ev: SymbolicEvaluator, graph: ir.Graph, past: ir.Value) -> str | 
         if ev.declared_shape(value)[2] != length:
             continue
         readers = [u for u, _ in value.uses()]
-        if any(_tail_rows(ev, u) is not None for u in readers if _producer(u.outputs[0], "Slice")):
+        if any(u.op_type == "Slice" and _tail_rows(ev, u) is not None for u in readers):
             continue  # cropped
         if any(u.op_type == "GroupQueryAttention" and _window_sized(u) for u in readers):
             continue  # a rolling window cache fused already
