@@ -257,13 +257,16 @@ def _query_seqlens_refusals(
             f"run it on {', '.join(takes)}."
         )
         return [Refusal(RefusalCode.INPUT_UNSUPPORTED, Parameter.EP, text)]
+    return _too_old(row, row.query_seqlens, runtime_version, f"whose {row.op} takes query_seqlens (input 16)")
+
+
+def _too_old(row: EpCapabilities, first: str, runtime_version: str | None, what: str) -> list[Refusal]:
+    """A refusal when the row's runtime (``runtime_version``, else the installed one) predates
+    ``first``, the first version ``what``."""
     version = runtime_version if runtime_version is not None else installed_version(row.runtime)
-    if version is None or _version_tuple(version) >= _version_tuple(row.query_seqlens):
+    if version is None or _version_tuple(version) >= _version_tuple(first):
         return []
-    text = (
-        f"{row.runtime} {version} predates {row.query_seqlens}, the first {row.runtime} whose {row.op} "
-        f"takes query_seqlens (input 16), which {len(chunked)} node(s) of this model use; upgrade it."
-    )
+    text = f"{row.runtime} {version} predates {first}, the first {row.runtime} {what}; upgrade it."
     return [Refusal(RefusalCode.RUNTIME_TOO_OLD, None, text)]
 
 
@@ -276,14 +279,7 @@ def _sink_refusals(
     if not sunk or not row.has_kernel or row.name == "default":
         return []
     if sinks is not None and (fmt is None or fmt in sinks.formats):
-        version = runtime_version if runtime_version is not None else installed_version(row.runtime)
-        if version is None or _version_tuple(version) >= _version_tuple(sinks.min_version):
-            return []
-        text = (
-            f"{row.runtime} {version} predates {sinks.min_version}, the first {row.runtime} known to "
-            f"honor attention sinks (head_sink) on {label}; upgrade it."
-        )
-        return [Refusal(RefusalCode.RUNTIME_TOO_OLD, None, text)]
+        return _too_old(row, sinks.min_version, runtime_version, f"known to honor attention sinks on {label}")
     runs = [
         n
         for n, r in CAPABILITIES[row.op].items()
