@@ -133,6 +133,37 @@ def test_the_genai_config_is_made_from_the_graph_and_the_exports_configs(export,
     assert again.converted and (out / "genai_config.json").exists()
 
 
+def test_a_rolling_window_export_runs_in_onnxruntime_genai_as_the_runner(export, tmp_path):
+    """transformers 5.x's rolling window cache (every layer keeps its last W - 1 tokens), fused into
+    window-sized caches: genai_config.json names them, genai allocates and shares them, and genai's
+    tokens are the runner's, past the window."""
+    pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.models.exported import ExportStyle, exported_config
+
+    folder = tmp_path / "mistral"
+    shutil.copytree(export, folder)
+    style = ExportStyle(window_cache="cropped")
+    config = exported_config("mistral", num_layers=2, vocab_size=512, sliding_window=4, exported=style)
+    ir.save(build_decoder(config), folder / "model.onnx")
+    out = tmp_path / "genai"
+    assert _convert(folder, out, "int8", "per_tensor").converted
+    decoder = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["sliding_window"] == {
+        "cache_slack": 0,
+        "layers": [0, 1],
+        "slide_inputs": False,
+        "slide_key_value_cache": False,
+        "window_size": 4,
+    }
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
+    prompt = _prompt(export) * 3  # past the window of 4
+    tokens = og_generate(out, prompt, 8)
+    expected = KvCacheRunner(out).generate(prompt, 8)
+    expected = expected[:-1] if expected and expected[-1] == 2 else expected
+    assert len(tokens) >= 4 and tokens == expected
+
+
 def _with_input(model: ir.Model, name: str) -> ir.Model:
     value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size"]))
     model.graph.inputs.append(value)

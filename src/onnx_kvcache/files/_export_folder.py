@@ -264,7 +264,9 @@ def _decoder(model: ir.Model, filename: str) -> dict[str, Any]:
     if _LOGITS not in graph_outputs:
         raise NoGenaiConfig(f"it has no {_LOGITS!r} output, which onnxruntime-genai reads")
     inputs = {key: name for key, name in GENAI_INPUTS.items() if name in graph_inputs}
+    window = _sliding_window(sites)
     return {
+        **({"sliding_window": window} if window else {}),
         "filename": filename,
         "head_size": _one({s.head_size() for s in sites}, "head size"),
         "num_attention_heads": _one({s.num_heads for s in sites}, "query head counts"),
@@ -273,6 +275,26 @@ def _decoder(model: ir.Model, filename: str) -> dict[str, Any]:
         "inputs": inputs | {k: patterns[k] for k in ("past_key_names", "past_value_names")},
         "outputs": {"logits": _LOGITS}
         | {k: patterns[k] for k in ("present_key_names", "present_value_names")},
+    }
+
+
+def _sliding_window(sites: list[CacheSite]) -> dict[str, Any] | None:
+    """``decoder.sliding_window`` for window-sized caches (``sliding_window_cache=1``, a fused
+    rolling window cache), as onnxruntime-genai's builder writes it for Gemma-2: the window, the
+    layers (genai allocates their caches window-sized: the window plus its slack), no sliding
+    of the cache or of the inputs by genai itself (the kernel evicts)."""
+    layers = [i for i, s in enumerate(sites) if s.int_attr("sliding_window_cache", 0)]
+    if not layers:
+        return None
+    window = _one(
+        {sites[i].int_attr("local_window_size", -1) for i in layers}, "window of its window-sized caches"
+    )
+    return {
+        "cache_slack": 0,
+        "layers": layers,
+        "slide_inputs": False,
+        "slide_key_value_cache": False,
+        "window_size": window,
     }
 
 
