@@ -121,7 +121,8 @@ def main() -> None:
         f"{args.threads} thread(s); load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'rotation':<16} {'nodes':>6} {'wall ms/step':>13} {'CPU ms/step':>12} {'speed (wall)':>13} {'(CPU)':>7}"
+        f"{'rotation':<16} {'nodes':>6} {'wall ms/step':>13} {'CPU ms/step':>12} "
+        f"{'speed (wall)':>13} {'(CPU)':>7}"
     )
     for r in ROTATIONS:
         wall = statistics.median(t[0] for t in times[r])

@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import warnings
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 
-from decoding import generate
+from decoding import PROMPTS, generate
+from onnx_kvcache import build_decoder
 from onnx_kvcache.cache.rotation import ROTATIONS, get_rotation, rotate, rotation_matrix, site_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.reading import load_model
+from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes import KvCacheQuantizationPass
+from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 
@@ -81,6 +85,43 @@ def test_a_rotated_build_computes_as_the_original(entry, rotation):
             continue
         logits, caches = _worst(want, generate(rotated, mask), rotation)
         assert logits < TOLERANCE and caches < TOLERANCE, (name, logits, caches)
+
+
+def _fused(arch: str, style: dict) -> ir.Model:
+    exported = ExportStyle(**style)
+    config = exported_config(arch, num_layers=2, vocab_size=300, sliding_window=4, exported=exported)
+    model = build_decoder(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        GqaFusionPass()(model)
+    return model
+
+
+FUSED = {  # window-sized caches (sliding_window_cache=1, query_seqlens), gpt-oss's sinks (head_sink)
+    "gemma2-sinks": ("gemma2", {"attention": "eager", "attention_sinks": True, "window_cache": "cropped"}),
+    "mistral": ("mistral", {"window_cache": "cropped"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED))
+def test_fused_sinks_and_window_sized_caches_rotate(case):
+    """A fused export's GQA with head_sink and window-sized caches: rotated, it computes as it
+    did (the genai builds above hold them with RoPE inside the node); cache rows compared where a
+    row's tokens are (the kernel leaves the rest unread)."""
+    original, rotated = _fused(*FUSED[case]), _fused(*FUSED[case])
+    nodes = [n for n in original.graph if n.op_type == "GroupQueryAttention"]
+    assert any("sliding_window_cache" in n.attributes for n in nodes)
+    assert (case == "gemma2-sinks") == all(n.inputs[11] is not None for n in nodes)
+    assert KvCacheRotationPass()(rotated).modified
+    for mask in (PROMPTS["single"], PROMPTS["left_padded"], np.ones((1, 12), np.int64)):
+        for (whole, a), (_, b) in zip(generate(original, mask), generate(rotated, mask)):
+            rows = whole[:, -a["logits"].shape[1] :].astype(bool)
+            assert np.abs(a["logits"] - b["logits"])[rows].max() < TOLERANCE
+            for name in (n for n in a if n.startswith("present")):
+                for r, tokens in enumerate(whole.sum(axis=1)):
+                    n = min(int(tokens), a[name].shape[2])
+                    turned = rotate(b[name][r, :, :n], inverse=True)
+                    assert np.abs(a[name][r, :, :n] - turned).max() < TOLERANCE, (name, r)
 
 
 def test_the_genai_build_has_what_the_kernel_applied_outside_and_one_matrix():

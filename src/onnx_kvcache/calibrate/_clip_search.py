@@ -59,6 +59,7 @@ class _Node:
     tables: tuple[np.ndarray, np.ndarray] | None
     interleaved: bool
     rotation: Rotation | None = None
+    sink: np.ndarray | None = None
 
 
 def _round_trip(x: np.ndarray, scale: np.ndarray, fmt: CacheFormat, turned: bool) -> np.ndarray:
@@ -88,7 +89,7 @@ def _error(
 ) -> float:
     total = 0.0
     for s in samples:
-        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
+        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window, sink=node.sink)
         out, _ = attention_output(s.q, s.k, s.v, **kw)  # type: ignore[arg-type]
         got, _ = attention_output(s.q, _stored_k(s, ks, fmt, node), _stored_v(s.v, vs, fmt, node), **kw)  # type: ignore[arg-type]
         total += float(((got - out) ** 2).sum())
@@ -107,7 +108,7 @@ def _v_search(
         amax = np.full_like(amax, amax.max())
     err = np.zeros((len(V_FRACTIONS), kv, head))
     for s, v in zip(samples, stored_v):
-        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
+        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window, sink=node.sink)
         out, _ = attention_output(s.q, s.k, v, **kw)  # type: ignore[arg-type]
         _, p = attention_output(s.q, _stored_k(s, ks, fmt, node), v, **kw)  # type: ignore[arg-type]
         group = p.shape[0] // kv
@@ -137,12 +138,13 @@ def refine(
     tables: tuple[np.ndarray, np.ndarray] | None = None,
     interleaved: bool = False,
     rotation: Rotation | None = None,
+    sink: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer's (K, V) scales, flat as given: ``attention``'s unless the held-out windows'
     output error is lower with the refined ones (module docstring)."""
     if len(samples) < 2:
         return k_scale, v_scale
-    node = _Node(scale, softcap, window, tables, interleaved, rotation)
+    node = _Node(scale, softcap, window, tables, interleaved, rotation, sink)
     held = max(1, len(samples) // 4)
     fit, check = samples[:-held], samples[-held:]
     kv, _, head = samples[0].k.shape

@@ -21,6 +21,7 @@ import numpy as np
 
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.calibrate import _clip_search
+from onnx_kvcache.calibrate._attention_error import head_sink
 from onnx_kvcache.calibrate._methods import _TINY, _clip_fraction, _expand, _thresholds
 from onnx_kvcache.calibrate._sampler import _Sampler
 from onnx_kvcache.calibrate._settings import _Choice, _Setup
@@ -102,6 +103,7 @@ def _refined(stats: CalibrationStats, sampler: _Sampler, setup: _Setup) -> Calib
         tables=sampler.rope_tables.get(layer),
         interleaved=bool(site.int_attr("rotary_interleaved")),
         rotation=sampler.rotation,
+        sink=head_sink(site),
     )
     kc, vc = (
         _clip_fraction(sampler.reservoirs[layer, kind], s, fmt) for kind, s in (("key", ks), ("value", vs))
