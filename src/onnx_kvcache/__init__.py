@@ -59,6 +59,7 @@ __all__ = [
     "GqaFusionPass",
     "KvCacheEmulationPass",
     "KvCacheQuantizationPass",
+    "KvCacheRotationPass",
     "PagedAttentionReferencePass",
     "emulate_fp8_kv_cache",
     "emulate_kv_cache",
@@ -201,6 +202,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "GqaFusionPass",
         "KvCacheEmulationPass",
         "KvCacheQuantizationPass",
+        "KvCacheRotationPass",
         "PagedAttentionReferencePass",
     ),
     "onnx_kvcache.passes.kv_cache_emulation": (
@@ -307,6 +309,7 @@ if TYPE_CHECKING:
         GqaFusionPass,
         KvCacheEmulationPass,
         KvCacheQuantizationPass,
+        KvCacheRotationPass,
         PagedAttentionReferencePass,
     )
     from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache

@@ -12,6 +12,7 @@ __all__ = [
     "GqaFusionPass",
     "KvCacheEmulationPass",
     "KvCacheQuantizationPass",
+    "KvCacheRotationPass",
     "PagedAttentionReferencePass",
 ]
 
@@ -23,4 +24,5 @@ from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import KvCacheEmulationPass
 from onnx_kvcache.passes.kv_cache_quantization import Fp8KvCachePass, KvCacheQuantizationPass
+from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
