@@ -62,7 +62,9 @@ def test_a_genai_builder_folder_rotated_generates_like_the_runner(tmp_path):
     """genai's own build (RoPE inside GroupQueryAttention), rotated and quantized to int4."""
     source = pathlib.Path(__file__).parent / "data/producers/genai-builder/genai-builder-cpu-fp32/llama"
     data = [[(7 * i + 3 * j) % 128 for j in range(64)] for i in range(6)]
-    scales = calibrate_kv_cache(source, data, format="int4", granularity="per_channel", progress=False)
+    scales = calibrate_kv_cache(
+        source, data, format="int4", granularity="per_channel", seq_len=64, progress=False
+    )
     out = tmp_path / "rotated"
     assert convert_model(source, out, scales=scales).rotation == "keys_and_values"
     prompt = [1, 72, 101, 108, 108, 111, 33]
