@@ -32,8 +32,10 @@ def _empty_cache(model: ir.Model, cache: ir.Value, batch: int, rows: int) -> np.
     """An empty past of ``rows`` rows (a window-sized cache's window of zeros: :func:`window_rows`),
     its last dimension the shape's or the node's head size (a rotated genai build's is symbolic)."""
     assert cache.shape is not None
-    site = next(s for s in find_attention_sites(model) if cache in (s.past_key, s.past_value))
-    head = cache.shape[3] if isinstance(cache.shape[3], int) else site.head_size()
+    head = cache.shape[3]
+    if not isinstance(head, int):  # an export's caches have fixed head sizes; a rotated GQA's may not
+        site = next(s for s in find_attention_sites(model) if cache in (s.past_key, s.past_value))
+        head = site.head_size()
     return np.zeros((batch, cache.shape[1], rows, head), cache.dtype.numpy())
 
 

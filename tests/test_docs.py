@@ -60,6 +60,18 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: Every block or command the suite does not run, and why: a new one is a deliberate edit here.
 #: Keys: (page, the command prefix, the command of an output block, or what the block calls).
+#: docs/rotation.md's 512-token table: each format rotated and not (benchmarks/real_model.py rows)
+ROTATION_ROWS = (
+    "int4:per_channel:ours:attention",
+    "int4:per_channel:ours:attention:keys",
+    "int4:per_channel:ours:attention:keys_and_values",
+    "int4:per_tensor:ours:attention",
+    "int4:per_tensor:ours:attention:keys_and_values",
+    "int8:per_channel:ours:minmax",
+    "int8:per_channel:ours:minmax:keys_and_values",
+    "fp8:per_tensor:ours:minmax",
+    "fp8:per_tensor:ours:minmax:keys_and_values",
+)
 NOT_RUN = {
     ("README.md", "pip install"): "CI installs the package (.ci/run) before it runs the suite",
     ("README.md", "python -m pytest"): "the test suite itself, which runs this",
@@ -79,6 +91,12 @@ NOT_RUN = {
     ),
     ("docs/calibration.md", "python benchmarks/attention_error.py"): (
         "a benchmark: needs the model benchmarks/real_model.py downloads and builds"
+    ),
+    ("docs/rotation.md", "python benchmarks/real_model.py --rows " + " ".join(ROTATION_ROWS)): (
+        "a benchmark: needs the real model and takes tens of minutes"
+    ),
+    ("docs/rotation.md", "python benchmarks/rotation_speed.py"): (
+        "a benchmark: builds a 30-layer decoder three times and takes minutes"
     ),
     ("docs/capabilities.md", "pip install"): "installs onnxruntime-gpu and this package on the GPU machine",
     ("docs/capabilities.md", "python benchmarks/cuda_check.py"): (
