@@ -452,7 +452,7 @@ class KvCacheRunner:
         self.reset(self._check_ids(ids).shape[0])
         return self.forward(ids)
 
-    def step(self, token: int | Sequence[int]) -> np.ndarray:
+    def step(self, token: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Append one token (per batch row); returns its logits ``[B, V]``."""
         ids = np.asarray(token, np.int64).reshape(-1, 1)
         return self.forward(ids)[:, -1]
