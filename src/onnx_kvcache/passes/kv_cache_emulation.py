@@ -178,7 +178,9 @@ def _quantized_granularity(site: CacheSite, fmt: CacheFormat) -> str:
 class _Step:
     """Per-call facts every node of one decoder shares: computed once, read by each layer."""
 
-    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
+    def __init__(self, first: ir.Value, positions: ir.Value | None, seq: ir.Value) -> None:
+        self.seq = seq
+        """Scalar int64: the call's new tokens (the query's sequence length)."""
         self.first = first
         """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
         self.positions = positions
@@ -253,7 +255,10 @@ class _Rewrite:
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
             scales = self.scales
             new_shape = [heads, dims] if split else [heads * dims]
-            new = [Codec.reshaped(b, fmt, s, new_shape) for s in scales]
+            new = [
+                Codec.reshaped(b, fmt, s, new_shape) if split else Codec.for_rows(b, fmt, s, heads * dims)
+                for s in scales
+            ]
             codecs = [Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
             stored_key, stored_value = (
                 self._round_trip_new(x, codec, split) for x, codec in zip((key, value), new)
@@ -353,15 +358,14 @@ class _Rewrite:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
             total = b.cast(self.total, _I64)
             first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS))
+            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS), seq)
         if step.positions is None and site.int_attr("do_rotary"):
-            step.positions = self._positions(query, step.first)
+            step.positions = self._positions(step.seq, step.first)
         return step
 
-    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
+    def _positions(self, seq: ir.Value, first: ir.Value) -> ir.Value:
         """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
         site, b = self.site, self.b
-        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
         steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
         flat = b.const(np.array([-1], np.int64))  # [batch] or [batch, 1] (ReduceSum keepdims): [batch]
         valid = seq
