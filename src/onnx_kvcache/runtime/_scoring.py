@@ -114,7 +114,7 @@ CALL_PATTERNS: dict[str, CallPattern] = {
     )
 }
 
-GREEDY_NOTE = "greedy: the prompts in one call, then a token a call, windows batched"
+GREEDY_NOTE = "the prompts in one call, then a token a call, windows batched"
 
 
 def _kernel(runner: KvCacheRunner) -> str:
