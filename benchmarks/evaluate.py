@@ -126,7 +126,7 @@ def main() -> None:
     print(f"{'cache':<30}{'decode tok/s':>14}{'vs float32':>12}{'cpu ms/tok':>12}{'cache bytes':>14}")
     for label, runner, rate, ratio, seconds in zip(labels, runners, medians, ratios, cpu):
         print(
-            f"{label:<30}{rate:>14.0f}{ratio:>11.2f}x{statistics.median(seconds) * 1e3:>12.2f}"
+            f"{label:<30}{rate:>14.4g}{ratio:>11.2f}x{statistics.median(seconds) * 1e3:>12.2f}"
             f"{runner.cache_nbytes():>14,}"
         )
     for label, target in TARGETS.items():

@@ -176,3 +176,45 @@ def test_batches_stay_within_the_memory_bounds(monkeypatch):
     small = scoring.Limits.of((runner, runner), 40)
     assert small.tokens_per_call == 10 and small.batch(40, PROMPT, whole_window=True) == 1
     assert small.batch(40, PROMPT, whole_window=False) == 1
+
+
+def test_progress_counts_every_token_scored(monkeypatch):
+    """The bar's total is the teacher-forced positions and greedy tokens of every window, and
+    the updates reach it exactly (tqdm shows the time left from them)."""
+    import sys
+
+    import tqdm
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, **options):
+            self.total, self.n, self.options = total, 0, options
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Recorder)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    windows = [list(w) for w in WINDOWS] + [list(WINDOWS[0][:20])]  # a shorter last window
+    evaluate_kv_cache(_model(None), _model("int8"), windows, max_new_tokens=3, prompt_len=PROMPT)
+    (bar,) = bars
+    assert bar.total == 3 * (39 + 3) + (19 + 3) and bar.n == bar.total
+    assert bar.options["unit"] == "token"
+
+
+def test_batched_greedy_stops_each_row_at_its_end_of_sequence():
+    """Rows decoded together give each row's generate(): a row stops after its
+    end-of-sequence token while the others go on."""
+    runner = _runner("int8 cpu kernel")
+    prompts = WINDOWS[:, :PROMPT]
+    free = [runner.generate(p.tolist(), 8, eos_token_id=None) for p in prompts]
+    runner.eos_token_ids = frozenset({free[0][2]})  # row 0 stops at its third token
+    want = [runner.generate(p.tolist(), 8) for p in prompts]
+    assert len(want[0]) == 3 and want != free
+    (*_, got) = scoring.greedy(runner, prompts, 8)
+    assert got == want
