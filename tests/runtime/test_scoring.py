@@ -10,6 +10,7 @@ import pytest
 
 import onnx_kvcache.runtime._scoring as scoring
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache.runtime._memory import run_parts
 from onnx_kvcache.runtime.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
 
 #: A chunk "equals" token-by-token decoding within this share of each row's logit range.
@@ -77,11 +78,11 @@ def test_each_kernels_call_pattern_gives_token_by_token_logits(case):
     assert pattern.kernel == CASES[case][3]
     ref = np.stack([_token_by_token(runner, w) for w in WINDOWS])
     ids = WINDOWS[:, :-1]
-    limits = scoring.Limits(tokens_per_call=10**6, window_bytes=1)
+    limits = scoring.Limits(windows=3, tokens_per_call=10**6, positions=40, queries=39)
     batched = np.concatenate(list(scoring.teacher_forced(runner, ids, PROMPT, limits)), axis=1)
     assert batched.shape == ref.shape and _off(batched, ref) <= TOLERANCE
     if pattern.whole_window:  # one window too long for one call: chunks of 11 after a past
-        small = scoring.Limits(tokens_per_call=11, window_bytes=1)
+        small = scoring.Limits(windows=1, tokens_per_call=11, positions=40, queries=39)
         chunks = list(scoring.teacher_forced(runner, ids[:1], PROMPT, small))
         assert [c.shape[1] for c in chunks] == [11, 11, 11, 6]
         assert _off(np.concatenate(chunks, axis=1), ref[:1]) <= TOLERANCE
@@ -141,13 +142,16 @@ def _figures_token_by_token(base_model, cand_model, windows, max_new_tokens):
         ("int4", {"paged": True, "dtype": "float16"}),  # the paged reference: a window a call
     ],
 )
-@pytest.mark.parametrize("logits_budget", [scoring.LOGITS_BUDGET, 300 * 4 * 2 * 13])
-def test_figures_equal_the_token_by_token_procedure(fmt, options, logits_budget, monkeypatch):
+@pytest.mark.parametrize("tokens_per_call", [None, 13])
+def test_figures_equal_the_token_by_token_procedure(fmt, options, tokens_per_call, monkeypatch):
     """Same inputs, same figures: evaluate's batched calls against each window alone, one
     token a step; also when memory allows only 13 tokens a call (a window at a time, in
     chunks; the prompt and greedy decoding still one call each)."""
-    monkeypatch.setattr(scoring, "LOGITS_BUDGET", logits_budget)
     base, cand = build_decoder(num_layers=2, vocab_size=300, **options), _model(fmt, **options)
+    if tokens_per_call:
+        runners = (KvCacheRunner(base), KvCacheRunner(cand))
+        monkeypatch.setattr(scoring, "RUN_BUDGET", _budget(runners, 40, tokens_per_call))
+        assert scoring.Limits.of(runners, 40, PROMPT, 40, True).tokens_per_call == tokens_per_call
     want = _figures_token_by_token(base, cand, WINDOWS, max_new_tokens=6)
     report = evaluate_kv_cache(base, cand, [list(w) for w in WINDOWS], max_new_tokens=6, prompt_len=PROMPT)
     assert report.positions == 3 * (40 - PROMPT - 1) and report.num_sequences == 3
@@ -163,19 +167,30 @@ def test_figures_equal_the_token_by_token_procedure(fmt, options, logits_budget,
     assert report.calls["candidate"] == scoring.call_pattern(KvCacheRunner(cand)).note
 
 
+def _held(runners, positions: int, tokens: int) -> int:
+    """What one window's run holds, fed ``tokens`` in one call (runtime/_memory.py's estimate)."""
+    return sum(s for r in runners for _, s in run_parts(r, 1, positions, queries=tokens, logits=tokens))
+
+
+def _budget(runners, positions: int, tokens: int) -> int:
+    """The run budget that lets one call take exactly ``tokens`` tokens."""
+    return _held(runners, positions, tokens + 1) - 1
+
+
 def test_batches_stay_within_the_memory_bounds(monkeypatch):
-    """Windows batch up to the logits and cache budgets; a lone window too long for one
-    call's attention budget runs in chunks."""
+    """Windows batch up to the run budget by the one memory estimate (run_parts), which
+    evaluation's refusal checks; a lone window too long for one call runs in chunks."""
     runner = _runner("int8 cpu kernel")
-    limits = scoring.Limits.of((runner, runner), 40)
-    assert limits.window_bytes == 2 * 2 * 2 * 2 * 32 * 4  # runners, layers, K and V, heads, head, float32
-    assert limits.batch(40, PROMPT, whole_window=True) == min(
-        scoring.CACHE_BUDGET // (limits.window_bytes * 40), limits.tokens_per_call // 39
-    )
-    monkeypatch.setattr(scoring, "ATTENTION_BUDGET", 4 * 4 * 40 * 10)  # 4 heads, 40 positions: 10 tokens
-    small = scoring.Limits.of((runner, runner), 40)
-    assert small.tokens_per_call == 10 and small.batch(40, PROMPT, whole_window=True) == 1
-    assert small.batch(40, PROMPT, whole_window=False) == 1
+    runners = (runner, runner)
+    limits = scoring.Limits.of(runners, 40, PROMPT, 46, whole_window=True)
+    assert limits.windows == scoring.RUN_BUDGET // _held(runners, 46, 39) > 3
+    assert sum(size for _, size in limits.parts(runners, 3)) == 3 * _held(runners, 46, 39)
+    steps = scoring.Limits.of(runners, 40, PROMPT, 46, whole_window=False)  # the prompt's call
+    assert steps.windows == scoring.RUN_BUDGET // _held(runners, 46, PROMPT)
+    monkeypatch.setattr(scoring, "RUN_BUDGET", _budget(runners, 46, 10))
+    small = scoring.Limits.of(runners, 40, PROMPT, 46, whole_window=True)
+    assert (small.windows, small.tokens_per_call) == (1, 10)
+    assert sum(size for _, size in small.parts(runners, 3)) == _held(runners, 46, 10) <= scoring.RUN_BUDGET
 
 
 def test_progress_counts_every_token_scored(monkeypatch):

@@ -24,19 +24,18 @@ the kernel that computes the runner's attention, one row of :data:`CALL_PATTERNS
 Greedy generation is batched the same way: the prompts in one call, then one token a call
 for every window at once; a row past its end-of-sequence token is fed on and ignored.
 
-Memory is bounded whatever the data: a batch holds at most :data:`LOGITS_BUDGET` bytes of
-both models' logits and :data:`CACHE_BUDGET` bytes of their caches, and a call's attention
-scores (onnxruntime's ``batch x heads x new x total`` buffer) stay under
-:data:`ATTENTION_BUDGET`.
+Memory is bounded whatever the data, by the one estimate of a run's memory
+(:func:`~onnx_kvcache.runtime._memory.run_parts`: both models' caches, a call's attention
+scores and logits): a batch takes the most windows whose run holds at most
+:data:`RUN_BUDGET`, and a window whose single call would hold more runs alone, in chunks
+that fit. Evaluation's refusal past the machine's memory checks the batch that will run.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "ATTENTION_BUDGET",
-    "CACHE_BUDGET",
     "CALL_PATTERNS",
-    "LOGITS_BUDGET",
+    "RUN_BUDGET",
     "CallPattern",
     "Limits",
     "aligned",
@@ -52,16 +51,12 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.runtime._memory import run_parts
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
-#: Bytes of logits both models' teacher-forced calls hold at once (float32).
-LOGITS_BUDGET = 512 * 2**20
-#: Bytes of both models' caches for one batch of windows.
-CACHE_BUDGET = 1024 * 2**20
-#: Bytes of one call's attention scores (onnxruntime's CPU kernels hold them in float32).
-ATTENTION_BUDGET = 256 * 2**20
-#: The vocabulary assumed when the model's is symbolic.
-_UNKNOWN_VOCABULARY = 262144
+#: Bytes one batch may hold while it runs: both models' caches, a call's attention scores and
+#: logits (:func:`~onnx_kvcache.runtime._memory.run_parts`).
+RUN_BUDGET = 1024 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,28 +132,43 @@ def call_pattern(runner: KvCacheRunner) -> CallPattern:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """How many tokens one call may hold and how many windows one batch, for a model pair."""
+    """How many windows one batch takes and how many tokens one call, for a model pair."""
 
+    windows: int
+    """Windows a batch takes: their run within :data:`RUN_BUDGET` (at least one)."""
     tokens_per_call: int
-    """Logits of both models and one call's attention scores within their budgets."""
-    window_bytes: int
-    """Both models' cache bytes per token of a window (float32, as the session holds them)."""
+    """Tokens a lone window's call takes within :data:`RUN_BUDGET` (at least one)."""
+    positions: int
+    """The most positions a window's caches hold (its tokens, or its prompt and greedy tokens)."""
+    queries: int
+    """Tokens a batch's largest call feeds a window (the whole window, else the prompt)."""
 
     @classmethod
-    def of(cls, runners: Sequence[KvCacheRunner], length: int) -> Limits:
-        """The limits for windows of ``length`` tokens, over both runners."""
-        vocab = max(r.vocab_size or _UNKNOWN_VOCABULARY for r in runners)
-        heads = max((s.num_heads for r in runners for s in find_attention_sites(r.model)), default=1)
-        logits = LOGITS_BUDGET // (len(runners) * 4 * vocab)
-        attention = ATTENTION_BUDGET // (4 * heads * max(1, length))
-        per_token = sum(4 * b.kv_num_heads * b.head_size for r in runners for b in r.bindings)
-        return cls(max(1, min(logits, attention)), per_token)
+    def of(
+        cls, runners: Sequence[KvCacheRunner], length: int, prompt: int, positions: int, whole_window: bool
+    ) -> Limits:
+        """The limits for windows of ``length`` tokens (prompt ``prompt``) whose caches grow to
+        ``positions``, over both runners, from :func:`run_parts`."""
+        queries = max(1, length - 1) if whole_window else prompt
 
-    def batch(self, length: int, prompt: int, whole_window: bool) -> int:
-        """The most windows of ``length`` tokens (prompt ``prompt``) one batch takes."""
-        by_cache = CACHE_BUDGET // max(1, self.window_bytes * length)
-        by_call = self.tokens_per_call // max(1, (length - 1) if whole_window else prompt)
-        return max(1, min(by_cache, by_call))
+        def held(tokens: int) -> int:  # one window's run, fed ``tokens`` in one call
+            return sum(
+                size for r in runners for _, size in run_parts(r, 1, positions, queries=tokens, logits=tokens)
+            )
+
+        fixed, per_token = held(0), held(1) - held(0)
+        tokens = (RUN_BUDGET - fixed) // max(1, per_token)
+        return cls(max(1, RUN_BUDGET // held(queries)), max(1, tokens), positions, queries)
+
+    def parts(self, runners: Sequence[KvCacheRunner], windows: int) -> list[tuple[str, int]]:
+        """What a batch of ``windows`` (at most :attr:`windows`) holds while it runs, model by model."""
+        batch = min(windows, self.windows)
+        queries = self.queries if batch > 1 else min(self.queries, self.tokens_per_call)
+        return [
+            (f"{name}: {what}", size)
+            for name, r in zip(("baseline", "candidate"), runners)
+            for what, size in run_parts(r, batch, self.positions, queries=queries, logits=queries)
+        ]
 
 
 def teacher_forced(

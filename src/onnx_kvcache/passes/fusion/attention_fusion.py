@@ -40,6 +40,7 @@ from onnx_kvcache.passes.fusion._match import (
     cache_link,
     cache_mask_facts,
     check_shapes,
+    key_columns,
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
@@ -66,11 +67,11 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
 
     q_len = ev.shape(query)[2]
-    kv_len = ev.shape(k_link.present)[2]
+    kv_len = key_columns(ev, k_link)
     past = ev.shape(k_link.past)[2]
     cond = Conj()
     if mask is not None:
-        cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
+        cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len, domain=k_link.domain)
     # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
     query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
     if attribute(node, "is_causal", 0):
