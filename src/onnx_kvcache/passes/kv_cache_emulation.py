@@ -19,7 +19,9 @@ Kernel rules (``semantics``), from onnxruntime's sources:
 
 - ``cuda``: the first prompt (``sequence_length == total_sequence_length``) attends over
   the new K/V in full precision and then stores them quantized; a later prompt chunk and
-  every decode step store the new tokens first and attend over the dequantized cache.
+  every decode step store the new tokens first and attend over the dequantized cache. The
+  first prompt's attention runs in a Loop of one iteration (none on later calls: cheaper
+  per decode step than an If, whose branch runs every call).
 - ``cpu``: the new tokens are quantized before attention in every phase.
 
 Cache I/O: by default the emulated caches are float tensors of the query's dtype holding
@@ -175,11 +177,15 @@ def _quantized_granularity(site: CacheSite, fmt: CacheFormat) -> str:
 class _Step:
     """Per-call facts every node of one decoder shares: computed once, read by each layer."""
 
-    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
+    def __init__(self, first: ir.Value, positions: ir.Value | None, seq: ir.Value) -> None:
+        self.seq = seq
+        """Scalar int64: the call's new tokens (the query's sequence length)."""
         self.first = first
         """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
         self.positions = positions
         """Rotary positions ``[B, S]`` as the kernel derives them (None: not needed yet)."""
+        self.trips: ir.Value | None = None
+        """int64 ``first`` (the first-prompt Loop's trip count; None: not needed yet)."""
 
 
 class _Rewrite:
@@ -248,7 +254,10 @@ class _Rewrite:
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
             scales = self.scales
             new_shape = [heads, dims] if split else [heads * dims]
-            new = [Codec.reshaped(b, fmt, s, new_shape) for s in scales]
+            new = [
+                Codec.reshaped(b, fmt, s, new_shape) if split else Codec.for_rows(b, fmt, s, heads * dims)
+                for s in scales
+            ]
             codecs = [Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
             stored_key, stored_value = (
                 self._round_trip_new(x, codec, split) for x, codec in zip((key, value), new)
@@ -263,22 +272,35 @@ class _Rewrite:
         inner = self._attention(b, [query, stored_key, stored_value, past_key, past_value, *rest], attrs)
         results = list(inner)
         if fmt is not None and self.semantics == "cuda":
-            # CUDA's first prompt attends over the new K/V unquantized; the cache is the same.
-            raw = Builder(f"{b.prefix}/first_prompt")
-            full = self._attention(raw, [query, key, value, past_key, past_value, *rest], attrs)[0]
-            later = Builder(f"{b.prefix}/later")
-            same = later.op("Identity", [inner[0]])
-            results[0] = b.op(
-                "If",
-                [step.first],
-                then_branch=ir.Graph([], [full], nodes=raw.nodes, name=f"{raw.prefix}_graph"),
-                else_branch=ir.Graph([], [same], nodes=later.nodes, name=f"{later.prefix}_graph"),
+            results[0] = self._first_prompt(
+                step, inner[0], [query, key, value, past_key, past_value, *rest], attrs
             )
         if fmt is not None and self.quantized_io:
             for slot, codec in zip((GqaOutput.PRESENT_KEY, GqaOutput.PRESENT_VALUE), codecs):
                 if slot < len(results):
                     results[slot] = codec.store(inner[slot], self.head)
         self._replace(results)
+
+    def _first_prompt(
+        self, step: _Step, later: ir.Value, inputs: list[ir.Value | None], attrs: dict
+    ) -> ir.Value:
+        """CUDA's first prompt attends over the new K/V unquantized (the cache is the same):
+        the attention output is ``later`` (over the quantized K/V) except on the first
+        prompt, where a Loop of one iteration attends over the raw K/V. Every other call
+        runs the Loop zero times, which costs less than an If's branch run each step."""
+        b, body = self.b, Builder(f"{self.b.prefix}/first_prompt")
+        full = self._attention(body, inputs, attrs)[0]
+        full.dtype = self.dtype
+        iteration = ir.Value(name=f"{body.prefix}/iteration", type=ir.TensorType(_I64), shape=ir.Shape([]))
+        go = ir.Value(name=f"{body.prefix}/cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        carried = ir.Value(name=f"{body.prefix}/carried", type=ir.TensorType(self.dtype))
+        again = body.op("Identity", [go], dtype=ir.DataType.BOOL)
+        graph = ir.Graph(
+            [iteration, go, carried], [again, full], nodes=body.nodes, name=f"{body.prefix}_graph"
+        )
+        if step.trips is None:
+            step.trips = b.cast(step.first, _I64)  # 1 on the first prompt, else 0
+        return b.op("Loop", [step.trips, None, later], dtype=self.dtype, body=graph)
 
     def _round_trip_new(self, x: ir.Value, codec: Codec, split: bool) -> ir.Value:
         """New tokens ``[B, S, kv * head]`` as the cache will hold them, dequantized."""
@@ -335,15 +357,14 @@ class _Rewrite:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
             total = b.cast(self.total, _I64)
             first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS))
+            step = self.steps[key] = _Step(first, site.input(GqaInput.POSITION_IDS), seq)
         if step.positions is None and site.int_attr("do_rotary"):
-            step.positions = self._positions(query, step.first)
+            step.positions = self._positions(step.seq, step.first)
         return step
 
-    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
+    def _positions(self, seq: ir.Value, first: ir.Value) -> ir.Value:
         """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
         site, b = self.site, self.b
-        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
         steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
         flat = b.const(np.array([-1], np.int64))  # [batch] or [batch, 1] (ReduceSum keepdims): [batch]
         valid = seq
