@@ -1,6 +1,6 @@
 """Calibration speed side by side, memory on the bundled decoder, and what the RoPE envelope buys.
 
-    python benchmarks/calibrate.py [--reps 5] [--side-by-side-only]
+    python benchmarks/calibrate.py [--reps 5] [--side-by-side-only] [--real-model CACHE]
 
 1. Side by side in one process, alternating repetitions, medians: ``calibrate_kv_cache``
    (the graph pruned to its present outputs, windows batched), the same as before (the whole
@@ -9,7 +9,10 @@
    14/2 heads, head size 64, MLP 4864, vocab 32768, float32), 8 windows x 256 tokens, int8
    per-channel minmax. Each is timed from the model file to its result, session creation
    included. Then the scales of the new and the former runs are compared for every
-   method (they must be identical), and ours with genai's.
+   method (they must be identical), and ours with genai's. ``--real-model CACHE``: the side
+   by side only, on SmolLM2-135M-Instruct (``benchmarks/real_model.py`` builds it in CACHE;
+   ``pip install gguf``) with ``calibrate``'s default windows (the built-in corpus's
+   calibration part through the model's tokenizer, 512 tokens a window, the full ones).
 2. Tokens per second and peak RSS of calibrate_kv_cache at seq-len 512 on the built-in
    corpus (byte-level ids, the bundled decoder's tokenizer).
 3. Scales calibrated on short windows (64 tokens), then K read at long positions (up to
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import pathlib
 import resource
 import statistics
@@ -94,14 +98,26 @@ def _genai(model_file: pathlib.Path, windows: list[list[int]], out: pathlib.Path
     return np.asarray([scales["k_scales"], scales["v_scales"]], np.float32)
 
 
-def _prefill(model_file: pathlib.Path, windows: list[list[int]]) -> None:
+def _real_model(cache: pathlib.Path) -> tuple[pathlib.Path, list[list[int]]]:
+    """SmolLM2-135M's genai folder (benchmarks/real_model.py) and calibrate's default windows
+    for it: the built-in corpus's calibration part, its tokenizer, 512 tokens a window."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import real_model
+
+    from onnx_kvcache.scales.data import load_token_windows
+
+    folder = real_model.build_model(cache)
+    loaded = load_token_windows(None, model=folder, seq_len=512)
+    return folder, [w.tolist() for w in loaded.windows if len(w) == 512]
+
+
+def _prefill(model_file: pathlib.Path, windows: list[list[int]], kv: int, head: int) -> None:
     """A plain onnxruntime prefill of the whole model: every output fetched."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
-    kv, head = QWEN_8_LAYERS.kv_num_heads, QWEN_8_LAYERS.head_size
     pasts = {
         i.name: np.zeros((1, kv, 0, head), np.float32)
         for i in session.get_inputs()
@@ -116,7 +132,7 @@ def _prefill(model_file: pathlib.Path, windows: list[list[int]]) -> None:
 def _whole_graph() -> Iterator[None]:
     """calibrate_kv_cache as before the caches-only run: the whole graph, a window a run."""
     real, per_run = calibration.KvCacheRunner, calibration.TOKENS_PER_RUN
-    calibration.KvCacheRunner = lambda model, providers, caches_only: real(model, providers)  # type: ignore[assignment,misc]
+    calibration.KvCacheRunner = lambda model, providers, caches_only, **more: real(model, providers, **more)  # type: ignore[assignment,misc]
     calibration.TOKENS_PER_RUN = 1
     try:
         yield
@@ -147,19 +163,24 @@ def _bar(seconds: float, longest: float, width: int = 32) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def side_by_side(reps: int) -> None:
+def side_by_side(reps: int, real_model_cache: pathlib.Path | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="calibrate-bench-") as tmp:
-        folder = save_genai_folder(pathlib.Path(tmp) / "qwen8", QWEN_8_LAYERS)
+        if real_model_cache is None:
+            folder = save_genai_folder(pathlib.Path(tmp) / "qwen8", QWEN_8_LAYERS)
+            ids = corpus_byte_ids()
+            windows = [list(ids[i * WINDOW : (i + 1) * WINDOW]) for i in range(WINDOWS)]
+            kv, head = QWEN_8_LAYERS.kv_num_heads, QWEN_8_LAYERS.head_size
+        else:
+            folder, windows = _real_model(real_model_cache)
+            kv, head = 3, 64
         model_file = folder / "model.onnx"
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
-        ids = corpus_byte_ids()
-        windows = [list(ids[i * WINDOW : (i + 1) * WINDOW]) for i in range(WINDOWS)]
-        genai_json = folder / "genai.json"
+        genai_json = pathlib.Path(tmp) / "genai.json"
         runs: dict[str, Callable[[], object]] = {
             "onnx-kvcache calibrate_kv_cache": lambda: _ours(folder, windows),
             "  as before: whole graph, a window a run": lambda: _ours_whole(folder, windows),
             GENAI: lambda: _genai(model_file, windows, genai_json),
-            PREFILL: lambda: _prefill(model_file, windows),
+            PREFILL: lambda: _prefill(model_file, windows, kv, head),
         }
         for run in runs.values():  # warm-up: imports, the file in the page cache
             run()
@@ -172,12 +193,19 @@ def side_by_side(reps: int) -> None:
                 runs[name]()
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
+        model = (
+            "Qwen2.5-0.5B-shaped decoder cut to 8 layers (hidden 896, 14/2 heads, head size 64, MLP 4864, "
+            "vocab 32768, float32"
+            if real_model_cache is None
+            else "SmolLM2-135M-Instruct (benchmarks/real_model.py: 30 layers, hidden 576, 9/3 heads, head "
+            "size 64, vocab 49152, float32"
+        )
         print(
-            f"Calibration side by side: Qwen2.5-0.5B-shaped decoder cut to 8 layers (hidden 896, 14/2 heads, "
-            f"head size 64, MLP 4864, vocab 32768, float32, {size:.0f} MiB), {WINDOWS} windows x {WINDOW} "
+            f"Calibration side by side: {model}, {size:.0f} MiB), {len(windows)} windows x {len(windows[0])} "
             f"tokens, int8 per-channel minmax; from the model file to the result, session creation "
             f"included; medians of {reps} alternating repetitions; ratios: median of the per-repetition "
-            "ratios; cpu: this process's CPU time, all threads (steadier than wall time on a loaded machine)"
+            "ratios; cpu: this process's CPU time, all threads (steadier than wall time on a loaded "
+            f"machine); load average {os.getloadavg()[0]:.1f} at the end"
         )
         for label, times in (("wall", wall), ("cpu", cpu)):
             medians = {name: statistics.median(t) for name, t in times.items()}
@@ -254,12 +282,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="alternating repetitions of the side by side")
     parser.add_argument("--side-by-side-only", action="store_true", help="skip the bundled decoder's figures")
+    parser.add_argument(
+        "--real-model",
+        type=pathlib.Path,
+        metavar="CACHE",
+        help="side by side on SmolLM2-135M instead (built in CACHE by benchmarks/real_model.py; "
+        "pip install gguf)",
+    )
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
-    if not args.side_by_side_only:
+    if not (args.side_by_side_only or args.real_model):
         bundled_speed_and_envelope()  # first: its peak RSS is the bundled decoder's
-    side_by_side(args.reps)
+    side_by_side(args.reps, args.real_model)
 
 
 if __name__ == "__main__":

@@ -540,15 +540,16 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
 ):
     """onnxruntime reads the file itself unless the graph it runs differs from the file's
     (pruned, prepared for CPU) or there is no file; the pruned graph's external data is
-    found from any working directory."""
+    found from any working directory. A caches-only session's threads do not spin."""
     model = make(tmp_path)
     before = sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*"))
     seen = []
     real = session_module.create_session
 
-    def spy(model, providers=None, base_dir=None):
+    def spy(model, providers=None, base_dir=None, **options):
         seen.append(model)
-        return real(model, providers, base_dir)
+        assert options == {"spinning": not caches_only}
+        return real(model, providers, base_dir, **options)
 
     monkeypatch.setattr(session_module, "create_session", spy)
     monkeypatch.chdir(tmp_path.parent)

@@ -222,7 +222,7 @@ def _memory(setup: _Setup, sampling: _Sampling, windows: int, length: int, *, id
     width = {b.layer_id: b.kv_num_heads * b.head_size for b in keys}  # a cache row's values
     generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
     parts = [(f"random token ids of {windows} windows x {length} tokens", generated)]
-    parts += run_parts(runner, batch, length, queries=length, logits=False)
+    parts += run_parts(runner, batch, length, queries=length, logits=0)
     if method.attention:
         queried = sum(heads.get(b.layer_id, 0) * b.head_size for b in keys)
         parts.append((f"{batch} x {length} tokens' captured queries", batch * length * queried * 4))

@@ -85,11 +85,15 @@ def _rms_norm_heads(
 class Step:
     """Per-call facts every node of one decoder shares: computed once, read by each layer."""
 
-    def __init__(self, first: ir.Value, positions: ir.Value | None) -> None:
+    def __init__(self, first: ir.Value, positions: ir.Value | None, seq: ir.Value) -> None:
+        self.seq = seq
+        """Scalar int64: the call's new tokens (the query's sequence length)."""
         self.first = first
         """Scalar bool: ``sequence_length == total_sequence_length`` (the kernels' test)."""
         self.positions = positions
         """Rotary positions ``[B, S]`` as the kernel derives them (None: not needed yet)."""
+        self.trips: ir.Value | None = None
+        """int64 ``first`` (the emulation's first-prompt Loop's trip count; None: not needed yet)."""
 
 
 class Prologue:
@@ -185,15 +189,14 @@ class Prologue:
             seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
             total = b.cast(self.total, _I64)
             first = b.op("Equal", [seq, b.op("Reshape", [total, b.const(np.array([], np.int64))])])
-            step = self.steps[key] = Step(first, site.input(GqaInput.POSITION_IDS))
+            step = self.steps[key] = Step(first, site.input(GqaInput.POSITION_IDS), seq)
         if step.positions is None and self.rotary is not None:
-            step.positions = self._positions(query, step.first)
+            step.positions = self._positions(step.seq, step.first)
         return step
 
-    def _positions(self, query: ir.Value, first: ir.Value) -> ir.Value:
+    def _positions(self, seq: ir.Value, first: ir.Value) -> ir.Value:
         """``0..S-1`` on the first prompt, else ``seqlens_k + 1 - Q + s`` (Q: valid rows)."""
         site, b = self.site, self.b
-        seq = b.op("Gather", [b.op("Shape", [query]), b.const(np.array(1, np.int64))], axis=0)
         steps = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
         flat = b.const(np.array([-1], np.int64))  # [batch] or [batch, 1] (ReduceSum keepdims): [batch]
         valid = seq

@@ -67,10 +67,24 @@ class Codec:
     def __init__(self, b: Builder, fmt: CacheFormat, scale: ir.Value) -> None:
         self.b, self.fmt, self.scale = b, fmt, scale
         self.inverse = b.op("Reciprocal", [scale], dtype=_F32)
+        self.linear_axis: int | None = None
+        """fp8 levels are dequantized by one DequantizeLinear over this axis of a 1-D scale
+        (``for_rows``; the same float32 multiply as Cast then Mul)."""
+        self.linear_scalar = False
+        """... or by one DequantizeLinear with a scalar scale."""
 
     @classmethod
     def reshaped(cls, b: Builder, fmt: CacheFormat, scale: ir.Value, shape: list[int]) -> Codec:
         return cls(b, fmt, b.op("Reshape", [scale, b.const(np.array(shape, np.int64))], dtype=_F32))
+
+    @classmethod
+    def for_rows(cls, b: Builder, fmt: CacheFormat, scale: ir.Value, channels: int) -> Codec:
+        """A codec for rows ``[..., channels]`` whose scale is one value (``channels == 1``)
+        or one per channel, as a scalar or a 1-D scale over the last axis: fp8 then
+        dequantizes in one node."""
+        codec = cls.reshaped(b, fmt, scale, [channels] if channels > 1 else [])
+        codec.linear_axis, codec.linear_scalar = (-1, False) if channels > 1 else (None, True)
+        return codec
 
     def levels(self, x: ir.Value) -> ir.Value:
         """Quantized values as float32 (fp8: as the float8 type itself)."""
@@ -83,6 +97,11 @@ class Codec:
 
     def from_levels(self, levels: ir.Value, dtype: ir.DataType) -> ir.Value:
         b = self.b
+        if self.fmt.is_float and (self.linear_scalar or self.linear_axis is not None):
+            inputs = [levels, self.scale]
+            if self.linear_axis is None:
+                return b.cast(b.op("DequantizeLinear", inputs, dtype=_F32), dtype)
+            return b.cast(b.op("DequantizeLinear", inputs, dtype=_F32, axis=self.linear_axis), dtype)
         return b.cast(b.op("Mul", [b.cast(levels, _F32), self.scale], dtype=_F32), dtype)
 
     def round_trip(self, x: ir.Value, dtype: ir.DataType) -> ir.Value:

@@ -19,7 +19,9 @@ Kernel rules (``semantics``), from onnxruntime's sources:
 
 - ``cuda``: the first prompt (``sequence_length == total_sequence_length``) attends over
   the new K/V in full precision and then stores them quantized; a later prompt chunk and
-  every decode step store the new tokens first and attend over the dequantized cache.
+  every decode step store the new tokens first and attend over the dequantized cache. The
+  first prompt's attention runs in a Loop of one iteration (none on later calls: cheaper
+  per decode step than an If, whose branch runs every call).
 - ``cpu``: the new tokens are quantized before attention in every phase.
 
 Cache I/O: by default the emulated caches are float tensors of the query's dtype holding
@@ -195,7 +197,10 @@ class _Rewrite:
             split = (heads, dims) not in ((1, 1), (self.kv, self.head))
             scales = self.scales
             new_shape = [heads, dims] if split else [heads * dims]
-            new = [Codec.reshaped(b, fmt, s, new_shape) for s in scales]
+            new = [
+                Codec.reshaped(b, fmt, s, new_shape) if split else Codec.for_rows(b, fmt, s, heads * dims)
+                for s in scales
+            ]
             codecs = [Codec.reshaped(b, fmt, s, list(row.bnsh(self.kv, self.head))) for s in scales]
             stored_key, stored_value = (
                 self._round_trip_new(x, codec, split) for x, codec in zip((key, value), new)
@@ -210,22 +215,35 @@ class _Rewrite:
         inner = self._attention(b, [query, stored_key, stored_value, past_key, past_value, *rest], attrs)
         results = list(inner)
         if fmt is not None and self.semantics == "cuda":
-            # CUDA's first prompt attends over the new K/V unquantized; the cache is the same.
-            raw = Builder(f"{b.prefix}/first_prompt")
-            full = self._attention(raw, [query, key, value, past_key, past_value, *rest], attrs)[0]
-            later = Builder(f"{b.prefix}/later")
-            same = later.op("Identity", [inner[0]])
-            results[0] = b.op(
-                "If",
-                [step.first],
-                then_branch=ir.Graph([], [full], nodes=raw.nodes, name=f"{raw.prefix}_graph"),
-                else_branch=ir.Graph([], [same], nodes=later.nodes, name=f"{later.prefix}_graph"),
+            results[0] = self._first_prompt(
+                step, inner[0], [query, key, value, past_key, past_value, *rest], attrs
             )
         if fmt is not None and self.quantized_io:
             for slot, codec in zip((GqaOutput.PRESENT_KEY, GqaOutput.PRESENT_VALUE), codecs):
                 if slot < len(results):
                     results[slot] = codec.store(inner[slot], self.head)
         self._replace(results)
+
+    def _first_prompt(
+        self, step: Step, later: ir.Value, inputs: list[ir.Value | None], attrs: dict
+    ) -> ir.Value:
+        """CUDA's first prompt attends over the new K/V unquantized (the cache is the same):
+        the attention output is ``later`` (over the quantized K/V) except on the first
+        prompt, where a Loop of one iteration attends over the raw K/V. Every other call
+        runs the Loop zero times, which costs less than an If's branch run each step."""
+        b, body = self.b, Builder(f"{self.b.prefix}/first_prompt")
+        full = self._attention(body, inputs, attrs)[0]
+        full.dtype = self.dtype
+        iteration = ir.Value(name=f"{body.prefix}/iteration", type=ir.TensorType(_I64), shape=ir.Shape([]))
+        go = ir.Value(name=f"{body.prefix}/cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        carried = ir.Value(name=f"{body.prefix}/carried", type=ir.TensorType(self.dtype))
+        again = body.op("Identity", [go], dtype=ir.DataType.BOOL)
+        graph = ir.Graph(
+            [iteration, go, carried], [again, full], nodes=body.nodes, name=f"{body.prefix}_graph"
+        )
+        if step.trips is None:
+            step.trips = b.cast(step.first, _I64)  # 1 on the first prompt, else 0
+        return b.op("Loop", [step.trips, None, later], dtype=self.dtype, body=graph)
 
     def _round_trip_new(self, x: ir.Value, codec: Codec, split: bool) -> ir.Value:
         """New tokens ``[B, S, kv * head]`` as the cache will hold them, dequantized."""

@@ -286,10 +286,11 @@ class DecoderSession:
         model, providers = self.model, self.target.providers
         added = [v for _, s in self._queries.values() if (v := s.input("query")) is not None]
         model.graph.outputs.extend(added)
+        spinning = not self.caches_only  # a few long prefills: no latency to buy by spinning
         try:
             if model is source.model and source.file is not None and not added:
-                return create_session(source.file, providers)
-            return create_session(model, providers, source.base_dir)
+                return create_session(source.file, providers, spinning=spinning)
+            return create_session(model, providers, source.base_dir, spinning=spinning)
         except (KvCacheError, MissingRuntimeError):
             raise
         except Exception as error:  # onnxruntime raises several unrelated types

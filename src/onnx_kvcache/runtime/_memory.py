@@ -16,7 +16,14 @@ Rules:
 
 from __future__ import annotations
 
-__all__ = ["FEWER_WINDOWS", "WINDOW_BYTES", "MemoryEstimate", "available_memory", "run_parts"]
+__all__ = [
+    "FEWER_WINDOWS",
+    "UNKNOWN_VOCABULARY",
+    "WINDOW_BYTES",
+    "MemoryEstimate",
+    "available_memory",
+    "run_parts",
+]
 
 import dataclasses
 import math
@@ -29,6 +36,9 @@ from onnx_kvcache.runtime.runner import KvCacheRunner
 
 #: Bytes of a float32 value: the CPU computes caches, scores and logits in float32.
 _FLOAT = 4
+
+#: The vocabulary a run's logits are counted with when the graph's is symbolic.
+UNKNOWN_VOCABULARY = 262144
 
 #: Bytes each window's numpy array takes beyond its data (the object, its list entry).
 WINDOW_BYTES = 120
@@ -116,11 +126,14 @@ class MemoryEstimate:
 
 
 def run_parts(
-    runner: KvCacheRunner, batch: int, length: int, *, queries: int, logits: bool
+    runner: KvCacheRunner, batch: int, length: int, *, queries: int, logits: int
 ) -> list[tuple[str, int]]:
     """One run of ``batch`` windows of ``queries`` new tokens over ``length`` in all: its caches
     (the present outputs and the copies read back), the CPU GroupQueryAttention's scores (``batch *
-    num_heads * queries * length`` float32, one layer at a time), its logits of ``length`` tokens."""
+    num_heads * queries * length`` float32, one layer at a time), its logits of ``logits`` tokens
+    a window (a vocabulary not known from the graph: counted as :data:`UNKNOWN_VOCABULARY`).
+    The one estimate of a run's memory: calibration's and evaluation's refusals, and the size of
+    evaluation's batches (runtime/_scoring.py), come from it."""
     caches = math.ceil(
         sum(
             batch * b.kv_num_heads * length * b.feed_last_dim * (b.feed_dtype or b.dtype).itemsize
@@ -134,6 +147,6 @@ def run_parts(
         (f"attention scores of {batch} x {heads} heads x {queries} x {length} tokens", scores),
     ]
     if logits:
-        vocab = runner.vocab_size or 0
-        parts.append((f"{batch} x {length} tokens' logits", batch * length * vocab * _FLOAT))
+        vocab = runner.vocab_size or UNKNOWN_VOCABULARY
+        parts.append((f"{batch} x {logits} tokens' logits", batch * logits * vocab * _FLOAT))
     return parts

@@ -1,12 +1,19 @@
 """How much a quantized KV cache changes a model's outputs, measured on CPU.
 
-Both models see the same tokens. Teacher-forced: a prompt is prefilled, the rest of
-the window is fed one token a step (the cache is read back every step), and the
-next-token distributions of those decode steps are compared (KL divergence, top-1
-agreement); the prompt's own positions are reported apart, since CUDA's first prompt
-reads its K/V unquantized. Greedy: both generate from the prompt and the tokens are
-compared. The candidate's cache is
+Both models see the same tokens. Teacher-forced: every position after a window's prompt
+gets the logits a decode step computes there (each reads the quantized cache back), and the
+next-token distributions are compared (KL divergence, top-1 agreement); the prompt's own
+positions are reported apart, since CUDA's first prompt reads its K/V unquantized. Greedy:
+both generate from the prompt and the tokens are compared. The candidate's cache is
 dequantized with its own scales and compared with the baseline's, layer by layer.
+
+The figures are token-by-token decoding's, computed with the fewest model calls that give
+them (:mod:`onnx_kvcache.runtime._scoring`): where the kernel's logits do not depend on how
+positions are split into calls (onnxruntime's CPU int8/int4 kernel, the PagedAttention
+reference, a float32 float cache) a window is one call; elsewhere (the emulation) the prompt
+is one call and every later position one step. Windows of one length are batched in every
+call, greedy generation too, within memory bounds; the report says which pattern produced
+each model's figures.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ __all__ = [
 ]
 
 import dataclasses
+import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +40,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
-from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
+from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
+from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
     RANDOM_WINDOWS,
@@ -46,14 +55,30 @@ logger = logging.getLogger(__name__)
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    """KL(P || Q) per row of two logit arrays (last axis = vocabulary), in nats."""
-    p = np.asarray(p_logits, np.float64)
-    q = np.asarray(q_logits, np.float64)
-    p = p - p.max(axis=-1, keepdims=True)
-    q = q - q.max(axis=-1, keepdims=True)
-    log_p = p - np.log(np.exp(p).sum(axis=-1, keepdims=True))
-    log_q = q - np.log(np.exp(q).sum(axis=-1, keepdims=True))
-    return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
+    """KL(P || Q) per row of two logit arrays (last axis = vocabulary), in nats.
+
+    Computed in float64 as ``sum(P * (p - q)) - logsumexp(p) + logsumexp(q)``, a few rows at
+    a time (the temporaries stay small whatever the vocabulary)."""
+    p_all, q_all = np.asarray(p_logits), np.asarray(q_logits)
+    vocab = p_all.shape[-1]
+    p_rows, q_rows = p_all.reshape(-1, vocab), q_all.reshape(-1, vocab)
+    out = np.empty(len(p_rows), np.float64)
+    step = max(1, _KL_BLOCK // max(1, vocab))
+    for start in range(0, len(p_rows), step):
+        p = np.asarray(p_rows[start : start + step], np.float64)
+        q = np.asarray(q_rows[start : start + step], np.float64)
+        p = p - p.max(axis=-1, keepdims=True)
+        q = q - q.max(axis=-1, keepdims=True)
+        e = np.exp(p)
+        total = e.sum(axis=-1)
+        np.subtract(p, q, out=p)
+        kl = np.einsum("ij,ij->i", e, p) / total - np.log(total) + np.log(np.exp(q).sum(axis=-1))
+        out[start : start + step] = kl
+    return np.maximum(out, 0.0).reshape(p_all.shape[:-1])
+
+
+#: Values of each model's logits :func:`kl_divergence` converts to float64 at once.
+_KL_BLOCK = 1 << 21
 
 
 def top1_agreement(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
@@ -106,6 +131,10 @@ class EvaluationReport:
     """The data is evaluation's default, disjoint from calibration's default data (another
     part of the built-in corpus, or random ids of another seed); False for data given, whose
     overlap with the calibration data the caller knows."""
+    calls: dict[str, str] = dataclasses.field(default_factory=dict)
+    """How each model's figures were computed (``candidate``, ``baseline``, ``greedy``): the
+    call pattern of the kernel and why it gives token-by-token decoding's logits
+    (:data:`~onnx_kvcache.runtime._scoring.CALL_PATTERNS`)."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; numbers that were not measured (NaN) are null."""
@@ -148,6 +177,7 @@ class EvaluationReport:
                 else "not measured (no tokens generated)",
             ),
             ("data", self._data_row()),
+            *((f"calls, {who}", note) for who, note in self.calls.items()),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
@@ -191,8 +221,12 @@ def evaluate_kv_cache(
     base, cand = _runners(baseline, candidate, providers, semantics)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     tally = _Tally()
-    for window in _progress(loaded.windows, scoring.progress):
-        tally.score(base, cand, window, scoring)
+    bar = _progress(loaded.windows, scoring)
+    try:
+        for group, prompt, limits in _groups(loaded.windows, scoring, base, cand):
+            tally.score(base, cand, group, prompt, limits, scoring.max_new_tokens, bar)
+    finally:
+        bar.close()
     return tally.report(base, cand, loaded)
 
 
@@ -295,9 +329,9 @@ def _memory(
     runners: tuple[KvCacheRunner, KvCacheRunner], scoring: _Scoring, windows: int, length: int, *, ids: bool
 ) -> MemoryEstimate:
     """What scoring ``windows`` windows of ``length`` tokens holds (``ids``: their random ids too):
-    what is kept per window for the report, and each model's run of one window (its caches, as
-    long as the window or the prompt and its greedy tokens, the prompt's attention scores, the
-    logits of its decode steps); runtime/_memory.py."""
+    what is kept per window for the report, and the run of the largest batch that will run (its
+    caches, as long as the window or the prompt and its greedy tokens, a call's attention scores
+    and logits: :meth:`Limits.parts`, from runtime/_memory.py's estimate)."""
     layers = len({b.layer_id for b in runners[0].bindings})
     kept = windows * (length * _KEPT_PER_TOKEN + layers * _KEPT_PER_LAYER + _KEPT_PER_WINDOW)
     generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
@@ -305,17 +339,16 @@ def _memory(
         (f"random token ids of {windows} windows x {length} tokens", generated),
         (f"the scores kept of {windows} windows", kept),
     ]
+    parts += _limits(runners, scoring, length).parts(runners, windows)
+    return MemoryEstimate("evaluation", tuple(parts))
+
+
+def _limits(runners: Sequence[KvCacheRunner], scoring: _Scoring, length: int) -> Limits:
+    """The batch and call sizes for windows of ``length`` tokens (runtime/_scoring.py)."""
     prompt = min(scoring.prompt_len, max(1, length // 2))
     positions = max(length, prompt + scoring.max_new_tokens)
-    queries = -(-prompt * prompt // positions)  # the prompt's scores (p x p), else a step's (1 x T)
-    for name, runner in zip(("baseline", "candidate"), runners):
-        parts += [
-            (f"{name}: {what}", size)
-            for what, size in run_parts(runner, 1, positions, queries=queries, logits=False)
-        ]
-        logits = length * (runner.vocab_size or 0) * 4
-        parts.append((f"{name}: {length} tokens' logits", logits))
-    return MemoryEstimate("evaluation", tuple(parts))
+    whole = any(call_pattern(r).whole_window for r in runners)
+    return Limits.of(runners, length, prompt, positions, whole)
 
 
 def _runners(
@@ -366,13 +399,40 @@ def _windows(
     return loaded
 
 
-def _progress(windows: list[np.ndarray], progress: bool) -> Any:
-    """The windows, through a tqdm bar on a terminal."""
-    if not (progress and sys.stderr.isatty()):
-        return windows
+def _positions(window: np.ndarray, scoring: _Scoring) -> int:
+    """Teacher-forced positions of a window: all but the last (a one-token window: its prompt)."""
+    return max(len(window) - 1, scoring.prompt(window))
+
+
+def _groups(
+    windows: list[np.ndarray], scoring: _Scoring, base: KvCacheRunner, cand: KvCacheRunner
+) -> Iterator[tuple[np.ndarray, int, Limits]]:
+    """Consecutive windows of one length (and so one prompt) as ``[B, L]`` batches, each as
+    large as the memory bounds allow (:class:`~onnx_kvcache.runtime._scoring.Limits`)."""
+    for length, same in itertools.groupby(windows, key=len):
+        run = list(same)
+        limits = _limits((base, cand), scoring, length)
+        for start in range(0, len(run), limits.windows):
+            yield np.stack(run[start : start + limits.windows]), scoring.prompt(run[0]), limits
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(windows: list[np.ndarray], scoring: _Scoring) -> Any:
+    """A tqdm bar of the tokens scored (teacher-forced positions and greedy tokens) and the
+    time left, on a terminal."""
+    if not (scoring.progress and sys.stderr.isatty()):
+        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(windows, desc="evaluating", unit="seq")
+    total = sum(_positions(w, scoring) + scoring.max_new_tokens for w in windows)
+    return tqdm(total=total, desc="evaluating", unit="token")
 
 
 @dataclasses.dataclass
@@ -386,37 +446,67 @@ class _Tally:
     prefixes: list[int] = dataclasses.field(default_factory=list)
     shares: list[float] = dataclasses.field(default_factory=list)
 
-    def score(self, base: KvCacheRunner, cand: KvCacheRunner, window: np.ndarray, scoring: _Scoring) -> None:
-        """Prefill the prompt, teacher-force the rest, compare the caches, then generate."""
-        p = scoring.prompt(window)
-        prompt, rest = window[:p], window[p:]
-        self.prompt_kls.append(kl_divergence(base.prefill(prompt)[0], cand.prefill(prompt)[0]))
-        seq_b, seq_c = [], []
-        for token in rest[:-1]:
-            seq_b.append(base.step(int(token))[0])
-            seq_c.append(cand.step(int(token))[0])
-        if seq_b:
-            b_logits, c_logits = np.stack(seq_b), np.stack(seq_c)
-            self.kls.append(kl_divergence(b_logits, c_logits))
-            self.agree.append(top1_agreement(b_logits, c_logits))
+    def score(
+        self,
+        base: KvCacheRunner,
+        cand: KvCacheRunner,
+        group: np.ndarray,
+        prompt: int,
+        limits: Limits,
+        max_new_tokens: int,
+        bar: Any,
+    ) -> None:
+        """Teacher-force the windows ``group`` (``[B, L]``), compare the caches, then generate
+        from their prompts."""
+        rows, positions = len(group), max(group.shape[1] - 1, prompt)
+        ids = group[:, :positions]
+        kl, agree = np.empty((rows, positions)), np.empty((rows, positions), bool)
+        done = 0
+        streams = (teacher_forced(r, ids, prompt, limits) for r in (base, cand))
+        for b_logits, c_logits in aligned(*streams):
+            n = b_logits.shape[1]
+            kl[:, done : done + n] = kl_divergence(b_logits, c_logits)
+            agree[:, done : done + n] = top1_agreement(b_logits, c_logits)
+            done += n
+            bar.update(rows * n)
+        self.prompt_kls.extend(kl[:, :prompt])
+        if positions > prompt:
+            self.kls.extend(kl[:, prompt:])
+            self.agree.extend(agree[:, prompt:])
         self.cache_errors(base, cand)
-        if scoring.max_new_tokens > 0:
-            gb = base.generate(prompt.tolist(), scoring.max_new_tokens)
-            gc = cand.generate(prompt.tolist(), scoring.max_new_tokens)
+        if max_new_tokens > 0:
+            self.generate(base, cand, group[:, :prompt], max_new_tokens, bar)
+
+    def generate(
+        self, base: KvCacheRunner, cand: KvCacheRunner, prompts: np.ndarray, max_new_tokens: int, bar: Any
+    ) -> None:
+        """Both models decode greedily from ``prompts``, every window at once."""
+        rows = len(prompts)
+        runs = [greedy(r, prompts, max_new_tokens) for r in (base, cand)]
+        made: list[list[list[int]]] = [[], []]
+        calls = 0
+        for step in itertools.zip_longest(*runs):  # the two models' calls alternate
+            made = [old if new is None else new for old, new in zip(made, step)]
+            calls += 1
+            bar.update(rows)
+        bar.update(rows * (max_new_tokens - calls))  # every row stopped early
+        for gb, gc in zip(made[0], made[1]):
             prefix, share = greedy_agreement(gb, gc)
             self.prefixes.append(prefix)
             self.shares.append(share)
 
     def cache_errors(self, base: KvCacheRunner, cand: KvCacheRunner) -> None:
         """Each layer's relative K and V error of the candidate's cache (dequantized)."""
-        per_layer: dict[int, list[float]] = {}
+        per_layer: dict[int, list[list[float]]] = {}
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = base.cache_values(bb.layer_id, bb.kind)
             test = cand.cache_values(cb.layer_id, cb.kind)
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
-            per_layer.setdefault(bb.layer_id, []).append(_relative_error(ref[:, :, :rows], test[:, :, :rows]))
+            per_layer.setdefault(bb.layer_id, []).append(
+                [_relative_error(r[:, :rows], t[:, :rows]) for r, t in zip(ref, test)]  # window by window
+            )
         for layer, found in per_layer.items():  # a single (LATENT) cache serves K and V
-            self.errors.setdefault(layer, []).append((found[0], found[-1]))
+            self.errors.setdefault(layer, []).extend(zip(found[0], found[-1]))
 
     def report(self, base: KvCacheRunner, cand: KvCacheRunner, loaded: TokenWindows) -> EvaluationReport:
         kls = self.kls
@@ -446,6 +536,11 @@ class _Tally:
             positions=int(all_kl.size),
             tokens=loaded.tokens,
             held_out_from_calibration=loaded.held_out,
+            calls={
+                "candidate": call_pattern(cand).note,
+                "baseline": call_pattern(base).note,
+                **({"greedy": GREEDY_NOTE} if self.prefixes else {}),
+            },
         )
 
 

@@ -169,7 +169,8 @@ class KvCacheRunner:
         caches_only: Run the graph pruned to the present outputs (:func:`prune_to_caches`):
             :meth:`fill` advances the caches at about 0.7x the cost of a full forward on a
             small model (the LM head is skipped); the methods that return logits refuse.
-            ``logits_name`` and ``vocab_size`` are still the model's.
+            ``logits_name`` and ``vocab_size`` are still the model's. Its onnxruntime threads
+            sleep between parallel sections instead of spinning (a few long runs).
         capture_queries: Also fetch every cached GroupQueryAttention node's query input at
             each run (:meth:`query`); the graph outputs are added for the session only.
 
@@ -452,7 +453,7 @@ class KvCacheRunner:
         self.reset(self._check_ids(ids).shape[0])
         return self.forward(ids)
 
-    def step(self, token: int | Sequence[int]) -> np.ndarray:
+    def step(self, token: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Append one token (per batch row); returns its logits ``[B, V]``."""
         ids = np.asarray(token, np.int64).reshape(-1, 1)
         return self.forward(ids)[:, -1]
