@@ -31,7 +31,6 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     ZERO,

@@ -30,6 +30,7 @@ __all__ = [
     "FusionReport",
     "FusionResult",
     "FusionRefusalCode",
+    "REFUSAL_KINDS",
     "Refused",
     "bypass_input_copies",
     "summarize_refusals",
@@ -37,7 +38,6 @@ __all__ = [
 
 import abc
 import dataclasses
-import enum
 import logging
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -47,18 +47,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import GQA_DOMAIN
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
+from onnx_kvcache.passes.fusion._refusals import REFUSAL_KINDS, FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
-
-
-class FusionRefusalCode(enum.Enum):
-    """Why a fusion left a candidate as it was."""
-
-    UNPROVABLE = "unprovable"
-    """A rule of the fusion does not hold or cannot be proven; the text says which."""
-    IN_SUBGRAPH = "in_subgraph"
-    """The candidate is inside a control-flow subgraph (fusions rewrite the main graph)."""
-    IN_FUNCTION = "in_function"
-    """The candidate is inside a model-local function."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +131,6 @@ class FusionPass(InPlacePass, abc.ABC):
 
     label: ClassVar[str]
     """What the fusion fuses, as its INFO log line names it."""
-    prime: ClassVar[bool] = False
-    """Evaluate the whole graph first (:meth:`SymbolicEvaluator.prime`: deep, unannotated graphs)."""
     reports_elsewhere: ClassVar[bool] = False
     """Refuse the candidates of subgraphs and functions (else they are not looked at)."""
 
@@ -211,15 +199,14 @@ class FusionPass(InPlacePass, abc.ABC):
         graph = model.graph
         bypass_input_copies(graph)
         ev = SymbolicEvaluator()
-        if self.prime:
-            ev.prime(graph)
         writer = GqaWriter(graph, ev)
         report, refusals = FusionReport(), []
         for node in self.candidates(graph):
             try:
                 found = self.match(ev, graph, node)
             except Unprovable as reason:
-                refusals.append(FusionRefusal(FusionRefusalCode.UNPROVABLE, node, str(reason), reason.rule))
+                code = reason.kind or FusionRefusalCode.UNPROVABLE
+                refusals.append(FusionRefusal(code, node, str(reason), reason.rule))
                 continue
             except Refused as refused:
                 refusals.append(refused.refusal)

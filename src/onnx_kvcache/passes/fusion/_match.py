@@ -76,7 +76,6 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA, GqaInput, GqaOutput
 from onnx_kvcache.passes._graph import insert
-from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 
 # The facts a fusion proves live in _attention_facts; their old import path is this module.
 from onnx_kvcache.passes.fusion._attention_facts import (

@@ -31,41 +31,41 @@ Importing the module registers the rules (:mod:`onnx_kvcache.passes.fusion._matc
 
 from __future__ import annotations
 
-__all__: list[str] = []  # importing this module registers its rules
+__all__: list[str] = []  # the rules; their table is _symbolic_rules.RULES
 
 import math
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion._symbolic import (
+from onnx_kvcache.passes.fusion._symbolic_index import (
+    _COMPARE,
+    _attr_int,
+    _attr_ints,
+    _input,
+    reshape_dims,
+)
+from onnx_kvcache.passes.fusion._symbolic_values import (
     _FLOAT_TYPES,
-    _HANDLERS,
     _INT_TYPES,
-    _OUTPUT_HANDLERS,
     FALSE,
     ONE,
     TRUE,
     Affine,
     Conj,
     FloatConst,
-    Handler,
     Le,
-    Symbol,
-    SymbolicEvaluator,
     SymbolKind,
     SymTensor,
     Unprovable,
-    _attr_int,
-    _attr_ints,
-    _entry,
-    _input,
     aligned_elem,
     axis,
     broadcast_shapes,
-    reshape_dims,
 )
+
+if TYPE_CHECKING:
+    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
 
 _BIG = 2**62
 
@@ -214,8 +214,6 @@ def _pairs(a: tuple, b: tuple) -> list[tuple] | None:
 
 
 def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
-    from onnx_kvcache.passes.fusion._symbolic import _COMPARE
-
     a, b = (_vector(ev.eval(v)) for v in node.inputs[:2])
     if a is None or b is None or (len(a) == 1 and len(b) == 1):
         return None
@@ -480,90 +478,9 @@ def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-# ---- running sums ----
-
-
-def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-    """``CumSum`` of a 2-D integer input along its columns: ``cumsum(m)[r, c]`` (``exclusive``:
-    at ``c - 1``). A sum of anything else, or in reverse, is not followed."""
-    x = ev.eval(node.inputs[0])
-    along = ev.const_ints(_input(node, 1), "CumSum axis")
-    if along is None or len(along) != 1 or _attr_int(node, "reverse", 0):
-        raise Unprovable("a CumSum other than forward along a constant axis is not followed")
-    k = along[0] + x.rank if along[0] < 0 else along[0]
-    entry = _entry(x.elem) if x.kind == "int" else None
-    if entry is None or entry.kind is not SymbolKind.ENTRY or entry.at is None:
-        raise Unprovable("a CumSum of other than a 2-D integer input's entries is not followed")
-    col = Affine.of(axis(k))
-    if entry.at.col != col or axis(k) in entry.at.row.symbols:
-        raise Unprovable("a CumSum along other than the input's columns is not followed")
-    col = col - 1 if _attr_int(node, "exclusive", 0) else col
-    return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
-
-
-# ---- registration ----
-
-
-def _combine(
-    op_type: str,
-    rule: Handler | None,
-    *,
-    pre: Callable[[SymbolicEvaluator, ir.Node], SymTensor | None] | None = None,
-    always: bool = False,
-) -> None:
-    """Register ``op_type``: ``pre`` first, then the evaluator's own rule, then ``rule``
-    when an input is opaque data (or ``always``), the own rule's reason otherwise."""
-    own = _HANDLERS.get(op_type)
-
-    def handler(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-        if pre is not None:
-            found = pre(ev, node)
-            if found is not None:
-                return found
-        if own is None:
-            assert rule is not None
-            return rule(ev, node)
-        try:
-            return own(ev, node)
-        except Unprovable:
-            if rule is None:
-                raise
-            if not always and not any(_opaque(ev.eval(v)) for v in node.inputs if v is not None):
-                raise
-            return rule(ev, node)
-
-    _HANDLERS[op_type] = handler
-
-
-for _op in ("Add", "Sub", "Mul", "Where", "Max", "Min", "Expand"):
-    _combine(_op, _elementwise if _op != "Expand" else None)
-for _op in ("Div", "Pow", "Mod", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or"):
-    _combine(_op, _elementwise)
-for _op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"):
-    _combine(_op, None, pre=_compare_vectors)
-_combine("Where", None, pre=_where_vectors)
-_combine("Div", None, pre=_int_div)
-for _op in (
-    "Neg", "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
-    "IsInf", "Not", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
-):  # fmt: skip
-    _combine(_op, _same)
-_combine("Cast", _same, pre=_cast_to_float)
-_combine("CastLike", _same, pre=_cast_like_int)
-for _op in ("Softmax", "LogSoftmax"):
-    _combine(_op, _softmax)
-for _op in ("MatMul", "MatMulInteger"):
-    _combine(_op, _matmul)
-for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
-    _combine(_op, _reduce)
-_combine("Flatten", _flatten)
-_combine("Gather", _gather_data, pre=_flat_lookup)
-_combine("Slice", _slice_any, always=True)
-_combine("ConstantOfShape", _constant_of_shape)
-_combine("Reshape", None, pre=_reshape_vector)
-_combine("Reshape", None, pre=_unit_reshape)
-_HANDLERS["CumSum"] = _cumsum
-_OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
-_OUTPUT_HANDLERS[("", "Split")] = _split
-_OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize
-_OUTPUT_HANDLERS[("com.microsoft", "MatMulNBits")] = _matmul_nbits
+def _skip_norm(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor | None:
+    """SkipSimplifiedLayerNormalization: its output and its residual sum (3) are shaped as its
+    input; its statistics are not this rule's."""
+    if index not in (0, 3):
+        return None
+    return _data(ev, node.outputs[index], ev.shape(node.inputs[0]))

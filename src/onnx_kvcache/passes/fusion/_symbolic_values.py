@@ -25,6 +25,7 @@ __all__ = [
     "Le",
     "Lookup",
     "MaskAt",
+    "Origin",
     "SymTensor",
     "Symbol",
     "SymbolKind",
@@ -42,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
+
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 
 MASKED_BELOW = -65504.0
 """An additive mask value at or below this (float16's lowest, or -inf) zeroes softmax."""
@@ -66,12 +69,26 @@ class Unprovable(Exception):
     """The evaluator cannot prove what a value computes; the message says why.
 
     ``rule`` is where it was raised (file and line): refusals raised at one place are one
-    reason, whatever numbers or names their messages hold."""
+    reason, whatever numbers or names their messages hold. ``kind`` is its
+    :class:`~onnx_kvcache.passes.fusion._refusals.FusionRefusalCode` (None: the proof step's,
+    :func:`~onnx_kvcache.passes.fusion._refusals.proof_step`). A reason raised again
+    (:meth:`again`, :meth:`wrapped`) keeps its first kind, text and place."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, kind: FusionRefusalCode | None = None, rule: str | None = None) -> None:
         super().__init__(*args)
-        caller = sys._getframe(1)
-        self.rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        self.kind = kind
+        if rule is None:
+            caller = sys._getframe(1)
+            rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        self.rule = rule
+
+    def again(self) -> Unprovable:
+        """The same reason, to raise again (its kind and place kept)."""
+        return Unprovable(*self.args, kind=self.kind, rule=self.rule)
+
+    def wrapped(self, prefix: str) -> Unprovable:
+        """The same reason said after ``prefix`` (its kind and place kept)."""
+        return Unprovable(f"{prefix}{self}", kind=self.kind, rule=self.rule)
 
 
 class SymbolKind(enum.IntEnum):
@@ -342,17 +359,60 @@ class SymTensor:
     source: str | None = None
     conds: tuple[Conj, ...] | None = None
     """A small boolean vector's elements (comparisons of known integer vectors)."""
+    origin: Origin | None = dataclasses.field(default=None, compare=False)
+    """Where its values were lost (None: nowhere said): what a proof that needs them names."""
 
     @property
     def rank(self) -> int:
         return len(self.shape)
+
+    @property
+    def known(self) -> bool:
+        """Whether anything is known of its values (else only its shape)."""
+        return not (
+            self.elem is None
+            and self.values is None
+            and self.stack is None
+            and self.conds is None
+            and self.source is None
+        )
 
     def element(self) -> Elem:
         if self.elem is not None:
             return self.elem
         if self.values is not None and len(self.values) == 1:
             return self.values[0]
+        if self.origin is not None:
+            raise self.origin.unprovable()
         raise Unprovable("a tensor's elements are not known")
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a tensor's values were lost: the node that computes it, and why (the first reason
+    a rule gave, or None: its operator has no rule for values)."""
+
+    node: ir.Node | None
+    """None: a graph input or initializer (``reason`` says why)."""
+    index: int
+    computes: str
+    """What the operator computes, in words ("" when it has no rule)."""
+    reason: Unprovable | None = None
+
+    def unprovable(self) -> Unprovable:
+        """The refusal of a proof that needs these values."""
+        if self.reason is not None or self.node is None:
+            return self.reason.again() if self.reason is not None else Unprovable("a tensor's elements are not known")
+        node = self.node
+        output = node.outputs[self.index].name if self.index < len(node.outputs) else None
+        what = f" ({self.computes})" if self.computes else ""
+        domain = f" of domain {node.domain}" if node.domain not in ("", "ai.onnx") else ""
+        return Unprovable(
+            f"its values come from {node.op_type}{domain} node {node.name!r}{what}, output {output!r}, "
+            "whose values no rule of the evaluator follows",
+            kind=FusionRefusalCode.OPERATOR,
+            rule=f"operator:{node.domain}:{node.op_type}",
+        )
 
 
 def axis(k: int) -> Symbol:

@@ -162,7 +162,6 @@ class DecomposedAttentionFusionPass(FusionPass):
     (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Decomposed attention"
-    prime = True
 
     @property
     def refused(self) -> list[tuple[ir.Node, str]]:

@@ -1,0 +1,301 @@
+"""The evaluator's rules for operators that pick, move or count elements by index.
+
+``Gather``, ``GatherND``, ``ScatterND``, ``Tile``, ``Trilu``, ``NonZero``, ``CumSum`` and ``Size``,
+as :mod:`~onnx_kvcache.passes.fusion._symbolic_index` states rules: each takes the evaluator and
+a node and returns its output (a :class:`SymTensor`), or None where the rule does not apply.
+An index a rule reads is proven never negative (an onnxruntime run refuses one past the end of
+its axis, but a negative one counts from the end). The table is
+:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES`.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_kvcache.passes.fusion._symbolic_index import (
+    _attr_int,
+    _entry,
+    _from_constant,
+    _input,
+    either,
+    kept,
+    nonnegative_index,
+)
+from onnx_kvcache.passes.fusion._symbolic_values import (
+    ONE,
+    TRUE,
+    ZERO,
+    Additive,
+    Affine,
+    Conj,
+    Elem,
+    FloatConst,
+    Le,
+    Symbol,
+    SymbolKind,
+    SymTensor,
+    Unprovable,
+    _shift,
+    axis,
+)
+
+if TYPE_CHECKING:
+    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+
+
+def _gather_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``GatherND(data, indices)`` (``batch_dims=0``) of indices that stack ``m`` index forms:
+    ``data[i_0, ..., i_{m-1}, rest]`` over ``indices``' leading axes, then data's last axes."""
+    data, indices = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    if _attr_int(node, "batch_dims", 0) != 0:
+        raise Unprovable("GatherND with batch_dims")
+    if indices.stack is None or not 0 < len(indices.stack) <= data.rank:
+        raise Unprovable("GatherND indices are not a stack of index forms, one per leading data axis")
+    _check_indices(indices.stack, "GatherND")
+    elem = data.element()
+    m, lead = len(indices.stack), indices.rank - 1
+    mapping = {axis(k): e for k, e in enumerate(indices.stack)}
+    mapping.update({axis(k): Affine.of(axis(lead + k - m)) for k in range(m, data.rank)})
+    return SymTensor(indices.shape[:-1] + data.shape[m:], data.kind, _shift(elem, mapping))
+
+
+def _check_indices(forms: Sequence[Affine], what: str) -> None:
+    """Indices proven never negative (a negative one counts from the end of its axis)."""
+    for form in forms:
+        if not nonnegative_index(form):
+            raise Unprovable(f"the {what} index {form} is not proven non-negative")
+
+
+def _gather(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """A known vector by constant indices: the picked values."""
+    data = ev.eval(node.inputs[0])
+    index = ev.const_ints(node.inputs[1], "Gather indices") if data.values is not None else None
+    if data.values is None or data.rank != 1 or index is None or _attr_int(node, "axis", 0) != 0:
+        return None
+    n = len(data.values)
+    if any(not -n <= i < n for i in index):
+        raise Unprovable(f"Gather index out of range of a vector of {n}")
+    picked = tuple(data.values[i] for i in index)
+    indices = ev.eval(node.inputs[1])
+    if not indices.rank:
+        return SymTensor((), "int", picked[0], picked)
+    return SymTensor(indices.shape, "int", values=picked) if indices.rank == 1 else None
+
+
+def _gather_elements(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``Gather(data, indices, axis)`` of indices whose element is a non-negative index form:
+    ``data[..., i(j...), ...]``, indices' axes in place of data's ``axis``."""
+    data, indices = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
+    if data.elem is None or indices.kind != "int":
+        return None
+    at = _attr_int(node, "axis", 0)
+    at = at + data.rank if at < 0 else at
+    index = indices.element()
+    if not isinstance(index, Affine) or not 0 <= at < data.rank:
+        return None
+    _check_indices([index], "Gather")
+    r = indices.rank
+    mapping = {axis(k): Affine.of(axis(k)) for k in range(at)}
+    mapping[axis(at)] = index.subs({axis(j): Affine.of(axis(at + j)) for j in range(r)})
+    mapping.update({axis(k): Affine.of(axis(k + r - 1)) for k in range(at + 1, data.rank)})
+    shape = data.shape[:at] + indices.shape + data.shape[at + 1 :]
+    return SymTensor(shape, data.kind, _shift(data.elem, mapping))
+
+
+def _trilu(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``Trilu(x, k)``: ``x`` where ``col - row >= k`` (``upper``) or ``col - row <= k`` (lower),
+    zero elsewhere, over the last two axes: a condition ANDed with that; a float mask kept
+    (zero) outside it."""
+    x = ev.eval(node.inputs[0])
+    k = ev.scalar(_input(node, 1), "Trilu k") if _input(node, 1) is not None else ZERO
+    if x.rank < 2:
+        raise Unprovable("Trilu of a tensor of rank below 2")
+    row, col = Affine.of(axis(x.rank - 2)), Affine.of(axis(x.rank - 1))
+    inside = Conj.of(Le(row - col + k)) if _attr_int(node, "upper", 1) else Conj.of(Le(col - row - k))
+    if x.kind == "data" or not x.known:
+        return None
+    elem = x.element()
+    if isinstance(elem, Conj):
+        return SymTensor(x.shape, "bool", elem & inside)
+    if isinstance(elem, (FloatConst, Additive)):
+        cond = kept(elem)
+        if cond is None:
+            raise Unprovable(
+                f"Trilu of the constant {elem.value if isinstance(elem, FloatConst) else elem}: a float "  # type: ignore[union-attr]
+                "tensor's elements are followed as a mask (0, or a value that zeroes softmax)"
+            )
+        if cond == TRUE:
+            return x
+        joined = either(cond, inside.negate())
+        if joined is None:
+            raise Unprovable("Trilu of a mask keeps a disjunction of conditions")
+        return SymTensor(x.shape, "float", Additive(joined))
+    if elem == ZERO:
+        return x
+    return None
+
+
+def _tile(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``Tile(x, repeats)``: each axis ``repeats[k]`` times as long; the element kept where an
+    axis is not repeated, is of length 1, or is one the element does not depend on."""
+    x = ev.eval(node.inputs[0])
+    repeats = ev.values(node.inputs[1], "Tile repeats")
+    if len(repeats) != x.rank:
+        raise Unprovable("Tile repeats that are not one per axis")
+    shape = tuple(_product(d, r) for d, r in zip(x.shape, repeats))
+    elem, values = None, None
+    if x.elem is not None and x.kind != "data":
+        mapping = {axis(k): ZERO for k, d in enumerate(x.shape) if d == ONE}
+        changing = [k for k, r in enumerate(repeats) if r != ONE and x.shape[k] != ONE]
+        elem = _shift(x.elem, mapping)
+        if any(axis(k) in _symbols(elem) for k in changing):
+            elem = None  # the element repeats with a period: not affine
+    if x.values is not None and x.rank == 1 and repeats[0].is_const and repeats[0].const * len(x.values) <= 64:
+        values = x.values * repeats[0].const
+    if elem is None and values is None:
+        return SymTensor(shape, x.kind if x.kind != "float" else "data")
+    return SymTensor(shape, x.kind, elem, values)
+
+
+def _symbols(elem: Elem) -> frozenset[Symbol]:
+    """The symbols an element expression reads (its lookups' indices too)."""
+    if isinstance(elem, Affine):
+        found = set(elem.symbols)
+        for symbol in elem.lookups:
+            assert symbol.at is not None
+            found |= symbol.at.row.symbols | symbol.at.col.symbols
+        return frozenset(found)
+    if isinstance(elem, Additive):
+        return _symbols(elem.cond)
+    if isinstance(elem, Conj):
+        found = set()
+        for atom in elem.atoms:
+            if isinstance(atom, Le):
+                found |= _symbols(atom.lhs)
+            else:
+                found |= atom.row.symbols | atom.col.symbols
+        return frozenset(found)
+    return frozenset()
+
+
+def _product(a: Affine, b: Affine) -> Affine:
+    if a.is_const:
+        return b.scale(a.const)
+    if b.is_const:
+        return a.scale(b.const)
+    raise Unprovable(f"the product {a} * {b} is not affine")
+
+
+def _size(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``Size(x)``: the product of its dimensions (affine: at most one symbolic)."""
+    total = ONE
+    for dim in ev.shape(node.inputs[0]):
+        total = _product(total, dim)
+    return SymTensor((), "int", total, (total,))
+
+
+def _nonzero(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``NonZero(x)`` of a tensor of constant shape whose every element is decided: the indices
+    as a constant; of anything else, ``[rank, n]`` with ``n`` unknown."""
+    x = ev.eval(node.inputs[0])
+    array = _decided(x)
+    if array is None:
+        return SymTensor((Affine(const=x.rank), Affine.of(ev.fresh())), "int")
+    return _from_constant(np.array(np.nonzero(array), dtype=np.int64), ir.DataType.INT64)
+
+
+def _decided(x: SymTensor) -> np.ndarray | None:
+    """The elements of a tensor of constant shape whose element reads only its indices."""
+    if x.kind == "data" or not all(d.is_const for d in x.shape) or math.prod(d.const for d in x.shape) > 4096:
+        return None
+    if x.values is not None and x.rank <= 1:
+        if not all(v.is_const for v in x.values):
+            return None
+        return np.array([v.const for v in x.values], np.int64).reshape([d.const for d in x.shape])
+    if x.elem is None:
+        return None
+    grid = np.indices([d.const for d in x.shape], dtype=np.int64)
+    env = {axis(k): grid[k] for k in range(x.rank)}
+    return _numeric(x.elem, env, grid.shape[1:])
+
+
+def _numeric(elem: Elem, env: dict[Symbol, np.ndarray], shape: tuple[int, ...]) -> np.ndarray | None:
+    """``elem`` at every index, where it reads only the indices in ``env``."""
+
+    def form(f: Affine) -> np.ndarray | None:
+        out = np.full(shape, f.const, np.int64)
+        for symbol, c in f.terms:
+            if symbol not in env:
+                return None
+            out = out + c * env[symbol]
+        return out
+
+    if isinstance(elem, Affine):
+        return form(elem)
+    if isinstance(elem, FloatConst):
+        return np.full(shape, elem.value)
+    cond = elem.cond if isinstance(elem, Additive) else elem
+    truth = np.ones(shape, bool)
+    for atom in cond.atoms:
+        if not isinstance(atom, Le):
+            return None
+        lhs = form(atom.lhs)
+        if lhs is None:
+            return None
+        truth &= lhs <= 0
+    if isinstance(elem, Additive):
+        return np.where(truth, 0.0, -np.inf)
+    return truth
+
+
+def _scatter_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``ScatterND(data, indices, updates)`` whose indices are every position of data's first
+    axes in order (a slice assignment that covers the tensor): ``updates``."""
+    data, indices, updates = (ev.eval(v) for v in node.inputs[:3])
+    if node.attributes.get("reduction") is not None and node.attributes["reduction"].as_string() != "none":
+        return None
+    stack = indices.stack
+    if stack is None or not 0 < len(stack) <= data.rank:
+        return None
+    m = len(stack)
+    covers = indices.shape[:-1] == data.shape[:m] and all(f == Affine.of(axis(k)) for k, f in enumerate(stack))
+    if not covers or updates.shape != data.shape:
+        return None
+    return dataclasses.replace(updates, source=None)
+
+
+def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+    """``CumSum(x, axis)``: of a 2-D integer input's entries along its columns the running count
+    ``cumsum(m)[r, c]`` (``exclusive``: at ``c - 1``); of a constant ``v`` along an axis of
+    length ``n``, ``v * (@k + 1)`` (``exclusive``: ``v * @k``; ``reverse``: counted from the end)."""
+    x = ev.eval(node.inputs[0])
+    along = ev.const_ints(_input(node, 1), "CumSum axis")
+    if along is None or len(along) != 1:
+        raise Unprovable("a CumSum along an axis that is not constant")
+    k = along[0] + x.rank if along[0] < 0 else along[0]
+    exclusive, reverse = bool(_attr_int(node, "exclusive", 0)), bool(_attr_int(node, "reverse", 0))
+    if x.kind != "int" or not 0 <= k < x.rank:
+        raise Unprovable("a CumSum of other than integers is not followed")
+    elem = x.element()
+    if isinstance(elem, Affine) and elem.is_const:
+        index = Affine.of(axis(k))
+        count = (x.shape[k] - index - 1 if reverse else index) + (0 if exclusive else 1)
+        return SymTensor(x.shape, "int", count.scale(elem.const))
+    entry = _entry(elem)
+    if reverse:
+        raise Unprovable("a reverse CumSum of an input's entries is not followed")
+    if entry is None or entry.kind is not SymbolKind.ENTRY or entry.at is None:
+        raise Unprovable("a CumSum of other than a 2-D integer input's entries or a constant is not followed")
+    col = Affine.of(axis(k))
+    if entry.at.col != col or axis(k) in entry.at.row.symbols:
+        raise Unprovable("a CumSum along other than the input's columns is not followed")
+    col = col - 1 if exclusive else col
+    return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
