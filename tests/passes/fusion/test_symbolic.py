@@ -160,7 +160,13 @@ def test_weights_are_never_read(tmp_path):
     """A large initializer is its shape: its data (here a file that does not exist) is not read."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 23})
     missing = ir.ExternalTensor(
-        "missing.data", 0, 4096, ir.DataType.BOOL, shape=ir.Shape([1, 1, 64, 64]), name="big", base_dir=tmp_path
+        "missing.data",
+        0,
+        4096,
+        ir.DataType.BOOL,
+        shape=ir.Shape([1, 1, 64, 64]),
+        name="big",
+        base_dir=tmp_path,
     )
     big = ir.Value(name="big", const_value=missing)
     graph.register_initializer(big)

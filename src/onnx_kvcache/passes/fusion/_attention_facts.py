@@ -31,6 +31,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     ZERO,
@@ -70,6 +71,7 @@ class MaskFacts:
     GQA's window over the compacted cache is exactly that for any padding."""
 
 
+@step(FusionRefusalCode.MASK)
 def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
     """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
     try:
@@ -123,6 +125,7 @@ def _always_true(lhs: Affine) -> bool:
     return lhs.const <= 0 and all(c <= 0 for _, c in lhs.terms)
 
 
+@step(FusionRefusalCode.MASK)
 def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> MaskFacts:
     """Classify each condition of a mask; raise on any that is not causal/window/padding.
 
@@ -286,6 +289,7 @@ def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[i
     return value
 
 
+@step(FusionRefusalCode.REPEAT)
 def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
     """``value`` without transformers' repeat_kv in front: (grouped value, group, chain).
 
@@ -334,6 +338,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     return base, group, [reshape, expand, unsqueeze, *copies]
 
 
+@step(FusionRefusalCode.CACHE)
 def cache_link(
     ev: SymbolicEvaluator, graph: ir.Graph, value: ir.Value, readers: Iterable[ir.Node]
 ) -> CacheLink:
@@ -424,6 +429,7 @@ def _window_cache(
     return WindowCache(outputs[0].outputs[0], keep, crop, shift, nodes)
 
 
+@step(FusionRefusalCode.MASK)
 def cache_mask_facts(
     cond: Conj, key: CacheLink, value: CacheLink, *, past: Affine, batch: Affine | None = None
 ) -> MaskFacts:
@@ -479,6 +485,7 @@ class AttentionMatch:
     as padded with ``-inf``, and its mask's width is not provably ``P + S``."""
 
 
+@step(FusionRefusalCode.SHAPES)
 def check_shapes(
     ev: SymbolicEvaluator, query: ir.Value, key: CacheLink, value: CacheLink
 ) -> tuple[int, int, int]:

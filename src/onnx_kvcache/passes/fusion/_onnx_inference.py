@@ -39,7 +39,9 @@ def _unknown(node: ir.Node, output: int, why: str) -> Unprovable:
     )
 
 
-def infer_output(ev: SymbolicEvaluator, node: ir.Node, output: int) -> tuple[tuple[Affine, ...], ir.DataType | None]:
+def infer_output(
+    ev: SymbolicEvaluator, node: ir.Node, output: int
+) -> tuple[tuple[Affine, ...], ir.DataType | None]:
     """The shape (and element type) ONNX infers for output ``output`` of ``node``."""
     import onnx
 
@@ -87,20 +89,22 @@ def infer_output(ev: SymbolicEvaluator, node: ir.Node, output: int) -> tuple[tup
     try:
         inferred = onnx.shape_inference.infer_node_outputs(schema, proto, types, data, opset_imports=imports)
     except Exception as error:  # ONNX's inference refuses the node as it is: say so
-        raise _unknown(node, output, f"ONNX's shape inference of it fails ({type(error).__name__}: {error})") from None
+        raise _unknown(
+            node, output, f"ONNX's shape inference of it fails ({type(error).__name__}: {error})"
+        ) from None
     found = inferred.get(f"o{output}")
     if found is None or not found.tensor_type.HasField("shape"):
         raise _unknown(node, output, "ONNX's shape inference of it gives no shape")
-    dims = []
+    out: list[Affine] = []
     for entry in found.tensor_type.shape.dim:
         if entry.HasField("dim_value"):
-            dims.append(Affine(const=int(entry.dim_value)))
+            out.append(Affine(const=int(entry.dim_value)))
         elif entry.HasField("dim_param") and entry.dim_param in names:
-            dims.append(names[entry.dim_param])
+            out.append(names[entry.dim_param])
         else:  # unknown, or a name ONNX made up for this node: equal to nothing else
-            dims.append(Affine.of(ev.fresh()))
+            out.append(Affine.of(ev.fresh()))
     elem_type = found.tensor_type.elem_type
-    return tuple(dims), ir.DataType(elem_type) if elem_type else None
+    return tuple(out), ir.DataType(elem_type) if elem_type else None
 
 
 def _known_array(ev: SymbolicEvaluator, value: ir.Value, dtype: ir.DataType | None) -> np.ndarray | None:

@@ -14,11 +14,16 @@ kind means, in the words a refusal uses.
 
 from __future__ import annotations
 
-__all__ = ["REFUSAL_KINDS", "FusionRefusalCode", "proof_step"]
+__all__ = ["REFUSAL_KINDS", "FusionRefusalCode", "proof_step", "step"]
 
 import contextlib
 import enum
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class FusionRefusalCode(enum.Enum):
@@ -52,9 +57,12 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
         "with the concatenation a present output, read by nothing else"
     ),
     FusionRefusalCode.STATIC_CACHE: (
-        "a static cache (a fixed buffer written by TensorScatter): fusing would change the model's cache interface"
+        "a static cache (a fixed buffer written by TensorScatter): fusing would change the model's "
+        "cache interface"
     ),
-    FusionRefusalCode.REPEAT: "K/V reach attention through a repeat that is not repeat_kv's (Unsqueeze, Expand, Reshape)",
+    FusionRefusalCode.REPEAT: (
+        "K/V reach attention through a repeat that is not repeat_kv's (Unsqueeze, Expand, Reshape)"
+    ),
     FusionRefusalCode.SHAPES: (
         "Q/K/V are not 4-D with static head counts that group, a head size that is a multiple of 8 "
         "and one float element type"
@@ -80,7 +88,9 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
         "a softmax over scores read from a KV cache input that no fusion takes for an attention: "
         "the text names the softmax, the cache and what reads the probabilities"
     ),
-    FusionRefusalCode.IN_SUBGRAPH: "the attention is inside a control-flow subgraph (fusions rewrite the main graph)",
+    FusionRefusalCode.IN_SUBGRAPH: (
+        "the attention is inside a control-flow subgraph (fusions rewrite the main graph)"
+    ),
     FusionRefusalCode.IN_FUNCTION: "the attention is inside a model-local function",
 }
 
@@ -96,3 +106,17 @@ def proof_step(code: FusionRefusalCode) -> Iterator[None]:
         if reason.kind is None:
             reason.kind = code
         raise
+
+
+def step(code: FusionRefusalCode) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A function whose reasons are of kind ``code`` (:func:`proof_step` around its body)."""
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def proved(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with proof_step(code):
+                return fn(*args, **kwargs)
+
+        return proved
+
+    return decorate

@@ -94,7 +94,6 @@ __all__ = [
 
 from collections.abc import Mapping
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
@@ -170,7 +169,9 @@ class SymbolicEvaluator:
         """The shape a value is annotated with; an unnamed dimension is one fresh symbol."""
         if value not in self._declared:
             if value.shape is None:
-                raise Unprovable(f"value {value.name!r} has no known rank", kind=FusionRefusalCode.UNKNOWN_SHAPE)
+                raise Unprovable(
+                    f"value {value.name!r} has no known rank", kind=FusionRefusalCode.UNKNOWN_SHAPE
+                )
             dims = (d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape)
             self._declared[value] = tuple(parse_dim(d, self.fresh).subs(self.ties) for d in dims)
         return self._declared[value]
@@ -211,7 +212,9 @@ class SymbolicEvaluator:
                     continue
                 seen.add(top)
                 stack.append((top, True))
-                stack.extend((v, False) for v in self._reads(top) if v not in self._cache and v not in self._busy)
+                stack.extend(
+                    (v, False) for v in self._reads(top) if v not in self._cache and v not in self._busy
+                )
                 continue
             self._busy.add(top)
             try:
@@ -270,9 +273,7 @@ class SymbolicEvaluator:
                     continue
                 if found is not None:
                     if found.origin is None and not found.known and found.kind != "float":
-                        found = SymTensor(
-                            found.shape, found.kind, origin=self._lost(producer, row, reason)
-                        )
+                        found = SymTensor(found.shape, found.kind, origin=self._lost(producer, row, reason))
                     return found
         return self._opaque(value, producer, output, row, reason)
 
@@ -305,9 +306,15 @@ class SymbolicEvaluator:
             try:
                 shape = self._inferred(node, output)
             except Unprovable as why:
-                raise (reason.again() if reason is not None and reason.kind is FusionRefusalCode.UNKNOWN_SHAPE else why) from None
+                raise (
+                    reason.again()
+                    if reason is not None and reason.kind is FusionRefusalCode.UNKNOWN_SHAPE
+                    else why
+                ) from None
         kind = _opaque_kind(self.dtype(value))
-        return SymTensor(shape, kind, origin=Origin(node, output, row.computes if row is not None else "", reason))
+        return SymTensor(
+            shape, kind, origin=Origin(node, output, row.computes if row is not None else "", reason)
+        )
 
     def _leaf(self, value: ir.Value) -> SymTensor:
         """A graph input or an initializer too large to read: its shape; a 2-D integer input's
@@ -316,7 +323,7 @@ class SymbolicEvaluator:
         dtype = value.dtype if value.dtype is not None or tensor is None else tensor.dtype
         kind = _kind(dtype)
         if tensor is not None and value.shape is None:
-            shape = tuple(Affine(const=int(d)) for d in tensor.shape)
+            shape = tuple(Affine(const=int(d)) for d in tensor.shape.numpy())
         else:
             shape = self.declared_shape(value)
         if kind == "float":

@@ -388,7 +388,9 @@ def kept(elem: Elem) -> Conj | None:
     return None
 
 
-_NONNEGATIVE = frozenset({SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX})
+_NONNEGATIVE = frozenset(
+    {SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX}
+)
 
 
 def never_positive(form: Affine) -> bool:
@@ -638,5 +640,3 @@ def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (starts[0], ends[0]))
     picked = x.values[start:end]
     return SymTensor((Affine(const=len(picked)),), "int", values=picked)
-
-

@@ -158,7 +158,12 @@ def _tile(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         elem = _shift(x.elem, mapping)
         if any(axis(k) in _symbols(elem) for k in changing):
             elem = None  # the element repeats with a period: not affine
-    if x.values is not None and x.rank == 1 and repeats[0].is_const and repeats[0].const * len(x.values) <= 64:
+    if (
+        x.values is not None
+        and x.rank == 1
+        and repeats[0].is_const
+        and repeats[0].const * len(x.values) <= 64
+    ):
         values = x.values * repeats[0].const
     if elem is None and values is None:
         return SymTensor(shape, x.kind if x.kind != "float" else "data")
@@ -266,7 +271,9 @@ def _scatter_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     if stack is None or not 0 < len(stack) <= data.rank:
         return None
     m = len(stack)
-    covers = indices.shape[:-1] == data.shape[:m] and all(f == Affine.of(axis(k)) for k, f in enumerate(stack))
+    covers = indices.shape[:-1] == data.shape[:m] and all(
+        f == Affine.of(axis(k)) for k, f in enumerate(stack)
+    )
     if not covers or updates.shape != data.shape:
         return None
     return dataclasses.replace(updates, source=None)

@@ -402,7 +402,11 @@ class Origin:
     def unprovable(self) -> Unprovable:
         """The refusal of a proof that needs these values."""
         if self.reason is not None or self.node is None:
-            return self.reason.again() if self.reason is not None else Unprovable("a tensor's elements are not known")
+            return (
+                self.reason.again()
+                if self.reason is not None
+                else Unprovable("a tensor's elements are not known")
+            )
         node = self.node
         output = node.outputs[self.index].name if self.index < len(node.outputs) else None
         what = f" ({self.computes})" if self.computes else ""

@@ -42,49 +42,54 @@ from onnx_kvcache.passes.fusion._match import (
     check_shapes,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion.cached_attention_fusion import holds_own_cache
 
 
 def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
     """Prove that an ONNX ``Attention`` node is GQA with a KV cache; raise otherwise."""
-    inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
-    query, key, value, mask = inputs[:4]
-    if any(v is not None for v in inputs[4:]):
-        raise Unprovable("Attention keeps its own past_key/past_value/nonpad_kv_seqlen")
-    if any(is_read(v) for v in node.outputs[1:3]):
-        raise Unprovable("Attention's present outputs are read")
-    if query is None or key is None or value is None:
-        raise Unprovable("Attention lacks Q, K or V")
-    if len(ev.shape(query)) != 4:
-        raise Unprovable("Attention takes 3-D Q/K/V (the cache is BNSH)")
-    precision = node.attributes.get("softmax_precision")
-    if precision is not None and precision.as_int() != ir.DataType.FLOAT:
-        raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
+    with proof_step(FusionRefusalCode.ATTENTION_NODE):
+        inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
+        query, key, value, mask = inputs[:4]
+        if any(v is not None for v in inputs[4:]):
+            raise Unprovable("Attention keeps its own past_key/past_value/nonpad_kv_seqlen")
+        if any(is_read(v) for v in node.outputs[1:3]):
+            raise Unprovable("Attention's present outputs are read")
+        if query is None or key is None or value is None:
+            raise Unprovable("Attention lacks Q, K or V")
+        if len(ev.shape(query)) != 4:
+            raise Unprovable("Attention takes 3-D Q/K/V (the cache is BNSH)")
+        precision = node.attributes.get("softmax_precision")
+        if precision is not None and precision.as_int() != ir.DataType.FLOAT:
+            raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
     k_link = cache_link(ev, graph, key, [node])
     v_link = cache_link(ev, graph, value, [node])
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
 
-    q_len = ev.shape(query)[2]
-    kv_len = ev.shape(k_link.present)[2]
-    past = ev.shape(k_link.past)[2]
-    cond = Conj()
-    if mask is not None:
-        cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
-    # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
-    query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
-    if attribute(node, "is_causal", 0):
-        cond = cond & Conj.of(Le(key_index - query_index))
-    left, right = int(attribute(node, "left_window_size", -1)), int(attribute(node, "right_window_size", -1))
-    if left >= 0:
-        cond = cond & Conj.of(Le(query_index - key_index - left))
-    if right >= 0:
-        cond = cond & Conj.of(Le(key_index - query_index - right))
-    facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
-    if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
+    with proof_step(FusionRefusalCode.MASK):
+        q_len = ev.shape(query)[2]
+        kv_len = ev.shape(k_link.present)[2]
+        past = ev.shape(k_link.past)[2]
+        cond = Conj()
+        if mask is not None:
+            cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
+        # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
+        query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
+        if attribute(node, "is_causal", 0):
+            cond = cond & Conj.of(Le(key_index - query_index))
+        left = int(attribute(node, "left_window_size", -1))
+        right = int(attribute(node, "right_window_size", -1))
+        if left >= 0:
+            cond = cond & Conj.of(Le(query_index - key_index - left))
+        if right >= 0:
+            cond = cond & Conj.of(Le(key_index - query_index - right))
+        facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
+        if not facts.causal:
+            raise Unprovable("the mask is not causal (a query would see later keys)")
 
-    probs, scale = probs_and_scale(node, head)
+    with proof_step(FusionRefusalCode.ATTENTION_NODE):
+        probs, scale = probs_and_scale(node, head)
     return AttentionMatch(
         node=node,
         output=node.outputs[0],

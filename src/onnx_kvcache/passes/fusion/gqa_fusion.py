@@ -38,6 +38,7 @@ from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
+from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
 from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
@@ -120,8 +121,11 @@ class GqaFusionPass(InPlacePass):
             applied = {k: v for k, v in counts.items() if v}
             modified = modified or _structure(model) != before_ort
         remaining = decomposed.left()  # what onnxscript fused since is no longer left
+        report = attention + remaining
+        unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
+        remaining = remaining + FusionReport(refusals=tuple(unknown))
         left = remaining.refusals
-        self.report = report = attention + remaining
+        self.report = report = report + FusionReport(refusals=tuple(unknown))
         after = len(find_gqa_sites(model, with_cache_only=False))
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:

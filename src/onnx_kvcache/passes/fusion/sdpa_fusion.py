@@ -39,6 +39,7 @@ from onnx_kvcache.passes.fusion._match import (
     check_shapes,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
@@ -79,29 +80,30 @@ def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) 
 
 def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionMatch:
     """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
-    nodes: list[ir.Node] = [out]
-    probs, value = out.inputs
-    if probs is None or value is None:
-        raise Unprovable("the attention MatMul lacks an input")
-    softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
-    if softmax is None:
-        raise Unprovable("the MatMul does not read softmax probabilities")
-    rank = len(ev.shape(softmax.outputs[0]))
-    axis = softmax.attributes.get("axis")
-    if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
-        raise Unprovable("the softmax is not over the last axis of 4-D scores")
-    add = _op(softmax_input(ev, softmax.inputs[0], nodes), "Add")
-    if add is None:
-        raise Unprovable("the softmax reads scores without an additive mask")
-    scores, mask = add.inputs
-    if _op(scores, "MatMul", "Mul", "Div") is None:
-        scores, mask = mask, scores
-    if scores is None or mask is None:
-        raise Unprovable("the softmax input is not scores + mask")
-    nodes += [softmax, add]
-    chain = scores_chain(scores, nodes, ev)
-    query, key_t = chain.query, chain.key_t
-    key = _untransposed(ev, key_t, nodes)
+    with proof_step(FusionRefusalCode.SCORES):
+        nodes: list[ir.Node] = [out]
+        probs, value = out.inputs
+        if probs is None or value is None:
+            raise Unprovable("the attention MatMul lacks an input")
+        softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
+        if softmax is None:
+            raise Unprovable("the MatMul does not read softmax probabilities")
+        rank = len(ev.shape(softmax.outputs[0]))
+        axis = softmax.attributes.get("axis")
+        if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
+            raise Unprovable("the softmax is not over the last axis of 4-D scores")
+        add = _op(softmax_input(ev, softmax.inputs[0], nodes), "Add")
+        if add is None:
+            raise Unprovable("the softmax reads scores without an additive mask")
+        scores, mask = add.inputs
+        if _op(scores, "MatMul", "Mul", "Div") is None:
+            scores, mask = mask, scores
+        if scores is None or mask is None:
+            raise Unprovable("the softmax input is not scores + mask")
+        nodes += [softmax, add]
+        chain = scores_chain(scores, nodes, ev)
+        query, key_t = chain.query, chain.key_t
+        key = _untransposed(ev, key_t, nodes)
     return _site(ev, graph, out, nodes, query, key, value, mask, scale=chain.scale, softcap=chain.softcap)
 
 
@@ -123,10 +125,11 @@ def _site(
     v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
-    cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
-    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
-    if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
+    with proof_step(FusionRefusalCode.MASK):
+        cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
+        facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
+        if not facts.causal:
+            raise Unprovable("the mask is not causal (a query would see later keys)")
     return AttentionMatch(
         node=out,
         output=out.outputs[0],
