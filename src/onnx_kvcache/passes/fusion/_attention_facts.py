@@ -304,7 +304,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
         _producer(_through_copies(ev, expand.inputs[0], copies), "Unsqueeze") if expand is not None else None
     )
     if expand is None or unsqueeze is None:
-        raise Unprovable("K/V reach attention through a Reshape that is not repeat_kv")
+        raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
     axes = ev.const_ints(unsqueeze.inputs[1] if len(unsqueeze.inputs) > 1 else None, "Unsqueeze axes")
     if axes is None:
         attr = unsqueeze.attributes.get("axes")
@@ -312,14 +312,19 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     base = _through_copies(ev, unsqueeze.inputs[0], copies)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):
-        raise Unprovable("the K/V repeat does not insert its group axis after the head axis")
+        raise Unprovable(
+            f"the K/V repeat's Unsqueeze {unsqueeze.name!r} does not insert its group axis after the "
+            "head axis"
+        )
     inserted = (dims[0], dims[1], ONE, dims[2], dims[3])
     target = ev.values(expand.inputs[1], "the repeat's Expand shape")
     if len(target) != 5 or not target[2].is_const or target[2].const < 1:
-        raise Unprovable("the repeat's Expand shape has no constant group size")
+        raise Unprovable(f"the repeat's Expand {expand.name!r} has no constant group size")
     for k in (0, 1, 3, 4):
         if target[k] not in (inserted[k], ONE):
-            raise Unprovable(f"the repeat's Expand changes axis {k} ({inserted[k]} -> {target[k]})")
+            raise Unprovable(
+                f"the repeat's Expand {expand.name!r} changes axis {k} ({inserted[k]} -> {target[k]})"
+            )
     group = target[2].const
     expanded = (dims[0], dims[1], Affine(const=group), dims[2], dims[3])
     allowzero = bool(
@@ -331,7 +336,9 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if not dims[1].is_const:
         raise Unprovable("the number of KV heads is not static")
     if out != (dims[0], dims[1].scale(group), dims[2], dims[3]):
-        raise Unprovable("the repeat's Reshape does not fold the group axis into the head axis")
+        raise Unprovable(
+            f"the repeat's Reshape {reshape.name!r} does not fold the group axis into the head axis"
+        )
     for node in copies:  # the copies are read by the repeat only: removed with it
         if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
             raise Unprovable(f"a copy in the K/V repeat ({node.op_type} {node.name!r}) is read elsewhere")

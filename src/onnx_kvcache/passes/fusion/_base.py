@@ -181,9 +181,13 @@ class FusionPass(InPlacePass, abc.ABC):
     def elsewhere(self, model: ir.Model) -> list[FusionRefusal]:
         """The candidates outside the main graph's own nodes, refused with where they are."""
         found = [
-            FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, node, "inside a control-flow subgraph (not fused)")
-            for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if node.graph is not model.graph and self.is_candidate(node)
+            FusionRefusal(
+                FusionRefusalCode.IN_SUBGRAPH,
+                node,
+                f"inside a control-flow subgraph of {_owner(model.graph, node)} (not fused)",
+            )
+            for node in _subgraph_nodes(model.graph)
+            if self.is_candidate(node)
         ]
         for function in model.functions.values():
             found += [
@@ -263,3 +267,30 @@ def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention 
         for items in groups.values()
     ]
     return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+
+
+def _subgraph_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The nodes of ``graph``'s control-flow subgraphs, at any depth (none: no walk of them)."""
+    owners = [n for n in graph if any(a.type in _GRAPHS for a in n.attributes.values())]
+    return [
+        node
+        for owner in owners
+        for attr in owner.attributes.values()
+        if attr.type in _GRAPHS
+        for sub in (attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value])
+        for node in ir.traversal.RecursiveGraphIterator(sub)
+    ]
+
+
+_GRAPHS = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+
+def _owner(graph: ir.Graph, node: ir.Node) -> str:
+    """The main-graph node whose subgraph holds ``node``, as a refusal names it."""
+    for owner in graph:
+        for attr in owner.attributes.values():
+            if attr.type in _GRAPHS:
+                subs = attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value]
+                if any(n is node for sub in subs for n in ir.traversal.RecursiveGraphIterator(sub)):
+                    return f"{owner.op_type} node {owner.name!r}"
+    return "a node"

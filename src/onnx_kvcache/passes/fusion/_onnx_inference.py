@@ -70,7 +70,9 @@ def infer_output(
         tensor.elem_type = dtype.value if dtype is not None else 0
         try:
             dims = ev.shape(value)
-        except Unprovable:
+        except Unprovable as reason:
+            if reason.kind is _UNKNOWN:  # where the shape was lost first: that is the reason
+                raise reason.again() from None
             dims = None
         if dims is not None:
             tensor.shape.SetInParent()

@@ -47,7 +47,9 @@ class FusionRefusalCode(enum.Enum):
 
 #: One row per kind: what a refusal of that kind says about the graph.
 REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
-    FusionRefusalCode.UNPROVABLE: "a rule of the fusion does not hold; the text says which",
+    FusionRefusalCode.UNPROVABLE: (
+        "a rule outside the kinds below does not hold (this project's fusions give every rule a kind)"
+    ),
     FusionRefusalCode.SCORES: (
         "the softmax's scores are not scale * Q @ K^T (+ a mask), maybe soft-capped, or its "
         "probabilities do not reach the MatMul with V as GroupQueryAttention computes them"

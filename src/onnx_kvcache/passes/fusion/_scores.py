@@ -193,7 +193,10 @@ def scores_chain(
         assert operand is not None
         operands.append(operand)
     if len(factors) == 2 and (not np.isclose(factors[0], factors[1], rtol=1e-6) or factors[0] <= 0):
-        raise Unprovable(f"Q and K are scaled by different factors ({factors[0]}, {factors[1]})")
+        raise Unprovable(
+            f"the scores MatMul {matmul.name!r} scales Q and K by different factors "
+            f"({factors[0]}, {factors[1]})"
+        )
     scale *= float(np.prod(factors)) if factors else 1.0
     if scale <= 0:
         raise Unprovable(f"the scores are scaled by {scale}, not a positive factor")

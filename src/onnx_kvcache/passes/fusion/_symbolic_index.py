@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_values import (
     _MAX_CONST_ELEMENTS,
     FALSE,
@@ -612,7 +613,10 @@ def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTens
     for axis_, start, end in zip(axes, starts, ends):
         k = axis_ + x.rank if axis_ < 0 else axis_
         if not 0 <= k < x.rank:
-            raise Unprovable("a Slice axis is out of range")
+            raise Unprovable(
+                f"Slice node {node.name!r} slices axis {axis_} of a {x.rank}-D tensor",
+                kind=FusionRefusalCode.MALFORMED,
+            )
         length = _sliced_length(shape[k], start, end)
         if shifts is not None and start != ZERO:
             # a start proven within the axis is where the slice begins: element @k is x's @k + start

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _attr_int,
     _entry,
@@ -82,7 +83,9 @@ def _gather(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
         return None
     n = len(data.values)
     if any(not -n <= i < n for i in index):
-        raise Unprovable(f"Gather index out of range of a vector of {n}")
+        raise Unprovable(
+            f"Gather node {node.name!r} reads past a vector of {n}", kind=FusionRefusalCode.MALFORMED
+        )
     picked = tuple(data.values[i] for i in index)
     indices = ev.eval(node.inputs[1])
     if not indices.rank:
@@ -117,7 +120,7 @@ def _trilu(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     x = ev.eval(node.inputs[0])
     k = ev.scalar(_input(node, 1), "Trilu k") if _input(node, 1) is not None else ZERO
     if x.rank < 2:
-        raise Unprovable("Trilu of a tensor of rank below 2")
+        raise Unprovable(f"Trilu node {node.name!r} of a {x.rank}-D tensor", kind=FusionRefusalCode.MALFORMED)
     row, col = Affine.of(axis(x.rank - 2)), Affine.of(axis(x.rank - 1))
     inside = Conj.of(Le(row - col + k)) if _attr_int(node, "upper", 1) else Conj.of(Le(col - row - k))
     if x.kind == "data" or not x.known:
@@ -149,7 +152,10 @@ def _tile(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     repeats = ev.values(node.inputs[1], "Tile repeats")
     if len(repeats) != x.rank:
-        raise Unprovable("Tile repeats that are not one per axis")
+        raise Unprovable(
+            f"Tile node {node.name!r} repeats {len(repeats)} axes of a {x.rank}-D tensor",
+            kind=FusionRefusalCode.MALFORMED,
+        )
     shape = tuple(_product(d, r) for d, r in zip(x.shape, repeats))
     elem, values = None, None
     if x.elem is not None and x.kind != "data":

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _COMPARE,
     _attr_int,
@@ -385,7 +386,10 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     for start, end, at in zip(starts, ends, axes):
         at = at + x.rank if at < 0 else at
         if not 0 <= at < x.rank:
-            raise Unprovable("a Slice axis out of range")
+            raise Unprovable(
+                f"Slice node {node.name!r} slices axis {at} of a {x.rank}-D tensor",
+                kind=FusionRefusalCode.MALFORMED,
+            )
         dim = shape[at]
         if not start.is_const or (start.const < 0 and not dim.is_const):
             raise Unprovable("a Slice start that is not a constant")
@@ -420,7 +424,10 @@ def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
     at = _attr_int(node, "axis", 0)
     at = at + x.rank if at < 0 else at
     if not 0 <= at < x.rank:
-        raise Unprovable("a Split axis out of range")
+        raise Unprovable(
+            f"Split node {node.name!r} splits axis {at} of a {x.rank}-D tensor",
+            kind=FusionRefusalCode.MALFORMED,
+        )
     dim = x.shape[at]
     sizes = _attr_ints(node, "split") or ev.const_ints(_input(node, 1), "Split sizes")
     if sizes is None:

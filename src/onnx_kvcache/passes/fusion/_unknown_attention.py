@@ -5,7 +5,7 @@ recognizes as a candidate (a softmax over ``Concat(scores, sinks)`` whose probab
 sliced before the MatMul with V, an operator between the softmax and that MatMul) would
 otherwise leave no refusal at all, and a conversion would say it found no attention.
 :func:`unknown_attentions` finds them: each main-graph ``Softmax`` whose scores come, through
-at most one ``MatMul`` (the scores' ``Q @ K^T``) and at most :data:`_REACH` nodes, from a KV
+at most one ``MatMul`` (the scores' ``Q @ K^T``) and at most :data:`_REACH` values, from a KV
 cache input (a 4-D graph input that a ``Concat`` appends to), and that no refusal already
 covers, is refused as :attr:`~onnx_kvcache.passes.fusion._refusals.FusionRefusalCode.UNKNOWN_ATTENTION`
 naming the softmax, the cache and what reads its probabilities. An MoE router's softmax reads
@@ -24,8 +24,8 @@ import onnx_ir as ir
 from onnx_kvcache.passes.fusion._base import FusionRefusal
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 
-_REACH = 48
-"""Nodes looked at above a softmax for its cache."""
+_REACH = 400
+"""Values looked at above a softmax for its cache."""
 _MATMULS = frozenset({"MatMul", "Gemm", "MatMulInteger", "MatMulNBits", "Einsum"})
 _PASS = frozenset({"Cast", "Dropout", "Where", "Identity", "IsNaN"})
 """What may stand between a softmax and what reads its probabilities (named past them)."""
@@ -60,7 +60,7 @@ def _cache_read(softmax: ir.Node, caches: set[ir.Value]) -> ir.Value | None:
         if value in caches:
             return value
         node = value.producer()
-        if node is None:
+        if node is None or node.op_type in ("Constant", "Shape", "ConstantOfShape"):
             continue
         passed = matmuls + (node.op_type in _MATMULS)
         if passed > 1:

@@ -30,7 +30,7 @@ __all__ = ["AttentionFusionPass"]
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
-from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, probs_and_scale
+from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, not_causal, probs_and_scale
 from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
     KEY,
@@ -86,7 +86,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
             cond = cond & Conj.of(Le(key_index - query_index - right))
         facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
-            raise Unprovable("the mask is not causal (a query would see later keys)")
+            raise Unprovable(not_causal(node, mask))
 
     with proof_step(FusionRefusalCode.ATTENTION_NODE):
         probs, scale = probs_and_scale(node, head)

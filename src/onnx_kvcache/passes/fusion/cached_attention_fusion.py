@@ -47,7 +47,7 @@ __all__ = ["CachedAttentionFusionPass", "holds_own_cache", "match_cached_attenti
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
-from onnx_kvcache.passes.fusion._attention_node import attribute, probs_and_scale
+from onnx_kvcache.passes.fusion._attention_node import attribute, not_causal, probs_and_scale
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
@@ -163,7 +163,7 @@ def _bsh_shapes(
     if len(k) != 3 or len(v) != 3:
         raise Unprovable("Attention's Q is 3-D but K or V is not")
     if not q[2].is_const or q[2].const % heads:
-        raise Unprovable(f"query width {q[2]} is not q_num_heads={heads} heads")
+        raise Unprovable(f"the query {query.name!r} of width {q[2]} is not q_num_heads={heads} heads")
     head = q[2].const // heads
     if pk != pv or pk[1] != Affine(const=kv_heads) or pk[3] != Affine(const=head):
         raise Unprovable(
@@ -210,7 +210,7 @@ def _mask_facts(
         cond = cond & Conj.of(Le(Affine.of(KEY) - Affine.of(QUERY) - past))
     facts = mask_facts(cond, past=past, batch=batch)
     if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
+        raise Unprovable(not_causal(node, mask))
     if fit:
         padding = next((v for v in graph.inputs if v.name == facts.padding), None)
         declared = ev.declared_shape(padding) if padding is not None else ()

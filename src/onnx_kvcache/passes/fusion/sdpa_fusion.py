@@ -129,7 +129,7 @@ def _site(
         cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
         facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
-            raise Unprovable("the mask is not causal (a query would see later keys)")
+            raise Unprovable(f"the mask {mask.name!r} is not causal (a query would see later keys)")
     return AttentionMatch(
         node=out,
         output=out.outputs[0],
