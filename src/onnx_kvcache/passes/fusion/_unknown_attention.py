@@ -71,9 +71,10 @@ def _cache_read(softmax: ir.Node, caches: set[ir.Value]) -> ir.Value | None:
 
 def _readers(value: ir.Value) -> list[ir.Node]:
     """What reads ``value``, past casts, dropouts and NaN guards."""
-    out, work = [], [value]
+    out: list[ir.Node] = []
+    work = [value]
     for _ in range(4):
-        nxt = []
+        nxt: list[ir.Value] = []
         for v in work:
             for user, _ in v.uses():
                 if user.op_type in _PASS:
