@@ -63,7 +63,9 @@ def _roots(model: ir.Model) -> list[GraphLike]:
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
-    for attr in node.attributes.values():
+    if not node.attributes:  # most nodes: no attribute to look at
+        return
+    for attr in node.attributes.data.values():
         if attr.type == ir.AttributeType.GRAPH:
             yield attr.value
         elif attr.type == ir.AttributeType.GRAPHS:

@@ -271,7 +271,7 @@ def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention 
 
 def _subgraph_nodes(graph: ir.Graph) -> list[ir.Node]:
     """The nodes of ``graph``'s control-flow subgraphs, at any depth (none: no walk of them)."""
-    owners = [n for n in graph if any(a.type in _GRAPHS for a in n.attributes.values())]
+    owners = [n for n in graph if n.attributes and any(a.type in _GRAPHS for a in n.attributes.data.values())]
     return [
         node
         for owner in owners

@@ -92,7 +92,7 @@ __all__ = [
     "nonnegative",
 ]
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -201,33 +201,33 @@ class SymbolicEvaluator:
 
     def _settle(self, value: ir.Value) -> None:
         """Evaluate ``value`` after what it reads, depth first without recursion."""
-        stack: list[tuple[ir.Value, bool]] = [(value, False)]
-        seen: set[ir.Value] = set()
+        cache, busy = self._cache, self._busy
+        stack = [value]
+        expanded: set[ir.Value] = set()
         while stack:
-            top, ready = stack.pop()
-            if top in self._cache:
+            top = stack[-1]
+            if top in cache:
+                stack.pop()
                 continue
-            if not ready:
-                if top in seen:
-                    continue
-                seen.add(top)
-                stack.append((top, True))
-                stack.extend(
-                    (v, False) for v in self._reads(top) if v not in self._cache and v not in self._busy
-                )
+            if top not in expanded:
+                expanded.add(top)
+                for read in self._reads(top):
+                    if read is not None and read not in cache and read not in busy and read not in expanded:
+                        stack.append(read)
                 continue
-            self._busy.add(top)
+            stack.pop()
+            busy.add(top)
             try:
-                self._cache[top] = self._compute(top)
+                cache[top] = self._compute(top)
             finally:
-                self._busy.discard(top)
+                busy.discard(top)
 
-    def _reads(self, value: ir.Value) -> list[ir.Value]:
+    def _reads(self, value: ir.Value) -> Sequence[ir.Value | None]:
         """The values the evaluation of ``value`` reads: its producer's inputs, none for a
         float value whose shape is declared and whose operator has no value rule."""
         node = value.producer()
-        if node is None or self._declared_data(value, node, rule_for(node)):
-            return []
+        if node is None or (value.dtype in _FLOAT_TYPES and self._declared_data(value, node, rule_for(node))):
+            return ()
         return [v for v in node.inputs if v is not None]
 
     def _declared_data(self, value: ir.Value, node: ir.Node, row: Rule | None) -> bool:
@@ -254,6 +254,9 @@ class SymbolicEvaluator:
     def _evaluate(self, value: ir.Value) -> SymTensor:
         producer = value.producer()
         if producer is None or (producer.op_type == "Constant" and producer.domain in ("", "ai.onnx")):
+            known = _stored_constant(value, producer)
+            if known is not None:
+                return known
             array = constant_array(value)
             if array is not None:
                 return _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
@@ -368,6 +371,36 @@ class SymbolicEvaluator:
         if not all(v.is_const for v in values):
             raise Unprovable(f"{what} is not constant")
         return [v.const for v in values]
+
+
+_STORED: dict[tuple[int, tuple[int, ...], bytes], SymTensor] = {}
+"""Constant nodes' tensors as their proto stores them (type, dims, bytes) -> what they are:
+exporters write the same axes and indices in every layer, read once here."""
+
+
+def _stored_constant(value: ir.Value, producer: ir.Node | None) -> SymTensor | None:
+    """A Constant node's small tensor read before, by its stored bytes (None: not one)."""
+    if producer is None:
+        return None
+    attr = producer.attributes.data.get("value")
+    proto = (
+        getattr(attr.value, "raw", None)
+        if attr is not None and attr.type == ir.AttributeType.TENSOR
+        else None
+    )
+    raw = getattr(proto, "raw_data", None)
+    if not raw or len(raw) > 512:
+        return None
+    key = (proto.data_type, tuple(proto.dims), raw)  # type: ignore[union-attr]
+    found = _STORED.get(key)
+    if found is None:
+        array = constant_array(value)
+        if array is None:
+            return None
+        if len(_STORED) > 4096:
+            _STORED.clear()
+        found = _STORED[key] = _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
+    return found
 
 
 def _opaque_kind(dtype: ir.DataType | None) -> str:

@@ -84,7 +84,40 @@ def _affine_fit(array: np.ndarray) -> Affine | None:
     return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
 
 
+_CONSTANTS: dict[tuple[str, tuple[int, ...], bytes, ir.DataType | None], SymTensor] = {}
+"""Small constants already read (exporters repeat the same axes and indices in every layer);
+their SymTensors are immutable."""
+
+
 def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
+    """A constant's SymTensor: an integer one's values and, when affine in its indices, element."""
+    if array.size > _MAX_CONST_ELEMENTS:
+        return _read_constant(array, dtype)
+    key = (array.dtype.str, array.shape, array.tobytes(), dtype)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        found = _CONSTANTS[key] = _read_constant(array, dtype)
+    return found
+
+
+def _small_vector(array: np.ndarray) -> SymTensor:
+    """A 0-D or 1-D integer constant of at most 64 elements, read without numpy's grid."""
+    items = [int(x) for x in array.reshape(-1).tolist()]
+    values = tuple(Affine(const=x) for x in items)
+    shape = tuple(Affine(const=int(d)) for d in array.shape)
+    if array.ndim == 0:
+        return SymTensor(shape, "int", values[0], values)
+    delta = items[1] - items[0] if len(items) > 1 else 0
+    affine = all(x == items[0] + delta * k for k, x in enumerate(items)) and bool(items)
+    elem = Affine._make({axis(0): delta}, items[0]) if affine else None
+    return SymTensor(shape, "int", elem, values)
+
+
+def _read_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
+    if array.ndim <= 1 and array.size <= _MAX_CONST_ELEMENTS and _kind(dtype) == "int":
+        return _small_vector(array)
     shape = tuple(Affine(const=int(d)) for d in array.shape)
     kind = _kind(dtype)
     if kind == "int":
@@ -343,7 +376,7 @@ def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     to = ir.DataType(_attr_int(node, "to", 0))
     kind = _kind(to)
     if kind == x.kind or (kind == "float" and x.kind == "data"):
-        if _widens(node.inputs[0], to):
+        if _widens(ev.dtype(node.inputs[0]), to):
             return x
         elem = None if isinstance(x.elem, Affine) and x.elem.lookups else x.elem  # values may change
         return dataclasses.replace(x, elem=elem, source=None)
@@ -370,9 +403,8 @@ def _entry(elem: Elem | None) -> Symbol | None:
     return symbol if coefficient == 1 and symbol.at is not None else None
 
 
-def _widens(value: ir.Value | None, to: ir.DataType) -> bool:
+def _widens(dtype: ir.DataType | None, to: ir.DataType) -> bool:
     """An integer Cast that keeps every value (so a 0/1 mask stays one)."""
-    dtype = value.dtype if value is not None else None
     return dtype is not None and to.itemsize >= dtype.itemsize and to.is_signed() == dtype.is_signed()
 
 
@@ -437,11 +469,20 @@ def select(c: Conj, a: Conj, b: Conj) -> Conj:
     if b.is_false:
         return c & a
     if a.is_false:
+        if b.atoms <= c.atoms and b != c:  # not (b and rest) and b  <=>  not rest and b
+            return Conj(c.atoms - b.atoms).negate() & b
         return c.negate() & b
     joined = either(c, b) if a == TRUE else either(c.negate(), a) if b == TRUE else None
     if joined is None:
         raise Unprovable("a Where whose choice is a disjunction of conditions is not followed")
     return joined
+
+
+def _fill(elem: Elem) -> float | None:
+    """The value a float mask element masks with, where one value (None: not known)."""
+    if isinstance(elem, FloatConst):
+        return elem.value
+    return elem.fill if isinstance(elem, Additive) else None
 
 
 def _where(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
@@ -462,7 +503,9 @@ def _where(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
             raise Unprovable(f"Where selects {shown[0]} and {shown[1]}, not 0 and a masking value")
         if cx == cy and isinstance(ex, FloatConst):
             return SymTensor(shape, "float", ex)
-        return SymTensor(shape, "float", Additive(select(ec, cx, cy)))
+        fills = {_fill(e) for e in (ex, ey) if kept(e) != TRUE}
+        fill = fills.pop() if len(fills) == 1 else None
+        return SymTensor(shape, "float", Additive(select(ec, cx, cy), fill))
     if isinstance(ex, Conj) and isinstance(ey, Conj):
         return SymTensor(shape, "bool", select(ec, ex, ey))
     if x.kind == "int" and y.kind == "int" and (ex == ey or ec == TRUE or ec.is_false):

@@ -24,6 +24,7 @@ from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _attr_int,
     _entry,
+    _fill,
     _from_constant,
     _input,
     either,
@@ -31,6 +32,7 @@ from onnx_kvcache.passes.fusion._symbolic_index import (
     nonnegative_index,
 )
 from onnx_kvcache.passes.fusion._symbolic_values import (
+    _FLOAT_TYPES,
     ONE,
     TRUE,
     ZERO,
@@ -45,7 +47,9 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
     SymTensor,
     Unprovable,
     _shift,
+    aligned_elem,
     axis,
+    broadcast_shapes,
 )
 
 if TYPE_CHECKING:
@@ -140,7 +144,8 @@ def _trilu(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
         joined = either(cond, inside.negate())
         if joined is None:
             raise Unprovable("Trilu of a mask keeps a disjunction of conditions")
-        return SymTensor(x.shape, "float", Additive(joined))
+        fill = elem.value if isinstance(elem, FloatConst) else elem.fill  # type: ignore[union-attr]
+        return SymTensor(x.shape, "float", Additive(joined, fill))
     if elem == ZERO:
         return x
     return None
@@ -278,7 +283,7 @@ def _scatter_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
         return None
     m = len(stack)
     covers = indices.shape[:-1] == data.shape[:m] and all(
-        f == Affine.of(axis(k)) for k, f in enumerate(stack)
+        f == Affine.of(axis(k)) or (f == ZERO and data.shape[k] == ONE) for k, f in enumerate(stack)
     )
     if not covers or updates.shape != data.shape:
         return None
@@ -312,3 +317,120 @@ def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
         raise Unprovable("a CumSum along other than the input's columns is not followed")
     col = col - 1 if exclusive else col
     return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
+
+
+def _reduce_values(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``ReduceMax``/``ReduceMin``/``ReduceSum`` of integers: of a constant vector, its value;
+    along axes the element does not depend on, the element (max, min; over non-empty axes) or
+    the element times their lengths (sum)."""
+    x = ev.eval(node.inputs[0])
+    if x.kind != "int":
+        return None
+    attr = node.attributes.get("axes")
+    axes = list(attr.as_ints()) if attr is not None else None
+    if axes is None and _input(node, 1) is not None:
+        axes = ev.const_ints(node.inputs[1], f"axes of {node.name}")
+    if not axes:
+        if _attr_int(node, "noop_with_empty_axes", 0):
+            return x
+        axes = list(range(x.rank))
+    picked = sorted({a + x.rank if a < 0 else a for a in axes})
+    keep = bool(_attr_int(node, "keepdims", 1))
+    shape = tuple(ONE if k in picked else d for k, d in enumerate(x.shape) if keep or k not in picked)
+    op = node.op_type
+    if x.values is not None and x.rank == 1 and all(v.is_const for v in x.values) and x.values:
+        consts = [v.const for v in x.values]
+        total = max(consts) if op == "ReduceMax" else min(consts) if op == "ReduceMin" else sum(consts)
+        return SymTensor(shape, "int", Affine(const=total), (Affine(const=total),))
+    elem = x.elem if isinstance(x.elem, Affine) else None
+    if elem is None or any(axis(k) in _symbols(elem) for k in picked):
+        return None
+    lengths = [x.shape[k] for k in picked]
+    if op == "ReduceSum":
+        count = ONE
+        for length in lengths:
+            count = _product(count, length)
+        elem = _product(elem, count)
+    elif not all(d.is_const and d.const >= 1 for d in lengths):
+        return None  # an empty reduction gives the operator's identity, not the element
+    if not keep:
+        kept = [k for k in range(x.rank) if k not in picked]
+        elem = elem.subs({axis(k): Affine.of(axis(n)) for n, k in enumerate(kept)})
+    values = (elem,) if not shape or (len(shape) == 1 and shape[0] == ONE) else None
+    return SymTensor(shape, "int", elem, values)
+
+
+def _gather_nd_shape(ev: SymbolicEvaluator, node: ir.Node, output: int) -> SymTensor | None:
+    """GatherND's shape: the indices' leading axes, then data's axes after the ones indexed."""
+    data, indices = ev.shape(node.inputs[0]), ev.shape(node.inputs[1])
+    batch = _attr_int(node, "batch_dims", 0)
+    if output or not indices or not indices[-1].is_const or batch:
+        return None
+    return SymTensor(indices[:-1] + data[indices[-1].const :], "data")
+
+
+def _cast_condition(ev: SymbolicEvaluator, value: ir.Value | None) -> SymTensor | None:
+    """The condition ``value`` is a float Cast of (1.0 where it holds, 0.0 elsewhere), or None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+        return None
+    if ir.DataType(_attr_int(node, "to", 0)) not in _FLOAT_TYPES:
+        return None
+    cond = ev.eval(node.inputs[0])
+    return cond if cond.kind == "bool" and isinstance(cond.elem, Conj) else None
+
+
+def _mask_product(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``Mul(mask, Cast(c))`` (transformers' ``causal_mask *= c``): a finite fill where the mask
+    masks and ``c`` holds, 0 elsewhere: kept where the mask keeps or ``c`` does not hold."""
+    for mask_input, other in (tuple(node.inputs), tuple(reversed(node.inputs))):
+        cond = _cast_condition(ev, other)
+        mask = ev.eval(mask_input) if cond is not None else None
+        if cond is None or mask is None or mask.kind != "float":
+            continue
+        shape = broadcast_shapes(mask.shape, cond.shape)
+        elem, holds = aligned_elem(mask, shape), aligned_elem(cond, shape)
+        keeps = kept(elem)
+        fill = _fill(elem)
+        if keeps is None or not isinstance(holds, Conj):
+            return None
+        if keeps == TRUE:
+            return SymTensor(shape, "float", FloatConst(0.0))
+        if fill is None or not math.isfinite(fill):
+            raise Unprovable("a mask of -inf times a condition gives NaN where the condition does not hold")
+        joined = either(keeps, holds.negate())
+        if joined is None:
+            raise Unprovable("a mask times a condition keeps a disjunction of conditions")
+        return SymTensor(shape, "float", Additive(joined, fill))
+    return None
+
+
+def _masked_sum_is_zero(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+    """``Equal(Add(mask, Cast(e)), 0.0)`` with integers ``e`` (transformers' padding test
+    ``causal_mask + attention_mask[:, None, None, :] == 0``): where the mask keeps (adds 0),
+    ``e == 0``; where it masks with a fill beyond every integer's magnitude, never."""
+    zero = ev.eval(node.inputs[1])
+    add = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if not (isinstance(zero.elem, FloatConst) and zero.elem.value == 0.0) or add is None:
+        return None
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return None
+    for mask_input, other in (tuple(add.inputs), tuple(reversed(add.inputs))):
+        cast = other.producer() if other is not None else None
+        if cast is None or cast.op_type != "Cast":
+            continue
+        if ir.DataType(_attr_int(cast, "to", 0)) not in _FLOAT_TYPES:
+            continue
+        counted, mask = ev.eval(cast.inputs[0]), ev.eval(mask_input)
+        if counted.kind != "int" or mask.kind != "float":
+            continue
+        shape = broadcast_shapes(mask.shape, counted.shape, zero.shape)
+        elem, value = aligned_elem(mask, shape), aligned_elem(counted, shape)
+        keeps = kept(elem)
+        fill = _fill(elem)
+        if keeps is None or not isinstance(value, Affine) or fill is None:
+            return None
+        if keeps != TRUE and math.isfinite(fill) and abs(fill) < 2.0**63:
+            raise Unprovable(f"a mask filled with {fill} plus integers can be 0 where it masks")
+        return SymTensor(shape, "bool", keeps & Conj.of(Le(value), Le(-value)))
+    return None

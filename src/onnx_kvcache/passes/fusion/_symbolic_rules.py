@@ -74,13 +74,15 @@ RULES: dict[tuple[str, str], Rule] = {
     ("", "Unsqueeze"): Rule("a tensor with unit axes inserted", (index._squeeze,)),
     ("", "Add"): Rule("a sum", (index._arith,), _BROADCAST),
     ("", "Sub"): Rule("a difference", (index._arith,), _BROADCAST),
-    ("", "Mul"): Rule("a product", (index._arith,), _BROADCAST),
+    ("", "Mul"): Rule("a product", (lookup._mask_product, index._arith), _BROADCAST),
     ("", "Div"): Rule("a quotient", (ops._int_div,), _BROADCAST),
     ("", "Pow"): Rule("a power", (), _BROADCAST),
     ("", "Mod"): Rule("a remainder", (), _BROADCAST),
     ("", "Neg"): Rule("a negation", (index._neg,), _SAME),
     ("", "Range"): Rule("a sequence of integers", (index._range,)),
-    ("", "Equal"): Rule("a comparison", (ops._compare_vectors, index._compare), _BROADCAST),
+    ("", "Equal"): Rule(
+        "a comparison", (ops._compare_vectors, lookup._masked_sum_is_zero, index._compare), _BROADCAST
+    ),
     ("", "Less"): Rule("a comparison", (ops._compare_vectors, index._compare), _BROADCAST),
     ("", "LessOrEqual"): Rule("a comparison", (ops._compare_vectors, index._compare), _BROADCAST),
     ("", "Greater"): Rule("a comparison", (ops._compare_vectors, index._compare), _BROADCAST),
@@ -105,7 +107,7 @@ RULES: dict[tuple[str, str], Rule] = {
         (ops._flat_lookup, lookup._gather, lookup._gather_elements),
         _first(ops._gather_data),
     ),
-    ("", "GatherND"): Rule("elements picked by index tuples", (lookup._gather_nd,)),
+    ("", "GatherND"): Rule("elements picked by index tuples", (lookup._gather_nd,), lookup._gather_nd_shape),
     ("", "ScatterND"): Rule("a tensor with elements written at index tuples", (lookup._scatter_nd,), _SAME),
     ("", "ScatterElements"): Rule("a tensor with elements written along an axis", (), _SAME),
     ("", "Trilu"): Rule("a triangle of a matrix", (lookup._trilu,), _SAME),
@@ -136,8 +138,10 @@ for _op in (
     "IsInf", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
 ):  # fmt: skip
     RULES[("", _op)] = Rule(_UNARY, (), _SAME)
-for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
+for _op in ("ReduceMean", "ReduceProd", "ReduceL2"):
     RULES[("", _op)] = Rule("a reduction", (), _first(ops._reduce))
+for _op in ("ReduceSum", "ReduceMax", "ReduceMin"):
+    RULES[("", _op)] = Rule("a reduction", (lookup._reduce_values,), _first(ops._reduce))
 
 
 def rule_for(node: ir.Node) -> Rule | None:

@@ -313,7 +313,22 @@ class Conj:
             (atom,) = self.atoms
             if isinstance(atom, Le):  # not (x <= 0)  <=>  -x + 1 <= 0 over integers
                 return Conj.of(Le(-atom.lhs + 1))
+        zero = self._entry_is_zero()
+        if zero is not None:  # not (m[r, c] == 0)  <=>  m[r, c] != 0
+            return Conj.of(zero)
         raise Unprovable("the negation of a compound condition is not followed")
+
+    def _entry_is_zero(self) -> MaskAt | None:
+        """``m[r, c] != 0`` when this is ``m[r, c] == 0`` (``m[r, c] <= 0`` and ``-m[r, c] <= 0``)."""
+        if len(self.atoms) != 2 or not all(isinstance(a, Le) for a in self.atoms):
+            return None
+        first, second = (a.lhs for a in self.atoms if isinstance(a, Le))
+        if first + second != ZERO or first.const or len(first.terms) != 1:
+            return None
+        ((symbol, coefficient),) = first.terms
+        if abs(coefficient) != 1 or symbol.kind is not SymbolKind.ENTRY or symbol.at is None:
+            return None
+        return MaskAt(symbol.at.source, symbol.at.row, symbol.at.col)
 
 
 TRUE = Conj()
@@ -325,9 +340,11 @@ class Additive:
     """A float mask: 0 where ``cond`` holds, a softmax-zeroing value elsewhere."""
 
     cond: Conj
+    fill: float | None = dataclasses.field(default=None, compare=False)
+    """That value where it is one value (a masks is equal to another whatever its fill)."""
 
     def subs(self, mapping: Mapping[Symbol, Affine]) -> Additive:
-        return Additive(self.cond.subs(mapping))
+        return Additive(self.cond.subs(mapping), self.fill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,12 +504,15 @@ def constant_array(value: ir.Value) -> np.ndarray | None:
     tensor = value.const_value
     producer = value.producer()
     if tensor is None and producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        for name, attr in producer.attributes.items():
+        for name, attr in producer.attributes.data.items():
             if name == "value" and attr.type == ir.AttributeType.TENSOR:
                 tensor = attr.value
             elif name in _CONSTANT_ATTRIBUTES:
                 return np.asarray(attr.value, dtype=_CONSTANT_ATTRIBUTES[name])
-    if tensor is None or math.prod(tensor.shape.numpy()) > _MAX_CONST_ELEMENTS:
+    if tensor is None:
+        return None
+    dims = getattr(getattr(tensor, "raw", None), "dims", None)  # a proto's: no Shape built to count
+    if math.prod(dims if dims is not None else tensor.shape.dims) > _MAX_CONST_ELEMENTS:
         return None
     return np.asarray(tensor.numpy())
 

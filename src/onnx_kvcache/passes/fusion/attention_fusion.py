@@ -43,8 +43,28 @@ from onnx_kvcache.passes.fusion._match import (
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
-from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable, min_of
+from onnx_kvcache.passes.fusion._symbolic_values import _INT_TYPES as _INTEGERS
 from onnx_kvcache.passes.fusion.cached_attention_fusion import holds_own_cache
+
+
+def shorter_mask(ev: SymbolicEvaluator, graph: ir.Graph, mask: ir.Value, kv_len: Affine) -> str | None:
+    """The 2-D integer input ``m`` when the mask has ``min(m.shape[1], P + S)`` key columns (the
+    export's mask of ``m``'s width cut to the cache's: transformers 4.x's ``causal_mask[..., :kv]``),
+    else None. ``Attention`` masks the keys past a shorter mask, as GQA does reading ``m`` fitted
+    to ``P + S`` columns (cut, or zeros appended)."""
+    try:
+        columns = ev.shape(mask)[-1]
+    except (Unprovable, IndexError):
+        return None
+    if columns == kv_len:
+        return None
+    for value in graph.inputs:
+        if value.dtype in _INTEGERS and value.shape is not None and len(value.shape) == 2:
+            width = ev.declared_shape(value)[1]
+            if columns == min_of(width, kv_len):
+                return value.name
+    return None
 
 
 def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
@@ -71,9 +91,11 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         q_len = ev.shape(query)[2]
         kv_len = ev.shape(k_link.present)[2]
         past = ev.shape(k_link.past)[2]
-        cond = Conj()
+        cond, fitted = Conj(), None
         if mask is not None:
-            cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=kv_len)
+            fitted = shorter_mask(ev, graph, mask, kv_len)
+            columns = kv_len if fitted is None else ev.shape(mask)[-1]
+            cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=columns)
         # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
         query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
         if attribute(node, "is_causal", 0):
@@ -87,6 +109,11 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         facts: MaskFacts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
             raise Unprovable(not_causal(node, mask))
+        if mask is not None and fitted is not None and facts.padding != fitted:
+            raise Unprovable(
+                f"the mask {mask.name!r} has {fitted}'s {ev.shape(mask)[-1]} key columns but does not "
+                f"read {fitted}"
+            )
 
     with proof_step(FusionRefusalCode.ATTENTION_NODE):
         probs, scale = probs_and_scale(node, head)
@@ -103,6 +130,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         mask=facts,
         softcap=attribute(node, "softcap", 0.0),
         probs=probs,
+        fit_mask=fitted is not None,
     )
 
 
