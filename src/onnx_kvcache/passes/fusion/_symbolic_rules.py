@@ -127,7 +127,6 @@ RULES: dict[tuple[str, str], Rule] = {
     ("", "SimplifiedLayerNormalization"): Rule("an RMS normalization", (), _SAME),
     ("", "RotaryEmbedding"): Rule("a rotary embedding", (), _SAME),
     (MICROSOFT, "MatMulNBits"): Rule("a matrix product with block-quantized weights", (), ops._matmul_nbits),
-    (MICROSOFT, "SimplifiedLayerNormalization"): Rule("an RMS normalization", (), _SAME),
     (MICROSOFT, "SkipSimplifiedLayerNormalization"): Rule(
         "a residual sum and its RMS normalization", (), ops._skip_norm
     ),
