@@ -236,13 +236,12 @@ def bypass_input_copies(graph: ir.Graph) -> int:
     readers reading the input; one that is a graph output stays. Returns how many."""
     copies = [
         node
-        for node in graph
+        for value in graph.inputs
+        for node, _ in value.uses()
         if node.op_type in ("Concat", "Identity")
         and node.domain in ("", "ai.onnx")
+        and node.graph is graph
         and len(node.inputs) == 1
-        and node.inputs[0] is not None
-        and node.inputs[0].is_graph_input()
-        and node.inputs[0].graph is graph
         and not node.outputs[0].is_graph_output()
     ]
     for node in copies:

@@ -191,10 +191,16 @@ class SymbolicEvaluator:
             raise Unprovable("a required input is missing", kind=FusionRefusalCode.MALFORMED)
         cached = self._cache.get(value)
         if cached is None:
-            if value in self._busy:
-                raise Unprovable(f"value {value.name!r} depends on itself", kind=FusionRefusalCode.MALFORMED)
-            self._settle(value)
-            cached = self._cache[value]
+            producer = value.producer()
+            if producer is None or producer.op_type == "Constant":  # a leaf: nothing read first
+                cached = self._cache[value] = self._compute(value)
+            else:
+                if value in self._busy:
+                    raise Unprovable(
+                        f"value {value.name!r} depends on itself", kind=FusionRefusalCode.MALFORMED
+                    )
+                self._settle(value)
+                cached = self._cache[value]
         if isinstance(cached, Unprovable):
             raise cached.again()
         return cached
@@ -228,7 +234,11 @@ class SymbolicEvaluator:
         node = value.producer()
         if node is None or (value.dtype in _FLOAT_TYPES and self._declared_data(value, node, rule_for(node))):
             return ()
-        return [v for v in node.inputs if v is not None]
+        reads = []
+        for read in node.inputs:  # leaves (inputs, initializers, Constants) are read when asked
+            if read is not None and (source := read.producer()) is not None and source.op_type != "Constant":
+                reads.append(read)
+        return reads
 
     def _declared_data(self, value: ir.Value, node: ir.Node, row: Rule | None) -> bool:
         """A float value the export declares fully whose elements no rule would follow."""

@@ -132,15 +132,18 @@ RULES: dict[tuple[str, str], Rule] = {
     ),
     (MICROSOFT, "RotaryEmbedding"): Rule("a rotary embedding", (), _SAME),
 }
-for _op in (
+_UNARY_OPS = (
     "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
     "IsInf", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
-):  # fmt: skip
-    RULES[("", _op)] = Rule(_UNARY, (), _SAME)
-for _op in ("ReduceMean", "ReduceProd", "ReduceL2"):
-    RULES[("", _op)] = Rule("a reduction", (), _first(ops._reduce))
-for _op in ("ReduceSum", "ReduceMax", "ReduceMin"):
-    RULES[("", _op)] = Rule("a reduction", (lookup._reduce_values,), _first(ops._reduce))
+)  # fmt: skip
+RULES |= {("", op): Rule(_UNARY, (), _SAME) for op in _UNARY_OPS}
+RULES |= {
+    ("", op): Rule("a reduction", (), _first(ops._reduce)) for op in ("ReduceMean", "ReduceProd", "ReduceL2")
+}
+RULES |= {
+    ("", op): Rule("a reduction", (lookup._reduce_values,), _first(ops._reduce))
+    for op in ("ReduceSum", "ReduceMax", "ReduceMin")
+}
 
 
 def rule_for(node: ir.Node) -> Rule | None:

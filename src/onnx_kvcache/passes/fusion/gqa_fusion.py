@@ -97,7 +97,8 @@ class GqaFusionPass(InPlacePass):
         return self.report.refused
 
     def call(self, model: ir.Model) -> FusionResult:
-        before = _gqa_count(model.graph)
+        counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
+        before = _gqa_count(model.graph) if counting else 0
         attention = _report(CachedAttentionFusionPass()(model)) + _report(AttentionFusionPass()(model))
         decomposed = _report(DecomposedAttentionFusionPass()(model))
         modified = bool(attention.fused or decomposed.fused)
@@ -125,7 +126,7 @@ class GqaFusionPass(InPlacePass):
         remaining = remaining + FusionReport(refusals=tuple(unknown))
         left = remaining.refusals
         self.report = report = report + FusionReport(refusals=tuple(unknown))
-        after = _gqa_count(model.graph)
+        after = _gqa_count(model.graph) if counting else 0
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
             warn(
