@@ -77,13 +77,13 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
     try:
         tensor = ev.eval(mask)
         elem = tensor.element()
-    except Unprovable:
+    except Unprovable as reason:
         counted = running_count(mask)
         if counted is None:
-            raise
-        raise Unprovable(
-            f"it compares token positions counted by CumSum of {counted} (a position-based "
-            "causal/sliding-window mask), not key and query indices"
+            raise reason.wrapped(f"the mask {mask.name!r}: ") from None
+        raise reason.wrapped(
+            f"the mask {mask.name!r} compares token positions counted by CumSum of {counted} (a "
+            "position-based causal/sliding-window mask), not key and query indices, and "
         ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")

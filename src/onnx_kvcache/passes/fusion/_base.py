@@ -270,7 +270,7 @@ def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention 
 
 def _subgraph_nodes(graph: ir.Graph) -> list[ir.Node]:
     """The nodes of ``graph``'s control-flow subgraphs, at any depth (none: no walk of them)."""
-    owners = [n for n in graph if n.attributes and any(a.type in _GRAPHS for a in n.attributes.data.values())]
+    owners = [n for n in graph if (a := n.attributes.data) and any(x.type in _GRAPHS for x in a.values())]
     return [
         node
         for owner in owners
