@@ -27,8 +27,10 @@ def gqa_model(
     layers: int = 1,
     names: str = "past_key_values.{i}.{kind}",
     seed: int = 0,
+    head_sink: bool = False,
 ) -> ir.Model:
-    """``layers`` independent GQA nodes whose q/k/v are graph inputs (genai names)."""
+    """``layers`` independent GQA nodes whose q/k/v are graph inputs (genai names); with
+    ``head_sink``, a constant sink logit per query head (input 11, gpt-oss's sinks)."""
     rng = np.random.default_rng(seed)
     np_dtype = dtype.numpy()
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 21, "com.microsoft": 1}, name="gqa")
@@ -70,6 +72,14 @@ def gqa_model(
                 w.dtype, w.shape = dtype, ir.Shape([head])
                 graph.register_initializer(w)
             inputs += [None] * 5 + [qn, kn]
+        if head_sink:
+            sink = ir.Value(
+                name=f"head_sink.{i}",
+                const_value=ir.tensor(np.linspace(-1.0, 2.0, num_heads).astype(np_dtype)),
+            )
+            sink.dtype, sink.shape = dtype, ir.Shape([num_heads])
+            graph.register_initializer(sink)
+            inputs += [None] * (11 - len(inputs)) + [sink]
         out_shape = ["batch", kv_heads, "total", head]
         outputs = [
             ir.val(f"output.{i}", dtype, ["batch", "seq", num_heads * head]),
@@ -119,6 +129,7 @@ def reference_step(model: ir.Model, feeds: dict, fmt, k_scale=None, v_scale=None
         num_heads=node.attributes["num_heads"].as_int(),
         kv_heads=node.attributes["kv_num_heads"].as_int(),
         interleaved=bool(node.attributes["rotary_interleaved"].as_int()),
+        sink=node.inputs[11].const_value.numpy() if len(node.inputs) > 11 and node.inputs[11] else None,
         **rope_tables(model),
         **kwargs,
     )

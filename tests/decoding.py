@@ -27,26 +27,54 @@ PROMPTS = {  # attention masks of a 7-token prompt
 }
 
 
-def generate(model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0) -> list:
-    """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens).
+def window_rows(model: ir.Model) -> dict[str, int]:
+    """The past inputs of window-sized caches (``sliding_window_cache=1``) and their window:
+    such a cache starts as that many zero rows (onnxruntime-genai allocates it so)."""
+    rows = {}
+    for node in model.graph:
+        attrs = node.attributes
+        if (
+            node.op_type == "GroupQueryAttention"
+            and attrs.get("sliding_window_cache", ir.AttrInt64("", 0)).value
+        ):
+            for value in node.inputs[3:5]:
+                rows[value.name] = attrs["local_window_size"].as_int()
+    return rows
 
-    Returns ``(attention_mask, {output name: array})`` per step.
+
+def generate(
+    model: ir.Model, mask: np.ndarray, *, steps: int = STEPS, seed: int = 0, cache_columns: bool = False
+) -> list:
+    """Prefill then ``steps`` decode steps as transformers feeds them (seeded tokens): each
+    present fed back as the next past, the attention mask of every token so far. With
+    ``cache_columns`` the model gets the mask's last ``past + seq`` columns instead (``past``: the
+    rows of its first cache), what an export whose caches keep only their last tokens (a rolling
+    window cache) reads as its own; for full-length caches that is the whole mask.
+
+    Returns ``(attention_mask, {output name: array})`` per step (the whole mask).
     """
     session = create_session(model)
     inputs = {i.name for i in session.get_inputs()}
     outputs = [o.name for o in session.get_outputs()]
     caches = [v for v in model.graph.inputs if v.name.startswith("past_key_values")]
+    windows = window_rows(model)
     rng = np.random.default_rng(seed)
     batch = mask.shape[0]
     feeds = {"input_ids": rng.integers(0, vocab_of(model), mask.shape), "attention_mask": mask}
     positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
     for value in caches:
-        feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), value.dtype.numpy())
+        rows = windows.get(value.name, 0)
+        feeds[value.name] = np.zeros((batch, value.shape[1], rows, value.shape[3]), value.dtype.numpy())
     history = []
     for _ in range(steps + 1):
         if "position_ids" in inputs:
             feeds["position_ids"] = positions
+        whole = feeds["attention_mask"]
+        if cache_columns and caches:
+            columns = feeds[caches[0].name].shape[2] + feeds["input_ids"].shape[1]
+            feeds["attention_mask"] = whole[:, -columns:]
         result = dict(zip(outputs, session.run(None, feeds)))
+        feeds["attention_mask"] = whole
         history.append((feeds["attention_mask"], result))
         positions = feeds["attention_mask"].sum(axis=1, keepdims=True)
         feeds = {
@@ -61,7 +89,10 @@ def max_differences(want: list, got: list) -> dict[str, float]:
 
     The export's cache keeps padding positions in place; GQA's holds a row's valid
     tokens compacted at its start: cache column ``c`` of the export is column
-    ``rank of c among the row's valid columns`` of the fused model.
+    ``rank of c among the row's valid columns`` of the fused model. A cache that keeps only a
+    row's last tokens (a rolling window cache: the export's last ``n`` positions, a window-sized
+    GQA cache its last ``min(tokens, rows)`` valid tokens at its start) is compared on the row's
+    last valid tokens that both hold.
     """
     worst = {"logits": 0.0, "present": 0.0, "attn_weights": 0.0}
     for (mask, a), (_, b) in zip(want, got):
@@ -76,7 +107,11 @@ def max_differences(want: list, got: list) -> dict[str, float]:
             for r, valid in enumerate(mask.astype(bool)):
                 x, y = np.asarray(a[name][r], np.float32), np.asarray(b[name][r], np.float32)
                 if kind == "present":  # [kv_heads, total, head]
-                    x, y = x[:, valid], y[:, : valid.sum()]
+                    tail = valid[-x.shape[1] :] if x.shape[1] < len(valid) else valid
+                    held = min(int(valid.sum()), y.shape[1])  # the fused cache's tokens, compacted
+                    both = min(int(tail.sum()), held)  # the row's last tokens both hold
+                    x = x[:, tail][:, x[:, tail].shape[1] - both :]
+                    y = y[:, held - both : held]
                 else:  # [heads, seq, total]: valid query rows only
                     x, y = x[:, rows[r]][..., valid], y[:, rows[r]][..., : valid.sum()]
                 worst[kind] = max(worst[kind], float(_distance(x, y).max(initial=0.0)))

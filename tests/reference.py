@@ -55,13 +55,15 @@ def quantized_gqa_step(
     qk_norm: tuple[np.ndarray, np.ndarray] | None = None,
     eps: float = 1e-6,
     semantics: str = "cpu",
+    sink: np.ndarray | None = None,
 ):
     """One GQA call. q/k/v are [B, S, H*D] float; past_* are stored caches (BNSH).
 
     ``fmt`` is the cache format (its name, or a row whose ``name`` is read), None for a
     float cache. Returns (output [B, S, N*D], present_k, present_v) with present_* stored as the
     format stores them (float caches when ``fmt`` is None). With ``stored``, attention
-    reads those present caches instead of the ones computed here.
+    reads those present caches instead of the ones computed here. ``sink``: one logit per
+    query head in the softmax's denominator (``head_sink``).
     """
     if semantics not in ("cpu", "cuda"):
         raise ValueError(semantics)
@@ -100,8 +102,12 @@ def quantized_gqa_step(
     total = past_len + seq
     allowed = np.arange(total)[None, :] <= (past_len + np.arange(seq))[:, None]
     scores = np.where(allowed, scores, -np.inf)
-    scores -= scores.max(-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(-1, keepdims=True)
+    column = None if sink is None else np.asarray(sink, np.float32).reshape(1, -1, 1, 1)
+    peak = (
+        scores.max(-1, keepdims=True) if column is None else np.maximum(scores.max(-1, keepdims=True), column)
+    )
+    probs = np.exp(scores - peak)
+    denominator = probs.sum(-1, keepdims=True) + (0.0 if column is None else np.exp(column - peak))
+    probs /= denominator
     out = (probs @ values).transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head)
     return out, present_k, present_v

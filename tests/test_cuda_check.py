@@ -310,7 +310,7 @@ def test_a_bad_json_is_one_line_and_exit_2(case, tmp_path, capsys):
         "folder": (str(tmp_path), "is a folder"),
         "not ours": (str(foreign), "pass --overwrite to replace it"),
         "device": ("/dev/null", "not a regular file"),
-        "no parent": (str(tmp_path / "no" / "r.json"), "does not exist; create it first"),
+        "no parent": (str(foreign / "r.json"), "is not a folder, so nothing can be written"),
         "empty": ("", "is a folder"),
     }[case]
     assert cc.main(["--json", path]) == cc.NO_DEVICE == 2  # before the preflight: no device line
@@ -390,13 +390,15 @@ def test_ctrl_c(where, on_cpu, tmp_path, capsys):
 
 
 def test_a_report_that_cannot_be_written_goes_elsewhere(on_cpu, tmp_path, capsys):
-    """The --json folder vanishes during the run: the report of minutes of work is kept in a
-    new temporary file, named on one line, and the exit status says the argument failed."""
+    """The --json folder becomes a file during the run (a vanished one is created again): the
+    report of minutes of work is kept in a new temporary file, named on one line, and the exit
+    status says the argument failed."""
     folder = tmp_path / "out"
     folder.mkdir()
 
     def vanish(*args, **kw):
         folder.rmdir()
+        folder.write_text("not a folder any more")
         return _canned(*args, **kw)
 
     on_cpu.setattr(cc, "kernel_phase", vanish)

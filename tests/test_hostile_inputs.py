@@ -384,6 +384,40 @@ def test_the_loser_of_two_converts_into_one_new_folder_is_told_so(tmp_path, mode
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(file_io.TEMP_PREFIX)]
 
 
+def test_the_loser_of_two_converts_to_one_new_file_is_told_so_without_a_temporary_path(
+    tmp_path, models, monkeypatch
+):
+    """Issue 37, row 6: both planned a new output; the other published first, so this run's data
+    file (the same free name) exists: once said as a rename of an internal temporary path."""
+    from onnx_kvcache.files import conversion as model_files
+
+    src, out = models / "genai" / "model.onnx", tmp_path / "out" / "model.onnx"
+    (tmp_path / "s.json").write_text(json.dumps(scales_doc()))
+    real, started, other = model_files._write_file, [], []
+
+    def someone_else_first(*args, **kwargs):
+        if not started:  # once: the other run goes through this function too
+            started.append(True)
+            other.append(convert_model(src, out, format="int8", scales=tmp_path / "s.json"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_files, "_write_file", someone_else_first)
+    code, err = run(["convert", src, out, "--format", "int8", "--scales", tmp_path / "s.json"])
+    assert code == 2 and other[0].converted
+    assert f"Output {out} was created by someone else" in one_line(err)
+    assert "its data file model.onnx.data appeared" in err and file_io.TEMP_PREFIX not in err
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+
+
+def test_an_os_error_never_names_a_temporary_entry(tmp_path):
+    from onnx_kvcache.cli._output import _describe_os_error
+
+    temp = tmp_path / f"{file_io.TEMP_PREFIX}123-abc" / "0"
+    error = FileExistsError(17, "File exists", str(temp), None, str(tmp_path / "o.onnx.data"))
+    assert _describe_os_error(error) == f"File exists: {tmp_path / 'o.onnx.data'}"
+    assert _describe_os_error(OSError(28, "No space left on device", str(temp))) == "No space left on device"
+
+
 # -- the fuzz test -----------------------------------------------------------------------------
 
 

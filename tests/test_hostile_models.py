@@ -27,6 +27,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import save_genai_folder
 
 DATA = pathlib.Path(__file__).parent / "data"
 SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}
@@ -112,6 +113,20 @@ def two_nodes_of_one_name(model: ir.Model) -> None:
     second.name = first.name
 
 
+def an_output_nothing_produces(model: ir.Model) -> None:
+    """A graph output no node, input or initializer defines (issue 37, row 1: a traceback)."""
+    z = ir.Value(name="z", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    model.graph.outputs.append(z)
+
+
+def presents_removed_from_the_node(model: ir.Model) -> None:
+    """A GQA node whose present outputs were removed, the graph still listing them (row 4)."""
+    proto = ir.to_proto(model)
+    node = next(n for n in proto.graph.node if n.name == gqa(model).name)
+    del node.output[1:]
+    model.graph = ir.from_proto(proto).graph
+
+
 def past_key_of_half_heads(model: ir.Model) -> None:
     gqa(model).inputs[3].shape = ir.Shape(["batch_size", 2, "past_sequence_length", 16])
 
@@ -130,6 +145,12 @@ MALFORMED = {
     "a node reading its own output": (reads_its_own_output, "has a cycle"),
     "two nodes of one name": (two_nodes_of_one_name, "Two nodes of the graph are named"),
     "a past key of half heads": (past_key_of_half_heads, "has heads of size 32 but its past_key"),
+    # rev37: a traceback (inspect, optimize_model); an output onnxruntime refuses (convert)
+    "an output nothing produces": (an_output_nothing_produces, "The graph outputs 'z', which no node"),
+    "presents removed from the node": (
+        presents_removed_from_the_node,
+        "The graph outputs 'present.1.key', which no node",
+    ),
 }
 
 
@@ -190,6 +211,63 @@ def test_a_missing_cache_is_named_not_blamed_on_the_scales(tmp_path, models):
     code, _, err = run(["convert", models["no cache inputs"], tmp_path / "o.onnx", "--scales", scales])
     assert code in (1, 2) and "measured for another model" not in err
     assert "/model/layers.1/attn/GroupQueryAttention writes present_key 'present.1.key'" in one_line(err)
+
+
+# -- issue 37, row 4: models whose conversion onnxruntime would refuse ------------------------
+
+
+def _ir_version(model: ir.Model) -> None:
+    model.ir_version = 99
+
+
+def _opset(model: ir.Model) -> None:
+    model.opset_imports[""] = 99
+
+
+def _huge_heads(model: ir.Model) -> None:
+    gqa(model, 0).attributes["num_heads"] = ir.AttrInt64("num_heads", 2**40)
+
+
+def _mobius_gqa() -> ir.Model:
+    """mobius's CPU GQA build: no shape on its packed QKV, so only the projection tells the width."""
+    return ir.load(DATA / "producers" / "mobius" / "mobius-cpu-gqa" / "llama" / "model.onnx")
+
+
+def _decoder() -> ir.Model:
+    return build_decoder(num_layers=2, vocab_size=300)
+
+
+UNLOADABLE = {  # mutant -> (base, mutation, what the one line says)
+    "IR version 99": (_decoder, _ir_version, "its IR version is 99, and the installed onnxruntime"),
+    "opset 99": (_decoder, _opset, "its ai.onnx opset is 99"),
+    "num_heads 2**40 (mobius)": (
+        _mobius_gqa,
+        _huge_heads,
+        "= 1099511627780, which does not divide its query's",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", list(UNLOADABLE))
+def test_a_model_onnxruntime_would_refuse_is_never_converted(tmp_path, mutant):
+    base, mutate, said = UNLOADABLE[mutant]
+    model = base()
+    mutate(model)
+    src = tmp_path / "in" / "model.onnx"
+    src.parent.mkdir()
+    ir.save(model, src, external_data="model.onnx.data")
+    out = tmp_path / "out"
+    code, stdout, err = run(["convert", src, out / "model.onnx", "--format", "fp8", "--ep", "cuda"])
+    assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
+    with pytest.raises(MalformedModelError, match=re.escape(said)):
+        optimize_model(ir.load(src), kv_cache_format="fp8", execution_provider="cuda")
+    for argv in (  # every command that reads it: one line before any work
+        ["inspect", src],
+        ["calibrate", src, "--out", out / "s.json", "--format", "int8"],
+        ["evaluate", src, src, "--num-seqs", 1],
+    ):
+        code, stdout, err = run(argv)
+        assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
 
 
 # -- a graph out of topological order ------------------------------------------------------
@@ -286,6 +364,71 @@ def test_lengths_past_the_models_positions_are_refused_before_it_runs(
         assert word in one_line(err)
 
 
+# -- issue 37, rows 2 and 3: sizes and counts bounded before anything is allocated ---------------
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the windows were made or the model ran")
+
+
+BOUNDED = {  # argv after the model(s) -> what the one line says
+    ("calibrate", "--seq-len", 10**12): ["--seq-len 1000000000000", "int32 (at most 2147483647)"],
+    ("calibrate", "--seq-len", 5000): ["--seq-len 5000", "4096 positions", "--seq-len 4096"],
+    ("calibrate", "--num-seqs", 10**9): ["This calibration would hold about", "TiB", "--num-seqs N"],
+    ("evaluate", "--num-seqs", 10**9): ["This evaluation would hold about", "TiB", "--num-seqs N"],
+}
+
+
+@pytest.mark.parametrize("argv", list(BOUNDED), ids=lambda a: " ".join(map(str, a)))
+def test_sizes_and_counts_are_bounded_before_anything_is_allocated(tmp_path, models, monkeypatch, argv):
+    """Once a 7.28 TiB numpy allocation (a traceback), or memory growing until the process was killed."""
+    from onnx_kvcache.calibrate import calibration
+    from onnx_kvcache.runtime import evaluation
+
+    for module in (calibration, evaluation):
+        monkeypatch.setattr(module, "load_token_windows", _never)
+    monkeypatch.setattr(KvCacheRunner, "fill", _never)
+    command, option, value = argv
+    head = (
+        ["calibrate", models["good"], "--out", tmp_path / "s.json"]
+        if command == "calibrate"
+        else ["evaluate", models["good"], models["good"], "--max-new-tokens", 1]
+    )
+    code, out, err = run([*head, option, value])
+    assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
+    for word in BOUNDED[argv]:
+        assert word in one_line(err)
+
+
+def test_greedy_tokens_past_any_memory_are_refused_on_a_model_without_a_rotary_table(monkeypatch):
+    """An export computes its rotary angles from the positions: no context bounds
+    --max-new-tokens, the caches the generation holds do."""
+    monkeypatch.setattr(KvCacheRunner, "prefill", _never)
+    export = DATA / "export_llama_opset23.onnx"
+    code, _, err = run(
+        ["evaluate", export, export, "--num-seqs", 1, "--seq-len", 16, "--max-new-tokens", 10**9]
+    )
+    assert code == 2 and "This evaluation would hold about" in one_line(err)
+    assert "1000000008 tokens' caches" in err and "--max-new-tokens N" in err
+
+
+@pytest.mark.parametrize("command", ["calibrate", "evaluate"])
+def test_the_memory_limit_is_the_memory_available(tmp_path, models, monkeypatch, command):
+    """The estimate is refused past what the machine has now, naming both figures."""
+    from onnx_kvcache.runtime import _memory
+
+    monkeypatch.setattr(_memory, "available_memory", lambda: 1 << 16)
+    head = (
+        ["calibrate", models["good"], "--out", tmp_path / "s.json", "--min-tokens", 16]
+        if command == "calibrate"
+        else ["evaluate", models["good"], models["good"], "--max-new-tokens", 2]
+    )
+    code, _, err = run([*head, "--num-seqs", 4, "--seq-len", 64])
+    assert code == 2 and "more than the 64.0 KiB available; nothing was run" in one_line(err)
+    monkeypatch.setattr(_memory, "available_memory", lambda: None)  # unknown: not checked
+    assert run([*head, "--num-seqs", 4, "--seq-len", 64])[0] == 0
+
+
 @pytest.mark.parametrize("value", ["100000000000000000000000", "2147483648", "1e23"])
 def test_an_inspect_context_past_any_models_positions_is_refused(models, value):
     code, out, err = run(["inspect", models["good"], "--context", value])
@@ -370,6 +513,44 @@ def test_two_calibrations_to_one_out_never_both_say_wrote(tmp_path, models, monk
     assert json.loads(out.read_text())["method"] == "percentile"  # the first run's file
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_two_evaluations_to_one_report_never_both_say_wrote(tmp_path, models, monkeypatch, existing):
+    """As for calibrate (issue 37: safety.md says two runs to one output never both succeed;
+    evaluate --json replaced the other run's report silently)."""
+    from onnx_kvcache.runtime import evaluation
+
+    out = tmp_path / "report.json"
+    argv = ["evaluate", models["good"], models["good"], "--num-seqs", 1, "--seq-len", 16, "--json", out]
+    if existing:
+        assert run(argv)[0] == 0
+    real, other = evaluation.evaluate_kv_cache, []
+
+    def evaluate(*args, **kwargs):
+        if not other:
+            other.append(None)
+            other[0] = run([*argv, "--max-new-tokens", 3])  # another run, finishing first
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_kv_cache", evaluate)
+    code, said, err = run(argv)
+    assert other[0][0] == 0 and f"{'replaced' if existing else 'wrote'} " in other[0][1]
+    assert code == 2 and "was written by another run" in one_line(err)
+    assert "wrote" not in said and "replaced" not in said
+    assert json.loads(out.read_text())["greedy_match_prefix"] == 3  # the first run's report
+
+
+def test_onnxruntimes_refusal_is_said_without_its_source_paths(tmp_path, models):
+    """A model onnxruntime refuses for what validation does not check (an operator it does not
+    know): its message, without the build machine's source file, line and C++ signature."""
+    model = ir.load(models["good"])
+    node = next(n for n in model.graph if n.op_type == "MatMul")
+    node.op_type = "NoSuchOperator"
+    ir.save(model, tmp_path / "m.onnx")
+    code, _, err = run(["evaluate", models["good"], tmp_path / "m.onnx", "--num-seqs", 1, "--seq-len", 16])
+    assert code == 2 and "onnxruntime cannot load the model" in one_line(err)
+    assert "NoSuchOperator" in err and "onnxruntime_src" not in err and "::" not in err
+
+
 # -- a fuzz test over real-producer files and genai-shaped builds ----------------------------
 
 
@@ -424,13 +605,30 @@ def _scale(rng: random.Random, model: ir.Model) -> None:
     node.replace_input_with(slot, value)
 
 
+def _cut_outputs(rng: random.Random, model: ir.Model) -> None:
+    """An attention node's outputs after the first cut, the graph still listing them (row 4)."""
+    name = rng.choice(_attention_nodes(model)).name
+    proto = ir.to_proto(model)
+    del next(n for n in proto.graph.node if n.name == name).output[1:]
+    model.graph = ir.from_proto(proto).graph
+
+
+def _header(rng: random.Random, model: ir.Model) -> None:
+    """An IR version or an opset past what onnxruntime loads, or one it does (row 4; an older
+    ai.onnx opset than the nodes' is a model onnxruntime refuses already, converted as it is)."""
+    if rng.random() < 0.5:
+        model.ir_version = rng.choice([10, 15, 99])
+    else:
+        model.opset_imports[rng.choice(["", "com.microsoft"])] = rng.choice([29, 99])
+
+
 def _genai_shaped_int8() -> ir.Model:
     model = _genai_shaped()
     KvCacheQuantizationPass("int8", scales=SCALES)(model)
     return model
 
 
-MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale]
+MUTATIONS = [_set_heads, _delete_node, _shuffle, _drop_cache, _scale, _cut_outputs, _header]
 BASES = {"genai-shaped": _genai_shaped, "genai-shaped int8": _genai_shaped_int8, "torch export": _export}
 
 
@@ -456,3 +654,88 @@ def test_fuzz_every_mutant_is_one_line_or_an_output_that_loads(tmp_path, base, s
         assert code in (1, 2)
         one_line(err)
         assert not out.exists()
+
+
+# -- issue 37: the first hour's friction -------------------------------------------------------
+
+
+def test_rope_positions_with_a_method_that_never_reads_it_is_one_line(tmp_path, models):
+    """The default method gave the same scales for 2, 64 and 100000, yet recorded 64, and convert
+    then warned of keys clipped past position 64."""
+    argv = ["calibrate", models["good"], "--out", tmp_path / "s.json", "--rope-positions", 64]
+    code, out, err = run([*argv, "--format", "int8", "--num-seqs", 1, "--seq-len", 64])
+    assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
+    assert "--rope-positions 64 limits only the attention methods" in one_line(err)
+    assert "--method minmax never reads it" in err and "Drop --rope-positions" in err
+
+
+def test_scales_for_a_short_context_on_a_model_that_states_none_say_so(tmp_path):
+    """An export alone (its rotary angles computed from the positions): once no word at all."""
+    scales = tmp_path / "s.json"
+    doc = {"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128, "rope_positions": 64}
+    scales.write_text(json.dumps(doc))
+    code, _, err = run(
+        ["convert", DATA / "export_llama_opset23.onnx", tmp_path / "o.onnx", "--scales", scales]
+    )
+    assert code == 0
+    assert "(--rope-positions 64), and nothing states the model's context" in err
+
+
+def test_the_readmes_beside_comment_is_what_convert_does(tmp_path):
+    """README: "beside it: the weights are shared" was wrong for an export with inline weights."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("onnx-kvcache convert model.onnx model.int8"))
+    assert line.endswith("# beside it: external data shared, inline weights copied")
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
+    src = tmp_path / "model.onnx"
+    src.write_bytes((DATA / "export_llama_opset23.onnx").read_bytes())  # weights inline
+    code, out, _ = run(["convert", src, tmp_path / "model.int8.onnx", "--scales", scales])
+    assert code == 0 and "weights: inline in the graph" in out
+    external = tmp_path / "ext" / "model.onnx"
+    external.parent.mkdir()
+    ir.save(ir.load(src), external, external_data="model.onnx.data")
+    code, out, _ = run(["convert", external, tmp_path / "ext" / "model.int8.onnx", "--scales", scales])
+    assert code == 0 and "weights: model.onnx.data, shared with model.onnx" in out
+    assert not (tmp_path / "ext" / "model.int8.onnx.data").exists()
+
+
+def test_genai_and_the_runner_agree_when_an_end_token_comes_in_the_window(tmp_path):
+    """docs/converting.md's comparison held only while no end token came: genai's sequence leaves
+    it out, the runner keeps it. The page's comparison now holds either way."""
+    og = pytest.importorskip("onnxruntime_genai")
+    folder = save_genai_folder(tmp_path / "g", num_layers=2)
+    prompt = [1, 72, 101, 108, 108, 111]
+    first = KvCacheRunner(folder).generate(prompt, 1)[0]
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = first  # the first greedy token ends the sequence
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    params = og.GeneratorParams(og_model := og.Model(str(folder)))
+    params.set_search_options(max_length=len(prompt) + 8, do_sample=False)
+    generator = og.Generator(og_model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    runner = KvCacheRunner(folder)
+    tokens = runner.generate(prompt, 8)
+    ended = bool(tokens) and tokens[-1] in runner.eos_token_ids
+    assert tokens == [first] and ended
+    assert list(generator.get_sequence(0))[len(prompt) :] == tokens[: len(tokens) - ended] == []
+
+
+def test_an_optimum_folder_whose_configs_name_no_eos_takes_the_tokenizers(tmp_path):
+    """config.json and generation_config.json without eos_token_id: once no genai_config.json."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for name in ("model.onnx", "config.json"):
+        (folder / name).write_bytes((DATA / "optimum_llama" / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    del config["eos_token_id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = {"eos_token": "</s>", "added_tokens_decoder": {"2": {"content": "</s>", "special": True}}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.1] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
+    code, out, err = run(["convert", folder, tmp_path / "out", "--scales", scales])
+    assert code == 0 and "genai_config.json written from config.json" in out, err
+    assert json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["eos_token_id"] == 2

@@ -28,6 +28,7 @@ from onnx_kvcache.cli import _demo as demo
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.files.conversion import LINK_WARNING
+from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.model_io import _outputs as outputs
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
@@ -570,7 +571,6 @@ def test_save_never_replaces_the_external_data_of_a_model_beside_it(tmp_path, da
         (5, TypeError, "path must be a path"),
         (None, TypeError, "path must be a path"),
         ("{d}/new.json/", KvCacheError, "names a folder"),
-        ("{d}/nodir/x.json", KvCacheError, "does not exist; create it first"),
     ],
 )
 def test_save_refuses_what_is_no_file_path(tmp_path, path, error, match):
@@ -588,10 +588,29 @@ def test_save_overwrite_must_be_a_bool(tmp_path, overwrite):
     assert os.listdir(tmp_path) == []
 
 
-def test_calibrate_out_into_a_missing_folder_is_refused_before_the_work(tmp_path, model_file, capsys):
-    assert main(_calibrate_argv(model_file, tmp_path / "nodir" / "s.json")) == 2
-    assert "does not exist; create it first" in one_line(capsys)
-    assert not (tmp_path / "nodir").exists()
+def test_calibrate_out_into_a_missing_folder_creates_it_as_convert_does(tmp_path, model_file, capsys):
+    """Issue 37: one folder rule for every output (convert created its folder, calibrate refused)."""
+    assert main(_calibrate_argv(model_file, tmp_path / "a" / "b" / "s.json")) == 0
+    assert load_kv_cache_scale_file(tmp_path / "a" / "b" / "s.json").layer_ids == (0, 1)
+    out, scales = tmp_path / "c" / "d" / "m.onnx", tmp_path / "a" / "b" / "s.json"
+    assert main(["convert", str(model_file), str(out), "--scales", str(scales)]) == 0
+    assert out.is_file()
+
+
+def test_a_run_that_writes_nothing_removes_the_folders_it_created(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_io.TempFile, "write", full)
+    with pytest.raises(KvCacheError, match="No space left on device"):
+        SCALES.save(tmp_path / "a" / "b" / "s.json")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_output_under_a_file_is_refused_before_the_work(tmp_path, model_file, capsys):
+    (tmp_path / "afile").write_text("mine")
+    assert main(_calibrate_argv(model_file, tmp_path / "afile" / "s.json")) == 2
+    assert "is not a folder, so nothing can be written" in one_line(capsys)
 
 
 # -- review of issue 20: evaluate's report and plot are one unit ---------------------------

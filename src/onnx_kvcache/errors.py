@@ -273,7 +273,7 @@ class NotConvertedWarning(KvCacheWarning):
 
 class PaddingAssumptionWarning(KvCacheWarning):
     """A fused attention assumes each row's valid tokens come first (a padding mask, a
-    sliding window cropped by the export): what a fusion of a padded export relies on."""
+    rolling window cache of the export): what a fusion of a padded export relies on."""
 
 
 class FusionSkippedWarning(KvCacheWarning):

@@ -240,7 +240,11 @@ def test_new_rows_reach_the_doctor(extra_rows):
     report = run_doctor(["cpu"])
     for schema in report.schemas:
         assert "the cache type constraint lacks e5m2 (float8e5m2)" in schema.problems
-    gqa = {r.cache: r for r in report.rows if (r.op, r.provider) == ("GroupQueryAttention", "cpu")}
+    gqa = {
+        r.cache: r
+        for r in report.rows
+        if (r.op, r.provider) == ("GroupQueryAttention", "cpu") and not r.cache.endswith("+ head_sink")
+    }
     assert set(gqa) == {"float"} | {f"{f} {g}" for f in CACHE_FORMATS for g in SCALE_GRANULARITIES}
     assert gqa["int6 per_tensor"].table == gqa["e5m2 per_head"].table == "not listed"
     assert gqa["int8 per_head"].table == "not per_head" and gqa["int8 per_head"].verdict == "disagrees"

@@ -320,3 +320,61 @@ def test_every_check_is_documented():
     page = (pathlib.Path(__file__).parents[2] / "docs" / "validation.md").read_text()
     for check in (*GRAPH_CHECKS, *NODE_CHECKS):
         assert f"| {check.name} |" in page, check.name
+
+
+# -- issue 37: what the installed onnxruntime loads; widths its projections tell ----------
+
+
+def test_the_installed_onnxruntimes_row_is_what_it_loads():
+    """RUNTIME_LIMITS' row for the installed onnxruntime agrees with a session of its own."""
+    from onnx_kvcache.model_io import _sessions
+
+    version = _sessions.installed_ort_version()
+    limits = _sessions.RUNTIME_LIMITS.get(version)
+    assert limits is not None, f"add onnxruntime {version}'s row to RUNTIME_LIMITS"
+    assert _sessions._probed(limits.ir_version + 1, (("", 21),)) == (
+        ("IR version", limits.ir_version + 1, limits.ir_version),
+    )
+    assert _sessions._probed(limits.ir_version, (("", 21),)) == ()
+    for domain, newest in limits.opsets.items():
+        opsets = {"": 21, domain: newest}
+        assert _sessions._probed(10, tuple(sorted(opsets.items()))) == ()
+        opsets[domain] = newest + 1
+        assert _sessions._probed(10, tuple(sorted(opsets.items()))) == (
+            (f"{domain or 'ai.onnx'} opset", newest + 1, newest),
+        )
+
+
+@pytest.mark.parametrize(
+    ("ir_version", "opsets", "said"),
+    [
+        (99, {"": 21}, "its IR version is 99, and the installed onnxruntime"),
+        (10, {"": 99}, "its ai.onnx opset is 99"),
+        (10, {"": 21, "com.microsoft": 2}, "its com.microsoft opset is 2"),
+        (10, {"": 21, "my.custom.domain": 7}, None),  # a domain onnxruntime does not know: any version
+    ],
+)
+@pytest.mark.parametrize("probed", [False, True], ids=["table", "probe"])
+def test_a_header_onnxruntime_refuses_is_refused(monkeypatch, ir_version, opsets, said, probed):
+    from onnx_kvcache.model_io import _sessions
+
+    if probed:  # a release without a row: the installed onnxruntime is asked
+        monkeypatch.setattr(_sessions, "RUNTIME_LIMITS", {})
+    model = build_decoder(num_layers=2)
+    model.ir_version = ir_version
+    model.opset_imports.update(opsets)
+    if said is None:
+        assert validate_model(model) is False
+        return
+    with pytest.raises(MalformedModelError, match=said):
+        validate_model(model)
+
+
+def test_a_head_count_its_projections_contradict_is_refused_without_shapes():
+    """mobius records no shape on its packed QKV: the MatMul's weight tells the width."""
+    model = ir.load(DATA / "producers" / "mobius" / "mobius-cpu-gqa" / "llama" / "model.onnx")
+    node = gqa_nodes(model)[0]
+    assert node.inputs[0].shape is None
+    node.attributes["num_heads"] = ir.AttrInt64("num_heads", 2**40)
+    with pytest.raises(MalformedModelError, match="which does not divide its query's width 128"):
+        validate_model(model)

@@ -9,6 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheQuantizationPass, check_kv_cache_support, fast_path_diagnostics
+from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.capabilities.table import EP_CAPABILITIES, PAGED_CAPABILITIES, get_capabilities
 from onnx_kvcache.errors import NotConvertedWarning, RuntimeSupportWarning
 
@@ -151,6 +152,55 @@ def test_qk_norm_nodes_need_a_provider_that_takes_them(ep, ok):
     assert report.supported == ok
     if not ok:
         assert "q/k norm" in report.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("ep", "fmt", "version", "code"),
+    [
+        ("cpu", "int8", "1.32", None),
+        ("cpu", "int4", "1.32", None),
+        ("cpu", None, "1.22", RefusalCode.RUNTIME_TOO_OLD),
+        ("cuda", "fp8", "1.32", None),
+        ("webgpu", None, "1.32", None),
+        ("dml", None, "1.32", RefusalCode.HEAD_SINK_UNSUPPORTED),
+    ],
+)
+def test_attention_sinks_need_a_provider_that_honors_them(ep, fmt, version, code):
+    """head_sink (gpt-oss): each row says since which version, with which quantized caches."""
+    model = gqa_model(head_sink=True, dtype=F16 if ep != "cpu" else ir.DataType.FLOAT)
+    report = check_kv_cache_support(model, ep, fmt, runtime_version=version)
+    assert [r.code for r in report.refusals] == ([code] if code else [])
+    if code is RefusalCode.HEAD_SINK_UNSUPPORTED:
+        assert (
+            "not known to honor attention sinks" in report.reasons[0]
+            and "run it on cpu, cuda" in report.reasons[0]
+        )
+    assert check_kv_cache_support(gqa_model(dtype=F16), "dml", None, runtime_version=version).supported
+
+
+@pytest.mark.parametrize(
+    ("ep", "version", "code"),
+    [
+        ("cpu", "1.32", None),
+        ("cpu", "1.31", RefusalCode.RUNTIME_TOO_OLD),
+        ("openvino", "2026.4", RefusalCode.INPUT_UNSUPPORTED),
+    ],
+)
+def test_window_sized_caches_of_a_fusion_need_query_seqlens(ep, version, code):
+    """A rolling window cache fuses into a window-sized cache with query_seqlens (input 16)."""
+    import warnings
+
+    from onnx_kvcache import build_decoder, optimize_model
+    from onnx_kvcache.models.exported import ExportStyle, exported_config
+
+    config = exported_config(
+        "mistral", num_layers=1, sliding_window=4, exported=ExportStyle(window_cache="cropped")
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = optimize_model(build_decoder(config))
+    report = check_kv_cache_support(model, ep, "int8", runtime_version=version)
+    assert [r.code for r in report.refusals] == ([code] if code else [])
 
 
 def fake_nvidia_smi(tmp_path, monkeypatch, output: str) -> None:

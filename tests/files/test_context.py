@@ -79,11 +79,16 @@ def test_scales_for_a_shorter_context_warn(tmp_path, where):
         assert converted(model, tmp_path / f"ok{model.suffix}", scale_file(tmp_path, layers, enough)) == []
 
 
-def test_an_export_that_states_no_context_gets_no_warning(tmp_path):
-    """torch.onnx.export computes the rotary angles from the positions: no table, no config."""
+def test_an_export_that_states_no_context_is_said_to_state_none(tmp_path):
+    """torch.onnx.export computes the rotary angles from the positions: no table, no config.
+    Issue 37: once no warning, and nothing said that the context is unknown."""
     shutil.copy(EXPORT, tmp_path / "model.onnx")
     assert model_context(ir.load(tmp_path / "model.onnx"), tmp_path) is None
-    assert converted(tmp_path / "model.onnx", tmp_path / "o.onnx", scale_file(tmp_path, 3, 16)) == []
+    said = converted(tmp_path / "model.onnx", tmp_path / "o.onnx", scale_file(tmp_path, 3, 16))
+    assert len(said) == 1
+    text = str(said[0].message)
+    assert "up to 16 positions (rope_positions=16), and nothing states the model's context" in text
+    assert converted(tmp_path / "model.onnx", tmp_path / "p.onnx", scale_file(tmp_path, 3, None)) == []
 
 
 def test_a_config_that_does_not_parse_states_nothing(tmp_path):

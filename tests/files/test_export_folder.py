@@ -133,6 +133,37 @@ def test_the_genai_config_is_made_from_the_graph_and_the_exports_configs(export,
     assert again.converted and (out / "genai_config.json").exists()
 
 
+def test_a_rolling_window_export_runs_in_onnxruntime_genai_as_the_runner(export, tmp_path):
+    """transformers 5.x's rolling window cache (every layer keeps its last W - 1 tokens), fused into
+    window-sized caches: genai_config.json names them, genai allocates and shares them, and genai's
+    tokens are the runner's, past the window."""
+    pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
+    from onnx_kvcache import build_decoder
+    from onnx_kvcache.models.exported import ExportStyle, exported_config
+
+    folder = tmp_path / "mistral"
+    shutil.copytree(export, folder)
+    style = ExportStyle(window_cache="cropped")
+    config = exported_config("mistral", num_layers=2, vocab_size=512, sliding_window=4, exported=style)
+    ir.save(build_decoder(config), folder / "model.onnx")
+    out = tmp_path / "genai"
+    assert _convert(folder, out, "int8", "per_tensor").converted
+    decoder = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["sliding_window"] == {
+        "cache_slack": 0,
+        "layers": [0, 1],
+        "slide_inputs": False,
+        "slide_key_value_cache": False,
+        "window_size": 4,
+    }
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
+    prompt = _prompt(export) * 3  # past the window of 4
+    tokens = og_generate(out, prompt, 8)
+    expected = KvCacheRunner(out).generate(prompt, 8)
+    expected = expected[:-1] if expected and expected[-1] == 2 else expected
+    assert len(tokens) >= 4 and tokens == expected
+
+
 def _with_input(model: ir.Model, name: str) -> ir.Model:
     value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size"]))
     model.graph.inputs.append(value)
@@ -144,7 +175,10 @@ def _with_input(model: ir.Model, name: str) -> ir.Model:
     [
         (lambda folder: _edit_model(folder, "token_type_ids"), "its input 'token_type_ids' is not one"),
         (lambda folder: _edit_config(folder, max_position_embeddings=None), "gives no context length"),
-        (lambda folder: _edit_config(folder, eos_token_id=None, generation=False), "gives an eos_token_id"),
+        (
+            lambda folder: _edit_config(folder, eos_token_id=None, generation=False, tokenizer=False),
+            "end-of-seq",
+        ),
     ],
     ids=["unknown-input", "no-context", "no-eos"],
 )
@@ -166,12 +200,35 @@ def _edit_model(folder: pathlib.Path, name: str) -> None:
     ir.save(_with_input(model, name), folder / "model.onnx")
 
 
-def _edit_config(folder: pathlib.Path, *, generation: bool = True, **changes) -> None:
+def _edit_config(folder: pathlib.Path, *, generation: bool = True, tokenizer: bool = True, **changes) -> None:
     path = folder / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps({k: v for k, v in (config | changes).items() if v is not None}))
     if not generation:
         (folder / "generation_config.json").unlink()
+    if not tokenizer:  # its files naming an end-of-sequence token
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            (folder / name).unlink()
+
+
+@pytest.mark.parametrize("where", ["tokenizer.json", "added_tokens_decoder", "special_tokens_map.json"])
+def test_an_eos_only_the_tokenizer_names_is_read_there(export, tmp_path, where):
+    """Issue 37: config.json and generation_config.json without eos_token_id, the tokenizer naming
+    </s>: the folder once got no genai_config.json, and the runner stopped at no end token."""
+    folder = tmp_path / "export"
+    shutil.copytree(export, folder)
+    _edit_config(folder, eos_token_id=None, generation=False)
+    if where == "added_tokens_decoder":  # transformers' tokenizer_config.json gives the id itself
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["added_tokens_decoder"] = {"2": {"content": "</s>", "special": True}}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "tokenizer.json").unlink()
+    elif where == "special_tokens_map.json":
+        (folder / "tokenizer_config.json").unlink()
+    result = _convert(folder, tmp_path / "out", "int8", "per_tensor", scales_of=export)
+    config = json.loads((tmp_path / "out" / "genai_config.json").read_text())
+    assert result.converted and config["model"]["eos_token_id"] == 2 == config["model"]["pad_token_id"]
+    assert KvCacheRunner(folder / "model.onnx").eos_token_ids == {2}
 
 
 def test_a_folder_without_config_json_gets_no_genai_config_and_no_warning(tmp_path):

@@ -91,6 +91,30 @@ def test_emulation_matches_the_kernel_rule(fmt, granularity, semantics, quantize
 
 @pytest.mark.parametrize("semantics", SEMANTICS)
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_sinks_join_the_softmax_under_either_rule(fmt, semantics):
+    """head_sink (gpt-oss): the emulated node (and the CPU kernel, which runs int8/int4 under its
+    own rule natively) adds each head's sink to the softmax's denominator, as the reference does."""
+    row = get_format(fmt)
+    model, k_scale, v_scale = quantized_model(fmt, "per_tensor", head_sink=True)
+    session = create_session(emulate_kv_cache(model, semantics))
+    for feeds, (out, pk, pv) in run_gqa_steps(session, model, STEPS):
+        past = {
+            "past_k": stored(row, feeds["past_k"], k_scale, 2, 16, False),
+            "past_v": stored(row, feeds["past_v"], v_scale, 2, 16, False),
+        }
+        codes = (stored(row, pk, k_scale, 2, 16, False), stored(row, pv, v_scale, 2, 16, False))
+        want, _, _ = reference_step(
+            model, {**feeds, **past}, row, k_scale, v_scale, stored=codes, semantics=semantics
+        )
+        unsunk, _, _ = reference_step(
+            gqa_model(), {**feeds, **past}, row, k_scale, v_scale, stored=codes, semantics=semantics
+        )
+        np.testing.assert_allclose(out, want, atol=3e-5, rtol=3e-5)
+        assert np.abs(out - unsunk).max() > 1e-2  # the sinks matter here
+
+
+@pytest.mark.parametrize("semantics", SEMANTICS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_float_cache_io_equals_stored_cache_io(fmt, semantics):
     """The fast path (float caches holding values) computes what the stored-format path does."""
     model, k_scale, _ = quantized_model(fmt, "per_channel")

@@ -23,28 +23,34 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.models.exported import build_exported_decoder, exported_config
+from onnx_kvcache.passes.fusion.gqa_fusion import FUSIONS, fusion_candidates
 
 DATA = pathlib.Path(__file__).parents[1] / "data"
-EXPORTS = {
-    "torch_opset23": lambda: ir.load(DATA / "export_llama_opset23.onnx"),
-    "optimum": lambda: ir.load(DATA / "optimum_llama" / "model.onnx"),
+EXPORTS = {  # name -> (the model, its attention layers)
+    "torch_opset23": (lambda: ir.load(DATA / "export_llama_opset23.onnx"), 3),
+    "optimum": (lambda: ir.load(DATA / "optimum_llama" / "model.onnx"), 3),
+    # mobius's default build: ONNX Attention holding its own cache (issue 37, row 7: no warning)
+    "mobius_default": (lambda: ir.load(DATA / "mobius_llama_default" / "model.onnx"), 2),
 }
 PASSES = {
-    "fp8": lambda: Fp8KvCachePass(),
-    "int8": lambda: KvCacheQuantizationPass("int8", "per_tensor", {i: (0.1, 0.1) for i in range(3)}),
+    "fp8": lambda layers: Fp8KvCachePass(),
+    "int8": lambda layers: KvCacheQuantizationPass(
+        "int8", "per_tensor", {i: (0.1, 0.1) for i in range(layers)}
+    ),
 }
 
 
 @pytest.mark.parametrize("export", EXPORTS)
 @pytest.mark.parametrize("make", PASSES)
 def test_an_export_is_left_as_it_is_with_a_warning_naming_the_fusion(export, make):
-    model, quantize = EXPORTS[export](), PASSES[make]()
+    load, layers = EXPORTS[export]
+    model, quantize = load(), PASSES[make](layers)
     with pytest.warns(UnfusedAttentionWarning) as said:
         assert quantize(model).modified is False
     assert len(said) == 1
     text = str(said[0].message)
     assert type(quantize).__name__ in text
-    assert "GqaFusionPass" in text and "optimize_model" in text and "3 attention node(s)" in text
+    assert "GqaFusionPass" in text and "optimize_model" in text and f"{layers} attention node(s)" in text
     assert not find_attention_sites(
         model, with_cache_only=False
     )  # nothing was fused behind the caller's back
@@ -52,15 +58,26 @@ def test_an_export_is_left_as_it_is_with_a_warning_naming_the_fusion(export, mak
 
 @pytest.mark.parametrize("export", EXPORTS)
 def test_fused_first_it_converts_and_says_nothing_of_fusion(export):
-    model = EXPORTS[export]()
+    load, layers = EXPORTS[export]
+    model = load()
     GqaFusionPass()(model)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        assert KvCacheQuantizationPass("int8", "per_tensor", {i: (0.1, 0.1) for i in range(3)})(
+        assert KvCacheQuantizationPass("int8", "per_tensor", {i: (0.1, 0.1) for i in range(layers)})(
             model
         ).modified
     assert not [w for w in said if issubclass(w.category, UnfusedAttentionWarning)]
     assert {s.cache_format.name for s in find_attention_sites(model)} == {"int8"}
+
+
+@pytest.mark.parametrize("export", EXPORTS)
+def test_the_warning_and_the_fusion_read_one_list_of_candidates(export):
+    """fusion_candidates is every node one of GqaFusionPass's fusions (FUSIONS) would try."""
+    model = EXPORTS[export][0]()
+    found = fusion_candidates(model)
+    assert found and {id(n) for n in found} == {
+        id(n) for n in model.graph if any(fusion().is_candidate(n) for fusion in FUSIONS)
+    }
 
 
 def test_an_exported_decoder_built_here_warns_too():

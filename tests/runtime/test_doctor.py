@@ -44,6 +44,23 @@ def test_cpu_rows_are_proven_by_sessions(report):
     assert not report.disagreements
 
 
+def test_the_cpu_kernel_is_proven_to_honor_attention_sinks(report):
+    """head_sink on the CPU: float, int8 and int4 caches, each head scaled as the sink says."""
+    sinks = {r.cache: r for r in report.rows if r.provider == "cpu" and r.cache.endswith("+ head_sink")}
+    assert set(sinks) == {"float + head_sink", "int8 per_tensor + head_sink", "int4 per_tensor + head_sink"}
+    assert all(r.verdict == "proven" and "1 / (1 + exp(sink))" in r.outcome for r in sinks.values())
+
+
+def test_a_row_claiming_sinks_with_a_cache_the_kernel_lacks_disagrees(monkeypatch):
+    cpu = CAPABILITIES["GroupQueryAttention"]["cpu"]
+    claims = dataclasses.replace(cpu.head_sink, formats=frozenset({"int8", "fp8"}))
+    monkeypatch.setitem(
+        CAPABILITIES["GroupQueryAttention"], "cpu", dataclasses.replace(cpu, head_sink=claims)
+    )
+    found = doctor.run_doctor(["cpu"])
+    assert any("fp8 per_tensor + head_sink" in d and "rejected" in d for d in found.disagreements)
+
+
 def test_absent_providers_are_schema_only(report):
     cuda = [r for r in report.rows if r.provider == "cuda"]
     assert cuda and all(r.verdict == "schema only" and "types resolve" in r.outcome for r in cuda)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx_ir as ir
@@ -48,6 +49,21 @@ def test_rope_positions_is_recorded_and_moves_only_k(model, data):
 def test_rope_positions_below_one_is_refused(model, data, positions):
     with pytest.raises(KvCacheError, match="rope_positions must be >= 1"):
         calibrate_kv_cache(model, data, format="int4", rope_positions=positions, progress=False, min_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        (dict(format="int8"), "method='minmax' never reads it"),  # int8's default method
+        (dict(format="int4", method="mse"), "method='mse' never reads it"),
+        (dict(format="int4", rope_envelope=False), "the RoPE envelope is off (rope_envelope=False)"),
+    ],
+)
+def test_rope_positions_that_change_nothing_are_refused(model, data, kwargs, said):
+    """Issue 37: with the default method the scales were the same for 2, 64 and 100000, yet the
+    file recorded the value and convert warned of keys clipped past it."""
+    with pytest.raises(KvCacheError, match=re.escape(said)):
+        calibrate_kv_cache(model, data, rope_positions=64, progress=False, min_tokens=0, **kwargs)
 
 
 def test_cli_rope_positions_reaches_the_scales(tmp_path, model, data):

@@ -36,36 +36,58 @@ VENVS = pathlib.Path(os.environ.get("SIDEVENVS", "/work/sidevenvs"))
 OUT = pathlib.Path(os.environ.get("PRODUCERS", "/work/producers"))
 MOBIUS_SRC = VENVS / "mobius-src"
 MANIFEST = OUT / "manifest.json"
+# transformers 5.25's from_pretrained kernelizes layers with the `kernels` package by default and
+# refuses to load without it (the registry here has none recent enough): off, for every producer
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
-#: venv -> what it is for (and the transformers its HF dirs are saved with)
-VENV_TF = {"t457": "t457", "t5": "t5", "genai": "t5"}
+#: venv -> the venv that saves its HF models (the transformers they are saved with)
+VENV_TF = {"t457": "t457", "t5": "t5", "genai": "t5", "t515": "t515", "t514": "t514"}
+#: venv -> the producer dir of its torch.onnx.export files
+TORCH_DIR = {
+    "t457": "torch-tf4.57",
+    "t5": "torch-tf5",
+    "t515": "torch2.15-tf5.25",
+    "t514": "torch2.14-tf5.22",
+}
 
 ALL = list(FAMILIES)
 PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
-def torch_form(exporter: str, opset: int | None, optimize: bool, f16: bool = False) -> str:
+def torch_form(
+    exporter: str, opset: int | None, optimize: bool, f16: bool = False, rolling: bool = False
+) -> str:
+    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "")
     if exporter == "torchscript":
-        return f"torchscript-opset{opset}" + ("-f16" if f16 else "")
-    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + (
-        "-f16" if f16 else ""
-    )
+        return f"torchscript-opset{opset}" + tail
+    return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + tail
 
 
 def torch_job(
-    venv: str, exporter: str, opset: int | None, optimize: bool, family: str, f16: bool = False
+    venv: str,
+    exporter: str,
+    opset: int | None,
+    optimize: bool,
+    family: str,
+    f16: bool = False,
+    rolling: bool = False,
 ) -> dict:
+    """``rolling``: the cache transformers 5.x builds from the config (``--cache config``: a
+    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one."""
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
         + ([] if optimize else ["--no-optimize"])
         + (["--dtype", "float16"] if f16 else [])
+        # a rolling cache's traced path holds for pasts up to window - 1 (what it feeds back):
+        # traced with a longer past, the export fails on any shorter one ("GatherND: invalid index")
+        + (["--cache", "config", "--past", str(WINDOW - 2)] if rolling else [])
     )
     return {
         "producer": "torch.onnx.export",
-        "dir": f"torch-{'tf4.57' if venv == 't457' else 'tf5'}",
+        "dir": TORCH_DIR[venv],
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize, f16),
+        "form": torch_form(exporter, opset, optimize, f16, rolling),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -145,7 +167,7 @@ def genai_job(family: str) -> dict:
     }
 
 
-def jobs() -> list[dict]:
+def jobs_issue28() -> list[dict]:
     out: list[dict] = []
     # priority 1: the forms that fail today (issue 28)
     for fam in ("llama", "qwen3"):
@@ -226,7 +248,14 @@ def jobs() -> list[dict]:
         ("t457-ts18", "phi3"),
         ("t457-ts18", "mistral"),
     ]
-    for what, fam in wide:
+    return out + expand(wide)
+
+
+def expand(cells: list[tuple[str, str]]) -> list[dict]:
+    """Jobs of ``(what, family)`` cells: ``genai``, ``optimum``, a mobius form, or
+    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling]`` for torch.onnx.export."""
+    out: list[dict] = []
+    for what, fam in cells:
         if what == "genai":
             out.append(genai_job(fam))
         elif what == "optimum":
@@ -237,7 +266,140 @@ def jobs() -> list[dict]:
             venv, kind, *rest = what.split("-")
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
-            out.append(torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest))
+            out.append(
+                torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest, "rolling" in rest)
+            )
+    return out
+
+
+#: issue 35: each class of attention's surroundings through the producers that export it, and
+#: the newer producers (torch 2.15 + transformers 5.25); first one file per refused class
+ISSUE35: list[tuple[str, str]] = [
+    # first batch: one file per class that a limit of the fusion refuses today
+    ("optimum", "stablelm"),  # LayerNormalization before attention
+    ("optimum", "cohere"),  # interleaved rotary as NonZero/Tile
+    ("optimum", "qwen3_moe"),  # MoE block
+    ("t457-d23", "stablelm"),  # Trilu mask
+    ("optimum", "gpt_oss"),  # attention sinks
+    ("t5-d23-rolling", "mistral"),  # rolling window cache
+    ("t5-d23", "deepseek_v3"),  # MLA
+    ("t515-d23", "gpt_oss"),
+    ("t515-d23-rolling", "gemma2"),
+    ("t515-d23", "gemma2"),
+    ("t515-d23", "llama"),
+    ("t515-ts18", "llama"),
+    # second: each class through the other producers (in order of what they add)
+    ("t5-d23", "qwen3_moe"),
+    ("t5-d23", "gpt_oss"),
+    ("t457-ts18", "starcoder2"),
+    ("t5-d23", "starcoder2"),
+    ("optimum", "helium"),
+    ("t5-d23-rolling", "gemma2"),
+    ("t5-d23", "llama_rope_llama3"),
+    ("t5-d23", "phi3_longrope"),
+    ("t5-d23-rolling", "qwen2_window"),
+    ("t5-d23", "qwen2_window"),
+    ("t5-d23-rolling", "cohere2"),
+    ("t5-d23", "cohere2"),
+    ("t5-d23", "qwen2_rope_yarn"),
+    ("mobius-default", "gpt_oss"),
+    ("mobius-default", "qwen3_moe"),
+    ("mobius-default", "cohere"),
+    ("mobius-default", "deepseek_v3"),
+    ("mobius-default", "starcoder2"),
+    ("genai", "gpt_oss"),
+    ("genai", "llama_rope_llama3"),
+    ("genai", "qwen3_moe"),
+    ("optimum", "deepseek_v3"),
+    ("t515-d18", "llama"),
+    ("t515-d23", "qwen3_moe"),
+    ("optimum", "llama_rope_llama3"),
+    ("optimum", "phi3_longrope"),
+    ("t457-ts18", "stablelm"),
+    ("t5-d23", "cohere"),
+    ("t5-d23", "helium"),
+    ("t5-d23", "mixtral"),
+    ("t5-d23", "llama_rope_linear"),
+    ("t5-d23", "llama_rope_dynamic"),
+    ("optimum", "qwen2_rope_yarn"),
+    ("genai", "phi3_longrope"),
+    ("mobius-cpu-gqa", "gpt_oss"),
+    # producers without the family (their failure recorded): optimum-onnx 0.1.0
+    ("optimum", "starcoder2"),
+    ("optimum", "mixtral"),
+    ("optimum", "cohere2"),
+    # the rest, if time allows
+    ("t515-d23", "gemma3"),
+    ("t515-d23", "starcoder2"),
+    ("t515-d23", "helium"),
+    ("t515-d23", "llama_rope_llama3"),
+    ("t515-d23-rolling", "mistral"),
+    ("t515-d23", "mistral"),
+    ("t515-d23", "deepseek_v3"),
+    ("t457-d18", "stablelm"),
+    ("t457-d23", "qwen3_moe"),
+    ("t457-d23", "gpt_oss"),
+    ("t515-d23-noopt", "llama"),
+    ("optimum", "olmoe"),
+    ("t5-d23", "olmoe"),
+]
+
+
+def jobs() -> list[dict]:
+    """The committed set's jobs (issue 28's, then issue 35's classes and newer producers)."""
+    return _unique(jobs_issue28() + expand(ISSUE35))
+
+
+#: the held-out set: other families and versions through the same producers (issue 35's
+#: acceptance check), never committed
+HOLDOUT_JOBS: list[tuple[str, str]] = [
+    # optimum-onnx 0.1.0 has arcee, glm and stablelm (granitemoe: "unsupported architecture")
+    ("optimum", "granitemoe"),
+    ("optimum", "arcee"),
+    ("optimum", "glm4"),
+    ("optimum", "stablelm_qknorm"),
+    ("t514-d23", "granitemoe"),
+    ("t514-d23", "qwen2_moe"),
+    ("t514-d23", "olmo3"),
+    ("t514-d23-rolling", "ministral"),
+    ("t514-d23", "exaone4"),
+    ("t514-d23", "glm4"),
+    ("t514-d23", "ministral"),
+    ("t514-d23", "seed_oss"),
+    ("t514-d23", "phimoe"),
+    ("t514-d23", "arcee"),
+    ("t514-d23", "gemma3"),
+    ("t514-d23", "smollm3"),
+    ("t514-d23", "llama4_text"),
+    ("t514-d18", "stablelm"),
+    ("t514-ts18", "glm4"),
+    ("t514-d23-rolling", "mistral_window6"),
+    ("t514-d23-rolling", "olmo3"),
+    ("mobius-default", "exaone4"),
+    ("mobius-default", "arcee"),
+    ("mobius-default", "olmo3"),
+    ("mobius-cpu-gqa", "granitemoe"),
+    ("genai", "glm4"),
+    ("genai", "ministral"),
+    ("t515-d23", "olmo3"),
+    ("t515-d23", "exaone4"),
+    ("t515-d23", "seed_oss"),
+    ("t515-d23", "qwen2_moe"),
+    ("t515-d20", "granitemoe"),
+    ("t457-d23", "granitemoe"),
+    ("t457-d23", "qwen2_moe"),
+    ("t457-d23", "glm4"),
+    ("t457-ts18", "arcee"),
+    ("optimum", "qwen2_moe"),
+    ("optimum", "olmo3"),
+]
+
+
+def jobs_holdout() -> list[dict]:
+    return _unique(expand(HOLDOUT_JOBS))
+
+
+def _unique(out: list[dict]) -> list[dict]:
     seen, uniq = set(), []
     for j in out:
         key = (j["dir"], j["form"], j["family"])
@@ -329,6 +491,37 @@ def reference_diff(sess: ort.InferenceSession, ref: dict) -> float:
     return float(np.abs(logits - ref["logits"]).max())
 
 
+def decode_diff(sess: ort.InferenceSession, ref: dict) -> float | None:
+    """Largest |logit - transformers' logit| over 3 decode steps after the 7-token prefill, each
+    step fed the file's own presents (``present.X`` back into ``past_key_values.X``); None when
+    the file's cache inputs are not its outputs renamed (a static cache)."""
+    outputs = [o.name for o in sess.get_outputs()]
+    pasts = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    back = {p: "present." + p[len("past_key_values.") :] for p in pasts}
+    if "decode_ids" not in ref or not pasts or not all(v in outputs for v in back.values()):
+        return None
+    ids, want = ref["decode_ids"], ref["decode_logits"]
+    prompt = ref["input_ids"].shape[1]
+    feed = feed_for(sess, past=0, seq=prompt, ids=ids[:, :prompt])
+    worst = 0.0
+    for step in range(prompt, ids.shape[1] + 1):
+        outs = dict(zip(outputs, sess.run(None, feed)))
+        if step > prompt:
+            got = outs["logits"][:, -1].astype(np.float32)
+            worst = max(worst, float(np.abs(got - want[:, step - 1]).max()))
+        if step == ids.shape[1]:
+            break
+        feed = dict(feed)
+        feed["input_ids"] = ids[:, step : step + 1].astype(feed["input_ids"].dtype)
+        if "attention_mask" in feed:
+            feed["attention_mask"] = np.ones((1, step + 1), feed["attention_mask"].dtype)
+        if "position_ids" in feed:
+            feed["position_ids"] = np.array([[step]], feed["position_ids"].dtype)
+        for p, o in back.items():
+            feed[p] = outs[o]
+    return worst
+
+
 def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
     path = folder / "model.onnx"
     res: dict = {}
@@ -367,6 +560,13 @@ def check(folder: pathlib.Path, ref: dict | None = None) -> dict:
         except Exception as e:
             res["logits_vs_transformers"] = None
             res["reference_run"] = one_line(e)
+        try:
+            diff = decode_diff(sess, ref)
+            if diff is not None:
+                res["decode_vs_transformers"] = diff
+        except Exception as e:
+            res["decode_vs_transformers"] = None
+            res["decode_run"] = one_line(e)
     return res
 
 
@@ -420,10 +620,10 @@ def hf_dir(venv: str, family: str) -> pathlib.Path:
     tf = VENV_TF[venv]
     d = VENVS / "hf" / tf / family
     if not (d / "model.safetensors").exists():
-        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+        py = VENVS / tf / "bin" / "python"
         subprocess.run([str(py), str(HERE / "make_hf.py"), family, str(d)], check=True, capture_output=True)
-    if not (d / "reference.npz").exists():
-        py = VENVS / ("t457" if tf == "t457" else "t5") / "bin" / "python"
+    if not (d / "reference.npz").exists() or "decode_ids" not in np.load(d / "reference.npz").files:
+        py = VENVS / tf / "bin" / "python"
         subprocess.run([str(py), str(HERE / "reference.py"), str(d)], check=True, capture_output=True)
     return d
 
@@ -558,10 +758,24 @@ def main() -> None:
     ap.add_argument("--recheck", action="store_true", help="only re-run the checks of the files there")
     ap.add_argument("--worker", default="0/1", help="K/N: run every Nth job starting at K")
     ap.add_argument("--publish", action="store_true", help="copy the tree into tests/data/producers")
+    ap.add_argument(
+        "--holdout",
+        action="store_true",
+        help="the held-out set (HOLDOUT_JOBS) into $PRODUCERS_HOLDOUT (default /work/producers-holdout)",
+    )
+    ap.add_argument("--issue35", action="store_true", help="only issue 35's jobs (ISSUE35)")
     a = ap.parse_args()
+    table = (lambda: _unique(expand(ISSUE35))) if a.issue35 else jobs
+    if a.holdout:
+        if a.publish:
+            sys.exit("the held-out set is not committed: no --publish with --holdout")
+        global OUT, MANIFEST, ENTRIES
+        OUT = pathlib.Path(os.environ.get("PRODUCERS_HOLDOUT", "/work/producers-holdout"))
+        MANIFEST, ENTRIES = OUT / "manifest.json", OUT / "logs" / "entries"
+        table = jobs_holdout
     OUT.mkdir(parents=True, exist_ok=True)
     man = load_manifest()
-    todo = [j for j in jobs() if not a.only or re.search(a.only, f"{j['dir']}/{j['form']}/{j['family']}")]
+    todo = [j for j in table() if not a.only or re.search(a.only, f"{j['dir']}/{j['form']}/{j['family']}")]
     k, n = (int(x) for x in a.worker.split("/"))
     todo = todo[k::n]
     if a.list:
@@ -581,7 +795,7 @@ def main() -> None:
     save_manifest(man)
     if a.recheck:
         known = {e["path"] for e in man["models"]}
-        for j in jobs():  # folders written by a worker whose entry was lost: record them
+        for j in table():  # folders written by a worker whose entry was lost: record them
             rel = f"{j['dir']}/{j['form']}/{j['family']}"
             if rel not in known and j["venv"] in versions and (OUT / rel / "model.onnx").exists():
                 save_entry(run_job(j, versions, execute=False))
@@ -614,13 +828,28 @@ def main() -> None:
 
 README_HEAD = """# Producer files: the real exporters' output (the test oracle)
 
-Tiny random-weight decoders written by the real producers (torch.onnx.export with
-transformers 4.57 and 5.x, optimum-cli, mobius, onnxruntime-genai's builder), made by
-`tools/exports/generate.py` (see `tools/exports/README.md` for how to regenerate; not run
-by CI). Every family has 2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), head
-size 16, intermediate 64, vocab 128, float32 (the `mobius-cuda-f16` and `*-f16` torch forms are float16);
-mistral, gemma2 and gemma3 have a sliding window of 4 tokens (gemma2/gemma3 alternate
-sliding and full layers), so a 7-token prefill is longer than the window.
+Tiny random-weight decoders written by the real producers (torch.onnx.export: torch 2.13 with
+transformers 4.57 and 5.24, torch 2.15 with transformers 5.25; optimum-cli, mobius,
+onnxruntime-genai's builder), made by `tools/exports/generate.py` (see
+`tools/exports/README.md` for how to regenerate; not run by CI). Every family has 2 layers,
+hidden 64, 4 query heads over 2 KV heads (GQA), head size 16, intermediate 64, vocab 128,
+float32 (the `mobius-cuda-f16` and `*-f16` torch forms are float16); mistral, qwen2_window,
+gemma2, gemma3, cohere2 and gpt_oss have a sliding window of 4 tokens (all but mistral
+alternate sliding and full layers), so a 7-token prefill is longer than the window.
+
+Issue 35's classes (what surrounds a plain attention): LayerNormalization before attention
+(starcoder2, stablelm, cohere), interleaved rotary (cohere, cohere2, helium), MoE blocks
+(qwen3_moe, mixtral, gpt_oss, deepseek_v3: 4 experts, 2 per token; transformers 5's experts
+exported as `experts_implementation="batched_mm"`), attention sinks (gpt_oss), rope scaling
+(`llama_rope_llama3`, `llama_rope_linear`, `llama_rope_dynamic`, `qwen2_rope_yarn`,
+`phi3_longrope`), Trilu masks (stablelm through transformers 4.57's dynamo), MLA (deepseek_v3:
+key head 32, value head 16, 4 KV heads). The `-rollingcache` torch forms keep transformers 5.x's
+own cache (`DynamicCache(config=...)`): a window layer's present is its last window - 1 = 3
+tokens, and the export is traced with a 2-token past, so it runs for any past up to 3 (what it
+feeds back); the other torch forms keep full-length caches (docs/exporting.md section 1). In a
+model whose window layers alternate with full ones (gemma2, cohere2) the rolling form's pasts
+share one `past` dimension, so its own presents fed back (3 rows for a window layer, all the
+rows for a full one) do not run: `decode_run` records onnxruntime's error.
 
 Layout: `<producer dir>/<form>/<family>/` holds what the producer wrote (`model.onnx`, its
 `model.onnx.data` when the producer writes external data, and the `config.json`,
@@ -638,7 +867,9 @@ environment, and the onnx/onnxruntime the checks ran with.
 
 `logits_vs_transformers` is the largest |logit - transformers' logit| over a 7-token prefill
 (`<s>Hello!`, ids 1 72 101 108 108 111 33) from an empty cache, transformers' logits computed
-by `tools/exports/reference.py` from the same saved model (`logits_scale`: their largest |logit|).
+by `tools/exports/reference.py` from the same saved model (`logits_scale`: their largest |logit|);
+`decode_vs_transformers` the same over 3 decode steps after it (ids 32 72 105), each fed the
+file's own presents (`decode_run`: why that did not run; absent for a static cache).
 About 1e-6 means the file computes as transformers does; float16 files are near 4e-3. What
 the figures show (transformers 5.24's mistral with `sliding_window=4`): onnxruntime-genai's
 builder (0.18.0) and mobius's default and static-cache builds ignore mistral's window (their
@@ -649,8 +880,8 @@ file does not compute as transformers does is still what that producer writes. A
 are left out of this folder to keep it near 25 MB (`NOT_COMMITTED` in generate.py; each of
 those forms is here for other families).
 
-| producer dir | form | family | producer version | transformers | result | logits vs transformers |
-|---|---|---|---|---|---|---|
+| producer dir | form | family | producer version | transformers | result | logits vs transformers | decode |
+|---|---|---|---|---|---|---|---|
 """
 
 
@@ -668,9 +899,11 @@ def table_rows(man: dict) -> str:
             )
         diff = e.get("logits_vs_transformers")
         diff_text = "" if "error" in e else (f"{diff:.1e}" if diff is not None else "did not run")
+        step = e.get("decode_vs_transformers")
+        step_text = f"{step:.1e}" if step is not None else ("did not run" if "decode_run" in e else "")
         rows.append(
             f"| {d} | {form} | {fam} | {e.get('producer_version')} | {e.get('transformers')} | {res} "
-            f"| {diff_text} |"
+            f"| {diff_text} | {step_text} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -698,7 +931,7 @@ def publish() -> None:
     dest = REPO / "tests" / "data" / "producers"
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp"))
+    shutil.copytree(OUT, dest, ignore=shutil.ignore_patterns("logs", "*.tmp", "STATUS.*"))
     man = json.loads(MANIFEST.read_text())
     man["models"] = [e for e in man["models"] if e["path"] not in NOT_COMMITTED]
     for rel in NOT_COMMITTED:

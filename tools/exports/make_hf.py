@@ -15,11 +15,11 @@ import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import tiny_tokenizer
-from families import COMMON, FAMILIES
+from families import COMMON, family_table
 
 
 def make(family: str, out: str) -> None:
-    cfg_cls, model_cls, over = FAMILIES[family]
+    cfg_cls, model_cls, over = family_table(family)
     kwargs = {**COMMON, **over, "initializer_range": 0.1}
     config = getattr(transformers, cfg_cls)(**kwargs)
     config.architectures = [model_cls]

@@ -37,6 +37,8 @@ class CacheLayerInfo:
     layout: tuple[str, ...] = ()
     """Names of the cache dimensions (``batch, kv_num_heads, sequence, head_size`` or
     ``num_blocks, block_size, kv_num_heads, head_size``)."""
+    head_sink: bool = False
+    """The node adds attention sinks (``head_sink``: one logit per query head) to its softmax."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -123,6 +125,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         original_bytes_per_token=original,
         op=site.op.op_type,
         layout=site.op.layout.dims,
+        head_sink=site.input("head_sink") is not None,
     )
 
 
@@ -159,17 +162,36 @@ def _fmt_bytes(n: float) -> str:
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
     """What serving code must feed as past inputs once the cache is quantized: their element
     type and shape changed (int4: two values a byte, so the last dimension is halved)."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, int | None], list[int]] = {}
     for layer in info.layers:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
-            groups.setdefault((layer.dtype, shape + packed), []).append(layer.layer_id)
+            groups.setdefault((layer.dtype, shape + packed, layer.window), []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
-    for (dtype, shape), ids in groups.items():
-        lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: 0 tokens in its sequence)")
+    for (dtype, shape, window), ids in groups.items():
+        empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
+        lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
+    return lines
+
+
+def _attention_lines(info: CacheModelInfo) -> list[str]:
+    """The layers whose cache is window-sized, and those with attention sinks."""
+    lines = []
+    windows: dict[int, list[int]] = {}
+    for layer in info.layers:
+        if layer.window:
+            windows.setdefault(layer.window, []).append(layer.layer_id)
+    for window, ids in windows.items():
+        lines.append(
+            f"window-sized caches (sliding_window_cache=1): layer(s) {_ranges(ids)} keep the last "
+            f"{window} tokens in at least {window} rows (empty: {window} zero rows; no more bytes past it)"
+        )
+    sunk = [layer.layer_id for layer in info.layers if layer.head_sink]
+    if sunk:
+        lines.append(f"attention sinks (head_sink, one logit per query head): layer(s) {_ranges(sunk)}")
     return lines
 
 
@@ -204,7 +226,7 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += _allocation_lines(info)
+    lines += _allocation_lines(info) + _attention_lines(info)
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

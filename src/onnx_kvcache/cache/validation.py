@@ -12,13 +12,16 @@ The rules, in order (:data:`GRAPH_CHECKS`, then :data:`NODE_CHECKS` on every att
 :data:`~onnx_kvcache.cache.operators.ATTENTION_OPS`, in the graph, its subgraphs and functions;
 a node's rows run in order, each only once the rows before it passed):
 
-- every value a node reads is defined (a graph input, an initializer or a node's output);
+- every value a node reads, and every output of a graph, is defined (a graph input, an
+  initializer or a node's output);
+- the IR version and every opset are ones the installed onnxruntime loads (none installed:
+  not checked);
 - nodes are in topological order: a graph that is not (onnxruntime runs it; graph-surgery
   tools write such graphs) is sorted in memory, the file read is never changed; a cycle is
   refused;
 - an attention node has ``num_heads`` and ``kv_num_heads``, both 1 or more, ``num_heads`` a
-  multiple of ``kv_num_heads``; where shapes are static the query and key widths are whole
-  heads of one head size, and a cache's heads axis holds ``kv_num_heads``;
+  multiple of ``kv_num_heads``; where shapes are static (or the projections tell them) the
+  query and key widths are whole heads of one head size, and a cache's heads axis holds ``kv_num_heads``;
 - its caches: both past inputs or neither (the key alone in a single-cache layout), and no
   present output of the graph without its past input;
 - quantization: ``k_quant_type``/``v_quant_type`` name a granularity, the bit width is one a
@@ -48,6 +51,8 @@ from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, forma
 from onnx_kvcache.cache.operators import ATTENTION_OPS, op_of
 from onnx_kvcache.cache.sites import CacheSite, constant_values
 from onnx_kvcache.errors import MalformedModelError
+from onnx_kvcache.model_io._sessions import unloadable_header
+from onnx_kvcache.model_io.reading import UNDEFINED_FIX, undefined_value
 
 _FIX = "The model is malformed: export it again, or repair the node."
 
@@ -92,22 +97,12 @@ def _where(graph: GraphLike) -> str:
 
 
 def _undefined(model: ir.Model, sort: bool) -> str | None:
-    """A value a node reads that nothing defines (a node removed by hand, a broken export)."""
+    """A value a node reads, or a graph outputs, that nothing defines (a node removed by hand, a
+    broken export)."""
     for graph in _graphs(model):
-        for node in graph:
-            for value in node.inputs:
-                if value is None or value.is_graph_input():
-                    continue
-                producer = value.producer()
-                if producer is not None and producer.graph is not None:  # not a node removed since
-                    continue
-                if value.is_initializer() or value.const_value is not None:
-                    continue
-                return (
-                    f"node {node.name or node.op_type!r}{_where(graph)} reads {value.name!r}, which no "
-                    "node, graph input or initializer defines. The model is malformed: export it again, "
-                    "or repair it (onnx.checker.check_model names the problem)."
-                )
+        problem = undefined_value(graph, _where(graph))
+        if problem is not None:
+            return f"{problem}. {UNDEFINED_FIX}"
     return None
 
 
@@ -185,6 +180,12 @@ def _names(model: ir.Model, sort: bool) -> str | None:
     return None
 
 
+def _loadable(model: ir.Model, sort: bool) -> str | None:
+    """The IR version and opsets are ones the installed onnxruntime loads (none installed: no check)."""
+    problem = unloadable_header(model.ir_version, dict(model.opset_imports))
+    return None if problem is None else f"the model cannot be converted or run here: {problem}."
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphCheck:
     """One rule on the whole model: ``run(model, sort)`` is the problem's text, or None."""
@@ -198,7 +199,8 @@ class GraphCheck:
 GRAPH_CHECKS: tuple[GraphCheck, ...] = (
     GraphCheck(
         "defined",
-        "every value a node reads is a graph input, an initializer or a node's output",
+        "every value a node reads, and every graph output, is a graph input, an initializer or a "
+        "node's output",
         _undefined,
     ),
     GraphCheck(
@@ -207,6 +209,11 @@ GRAPH_CHECKS: tuple[GraphCheck, ...] = (
         _order,
     ),
     GraphCheck("names", "the main graph's node names are unique", _names),
+    GraphCheck(
+        "runtime",
+        "the IR version and every opset are ones the installed onnxruntime loads",
+        _loadable,
+    ),
 )
 
 
@@ -218,6 +225,36 @@ def _last_dim(value: ir.Value | None) -> int | None:
     if shape is None or len(shape) == 0 or not isinstance(shape[-1], int):
         return None
     return shape[-1]
+
+
+#: Ops whose output's last axis is their first input's (unary, elementwise).
+_SAME_WIDTH = frozenset({"Cast", "Identity", "Neg", "Relu", "Sigmoid", "Tanh", "Erf", "Clip"})
+#: Elementwise ops that broadcast: the output's last axis is the widest input's.
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _width(value: ir.Value | None, depth: int = 8) -> int | None:
+    """A value's static last dimension: its shape's, else what its producer tells (a projection:
+    a MatMul's weight, MatMulNBits' ``N``, through a bias added or a Cast), else None. A builder
+    that records no shape (mobius's packed QKV) still has its projections' widths."""
+    last = _last_dim(value)
+    if last is not None or value is None or depth == 0:
+        return last
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx", "com.microsoft"):
+        return None
+    if node.op_type == "MatMul" and len(node.inputs) == 2 and node.inputs[1] is not None:
+        weight = node.inputs[1].shape
+        return _last_dim(node.inputs[1]) if weight is not None and len(weight) >= 2 else None
+    if node.op_type == "MatMulNBits" and "N" in node.attributes:
+        n = node.attributes["N"]
+        return n.value if n.type == ir.AttributeType.INT else None
+    if node.op_type in _SAME_WIDTH and node.inputs:
+        return _width(node.inputs[0], depth - 1)
+    if node.op_type in _BROADCAST:
+        widths = [w for w in (_width(v, depth - 1) for v in node.inputs) if w is not None]
+        return max(widths) if widths and max(widths) > 1 else None
+    return None
 
 
 ATTRIBUTE_TYPES: Mapping[str, ir.AttributeType] = MappingProxyType(
@@ -284,7 +321,7 @@ def _groups(site: CacheSite) -> str | None:
 def _head_size(site: CacheSite) -> int | None:
     """The head size the query's static width tells (whole heads), else the key's, else None."""
     n, kv = site.num_heads, site.kv_num_heads
-    query, key = _last_dim(site.input("query")), _last_dim(site.input("key"))
+    query, key = _width(site.input("query")), _width(site.input("key"))
     if query is not None:
         heads = n + 2 * kv if site.packed_qkv else n
         if query % heads == 0:
@@ -295,9 +332,9 @@ def _head_size(site: CacheSite) -> int | None:
 
 
 def _widths(site: CacheSite) -> str | None:
-    """Query and key widths are whole heads of one head size."""
+    """Query and key widths (their shapes', else their projections') are whole heads of one head size."""
     n, kv = site.num_heads, site.kv_num_heads
-    query, key = _last_dim(site.input("query")), _last_dim(site.input("key"))
+    query, key = _width(site.input("query")), _width(site.input("key"))
     if query is not None:
         heads, said = (n + 2 * kv, "num_heads + 2 * kv_num_heads") if site.packed_qkv else (n, "num_heads")
         if query % heads:
@@ -453,8 +490,9 @@ NODE_CHECKS: tuple[NodeCheck, ...] = (
     NodeCheck("groups", "num_heads is a multiple of kv_num_heads", _groups),
     NodeCheck(
         "widths",
-        "a static query width (packed: num_heads + 2 * kv_num_heads heads) and key width are "
-        "whole heads of one size",
+        "a static query width (packed: num_heads + 2 * kv_num_heads heads) and key width (their "
+        "shapes', else their projections': a MatMul's weight, through a bias or a Cast) are whole "
+        "heads of one size",
         _widths,
     ),
     NodeCheck(

@@ -2,8 +2,9 @@
 
 Rules:
 
-* The attention is the node's own: causal, its ``scale``, softcap and local window, query
-  heads grouped over KV heads; queries are given already rotated (as the node rotates them)
+* The attention is the node's own: causal, its ``scale``, softcap, local window and sinks
+  (``head_sink``: a logit per query head in the softmax's denominator), query heads grouped
+  over KV heads; queries are given already rotated (as the node rotates them)
   and K as the present cache holds it (after RoPE).
 * Every cached row is stored and read back with the format's round trip
   (:meth:`~onnx_kvcache.formats.CacheFormat.round_trip`: float32 reciprocal, round half to
@@ -19,7 +20,15 @@ Used to diagnose what a calibration loses, layer by layer (``benchmarks/attentio
 
 from __future__ import annotations
 
-__all__ = ["AttentionError", "attention_error", "attention_output", "rope", "scale_grid"]
+__all__ = [
+    "AttentionError",
+    "attention_error",
+    "attention_output",
+    "head_sink",
+    "rope",
+    "scale_grid",
+    "softmax_with_sink",
+]
 
 import dataclasses
 import functools
@@ -28,6 +37,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from onnx_kvcache.cache.formats import CacheFormat
+from onnx_kvcache.cache.sites import CacheSite, constant_values
+
+
+def head_sink(site: CacheSite) -> np.ndarray | None:
+    """The node's ``head_sink`` (a constant logit per query head), or None without one."""
+    values = constant_values(site.input("head_sink"))
+    return None if values is None else np.asarray(values, np.float32)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -53,10 +69,12 @@ def attention_output(
     picks: np.ndarray | None = None,
     softcap: float = 0.0,
     window: int = -1,
+    sink: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The node's output ``[n, H, D]`` for queries ``q`` ``[n, H, D]`` (rotated) at positions
     ``picks`` (default ``0..n-1``) over ``k``/``v`` ``[kv, S, D]``, and the probabilities
-    ``[H, n, S]``."""
+    ``[H, n, S]``. ``sink``: the node's ``head_sink`` (one logit per query head beside the
+    scores, in the softmax's denominator only)."""
     kv, length, _ = k.shape
     n, heads, _ = q.shape
     picks = np.arange(n) if picks is None else np.asarray(picks)
@@ -70,10 +88,22 @@ def attention_output(
     if softcap > 0:
         scores = softcap * np.tanh(scores / softcap)
     scores[:, masked] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
+    p = softmax_with_sink(scores, sink)
     return np.matmul(p, np.repeat(v, group, axis=0)).transpose(1, 0, 2), p
+
+
+def softmax_with_sink(scores: np.ndarray, sink: np.ndarray | None) -> np.ndarray:
+    """Softmax of ``scores`` ``[H, n, S]`` over the last axis; with ``sink`` (``[H]``) each
+    head's sink logit joins the denominator (GroupQueryAttention's ``head_sink``)."""
+    peak = scores.max(axis=-1, keepdims=True)
+    if sink is not None:
+        column = np.asarray(sink, np.float32).reshape(-1, 1, 1)
+        peak = np.maximum(peak, column)
+    p = np.exp(scores - peak)
+    total = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(column - peak)
+    return p / total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +141,15 @@ def attention_error(
     picks: np.ndarray | None = None,
     softcap: float = 0.0,
     window: int = -1,
+    sink: np.ndarray | None = None,
     exact_rows: Sequence[int] = (),
 ) -> AttentionError:
     """What storing ``k``/``v`` ``[kv, S, D]`` with ``k_scale``/``v_scale`` (per tensor or per
     channel) costs the node's output for queries ``q`` (see the module docstring)."""
     kv, _, head = k.shape
-    attend = functools.partial(attention_output, q, scale=scale, picks=picks, softcap=softcap, window=window)
+    attend = functools.partial(
+        attention_output, q, scale=scale, picks=picks, softcap=softcap, window=window, sink=sink
+    )
     out, p = attend(k, v)
     kq = fmt.round_trip(k, scale_grid(k_scale, kv, head))
     vq = fmt.round_trip(v, scale_grid(v_scale, kv, head))

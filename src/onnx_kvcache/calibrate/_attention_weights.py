@@ -2,11 +2,12 @@
 
 Rules: the attention probabilities ``p`` of :data:`ATTENTION_QUERIES` query positions per
 window (evenly spread, the last included) are recomputed from the captured query (rotated as
-the node does) and the present K: causal, the node's scale, softcap and local window, query
-heads grouped over KV heads. K's error moves the score ``q . k`` of every query attending to
-the row, so K is weighted by ``sum_i p_ij * q_i[d]^2`` (``q`` as its RoPE-pair energy, which no
-rotation changes); V's error reaches the output in proportion to ``p`` and independent errors
-add in square, so V is weighted by ``sum_i p_ij^2``. Layers without a usable query are left out.
+the node does) and the present K: causal, the node's scale, softcap, local window and sinks
+(``head_sink``: one logit per query head in the denominator), query heads grouped over KV
+heads. K's error moves the score ``q . k`` of every query attending to the row, so K is
+weighted by ``sum_i p_ij * q_i[d]^2`` (``q`` as its RoPE-pair energy, which no rotation
+changes); V's error reaches the output in proportion to ``p`` and independent errors add in
+square, so V is weighted by ``sum_i p_ij^2``. Layers without a usable query are left out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = ["ATTENTION_QUERIES"]
 import numpy as np
 
 from onnx_kvcache.cache.sites import CacheSite
+from onnx_kvcache.calibrate._attention_error import head_sink, softmax_with_sink
 from onnx_kvcache.calibrate._attention_error import rope as _rope
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
@@ -103,6 +105,7 @@ def _kv_head_weights(
     group = q.shape[1] // kv
     scale = site.float_attr("scale") or 1.0 / np.sqrt(head)
     softcap = site.float_attr("softcap")
+    sink = head_sink(site)
     wk = np.empty((length, kv, head), np.float32)
     wv = np.empty((length, kv, head), np.float32)
     for g in range(kv):
@@ -111,9 +114,7 @@ def _kv_head_weights(
         if softcap > 0:
             scores = softcap * np.tanh(scores / softcap)
         scores[:, masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=-1, keepdims=True)  # [group, n, S]
+        p = softmax_with_sink(scores, None if sink is None else sink[g * group : (g + 1) * group])
         wk[:, g] = p.reshape(-1, length).T @ energy[:, g * group : (g + 1) * group].transpose(
             1, 0, 2
         ).reshape(-1, head)

@@ -55,6 +55,7 @@ class _Node:
     window: int
     tables: tuple[np.ndarray, np.ndarray] | None
     interleaved: bool
+    sink: np.ndarray | None = None
 
 
 def _stored_k(s: LayerSample, k_scale: np.ndarray, fmt: CacheFormat, node: _Node) -> np.ndarray:
@@ -72,7 +73,7 @@ def _error(
 ) -> float:
     total = 0.0
     for s in samples:
-        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
+        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window, sink=node.sink)
         out, _ = attention_output(s.q, s.k, s.v, **kw)  # type: ignore[arg-type]
         got, _ = attention_output(s.q, _stored_k(s, ks, fmt, node), fmt.round_trip(s.v, vs), **kw)  # type: ignore[arg-type]
         total += float(((got - out) ** 2).sum())
@@ -89,7 +90,7 @@ def _v_search(
         amax = np.full_like(amax, amax.max())
     err = np.zeros((len(V_FRACTIONS), kv, head))
     for s in samples:
-        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window)
+        kw = dict(scale=node.scale, picks=s.picks, softcap=node.softcap, window=node.window, sink=node.sink)
         out, _ = attention_output(s.q, s.k, s.v, **kw)  # type: ignore[arg-type]
         _, p = attention_output(s.q, _stored_k(s, ks, fmt, node), s.v, **kw)  # type: ignore[arg-type]
         group = p.shape[0] // kv
@@ -118,12 +119,13 @@ def refine(
     window: int = -1,
     tables: tuple[np.ndarray, np.ndarray] | None = None,
     interleaved: bool = False,
+    sink: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer's (K, V) scales, flat as given: ``attention``'s unless the held-out windows'
     output error is lower with the refined ones (module docstring)."""
     if len(samples) < 2:
         return k_scale, v_scale
-    node = _Node(scale, softcap, window, tables, interleaved)
+    node = _Node(scale, softcap, window, tables, interleaved, sink)
     held = max(1, len(samples) // 4)
     fit, check = samples[:-held], samples[-held:]
     kv, _, head = samples[0].k.shape

@@ -21,6 +21,7 @@ import numpy as np
 
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.calibrate import _clip_search
+from onnx_kvcache.calibrate._attention_error import head_sink
 from onnx_kvcache.calibrate._methods import _TINY, _clip_fraction, _expand, _thresholds
 from onnx_kvcache.calibrate._sampler import _Sampler
 from onnx_kvcache.calibrate._settings import _Choice, _Setup
@@ -101,6 +102,7 @@ def _refined(stats: CalibrationStats, sampler: _Sampler, setup: _Setup) -> Calib
         window=site.int_attr("local_window_size", -1),
         tables=sampler.rope_tables.get(layer),
         interleaved=bool(site.int_attr("rotary_interleaved")),
+        sink=head_sink(site),
     )
     kc, vc = (
         _clip_fraction(sampler.reservoirs[layer, kind], s, fmt) for kind, s in (("key", ks), ("value", vs))

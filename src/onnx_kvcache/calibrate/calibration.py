@@ -58,7 +58,7 @@ from onnx_kvcache.cache.sites import find_attention_sites
 # stay importable from here (marked F401). KvCacheRunner and TOKENS_PER_RUN are read here,
 # where tests and benchmarks patch them.
 from onnx_kvcache.calibrate._attention_error import rope as _rope  # noqa: F401
-from onnx_kvcache.calibrate._attention_weights import ATTENTION_QUERIES  # noqa: F401
+from onnx_kvcache.calibrate._attention_weights import ATTENTION_QUERIES
 from onnx_kvcache.calibrate._methods import (
     CALIBRATION_METHODS,
     DEFAULT_METHODS,
@@ -93,8 +93,16 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.model_io._inputs import check_input_file
 from onnx_kvcache.pipeline.decision import inferred_format
+from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
+from onnx_kvcache.runtime.evaluation import MAX_POSITIONS
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales.data import TokenData, TokenWindows, find_tokenizer, load_token_windows
+from onnx_kvcache.scales.data import (
+    RANDOM_WINDOWS,
+    TokenData,
+    TokenWindows,
+    find_tokenizer,
+    load_token_windows,
+)
 from onnx_kvcache.scales.files import KvCacheScales
 
 logger = logging.getLogger(__name__)
@@ -153,13 +161,71 @@ def calibrate_kv_cache(
     asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions)
     choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)
-    loaded = _token_windows(model, data, setup.runner, sampling)
+    loaded = _bounded_windows(model, data, setup, sampling)
     sampler = _Sampler.of(setup, choice, sampling)
     tokens = sampler.run(setup.runner, loaded.windows, sampling.progress, TOKENS_PER_RUN)
     stats = [
         _refined(_layer_stats(layer, sampler, setup, choice), sampler, setup) for layer in sampler.layers()
     ]
     return _scales(model, setup, choice, _Measured(loaded, tokens, tuple(stats)), sampling)
+
+
+#: What lowers a calibration's memory, said when it is refused (runtime/_memory.py).
+_FEWER = (*FEWER_WINDOWS, ".")
+
+
+def _bounded_windows(
+    model: ir.Model | str | os.PathLike, data: TokenData, setup: _Setup, sampling: _Sampling
+) -> TokenWindows:
+    """The calibration windows, once their length fits the model's positions and the memory
+    the run will hold fits the machine: random ids estimated before they are generated, other
+    data once read (runtime/_memory.py)."""
+    _check_length(setup.runner, sampling.seq_len)
+    if data is None and find_tokenizer(model, sampling.tokenizer) is None:  # random ids: generated
+        count = sampling.num_seqs or RANDOM_WINDOWS
+        _memory(setup, sampling, count, sampling.seq_len, ids=True).check(*_FEWER)
+    loaded = _token_windows(model, data, setup.runner, sampling)
+    longest = max(len(w) for w in loaded.windows)
+    _memory(setup, sampling, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    return loaded
+
+
+def _check_length(runner: KvCacheRunner, seq_len: int) -> None:
+    """A window feeds ``seq_len`` positions: at most the model's context (its rotary tables)."""
+    limit = runner.max_positions
+    if limit is not None and seq_len > limit:
+        raise KvCacheError(
+            Param("seq_len", seq_len),
+            f" feeds {seq_len} positions, but the model's rotary tables (cos_cache) cover {limit} "
+            "positions (its context): give at most ",
+            Param("seq_len", limit),
+            ".",
+        )
+
+
+def _memory(setup: _Setup, sampling: _Sampling, windows: int, length: int, *, ids: bool) -> MemoryEstimate:
+    """What calibrating ``windows`` windows of ``length`` tokens holds (``ids``: their random ids
+    too): one run's caches, scores and captured queries, the reservoirs, ``attention_search``'s
+    samples (runtime/_memory.py)."""
+    runner, method = setup.runner, setup.method
+    batch = 1 if method.attention else max(1, min(windows, TOKENS_PER_RUN // length))
+    heads = {s.layer_id: s.num_heads for s in find_attention_sites(runner.source_model)}
+    keys = [b for b in runner.bindings if b.kind == "key"]
+    width = {b.layer_id: b.kv_num_heads * b.head_size for b in keys}  # a cache row's values
+    generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
+    parts = [(f"random token ids of {windows} windows x {length} tokens", generated)]
+    parts += run_parts(runner, batch, length, queries=length, logits=False)
+    if method.attention:
+        queried = sum(heads.get(b.layer_id, 0) * b.head_size for b in keys)
+        parts.append((f"{batch} x {length} tokens' captured queries", batch * length * queried * 4))
+    rows = windows * length
+    kept = sum(min(sampling.sample_budget, rows * w) for w in width.values()) * 2  # K and V
+    parts.append(("the layers' samples", kept * 4 * (2 if method.attention else 1)))
+    if method.exact:
+        picked = sum(ATTENTION_QUERIES * heads.get(b.layer_id, 0) * b.head_size for b in keys)
+        sample = sum(2 * w * length for w in width.values()) + picked
+        parts.append((f"attention_search's samples of {windows} windows", windows * sample * 4))
+    return MemoryEstimate("calibration", tuple(parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +246,12 @@ def _check_types(choice: _Choice, sampling: _Sampling) -> None:
     ).items():
         require_type(value, INTEGER, name, "an integer")
     require_type(sampling.num_seqs, (*INTEGER, type(None)), "num_seqs", "an integer or None")
+    if sampling.seq_len > MAX_POSITIONS:
+        raise KvCacheError(
+            Param("seq_len", sampling.seq_len),
+            f" is more positions than any KV cache model counts: GroupQueryAttention counts them in "
+            f"int32 (at most {MAX_POSITIONS}).",
+        )
     require_type(choice.rope_positions, (*INTEGER, type(None)), "rope_positions", "an integer or None")
     for arg, number in dict(percentile=choice.percentile, margin=choice.margin).items():
         require_type(number, NUMBER, arg, "a number")
@@ -245,6 +317,7 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
             runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
     chosen = CALIBRATION_METHODS[method]
+    _check_rope_positions(choice, chosen)
     if chosen.clip_search and fmt.is_float:
         raise KvCacheError(
             Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
@@ -254,6 +327,34 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
     return _Setup(runner, fmt, chosen, chosen_for)
+
+
+def _check_rope_positions(choice: _Choice, method: CalibrationMethod) -> None:
+    """``rope_positions`` moves only the attention methods' K search under the RoPE envelope:
+    with another method, or without the envelope, any value gives the same scales, and a scale
+    file recording it would warn of a context it never limited."""
+    if choice.rope_positions is None or (method.attention and choice.rope_envelope):
+        return
+    if choice.rope_envelope:
+        why, instead = Message(Param("method", method.name), " never reads it"), "choose an attention method"
+    else:
+        off = Param("rope_envelope", False)
+        why, instead = (
+            Message("the RoPE envelope is off (", off, ")"),
+            Message("keep the envelope (no ", off, ")"),
+        )
+    raise KvCacheError(
+        Param("rope_positions", choice.rope_positions),
+        " limits only the attention methods' K search under the RoPE envelope (",
+        Param("method", "attention"),
+        " or attention_search), and ",
+        why,
+        ": the scales would be the same for any value. Drop ",
+        Param("rope_positions"),
+        ", or ",
+        instead,
+        ".",
+    )
 
 
 def _token_windows(

@@ -198,7 +198,12 @@ def _format_refusals(
 
 
 def _site_refusals(
-    row: EpCapabilities, ep: str, sites: list[CacheSite], support: FormatSupport | None
+    row: EpCapabilities,
+    ep: str,
+    sites: list[CacheSite],
+    support: FormatSupport | None,
+    fmt: str | None = None,
+    runtime_version: str | None = None,
 ) -> list[Refusal]:
     """What the model's own nodes of ``row``'s operator need that ``row`` lacks."""
     label = _label(row, ep)
@@ -221,6 +226,10 @@ def _site_refusals(
             f"{', '.join(bad)}; export the model in a supported dtype."
         )
         found.append(Refusal(RefusalCode.QUERY_DTYPE_UNSUPPORTED, Parameter.EP, text))
+    chunked = [s for s in mine if s.op.op_type == GQA.op_type and s.input("query_seqlens") is not None]
+    found += _query_seqlens_refusals(row, label, chunked, runtime_version)
+    sunk = [s for s in mine if s.input("head_sink") is not None]
+    found += _sink_refusals(row, label, sunk, fmt, runtime_version)
     multiple = support.window_cache_head_multiple if support is not None else 0
     windowed = [s for s in mine if multiple and _window_sized(s) and s.head_size() % multiple]
     if windowed:
@@ -231,6 +240,57 @@ def _site_refusals(
         )
         found.append(Refusal(RefusalCode.FORMAT_UNSUPPORTED, Parameter.FORMAT, text))
     return found
+
+
+def _query_seqlens_refusals(
+    row: EpCapabilities, label: str, chunked: list[CacheSite], runtime_version: str | None
+) -> list[Refusal]:
+    """Nodes with ``query_seqlens`` (input 16) on a row whose kernel does not take it, or whose
+    runtime predates it."""
+    if not chunked or not row.has_kernel or row.name == "default":
+        return []
+    if not row.query_seqlens:
+        takes = [n for n, r in CAPABILITIES[row.op].items() if r.query_seqlens]
+        text = (
+            f"{label}'s {row.op} rejects query_seqlens (input 16: each row's valid new tokens, what the "
+            f"fusion writes for window-sized caches), which {len(chunked)} node(s) of this model use; "
+            f"run it on {', '.join(takes)}."
+        )
+        return [Refusal(RefusalCode.INPUT_UNSUPPORTED, Parameter.EP, text)]
+    return _too_old(row, row.query_seqlens, runtime_version, f"whose {row.op} takes query_seqlens (input 16)")
+
+
+def _too_old(row: EpCapabilities, first: str, runtime_version: str | None, what: str) -> list[Refusal]:
+    """A refusal when the row's runtime (``runtime_version``, else the installed one) predates
+    ``first``, the first version ``what``."""
+    version = runtime_version if runtime_version is not None else installed_version(row.runtime)
+    if version is None or _version_tuple(version) >= _version_tuple(first):
+        return []
+    text = f"{row.runtime} {version} predates {first}, the first {row.runtime} {what}; upgrade it."
+    return [Refusal(RefusalCode.RUNTIME_TOO_OLD, None, text)]
+
+
+def _sink_refusals(
+    row: EpCapabilities, label: str, sunk: list[CacheSite], fmt: str | None, runtime_version: str | None
+) -> list[Refusal]:
+    """Nodes with attention sinks (``head_sink``) on a row that does not honor them with ``fmt``
+    (None: a float cache), or whose runtime predates them."""
+    sinks = row.head_sink
+    if not sunk or not row.has_kernel or row.name == "default":
+        return []
+    if sinks is not None and (fmt is None or fmt in sinks.formats):
+        return _too_old(row, sinks.min_version, runtime_version, f"known to honor attention sinks on {label}")
+    runs = [
+        n
+        for n, r in CAPABILITIES[row.op].items()
+        if r.head_sink and (fmt is None or fmt in r.head_sink.formats)
+    ]
+    cache = f"an {fmt} cache" if fmt else "a float cache"
+    text = (
+        f"{label}'s {row.op} is not known to honor attention sinks (head_sink, gpt-oss's) with {cache}, "
+        f"which {len(sunk)} node(s) of this model use; run it on {', '.join(runs) or 'no known provider'}."
+    )
+    return [Refusal(RefusalCode.HEAD_SINK_UNSUPPORTED, Parameter.EP, text)]
 
 
 def _window_sized(site: CacheSite) -> bool:
@@ -292,7 +352,7 @@ def check_kv_cache_support(
             warnings.append(support.warning)
         refusals += [r for r in found if r not in refusals]
         if model is not None:
-            refusals += _site_refusals(row, ep, sites, support)
+            refusals += _site_refusals(row, ep, sites, support, fmt, runtime_version)
     if model is not None and not sites:
         refusals.append(NO_ATTENTION)
     said = () if refusals else tuple(warnings)

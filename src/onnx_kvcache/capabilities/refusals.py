@@ -44,6 +44,10 @@ class RefusalCode(enum.Enum):
     """The provider's kernel rejects q/k norm weights."""
     QUERY_DTYPE_UNSUPPORTED = enum.auto()
     """The provider's kernel does not take the model's query dtype."""
+    INPUT_UNSUPPORTED = enum.auto()
+    """The provider's kernel rejects an input the model's nodes use (``query_seqlens``)."""
+    HEAD_SINK_UNSUPPORTED = enum.auto()
+    """The provider's kernel is not known to honor attention sinks (``head_sink``) with the cache."""
     PARTIAL_CONVERSION = enum.auto()
     """Some caches would keep their type while others convert (``allow_partial`` permits it)."""
 

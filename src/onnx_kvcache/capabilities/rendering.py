@@ -24,6 +24,16 @@ def _format_cell(row: EpCapabilities, name: str) -> str:
     return cell
 
 
+def _sink_cell(row: EpCapabilities) -> str:
+    """Attention sinks (``head_sink``): since which version, with which quantized caches."""
+    sinks = row.head_sink
+    if sinks is None:
+        return "no"
+    runtime = "ORT" if row.runtime == "onnxruntime" else row.runtime
+    caches = ", ".join(["float", *sorted(sinks.formats)])
+    return f"{runtime} >= {sinks.min_version}: {caches} ({sinks.evidence}); {sinks.note}"
+
+
 def render_capability_table() -> str:
     """The capability tables (one per operator) and the fast-path rules, as Markdown."""
 
@@ -34,15 +44,23 @@ def render_capability_table() -> str:
         lines += [
             f"**{op_type}**",
             "",
-            "| provider | query dtypes | q/k norm | " + " | ".join(CACHE_FORMATS) + " | note |",
-            "|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+            "| provider | query dtypes | q/k norm | query_seqlens | attention sinks | "
+            + " | ".join(CACHE_FORMATS)
+            + " | note |",
+            "|---|---|---|---|---|" + "---|" * len(CACHE_FORMATS) + "---|",
         ]
         for row in table.values():
             cells = [_format_cell(row, name) for name in CACHE_FORMATS]
             dtypes = ", ".join(sorted(t.name.lower() for t in row.query_dtypes)) or "- (no kernel)"
             label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
             norm = "yes" if row.qk_norm else "no"
-            lines.append(f"| {label} | {dtypes} | {norm} | " + " | ".join(cells) + f" | {row.note} |")
+            sinks = _sink_cell(row)
+            chunks = f"ORT >= {row.query_seqlens}" if row.query_seqlens else "no"
+            lines.append(
+                f"| {label} | {dtypes} | {norm} | {chunks} | {sinks} | "
+                + " | ".join(cells)
+                + f" | {row.note} |"
+            )
     lines += [
         "",
         "**CUDA decode fast path (XQA)**",

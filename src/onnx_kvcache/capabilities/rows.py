@@ -21,6 +21,7 @@ __all__ = [
     "FastPathRule",
     "FormatSupport",
     "PAGED_CAPABILITIES",
+    "SinkSupport",
     "get_capabilities",
 ]
 
@@ -60,6 +61,19 @@ class FormatSupport:
 
 
 @dataclasses.dataclass(frozen=True)
+class SinkSupport:
+    """Attention sinks (``head_sink``, gpt-oss: one logit per query head in the softmax's
+    denominator) on one provider's kernel."""
+
+    min_version: str
+    """First version of the row's runtime whose kernel honors them (a float cache)."""
+    formats: frozenset[str]
+    """The quantized cache formats it honors them with."""
+    evidence: Evidence = "documented"
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class EpCapabilities:
     """What one execution provider's kernel for one attention operator runs."""
 
@@ -80,6 +94,12 @@ class EpCapabilities:
     """The attention operator of the row."""
     unlisted: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Formats its kernel takes that the row does not list, and why (said when refusing them)."""
+    head_sink: SinkSupport | None = None
+    """Attention sinks (GQA and PagedAttention input 11); None: not known to be honored."""
+    query_seqlens: str = ""
+    """First version of the runtime whose GQA takes ``query_seqlens`` (input 16: each row's valid
+    new tokens; the fusion writes it for window-sized caches), "" for none (its schema says other
+    providers must reject a node with it)."""
 
     @property
     def has_kernel(self) -> bool:
@@ -102,6 +122,14 @@ _GQA_ROWS = (
             "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
+        query_seqlens="1.32",
+        head_sink=SinkSupport(
+            "1.23",
+            frozenset({"int8", "int4"}),
+            evidence=_RUN,
+            note="onnxruntime PR 25269 (1.23); run here (1.32: float, int8 and int4 caches, float32 "
+            "and float16 queries, windows and window-sized caches, against numpy)",
+        ),
     ),
     EpCapabilities(
         "cuda",
@@ -115,6 +143,14 @@ _GQA_ROWS = (
         "No float32 GQA; fp8 needs SM 8.9+ (Ada, Hopper, Blackwell).",
         qk_norm=True,
         share_buffer=True,
+        query_seqlens="1.32",
+        head_sink=SinkSupport(
+            "1.23",
+            frozenset({"fp8", "int8", "int4"}),
+            note="flash attention's path (SM 8.0+, onnxruntime PR 25432, 1.23), quantized caches "
+            "through it (1.25+); the decode fast path (XQA) is skipped for nodes with sinks (smooth "
+            "softmax); older GPUs' memory-efficient path unsettled. Read from the sources, not run here",
+        ),
     ),
     EpCapabilities("dml", "DmlExecutionProvider", frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT}), {}),
     EpCapabilities(
@@ -124,6 +160,12 @@ _GQA_ROWS = (
         {},
         "Quantizes caches only through its kvCacheQuantizationBits EP option, inside float tensors.",
         qk_norm=True,
+        head_sink=SinkSupport(
+            "1.25",
+            frozenset(),
+            note="its flash attention takes them since onnxruntime PR 27410 (merged February 2026: "
+            "1.25 is the first release after it, unsettled)",
+        ),
     ),
     EpCapabilities(
         "openvino",
@@ -135,8 +177,16 @@ _GQA_ROWS = (
         },
         "OpenVINO's own runtime (ONNX frontend): int8/int4 caches store onnxruntime's codes. "
         "Whether 2026.3 runs them is unsettled. fp8 compiles, but its codes differ from "
-        "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed.",
+        "onnxruntime's rule (one fp8 step in 0.3% of values, measured on 2026.4.1): not listed. "
+        "Its GroupQueryAttention takes 16 inputs at most (no query_seqlens) and no softcap "
+        "(2026.4.1).",
         runtime="openvino",
+        head_sink=SinkSupport(
+            "2026.4",
+            frozenset({"int8", "int4"}),
+            evidence=_RUN,
+            note="run here (2026.4.1: float, int8 and int4 caches, against numpy)",
+        ),
         unlisted={
             "fp8": "an fp8 cache compiles there, but its codes differ from onnxruntime's rule (one "
             "fp8 step in 0.3% of values, measured on 2026.4.1), so it would not compute what "
@@ -177,6 +227,11 @@ _PAGED_ROWS = (
         qk_norm=True,
         share_buffer=True,
         op=PAGED.op_type,
+        head_sink=SinkSupport(
+            "1.30",
+            frozenset({"fp8", "int8", "int4"}),
+            note="onnxruntime PR 29912, with its quantized caches (" + _PAGED_1_29 + ")",
+        ),
     ),
     EpCapabilities(
         "dml", "DmlExecutionProvider", frozenset(), {}, "No PagedAttention kernel known.", op=PAGED.op_type

@@ -28,12 +28,13 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
         *_model_inputs(args.baseline, args.text, args.token_ids, args.tokenizer),
         *_model_inputs(args.candidate),
     ]
+    seen = []  # another evaluate to these outputs that finished first is never replaced silently
     if args.json:
-        check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs)
+        seen.append(check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs))
     if args.plot:
         from onnx_kvcache.runtime._plots import check_plotting
 
-        check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs)
+        seen.append(check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs))
     if args.json and args.plot and same_output(args.json, args.plot):
         raise KvCacheError(f"--json {args.json} and --plot {args.plot} name one file; name two files.")
     report = evaluate_kv_cache(
@@ -52,7 +53,9 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     replaced: list[pathlib.Path] = []
     if outputs:
         names = ", ".join(path for path, _, _ in outputs)
-        replaced = _write_completely(args, outputs, f"the evaluation completed ({names} written)", inputs)
+        replaced = _write_completely(
+            args, outputs, f"the evaluation completed ({names} written)", inputs, seen
+        )
     _print(report.format_table())
     if outputs:
         _print("; ".join(f"{_wrote(path, replaced)} ({kind})" for path, _, kind in outputs))

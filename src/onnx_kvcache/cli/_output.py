@@ -6,7 +6,8 @@ can (``2>/dev/full`` drops the line); a failed stdout is told apart from a faile
 (:class:`_StdoutFailed`), since a closed pipe (``| head``) is the reader's choice and a full
 disk lost output. The standard streams are reserved before anything opens a file.
 
-Standard library only: the command imports this before onnx-ir.
+Standard library only (and the package's stdlib-only name of its temporary entries): the
+command imports this before onnx-ir.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import re
 import sys
 from typing import Any
+
+from onnx_kvcache.model_io._atomic import TEMP_PREFIX
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -84,12 +87,17 @@ def _silence_stdout() -> None:
 
 
 def _describe_os_error(e: OSError) -> str:
+    """``strerror: path -> path2``, leaving out the package's own temporary entries (an internal
+    name of no use to anyone: the other path, or the error alone, says what failed)."""
     text = e.strerror or str(e)
-    if e.filename is not None:
-        text += f": {e.filename}"
-    if e.filename2 is not None:
-        text += f" -> {e.filename2}"
-    return text
+    names = [n for n in (e.filename, e.filename2) if n is not None and not _temporary(n)]
+    return f"{text}: {' -> '.join(map(str, names))}" if names else text
+
+
+def _temporary(name: object) -> bool:
+    """Whether ``name`` is, or lies inside, a temporary entry of the package."""
+    path = os.fsdecode(name) if isinstance(name, (str, bytes, os.PathLike)) else str(name)
+    return any(part.startswith(TEMP_PREFIX) for part in path.split(os.sep))
 
 
 class _StdoutFailed(Exception):

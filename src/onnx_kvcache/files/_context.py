@@ -13,7 +13,8 @@ when the model serves more than N positions. The model's context is the first of
 * the rows of the graph's rotary table: the ``cos_cache`` of GroupQueryAttention,
   PagedAttention or a RotaryEmbedding node (one row a position).
 
-Nothing stated (an export alone, its rotary angles computed from the positions): no warning.
+Nothing stated (an export alone, its rotary angles computed from the positions): the warning
+says that the context is unknown, and what the scales hold.
 """
 
 from __future__ import annotations
@@ -106,12 +107,27 @@ def warn_short_scales(
     scales: KvCacheScales | None, model: ir.Model, folder: pathlib.Path, config: dict[str, Any] | None
 ) -> None:
     """A :class:`ContextLengthWarning` when ``scales`` were calibrated for fewer positions
-    (``rope_positions``) than the model serves."""
+    (``rope_positions``) than the model serves, or for some when nothing states its context."""
     calibrated = _positive((scales.metadata if scales is not None else {}).get("rope_positions"))
     if calibrated is None:
         return
     context = model_context(model, folder, config)
-    if context is None or context[0] <= calibrated:
+    if context is None:
+        warn(
+            Message(
+                f"The KV-cache scales were calibrated for contexts of up to {calibrated} positions (",
+                Param("rope_positions", calibrated),
+                "), and nothing states the model's context (no genai_config.json context_length, no "
+                "config.json max_position_embeddings beside it, no rotary table in the graph): served "
+                f"past position {calibrated}, its keys are clipped more, a loss that grows with the "
+                "position (docs/calibration.md). Calibrate without ",
+                Param("rope_positions"),
+                " (the whole rotary table) unless its contexts stay that short.",
+            ),
+            ContextLengthWarning,
+        )
+        return
+    if context[0] <= calibrated:
         return
     positions, where = context
     warn(

@@ -6,7 +6,9 @@ often ``generation_config.json`` (:data:`GENERATION_CONFIG`) and tokenizer files
 
 * **Special tokens**, as transformers' ``generate`` takes them: ``eos_token_id`` (one id or a
   list) and ``pad_token_id`` from ``generation_config.json``, else from ``config.json``;
-  ``bos_token_id`` likewise.
+  ``bos_token_id`` likewise. Neither naming an end-of-sequence id, the tokenizer's is taken:
+  ``tokenizer_config.json``'s ``eos_token`` (else ``special_tokens_map.json``'s), its id in
+  ``tokenizer.json`` (an added token, else the vocabulary) or ``added_tokens_decoder``.
 * **A genai config** (:func:`genai_config_for_export`) is written from what the converted
   graph shows (its inputs and outputs by name, the cache names as ``%d`` patterns, head
   counts and head size from its GroupQueryAttention nodes, the vocabulary from the logits)
@@ -51,6 +53,11 @@ from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG
 MODEL_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 _MAX_CONFIG_BYTES = 16 * 2**20
+#: The tokenizer files an end-of-sequence token is named in, in the order they are tried, and
+#: the one that gives its id (tokenizer.json of a large vocabulary is tens of MiB).
+_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER = "tokenizer.json"
+_MAX_TOKENIZER_BYTES = 256 * 2**20
 
 #: The graph inputs onnxruntime-genai 0.18 feeds a decoder besides its caches: its config's
 #: ``model.decoder.inputs`` key -> the name exporters (torch.onnx.export, optimum) give it.
@@ -108,6 +115,8 @@ class ExportConfig:
 
     model: Mapping[str, Any]
     generation: Mapping[str, Any]
+    tokenizer_eos: tuple[int, ...] = ()
+    """The tokenizer's end-of-sequence id, read when neither config names one."""
 
     def _token(self, key: str) -> Any:
         value = self.generation.get(key)
@@ -118,7 +127,7 @@ class ExportConfig:
         """The end-of-sequence ids, in the order given (Llama 3 lists several)."""
         eos = self._token("eos_token_id")
         ids = eos if isinstance(eos, list) else [eos]
-        return tuple(dict.fromkeys(t for t in ids if _is_id(t)))
+        return tuple(dict.fromkeys(t for t in ids if _is_id(t))) or self.tokenizer_eos
 
     @property
     def pad_token_id(self) -> int | None:
@@ -152,7 +161,44 @@ def read_export_config(folder: str | os.PathLike) -> ExportConfig | None:
             found[name] = doc
     if not found:
         return None
-    return ExportConfig(found.get(MODEL_CONFIG, {}), found.get(GENERATION_CONFIG, {}))
+    export = ExportConfig(found.get(MODEL_CONFIG, {}), found.get(GENERATION_CONFIG, {}))
+    if export.eos_token_ids:
+        return export
+    return dataclasses.replace(export, tokenizer_eos=_tokenizer_eos(pathlib.Path(folder)))
+
+
+def _tokenizer_eos(folder: pathlib.Path) -> tuple[int, ...]:
+    """The end-of-sequence id the tokenizer files beside the model name, or ``()``."""
+    token, config = None, {}
+    for name in _TOKENIZER_CONFIGS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        doc = load_json(path, "tokenizer config", max_bytes=_MAX_CONFIG_BYTES)
+        eos = doc.get("eos_token") if isinstance(doc, dict) else None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            token, config = eos, doc
+            break
+    if token is None:
+        return ()
+    decoder = config.get("added_tokens_decoder")
+    for key, entry in decoder.items() if isinstance(decoder, dict) else ():
+        if isinstance(entry, dict) and entry.get("content") == token and key.isdigit():
+            return (int(key),)
+    path = folder / _TOKENIZER
+    if not path.is_file():
+        return ()
+    doc = load_json(path, "tokenizer", max_bytes=_MAX_TOKENIZER_BYTES)
+    doc = doc if isinstance(doc, dict) else {}
+    added = doc.get("added_tokens")
+    for entry in added if isinstance(added, list) else ():
+        if isinstance(entry, dict) and entry.get("content") == token and _is_id(entry.get("id")):
+            return (int(entry["id"]),)
+    model = doc.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return (int(found),) if _is_id(found) else ()
 
 
 def _pattern(names: Sequence[str], what: str) -> str:
@@ -218,7 +264,9 @@ def _decoder(model: ir.Model, filename: str) -> dict[str, Any]:
     if _LOGITS not in graph_outputs:
         raise NoGenaiConfig(f"it has no {_LOGITS!r} output, which onnxruntime-genai reads")
     inputs = {key: name for key, name in GENAI_INPUTS.items() if name in graph_inputs}
+    window = _sliding_window(sites)
     return {
+        **({"sliding_window": window} if window else {}),
         "filename": filename,
         "head_size": _one({s.head_size() for s in sites}, "head size"),
         "num_attention_heads": _one({s.num_heads for s in sites}, "query head counts"),
@@ -227,6 +275,26 @@ def _decoder(model: ir.Model, filename: str) -> dict[str, Any]:
         "inputs": inputs | {k: patterns[k] for k in ("past_key_names", "past_value_names")},
         "outputs": {"logits": _LOGITS}
         | {k: patterns[k] for k in ("present_key_names", "present_value_names")},
+    }
+
+
+def _sliding_window(sites: list[CacheSite]) -> dict[str, Any] | None:
+    """``decoder.sliding_window`` for window-sized caches (``sliding_window_cache=1``, a fused
+    rolling window cache), as onnxruntime-genai's builder writes it for Gemma-2: the window, the
+    layers (genai allocates their caches window-sized: the window plus its slack), no sliding
+    of the cache or of the inputs by genai itself (the kernel evicts)."""
+    layers = [i for i, s in enumerate(sites) if s.int_attr("sliding_window_cache", 0)]
+    if not layers:
+        return None
+    window = _one(
+        {sites[i].int_attr("local_window_size", -1) for i in layers}, "window of its window-sized caches"
+    )
+    return {
+        "cache_slack": 0,
+        "layers": layers,
+        "slide_inputs": False,
+        "slide_key_value_cache": False,
+        "window_size": window,
     }
 
 
@@ -293,7 +361,10 @@ def genai_config_for_export(
         raise NoGenaiConfig(f"{MODEL_CONFIG} gives no context length ({_CONTEXT_KEYS[0]})")
     eos = export.eos_token_ids
     if not eos:
-        raise NoGenaiConfig(f"neither {GENERATION_CONFIG} nor {MODEL_CONFIG} gives an eos_token_id")
+        raise NoGenaiConfig(
+            f"neither {GENERATION_CONFIG}, {MODEL_CONFIG} nor the tokenizer ({_TOKENIZER_CONFIGS[0]}'s "
+            "eos_token) gives an end-of-sequence id"
+        )
     hidden = export.model.get("hidden_size")
     decoder["hidden_size"] = (
         hidden if _is_id(hidden) else decoder["num_attention_heads"] * decoder["head_size"]

@@ -391,13 +391,17 @@ def _write(
             _write_folder(source, plan, data, config, result, progress)
         else:
             _write_file(source, plan, data, result, progress)
-    except FileExistsError as e:  # the last rename lost a race: someone created the output meanwhile
+    except FileExistsError as e:  # a rename lost a race: someone created the output meanwhile
         named = {os.path.abspath(f) for f in (e.filename, e.filename2) if isinstance(f, (str, os.PathLike))}
-        if os.path.abspath(plan.out) not in named or plan.placement is Placement.IN_PLACE:
+        own = {plan.out, *(plan.out.parent / name for name in plan.data_names.values())}
+        found = [p for p in own if os.path.abspath(p) in named]
+        if not found or plan.placement is Placement.IN_PLACE:
             raise
+        also = "" if found[0] == plan.out else f" (its data file {found[0].name} appeared)"
         raise KvCacheError(
-            f"Output {plan.out} was created by someone else (another conversion?) while this one ran; "
-            "nothing was written and it is left as it is. Check it, or choose another output path."
+            f"Output {plan.out} was created by someone else (another conversion?) while this one ran"
+            f"{also}; nothing was written and what is there is left as it is. Check it, or choose "
+            "another output path."
         ) from None
 
 

@@ -281,13 +281,7 @@ def check_output(
                 Param("overwrite", True),
                 " to replace it.",
             )
-    parent = path.parent
-    if not os.path.lexists(parent):
-        raise KvCacheError(
-            f"The folder {os.path.abspath(parent)} does not exist; create it first, or name a "
-            f"{row.what} in an existing folder."
-        )
-    file_io.check_writable_folder(parent)
+    file_io.check_writable_folder(path.parent)  # a missing one: the ancestor that will hold it
     return None if st is None else file_io.file_identity(path)
 
 
@@ -306,7 +300,7 @@ def write_output(
     overwrite: bool = False,
     inputs: Iterable[os.PathLike | str] = (),
 ) -> None:
-    """Write ``data`` to ``path`` by the rules above (its folder must exist)."""
+    """Write ``data`` to ``path`` by the rules above (missing folders created)."""
     write_outputs([(path, data, kind)], overwrite=overwrite, inputs=inputs)
 
 
@@ -341,9 +335,23 @@ def write_outputs(
                 "left as it is and this run wrote nothing. Run again, or name another file."
             )
         plans.append((pathlib.Path(path), data, identity))
+    created: list[pathlib.Path] = []
+    try:
+        return _write_planned(plans, created)
+    except BaseException:
+        file_io.remove_empty_dirs(created)  # what was created for a run that wrote nothing
+        raise
+
+
+def _write_planned(
+    plans: list[tuple[pathlib.Path, bytes, file_io.Identity | None]], created: list[pathlib.Path]
+) -> list[pathlib.Path]:
+    """:func:`write_outputs` once checked: missing folders created (into ``created``), every file
+    written to a temporary name, then all published together."""
     with contextlib.ExitStack() as stack:
         temps = []
         for path, data, identity in plans:
+            created += file_io.make_dirs(path.parent)
             file_io.sweep_stale(path.parent)
             tmp = stack.enter_context(file_io.TempFile(path.parent))
             try:

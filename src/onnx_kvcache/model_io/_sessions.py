@@ -8,6 +8,8 @@ their bits (:func:`to_ort_value`, :func:`host_array`).
 from __future__ import annotations
 
 __all__ = [
+    "RUNTIME_LIMITS",
+    "RuntimeLimits",
     "create_session",
     "external_data_dir",
     "fed_as_bits",
@@ -15,20 +17,26 @@ __all__ = [
     "import_onnxruntime",
     "installed_ort_version",
     "installed_version",
+    "ort_error_text",
     "run_on_host",
     "to_ort_value",
+    "unloadable_header",
 ]
 
 import ctypes
+import dataclasses
+import functools
 import importlib.metadata
 import os
-from types import ModuleType
+import re
+from collections.abc import Mapping
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, missing_dependency
+from onnx_kvcache.errors import KvCacheError, MissingRuntimeError, missing_dependency
 
 
 def import_onnxruntime() -> ModuleType:
@@ -64,6 +72,141 @@ def installed_version(runtime: str = "onnxruntime") -> str | None:
 def installed_ort_version() -> str | None:
     """Version of the installed onnxruntime wheel (CPU or GPU), without importing it."""
     return installed_version("onnxruntime")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeLimits:
+    """The newest IR version and opsets one onnxruntime release loads."""
+
+    ir_version: int
+    opsets: Mapping[str, int]
+    """Per domain it knows (``""``: ai.onnx), the newest opset; a domain it does not know (a
+    custom one) loads at any version."""
+
+
+#: What each onnxruntime release loads, read from its own refusals (``Unsupported model IR
+#: version: N, max supported IR version: M``; ``Current official support for domain D is till
+#: opset M``); ``tests/cache/test_validation.py`` checks the installed release's row against
+#: a session. A release without a row, or a model importing a domain its row lacks, is probed:
+#: a session of an empty graph with the model's IR version and opsets (onnxruntime imported).
+RUNTIME_LIMITS: Mapping[str, RuntimeLimits] = MappingProxyType(
+    {
+        "1.32.0": RuntimeLimits(
+            14,
+            MappingProxyType(
+                {
+                    "": 28,
+                    "ai.onnx.ml": 5,
+                    "com.microsoft": 1,
+                    "com.microsoft.nchwc": 1,
+                    "com.microsoft.experimental": 1,
+                    "com.ms.internal.nhwc": 28,
+                    "ai.onnx.training": 1,
+                    "ai.onnx.preview.training": 1,
+                    "org.pytorch.aten": 1,
+                }
+            ),
+        ),
+    }
+)
+
+
+def _past(ir_version: int, opsets: Mapping[str, int], limits: RuntimeLimits) -> list[tuple[str, int, int]]:
+    """What ``limits`` do not load: (what, the model's, the newest loaded)."""
+    found = [("IR version", ir_version, limits.ir_version)] if ir_version > limits.ir_version else []
+    for domain, version in sorted(opsets.items()):
+        newest = limits.opsets.get(domain)
+        if newest is not None and version > newest:
+            found.append((f"{domain or 'ai.onnx'} opset", version, newest))
+    return found
+
+
+_PROBE_REFUSALS = (
+    (re.compile(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)"), "IR version"),
+    (re.compile(r"Opset (\d+) is under development.* for domain (\S+) is till opset (\d+)", re.S), "opset"),
+)
+
+
+@functools.lru_cache(maxsize=32)
+def _probed(ir_version: int, opsets: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int, int], ...]:
+    """What the installed onnxruntime refuses of a model header, read from its refusal of an empty
+    graph with that header (nothing it does not name: another failure is not the header's)."""
+    import onnx
+
+    ort = import_onnxruntime()
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph([], "probe", [x], [x]),
+        opset_imports=[onnx.helper.make_opsetid(domain, version) for domain, version in opsets],
+    )
+    proto.ir_version = ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's own exception types
+        text = str(e)
+        for pattern, what in _PROBE_REFUSALS:
+            found = pattern.search(text)
+            if found is None:
+                continue
+            if what == "IR version":
+                return (("IR version", int(found[1]), int(found[2])),)
+            domain = found[2].rstrip(".")
+            return ((f"{domain} opset", int(found[1]), int(found[3])),)
+    return ()
+
+
+def unloadable_header(ir_version: int, opsets: Mapping[str, int]) -> str | None:
+    """Why the installed onnxruntime refuses a model of this IR version and these opsets (the
+    newest it loads named), or None: it loads them, or no onnxruntime is installed."""
+    version = installed_ort_version()
+    if version is None:
+        return None
+    limits = RUNTIME_LIMITS.get(version)
+    if limits is not None and all(domain in limits.opsets for domain in opsets if domain != "ai.onnx"):
+        past = _past(ir_version, opsets, limits)
+    else:
+        try:
+            past = list(_probed(ir_version, tuple(sorted(opsets.items()))))
+        except MissingRuntimeError:  # installed but not importable: nothing to ask
+            return None
+    if not past:
+        return None
+    what, value, newest = past[0]
+    return (
+        f"its {what} is {value}, and the installed onnxruntime {version} loads at most {newest}: "
+        f"it refuses the model, and would refuse a model written from it. Export the model for {what} "
+        f"{newest} or below, or install an onnxruntime that loads it"
+    )
+
+
+#: Where onnxruntime's messages name its own source: ``/onnxruntime_src/.../model.cc:256 ``
+#: (the build machine's path and line), then the C++ function's signature.
+_ORT_SOURCE = re.compile(r"(?:/[\w.-]+)*/onnxruntime_src/\S+:\d+ ")
+_ORT_STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+
+
+def ort_error_text(error: BaseException) -> str:
+    """onnxruntime's message without what only its developers read: the status prefix, the
+    source file and line of its build machine, the C++ signature after it."""
+    text = _ORT_STATUS.sub("", str(error).strip())
+    while (found := _ORT_SOURCE.search(text)) is not None:
+        rest, end = text[found.end() :], 0
+        if "(" in rest.split(" ", 1)[0] or "::" in rest.split("(", 1)[0]:  # a signature follows
+            depth, start = 0, rest.find("(")
+            for i in range(start, len(rest)):
+                depth += {"(": 1, ")": -1}.get(rest[i], 0)
+                if depth == 0:
+                    end = i + 1
+                    break
+            if rest[end : end + 6] == " const":
+                end += 6
+            if rest[end:].lstrip().startswith("[with ") and "]" in rest[end:]:  # a template's types
+                end = rest.index("]", end) + 1
+        head = text[: found.start()]
+        text = head + (" " if head.endswith(":") else "") + rest[end:].lstrip()
+    return text.strip()
 
 
 def external_data_dir(model: ir.Model) -> str | None:

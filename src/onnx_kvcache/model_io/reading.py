@@ -13,10 +13,12 @@ __all__ = [
     "ModelLike",
     "ModelSource",
     "as_model",
+    "UNDEFINED_FIX",
     "check_defined",
     "external_data_files",
     "load_model",
     "open_model_source",
+    "undefined_value",
 ]
 
 import dataclasses
@@ -29,7 +31,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, require_type
+from onnx_kvcache.errors import KvCacheError, MalformedModelError, require_type
 from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.model_io._atomic import check_inside, check_relative
 from onnx_kvcache.model_io._inputs import input_kind
@@ -268,17 +270,42 @@ def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False)
     return ModelSource(graph, folder, config, model, data, entries)
 
 
-def check_defined(graph: ir.Graph) -> None:
-    """Every value a main-graph node reads is defined: an input, an initializer or a node's output."""
+UNDEFINED_FIX = (
+    "The model is malformed: export it again, or repair it (onnx.checker.check_model names the problem)."
+)
+
+
+def undefined_value(graph: ir.Graph | ir.Function, where: str = "") -> str | None:
+    """A value of ``graph``'s own nodes or outputs that nothing defines (a node removed by hand, a
+    broken export), said as ``node N reads V, which ...`` or ``the graph outputs V, which ...``
+    (``where``: after the node or graph, e.g. `` in function f``); None when there is none.
+    An outer graph's value counts as defined (a subgraph reads it)."""
+
+    def defined(value: ir.Value) -> bool:
+        producer = value.producer()
+        if value.is_graph_input() or (producer is not None and producer.graph is not None):
+            return True  # a producer removed since has no graph
+        return value.is_initializer() or value.const_value is not None
+
     for node in graph:
         for value in node.inputs:
-            producer = value.producer() if value is not None else None
-            if value is None or (producer is not None and producer.graph is graph) or value.is_graph_input():
-                continue
-            if value.is_initializer() or value.const_value is not None:
-                continue
-            raise KvCacheError(
-                f"The model is malformed: node {node.name or node.op_type!r} reads {value.name!r}, which "
-                "no node, graph input or initializer defines. Export the model again, or repair it "
-                "(onnx.checker.check_model names the problem)."
+            if value is not None and not defined(value):
+                return (
+                    f"node {node.name or node.op_type!r}{where} reads {value.name!r}, which no node, graph "
+                    "input or initializer defines"
+                )
+    for value in graph.outputs:
+        if not defined(value):
+            return (
+                f"the graph{where} outputs {value.name!r}, which no node, graph input or initializer "
+                'defines (onnxruntime refuses it: the output "does not exist in the graph")'
             )
+    return None
+
+
+def check_defined(graph: ir.Graph) -> None:
+    """Every value a main-graph node reads, and every graph output, is defined: an input, an
+    initializer or a node's output (before a clone, which fails on anything else)."""
+    problem = undefined_value(graph)
+    if problem is not None:
+        raise MalformedModelError(f"{problem[:1].upper()}{problem[1:]}. {UNDEFINED_FIX}")

@@ -64,6 +64,9 @@ class ExportStyle:
             ``eager_attention_forward`` at any opset (Gemma2's default): ``MatMul(Q, K^T)``
             times the scale, the soft-cap as ``Tanh(x / cap) * cap``, an additive
             ``Where(mask, 0, min)`` mask, ``Softmax`` in float32, ``MatMul`` with V.
+        attention_sinks: With ``attention="eager"``, gpt-oss's sinks: one logit per head
+            concatenated beside the scores, the row's maximum subtracted, the softmax's last
+            column dropped before the MatMul with V (fused into GQA's ``head_sink``).
         static_shapes: ``(batch, seq, past)`` fixed (``past`` None: left dynamic), as an
             export without dynamic shapes writes them (opset 20 only): those dimensions are numbers, shape
             vectors are constants, and the repeat_kv Reshape is folded into the key
@@ -85,6 +88,7 @@ class ExportStyle:
     weights: Literal["float", "q4", "int8"] = "float"
     window_cache: Literal["full", "cropped"] = "full"
     attention: Literal["sdpa", "eager"] = "sdpa"
+    attention_sinks: bool = False
     static_shapes: tuple[int, int, int | None] | None = None
 
 

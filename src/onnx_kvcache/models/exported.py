@@ -576,6 +576,10 @@ def _check_new_styles(style: ExportStyle) -> None:
         )
     if style.attention == "eager" and (style.qk_matmul_output is not None or style.mask == "top_left"):
         raise KvCacheError("eager attention has no attention-weights output and no is_causal.")
+    if style.attention_sinks and style.attention != "eager":
+        raise KvCacheError(
+            Param("attention_sinks"), " is written by eager attention; set ", Param("attention", "eager"), "."
+        )
 
 
 def _cropped(style: ExportStyle, c: DecoderConfig, layer: int) -> bool:
@@ -677,10 +681,31 @@ def _eager_attention(w: _Writer, style: ExportStyle, q, k, v, mask, scale: float
     f32 = ir.DataType.FLOAT
     if w.dtype != f32:
         scores = w.op("Cast", [scores], scores_shape, f32, to=f32)
-    probs = w.op("Softmax", [scores], scores_shape, f32 if w.dtype != f32 else None, axis=-1)
+    if style.attention_sinks:
+        scores = _with_sinks(w, q, scores, scores_shape, f32 if w.dtype != f32 else w.dtype)
+    softmax_shape = [*scores_shape[:3], None] if style.attention_sinks else scores_shape
+    probs = w.op("Softmax", [scores], softmax_shape, f32 if w.dtype != f32 else None, axis=-1)
+    if style.attention_sinks:  # the sink column dropped: probs[..., :-1]
+        probs = w.op("Slice", [probs, w.ints(0), w.ints(-1), w.ints(-1)], scores_shape, probs.dtype)
     if w.dtype != f32:
         probs = w.op("Cast", [probs], scores_shape, to=w.dtype)
     return w.op("MatMul", [probs, v], shape)
+
+
+def _with_sinks(
+    w: _Writer, q: ir.Value, scores: ir.Value, scores_shape: list, dtype: ir.DataType
+) -> ir.Value:
+    """gpt-oss's sinks: one logit per head beside the scores (``Concat`` on the key axis), the
+    row's maximum subtracted, as transformers' ``eager_attention_forward`` of gpt-oss writes it."""
+    heads = w.c.num_heads
+    sinks = np.linspace(-1.0, 1.5, heads, dtype=np.float32).reshape(1, heads, 1, 1)
+    sink = w.const(sinks.astype(dtype.numpy()))
+    rows = w.i64("Shape", [q], [3], start=0, end=3)
+    column = w.op("Expand", [sink, w.i64("Concat", [rows, w.ints(1)], [4], axis=0)], [B, heads, S, 1], dtype)
+    combined_shape = [*scores_shape[:3], None]
+    combined = w.op("Concat", [scores, column], combined_shape, dtype, axis=-1)
+    peak = w.op("ReduceMax", [combined, w.ints(-1)], [*scores_shape[:3], 1], dtype, keepdims=1)
+    return w.op("Sub", [combined, peak], combined_shape, dtype)
 
 
 def _make_static(model: ir.Model, sizes: tuple[int, int, int | None]) -> None:

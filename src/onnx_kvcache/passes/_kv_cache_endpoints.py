@@ -2,7 +2,7 @@
 
 The ends of a cache: the graph inputs a past cache comes from (through function calls), the
 outputs a present flows out to (through If/Loop bodies and function calls), who else reads them
-(only converted attention nodes, Shape and Size, or a sliding window's Slice), and retyping one
+(only converted attention nodes, Shape and Size), and retyping one
 value to the target format. A cache that cannot be converted raises :class:`_Skip` with why;
 :mod:`.kv_cache_quantization` (rules 1 and 2) turns that into a skipped node and a warning.
 """
@@ -17,7 +17,6 @@ from onnx_kvcache.cache.operators import AttentionOp
 from onnx_kvcache.cache.sites import CacheSite, function_call_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.passes._shape_readers import reads_dimensions_only, sees_head_dimension
-from onnx_kvcache.passes.fusion._window_present import tail_slice
 
 
 class _Skip(Exception):
@@ -55,8 +54,6 @@ def _check_only_attention_reads(
         op = readers.get(id(user))
         if user.graph is None or (op is not None and slot in op.cache_slots):
             continue  # a removed node, or a converted reader
-        if user is tail_slice(value):
-            continue  # a cropped sliding-window present (its output is retyped too)
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
         if reads_dimensions_only(user):
@@ -125,9 +122,6 @@ def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
 
 def _cache_sinks(model: ir.Model, site: CacheSite, value: ir.Value) -> list[ir.Value]:
     """Values to retype for a present output: the output and where it flows out."""
-    window = tail_slice(value)
-    if window is not None:  # a cropped sliding-window present: the Slice's output leaves
-        return [value, window.outputs[0]]
     found = [value]
     if not value.is_graph_output() or value.graph is model.graph or value.graph is None:
         return found

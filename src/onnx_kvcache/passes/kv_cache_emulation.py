@@ -62,7 +62,6 @@ from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
-from onnx_kvcache.passes.fusion._window_present import follow_present_types
 
 logger = logging.getLogger(__name__)
 
@@ -460,8 +459,6 @@ class KvCacheEmulationPass(InPlacePass):
             if value.is_graph_input():
                 value.type = ir.TensorType(dtype)
                 value.shape = _unpacked(value.shape, head)
-        if float_io:
-            follow_present_types(model.graph)  # cropped sliding-window presents (Slice after GQA)
         if rewrites:
             model.opset_imports.setdefault("com.microsoft", 1)
         logger.info(

@@ -49,7 +49,8 @@ node's operator row:
    file's ``method``, or the marker of our conversion) moved to another format.
 
 A model with no attention node at all but attention a fusion would try (an export: ONNX
-``Attention``, or decomposed) is left as it is with an
+``Attention``, holding its cache or not, or decomposed: the candidate rules of the fusions
+``GqaFusionPass`` runs, ``FUSIONS``) is left as it is with an
 :class:`~onnx_kvcache.errors.UnfusedAttentionWarning` naming ``GqaFusionPass`` and
 ``optimize_model``: the pass converts GroupQueryAttention and PagedAttention only.
 
@@ -82,7 +83,6 @@ from onnx_kvcache.passes._kv_cache_plan import (
 )
 from onnx_kvcache.passes._kv_scale_store import _own_scale_name, _ScaleStore
 from onnx_kvcache.passes._shape_readers import keep_head_size, keep_query_width
-from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows
 from onnx_kvcache.scales.files import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,6 @@ class KvCacheQuantizationPass(InPlacePass):
         modified = False
         for plan in plans:
             modified |= self._apply(plan, store, planned.granularity)
-        cast_fp8_windows(model.graph)
         modified |= store.modified | store.remove_unused()
         if plans and model.ir_version < _MIN_IR_VERSION.get(self.format.dtype, 0):
             model.ir_version = _MIN_IR_VERSION[self.format.dtype]  # the cache type is newer than it
@@ -249,7 +248,8 @@ def _unfused_notes(model: ir.Model, name: str) -> list[KvCacheWarning]:
     return [
         UnfusedAttentionWarning(
             f"{name} converted nothing: the model has no GroupQueryAttention or PagedAttention node, "
-            f"but {len(found)} attention node(s) (ONNX Attention or decomposed; first {first}) that "
+            f"but {len(found)} attention node(s) (ONNX Attention, holding its cache or not, or decomposed; "
+            f"first {first}) that "
             "become GroupQueryAttention only by fusion. Run GqaFusionPass first "
             f"(ir.passes.PassManager([GqaFusionPass(), {name}(...)])), or call optimize_model, which "
             "fuses, checks the target and quantizes (docs/exporting.md)."

@@ -28,11 +28,13 @@ def _pyplot() -> Any:
 
 def check_plotting(
     path: str | os.PathLike, *, overwrite: bool = False, inputs: Iterable[os.PathLike | str] = ()
-) -> None:
+) -> Any:
     """Refuse, before an evaluation, a plot that could not be written: no matplotlib, a name
-    that is not ``.png``, or a path the output rules (:mod:`onnx_kvcache.model_io._outputs`) refuse."""
-    check_output(path, "plot", overwrite=overwrite, inputs=inputs)
+    that is not ``.png``, or a path the output rules (:mod:`onnx_kvcache.model_io._outputs`) refuse.
+    The identity of the file it would replace (None: a new file), as ``check_output`` gives it."""
+    seen = check_output(path, "plot", overwrite=overwrite, inputs=inputs)
     _pyplot()
+    return seen
 
 
 def plot_evaluation(

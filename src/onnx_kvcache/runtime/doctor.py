@@ -16,6 +16,11 @@ Two checks, both read from the runtime itself:
    fails only with NOT_IMPLEMENTED proves the graph's types resolve and that there is no
    kernel. A provider that is not present is checked for type resolution only, on the CPU
    provider: the row is then *only in the schema*.
+3. **Attention sinks.** On each present provider whose GroupQueryAttention row says it honors
+   ``head_sink`` (input 11), one node per cache it lists (float, each such format per tensor) is
+   run on a one-token prompt whose key is zero, with and without sinks: the sink ``s`` of a head
+   must scale that head's output by ``1 / (1 + exp(s))`` (the key's score is 0), which proves the
+   kernel adds it to the softmax's denominator.
 
 Each row ends as ``proven`` (this machine shows what the table says), ``schema only`` (the
 types resolve here; the kernel could not be run) or ``disagrees`` (the runtime says
@@ -37,7 +42,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, scale_granularity
-from onnx_kvcache.cache.operators import ATTENTION_OPS, PAGED, AttentionOp
+from onnx_kvcache.cache.operators import ATTENTION_OPS, GQA, PAGED, AttentionOp, GqaInput
 from onnx_kvcache.capabilities.device import cuda_compute_capability
 from onnx_kvcache.capabilities.table import CAPABILITIES, EpCapabilities, get_capabilities
 from onnx_kvcache.errors import Function, KvCacheError, KvCacheWarning
@@ -480,9 +485,67 @@ def run_doctor(providers: Sequence[str] | None = None) -> DoctorReport:
                     kind, message = probe(op, dtype, fmt, g, latent, provider)
                     asked = _Probe(op, row, dtype, label, table, runs, on_here)
                     results.append(_verdict(asked, kind, message))
+    for row in CAPABILITIES[GQA.op_type].values():
+        if row.runtime == "onnxruntime" and row.provider in present and row.head_sink is not None:
+            results += [_sink_probe(row, fmt) for fmt in (None, *sorted(row.head_sink.formats))]
     return DoctorReport(
         installed_ort_version(), tuple(present), tuple(absent), tuple(schemas), tuple(results)
     )
+
+
+def _sink_probe(row: EpCapabilities, fmt: str | None) -> ProbeResult:
+    """``head_sink`` on ``row``'s provider with a ``fmt`` cache (None: float); see the module."""
+    assert row.head_sink is not None
+    dtype = _query_dtype(row)
+    label = ("float" if fmt is None else f"{fmt} per_tensor") + " + head_sink"
+    table = f"ORT >= {row.head_sink.min_version}"
+    sinks = np.linspace(-1.0, 2.0, _HEADS).astype(np.float32)
+    outputs = []
+    for with_sinks in (False, True):
+        model = _converted(GQA, dtype, fmt, "per_tensor", False)
+        node = next(n for n in model.graph if n.op_type == GQA.op_type)
+        node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 0)
+        if with_sinks:
+            value = ir.Value(name="head_sink", const_value=ir.tensor(sinks.astype(dtype.numpy())))
+            value.dtype, value.shape = dtype, ir.Shape([_HEADS])
+            model.graph.register_initializer(value)
+            if len(node.inputs) <= GqaInput.HEAD_SINK:
+                node.resize_inputs(GqaInput.HEAD_SINK + 1)
+            node.replace_input_with(GqaInput.HEAD_SINK, value)
+        try:
+            outputs.append(_one_token(model, row.provider, dtype))
+        except Exception as e:  # onnxruntime raises several unrelated types
+            outcome = f"{dtype.name.lower()} node with head_sink rejected: {str(e).splitlines()[0][:160]}"
+            return ProbeResult(GQA.op_type, row.name, label, table, outcome, "disagrees")
+    ratio = outputs[1].reshape(_HEADS, _HEAD) / outputs[0].reshape(_HEADS, _HEAD)
+    want = 1.0 / (1.0 + np.exp(sinks))
+    error = float(np.abs(ratio - want[:, None]).max())
+    honored = error < 1e-2
+    outcome = f"ran ({dtype.name.lower()}): each head scaled by 1 / (1 + exp(sink)) within {error:.1e}"
+    if not honored:
+        outcome = f"ran ({dtype.name.lower()}): the sinks are not in the softmax (off by {error:.1e})"
+    return ProbeResult(GQA.op_type, row.name, label, table, outcome, "proven" if honored else "disagrees")
+
+
+def _one_token(model: ir.Model, provider: str, dtype: ir.DataType) -> np.ndarray:
+    """The output of a one-token prompt with a zero key (its score 0) and values far from 0."""
+    session = create_session(model, [provider])
+    rng = np.random.default_rng(0)
+    t = dtype.numpy()
+    names = {i.name: i for i in session.get_inputs()}
+    past = names["past_key_values.0.key"]
+    zeros = np.zeros((1, _KV, 0, past.shape[3] if isinstance(past.shape[3], int) else _HEAD))
+    feeds = {
+        "query": rng.standard_normal((1, 1, _HEADS * _HEAD)).astype(t),
+        "key": np.zeros((1, 1, _KV * _HEAD), t),
+        "value": (1.0 + rng.random((1, 1, _KV * _HEAD))).astype(t),
+        "seqlens_k": np.zeros(1, np.int32),
+        "total_sequence_length": np.array(1, np.int32),
+    }
+    for name in ("past_key_values.0.key", "past_key_values.0.value"):
+        kind = names[name].type
+        feeds[name] = zeros.astype({"tensor(int8)": np.int8, "tensor(uint8)": np.uint8}.get(kind, t))
+    return np.asarray(session.run(["output"], feeds)[0], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)

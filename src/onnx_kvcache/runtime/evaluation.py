@@ -32,8 +32,15 @@ import onnx_ir as ir
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
+from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
 from onnx_kvcache.runtime.runner import KvCacheRunner
-from onnx_kvcache.scales.data import TokenData, TokenWindows, load_token_windows
+from onnx_kvcache.scales.data import (
+    RANDOM_WINDOWS,
+    TokenData,
+    TokenWindows,
+    find_tokenizer,
+    load_token_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +189,7 @@ def evaluate_kv_cache(
     scoring = _Scoring(max_new_tokens, prompt_len, seq_len, num_seqs, tokenizer, progress)
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
-    _check_positions(scoring, cand)
-    loaded = _windows(baseline, data, base, scoring)
+    loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     tally = _Tally()
     for window in _progress(loaded.windows, scoring.progress):
         tally.score(base, cand, window, scoring)
@@ -255,6 +261,61 @@ def _check_positions(scoring: _Scoring, runner: KvCacheRunner) -> None:
             Param("max_new_tokens", limit - prompt + 1),
             ".",
         )
+
+
+#: What lowers an evaluation's memory, said when it is refused (runtime/_memory.py).
+_FEWER = (*FEWER_WINDOWS, " or fewer greedy tokens (", Param("max_new_tokens", placeholder="N"), ").")
+
+#: Bytes kept per scored position (its KL as float64, its top-1 agreement) and per window and
+#: layer (the cache errors, the lists' entries): the report's figures until the last window.
+_KEPT_PER_TOKEN, _KEPT_PER_LAYER, _KEPT_PER_WINDOW = 17, 120, 700
+
+
+def _bounded_windows(
+    baseline: ir.Model | str | os.PathLike,
+    data: TokenData,
+    runners: tuple[KvCacheRunner, KvCacheRunner],
+    scoring: _Scoring,
+) -> TokenWindows:
+    """The windows to score, once the lengths fit the model's positions and the memory the
+    run will hold fits the machine: random ids estimated before they are generated, other data
+    once read (runtime/_memory.py). Nothing has run yet."""
+    _check_positions(scoring, runners[1])
+    model = baseline if not isinstance(baseline, ir.Model) else None
+    if data is None and find_tokenizer(model, scoring.tokenizer) is None:  # random ids: generated
+        count = scoring.num_seqs or RANDOM_WINDOWS
+        _memory(runners, scoring, count, scoring.seq_len, ids=True).check(*_FEWER)
+    loaded = _windows(baseline, data, runners[0], scoring)
+    longest = max(len(w) for w in loaded.windows)
+    _memory(runners, scoring, len(loaded.windows), longest, ids=False).check(*_FEWER)
+    return loaded
+
+
+def _memory(
+    runners: tuple[KvCacheRunner, KvCacheRunner], scoring: _Scoring, windows: int, length: int, *, ids: bool
+) -> MemoryEstimate:
+    """What scoring ``windows`` windows of ``length`` tokens holds (``ids``: their random ids too):
+    what is kept per window for the report, and each model's run of one window (its caches, as
+    long as the window or the prompt and its greedy tokens, the prompt's attention scores, the
+    logits of its decode steps); runtime/_memory.py."""
+    layers = len({b.layer_id for b in runners[0].bindings})
+    kept = windows * (length * _KEPT_PER_TOKEN + layers * _KEPT_PER_LAYER + _KEPT_PER_WINDOW)
+    generated = windows * (length * 8 + WINDOW_BYTES) if ids else 0
+    parts = [
+        (f"random token ids of {windows} windows x {length} tokens", generated),
+        (f"the scores kept of {windows} windows", kept),
+    ]
+    prompt = min(scoring.prompt_len, max(1, length // 2))
+    positions = max(length, prompt + scoring.max_new_tokens)
+    queries = -(-prompt * prompt // positions)  # the prompt's scores (p x p), else a step's (1 x T)
+    for name, runner in zip(("baseline", "candidate"), runners):
+        parts += [
+            (f"{name}: {what}", size)
+            for what, size in run_parts(runner, 1, positions, queries=queries, logits=False)
+        ]
+        logits = length * (runner.vocab_size or 0) * 4
+        parts.append((f"{name}: {length} tokens' logits", logits))
+    return MemoryEstimate("evaluation", tuple(parts))
 
 
 def _runners(

@@ -44,7 +44,7 @@ from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
 from onnx_kvcache.files._export_folder import read_export_config
-from onnx_kvcache.model_io._sessions import host_array
+from onnx_kvcache.model_io._sessions import host_array, ort_error_text
 from onnx_kvcache.model_io.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
 from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics
@@ -357,7 +357,7 @@ class KvCacheRunner:
         try:
             raw = self._session.run(feeds, self._cache, with_logits)
         except Exception as error:  # onnxruntime raises several unrelated types
-            raise KvCacheError(f"onnxruntime failed running the model: {error}") from error
+            raise KvCacheError(f"onnxruntime failed running the model: {ort_error_text(error)}") from error
         if raw is None:
             return None
         logits = np.asarray(raw, np.float32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "CORPUS_PARTS",
+    "RANDOM_WINDOWS",
     "DEFAULT_DATA",
     "DefaultData",
     "TokenData",
@@ -60,6 +61,9 @@ TokenData = Sequence[Sequence[int]] | str | os.PathLike | None
 
 MAX_TOKEN_ID = 2**31 - 1
 """Token ids are int32 or int64 model inputs; every vocabulary fits int32."""
+
+RANDOM_WINDOWS = 8
+"""Windows of random ids generated when no data, no tokenizer and no ``num_seqs`` are given."""
 
 
 CORPUS_PARTS = ("calibration", "evaluation")
@@ -276,7 +280,7 @@ def load_token_windows(
                 if vocab_size is None:
                     raise KvCacheError("No data, no tokenizer and no known vocabulary size: give token ids.")
                 rng = np.random.default_rng(default.seed if seed is None else seed)
-                sequences = [rng.integers(0, vocab_size, seq_len) for _ in range(num_seqs or 8)]
+                sequences = [rng.integers(0, vocab_size, seq_len) for _ in range(num_seqs or RANDOM_WINDOWS)]
                 source, random = default.random_source, True
             else:
                 sequences = [np.asarray(tokenize_text(builtin_corpus(default.corpus_part), tok), np.int64)]

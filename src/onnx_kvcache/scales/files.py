@@ -278,7 +278,7 @@ class KvCacheScales:
         An existing ``path`` is replaced only when it is a scale file onnx-kvcache wrote and
         nobody edited since (``overwrite=True``: any regular file that is not an ONNX model
         or a file a graph in its folder names as external data); never a folder, a symbolic
-        link, a device or a FIFO. The folder must exist.
+        link, a device or a FIFO. A missing folder is created.
 
         Raises:
             KvCacheError: The path is one of those; the message says which.

@@ -24,8 +24,10 @@ CONVERTS = "converts"
 #: One row per file (its manifest path): ``converts`` or the refusal's one line.
 EXPECTED: dict[str, str] = {
     "genai-builder/genai-builder-cpu-fp32/gemma2": CONVERTS,
+    "genai-builder/genai-builder-cpu-fp32/gpt_oss": CONVERTS,
     "genai-builder/genai-builder-cpu-fp32/granite": CONVERTS,
     "genai-builder/genai-builder-cpu-fp32/llama": CONVERTS,
+    "genai-builder/genai-builder-cpu-fp32/llama_rope_llama3": CONVERTS,
     "genai-builder/genai-builder-cpu-fp32/mistral": CONVERTS,
     "genai-builder/genai-builder-cpu-fp32/phi3": CONVERTS,
     "genai-builder/genai-builder-cpu-fp32/qwen2": CONVERTS,
@@ -38,7 +40,11 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-cuda-f16/llama": CONVERTS,
     "mobius/mobius-cuda-f16/phi3": CONVERTS,
     "mobius/mobius-cuda-f16/qwen3": CONVERTS,
+    "mobius/mobius-default/cohere": CONVERTS,
     "mobius/mobius-default/gemma3": CONVERTS,
+    "mobius/mobius-default/gpt_oss": (
+        "The model has no GroupQueryAttention or PagedAttention node with a KV cache, and attention fusion found no attention to fuse: nothing to convert. Export the decoder with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+    ),
     "mobius/mobius-default/granite": CONVERTS,
     "mobius/mobius-default/llama": CONVERTS,
     "mobius/mobius-default/mistral": CONVERTS,
@@ -46,7 +52,9 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-default/phi3": CONVERTS,
     "mobius/mobius-default/qwen2": CONVERTS,
     "mobius/mobius-default/qwen3": CONVERTS,
+    "mobius/mobius-default/qwen3_moe": CONVERTS,
     "mobius/mobius-default/smollm3": CONVERTS,
+    "mobius/mobius-default/starcoder2": CONVERTS,
     "mobius/mobius-ort-genai/gemma3": CONVERTS,
     "mobius/mobius-ort-genai/llama": CONVERTS,
     "mobius/mobius-ort-genai/qwen2": CONVERTS,
@@ -66,15 +74,30 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-static/qwen3": (
         "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node)."
     ),
+    "optimum/optimum-cli/cohere": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
+    ),
     "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/gemma3": CONVERTS,
+    "optimum/optimum-cli/gpt_oss": (
+        "The model has no GroupQueryAttention or PagedAttention node with a KV cache, and attention fusion found no attention to fuse: nothing to convert. Export the decoder with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+    ),
+    "optimum/optimum-cli/helium": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
+    ),
     "optimum/optimum-cli/llama": CONVERTS,
     "optimum/optimum-cli/mistral": CONVERTS,
     "optimum/optimum-cli/olmo2": CONVERTS,
     "optimum/optimum-cli/phi3": CONVERTS,
     "optimum/optimum-cli/qwen2": CONVERTS,
     "optimum/optimum-cli/qwen3": CONVERTS,
+    "optimum/optimum-cli/qwen3_moe": (
+        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.1/self_attn/Softmax_output_0' has no known rank (1; first /model/layers.1/self_attn/MatMul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
+    ),
     "optimum/optimum-cli/smollm3": CONVERTS,
+    "optimum/optimum-cli/stablelm": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
+    ),
     "torch-tf4.57/dynamo-opset18-nooptimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize-f16/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
@@ -83,21 +106,62 @@ EXPECTED: dict[str, str] = {
     "torch-tf4.57/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/qwen3": CONVERTS,
+    "torch-tf4.57/dynamo-opset23-optimize/stablelm": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: a tensor's elements are not known (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+    ),
     "torch-tf4.57/torchscript-opset18/gemma2": CONVERTS,
     "torch-tf4.57/torchscript-opset18/llama": CONVERTS,
     "torch-tf4.57/torchscript-opset18/phi3": CONVERTS,
+    "torch-tf4.57/torchscript-opset18/starcoder2": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
+    ),
     "torch-tf5/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16/llama": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/cohere2": (
+        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: the repeat's Expand changes axis 3 (past + seq - max(0, past - 3) -> seq + max(0, past - max(0, past - 3))) (1; first node_scaled_dot_product_attention)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
+    ),
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2": (
+        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: the repeat's Expand changes axis 3 (past + seq - max(0, past - 3) -> seq + max(0, past - max(0, past - 3))) (1; first node_matmul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
+    ),
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/mistral": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: the repeat's Expand changes axis 3 (past + seq - max(0, past - 3) -> seq + max(0, past - max(0, past - 3))) (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+    ),
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window": (
+        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: the repeat's Expand changes axis 3 (past + seq - max(0, past - 3) -> seq + max(0, past - max(0, past - 3))) (1; first node_scaled_dot_product_attention_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
+    ),
+    "torch-tf5/dynamo-opset23-optimize/cohere2": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/deepseek_v3": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: K/V reach attention from Transpose node 'node_slice_scatter_1', not from a KV cache (Concat(past, new), directly or through repeat_kv) (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+    ),
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/gemma3": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/gpt_oss": (
+        "The model has no GroupQueryAttention or PagedAttention node with a KV cache, and attention fusion found no attention to fuse: nothing to convert. Export the decoder with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+    ),
     "torch-tf5/dynamo-opset23-optimize/llama": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/llama_rope_llama3": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/mistral": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/olmo2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/phi3": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/phi3_longrope": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/qwen2_rope_yarn": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/qwen2_window": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/qwen3": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/qwen3_moe": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/smollm3": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/starcoder2": CONVERTS,
     "torch-tf5/torchscript-opset18/llama": CONVERTS,
+    "torch2.15-tf5.25/dynamo-opset23-optimize-rollingcache/gemma2": (
+        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: the repeat's Expand changes axis 3 (past + seq - max(0, past - 3) -> seq + max(0, past - max(0, past - 3))) (1; first node_matmul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
+    ),
+    "torch2.15-tf5.25/dynamo-opset23-optimize/gemma2": CONVERTS,
+    "torch2.15-tf5.25/dynamo-opset23-optimize/gemma3": CONVERTS,
+    "torch2.15-tf5.25/dynamo-opset23-optimize/gpt_oss": (
+        "The model has no GroupQueryAttention or PagedAttention node with a KV cache, and attention fusion found no attention to fuse: nothing to convert. Export the decoder with GroupQueryAttention (e.g. onnxruntime-genai's model builder) or see docs/exporting.md."
+    ),
+    "torch2.15-tf5.25/dynamo-opset23-optimize/llama": CONVERTS,
+    "torch2.15-tf5.25/torchscript-opset18/llama": CONVERTS,
 }
 
 

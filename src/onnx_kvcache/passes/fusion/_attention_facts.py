@@ -21,16 +21,21 @@ __all__ = [
     "cache_link",
     "cache_mask_facts",
     "check_shapes",
+    "key_columns",
     "mask_condition",
     "mask_facts",
+    "restrict",
     "running_count",
 ]
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
+import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
@@ -45,6 +50,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     SymbolKind,
     Unprovable,
     axis,
+    max_of,
     reshape_dims,
 )
 
@@ -55,6 +61,8 @@ _B, _I, _J = Affine.of(BATCH), Affine.of(QUERY), Affine.of(KEY)
 
 
 ATTENTION_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+_Restricted = TypeVar("_Restricted", Affine, Conj)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +80,17 @@ class MaskFacts:
 
 
 @step(FusionRefusalCode.MASK)
-def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine) -> Conj:
-    """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf additive)."""
+def mask_condition(
+    ev: SymbolicEvaluator,
+    mask: ir.Value,
+    *,
+    query_len: Affine,
+    kv_len: Affine,
+    domain: Mapping[Symbol, Affine] | None = None,
+) -> Conj:
+    """The mask as a condition over batch, head, query and key indices (boolean, or 0/-inf
+    additive); ``domain``: maxima that are zero where the attention is called (a rolling window
+    cache's crop, :attr:`WindowCache.domain`), read as zero in the mask's shape and condition."""
     try:
         tensor = ev.eval(mask)
         elem = tensor.element()
@@ -91,14 +108,15 @@ def mask_condition(ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, 
     if not isinstance(cond, Conj):
         raise Unprovable("the mask is neither boolean nor a 0/-inf additive mask")
     names = (BATCH, HEAD, QUERY, KEY)[4 - tensor.rank :]
-    dims = dict(zip(names, tensor.shape))
-    if dims.get(KEY) != kv_len:  # ONNX Attention pads a shorter mask with -inf, not broadcast
+    dims = {name: restrict(dim, domain) for name, dim in zip(names, tensor.shape)}
+    kv_len, cond = restrict(kv_len, domain), restrict(cond, domain)
+    if KEY not in dims or not equal(dims[KEY], kv_len):  # ONNX Attention pads a shorter mask with -inf
         raise Unprovable(f"the mask has {dims.get(KEY, ONE)} key columns, the cache {kv_len}")
-    if dims.get(QUERY, ONE) not in (query_len, ONE):
+    if dims.get(QUERY, ONE) != ONE and not equal(dims[QUERY], query_len):
         raise Unprovable(f"the mask has {dims[QUERY]} query rows, the query {query_len}")
     mapping = {
         axis(k): Affine(const=0) if dim == ONE else Affine.of(name)
-        for k, (name, dim) in enumerate(zip(names, tensor.shape))
+        for k, (name, dim) in enumerate(zip(names, dims.values()))
     }
     return cond.subs(mapping)
 
@@ -234,15 +252,27 @@ class CacheLink:
     """Set for a cropped sliding-window cache (transformers 5.x); ``present`` is then the
     concatenation attention reads, not the graph output."""
 
+    @property
+    def domain(self) -> dict[Symbol, Affine]:
+        """Maxima that are zero where the attention is called (:attr:`WindowCache.domain`)."""
+        return dict(self.window.domain) if self.window is not None else {}
+
+
+def key_columns(ev: SymbolicEvaluator, link: CacheLink) -> Affine:
+    """The concatenated cache's length where the attention is called (:attr:`CacheLink.domain`)."""
+    return restrict(ev.shape(link.present)[2], link.domain)
+
 
 @dataclasses.dataclass(frozen=True)
 class WindowCache:
-    """transformers 5.x's DynamicSlidingWindowLayer as exported.
+    """A rolling window cache: transformers 5.x's DynamicSlidingWindowLayer as exported.
 
     Attention reads ``Concat(Slice(past, -crop), new)`` (the crop is optional); the present
-    graph output is ``Slice(that, -keep)``. GQA is given the uncropped past: with a window
-    ``W <= crop + 1`` the cropped tokens are outside every query's window, so its output is
-    the export's, and the last ``keep <= crop`` rows of its present are the export's present.
+    graph output is ``Slice(that, -keep)``, the last ``keep`` (``window - 1``) rows. Fed its
+    own presents, the export's past never holds more than ``keep`` rows: on that domain the
+    crop keeps every row (:attr:`domain`), and the layer is causal attention with a window
+    ``W <= keep + 1`` over ``Concat(past, new)``, which GQA's window-sized cache
+    (``sliding_window_cache=1``) computes from the last ``W - 1`` tokens it keeps.
     """
 
     output: ir.Value
@@ -255,6 +285,12 @@ class WindowCache:
     """Full-cache key index minus the concatenation's key index (the cropped rows)."""
     nodes: tuple[ir.Node, ...]
     """The present Slice and the crop Slice, removed with the attention."""
+    domain: tuple[tuple[Symbol, Affine], ...] = ()
+    """Maxima that are zero while the past holds at most ``keep`` rows (``max(0, past - keep)``,
+    ``max(0, past - crop)``): where a caller that feeds the presents back calls the export."""
+    uncropped: str | None = None
+    """A past input declared as long as this one whose cache is not cropped (a model that mixes
+    rolling and full-length caches), or None."""
 
 
 def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
@@ -269,7 +305,7 @@ def _whole_slice(ev: SymbolicEvaluator, node: ir.Node) -> bool:
     try:
         starts = ev.values(inputs[1], "Slice starts")
         steps = ev.const_ints(inputs[4], "Slice steps") if inputs[4] is not None else None
-        whole = ev.shape(node.outputs[0]) == ev.shape(inputs[0])
+        whole = same_dims(ev.shape(node.outputs[0]), ev.shape(inputs[0]))
     except Unprovable:
         return False
     return whole and all(s == ZERO for s in starts) and (steps is None or set(steps) <= {1})
@@ -321,7 +357,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if len(target) != 5 or not target[2].is_const or target[2].const < 1:
         raise Unprovable(f"the repeat's Expand {expand.name!r} has no constant group size")
     for k in (0, 1, 3, 4):
-        if target[k] not in (inserted[k], ONE):
+        if target[k] != ONE and not equal(target[k], inserted[k]):
             raise Unprovable(
                 f"the repeat's Expand {expand.name!r} changes axis {k} ({inserted[k]} -> {target[k]})"
             )
@@ -335,7 +371,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     )
     if not dims[1].is_const:
         raise Unprovable("the number of KV heads is not static")
-    if out != (dims[0], dims[1].scale(group), dims[2], dims[3]):
+    if not same_dims(out, (dims[0], dims[1].scale(group), dims[2], dims[3])):
         raise Unprovable(
             f"the repeat's Reshape {reshape.name!r} does not fold the group axis into the head axis"
         )
@@ -433,7 +469,61 @@ def _window_cache(
     if crop_node is not None:
         shift = ev.shape(past)[2] - ev.shape(crop_node.outputs[0])[2]
     nodes = tuple(n for n in (outputs[0], crop_node) if n is not None)
-    return WindowCache(outputs[0].outputs[0], keep, crop, shift, nodes)
+    length = ev.shape(past)[2]
+    vanish = [max_of(length - rows, ZERO) for rows in {keep, crop or keep}]
+    domain = tuple((m.terms[0][0], ZERO) for m in vanish if len(m.terms) == 1 and m.const == 0)
+    return WindowCache(outputs[0].outputs[0], keep, crop, shift, nodes, domain, _uncropped(ev, graph, past))
+
+
+def _uncropped(ev: SymbolicEvaluator, graph: ir.Graph, past: ir.Value) -> str | None:
+    """A 4-D graph input declared with ``past``'s length that no Slice crops to its last rows."""
+    length = ev.shape(past)[2]
+    for value in graph.inputs:
+        if value is past or value.shape is None or len(value.shape) != 4:
+            continue
+        if ev.declared_shape(value)[2] != length:
+            continue
+        readers = [u for u, _ in value.uses()]
+        if any(u.op_type == "Slice" and _tail_rows(ev, u) is not None for u in readers):
+            continue  # cropped
+        if any(u.op_type == "GroupQueryAttention" and _window_sized(u) for u in readers):
+            continue  # a rolling window cache fused already
+        return value.name
+    return None
+
+
+def _window_sized(node: ir.Node) -> bool:
+    attr = node.attributes.get("sliding_window_cache")
+    return attr is not None and attr.as_int() == 1
+
+
+def restrict(x: _Restricted, domain: Mapping[Symbol, Affine] | None) -> _Restricted:
+    """``x`` (a form or a condition) with the maxima of ``domain`` replaced by their values,
+    inside other maxima and lookups too."""
+    if not domain:
+        return x
+    if isinstance(x, Conj):
+        atoms = [
+            Le(restrict(a.lhs, domain))
+            if isinstance(a, Le)
+            else MaskAt(a.source, restrict(a.row, domain), restrict(a.col, domain))
+            for a in x.atoms
+        ]
+        return Conj.of(*atoms)  # type: ignore[return-value]
+    out = Affine(const=x.const)
+    for symbol, c in x.terms:
+        if symbol in domain:
+            value = domain[symbol]
+        elif symbol.kind is SymbolKind.MAX and symbol.form is not None:
+            value = max_of(restrict(symbol.form, domain), ZERO)
+        elif symbol.at is not None:
+            make = Symbol.entry if symbol.kind is SymbolKind.ENTRY else Symbol.count
+            at = symbol.at
+            value = Affine.of(make(at.source, restrict(at.row, domain), restrict(at.col, domain)))
+        else:
+            value = Affine.of(symbol)
+        out = out + value.scale(c)
+    return out  # type: ignore[return-value]
 
 
 @step(FusionRefusalCode.MASK)
@@ -450,18 +540,32 @@ def cache_mask_facts(
         raise Unprovable("one of K and V is a cropped sliding-window cache, the other not")
     if key.window is None or value.window is None:
         return mask_facts(cond, past=past, batch=batch)
-    if (key.window.shift, key.window.crop, key.window.keep) != (
-        value.window.shift,
-        value.window.crop,
-        value.window.keep,
+    window = key.window
+    if (window.crop, window.keep) != (value.window.crop, value.window.keep) or not equal(
+        restrict(window.shift, key.domain), restrict(value.window.shift, value.domain)
     ):
         raise Unprovable("K and V are cropped differently")
-    facts = mask_facts(cond.subs({KEY: _J - key.window.shift}), past=past, batch=batch)
-    crop = key.window.crop
-    if crop is not None and (facts.window is None or facts.window > crop + 1):
+    shift = restrict(window.shift, key.domain)
+    facts = mask_facts(restrict(cond, key.domain).subs({KEY: _J - shift}), past=past, batch=batch)
+    if facts.window is None or facts.window > window.keep + 1:
         raise Unprovable(
-            f"the past is cropped to its last {crop} rows but the mask's window is "
-            f"{facts.window or 'unbounded'}: the fused attention would see the cropped rows"
+            f"rolling window cache of W - 1 past tokens: the export keeps its last {window.keep} "
+            f"tokens but its mask's window is {facts.window or 'unbounded'}, so fed its own presents it "
+            "attends to fewer tokens than the window; export with a full-length cache (DynamicCache(), "
+            "docs/exporting.md section 1)"
+        )
+    if facts.padding is None:
+        raise Unprovable(
+            "rolling window cache of W - 1 past tokens: the mask reads no attention_mask, which GQA's "
+            "window-sized cache needs to count each row's tokens"
+        )
+    if window.uncropped is not None:
+        raise Unprovable(
+            f"rolling window cache of W - 1 past tokens: {key.past.name} keeps its last {window.keep} "
+            f"tokens (W = {facts.window}) while {window.uncropped}, declared as long, keeps every token, "
+            "so past that many tokens the export's presents no longer fit its own inputs (it reads every "
+            "layer's positions from one length); export with a full-length cache (DynamicCache(), "
+            "docs/exporting.md section 1)"
         )
     return facts
 
@@ -486,6 +590,9 @@ class AttentionMatch:
     softcap: float = 0.0
     probs: ir.Value | None = None
     """A softmax output to deliver as GQA's ``output_qk`` (``qk_output=2``)."""
+    head_sink: np.ndarray | None = None
+    """Per query head, a logit beside the scores in the softmax (gpt-oss's sinks): GQA's
+    ``head_sink`` (:mod:`onnx_kvcache.passes.fusion._sinks`)."""
     fit_mask: bool = False
     """The padding input's columns are fitted to the cache's ``P + S`` (cut, or zeros
     appended): an ONNX ``Attention`` with its own cache reads a mask with fewer key columns
@@ -517,7 +624,7 @@ def check_shapes(
         raise Unprovable(f"head size {head}: GroupQueryAttention needs a multiple of 8")
     for link in (key, value):
         new = ev.shape(link.new)
-        if len(new) != 4 or new[2] != q[2]:
+        if len(new) != 4 or not equal(new[2], q[2]):
             raise Unprovable("the new K/V tokens are not as many as the query tokens")
     dtypes = {ev.dtype(v) for v in (query, key.past, key.new, value.past, value.new)}
     if len(dtypes) != 1 or not dtypes <= ATTENTION_DTYPES:

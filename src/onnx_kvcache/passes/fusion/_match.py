@@ -91,6 +91,7 @@ from onnx_kvcache.passes.fusion._attention_facts import (
     cache_link,
     cache_mask_facts,
     check_shapes,  # noqa: F401
+    key_columns,  # noqa: F401
     mask_condition,
     mask_facts,
     running_count,
@@ -113,6 +114,10 @@ class PaddingOrder:
     """Flat indices putting them back."""
     inverse: ir.Value
     """Per-row positions putting them back (``scatter`` before flattening)."""
+
+
+SLIDING_PAST, SLIDING_TOTAL = "past_sliding_length", "total_sliding_length"
+"""The declared lengths of a window-sized cache's past and present (onnxruntime-genai's names)."""
 
 
 class GqaWriter:
@@ -204,8 +209,7 @@ class GqaWriter:
         return seqlens, total
 
     def _padding_key(self, site: AttentionMatch) -> str | None:
-        """The padding input, and for a cropped cache or a fitted mask the columns of it
-        that the layer reads."""
+        """The padding input, and for a fitted mask the columns of it that the layer reads."""
         if site.mask.padding is None:
             return None
         if site.fit_mask:
@@ -213,26 +217,34 @@ class GqaWriter:
                 self.ev.shape(site.key.past)[2] + self.ev.shape(site.query)[_seq_axis(self.ev, site.query)]
             )
             return f"{site.mask.padding}|columns:{width}"
-        if site.key.window is None:
-            return site.mask.padding
-        return f"{site.mask.padding}|first columns:{site.key.past.name}"
+        return site.mask.padding
 
     def _padding_mask(self, site: AttentionMatch, at: ir.Node) -> ir.Value:
-        """The padding input; for a cropped cache its first ``past + seq`` columns (the
-        columns the export's mask reads: one per row of the uncropped cache)."""
+        """The padding input (for a fitted mask, its ``P + S`` columns)."""
         mask = next(v for v in self.graph.inputs if v.name == site.mask.padding)
-        if site.fit_mask:
-            return self._fitted_mask(site, mask, at)
-        if site.key.window is None:
-            return mask
-        past = self._add(at, "Shape", [site.key.past], "window_mask/past_length", start=2, end=3)
-        new = self._add(at, "Shape", [site.query], "window_mask/new_length", start=2, end=3)
-        zero = self._const(at, np.array([0], np.int64), "window_mask/start")
-        axes = self._const(at, np.array([1], np.int64), "window_mask/axes")
-        width = self._add(at, "Add", [past, new], "window_mask/width")
-        columns = self._add(at, "Slice", [mask, zero, width, axes], "window_mask/columns")
-        columns.type, columns.shape = mask.type, ir.Shape([mask.shape[0] if mask.shape else None, None])
-        return columns
+        return self._fitted_mask(site, mask, at) if site.fit_mask else mask
+
+    def query_lengths(self, site: AttentionMatch) -> ir.Value:
+        """``query_seqlens`` (int32 ``[batch]``): each row's valid new tokens, its attention
+        mask's last ``S`` columns counted (computed once per padding input)."""
+        key = f"{self._padding_key(site)}|new"
+        if key in self._lengths:
+            return self._lengths[key][0]
+        self.lengths(site)
+        at = site.node
+        new = self._add(at, "Shape", [site.query], "query_seqlens/new_length", start=2, end=3)
+        end = self._const(at, np.array([np.iinfo(np.int64).max], np.int64), "query_seqlens/end")
+        axes = self._const(at, np.array([1], np.int64), "query_seqlens/axes")
+        start = self._add(at, "Neg", [new], "query_seqlens/start")
+        valid = self._add(
+            at, "Slice", [self._valid[str(self._padding_key(site))], start, end, axes], "query_seqlens/new"
+        )
+        counted = self._add(at, "Cast", [valid], "query_seqlens/Cast", to=ir.DataType.INT64)
+        total = self._add(at, "ReduceSum", [counted, axes], "query_seqlens/ReduceSum", keepdims=0)
+        lengths = self._add(at, "Cast", [total], "query_seqlens", to=ir.DataType.INT32)
+        lengths.dtype = ir.DataType.INT32
+        self._lengths[key] = (lengths, lengths)
+        return lengths
 
     def _fitted_mask(self, site: AttentionMatch, mask: ir.Value, at: ir.Node) -> ir.Value:
         """``mask`` with exactly ``P + S`` columns: cut, or zeros (padding) appended."""
@@ -411,6 +423,8 @@ class GqaWriter:
             attrs["softcap"] = float(site.softcap)
         if site.mask.window is not None:
             attrs["local_window_size"] = site.mask.window
+        if site.key.window is not None:  # a rolling window cache: GQA's window-sized cache
+            attrs["sliding_window_cache"] = 1
         if site.probs is not None:
             attrs["qk_output"] = 2
         name = f"{at.name}/GroupQueryAttention" if at.name else self._name("GroupQueryAttention")
@@ -425,6 +439,8 @@ class GqaWriter:
                     GqaInput.PAST_VALUE: site.value.past,
                     GqaInput.SEQLENS_K: seqlens,
                     GqaInput.TOTAL_SEQUENCE_LENGTH: total,
+                    GqaInput.HEAD_SINK: self._head_sink(site, q),
+                    GqaInput.QUERY_SEQLENS: self.query_lengths(site) if site.key.window else None,
                 }
             ),
             attrs,
@@ -466,22 +482,35 @@ class GqaWriter:
         remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
+        for link, present in zip((site.key, site.value), gqa.outputs[1:3]):
+            if link.window is not None and present.shape is not None and len(present.shape) == 4:
+                present.shape = ir.Shape([*present.shape[:2], SLIDING_TOTAL, present.shape[3]])
         if named is not None:  # the attention output was a graph output: its name stays
             self.graph.outputs[named].name = site.output.name
         return gqa
 
+    def _head_sink(self, site: AttentionMatch, query: ir.Value) -> ir.Value | None:
+        """The sink logits (one per query head) as an initializer of the query's type."""
+        if site.head_sink is None:
+            return None
+        dtype = query.dtype or ir.DataType.FLOAT
+        values = np.broadcast_to(site.head_sink, (site.num_heads,)).astype(dtype.numpy())
+        name = self._name("head_sink")
+        sink = ir.Value(name=name, const_value=ir.tensor(values, dtype=dtype, name=name))
+        sink.dtype, sink.shape = dtype, ir.Shape([site.num_heads])
+        self.graph.register_initializer(sink)
+        return sink
+
     def _present(self, link: CacheLink, present: ir.Value, at: ir.Node) -> tuple[ir.Value, ir.Value]:
-        """(the export's present, what replaces it): GQA's present, or for a cropped
-        sliding-window cache its last ``keep`` rows."""
+        """(the export's present, what replaces it): GQA's present. A rolling window cache's
+        present is GQA's window-sized one, its past and present lengths declared as onnxruntime-
+        genai's builder declares them (``past_sliding_length``, ``total_sliding_length``)."""
         if link.window is None:
             return link.present, present
-        present.type = link.past.type
-        start = self._const(at, np.array([-link.window.keep], np.int64), "window_cache/start")
-        end = self._const(at, np.array([np.iinfo(np.int64).max], np.int64), "window_cache/end")
-        axes = self._const(at, np.array([2], np.int64), "window_cache/axes")
-        kept = ir.node("Slice", [present, start, end, axes], name=self._name("window_cache/present"))
-        self.graph.insert_before(at, kept)
-        return link.window.output, kept.outputs[0]
+        shape = link.past.shape
+        if shape is not None and len(shape) == 4 and not isinstance(shape[2], int):
+            link.past.shape = ir.Shape([*shape[:2], SLIDING_PAST, shape[3]])
+        return link.window.output, present
 
     def _rewire_output(self, site: AttentionMatch, out: ir.Value) -> list[ir.Node | None]:
         """Feed the GQA output (BSH) to the attention output's users (BNSH).

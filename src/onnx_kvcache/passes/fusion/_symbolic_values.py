@@ -483,7 +483,7 @@ def broadcast_shapes(*shapes: Sequence[Affine]) -> tuple[Affine, ...]:
                 continue
             if chosen == ONE:
                 chosen = dim
-            else:
+            elif not _equal(chosen, dim):
                 raise Unprovable(f"cannot prove that dimensions {chosen} and {dim} broadcast")
         out.append(chosen)
     return tuple(out)
@@ -540,14 +540,24 @@ def max_of(a: Affine, b: Affine) -> Affine:
 
     ``max(a, b) = b + max(0, a - b)``; ``e`` is normalized (its first coefficient positive,
     else ``a + max(0, b - a)``), so every computation of the same maximum names the same
-    symbol. Sound: the symbol is only ever compared for identity. Maxima over index
-    variables (axes, attention's indices) are refused: substitution does not reach inside them.
+    symbol. Where one side is the larger for every value of the symbols (proven by
+    :mod:`~onnx_kvcache.passes.fusion._piecewise`: ``max(0, past - max(0, past - 3))`` is
+    ``past - max(0, past - 3)``), that side is the result and no symbol is made. Forms that
+    are equal but written differently are compared with :func:`~onnx_kvcache.passes.fusion.
+    _piecewise.equal`. Maxima over index variables (axes, attention's indices) are refused:
+    substitution does not reach inside them.
     """
     e = a - b
     if e.is_const:
         return b + max(0, e.const)
     if any(symbol.kind in _INDICES for symbol in e.symbols):
         raise Unprovable("a maximum over tensor indices is not followed")
+    from onnx_kvcache.passes.fusion._piecewise import always_nonnegative  # it reads these types
+
+    if always_nonnegative(e):  # one side is the maximum for every value: no new symbol
+        return a
+    if always_nonnegative(-e):
+        return b
     base = b
     if e.terms[0][1] < 0:
         e, base = -e, a
@@ -556,6 +566,12 @@ def max_of(a: Affine, b: Affine) -> Affine:
 
 _INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.ENTRY, SymbolKind.COUNT})
 _LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX})
+
+
+def _equal(a: Affine, b: Affine) -> bool:
+    from onnx_kvcache.passes.fusion._piecewise import equal  # it reads these types
+
+    return equal(a, b)
 
 
 def nonnegative(form: Affine) -> bool:

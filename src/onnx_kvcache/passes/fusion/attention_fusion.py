@@ -27,9 +27,12 @@ from __future__ import annotations
 __all__ = ["AttentionFusionPass"]
 
 
+from collections.abc import Mapping
+
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
+from onnx_kvcache.passes.fusion._attention_facts import restrict
 from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, not_causal, probs_and_scale
 from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
 from onnx_kvcache.passes.fusion._match import (
@@ -40,29 +43,45 @@ from onnx_kvcache.passes.fusion._match import (
     cache_link,
     cache_mask_facts,
     check_shapes,
+    key_columns,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
-from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Le, SymbolicEvaluator, Unprovable, min_of
+from onnx_kvcache.passes.fusion._symbolic import (
+    Affine,
+    Conj,
+    Le,
+    Symbol,
+    SymbolicEvaluator,
+    Unprovable,
+    min_of,
+)
 from onnx_kvcache.passes.fusion._symbolic_values import _INT_TYPES as _INTEGERS
 from onnx_kvcache.passes.fusion.cached_attention_fusion import holds_own_cache
 
 
-def shorter_mask(ev: SymbolicEvaluator, graph: ir.Graph, mask: ir.Value, kv_len: Affine) -> str | None:
+def shorter_mask(
+    ev: SymbolicEvaluator,
+    graph: ir.Graph,
+    mask: ir.Value,
+    kv_len: Affine,
+    domain: Mapping[Symbol, Affine] | None = None,
+) -> str | None:
     """The 2-D integer input ``m`` when the mask has ``min(m.shape[1], P + S)`` key columns (the
     export's mask of ``m``'s width cut to the cache's: transformers 4.x's ``causal_mask[..., :kv]``),
     else None. ``Attention`` masks the keys past a shorter mask, as GQA does reading ``m`` fitted
-    to ``P + S`` columns (cut, or zeros appended)."""
+    to ``P + S`` columns (cut, or zeros appended); ``domain`` as :func:`mask_condition`'s."""
     try:
-        columns = ev.shape(mask)[-1]
+        columns = restrict(ev.shape(mask)[-1], domain)
     except (Unprovable, IndexError):
         return None
-    if columns == kv_len:
+    if equal(columns, kv_len):
         return None
     for value in graph.inputs:
         if value.dtype in _INTEGERS and value.shape is not None and len(value.shape) == 2:
             width = ev.declared_shape(value)[1]
-            if columns == min_of(width, kv_len):
+            if equal(columns, min_of(width, kv_len)):
                 return value.name
     return None
 
@@ -89,13 +108,13 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
 
     with proof_step(FusionRefusalCode.MASK):
         q_len = ev.shape(query)[2]
-        kv_len = ev.shape(k_link.present)[2]
+        kv_len = key_columns(ev, k_link)
         past = ev.shape(k_link.past)[2]
         cond, fitted = Conj(), None
         if mask is not None:
-            fitted = shorter_mask(ev, graph, mask, kv_len)
+            fitted = shorter_mask(ev, graph, mask, kv_len, k_link.domain)
             columns = kv_len if fitted is None else ev.shape(mask)[-1]
-            cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=columns)
+            cond = cond & mask_condition(ev, mask, query_len=q_len, kv_len=columns, domain=k_link.domain)
         # Without a past_key input, ONNX measures is_causal and the windows from offset 0 (top-left).
         query_index, key_index = Affine.of(QUERY), Affine.of(KEY)
         if attribute(node, "is_causal", 0):

@@ -20,8 +20,9 @@ GQA nodes afterwards.
 from __future__ import annotations
 
 __all__ = [
-    "CROPPED_WINDOW_WARNING",
+    "FUSIONS",
     "PADDING_WARNING",
+    "ROLLING_WINDOW_WARNING",
     "WINDOW_PADDING_WARNING",
     "GqaFusionPass",
     "fusion_candidates",
@@ -34,11 +35,17 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning, warn
+from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
-from onnx_kvcache.passes.fusion._base import FusionRefusal, FusionReport, FusionResult, summarize_refusals
+from onnx_kvcache.passes.fusion._base import (
+    FusionPass,
+    FusionRefusal,
+    FusionReport,
+    FusionResult,
+    summarize_refusals,
+)
+from onnx_kvcache.passes.fusion._match import remove_dead
 from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
-from onnx_kvcache.passes.fusion._window_present import tail_slice
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
@@ -58,22 +65,34 @@ WINDOW_PADDING_WARNING = (
     "the fused attention does not. Left-pad batches for those."
 )
 
-#: Added when a fused attention with a padding mask has a cropped sliding-window cache.
-CROPPED_WINDOW_WARNING = (
-    "Layers whose export keeps only the last window - 1 tokens (transformers 5.x sliding-window "
-    "caches) compute as the export for a left-padded row only when its padding is at most "
-    "window - 1 tokens: with window or more padding tokens its prompt still computes as the export, "
-    "but every decode step after it differs (the fused cache holds the row's valid tokens first, the "
-    "export's its last positions). Pad rows by fewer than window tokens, or run such prompts unpadded "
-    "(one row per batch)."
+#: Added when a fused attention with a padding mask had a rolling window cache.
+ROLLING_WINDOW_WARNING = (
+    "Layers whose export keeps only its last window - 1 tokens (a rolling window cache, transformers "
+    "5.x) now keep a window-sized cache (sliding_window_cache=1) and count each row's tokens over the "
+    "whole attention_mask, so a padded row attends to its own last window tokens, as transformers does; "
+    "the export reads its mask's first past + seq columns, and computes the same for a padded row only "
+    "when given its cache's columns (the mask's last past + seq; docs/exporting.md, Rolling window caches)."
 )
 
 
-def _has_cropped_windows(model: ir.Model) -> bool:
-    return any(
-        node.op_type == "GroupQueryAttention" and len(node.outputs) > 1 and tail_slice(node.outputs[1])
-        for node in model.graph
-    )
+#: Our fusions, in the order :class:`GqaFusionPass` runs them: the one list the pass, its
+#: :func:`fusion_candidates` and the quantization passes' ``UnfusedAttentionWarning`` read. The
+#: last (decomposed attention) is the one whose refusals onnxscript's fusions may still lift.
+FUSIONS: tuple[type[FusionPass], ...] = (
+    CachedAttentionFusionPass,
+    AttentionFusionPass,
+    DecomposedAttentionFusionPass,
+)
+
+
+def _has_window_caches(model: ir.Model) -> bool:
+    gqa = (node for node in model.graph if node.op_type == "GroupQueryAttention")
+    return any(_attr(node, "sliding_window_cache") == 1 for node in gqa)
+
+
+def _attr(node: ir.Node, name: str) -> int:
+    attr = node.attributes.get(name)
+    return attr.as_int() if attr is not None else 0
 
 
 class GqaFusionPass(InPlacePass):
@@ -99,8 +118,8 @@ class GqaFusionPass(InPlacePass):
     def call(self, model: ir.Model) -> FusionResult:
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
-        attention = _report(CachedAttentionFusionPass()(model)) + _report(AttentionFusionPass()(model))
-        decomposed = _report(DecomposedAttentionFusionPass()(model))
+        *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
+        attention = sum(first, FusionReport())
         modified = bool(attention.fused or decomposed.fused)
         applied: dict[str, int] = {}
         if not (attention.fused or decomposed.fused) and _has_contrib_rotary(model.graph):
@@ -120,6 +139,8 @@ class GqaFusionPass(InPlacePass):
                 raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
             applied = {k: v for k, v in counts.items() if v}
             modified = modified or _structure(model) != before_ort
+        if attention.fused or decomposed.fused:
+            _settle_window_caches(model.graph)
         remaining = decomposed.left()  # what onnxscript fused since is no longer left
         report = attention + remaining
         unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
@@ -135,11 +156,11 @@ class GqaFusionPass(InPlacePass):
             )
         if report.padded:
             windows = report.padded_windows
-            cropped = _has_cropped_windows(model)
+            rolling = _has_window_caches(model)
             warn(
                 PADDING_WARNING
                 + (" " + WINDOW_PADDING_WARNING if windows else "")
-                + (" " + CROPPED_WINDOW_WARNING if cropped else ""),
+                + (" " + ROLLING_WINDOW_WARNING if rolling else ""),
                 PaddingAssumptionWarning,
             )
         return FusionResult(model, modified=modified, report=report)
@@ -148,6 +169,43 @@ class GqaFusionPass(InPlacePass):
 def _gqa_count(graph: ir.Graph) -> int:
     """The main graph's GroupQueryAttention nodes (what the log line counts)."""
     return sum(1 for node in graph if node.op_type == "GroupQueryAttention")
+
+
+def _settle_window_caches(graph: ir.Graph) -> None:
+    """After rolling window caches became window-sized (``sliding_window_cache=1``, their pasts
+    ``W`` rows and more where the export's held at most ``W - 1``): remove the nodes nothing reads
+    (an export's unused mask computations would index the attention mask by the new length), and
+    refuse a graph in which anything but attention still reads such a past (a position computed
+    from its length)."""
+    pasts = [
+        value
+        for node in graph
+        if node.op_type == "GroupQueryAttention" and _attr(node, "sliding_window_cache") == 1
+        for value in node.inputs[3:5]
+        if value is not None and value.is_graph_input()
+    ]
+    if not pasts:
+        return
+    remove_dead(graph, [n for n in graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)])
+    for past in pasts:
+        for user, _ in past.uses():
+            if user.op_type != "GroupQueryAttention" and not _reads_other_dims(user):
+                raise KvCacheError(
+                    f"{user.op_type} node {user.name!r} reads the length of {past.name}, a rolling window "
+                    "cache that the fusion made window-sized (W rows where the export's held at most "
+                    "W - 1): it would compute from the new length. Export with a full-length cache "
+                    "(DynamicCache(), docs/exporting.md section 1)."
+                )
+
+
+def _reads_other_dims(node: ir.Node) -> bool:
+    """A Shape of a 4-D cache that leaves out its length (axis 2): the batch, heads, head size."""
+    if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+        return False
+    start, end = _attr(node, "start"), node.attributes.get("end")
+    stop = end.as_int() if end is not None else 4
+    start, stop = (x + 4 if x < 0 else x for x in (start, stop))
+    return not start <= 2 < stop
 
 
 def _report(result: ir.passes.PassResult) -> FusionReport:
@@ -160,9 +218,10 @@ def _has_contrib_rotary(graph: ir.Graph) -> bool:
 
 
 def fusion_candidates(model: ir.Model) -> list[ir.Node]:
-    """The main graph's nodes :class:`GqaFusionPass`'s own fusions would try (ONNX ``Attention``,
-    decomposed attention's last MatMul): a cheap look, nothing proven or changed."""
-    fusions = (AttentionFusionPass(), DecomposedAttentionFusionPass())
+    """The main graph's nodes :class:`GqaFusionPass`'s own fusions (:data:`FUSIONS`) would try
+    (ONNX ``Attention``, with its own cache or not; decomposed attention's last MatMul): their
+    own candidate rules, a cheap look, nothing proven or changed."""
+    fusions = [fusion() for fusion in FUSIONS]
     return [node for node in model.graph if any(f.is_candidate(node) for f in fusions)]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 __all__ = ["DecomposedAttentionFusionPass"]
 
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion._base import FusionPass
@@ -37,11 +38,13 @@ from onnx_kvcache.passes.fusion._match import (
     cache_link,
     cache_mask_facts,
     check_shapes,
+    key_columns,
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
+from onnx_kvcache.passes.fusion._sinks import sink_site
 from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
 
 
@@ -85,16 +88,18 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         probs, value = out.inputs
         if probs is None or value is None:
             raise Unprovable("the attention MatMul lacks an input")
-        softmax = _op(unwrap_probs(ev, probs, nodes), "Softmax")
+        read = unwrap_probs(ev, probs, nodes)
+        sink = sink_site(ev, read, nodes)  # gpt-oss: a Slice of a softmax with a sink column
+        softmax = sink.softmax if sink is not None else _op(read, "Softmax")
         if softmax is None:
             raise Unprovable("the MatMul does not read softmax probabilities")
         rank = len(ev.shape(softmax.outputs[0]))
         axis = softmax.attributes.get("axis")
         if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
-            raise Unprovable("the softmax is not over the last axis of 4-D scores")
-        add = _op(softmax_input(ev, softmax.inputs[0], nodes), "Add")
+            raise Unprovable(f"the softmax {softmax.name!r} is not over the last axis of 4-D scores")
+        add = _op(softmax_input(ev, sink.scores if sink is not None else softmax.inputs[0], nodes), "Add")
         if add is None:
-            raise Unprovable("the softmax reads scores without an additive mask")
+            raise Unprovable(f"the softmax {softmax.name!r} reads scores without an additive mask")
         scores, mask = add.inputs
         if _op(scores, "MatMul", "Mul", "Div") is None:
             scores, mask = mask, scores
@@ -104,7 +109,19 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         chain = scores_chain(scores, nodes, ev)
         query, key_t = chain.query, chain.key_t
         key = _untransposed(ev, key_t, nodes)
-    return _site(ev, graph, out, nodes, query, key, value, mask, scale=chain.scale, softcap=chain.softcap)
+    return _site(
+        ev,
+        graph,
+        out,
+        nodes,
+        query,
+        key,
+        value,
+        mask,
+        scale=chain.scale,
+        softcap=chain.softcap,
+        head_sink=sink.values if sink is not None else None,
+    )
 
 
 def _site(
@@ -119,6 +136,7 @@ def _site(
     *,
     scale: float,
     softcap: float = 0.0,
+    head_sink: np.ndarray | None = None,
 ) -> AttentionMatch:
     """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
     k_link = cache_link(ev, graph, key, nodes)
@@ -126,7 +144,8 @@ def _site(
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
     with proof_step(FusionRefusalCode.MASK):
-        cond = mask_condition(ev, mask, query_len=ev.shape(query)[2], kv_len=ev.shape(k_link.present)[2])
+        query_len, kv_len = ev.shape(query)[2], key_columns(ev, k_link)
+        cond = mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
         facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
             raise Unprovable(f"the mask {mask.name!r} is not causal (a query would see later keys)")
@@ -142,6 +161,7 @@ def _site(
         scale=scale,
         mask=facts,
         softcap=softcap,
+        head_sink=head_sink,
     )
 
 
@@ -153,7 +173,7 @@ def _is_candidate(node: ir.Node) -> bool:
         return False
     value: ir.Value | None = node.inputs[0]
     for _ in range(4):
-        step = _op(value, "Cast", "Dropout", "Where")
+        step = _op(value, "Cast", "Dropout", "Where", "Slice")  # Slice: a sink column cut off
         if step is None or len(step.inputs) < (3 if step.op_type == "Where" else 1):
             break
         value = step.inputs[2] if step.op_type == "Where" else step.inputs[0]
