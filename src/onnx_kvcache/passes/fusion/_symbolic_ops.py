@@ -80,11 +80,19 @@ def _kind_of(dtype: ir.DataType | None) -> str:
 
 
 def _data(ev: SymbolicEvaluator, value: ir.Value, shape) -> SymTensor:
-    """An opaque tensor of ``shape`` (its annotated shape, if it has one)."""
+    """An opaque tensor of ``shape`` (its annotated shape, if it has one; an axis annotated
+    without a name or size is ``shape``'s)."""
     kind = _kind_of(ev.dtype(value))
-    if value.shape is not None:
-        return SymTensor(ev.declared_shape(value), kind)
-    return SymTensor(tuple(shape), kind)
+    if value.shape is None:
+        return SymTensor(tuple(shape), kind)
+    declared = ev.declared_shape(value)
+    computed = tuple(shape)
+    if len(computed) == len(declared):
+        declared = tuple(
+            c if not isinstance(d, int) and d.value is None else k
+            for d, k, c in zip(value.shape, declared, computed)
+        )
+    return SymTensor(declared, kind)
 
 
 def _opaque(t: SymTensor) -> bool:

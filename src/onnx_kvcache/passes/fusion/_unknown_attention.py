@@ -1,8 +1,7 @@
 """Attention that no fusion takes for one: softmaxes over scores read from a KV cache input.
 
 A fusion refuses only its own candidates; an attention written in a form none of them
-recognizes as a candidate (a softmax over ``Concat(scores, sinks)`` whose probabilities are
-sliced before the MatMul with V, an operator between the softmax and that MatMul) would
+recognizes as a candidate (an operator between the softmax and its MatMul with V) would
 otherwise leave no refusal at all, and a conversion would say it found no attention.
 :func:`unknown_attentions` finds them: each main-graph ``Softmax`` whose scores come, through
 at most one ``MatMul`` (the scores' ``Q @ K^T``) and at most :data:`_REACH` values, from a KV
@@ -27,8 +26,9 @@ from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 _REACH = 400
 """Values looked at above a softmax for its cache."""
 _MATMULS = frozenset({"MatMul", "Gemm", "MatMulInteger", "MatMulNBits", "Einsum"})
-_PASS = frozenset({"Cast", "Dropout", "Where", "Identity", "IsNaN"})
-"""What may stand between a softmax and what reads its probabilities (named past them)."""
+_PASS = frozenset({"Cast", "Dropout", "Where", "Identity", "IsNaN", "Slice"})
+"""What may stand between a softmax and what reads its probabilities (named past them; a Slice:
+an attention sink's column cut off, which the decomposed fusion refuses itself)."""
 
 
 def _caches(graph: ir.Graph) -> set[ir.Value]:
