@@ -17,7 +17,6 @@ from __future__ import annotations
 __all__ = ["reshape_dims"]
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -422,7 +421,7 @@ def kept(elem: Elem) -> Conj | None:
 
 
 _NONNEGATIVE = frozenset(
-    {SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX}
+    {SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX, SymbolKind.PRODUCT}
 )
 
 
@@ -591,18 +590,46 @@ def reshape_dims(
     if len(unknown) > 1:
         raise Unprovable("Reshape with more than one -1")
     if unknown:
-        have = Counter(d for d in in_shape if not d.is_const)
-        want = Counter(d for d in out if d is not None and not d.is_const)
+        numerator, have = _factors(in_shape)
+        denominator, want = _factors([d for d in out if d is not None])
         if want - have:
             raise Unprovable("Reshape target dimensions do not divide the input's")
         rest = list((have - want).elements())
-        numerator = math.prod(d.const for d in in_shape if d.is_const)
-        denominator = math.prod(d.const for d in out if d is not None and d.is_const)
-        if len(rest) > 1 or denominator == 0 or numerator % denominator:
+        if denominator == 0 or numerator % denominator:
             raise Unprovable("cannot infer the -1 of a Reshape")
         ratio = numerator // denominator
+        if len(rest) > 1 and not all(_symbol_of(d) is not None for d in rest):
+            raise Unprovable("cannot infer the -1 of a Reshape")
+        if len(rest) > 1:  # flattened lengths: their product, split again exactly by a later Reshape
+            rest = [Affine.of(Symbol.product([s for d in rest if (s := _symbol_of(d)) is not None]))]
         out[unknown[0]] = rest[0].scale(ratio) if rest else Affine(const=ratio)
     return tuple(d for d in out if d is not None)
+
+
+def _symbol_of(dim: Affine) -> Symbol | None:
+    """The symbol ``dim`` is (coefficient 1, no constant), else None."""
+    if dim.const or len(dim.terms) != 1 or dim.terms[0][1] != 1:
+        return None
+    return dim.terms[0][0]
+
+
+def _factors(dims: Sequence[Affine]) -> tuple[int, Counter[Affine]]:
+    """The product of ``dims`` as (its constant, its other factors): ``c * x`` is ``c`` and
+    ``x``, a :attr:`SymbolKind.PRODUCT` its factors, any other form one factor."""
+    const, factors = 1, Counter[Affine]()
+    for dim in dims:
+        if dim.is_const:
+            const *= dim.const
+            continue
+        symbol, scale = dim.terms[0] if not dim.const and len(dim.terms) == 1 else (None, 1)
+        const *= scale
+        if symbol is None:
+            factors[dim] += 1
+        elif symbol.kind is SymbolKind.PRODUCT and symbol.form is not None:
+            factors.update({Affine.of(f): k for f, k in symbol.form.terms})
+        else:
+            factors[Affine.of(symbol)] += 1
+    return const, factors
 
 
 def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:

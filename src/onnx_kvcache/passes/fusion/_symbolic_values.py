@@ -102,6 +102,7 @@ class SymbolKind(enum.IntEnum):
     MAX = 4
     ENTRY = 5
     COUNT = 6
+    PRODUCT = 7
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -111,7 +112,8 @@ class Symbol:
     kind: SymbolKind
     name: str
     form: Affine | None = dataclasses.field(default=None, compare=False)
-    """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it)."""
+    """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it); for
+    :attr:`SymbolKind.PRODUCT`: its factors, each symbol's coefficient its power."""
     at: Lookup | None = dataclasses.field(default=None, compare=False)
     """For :attr:`SymbolKind.ENTRY` and :attr:`SymbolKind.COUNT`: the input and the indices
     (``name`` identifies them)."""
@@ -135,6 +137,15 @@ class Symbol:
     def maximum(form: Affine) -> Symbol:
         """``max(0, form)``, one symbol per (normalized) form."""
         return Symbol(SymbolKind.MAX, _key(form), form)
+
+    @staticmethod
+    def product(factors: Sequence[Symbol]) -> Symbol:
+        """The product of two or more length symbols (a Reshape's flattened axes), one symbol per
+        multiset of factors: a later Reshape that splits them again divides it exactly."""
+        form = ZERO
+        for factor in factors:
+            form = form + Affine.of(factor)
+        return Symbol(SymbolKind.PRODUCT, _key(form), form)
 
     @staticmethod
     def entry(source: str, row: Affine, col: Affine) -> Symbol:
@@ -182,6 +193,9 @@ _SHOWN: dict[SymbolKind, Callable[[Symbol], str]] = {
     SymbolKind.MAX: lambda s: f"max(0, {s.form})",
     SymbolKind.ENTRY: lambda s: f"{s.at.source}[{s.at.row}, {s.at.col}]" if s.at else s.name,
     SymbolKind.COUNT: lambda s: f"cumsum({s.at.source})[{s.at.row}, {s.at.col}]" if s.at else s.name,
+    SymbolKind.PRODUCT: lambda s: (
+        "*".join(str(f) for f, k in s.form.terms for _ in range(k)) if s.form else s.name
+    ),
 }
 
 
@@ -565,7 +579,7 @@ def max_of(a: Affine, b: Affine) -> Affine:
 
 
 _INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.ENTRY, SymbolKind.COUNT})
-_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX})
+_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX, SymbolKind.PRODUCT})
 
 
 def _equal(a: Affine, b: Affine) -> bool:
