@@ -116,7 +116,7 @@ EXPECTED: dict[str, str] = {
     ),
     "torch-tf5/dynamo-opset23-optimize/cohere2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/deepseek_v3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: K/V reach attention from Transpose node 'node_slice_scatter_1', not from a KV cache (Concat(past, new), directly or through repeat_kv) (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
     ),
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/gemma3": CONVERTS,

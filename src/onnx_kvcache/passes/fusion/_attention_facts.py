@@ -20,6 +20,7 @@ __all__ = [
     "WindowCache",
     "cache_link",
     "cache_mask_facts",
+    "check_head_sizes",
     "check_shapes",
     "key_columns",
     "mask_condition",
@@ -597,6 +598,24 @@ class AttentionMatch:
     """The padding input's columns are fitted to the cache's ``P + S`` (cut, or zeros
     appended): an ONNX ``Attention`` with its own cache reads a mask with fewer key columns
     as padded with ``-inf``, and its mask's width is not provably ``P + S``."""
+
+
+@step(FusionRefusalCode.SHAPES)
+def check_head_sizes(ev: SymbolicEvaluator, key: ir.Value | None, value: ir.Value | None) -> None:
+    """Refuse keys and values of different head sizes (the last axis of 4-D K and V as attention
+    reads them), before the caches are followed: GroupQueryAttention has one head size, and
+    multi-head latent attention (MLA: DeepSeek-V2/V3, whose keys hold a no-rotary and a rotary
+    part, its values another width) is what writes them."""
+    try:
+        k, v = ev.shape(key), ev.shape(value)
+    except Unprovable:
+        return  # the cache proof says why
+    if len(k) == 4 and len(v) == 4 and k[3].is_const and v[3].is_const and k[3] != v[3]:
+        raise Unprovable(
+            f"keys of head size {k[3]} and values of head size {v[3]}: multi-head latent attention "
+            "(MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, "
+            "which GroupQueryAttention (one head size) does not compute"
+        )
 
 
 @step(FusionRefusalCode.SHAPES)

@@ -90,6 +90,7 @@ from onnx_kvcache.passes.fusion._attention_facts import (
     _strip_repeat,  # noqa: F401
     cache_link,
     cache_mask_facts,
+    check_head_sizes,  # noqa: F401
     check_shapes,  # noqa: F401
     key_columns,  # noqa: F401
     mask_condition,

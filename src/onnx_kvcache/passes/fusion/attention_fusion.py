@@ -42,6 +42,7 @@ from onnx_kvcache.passes.fusion._match import (
     MaskFacts,
     cache_link,
     cache_mask_facts,
+    check_head_sizes,
     check_shapes,
     key_columns,
     mask_condition,
@@ -102,6 +103,7 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
         precision = node.attributes.get("softmax_precision")
         if precision is not None and precision.as_int() != ir.DataType.FLOAT:
             raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
+    check_head_sizes(ev, key, value)
     k_link = cache_link(ev, graph, key, [node])
     v_link = cache_link(ev, graph, value, [node])
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)

@@ -37,6 +37,7 @@ from onnx_kvcache.passes.fusion._match import (
     AttentionMatch,
     cache_link,
     cache_mask_facts,
+    check_head_sizes,
     check_shapes,
     key_columns,
     mask_condition,
@@ -139,6 +140,7 @@ def _site(
     head_sink: np.ndarray | None = None,
 ) -> AttentionMatch:
     """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
+    check_head_sizes(ev, key, value)
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
