@@ -66,8 +66,8 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
         "K/V reach attention through a repeat that is not repeat_kv's (Unsqueeze, Expand, Reshape)"
     ),
     FusionRefusalCode.SHAPES: (
-        "Q/K/V are not 4-D with static head counts that group, a head size that is a multiple of 8 "
-        "and one float element type"
+        "Q/K/V are not 4-D with static head counts that group, one head size for K and V (multi-head "
+        "latent attention's differ) that is a multiple of 8, and one float element type"
     ),
     FusionRefusalCode.MASK: (
         "the mask is not causal with optional padding (attention_mask[b, j]) and sliding window; the "
