@@ -23,7 +23,7 @@ from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_values import Affine, Unprovable, constant_array
 
 if TYPE_CHECKING:
-    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _UNKNOWN = FusionRefusalCode.UNKNOWN_SHAPE
 
@@ -39,9 +39,7 @@ def _unknown(node: ir.Node, output: int, why: str) -> Unprovable:
     )
 
 
-def infer_output(
-    ev: SymbolicEvaluator, node: ir.Node, output: int
-) -> tuple[tuple[Affine, ...], ir.DataType | None]:
+def infer_output(ev: Evaluator, node: ir.Node, output: int) -> tuple[tuple[Affine, ...], ir.DataType | None]:
     """The shape (and element type) ONNX infers for output ``output`` of ``node``."""
     import onnx
 
@@ -109,7 +107,7 @@ def infer_output(
     return tuple(out), ir.DataType(elem_type) if elem_type else None
 
 
-def _known_array(ev: SymbolicEvaluator, value: ir.Value, dtype: ir.DataType | None) -> np.ndarray | None:
+def _known_array(ev: Evaluator, value: ir.Value, dtype: ir.DataType | None) -> np.ndarray | None:
     """A small constant input, or an integer vector whose values the evaluator knows exactly."""
     array = constant_array(value)
     if array is not None:

@@ -14,7 +14,7 @@ kind means, in the words a refusal uses.
 
 from __future__ import annotations
 
-__all__ = ["REFUSAL_KINDS", "FusionRefusalCode", "proof_step", "step"]
+__all__ = ["REFUSAL_KINDS", "FusionRefusalCode", "KindedReason", "proof_step", "step"]
 
 import contextlib
 import enum
@@ -97,14 +97,19 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
 }
 
 
+class KindedReason(Exception):
+    """A reason that carries its kind (None: the proof step's); the evaluator's ``Unprovable``
+    is one (defined here so that this module imports nothing of the evaluator's)."""
+
+    kind: FusionRefusalCode | None = None
+
+
 @contextlib.contextmanager
 def proof_step(code: FusionRefusalCode) -> Iterator[None]:
     """Give the reasons raised inside the kind ``code``, unless they have one already."""
-    from onnx_kvcache.passes.fusion._symbolic_values import Unprovable
-
     try:
         yield
-    except Unprovable as reason:
+    except KindedReason as reason:
         if reason.kind is None:
             reason.kind = code
         raise

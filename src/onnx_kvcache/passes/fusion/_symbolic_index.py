@@ -54,7 +54,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
 )
 
 if TYPE_CHECKING:
-    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _MAX_FIT_ELEMENTS = 65536
 
@@ -169,15 +169,15 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 
 
-def _axes(ev: SymbolicEvaluator, node: ir.Node, index: int = 1) -> list[int] | None:
+def _axes(ev: Evaluator, node: ir.Node, index: int = 1) -> list[int] | None:
     return _attr_ints(node, "axes") or ev.const_ints(_input(node, index), f"axes of {node.name}")
 
 
-def _identity(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _identity(ev: Evaluator, node: ir.Node) -> SymTensor:
     return ev.eval(node.inputs[0])
 
 
-def _shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _shape(ev: Evaluator, node: ir.Node) -> SymTensor:
     dims = ev.shape(node.inputs[0])
     rank = len(dims)
     start = _attr_int(node, "start", 0)
@@ -187,7 +187,7 @@ def _shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor((Affine(const=len(picked)),), "int", values=picked)
 
 
-def _squeeze(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _squeeze(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     axes = _axes(ev, node)
     unsqueeze = node.op_type == "Unsqueeze"
@@ -247,7 +247,7 @@ def _mul(x: Affine, y: Affine) -> Affine:
     raise Unprovable(f"the product {x} * {y} is not affine")
 
 
-def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _arith(ev: Evaluator, node: ir.Node) -> SymTensor:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     shape = broadcast_shapes(a.shape, b.shape)
     if "data" in (a.kind, b.kind) and {a.kind, b.kind} <= {"data", "float"}:
@@ -279,7 +279,7 @@ def _arith(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, "int", elem, values)
 
 
-def _neg(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _neg(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``-x`` of an integer tensor: its element and values negated."""
     x = ev.eval(node.inputs[0])
     if x.kind != "int":
@@ -289,7 +289,7 @@ def _neg(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(x.shape, "int", elem, values)
 
 
-def _range(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _range(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``start + delta * @0`` over ``ceil((limit - start) / delta)`` elements (none when that is
     negative): a constant step; a symbolic span with a step of 1 or -1."""
     start = ev.scalar(node.inputs[0], "Range start")
@@ -336,7 +336,7 @@ _COMPARE: dict[str, Callable[[Affine, Affine], Conj]] = {
 }
 
 
-def _compare(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _compare(ev: Evaluator, node: ir.Node) -> SymTensor:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     shape = broadcast_shapes(a.shape, b.shape)
     if a.kind != "int" or b.kind != "int":
@@ -346,7 +346,7 @@ def _compare(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, "bool", _COMPARE[node.op_type](ea, eb))
 
 
-def _logic(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _logic(ev: Evaluator, node: ir.Node) -> SymTensor:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     shape = broadcast_shapes(a.shape, b.shape)
     ea, eb = aligned_elem(a, shape), aligned_elem(b, shape)
@@ -362,7 +362,7 @@ def _logic(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     raise Unprovable("a disjunction of conditions is not followed")
 
 
-def _not(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _not(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     elem = x.element()
     if not isinstance(elem, Conj):
@@ -370,7 +370,7 @@ def _not(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(x.shape, "bool", elem.negate())
 
 
-def _cast(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _cast(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     to = ir.DataType(_attr_int(node, "to", 0))
     kind = _kind(to)
@@ -484,7 +484,7 @@ def _fill(elem: Elem) -> float | None:
     return elem.fill if isinstance(elem, Additive) else None
 
 
-def _where(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _where(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Where(c, x, y)``: between two float masks (0 or a masking value, or masks) a mask;
     between two conditions a condition; between integers when ``c`` is decided or both agree."""
     c, x, y = (ev.eval(v) for v in node.inputs)
@@ -512,7 +512,7 @@ def _where(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _expand(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     target = ev.values(node.inputs[1], "Expand shape")
     shape = broadcast_shapes(x.shape, target)
@@ -522,7 +522,7 @@ def _expand(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, x.kind, elem)
 
 
-def _extremum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _extremum(ev: Evaluator, node: ir.Node) -> SymTensor:
     parts = [ev.eval(v) for v in node.inputs]
     if not parts:
         raise Unprovable(f"{node.op_type} without inputs")
@@ -537,7 +537,7 @@ def _extremum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(shape, parts[0].kind, values=values)
 
 
-def _concat(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _concat(ev: Evaluator, node: ir.Node) -> SymTensor:
     parts = [ev.eval(v) for v in node.inputs]
     rank = parts[0].rank
     along = _attr_int(node, "axis", 0)
@@ -562,7 +562,7 @@ def _concat(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(tuple(shape), parts[0].kind)
 
 
-def _transpose(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _transpose(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     perm = _attr_ints(node, "perm") or list(reversed(range(x.rank)))
     shape = tuple(x.shape[p] for p in perm)
@@ -632,7 +632,7 @@ def _factors(dims: Sequence[Affine]) -> tuple[int, Counter[Affine]]:
     return const, factors
 
 
-def _reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _reshape(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     target = ev.values(node.inputs[1], "Reshape shape")
     shape = reshape_dims(x.shape, target, allowzero=bool(_attr_int(node, "allowzero", 0)))
@@ -669,7 +669,7 @@ def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
     return max_of(hi - lo, ZERO)
 
 
-def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTensor:
+def _slice_tensor(ev: Evaluator, node: ir.Node, x: SymTensor) -> SymTensor:
     """A Slice of a tensor along some axes (step 1): its shape; a mask's elements when the
     slice keeps every element (a start of 0, an end at or beyond the axis)."""
     starts = ev.values(node.inputs[1], "Slice starts")
@@ -700,7 +700,7 @@ def _slice_tensor(ev: SymbolicEvaluator, node: ir.Node, x: SymTensor) -> SymTens
     return SymTensor(tuple(shape), x.kind, elem)
 
 
-def _slice(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _slice(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.eval(node.inputs[0])
     if x.values is None or x.rank != 1:
         return _slice_tensor(ev, node, x)

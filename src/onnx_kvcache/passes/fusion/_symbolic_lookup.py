@@ -53,10 +53,10 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
 )
 
 if TYPE_CHECKING:
-    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 
-def _gather_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _gather_nd(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``GatherND(data, indices)`` (``batch_dims=0``) of indices that stack ``m`` index forms:
     ``data[i_0, ..., i_{m-1}, rest]`` over ``indices``' leading axes, then data's last axes."""
     data, indices = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
@@ -79,7 +79,7 @@ def _check_indices(forms: Sequence[Affine], what: str) -> None:
             raise Unprovable(f"the {what} index {form} is not proven non-negative")
 
 
-def _gather(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _gather(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A known vector by constant indices: the picked values."""
     data = ev.eval(node.inputs[0])
     index = ev.const_ints(node.inputs[1], "Gather indices") if data.values is not None else None
@@ -97,7 +97,7 @@ def _gather(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(indices.shape, "int", values=picked) if indices.rank == 1 else None
 
 
-def _gather_elements(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _gather_elements(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Gather(data, indices, axis)`` of indices whose element is a non-negative index form:
     ``data[..., i(j...), ...]``, indices' axes in place of data's ``axis``."""
     data, indices = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
@@ -117,7 +117,7 @@ def _gather_elements(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(shape, data.kind, _shift(data.elem, mapping))
 
 
-def _trilu(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _trilu(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Trilu(x, k)``: ``x`` where ``col - row >= k`` (``upper``) or ``col - row <= k`` (lower),
     zero elsewhere, over the last two axes: a condition ANDed with that; a float mask kept
     (zero) outside it."""
@@ -151,7 +151,7 @@ def _trilu(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _tile(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _tile(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``Tile(x, repeats)``: each axis ``repeats[k]`` times as long; the element kept where an
     axis is not repeated, is of length 1, or is one the element does not depend on."""
     x = ev.eval(node.inputs[0])
@@ -210,7 +210,7 @@ def _product(a: Affine, b: Affine) -> Affine:
     raise Unprovable(f"the product {a} * {b} is not affine")
 
 
-def _size(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _size(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``Size(x)``: the product of its dimensions (affine: at most one symbolic)."""
     total = ONE
     for dim in ev.shape(node.inputs[0]):
@@ -218,7 +218,7 @@ def _size(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor((), "int", total, (total,))
 
 
-def _nonzero(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _nonzero(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``NonZero(x)`` of a tensor of constant shape whose every element is decided: the indices
     as a constant; of anything else, ``[rank, n]`` with ``n`` unknown."""
     x = ev.eval(node.inputs[0])
@@ -272,7 +272,7 @@ def _numeric(elem: Elem, env: dict[Symbol, np.ndarray], shape: tuple[int, ...]) 
     return truth
 
 
-def _scatter_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _scatter_nd(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``ScatterND(data, indices, updates)`` whose indices are every position of data's first
     axes in order (a slice assignment that covers the tensor): ``updates``."""
     data, indices, updates = (ev.eval(v) for v in node.inputs[:3])
@@ -290,7 +290,7 @@ def _scatter_nd(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return dataclasses.replace(updates, source=None)
 
 
-def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _cumsum(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``CumSum(x, axis)``: of a 2-D integer input's entries along its columns the running count
     ``cumsum(m)[r, c]`` (``exclusive``: at ``c - 1``); of a constant ``v`` along an axis of
     length ``n``, ``v * (@k + 1)`` (``exclusive``: ``v * @k``; ``reverse``: counted from the end)."""
@@ -319,7 +319,7 @@ def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
 
 
-def _reduce_values(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _reduce_values(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``ReduceMax``/``ReduceMin``/``ReduceSum`` of integers: of a constant vector, its value;
     along axes the element does not depend on, the element (max, min; over non-empty axes) or
     the element times their lengths (sum)."""
@@ -360,7 +360,7 @@ def _reduce_values(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(shape, "int", elem, values)
 
 
-def _gather_nd_shape(ev: SymbolicEvaluator, node: ir.Node, output: int) -> SymTensor | None:
+def _gather_nd_shape(ev: Evaluator, node: ir.Node, output: int) -> SymTensor | None:
     """GatherND's shape: the indices' leading axes, then data's axes after the ones indexed."""
     data, indices = ev.shape(node.inputs[0]), ev.shape(node.inputs[1])
     batch = _attr_int(node, "batch_dims", 0)
@@ -369,7 +369,7 @@ def _gather_nd_shape(ev: SymbolicEvaluator, node: ir.Node, output: int) -> SymTe
     return SymTensor(indices[:-1] + data[indices[-1].const :], "data")
 
 
-def _cast_condition(ev: SymbolicEvaluator, value: ir.Value | None) -> SymTensor | None:
+def _cast_condition(ev: Evaluator, value: ir.Value | None) -> SymTensor | None:
     """The condition ``value`` is a float Cast of (1.0 where it holds, 0.0 elsewhere), or None."""
     node = value.producer() if value is not None else None
     if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
@@ -380,7 +380,7 @@ def _cast_condition(ev: SymbolicEvaluator, value: ir.Value | None) -> SymTensor 
     return cond if cond.kind == "bool" and isinstance(cond.elem, Conj) else None
 
 
-def _mask_product(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _mask_product(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Mul(mask, Cast(c))`` (transformers' ``causal_mask *= c``): a finite fill where the mask
     masks and ``c`` holds, 0 elsewhere: kept where the mask keeps or ``c`` does not hold."""
     for mask_input, other in (tuple(node.inputs), tuple(reversed(node.inputs))):
@@ -405,7 +405,7 @@ def _mask_product(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _masked_sum_is_zero(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _masked_sum_is_zero(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Equal(Add(mask, Cast(e)), 0.0)`` with integers ``e`` (transformers' padding test
     ``causal_mask + attention_mask[:, None, None, :] == 0``): where the mask keeps (adds 0),
     ``e == 0``; where it masks with a fill beyond every integer's magnitude, never."""

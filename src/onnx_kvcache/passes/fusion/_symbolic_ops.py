@@ -66,7 +66,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
 )
 
 if TYPE_CHECKING:
-    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _BIG = 2**62
 
@@ -79,7 +79,7 @@ def _kind_of(dtype: ir.DataType | None) -> str:
     return "data"
 
 
-def _data(ev: SymbolicEvaluator, value: ir.Value, shape) -> SymTensor:
+def _data(ev: Evaluator, value: ir.Value, shape) -> SymTensor:
     """An opaque tensor of ``shape`` (its annotated shape, if it has one; an axis annotated
     without a name or size is ``shape``'s)."""
     kind = _kind_of(ev.dtype(value))
@@ -109,12 +109,12 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
 # ---- data rules: the shape of an output from its inputs' shapes ----
 
 
-def _elementwise(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _elementwise(ev: Evaluator, node: ir.Node) -> SymTensor:
     shapes = [ev.shape(v) for v in node.inputs if v is not None]
     return _data(ev, node.outputs[0], broadcast_shapes(*shapes))
 
 
-def _same(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _same(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
@@ -128,16 +128,16 @@ def _matmul_shape(a: tuple[Affine, ...], b: tuple[Affine, ...]) -> tuple[Affine,
     return (*broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
 
 
-def _matmul(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _matmul(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], _matmul_shape(ev.shape(node.inputs[0]), ev.shape(node.inputs[1])))
 
 
-def _matmul_nbits(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _matmul_nbits(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     a = ev.shape(node.inputs[0])
     return _data(ev, node.outputs[index], (*a[:-1], Affine(const=_attr_int(node, "N", 0))))
 
 
-def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _reduce(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
     axes = _attr_ints(node, "axes")
     if axes is None and _input(node, 1) is not None:
@@ -152,7 +152,7 @@ def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], shape)
 
 
-def _flatten(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _flatten(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
     at = _attr_int(node, "axis", 1)
     at = at + len(x) if at < 0 else at
@@ -169,23 +169,23 @@ def _flatten(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], (product(x[:at]), product(x[at:])))
 
 
-def _gather_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _gather_data(ev: Evaluator, node: ir.Node) -> SymTensor:
     data, indices = ev.shape(node.inputs[0]), ev.shape(node.inputs[1])
     at = _attr_int(node, "axis", 0)
     at = at + len(data) if at < 0 else at
     return _data(ev, node.outputs[0], data[:at] + indices + data[at + 1 :])
 
 
-def _softmax(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _softmax(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
-def _first_output_same(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _first_output_same(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     """Dropout: output 0 is its input, output 1 a mask of its shape."""
     return _data(ev, node.outputs[index], ev.shape(node.inputs[0]))
 
 
-def _dynamic_quantize(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _dynamic_quantize(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     shape = ev.shape(node.inputs[0]) if index == 0 else ()
     return _data(ev, node.outputs[index], shape)
 
@@ -222,7 +222,7 @@ def _pairs(a: tuple, b: tuple) -> list[tuple] | None:
     return None
 
 
-def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _compare_vectors(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     a, b = (_vector(ev.eval(v)) for v in node.inputs[:2])
     if a is None or b is None or (len(a) == 1 and len(b) == 1):
         return None
@@ -233,7 +233,7 @@ def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor((Affine(const=len(conds)),), "bool", conds=conds)
 
 
-def _where_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _where_vectors(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     c = ev.eval(node.inputs[0])
     if c.conds is None:
         return None
@@ -251,7 +251,7 @@ def _where_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor((Affine(const=n),), "int", values=tuple(picked))
 
 
-def _constant_of_shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _constant_of_shape(ev: Evaluator, node: ir.Node) -> SymTensor:
     dims = ev.values(node.inputs[0], "ConstantOfShape shape")
     attr = node.attributes.get("value")
     array = np.asarray(attr.value.numpy()) if attr is not None else np.zeros(1, np.float32)
@@ -282,7 +282,7 @@ def _divide(x: Affine, y: Affine) -> Affine:
     return Affine(tuple((k, c // y.const) for k, c in x.terms), x.const // y.const)
 
 
-def _int_div(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _int_div(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     if a.kind != "int" or b.kind != "int":
         return None
@@ -295,7 +295,7 @@ def _int_div(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(shape, "int", values[0] if len(values) == 1 else None, values)
 
 
-def _reshape_vector(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _reshape_vector(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A known vector reshaped to a vector (``[-1]`` or its length) keeps its values."""
     x = ev.eval(node.inputs[0])
     if x.values is None or x.rank != 1:
@@ -306,7 +306,7 @@ def _reshape_vector(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(x.shape, x.kind, x.elem, x.values)
 
 
-def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _unit_reshape(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A Reshape that only inserts/removes unit axes (maybe after a flattening Reshape)."""
     source = node.inputs[0]
     inner = _producer(source, "Reshape")
@@ -334,7 +334,7 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(tuple(target), x.kind, x.elem.subs(mapping), values)
 
 
-def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _flat_lookup(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Gather(Flatten(m), b * width + j)`` of a 2-D ``m``: ``m[b, j]``, ``b`` over exactly
     ``m``'s rows, ``j`` over an axis of any length ``L``: every pair ``(b, j)`` is gathered, so
     with ``L > width`` the last row's ``(rows - 1) * width + L - 1`` is past the tensor and
@@ -381,7 +381,7 @@ def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine | None)
     return length is None or shape[int(symbol.name)] == length
 
 
-def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _slice_any(ev: Evaluator, node: ir.Node) -> SymTensor:
     """A slice from a constant start to the axis end, a constant, or the axis length."""
     x = ev.eval(node.inputs[0])
     starts = ev.values(node.inputs[1], "Slice starts")
@@ -424,7 +424,7 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(tuple(shape), x.kind, elem, values)
 
 
-def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _split(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     """One output of a Split (phi3's fused gate/up and qkv projections, ``chunk`` in torch): its
     shape along the axis from the ``split`` sizes, else ``num_outputs`` parts of a constant axis
     (the last one shorter, as the operator divides); a known vector's values are sliced."""
@@ -456,7 +456,7 @@ def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
     return SymTensor(tuple(shape), kind, None, values)
 
 
-def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _cast_to_float(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A Cast to a float type of integer data (positions for rotary angles): followed by shape."""
     to = ir.DataType(_attr_int(node, "to", 0))
     x = ev.eval(node.inputs[0])
@@ -465,7 +465,7 @@ def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _cast_like_int(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``CastLike`` of an integer tensor to its own integer type (torch's dynamo export casts a
     Range step or bound like the other bound), or of known constants the target type holds:
     the values unchanged; a float constant of an integral value (the Range ``0.0`` and ``1.0``
@@ -493,7 +493,7 @@ def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _skip_norm(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor | None:
+def _skip_norm(ev: Evaluator, node: ir.Node, index: int) -> SymTensor | None:
     """SkipSimplifiedLayerNormalization: its output and its residual sum (3) are shaped as its
     input; its statistics are not this rule's."""
     if index not in (0, 3):

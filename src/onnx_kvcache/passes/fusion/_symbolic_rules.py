@@ -29,12 +29,12 @@ from onnx_kvcache.passes.fusion import _symbolic_ops as ops
 from onnx_kvcache.passes.fusion._symbolic_values import SymTensor
 
 if TYPE_CHECKING:
-    from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
-ValueRule = Callable[["SymbolicEvaluator", ir.Node], "SymTensor | None"]
+ValueRule = Callable[["Evaluator", ir.Node], "SymTensor | None"]
 """The node's (first) output, or None where the rule does not apply; raises Unprovable with why
 it cannot follow the values."""
-ShapeRule = Callable[["SymbolicEvaluator", ir.Node, int], "SymTensor | None"]
+ShapeRule = Callable[["Evaluator", ir.Node, int], "SymTensor | None"]
 """Output ``index`` of the node by its shape (its values unknown), or None: not this rule's."""
 
 MICROSOFT = "com.microsoft"
@@ -52,10 +52,10 @@ class Rule:
     """The shape of an output when no value rule gives it (None: value_info, else ONNX's inference)."""
 
 
-def _first(rule: Callable[[SymbolicEvaluator, ir.Node], SymTensor]) -> ShapeRule:
+def _first(rule: Callable[[Evaluator, ir.Node], SymTensor]) -> ShapeRule:
     """A shape rule of output 0 only."""
 
-    def shape(ev: SymbolicEvaluator, node: ir.Node, output: int) -> SymTensor | None:
+    def shape(ev: Evaluator, node: ir.Node, output: int) -> SymTensor | None:
         return rule(ev, node) if output == 0 else None
 
     return shape

@@ -21,6 +21,7 @@ __all__ = [
     "Additive",
     "Affine",
     "Conj",
+    "Evaluator",
     "FloatConst",
     "Le",
     "Lookup",
@@ -40,11 +41,12 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, KindedReason
 
 MASKED_BELOW = -65504.0
 """An additive mask value at or below this (float16's lowest, or -inf) zeroes softmax."""
@@ -65,7 +67,7 @@ _INT_TYPES = frozenset(
 _MAX_CONST_ELEMENTS = 64
 
 
-class Unprovable(Exception):
+class Unprovable(KindedReason):
     """The evaluator cannot prove what a value computes; the message says why.
 
     ``rule`` is where it was raised (file and line): refusals raised at one place are one
@@ -595,3 +597,25 @@ def nonnegative(form: Affine) -> bool:
 
 def min_of(a: Affine, b: Affine) -> Affine:
     return a + b - max_of(a, b)
+
+
+class Evaluator(Protocol):
+    """What the operator rules read of the evaluator
+    (:class:`~onnx_kvcache.passes.fusion._symbolic.SymbolicEvaluator`, which reads the rules: the
+    rules' modules name this instead, so that none of them imports the evaluator's)."""
+
+    def eval(self, value: ir.Value | None) -> SymTensor: ...
+
+    def shape(self, value: ir.Value | None) -> tuple[Affine, ...]: ...
+
+    def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]: ...
+
+    def const_ints(self, value: ir.Value | None, what: str) -> list[int] | None: ...
+
+    def scalar(self, value: ir.Value | None, what: str) -> Affine: ...
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None: ...
+
+    def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]: ...
+
+    def fresh(self) -> Symbol: ...
