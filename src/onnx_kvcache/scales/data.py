@@ -25,15 +25,17 @@ __all__ = [
     "find_tokenizer",
     "load_token_windows",
     "tokenize_text",
+    "tokenize_text_file",
 ]
 
+import codecs
 import dataclasses
 import importlib.resources
 import logging
 import os
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +53,7 @@ from onnx_kvcache.model_io._inputs import (
     load_json,
     load_npy_integers,
     read_input_bytes,
+    read_input_chunks,
     shown_shape,
     tokenizer_file,
 )
@@ -142,8 +145,8 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     return None
 
 
-def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
-    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+def _load_tokenizer(tokenizer: pathlib.Path | None) -> Any:
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``; an error without one."""
     if tokenizer is None:
         raise KvCacheError(
             "Text data needs a tokenizer: pass ",
@@ -158,10 +161,81 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
         ) from e
     raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
     try:
-        loaded = Tokenizer.from_str(raw.decode("utf-8"))
+        return Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises its own untyped Exception
         raise KvCacheError(f"{tokenizer} is not a tokenizers tokenizer.json ({e}).") from None
-    return list(loaded.encode(text).ids)
+
+
+def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
+    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+    return list(_load_tokenizer(tokenizer).encode(text).ids)
+
+
+#: Characters of text tokenized at once: ``tokenizers`` holds ~300 bytes per character of the
+#: text it encodes (tokens, offsets, masks), so a file is encoded a piece at a time.
+TEXT_PIECE_CHARS = 1 << 16
+
+
+def _piece_end(text: str) -> int:
+    """Where a piece of ``text`` can end: after its last newline between two characters that
+    are not whitespace (a pre-tokenizer splits there anyway), else 0."""
+    end = len(text) - 1
+    while (at := text.rfind("\n", 1, end)) > 0:
+        if not (text[at - 1].isspace() or text[at + 1].isspace()):
+            return at + 1
+        end = at
+    return 0
+
+
+def _text_pieces(path: pathlib.Path, piece_chars: int) -> Iterator[str]:
+    """The text of a UTF-8 file in pieces of about ``piece_chars`` or more, each ending as
+    :func:`_piece_end` says (a text without such a newline: every ``4 * piece_chars``)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pending, offset = "", 0
+    for chunk in read_input_chunks(path, "Text file", expected="a text file"):
+        try:
+            pending += decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            raise KvCacheError(
+                f"{path}: not UTF-8 text (byte {offset + e.start}); give a UTF-8 text file."
+            ) from None
+        offset += len(chunk)
+        while len(pending) >= piece_chars:
+            cut = _piece_end(pending) or (len(pending) if len(pending) >= 4 * piece_chars else 0)
+            if not cut:
+                break
+            yield pending[:cut]
+            pending = pending[cut:]
+    try:
+        pending += decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise KvCacheError(
+            f"{path}: not UTF-8 text (it ends inside a character); give a UTF-8 text file."
+        ) from None
+    if pending:
+        yield pending
+
+
+def tokenize_text_file(
+    path: pathlib.Path, tokenizer: pathlib.Path | None, *, limit: int | None = None
+) -> np.ndarray:
+    """Token ids of a UTF-8 text file, read and encoded a piece at a time
+    (:data:`TEXT_PIECE_CHARS`) and only until ``limit`` ids are found: memory holds the ids
+    (8 bytes each), never the whole text's encoding. The tokenizer's special tokens (a BOS)
+    are added to the first piece only, as one encoding of the whole text adds them; a piece
+    ends between words at a line break, so the ids are those of one encoding, but for a
+    tokenizer that marks the start of a text (SentencePiece's ``▁``) on each piece's first word."""
+    loaded = _load_tokenizer(tokenizer)
+    found: list[np.ndarray] = []
+    count = 0
+    for i, piece in enumerate(_text_pieces(path, TEXT_PIECE_CHARS)):
+        ids = np.asarray(loaded.encode(piece, add_special_tokens=i == 0).ids, np.int64)
+        found.append(ids)
+        count += ids.size
+        if limit is not None and count >= limit:
+            break
+    ids = np.concatenate(found) if found else np.zeros(0, np.int64)
+    return ids if limit is None else ids[:limit]
 
 
 def _out_of_range(where: str, bad: int, i: int) -> KvCacheError:
@@ -292,12 +366,8 @@ def load_token_windows(
             if path.suffix in (".json", ".npy"):
                 sequences, source = _read_ids_file(path), f"token ids from {path.name}"
             else:
-                raw = read_input_bytes(path, "Text file", expected="a text file")
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
-                sequences = [np.asarray(tokenize_text(text, tok), np.int64)]
+                limit = None if num_seqs is None else num_seqs * seq_len
+                sequences = [tokenize_text_file(path, tok, limit=limit)]
                 source = f"text from {path.name}"
                 if tokenizer is not None:
                     source += f", tokenizer {tok}"
