@@ -300,3 +300,14 @@ def test_a_text_file_is_read_only_as_far_as_the_windows_asked_for_need(tmp_path,
         KvCacheError, match=rf"^{path}: not UTF-8 text \(byte 3150000\); give a UTF-8 text file\.$"
     ):
         load_token_windows(str(path), seq_len=64, tokenizer=tokenizer)
+
+
+def test_token_ids_past_the_vocabulary_name_their_file_and_the_fix(tmp_path, model):
+    """review37: "Token ids must be in [0, 128), found 0..299." named neither the file nor a fix."""
+    (tmp_path / "ids.json").write_text(json.dumps([list(range(400))]))
+    with pytest.raises(KvCacheError) as caught:
+        calibrate_kv_cache(model, tmp_path / "ids.json", progress=False)
+    assert str(caught.value) == (
+        "Token ids must be in [0, 300) (the model's vocabulary), found 0..399 (token ids from ids.json): "
+        "give ids of this model's tokenizer."
+    )

@@ -397,7 +397,10 @@ def load_token_windows(
         if not ids.size:
             continue
         if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
+            raise KvCacheError(
+                f"Token ids must be in [0, {vocab_size}) (the model's vocabulary), found "
+                f"{ids.min()}..{ids.max()} ({source}): give ids of this model's tokenizer."
+            )
         windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
     held_out = data is None and default.held_out
     return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random, held_out)
