@@ -311,3 +311,22 @@ def test_token_ids_past_the_vocabulary_name_their_file_and_the_fix(tmp_path, mod
         "Token ids must be in [0, 300) (the model's vocabulary), found 0..399 (token ids from ids.json): "
         "give ids of this model's tokenizer."
     )
+
+
+def test_a_json_token_id_file_past_the_bound_is_refused_before_it_is_parsed(tmp_path, model, monkeypatch):
+    """review37: a 40 MB JSON id file held 1.8 GB while parsed (a 200 MB one, ~9 GB); past
+    MAX_JSON_IDS_BYTES it is refused unread, the .npy of the same ids is read."""
+    ids = np.random.default_rng(2).integers(0, 300, 600)
+    (tmp_path / "ids.json").write_text(json.dumps([ids.tolist()]))
+    np.save(tmp_path / "ids.npy", ids)
+    monkeypatch.setattr(data_module, "MAX_JSON_IDS_BYTES", 1000)
+    monkeypatch.setattr(data_module, "load_json", _never_parsed)
+    with pytest.raises(
+        KvCacheError, match=r"of JSON, more than the 1000 bytes read as JSON .*save the ids as \.npy"
+    ):
+        load_token_windows(str(tmp_path / "ids.json"), seq_len=64)
+    assert load_token_windows(str(tmp_path / "ids.npy"), seq_len=64).tokens == 600
+
+
+def _never_parsed(*args, **kwargs):
+    raise AssertionError("the JSON was parsed")

@@ -48,6 +48,7 @@ from onnx_kvcache.errors import (
     missing_dependency,
     require_type,
 )
+from onnx_kvcache.model_io._atomic import format_bytes
 from onnx_kvcache.model_io._inputs import (
     check_input_file,
     load_json,
@@ -284,11 +285,23 @@ def _as_id_sequence(seq: Any, i: int, where: str) -> np.ndarray:
     return array
 
 
+#: The largest JSON token-id file read (some 8M ids): parsing one holds ~45 bytes a byte of it
+#: (1.8 GB for 40 MB); a .npy file of any size is read as the array it is.
+MAX_JSON_IDS_BYTES = 32 << 20
+
+
 def _read_ids_file(path: pathlib.Path) -> list[np.ndarray]:
     where = f"Token-id file {path}"
     if path.suffix == ".npy":
         array = load_npy_integers(path, "Token-id file")
         return _checked_ids(list(np.atleast_2d(array)), where)
+    size = check_input_file(path, "Token-id file", missing="does not exist").stat().st_size
+    if size > MAX_JSON_IDS_BYTES:
+        raise KvCacheError(
+            f"{where} is {format_bytes(size)} of JSON, more than the {format_bytes(MAX_JSON_IDS_BYTES)} "
+            "read as JSON (parsing holds some 45 bytes a byte of it): save the ids as .npy (numpy.save), "
+            "read without parsing."
+        )
     doc = load_json(path, "Token-id file")
     if isinstance(doc, list) and doc and all(isinstance(x, int) for x in doc):
         doc = [doc]
