@@ -739,3 +739,29 @@ def test_an_optimum_folder_whose_configs_name_no_eos_takes_the_tokenizers(tmp_pa
     code, out, err = run(["convert", folder, tmp_path / "out", "--scales", scales])
     assert code == 0 and "genai_config.json written from config.json" in out, err
     assert json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("offset", "-100", "External data offset must be non-negative, got -100 for tensor"),
+        ("offset", "abc", "invalid literal for int() with base 10: 'abc'"),
+    ],
+)
+def test_a_bad_external_data_entry_is_named_not_the_deserializers_wrapper(tmp_path, key, value, said):
+    """review37: "is not a readable ONNX model (Error calling _deserialize_graph with: main_graph)"
+    named nothing; the line now says what the deserializer found."""
+    import onnx
+
+    ir.save(build_decoder(num_layers=2, vocab_size=300), tmp_path / "m.onnx", external_data="m.onnx.data")
+    proto = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.external_data)
+    entry = next((e for e in tensor.external_data if e.key == key), None) or tensor.external_data.add(key=key)
+    entry.value = value
+    onnx.save(proto, str(tmp_path / "m.onnx"))
+    for argv in (["inspect", tmp_path / "m.onnx"], ["convert", tmp_path / "m.onnx", tmp_path / "o.onnx"]):
+        code, out, err = run(argv)
+        assert code == 2 and out == ""
+        assert "is not a readable ONNX model (" in one_line(err) and said in err
+        assert "_deserialize_graph" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]

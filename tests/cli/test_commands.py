@@ -203,7 +203,7 @@ def test_calibrate_help_names_its_defaults():
         "(default: the first its target runs, the target as convert infers it: fp8 on CUDA",
         "(default: per_tensor)",
         "(default: attention for int4, else minmax",
-        "(default: 512)",
+        "(default: 512, or the model's context when shorter)",
     ):
         assert default in text
 

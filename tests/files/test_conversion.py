@@ -559,6 +559,11 @@ def test_a_requantized_folders_provider_options_follow_the_ep_given(
     config = json.loads((tmp_path / "second" / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["provider_options"] == options
     assert any("provider_options now name" in n for n in result.notes) == (provider != ep)
+    if provider == "cpu" and ep == "cuda":  # review37: "(they named cpu)" after "names no provider"
+        assert (
+            "genai_config.json's provider_options now name cuda, the provider given (they named none: "
+            "onnxruntime-genai's default, the CPU)."
+        ) in result.notes
     if ep == "cpu":
         og_generate(tmp_path / "second", [1, 2, 3], 2)  # og.Model loads and runs it on CPU
 

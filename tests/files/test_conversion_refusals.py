@@ -68,12 +68,16 @@ def test_link_never_falls_back_to_a_symbolic_link(tmp_path, monkeypatch, capsys)
         # 3. OUT a data file of IN: used to replace the weights with the graph
         (
             lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/f/model.onnx.data", "--overwrite"],
-            "a file the input uses",
+            "a file the input uses (its weights); name a .onnx file (e.g. model.int8.onnx).",
         ),
         (lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/f", "--overwrite"], "is a folder"),
         (
             lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/notes.txt", "--overwrite"],
             ".onnx file",
+        ),
+        (
+            lambda t: ["convert", f"{t}/parent/f/model.onnx", f"{t}/parent/x.onnx.data"],
+            "must be a .onnx file name (e.g. x.onnx).",
         ),
         (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/g.int8.onnx"], "looks like a file name"),
         (lambda t: ["convert", f"{t}/parent/g", f"{t}/parent/notes.txt", "--overwrite"], "is not a folder"),

@@ -231,7 +231,8 @@ def test_an_eos_only_the_tokenizer_names_is_read_there(export, tmp_path, where):
     assert KvCacheRunner(folder / "model.onnx").eos_token_ids == {2}
 
 
-def test_a_folder_without_config_json_gets_no_genai_config_and_no_warning(tmp_path):
+def test_a_folder_without_config_json_gets_no_genai_config_no_warning_and_a_note(tmp_path):
+    """review37: the summary said nothing of the genai_config.json a folder output lacked."""
     folder = tmp_path / "export"
     folder.mkdir()
     shutil.copy(OPTIMUM / "model.onnx", folder)
@@ -239,6 +240,11 @@ def test_a_folder_without_config_json_gets_no_genai_config_and_no_warning(tmp_pa
         warnings.simplefilter("error", GenaiConfigWarning)
         result = _convert(folder, tmp_path / "out", "int8", "per_tensor")
     assert result.converted and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx"]
+    assert (
+        "no genai_config.json written: export has no config.json (transformers' model config) to write "
+        "it from, so onnxruntime-genai cannot run out; to have one, put the model's config.json beside "
+        "the input and convert again."
+    ) in result.notes
 
 
 def test_a_file_output_and_an_in_place_conversion_write_no_genai_config(export, tmp_path):

@@ -381,7 +381,7 @@ def bidirectional_export() -> ir.Model:
                 "kv_cache_format": "int8",
                 "kv_cache_scales": {0: (0.1, 0.1), 1: (0.1, 0.1)},
             },
-            r"fused nothing: 2 attention node\(s\) not provably .*the mask is not causal",
+            r"fused nothing: 2 attention node\(s\) not provably .*the mask .*is not causal",
         ),
     ],
     ids=["partial_fp8", "partial_int8_scales", "bidirectional_int8"],
@@ -398,3 +398,29 @@ def test_an_unfused_layer_converts_nothing(make, kwargs, reason):
     assert not any("scales cover" in str(w.message) or "has no GroupQuery" in str(w.message) for w in said)
     with pytest.raises(KvCacheError, match=reason):
         optimize_model(make(), strict=True, **kwargs)
+
+
+def test_a_model_read_with_a_data_file_is_saved_elsewhere_as_the_readme_says(tmp_path):
+    """README: saved elsewhere without external_data= the model names the original data file and
+    loads nowhere else; with it the weights are written beside the new model."""
+    import pathlib
+    import shutil
+
+    import onnxruntime as ort
+
+    producer = (
+        pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-default" / "llama"
+    )
+    shutil.copytree(producer, tmp_path / "in")
+    scales = {0: (0.02, 0.02), 1: (0.02, 0.02)}
+    with pytest.warns(KvCacheWarning):  # the export's padding assumption
+        model = optimize_model(
+            str(tmp_path / "in" / "model.onnx"), kv_cache_format="int8", kv_cache_scales=scales
+        )
+    (tmp_path / "out").mkdir()
+    ir.save(model, tmp_path / "out" / "bare.onnx")
+    with pytest.raises(Exception, match="External data path does not exist"):
+        ort.InferenceSession(str(tmp_path / "out" / "bare.onnx"))
+    ir.save(model, tmp_path / "out" / "m.onnx", external_data="m.onnx.data")
+    assert (tmp_path / "out" / "m.onnx.data").stat().st_size > 200_000
+    ort.InferenceSession(str(tmp_path / "out" / "m.onnx"))

@@ -279,3 +279,15 @@ def test_latent_paged_models_evaluate_on_cpu(fmt, granularity):
     bound = 0.5 if fmt == "int4" else 0.1
     assert all(0 < k == v < bound for k, v in report.layer_errors.values())
     assert "layer   1" in report.format_table()
+
+
+def test_the_default_lengths_fit_a_context_shorter_than_them():
+    """evaluate's defaults (256 tokens a window, 64 greedy tokens) were refused by a model of a
+    shorter context; they now shorten to it, and a given length is still checked."""
+    short = build_decoder(num_layers=2, vocab_size=300, max_position=40)
+    ids = [list(np.random.default_rng(5).integers(0, 300, 200))]
+    report = evaluate_kv_cache(short, short, ids, num_seqs=2, progress=False)
+    assert report.tokens == 2 * 41  # windows of 41 tokens feed 40 positions
+    assert report.greedy_match_prefix == 40 - 20 + 1  # after a prompt of 20: the rest of the context
+    with pytest.raises(KvCacheError, match=r"^seq_len=100 feeds 99 positions, .* give at most seq_len=41\.$"):
+        evaluate_kv_cache(short, short, ids, seq_len=100, progress=False)

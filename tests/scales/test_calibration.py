@@ -421,3 +421,16 @@ def test_a_target_that_runs_no_quantized_cache_needs_a_format(tmp_path):
         calibrate_kv_cache(folder, ids, progress=False, min_tokens=64)
     scales = calibrate_kv_cache(folder, ids, format="int8", progress=False, min_tokens=64)
     assert scales.format == "int8" and "format_for" not in scales.metadata
+
+
+def test_the_default_window_fits_a_context_shorter_than_it():
+    """A genai folder of context 256 was refused by calibrate's own default (--seq-len 512,
+    "give at most 256"); the default now shortens to the context, a given length is checked."""
+    short = build_decoder(num_layers=2, vocab_size=300, max_position=48)
+    ids = [list(np.random.default_rng(4).integers(0, 300, 300))]
+    scales = calibrate_kv_cache(short, ids, format="int8", progress=False)
+    assert scales.metadata["seq_len"] == 48 and scales.metadata["tokens"] == 300
+    with pytest.raises(
+        KvCacheError, match=r"^seq_len=100 feeds 100 positions, .* give at most seq_len=48\.$"
+    ):
+        calibrate_kv_cache(short, ids, format="int8", seq_len=100, progress=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import onnx_ir as ir
@@ -11,6 +12,7 @@ import pytest
 from calibration_cases import data, model  # noqa: F401  (fixtures)
 
 import onnx_kvcache.calibrate.calibration as calibration_module
+import onnx_kvcache.scales.data as data_module
 from onnx_kvcache import (
     KvCacheError,
     KvCacheWarning,
@@ -19,6 +21,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.models.decoder import byte_level_tokenizer, save_genai_folder
+from onnx_kvcache.scales.data import builtin_corpus, load_token_windows, tokenize_text_file
 
 
 def test_token_id_files_and_cli(tmp_path, model, data, capsys):
@@ -258,3 +261,72 @@ def test_given_data_is_read_whatever_the_purpose(tmp_path):
         assert not loaded.held_out and loaded.source == "given token ids"
     with pytest.raises(KvCacheError, match="Unknown data purpose 'test'; choose one of calibration, eval"):
         load_token_windows(data, purpose="test")
+
+
+PRODUCER_TOKENIZERS = [
+    pathlib.Path(__file__).parents[1] / "data" / "producers" / folder / "llama" / "tokenizer.json"
+    for folder in ("optimum/optimum-cli", "genai-builder/genai-builder-cpu-fp32")
+]
+
+
+@pytest.mark.parametrize("tokenizer", PRODUCER_TOKENIZERS, ids=["optimum", "genai-builder"])
+@pytest.mark.parametrize("piece_chars", [300, 5000])
+def test_a_text_file_is_encoded_in_pieces_with_the_ids_of_one_encoding(
+    tmp_path, monkeypatch, tokenizer, piece_chars
+):
+    """A 225 MB --text file held ~15 GB (one encoding of the whole text); now it is encoded a
+    piece at a time, each cut at a line break between words, so the ids are the same."""
+    tokenizers = pytest.importorskip("tokenizers")
+    text = builtin_corpus("calibration") + " tail  \n\n  spaced\n \nend"
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    whole = tokenizers.Tokenizer.from_file(str(tokenizer)).encode(text).ids
+    monkeypatch.setattr(data_module, "TEXT_PIECE_CHARS", piece_chars)
+    ids = tokenize_text_file(tmp_path / "text.txt", tokenizer)
+    assert ids.dtype == np.int64 and ids.tolist() == whole
+    assert tokenize_text_file(tmp_path / "text.txt", tokenizer, limit=700).tolist() == whole[:700]
+
+
+def test_a_text_file_is_read_only_as_far_as_the_windows_asked_for_need(tmp_path, monkeypatch):
+    """num_seqs windows need num_seqs * seq_len ids: the text past them is never read (here a
+    byte that is no UTF-8 near the end is an error only when everything is wanted)."""
+    pytest.importorskip("tokenizers")
+    monkeypatch.setattr(data_module, "TEXT_PIECE_CHARS", 4096)
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"some words on a line\n" * 150_000 + b"\xff")  # 3.1 MB, 3 chunks of 1 MiB
+    tokenizer = PRODUCER_TOKENIZERS[0]
+    loaded = load_token_windows(str(path), seq_len=64, num_seqs=3, tokenizer=tokenizer)
+    assert [len(w) for w in loaded.windows] == [64, 64, 64]
+    with pytest.raises(
+        KvCacheError, match=rf"^{path}: not UTF-8 text \(byte 3150000\); give a UTF-8 text file\.$"
+    ):
+        load_token_windows(str(path), seq_len=64, tokenizer=tokenizer)
+
+
+def test_token_ids_past_the_vocabulary_name_their_file_and_the_fix(tmp_path, model):
+    """review37: "Token ids must be in [0, 128), found 0..299." named neither the file nor a fix."""
+    (tmp_path / "ids.json").write_text(json.dumps([list(range(400))]))
+    with pytest.raises(KvCacheError) as caught:
+        calibrate_kv_cache(model, tmp_path / "ids.json", progress=False)
+    assert str(caught.value) == (
+        "Token ids must be in [0, 300) (the model's vocabulary), found 0..399 (token ids from ids.json): "
+        "give ids of this model's tokenizer."
+    )
+
+
+def test_a_json_token_id_file_past_the_bound_is_refused_before_it_is_parsed(tmp_path, model, monkeypatch):
+    """review37: a 40 MB JSON id file held 1.8 GB while parsed (a 200 MB one, ~9 GB); past
+    MAX_JSON_IDS_BYTES it is refused unread, the .npy of the same ids is read."""
+    ids = np.random.default_rng(2).integers(0, 300, 600)
+    (tmp_path / "ids.json").write_text(json.dumps([ids.tolist()]))
+    np.save(tmp_path / "ids.npy", ids)
+    monkeypatch.setattr(data_module, "MAX_JSON_IDS_BYTES", 1000)
+    monkeypatch.setattr(data_module, "load_json", _never_parsed)
+    with pytest.raises(
+        KvCacheError, match=r"of JSON, more than the 1000 bytes read as JSON .*save the ids as \.npy"
+    ):
+        load_token_windows(str(tmp_path / "ids.json"), seq_len=64)
+    assert load_token_windows(str(tmp_path / "ids.npy"), seq_len=64).tokens == 600
+
+
+def _never_parsed(*args, **kwargs):
+    raise AssertionError("the JSON was parsed")

@@ -48,7 +48,7 @@ from types import MappingProxyType
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, format_of
-from onnx_kvcache.cache.operators import op_of
+from onnx_kvcache.cache.operators import ATTENTION_OPS, op_of
 from onnx_kvcache.cache.sites import CacheSite, constant_values
 from onnx_kvcache.errors import MalformedModelError
 from onnx_kvcache.model_io._sessions import unloadable_header
@@ -68,7 +68,9 @@ def _roots(model: ir.Model) -> list[GraphLike]:
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
-    for attr in node.attributes.values():
+    if not node.attributes:  # most nodes: no attribute to look at
+        return
+    for attr in node.attributes.data.values():
         if attr.type == ir.AttributeType.GRAPH:
             yield attr.value
         elif attr.type == ir.AttributeType.GRAPHS:
@@ -78,9 +80,16 @@ def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
 def _graphs(model: ir.Model) -> Iterator[GraphLike]:
     """The main graph, every function and every subgraph of their nodes."""
     for root in _roots(model):
-        yield root
-        for node in ir.traversal.RecursiveGraphIterator(root):
-            yield from _subgraphs(node)
+        yield from _with_subgraphs(root)
+
+
+def _with_subgraphs(graph: GraphLike) -> Iterator[GraphLike]:
+    """``graph`` and every subgraph of its nodes, at any depth."""
+    yield graph
+    for node in graph:
+        if node.attributes:
+            for sub in _subgraphs(node):
+                yield from _with_subgraphs(sub)
 
 
 def _where(graph: GraphLike) -> str:
@@ -99,18 +108,21 @@ def _undefined(model: ir.Model, sort: bool) -> str | None:
 
 def _in_order(graph: GraphLike) -> bool:
     """Whether every node comes after the producers of what it (and its subgraphs) reads."""
-    nodes = {id(node) for node in graph}
-    seen: set[int] = set()
+    nodes = set(graph)
+    seen: set[ir.Node] = set()
     for node in graph:
-        inner = [node]
-        for subgraph in _subgraphs(node):
-            inner += list(ir.traversal.RecursiveGraphIterator(subgraph))
-        for reader in inner:
-            for value in reader.inputs:
-                producer = value.producer() if value is not None else None
-                if producer is not None and id(producer) in nodes and id(producer) not in seen:
-                    return False  # read before it is made (a node reading its own output too)
-        seen.add(id(node))
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and producer not in seen and producer in nodes:
+                return False  # read before it is made (a node reading its own output too)
+        if node.attributes:  # what its subgraphs read is read by the node
+            for subgraph in _subgraphs(node):
+                for reader in ir.traversal.RecursiveGraphIterator(subgraph):
+                    for value in reader.inputs:
+                        producer = value.producer() if value is not None else None
+                        if producer is not None and producer not in seen and producer in nodes:
+                            return False
+        seen.add(node)
     return True
 
 
@@ -512,6 +524,8 @@ def _sites(model: ir.Model) -> Iterator[CacheSite]:
     roots += [(function, function) for function in model.functions.values()]
     for root, function in roots:
         for node in ir.traversal.RecursiveGraphIterator(root):
+            if node.op_type not in ATTENTION_OPS:  # most nodes: no attention's name
+                continue
             row = op_of(node)
             if row is not None:
                 yield CacheSite(node, function, op=row)

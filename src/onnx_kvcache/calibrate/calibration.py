@@ -108,6 +108,9 @@ from onnx_kvcache.scales.files import KvCacheScales
 
 logger = logging.getLogger(__name__)
 
+#: Window length by default, shortened to the model's context (its rotary tables) when that is less.
+DEFAULT_SEQ_LEN = 512
+
 #: Consecutive windows of one length run as one batch of up to this many tokens: larger matrix
 #: products cost less a token, and each row's caches are the same bit for bit.
 TOKENS_PER_RUN = 1024
@@ -125,7 +128,7 @@ def calibrate_kv_cache(
     rope_positions: int | None = None,
     rotation: str | None = None,
     margin: float = 1.0,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     num_seqs: int | None = None,
     providers: Sequence[Any] | None = None,
     progress: bool = True,
@@ -147,7 +150,8 @@ def calibrate_kv_cache(
             recorded as ``format_for`` in the metadata.
         data: Token-id sequences, or a token-id/text file; ``None`` uses the built-in
             corpus (tokenized with the model's tokenizer when it has one).
-        seq_len: Longer sequences are cut into windows of this length.
+        seq_len: Longer sequences are cut into windows of this length (default:
+            :data:`DEFAULT_SEQ_LEN`, or the model's context when shorter).
         num_seqs: Use at most this many windows.
         rope_positions: Under the envelope, the context the attention methods' K search
             assumes: keys are moved to random positions below it (default: the whole rotary
@@ -165,10 +169,13 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
-    sampling = _Sampling(seq_len, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
+    given = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+    sampling = _Sampling(given, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
     asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions, rotation)
     choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)
+    if seq_len is None and setup.runner.max_positions is not None:  # a default fits the model
+        sampling = dataclasses.replace(sampling, seq_len=min(given, setup.runner.max_positions))
     loaded = _bounded_windows(model, data, setup, sampling)
     sampler = _Sampler.of(setup, choice, sampling)
     tokens = sampler.run(setup.runner, loaded.windows, sampling.progress, TOKENS_PER_RUN)

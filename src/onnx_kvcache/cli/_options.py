@@ -280,7 +280,12 @@ _CALIBRATE = (
         "the model's",
         "the built-in corpus's calibration part with that tokenizer, else seeded random token ids",
     ),
-    _option("--seq-len", metavar="N", type=_POSITIVE, default=512, help="window length in tokens"),
+    _option(
+        "--seq-len",
+        metavar="N",
+        type=_POSITIVE,
+        help="window length in tokens (default: 512, or the model's context when shorter)",
+    ),
     _option("--num-seqs", metavar="N", type=_POSITIVE, help="use at most this many windows (default: all)"),
     _option(
         "--min-tokens",
@@ -326,9 +331,19 @@ _EVALUATE = (
         "the built-in corpus's evaluation part with that tokenizer, else random token ids of another "
         "seed: both held out from calibrate's default data",
     ),
-    _option("--max-new-tokens", metavar="N", type=_NON_NEGATIVE, default=64, help="greedy tokens to compare"),
+    _option(
+        "--max-new-tokens",
+        metavar="N",
+        type=_NON_NEGATIVE,
+        help="greedy tokens to compare (default: 64, or what the model's context leaves after the prompt)",
+    ),
     _option("--num-seqs", metavar="N", type=_POSITIVE, default=4, help="sequences to evaluate"),
-    _option("--seq-len", metavar="N", type=_POSITIVE, default=256, help="tokens per sequence"),
+    _option(
+        "--seq-len",
+        metavar="N",
+        type=_POSITIVE,
+        help="tokens per sequence (default: 256, or the model's context + 1 when shorter)",
+    ),
     _option(
         "--semantics",
         choices=list(SEMANTICS),

@@ -241,7 +241,11 @@ def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | o
             if out_real == pathlib.Path(os.path.realpath(source.graph))
             else "a file the input uses"
         )
-        fix = Message("; use ", IN_PLACE, " to rewrite it") if what == "the input" else ""
+        fix = (
+            Message("; use ", IN_PLACE, " to rewrite it")
+            if what == "the input"
+            else f" (its weights); name a .onnx file (e.g. {_free_graph_name(source.graph, fmt).name})"
+        )
         raise KvCacheError(f"Output {out} is {what}", fix, ".")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
         if previous.is_output_folder(out):  # a file of ours in it would block its replacement
@@ -255,9 +259,9 @@ def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | o
             f"(e.g. {_free_name(out / source.graph.name, fmt)})."
         )
     if out.suffix != ".onnx":
-        raise KvCacheError(
-            f"Output {out} must be a .onnx file name (e.g. {_free_name(out.with_suffix('.onnx'), fmt).name})."
-        )
+        stem = out.name.lstrip(".").split(".")[0] or "model"  # x.onnx.data: x.onnx, not x.onnx.onnx
+        named = _free_name(out.with_name(stem + ".onnx"), fmt).name
+        raise KvCacheError(f"Output {out} must be a .onnx file name (e.g. {named}).")
 
 
 def _plan_file(

@@ -400,14 +400,19 @@ def written_genai_config(
     provider_options: list[dict[str, Any]] | None,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The ``genai_config.json`` an export ``folder`` converted into the folder ``out_name``
-    gets, and the summary's note saying so; ``(None, None)`` for a folder without
-    ``config.json``. When there is none to write (see :func:`genai_config_for_export`; or
-    ``provider_options`` None: genai's config cannot name the ``target``), one
-    :class:`~onnx_kvcache.errors.GenaiConfigWarning` says why, and the conversion goes on."""
+    gets, and the summary's note saying so; for a folder without ``config.json``, no config and
+    a note saying onnxruntime-genai cannot run the folder. When there is none to write (see
+    :func:`genai_config_for_export`; or ``provider_options`` None: genai's config cannot name the
+    ``target``), one :class:`~onnx_kvcache.errors.GenaiConfigWarning` says why, and the conversion
+    goes on."""
     try:
         export = read_export_config(folder)
         if export is None or not export.model:
-            return None, None
+            return None, (
+                f"no {GENAI_CONFIG} written: {folder.name} has no {MODEL_CONFIG} (transformers' model "
+                f"config) to write it from, so onnxruntime-genai cannot run {out_name}; to have one, "
+                f"put the model's {MODEL_CONFIG} beside the input and convert again."
+            )
         if provider_options is None:
             raise NoGenaiConfig(f"onnxruntime-genai's config cannot name {target}, the target")
         config = genai_config_for_export(

@@ -447,9 +447,10 @@ def _with_provider(config: dict[str, Any], target: str, result: ConvertResult) -
         return config
     config = json.loads(json.dumps(config))
     session = config["model"]["decoder"].setdefault("session_options", {})
+    named = folder if session.get("provider_options") else "none: onnxruntime-genai's default, the CPU"
     session["provider_options"] = json.loads(json.dumps(options))
     result.notes.append(
-        f"{GENAI_CONFIG}'s provider_options now name {wanted}, the provider given (they named {folder})."
+        f"{GENAI_CONFIG}'s provider_options now name {wanted}, the provider given (they named {named})."
     )
     return config
 

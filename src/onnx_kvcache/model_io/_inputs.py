@@ -29,9 +29,11 @@ __all__ = [
     "load_json",
     "load_npy_integers",
     "read_input_bytes",
+    "read_input_chunks",
     "tokenizer_file",
 ]
 
+import contextlib
 import errno
 import json
 import math
@@ -39,7 +41,8 @@ import numbers
 import os
 import pathlib
 import stat
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from onnx_kvcache.errors import KvCacheError, KvCacheFileNotFoundError
 
@@ -142,15 +145,9 @@ def tokenizer_file(path: os.PathLike | str) -> pathlib.Path:
     return check_input_file(p, "Tokenizer", **words, fix=TOKENIZER_WANTED + hub)
 
 
-def read_input_bytes(
-    path: os.PathLike | str,
-    what: str,
-    *,
-    expected: str = "a regular file",
-    fix: str = "",
-    max_bytes: int | None = None,
-) -> bytes:
-    """The bytes of a regular file, opened so that nothing can block (checked again once open)."""
+@contextlib.contextmanager
+def _open_input(path: os.PathLike | str, what: str, expected: str, fix: str) -> Iterator[BinaryIO]:
+    """A regular file opened so that nothing can block (checked again once open)."""
     check_input_file(path, what, expected=expected, fix=fix)
     try:
         fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_CLOEXEC)
@@ -161,15 +158,45 @@ def read_input_bytes(
         if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
             kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
             raise _refusal(path, what, kind, expected, fix, "")
-        if max_bytes is not None and st.st_size > max_bytes:
+        yield f
+
+
+def read_input_bytes(
+    path: os.PathLike | str,
+    what: str,
+    *,
+    expected: str = "a regular file",
+    fix: str = "",
+    max_bytes: int | None = None,
+) -> bytes:
+    """The bytes of a regular file, opened so that nothing can block (checked again once open)."""
+    with _open_input(path, what, expected, fix) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
             raise KvCacheError(
-                f"{what} {os.fspath(path)} is {st.st_size} bytes, more than the {max_bytes} such a file "
+                f"{what} {os.fspath(path)} is {size} bytes, more than the {max_bytes} such a file "
                 "can need; give the right file."
             )
         try:
             return f.read()
         except OSError as e:
             raise KvCacheError(f"{what} {os.fspath(path)} cannot be read ({e.strerror}).") from None
+
+
+def read_input_chunks(
+    path: os.PathLike | str, what: str, *, expected: str = "a regular file", chunk_bytes: int = 1 << 20
+) -> Iterator[bytes]:
+    """The bytes of a regular file (opened as :func:`read_input_bytes` opens it), ``chunk_bytes``
+    at a time: a reader that stops early never holds the rest."""
+    with _open_input(path, what, expected, "") as f:
+        while True:
+            try:
+                chunk = f.read(chunk_bytes)
+            except OSError as e:
+                raise KvCacheError(f"{what} {os.fspath(path)} cannot be read ({e.strerror}).") from None
+            if not chunk:
+                return
+            yield chunk
 
 
 class _Refused(ValueError):

@@ -41,13 +41,23 @@ _NOT_CARRIED = (".git",)
 """Top-level entries of an input folder that are not part of the model."""
 
 
+def _first_cause(error: BaseException) -> BaseException:
+    """The error that started a chain: onnx-ir's deserializer wraps the one naming the problem
+    (a negative external-data offset) in "Error calling _deserialize_graph with: main_graph"."""
+    seen = {id(error)}
+    while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        error = cause
+    return error
+
+
 def _load_graph(model_file: pathlib.Path) -> ir.Model:
     if model_file.stat().st_size == 0:
         raise KvCacheError(f"{model_file} is empty (0 bytes), not an ONNX model.")
     try:
         model = ir.load(model_file)
     except Exception as e:  # protobuf raises several unrelated types
-        raise KvCacheError(f"{model_file} is not a readable ONNX model ({e}).") from None
+        raise KvCacheError(f"{model_file} is not a readable ONNX model ({_first_cause(e)}).") from None
     if model.ir_version < 1 or (model.graph.num_nodes() == 0 and not model.graph.outputs):
         raise KvCacheError(f"{model_file} is not an ONNX model (no IR version or graph).")
     return model

@@ -197,9 +197,9 @@ def evaluate_kv_cache(
     candidate: ir.Model | str | os.PathLike,
     data: TokenData = None,
     *,
-    max_new_tokens: int = 64,
+    max_new_tokens: int | None = None,
     prompt_len: int = 64,
-    seq_len: int = 256,
+    seq_len: int | None = None,
     num_seqs: int | None = 4,
     providers: Sequence[Any] | None = None,
     tokenizer: str | os.PathLike | None = None,
@@ -215,10 +215,18 @@ def evaluate_kv_cache(
     each prompt (every one reads the quantized cache back); the prompts' own positions are
     reported apart. The report states which rule produced it. A progress bar (tqdm) shows on
     a terminal unless ``progress=False``.
+
+    ``seq_len`` and ``max_new_tokens`` left out are :data:`DEFAULT_SEQ_LEN` and
+    :data:`DEFAULT_NEW_TOKENS`, each shortened to what the candidate's context holds.
     """
-    scoring = _Scoring(max_new_tokens, prompt_len, seq_len, num_seqs, tokenizer, progress)
+    asked = (
+        DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+        DEFAULT_SEQ_LEN if seq_len is None else seq_len,
+    )
+    scoring = _Scoring(asked[0], prompt_len, asked[1], num_seqs, tokenizer, progress)
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
+    scoring = _fitted_defaults(scoring, cand.max_positions, seq_len is None, max_new_tokens is None)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     tally = _Tally()
     bar = _progress(loaded.windows, scoring)
@@ -264,6 +272,27 @@ def _check(scoring: _Scoring) -> None:
                 f" is more positions than any KV cache model counts: GroupQueryAttention counts them in "
                 f"int32 (at most {MAX_POSITIONS}).",
             )
+
+
+#: Tokens per window and greedy tokens by default, each shortened to the model's context.
+DEFAULT_SEQ_LEN = 256
+DEFAULT_NEW_TOKENS = 64
+
+
+def _fitted_defaults(scoring: _Scoring, limit: int | None, seq_len: bool, new_tokens: bool) -> _Scoring:
+    """The default ``seq_len`` (a window feeds one position less) and ``max_new_tokens`` (after
+    the prompt) shortened to a context of ``limit`` positions; given values are kept, and
+    checked against it (:func:`_check_positions`)."""
+    if limit is None:
+        return scoring
+    if seq_len:
+        scoring = dataclasses.replace(scoring, seq_len=min(scoring.seq_len, limit + 1))
+    if new_tokens:
+        prompt = min(scoring.prompt_len, max(1, scoring.seq_len // 2))
+        scoring = dataclasses.replace(
+            scoring, max_new_tokens=max(0, min(scoring.max_new_tokens, limit - prompt + 1))
+        )
+    return scoring
 
 
 #: The most positions a GroupQueryAttention model counts (``seqlens_k`` and

@@ -25,15 +25,17 @@ __all__ = [
     "find_tokenizer",
     "load_token_windows",
     "tokenize_text",
+    "tokenize_text_file",
 ]
 
+import codecs
 import dataclasses
 import importlib.resources
 import logging
 import os
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,11 +48,13 @@ from onnx_kvcache.errors import (
     missing_dependency,
     require_type,
 )
+from onnx_kvcache.model_io._atomic import format_bytes
 from onnx_kvcache.model_io._inputs import (
     check_input_file,
     load_json,
     load_npy_integers,
     read_input_bytes,
+    read_input_chunks,
     shown_shape,
     tokenizer_file,
 )
@@ -142,8 +146,8 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     return None
 
 
-def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
-    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+def _load_tokenizer(tokenizer: pathlib.Path | None) -> Any:
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``; an error without one."""
     if tokenizer is None:
         raise KvCacheError(
             "Text data needs a tokenizer: pass ",
@@ -158,10 +162,81 @@ def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
         ) from e
     raw = read_input_bytes(tokenizer, "Tokenizer", expected="a tokenizer.json file")
     try:
-        loaded = Tokenizer.from_str(raw.decode("utf-8"))
+        return Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises its own untyped Exception
         raise KvCacheError(f"{tokenizer} is not a tokenizers tokenizer.json ({e}).") from None
-    return list(loaded.encode(text).ids)
+
+
+def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
+    """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
+    return list(_load_tokenizer(tokenizer).encode(text).ids)
+
+
+#: Characters of text tokenized at once: ``tokenizers`` holds ~300 bytes per character of the
+#: text it encodes (tokens, offsets, masks), so a file is encoded a piece at a time.
+TEXT_PIECE_CHARS = 1 << 16
+
+
+def _piece_end(text: str) -> int:
+    """Where a piece of ``text`` can end: after its last newline between two characters that
+    are not whitespace (a pre-tokenizer splits there anyway), else 0."""
+    end = len(text) - 1
+    while (at := text.rfind("\n", 1, end)) > 0:
+        if not (text[at - 1].isspace() or text[at + 1].isspace()):
+            return at + 1
+        end = at
+    return 0
+
+
+def _text_pieces(path: pathlib.Path, piece_chars: int) -> Iterator[str]:
+    """The text of a UTF-8 file in pieces of about ``piece_chars`` or more, each ending as
+    :func:`_piece_end` says (a text without such a newline: every ``4 * piece_chars``)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pending, offset = "", 0
+    for chunk in read_input_chunks(path, "Text file", expected="a text file"):
+        try:
+            pending += decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            raise KvCacheError(
+                f"{path}: not UTF-8 text (byte {offset + e.start}); give a UTF-8 text file."
+            ) from None
+        offset += len(chunk)
+        while len(pending) >= piece_chars:
+            cut = _piece_end(pending) or (len(pending) if len(pending) >= 4 * piece_chars else 0)
+            if not cut:
+                break
+            yield pending[:cut]
+            pending = pending[cut:]
+    try:
+        pending += decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise KvCacheError(
+            f"{path}: not UTF-8 text (it ends inside a character); give a UTF-8 text file."
+        ) from None
+    if pending:
+        yield pending
+
+
+def tokenize_text_file(
+    path: pathlib.Path, tokenizer: pathlib.Path | None, *, limit: int | None = None
+) -> np.ndarray:
+    """Token ids of a UTF-8 text file, read and encoded a piece at a time
+    (:data:`TEXT_PIECE_CHARS`) and only until ``limit`` ids are found: memory holds the ids
+    (8 bytes each), never the whole text's encoding. The tokenizer's special tokens (a BOS)
+    are added to the first piece only, as one encoding of the whole text adds them; a piece
+    ends between words at a line break, so the ids are those of one encoding, but for a
+    tokenizer that marks the start of a text (SentencePiece's ``▁``) on each piece's first word."""
+    loaded = _load_tokenizer(tokenizer)
+    found: list[np.ndarray] = []
+    count = 0
+    for i, piece in enumerate(_text_pieces(path, TEXT_PIECE_CHARS)):
+        ids = np.asarray(loaded.encode(piece, add_special_tokens=i == 0).ids, np.int64)
+        found.append(ids)
+        count += ids.size
+        if limit is not None and count >= limit:
+            break
+    ids = np.concatenate(found) if found else np.zeros(0, np.int64)
+    return ids if limit is None else ids[:limit]
 
 
 def _out_of_range(where: str, bad: int, i: int) -> KvCacheError:
@@ -210,11 +285,23 @@ def _as_id_sequence(seq: Any, i: int, where: str) -> np.ndarray:
     return array
 
 
+#: The largest JSON token-id file read (some 8M ids): parsing one holds ~45 bytes a byte of it
+#: (1.8 GB for 40 MB); a .npy file of any size is read as the array it is.
+MAX_JSON_IDS_BYTES = 32 << 20
+
+
 def _read_ids_file(path: pathlib.Path) -> list[np.ndarray]:
     where = f"Token-id file {path}"
     if path.suffix == ".npy":
         array = load_npy_integers(path, "Token-id file")
         return _checked_ids(list(np.atleast_2d(array)), where)
+    size = check_input_file(path, "Token-id file", missing="does not exist").stat().st_size
+    if size > MAX_JSON_IDS_BYTES:
+        raise KvCacheError(
+            f"{where} is {format_bytes(size)} of JSON, more than the {format_bytes(MAX_JSON_IDS_BYTES)} "
+            "read as JSON (parsing holds some 45 bytes a byte of it): save the ids as .npy (numpy.save), "
+            "read without parsing."
+        )
     doc = load_json(path, "Token-id file")
     if isinstance(doc, list) and doc and all(isinstance(x, int) for x in doc):
         doc = [doc]
@@ -292,12 +379,8 @@ def load_token_windows(
             if path.suffix in (".json", ".npy"):
                 sequences, source = _read_ids_file(path), f"token ids from {path.name}"
             else:
-                raw = read_input_bytes(path, "Text file", expected="a text file")
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise KvCacheError(f"{path}: not UTF-8 text ({e}).") from None
-                sequences = [np.asarray(tokenize_text(text, tok), np.int64)]
+                limit = None if num_seqs is None else num_seqs * seq_len
+                sequences = [tokenize_text_file(path, tok, limit=limit)]
                 source = f"text from {path.name}"
                 if tokenizer is not None:
                     source += f", tokenizer {tok}"
@@ -327,7 +410,10 @@ def load_token_windows(
         if not ids.size:
             continue
         if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise KvCacheError(f"Token ids must be in [0, {vocab_size}), found {ids.min()}..{ids.max()}.")
+            raise KvCacheError(
+                f"Token ids must be in [0, {vocab_size}) (the model's vocabulary), found "
+                f"{ids.min()}..{ids.max()} ({source}): give ids of this model's tokenizer."
+            )
         windows += [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
     held_out = data is None and default.held_out
     return TokenWindows(windows[:num_seqs] if num_seqs else windows, source, random, held_out)

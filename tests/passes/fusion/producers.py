@@ -43,7 +43,7 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-default/cohere": CONVERTS,
     "mobius/mobius-default/gemma3": CONVERTS,
     "mobius/mobius-default/gpt_oss": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: it compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices (2; first model/layers.0/self_attn/MatMul_node_79); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: the mask 'v_model.Unsqueeze_33' compares token positions counted by CumSum of attention_mask (a position-based causal/sliding-window mask), not key and query indices, and its values come from Unsqueeze node 'model/Unsqueeze_node_33' (a tensor with unit axes inserted), output 'v_model.Unsqueeze_33', whose values no rule of the evaluator follows (2; first model/layers.0/self_attn/MatMul_node_79); nothing to convert (-v lists each node)."
     ),
     "mobius/mobius-default/granite": CONVERTS,
     "mobius/mobius-default/llama": CONVERTS,
@@ -74,30 +74,20 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-static/qwen3": (
         "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node)."
     ),
-    "optimum/optimum-cli/cohere": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
-    ),
+    "optimum/optimum-cli/cohere": (CONVERTS),
     "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/gemma3": CONVERTS,
-    "optimum/optimum-cli/gpt_oss": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.1/self_attn/Concat_12_output_0' has no known rank (1; first /model/layers.1/self_attn/MatMul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
-    "optimum/optimum-cli/helium": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
-    ),
+    "optimum/optimum-cli/gpt_oss": (CONVERTS),
+    "optimum/optimum-cli/helium": (CONVERTS),
     "optimum/optimum-cli/llama": CONVERTS,
     "optimum/optimum-cli/mistral": CONVERTS,
     "optimum/optimum-cli/olmo2": CONVERTS,
     "optimum/optimum-cli/phi3": CONVERTS,
     "optimum/optimum-cli/qwen2": CONVERTS,
     "optimum/optimum-cli/qwen3": CONVERTS,
-    "optimum/optimum-cli/qwen3_moe": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.1/self_attn/Softmax_output_0' has no known rank (1; first /model/layers.1/self_attn/MatMul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
+    "optimum/optimum-cli/qwen3_moe": (CONVERTS),
     "optimum/optimum-cli/smollm3": CONVERTS,
-    "optimum/optimum-cli/stablelm": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
-    ),
+    "optimum/optimum-cli/stablelm": (CONVERTS),
     "torch-tf4.57/dynamo-opset18-nooptimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize-f16/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
@@ -106,15 +96,11 @@ EXPECTED: dict[str, str] = {
     "torch-tf4.57/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/qwen3": CONVERTS,
-    "torch-tf4.57/dynamo-opset23-optimize/stablelm": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: a tensor's elements are not known (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
-    ),
+    "torch-tf4.57/dynamo-opset23-optimize/stablelm": (CONVERTS),
     "torch-tf4.57/torchscript-opset18/gemma2": CONVERTS,
     "torch-tf4.57/torchscript-opset18/llama": CONVERTS,
     "torch-tf4.57/torchscript-opset18/phi3": CONVERTS,
-    "torch-tf4.57/torchscript-opset18/starcoder2": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: value '/model/model/layers.0/self_attn/Softmax_output_0' has no known rank (2; first /model/model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node)."
-    ),
+    "torch-tf4.57/torchscript-opset18/starcoder2": (CONVERTS),
     "torch-tf5/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16/llama": CONVERTS,
@@ -124,17 +110,17 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2": (
         "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_matmul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
     ),
-    "torch-tf5/dynamo-opset23-optimize-rollingcache/mistral": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/mistral": (CONVERTS),
     "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window": (
         "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.1.key keeps its last 3 tokens (W = 4) while past_key_values.0.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_scaled_dot_product_attention_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
     ),
     "torch-tf5/dynamo-opset23-optimize/cohere2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/deepseek_v3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: K/V reach attention from Transpose node 'node_slice_scatter_1', not from a KV cache (Concat(past, new), directly or through repeat_kv) (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
     ),
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/gemma3": CONVERTS,
-    "torch-tf5/dynamo-opset23-optimize/gpt_oss": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize/gpt_oss": (CONVERTS),
     "torch-tf5/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/llama_rope_llama3": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/mistral": CONVERTS,
@@ -153,7 +139,7 @@ EXPECTED: dict[str, str] = {
     ),
     "torch2.15-tf5.25/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize/gemma3": CONVERTS,
-    "torch2.15-tf5.25/dynamo-opset23-optimize/gpt_oss": CONVERTS,
+    "torch2.15-tf5.25/dynamo-opset23-optimize/gpt_oss": (CONVERTS),
     "torch2.15-tf5.25/dynamo-opset23-optimize/llama": CONVERTS,
     "torch2.15-tf5.25/torchscript-opset18/llama": CONVERTS,
 }

@@ -376,7 +376,7 @@ REFUSALS = {
     ),
     "not_causal": (
         lambda: cached_attention(mask="none", attributes={"is_causal": 0}),
-        "the mask is not causal",
+        "is_causal=0 without a mask is not causal",
     ),
     "nonpad_with_past": (
         lambda: cached_attention(nonpad=True),

@@ -114,7 +114,7 @@ def test_the_loop_fuses_the_main_graph_and_refuses_subgraphs_and_functions(fusio
     texts = [r.text for r in result.report.refusals]
     assert texts[:2] == ["a refusal of its own", "plain is no attention"]
     if elsewhere:
-        assert texts[2:] == ["inside a control-flow subgraph (not fused)"] * 2 + [
+        assert texts[2:] == ["inside a control-flow subgraph of If node 'if' (not fused)"] * 2 + [
             "inside function f (not fused)"
         ]
     assert "drop" not in {n.name for n in model.graph}
@@ -149,8 +149,12 @@ def test_an_unprovable_attention_is_refused_with_its_code_node_and_reason(fusion
     assert len(said) == warns and all(issubclass(w.category, KvCacheWarning) for w in said)
     assert report.fused == 0 and len(report.refusals) == 2
     for refusal in report.refusals:
-        assert refusal.code is FusionRefusalCode.UNPROVABLE and refusal.node.graph is model.graph
-        assert refusal.text == "the mask is not causal (a query would see later keys)"
+        assert refusal.code is FusionRefusalCode.MASK and refusal.node.graph is model.graph
+        mask = refusal.node.inputs[3].name if refusal.node.op_type == "Attention" else None
+        assert refusal.text.startswith("the mask '") and refusal.text.endswith(
+            "is not causal (a query would see later keys)"
+        )
+        assert mask is None or f"'{mask}' (with is_causal=0)" in refusal.text
         assert str(refusal) == f"{refusal.node.name}: {refusal.text}"
 
 

@@ -84,7 +84,7 @@ def test_repeat_kv_through_whole_slices_and_a_clone_is_a_repeat(clone):
 def test_repeat_kv_through_a_slice_that_cuts_is_refused():
     out, _, nodes, inputs = _repeat(whole=False, clone=True)
     ir.Graph(inputs, [out], nodes=nodes, opset_imports={"": 18})
-    with pytest.raises(Unprovable, match="Expand changes axis 3"):
+    with pytest.raises(Unprovable, match=r"Expand .* changes axis 3"):
         _strip_repeat(SymbolicEvaluator(), out)
 
 

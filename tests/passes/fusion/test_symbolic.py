@@ -156,12 +156,40 @@ def test_reshape_infers_minus_one(dims, target, want):
     assert out[target.index(Affine(const=-1))] == Affine(const=want)
 
 
-def test_weights_are_never_read():
+def test_reshape_flattens_lengths_into_their_product_and_splits_it_again():
+    """An MoE block's ``[B, S, H] -> [-1, H] -> [E, B, -1, H]`` (optimum's gpt_oss): the flattened
+    axis is one product symbol, and dividing it by ``B`` gives ``S`` back; an unknown length does
+    not divide it."""
+    batch = Affine.of(Symbol.dim("b"))
+    hidden = Affine(const=64)
+    (flat, _) = reshape_dims((batch, SEQ, hidden), (Affine(const=-1), hidden), allowzero=False)
+    assert flat == Affine.of(Symbol.product([Symbol.dim("b"), Symbol.dim("seq")])) and str(flat) == "b*seq"
+    split = reshape_dims(
+        (Affine(const=4), flat, hidden), (Affine(const=4), batch, Affine(const=-1), hidden), allowzero=False
+    )
+    assert split == (Affine(const=4), batch, SEQ, hidden)
+    with pytest.raises(Unprovable):
+        reshape_dims((flat, hidden), (PAST, Affine(const=-1)), allowzero=False)
+
+
+def test_weights_are_never_read(tmp_path):
+    """A large initializer is its shape: its data (here a file that does not exist) is not read."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 23})
-    big = ir.Value(name="big", const_value=ir.tensor(np.zeros((1, 1, 64, 64), np.bool_), name="big"))
+    missing = ir.ExternalTensor(
+        "missing.data",
+        0,
+        4096,
+        ir.DataType.BOOL,
+        shape=ir.Shape([1, 1, 64, 64]),
+        name="big",
+        base_dir=tmp_path,
+    )
+    big = ir.Value(name="big", const_value=missing)
     graph.register_initializer(big)
+    tensor = SymbolicEvaluator().eval(big)
+    assert tensor.shape == tuple(Affine(const=d) for d in (1, 1, 64, 64)) and not tensor.known
     with pytest.raises(Unprovable, match="too large"):
-        SymbolicEvaluator().eval(big)
+        tensor.element()
 
 
 def _evaluate(build) -> object:

@@ -20,6 +20,7 @@ __all__ = [
     "WindowCache",
     "cache_link",
     "cache_mask_facts",
+    "check_head_sizes",
     "check_shapes",
     "key_columns",
     "mask_condition",
@@ -35,8 +36,8 @@ from typing import TypeVar
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     ZERO,
@@ -79,6 +80,7 @@ class MaskFacts:
     GQA's window over the compacted cache is exactly that for any padding."""
 
 
+@step(FusionRefusalCode.MASK)
 def mask_condition(
     ev: SymbolicEvaluator,
     mask: ir.Value,
@@ -93,13 +95,13 @@ def mask_condition(
     try:
         tensor = ev.eval(mask)
         elem = tensor.element()
-    except Unprovable:
+    except Unprovable as reason:
         counted = running_count(mask)
         if counted is None:
-            raise
-        raise Unprovable(
-            f"it compares token positions counted by CumSum of {counted} (a position-based "
-            "causal/sliding-window mask), not key and query indices"
+            raise reason.wrapped(f"the mask {mask.name!r}: ") from None
+        raise reason.wrapped(
+            f"the mask {mask.name!r} compares token positions counted by CumSum of {counted} (a "
+            "position-based causal/sliding-window mask), not key and query indices, and "
         ) from None
     if tensor.rank > 4:
         raise Unprovable("the mask has more than 4 dimensions")
@@ -142,6 +144,7 @@ def _always_true(lhs: Affine) -> bool:
     return lhs.const <= 0 and all(c <= 0 for _, c in lhs.terms)
 
 
+@step(FusionRefusalCode.MASK)
 def mask_facts(cond: Conj, *, past: Affine, batch: Affine | None = None) -> MaskFacts:
     """Classify each condition of a mask; raise on any that is not causal/window/padding.
 
@@ -323,6 +326,7 @@ def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[i
     return value
 
 
+@step(FusionRefusalCode.REPEAT)
 def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
     """``value`` without transformers' repeat_kv in front: (grouped value, group, chain).
 
@@ -337,7 +341,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
         _producer(_through_copies(ev, expand.inputs[0], copies), "Unsqueeze") if expand is not None else None
     )
     if expand is None or unsqueeze is None:
-        raise Unprovable("K/V reach attention through a Reshape that is not repeat_kv")
+        raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
     axes = ev.const_ints(unsqueeze.inputs[1] if len(unsqueeze.inputs) > 1 else None, "Unsqueeze axes")
     if axes is None:
         attr = unsqueeze.attributes.get("axes")
@@ -345,14 +349,19 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     base = _through_copies(ev, unsqueeze.inputs[0], copies)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):
-        raise Unprovable("the K/V repeat does not insert its group axis after the head axis")
+        raise Unprovable(
+            f"the K/V repeat's Unsqueeze {unsqueeze.name!r} does not insert its group axis after the "
+            "head axis"
+        )
     inserted = (dims[0], dims[1], ONE, dims[2], dims[3])
     target = ev.values(expand.inputs[1], "the repeat's Expand shape")
     if len(target) != 5 or not target[2].is_const or target[2].const < 1:
-        raise Unprovable("the repeat's Expand shape has no constant group size")
+        raise Unprovable(f"the repeat's Expand {expand.name!r} has no constant group size")
     for k in (0, 1, 3, 4):
         if target[k] != ONE and not equal(target[k], inserted[k]):
-            raise Unprovable(f"the repeat's Expand changes axis {k} ({inserted[k]} -> {target[k]})")
+            raise Unprovable(
+                f"the repeat's Expand {expand.name!r} changes axis {k} ({inserted[k]} -> {target[k]})"
+            )
     group = target[2].const
     expanded = (dims[0], dims[1], Affine(const=group), dims[2], dims[3])
     allowzero = bool(
@@ -364,13 +373,16 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if not dims[1].is_const:
         raise Unprovable("the number of KV heads is not static")
     if not same_dims(out, (dims[0], dims[1].scale(group), dims[2], dims[3])):
-        raise Unprovable("the repeat's Reshape does not fold the group axis into the head axis")
+        raise Unprovable(
+            f"the repeat's Reshape {reshape.name!r} does not fold the group axis into the head axis"
+        )
     for node in copies:  # the copies are read by the repeat only: removed with it
         if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
             raise Unprovable(f"a copy in the K/V repeat ({node.op_type} {node.name!r}) is read elsewhere")
     return base, group, [reshape, expand, unsqueeze, *copies]
 
 
+@step(FusionRefusalCode.CACHE)
 def cache_link(
     ev: SymbolicEvaluator, graph: ir.Graph, value: ir.Value, readers: Iterable[ir.Node]
 ) -> CacheLink:
@@ -515,6 +527,7 @@ def restrict(x: _Restricted, domain: Mapping[Symbol, Affine] | None) -> _Restric
     return out  # type: ignore[return-value]
 
 
+@step(FusionRefusalCode.MASK)
 def cache_mask_facts(
     cond: Conj, key: CacheLink, value: CacheLink, *, past: Affine, batch: Affine | None = None
 ) -> MaskFacts:
@@ -587,6 +600,25 @@ class AttentionMatch:
     as padded with ``-inf``, and its mask's width is not provably ``P + S``."""
 
 
+@step(FusionRefusalCode.SHAPES)
+def check_head_sizes(ev: SymbolicEvaluator, key: ir.Value | None, value: ir.Value | None) -> None:
+    """Refuse keys and values of different head sizes (the last axis of 4-D K and V as attention
+    reads them), before the caches are followed: GroupQueryAttention has one head size, and
+    multi-head latent attention (MLA: DeepSeek-V2/V3, whose keys hold a no-rotary and a rotary
+    part, its values another width) is what writes them."""
+    try:
+        k, v = ev.shape(key), ev.shape(value)
+    except Unprovable:
+        return  # the cache proof says why
+    if len(k) == 4 and len(v) == 4 and k[3].is_const and v[3].is_const and k[3] != v[3]:
+        raise Unprovable(
+            f"keys of head size {k[3]} and values of head size {v[3]}: multi-head latent attention "
+            "(MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, "
+            "which GroupQueryAttention (one head size) does not compute"
+        )
+
+
+@step(FusionRefusalCode.SHAPES)
 def check_shapes(
     ev: SymbolicEvaluator, query: ir.Value, key: CacheLink, value: CacheLink
 ) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ positive, since onnxruntime's ``Attention`` and GQA read other values differentl
 
 from __future__ import annotations
 
-__all__ = ["attribute", "is_read", "probs_and_scale"]
+__all__ = ["attribute", "is_read", "not_causal", "probs_and_scale"]
 
 import math
 
@@ -47,3 +47,14 @@ def probs_and_scale(node: ir.Node, head: int) -> tuple[ir.Value | None, float]:
             f"scale={scale} (onnxruntime's Attention and GQA read a non-positive or NaN scale differently)"
         )
     return probs, scale
+
+
+def not_causal(node: ir.Node, mask: ir.Value | None) -> str:
+    """The refusal of an ``Attention`` whose mask and ``is_causal`` let a query see later keys."""
+    causal = int(attribute(node, "is_causal", 0))
+    what = (
+        f"the mask {mask.name!r} (with is_causal={causal})"
+        if mask is not None
+        else f"is_causal={causal} without a mask"
+    )
+    return f"{what} is not causal (a query would see later keys)"

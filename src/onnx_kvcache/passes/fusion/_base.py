@@ -30,6 +30,7 @@ __all__ = [
     "FusionReport",
     "FusionResult",
     "FusionRefusalCode",
+    "REFUSAL_KINDS",
     "Refused",
     "bypass_input_copies",
     "summarize_refusals",
@@ -37,7 +38,6 @@ __all__ = [
 
 import abc
 import dataclasses
-import enum
 import logging
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -47,18 +47,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import GQA_DOMAIN
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
+from onnx_kvcache.passes.fusion._refusals import REFUSAL_KINDS, FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
-
-
-class FusionRefusalCode(enum.Enum):
-    """Why a fusion left a candidate as it was."""
-
-    UNPROVABLE = "unprovable"
-    """A rule of the fusion does not hold or cannot be proven; the text says which."""
-    IN_SUBGRAPH = "in_subgraph"
-    """The candidate is inside a control-flow subgraph (fusions rewrite the main graph)."""
-    IN_FUNCTION = "in_function"
-    """The candidate is inside a model-local function."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +131,6 @@ class FusionPass(InPlacePass, abc.ABC):
 
     label: ClassVar[str]
     """What the fusion fuses, as its INFO log line names it."""
-    prime: ClassVar[bool] = False
-    """Evaluate the whole graph first (:meth:`SymbolicEvaluator.prime`: deep, unannotated graphs)."""
     reports_elsewhere: ClassVar[bool] = False
     """Refuse the candidates of subgraphs and functions (else they are not looked at)."""
 
@@ -193,9 +181,13 @@ class FusionPass(InPlacePass, abc.ABC):
     def elsewhere(self, model: ir.Model) -> list[FusionRefusal]:
         """The candidates outside the main graph's own nodes, refused with where they are."""
         found = [
-            FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, node, "inside a control-flow subgraph (not fused)")
-            for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if node.graph is not model.graph and self.is_candidate(node)
+            FusionRefusal(
+                FusionRefusalCode.IN_SUBGRAPH,
+                node,
+                f"inside a control-flow subgraph of {_owner(model.graph, node)} (not fused)",
+            )
+            for node in _subgraph_nodes(model.graph)
+            if self.is_candidate(node)
         ]
         for function in model.functions.values():
             found += [
@@ -211,15 +203,14 @@ class FusionPass(InPlacePass, abc.ABC):
         graph = model.graph
         bypass_input_copies(graph)
         ev = SymbolicEvaluator()
-        if self.prime:
-            ev.prime(graph)
         writer = GqaWriter(graph, ev)
         report, refusals = FusionReport(), []
         for node in self.candidates(graph):
             try:
                 found = self.match(ev, graph, node)
             except Unprovable as reason:
-                refusals.append(FusionRefusal(FusionRefusalCode.UNPROVABLE, node, str(reason), reason.rule))
+                code = reason.kind or FusionRefusalCode.UNPROVABLE
+                refusals.append(FusionRefusal(code, node, str(reason), reason.rule))
                 continue
             except Refused as refused:
                 refusals.append(refused.refusal)
@@ -245,13 +236,12 @@ def bypass_input_copies(graph: ir.Graph) -> int:
     readers reading the input; one that is a graph output stays. Returns how many."""
     copies = [
         node
-        for node in graph
+        for value in graph.inputs
+        for node, _ in value.uses()
         if node.op_type in ("Concat", "Identity")
         and node.domain in ("", "ai.onnx")
+        and node.graph is graph
         and len(node.inputs) == 1
-        and node.inputs[0] is not None
-        and node.inputs[0].is_graph_input()
-        and node.inputs[0].graph is graph
         and not node.outputs[0].is_graph_output()
     ]
     for node in copies:
@@ -276,3 +266,30 @@ def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention 
         for items in groups.values()
     ]
     return f"{len(refused)} {what} not provably GroupQueryAttention with a KV cache: " + "; ".join(parts)
+
+
+def _subgraph_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The nodes of ``graph``'s control-flow subgraphs, at any depth (none: no walk of them)."""
+    owners = [n for n in graph if (a := n.attributes.data) and any(x.type in _GRAPHS for x in a.values())]
+    return [
+        node
+        for owner in owners
+        for attr in owner.attributes.values()
+        if attr.type in _GRAPHS
+        for sub in (attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value])
+        for node in ir.traversal.RecursiveGraphIterator(sub)
+    ]
+
+
+_GRAPHS = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+
+def _owner(graph: ir.Graph, node: ir.Node) -> str:
+    """The main-graph node whose subgraph holds ``node``, as a refusal names it."""
+    for owner in graph:
+        for attr in owner.attributes.values():
+            if attr.type in _GRAPHS:
+                subs = attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value]
+                if any(n is node for sub in subs for n in ir.traversal.RecursiveGraphIterator(sub)):
+                    return f"{owner.op_type} node {owner.name!r}"
+    return "a node"

@@ -76,7 +76,6 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA, GqaInput, GqaOutput
 from onnx_kvcache.passes._graph import insert
-from onnx_kvcache.passes.fusion import _symbolic_ops  # noqa: F401  (the rules for graphs without value_info)
 
 # The facts a fusion proves live in _attention_facts; their old import path is this module.
 from onnx_kvcache.passes.fusion._attention_facts import (
@@ -91,6 +90,7 @@ from onnx_kvcache.passes.fusion._attention_facts import (
     _strip_repeat,  # noqa: F401
     cache_link,
     cache_mask_facts,
+    check_head_sizes,  # noqa: F401
     check_shapes,  # noqa: F401
     key_columns,  # noqa: F401
     mask_condition,
@@ -138,6 +138,7 @@ class GqaWriter:
         self._valid: dict[str, ir.Value] = {}
         self._order: dict[str, PaddingOrder] = {}
         self._bsh: dict[int, ir.Value] = {}
+        self._consts: dict[tuple[str, tuple[int, ...], bytes], ir.Value] = {}
         self._counter = 0
 
     def _name(self, base: str) -> str:
@@ -150,7 +151,13 @@ class GqaWriter:
         return insert(self.graph, before, op_type, inputs, self._name(name), **attrs)
 
     def _const(self, before: ir.Node, array: np.ndarray, name: str) -> ir.Value:
-        return self._add(before, "Constant", [], name, value=ir.tensor(array))
+        """A Constant of ``array``, one per value and type in the graph (sites are written in
+        graph order, so the first is before every later reader)."""
+        key = (array.dtype.str, array.shape, array.tobytes())
+        made = self._consts.get(key)
+        if made is None:
+            made = self._consts[key] = self._add(before, "Constant", [], name, value=ir.tensor(array))
+        return made
 
     def lengths(self, site: AttentionMatch) -> tuple[ir.Value, ir.Value]:
         """(seqlens_k int32 [batch], total_sequence_length int32 scalar) for the site."""

@@ -43,7 +43,7 @@ MAX_CASES = 4096
 MAX_INEQUALITIES = 400
 """Inequalities one elimination step may hold; past this a case counts as feasible."""
 
-_LENGTHS = frozenset({"DIM", "FRESH"})
+_LENGTHS = frozenset({"DIM", "FRESH", "PRODUCT"})
 """The kinds of symbol that are lengths (``>= 0``); ``MAX`` is a maximum ``max(0, form)``."""
 
 # An inequality ``sum(c * x) + const >= 0``: ((symbol, coefficient), ...) sorted, const.

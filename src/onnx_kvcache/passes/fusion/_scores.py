@@ -57,7 +57,12 @@ def _typed_scalar(
             return None
         dtype = {np.dtype(t.numpy()): t for t in _FLOATS}.get(array.dtype)
         return float(array.reshape(-1)[0]), dtype
-    node = op_of(value, "Sqrt", "Cast", "CastLike")
+    known = _known_integer(value, ev)
+    if known is not None:
+        return float(known), None
+    node = op_of(value, "Sqrt", "Cast", "CastLike", "Div", "Mul")
+    if node is not None and node.op_type in ("Div", "Mul"):
+        return _arithmetic(node, ev)
     inner = _typed_scalar(node.inputs[0], ev) if node is not None else None
     if node is None or inner is None:
         return None
@@ -74,6 +79,36 @@ def _typed_scalar(
         return None
     cast = _rounded(x, dtype)
     return (cast, dtype) if cast is not None else None
+
+
+def _known_integer(value: ir.Value | None, ev: SymbolicEvaluator | None) -> int | None:
+    """An integer scalar the evaluator knows (a head size read from a shape: stablelm scales
+    Q and K by ``sqrt(1 / sqrt(q.shape[-1]))``), or None."""
+    if value is None or ev is None or value.producer() is None:
+        return None
+    try:
+        tensor = ev.eval(value)
+    except Unprovable:
+        return None
+    if tensor.kind != "int" or tensor.values is None or len(tensor.values) != 1:
+        return None
+    if not tensor.values[0].is_const:
+        return None
+    return tensor.values[0].const
+
+
+def _arithmetic(node: ir.Node, ev: SymbolicEvaluator | None) -> tuple[float, ir.DataType | None] | None:
+    """``Div`` or ``Mul`` of two scalars of :func:`_typed_scalar`, computed in their float type."""
+    a, b = (_typed_scalar(v, ev) for v in node.inputs[:2])
+    if a is None or b is None:
+        return None
+    dtype = a[1] or b[1]
+    if dtype is None:
+        return None
+    x, y = np.asarray(a[0], dtype.numpy()), np.asarray(b[0], dtype.numpy())
+    if node.op_type == "Div" and y == 0:
+        return None
+    return float(x / y if node.op_type == "Div" else x * y), dtype
 
 
 def _rounded(x: float, dtype: ir.DataType | None) -> float | None:
@@ -193,7 +228,10 @@ def scores_chain(
         assert operand is not None
         operands.append(operand)
     if len(factors) == 2 and (not np.isclose(factors[0], factors[1], rtol=1e-6) or factors[0] <= 0):
-        raise Unprovable(f"Q and K are scaled by different factors ({factors[0]}, {factors[1]})")
+        raise Unprovable(
+            f"the scores MatMul {matmul.name!r} scales Q and K by different factors "
+            f"({factors[0]}, {factors[1]})"
+        )
     scale *= float(np.prod(factors)) if factors else 1.0
     if scale <= 0:
         raise Unprovable(f"the scores are scaled by {scale}, not a positive factor")

@@ -31,41 +31,42 @@ Importing the module registers the rules (:mod:`onnx_kvcache.passes.fusion._matc
 
 from __future__ import annotations
 
-__all__: list[str] = []  # importing this module registers its rules
+__all__: list[str] = []  # the rules; their table is _symbolic_rules.RULES
 
 import math
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion._symbolic import (
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
+from onnx_kvcache.passes.fusion._symbolic_index import (
+    _COMPARE,
+    _attr_int,
+    _attr_ints,
+    _input,
+    reshape_dims,
+)
+from onnx_kvcache.passes.fusion._symbolic_values import (
     _FLOAT_TYPES,
-    _HANDLERS,
     _INT_TYPES,
-    _OUTPUT_HANDLERS,
     FALSE,
     ONE,
     TRUE,
     Affine,
     Conj,
     FloatConst,
-    Handler,
     Le,
-    Symbol,
-    SymbolicEvaluator,
     SymbolKind,
     SymTensor,
     Unprovable,
-    _attr_int,
-    _attr_ints,
-    _entry,
-    _input,
     aligned_elem,
     axis,
     broadcast_shapes,
-    reshape_dims,
 )
+
+if TYPE_CHECKING:
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _BIG = 2**62
 
@@ -78,12 +79,20 @@ def _kind_of(dtype: ir.DataType | None) -> str:
     return "data"
 
 
-def _data(ev: SymbolicEvaluator, value: ir.Value, shape) -> SymTensor:
-    """An opaque tensor of ``shape`` (its annotated shape, if it has one)."""
+def _data(ev: Evaluator, value: ir.Value, shape) -> SymTensor:
+    """An opaque tensor of ``shape`` (its annotated shape, if it has one; an axis annotated
+    without a name or size is ``shape``'s)."""
     kind = _kind_of(ev.dtype(value))
-    if value.shape is not None:
-        return SymTensor(ev.declared_shape(value), kind)
-    return SymTensor(tuple(shape), kind)
+    if value.shape is None:
+        return SymTensor(tuple(shape), kind)
+    declared = ev.declared_shape(value)
+    computed = tuple(shape)
+    if len(computed) == len(declared):
+        declared = tuple(
+            c if not isinstance(d, int) and d.value is None else k
+            for d, k, c in zip(value.shape, declared, computed)
+        )
+    return SymTensor(declared, kind)
 
 
 def _opaque(t: SymTensor) -> bool:
@@ -100,12 +109,12 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
 # ---- data rules: the shape of an output from its inputs' shapes ----
 
 
-def _elementwise(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _elementwise(ev: Evaluator, node: ir.Node) -> SymTensor:
     shapes = [ev.shape(v) for v in node.inputs if v is not None]
     return _data(ev, node.outputs[0], broadcast_shapes(*shapes))
 
 
-def _same(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _same(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
@@ -119,16 +128,16 @@ def _matmul_shape(a: tuple[Affine, ...], b: tuple[Affine, ...]) -> tuple[Affine,
     return (*broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1])
 
 
-def _matmul(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _matmul(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], _matmul_shape(ev.shape(node.inputs[0]), ev.shape(node.inputs[1])))
 
 
-def _matmul_nbits(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _matmul_nbits(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     a = ev.shape(node.inputs[0])
     return _data(ev, node.outputs[index], (*a[:-1], Affine(const=_attr_int(node, "N", 0))))
 
 
-def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _reduce(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
     axes = _attr_ints(node, "axes")
     if axes is None and _input(node, 1) is not None:
@@ -143,7 +152,7 @@ def _reduce(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], shape)
 
 
-def _flatten(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _flatten(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
     at = _attr_int(node, "axis", 1)
     at = at + len(x) if at < 0 else at
@@ -160,23 +169,23 @@ def _flatten(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], (product(x[:at]), product(x[at:])))
 
 
-def _gather_data(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _gather_data(ev: Evaluator, node: ir.Node) -> SymTensor:
     data, indices = ev.shape(node.inputs[0]), ev.shape(node.inputs[1])
     at = _attr_int(node, "axis", 0)
     at = at + len(data) if at < 0 else at
     return _data(ev, node.outputs[0], data[:at] + indices + data[at + 1 :])
 
 
-def _softmax(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _softmax(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
-def _first_output_same(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _first_output_same(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     """Dropout: output 0 is its input, output 1 a mask of its shape."""
     return _data(ev, node.outputs[index], ev.shape(node.inputs[0]))
 
 
-def _dynamic_quantize(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _dynamic_quantize(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     shape = ev.shape(node.inputs[0]) if index == 0 else ()
     return _data(ev, node.outputs[index], shape)
 
@@ -213,9 +222,7 @@ def _pairs(a: tuple, b: tuple) -> list[tuple] | None:
     return None
 
 
-def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
-    from onnx_kvcache.passes.fusion._symbolic import _COMPARE
-
+def _compare_vectors(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     a, b = (_vector(ev.eval(v)) for v in node.inputs[:2])
     if a is None or b is None or (len(a) == 1 and len(b) == 1):
         return None
@@ -226,7 +233,7 @@ def _compare_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor((Affine(const=len(conds)),), "bool", conds=conds)
 
 
-def _where_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _where_vectors(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     c = ev.eval(node.inputs[0])
     if c.conds is None:
         return None
@@ -244,7 +251,7 @@ def _where_vectors(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor((Affine(const=n),), "int", values=tuple(picked))
 
 
-def _constant_of_shape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _constant_of_shape(ev: Evaluator, node: ir.Node) -> SymTensor:
     dims = ev.values(node.inputs[0], "ConstantOfShape shape")
     attr = node.attributes.get("value")
     array = np.asarray(attr.value.numpy()) if attr is not None else np.zeros(1, np.float32)
@@ -275,7 +282,7 @@ def _divide(x: Affine, y: Affine) -> Affine:
     return Affine(tuple((k, c // y.const) for k, c in x.terms), x.const // y.const)
 
 
-def _int_div(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _int_div(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     a, b = ev.eval(node.inputs[0]), ev.eval(node.inputs[1])
     if a.kind != "int" or b.kind != "int":
         return None
@@ -288,7 +295,7 @@ def _int_div(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(shape, "int", values[0] if len(values) == 1 else None, values)
 
 
-def _reshape_vector(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _reshape_vector(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A known vector reshaped to a vector (``[-1]`` or its length) keeps its values."""
     x = ev.eval(node.inputs[0])
     if x.values is None or x.rank != 1:
@@ -299,7 +306,7 @@ def _reshape_vector(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(x.shape, x.kind, x.elem, x.values)
 
 
-def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _unit_reshape(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A Reshape that only inserts/removes unit axes (maybe after a flattening Reshape)."""
     source = node.inputs[0]
     inner = _producer(source, "Reshape")
@@ -327,7 +334,7 @@ def _unit_reshape(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return SymTensor(tuple(target), x.kind, x.elem.subs(mapping), values)
 
 
-def _flat_lookup(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _flat_lookup(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``Gather(Flatten(m), b * width + j)`` of a 2-D ``m``: ``m[b, j]``, ``b`` over exactly
     ``m``'s rows, ``j`` over an axis of any length ``L``: every pair ``(b, j)`` is gathered, so
     with ``L > width`` the last row's ``(rows - 1) * width + L - 1`` is past the tensor and
@@ -374,7 +381,7 @@ def _ranges_over(elem: object, shape: tuple[Affine, ...], length: Affine | None)
     return length is None or shape[int(symbol.name)] == length
 
 
-def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
+def _slice_any(ev: Evaluator, node: ir.Node) -> SymTensor:
     """A slice from a constant start to the axis end, a constant, or the axis length."""
     x = ev.eval(node.inputs[0])
     starts = ev.values(node.inputs[1], "Slice starts")
@@ -387,7 +394,10 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     for start, end, at in zip(starts, ends, axes):
         at = at + x.rank if at < 0 else at
         if not 0 <= at < x.rank:
-            raise Unprovable("a Slice axis out of range")
+            raise Unprovable(
+                f"Slice node {node.name!r} slices axis {at} of a {x.rank}-D tensor",
+                kind=FusionRefusalCode.MALFORMED,
+            )
         dim = shape[at]
         if not start.is_const or (start.const < 0 and not dim.is_const):
             raise Unprovable("a Slice start that is not a constant")
@@ -414,7 +424,7 @@ def _slice_any(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
     return SymTensor(tuple(shape), x.kind, elem, values)
 
 
-def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
+def _split(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
     """One output of a Split (phi3's fused gate/up and qkv projections, ``chunk`` in torch): its
     shape along the axis from the ``split`` sizes, else ``num_outputs`` parts of a constant axis
     (the last one shorter, as the operator divides); a known vector's values are sliced."""
@@ -422,7 +432,10 @@ def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
     at = _attr_int(node, "axis", 0)
     at = at + x.rank if at < 0 else at
     if not 0 <= at < x.rank:
-        raise Unprovable("a Split axis out of range")
+        raise Unprovable(
+            f"Split node {node.name!r} splits axis {at} of a {x.rank}-D tensor",
+            kind=FusionRefusalCode.MALFORMED,
+        )
     dim = x.shape[at]
     sizes = _attr_ints(node, "split") or ev.const_ints(_input(node, 1), "Split sizes")
     if sizes is None:
@@ -443,7 +456,7 @@ def _split(ev: SymbolicEvaluator, node: ir.Node, index: int) -> SymTensor:
     return SymTensor(tuple(shape), kind, None, values)
 
 
-def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _cast_to_float(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A Cast to a float type of integer data (positions for rotary angles): followed by shape."""
     to = ir.DataType(_attr_int(node, "to", 0))
     x = ev.eval(node.inputs[0])
@@ -452,7 +465,7 @@ def _cast_to_float(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
+def _cast_like_int(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """``CastLike`` of an integer tensor to its own integer type (torch's dynamo export casts a
     Range step or bound like the other bound), or of known constants the target type holds:
     the values unchanged; a float constant of an integral value (the Range ``0.0`` and ``1.0``
@@ -480,90 +493,9 @@ def _cast_like_int(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor | None:
     return None
 
 
-# ---- running sums ----
-
-
-def _cumsum(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-    """``CumSum`` of a 2-D integer input along its columns: ``cumsum(m)[r, c]`` (``exclusive``:
-    at ``c - 1``). A sum of anything else, or in reverse, is not followed."""
-    x = ev.eval(node.inputs[0])
-    along = ev.const_ints(_input(node, 1), "CumSum axis")
-    if along is None or len(along) != 1 or _attr_int(node, "reverse", 0):
-        raise Unprovable("a CumSum other than forward along a constant axis is not followed")
-    k = along[0] + x.rank if along[0] < 0 else along[0]
-    entry = _entry(x.elem) if x.kind == "int" else None
-    if entry is None or entry.kind is not SymbolKind.ENTRY or entry.at is None:
-        raise Unprovable("a CumSum of other than a 2-D integer input's entries is not followed")
-    col = Affine.of(axis(k))
-    if entry.at.col != col or axis(k) in entry.at.row.symbols:
-        raise Unprovable("a CumSum along other than the input's columns is not followed")
-    col = col - 1 if _attr_int(node, "exclusive", 0) else col
-    return SymTensor(x.shape, "int", Affine.of(Symbol.count(entry.at.source, entry.at.row, col)))
-
-
-# ---- registration ----
-
-
-def _combine(
-    op_type: str,
-    rule: Handler | None,
-    *,
-    pre: Callable[[SymbolicEvaluator, ir.Node], SymTensor | None] | None = None,
-    always: bool = False,
-) -> None:
-    """Register ``op_type``: ``pre`` first, then the evaluator's own rule, then ``rule``
-    when an input is opaque data (or ``always``), the own rule's reason otherwise."""
-    own = _HANDLERS.get(op_type)
-
-    def handler(ev: SymbolicEvaluator, node: ir.Node) -> SymTensor:
-        if pre is not None:
-            found = pre(ev, node)
-            if found is not None:
-                return found
-        if own is None:
-            assert rule is not None
-            return rule(ev, node)
-        try:
-            return own(ev, node)
-        except Unprovable:
-            if rule is None:
-                raise
-            if not always and not any(_opaque(ev.eval(v)) for v in node.inputs if v is not None):
-                raise
-            return rule(ev, node)
-
-    _HANDLERS[op_type] = handler
-
-
-for _op in ("Add", "Sub", "Mul", "Where", "Max", "Min", "Expand"):
-    _combine(_op, _elementwise if _op != "Expand" else None)
-for _op in ("Div", "Pow", "Mod", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or"):
-    _combine(_op, _elementwise)
-for _op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"):
-    _combine(_op, None, pre=_compare_vectors)
-_combine("Where", None, pre=_where_vectors)
-_combine("Div", None, pre=_int_div)
-for _op in (
-    "Neg", "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
-    "IsInf", "Not", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
-):  # fmt: skip
-    _combine(_op, _same)
-_combine("Cast", _same, pre=_cast_to_float)
-_combine("CastLike", _same, pre=_cast_like_int)
-for _op in ("Softmax", "LogSoftmax"):
-    _combine(_op, _softmax)
-for _op in ("MatMul", "MatMulInteger"):
-    _combine(_op, _matmul)
-for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
-    _combine(_op, _reduce)
-_combine("Flatten", _flatten)
-_combine("Gather", _gather_data, pre=_flat_lookup)
-_combine("Slice", _slice_any, always=True)
-_combine("ConstantOfShape", _constant_of_shape)
-_combine("Reshape", None, pre=_reshape_vector)
-_combine("Reshape", None, pre=_unit_reshape)
-_HANDLERS["CumSum"] = _cumsum
-_OUTPUT_HANDLERS[("", "Dropout")] = _first_output_same
-_OUTPUT_HANDLERS[("", "Split")] = _split
-_OUTPUT_HANDLERS[("", "DynamicQuantizeLinear")] = _dynamic_quantize
-_OUTPUT_HANDLERS[("com.microsoft", "MatMulNBits")] = _matmul_nbits
+def _skip_norm(ev: Evaluator, node: ir.Node, index: int) -> SymTensor | None:
+    """SkipSimplifiedLayerNormalization: its output and its residual sum (3) are shaped as its
+    input; its statistics are not this rule's."""
+    if index not in (0, 3):
+        return None
+    return _data(ev, node.outputs[index], ev.shape(node.inputs[0]))

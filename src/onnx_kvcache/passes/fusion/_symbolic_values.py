@@ -21,10 +21,12 @@ __all__ = [
     "Additive",
     "Affine",
     "Conj",
+    "Evaluator",
     "FloatConst",
     "Le",
     "Lookup",
     "MaskAt",
+    "Origin",
     "SymTensor",
     "Symbol",
     "SymbolKind",
@@ -39,9 +41,12 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import onnx_ir as ir
+
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, KindedReason
 
 MASKED_BELOW = -65504.0
 """An additive mask value at or below this (float16's lowest, or -inf) zeroes softmax."""
@@ -62,16 +67,30 @@ _INT_TYPES = frozenset(
 _MAX_CONST_ELEMENTS = 64
 
 
-class Unprovable(Exception):
+class Unprovable(KindedReason):
     """The evaluator cannot prove what a value computes; the message says why.
 
     ``rule`` is where it was raised (file and line): refusals raised at one place are one
-    reason, whatever numbers or names their messages hold."""
+    reason, whatever numbers or names their messages hold. ``kind`` is its
+    :class:`~onnx_kvcache.passes.fusion._refusals.FusionRefusalCode` (None: the proof step's,
+    :func:`~onnx_kvcache.passes.fusion._refusals.proof_step`). A reason raised again
+    (:meth:`again`, :meth:`wrapped`) keeps its first kind, text and place."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, kind: FusionRefusalCode | None = None, rule: str | None = None) -> None:
         super().__init__(*args)
-        caller = sys._getframe(1)
-        self.rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        self.kind = kind
+        if rule is None:
+            caller = sys._getframe(1)
+            rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        self.rule = rule
+
+    def again(self) -> Unprovable:
+        """The same reason, to raise again (its kind and place kept)."""
+        return Unprovable(*self.args, kind=self.kind, rule=self.rule)
+
+    def wrapped(self, prefix: str) -> Unprovable:
+        """The same reason said after ``prefix`` (its kind and place kept)."""
+        return Unprovable(f"{prefix}{self}", kind=self.kind, rule=self.rule)
 
 
 class SymbolKind(enum.IntEnum):
@@ -85,6 +104,7 @@ class SymbolKind(enum.IntEnum):
     MAX = 4
     ENTRY = 5
     COUNT = 6
+    PRODUCT = 7
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -94,7 +114,8 @@ class Symbol:
     kind: SymbolKind
     name: str
     form: Affine | None = dataclasses.field(default=None, compare=False)
-    """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it)."""
+    """For :attr:`SymbolKind.MAX`: the ``e`` of ``max(0, e)`` (``name`` identifies it); for
+    :attr:`SymbolKind.PRODUCT`: its factors, each symbol's coefficient its power."""
     at: Lookup | None = dataclasses.field(default=None, compare=False)
     """For :attr:`SymbolKind.ENTRY` and :attr:`SymbolKind.COUNT`: the input and the indices
     (``name`` identifies them)."""
@@ -118,6 +139,15 @@ class Symbol:
     def maximum(form: Affine) -> Symbol:
         """``max(0, form)``, one symbol per (normalized) form."""
         return Symbol(SymbolKind.MAX, _key(form), form)
+
+    @staticmethod
+    def product(factors: Sequence[Symbol]) -> Symbol:
+        """The product of two or more length symbols (a Reshape's flattened axes), one symbol per
+        multiset of factors: a later Reshape that splits them again divides it exactly."""
+        form = ZERO
+        for factor in factors:
+            form = form + Affine.of(factor)
+        return Symbol(SymbolKind.PRODUCT, _key(form), form)
 
     @staticmethod
     def entry(source: str, row: Affine, col: Affine) -> Symbol:
@@ -165,6 +195,9 @@ _SHOWN: dict[SymbolKind, Callable[[Symbol], str]] = {
     SymbolKind.MAX: lambda s: f"max(0, {s.form})",
     SymbolKind.ENTRY: lambda s: f"{s.at.source}[{s.at.row}, {s.at.col}]" if s.at else s.name,
     SymbolKind.COUNT: lambda s: f"cumsum({s.at.source})[{s.at.row}, {s.at.col}]" if s.at else s.name,
+    SymbolKind.PRODUCT: lambda s: (
+        "*".join(str(f) for f, k in s.form.terms for _ in range(k)) if s.form else s.name
+    ),
 }
 
 
@@ -296,7 +329,22 @@ class Conj:
             (atom,) = self.atoms
             if isinstance(atom, Le):  # not (x <= 0)  <=>  -x + 1 <= 0 over integers
                 return Conj.of(Le(-atom.lhs + 1))
+        zero = self._entry_is_zero()
+        if zero is not None:  # not (m[r, c] == 0)  <=>  m[r, c] != 0
+            return Conj.of(zero)
         raise Unprovable("the negation of a compound condition is not followed")
+
+    def _entry_is_zero(self) -> MaskAt | None:
+        """``m[r, c] != 0`` when this is ``m[r, c] == 0`` (``m[r, c] <= 0`` and ``-m[r, c] <= 0``)."""
+        if len(self.atoms) != 2 or not all(isinstance(a, Le) for a in self.atoms):
+            return None
+        first, second = (a.lhs for a in self.atoms if isinstance(a, Le))
+        if first + second != ZERO or first.const or len(first.terms) != 1:
+            return None
+        ((symbol, coefficient),) = first.terms
+        if abs(coefficient) != 1 or symbol.kind is not SymbolKind.ENTRY or symbol.at is None:
+            return None
+        return MaskAt(symbol.at.source, symbol.at.row, symbol.at.col)
 
 
 TRUE = Conj()
@@ -308,9 +356,11 @@ class Additive:
     """A float mask: 0 where ``cond`` holds, a softmax-zeroing value elsewhere."""
 
     cond: Conj
+    fill: float | None = dataclasses.field(default=None, compare=False)
+    """That value where it is one value (a masks is equal to another whatever its fill)."""
 
     def subs(self, mapping: Mapping[Symbol, Affine]) -> Additive:
-        return Additive(self.cond.subs(mapping))
+        return Additive(self.cond.subs(mapping), self.fill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,17 +392,64 @@ class SymTensor:
     source: str | None = None
     conds: tuple[Conj, ...] | None = None
     """A small boolean vector's elements (comparisons of known integer vectors)."""
+    origin: Origin | None = dataclasses.field(default=None, compare=False)
+    """Where its values were lost (None: nowhere said): what a proof that needs them names."""
 
     @property
     def rank(self) -> int:
         return len(self.shape)
+
+    @property
+    def known(self) -> bool:
+        """Whether anything is known of its values (else only its shape)."""
+        return not (
+            self.elem is None
+            and self.values is None
+            and self.stack is None
+            and self.conds is None
+            and self.source is None
+        )
 
     def element(self) -> Elem:
         if self.elem is not None:
             return self.elem
         if self.values is not None and len(self.values) == 1:
             return self.values[0]
+        if self.origin is not None:
+            raise self.origin.unprovable()
         raise Unprovable("a tensor's elements are not known")
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a tensor's values were lost: the node that computes it, and why (the first reason
+    a rule gave, or None: its operator has no rule for values)."""
+
+    node: ir.Node | None
+    """None: a graph input or initializer (``reason`` says why)."""
+    index: int
+    computes: str
+    """What the operator computes, in words ("" when it has no rule)."""
+    reason: Unprovable | None = None
+
+    def unprovable(self) -> Unprovable:
+        """The refusal of a proof that needs these values."""
+        if self.reason is not None or self.node is None:
+            return (
+                self.reason.again()
+                if self.reason is not None
+                else Unprovable("a tensor's elements are not known")
+            )
+        node = self.node
+        output = node.outputs[self.index].name if self.index < len(node.outputs) else None
+        what = f" ({self.computes})" if self.computes else ""
+        domain = f" of domain {node.domain}" if node.domain not in ("", "ai.onnx") else ""
+        return Unprovable(
+            f"its values come from {node.op_type}{domain} node {node.name!r}{what}, output {output!r}, "
+            "whose values no rule of the evaluator follows",
+            kind=FusionRefusalCode.OPERATOR,
+            rule=f"operator:{node.domain}:{node.op_type}",
+        )
 
 
 def axis(k: int) -> Symbol:
@@ -423,12 +520,15 @@ def constant_array(value: ir.Value) -> np.ndarray | None:
     tensor = value.const_value
     producer = value.producer()
     if tensor is None and producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        for name, attr in producer.attributes.items():
+        for name, attr in producer.attributes.data.items():
             if name == "value" and attr.type == ir.AttributeType.TENSOR:
                 tensor = attr.value
             elif name in _CONSTANT_ATTRIBUTES:
                 return np.asarray(attr.value, dtype=_CONSTANT_ATTRIBUTES[name])
-    if tensor is None or math.prod(tensor.shape.numpy()) > _MAX_CONST_ELEMENTS:
+    if tensor is None:
+        return None
+    dims = getattr(getattr(tensor, "raw", None), "dims", None)  # a proto's: no Shape built to count
+    if math.prod(dims if dims is not None else tensor.shape.dims) > _MAX_CONST_ELEMENTS:
         return None
     return np.asarray(tensor.numpy())
 
@@ -481,7 +581,7 @@ def max_of(a: Affine, b: Affine) -> Affine:
 
 
 _INDICES = frozenset({SymbolKind.AXIS, SymbolKind.INDEX, SymbolKind.ENTRY, SymbolKind.COUNT})
-_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX})
+_LENGTHS = frozenset({SymbolKind.DIM, SymbolKind.FRESH, SymbolKind.MAX, SymbolKind.PRODUCT})
 
 
 def _equal(a: Affine, b: Affine) -> bool:
@@ -497,3 +597,25 @@ def nonnegative(form: Affine) -> bool:
 
 def min_of(a: Affine, b: Affine) -> Affine:
     return a + b - max_of(a, b)
+
+
+class Evaluator(Protocol):
+    """What the operator rules read of the evaluator
+    (:class:`~onnx_kvcache.passes.fusion._symbolic.SymbolicEvaluator`, which reads the rules: the
+    rules' modules name this instead, so that none of them imports the evaluator's)."""
+
+    def eval(self, value: ir.Value | None) -> SymTensor: ...
+
+    def shape(self, value: ir.Value | None) -> tuple[Affine, ...]: ...
+
+    def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]: ...
+
+    def const_ints(self, value: ir.Value | None, what: str) -> list[int] | None: ...
+
+    def scalar(self, value: ir.Value | None, what: str) -> Affine: ...
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None: ...
+
+    def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]: ...
+
+    def fresh(self) -> Symbol: ...

@@ -47,7 +47,7 @@ __all__ = ["CachedAttentionFusionPass", "holds_own_cache", "match_cached_attenti
 import onnx_ir as ir
 
 from onnx_kvcache.errors import FusionSkippedWarning, warn
-from onnx_kvcache.passes.fusion._attention_node import attribute, probs_and_scale
+from onnx_kvcache.passes.fusion._attention_node import attribute, not_causal, probs_and_scale
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
@@ -68,6 +68,7 @@ from onnx_kvcache.passes.fusion._match import (
     mask_facts,
     running_count,
 )
+from onnx_kvcache.passes.fusion._refusals import proof_step
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     Affine,
@@ -120,13 +121,12 @@ def _static_cache_refusal(node: ir.Node) -> FusionRefusal | None:
     lengths = inputs[_NONPAD]
     told = f", each row's length in {lengths.name}" if lengths is not None else ""
     return FusionRefusal(
-        FusionRefusalCode.UNPROVABLE,
+        FusionRefusalCode.STATIC_CACHE,
         node,
         f"static cache written by TensorScatter at {where}: attention reads the whole fixed buffer "
         f"{name}{shape}{told}; GroupQueryAttention keeps its cache as [batch, kv_heads, length, "
         "head_size] with past and present as separate inputs and outputs, so fusing would change the "
         "model's cache interface (export with a growing cache: mobius without --features static-cache)",
-        rule="static_cache",
     )
 
 
@@ -163,7 +163,7 @@ def _bsh_shapes(
     if len(k) != 3 or len(v) != 3:
         raise Unprovable("Attention's Q is 3-D but K or V is not")
     if not q[2].is_const or q[2].const % heads:
-        raise Unprovable(f"query width {q[2]} is not q_num_heads={heads} heads")
+        raise Unprovable(f"the query {query.name!r} of width {q[2]} is not q_num_heads={heads} heads")
     head = q[2].const // heads
     if pk != pv or pk[1] != Affine(const=kv_heads) or pk[3] != Affine(const=head):
         raise Unprovable(
@@ -205,14 +205,12 @@ def _mask_facts(
                     raise
                 cond = mask_condition(tied, mask, query_len=query_len, kv_len=total)
         except Unprovable as reason:
-            raise Unprovable(
-                f"attn_mask {mask.name!r} is not a provable causal/padding mask: {reason}"
-            ) from None
+            raise reason.wrapped(f"attn_mask {mask.name!r} is not a provable causal/padding mask: ") from None
     if attribute(node, "is_causal", 0):  # bottom-right: offset = past_sequence_length
         cond = cond & Conj.of(Le(Affine.of(KEY) - Affine.of(QUERY) - past))
     facts = mask_facts(cond, past=past, batch=batch)
     if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
+        raise Unprovable(not_causal(node, mask))
     if fit:
         padding = next((v for v in graph.inputs if v.name == facts.padding), None)
         declared = ev.declared_shape(padding) if padding is not None else ()
@@ -249,38 +247,42 @@ def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node
     static = _static_cache_refusal(node)
     if static is not None:
         raise Refused(static)
-    if inputs[_NONPAD] is not None:
-        if inputs[_PAST_KEY] is None and inputs[_PAST_VALUE] is None:
+    with proof_step(FusionRefusalCode.ATTENTION_NODE):
+        if inputs[_NONPAD] is not None:
+            if inputs[_PAST_KEY] is None and inputs[_PAST_VALUE] is None:
+                raise Unprovable(
+                    "Attention reads an external cache sized by nonpad_kv_seqlen (no past_key/past_value): "
+                    "GroupQueryAttention needs the cache as past/present inputs and outputs"
+                )
             raise Unprovable(
-                "Attention reads an external cache sized by nonpad_kv_seqlen (no past_key/past_value): "
-                "GroupQueryAttention needs the cache as past/present inputs and outputs"
+                "Attention combines past_key/past_value with nonpad_kv_seqlen (the specification forbids it)"
             )
-        raise Unprovable(
-            "Attention combines past_key/past_value with nonpad_kv_seqlen (the specification forbids it)"
+        if (inputs[_PAST_KEY] is None) != (inputs[_PAST_VALUE] is None):
+            raise Unprovable("Attention has only one of past_key and past_value")
+        query = inputs[0]
+        if query is None:
+            raise Unprovable("Attention lacks Q")
+        precision = node.attributes.get("softmax_precision")
+        if precision is not None and precision.as_int() != ir.DataType.FLOAT:
+            raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
+    with proof_step(FusionRefusalCode.CACHE):
+        key, value = _own_cache_link(ev, graph, node, 0), _own_cache_link(ev, graph, node, 1)
+    with proof_step(FusionRefusalCode.SHAPES):
+        rank = len(ev.shape(query))
+        if rank == 3:
+            heads, kv_heads, head = _bsh_shapes(ev, node, query, key, value)
+        elif rank == 4:
+            heads, kv_heads, head = check_shapes(ev, query, key, value)
+        else:
+            raise Unprovable(f"Attention's query is {rank}-D, not 3-D or 4-D")
+    with proof_step(FusionRefusalCode.MASK):
+        q_dims = ev.shape(query)
+        query_len = q_dims[1] if rank == 3 else q_dims[2]
+        facts, fit = _mask_facts(
+            ev, graph, node, query_len=query_len, past=ev.shape(key.past)[2], batch=q_dims[0]
         )
-    if (inputs[_PAST_KEY] is None) != (inputs[_PAST_VALUE] is None):
-        raise Unprovable("Attention has only one of past_key and past_value")
-    query = inputs[0]
-    if query is None:
-        raise Unprovable("Attention lacks Q")
-    precision = node.attributes.get("softmax_precision")
-    if precision is not None and precision.as_int() != ir.DataType.FLOAT:
-        raise Unprovable(f"softmax_precision={precision.as_int()} (GQA computes softmax in float32)")
-    key, value = _own_cache_link(ev, graph, node, 0), _own_cache_link(ev, graph, node, 1)
-    rank = len(ev.shape(query))
-    if rank == 3:
-        heads, kv_heads, head = _bsh_shapes(ev, node, query, key, value)
-    elif rank == 4:
-        heads, kv_heads, head = check_shapes(ev, query, key, value)
-    else:
-        raise Unprovable(f"Attention's query is {rank}-D, not 3-D or 4-D")
-    q_dims = ev.shape(query)
-    query_len = q_dims[1] if rank == 3 else q_dims[2]
-    facts, fit = _mask_facts(
-        ev, graph, node, query_len=query_len, past=ev.shape(key.past)[2], batch=q_dims[0]
-    )
-
-    probs, scale = probs_and_scale(node, head)
+    with proof_step(FusionRefusalCode.ATTENTION_NODE):
+        probs, scale = probs_and_scale(node, head)
     return AttentionMatch(
         node=node,
         output=node.outputs[0],

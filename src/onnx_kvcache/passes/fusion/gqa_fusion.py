@@ -35,7 +35,6 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import (
@@ -46,6 +45,7 @@ from onnx_kvcache.passes.fusion._base import (
     summarize_refusals,
 )
 from onnx_kvcache.passes.fusion._match import remove_dead
+from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
@@ -116,7 +116,8 @@ class GqaFusionPass(InPlacePass):
         return self.report.refused
 
     def call(self, model: ir.Model) -> FusionResult:
-        before = len(find_gqa_sites(model, with_cache_only=False))
+        counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
+        before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
         attention = sum(first, FusionReport())
         modified = bool(attention.fused or decomposed.fused)
@@ -141,9 +142,12 @@ class GqaFusionPass(InPlacePass):
         if attention.fused or decomposed.fused:
             _settle_window_caches(model.graph)
         remaining = decomposed.left()  # what onnxscript fused since is no longer left
+        report = attention + remaining
+        unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
+        remaining = remaining + FusionReport(refusals=tuple(unknown))
         left = remaining.refusals
-        self.report = report = attention + remaining
-        after = len(find_gqa_sites(model, with_cache_only=False))
+        self.report = report = report + FusionReport(refusals=tuple(unknown))
+        after = _gqa_count(model.graph) if counting else 0
         logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
         if left:
             warn(
@@ -160,6 +164,11 @@ class GqaFusionPass(InPlacePass):
                 PaddingAssumptionWarning,
             )
         return FusionResult(model, modified=modified, report=report)
+
+
+def _gqa_count(graph: ir.Graph) -> int:
+    """The main graph's GroupQueryAttention nodes (what the log line counts)."""
+    return sum(1 for node in graph if node.op_type == "GroupQueryAttention")
 
 
 def _settle_window_caches(graph: ir.Graph) -> None:

@@ -37,10 +37,12 @@ from onnx_kvcache.passes.fusion._match import (
     AttentionMatch,
     cache_link,
     cache_mask_facts,
+    check_head_sizes,
     check_shapes,
     key_columns,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._sinks import sink_site
@@ -82,31 +84,32 @@ def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) 
 
 def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> AttentionMatch:
     """Prove that ``out`` = MatMul(softmax(...), V) is GQA with a KV cache; raise otherwise."""
-    nodes: list[ir.Node] = [out]
-    probs, value = out.inputs
-    if probs is None or value is None:
-        raise Unprovable("the attention MatMul lacks an input")
-    read = unwrap_probs(ev, probs, nodes)
-    sink = sink_site(ev, read, nodes)  # gpt-oss: a Slice of a softmax with a sink column
-    softmax = sink.softmax if sink is not None else _op(read, "Softmax")
-    if softmax is None:
-        raise Unprovable("the MatMul does not read softmax probabilities")
-    rank = len(ev.shape(softmax.outputs[0]))
-    axis = softmax.attributes.get("axis")
-    if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
-        raise Unprovable("the softmax is not over the last axis of 4-D scores")
-    add = _op(softmax_input(ev, sink.scores if sink is not None else softmax.inputs[0], nodes), "Add")
-    if add is None:
-        raise Unprovable("the softmax reads scores without an additive mask")
-    scores, mask = add.inputs
-    if _op(scores, "MatMul", "Mul", "Div") is None:
-        scores, mask = mask, scores
-    if scores is None or mask is None:
-        raise Unprovable("the softmax input is not scores + mask")
-    nodes += [softmax, add]
-    chain = scores_chain(scores, nodes, ev)
-    query, key_t = chain.query, chain.key_t
-    key = _untransposed(ev, key_t, nodes)
+    with proof_step(FusionRefusalCode.SCORES):
+        nodes: list[ir.Node] = [out]
+        probs, value = out.inputs
+        if probs is None or value is None:
+            raise Unprovable("the attention MatMul lacks an input")
+        read = unwrap_probs(ev, probs, nodes)
+        sink = sink_site(ev, read, nodes)  # gpt-oss: a Slice of a softmax with a sink column
+        softmax = sink.softmax if sink is not None else _op(read, "Softmax")
+        if softmax is None:
+            raise Unprovable("the MatMul does not read softmax probabilities")
+        rank = len(ev.shape(softmax.outputs[0]))
+        axis = softmax.attributes.get("axis")
+        if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
+            raise Unprovable(f"the softmax {softmax.name!r} is not over the last axis of 4-D scores")
+        add = _op(softmax_input(ev, sink.scores if sink is not None else softmax.inputs[0], nodes), "Add")
+        if add is None:
+            raise Unprovable(f"the softmax {softmax.name!r} reads scores without an additive mask")
+        scores, mask = add.inputs
+        if _op(scores, "MatMul", "Mul", "Div") is None:
+            scores, mask = mask, scores
+        if scores is None or mask is None:
+            raise Unprovable("the softmax input is not scores + mask")
+        nodes += [softmax, add]
+        chain = scores_chain(scores, nodes, ev)
+        query, key_t = chain.query, chain.key_t
+        key = _untransposed(ev, key_t, nodes)
     return _site(
         ev,
         graph,
@@ -137,15 +140,17 @@ def _site(
     head_sink: np.ndarray | None = None,
 ) -> AttentionMatch:
     """The site of a matched chain: its caches, shapes and mask proven (else Unprovable)."""
+    check_head_sizes(ev, key, value)
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
     heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
     past = ev.shape(k_link.past)[2]
-    query_len, kv_len = ev.shape(query)[2], key_columns(ev, k_link)
-    cond = mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
-    facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
-    if not facts.causal:
-        raise Unprovable("the mask is not causal (a query would see later keys)")
+    with proof_step(FusionRefusalCode.MASK):
+        query_len, kv_len = ev.shape(query)[2], key_columns(ev, k_link)
+        cond = mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
+        facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
+        if not facts.causal:
+            raise Unprovable(f"the mask {mask.name!r} is not causal (a query would see later keys)")
     return AttentionMatch(
         node=out,
         output=out.outputs[0],
@@ -182,7 +187,6 @@ class DecomposedAttentionFusionPass(FusionPass):
     (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Decomposed attention"
-    prime = True
 
     @property
     def refused(self) -> list[tuple[ir.Node, str]]:
