@@ -228,6 +228,11 @@ def evaluate_kv_cache(
     base, cand = _runners(baseline, candidate, providers, semantics)
     scoring = _fitted_defaults(scoring, cand.max_positions, seq_len is None, max_new_tokens is None)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
+    return _scored(base, cand, loaded, scoring).report(base, cand, loaded)
+
+
+def _scored(base: KvCacheRunner, cand: KvCacheRunner, loaded: TokenWindows, scoring: _Scoring) -> _Tally:
+    """Every window's prompt and decode steps scored, with a progress bar."""
     tally = _Tally()
     bar = _progress(loaded.windows, scoring)
     try:
@@ -235,7 +240,7 @@ def evaluate_kv_cache(
             tally.score(base, cand, group, prompt, limits, scoring.max_new_tokens, bar)
     finally:
         bar.close()
-    return tally.report(base, cand, loaded)
+    return tally
 
 
 @dataclasses.dataclass(frozen=True)
