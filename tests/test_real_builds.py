@@ -75,7 +75,9 @@ def test_every_allowed_format_calibrates_converts_and_evaluates_on_cpu(build, tm
         report = evaluate_kv_cache(folder, out, num_seqs=1, seq_len=96, max_new_tokens=4)
         want = "cpu (onnxruntime CPU kernel)" if target == "cpu" else "cuda (emulated on CPU)"
         assert report.kernel_rule == want
-        assert report.kl_prompt_mean == 0.0 or target == "cpu"  # CUDA's first prompt: unquantized
+        # CUDA's first prompt attends unquantized: no KL but float rounding (a rotated int4
+        # cache computes it through the moved-out RoPE and H, ~1e-7); a quantized one is ~1e-2
+        assert report.kl_prompt_mean < 1e-5 or target == "cpu"
         assert np.isfinite(report.kl_mean) and report.top1_agreement > 0.5, (fmt, report.format_table())
 
 

@@ -273,7 +273,7 @@ def test_a_calibrated_scale_file_loads_in_genais_readers(tmp_path, model, granul
     quick = ["--format", "int8", "--granularity", granularity, "--seq-len", "64", "--num-seqs", "4"]
     assert main([*argv, *quick, "--min-tokens", "64", "--no-progress"]) == 0
     ours = load_kv_cache_scale_file(out)
-    assert ours.metadata == {"method": "minmax"}
+    assert ours.metadata == {"method": "minmax", "rotation": "none"}
     doc = load_scale_data(out, "model")
     assert doc["scales"]["k_scales"] == json.loads(out.read_text())["scales"]["k_scales"]
     size = ours.k[0].size

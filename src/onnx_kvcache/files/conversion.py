@@ -166,9 +166,8 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
-    scales, named, granularity = _arguments(
-        in_path, out_path, format, granularity, scales, weights, ep, rotation
-    )
+    checked = _arguments(in_path, out_path, format, granularity, scales, weights, ep, rotation)
+    scales, named, granularity = checked
     with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector
         source = open_model_source(in_path, follow_symlinks=follow_symlinks)
         named = named or format_for(source.model)  # an already-quantized model keeps its own
@@ -180,7 +179,6 @@ def convert_model(
         decision = decide(dataclasses.replace(request, allow_partial=allow_partial, rotation=rotation))
         result = _result(source, plan, decision)
         if carry_out(decision):
-            warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
             _finish(source, plan, decision, result, progress)
     return result
 
@@ -345,6 +343,7 @@ def _finish(
     source: ModelSource, plan: _Plan, decision: Decision, result: ConvertResult, progress: bool | None
 ) -> None:
     """Mark, serialize and write the converted model (the cache is quantized)."""
+    warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
     model = decision.model
     _count_ops(result, model)
     new_config = _new_config(source, plan, decision, result)

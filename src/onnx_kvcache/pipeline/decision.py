@@ -528,28 +528,39 @@ def decide(request: Request) -> Decision:
     decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
     if fmt is None:
         return decision
-    rotation = rotation_for(request, fusion.model, scales)
-    decision = dataclasses.replace(decision, rotation=rotation)
+    decision = dataclasses.replace(decision, rotation=rotation_for(request, fusion.model, scales))
     if target is not None:
-        refusals = gate(
-            fusion.model,
-            target,
-            fmt.name,
-            granularity.name,
-            check_device=request.check_device,
-            name_unknown=rules.name_unknown_provider,
-            rotation=rotation.name,
-        )
-        adaptation = adaptation_for(fusion.model, target, refusals)
-        decision = dataclasses.replace(decision, adaptation=adaptation)
-        if refusals := _lifted(refusals, adaptation):
-            head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
-            return _refused(dataclasses.replace(decision, adaptation=None), head, refusals)
+        decision, refused = _gated(decision, fmt, granularity, named)
+        if refused:
+            return decision
     partial = partial_refusal(request, fusion.model, fmt, granularity, scales)
     if partial is not None:
         decision = dataclasses.replace(decision, adaptation=None)
         return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
+
+
+def _gated(
+    decision: Decision, fmt: CacheFormat, granularity: ScaleGranularity, named: str
+) -> tuple[Decision, bool]:
+    """The capability gate for the decision's target: ``(decision, True)`` refused where a row
+    refuses what no adaptation lifts, else ``(decision with its adaptation, False)``."""
+    request, model, target = decision.request, decision.model, decision.target
+    assert target is not None
+    refusals = gate(
+        model,
+        target,
+        fmt.name,
+        granularity.name,
+        check_device=request.check_device,
+        name_unknown=request.rules.name_unknown_provider,
+        rotation=decision.rotation.name,
+    )
+    adaptation = adaptation_for(model, target, refusals)
+    if refusals := _lifted(refusals, adaptation):
+        head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
+        return _refused(decision, head, refusals), True
+    return dataclasses.replace(decision, adaptation=adaptation), False
 
 
 def _adapt(decision: Decision) -> None:
