@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import re
 import sys
 import typing
 
@@ -13,7 +12,7 @@ import onnx_ir as ir
 import pytest
 
 import onnx_kvcache
-from onnx_kvcache import _moved, errors, passes
+from onnx_kvcache import errors, passes
 
 
 def _library_classes(annotation: object) -> set[type]:
@@ -174,40 +173,16 @@ def test_dir_lists_the_public_names_only():
     assert not {"annotations", "TYPE_CHECKING", "_EXPORTS", "_MODULE_OF"} & set(dir(onnx_kvcache))
 
 
-@pytest.mark.parametrize("old", sorted(_moved.MOVED_MODULES))
-def test_a_moved_module_path_imports_its_new_module_with_a_warning(old):
-    """The 0.x module paths are the new modules themselves, for one release, and say where they went."""
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(_moved.MOVED_MODULES[old])
-
-
-@pytest.mark.parametrize(
-    "old",
-    ["onnx_kvcache.files._atomic", "onnx_kvcache.scales.calibration", "onnx_kvcache.capabilities.doctor"],
-)
-@pytest.mark.parametrize(
-    "statement",
-    ["import {old}", "from {parent} import {name}", "__import__('importlib').import_module('{old}')"],
-)
-def test_a_moved_module_path_warns_at_the_callers_line(old, statement):
-    """The modules moved so the folders rank as their imports run: the warning names the importer."""
-    sys.modules.pop(old, None)
-    parent, _, name = old.rpartition(".")
-    vars(importlib.import_module(parent)).pop(name, None)
-    code = compile("x = 1\n" + statement.format(old=old, parent=parent, name=name), "caller.py", "exec")
-    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])) as record:
-        exec(code, {})
-    assert [(w.filename, w.lineno) for w in record] == [("caller.py", 2)]
-
-
-def test_the_old_site_names_are_the_cache_site_with_a_warning():
+def test_no_0x_module_path_or_name_is_kept():
+    """No release had the 0.x layout: its paths and names are gone, not aliased with a warning."""
+    for old in ("onnx_kvcache.formats", "onnx_kvcache.model_files", "onnx_kvcache.files.reading"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    assert not any(type(finder).__module__.startswith("onnx_kvcache") for finder in sys.meta_path)
+    from onnx_kvcache import cli
     from onnx_kvcache.cache import sites
 
-    for old in ("AttentionSite", "GqaSite"):
-        with pytest.warns(DeprecationWarning, match="CacheSite"):
-            assert getattr(sites, old) is sites.CacheSite
+    assert not hasattr(cli, "main") and not hasattr(sites, "GqaSite")
 
 
 def test_convert_result_lives_at_its_public_path():
