@@ -52,8 +52,9 @@ import pytest
 from onnx_kvcache import calibrate_kv_cache, convert_model
 from onnx_kvcache.cli.commands import build_parser, main
 from onnx_kvcache.errors import WARNINGS, KvCacheWarning
-from onnx_kvcache.models.decoder import build_decoder, byte_level_tokenizer, save_genai_folder
-from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache.models.decoder import byte_level_tokenizer, save_genai_folder
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -203,6 +204,7 @@ SETUP_NAMES: dict[str, Any] = {
     "calibrate_kv_cache": calibrate_kv_cache,
     "convert_model": convert_model,
     "exported_config": exported_config,
+    "ExportStyle": ExportStyle,
     "ir": ir,
     "json": json,
     "np": np,

@@ -20,7 +20,7 @@ BOTTOM = ("errors", "_version", "_signals", "_enums", "_gc")
 FOLDERS = (
     "model_io",  # reading models and genai folders, the marker, safe reads and writes, onnxruntime
     "cache",  # what a cache is: formats, operators, sites, layout, validation
-    "models",  # the test decoders' builders
+    "models",  # the bundled decoder (the demo's, the docs' examples)
     "capabilities",  # who can run what: rows, gating, the device
     "scales",  # scale values and files, the token data
     "passes",  # the graph rewrites

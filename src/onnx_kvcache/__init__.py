@@ -68,9 +68,6 @@ __all__ = [
     "KvCacheRunner",
     "calibrate_kv_cache",
     "evaluate_kv_cache",
-    # test decoders
-    "DecoderConfig",
-    "build_decoder",
     # errors
     "CalibrationDataWarning",
     "ClippingWarning",
@@ -125,10 +122,6 @@ _EXPORTS = {  # where each name lives; imported on first use
         "check_kv_cache_support",
         "fast_path_diagnostics",
         "get_capabilities",
-    ),
-    "onnx_kvcache.models.decoder": (
-        "DecoderConfig",
-        "build_decoder",
     ),
     "onnx_kvcache.capabilities.device": ("cuda_compute_capability",),
     "onnx_kvcache.runtime.doctor": (
@@ -282,7 +275,6 @@ if TYPE_CHECKING:
     )
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
     from onnx_kvcache.model_io.reading import load_model
-    from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
     from onnx_kvcache.passes import (
         AttentionFusionPass,
         Bfloat16ToFloatPass,
