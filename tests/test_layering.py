@@ -123,3 +123,17 @@ def test_the_folders_form_an_order_with_no_cycle():
     assert all(layer(f"onnx_kvcache.{a}") > layer(f"onnx_kvcache.{b}") for a, b in arrows), sorted(
         (a, b) for a, b in arrows if layer(f"onnx_kvcache.{a}") <= layer(f"onnx_kvcache.{b}")
     )
+
+
+def test_the_test_folders_mirror_the_tree():
+    """tests/<folder>/ holds the tests of src/onnx_kvcache/<folder>/ (calibration's sat in
+    tests/scales, the safe writes' in tests/files); builders/ and data/ are the tests' own."""
+    import pathlib
+
+    tests = pathlib.Path(__file__).parent
+    folders = {
+        path.parent.relative_to(tests).as_posix()
+        for path in tests.rglob("*.py")
+        if path.parent != tests and path.relative_to(tests).parts[0] not in ("builders", "data")
+    }
+    assert folders and sorted(f for f in folders if not (PACKAGE / f / "__init__.py").is_file()) == []
