@@ -9,7 +9,7 @@ weights is also converted into another folder (a real copy) and the naive way (l
 everything, convert, save) for comparison.
 
 The export case: the same shape as optimum-cli exports it (the TorchScript form of
-``models/_torchscript.py``: decomposed attention, no value_info) in an export folder with
+``tests/builders/torchscript.py``: decomposed attention, no value_info) in an export folder with
 Llama 3 70B's ``config.json`` and ``generation_config.json``, fused and converted beside the
 input and into an onnxruntime-genai folder. Targets for each whole CLI run: under 3 s, peak
 RSS under 500 MB, no weight byte read (the bytes the process reads in all, Python's modules
@@ -38,8 +38,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.model_io._atomic import allocated_bytes, format_bytes
-from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
-from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache.models.decoder import DecoderConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/builders
+from builders.exported import build_decoder, exported_config
 
 LLAMA_70B = DecoderConfig(
     num_layers=80,

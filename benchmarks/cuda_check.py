@@ -860,8 +860,7 @@ def token_batches(
 
 def build_model(spec: ModelSpec, max_position: int, folder: pathlib.Path | None = None) -> tuple[Any, Any]:
     """The float model and the folder its file lives in (genai: a saved folder, else None)."""
-    from onnx_kvcache import build_decoder
-    from onnx_kvcache.models.decoder import save_genai_folder
+    from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
     if not spec.genai:
         return build_decoder(**spec.overrides(max_position)), None
@@ -1031,7 +1030,8 @@ def paged_phase(
     """A PagedAttention decoder (fp16, head 64) per format on ``rule_providers`` against its
     CPU reference (``PagedAttentionReferencePass``: every paged kernel quantizes before
     attending), batch 1, through ``KvCacheRunner`` (CPU fallback not disabled there)."""
-    from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
+    from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner
+    from onnx_kvcache.models.decoder import build_decoder
 
     spec = ModelSpec("paged-fp16-h64", "float16", 64)
     prompt, decode = token_batches(1, plan.prompt_len, min(plan.decode_steps, 16), spec.vocab_size)
@@ -1109,7 +1109,8 @@ def speed_models(
     per quantized variant (``convert_model``: the graph only, sharing the weights)."""
     import onnx_ir as ir
 
-    from onnx_kvcache import build_decoder, convert_model
+    from onnx_kvcache import convert_model
+    from onnx_kvcache.models.decoder import build_decoder
     from onnx_kvcache.scales.files import KvCacheScales
 
     fields = dataclasses.asdict(spec)

@@ -31,7 +31,8 @@ import time
 
 import numpy as np
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder, calibrate_kv_cache
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache
+from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.scales.data import corpus_byte_ids
 
 #: Decode speed the TARGETED rows must reach, as a fraction of float32's.

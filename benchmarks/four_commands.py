@@ -26,7 +26,8 @@ import onnx_ir as ir
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import real_model
 
-from onnx_kvcache.models.exported import build_exported_decoder, exported_config
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/builders
+from builders.exported import build_exported_decoder, exported_config
 
 
 def build_export(cache: pathlib.Path, genai: pathlib.Path) -> pathlib.Path:

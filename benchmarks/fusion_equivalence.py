@@ -41,9 +41,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from decoding import PROMPTS, generate, max_differences  # noqa: E402
-from onnx_kvcache import KvCacheRunner, build_decoder, calibrate_kv_cache, optimize_model  # noqa: E402
-from onnx_kvcache.models.exported import ExportStyle, exported_config  # noqa: E402
+from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, optimize_model  # noqa: E402
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass  # noqa: E402
+
+from builders.exported import (  # noqa: E402
+    ExportStyle,
+    build_decoder,
+    exported_config,
+)
 
 FIXTURE = ROOT / "tests" / "data" / "export_llama_opset23.onnx"
 

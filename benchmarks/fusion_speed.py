@@ -24,16 +24,15 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.models.config import DecoderConfig
-from onnx_kvcache.models.decoder import build_decoder
-from onnx_kvcache.models.exported import EXPORT_PRESETS
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/builders
+from builders.exported import EXPORT_PRESETS, ExportedConfig, build_decoder
 
 FORMS = {"torchscript": "optimum-llama", "dynamo": "llama"}
 
 
-def smollm2(preset: str, layers: int) -> DecoderConfig:
+def smollm2(preset: str, layers: int) -> ExportedConfig:
     _, style = EXPORT_PRESETS[preset]
-    return DecoderConfig(
+    return ExportedConfig(
         num_layers=layers,
         hidden_size=576,
         num_heads=9,

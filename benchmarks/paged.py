@@ -27,7 +27,8 @@ import warnings
 
 import numpy as np
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner
+from onnx_kvcache.models.decoder import build_decoder
 
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
 

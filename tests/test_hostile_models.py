@@ -20,14 +20,13 @@ from onnx_kvcache import (
     KvCacheQuantizationPass,
     KvCacheRunner,
     MalformedModelError,
-    build_decoder,
     convert_model,
     inspect_kv_cache,
     optimize_model,
 )
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.decoder import save_genai_folder
+from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 DATA = pathlib.Path(__file__).parent / "data"
 SCALES = {0: (0.05, 0.04), 1: (0.06, 0.05)}

@@ -15,12 +15,12 @@ import pytest
 from test_import_graph import PACKAGE, import_graph
 
 #: the package's top-level modules, below every folder
-BOTTOM = ("errors", "_version", "_signals", "_moved", "_enums", "_gc")
+BOTTOM = ("errors", "_version", "_signals", "_enums", "_gc")
 #: folder (package) -> rank, bottom first: a folder imports only folders ranked below it
 FOLDERS = (
     "model_io",  # reading models and genai folders, the marker, safe reads and writes, onnxruntime
     "cache",  # what a cache is: formats, operators, sites, layout, validation
-    "models",  # the test decoders' builders
+    "models",  # the bundled decoder (the demo's, the docs' examples)
     "capabilities",  # who can run what: rows, gating, the device
     "scales",  # scale values and files, the token data
     "passes",  # the graph rewrites
@@ -38,6 +38,8 @@ LAYERS = {
 
 
 def layer(module: str) -> int:
+    if module == "onnx_kvcache":  # the package root, the API: its __getattr__ loads every layer
+        return len(FOLDERS) + 2
     prefixes = [p for p in LAYERS if module == p or module.startswith(p + ".")]
     assert len(prefixes) <= 1, f"{module}: nested ranks {prefixes}"
     assert prefixes, f"{module} has no layer: add its folder to FOLDERS"
@@ -71,6 +73,7 @@ def test_no_import_runs_upward():
         ("onnx_kvcache.cache.formats", "onnx_kvcache.passes.kv_cache_quantization"),
         ("onnx_kvcache.passes.kv_cache_quantization", "onnx_kvcache.files.conversion"),
         ("onnx_kvcache.files.conversion", "onnx_kvcache.cli.commands"),
+        ("onnx_kvcache.cli.commands", "onnx_kvcache"),  # `from onnx_kvcache import convert_model`
     ],
 )
 def test_an_upward_arrow_is_found(importer, imported):
@@ -120,3 +123,17 @@ def test_the_folders_form_an_order_with_no_cycle():
     assert all(layer(f"onnx_kvcache.{a}") > layer(f"onnx_kvcache.{b}") for a, b in arrows), sorted(
         (a, b) for a, b in arrows if layer(f"onnx_kvcache.{a}") <= layer(f"onnx_kvcache.{b}")
     )
+
+
+def test_the_test_folders_mirror_the_tree():
+    """tests/<folder>/ holds the tests of src/onnx_kvcache/<folder>/ (calibration's sat in
+    tests/scales, the safe writes' in tests/files); builders/ and data/ are the tests' own."""
+    import pathlib
+
+    tests = pathlib.Path(__file__).parent
+    folders = {
+        path.parent.relative_to(tests).as_posix()
+        for path in tests.rglob("*.py")
+        if path.parent != tests and path.relative_to(tests).parts[0] not in ("builders", "data")
+    }
+    assert folders and sorted(f for f in folders if not (PACKAGE / f / "__init__.py").is_file()) == []

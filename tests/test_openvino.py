@@ -6,7 +6,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner
+from onnx_kvcache.models.decoder import build_decoder
 
 ov = pytest.importorskip("openvino", reason="install the test extra (CI does)")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import re
 import sys
 import typing
 
@@ -13,7 +12,8 @@ import onnx_ir as ir
 import pytest
 
 import onnx_kvcache
-from onnx_kvcache import _moved, errors, passes
+from onnx_kvcache import errors, passes
+from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
 
 
 def _library_classes(annotation: object) -> set[type]:
@@ -63,6 +63,7 @@ UNPREFIXED_INTERNAL = {
     "onnx_kvcache.cli.commands": "the command's module, conventionally named",
     "onnx_kvcache.model_io.genai_folder": "genai folder rules: whether users import them is undecided",
     "onnx_kvcache.cache.sites": "finding attention sites; the passes import it, so a rename goes with theirs",
+    "onnx_kvcache.models.config": "DecoderConfig's home (models.decoder names it); tests/builders extend it",
 }
 
 
@@ -104,7 +105,7 @@ def test_every_pass_is_exported():
 
 
 def test_optimize_model_returns_the_model_it_was_given():
-    model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
+    model = build_decoder(DecoderConfig(num_layers=1, dtype="float16"))
     scales = {0: (0.5, 0.5)}
     assert onnx_kvcache.optimize_model(model, kv_cache_format="int8", kv_cache_scales=scales) is model
     assert typing.get_type_hints(onnx_kvcache.optimize_model)["return"] is ir.Model
@@ -113,7 +114,7 @@ def test_optimize_model_returns_the_model_it_was_given():
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "model.onnx"
-    model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
+    model = build_decoder(DecoderConfig(num_layers=1, dtype="float16"))
     onnx_kvcache.optimize_model(
         model, fp8_kv_cache=True, execution_provider=None, kv_cache_scales={0: (0.5, 0.5)}
     )
@@ -174,40 +175,16 @@ def test_dir_lists_the_public_names_only():
     assert not {"annotations", "TYPE_CHECKING", "_EXPORTS", "_MODULE_OF"} & set(dir(onnx_kvcache))
 
 
-@pytest.mark.parametrize("old", sorted(_moved.MOVED_MODULES))
-def test_a_moved_module_path_imports_its_new_module_with_a_warning(old):
-    """The 0.x module paths are the new modules themselves, for one release, and say where they went."""
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(_moved.MOVED_MODULES[old])
-
-
-@pytest.mark.parametrize(
-    "old",
-    ["onnx_kvcache.files._atomic", "onnx_kvcache.scales.calibration", "onnx_kvcache.capabilities.doctor"],
-)
-@pytest.mark.parametrize(
-    "statement",
-    ["import {old}", "from {parent} import {name}", "__import__('importlib').import_module('{old}')"],
-)
-def test_a_moved_module_path_warns_at_the_callers_line(old, statement):
-    """The modules moved so the folders rank as their imports run: the warning names the importer."""
-    sys.modules.pop(old, None)
-    parent, _, name = old.rpartition(".")
-    vars(importlib.import_module(parent)).pop(name, None)
-    code = compile("x = 1\n" + statement.format(old=old, parent=parent, name=name), "caller.py", "exec")
-    with pytest.warns(DeprecationWarning, match=re.escape(_moved.MOVED_MODULES[old])) as record:
-        exec(code, {})
-    assert [(w.filename, w.lineno) for w in record] == [("caller.py", 2)]
-
-
-def test_the_old_site_names_are_the_cache_site_with_a_warning():
+def test_no_0x_module_path_or_name_is_kept():
+    """No release had the 0.x layout: its paths and names are gone, not aliased with a warning."""
+    for old in ("onnx_kvcache.formats", "onnx_kvcache.model_files", "onnx_kvcache.files.reading"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    assert not any(type(finder).__module__.startswith("onnx_kvcache") for finder in sys.meta_path)
+    from onnx_kvcache import cli
     from onnx_kvcache.cache import sites
 
-    for old in ("AttentionSite", "GqaSite"):
-        with pytest.warns(DeprecationWarning, match="CacheSite"):
-            assert getattr(sites, old) is sites.CacheSite
+    assert not hasattr(cli, "main") and not hasattr(sites, "GqaSite")
 
 
 def test_convert_result_lives_at_its_public_path():

@@ -17,7 +17,6 @@ import pytest
 
 from onnx_kvcache import (
     KvCacheRunner,
-    build_decoder,
     calibrate_kv_cache,
     check_kv_cache_support,
     convert_model,
@@ -25,7 +24,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.capabilities.table import get_capabilities, infer_target
 from onnx_kvcache.model_io.reading import load_model
-from onnx_kvcache.models.decoder import save_genai_folder
+from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 pytest.importorskip("tokenizers", reason="install the test extra")
 

@@ -20,7 +20,6 @@ from onnx_kvcache import (
     GqaFusionPass,
     KvCacheQuantizationPass,
     KvCacheRunner,
-    build_decoder,
     calibrate_kv_cache,
     convert_model,
     evaluate_kv_cache,
@@ -28,9 +27,9 @@ from onnx_kvcache import (
 )
 from onnx_kvcache import errors as E
 from onnx_kvcache.models.decoder import save_genai_folder
-from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.scales.files import KvCacheScales
 
+from builders.exported import build_decoder, exported_config
 from conftest import gqa_model, paged_model
 
 ROOT = pathlib.Path(__file__).parents[1]

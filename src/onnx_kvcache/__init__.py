@@ -4,20 +4,10 @@ Graph-rewrite passes that store the KV cache of GroupQueryAttention and PagedAtt
 FP8 E4M3, INT8 or packed INT4, with the scales, gating, calibration and evaluation around
 them.
 
-Names are imported on first use (PEP 562), so importing the package, or its command's
-entry point, takes milliseconds: the command installs its signal handlers before
-anything heavy (onnx-ir, numpy) is imported.
+Names are imported on first use (PEP 562), ``__version__`` too: this module imports nothing
+and installs nothing, so the console script (``from onnx_kvcache.cli._entry import main``,
+which runs this module first) reaches the entry point's signal handling in microseconds.
 """
-
-import sys as _sys
-
-_COMMAND_SCRIPTS = ("onnx-kvcache", "onnx-kvcache.exe", "onnx-kvcache-script.py")
-if _sys.argv and _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in _COMMAND_SCRIPTS:
-    # the console script imports this package before the entry point: its signal record starts here
-    import onnx_kvcache.cli._entry as _command  # its first lines record a signal
-
-    del _command
-del _sys
 
 __all__ = [
     # what a cache is: formats, granularities, attention operators
@@ -78,9 +68,6 @@ __all__ = [
     "KvCacheRunner",
     "calibrate_kv_cache",
     "evaluate_kv_cache",
-    # test decoders
-    "DecoderConfig",
-    "build_decoder",
     # errors
     "CalibrationDataWarning",
     "ClippingWarning",
@@ -105,11 +92,6 @@ __all__ = [
     "UnfusedAttentionWarning",
     "UnitScalesWarning",
 ]
-
-from onnx_kvcache import _moved  # noqa: E402  (after the signal record)
-from onnx_kvcache._version import __version__ as __version__  # noqa: E402
-
-_moved.install()  # the 0.x module paths (``onnx_kvcache.formats``, ...) keep working for one release
 
 TYPE_CHECKING = False  # typing is not imported: the command's start-up stays short
 
@@ -140,10 +122,6 @@ _EXPORTS = {  # where each name lives; imported on first use
         "check_kv_cache_support",
         "fast_path_diagnostics",
         "get_capabilities",
-    ),
-    "onnx_kvcache.models.decoder": (
-        "DecoderConfig",
-        "build_decoder",
     ),
     "onnx_kvcache.capabilities.device": ("cuda_compute_capability",),
     "onnx_kvcache.runtime.doctor": (
@@ -224,11 +202,9 @@ def __getattr__(name: str) -> object:
     """An exported name or a submodule, imported on first use (PEP 562)."""
     import importlib.util
 
-    module = _MODULE_OF.get(name)
+    module = "onnx_kvcache._version" if name == "__version__" else _MODULE_OF.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
-    elif f"{__name__}.{name}" in _moved.MOVED_MODULES:  # a 0.x path: the warning names the caller's line
-        value = _moved.moved(f"{__name__}.{name}", stacklevel=3)
     elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
@@ -243,6 +219,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from onnx_kvcache._version import __version__ as __version__
     from onnx_kvcache.cache.formats import (
         CACHE_FORMATS,
         SCALE_GRANULARITIES,
@@ -298,7 +275,6 @@ if TYPE_CHECKING:
     )
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
     from onnx_kvcache.model_io.reading import load_model
-    from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
     from onnx_kvcache.passes import (
         AttentionFusionPass,
         Bfloat16ToFloatPass,

@@ -161,7 +161,6 @@ def test_new_rows_flow_through_calibration_files_conversion_inspect_and_evaluati
 ):
     from onnx_kvcache import (
         KvCacheRunner,
-        build_decoder,
         calibrate_kv_cache,
         convert_model,
         evaluate_kv_cache,
@@ -171,6 +170,7 @@ def test_new_rows_flow_through_calibration_files_conversion_inspect_and_evaluati
         load_model,
     )
     from onnx_kvcache.cli.commands import main
+    from onnx_kvcache.models.decoder import build_decoder
 
     fmt, row = CACHE_FORMATS[name], SCALE_GRANULARITIES[granularity]
     base = build_decoder(num_layers=2, vocab_size=300)  # kv_num_heads 2, head_size 32
@@ -214,7 +214,8 @@ def test_new_rows_flow_through_calibration_files_conversion_inspect_and_evaluati
 
 @pytest.mark.parametrize(("name", "granularity"), [("int6", "per_head"), ("e5m2", "per_channel")])
 def test_new_rows_flow_through_paged_attention(extra_rows, name, granularity):
-    from onnx_kvcache import KvCacheQuantizationPass, build_decoder, calibrate_kv_cache, evaluate_kv_cache
+    from onnx_kvcache import KvCacheQuantizationPass, calibrate_kv_cache, evaluate_kv_cache
+    from onnx_kvcache.models.decoder import build_decoder
 
     base = build_decoder(num_layers=2, vocab_size=300, paged=True, dtype="float16")
     scales = calibrate_kv_cache(base, DATA, format=name, granularity=granularity, progress=False)

@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 
-from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
+from onnx_kvcache import GqaFusionPass, optimize_model
 from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
 from onnx_kvcache.errors import KvCacheWarning
-from onnx_kvcache.models.exported import exported_config
+
+from builders.exported import build_decoder, exported_config
 
 
 @pytest.mark.parametrize(

@@ -190,8 +190,9 @@ def test_window_sized_caches_of_a_fusion_need_query_seqlens(ep, version, code):
     """A rolling window cache fuses into a window-sized cache with query_seqlens (input 16)."""
     import warnings
 
-    from onnx_kvcache import build_decoder, optimize_model
-    from onnx_kvcache.models.exported import ExportStyle, exported_config
+    from onnx_kvcache import optimize_model
+
+    from builders.exported import ExportStyle, build_decoder, exported_config
 
     config = exported_config(
         "mistral", num_layers=1, sliding_window=4, exported=ExportStyle(window_cache="cropped")
@@ -388,8 +389,10 @@ def test_cli_inspect_reports_the_paged_fast_path(tmp_path, capsys):
 
 @pytest.mark.parametrize(("ep", "semantics"), [("cpu", "cpu"), ("cuda", "cuda")])
 def test_a_converted_model_keeps_the_target_it_was_converted_for(tmp_path, ep, semantics):
-    from onnx_kvcache import KvCacheRunner, build_decoder, convert_model
+    from onnx_kvcache import KvCacheRunner, convert_model
     from onnx_kvcache.capabilities.table import infer_target
+
+    from builders.exported import build_decoder
 
     ir.save(build_decoder(num_layers=1, dtype="float16"), tmp_path / "m.onnx")  # fp16: cuda by default
     out = tmp_path / f"{ep}.onnx"
@@ -409,7 +412,9 @@ def test_a_window_sized_cache_runs_int4_on_cpu_only_with_a_head_size_multiple_of
     a multiple of 32 for a 4-bit KV cache" (genai's builder writes such caches for Gemma-2):
     the conversion is refused where the kernel would refuse the model, and runs where it is not."""
     from onnx_kvcache import KvCacheRunner, convert_model
-    from onnx_kvcache.models.decoder import DecoderConfig, build_decoder
+    from onnx_kvcache.models.decoder import DecoderConfig
+
+    from builders.exported import build_decoder
 
     config = DecoderConfig(
         num_layers=2, head_size=head, sliding_window=4, sliding_window_layers=(0,), sliding_window_cache=True

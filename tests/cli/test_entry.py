@@ -109,32 +109,53 @@ def test_the_package_imports_nothing_heavy_before_the_handlers():
 
 
 _AS_THE_CONSOLE_SCRIPT = """
-import os, sys
+import _signal, atexit, json, os, sys
 signum = int(sys.argv[1])
 sys.argv = ["/usr/local/bin/onnx-kvcache", "--version"]  # as pip's script runs
+looked_up = []  # (module, whether the entry point's record was in place)
 
-class Hook:  # a signal while the package's __init__ runs, before the entry point's first line
+class Hook:  # every module the import system looks for from the script's import line on
     def find_spec(self, name, path=None, target=None):
-        if name == "onnx_kvcache._version":
+        recording = _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler
+        looked_up.append((name, recording))
+        if recording and signum and sum(r for _, r in looked_up) == 1:  # the first moment covered
             os.kill(os.getpid(), signum)
         return None
 
+atexit.register(lambda: print(json.dumps(looked_up)))
 sys.meta_path.insert(0, Hook())
 from onnx_kvcache.cli._entry import main
 main()
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_while_the_console_script_imports_the_package_is_one_line(signum):
-    """The console script imports onnx_kvcache/__init__.py before _entry's first line: a Ctrl-C
-    there was a KeyboardInterrupt traceback (SIGTERM: killed without a word)."""
-    proc = subprocess.run(
+def _as_the_console_script(signum: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-c", _AS_THE_CONSOLE_SCRIPT, str(int(signum))],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_the_console_script_runs_no_code_of_the_package_before_the_signal_record():
+    """pip's script imports onnx_kvcache/__init__.py and cli/__init__.py before _entry's first line:
+    they import nothing, so the record starts as _entry is found (the root __init__ once read
+    sys.argv[0] and imported _entry itself, a 0.x module finder after it)."""
+    proc = _as_the_console_script(0)
+    assert proc.returncode == 0, proc.stderr
+    looked_up = json.loads(proc.stdout.splitlines()[-1])
+    before = [name for name, recording in looked_up if not recording]
+    assert before == ["onnx_kvcache", "onnx_kvcache.cli", "onnx_kvcache.cli._entry"]
+    assert [name for name, recording in looked_up if recording][:1] != []  # the hook sees the rest
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_console_script_imports_the_package_is_one_line(signum):
+    """At the first import after the package's __init__s (the earliest moment a hook sees): a
+    Ctrl-C while the console script imported the package was a KeyboardInterrupt traceback
+    (SIGTERM: killed without a word)."""
+    proc = _as_the_console_script(signum)
     name = signal.Signals(signum).name
     assert (proc.returncode, proc.stderr) == (
         128 + signum,
@@ -142,16 +163,19 @@ def test_a_signal_while_the_console_script_imports_the_package_is_one_line(signu
     ), proc.stderr
 
 
-@pytest.mark.parametrize("argv0", ["-c", "/usr/bin/python", "/x/onnx-kvcache-tools"])
-def test_importing_the_package_elsewhere_installs_no_handler(argv0):
-    # compared with what the interpreter started with: a shell's background job starts with
-    # SIGINT ignored, and Python then keeps SIG_IGN rather than its default_int_handler
+@pytest.mark.parametrize("argv0", ["-c", "/usr/bin/python", "/usr/local/bin/onnx-kvcache", "onnx-kvcache"])
+def test_importing_the_package_installs_no_handler_and_imports_nothing(argv0):
+    """Signal handling starts in the entry point, never on import, even in the console script.
+
+    Compared with what the interpreter started with: a shell's background job starts with
+    SIGINT ignored, and Python then keeps SIG_IGN rather than its default_int_handler."""
     code = (
         f"import signal, sys; sys.argv[0] = {argv0!r}; before = signal.getsignal(signal.SIGINT); "
-        "import onnx_kvcache; print(signal.getsignal(signal.SIGINT) is before)"
+        "import onnx_kvcache; print(signal.getsignal(signal.SIGINT) is before, "
+        "sorted(m for m in sys.modules if m.startswith('onnx')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert proc.stdout.strip() == "True"
+    assert proc.stdout.strip() == "True ['onnx_kvcache']"
 
 
 _INSIDE_AN_EXTENSION = """

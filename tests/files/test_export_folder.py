@@ -138,8 +138,7 @@ def test_a_rolling_window_export_runs_in_onnxruntime_genai_as_the_runner(export,
     window-sized caches: genai_config.json names them, genai allocates and shares them, and genai's
     tokens are the runner's, past the window."""
     pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
-    from onnx_kvcache import build_decoder
-    from onnx_kvcache.models.exported import ExportStyle, exported_config
+    from builders.exported import ExportStyle, build_decoder, exported_config
 
     folder = tmp_path / "mistral"
     shutil.copytree(export, folder)

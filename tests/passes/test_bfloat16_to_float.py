@@ -9,8 +9,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import Bfloat16ToFloatPass, KvCacheQuantizationPass, build_decoder
+from onnx_kvcache import Bfloat16ToFloatPass, KvCacheQuantizationPass
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import build_decoder
 
 
 def _bf16_decoder(fmt):

@@ -16,12 +16,12 @@ from onnx_kvcache import (
     KvCachePreconditionError,
     KvCacheQuantizationPass,
     KvCacheRunner,
-    build_decoder,
     check_kv_cache_support,
 )
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime
+from onnx_kvcache.models.decoder import build_decoder
 
 from conftest import FORMATS, GRANULARITIES, gqa_model
 

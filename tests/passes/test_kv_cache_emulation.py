@@ -10,7 +10,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.model_io._sessions import create_session, to_ort_value
@@ -21,6 +21,7 @@ from onnx_kvcache.passes.kv_cache_emulation import (
     get_semantics,
 )
 
+from builders.exported import build_decoder
 from conftest import FORMATS, GRANULARITIES, gqa_model, reference_step, run_gqa_steps
 
 SEMANTICS = ["cuda", "cpu"]
@@ -467,7 +468,8 @@ def test_an_opset_18_export_with_an_fp8_cache_runs_emulated(opset, runs):
     """TorchScript exports are opset 18: the copy the runner emulates imports 19 (exact), the
     model keeps its own; below 18 the raise would change operators, so it is refused."""
     from onnx_kvcache import optimize_model
-    from onnx_kvcache.models.exported import exported_config
+
+    from builders.exported import exported_config
 
     model = build_decoder(exported_config("optimum-llama", num_layers=2, vocab_size=300))
     model.opset_imports[""] = opset

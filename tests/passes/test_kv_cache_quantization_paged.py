@@ -18,11 +18,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import ScalesAdjustedWarning, UnitScalesWarning
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import build_decoder
 
 from conftest import FORMATS, GRANULARITIES, paged_model
 from genai_builder import builder_quantized_paged, structure

@@ -32,7 +32,6 @@ from onnx_kvcache import (
     KvCacheScales,
     KvCacheWarning,
     NotConvertedWarning,
-    build_decoder,
     convert_model,
     optimize_model,
 )
@@ -44,7 +43,7 @@ from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import RuntimeSupportWarning, ScalesAdjustedWarning, UnitScalesWarning
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
-from onnx_kvcache.models.decoder import save_genai_folder
+from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
 from conftest import (
     CPU_FORMATS,

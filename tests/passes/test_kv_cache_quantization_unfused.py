@@ -19,11 +19,11 @@ from onnx_kvcache import (
     KvCacheQuantizationPass,
     KvCacheWarning,
     UnfusedAttentionWarning,
-    build_decoder,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.models.exported import build_exported_decoder, exported_config
 from onnx_kvcache.passes.fusion.gqa_fusion import FUSIONS, fusion_candidates
+
+from builders.exported import build_decoder, build_exported_decoder, exported_config
 
 DATA = pathlib.Path(__file__).parents[1] / "data"
 EXPORTS = {  # name -> (the model, its attention layers)

@@ -18,18 +18,17 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, generate
-from onnx_kvcache import build_decoder
 from onnx_kvcache.cache.rotation import ROTATIONS, get_rotation, rotate, rotation_matrix, site_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.reading import load_model
-from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes import KvCacheQuantizationPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 
+from builders.exported import ExportStyle, build_decoder, exported_config
 from conftest import gqa_model
 
 PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers"

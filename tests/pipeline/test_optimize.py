@@ -214,7 +214,9 @@ def test_pass_manager_fuses_an_export_then_quantizes():
 
 
 def test_a_refusal_is_a_not_converted_warning():
-    from onnx_kvcache import NotConvertedWarning, build_decoder, optimize_model
+    from onnx_kvcache import NotConvertedWarning, optimize_model
+
+    from builders.exported import build_decoder
 
     model = build_decoder(num_layers=1, dtype="float16")
     with pytest.warns(NotConvertedWarning, match="KV cache not converted to fp8 per_tensor for cpu"):
@@ -259,8 +261,7 @@ def test_granularity_defaults_to_the_one_the_scales_record():
 
 def test_a_failed_call_leaves_the_model_as_it_was():
     """A refusal or an error after fusing: the caller's model is not fused either."""
-    from onnx_kvcache import build_decoder
-    from onnx_kvcache.models.exported import exported_config
+    from builders.exported import build_decoder, exported_config
 
     export = build_decoder(exported_config("llama", num_layers=2, vocab_size=300))
     text = ir.to_onnx_text(export)
@@ -338,8 +339,7 @@ def test_scales_that_fit_no_granularity_name_the_layer():
 
 def half_guarded_fp16_export(layers_spoiled: int = 1) -> ir.Model:
     """A float16 optimum-llama export whose first layers' NaN guards fill 0.5: unfusable."""
-    from onnx_kvcache import build_decoder
-    from onnx_kvcache.models.exported import exported_config
+    from builders.exported import build_decoder, exported_config
 
     model = build_decoder(exported_config("optimum-llama", num_layers=2, dtype="float16"))
     guards = [n for n in model.graph if n.op_type == "Where" and n.inputs[0].producer().op_type == "IsNaN"]
@@ -356,8 +356,7 @@ def half_guarded_fp16_export(layers_spoiled: int = 1) -> ir.Model:
 
 
 def bidirectional_export() -> ir.Model:
-    from onnx_kvcache import build_decoder
-    from onnx_kvcache.models.exported import ExportStyle, exported_config
+    from builders.exported import ExportStyle, build_decoder, exported_config
 
     config = exported_config(
         "llama", num_layers=2, vocab_size=300, exported=ExportStyle(opset=20, mask="bidirectional")

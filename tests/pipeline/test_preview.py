@@ -7,9 +7,10 @@ import pathlib
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import build_decoder, convert_model
-from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache import convert_model
 from onnx_kvcache.pipeline.preview import preview_conversion
+
+from builders.exported import build_decoder, exported_config
 
 DATA = pathlib.Path(__file__).parents[1] / "data"
 EXPORTS = {

@@ -9,8 +9,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner
 from onnx_kvcache.model_io._sessions import host_array
+from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, discover_cache_bindings
 from onnx_kvcache.runtime._dense_cache import DenseCache, DenseLayout
 

@@ -8,9 +8,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
 
 DATA = [list(np.random.default_rng(1).integers(0, 300, 24))]

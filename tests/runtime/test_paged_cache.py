@@ -7,7 +7,8 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner
+from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime._cache import Feeding, discover_cache_bindings
 from onnx_kvcache.runtime._paged_cache import BlockPool, PagedCache, PagedLayout
 

@@ -10,9 +10,11 @@ import onnx_ir as ir
 import pytest
 
 import onnx_kvcache.runtime._decoder_session as session_module
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning
 from onnx_kvcache.models.decoder import save_genai_folder
 from onnx_kvcache.runtime.runner import discover_cache_bindings
+
+from builders.exported import build_decoder
 
 LAYERS = 2
 SCALES = {i: (0.05, 0.02) for i in range(LAYERS)}
@@ -195,7 +197,7 @@ def test_a_cache_kind_is_key_or_value():
 
 
 def test_an_export_file_is_fused_in_memory(tmp_path):
-    from onnx_kvcache.models.exported import exported_config
+    from builders.exported import exported_config
 
     path = tmp_path / "export.onnx"
     ir.save(build_decoder(exported_config("llama", num_layers=2, vocab_size=300)), path)
@@ -207,8 +209,9 @@ def test_an_export_file_is_fused_in_memory(tmp_path):
 
 
 def test_a_bfloat16_export_runs_on_cpu_once_fused():
-    from onnx_kvcache.models.exported import exported_config
     from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+
+    from builders.exported import exported_config
 
     model = build_decoder(exported_config("llama", num_layers=1, dtype="bfloat16", vocab_size=300))
     AttentionFusionPass()(model)

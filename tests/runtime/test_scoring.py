@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import onnx_kvcache.runtime._scoring as scoring
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, build_decoder
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning
+from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime._memory import run_parts
 from onnx_kvcache.runtime.evaluation import evaluate_kv_cache, greedy_agreement, kl_divergence, top1_agreement
 

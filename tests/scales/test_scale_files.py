@@ -318,9 +318,8 @@ def test_convert_reads_the_section_named_after_the_model_files_stem(tmp_path, ca
     model the section of its own file's stem, from Python and the CLI alike."""
     import onnx_ir as ir
 
-    from onnx_kvcache import build_decoder
     from onnx_kvcache.cli.commands import main
-    from onnx_kvcache.models.decoder import save_genai_folder
+    from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
     sections = {"model": (0.02, 0.03), "vision": (0.04, 0.05)}
     doc = {

@@ -27,7 +27,6 @@ __all__ = [
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -265,18 +264,6 @@ class CacheSite:
     def v_head_size(self) -> int:
         """Width of V and of each output head (PagedAttention's ``v_head_size``; 0 = head size)."""
         return self.int_attr("v_head_size", 0) or self.head_size()
-
-
-#: The name older callers use.
-
-
-def __getattr__(name: str) -> type[CacheSite]:
-    """``AttentionSite`` and ``GqaSite``, the 0.x names of :class:`CacheSite`, for one release."""
-    if name in ("AttentionSite", "GqaSite"):
-        message = f"{name} is now CacheSite; the old name goes away in the next release"
-        warnings.warn(message, DeprecationWarning, 2)
-        return CacheSite
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _iter_nodes(model: ir.Model) -> Iterator[tuple[ir.Node, ir.Function | None]]:

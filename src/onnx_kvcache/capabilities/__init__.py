@@ -1,6 +1,6 @@
 """Who can run what: capability rows, gating, the local device.
 
-``onnx_kvcache.capabilities`` keeps the public names (``__all__``) of the 0.x capability module.
+``onnx_kvcache.capabilities`` names the capability API (``__all__``) of :mod:`.table`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,3 @@
-"""The ``onnx-kvcache`` command (standard library only here: the command parses before heavy imports).
-
-``onnx_kvcache.cli.main``, the 0.x module's one public name, still works for one release
-(it is :func:`onnx_kvcache.cli.commands.main`, with a ``DeprecationWarning``).
-"""
-
-from __future__ import annotations
-
-
-def __getattr__(name: str) -> object:
-    if name == "main":
-        from onnx_kvcache._moved import announce
-
-        announce("onnx_kvcache.cli.main", "onnx_kvcache.cli.commands.main", stacklevel=2)
-        from onnx_kvcache.cli.commands import main
-
-        return main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+"""The ``onnx-kvcache`` command: the executable (``_entry``), the parser and dispatcher (``commands``)
+and one module per command. This ``__init__`` imports nothing: the console script runs it before
+the entry point's first line."""

@@ -11,20 +11,20 @@ skipping the interpreter's teardown (~0.15 s of freeing modules), during which P
 has already restored the default handlers: a signal there would kill the process
 without a word although its output is complete.
 
-This module's first lines record a signal (``_signal``, built in, so before anything is
-imported); :func:`main` then reports it as one line. The console script imports the
-package first: its ``__init__`` imports this module on its first lines when the process is
-the ``onnx-kvcache`` script, so the record starts there. Only what runs before that is not
-covered: the interpreter's own start, ``site`` and the script's ``import sys`` (about 25 ms
-on an idle machine, several times that under load; ``python -m onnx_kvcache`` adds runpy
-and the package's ``__init__``): a signal then stops the process as any Python program
-(Ctrl-C prints a ``KeyboardInterrupt`` traceback, exit 130 without a word; SIGTERM, exit
-143 without a word), and nothing is written by then.
+Signal handling starts here, never on importing the package: this module's first lines
+record a signal (``_signal``, built in, so before anything is imported); :func:`main` then
+reports it as one line. The console script (``from onnx_kvcache.cli._entry import main``)
+runs ``onnx_kvcache/__init__.py`` and ``onnx_kvcache/cli/__init__.py`` first; both import
+nothing (the package's names load on first use), so the record starts microseconds after
+the script's import line. Only what runs before it is not covered: the interpreter's own
+start, ``site``, the script's ``import re, sys`` and the import system finding these three
+files (about 25 ms on an idle machine, several times that under load; ``python -m
+onnx_kvcache`` adds runpy): a signal then stops the process as any Python program (Ctrl-C
+prints a ``KeyboardInterrupt`` traceback, exit 130 without a word; SIGTERM, exit 143
+without a word), and nothing is written by then.
 """
 
-from __future__ import annotations
-
-import _signal
+import _signal  # first: ``from __future__`` would import a module before the record
 import time
 
 _STARTED = time.perf_counter()

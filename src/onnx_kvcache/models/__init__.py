@@ -1,1 +1,2 @@
-"""The bundled decoders: genai-shaped builds, paged builds and PyTorch-export-shaped graphs."""
+"""The bundled decoder: onnxruntime-genai-shaped builds (GQA, PagedAttention), for the demo and
+the docs. The exporters' forms the tests imitate are tests/builders/'s."""

@@ -31,7 +31,6 @@ from onnx_kvcache.cache.operators import GQA, AttentionOp, GqaInput
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.models._paged import build_paged_decoder, paged_genai_config
 from onnx_kvcache.models.config import DecoderConfig, WeightFactory
-from onnx_kvcache.models.exported import build_exported_decoder
 
 
 class _Builder:
@@ -190,8 +189,6 @@ def build_decoder(
     sparse file) instead of seeded random values.
     """
     config = dataclasses.replace(config or DecoderConfig(), **overrides)
-    if config.exported is not None:
-        return build_exported_decoder(config, weight_factory=weight_factory)
     b = _Builder(config, weight_factory)
     if config.paged:
         return build_paged_decoder(b)

@@ -65,7 +65,6 @@ from onnx_kvcache.runtime._decoder_session import (
     max_positions,
     prepare_for_cpu,
     prune_to_caches,
-    target_semantics,  # noqa: F401 (its 0.x home)
 )
 from onnx_kvcache.runtime._dense_cache import DenseLayout
 from onnx_kvcache.runtime._paged_cache import BlockPool, PagedLayout

@@ -1,6 +1,6 @@
 """Scale values: scale files and the token data calibration reads (calibration itself is in ``calibrate``).
 
-``onnx_kvcache.scales`` keeps the public names (``__all__``) of the 0.x scale-file module, now :mod:`.files`.
+``onnx_kvcache.scales`` names the scale-file API (``__all__``) of :mod:`.files`.
 """
 
 from __future__ import annotations

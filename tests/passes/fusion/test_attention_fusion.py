@@ -20,18 +20,12 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import (
-    KvCacheError,
-    KvCacheRunner,
-    KvCacheWarning,
-    build_decoder,
-    calibrate_kv_cache,
-    optimize_model,
-)
+from onnx_kvcache import KvCacheError, KvCacheRunner, KvCacheWarning, calibrate_kv_cache, optimize_model
 from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "export_llama_opset23.onnx"
 VOCAB = 300

@@ -11,7 +11,6 @@ from test_attention_fusion import attention_in_a_function, exported
 
 from decoding import count
 from onnx_kvcache import KvCacheWarning
-from onnx_kvcache.models.exported import ExportStyle
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
@@ -26,6 +25,8 @@ from onnx_kvcache.passes.fusion._symbolic import Unprovable
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
+
+from builders.exported import ExportStyle
 
 F = ir.DataType.FLOAT
 

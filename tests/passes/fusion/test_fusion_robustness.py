@@ -1,6 +1,6 @@
 """Never a traceback: every export form the builder writes, and random mutations of them.
 
-Each form of :mod:`onnx_kvcache.models.exported` (every architecture preset, with each
+Each form of :mod:`builders.exported` (every architecture preset, with each
 ``ExportStyle`` option and dtype varied one at a time, so forms added later flow in) is
 built small, then mutated (nodes deleted or rewired, shapes and ranks changed, static and
 symbolic dimensions, wrong dtypes, attributes and small constants changed) and fed to
@@ -24,9 +24,9 @@ import onnx_ir as ir
 import pytest
 
 from onnx_kvcache import KvCacheError, KvCacheRunner, convert_model, inspect_kv_cache, optimize_model
-from onnx_kvcache.models.config import ExportStyle
-from onnx_kvcache.models.decoder import build_decoder
-from onnx_kvcache.models.exported import EXPORT_PRESETS, exported_config
+
+from builders.exported import EXPORT_PRESETS, build_decoder, exported_config
+from builders.style import ExportStyle
 
 SMALL = {
     "num_layers": 1,

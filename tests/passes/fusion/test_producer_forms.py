@@ -7,11 +7,12 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
-from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache import GqaFusionPass, optimize_model
 from onnx_kvcache.passes.fusion._base import bypass_input_copies
 from onnx_kvcache.passes.fusion._match import _strip_repeat, mask_condition
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
+
+from builders.exported import build_decoder, exported_config
 
 
 def _const(name: str, array: np.ndarray) -> ir.Value:

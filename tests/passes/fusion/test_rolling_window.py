@@ -21,10 +21,11 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import build_decoder, calibrate_kv_cache, convert_model, optimize_model
+from onnx_kvcache import calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 GEMMA2 = {
     "attention": "eager",

@@ -11,10 +11,11 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import GqaFusionPass, build_decoder, optimize_model
+from onnx_kvcache import GqaFusionPass, optimize_model
 from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning
-from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 
 def exported(arch: str = "llama", **style) -> ir.Model:

@@ -17,12 +17,13 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder, calibrate_kv_cache
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache
 from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
 from onnx_kvcache.calibrate._attention_error import attention_output
-from onnx_kvcache.models.exported import ExportStyle, exported_config
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 SINKS = np.linspace(-1.0, 1.5, 4, dtype=np.float32)  # what the builder writes for 4 heads
 CASES = {

@@ -8,8 +8,6 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.models.decoder import build_decoder
-from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.passes.fusion._match import MaskFacts, mask_condition, mask_facts
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
@@ -19,6 +17,8 @@ from onnx_kvcache.passes.fusion._symbolic import (
     parse_dim,
     reshape_dims,
 )
+
+from builders.exported import build_decoder, exported_config
 
 FIXTURE = pathlib.Path(__file__).parents[2] / "data" / "export_llama_opset23.onnx"
 PAST, SEQ = Affine.of(Symbol.dim("past")), Affine.of(Symbol.dim("seq"))

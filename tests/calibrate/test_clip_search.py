@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheRunner, build_decoder, calibrate_kv_cache
+from onnx_kvcache import KvCacheError, KvCacheRunner, calibrate_kv_cache
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.calibrate._attention_error import scale_grid
 from onnx_kvcache.calibrate._clip_search import LayerSample, _error, _Node, _stored_k, collect, refine
 from onnx_kvcache.calibrate.calibration import DEFAULT_METHODS, _rope_tables
+from onnx_kvcache.models.decoder import build_decoder
 
 LENGTH = 96
 

@@ -11,9 +11,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import DecoderConfig, build_decoder
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.exported import EXPORT_PRESETS, ExportStyle, exported_config
+from onnx_kvcache.models.decoder import DecoderConfig
+from onnx_kvcache.models.decoder import build_decoder as library_build_decoder
+
+from builders.exported import EXPORT_PRESETS, ExportedConfig, ExportStyle, build_decoder, exported_config
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "export_llama_opset23.onnx"
 
@@ -72,8 +74,10 @@ def test_bfloat16_builds_structurally():
     assert {v.dtype for v in model.graph.inputs[3:]} == {ir.DataType.BFLOAT16}
 
 
-def test_exported_mode_is_a_config_field():
-    assert DecoderConfig().exported is None
+def test_exported_mode_is_a_config_field_of_the_tests_builders_only():
+    """The library's DecoderConfig knows no exporter: the imitations are test scaffolding."""
+    assert not hasattr(DecoderConfig(), "exported") and ExportedConfig().exported == ExportStyle()
+    assert not [n for n in library_build_decoder(num_layers=1).graph if n.op_type == "Attention"]
     model = build_decoder(num_layers=1, exported=ExportStyle(kv_repeat="grouped"))
     attention = next(n for n in model.graph if n.op_type == "Attention")
     assert attention.inputs[1].name == "present.0.key"  # K/V go in with their own heads

@@ -1,6 +1,6 @@
 """Decoders written the way ``torch.onnx.export(..., dynamo=True)`` writes them.
 
-The demo decoder's "exported" mode (``build_decoder(exported_config("llama"))``): no
+The bundled decoder as an exporter writes it (``build_decoder(exported_config("llama"))``): no
 GroupQueryAttention, but what torch 2.14 with transformers 5.x emits at opset 23 for a
 model with a ``DynamicCache`` (see ``tests/data/export_llama_opset23.onnx``): inputs
 ``input_ids``, ``attention_mask``, ``position_ids`` and ``past_key_values.{i}.key|value``
@@ -19,7 +19,14 @@ nothing here needs torch.
 
 from __future__ import annotations
 
-__all__ = ["EXPORT_PRESETS", "ExportStyle", "build_exported_decoder", "exported_config"]
+__all__ = [
+    "EXPORT_PRESETS",
+    "ExportStyle",
+    "ExportedConfig",
+    "build_decoder",
+    "build_exported_decoder",
+    "exported_config",
+]
 
 
 import dataclasses
@@ -28,14 +35,11 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError, Param
-from onnx_kvcache.models._torchscript import build_torchscript_decoder
-from onnx_kvcache.models.config import (
-    DecoderConfig,
-    ExportStyle,
-    GraphWriter,
-    WeightFactory,
-    refuse_unwritten,
-)
+from onnx_kvcache.models import decoder
+from onnx_kvcache.models.config import DecoderConfig, WeightFactory
+
+from builders.style import ExportedConfig, ExportStyle, GraphWriter, refuse_unwritten
+from builders.torchscript import build_torchscript_decoder
 
 EXPORT_PRESETS: dict[str, tuple[dict, ExportStyle]] = {
     "llama": ({}, ExportStyle()),
@@ -69,8 +73,8 @@ TorchScript form of optimum / onnx-community exports (``-q4``, ``-quantized``: t
 weight-quantized files; ``dtype="float16"`` gives ``model_fp16.onnx``)."""
 
 
-def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
-    """A :class:`DecoderConfig` in an architecture's exported shape (see EXPORT_PRESETS).
+def exported_config(arch: str = "llama", **overrides) -> ExportedConfig:
+    """An :class:`ExportedConfig` in an architecture's exported shape (see EXPORT_PRESETS).
 
     ``overrides`` replace config fields; ``exported=ExportStyle(...)`` replaces the style.
     """
@@ -78,7 +82,21 @@ def exported_config(arch: str = "llama", **overrides) -> DecoderConfig:
         raise KvCacheError(f"Unknown architecture {arch!r}; choose from {sorted(EXPORT_PRESETS)}.")
     fields, style = EXPORT_PRESETS[arch]
     settings = {"num_layers": 4, "outlier_channels": 0} | fields | {"exported": style} | overrides
-    return DecoderConfig(**settings)
+    return ExportedConfig(**settings)
+
+
+def build_decoder(
+    config: DecoderConfig | None = None, *, weight_factory: WeightFactory | None = None, **overrides
+) -> ir.Model:
+    """The library's :func:`~onnx_kvcache.models.decoder.build_decoder`, and the exported forms:
+    a config with a style (``exported_config(...)``, or ``exported=ExportStyle(...)`` among the
+    overrides) is written as its exporter writes it."""
+    config = config or DecoderConfig()
+    style = overrides.pop("exported", getattr(config, "exported", None))
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig)} | overrides
+    if style is None:
+        return decoder.build_decoder(DecoderConfig(**fields), weight_factory=weight_factory)
+    return build_exported_decoder(ExportedConfig(**fields, exported=style), weight_factory=weight_factory)
 
 
 class _Writer(GraphWriter):
@@ -129,7 +147,9 @@ SP = "sliding_past"
 """A cropped sliding-window cache's length (transformers keeps at most ``window - 1``)."""
 
 
-def build_exported_decoder(config: DecoderConfig, *, weight_factory: WeightFactory | None = None) -> ir.Model:
+def build_exported_decoder(
+    config: ExportedConfig, *, weight_factory: WeightFactory | None = None
+) -> ir.Model:
     """The decoder of ``config`` in the exporter's shape (``config.exported`` set)."""
     style = config.exported or ExportStyle()
     if style.exporter == "torchscript":

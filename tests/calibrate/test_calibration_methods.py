@@ -12,19 +12,15 @@ import pytest
 from calibration_cases import HEAD, KV, LAYERS, data, model  # noqa: F401  (fixtures)
 
 import onnx_kvcache.calibrate.calibration as calibration_module
-from onnx_kvcache import (
-    KvCacheQuantizationPass,
-    build_decoder,
-    calibrate_kv_cache,
-    load_kv_cache_scale_file,
-)
+from onnx_kvcache import KvCacheQuantizationPass, calibrate_kv_cache, load_kv_cache_scale_file
 from onnx_kvcache.cache.formats import SCALE_GRANULARITIES, get_format
 from onnx_kvcache.calibrate.calibration import METHODS, rope_pair_norm
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import save_genai_folder
-from onnx_kvcache.models.exported import exported_config
 from onnx_kvcache.runtime.evaluation import kl_divergence
+
+from builders.exported import build_decoder, exported_config
 
 SMALL = {"num_layers": LAYERS, "vocab_size": 300}
 PRUNED_DECODERS = {

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, build_decoder, calibrate_kv_cache
+from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.calibrate._attention_error import attention_error, attention_output
 from onnx_kvcache.calibrate._attention_error import rope as _rope
 from onnx_kvcache.calibrate.calibration import _rope_tables
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import build_decoder
 
 KV, HEAD, LENGTH = 2, 32, 48
 

@@ -9,20 +9,14 @@ import onnx_ir as ir
 import pytest
 from calibration_cases import HEAD, KV, LAYERS, data, model, presents  # noqa: F401  (fixtures)
 
-from onnx_kvcache import (
-    DecoderConfig,
-    KvCacheError,
-    KvCacheQuantizationPass,
-    build_decoder,
-    calibrate_kv_cache,
-    load_kv_cache_scale_file,
-)
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, calibrate_kv_cache, load_kv_cache_scale_file
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.calibrate.calibration import _Reservoir, _thresholds, rope_pair_norm
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.decoder import save_genai_folder
-from onnx_kvcache.models.exported import exported_config
+from onnx_kvcache.models.decoder import DecoderConfig, save_genai_folder
 from onnx_kvcache.runtime.evaluation import evaluate_kv_cache
+
+from builders.exported import build_decoder, exported_config
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])

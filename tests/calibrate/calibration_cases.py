@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_kvcache import (
-    build_decoder,
-)
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.models.decoder import build_decoder
 
 LAYERS, KV, HEAD = 2, 2, 32
 

@@ -38,13 +38,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.models.config import (
-    DecoderConfig,
-    ExportStyle,
-    GraphWriter,
-    WeightFactory,
-    refuse_unwritten,
-)
+from onnx_kvcache.models.config import DecoderConfig, WeightFactory
+
+from builders.style import ExportStyle, GraphWriter, refuse_unwritten
 
 B, S, P = "batch_size", "sequence_length", "past_sequence_length"
 T = f"{P} + {S}"

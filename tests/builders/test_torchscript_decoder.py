@@ -20,11 +20,12 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import GqaFusionPass, KvCacheWarning, build_decoder, optimize_model
+from onnx_kvcache import GqaFusionPass, KvCacheWarning, optimize_model
 from onnx_kvcache.cli.commands import main
 from onnx_kvcache.errors import FusionSkippedWarning
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.models.exported import EXPORT_PRESETS, exported_config
+
+from builders.exported import EXPORT_PRESETS, build_decoder, exported_config
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "optimum_llama" / "model.onnx"
 FAMILIES = ["optimum-llama", "optimum-qwen2", "optimum-mistral", "optimum-phi3", "optimum-gemma2"]
@@ -251,7 +252,8 @@ def test_presets_list_the_torchscript_forms():
 
 def test_what_a_form_does_not_write_is_refused():
     from onnx_kvcache import KvCacheError
-    from onnx_kvcache.models.exported import ExportStyle
+
+    from builders.exported import ExportStyle
 
     with pytest.raises(KvCacheError, match="TorchScript form: set exporter='torchscript'"):
         build_decoder(exported_config("llama", exported=ExportStyle(fused_qkv=True)))
