@@ -113,10 +113,11 @@ import _signal, atexit, json, os, sys
 signum = int(sys.argv[1])
 sys.argv = ["/usr/local/bin/onnx-kvcache", "--version"]  # as pip's script runs
 looked_up = []  # (module, whether the entry point's record was in place)
+started_with = _signal.getsignal(_signal.SIGINT)  # SIG_IGN in a shell's background job
 
 class Hook:  # every module the import system looks for from the script's import line on
     def find_spec(self, name, path=None, target=None):
-        recording = _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler
+        recording = _signal.getsignal(_signal.SIGINT) is not started_with
         looked_up.append((name, recording))
         if recording and signum and sum(r for _, r in looked_up) == 1:  # the first moment covered
             os.kill(os.getpid(), signum)
