@@ -19,19 +19,25 @@ from onnx_kvcache.runtime.evaluation import evaluate_kv_cache
 from builders.exported import build_decoder, exported_config
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
-@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
-def test_minmax_is_amax_over_qmax(model, data, fmt, granularity):
-    scales = calibrate_kv_cache(
+def _plain_minmax(model, data, fmt, granularity):
+    """minmax scales of the values the cache holds as the model computes them (int4 rotates
+    by default: here not; no RoPE envelope)."""
+    return calibrate_kv_cache(
         model,
         data,
         format=fmt,
         granularity=granularity,
         method="minmax",
         rope_envelope=False,
-        rotation="none",  # the values the cache holds are the model's own (int4 rotates by default)
+        rotation="none",
         progress=False,
     )
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_minmax_is_amax_over_qmax(model, data, fmt, granularity):
+    scales = _plain_minmax(model, data, fmt, granularity)
     qmax = get_format(fmt).qmax
     for (layer, kind), arrays in presents(model, data).items():
         amax = np.max([np.abs(a).max(axis=1).reshape(-1) for a in arrays], axis=0)  # per channel, h-major
@@ -295,16 +301,7 @@ def test_integer_minmax_clips_exactly_the_values_the_kernel_stores_a_step_short(
     small clip fraction, not zero where a scale's largest value is positive.
     """
     f = get_format(fmt)
-    scales = calibrate_kv_cache(
-        model,
-        data,
-        format=fmt,
-        granularity=granularity,
-        method="minmax",
-        rope_envelope=False,
-        rotation="none",  # the values the cache holds are the model's own (int4 rotates by default)
-        progress=False,
-    )
+    scales = _plain_minmax(model, data, fmt, granularity)
     seen = presents(model, data)
     clipped_somewhere = False
     for s in scales.stats:
