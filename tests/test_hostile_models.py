@@ -19,13 +19,13 @@ import pytest
 from onnx_kvcache import (
     KvCacheQuantizationPass,
     KvCacheRunner,
-    MalformedModelError,
     build_decoder,
     convert_model,
     inspect_kv_cache,
     optimize_model,
 )
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import MalformedModelError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import save_genai_folder
 

@@ -47,14 +47,29 @@ def test_the_types_a_public_function_returns_are_exported(name):
     assert {cls.__name__ for cls in returned} <= exported, f"{name} returns {returned}"
 
 
-def test_every_error_and_warning_the_library_raises_is_exported():
+def test_every_error_and_warning_the_library_raises_is_in_onnx_kvcache_errors():
+    """The root holds the base types; every kind of error and warning is in ``onnx_kvcache.errors``."""
     raised = [
         obj
         for obj in vars(errors).values()
         if inspect.isclass(obj) and issubclass(obj, Warning | Exception) and obj.__module__ == errors.__name__
     ]
-    assert len(raised) >= 4
-    assert all(cls.__name__ in onnx_kvcache.__all__ for cls in raised)
+    assert len(raised) >= 15
+    assert {cls.__name__ for cls in raised} <= set(errors.__all__)
+    assert all(getattr(onnx_kvcache.errors, cls.__name__) is cls for cls in raised)
+    assert errors.KvCachePreconditionError.__name__ in errors.__all__  # made on first use
+    at_root = {n for n in onnx_kvcache.__all__ if inspect.isclass(getattr(onnx_kvcache, n))}
+    at_root = {n for n in at_root if issubclass(getattr(onnx_kvcache, n), Warning | Exception)}
+    assert at_root == {"KvCacheError", "KvCacheWarning", "MissingRuntimeError"}
+    assert all(issubclass(cls, onnx_kvcache.KvCacheWarning) for cls in raised if issubclass(cls, Warning))
+
+
+def test_the_top_level_api_is_one_a_user_can_hold_in_mind():
+    """At most 45 names; one emulation entry point (``emulate_kv_cache``, every format)."""
+    assert len(onnx_kvcache.__all__) <= 45
+    assert "emulate_kv_cache" in onnx_kvcache.__all__
+    assert not [n for n in onnx_kvcache.__all__ if n.startswith("emulate_") and n != "emulate_kv_cache"]
+    assert not hasattr(passes.kv_cache_emulation, "emulate_fp8_kv_cache")
 
 
 #: Modules that define no exported name and that README.md and docs/ never import, yet keep a
@@ -126,7 +141,9 @@ READERS = {
     "check_kv_cache_support": lambda m: onnx_kvcache.check_kv_cache_support(m, "cuda", "fp8").supported,
     "fast_path_diagnostics": lambda m: len(onnx_kvcache.fast_path_diagnostics(m)),
     "emulate_kv_cache": lambda m: onnx_kvcache.emulate_kv_cache(m).graph.num_nodes() > 0,
-    "emulate_fp8_kv_cache": lambda m: onnx_kvcache.emulate_fp8_kv_cache(m).graph.num_nodes() > 0,
+    "emulate_kv_cache(quantized_io=True)": lambda m: (
+        onnx_kvcache.emulate_kv_cache(m, quantized_io=True).graph.num_nodes() > 0
+    ),
 }
 
 

@@ -13,7 +13,6 @@ import pytest
 from onnx_kvcache import (
     Float16AttentionPass,
     GqaFusionPass,
-    KvCachePreconditionError,
     KvCacheQuantizationPass,
     KvCacheRunner,
     build_decoder,
@@ -21,6 +20,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import find_gqa_sites
+from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime
 
 from conftest import FORMATS, GRANULARITIES, gqa_model

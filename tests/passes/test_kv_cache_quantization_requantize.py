@@ -31,7 +31,6 @@ from onnx_kvcache import (
     KvCacheRunner,
     KvCacheScales,
     KvCacheWarning,
-    NotConvertedWarning,
     build_decoder,
     convert_model,
     optimize_model,
@@ -41,7 +40,12 @@ from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.operators import op_of
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.errors import RuntimeSupportWarning, ScalesAdjustedWarning, UnitScalesWarning
+from onnx_kvcache.errors import (
+    NotConvertedWarning,
+    RuntimeSupportWarning,
+    ScalesAdjustedWarning,
+    UnitScalesWarning,
+)
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import save_genai_folder

@@ -16,15 +16,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import (
-    KvCacheError,
-    KvCachePreconditionError,
-    KvCacheQuantizationPass,
-    KvCacheWarning,
-    NotConvertedWarning,
-    convert_model,
-    optimize_model,
-)
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning, convert_model, optimize_model
+from onnx_kvcache.errors import KvCachePreconditionError, NotConvertedWarning
 from onnx_kvcache.passes import KvCacheEmulationPass, PagedAttentionReferencePass
 
 from conftest import gqa_model, paged_model

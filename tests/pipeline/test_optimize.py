@@ -11,17 +11,9 @@ import onnx_ir as ir
 import pytest
 
 from exported_attention import exported_decoder
-from onnx_kvcache import (
-    Float16AttentionWarning,
-    Fp8KvCachePass,
-    GqaFusionPass,
-    KvCacheError,
-    KvCacheWarning,
-    NotConvertedWarning,
-    optimize_model,
-)
+from onnx_kvcache import Fp8KvCachePass, GqaFusionPass, KvCacheError, KvCacheWarning, optimize_model
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import ScalesAdjustedWarning
+from onnx_kvcache.errors import Float16AttentionWarning, NotConvertedWarning, ScalesAdjustedWarning
 
 from conftest import gqa_model
 
@@ -214,7 +206,8 @@ def test_pass_manager_fuses_an_export_then_quantizes():
 
 
 def test_a_refusal_is_a_not_converted_warning():
-    from onnx_kvcache import NotConvertedWarning, build_decoder, optimize_model
+    from onnx_kvcache import build_decoder, optimize_model
+    from onnx_kvcache.errors import NotConvertedWarning
 
     model = build_decoder(num_layers=1, dtype="float16")
     with pytest.warns(NotConvertedWarning, match="KV cache not converted to fp8 per_tensor for cpu"):
