@@ -199,7 +199,7 @@ def test_a_malformed_model_is_a_malformed_model_error_in_python(models, mutant):
     for call in (
         inspect_kv_cache,
         KvCacheRunner,
-        lambda m: optimize_model(m, kv_cache_format="int8", kv_cache_scales=SCALES),
+        lambda m: optimize_model(m, format="int8", scales=SCALES),
     ):
         with pytest.raises(MalformedModelError, match=re.escape(MALFORMED[mutant][1])):
             call(ir.load(models[mutant]))
@@ -260,7 +260,7 @@ def test_a_model_onnxruntime_would_refuse_is_never_converted(tmp_path, mutant):
     code, stdout, err = run(["convert", src, out / "model.onnx", "--format", "fp8", "--ep", "cuda"])
     assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
     with pytest.raises(MalformedModelError, match=re.escape(said)):
-        optimize_model(ir.load(src), kv_cache_format="fp8", execution_provider="cuda")
+        optimize_model(ir.load(src), format="fp8", ep="cuda")
     for argv in (  # every command that reads it: one line before any work
         ["inspect", src],
         ["calibrate", src, "--out", out / "s.json", "--format", "int8"],

@@ -121,7 +121,7 @@ def test_every_pass_is_exported():
 def test_optimize_model_returns_the_model_it_was_given():
     model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
     scales = {0: (0.5, 0.5)}
-    assert onnx_kvcache.optimize_model(model, kv_cache_format="int8", kv_cache_scales=scales) is model
+    assert onnx_kvcache.optimize_model(model, format="int8", scales=scales) is model
     assert typing.get_type_hints(onnx_kvcache.optimize_model)["return"] is ir.Model
 
 
@@ -129,9 +129,7 @@ def test_optimize_model_returns_the_model_it_was_given():
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "model.onnx"
     model = onnx_kvcache.build_decoder(onnx_kvcache.DecoderConfig(num_layers=1, dtype="float16"))
-    onnx_kvcache.optimize_model(
-        model, fp8_kv_cache=True, execution_provider=None, kv_cache_scales={0: (0.5, 0.5)}
-    )
+    onnx_kvcache.optimize_model(model, fp8_kv_cache=True, ep=None, scales={0: (0.5, 0.5)})
     ir.save(model, path)
     return path
 

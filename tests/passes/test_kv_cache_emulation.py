@@ -474,9 +474,9 @@ def test_an_opset_18_export_with_an_fp8_cache_runs_emulated(opset, runs):
         warnings.simplefilter("ignore", KvCacheWarning)
         optimize_model(
             model,
-            execution_provider=None,
+            ep=None,
             fp8_kv_cache=True,
-            kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+            scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
         )
     assert model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
     if not runs:
