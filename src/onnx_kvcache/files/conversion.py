@@ -61,8 +61,7 @@ from onnx_kvcache.files._conversion_plan import _Plan, _plan
 from onnx_kvcache.files._conversion_terms import ASKED_WEIGHTS, ConvertResult, Placement, Weights, WeightsMode
 from onnx_kvcache.files._conversion_write import _serialize, _write_file, _write_folder, _write_in_place
 from onnx_kvcache.files._export_folder import written_genai_config
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io import _marker as previous
+from onnx_kvcache.model_io import MARKER_KEY, calibrated_by, check_writable_folder, marker
 from onnx_kvcache.model_io.genai_folder import (
     GENAI_CONFIG,
     resolve_model_path,
@@ -215,11 +214,9 @@ def _arguments(
 def _check_writable(source: ModelSource, plan: _Plan) -> None:
     """The folders the output is written in take new files (checked before any work)."""
     in_place = plan.placement is Placement.IN_PLACE
-    file_io.check_writable_folder(
-        source.graph.parent if in_place else plan.out if plan.fill else plan.out.parent
-    )
+    check_writable_folder(source.graph.parent if in_place else plan.out if plan.fill else plan.out.parent)
     if in_place and source.config_path is not None:
-        file_io.check_writable_folder(source.config_path.parent)
+        check_writable_folder(source.config_path.parent)
 
 
 def _request(
@@ -352,10 +349,10 @@ def _finish(
     if new_config is not None and source.config is None:
         entries.append(GENAI_CONFIG)  # an export folder's new config
     scales = decision.scales
-    own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
+    own = calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
     result.method = method
-    model.metadata_props[previous.MARKER_KEY] = previous.marker(
+    model.metadata_props[MARKER_KEY] = marker(
         result.format,
         result.granularity,
         plan.placement,
