@@ -278,7 +278,7 @@ def test_a_str_of_providers_is_one_provider(models):
 
 
 def test_the_new_errors_are_exported():
-    assert {"KvCacheFileNotFoundError", "KvCacheTypeError"} <= set(onnx_kvcache.__all__)
+    assert {"KvCacheFileNotFoundError", "KvCacheTypeError"} <= set(onnx_kvcache.errors.__all__)
 
 
 # -- finding 13: no silent coercion ------------------------------------------------------------

@@ -18,15 +18,15 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 
 
 def __getattr__(name: str) -> object:
-    """A public name, imported from its private module on first use (PEP 562)."""
+    """A public name, read from its private module at each use (PEP 562): imported on first
+    use, never copied here, so ``monkeypatch.setattr(<private module>, name, ...)`` reaches
+    every caller that says ``folder.name``."""
     import importlib
 
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(module), name)
 
 
 if TYPE_CHECKING:

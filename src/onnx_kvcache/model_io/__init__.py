@@ -1,9 +1,10 @@
 """Models and files in and out, below everything: reading a model, onnxruntime-genai folders, the
 converted marker, safe input reads and guarded output writes, and importing onnxruntime.
 
-The names other folders use are this package's public names, imported from their private
-modules on first use (PEP 562: importing one module of the folder imports nothing else of it,
-so the command starts before onnxruntime, onnx-ir and numpy are imported)."""
+The names other folders use are this package's public names, read from their private modules
+(PEP 562: importing one module of the folder imports nothing else of it, so the command starts
+before onnxruntime, onnx-ir and numpy are imported). The file writers use them as
+``model_io.copy_data(...)``: a test that patches ``_atomic.copy_data`` reaches them."""
 
 from __future__ import annotations
 
@@ -134,15 +135,15 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 
 
 def __getattr__(name: str) -> object:
-    """A public name, imported from its private module on first use (PEP 562)."""
+    """A public name, read from its private module at each use (PEP 562): imported on first
+    use, never copied here, so ``monkeypatch.setattr(<private module>, name, ...)`` reaches
+    every caller that says ``folder.name``."""
     import importlib
 
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(module), name)
 
 
 if TYPE_CHECKING:
