@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 import onnx_kvcache.calibrate.calibration as calibration
-from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, get_format
+from onnx_kvcache import KvCacheRunner, calibrate_kv_cache
+from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.models.decoder import DecoderConfig, build_decoder, save_genai_folder
 from onnx_kvcache.scales.data import builtin_corpus, corpus_byte_ids
 

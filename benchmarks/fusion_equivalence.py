@@ -136,7 +136,7 @@ def cached_attention(paths: list[str]) -> None:
             model = ir.load(ROOT / path)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                optimize_model(model, execution_provider=target, kv_cache_format=fmt, kv_cache_scales=scales)
+                optimize_model(model, ep=target, format=fmt, scales=scales)
             want, got = KvCacheRunner(fused), KvCacheRunner(model, semantics="cuda" if fmt == "fp8" else None)
             diff, rel = decode_difference(want, got, ids)
             print(f"| {path} | {fmt} ({got.kernel_rule}) vs float | {diff:.2e} | {rel:.1%} of max |")
@@ -178,10 +178,10 @@ def main() -> None:
             )
             model = optimize_model(
                 ir.load(FIXTURE),
-                execution_provider="cpu",
-                kv_cache_format=fmt,
-                kv_cache_granularity=granularity,
-                kv_cache_scales=scales,
+                ep="cpu",
+                format=fmt,
+                granularity=granularity,
+                scales=scales,
             )
             want, got = KvCacheRunner(float_gqa), KvCacheRunner(model)
             diff, rel = decode_difference(want, got, ids)

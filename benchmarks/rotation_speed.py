@@ -60,7 +60,7 @@ def converted(source: ir.Model, rotation: str) -> ir.Model:
     scales = KvCacheScales(k, k, format="int4", granularity="per_channel", metadata={"rotation": rotation})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return optimize_model(model, execution_provider="cpu", kv_cache_scales=scales, strict=True)
+        return optimize_model(model, ep="cpu", scales=scales, strict=True)
 
 
 class Decoder:

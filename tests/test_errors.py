@@ -1,4 +1,4 @@
-"""errors.py's messages: parameters and functions as parts, said in each audience's words."""
+"""errors.py's messages: parameters and functions as parts, said in Python's words or the command's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import onnx_kvcache
 from onnx_kvcache.cli.commands import _wording
 from onnx_kvcache.errors import (
-    OPTIMIZE_MODEL,
     PYTHON,
     Function,
     KvCacheError,
@@ -22,7 +21,6 @@ from onnx_kvcache.errors import (
     Param,
     Wording,
     render,
-    speaking,
     warn,
 )
 
@@ -42,7 +40,6 @@ PARTS = (
     ("wording", "said"),
     [
         (PYTHON, "Pass scales=PATH or in_place=True (calibrate_kv_cache())."),
-        (OPTIMIZE_MODEL, "Pass kv_cache_scales=PATH or in_place=True (calibrate_kv_cache())."),
         (None, "Pass --scales PATH or --in-place (onnx-kvcache calibrate)."),  # the command's
     ],
 )
@@ -81,23 +78,28 @@ def test_a_function_is_the_command_that_does_the_same():
     assert all(hasattr(onnx_kvcache, name) for name in commands)
 
 
-def test_the_optimize_vocabulary_maps_its_names_onto_the_canonical_ones():
+def test_one_vocabulary_across_the_python_api():
+    """optimize_model, convert_model and calibrate_kv_cache name a parameter alike; the command's
+    options are those names (``format``: ``--format``)."""
     import inspect
 
-    params = inspect.signature(onnx_kvcache.optimize_model).parameters
-    convert = inspect.signature(onnx_kvcache.convert_model).parameters
-    for canonical, name in OPTIMIZE_MODEL.names.items():
-        assert canonical in convert and name in params, (canonical, name)
-    with speaking(OPTIMIZE_MODEL):
-        made = Message("give ", Param("format", "int8"))
-        error = KvCacheError("give ", Param("granularity"))
-    assert made == "give kv_cache_format='int8'" and str(error) == "give kv_cache_granularity"
-    assert made.render(PYTHON) == "give format='int8'"  # the parts stay canonical
-    assert str(Message("give ", Param("format", "int8"))) == "give format='int8'"  # outside: Python's
+    signatures = {
+        f: inspect.signature(getattr(onnx_kvcache, f)).parameters
+        for f in ("optimize_model", "convert_model", "calibrate_kv_cache")
+    }
+    for name in ("format", "granularity"):
+        assert all(name in params for params in signatures.values()), name
+    for name in ("scales", "ep"):
+        assert name in signatures["optimize_model"] and name in signatures["convert_model"], name
+    words = ("kv_cache_format", "kv_cache_granularity", "kv_cache_scales", "execution_provider")
+    assert not {n for params in signatures.values() for n in params} & set(words)
+    assert "fp8_kv_cache" in signatures["optimize_model"]  # the card's shorthand for format="fp8"
+    for name in ("format", "granularity", "scales", "ep"):
+        assert _wording().param(Param(name)) == f"--{name}"
 
 
-def test_optimize_model_says_its_own_parameter_names(tmp_path):
-    """The pass's error names ``scales``; through optimize_model, ``kv_cache_scales``."""
+def test_optimize_model_and_convert_model_say_the_same_words(tmp_path):
+    """Both refuse int8 without scales in one vocabulary: ``scales=PATH``."""
     import onnx_ir as ir
 
     from onnx_kvcache.models.decoder import build_decoder
@@ -105,8 +107,8 @@ def test_optimize_model_says_its_own_parameter_names(tmp_path):
     model_file = tmp_path / "model.onnx"
     ir.save(build_decoder(num_layers=2), model_file)
     with pytest.raises(KvCacheError) as info:
-        onnx_kvcache.optimize_model(model_file, kv_cache_format="int8", execution_provider=None)
-    assert "kv_cache_scales=PATH" in str(info.value) and " scales=" not in str(info.value)
+        onnx_kvcache.optimize_model(model_file, format="int8", ep=None)
+    assert " scales=PATH" in str(info.value) and "kv_cache_" not in str(info.value)
     with pytest.raises(KvCacheError) as info:
         onnx_kvcache.convert_model(model_file, tmp_path / "o.onnx", format="int8")
     assert " scales=PATH" in str(info.value) and "kv_cache_" not in str(info.value)
@@ -144,7 +146,7 @@ def test_a_warning_carries_the_parts():
         assert render(w.message, _wording()) == "use --overwrite"
 
 
-def test_a_wording_without_names_is_python():
+def test_the_base_wording_is_python():
     assert Wording().param(Param("ep", "cuda")) == "ep='cuda'" == PYTHON.param(Param("ep", "cuda"))
 
 
@@ -259,12 +261,10 @@ def test_no_warning_filter_names_message_text():
     assert not found
 
 
-def test_a_pickled_message_keeps_the_wording_it_was_said_in():
-    """An error raised inside optimize_model says kv_cache_scales; across processes too."""
-    from onnx_kvcache.errors import OPTIMIZE_MODEL, speaking
-
-    with speaking(OPTIMIZE_MODEL):
-        error = KvCacheError(Param("scales"), " were given without ", Param("format"), ".")
+def test_a_pickled_message_keeps_its_text_and_parts():
+    """An error raised in one process says the same, and renders the same, in another."""
+    error = KvCacheError(Param("scales"), " were given without ", Param("format"), ".")
     again = pickle.loads(pickle.dumps(error))
-    assert str(again) == str(error) == "kv_cache_scales were given without kv_cache_format."
+    assert str(again) == str(error) == "scales were given without format."
     assert again.args[0].parts == error.args[0].parts
+    assert render(again, _wording()) == "--scales were given without --format."

@@ -25,11 +25,9 @@ import pytest
 import onnx_kvcache
 from onnx_kvcache import (
     KvCacheError,
-    KvCacheFileNotFoundError,
     KvCacheQuantizationPass,
     KvCacheRunner,
     KvCacheScales,
-    KvCacheTypeError,
     calibrate_kv_cache,
     convert_model,
     evaluate_kv_cache,
@@ -37,6 +35,7 @@ from onnx_kvcache import (
 )
 from onnx_kvcache.cli import commands as cli
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import KvCacheFileNotFoundError, KvCacheTypeError
 from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
@@ -279,7 +278,7 @@ def test_a_str_of_providers_is_one_provider(models):
 
 
 def test_the_new_errors_are_exported():
-    assert {"KvCacheFileNotFoundError", "KvCacheTypeError"} <= set(onnx_kvcache.__all__)
+    assert {"KvCacheFileNotFoundError", "KvCacheTypeError"} <= set(onnx_kvcache.errors.__all__)
 
 
 # -- finding 13: no silent coercion ------------------------------------------------------------

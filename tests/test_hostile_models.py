@@ -19,12 +19,12 @@ import pytest
 from onnx_kvcache import (
     KvCacheQuantizationPass,
     KvCacheRunner,
-    MalformedModelError,
     convert_model,
     inspect_kv_cache,
     optimize_model,
 )
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import MalformedModelError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
 
@@ -198,7 +198,7 @@ def test_a_malformed_model_is_a_malformed_model_error_in_python(models, mutant):
     for call in (
         inspect_kv_cache,
         KvCacheRunner,
-        lambda m: optimize_model(m, kv_cache_format="int8", kv_cache_scales=SCALES),
+        lambda m: optimize_model(m, format="int8", scales=SCALES),
     ):
         with pytest.raises(MalformedModelError, match=re.escape(MALFORMED[mutant][1])):
             call(ir.load(models[mutant]))
@@ -259,7 +259,7 @@ def test_a_model_onnxruntime_would_refuse_is_never_converted(tmp_path, mutant):
     code, stdout, err = run(["convert", src, out / "model.onnx", "--format", "fp8", "--ep", "cuda"])
     assert code == 2 and said in one_line(err) and stdout == "" and not out.exists()
     with pytest.raises(MalformedModelError, match=re.escape(said)):
-        optimize_model(ir.load(src), kv_cache_format="fp8", execution_provider="cuda")
+        optimize_model(ir.load(src), format="fp8", ep="cuda")
     for argv in (  # every command that reads it: one line before any work
         ["inspect", src],
         ["calibrate", src, "--out", out / "s.json", "--format", "int8"],

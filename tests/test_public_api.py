@@ -47,14 +47,29 @@ def test_the_types_a_public_function_returns_are_exported(name):
     assert {cls.__name__ for cls in returned} <= exported, f"{name} returns {returned}"
 
 
-def test_every_error_and_warning_the_library_raises_is_exported():
+def test_every_error_and_warning_the_library_raises_is_in_onnx_kvcache_errors():
+    """The root holds the base types; every kind of error and warning is in ``onnx_kvcache.errors``."""
     raised = [
         obj
         for obj in vars(errors).values()
         if inspect.isclass(obj) and issubclass(obj, Warning | Exception) and obj.__module__ == errors.__name__
     ]
-    assert len(raised) >= 4
-    assert all(cls.__name__ in onnx_kvcache.__all__ for cls in raised)
+    assert len(raised) >= 15
+    assert {cls.__name__ for cls in raised} <= set(errors.__all__)
+    assert all(getattr(onnx_kvcache.errors, cls.__name__) is cls for cls in raised)
+    assert errors.KvCachePreconditionError.__name__ in errors.__all__  # made on first use
+    at_root = {n for n in onnx_kvcache.__all__ if inspect.isclass(getattr(onnx_kvcache, n))}
+    at_root = {n for n in at_root if issubclass(getattr(onnx_kvcache, n), Warning | Exception)}
+    assert at_root == {"KvCacheError", "KvCacheWarning", "MissingRuntimeError"}
+    assert all(issubclass(cls, onnx_kvcache.KvCacheWarning) for cls in raised if issubclass(cls, Warning))
+
+
+def test_the_top_level_api_is_one_a_user_can_hold_in_mind():
+    """At most 45 names; one emulation entry point (``emulate_kv_cache``, every format)."""
+    assert len(onnx_kvcache.__all__) <= 45
+    assert "emulate_kv_cache" in onnx_kvcache.__all__
+    assert not [n for n in onnx_kvcache.__all__ if n.startswith("emulate_") and n != "emulate_kv_cache"]
+    assert not hasattr(passes.kv_cache_emulation, "emulate_fp8_kv_cache")
 
 
 #: Modules that define no exported name and that README.md and docs/ never import, yet keep a
@@ -107,7 +122,7 @@ def test_every_pass_is_exported():
 def test_optimize_model_returns_the_model_it_was_given():
     model = build_decoder(DecoderConfig(num_layers=1, dtype="float16"))
     scales = {0: (0.5, 0.5)}
-    assert onnx_kvcache.optimize_model(model, kv_cache_format="int8", kv_cache_scales=scales) is model
+    assert onnx_kvcache.optimize_model(model, format="int8", scales=scales) is model
     assert typing.get_type_hints(onnx_kvcache.optimize_model)["return"] is ir.Model
 
 
@@ -115,9 +130,7 @@ def test_optimize_model_returns_the_model_it_was_given():
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "model.onnx"
     model = build_decoder(DecoderConfig(num_layers=1, dtype="float16"))
-    onnx_kvcache.optimize_model(
-        model, fp8_kv_cache=True, execution_provider=None, kv_cache_scales={0: (0.5, 0.5)}
-    )
+    onnx_kvcache.optimize_model(model, fp8_kv_cache=True, ep=None, scales={0: (0.5, 0.5)})
     ir.save(model, path)
     return path
 
@@ -127,7 +140,9 @@ READERS = {
     "check_kv_cache_support": lambda m: onnx_kvcache.check_kv_cache_support(m, "cuda", "fp8").supported,
     "fast_path_diagnostics": lambda m: len(onnx_kvcache.fast_path_diagnostics(m)),
     "emulate_kv_cache": lambda m: onnx_kvcache.emulate_kv_cache(m).graph.num_nodes() > 0,
-    "emulate_fp8_kv_cache": lambda m: onnx_kvcache.emulate_fp8_kv_cache(m).graph.num_nodes() > 0,
+    "emulate_kv_cache(quantized_io=True)": lambda m: (
+        onnx_kvcache.emulate_kv_cache(m, quantized_io=True).graph.num_nodes() > 0
+    ),
 }
 
 

@@ -37,11 +37,12 @@ EXPORT = ROOT / "tests" / "data" / "export_llama_opset23.onnx"
 NAMES = {c.__name__ for c in E.WARNINGS}
 
 
-def test_each_kind_is_a_kv_cache_warning_exported_and_documented():
+def test_each_kind_is_a_kv_cache_warning_in_errors_and_documented():
     page = (ROOT / "docs" / "warnings.md").read_text()
     for kind in E.WARNINGS:
         assert issubclass(kind, E.KvCacheWarning) and kind is not E.KvCacheWarning
-        assert getattr(onnx_kvcache, kind.__name__) is kind and kind.__name__ in onnx_kvcache.__all__
+        assert getattr(onnx_kvcache.errors, kind.__name__) is kind and kind.__name__ in E.__all__
+        assert kind.__name__ not in onnx_kvcache.__all__  # the root holds the base type only
         assert f"| `{kind.__name__}` |" in page, kind.__name__
     assert len(NAMES) == len(E.WARNINGS)
     assert set(E.WARNINGS) == set(E.KvCacheWarning.__subclasses__())
@@ -154,7 +155,7 @@ CALIBRATION_DATA = [list(np.random.default_rng(3).integers(0, 300, n)) for n in 
 
 TRIGGERS: dict[type[E.KvCacheWarning], Callable[[pathlib.Path], object]] = {
     E.NotConvertedWarning: lambda _: optimize_model(
-        build_decoder(num_layers=1, dtype="float16"), execution_provider="cpu", fp8_kv_cache=True
+        build_decoder(num_layers=1, dtype="float16"), ep="cpu", fp8_kv_cache=True
     ),
     E.PaddingAssumptionWarning: lambda _: _padded_export(),
     E.FusionSkippedWarning: lambda _: _unprovable_export(),
@@ -174,7 +175,7 @@ TRIGGERS: dict[type[E.KvCacheWarning], Callable[[pathlib.Path], object]] = {
     E.ContextLengthWarning: _short_context_scales,
     E.MeasurementWarning: lambda _: (_quantized_baseline(), _fp8_under_cpu_rule()),
     E.RuntimeSupportWarning: lambda _: optimize_model(
-        paged_model(dtype=ir.DataType.FLOAT16), kv_cache_format="int4", kv_cache_scales={0: (0.1, 0.1)}
+        paged_model(dtype=ir.DataType.FLOAT16), format="int4", scales={0: (0.1, 0.1)}
     ),
     E.SharedWeightsWarning: _linked,
     E.GenaiConfigWarning: _genai_for_openvino,

@@ -10,19 +10,34 @@ which runs this module first) reaches the entry point's signal handling in micro
 """
 
 __all__ = [
-    # what a cache is: formats, granularities, attention operators
-    "ATTENTION_OPS",
-    "CACHE_FORMATS",
-    "SCALE_GRANULARITIES",
-    "AttentionOp",
-    "CacheFormat",
-    "GqaInput",
-    "GqaOutput",
-    "PagedInput",
-    "PagedOutput",
-    "ScaleGranularity",
-    "get_format",
-    "scale_granularity",
+    # passes, and the function that runs them
+    "AttentionFusionPass",
+    "Bfloat16ToFloatPass",
+    "CachedAttentionFusionPass",
+    "DecomposedAttentionFusionPass",
+    "Float16AttentionPass",
+    "Fp8KvCachePass",
+    "GqaFusionPass",
+    "KvCacheEmulationPass",
+    "KvCacheQuantizationPass",
+    "KvCacheRotationPass",
+    "PagedAttentionReferencePass",
+    "emulate_kv_cache",
+    "optimize_model",
+    "paged_attention_reference",
+    # the four file operations and what they return
+    "CacheLayerInfo",
+    "CacheModelInfo",
+    "CalibrationStats",
+    "ConvertResult",
+    "EvaluationReport",
+    "calibrate_kv_cache",
+    "convert_model",
+    "evaluate_kv_cache",
+    "inspect_kv_cache",
+    "load_model",
+    # running
+    "KvCacheRunner",
     # scales
     "KvCacheScales",
     "ScalesLike",
@@ -39,71 +54,15 @@ __all__ = [
     "fast_path_diagnostics",
     "get_capabilities",
     "run_doctor",
-    # passes
-    "AttentionFusionPass",
-    "Bfloat16ToFloatPass",
-    "CachedAttentionFusionPass",
-    "DecomposedAttentionFusionPass",
-    "Float16AttentionPass",
-    "Fp8KvCachePass",
-    "GqaFusionPass",
-    "KvCacheEmulationPass",
-    "KvCacheQuantizationPass",
-    "KvCacheRotationPass",
-    "PagedAttentionReferencePass",
-    "emulate_fp8_kv_cache",
-    "emulate_kv_cache",
-    "optimize_model",
-    "paged_attention_reference",
-    # files
-    "CacheLayerInfo",
-    "CacheModelInfo",
-    "ConvertResult",
-    "convert_model",
-    "inspect_kv_cache",
-    "load_model",
-    # calibration, running, evaluation
-    "CalibrationStats",
-    "EvaluationReport",
-    "KvCacheRunner",
-    "calibrate_kv_cache",
-    "evaluate_kv_cache",
-    # errors
-    "CalibrationDataWarning",
-    "ClippingWarning",
-    "ContextLengthWarning",
-    "Float16AttentionWarning",
-    "FusionSkippedWarning",
-    "GenaiConfigWarning",
+    # the base error and warning types; every kind of each is in onnx_kvcache.errors
     "KvCacheError",
-    "KvCacheFileNotFoundError",
-    "KvCachePreconditionError",
-    "KvCacheTypeError",
     "KvCacheWarning",
-    "MalformedModelError",
-    "MeasurementWarning",
     "MissingRuntimeError",
-    "NotConvertedWarning",
-    "PaddingAssumptionWarning",
-    "RuntimeSupportWarning",
-    "ScalesAdjustedWarning",
-    "SharedWeightsWarning",
-    "SkippedNodeWarning",
-    "UnfusedAttentionWarning",
-    "UnitScalesWarning",
 ]
 
 TYPE_CHECKING = False  # typing is not imported: the command's start-up stays short
 
 _EXPORTS = {  # where each name lives; imported on first use
-    "onnx_kvcache.cache.operators": (
-        "ATTENTION_OPS",
-        "AttentionOp",
-        "GqaInput",
-        "GqaOutput",
-        "PagedInput",
-        "PagedOutput",
-    ),
     "onnx_kvcache.cache.layout": (
         "CacheLayerInfo",
         "CacheModelInfo",
@@ -129,40 +88,13 @@ _EXPORTS = {  # where each name lives; imported on first use
         "run_doctor",
     ),
     "onnx_kvcache.errors": (
-        "CalibrationDataWarning",
-        "ClippingWarning",
-        "ContextLengthWarning",
-        "Float16AttentionWarning",
-        "FusionSkippedWarning",
-        "GenaiConfigWarning",
         "KvCacheError",
-        "KvCacheFileNotFoundError",
-        "KvCachePreconditionError",
-        "KvCacheTypeError",
         "KvCacheWarning",
-        "MalformedModelError",
-        "MeasurementWarning",
         "MissingRuntimeError",
-        "NotConvertedWarning",
-        "PaddingAssumptionWarning",
-        "RuntimeSupportWarning",
-        "ScalesAdjustedWarning",
-        "SharedWeightsWarning",
-        "SkippedNodeWarning",
-        "UnfusedAttentionWarning",
-        "UnitScalesWarning",
     ),
     "onnx_kvcache.runtime.evaluation": (
         "EvaluationReport",
         "evaluate_kv_cache",
-    ),
-    "onnx_kvcache.cache.formats": (
-        "CACHE_FORMATS",
-        "SCALE_GRANULARITIES",
-        "CacheFormat",
-        "ScaleGranularity",
-        "get_format",
-        "scale_granularity",
     ),
     "onnx_kvcache.files.conversion": (
         "ConvertResult",
@@ -183,10 +115,7 @@ _EXPORTS = {  # where each name lives; imported on first use
         "KvCacheRotationPass",
         "PagedAttentionReferencePass",
     ),
-    "onnx_kvcache.passes.kv_cache_emulation": (
-        "emulate_fp8_kv_cache",
-        "emulate_kv_cache",
-    ),
+    "onnx_kvcache.passes.kv_cache_emulation": ("emulate_kv_cache",),
     "onnx_kvcache.passes.paged_attention_reference": ("paged_attention_reference",),
     "onnx_kvcache.runtime.runner": ("KvCacheRunner",),
     "onnx_kvcache.scales.files": (
@@ -220,23 +149,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from onnx_kvcache._version import __version__ as __version__
-    from onnx_kvcache.cache.formats import (
-        CACHE_FORMATS,
-        SCALE_GRANULARITIES,
-        CacheFormat,
-        ScaleGranularity,
-        get_format,
-        scale_granularity,
-    )
     from onnx_kvcache.cache.layout import CacheLayerInfo, CacheModelInfo, inspect_kv_cache
-    from onnx_kvcache.cache.operators import (
-        ATTENTION_OPS,
-        AttentionOp,
-        GqaInput,
-        GqaOutput,
-        PagedInput,
-        PagedOutput,
-    )
     from onnx_kvcache.calibrate.calibration import CalibrationStats, calibrate_kv_cache
     from onnx_kvcache.capabilities.device import cuda_compute_capability
     from onnx_kvcache.capabilities.table import (
@@ -249,30 +162,7 @@ if TYPE_CHECKING:
         fast_path_diagnostics,
         get_capabilities,
     )
-    from onnx_kvcache.errors import (
-        CalibrationDataWarning,
-        ClippingWarning,
-        ContextLengthWarning,
-        Float16AttentionWarning,
-        FusionSkippedWarning,
-        GenaiConfigWarning,
-        KvCacheError,
-        KvCacheFileNotFoundError,
-        KvCachePreconditionError,
-        KvCacheTypeError,
-        KvCacheWarning,
-        MalformedModelError,
-        MeasurementWarning,
-        MissingRuntimeError,
-        NotConvertedWarning,
-        PaddingAssumptionWarning,
-        RuntimeSupportWarning,
-        ScalesAdjustedWarning,
-        SharedWeightsWarning,
-        SkippedNodeWarning,
-        UnfusedAttentionWarning,
-        UnitScalesWarning,
-    )
+    from onnx_kvcache.errors import KvCacheError, KvCacheWarning, MissingRuntimeError
     from onnx_kvcache.files.conversion import ConvertResult, convert_model
     from onnx_kvcache.model_io.reading import load_model
     from onnx_kvcache.passes import (
@@ -288,7 +178,7 @@ if TYPE_CHECKING:
         KvCacheRotationPass,
         PagedAttentionReferencePass,
     )
-    from onnx_kvcache.passes.kv_cache_emulation import emulate_fp8_kv_cache, emulate_kv_cache
+    from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
     from onnx_kvcache.passes.paged_attention_reference import paged_attention_reference
     from onnx_kvcache.pipeline.optimize import optimize_model
     from onnx_kvcache.runtime.doctor import DoctorReport, run_doctor

@@ -12,10 +12,10 @@ TypeError`` catch them as they would anywhere else:
   run on this model.
 
 A message that names a parameter or a function holds it as a part (:class:`Param`,
-:class:`Function`), not as text: a :class:`Message` is the text in the words of the Python
-API that was called (``in_place=True``; inside ``optimize_model``, whose
-:data:`OPTIMIZE_MODEL` vocabulary names ``scales`` ``kv_cache_scales``), and
-:meth:`Message.render` says it in another audience's words (the command's options).
+:class:`Function`), not as text: a :class:`Message` is the text in the Python API's words
+(``in_place=True``: every function names a parameter alike, ``format``, ``granularity``,
+``scales``, ``ep``), and :meth:`Message.render` says it in another audience's words (the
+command's options).
 
 Every warning is a :class:`KvCacheWarning`, and one subclass for each kind of thing said
 (:data:`WARNINGS`), so callers and pytest filter by class, never by text.
@@ -41,7 +41,6 @@ __all__ = [
     "Message",
     "MissingRuntimeError",
     "NotConvertedWarning",
-    "OPTIMIZE_MODEL",
     "PYTHON",
     "PaddingAssumptionWarning",
     "Param",
@@ -54,12 +53,9 @@ __all__ = [
     "Wording",
     "render",
     "require_type",
-    "speaking",
     "warn",
 ]
 
-import contextlib
-import contextvars
 import dataclasses
 import enum
 import errno
@@ -67,7 +63,7 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 TYPE_CHECKING = False  # standard library only: the command imports this before onnx-ir
@@ -111,16 +107,13 @@ class Function:
 
 @dataclasses.dataclass(frozen=True)
 class Wording:
-    """How an audience names parameters and functions. ``names``: this API's name for a
-    canonical parameter (:data:`OPTIMIZE_MODEL`); the base class speaks Python."""
-
-    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """How an audience names parameters and functions; the base class speaks Python, the
+    command's subclass its options."""
 
     def param(self, param: Param) -> str:
-        name = self.names.get(param.name, param.name)
         if param.placeholder is not None:
-            return f"{name}={param.placeholder}"
-        return name if param.bare else f"{name}={param.value!r}"
+            return f"{param.name}={param.placeholder}"
+        return param.name if param.bare else f"{param.name}={param.value!r}"
 
     def function(self, function: Function) -> str:
         return f"{function.name}({', '.join(map(self.param, function.args))})"
@@ -128,43 +121,23 @@ class Wording:
 
 #: The Python API's words: ``format=``, ``scales=``, ``granularity=``, ``ep=``.
 PYTHON = Wording()
-#: ``optimize_model``'s names for the canonical parameters.
-OPTIMIZE_MODEL = Wording(
-    {
-        "format": "kv_cache_format",
-        "scales": "kv_cache_scales",
-        "granularity": "kv_cache_granularity",
-        "ep": "execution_provider",
-    }
-)
-_SPEAKING: contextvars.ContextVar[Wording] = contextvars.ContextVar("onnx_kvcache_wording", default=PYTHON)
-
-
-@contextlib.contextmanager
-def speaking(wording: Wording) -> Iterator[None]:
-    """Messages made inside say their parameters in ``wording`` (the API that was called)."""
-    token = _SPEAKING.set(wording)
-    try:
-        yield
-    finally:
-        _SPEAKING.reset(token)
 
 
 class Message(str):
     """A message made of parts: text, :class:`Param`, :class:`Function` and other messages.
-    As a ``str`` it is the text in the words of the API being called (:func:`speaking`);
+    As a ``str`` it is the text in Python's words (:data:`PYTHON`);
     :meth:`render` says it for another audience. ``+`` and :meth:`joined` keep the parts."""
 
     parts: tuple[Any, ...]
 
     def __new__(cls, *parts: Any) -> Message:
         held = tuple(p if isinstance(p, (str, Param, Function)) else str(p) for p in parts)
-        self = super().__new__(cls, _render(held, _SPEAKING.get()))
+        self = super().__new__(cls, _render(held, PYTHON))
         self.parts = held
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as said (the wording it was made in) with its parts."""
+        """Pickled as said with its parts."""
         return (_said, (str(self), self.parts))
 
     def render(self, wording: Wording) -> str:
@@ -188,7 +161,7 @@ class Message(str):
 
 
 def _said(text: str, parts: tuple[Any, ...]) -> Message:
-    """A :class:`Message` as it was said (unpickling keeps its wording)."""
+    """A :class:`Message` as it was said (unpickling keeps its text)."""
     message = str.__new__(Message, text)
     message.parts = parts
     return message

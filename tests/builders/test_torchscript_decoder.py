@@ -122,7 +122,7 @@ def test_half_precision_exports_fuse_to_half_precision_attention(name, dtype):
 
     original, model = (
         export(name, dtype=dtype),
-        fused(export(name, dtype=dtype), execution_provider=None),
+        fused(export(name, dtype=dtype), ep=None),
     )
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[0].dtype for n in gqa} == {getattr(ir.DataType, dtype.upper())}
@@ -172,9 +172,9 @@ def test_fp16_exports_convert_to_fp8_for_cuda_and_type_check(name):
 
     model = fused(
         export(name, dtype="float16"),
-        execution_provider="cuda",
+        ep="cuda",
         fp8_kv_cache=True,
-        kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+        scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
     )
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}

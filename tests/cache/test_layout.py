@@ -28,7 +28,7 @@ def test_the_table_says_what_past_inputs_to_allocate(fmt, allocate):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KvCacheWarning)
         scales = {0: (0.1, 0.1), 1: (0.1, 0.1)} if fmt else None
-        optimize_model(model, execution_provider=None, kv_cache_format=fmt, kv_cache_scales=scales)
+        optimize_model(model, ep=None, format=fmt, scales=scales)
     table = format_cache_table(inspect_kv_cache(model))
     if allocate is None:
         assert "past inputs to allocate" not in table
@@ -47,7 +47,7 @@ def test_unquantized_bytes_are_the_models_own_when_the_attention_computes_in_flo
         GqaFusionPass()(model)
         before = inspect_kv_cache(model).bytes_per_token
         scales = {0: (0.1, 0.1), 1: (0.1, 0.1)}
-        optimize_model(model, execution_provider="cuda", kv_cache_format=fmt, kv_cache_scales=scales)
+        optimize_model(model, ep="cuda", format=fmt, scales=scales)
     info = inspect_kv_cache(model)
     assert any(node.name.endswith("/to_float16") for node in model.graph) == (dtype == "float32")
     assert info.original_bytes_per_token == before

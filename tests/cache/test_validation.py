@@ -11,9 +11,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning, MalformedModelError
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.validation import GRAPH_CHECKS, NODE_CHECKS, validate_model
+from onnx_kvcache.errors import MalformedModelError
 from onnx_kvcache.models.decoder import build_decoder
 
 DATA = pathlib.Path(__file__).parent.parent / "data"

@@ -233,10 +233,10 @@ def test_check_device_gates_fp8_on_the_local_gpu(tmp_path, monkeypatch, cc, conv
     fake_nvidia_smi(tmp_path, monkeypatch, cc)
     model = gqa_model(dtype=F16)
     if converted:
-        optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
+        optimize_model(model, fp8_kv_cache=True, scales={0: (0.1, 0.1)}, check_device=True)
     else:
         with pytest.warns(NotConvertedWarning, match=f"compute capability {cc} is below 8.9"):
-            optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.1, 0.1)}, check_device=True)
+            optimize_model(model, fp8_kv_cache=True, scales={0: (0.1, 0.1)}, check_device=True)
     assert (model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN) == converted
 
 
@@ -340,9 +340,7 @@ def test_paged_int4_conversion_warns_about_the_build_option():
     for ep in ("cuda", None):
         model = paged_model(dtype=F16)
         with pytest.warns(RuntimeSupportWarning, match="int4 KV-cache option"):
-            optimize_model(
-                model, execution_provider=ep, kv_cache_format="int4", kv_cache_scales={0: (0.1, 0.1)}
-            )
+            optimize_model(model, ep=ep, format="int4", scales={0: (0.1, 0.1)})
         assert model.graph.inputs[3].dtype == ir.DataType.UINT8
 
 

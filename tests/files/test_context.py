@@ -11,8 +11,9 @@ import warnings
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import ContextLengthWarning, KvCacheError, KvCacheScales, convert_model
+from onnx_kvcache import KvCacheError, KvCacheScales, convert_model
 from onnx_kvcache.cli.commands import main
+from onnx_kvcache.errors import ContextLengthWarning
 from onnx_kvcache.files._context import model_context
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder

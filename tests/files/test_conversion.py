@@ -486,7 +486,7 @@ def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, sh
     ],
 )
 def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_path, kwargs, reason):
-    from onnx_kvcache import NotConvertedWarning
+    from onnx_kvcache.errors import NotConvertedWarning
     from onnx_kvcache.models.decoder import build_decoder
 
     source = tmp_path / "m.onnx"
@@ -502,7 +502,8 @@ def test_a_refused_conversion_warns_writes_nothing_and_raises_when_strict(tmp_pa
 @pytest.mark.parametrize("kwargs", [{"format": "fp8"}, {"format": "fp8", "ep": "cuda"}, {"ep": "cuda"}])
 def test_a_float32_model_converts_to_fp8_for_cuda_with_its_attention_in_float16(tmp_path, kwargs):
     """CUDA has no float32 GroupQueryAttention: the attention computes in float16, one warning says so."""
-    from onnx_kvcache import Float16AttentionWarning, check_kv_cache_support
+    from onnx_kvcache import check_kv_cache_support
+    from onnx_kvcache.errors import Float16AttentionWarning
     from onnx_kvcache.models.decoder import build_decoder
 
     source = tmp_path / "m.onnx"

@@ -13,13 +13,13 @@ import pytest
 from onnx_kvcache import (
     Float16AttentionPass,
     GqaFusionPass,
-    KvCachePreconditionError,
     KvCacheQuantizationPass,
     KvCacheRunner,
     check_kv_cache_support,
 )
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import find_gqa_sites
+from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime
 from onnx_kvcache.models.decoder import build_decoder
 

@@ -16,7 +16,6 @@ from onnx_kvcache.errors import KvCacheError, KvCacheWarning
 from onnx_kvcache.model_io._sessions import create_session, to_ort_value
 from onnx_kvcache.passes.kv_cache_emulation import (
     KvCacheEmulationPass,
-    emulate_fp8_kv_cache,
     emulate_kv_cache,
     get_semantics,
 )
@@ -224,7 +223,7 @@ def test_qk_norm_inputs_are_applied_before_rope(fmt, semantics):
 def test_packed_qkv_equals_separate_inputs():
     packed, _, _ = quantized_model("fp8", "per_channel", packed_qkv=True)
     separate, _, _ = quantized_model("fp8", "per_channel")
-    s_packed, s_sep = (create_session(emulate_fp8_kv_cache(m)) for m in (packed, separate))
+    s_packed, s_sep = (create_session(emulate_kv_cache(m, quantized_io=True)) for m in (packed, separate))
     for feeds, (out, pk, pv) in run_gqa_steps(s_sep, separate, [4, 1]):
         packed_feeds = {
             "qkv.0": np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=-1),
@@ -289,9 +288,9 @@ def test_query_seqlens_shift_rotary_positions():
     model.graph.inputs.append(qs)
     node.resize_inputs(17)
     node.replace_input_with(16, qs)
-    emulated = create_session(emulate_fp8_kv_cache(model, "cpu"))
+    emulated = create_session(emulate_kv_cache(model, "cpu", quantized_io=True))
     plain, _, _ = quantized_model("fp8", "per_tensor", scale=0.01)
-    reference = create_session(emulate_fp8_kv_cache(plain, "cpu"))
+    reference = create_session(emulate_kv_cache(plain, "cpu", quantized_io=True))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 4, n)).astype(np.float32) for n in (64, 32, 32))
     empty = _fp8(np.zeros((1, 2, 0, 16), np.uint8))
@@ -477,9 +476,9 @@ def test_an_opset_18_export_with_an_fp8_cache_runs_emulated(opset, runs):
         warnings.simplefilter("ignore", KvCacheWarning)
         optimize_model(
             model,
-            execution_provider=None,
+            ep=None,
             fp8_kv_cache=True,
-            kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+            scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
         )
     assert model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
     if not runs:

@@ -31,7 +31,6 @@ from onnx_kvcache import (
     KvCacheRunner,
     KvCacheScales,
     KvCacheWarning,
-    NotConvertedWarning,
     convert_model,
     optimize_model,
 )
@@ -40,7 +39,12 @@ from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.operators import op_of
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.errors import RuntimeSupportWarning, ScalesAdjustedWarning, UnitScalesWarning
+from onnx_kvcache.errors import (
+    NotConvertedWarning,
+    RuntimeSupportWarning,
+    ScalesAdjustedWarning,
+    UnitScalesWarning,
+)
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
 from onnx_kvcache.models.decoder import build_decoder, save_genai_folder
@@ -326,7 +330,7 @@ def test_optimize_model_requantizes():
 
     model = quantized("gqa", "int8", "per_channel")
     want = scales("int4", "per_channel", seed=3)
-    optimize_model(model, execution_provider="cpu", kv_cache_format="int4", kv_cache_scales=want)
+    optimize_model(model, ep="cpu", format="int4", scales=want)
     direct = BUILDERS["gqa"]()
     KvCacheQuantizationPass("int4", "per_channel", want)(direct)
     assert structure(model) == structure(direct)
@@ -488,14 +492,14 @@ def test_inspect_describes_a_requantized_model():
 def test_optimize_model_keeps_an_already_quantized_models_format():
     model = quantized("gqa", "int8", "per_tensor")
     with pytest.warns(ScalesAdjustedWarning, match="repeated for every channel"):
-        optimize_model(model, execution_provider="cpu", kv_cache_granularity="per_channel")
+        optimize_model(model, ep="cpu", granularity="per_channel")
     direct = BUILDERS["gqa"]()
     KvCacheQuantizationPass(
         "int8", "per_channel", own_scales_as_file(quantized("gqa", "int8", "per_tensor"), "per_channel")
     )(direct)
     assert structure(model) == structure(direct)
     with pytest.raises(KvCacheError, match="name its format"):  # a float model has none to keep
-        optimize_model(BUILDERS["gqa"](), execution_provider="cpu", kv_cache_granularity="per_channel")
+        optimize_model(BUILDERS["gqa"](), ep="cpu", granularity="per_channel")
 
 
 @pytest.mark.parametrize(("first", "second"), [("int8", "int4"), ("fp8", "int8"), ("int4", "int8")])

@@ -13,14 +13,9 @@ import warnings
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import (
-    Fp8KvCachePass,
-    GqaFusionPass,
-    KvCacheQuantizationPass,
-    KvCacheWarning,
-    UnfusedAttentionWarning,
-)
+from onnx_kvcache import Fp8KvCachePass, GqaFusionPass, KvCacheQuantizationPass, KvCacheWarning
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.errors import UnfusedAttentionWarning
 from onnx_kvcache.passes.fusion.gqa_fusion import FUSIONS, fusion_candidates
 
 from builders.exported import build_decoder, build_exported_decoder, exported_config

@@ -16,15 +16,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import (
-    KvCacheError,
-    KvCachePreconditionError,
-    KvCacheQuantizationPass,
-    KvCacheWarning,
-    NotConvertedWarning,
-    convert_model,
-    optimize_model,
-)
+from onnx_kvcache import KvCacheError, KvCacheQuantizationPass, KvCacheWarning, convert_model, optimize_model
+from onnx_kvcache.errors import KvCachePreconditionError, NotConvertedWarning
 from onnx_kvcache.passes import KvCacheEmulationPass, PagedAttentionReferencePass
 
 from conftest import gqa_model, paged_model
@@ -305,7 +298,7 @@ CALLERS: dict[str, Callable[[ir.Model], object]] = {
         [ir.passes.Sequential(ir.passes.PassManager([KvCacheQuantizationPass("fp8")], steps=2))]
     )(model),
     "functionalized": lambda model: ir.passes.functionalize(KvCacheQuantizationPass("fp8"))(model),
-    "optimize_model": lambda model: optimize_model(model, execution_provider=None, kv_cache_format="fp8"),
+    "optimize_model": lambda model: optimize_model(model, ep=None, format="fp8"),
 }
 
 
@@ -328,7 +321,7 @@ def test_a_skipped_node_is_warned_at_the_callers_line():
 def test_optimize_models_refusal_warning_names_the_callers_line():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        optimize_model(gqa_model(), execution_provider="cpu", kv_cache_format="fp8")
+        optimize_model(gqa_model(), ep="cpu", format="fp8")
     found = [w for w in record if issubclass(w.category, NotConvertedWarning)]
     assert len(found) == 1 and found[0].filename == __file__
 

@@ -7,10 +7,15 @@ import dataclasses
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import Float16AttentionWarning, KvCacheError, NotConvertedWarning, check_kv_cache_support
+from onnx_kvcache import KvCacheError, check_kv_cache_support
 from onnx_kvcache.cache.formats import get_format
 from onnx_kvcache.capabilities.refusals import Parameter, RefusalCode
-from onnx_kvcache.errors import FusionSkippedWarning, SkippedNodeWarning
+from onnx_kvcache.errors import (
+    Float16AttentionWarning,
+    FusionSkippedWarning,
+    NotConvertedWarning,
+    SkippedNodeWarning,
+)
 from onnx_kvcache.pipeline import decision as pipeline
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide, fuse_unless_attention
 from onnx_kvcache.scales.files import as_kv_cache_scales

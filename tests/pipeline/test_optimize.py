@@ -11,17 +11,9 @@ import onnx_ir as ir
 import pytest
 
 from exported_attention import exported_decoder
-from onnx_kvcache import (
-    Float16AttentionWarning,
-    Fp8KvCachePass,
-    GqaFusionPass,
-    KvCacheError,
-    KvCacheWarning,
-    NotConvertedWarning,
-    optimize_model,
-)
+from onnx_kvcache import Fp8KvCachePass, GqaFusionPass, KvCacheError, KvCacheWarning, optimize_model
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import ScalesAdjustedWarning
+from onnx_kvcache.errors import Float16AttentionWarning, NotConvertedWarning, ScalesAdjustedWarning
 
 from conftest import gqa_model
 
@@ -36,7 +28,7 @@ def quant_type(model):
 
 def test_fp8_on_cuda_for_a_fp16_model():
     model = gqa_model(dtype=ir.DataType.FLOAT16)
-    out = optimize_model(model, fp8_kv_cache=True, kv_cache_scales=SCALES)
+    out = optimize_model(model, fp8_kv_cache=True, scales=SCALES)
     assert out is model and quant_type(model) == "PER_TENSOR"
     assert model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
 
@@ -45,20 +37,20 @@ def test_fp8_on_cuda_for_a_fp16_model():
     ("kwargs", "reason"),
     [
         (
-            {"execution_provider": "dml", "kv_cache_format": "int8"},
+            {"ep": "dml", "format": "int8"},
             "no GroupQueryAttention kernel for an int8",
         ),
-        ({"execution_provider": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for an fp8"),
-        ({"execution_provider": "webgpu", "kv_cache_format": "int8"}, "no GroupQueryAttention kernel"),
+        ({"ep": "cpu", "fp8_kv_cache": True}, "no GroupQueryAttention kernel for an fp8"),
+        ({"ep": "webgpu", "format": "int8"}, "no GroupQueryAttention kernel"),
     ],
 )
 def test_declines_with_one_warning_or_raises_when_strict(kwargs, reason):
     model = gqa_model()
     with pytest.warns(KvCacheWarning, match=reason) as record:
-        optimize_model(model, kv_cache_scales=SCALES, **kwargs)
+        optimize_model(model, scales=SCALES, **kwargs)
     assert len(record) == 1 and quant_type(model) == "NONE"
     with pytest.raises(KvCacheError, match=reason):
-        optimize_model(model, kv_cache_scales=SCALES, strict=True, **kwargs)
+        optimize_model(model, scales=SCALES, strict=True, **kwargs)
     assert quant_type(model) == "NONE"
 
 
@@ -67,9 +59,7 @@ def test_fp8_for_a_float32_model_computes_its_attention_in_float16(provider):
     model = gqa_model()
     weights = dict(model.graph.initializers)
     with pytest.warns(Float16AttentionWarning, match="weights and every other node stay float32") as said:
-        optimize_model(
-            model, fp8_kv_cache=True, kv_cache_scales=SCALES, execution_provider=provider, strict=True
-        )
+        optimize_model(model, fp8_kv_cache=True, scales=SCALES, ep=provider, strict=True)
     assert len([w for w in said if w.category is Float16AttentionWarning]) == 1
     assert quant_type(model) == "PER_TENSOR" and model.graph.inputs[3].dtype == ir.DataType.FLOAT8E4M3FN
     gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
@@ -84,10 +74,10 @@ def test_fp8_that_converts_nothing_is_seen_in_the_model_or_raised_with_strict():
     """The docstring's advice: a model returned as it was is told by its cache, or by strict."""
     model = gqa_model()
     with pytest.warns(NotConvertedWarning):
-        optimize_model(model, fp8_kv_cache=True, execution_provider="cpu")
+        optimize_model(model, fp8_kv_cache=True, ep="cpu")
     assert not any(s.cache_format for s in find_attention_sites(model))
     with pytest.raises(KvCacheError, match="fp8"):
-        optimize_model(model, fp8_kv_cache=True, execution_provider="cpu", strict=True)
+        optimize_model(model, fp8_kv_cache=True, ep="cpu", strict=True)
 
 
 def test_check_device_without_gpu_declines():
@@ -97,7 +87,7 @@ def test_check_device_without_gpu_declines():
         pytest.skip("this machine has a GPU")
     model = gqa_model(dtype=ir.DataType.FLOAT16)
     with pytest.raises(KvCacheError, match="no CUDA GPU"):
-        optimize_model(model, fp8_kv_cache=True, kv_cache_scales=SCALES, check_device=True, strict=True)
+        optimize_model(model, fp8_kv_cache=True, scales=SCALES, check_device=True, strict=True)
 
 
 def test_accepts_proto_and_path_and_scale_file(tmp_path):
@@ -106,17 +96,15 @@ def test_accepts_proto_and_path_and_scale_file(tmp_path):
     ir.save(model, path)
     scales = tmp_path / "s.json"
     scales.write_text('{"scales": {"k_scales": [0.1], "v_scales": [0.2]}}')
-    from_path = optimize_model(path, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=scales)
-    from_proto = optimize_model(
-        onnx.load(path), execution_provider="cpu", kv_cache_format="int4", kv_cache_scales=SCALES
-    )
+    from_path = optimize_model(path, ep="cpu", format="int8", scales=scales)
+    from_proto = optimize_model(onnx.load(path), ep="cpu", format="int4", scales=SCALES)
     assert isinstance(from_path, ir.Model) and from_path.graph.inputs[3].dtype == ir.DataType.INT8
     assert from_proto.graph.inputs[3].dtype == ir.DataType.UINT8
 
 
 def test_fusion_auto_runs_only_without_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
-        optimize_model(gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=SCALES)
+        optimize_model(gqa_model(), ep="cpu", format="int8", scales=SCALES)
     assert not any("ORT fusions" in r.getMessage() for r in caplog.records)
     caplog.clear()
     graph = ir.Graph([ir.val("x", ir.DataType.FLOAT, [2])], [], nodes=[], opset_imports={"": 21})
@@ -175,7 +163,7 @@ def test_auto_fusion_turns_an_export_into_a_quantized_gqa():
     model = exported_decoder()
     want = create_session(model).run(None, exported_feeds())[0]
     assert count_gqa(model) == 0
-    optimize_model(model, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales={0: (0.05, 0.05)})
+    optimize_model(model, ep="cpu", format="int8", scales={0: (0.05, 0.05)})
     assert count_gqa(model) == 1 and quant_type(model) == "PER_TENSOR"
     feeds = exported_feeds()
     feeds["past_key_values.0.key"] = feeds["past_key_values.0.key"].astype(np.int8)
@@ -190,9 +178,9 @@ def test_fusion_off_leaves_an_export_unconverted():
     with pytest.warns(KvCacheWarning, match="no GroupQueryAttention"):
         optimize_model(
             model,
-            execution_provider="cpu",
-            kv_cache_format="int8",
-            kv_cache_scales=SCALES,
+            ep="cpu",
+            format="int8",
+            scales=SCALES,
             fuse_attention=False,
         )
     assert count_gqa(model) == 0
@@ -214,13 +202,14 @@ def test_pass_manager_fuses_an_export_then_quantizes():
 
 
 def test_a_refusal_is_a_not_converted_warning():
-    from onnx_kvcache import NotConvertedWarning, optimize_model
+    from onnx_kvcache import optimize_model
+    from onnx_kvcache.errors import NotConvertedWarning
 
     from builders.exported import build_decoder
 
     model = build_decoder(num_layers=1, dtype="float16")
     with pytest.warns(NotConvertedWarning, match="KV cache not converted to fp8 per_tensor for cpu"):
-        assert optimize_model(model, execution_provider="cpu", fp8_kv_cache=True) is model
+        assert optimize_model(model, ep="cpu", fp8_kv_cache=True) is model
 
 
 def test_gqa_fusion_reports_modified_honestly():
@@ -245,16 +234,14 @@ def test_granularity_defaults_to_the_one_the_scales_record():
     per_tensor = KvCacheScales.from_mapping({0: (0.1, 0.2)}, granularity="per_tensor")
     with pytest.raises(KvCacheError, match=r"scales are per_tensor .* not per_channel"):
         KvCacheQuantizationPass("int8", "per_channel", per_tensor)  # coarser for finer: refused
-    model = optimize_model(
-        gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=per_channel
-    )
+    model = optimize_model(gqa_model(), ep="cpu", format="int8", scales=per_channel)
     assert quant_type(model) == "PER_CHANNEL"
     with pytest.warns(ScalesAdjustedWarning, match="merged into one per tensor, their max"):
         model = optimize_model(
             gqa_model(),
-            kv_cache_format="int8",
-            kv_cache_granularity="per_tensor",
-            kv_cache_scales=per_channel,
+            format="int8",
+            granularity="per_tensor",
+            scales=per_channel,
         )
     assert quant_type(model) == "PER_TENSOR"
 
@@ -265,16 +252,16 @@ def test_a_failed_call_leaves_the_model_as_it_was():
 
     export = build_decoder(exported_config("llama", num_layers=2, vocab_size=300))
     text = ir.to_onnx_text(export)
-    with pytest.raises(KvCacheError, match=r"needs calibrated scales.*Pass kv_cache_scales=PATH"):
-        optimize_model(export, kv_cache_format="int8")
+    with pytest.raises(KvCacheError, match=r"needs calibrated scales.*Pass scales=PATH"):
+        optimize_model(export, format="int8")
     assert ir.to_onnx_text(export) == text
     scales = {0: (0.05, 0.05), 1: (0.05, 0.05)}
     with pytest.warns(
         NotConvertedWarning, match=r"^KV cache not converted to int8 per_tensor for webgpu: "
     ) as said:
-        optimize_model(export, execution_provider="webgpu", kv_cache_format="int8", kv_cache_scales=scales)
+        optimize_model(export, ep="webgpu", format="int8", scales=scales)
     assert ir.to_onnx_text(export) == text and len(said) == 1  # nothing about a fusion not kept
-    optimize_model(export, execution_provider="webgpu")  # the float attention runs there: fused
+    optimize_model(export, ep="webgpu")  # the float attention runs there: fused
     assert count_gqa(export) == 2
 
 
@@ -292,16 +279,12 @@ def test_scales_that_record_no_granularity_fit_the_model(tmp_path):
     model = gqa_model()
     quantize(model)
     assert quant_type(model) == "PER_CHANNEL"
-    model = optimize_model(
-        gqa_model(), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=genai_file
-    )
+    model = optimize_model(gqa_model(), ep="cpu", format="int8", scales=genai_file)
     assert quant_type(model) == "PER_CHANNEL"
     with pytest.warns(
         ScalesAdjustedWarning, match="merged into one per tensor, their max"
     ):  # as a node's own
-        model = optimize_model(
-            gqa_model(), kv_cache_format="int8", kv_cache_granularity="per_tensor", kv_cache_scales=genai_file
-        )
+        model = optimize_model(gqa_model(), format="int8", granularity="per_tensor", scales=genai_file)
     assert quant_type(model) == "PER_TENSOR"
 
 
@@ -310,31 +293,27 @@ def test_cache_options_without_a_format():
     from onnx_kvcache import KvCacheScales
 
     int8 = KvCacheScales.from_mapping({0: (0.1, 0.2)}, format="int8")
-    model = optimize_model(gqa_model(), execution_provider="cpu", kv_cache_scales=int8)
+    model = optimize_model(gqa_model(), ep="cpu", scales=int8)
     assert model.graph.inputs[3].dtype == ir.DataType.INT8
     with pytest.raises(KvCacheError, match="record no format: name it"):
-        optimize_model(gqa_model(), kv_cache_scales={0: (0.1, 0.2)})
+        optimize_model(gqa_model(), scales={0: (0.1, 0.2)})
     with pytest.raises(KvCacheError, match="apply to a quantized cache"):
-        optimize_model(gqa_model(), kv_cache_granularity="per_channel")
+        optimize_model(gqa_model(), granularity="per_channel")
     for provider in ("", 123):
-        with pytest.raises(KvCacheError, match="execution_provider must name a provider"):
-            optimize_model(gqa_model(), execution_provider=provider, kv_cache_scales=int8)
+        with pytest.raises(KvCacheError, match="ep must name a provider"):
+            optimize_model(gqa_model(), ep=provider, scales=int8)
 
 
 def test_scales_that_fit_no_granularity_name_the_layer():
     head = gqa_model(layers=2).graph.inputs[3].shape[3]
     odd = {0: (0.1, 0.2), 1: (np.full(3, 0.1), np.full(3, 0.2))}
     with pytest.raises(KvCacheError, match=r"scales of layer 1 have 3 element\(s\) per cache, which fits no"):
-        optimize_model(
-            gqa_model(layers=2), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=odd
-        )
+        optimize_model(gqa_model(layers=2), ep="cpu", format="int8", scales=odd)
     mixed = {0: (0.1, 0.2), 1: (np.full(2 * head, 0.1), np.full(2 * head, 0.2))}
     with pytest.raises(
         KvCacheError, match=r"fit different granularities \(\{0: 'per_tensor', 1: 'per_channel'\}\)"
     ):
-        optimize_model(
-            gqa_model(layers=2), execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=mixed
-        )
+        optimize_model(gqa_model(layers=2), ep="cpu", format="int8", scales=mixed)
 
 
 def half_guarded_fp16_export(layers_spoiled: int = 1) -> ir.Model:
@@ -370,15 +349,15 @@ def bidirectional_export() -> ir.Model:
         (half_guarded_fp16_export, {"fp8_kv_cache": True}, r"fused 1 layer\(s\) but left 1 unfused"),
         (
             half_guarded_fp16_export,
-            {"kv_cache_format": "int8", "kv_cache_scales": {0: (0.05, 0.05), 1: (0.05, 0.05)}},
+            {"format": "int8", "scales": {0: (0.05, 0.05), 1: (0.05, 0.05)}},
             r"fused 1 layer\(s\) but left 1 unfused",
         ),
         (
             bidirectional_export,
             {
-                "execution_provider": "cpu",
-                "kv_cache_format": "int8",
-                "kv_cache_scales": {0: (0.1, 0.1), 1: (0.1, 0.1)},
+                "ep": "cpu",
+                "format": "int8",
+                "scales": {0: (0.1, 0.1), 1: (0.1, 0.1)},
             },
             r"fused nothing: 2 attention node\(s\) not provably .*the mask .*is not causal",
         ),
@@ -413,9 +392,7 @@ def test_a_model_read_with_a_data_file_is_saved_elsewhere_as_the_readme_says(tmp
     shutil.copytree(producer, tmp_path / "in")
     scales = {0: (0.02, 0.02), 1: (0.02, 0.02)}
     with pytest.warns(KvCacheWarning):  # the export's padding assumption
-        model = optimize_model(
-            str(tmp_path / "in" / "model.onnx"), kv_cache_format="int8", kv_cache_scales=scales
-        )
+        model = optimize_model(str(tmp_path / "in" / "model.onnx"), format="int8", scales=scales)
     (tmp_path / "out").mkdir()
     ir.save(model, tmp_path / "out" / "bare.onnx")
     with pytest.raises(Exception, match="External data path does not exist"):

@@ -58,8 +58,8 @@ def test_a_rotated_int4_cache_is_closer_to_the_float_model_than_an_unrotated_one
         model = load_model(model_file)
         optimize_model(
             model,
-            execution_provider="cpu",
-            kv_cache_scales=_calibrated(model_file, "int4", rotation=rotation, method="minmax"),
+            ep="cpu",
+            scales=_calibrated(model_file, "int4", rotation=rotation, method="minmax"),
         )
         assert {layer.rotation for layer in inspect_kv_cache(model).layers} == {rotation}
         errors[rotation] = float(np.abs(KvCacheRunner(model).prefill(PROMPT) - want).mean())
@@ -150,9 +150,7 @@ def test_the_command_calibrates_and_converts_rotated(model_file, tmp_path, capsy
 def test_a_float32_model_for_cuda_keeps_its_rotation_around_float16_attention(model_file):
     """Float16AttentionPass casts the node's inputs: the rotation is still read through them."""
     with pytest.warns(Float16AttentionWarning):
-        model = optimize_model(
-            load_model(model_file), execution_provider="cuda", kv_cache_scales=_calibrated(model_file)
-        )
+        model = optimize_model(load_model(model_file), ep="cuda", scales=_calibrated(model_file))
     assert {layer.rotation for layer in inspect_kv_cache(model).layers} == {"keys_and_values"}
     runner = KvCacheRunner(model)
     assert runner.kernel_rule == "cuda (emulated on CPU)"

@@ -51,7 +51,7 @@ from onnx_kvcache.cache.formats import CACHE_FORMATS, SCALE_GRANULARITIES, forma
 from onnx_kvcache.cache.operators import ATTENTION_OPS, op_of
 from onnx_kvcache.cache.sites import CacheSite, constant_values
 from onnx_kvcache.errors import MalformedModelError
-from onnx_kvcache.model_io._sessions import unloadable_header
+from onnx_kvcache.model_io import unloadable_header
 from onnx_kvcache.model_io.reading import UNDEFINED_FIX, undefined_value
 
 _FIX = "The model is malformed: export it again, or repair the node."

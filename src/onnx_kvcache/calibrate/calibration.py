@@ -92,9 +92,9 @@ from onnx_kvcache.errors import (
     require_type,
     warn,
 )
-from onnx_kvcache.model_io._inputs import check_input_file
+from onnx_kvcache.model_io import check_input_file
 from onnx_kvcache.pipeline.decision import inferred_format
-from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
+from onnx_kvcache.runtime import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
 from onnx_kvcache.runtime.evaluation import MAX_POSITIONS
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (

@@ -38,8 +38,7 @@ from onnx_kvcache.capabilities.rows import (
     get_capabilities,
 )
 from onnx_kvcache.errors import Message, Param
-from onnx_kvcache.model_io._marker import MARKER_KEY, converted_for
-from onnx_kvcache.model_io._sessions import installed_ort_version, installed_version
+from onnx_kvcache.model_io import MARKER_KEY, converted_for, installed_ort_version, installed_version
 from onnx_kvcache.model_io.genai_folder import provider_names
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 

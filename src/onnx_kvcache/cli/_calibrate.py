@@ -16,7 +16,7 @@ from typing import Any
 
 from onnx_kvcache.cli._output import _print
 from onnx_kvcache.cli._shared import _given, _model_inputs, _write_completely, _wrote
-from onnx_kvcache.model_io._outputs import check_output, stamp_json
+from onnx_kvcache.model_io import check_output, stamp_json
 
 
 def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:

@@ -17,13 +17,13 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from onnx_kvcache._signals import Interrupted
 from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache.cli._names import PROVIDERS
 from onnx_kvcache.cli._output import _describe_os_error, _print, _printable
 from onnx_kvcache.cli._shared import _given
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io import format_bytes
 
 if TYPE_CHECKING:
     from onnx_kvcache.files.conversion import ConvertResult
@@ -89,7 +89,7 @@ def _converted(args: argparse.Namespace) -> ConvertResult:
         raise
     except OSError as e:
         raise KvCacheError(f"{_describe_os_error(e)}; {what}.") from None
-    except file_io.Interrupted as e:
+    except Interrupted as e:
         e.detail = f"the output is complete: {args.output or args.input}" if e.completed else what
         raise
     return result

@@ -28,8 +28,7 @@ from onnx_kvcache.cache.rotation import DEFAULT_ROTATIONS
 from onnx_kvcache.calibrate.calibration import calibrate_kv_cache
 from onnx_kvcache.errors import Message, Param
 from onnx_kvcache.files.conversion import convert_model
-from onnx_kvcache.model_io._atomic import atomic_write_bytes
-from onnx_kvcache.model_io._outputs import CONVERTED, check_demo_folder, record_demo_folder
+from onnx_kvcache.model_io import CONVERTED, atomic_write_bytes, check_demo_folder, record_demo_folder
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.runtime.evaluation import EvaluationReport, evaluate_kv_cache
 from onnx_kvcache.scales.data import corpus_byte_ids

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from onnx_kvcache.cli._output import _print
 from onnx_kvcache.cli._shared import _given, _model_inputs, _write_completely, _wrote
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.model_io._outputs import check_output, same_output, stamp_json
+from onnx_kvcache.model_io import check_output, same_output, stamp_json
 
 
 def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     if args.json:
         seen.append(check_output(args.json, "report", overwrite=args.overwrite, inputs=inputs))
     if args.plot:
-        from onnx_kvcache.runtime._plots import check_plotting
+        from onnx_kvcache.runtime import check_plotting
 
         seen.append(check_plotting(args.plot, overwrite=args.overwrite, inputs=inputs))
     if args.json and args.plot and same_output(args.json, args.plot):
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     if args.json:
         outputs.append((args.json, stamp_json(report.to_json(), "report"), "report"))
     if args.plot:
-        from onnx_kvcache.runtime._plots import render_plot
+        from onnx_kvcache.runtime import render_plot
 
         outputs.append((args.plot, render_plot(report), "plot"))
     replaced: list[pathlib.Path] = []

@@ -18,7 +18,7 @@ import re
 import sys
 from typing import Any
 
-from onnx_kvcache.model_io._atomic import TEMP_PREFIX
+from onnx_kvcache.model_io import TEMP_PREFIX
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 

@@ -15,7 +15,7 @@ from typing import Any
 from onnx_kvcache import _signals
 from onnx_kvcache.cli._output import _printable
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.model_io._outputs import write_outputs
+from onnx_kvcache.model_io import write_outputs
 
 
 def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from onnx_kvcache import _signals
+from onnx_kvcache._signals import signal_handlers
 from onnx_kvcache._version import __version__
 from onnx_kvcache.cli import _calibrate, _convert, _evaluate, _inspect, _voice
 from onnx_kvcache.cli._names import PROVIDERS, ep_name
@@ -69,8 +70,7 @@ from onnx_kvcache.errors import (
     Wording,
     render,
 )
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io._inputs import check_input_file, tokenizer_file
+from onnx_kvcache.model_io import check_input_file, tokenizer_file
 from onnx_kvcache.model_io.genai_folder import resolve_model_path
 
 
@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line to the last (one line, exit 128 + N): see :mod:`onnx_kvcache.cli._entry` for the rest."""
     run = _Run()
     _reserve_standard_streams()
-    with warnings.catch_warnings(), file_io.signal_handlers():
+    with warnings.catch_warnings(), signal_handlers():
         code = _handled(run, argv)
         _signals.outcome = getattr(run.args, "done", None) or (
             "the command had finished" if code == 0 else "nothing was written"
@@ -457,7 +457,7 @@ def _handled(run: _Run, argv: Sequence[str] | None) -> int:
     except (KvCacheError, MissingRuntimeError) as e:
         _error(e)
         return 2
-    except KeyboardInterrupt as e:  # file_io.Interrupted for SIGTERM and SIGHUP
+    except KeyboardInterrupt as e:  # Interrupted for SIGTERM and SIGHUP
         return _stopped(run, e)
     except _StdoutFailed as e:
         return _stdout_failed(run.args, e.error)

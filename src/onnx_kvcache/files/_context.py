@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import ContextLengthWarning, KvCacheError, Message, Param, warn
-from onnx_kvcache.model_io._inputs import load_json
+from onnx_kvcache.model_io import load_json
 from onnx_kvcache.scales.files import KvCacheScales
 
 #: ``(domain, op_type)`` of a RotaryEmbedding -> the input index of its ``cos_cache``.

@@ -16,11 +16,10 @@ import dataclasses
 import os
 import pathlib
 
+from onnx_kvcache import model_io
 from onnx_kvcache.cache.formats import CACHE_FORMATS
 from onnx_kvcache.errors import KvCacheError, Message, Param
 from onnx_kvcache.files._conversion_terms import Placement, WeightsMode
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io import _marker as previous
 from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG
 from onnx_kvcache.model_io.reading import ModelSource
 
@@ -97,7 +96,7 @@ def _free_name(path: pathlib.Path, fmt: str) -> pathlib.Path:
 
 def _refuse_mount_point(out: pathlib.Path) -> None:
     """A mount point cannot be renamed, so it cannot be replaced: refuse before any copy."""
-    if file_io.is_mount_point(out):
+    if model_io.is_mount_point(out):
         fix = (
             "To convert into it, empty it yourself (an empty folder is filled in place, keeping the "
             "mount), or choose another output path."
@@ -215,12 +214,12 @@ def _plan_folder(
         return plan
     if not out.is_dir():
         raise KvCacheError(f"Output {out} exists and is not a folder; refusing to replace it.")
-    if any(name.startswith(file_io.TEMP_PREFIX) for name in os.listdir(out)):
-        file_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
+    if any(name.startswith(model_io.TEMP_PREFIX) for name in os.listdir(out)):
+        model_io.sweep_stale(out)  # a killed run's entries; a killed fill is undone
     if not os.listdir(out):
         plan.fill = True  # nothing there to replace: overwrite is not needed
         return plan
-    previous.check_replaceable_folder(out)
+    model_io.check_replaceable_folder(out)
     if not overwrite:
         raise KvCacheError(
             f"Output {out} exists (a previous output of onnx-kvcache); pass ", OVERWRITE, " to replace it."
@@ -248,7 +247,7 @@ def _check_file_output(source: ModelSource, out: pathlib.Path, out_path: str | o
         )
         raise KvCacheError(f"Output {out} is {what}", fix, ".")
     if (os.path.lexists(out) and out.is_dir()) or str(out_path).endswith(("/", os.sep)):
-        if previous.is_output_folder(out):  # a file of ours in it would block its replacement
+        if model_io.is_output_folder(out):  # a file of ours in it would block its replacement
             raise KvCacheError(
                 f"Output {out_path} is a folder onnx-kvcache converted; the input is one model file, so "
                 f"name an output file outside it (e.g. {_free_graph_name(source.graph, fmt)}, beside "
@@ -299,14 +298,14 @@ def _replace_file(source: ModelSource, plan: _Plan, out_path: str | os.PathLike,
     out = plan.out
     if not out.is_file():
         raise KvCacheError(f"Output {out} is not a regular file; refusing to replace it.")
-    marker = previous.check_replaceable_file(out)
+    marker = model_io.check_replaceable_file(out)
     if not overwrite:
         raise KvCacheError(
             f"Output {out} exists (a previous output of onnx-kvcache); pass ", OVERWRITE, " to replace it."
         )
     _refuse_mount_point(out)
     plan.replace, plan.replaced, plan.named = True, os.lstat(out), os.fspath(out_path)
-    plan.obsolete, plan.kept = previous.own_data_files(out, marker, source.input_files())
+    plan.obsolete, plan.kept = model_io.own_data_files(out, marker, source.input_files())
 
 
 def _named_format(graph: pathlib.Path) -> str | None:

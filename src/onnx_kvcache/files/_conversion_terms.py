@@ -18,7 +18,7 @@ from typing import Literal
 
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.capabilities.refusals import Refusal, texts
-from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io import format_bytes
 
 
 class WeightsMode(StrEnum):

@@ -22,11 +22,12 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache import model_io
+from onnx_kvcache._signals import uninterrupted
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.files._conversion_plan import _free_graph_name, _named_format, _Plan
 from onnx_kvcache.files._conversion_terms import ConvertResult, Weights, WeightsMode
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io import format_bytes
 from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG, share_buffer
 from onnx_kvcache.model_io.reading import ModelSource
 
@@ -87,11 +88,11 @@ def _write_in_place(
     result.weights = Weights.UNCHANGED if source.data else Weights.INLINE
     result.data_files = sorted(source.data)
     for folder in {graph.parent, source.root}:
-        file_io.sweep_stale(folder)
+        model_io.sweep_stale(folder)
     if config is None and source.config is not None and _named_format(graph) not in (None, fmt):
         config = source.config  # model.fp8.onnx requantized to int4: renamed (the config names it)
     if config is None or source.config_path is None:
-        file_io.atomic_write_bytes(graph, data, like=graph.stat())
+        model_io.atomic_write_bytes(graph, data, like=graph.stat())
         result.model_file, result.bytes_written = graph, len(data)
         return
     # Both files change: the new graph takes a new name, and replacing genai_config.json
@@ -101,10 +102,10 @@ def _write_in_place(
     config["model"]["decoder"]["filename"] = new_graph.relative_to(source.root).as_posix()
     config_path = source.config_path
     config_data = _config_bytes(config)
-    with file_io.TempDir(source.root) as tmp:
-        file_io.write_new_file(tmp.path / "graph", data, like=graph.stat())
-        file_io.write_new_file(tmp.path / "config", config_data, like=config_path.stat())
-        file_io.publish_as_one(
+    with model_io.TempDir(source.root) as tmp:
+        model_io.write_new_file(tmp.path / "graph", data, like=graph.stat())
+        model_io.write_new_file(tmp.path / "config", config_data, like=config_path.stat())
+        model_io.publish_as_one(
             source.root,
             [(tmp.path / "graph", new_graph, False)],
             tmp.path / "config",
@@ -136,21 +137,21 @@ class _Copier:
             disable=None if progress is None else not progress,
             leave=False,
         )
-        self.remaining = sum(file_io.allocated_bytes(p) for p in sources)
+        self.remaining = sum(model_io.allocated_bytes(p) for p in sources)
         self.space_checked = False
         self.cloned = True
         self.written = 0
 
     def copy(self, src: pathlib.Path, dst: pathlib.Path) -> int:
         """Clone or copy ``src`` to the new file ``dst``; the bytes written."""
-        allocated = file_io.allocated_bytes(src)
-        if file_io.clone_file(src, dst):
+        allocated = model_io.allocated_bytes(src)
+        if model_io.clone_file(src, dst):
             self.bar.update(src.stat().st_size)
             written = 0
         else:
             if not self.space_checked:
                 self._check_space()
-            written = file_io.copy_data(src, dst, progress=self.bar)
+            written = model_io.copy_data(src, dst, progress=self.bar)
             self.cloned = False
         self.remaining -= allocated
         self.written += written
@@ -158,7 +159,7 @@ class _Copier:
 
     def _check_space(self) -> None:
         self.space_checked = True
-        free = file_io.free_bytes(self.folder)
+        free = model_io.free_bytes(self.folder)
         if free is not None and free < self.remaining:
             raise KvCacheError(
                 f"Copying the weights needs {format_bytes(self.remaining)} and {self.folder} has "
@@ -170,14 +171,14 @@ class _Copier:
         self.bar.close()
 
 
-def _identity(st: os.stat_result | None) -> file_io.Identity | None:
+def _identity(st: os.stat_result | None) -> model_io.Identity | None:
     return None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _replacing(plan: _Plan) -> contextlib.AbstractContextManager[None]:
     """Hold the output to replace (checked unchanged since planned); nothing when new."""
     identity = _identity(plan.replaced)
-    return contextlib.nullcontext() if identity is None else file_io.locked_output(plan.out, identity)
+    return contextlib.nullcontext() if identity is None else model_io.locked_output(plan.out, identity)
 
 
 def _replaced_notes(plan: _Plan, result: ConvertResult) -> None:
@@ -214,7 +215,7 @@ def _stage_data(
         for i, (d, name) in enumerate(files):
             copier.copy(d.real, tmp / str(i))
             if plan.replaced is not None:
-                file_io.keep_mode_and_owner(tmp / str(i), plan.replaced)
+                model_io.keep_mode_and_owner(tmp / str(i), plan.replaced)
             staged.append((tmp / str(i), out.parent / name, False))
     finally:
         copier.close()
@@ -234,13 +235,13 @@ def _write_file(
     out = plan.out
     result.model_file = out
     like = plan.replaced
-    created = file_io.make_dirs(out.parent)
+    created = model_io.make_dirs(out.parent)
     try:
-        file_io.sweep_stale(out.parent)
-        with _replacing(plan), file_io.TempDir(out.parent) as tmp:
+        model_io.sweep_stale(out.parent)
+        with _replacing(plan), model_io.TempDir(out.parent) as tmp:
             staged = _stage_data(source, plan, tmp.path, result, progress)
-            file_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
-            file_io.publish_as_one(
+            model_io.write_new_file(tmp.path / "graph", data, like=like, owner_required=False)
+            model_io.publish_as_one(
                 out.parent,
                 staged,
                 tmp.path / "graph",
@@ -254,7 +255,7 @@ def _write_file(
         result.bytes_written = len(data) + result.weight_bytes_written
     except BaseException:
         if not os.path.lexists(out):
-            file_io.remove_empty_dirs(created)
+            model_io.remove_empty_dirs(created)
         raise
 
 
@@ -315,19 +316,19 @@ class _FolderCopy:
             like = self.old.get(entry.rel.as_posix())
             same_kind = like is not None and stat.S_IFMT(like.st_mode) == stat.S_IFMT(os.lstat(dst).st_mode)
             if like is not None and same_kind and not self.linked(entry.rel):
-                file_io.keep_mode_and_owner(dst, like)
+                model_io.keep_mode_and_owner(dst, like)
 
     def entry(
         self, rel: pathlib.PurePosixPath, real: pathlib.Path | None, dst: pathlib.Path, copier: _Copier
     ) -> None:
         if rel == self.rel_config and self.config is not None:
             config_data = _config_bytes(self.config)
-            file_io.write_new_file(dst, config_data)
+            model_io.write_new_file(dst, config_data)
             self.written += len(config_data)
         elif real is None:
             os.mkdir(dst, 0o777)
         elif rel == self.rel_graph:
-            file_io.write_new_file(dst, self.data)
+            model_io.write_new_file(dst, self.data)
         elif self.linked(rel):
             os.link(real, dst, follow_symlinks=True)
         else:
@@ -356,24 +357,24 @@ def _write_folder(
     job = _FolderCopy(source, plan, data, config, result, _old_entries(out) if plan.replace else {})
     result.model_file = out / job.rel_graph
     result.data_files = sorted(str(r) for r in job.data_rel)
-    created = file_io.make_dirs(out.parent)
+    created = model_io.make_dirs(out.parent)
     work = out if plan.fill else out.parent  # where the temporary folder is built
     try:
-        file_io.sweep_stale(work)
+        model_io.sweep_stale(work)
         copier = _Copier(job.to_copy(), work, progress)
-        with _replacing(plan), file_io.TempDir(work, like=plan.replaced) as tmp:
+        with _replacing(plan), model_io.TempDir(work, like=plan.replaced) as tmp:
             try:
                 job.fill(tmp.path, copier)
             finally:
                 copier.close()
             if plan.fill:
-                file_io.publish_into_empty(tmp, out, job.rel_config or job.rel_graph)
+                model_io.publish_into_empty(tmp, out, job.rel_config or job.rel_graph)
             else:
-                with file_io.uninterrupted(completes=True):
+                with uninterrupted(completes=True):
                     tmp.publish(out, replace=plan.replace)
     except BaseException:
         if not os.path.lexists(out):
-            file_io.remove_empty_dirs(created)
+            model_io.remove_empty_dirs(created)
         raise
     _folder_written(source, plan, job, copier.cloned)
 

@@ -47,7 +47,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import GenaiConfigWarning, KvCacheError, warn
-from onnx_kvcache.model_io._inputs import load_json
+from onnx_kvcache.model_io import load_json
 from onnx_kvcache.model_io.genai_folder import GENAI_CONFIG
 
 MODEL_CONFIG = "config.json"

@@ -39,6 +39,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache import model_io
 from onnx_kvcache._gc import gc_paused
 from onnx_kvcache.cache.formats import (
     get_format,
@@ -61,8 +62,6 @@ from onnx_kvcache.files._conversion_plan import _Plan, _plan
 from onnx_kvcache.files._conversion_terms import ASKED_WEIGHTS, ConvertResult, Placement, Weights, WeightsMode
 from onnx_kvcache.files._conversion_write import _serialize, _write_file, _write_folder, _write_in_place
 from onnx_kvcache.files._export_folder import written_genai_config
-from onnx_kvcache.model_io import _atomic as file_io
-from onnx_kvcache.model_io import _marker as previous
 from onnx_kvcache.model_io.genai_folder import (
     GENAI_CONFIG,
     resolve_model_path,
@@ -213,11 +212,11 @@ def _arguments(
 def _check_writable(source: ModelSource, plan: _Plan) -> None:
     """The folders the output is written in take new files (checked before any work)."""
     in_place = plan.placement is Placement.IN_PLACE
-    file_io.check_writable_folder(
+    model_io.check_writable_folder(
         source.graph.parent if in_place else plan.out if plan.fill else plan.out.parent
     )
     if in_place and source.config_path is not None:
-        file_io.check_writable_folder(source.config_path.parent)
+        model_io.check_writable_folder(source.config_path.parent)
 
 
 def _request(
@@ -351,10 +350,10 @@ def _finish(
     if new_config is not None and source.config is None:
         entries.append(GENAI_CONFIG)  # an export folder's new config
     scales = decision.scales
-    own = previous.calibrated_by(model.metadata_props) if scales is None else None  # requantized
+    own = model_io.calibrated_by(model.metadata_props) if scales is None else None  # requantized
     method = scales.metadata.get("method") if scales is not None else own
     result.method = method
-    model.metadata_props[previous.MARKER_KEY] = previous.marker(
+    model.metadata_props[model_io.MARKER_KEY] = model_io.marker(
         result.format,
         result.granularity,
         plan.placement,

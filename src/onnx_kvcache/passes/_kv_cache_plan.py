@@ -35,7 +35,7 @@ from onnx_kvcache.errors import (
     SkippedNodeWarning,
     UnitScalesWarning,
 )
-from onnx_kvcache.model_io._marker import calibrated_by
+from onnx_kvcache.model_io import calibrated_by
 from onnx_kvcache.passes._kv_cache_endpoints import (
     _cache_sinks,
     _cache_sources,

@@ -16,7 +16,7 @@ model's functions) whose query is float32:
    (graph outputs included): what reads it sees float32 as before.
 3. The caches are not touched: their type is the cache format's (the kernel quantizes the
    float16 K/V into it). A float32 or bfloat16 cache would mismatch float16 attention, so a
-   node with one is refused (:class:`~onnx_kvcache.KvCachePreconditionError`, before anything
+   node with one is refused (:class:`~onnx_kvcache.errors.KvCachePreconditionError`, before anything
    changes): quantize the cache first (``KvCacheQuantizationPass``), then run this pass.
    A float16 cache is kept.
 4. Nodes whose query is float16 or bfloat16 already, and PagedAttention nodes, are left alone.

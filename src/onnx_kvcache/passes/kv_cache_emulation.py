@@ -33,7 +33,7 @@ int8, packed int4) and every step dequantizes the whole past and requantizes the
 Rewritten: nodes whose cache format the CPU kernel lacks (fp8), whose rule differs from
 ``semantics`` (int8/int4 under ``cuda``), or that have q/k norm inputs. Others are kept.
 Every node is checked before any is rewritten (``requires()``): a refusal is a
-:class:`~onnx_kvcache.KvCachePreconditionError` and leaves the model as it was.
+:class:`~onnx_kvcache.errors.KvCachePreconditionError` and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 __all__ = [
     "SEMANTICS",
     "KvCacheEmulationPass",
-    "emulate_fp8_kv_cache",
     "emulate_kv_cache",
     "get_semantics",
     "needs_emulation",
@@ -375,12 +374,3 @@ def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io:
         common_passes.InlinePass()(copy)
     emulation(copy)
     return copy
-
-
-def emulate_fp8_kv_cache(model: ModelLike, semantics: str = "cuda") -> ir.Model:
-    """:func:`emulate_kv_cache` keeping the graph's cache I/O in the stored format (fp8 bits).
-
-    Every GroupQueryAttention node the CPU cannot run under ``semantics`` is rewritten,
-    whatever its format (an int8 cache under ``cuda`` too).
-    """
-    return emulate_kv_cache(model, semantics, quantized_io=True)

@@ -54,7 +54,7 @@ A model with no attention node at all but attention a fusion would try (an expor
 :class:`~onnx_kvcache.errors.UnfusedAttentionWarning` naming ``GqaFusionPass`` and
 ``optimize_model``: the pass converts GroupQueryAttention and PagedAttention only.
 
-Every refusal is a :class:`~onnx_kvcache.KvCachePreconditionError` raised by ``requires()``,
+Every refusal is a :class:`~onnx_kvcache.errors.KvCachePreconditionError` raised by ``requires()``,
 before anything changes: an error leaves the model as it was. Warnings (a skipped node, unit
 scales) are given once the checks have passed, attributed to the caller's line.
 """

@@ -26,7 +26,7 @@ This pass replaces each node by the operator's documented semantics, computed in
 The graph's cache inputs and outputs keep their stored types (fp8 pools are indexed as
 float16, which holds every fp8 value exactly, because CPU Gather/ScatterND take no float8).
 ``attention_metadata`` only sizes CUDA launches and is ignored. Every node is checked before
-any is rewritten (``requires()``): a refusal is a :class:`~onnx_kvcache.KvCachePreconditionError`
+any is rewritten (``requires()``): a refusal is a :class:`~onnx_kvcache.errors.KvCachePreconditionError`
 and leaves the model as it was.
 """
 

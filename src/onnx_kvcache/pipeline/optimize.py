@@ -18,7 +18,7 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import OPTIMIZE_MODEL, KvCacheError, Param, speaking
+from onnx_kvcache.errors import KvCacheError, Param
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -35,7 +35,7 @@ def _commit(model: ir.Model, work: ir.Model) -> None:
 
 
 def _check_options(
-    execution_provider: str | None, fp8_kv_cache: bool, kv_cache_format: str | None, fuse_attention: object
+    ep: str | None, fp8_kv_cache: bool, format: str | None, fuse_attention: object
 ) -> str | None:
     """The options that need no model, checked; the format ``fp8_kv_cache`` names."""
     if fuse_attention not in (True, False, "auto"):
@@ -43,32 +43,30 @@ def _check_options(
             Param("fuse_attention"), f" must be True, False or 'auto', got {fuse_attention!r}."
         )
     if fp8_kv_cache:
-        if kv_cache_format not in (None, "fp8"):
-            raise KvCacheError(
-                Param("fp8_kv_cache", True), " conflicts with ", Param("format", kv_cache_format), "."
-            )
-        kv_cache_format = "fp8"
-    if execution_provider is not None and (not isinstance(execution_provider, str) or not execution_provider):
+        if format not in (None, "fp8"):
+            raise KvCacheError(Param("fp8_kv_cache", True), " conflicts with ", Param("format", format), ".")
+        format = "fp8"
+    if ep is not None and (not isinstance(ep, str) or not ep):
         raise KvCacheError(
             Param("ep"),
-            f" must name a provider (cpu, cuda, ...), 'auto' or None; got {execution_provider!r}.",
+            f" must name a provider (cpu, cuda, ...), 'auto' or None; got {ep!r}.",
         )
-    return kv_cache_format
+    return format
 
 
 def _format_and_scales(
-    model: ir.Model, kv_cache_format: str | None, scales: ScalesLike, granularity: str | None, shared: bool
+    model: ir.Model, format: str | None, scales: ScalesLike, granularity: str | None, shared: bool
 ) -> tuple[str | None, KvCacheScales | None]:
     """The format to convert to (None: fuse only) and the scales read for it.
 
     An already-quantized model's own format is requantized unless another is named; scales
     without a format give the one they were made for."""
     own = format_for(model)
-    if kv_cache_format is None and scales is not None:  # as convert: the scales' format
+    if format is None and scales is not None:  # as convert: the scales' format
         scales = as_kv_cache_scales(scales)  # a file is read once
         implied = scales.implied_format if scales is not None else None
-        kv_cache_format = implied or own
-        if kv_cache_format is None:
+        format = implied or own
+        if format is None:
             raise KvCacheError(
                 Param("scales"),
                 " were given without ",
@@ -77,7 +75,7 @@ def _format_and_scales(
                 Param("format", "int8"),
                 ", ...).",
             )
-    if kv_cache_format is None and (granularity is not None or shared):
+    if format is None and (granularity is not None or shared):
         if own is None:
             raise KvCacheError(
                 Param("granularity"),
@@ -87,10 +85,10 @@ def _format_and_scales(
                 Param("format", "int8"),
                 ", ...) or drop them.",
             )
-        kv_cache_format = own
-    if not kv_cache_format:
+        format = own
+    if not format:
         return None, None
-    fmt = get_format(kv_cache_format).name
+    fmt = get_format(format).name
     read = as_kv_cache_scales(scales, format=fmt)
     resolve_granularity(granularity, read)  # a contradiction fails before any work
     return fmt, read
@@ -100,11 +98,11 @@ def _format_and_scales(
 class _Options:
     """``optimize_model``'s keyword arguments, in its signature's order."""
 
-    execution_provider: str | None
+    ep: str | None
     fp8_kv_cache: bool
-    kv_cache_format: str | None
-    kv_cache_granularity: str | None
-    kv_cache_scales: ScalesLike
+    format: str | None
+    granularity: str | None
+    scales: ScalesLike
     fuse_attention: bool | Literal["auto"]
     check_device: bool
     strict: bool
@@ -117,15 +115,15 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
     """The decision's request for ``optimize_model``'s arguments (``options``: the rest)."""
     model = as_model(model)
     shared = options.shared_kv_scale
-    granularity = options.kv_cache_granularity
-    fmt, scales = _format_and_scales(model, fmt, options.kv_cache_scales, granularity, shared)
+    granularity = options.granularity
+    fmt, scales = _format_and_scales(model, fmt, options.scales, granularity, shared)
     return Request(
         model,
         Entry.OPTIMIZE,
         fmt,
         resolve_granularity(granularity, scales) if granularity is not None else None,
         scales,
-        options.execution_provider,
+        options.ep,
         fuse=options.fuse_attention,
         check_device=options.check_device,
         strict=options.strict,
@@ -137,25 +135,22 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
 
 def _optimize(model: ModelLike, options: _Options) -> ir.Model:
     """Check, decide and carry out ``optimize_model``'s request; the model it returns."""
-    with speaking(OPTIMIZE_MODEL):
-        fmt = _check_options(
-            options.execution_provider, options.fp8_kv_cache, options.kv_cache_format, options.fuse_attention
-        )
-        request = _request(model, options, fmt)
-        decision = decide(request)
-        if carry_out(decision):
-            _commit(request.model, decision.model)
-        return request.model
+    fmt = _check_options(options.ep, options.fp8_kv_cache, options.format, options.fuse_attention)
+    request = _request(model, options, fmt)
+    decision = decide(request)
+    if carry_out(decision):
+        _commit(request.model, decision.model)
+    return request.model
 
 
 def optimize_model(
     model: ModelLike,
     *,
-    execution_provider: str | None = "auto",
+    ep: str | None = "auto",
     fp8_kv_cache: bool = False,
-    kv_cache_format: str | None = None,
-    kv_cache_granularity: str | None = None,
-    kv_cache_scales: ScalesLike = None,
+    format: str | None = None,
+    granularity: str | None = None,
+    scales: ScalesLike = None,
     fuse_attention: bool | Literal["auto"] = "auto",
     check_device: bool = False,
     strict: bool = False,
@@ -167,22 +162,22 @@ def optimize_model(
 
     Args:
         model: ``ir.Model`` (changed in place), ``onnx.ModelProto`` or a path.
-        execution_provider: Where the model will run (``cuda``, ``cpu``, ...). ``"auto"``
+        ep: Where the model will run (``cuda``, ``cpu``, ...). ``"auto"``
             infers it as ``convert`` does (an fp8 cache: CUDA; a model converted before:
             what it was converted for; fp16/bf16 attention: CUDA; float32: CPU), looking at
             the model after fusion. ``None`` skips gating (the caller takes responsibility).
-        fp8_kv_cache: Shorthand for ``kv_cache_format="fp8"``.
-        kv_cache_format: ``fp8``, ``int8`` or ``int4``; ``None``: the format the scales were
+        fp8_kv_cache: Shorthand for ``format="fp8"``.
+        format: ``fp8``, ``int8`` or ``int4``; ``None``: the format the scales were
             made for (calibration and our scale files record it), else nothing is quantized;
             an already-quantized model given scales, a granularity or ``shared_kv_scale``
             keeps its own format (it is requantized).
-        kv_cache_granularity: ``per_tensor`` or ``per_channel``; None takes the one the
+        granularity: ``per_tensor`` or ``per_channel``; None takes the one the
             scales record (calibration and our scale files do), else ``per_tensor``.
-        kv_cache_scales: What the pass accepts, or a scale-file path.
+        scales: What the pass accepts, or a scale-file path.
         fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
             attention, proven equivalent, then onnxscript's ORT fusions) only when the
             model has no attention node (GroupQueryAttention, PagedAttention); ``True``
-            always; ``False`` never. A fusion whose result ``execution_provider`` cannot
+            always; ``False`` never. A fusion whose result ``ep`` cannot
             run (e.g. a float32 model for CUDA, which has no float32 GQA) is not applied.
         check_device: Also check the local GPU's compute capability.
         strict: Raise instead of warning when the request cannot be honoured.
@@ -208,11 +203,11 @@ def optimize_model(
         (``inspect_kv_cache(model)``: every layer's cache dtype).
     """
     options = _Options(
-        execution_provider,
+        ep,
         fp8_kv_cache,
-        kv_cache_format,
-        kv_cache_granularity,
-        kv_cache_scales,
+        format,
+        granularity,
+        scales,
         fuse_attention,
         check_device,
         strict,

@@ -32,7 +32,7 @@ from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.cache.operators import PAGED, CacheSide
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, resident_rows
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.model_io._sessions import fed_as_bits, to_ort_value
+from onnx_kvcache.model_io import fed_as_bits, to_ort_value
 
 _PAST = re.compile(r"^(past|cache|kv_cache|past_key_values)", re.IGNORECASE)
 _KIND = re.compile(r"(?:^|[._\-])(key|value|k|v)(?:[._\-]|$)|(key|value)", re.IGNORECASE)

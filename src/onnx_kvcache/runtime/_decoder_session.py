@@ -40,7 +40,7 @@ from onnx_kvcache.cache.operators import PAGED, GqaInput
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
 from onnx_kvcache.errors import KvCacheError, MeasurementWarning, Message, MissingRuntimeError, Param, warn
-from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime, ort_error_text, run_on_host
+from onnx_kvcache.model_io import create_session, import_onnxruntime, ort_error_text, run_on_host
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, KvCache

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.model_io._sessions import host_array
+from onnx_kvcache.model_io import host_array
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, Rows
 
 

@@ -31,7 +31,7 @@ import os
 
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, Message, Param
-from onnx_kvcache.model_io._atomic import format_bytes
+from onnx_kvcache.model_io import format_bytes
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
 #: Bytes of a float32 value: the CPU computes caches, scores and logits in float32.

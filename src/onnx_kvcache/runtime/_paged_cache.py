@@ -28,7 +28,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.operators import PAGED
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, Param
-from onnx_kvcache.model_io._sessions import fed_as_bits, host_array
+from onnx_kvcache.model_io import fed_as_bits, host_array
 from onnx_kvcache.model_io.genai_folder import block_size as configured_block_size
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, Rows
 

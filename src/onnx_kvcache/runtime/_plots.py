@@ -11,7 +11,7 @@ from typing import Any
 
 from onnx_kvcache._version import __version__
 from onnx_kvcache.errors import missing_dependency
-from onnx_kvcache.model_io._outputs import check_output, stamp_png, write_output
+from onnx_kvcache.model_io import check_output, stamp_png, write_output
 from onnx_kvcache.runtime.evaluation import EvaluationReport
 
 

@@ -46,7 +46,7 @@ from onnx_kvcache.cache.operators import ATTENTION_OPS, GQA, PAGED, AttentionOp,
 from onnx_kvcache.capabilities.device import cuda_compute_capability
 from onnx_kvcache.capabilities.table import CAPABILITIES, EpCapabilities, get_capabilities
 from onnx_kvcache.errors import Function, KvCacheError, KvCacheWarning
-from onnx_kvcache.model_io._sessions import create_session, import_onnxruntime, installed_ort_version
+from onnx_kvcache.model_io import create_session, import_onnxruntime, installed_ort_version
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass
 
 Verdict = Literal["proven", "schema only", "disagrees"]

@@ -43,8 +43,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
-from onnx_kvcache.files._export_folder import read_export_config
-from onnx_kvcache.model_io._sessions import host_array, ort_error_text
+from onnx_kvcache.files import read_export_config
+from onnx_kvcache.model_io import host_array, ort_error_text
 from onnx_kvcache.model_io.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
 from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import Semantics

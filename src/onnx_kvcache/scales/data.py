@@ -48,9 +48,9 @@ from onnx_kvcache.errors import (
     missing_dependency,
     require_type,
 )
-from onnx_kvcache.model_io._atomic import format_bytes
-from onnx_kvcache.model_io._inputs import (
+from onnx_kvcache.model_io import (
     check_input_file,
+    format_bytes,
     load_json,
     load_npy_integers,
     read_input_bytes,

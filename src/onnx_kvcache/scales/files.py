@@ -58,8 +58,7 @@ from onnx_kvcache.errors import (
     ScalesAdjustedWarning,
     warn,
 )
-from onnx_kvcache.model_io._inputs import load_json
-from onnx_kvcache.model_io._outputs import stamp_json, write_output
+from onnx_kvcache.model_io import load_json, stamp_json, write_output
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 

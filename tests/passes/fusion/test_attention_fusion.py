@@ -154,7 +154,7 @@ def test_fp8_conversion_of_half_precision_exports_type_checks(arch, dtype):
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
 
     model = exported(arch, dtype=dtype)
-    optimize_model(model, fp8_kv_cache=True, kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)})
+    optimize_model(model, fp8_kv_cache=True, scales={0: (0.05, 0.05), 1: (0.05, 0.05)})
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}
     assert {n.inputs[0].dtype for n in gqa} == {
@@ -183,7 +183,7 @@ def test_a_fusion_the_target_cannot_run_is_not_applied():
     model = ir.load(FIXTURE)
     text = ir.to_onnx_text(model)
     with pytest.warns(KvCacheWarning) as said:
-        optimize_model(model, execution_provider="cuda")  # fusing only: no cache to compute around
+        optimize_model(model, ep="cuda")  # fusing only: no cache to compute around
     assert ir.to_onnx_text(model) == text
     assert [str(w.message) for w in said] == [  # nothing about a fusion that was not applied
         "Attention not fused for cuda: cuda's GroupQueryAttention takes queries of BFLOAT16, FLOAT16, the "
@@ -194,13 +194,13 @@ def test_a_fusion_the_target_cannot_run_is_not_applied():
 def test_optimize_model_infers_cuda_for_a_half_precision_export():
     model = optimize_model(
         exported("llama", dtype="float16"),
-        kv_cache_format="int8",
-        kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
+        format="int8",
+        scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
     )
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.INT8}
     float32 = optimize_model(
-        fused(exported("llama")), kv_cache_format="int4", kv_cache_scales={0: (0.05, 0.05), 1: (0.05, 0.05)}
+        fused(exported("llama")), format="int4", scales={0: (0.05, 0.05), 1: (0.05, 0.05)}
     )
     assert {v.dtype for v in float32.graph.inputs if v.name.startswith("past")} == {ir.DataType.UINT8}
 
@@ -210,9 +210,7 @@ def test_optimize_model_infers_cuda_for_a_half_precision_export():
 def test_integer_caches_run_on_cpu_for_every_shape(arch, fmt):
     float_model = fused(exported(arch))
     scales = calibrate_kv_cache(float_model, CALIBRATION, format=fmt, seq_len=128, progress=False)
-    model = optimize_model(
-        exported(arch), execution_provider="cpu", kv_cache_format=fmt, kv_cache_scales=scales
-    )
+    model = optimize_model(exported(arch), ep="cpu", format=fmt, scales=scales)
     assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {
         ir.DataType.INT8 if fmt == "int8" else ir.DataType.UINT8
     }
@@ -236,10 +234,10 @@ def test_calibrated_integer_caches_run_on_cpu(float_gqa, fmt, granularity):
     )
     model = optimize_model(
         ir.load(FIXTURE),  # fused again inside, then quantized
-        execution_provider="cpu",
-        kv_cache_format=fmt,
-        kv_cache_granularity=granularity,
-        kv_cache_scales=scales,
+        ep="cpu",
+        format=fmt,
+        granularity=granularity,
+        scales=scales,
     )
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 3 and {n.attributes["k_quant_type"].as_string() for n in gqa} == {granularity.upper()}

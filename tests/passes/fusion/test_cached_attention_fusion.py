@@ -103,7 +103,7 @@ def test_mobius_default_build_converts_to_fp8_the_cuda_rule_evaluates(float_gqa)
     model = ir.load(DEFAULT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KvCacheWarning)
-        optimize_model(model, execution_provider=None, fp8_kv_cache=True, kv_cache_scales=scales)
+        optimize_model(model, ep=None, fp8_kv_cache=True, scales=scales)
     assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {ir.DataType.FLOAT8E4M3FN}
     runner, reference = KvCacheRunner(model, semantics="cuda"), KvCacheRunner(float_gqa)
     assert runner.emulated

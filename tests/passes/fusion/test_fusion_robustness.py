@@ -210,7 +210,7 @@ def _optimize(model: ir.Model, convert: bool) -> None:
             return
         if convert:
             try:
-                optimize_model(model, fp8_kv_cache=True, execution_provider=None)
+                optimize_model(model, fp8_kv_cache=True, ep=None)
             except ALLOWED:
                 return
 

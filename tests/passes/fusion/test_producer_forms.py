@@ -198,9 +198,7 @@ def test_an_attention_output_reshaped_before_its_transpose(own_shape):
     assert only_shapes is own_shape  # no repeat_kv left; else V's, read by the Reshape's Shape
     if own_shape:
         scales = {i: (0.05, 0.05) for i in range(2)}
-        converted = optimize_model(
-            model, execution_provider="cpu", kv_cache_format="int8", kv_cache_scales=scales
-        )
+        converted = optimize_model(model, ep="cpu", format="int8", scales=scales)
         assert all(
             v.dtype == ir.DataType.INT8 for v in converted.graph.outputs if v.name.startswith("present")
         )

@@ -177,9 +177,9 @@ def test_attention_no_fusion_takes_is_reported_once():
 def test_optimize_model_fuses_then_quantizes():
     model = optimize_model(
         exported("qwen3"),
-        execution_provider="cpu",
-        kv_cache_format="int8",
-        kv_cache_scales={0: (0.1, 0.05), 1: (0.1, 0.05)},
+        ep="cpu",
+        format="int8",
+        scales={0: (0.1, 0.05), 1: (0.1, 0.05)},
     )
     gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.INT8}
