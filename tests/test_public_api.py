@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
 import sys
 import typing
 
@@ -55,7 +56,7 @@ def test_every_error_and_warning_the_library_raises_is_in_onnx_kvcache_errors():
         if inspect.isclass(obj) and issubclass(obj, Warning | Exception) and obj.__module__ == errors.__name__
     ]
     assert len(raised) >= 15
-    assert {cls.__name__ for cls in raised} <= set(errors.__all__)
+    assert {cls.__name__ for cls in raised} == set(errors.__all__)  # and nothing else: no message helpers
     assert all(getattr(onnx_kvcache.errors, cls.__name__) is cls for cls in raised)
     assert errors.KvCachePreconditionError.__name__ in errors.__all__  # made on first use
     at_root = {n for n in onnx_kvcache.__all__ if inspect.isclass(getattr(onnx_kvcache, n))}
@@ -154,7 +155,7 @@ def test_functions_that_read_a_model_take_it_in_memory_as_a_proto_or_as_a_path(f
     expected = read(ir.load(model_path))
     assert read(onnx.load(model_path, load_external_data=False)) == expected
     assert read(model_path) == read(str(model_path)) == expected
-    with pytest.raises(onnx_kvcache.KvCacheError, match="Expected a model"):
+    with pytest.raises(errors.KvCacheTypeError, match="Expected a model"):  # a TypeError too
         read(42)
 
 
@@ -182,6 +183,22 @@ def test_the_package_description_names_every_attention_operator_it_converts():
     pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     description = re.search(r'^description = "(.*)"$', pyproject, re.MULTILINE).group(1)  # no tomllib in 3.10
     assert all(op_type in description for op_type in ATTENTION_OPS), description
+
+
+@pytest.mark.parametrize(
+    ("name", "home"),
+    [
+        ("NotConvertedWarning", "onnx_kvcache.errors"),
+        ("CACHE_FORMATS", "onnx_kvcache.cache.formats"),
+        ("DecoderConfig", "onnx_kvcache.models.decoder"),
+    ],
+)
+def test_a_name_that_is_not_top_level_says_where_it_lives(name, home):
+    said = f"no attribute '{name}'; import it from {home} (from {home} import {name})"
+    with pytest.raises(AttributeError, match=re.escape(said)):
+        getattr(onnx_kvcache, name)
+    with pytest.raises(AttributeError, match=r"no attribute 'no_such_name'$"):
+        onnx_kvcache.no_such_name  # noqa: B018
 
 
 def test_dir_lists_the_public_names_only():

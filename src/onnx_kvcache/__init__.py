@@ -137,9 +137,30 @@ def __getattr__(name: str) -> object:
     elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")
     else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}{_elsewhere(name)}")
     globals()[name] = value
     return value
+
+
+#: where names that are not top-level live (every error and warning; the tables; the demo's decoder)
+_HOMES = (
+    "onnx_kvcache.errors",
+    "onnx_kvcache.cache.formats",
+    "onnx_kvcache.cache.operators",
+    "onnx_kvcache.models.decoder",
+)
+
+
+def _elsewhere(name: str) -> str:
+    """``; it is onnx_kvcache.errors.NAME`` where a module named in :data:`_HOMES` exports it."""
+    import importlib
+
+    if name.startswith("_"):  # dunder probes (inspect, doctest) import nothing
+        return ""
+    for home in _HOMES:
+        if name in getattr(importlib.import_module(home), "__all__", ()):
+            return f"; import it from {home} (from {home} import {name})"
+    return ""
 
 
 def __dir__() -> list[str]:

@@ -23,7 +23,7 @@ Every warning is a :class:`KvCacheWarning`, and one subclass for each kind of th
 
 from __future__ import annotations
 
-__all__ = [
+__all__ = [  # the error and warning classes; the message helpers below are the package's own
     "CalibrationDataWarning",
     "ClippingWarning",
     "ContextLengthWarning",
@@ -35,25 +35,17 @@ __all__ = [
     "KvCachePreconditionError",
     "KvCacheTypeError",
     "KvCacheWarning",
-    "Function",
     "MalformedModelError",
     "MeasurementWarning",
-    "Message",
     "MissingRuntimeError",
     "NotConvertedWarning",
-    "PYTHON",
     "PaddingAssumptionWarning",
-    "Param",
     "RuntimeSupportWarning",
     "ScalesAdjustedWarning",
     "SharedWeightsWarning",
     "SkippedNodeWarning",
     "UnfusedAttentionWarning",
     "UnitScalesWarning",
-    "Wording",
-    "render",
-    "require_type",
-    "warn",
 ]
 
 import dataclasses

@@ -13,7 +13,12 @@ import pytest
 from exported_attention import exported_decoder
 from onnx_kvcache import Fp8KvCachePass, GqaFusionPass, KvCacheError, KvCacheWarning, optimize_model
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import Float16AttentionWarning, NotConvertedWarning, ScalesAdjustedWarning
+from onnx_kvcache.errors import (
+    Float16AttentionWarning,
+    KvCacheTypeError,
+    NotConvertedWarning,
+    ScalesAdjustedWarning,
+)
 
 from conftest import gqa_model
 
@@ -299,9 +304,14 @@ def test_cache_options_without_a_format():
         optimize_model(gqa_model(), scales={0: (0.1, 0.2)})
     with pytest.raises(KvCacheError, match="apply to a quantized cache"):
         optimize_model(gqa_model(), granularity="per_channel")
-    for provider in ("", 123):
-        with pytest.raises(KvCacheError, match="ep must name a provider"):
-            optimize_model(gqa_model(), ep=provider, scales=int8)
+    with pytest.raises(KvCacheError, match="ep must name a provider"):
+        optimize_model(gqa_model(), ep="", scales=int8)
+    for wrong in (
+        dict(ep=123),
+        dict(fuse_attention=None),
+    ):  # a wrong type is a TypeError, as in convert_model
+        with pytest.raises(KvCacheTypeError, match=r"^(ep|fuse_attention) must be .*, got (int|NoneType)"):
+            optimize_model(gqa_model(), scales=int8, **wrong)
 
 
 def test_scales_that_fit_no_granularity_name_the_layer():

@@ -84,7 +84,9 @@ def test_an_unknown_provider_is_an_error(capsys):
     with pytest.raises(KvCacheError, match=r"Unknown execution provider 'tpu'.*cpu, cuda"):
         doctor.run_doctor(["tpu"])
     assert main(["doctor", "--provider", "tpu"]) == 2
-    assert main(["doctor", "--provider", "cpu", "--provider", "cuda"]) == 1  # asked for, not checked
+    assert (
+        main(["doctor", "--ep", "cpu", "--provider", "cuda"]) == 1
+    )  # asked for, not checked; --ep as elsewhere
     assert "no session checks on CUDAExecutionProvider" in capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ Rules:
   over KV heads; queries are given already rotated (as the node rotates them)
   and K as the present cache holds it (after RoPE).
 * Every cached row is stored and read back with the format's round trip
-  (:meth:`~onnx_kvcache.formats.CacheFormat.round_trip`: float32 reciprocal, round half to
+  (:meth:`~onnx_kvcache.cache.formats.CacheFormat.round_trip`: float32 reciprocal, round half to
   even, clamp to the stored levels), the rows of the current chunk included: onnxruntime's
   CPU kernel attends over the dequantized cache it has just written.
 * The error reported is ``|| softmax(q K^T s) V - softmax(q Khat^T s) Vhat ||^2`` summed over

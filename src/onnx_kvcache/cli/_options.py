@@ -363,11 +363,14 @@ _EVALUATE = (
 
 _DOCTOR = (
     _option(
+        "--ep",
         "--provider",
+        dest="provider",
         metavar="P",
         action="append",
-        help="provider to create sessions on: a table row (cpu, cuda, ...) or onnxruntime's name "
-        "(repeatable; default: every one this onnxruntime lists); exits 1 when one is not present",
+        help="provider to create sessions on, as the other commands' --ep: a table row (cpu, cuda, "
+        "...) or onnxruntime's name (repeatable; default: every one this onnxruntime lists); exits "
+        "1 when one is not present",
     ),
     _option("--json", action="store_true", help="machine-readable output"),
 )

@@ -31,7 +31,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, MalformedModelError, require_type
+from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, MalformedModelError, require_type
 from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.model_io._atomic import check_inside, check_relative
 from onnx_kvcache.model_io._inputs import input_kind
@@ -175,7 +175,7 @@ def as_model(model: ModelLike) -> ir.Model:
         return ir.from_proto(model)
     if isinstance(model, (str, os.PathLike)):
         return load_model(model)
-    raise KvCacheError(
+    raise KvCacheTypeError(
         f"Expected a model (onnx_ir.Model, onnx.ModelProto, or the path of a .onnx file or "
         f"onnxruntime-genai folder), got {type(model).__name__}."
     )

@@ -18,7 +18,7 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import KvCacheError, Param
+from onnx_kvcache.errors import KvCacheError, Param, require_type
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -38,6 +38,7 @@ def _check_options(
     ep: str | None, fp8_kv_cache: bool, format: str | None, fuse_attention: object
 ) -> str | None:
     """The options that need no model, checked; the format ``fp8_kv_cache`` names."""
+    require_type(fuse_attention, (bool, str), "fuse_attention", "True, False or 'auto'")
     if fuse_attention not in (True, False, "auto"):
         raise KvCacheError(
             Param("fuse_attention"), f" must be True, False or 'auto', got {fuse_attention!r}."
@@ -46,11 +47,9 @@ def _check_options(
         if format not in (None, "fp8"):
             raise KvCacheError(Param("fp8_kv_cache", True), " conflicts with ", Param("format", format), ".")
         format = "fp8"
-    if ep is not None and (not isinstance(ep, str) or not ep):
-        raise KvCacheError(
-            Param("ep"),
-            f" must name a provider (cpu, cuda, ...), 'auto' or None; got {ep!r}.",
-        )
+    require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")  # as convert_model
+    if ep == "":
+        raise KvCacheError(Param("ep"), " must name a provider (cpu, cuda, ...), 'auto' or None; got ''.")
     return format
 
 
