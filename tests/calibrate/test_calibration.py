@@ -439,3 +439,11 @@ def test_the_default_window_fits_a_context_shorter_than_it():
         KvCacheError, match=r"^seq_len=100 feeds 100 positions, .* give at most seq_len=48\.$"
     ):
         calibrate_kv_cache(short, ids, format="int8", seq_len=100, progress=False)
+
+
+def test_granularity_none_is_the_default_as_elsewhere(model, data):
+    """optimize_model, convert_model and the pass take granularity=None; calibration too."""
+    default = calibrate_kv_cache(model, data, format="int8", method="minmax", progress=False)
+    none = calibrate_kv_cache(model, data, format="int8", method="minmax", granularity=None, progress=False)
+    assert none.granularity == default.granularity == "per_tensor"
+    np.testing.assert_array_equal(none.k[0], default.k[0])

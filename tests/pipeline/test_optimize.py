@@ -302,8 +302,12 @@ def test_cache_options_without_a_format():
     assert model.graph.inputs[3].dtype == ir.DataType.INT8
     with pytest.raises(KvCacheError, match="record no format: name it"):
         optimize_model(gqa_model(), scales={0: (0.1, 0.2)})
-    with pytest.raises(KvCacheError, match="apply to a quantized cache"):
-        optimize_model(gqa_model(), granularity="per_channel")
+    with pytest.raises(
+        KvCacheError, match=r"^granularity='per_channel' applies to a quantized cache: .* drop it\.$"
+    ):
+        optimize_model(gqa_model(), granularity="per_channel")  # names what was given, nothing else
+    with pytest.raises(KvCacheError, match=r"^shared_kv_scale=True applies to a quantized cache"):
+        optimize_model(gqa_model(), shared_kv_scale=True)
     with pytest.raises(KvCacheError, match="ep must name a provider"):
         optimize_model(gqa_model(), ep="", scales=int8)
     for wrong in (

@@ -121,7 +121,7 @@ def calibrate_kv_cache(
     data: TokenData = None,
     *,
     format: str | None = None,
-    granularity: str = "per_tensor",
+    granularity: str | None = "per_tensor",
     method: str | None = None,
     percentile: float = 99.99,
     rope_envelope: bool = True,
@@ -153,6 +153,8 @@ def calibrate_kv_cache(
         seq_len: Longer sequences are cut into windows of this length (default:
             :data:`DEFAULT_SEQ_LEN`, or the model's context when shorter).
         num_seqs: Use at most this many windows.
+        granularity: ``per_tensor`` (default; ``None`` too, as the other entry points take it)
+            or ``per_channel``.
         rope_positions: Under the envelope, the context the attention methods' K search
             assumes: keys are moved to random positions below it (default: the whole rotary
             table). Contexts no longer than the calibration windows keep slow RoPE pairs near
@@ -171,6 +173,7 @@ def calibrate_kv_cache(
     """
     given = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     sampling = _Sampling(given, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
+    granularity = "per_tensor" if granularity is None else granularity
     asked = _Choice(format, granularity, method, percentile, rope_envelope, margin, rope_positions, rotation)
     choice = _checked(asked, sampling, data)
     setup = _setup(model, providers, choice)

@@ -75,14 +75,16 @@ def _format_and_scales(
                 ", ...).",
             )
     if format is None and (granularity is not None or shared):
-        if own is None:
+        if own is None:  # the message names what was given
+            given = [Param("granularity", granularity)] if granularity is not None else []
+            given += [Param("shared_kv_scale", True)] if shared else []
+            joined = [part for i, p in enumerate(given) for part in ((" and ", p) if i else (p,))]
+            verb, them = (" apply", "them") if len(given) > 1 else (" applies", "it")
             raise KvCacheError(
-                Param("granularity"),
-                " and ",
-                Param("shared_kv_scale"),
-                " apply to a quantized cache: name its format (",
+                *joined,
+                f"{verb} to a quantized cache: name its format (",
                 Param("format", "int8"),
-                ", ...) or drop them.",
+                f", ...) or drop {them}.",
             )
         format = own
     if not format:
