@@ -78,6 +78,9 @@ NOT_RUN = {
     ("README.md", "python -m pytest"): "the test suite itself, which runs this",
     ("docs/exporting.md", "torch.onnx.export"): "needs torch, transformers and a model download",
     ("docs/choosing-a-format.md", "python benchmarks/evaluate.py"): "a benchmark: timings of that machine",
+    ("docs/choosing-a-format.md", "python benchmarks/evaluate.py --real-model CACHE --rounds 5"): (
+        "a benchmark: needs the real model (pip install gguf) and timings of that machine"
+    ),
     ("docs/calibration.md", "python benchmarks/real_model.py"): (
         "a benchmark: downloads a model from PyPI and takes tens of minutes"
     ),
