@@ -27,15 +27,16 @@ def _absolute(node: ast.ImportFrom, package: str, root: str = "onnx_kvcache") ->
 
 
 def _lazy_imports(tree: ast.Module, name: str, modules: dict[str, pathlib.Path]) -> set[str]:
-    """What a module imports by name at run time (``importlib.import_module``, ``find_spec``):
-    a lazy ``__getattr__``'s table, every package module named as a string in the module; an
-    ``f"{__name__}.{attr}"`` import, each of the module's own submodules."""
+    """What a module imports by name at run time (``importlib.import_module``, ``find_spec``,
+    ``_lazy.lazy_getattr``): a lazy ``__getattr__``'s table, every package module named as a
+    string in the module; an ``f"{__name__}.{attr}"`` import, each of the module's own submodules."""
     calls = [
         n
         for n in ast.walk(tree)
         if isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute | ast.Name)
-        and getattr(n.func, "attr", getattr(n.func, "id", "")) in ("import_module", "find_spec", "__import__")
+        and getattr(n.func, "attr", getattr(n.func, "id", ""))
+        in ("import_module", "find_spec", "__import__", "lazy_getattr")
     ]
     if not calls:
         return set()
@@ -147,6 +148,10 @@ def __getattr__(name):
     import importlib
     return getattr(importlib.import_module(_TABLE[name]), name)
 """
+_LAZY_BY_THE_HELPER = """
+from onnx_kvcache._lazy import lazy_getattr
+__getattr__ = lazy_getattr(__name__, {"pkg.b": ("X",)})
+"""
 _LAZY_SUBPACKAGE = """
 def __getattr__(name):
     from pkg.sub.impl import main
@@ -155,8 +160,9 @@ def __getattr__(name):
 
 
 def test_a_cycle_through_a_lazy_getattr_is_found(tmp_path):
-    """A module that takes a name from a package whose ``__getattr__`` imports, by a table or
-    directly, its own module (``onnx_kvcache.cli.main`` was: cli -> cli.commands -> cli)."""
+    """A module that takes a name from a package whose ``__getattr__`` imports, by a table (its
+    own code or ``_lazy.lazy_getattr``) or directly, its own module (``onnx_kvcache.cli.main``
+    was: cli -> cli.commands -> cli)."""
     through_the_root = _write(
         tmp_path / "root",
         {
@@ -166,6 +172,16 @@ def test_a_cycle_through_a_lazy_getattr_is_found(tmp_path):
         },
     )
     cycle = find_cycle(import_graph(through_the_root))
+    assert cycle is not None and "pkg" in cycle and "pkg.b" in cycle, cycle
+    by_the_helper = _write(  # model_io, runtime and files make their __getattr__ so
+        tmp_path / "helper",
+        {
+            "pkg/__init__.py": _LAZY_BY_THE_HELPER,
+            "pkg/a.py": "def use():\n    from pkg import X\n",
+            "pkg/b.py": "import pkg.a\n",
+        },
+    )
+    cycle = find_cycle(import_graph(by_the_helper))
     assert cycle is not None and "pkg" in cycle and "pkg.b" in cycle, cycle
     through_a_subpackage = _write(
         tmp_path / "sub",

@@ -9,24 +9,14 @@ __all__ = [
     "read_export_config",
 ]
 
+from onnx_kvcache._lazy import lazy_getattr
+
 TYPE_CHECKING = False  # typing is not imported: importing the folder stays cheap
 
 _EXPORTS = {  # where each name lives; imported on first use
     "onnx_kvcache.files._export_folder": ("read_export_config",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> object:
-    """A public name, read from its private module at each use (PEP 562): imported on first
-    use, never copied here, so ``monkeypatch.setattr(<private module>, name, ...)`` reaches
-    every caller that says ``folder.name``."""
-    import importlib
-
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
