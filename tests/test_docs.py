@@ -73,6 +73,26 @@ ROTATION_ROWS = (
     "fp8:per_tensor:ours:minmax",
     "fp8:per_tensor:ours:minmax:keys_and_values",
 )
+#: its 512-token table of int4 methods on rotated caches
+MSE_ROWS = (
+    "int4:per_channel:ours:mse:keys_and_values",
+    "int4:per_channel:ours:mse:keys",
+    "int4:per_tensor:ours:mse:keys_and_values",
+    "int4:per_channel:ours:attention:keys_and_values",
+)
+#: its table by position to 8k
+BY_POSITION_ROWS = (
+    "int4:per_channel:ours:attention:keys_and_values",
+    "int4:per_tensor:ours:attention:keys_and_values",
+    "int4:per_channel:ours:mse:keys_and_values",
+    "int4:per_channel:ours:attention:keys",
+    "int4:per_channel:ours:minmax:keys_and_values",
+    "int4:per_channel:ours:attention_search:keys_and_values",
+    "int4:per_channel:ours:attention",
+    "int4:per_tensor:ours:attention",
+    "int4:per_tensor:ours:mse:keys_and_values",
+    "int4:per_channel:ours:mse:keys",
+)
 NOT_RUN = {
     ("README.md", "pip install"): "CI installs the package (.ci/run) before it runs the suite",
     ("README.md", "python -m pytest"): "the test suite itself, which runs this",
@@ -99,6 +119,13 @@ NOT_RUN = {
     ("docs/rotation.md", "python benchmarks/real_model.py --rows " + " ".join(ROTATION_ROWS)): (
         "a benchmark: needs the real model and takes tens of minutes"
     ),
+    ("docs/rotation.md", "python benchmarks/real_model.py --rows " + " ".join(MSE_ROWS)): (
+        "a benchmark: needs the real model and takes tens of minutes"
+    ),
+    (
+        "docs/rotation.md",
+        "python benchmarks/real_model.py --by-position 8192 --rows " + " ".join(BY_POSITION_ROWS),
+    ): ("a benchmark: needs the real model and takes about an hour"),
     ("docs/rotation.md", "python benchmarks/rotation_speed.py"): (
         "a benchmark: builds a 30-layer decoder three times and takes minutes"
     ),

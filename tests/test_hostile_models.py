@@ -664,8 +664,8 @@ def test_rope_positions_with_a_method_that_never_reads_it_is_one_line(tmp_path, 
     argv = ["calibrate", models["good"], "--out", tmp_path / "s.json", "--rope-positions", 64]
     code, out, err = run([*argv, "--format", "int8", "--num-seqs", 1, "--seq-len", 64])
     assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
-    assert "--rope-positions 64 limits only the attention methods" in one_line(err)
-    assert "--method minmax never reads it" in err and "Drop --rope-positions" in err
+    assert "--rope-positions 64 limits only, under the RoPE envelope, the attention methods" in one_line(err)
+    assert "--method minmax of an unrotated cache never reads it" in err and "Drop --rope-positions" in err
 
 
 def test_scales_for_a_short_context_on_a_model_that_states_none_say_so(tmp_path):

@@ -122,9 +122,31 @@ def test_attention_method_weighs_rows_by_the_attention_they_get(model, data, fmt
             assert ours.shape == ref.shape and np.all(ours > 0) and np.all(ours <= ref * (1 + 1e-6))
 
 
-@pytest.mark.parametrize(("fmt", "method"), [("int4", "attention"), ("int8", "minmax"), ("fp8", "minmax")])
-def test_default_method_per_format(model, data, fmt, method):
-    assert calibrate_kv_cache(model, data, format=fmt, progress=False).metadata["method"] == method
+@pytest.mark.parametrize(
+    ("fmt", "rotation", "method"),
+    [
+        ("int4", None, "mse"),  # int4 rotates keys and values by default
+        ("int4", "keys", "mse"),
+        ("int4", "none", "attention"),
+        ("int8", None, "minmax"),
+        ("int8", "keys_and_values", "minmax"),
+        ("fp8", None, "minmax"),
+    ],
+)
+def test_default_method_per_format_and_rotation(model, data, fmt, rotation, method):
+    """The method by DEFAULT_METHODS' measured rows (docs/rotation.md): the rotation decides it."""
+    scales = calibrate_kv_cache(model, data, format=fmt, rotation=rotation, progress=False)
+    assert (scales.metadata["method"], scales.metadata["rotation"]) == (
+        method,
+        rotation or ("keys_and_values" if fmt == "int4" else "none"),
+    )
+
+
+def test_default_method_of_an_unrotatable_int4_cache_is_attention(data):
+    """PagedAttention is not rotated, so its int4 default is the unrotated one (queries captured)."""
+    paged = build_decoder(num_layers=LAYERS, vocab_size=300, paged=True)
+    scales = calibrate_kv_cache(paged, data, format="int4", granularity="per_channel", progress=False)
+    assert (scales.metadata["method"], scales.metadata["rotation"]) == ("attention", "none")
 
 
 def test_attention_weights_match_the_nodes_attention(data):

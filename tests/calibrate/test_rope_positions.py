@@ -34,8 +34,16 @@ def test_rope_positions_bounds_where_the_search_moves_keys(interleaved):
     assert not np.allclose(anywhere, np.abs(raw).transpose(1, 0, 2), atol=1e-3)
 
 
-def test_rope_positions_is_recorded_and_moves_only_k(model, data):
-    kwargs = dict(format="int4", granularity="per_channel", method="attention", progress=False, min_tokens=0)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(method="attention"),
+        dict(method="mse", rotation="keys_and_values"),  # int4's default: a rotated key is sampled moved
+        dict(rotation="keys"),
+    ],
+)
+def test_rope_positions_is_recorded_and_moves_only_k(model, data, settings):
+    kwargs = dict(format="int4", granularity="per_channel", progress=False, min_tokens=0, **settings)
     scales = calibrate_kv_cache(model, data, rope_positions=64, **kwargs)
     default = calibrate_kv_cache(model, data, **kwargs)
     assert scales.metadata["rope_positions"] == 64
@@ -54,8 +62,11 @@ def test_rope_positions_below_one_is_refused(model, data, positions):
 @pytest.mark.parametrize(
     ("kwargs", "said"),
     [
-        (dict(format="int8"), "method='minmax' never reads it"),  # int8's default method
-        (dict(format="int4", method="mse"), "method='mse' never reads it"),
+        (dict(format="int8"), "method='minmax' of an unrotated cache never reads it"),  # int8's default
+        (
+            dict(format="int4", method="mse", rotation="none"),
+            "method='mse' of an unrotated cache never reads it",
+        ),
         (dict(format="int4", rope_envelope=False), "the RoPE envelope is off (rope_envelope=False)"),
     ],
 )

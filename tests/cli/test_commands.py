@@ -82,7 +82,11 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, fp16_model_file, capsys):
         ),
         (
             ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "99"],
-            "--percentile applies to --method percentile, not --method minmax",
+            "--percentile applies to --method percentile, not the default method; add it",
+        ),
+        (
+            ["calibrate", "{model}", "--out", "{tmp}/s.json", "--method", "mse", "--percentile", "99"],
+            "--percentile applies to --method percentile, not --method mse",
         ),
     ],
 )
@@ -202,7 +206,7 @@ def test_calibrate_help_names_its_defaults():
     for default in (
         "(default: the first its target runs, the target as convert infers it: fp8 on CUDA",
         "(default: per_tensor)",
-        "(default: attention for int4, else minmax",
+        "(default: int4 mse rotated, attention unrotated; else minmax",
         "(default: 512, or the model's context when shorter)",
     ):
         assert default in text

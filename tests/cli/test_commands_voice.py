@@ -94,7 +94,7 @@ def test_the_minmax_note_only_for_minmax(tmp_path, model_file, capsys, fmt, meth
     assert main(argv + (["--method", method] if method else [])) == 0
     out = capsys.readouterr().out
     assert ("minmax clips int8/int4" in out) is noted
-    used = method or "attention"  # int4's default
+    used = method or "mse"  # a rotated int4 cache's default
     if fmt == "int8" and method is None:
         used = "minmax"
     rotated = ", rotation keys_and_values" if fmt == "int4" else ""  # int4's default rotation

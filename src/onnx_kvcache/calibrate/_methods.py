@@ -18,7 +18,7 @@ methods' rules read apart from the run that feeds them.
 
 from __future__ import annotations
 
-__all__ = ["CALIBRATION_METHODS", "DEFAULT_METHODS", "METHODS", "CalibrationMethod"]
+__all__ = ["CALIBRATION_METHODS", "DEFAULT_METHODS", "METHODS", "CalibrationMethod", "default_method"]
 
 import dataclasses
 
@@ -58,8 +58,22 @@ CALIBRATION_METHODS = {
     )
 }
 METHODS = tuple(CALIBRATION_METHODS)
-#: The method taken when none is named, per format (others: ``minmax``).
-DEFAULT_METHODS = {"int4": "attention"}
+#: The method taken when none is named, per format and rotation (others: ``minmax``), by
+#: measurement on SmolLM2-135M (``benchmarks/real_model.py``; docs/rotation.md): a rotated int4
+#: cache loses least with ``mse`` (its rows weighed alike; ``attention`` weighs them by 512-token
+#: windows' attention, which clips what longer contexts read), an unrotated one with ``attention``.
+DEFAULT_METHODS: dict[tuple[str, str], str] = {
+    ("int4", "none"): "attention",
+    ("int4", "keys"): "mse",
+    ("int4", "keys_and_values"): "mse",
+}
+
+
+def default_method(format: str, rotation: str) -> str:
+    """The method for a ``format`` cache of ``rotation`` when none is named (:data:`DEFAULT_METHODS`)."""
+    return DEFAULT_METHODS.get((format, rotation), "minmax")
+
+
 _TINY = float(np.finfo(np.float32).tiny)
 
 

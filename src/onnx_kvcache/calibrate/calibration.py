@@ -37,6 +37,7 @@ from __future__ import annotations
 __all__ = [
     "CALIBRATION_METHODS",
     "DEFAULT_METHODS",
+    "default_method",
     "CalibrationMethod",
     "CalibrationStats",
     "calibrate_kv_cache",
@@ -66,6 +67,7 @@ from onnx_kvcache.calibrate._methods import (
     METHODS,
     CalibrationMethod,
     _thresholds,  # noqa: F401
+    default_method,
 )
 from onnx_kvcache.calibrate._reservoir import _Reservoir  # noqa: F401
 from onnx_kvcache.calibrate._rope_envelope import (
@@ -142,8 +144,8 @@ def calibrate_kv_cache(
     Args:
         model: Unquantized model (``ir.Model``, ``.onnx`` file or genai folder).
         method: ``minmax``, ``percentile``, ``mse``, ``attention`` or ``attention_search``
-            (module docstring); by default :data:`DEFAULT_METHODS`'s for the format (int4:
-            attention), else minmax.
+            (module docstring); by default :data:`DEFAULT_METHODS`'s for the format and rotation
+            (int4: ``mse`` rotated, ``attention`` unrotated), else minmax.
         format: The cache format the scales are for; by default the first its target
             (:func:`~onnx_kvcache.capabilities.table.infer_target`) runs
             (:func:`~onnx_kvcache.capabilities.table.default_format`: fp8 on CUDA, int8 on CPU),
@@ -278,7 +280,7 @@ def _check_types(choice: _Choice, sampling: _Sampling) -> None:
 
 def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
     """The settings checked before any work (types, ranges, the data and tokenizer files), with
-    the granularity's name and, for a named format, its default method."""
+    the granularity's name (the default method waits for the format and rotation: ``_setup``)."""
     _check_types(choice, sampling)
     format, method, percentile, margin = choice.format, choice.method, choice.percentile, choice.margin
     sample_budget, min_tokens = sampling.sample_budget, sampling.min_tokens
@@ -301,8 +303,6 @@ def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
         )
     if choice.rotation is not None:
         get_rotation(choice.rotation)  # an unknown name fails before any work
-    if method is None and format is not None:
-        method = DEFAULT_METHODS.get(get_format(format).name, "minmax")
     if isinstance(data, (str, os.PathLike)):  # a FIFO or folder is refused before the model loads
         check_input_file(data, "Data file", missing="does not exist")
     if sampling.tokenizer is not None:
@@ -312,7 +312,8 @@ def _checked(choice: _Choice, sampling: _Sampling, data: TokenData) -> _Choice:
 
 def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None, choice: _Choice) -> _Setup:
     """The runner (no LM head: only caches are read and, for ``attention``, each layer's
-    query), the format (by default the target's) and the method (by default the format's)."""
+    query), the format (by default the target's), the rotation (by default the format's) and
+    the method (by default the format's for that rotation: :func:`default_method`)."""
     method = choice.method
     runner = KvCacheRunner(
         model,
@@ -332,21 +333,22 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             )
         chosen_for = f"{target} (assumed: {why})"
     fmt = get_format(format)
-    if method is None:
-        method = DEFAULT_METHODS.get(fmt.name, "minmax")
-        if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
-            runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
-    chosen = CALIBRATION_METHODS[method]
-    _check_rope_positions(choice, chosen)
-    if chosen.clip_search and fmt.is_float:
-        raise KvCacheError(
-            Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
-        )
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
         raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
-    return _Setup(runner, fmt, chosen, chosen_for, _rotation(runner.source_model, fmt, choice.rotation))
+    rotation = _rotation(runner.source_model, fmt, choice.rotation)
+    if method is None:
+        method = default_method(fmt.name, rotation.name)
+        if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
+            runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
+    chosen = CALIBRATION_METHODS[method]
+    _check_rope_positions(choice, chosen, rotation)
+    if chosen.clip_search and fmt.is_float:
+        raise KvCacheError(
+            Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
+        )
+    return _Setup(runner, fmt, chosen, chosen_for, rotation)
 
 
 def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
@@ -370,14 +372,16 @@ def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
     return rotation
 
 
-def _check_rope_positions(choice: _Choice, method: CalibrationMethod) -> None:
-    """``rope_positions`` moves only the attention methods' K search under the RoPE envelope:
-    with another method, or without the envelope, any value gives the same scales, and a scale
-    file recording it would warn of a context it never limited."""
-    if choice.rope_positions is None or (method.attention and choice.rope_envelope):
+def _check_rope_positions(choice: _Choice, method: CalibrationMethod, rotation: Rotation) -> None:
+    """``rope_positions`` moves, under the RoPE envelope, the attention methods' K search and a
+    rotated cache's K samples (every method's): elsewhere any value gives the same scales, and a
+    scale file recording it would warn of a context it never limited."""
+    reads = method.attention or rotation.keys
+    if choice.rope_positions is None or (reads and choice.rope_envelope):
         return
     if choice.rope_envelope:
-        why, instead = Message(Param("method", method.name), " never reads it"), "choose an attention method"
+        why = Message(Param("method", method.name), " of an unrotated cache never reads it")
+        instead = "choose an attention method"
     else:
         off = Param("rope_envelope", False)
         why, instead = (
@@ -386,9 +390,9 @@ def _check_rope_positions(choice: _Choice, method: CalibrationMethod) -> None:
         )
     raise KvCacheError(
         Param("rope_positions", choice.rope_positions),
-        " limits only the attention methods' K search under the RoPE envelope (",
+        " limits only, under the RoPE envelope, the attention methods' K search (",
         Param("method", "attention"),
-        " or attention_search), and ",
+        " or attention_search) and a rotated cache's keys, and ",
         why,
         ": the scales would be the same for any value. Drop ",
         Param("rope_positions"),

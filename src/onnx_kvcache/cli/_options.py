@@ -268,7 +268,8 @@ _CALIBRATE = (
     _option(
         "--method",
         choices=list(METHODS),
-        help="threshold rule (default: attention for int4, else minmax; see docs/calibration.md)",
+        help="threshold rule (default: int4 mse rotated, attention unrotated; else minmax; "
+        "see docs/calibration.md)",
     ),
     _option(
         "--percentile",

@@ -350,8 +350,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if command == "inspect" and args.batch is not None and args.context is None:
         raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
     if command == "calibrate" and args.percentile is not None and args.method != "percentile":
-        method = args.method or ("attention" if args.format == "int4" else "minmax")  # the default
-        raise KvCacheError(f"--percentile applies to --method percentile, not --method {method}.")
+        if args.method is None:  # the default depends on the format and rotation (docs/calibration.md)
+            raise KvCacheError("--percentile applies to --method percentile, not the default method; add it.")
+        raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     if command == "convert":
         same = args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.input)
         if args.in_place and args.output is not None and not same:
