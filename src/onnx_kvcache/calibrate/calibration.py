@@ -315,6 +315,8 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
     query), the format (by default the target's), the rotation (by default the format's) and
     the method (by default the format's for that rotation: :func:`default_method`)."""
     method = choice.method
+    if method is None and choice.format is not None and choice.rotation is not None:  # known: one load
+        method = default_method(get_format(choice.format).name, get_rotation(choice.rotation).name)
     runner = KvCacheRunner(
         model,
         providers,
