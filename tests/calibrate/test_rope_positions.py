@@ -91,3 +91,15 @@ def test_cli_rope_positions_reaches_the_scales(tmp_path, model, data):
         load_kv_cache_scale_file(out, format="int4").for_layer(layer)[0], expected.for_layer(layer)[0]
     )
     assert "rope_positions" in json.dumps(saved)
+
+
+def test_the_help_and_docs_say_a_rotated_cache_reads_rope_positions_with_any_method(capsys):
+    import pathlib
+
+    from onnx_kvcache.cli.commands import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["calibrate", "--help"])
+    assert "a rotated cache's keys (any method)" in " ".join(capsys.readouterr().out.split())
+    doc = " ".join((pathlib.Path(__file__).parents[2] / "docs/calibration.md").read_text().split())
+    assert "A rotated cache ([rotation.md](rotation.md)) reads it with every method" in doc

@@ -24,7 +24,7 @@ from onnx_kvcache.cache.layout import format_cache_table
 from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.capabilities.table import check_kv_cache_support
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.errors import Float16AttentionWarning, KvCacheError
+from onnx_kvcache.errors import Float16AttentionWarning, KvCacheError, ScalesAdjustedWarning
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
@@ -88,7 +88,11 @@ def test_scales_of_another_rotation_are_refused_before_any_work(model_file, tmp_
 
 def test_requantizing_a_rotated_cache_keeps_its_rotation(model_file, tmp_path):
     convert_model(model_file, tmp_path / "int4.onnx", scales=_calibrated(model_file))
-    result = convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8")
+    # int4's mse thresholds kept as int8's: the advice names the original model and its rotation
+    with pytest.warns(
+        ScalesAdjustedWarning, match=r"Calibrate the original model for int8: .*rotation='keys_and_values'"
+    ):
+        result = convert_model(tmp_path / "int4.onnx", tmp_path / "int8.onnx", format="int8")
     assert result.rotation == "keys_and_values"
     requantized = load_model(tmp_path / "int8.onnx")
     assert {(layer.rotation, layer.bit_width) for layer in inspect_kv_cache(requantized).layers} == {
@@ -97,6 +101,11 @@ def test_requantizing_a_rotated_cache_keeps_its_rotation(model_file, tmp_path):
     assert sum(n.op_type == "RotaryEmbedding" for n in requantized.graph) == 2  # rotated once
     with pytest.raises(KvCacheError, match=r"already rotated \(keys_and_values\): requantizing keeps it"):
         convert_model(tmp_path / "int4.onnx", tmp_path / "c.onnx", format="int8", rotation="none")
+    with pytest.raises(
+        KvCacheError, match=r"cache is rotated \(keys_and_values\)\. Calibrate the original model with"
+    ):
+        int8 = _calibrated(model_file, "int8")
+        convert_model(tmp_path / "int4.onnx", tmp_path / "d.onnx", format="int8", scales=int8)
     rotated = load_model(model_file)
     KvCacheRotationPass()(rotated)
     with pytest.raises(
@@ -114,6 +123,18 @@ def test_paged_attention_takes_no_rotation():
     assert RefusalCode.ROTATION_UNSUPPORTED in [r.code for r in report.refusals]
     with pytest.raises(Exception, match="proven for GroupQueryAttention only"):
         KvCacheRotationPass()(model)
+
+
+def test_a_paged_model_asked_to_rotate_is_told_so_before_its_scales_are_compared(tmp_path):
+    """Unrotated scales and ``rotation='keys'`` on a PagedAttention model: the refusal names the
+    PagedAttention caches, not "calibrate with rotation='keys'" (which calibrate refuses)."""
+    model = build_decoder(num_layers=2, paged=True, dtype="float16")
+    ir.save(model, tmp_path / "model.onnx")
+    scales = calibrate_kv_cache(model, DATA, format="int4", progress=False)
+    with pytest.raises(KvCacheError, match="has PagedAttention caches") as info:
+        convert_model(tmp_path / "model.onnx", tmp_path / "o.onnx", scales=scales, rotation="keys", ep="cuda")
+    assert "Calibrate with" not in str(info.value)
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_the_rotation_moves_q_k_norms_out_of_the_node_so_the_cpu_runs_them():

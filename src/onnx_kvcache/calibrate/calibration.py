@@ -157,9 +157,10 @@ def calibrate_kv_cache(
         num_seqs: Use at most this many windows.
         granularity: ``per_tensor`` (default; ``None`` too, as the other entry points take it)
             or ``per_channel``.
-        rope_positions: Under the envelope, the context the attention methods' K search
-            assumes: keys are moved to random positions below it (default: the whole rotary
-            table). Contexts no longer than the calibration windows keep slow RoPE pairs near
+        rope_positions: Under the envelope, the context a rotated cache's K samples (any
+            method) and the attention methods' K search assume: keys are moved to random
+            positions below it (default: the whole rotary table). Contexts no longer than the
+            calibration windows keep slow RoPE pairs near
             their calibrated phase; scales chosen for them clip such pairs further out.
         rotation: The rotated cache the scales are for (:mod:`onnx_kvcache.cache.rotation`):
             ``none``, ``keys`` or ``keys_and_values``; K and V are sampled turned as that cache

@@ -318,8 +318,9 @@ _CALIBRATE = (
         "--rope-positions",
         metavar="N",
         type=_POSITIVE,
-        help="the longest context the scales must hold for: the attention methods' K search "
-        "assumes keys at positions below N (default: the model's whole rotary table)",
+        help="the longest context the scales must hold for: a rotated cache's keys (any method) "
+        "and the attention methods' K search assume positions below N (default: the model's "
+        "whole rotary table)",
     ),
     _progress_option("calibration"),
 )

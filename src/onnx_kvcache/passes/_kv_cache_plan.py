@@ -23,6 +23,7 @@ from onnx_kvcache.cache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.cache.operators import AttentionOp
+from onnx_kvcache.cache.rotation import site_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import (
     Function,
@@ -165,7 +166,7 @@ class _Planner:
         moved = sorted({p.source.format.name for p in plans if p.source and p.source.format != self.format})
         if scales is None and moved and calibrated_by(model.metadata_props) == "mse":
             notes.append(
-                ScalesAdjustedWarning(mse_moved(moved[0], self.format.name))
+                ScalesAdjustedWarning(mse_moved(moved[0], self.format.name, _rotation_of(plans)))
             )  # the marker of our conversion says so
         if scales is None and any(not p.done and p.source is None for p in plans):
             notes.append(
@@ -454,3 +455,8 @@ def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
             "another shape; calibrate this model."
         )
     return found
+
+
+def _rotation_of(plans: list[_Plan]) -> str:
+    """The rotation the planned caches' graph already applies (``none`` if none)."""
+    return next((r.name for r in (site_rotation(p.site) for p in plans) if r.rotates), "none")

@@ -440,6 +440,9 @@ def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None
     asked = get_rotation(request.rotation) if request.rotation is not None else None
     recorded = None if scales is None else get_rotation(scales.metadata.get("rotation", "none"))
     have = own or asked
+    paged = any(s.op.op_type != "GroupQueryAttention" for s in sites)
+    if own is None and asked is not None and asked.rotates and paged:  # before the scales: none can cure it
+        raise _paged_refusal(request)
     if own is not None and asked is not None and asked != own:
         raise KvCacheError(
             f"{request.name}'s cache is already rotated ({own.name}): requantizing keeps it. Convert the "
@@ -448,22 +451,19 @@ def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None
             ".",
         )
     if have is not None and recorded is not None and recorded != have:
-        where = "the model's cache is rotated" if own is not None else "was asked"
+        where = f"the model's cache is rotated ({have.name})" if own is not None else f"{have.name} was asked"
         raise KvCacheError(
-            f"The scales were calibrated for rotation {recorded.name}; {have.name} {where}. Calibrate with ",
+            f"The scales were calibrated for rotation {recorded.name}; {where}. Calibrate "
+            + ("the original model " if own is not None else "")
+            + "with ",
             Param("rotation", have.name),
-            *((" or convert with ", Param("rotation", recorded.name)) if own is None else ()),
+            *((" or convert with ", Param("rotation", recorded.name)) if own is None and not paged else ()),
             ".",
         )
     rotation = have or recorded or ROTATIONS["none"]
     if rotation.rotates and own is None:
-        if any(s.op.op_type != "GroupQueryAttention" for s in sites):
-            raise KvCacheError(
-                f"A rotated cache is for GroupQueryAttention; {request.name} has PagedAttention caches: "
-                "calibrate and convert it with ",
-                Param("rotation", "none"),
-                ".",
-            )
+        if paged:
+            raise _paged_refusal(request)
         quantized = next((s for s in sites if s.cache_format is not None), None)
         if quantized is not None:
             raise KvCacheError(
@@ -472,6 +472,15 @@ def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None
                 f"{rotation.name}."
             )
     return rotation
+
+
+def _paged_refusal(request: Request) -> KvCacheError:
+    return KvCacheError(
+        f"A rotated cache is for GroupQueryAttention; {request.name} has PagedAttention caches: "
+        "calibrate and convert it with ",
+        Param("rotation", "none"),
+        ".",
+    )
 
 
 def gate(

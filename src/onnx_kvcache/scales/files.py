@@ -287,13 +287,19 @@ class KvCacheScales:
         write_output(path, stamp_json(self.to_json(), "scales"), "scales", overwrite=overwrite)
 
 
-def mse_moved(source: str, target: str) -> Message:
-    """The warning for mse thresholds made for ``source`` used as ``target`` scales."""
+def mse_moved(source: str, target: str, rotation: str = "none") -> Message:
+    """The warning for mse thresholds made for ``source`` used as ``target`` scales; a rotated
+    model's (``rotation``) advice names the original model and its rotation, since scales
+    calibrated otherwise are refused for it."""
+    rotated = rotation != "none"
+    turned = (Param("rotation", rotation),) if rotated else ()
     return Message(
         f"These KV-cache scales hold mse thresholds chosen for {source}'s levels; as {target} "
         f"scales they keep those thresholds, which are not what mse chooses for {target} "
-        f"(an int4 mse threshold clips far more than int8 needs). Calibrate for {target}: ",
-        Function("calibrate_kv_cache", (Param("format", target), Param("method", "mse"))),
+        f"(an int4 mse threshold clips far more than int8 needs). Calibrate "
+        + ("the original model " if rotated else "")
+        + f"for {target}: ",
+        Function("calibrate_kv_cache", (Param("format", target), Param("method", "mse"), *turned)),
         ".",
     )
 
