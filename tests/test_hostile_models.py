@@ -666,6 +666,7 @@ def test_rope_positions_with_a_method_that_never_reads_it_is_one_line(tmp_path, 
     assert code == 2 and out == "" and not (tmp_path / "s.json").exists()
     assert "--rope-positions 64 limits only, under the RoPE envelope, the attention methods" in one_line(err)
     assert "--method minmax of an unrotated cache never reads it" in err and "Drop --rope-positions" in err
+    assert "choose an attention method or a rotated cache (--rotation keys)" in one_line(err)
 
 
 def test_scales_for_a_short_context_on_a_model_that_states_none_say_so(tmp_path):

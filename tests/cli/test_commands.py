@@ -82,7 +82,8 @@ def test_fp8_without_scales_warns_on_stderr(tmp_path, fp16_model_file, capsys):
         ),
         (
             ["calibrate", "{model}", "--out", "{tmp}/s.json", "--percentile", "99"],
-            "--percentile applies to --method percentile, not the default method; add it",
+            "--percentile applies to --method percentile, not the default method (int4: mse or attention, "
+            "else minmax); add --method percentile",
         ),
         (
             ["calibrate", "{model}", "--out", "{tmp}/s.json", "--method", "mse", "--percentile", "99"],

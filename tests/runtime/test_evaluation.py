@@ -292,3 +292,25 @@ def test_the_default_lengths_fit_a_context_shorter_than_them():
     assert report.greedy_match_prefix == 40 - 20 + 1  # after a prompt of 20: the rest of the context
     with pytest.raises(KvCacheError, match=r"^seq_len=100 feeds 99 positions, .* give at most seq_len=41\.$"):
         evaluate_kv_cache(short, short, ids, seq_len=100, progress=False)
+
+
+@pytest.mark.parametrize("rotation", ["keys", "keys_and_values"])
+def test_a_rotated_cache_is_compared_turned_back(rotation):
+    """A rotated cache stores ``k H`` (and ``v H``): its error is taken after ``H^T``, so the
+    float model rotated alone has none, and a rotated int8 cache a rounding error (the stored
+    values themselves differ from the float cache's by about sqrt(2))."""
+    from onnx_kvcache import KvCacheRotationPass, calibrate_kv_cache
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    turned = build_decoder(num_layers=2, vocab_size=300)
+    KvCacheRotationPass(rotation)(turned)
+    exact = evaluate_kv_cache(base, turned, DATA, max_new_tokens=0)
+    assert all(k < 1e-5 and v < 1e-5 for k, v in exact.layer_errors.values()), exact.layer_errors
+    scales = calibrate_kv_cache(
+        base, DATA, format="int8", granularity="per_channel", rotation=rotation, progress=False, min_tokens=0
+    )
+    cand = build_decoder(num_layers=2, vocab_size=300)
+    KvCacheRotationPass(rotation)(cand)
+    KvCacheQuantizationPass("int8", "per_channel", scales)(cand)
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=0)
+    assert all(0 < k < 0.5 and 0 < v < 0.5 for k, v in report.layer_errors.values()), report.layer_errors

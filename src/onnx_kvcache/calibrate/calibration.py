@@ -384,7 +384,7 @@ def _check_rope_positions(choice: _Choice, method: CalibrationMethod, rotation: 
         return
     if choice.rope_envelope:
         why = Message(Param("method", method.name), " of an unrotated cache never reads it")
-        instead = "choose an attention method"
+        instead = Message("choose an attention method or a rotated cache (", Param("rotation", "keys"), ")")
     else:
         off = Param("rope_envelope", False)
         why, instead = (

@@ -351,7 +351,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise KvCacheError("--batch sizes the cache at --context N; give --context too.")
     if command == "calibrate" and args.percentile is not None and args.method != "percentile":
         if args.method is None:  # the default depends on the format and rotation (docs/calibration.md)
-            raise KvCacheError("--percentile applies to --method percentile, not the default method; add it.")
+            raise KvCacheError(
+                "--percentile applies to --method percentile, not the default method (int4: mse or "
+                "attention, else minmax); add --method percentile."
+            )
         raise KvCacheError(f"--percentile applies to --method percentile, not --method {args.method}.")
     if command == "convert":
         same = args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.input)
