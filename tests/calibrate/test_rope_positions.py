@@ -103,3 +103,17 @@ def test_the_help_and_docs_say_a_rotated_cache_reads_rope_positions_with_any_met
     assert "a rotated cache's keys (any method)" in " ".join(capsys.readouterr().out.split())
     doc = " ".join((pathlib.Path(__file__).parents[2] / "docs/calibration.md").read_text().split())
     assert "A rotated cache ([rotation.md](rotation.md)) reads it with every method" in doc
+
+
+def test_rope_positions_past_the_rotary_table_is_refused(model, data):
+    """Keys cannot move past the table: the scales would be the whole table's, recording more."""
+    from onnx_kvcache import KvCacheRunner
+
+    table = KvCacheRunner(model).max_positions
+    assert table is not None
+    kwargs = dict(format="int4", granularity="per_channel", progress=False, min_tokens=0)
+    with pytest.raises(
+        KvCacheError, match=re.escape(f"rope_positions={table + 1} is past the model's rotary")
+    ):
+        calibrate_kv_cache(model, data, rope_positions=table + 1, **kwargs)
+    assert calibrate_kv_cache(model, data, rope_positions=table, **kwargs).metadata["rope_positions"] == table

@@ -347,6 +347,15 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
     chosen = CALIBRATION_METHODS[method]
     _check_rope_positions(choice, chosen, rotation)
+    table = runner.max_positions
+    if choice.rope_positions is not None and table is not None and choice.rope_positions > table:
+        raise KvCacheError(
+            Param("rope_positions", choice.rope_positions),
+            f" is past the model's rotary tables (cos_cache: {table} positions, its context): the scales "
+            "would be those of the whole table but record the larger context. Give at most ",
+            Param("rope_positions", table),
+            ", or drop it (the whole table).",
+        )
     if chosen.clip_search and fmt.is_float:
         raise KvCacheError(
             Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
