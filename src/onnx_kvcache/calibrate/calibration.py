@@ -324,18 +324,7 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         caches_only=True,
         capture_queries=method is not None and CALIBRATION_METHODS[method].attention,
     )
-    format, chosen_for = choice.format, None
-    if format is None:
-        target, why, format = inferred_format(runner.source_model, runner.genai_config, choice.granularity)
-        if format is None:
-            raise KvCacheError(
-                f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
-                "format of the provider it will run on, e.g. ",
-                Param("format", "int8"),
-                ".",
-            )
-        chosen_for = f"{target} (assumed: {why})"
-    fmt = get_format(format)
+    fmt, chosen_for = _format(runner, choice)
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     if not runner.bindings:
@@ -347,7 +336,32 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
     chosen = CALIBRATION_METHODS[method]
     _check_rope_positions(choice, chosen, rotation)
-    table = runner.max_positions
+    _check_rope_table(choice, runner.max_positions)
+    if chosen.clip_search and fmt.is_float:
+        raise KvCacheError(
+            Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
+        )
+    return _Setup(runner, fmt, chosen, chosen_for, rotation)
+
+
+def _format(runner: KvCacheRunner, choice: _Choice) -> tuple[CacheFormat, str | None]:
+    """The format asked, else the first the model's target runs (and what it was chosen for)."""
+    if choice.format is not None:
+        return get_format(choice.format), None
+    target, why, format = inferred_format(runner.source_model, runner.genai_config, choice.granularity)
+    if format is None:
+        raise KvCacheError(
+            f"The model's target, {target} ({why}), runs no quantized KV cache for it; give the "
+            "format of the provider it will run on, e.g. ",
+            Param("format", "int8"),
+            ".",
+        )
+    return get_format(format), f"{target} (assumed: {why})"
+
+
+def _check_rope_table(choice: _Choice, table: int | None) -> None:
+    """``rope_positions`` past the rotary tables would give the whole table's scales yet record
+    the larger context."""
     if choice.rope_positions is not None and table is not None and choice.rope_positions > table:
         raise KvCacheError(
             Param("rope_positions", choice.rope_positions),
@@ -356,11 +370,6 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             Param("rope_positions", table),
             ", or drop it (the whole table).",
         )
-    if chosen.clip_search and fmt.is_float:
-        raise KvCacheError(
-            Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
-        )
-    return _Setup(runner, fmt, chosen, chosen_for, rotation)
 
 
 def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
