@@ -163,26 +163,17 @@ def test_a_cycle_through_a_lazy_getattr_is_found(tmp_path):
     """A module that takes a name from a package whose ``__getattr__`` imports, by a table (its
     own code or ``_lazy.lazy_getattr``) or directly, its own module (``onnx_kvcache.cli.main``
     was: cli -> cli.commands -> cli)."""
-    through_the_root = _write(
-        tmp_path / "root",
-        {
-            "pkg/__init__.py": _LAZY_ROOT,
-            "pkg/a.py": "def use():\n    from pkg import X\n",
-            "pkg/b.py": "import pkg.a\n",
-        },
-    )
-    cycle = find_cycle(import_graph(through_the_root))
-    assert cycle is not None and "pkg" in cycle and "pkg.b" in cycle, cycle
-    by_the_helper = _write(  # model_io, runtime and files make their __getattr__ so
-        tmp_path / "helper",
-        {
-            "pkg/__init__.py": _LAZY_BY_THE_HELPER,
-            "pkg/a.py": "def use():\n    from pkg import X\n",
-            "pkg/b.py": "import pkg.a\n",
-        },
-    )
-    cycle = find_cycle(import_graph(by_the_helper))
-    assert cycle is not None and "pkg" in cycle and "pkg.b" in cycle, cycle
+    for name, root in (("root", _LAZY_ROOT), ("helper", _LAZY_BY_THE_HELPER)):  # model_io, runtime, files
+        package = _write(
+            tmp_path / name,
+            {
+                "pkg/__init__.py": root,
+                "pkg/a.py": "def use():\n    from pkg import X\n",
+                "pkg/b.py": "import pkg.a\n",
+            },
+        )
+        cycle = find_cycle(import_graph(package))
+        assert cycle is not None and "pkg" in cycle and "pkg.b" in cycle, (name, cycle)
     through_a_subpackage = _write(
         tmp_path / "sub",
         {
