@@ -160,8 +160,8 @@ def calibrate_kv_cache(
         rope_positions: Under the envelope, the context a rotated cache's K samples (any
             method) and the attention methods' K search assume: keys are moved to random
             positions below it (default: the whole rotary table). Contexts no longer than the
-            calibration windows keep slow RoPE pairs near
-            their calibrated phase; scales chosen for them clip such pairs further out.
+            calibration windows keep slow RoPE pairs near their calibrated phase; scales chosen
+            for them clip such pairs further out.
         rotation: The rotated cache the scales are for (:mod:`onnx_kvcache.cache.rotation`):
             ``none``, ``keys`` or ``keys_and_values``; K and V are sampled turned as that cache
             holds them, K moved over the rotary table. By default the format's

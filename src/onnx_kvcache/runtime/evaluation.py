@@ -38,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
-from onnx_kvcache.cache.rotation import rotate, site_rotation
+from onnx_kvcache.cache.rotation import Rotation, rotate, site_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
 from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
@@ -480,6 +480,8 @@ class _Tally:
     errors: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     prefixes: list[int] = dataclasses.field(default_factory=list)
     shares: list[float] = dataclasses.field(default_factory=list)
+    turned: dict[int, Rotation] | None = None
+    """The candidate's rotation per layer, read from its graph at the first window."""
 
     def score(
         self,
@@ -534,11 +536,12 @@ class _Tally:
         """Each layer's relative K and V error of the candidate's cache (dequantized; a rotated
         cache turned back by ``H^T``, so it compares with the float cache it stands for)."""
         per_layer: dict[int, list[list[float]]] = {}
-        turned = {s.layer_id: site_rotation(s) for s in find_attention_sites(cand.source_model)}
+        if self.turned is None:
+            self.turned = {s.layer_id: site_rotation(s) for s in find_attention_sites(cand.source_model)}
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = base.cache_values(bb.layer_id, bb.kind)
             test = cand.cache_values(cb.layer_id, cb.kind)
-            rotation = turned.get(cb.layer_id)
+            rotation = self.turned.get(cb.layer_id)
             if rotation is not None and (rotation.keys if cb.kind == "key" else rotation.values):
                 test = rotate(test, inverse=True)
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
