@@ -6,8 +6,10 @@ command's file arguments."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -684,3 +686,88 @@ def test_a_long_npy_shape_is_shown_shortened(tmp_path, capsys, ndim):
     assert main(["calibrate", str(model), "--out", str(tmp_path / "s.json"), "--token-ids", str(ids)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"a {ndim}-D array" in err and len(err) < 400, err
+
+
+# -- issue 45, rows 3 to 5: a yes/no argument is True or False, never a truthy string ------------
+
+
+def _flags() -> list[tuple[str, str]]:
+    """Every (public callable, yes/no parameter): annotated ``bool`` or ``bool | None``, results
+    (dataclasses the library returns) left out."""
+    found = []
+    for name in onnx_kvcache.__all__:
+        obj = getattr(onnx_kvcache, name)
+        if dataclasses.is_dataclass(obj) or not callable(obj):
+            continue
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        try:
+            parameters = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        found += [(name, p.name) for p in parameters if str(p.annotation) in ("bool", "bool | None")]
+    return found
+
+
+#: Valid values for the parameters a call needs before its flags (by name).
+_REQUIRED = dict.fromkeys(
+    ("model", "model_or_path", "in_path", "path", "baseline", "candidate"), "model.onnx"
+)
+
+
+def test_every_public_yes_no_argument_is_found():
+    flags = set(_flags())
+    assert {
+        ("convert_model", "in_place"),
+        ("optimize_model", "fp8_kv_cache"),
+        ("KvCacheRunner", "quantized_io"),
+    } <= flags
+    assert {
+        ("calibrate_kv_cache", "rope_envelope"),
+        ("evaluate_kv_cache", "progress"),
+        ("load_model", "follow_symlinks"),
+    } <= flags
+
+
+@pytest.mark.parametrize("name, flag", _flags())
+@pytest.mark.parametrize("value", ["no", "false", 0, 1.0])
+def test_a_yes_no_argument_that_is_no_bool_is_a_type_error(models, monkeypatch, name, flag, value):
+    monkeypatch.chdir(models)
+    obj = getattr(onnx_kvcache, name)
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    required = [
+        p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD and p.name != "self"
+    ]
+    before = (models / "model.onnx").read_bytes()
+    with pytest.raises(
+        KvCacheTypeError, match=rf"^{flag} must be True or False(, or None)?|^{flag} must be True, False"
+    ):
+        obj(*[_REQUIRED[p] for p in required], **{flag: value})
+    assert (models / "model.onnx").read_bytes() == before
+    assert sorted(p.name for p in models.iterdir()) == ["genai", "model.onnx"]
+
+
+def test_in_place_false_as_a_string_leaves_the_input_untouched(models, monkeypatch, tmp_path):
+    source = tmp_path / "model.onnx"
+    shutil.copy(models / "model.onnx", source)
+    before = source.read_bytes()
+    with pytest.raises(KvCacheTypeError, match=r"^in_place must be True or False, got str \('false'\)"):
+        convert_model(source, None, in_place="false", scales=scales_doc(), format="int8")
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda r: r.generate([1, 2, 3], "3"), r"^max_new_tokens must be an integer, got str"),
+        (lambda r: r.generate([1, 2, 3], 2, eos_token_id="2"), r"^eos_token_id must be a token id or None"),
+        (lambda r: r.step("3"), r"^Token ids must be integers, got <U1"),
+        (lambda r: r.step(2.0), r"^Token ids must be integers, got float64"),
+        (lambda r: r.reset("2"), r"^batch must be an integer, got str"),
+    ],
+)
+def test_runner_arguments_of_the_wrong_type_are_one_type_error(models, call, message):
+    with pytest.raises(KvCacheTypeError, match=message):
+        call(KvCacheRunner(models / "model.onnx"))

@@ -349,6 +349,20 @@ def require_type(value: Any, types: type | tuple[type, ...], name: str, expected
     raise KvCacheTypeError(f"{name} must be {expected}, got {type(value).__name__} ({value!r:.60}).")
 
 
+def require_flags(**flags: object) -> None:
+    """Raise :class:`KvCacheTypeError` unless every yes/no argument is ``True`` or ``False``:
+    ``"no"`` is truthy and would mean yes (``strict must be True or False, got str ('no').``).
+    A flag whose ``None`` means "decide for me" is checked by :func:`require_optional_flags`."""
+    for name, value in flags.items():
+        require_type(value, bool, name, "True or False")
+
+
+def require_optional_flags(**flags: object) -> None:
+    """:func:`require_flags` for yes/no arguments that also take ``None`` (decided for the caller)."""
+    for name, value in flags.items():
+        require_type(value, (bool, type(None)), name, "True, False or None")
+
+
 def __getattr__(name: str) -> object:
     """:class:`KvCachePreconditionError` on first use: its base is onnx-ir's (PEP 562)."""
     if name != "KvCachePreconditionError":

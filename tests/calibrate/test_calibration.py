@@ -447,3 +447,12 @@ def test_granularity_none_is_the_default_as_elsewhere(model, data):
     none = calibrate_kv_cache(model, data, format="int8", method="minmax", granularity=None, progress=False)
     assert none.granularity == default.granularity == "per_tensor"
     np.testing.assert_array_equal(none.k[0], default.k[0])
+
+
+def test_a_model_without_a_cache_is_said_to_have_none():
+    """Issue 45 row 7: not a word about targets and formats."""
+    from onnx_kvcache.models.decoder import build_decoder as bundled
+
+    model = bundled(num_layers=2, no_cache_layers=(0, 1))
+    with pytest.raises(KvCacheError, match=r"^The model has no KV cache .*: nothing to calibrate\.$"):
+        calibrate_kv_cache(model, [[1, 2, 3] * 30], progress=False)

@@ -24,7 +24,12 @@ from onnx_kvcache.cache.layout import format_cache_table
 from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.capabilities.table import check_kv_cache_support
 from onnx_kvcache.cli.commands import main
-from onnx_kvcache.errors import Float16AttentionWarning, KvCacheError, ScalesAdjustedWarning
+from onnx_kvcache.errors import (
+    Float16AttentionWarning,
+    KvCacheError,
+    NotConvertedWarning,
+    ScalesAdjustedWarning,
+)
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.scales.files import KvCacheScales, load_kv_cache_scale_file
@@ -177,3 +182,30 @@ def test_a_float32_model_for_cuda_keeps_its_rotation_around_float16_attention(mo
     assert runner.kernel_rule == "cuda (emulated on CPU)"
     want = KvCacheRunner(model_file).prefill(PROMPT)
     assert float(np.abs(runner.prefill(PROMPT) - want).mean()) < 0.05
+
+
+@pytest.mark.parametrize("rotation", ["none", "keys"])
+def test_another_rotation_for_a_rotated_model_says_convert_the_original(model_file, tmp_path, rotation):
+    """Issue 45 row 6: asked for another rotation, a rotated int4 model gets the real reason
+    (not "nothing to convert"); asked for nothing new, the result describes the model."""
+    convert_model(model_file, tmp_path / "int4.onnx", scales=_calibrated(model_file))
+    with pytest.raises(
+        KvCacheError, match=rf"already rotated \(keys_and_values\).*original model for rotation='{rotation}'"
+    ):
+        convert_model(tmp_path / "int4.onnx", tmp_path / "out.onnx", rotation=rotation)
+    code = main(["convert", str(tmp_path / "int4.onnx"), str(tmp_path / "out.onnx"), "--rotation", rotation])
+    assert code == 2 and not (tmp_path / "out.onnx").exists()
+    with pytest.warns(NotConvertedWarning, match="nothing to convert"):
+        same = convert_model(tmp_path / "int4.onnx", tmp_path / "out.onnx", format="int4")
+    assert not same.converted
+    assert (same.format, same.granularity, same.rotation) == ("int4", "per_channel", "keys_and_values")
+    assert "nothing to convert" in str(same.reasons)
+
+
+def test_inspect_says_a_rotated_float_cache_has_no_scales(model_file):
+    """Issue 45 row 9."""
+    model = load_model(model_file)
+    KvCacheRotationPass("keys_and_values")(model)
+    table = format_cache_table(inspect_kv_cache(model))
+    assert "in layer(s) 0-1; a float cache, no scales: unquantized" in table
+    assert "scales are for the turned values" not in table

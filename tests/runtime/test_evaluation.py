@@ -314,3 +314,53 @@ def test_a_rotated_cache_is_compared_turned_back(rotation):
     KvCacheQuantizationPass("int8", "per_channel", scales)(cand)
     report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=0)
     assert all(0 < k < 0.5 and 0 < v < 0.5 for k, v in report.layer_errors.values()), report.layer_errors
+
+
+@pytest.mark.parametrize("rotation", ["keys", "keys_and_values"])
+def test_each_models_cache_is_turned_back_by_its_own_rotation(rotation):
+    """Issue 45 row 1: a rotated model against itself, and against its original in either
+    order, has no cache error (each side turned back by its own ``H^T``)."""
+    from onnx_kvcache import KvCacheRotationPass
+
+    base = build_decoder(num_layers=2, vocab_size=300)
+    turned = build_decoder(num_layers=2, vocab_size=300)
+    KvCacheRotationPass(rotation)(turned)
+    for pair in ((turned, turned), (turned, base), (base, turned)):
+        report = evaluate_kv_cache(*pair, DATA, max_new_tokens=0)
+        assert all(k < 1e-5 and v < 1e-5 for k, v in report.layer_errors.values()), report.layer_errors
+
+
+def test_a_rotated_models_position_limit_is_read_where_rope_stands():
+    """Issue 45 row 2: rotation moves RoPE out of the attention node into a RotaryEmbedding;
+    the limit of its cos table is still the model's, and evaluate's defaults fit it."""
+    from onnx_kvcache import KvCacheRotationPass
+
+    short = build_decoder(num_layers=2, vocab_size=300, max_position=48)
+    KvCacheRotationPass("keys_and_values")(short)
+    assert not any(
+        n.op_type == "GroupQueryAttention" and n.attributes.get_int("do_rotary") for n in short.graph
+    )
+    runner = KvCacheRunner(short)
+    assert runner.max_positions == 48
+    with pytest.raises(KvCacheError, match="exceed the 48 positions"):
+        runner.generate(list(range(40)), 20)
+    ids = [list(np.random.default_rng(5).integers(0, 300, 200))]
+    report = evaluate_kv_cache(short, short, ids, num_seqs=1, progress=False)
+    assert report.tokens == 49 and report.greedy_match_prefix == 48 - 24 + 1
+
+
+def test_a_model_without_a_cache_is_refused():
+    """Issue 45 row 10: nothing to compare."""
+    model = build_decoder(num_layers=2, vocab_size=300, no_cache_layers=(0, 1))
+    with pytest.raises(KvCacheError, match=r"^The candidate has no KV cache .*: nothing to compare\."):
+        evaluate_kv_cache(model, model, DATA)
+
+
+def test_a_float_paged_cache_is_said_to_be_one():
+    """Issue 45 row 11: the rule line of a float paged cache says what is there."""
+    model = build_decoder(num_layers=2, vocab_size=300, paged=True)
+    report = evaluate_kv_cache(model, model, DATA, max_new_tokens=2, progress=False)
+    assert report.kernel_rule == "PagedAttention CPU reference (a float cache, float32)"
+    assert "quantized" not in report.calls["candidate"]
+    quantized = KvCacheRunner(_calibrated_paged_pair("int8", "per_tensor")[1])
+    assert quantized.kernel_rule.startswith("PagedAttention CPU reference (quantized before attending")

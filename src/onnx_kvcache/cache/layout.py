@@ -204,14 +204,16 @@ def _attention_lines(info: CacheModelInfo) -> list[str]:
 
 def _rotation_lines(info: CacheModelInfo) -> list[str]:
     """Which layers' caches hold rotated values, and by what."""
-    groups: dict[tuple[str, int], list[int]] = {}
+    groups: dict[tuple[str, int, bool], list[int]] = {}
     for layer in info.layers:
         if layer.rotation != "none":
-            groups.setdefault((layer.rotation, layer.head_size), []).append(layer.layer_id)
+            quantized = layer.k_quant_type != "NONE" or layer.v_quant_type != "NONE"
+            groups.setdefault((layer.rotation, layer.head_size, quantized), []).append(layer.layer_id)
     return [
         f"rotated cache: {ROTATIONS[name].description} ({matrix_name(size)}, after RoPE and q/k norms) "
-        f"in layer(s) {_ranges(ids)}; its scales are for the turned values"
-        for (name, size), ids in groups.items()
+        f"in layer(s) {_ranges(ids)}; "
+        + ("its scales are for the turned values" if quantized else "a float cache, no scales: unquantized")
+        for (name, size, quantized), ids in groups.items()
     ]
 
 

@@ -91,6 +91,7 @@ from onnx_kvcache.errors import (
     KvCacheError,
     Message,
     Param,
+    require_flags,
     require_type,
     warn,
 )
@@ -174,6 +175,7 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
+    require_flags(rope_envelope=rope_envelope, progress=progress)
     given = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     sampling = _Sampling(given, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
     granularity = "per_tensor" if granularity is None else granularity
@@ -324,11 +326,14 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         caches_only=True,
         capture_queries=method is not None and CALIBRATION_METHODS[method].attention,
     )
-    fmt, chosen_for = _format(runner, choice)
+    if not runner.bindings:  # before the format: a target's formats mean nothing without a cache
+        raise KvCacheError(
+            "The model has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
+            "present inputs): nothing to calibrate."
+        )
     if any(b.format is not None for b in runner.bindings):
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
-    if not runner.bindings:
-        raise KvCacheError("The model has no GroupQueryAttention or PagedAttention KV cache to calibrate.")
+    fmt, chosen_for = _format(runner, choice)
     rotation = _rotation(runner.source_model, fmt, choice.rotation)
     if method is None:
         method = default_method(fmt.name, rotation.name)

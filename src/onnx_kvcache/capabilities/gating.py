@@ -37,7 +37,7 @@ from onnx_kvcache.capabilities.rows import (
     FormatSupport,
     get_capabilities,
 )
-from onnx_kvcache.errors import Message, Param
+from onnx_kvcache.errors import Message, Param, require_optional_flags
 from onnx_kvcache.model_io import MARKER_KEY, converted_for, installed_ort_version, installed_version
 from onnx_kvcache.model_io.genai_folder import provider_names
 from onnx_kvcache.model_io.reading import ModelLike, as_model
@@ -438,6 +438,7 @@ def fast_path_diagnostics(
     cache shapes when not given) and before onnxruntime 1.29 one tensor for k_scale and
     v_scale; for PagedAttention SM 8.0+ (checked when ``compute_capability`` is given).
     """
+    require_optional_flags(share_buffer=share_buffer)
     version = ort_version if ort_version is not None else installed_ort_version()
     reports = []
     for site in find_attention_sites(as_model(model)):

@@ -54,6 +54,8 @@ from onnx_kvcache.errors import (
     Message,
     Param,
     SharedWeightsWarning,
+    require_flags,
+    require_optional_flags,
     require_type,
     warn,
 )
@@ -165,6 +167,16 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
+    require_flags(
+        shared_kv_scale=shared_kv_scale,
+        in_place=in_place,
+        overwrite=overwrite,
+        strict=strict,
+        check_device=check_device,
+        follow_symlinks=follow_symlinks,
+        allow_partial=allow_partial,
+    )
+    require_optional_flags(progress=progress)
     checked = _arguments(in_path, out_path, format, granularity, scales, weights, ep, rotation)
     scales, named, granularity = checked
     with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import tempfile
 from typing import Any
 
 from onnx_kvcache.errors import KvCacheError, Param
@@ -31,6 +32,23 @@ def check_writable_folder(folder: os.PathLike | str) -> None:
         read_only = hasattr(os, "statvfs") and os.statvfs(base).f_flag & getattr(os, "ST_RDONLY", 1)
         why = "the file system is read-only" if read_only else "permission denied"
         raise KvCacheError(f"Cannot write in {base} ({why}).")
+    _probe(base)
+
+
+#: The name a probe file starts with (removed at once; see :func:`_probe`).
+PROBE_PREFIX = ".onnx-kvcache-probe-"
+
+
+def _probe(base: pathlib.Path) -> None:
+    """Create and remove an empty file in ``base``: ``os.access`` says yes to root everywhere,
+    and a pseudo file system (sysfs, procfs) or an immutable folder refuses only the write."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=base)
+    except OSError as e:
+        why = (e.strerror or type(e).__name__).lower()
+        raise KvCacheError(f"Cannot write in {base} ({why}).") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def is_mount_point(path: os.PathLike | str) -> bool:

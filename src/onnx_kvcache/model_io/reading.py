@@ -31,7 +31,13 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, MalformedModelError, require_type
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheTypeError,
+    MalformedModelError,
+    require_flags,
+    require_type,
+)
 from onnx_kvcache.model_io import _atomic as file_io
 from onnx_kvcache.model_io._atomic import check_inside, check_relative
 from onnx_kvcache.model_io._inputs import input_kind
@@ -101,16 +107,34 @@ class DataFile:
     size: int
 
 
+def _beside_target(graph: pathlib.Path | None, location: str) -> str | None:
+    """The advice for a model file that is a symbolic link whose data file lies beside the
+    link's target, not beside the link (where it is looked for; onnxruntime 1.32 looks there
+    too and refuses it: "External data path escapes model directory")."""
+    if graph is None or not os.path.islink(graph):
+        return None
+    real = pathlib.Path(os.path.realpath(graph))
+    if not os.path.lexists(real.parent / location):
+        return None
+    return (
+        f"{graph} is a symbolic link to {real}: data files are looked for beside the link, not beside "
+        f"its target, where {location} is (onnxruntime refuses such a link too). Give {real} itself, "
+        "or copy the model file and its data files into one folder."
+    )
+
+
 def _external_data(
     model: ir.Model,
     graph_dir: pathlib.Path,
     root: pathlib.Path,
     follow_symlinks: bool,
     forbidden: frozenset[pathlib.Path] = frozenset(),
+    graph: pathlib.Path | None = None,
 ) -> dict[str, DataFile]:
     """Every external data file: inside ``root``, present, a regular file, long enough.
 
-    ``forbidden``: files that cannot hold weights (the model file, its config).
+    ``forbidden``: files that cannot hold weights (the model file, its config); ``graph``: the
+    model file as named, for the advice when it is a link whose data lies beside its target.
     """
     needed: dict[str, tuple[int, str]] = {}
     for tensor in _iter_tensors(model):
@@ -127,8 +151,8 @@ def _external_data(
             raise KvCacheError(f"Tensor {name!r} keeps its data at {location!r}, outside {root}.")
         if not os.path.lexists(path):
             raise KvCacheError(
-                f"Data file {path} is missing: tensor {name!r} (and maybe others) keeps its weights "
-                "there. Copy the complete model (every data file) and try again."
+                f"Data file {path} is missing: tensor {name!r} (and maybe others) keeps its weights there. ",
+                _beside_target(graph, location) or "Copy the complete model (every data file) and try again.",
             )
         real = check_inside(path, root, follow_symlinks)
         if real in forbidden:
@@ -156,10 +180,11 @@ def external_data_files(model: ir.Model, base_dir: str | os.PathLike) -> list[st
 
 def load_model(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ir.Model:
     """Load a model's graph from a file or genai folder; weights stay on disk (checked)."""
+    require_flags(follow_symlinks=follow_symlinks)
     model_file, _ = resolve_model_path(path)
     model = _load_graph(model_file)
     folder = pathlib.Path(os.path.abspath(model_file.parent))
-    _external_data(model, folder, folder, follow_symlinks)
+    _external_data(model, folder, folder, follow_symlinks, graph=model_file)
     return model
 
 
@@ -275,7 +300,7 @@ def open_model_source(path: str | os.PathLike, *, follow_symlinks: bool = False)
     forbidden = {pathlib.Path(os.path.realpath(graph))}
     if folder is not None and config is not None:
         forbidden.add(pathlib.Path(os.path.realpath(folder / GENAI_CONFIG)))
-    data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden))
+    data = _external_data(model, graph.parent, root, follow_symlinks, frozenset(forbidden), graph)
     entries = _walk(folder, follow_symlinks) if folder is not None else []
     return ModelSource(graph, folder, config, model, data, entries)
 

@@ -58,7 +58,7 @@ from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.capabilities.table import get_capabilities
-from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param
+from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param, require_flags
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._gqa_prologue import (
@@ -290,6 +290,7 @@ class KvCacheEmulationPass(InPlacePass):
 
     def __init__(self, semantics: str = "cuda", *, quantized_io: bool = False) -> None:
         super().__init__()
+        require_flags(quantized_io=quantized_io)
         self.semantics = get_semantics(semantics)
         self.quantized_io = quantized_io
 
@@ -366,6 +367,7 @@ def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io:
     A bfloat16 model also computes in float32 (:class:`Bfloat16ToFloatPass`: the CPU has
     no bf16 kernels), and model-local functions holding nodes to emulate are inlined.
     """
+    require_flags(quantized_io=quantized_io)
     copy = as_model(model).clone()
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)

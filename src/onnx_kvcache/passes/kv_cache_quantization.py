@@ -70,7 +70,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import KvCacheWarning, UnfusedAttentionWarning, warn
+from onnx_kvcache.errors import KvCacheWarning, UnfusedAttentionWarning, require_flags, warn
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._kv_cache_endpoints import _head_readers, _retype
 from onnx_kvcache.passes._kv_cache_plan import (
@@ -122,6 +122,7 @@ class KvCacheQuantizationPass(InPlacePass):
         shared_kv_scale: bool = False,
     ) -> None:
         super().__init__()
+        require_flags(shared_kv_scale=shared_kv_scale)
         self.format: CacheFormat = get_format(format)
         self.scales = as_kv_cache_scales(scales, format=self.format.name)
         """Read once (a scale file is read here, not at every run)."""

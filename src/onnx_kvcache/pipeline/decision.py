@@ -288,12 +288,12 @@ def fuse_unless_attention(
 def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
     """``convert_model``'s refusal of a model already as asked, or without attention to convert."""
     if request.scales is None and not request.shared_kv_scale and request.format is not None:
-        states = {
-            (s.cache_format.name if s.cache_format else None, s.granularity)
-            for s in find_attention_sites(model)
-        }
+        sites = find_attention_sites(model)
+        states = {(s.cache_format.name if s.cache_format else None, s.granularity) for s in sites}
         wanted = (get_format(request.format).name, request.granularity or granularity_for(model, None))
-        if states == {wanted}:
+        turned = {site_rotation(s).name for s in sites}
+        other_rotation = request.rotation is not None and turned != {get_rotation(request.rotation).name}
+        if states == {wanted} and not other_rotation:  # another rotation: rule 5 says why not
             text = f"{request.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
             return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
     if not find_attention_sites(model):
@@ -525,6 +525,9 @@ def decide(request: Request) -> Decision:
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)
     if early is not None:
+        decision = (
+            _as_it_is(decision, fusion.model) if early.code is RefusalCode.ALREADY_CONVERTED else decision
+        )
         return _refused(decision, rules.refused_head, (early,), bare=rules.raise_bare)
     target, why = target_of(request, fusion.model)
     logger.info("%s: target %s (%s).", request.entry, target, why or "given")
@@ -580,6 +583,16 @@ def _adapt(decision: Decision) -> None:
     layers = len(row.sites(decision.model))
     row.make_pass()(decision.model)
     warn(row.note.format(target=decision.target, layers=layers, format=decision.format.name), row.category)
+
+
+def _as_it_is(decision: Decision, model: ir.Model) -> Decision:
+    """``decision`` describing ``model``'s cache as it is (its format, granularity, rotation):
+    what a model already as asked reports."""
+    site = find_attention_sites(model)[0]
+    granularity = scale_granularity(site.granularity) if site.granularity else decision.granularity
+    return dataclasses.replace(
+        decision, format=site.cache_format, granularity=granularity, rotation=site_rotation(site)
+    )
 
 
 def _named_format(request: Request) -> CacheFormat | None:

@@ -18,7 +18,7 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import KvCacheError, Param, require_type
+from onnx_kvcache.errors import KvCacheError, Param, require_flags, require_type
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -203,6 +203,13 @@ def optimize_model(
         ``strict=True`` to raise :class:`~onnx_kvcache.KvCacheError` instead, or check the result
         (``inspect_kv_cache(model)``: every layer's cache dtype).
     """
+    require_flags(
+        fp8_kv_cache=fp8_kv_cache,
+        check_device=check_device,
+        strict=strict,
+        shared_kv_scale=shared_kv_scale,
+        allow_partial=allow_partial,
+    )
     options = _Options(
         ep,
         fp8_kv_cache,

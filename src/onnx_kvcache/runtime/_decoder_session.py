@@ -95,14 +95,24 @@ def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None
     return semantics, f"target {ep}: {why}"
 
 
+#: Where RoPE's cos table stands: GroupQueryAttention's own (``do_rotary=1``), or the
+#: com.microsoft RotaryEmbedding a rotated cache moves it to (its input 2).
+_COS_TABLE_INPUT = {"GroupQueryAttention": int(GqaInput.COS_CACHE), "RotaryEmbedding": 2}
+
+
 def max_positions(model: ir.Model) -> int | None:
-    """Positions the rotary tables cover (the model's context limit), when static."""
+    """Positions the rotary tables cover (the model's context limit), when static: read
+    wherever RoPE stands, in the attention node or in a RotaryEmbedding before it."""
     limits = []
-    for site in find_gqa_sites(model, with_cache_only=False):
-        cos = site.input(GqaInput.COS_CACHE)
-        shape = cos.shape if cos is not None else None
-        if site.int_attr("do_rotary") and shape is not None and isinstance(shape[0], int):
-            limits.append(shape[0])
+    owners: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
+    for node in (n for owner in owners for n in ir.traversal.RecursiveGraphIterator(owner)):
+        index = _COS_TABLE_INPUT.get(node.op_type) if node.domain == "com.microsoft" else None
+        cos = node.inputs[index] if index is not None and len(node.inputs) > index else None
+        rotary = node.attributes.get("do_rotary")
+        if cos is None or (node.op_type == "GroupQueryAttention" and (rotary is None or not rotary.as_int())):
+            continue
+        if cos.shape is not None and len(cos.shape) and isinstance(cos.shape[0], int):
+            limits.append(cos.shape[0])
     return min(limits) if limits else None
 
 

@@ -186,8 +186,6 @@ class PagedLayout:
 class PagedCache:
     """One block pool tensor per cache, shared by ``batch`` sequences of any lengths."""
 
-    kernel_rule = "PagedAttention CPU reference (quantized before attending, as every paged kernel)"
-
     def __init__(self, bindings: list[CacheBinding], feeding: Feeding, layout: PagedLayout) -> None:
         self.bindings = bindings
         self.feeding = feeding
@@ -196,6 +194,10 @@ class PagedCache:
         self.pool = BlockPool(layout.block_size, 1)
         self.batch = 1
         self.caches: dict[str, Any] = {}
+        quantized = any(b.format is not None for b in bindings)
+        self.kernel_rule = "PagedAttention CPU reference (" + (
+            "quantized before attending, as every paged kernel)" if quantized else "a float cache, float32)"
+        )
 
     @property
     def length(self) -> int:

@@ -116,9 +116,10 @@ def _kernel(runner: KvCacheRunner) -> str:
     """The :data:`CALL_PATTERNS` row of the kernel computing ``runner``'s attention."""
     if runner.device != "cpu":
         return "native kernel"
-    if runner.paged:
-        return "paged reference"  # float32 whatever the model's type
-    if any(b.format is not None for b in runner.bindings):
+    quantized = any(b.format is not None for b in runner.bindings)
+    if runner.paged:  # float32 whatever the model's type
+        return "paged reference" if quantized else "float cache"
+    if quantized:
         return "emulation" if runner.emulated else "cpu kernel"
     sites = find_attention_sites(runner.model)
     float32 = all(s.query_dtype in (None, ir.DataType.FLOAT) for s in sites)

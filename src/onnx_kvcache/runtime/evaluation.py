@@ -39,8 +39,15 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.rotation import Rotation, rotate, site_rotation
-from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, Param, require_type, warn
+from onnx_kvcache.errors import (
+    INTEGER,
+    KvCacheError,
+    MeasurementWarning,
+    Param,
+    require_flags,
+    require_type,
+    warn,
+)
 from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
 from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
 from onnx_kvcache.runtime.runner import KvCacheRunner
@@ -220,6 +227,7 @@ def evaluate_kv_cache(
     ``seq_len`` and ``max_new_tokens`` left out are :data:`DEFAULT_SEQ_LEN` and
     :data:`DEFAULT_NEW_TOKENS`, each shortened to what the candidate's context holds.
     """
+    require_flags(progress=progress)
     asked = (
         DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
         DEFAULT_SEQ_LEN if seq_len is None else seq_len,
@@ -227,7 +235,7 @@ def evaluate_kv_cache(
     scoring = _Scoring(asked[0], prompt_len, asked[1], num_seqs, tokenizer, progress)
     _check(scoring)
     base, cand = _runners(baseline, candidate, providers, semantics)
-    scoring = _fitted_defaults(scoring, cand.max_positions, seq_len is None, max_new_tokens is None)
+    scoring = _fitted_defaults(scoring, _context(base, cand), seq_len is None, max_new_tokens is None)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     return _scored(base, cand, loaded, scoring).report(base, cand, loaded)
 
@@ -306,11 +314,17 @@ def _fitted_defaults(scoring: _Scoring, limit: int | None, seq_len: bool, new_to
 MAX_POSITIONS = 2**31 - 1
 
 
-def _check_positions(scoring: _Scoring, runner: KvCacheRunner) -> None:
-    """Lengths against the positions the model covers (its rotary table), before any run: a
+def _context(*runners: KvCacheRunner) -> int | None:
+    """The positions both models cover (the shorter rotary table), None when neither says."""
+    limits = [r.max_positions for r in runners if r.max_positions is not None]
+    return min(limits) if limits else None
+
+
+def _check_positions(scoring: _Scoring, runners: tuple[KvCacheRunner, KvCacheRunner]) -> None:
+    """Lengths against the positions the models cover (their rotary tables), before any run: a
     window of ``seq_len`` tokens feeds ``seq_len - 1``; generating after a prompt of ``p``
     feeds ``p + max_new_tokens - 1``."""
-    limit = runner.max_positions
+    limit = _context(*runners)
     if limit is None:
         return
     prompt = min(scoring.prompt_len, max(1, scoring.seq_len // 2))
@@ -349,7 +363,7 @@ def _bounded_windows(
     """The windows to score, once the lengths fit the model's positions and the memory the
     run will hold fits the machine: random ids estimated before they are generated, other data
     once read (runtime/_memory.py). Nothing has run yet."""
-    _check_positions(scoring, runners[1])
+    _check_positions(scoring, runners)
     model = baseline if not isinstance(baseline, ir.Model) else None
     if data is None and find_tokenizer(model, scoring.tokenizer) is None:  # random ids: generated
         count = scoring.num_seqs or RANDOM_WINDOWS
@@ -395,6 +409,11 @@ def _runners(
     """The baseline's and the candidate's runners, under the candidate's rule; they must
     have the same caches and vocabulary."""
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
+    if not cand.bindings:
+        raise KvCacheError(
+            "The candidate has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
+            "present inputs): nothing to compare. Evaluate a model with a cache against its conversion."
+        )
     base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
     if any(b.format is not None for b in base.bindings):
         warn(
@@ -480,8 +499,8 @@ class _Tally:
     errors: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     prefixes: list[int] = dataclasses.field(default_factory=list)
     shares: list[float] = dataclasses.field(default_factory=list)
-    turned: dict[int, Rotation] | None = None
-    """The candidate's rotation per layer, read from its graph at the first window."""
+    turned: tuple[dict[int, Rotation], dict[int, Rotation]] | None = None
+    """The baseline's and the candidate's rotation per layer, read from their graphs once."""
 
     def score(
         self,
@@ -533,17 +552,19 @@ class _Tally:
             self.shares.append(share)
 
     def cache_errors(self, base: KvCacheRunner, cand: KvCacheRunner) -> None:
-        """Each layer's relative K and V error of the candidate's cache (dequantized; a rotated
-        cache turned back by ``H^T``, so it compares with the float cache it stands for)."""
+        """Each layer's relative K and V error of the candidate's cache (dequantized; each
+        model's rotated cache turned back by ``H^T``, so both stand for the float cache)."""
         per_layer: dict[int, list[list[float]]] = {}
         if self.turned is None:
-            self.turned = {s.layer_id: site_rotation(s) for s in find_attention_sites(cand.source_model)}
+            ours, theirs = ({s.layer_id: site_rotation(s) for s in r.sites} for r in (base, cand))
+            self.turned = (ours, theirs)
         for bb, cb in zip(base.bindings, cand.bindings):
-            ref = base.cache_values(bb.layer_id, bb.kind)
-            test = cand.cache_values(cb.layer_id, cb.kind)
-            rotation = self.turned.get(cb.layer_id)
-            if rotation is not None and (rotation.keys if cb.kind == "key" else rotation.values):
-                test = rotate(test, inverse=True)
+            ref = _turned_back(
+                base.cache_values(bb.layer_id, bb.kind), self.turned[0].get(bb.layer_id), bb.kind
+            )
+            test = _turned_back(
+                cand.cache_values(cb.layer_id, cb.kind), self.turned[1].get(cb.layer_id), cb.kind
+            )
             rows = bb.resident_rows(base.length, ref.shape[2])  # the rest is unspecified
             per_layer.setdefault(bb.layer_id, []).append(
                 [_relative_error(r[:, :rows], t[:, :rows]) for r, t in zip(ref, test)]  # window by window
@@ -587,12 +608,20 @@ class _Tally:
         )
 
 
+def _turned_back(values: np.ndarray, rotation: Rotation | None, kind: str) -> np.ndarray:
+    """A cache's values as the float cache they stand for: turned back by ``H^T`` where the
+    model rotates that cache (``kind``: key or value)."""
+    if rotation is not None and (rotation.keys if kind == "key" else rotation.values):
+        return rotate(values, inverse=True)
+    return values
+
+
 def _layout(runner: KvCacheRunner) -> list[tuple]:
     return [(b.layer_id, b.kind, b.kv_num_heads, b.head_size, b.capacity, b.window) for b in runner.bindings]
 
 
 def _format_name(runner: KvCacheRunner) -> str:
-    sites = find_attention_sites(runner.source_model)
+    sites = runner.sites
     if not sites:
         return "none"
     fmt = sites[0].cache_format

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 __all__ = ["CacheBinding", "KvCacheRunner", "discover_cache_bindings", "prepare_for_cpu", "prune_to_caches"]
 
+import functools
 import logging
 import os
 import warnings
@@ -42,7 +43,16 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
-from onnx_kvcache.errors import KvCacheError, PaddingAssumptionWarning, Param, require_type
+from onnx_kvcache.errors import (
+    INTEGER,
+    KvCacheError,
+    KvCacheTypeError,
+    PaddingAssumptionWarning,
+    Param,
+    require_flags,
+    require_optional_flags,
+    require_type,
+)
 from onnx_kvcache.files import read_export_config
 from onnx_kvcache.model_io import host_array, ort_error_text
 from onnx_kvcache.model_io.genai_folder import eos_token_ids, pad_token_id, resolve_model_path
@@ -195,6 +205,8 @@ class KvCacheRunner:
             model_or_path, (ir.Model, str, os.PathLike), "model_or_path", "an onnx_ir.Model or a path"
         )
         require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
+        require_flags(quantized_io=quantized_io, caches_only=caches_only, capture_queries=capture_queries)
+        require_optional_flags(io_binding=io_binding)
         self._source = _load(model_or_path)
         #: End-of-sequence tokens and the padding token (None when none is given): a genai
         #: folder's genai_config.json, else an export's generation_config.json or config.json
@@ -217,6 +229,11 @@ class KvCacheRunner:
     def source_model(self) -> ir.Model:
         """The model as given (before any preparation for CPU)."""
         return self._source.model
+
+    @functools.cached_property
+    def sites(self) -> list[CacheSite]:
+        """The source model's attention nodes with a cache, found once for every reader."""
+        return find_attention_sites(self._source.model)
 
     @property
     def providers(self) -> list[Any]:
@@ -342,6 +359,8 @@ class KvCacheRunner:
         paged decoder's pool starts with blocks for ``min_capacity`` tokens per sequence and
         grows as needed.
         """
+        require_type(batch, INTEGER, "batch", "an integer")
+        require_type(min_capacity, INTEGER, "min_capacity", "an integer")
         self._cache.reset(batch, min_capacity)
 
     def cache_nbytes(self) -> int:
@@ -392,7 +411,7 @@ class KvCacheRunner:
                 f"Token ids must be a non-empty [seq] or [batch, seq] array, got shape {array.shape}."
             )
         if array.dtype.kind not in "iu":
-            raise KvCacheError(f"Token ids must be integers, got {array.dtype}.")
+            raise KvCacheTypeError(f"Token ids must be integers, got {array.dtype}.")
         if array.min() < 0 or (self.vocab_size is not None and array.max() >= self.vocab_size):
             raise KvCacheError(
                 f"Token ids must be in [0, {self.vocab_size}), found {array.min()}..{array.max()}."
@@ -454,7 +473,7 @@ class KvCacheRunner:
 
     def step(self, token: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Append one token (per batch row); returns its logits ``[B, V]``."""
-        ids = np.asarray(token, np.int64).reshape(-1, 1)
+        ids = np.asarray(token).reshape(-1, 1)  # not cast: a str or float token is refused
         return self.forward(ids)[:, -1]
 
     def generate(
@@ -466,6 +485,8 @@ class KvCacheRunner:
         Stops after an end-of-sequence token: ``eos_token_id``, or by default any the
         model's genai config names; ``None`` never stops early.
         """
+        require_type(max_new_tokens, INTEGER, "max_new_tokens", "an integer")
+        require_type(eos_token_id, (*INTEGER, type(None)), "eos_token_id", "a token id or None")
         if max_new_tokens < 0:
             raise KvCacheError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
         rows = self._check_ids(ids).shape[0]
