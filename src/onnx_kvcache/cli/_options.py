@@ -363,6 +363,26 @@ _EVALUATE = (
     _progress_option("evaluation"),
 )
 
+_COMPARE = (
+    _option("baseline", metavar="BASELINE", help=f"the original model: {_MODEL}"),
+    _option("candidate", metavar="CANDIDATE", help=f"the converted model: {_MODEL}"),
+    _option(
+        "--prompt",
+        metavar="TEXT",
+        default="The capital of France is",
+        help="the text both models continue, tokenized with the baseline's or --tokenizer's tokenizer",
+    ),
+    _option("--tokenizer", metavar="PATH", help="tokenizer.json or its folder (default: the baseline's)"),
+    _option(
+        "--max-new-tokens", metavar="N", type=_POSITIVE, default=32, help="greedy tokens each model adds"
+    ),
+    _option(
+        "--semantics",
+        choices=list(SEMANTICS),
+        help="kernel rule the candidate's quantized cache follows on this CPU (default: its target's)",
+    ),
+)
+
 _DOCTOR = (
     _option(
         "--ep",

@@ -1,4 +1,4 @@
-"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, doctor, demo.
+"""The ``onnx-kvcache`` command: convert, inspect, calibrate, evaluate, compare, doctor, demo.
 
 Exit codes: 0 done; 1 conversion refused (the target cannot run the result, some caches
 would keep their type, or the model has nothing to convert: ``onnx-kvcache: not converted
@@ -16,7 +16,7 @@ which take most of a second.
 This module is the parser and the dispatcher: the parser built from the options' rows
 (:mod:`onnx_kvcache.cli._options`), the library messages in the command's words, the checks
 before the imports, the failures and signals. Each command runs in its own module
-(``_convert``, ``_inspect``, ``_calibrate``, ``_evaluate``; ``doctor`` and ``demo`` here, a few
+(``_convert``, ``_inspect``, ``_calibrate``, ``_evaluate``, ``_compare``; ``doctor`` and ``demo`` here, a few
 lines each), printing through :mod:`onnx_kvcache.cli._output`.
 """
 
@@ -41,10 +41,11 @@ from typing import Any, NoReturn
 from onnx_kvcache import _signals
 from onnx_kvcache._signals import signal_handlers
 from onnx_kvcache._version import __version__
-from onnx_kvcache.cli import _calibrate, _convert, _evaluate, _inspect, _voice
+from onnx_kvcache.cli import _calibrate, _compare, _convert, _evaluate, _inspect, _voice
 from onnx_kvcache.cli._names import PROVIDERS, ep_name
 from onnx_kvcache.cli._options import (
     _CALIBRATE,
+    _COMPARE,
     _CONVERT,
     _DEMO,
     _DOCTOR,
@@ -279,6 +280,16 @@ _COMMANDS = (
         _evaluate.run,
         _EVALUATE,
         "evaluate_kv_cache",
+    ),
+    _Command(
+        "compare",
+        "show both models' continuations of a prompt side by side",
+        "Each model decodes greedily from the prompt, one token a call, on CPU (the candidate under "
+        "its target's kernel rule, as evaluate); prints what both generated, then each one's text "
+        "from the first token that differs.",
+        _compare.run,
+        _COMPARE,
+        "compare_continuations",
     ),
     _Command(
         "doctor",

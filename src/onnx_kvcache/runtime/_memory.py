@@ -29,7 +29,6 @@ import dataclasses
 import math
 import os
 
-from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, Message, Param
 from onnx_kvcache.model_io import format_bytes
 from onnx_kvcache.runtime.runner import KvCacheRunner
@@ -140,7 +139,7 @@ def run_parts(
             for b in runner.bindings
         )
     )  # an int4 element is half a byte
-    heads = max((s.num_heads for s in find_attention_sites(runner.source_model)), default=0)
+    heads = max((s.num_heads for s in runner.sites), default=0)
     scores = batch * heads * queries * length * _FLOAT
     parts = [
         (f"{batch} x {length} tokens' caches", 2 * caches),

@@ -24,6 +24,7 @@ __all__ = [
     "corpus_byte_ids",
     "find_tokenizer",
     "load_token_windows",
+    "load_tokenizer",
     "tokenize_text",
     "tokenize_text_file",
 ]
@@ -146,7 +147,7 @@ def find_tokenizer(model: Any = None, tokenizer: str | os.PathLike | None = None
     return None
 
 
-def _load_tokenizer(tokenizer: pathlib.Path | None) -> Any:
+def load_tokenizer(tokenizer: pathlib.Path | None) -> Any:
     """The ``tokenizers.Tokenizer`` of a ``tokenizer.json``; an error without one."""
     if tokenizer is None:
         raise KvCacheError(
@@ -169,7 +170,7 @@ def _load_tokenizer(tokenizer: pathlib.Path | None) -> Any:
 
 def tokenize_text(text: str, tokenizer: pathlib.Path | None) -> list[int]:
     """Token ids of ``text`` with a ``tokenizer.json``; an error without one."""
-    return list(_load_tokenizer(tokenizer).encode(text).ids)
+    return list(load_tokenizer(tokenizer).encode(text).ids)
 
 
 #: Characters of text tokenized at once: ``tokenizers`` holds ~300 bytes per character of the
@@ -226,7 +227,7 @@ def tokenize_text_file(
     are added to the first piece only, as one encoding of the whole text adds them; a piece
     ends between words at a line break, so the ids are those of one encoding, but for a
     tokenizer that marks the start of a text (SentencePiece's ``▁``) on each piece's first word."""
-    loaded = _load_tokenizer(tokenizer)
+    loaded = load_tokenizer(tokenizer)
     found: list[np.ndarray] = []
     count = 0
     for i, piece in enumerate(_text_pieces(path, TEXT_PIECE_CHARS)):
