@@ -70,7 +70,10 @@ def run_demo(
         info = inspect_kv_cache(ir.load(baseline))
         echo(
             Message(
-                f"demo decoder: {len(info.layers)} GQA layers, float32 cache; models ", _where(keep, folder)
+                f"demo decoder: {len(info.layers)} GQA layers, float32 cache, random weights (its figures "
+                "show the machinery, not a trained model's accuracy: docs/choosing-a-format.md has "
+                "those); models ",
+                _where(keep, folder),
             )
         )
         # what the decoder's byte-level tokenizer makes of the corpus: scales from one part,
