@@ -101,3 +101,17 @@ def test_a_link_whose_data_lies_beside_its_target_names_both(tmp_path):
         load_model(link)
     assert main(["inspect", str(link)]) == 2
     load_model(real)  # the target itself loads
+
+
+def test_a_hard_linked_data_file_is_one_line_where_a_weight_is_read(tmp_path, capsys):
+    """onnx-ir refuses to read a data file with more than one hard link (a --weights link
+    conversion makes them); a command that reads a weight says so in one line."""
+    from onnx_kvcache.models.decoder import save_genai_folder
+
+    save_genai_folder(tmp_path / "g", num_layers=2)
+    os.link(tmp_path / "g/model.onnx.data", tmp_path / "second-link.data")
+    argv = ["calibrate", str(tmp_path / "g"), "--out", str(tmp_path / "s.json"), "--format", "int4"]
+    assert main([*argv, "--num-seqs", "1", "--min-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"its data file {tmp_path / 'g/model.onnx.data'} has 2 hard links" in err

@@ -42,6 +42,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite
 from onnx_kvcache.errors import KvCacheError, require_type
+from onnx_kvcache.model_io.reading import tensor_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     if tensor is None and producer is not None and producer.op_type == "Constant" and not producer.domain:
         attr = producer.attributes.get("value")
         tensor = None if attr is None else attr.as_tensor()
-    return None if tensor is None else np.asarray(tensor.numpy())
+    return None if tensor is None else tensor_values(tensor)
 
 
 def _source(value: ir.Value | None) -> ir.Node | None:

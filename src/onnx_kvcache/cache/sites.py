@@ -29,12 +29,12 @@ import dataclasses
 import re
 from collections.abc import Iterator
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import SCALE_GRANULARITIES, CacheFormat, format_of
 from onnx_kvcache.cache.operators import ATTENTION_OPS, GQA, AttentionOp, CacheSide, op_of
 from onnx_kvcache.errors import KvCacheError
+from onnx_kvcache.model_io.reading import tensor_values
 
 GQA_DOMAIN = GQA.domain
 GQA_OP_TYPE = GQA.op_type
@@ -413,4 +413,4 @@ def constant_values(value: ir.Value | None) -> list[float] | None:
     producer = value.producer()
     if tensor is None and producer is not None and producer.op_type == "Constant":
         tensor = producer.attributes["value"].value
-    return None if tensor is None else [float(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
+    return None if tensor is None else [float(x) for x in tensor_values(tensor).reshape(-1)]

@@ -26,6 +26,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, constant_values
 from onnx_kvcache.calibrate._attention_error import rope as _rope
+from onnx_kvcache.model_io.reading import tensor_values
 
 
 def rope_pair_norm(
@@ -64,7 +65,7 @@ def _rope_tables(site: CacheSite, length: int | None = None) -> tuple[np.ndarray
                 return None
             array = np.asarray(values, np.float32).reshape(-1, value.shape[-1])
         else:
-            array = np.asarray(tensor.numpy(), np.float32)
+            array = np.asarray(tensor_values(tensor), np.float32)
         if array.ndim != 2 or array.shape[0] < (length or 1):
             return None
         tables.append(array[:length])

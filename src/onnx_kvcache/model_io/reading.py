@@ -18,6 +18,7 @@ __all__ = [
     "external_data_files",
     "load_model",
     "open_model_source",
+    "tensor_values",
     "undefined_value",
 ]
 
@@ -28,6 +29,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -186,6 +188,25 @@ def load_model(path: str | os.PathLike, *, follow_symlinks: bool = False) -> ir.
     folder = pathlib.Path(os.path.abspath(model_file.parent))
     _external_data(model, folder, folder, follow_symlinks, graph=model_file)
     return model
+
+
+def tensor_values(tensor: ir.TensorProtocol) -> np.ndarray:
+    """A tensor's values; an external tensor whose data file onnx-ir will not read (more than
+    one hard link: its guard against hard-link attacks) is one :class:`KvCacheError` naming the
+    file and the fix, not onnx-ir's ``ValueError``."""
+    try:
+        return np.asarray(tensor.numpy())
+    except ValueError as e:
+        if not isinstance(tensor, ir.ExternalTensor) or "hard link" not in str(e):
+            raise
+        path = pathlib.Path(tensor.path)
+        links = path.stat().st_nlink if path.exists() else "several"
+        raise KvCacheError(
+            f"Cannot read tensor {tensor.name!r}: its data file {path} has {links} hard links, and onnx-ir "
+            "refuses to read such a file (a guard against hard-link attacks; a --weights link conversion "
+            "makes them). Give the file one link: copy it (cp --reflink=auto keeps it cheap where the file "
+            "system clones) over the link."
+        ) from None
 
 
 #: What the library's functions take as a model: in memory, as a proto, or on disk.

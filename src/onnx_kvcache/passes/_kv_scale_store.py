@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import CacheSide, op_of
 from onnx_kvcache.cache.sites import CacheSite
+from onnx_kvcache.model_io.reading import tensor_values
 from onnx_kvcache.passes._graph import prepend
 
 
@@ -37,7 +38,7 @@ class _ScaleStore:
         existing = graph.initializers.get(name)
         if existing is not None and existing.dtype == ir.DataType.FLOAT and _only_scale_uses(existing):
             old = existing.const_value
-            if old is None or not np.array_equal(old.numpy(), array):
+            if old is None or not np.array_equal(tensor_values(old), array):
                 existing.const_value = ir.tensor(array, name=name)
                 existing.shape = ir.Shape(array.shape)
                 self.modified = True

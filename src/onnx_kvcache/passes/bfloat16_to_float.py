@@ -22,6 +22,7 @@ __all__ = ["Bfloat16ToFloatPass"]
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.model_io.reading import tensor_values
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes._graph import prepend
 
@@ -50,7 +51,7 @@ def _retype(value: ir.Value | None) -> bool:
 
 
 def _float_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
-    return ir.tensor(np.asarray(tensor.numpy(), np.float32), name=tensor.name)
+    return ir.tensor(np.asarray(tensor_values(tensor), np.float32), name=tensor.name)
 
 
 def _fix_attributes(node: ir.Node) -> bool:

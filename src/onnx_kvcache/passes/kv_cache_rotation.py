@@ -46,6 +46,7 @@ from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.rotation import Rotation, get_rotation, rotation_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
+from onnx_kvcache.model_io.reading import tensor_values
 from onnx_kvcache.passes._base import InPlacePass, preconditions
 from onnx_kvcache.passes._gqa_prologue import MOVED_ATTRS, MOVED_INPUTS, Prologue, Step, prologue_opset
 from onnx_kvcache.passes._graph import Builder
@@ -67,7 +68,7 @@ class _Constants:
         if key not in self.made:
             taken = self.graph.initializers.get(name)
             if taken is not None and (
-                taken.const_value is None or not np.array_equal(taken.const_value.numpy(), array)
+                taken.const_value is None or not np.array_equal(tensor_values(taken.const_value), array)
             ):
                 name = f"{name}_{len(self.graph.initializers)}"
             value = self.graph.initializers.get(name)
