@@ -364,3 +364,46 @@ def test_a_float_paged_cache_is_said_to_be_one():
     assert "quantized" not in report.calls["candidate"]
     quantized = KvCacheRunner(_calibrated_paged_pair("int8", "per_tensor")[1])
     assert quantized.kernel_rule.startswith("PagedAttention CPU reference (quantized before attending")
+
+
+def test_perplexity_is_the_exp_of_the_next_tokens_mean_nll():
+    from onnx_kvcache.runtime.evaluation import token_nll
+
+    logits = np.log(np.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
+    np.testing.assert_allclose(token_nll(logits + 3.0, np.array([[0, 2]])), [[np.log(2), -np.log(0.8)]])
+    model = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(model, model, DATA, max_new_tokens=0, prompt_len=8)
+    runner = KvCacheRunner(model)
+    logits = runner.prefill(DATA[0][:-1])[0]
+    want = float(np.exp(token_nll(logits[8:], np.array(DATA[0][9:])).mean()))
+    assert report.perplexity_baseline == report.perplexity_candidate == pytest.approx(want, rel=1e-6)
+    assert report.perplexity_change == 0.0
+
+
+@pytest.mark.parametrize(
+    "change, top1, words",
+    [
+        (0.0, 1.0, "no measurable loss"),
+        (-0.001, 0.9699, "no measurable loss"),  # SmolLM2's int8 per channel
+        (0.008, 0.955, "a small loss"),  # its fp8
+        (0.004, 0.93, "a small loss"),  # top-1 is the second bound
+        (0.05, 0.85, "a clear loss"),
+        (0.14, 0.77, "a large loss"),  # its rotated int4
+        (0.01, 0.5, "a large loss"),
+    ],
+)
+def test_the_verdict_is_the_first_row_whose_bounds_hold(change, top1, words):
+    import dataclasses
+
+    model = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(model, model, DATA, max_new_tokens=0)
+    report = dataclasses.replace(
+        report, perplexity_baseline=10.0, perplexity_candidate=10.0 * (1 + change), top1_agreement=top1
+    )
+    assert report.verdict.words == words
+    line = report.verdict_line()
+    assert line.startswith(f"{words} (perplexity {change:+.2%}, top-1 {top1:.1%}): ")
+    assert (
+        line.endswith("; on random token ids: give text (a tokenizer) for a verdict about language") is False
+    )
+    assert f"verdict               {line}" in report.format_table()
