@@ -37,6 +37,7 @@ from onnx_kvcache.errors import (
     KvCacheError,
     KvCacheTypeError,
     MalformedModelError,
+    Param,
     require_flags,
     require_type,
 )
@@ -203,9 +204,10 @@ def tensor_values(tensor: ir.TensorProtocol) -> np.ndarray:
         links = path.stat().st_nlink if path.exists() else "several"
         raise KvCacheError(
             f"Cannot read tensor {tensor.name!r}: its data file {path} has {links} hard links, and onnx-ir "
-            "refuses to read such a file (a guard against hard-link attacks; a --weights link conversion "
-            "makes them). Give the file one link: copy it (cp --reflink=auto keeps it cheap where the file "
-            "system clones) over the link."
+            "refuses to read such a file (a guard against hard-link attacks; a conversion with ",
+            Param("weights", "link"),
+            " makes them). Give the file one link: copy it (cp --reflink=auto keeps it cheap where the file "
+            "system clones) over the link.",
         ) from None
 
 
