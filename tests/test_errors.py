@@ -73,7 +73,14 @@ def test_a_function_is_the_command_that_does_the_same():
     assert PYTHON.function(calibrate) == "calibrate_kv_cache(format='int8', method='mse')"
     assert _wording().function(calibrate) == "onnx-kvcache calibrate --format int8 --method mse"
     assert _wording().function(Function("optimize_model")) == "optimize_model()"  # no command runs it
-    commands = {"convert_model", "inspect_kv_cache", "calibrate_kv_cache", "evaluate_kv_cache", "run_doctor"}
+    commands = {
+        "convert_model",
+        "inspect_kv_cache",
+        "calibrate_kv_cache",
+        "evaluate_kv_cache",
+        "compare_continuations",
+        "run_doctor",
+    }
     assert set(_wording().commands) == commands
     assert all(hasattr(onnx_kvcache, name) for name in commands)
 

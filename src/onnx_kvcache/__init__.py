@@ -32,6 +32,8 @@ __all__ = [
     "ConvertResult",
     "EvaluationReport",
     "calibrate_kv_cache",
+    "compare_continuations",
+    "Continuations",
     "convert_model",
     "evaluate_kv_cache",
     "inspect_kv_cache",
@@ -91,6 +93,10 @@ _EXPORTS = {  # where each name lives; imported on first use
         "KvCacheError",
         "KvCacheWarning",
         "MissingRuntimeError",
+    ),
+    "onnx_kvcache.runtime.continuations": (
+        "Continuations",
+        "compare_continuations",
     ),
     "onnx_kvcache.runtime.evaluation": (
         "EvaluationReport",

@@ -134,6 +134,10 @@ def test_a_full_fp8_pool_on_a_device_is_refused():
 def test_the_runner_runs_paged_decoders_through_a_paged_cache():
     runner = KvCacheRunner(paged_model("int8"))
     assert isinstance(runner._cache, PagedCache) and runner.paged
-    assert runner.kernel_rule == PagedCache.kernel_rule
+    assert runner.kernel_rule == runner._cache.kernel_rule
+    assert (
+        runner.kernel_rule
+        == "PagedAttention CPU reference (quantized before attending, as every paged kernel)"
+    )
     runner.prefill(np.arange(1, 21))
     assert runner.pool is runner._cache.pool and runner.length == 20

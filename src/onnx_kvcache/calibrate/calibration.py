@@ -175,7 +175,6 @@ def calibrate_kv_cache(
 
     The scales' metadata records the data source and token count.
     """
-    require_flags(rope_envelope=rope_envelope, progress=progress)
     given = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     sampling = _Sampling(given, num_seqs, tokenizer, sample_budget, seed, min_tokens, progress)
     granularity = "per_tensor" if granularity is None else granularity
@@ -261,6 +260,7 @@ class _Measured:
 
 
 def _check_types(choice: _Choice, sampling: _Sampling) -> None:
+    require_flags(rope_envelope=choice.rope_envelope, progress=sampling.progress)
     for name, value in dict(
         seq_len=sampling.seq_len,
         sample_budget=sampling.sample_budget,

@@ -167,18 +167,7 @@ def convert_model(
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
     empty output folder is filled, with or without it.
     """
-    require_flags(
-        shared_kv_scale=shared_kv_scale,
-        in_place=in_place,
-        overwrite=overwrite,
-        strict=strict,
-        check_device=check_device,
-        follow_symlinks=follow_symlinks,
-        allow_partial=allow_partial,
-    )
-    require_optional_flags(progress=progress)
-    checked = _arguments(in_path, out_path, format, granularity, scales, weights, ep, rotation)
-    scales, named, granularity = checked
+    scales, named, granularity = _arguments(locals())  # before any work
     with gc_paused():  # the graph's objects: a 70B export's fusion spent a quarter in the collector
         source = open_model_source(in_path, follow_symlinks=follow_symlinks)
         named = named or format_for(source.model)  # an already-quantized model keeps its own
@@ -194,18 +183,28 @@ def convert_model(
     return result
 
 
-def _arguments(
-    in_path: str | os.PathLike,
-    out_path: str | os.PathLike | None,
-    format: str | None,
-    granularity: str | None,
-    scales: Any,
-    weights: WeightsMode | str | None,
-    ep: str | None,
-    rotation: str | None = None,
-) -> tuple[KvCacheScales | None, str | None, str | None]:
-    """The arguments that need no model, checked before any work: the scales read, the
-    format they or ``format`` name, the granularity asked (checked against the scales)."""
+#: ``convert_model``'s yes/no arguments (``progress`` also takes None: on a terminal).
+_FLAGS = (
+    "shared_kv_scale",
+    "in_place",
+    "overwrite",
+    "strict",
+    "check_device",
+    "follow_symlinks",
+    "allow_partial",
+)
+
+
+def _arguments(arguments: dict[str, Any]) -> tuple[KvCacheScales | None, str | None, str | None]:
+    """``convert_model``'s arguments (its ``locals()`` at the start) that need no model, checked
+    before any work: every yes/no argument a bool (:data:`_FLAGS`), the scales read, the format
+    they or ``format`` name, the granularity asked (checked against the scales)."""
+    require_flags(**{name: arguments[name] for name in _FLAGS})
+    require_optional_flags(progress=arguments["progress"])
+    in_path, out_path, format, granularity = (
+        arguments[k] for k in ("in_path", "out_path", "format", "granularity")
+    )
+    scales, weights, ep, rotation = (arguments[k] for k in ("scales", "weights", "ep", "rotation"))
     require_type(ep, (str, type(None)), "ep", "a provider name, 'auto' or None")
     require_type(out_path, (str, os.PathLike, type(None)), "out_path", "a path or None")
     read = as_kv_cache_scales(scales, stem=_model_stem(in_path))

@@ -195,20 +195,19 @@ def tensor_values(tensor: ir.TensorProtocol) -> np.ndarray:
     """A tensor's values; an external tensor whose data file onnx-ir will not read (more than
     one hard link: its guard against hard-link attacks) is one :class:`KvCacheError` naming the
     file and the fix, not onnx-ir's ``ValueError``."""
-    try:
-        return np.asarray(tensor.numpy())
-    except ValueError as e:
-        if not isinstance(tensor, ir.ExternalTensor) or "hard link" not in str(e):
-            raise
+    if isinstance(tensor, ir.ExternalTensor):
         path = pathlib.Path(tensor.path)
-        links = path.stat().st_nlink if path.exists() else "several"
-        raise KvCacheError(
-            f"Cannot read tensor {tensor.name!r}: its data file {path} has {links} hard links, and onnx-ir "
-            "refuses to read such a file (a guard against hard-link attacks; a conversion with ",
-            Param("weights", "link"),
-            " makes them). Give the file one link: copy it (cp --reflink=auto keeps it cheap where the file "
-            "system clones) over the link.",
-        ) from None
+        links = path.stat().st_nlink if path.exists() else 1
+        if links > 1:
+            raise KvCacheError(
+                f"Cannot read tensor {tensor.name!r}: its data file {path} has {links} hard links, and "
+                "onnx-ir refuses to read such a file (a guard against hard-link attacks; a conversion "
+                "with ",
+                Param("weights", "link"),
+                " makes them). Give the file one link: copy it (cp --reflink=auto keeps it cheap where "
+                "the file system clones) over the link.",
+            )
+    return np.asarray(tensor.numpy())
 
 
 #: What the library's functions take as a model: in memory, as a proto, or on disk.

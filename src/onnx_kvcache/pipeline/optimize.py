@@ -111,6 +111,16 @@ class _Options:
     allow_partial: bool = False
     rotation: str | None = None
 
+    def __post_init__(self) -> None:
+        """A yes/no option that is not ``True`` or ``False`` is refused before any work."""
+        require_flags(
+            fp8_kv_cache=self.fp8_kv_cache,
+            check_device=self.check_device,
+            strict=self.strict,
+            shared_kv_scale=self.shared_kv_scale,
+            allow_partial=self.allow_partial,
+        )
+
 
 def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
     """The decision's request for ``optimize_model``'s arguments (``options``: the rest)."""
@@ -203,13 +213,6 @@ def optimize_model(
         ``strict=True`` to raise :class:`~onnx_kvcache.KvCacheError` instead, or check the result
         (``inspect_kv_cache(model)``: every layer's cache dtype).
     """
-    require_flags(
-        fp8_kv_cache=fp8_kv_cache,
-        check_device=check_device,
-        strict=strict,
-        shared_kv_scale=shared_kv_scale,
-        allow_partial=allow_partial,
-    )
     options = _Options(
         ep,
         fp8_kv_cache,

@@ -39,7 +39,16 @@ import onnx_ir.passes.common as common_passes
 from onnx_kvcache.cache.operators import PAGED, GqaInput
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
-from onnx_kvcache.errors import KvCacheError, MeasurementWarning, Message, MissingRuntimeError, Param, warn
+from onnx_kvcache.errors import (
+    KvCacheError,
+    MeasurementWarning,
+    Message,
+    MissingRuntimeError,
+    Param,
+    require_flags,
+    require_optional_flags,
+    warn,
+)
 from onnx_kvcache.model_io import create_session, import_onnxruntime, ort_error_text, run_on_host
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
@@ -71,6 +80,13 @@ class SessionOptions:
     quantized_io: bool = False
     caches_only: bool = False
     capture_queries: bool = False
+
+    def __post_init__(self) -> None:
+        """A yes/no setting that is not ``True`` or ``False`` is refused before any work."""
+        require_flags(
+            quantized_io=self.quantized_io, caches_only=self.caches_only, capture_queries=self.capture_queries
+        )
+        require_optional_flags(io_binding=self.io_binding)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,6 @@ from onnx_kvcache.errors import (
     KvCacheTypeError,
     PaddingAssumptionWarning,
     Param,
-    require_flags,
-    require_optional_flags,
     require_type,
 )
 from onnx_kvcache.files import read_export_config
@@ -205,14 +203,12 @@ class KvCacheRunner:
             model_or_path, (ir.Model, str, os.PathLike), "model_or_path", "an onnx_ir.Model or a path"
         )
         require_type(providers, (str, Sequence, type(None)), "providers", "a list of provider names")
-        require_flags(quantized_io=quantized_io, caches_only=caches_only, capture_queries=capture_queries)
-        require_optional_flags(io_binding=io_binding)
+        options = SessionOptions(providers, io_binding, semantics, quantized_io, caches_only, capture_queries)
         self._source = _load(model_or_path)
         #: End-of-sequence tokens and the padding token (None when none is given): a genai
         #: folder's genai_config.json, else an export's generation_config.json or config.json
         #: (as transformers' ``generate`` reads them).
         self.eos_token_ids, self.pad_token_id = _special_tokens(self._source)
-        options = SessionOptions(providers, io_binding, semantics, quantized_io, caches_only, capture_queries)
         self._session, self._cache = _open(self._source, options, block_size)
         self.max_positions = max_positions(self._source.model)
         """Tokens a context may hold (the rotary tables' length), or None when unknown."""
