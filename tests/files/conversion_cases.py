@@ -60,8 +60,9 @@ def save_external(folder: pathlib.Path, name="model.onnx", data=None, shard=None
     return path
 
 
-def genai(folder: pathlib.Path, data="model.onnx.data", share_buffer=True) -> pathlib.Path:
-    """An onnxruntime-genai folder (tokenizer included) as a CUDA-minded build might leave it."""
+def genai(folder: pathlib.Path, data="model.onnx.data", share_buffer=False) -> pathlib.Path:
+    """An onnxruntime-genai folder (tokenizer included) as genai's builder leaves a CPU build
+    (past and present apart: converting it for the CPU changes its config)."""
     save_genai_folder(folder, num_layers=2, vocab_size=300)
     if data != "model.onnx.data":
         (folder / "model.onnx.data").unlink()

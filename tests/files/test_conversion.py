@@ -141,7 +141,7 @@ def test_every_output_and_its_original_load_everywhere(tmp_path, capsys, monkeyp
         for p in created:
             assert stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644), p
     if config is not None:
-        assert config["search"]["past_present_share_buffer"] is False  # int8 on cpu
+        assert config["search"]["past_present_share_buffer"] is True  # int8 on cpu
     assert_no_temporary_entries(tmp_path)
 
 
@@ -171,7 +171,7 @@ def test_in_place_keeps_owner_group_and_mode(tmp_path, capsys, scale_file, layou
     if layout == "file":
         src = graph = save_external(tmp_path / "in")
     else:
-        src = genai(tmp_path / "in", share_buffer=layout == "genai")  # True: the config changes
+        src = genai(tmp_path / "in", share_buffer=layout != "genai")  # False: the config changes
         graph = src / "model.onnx"
     config = tmp_path / "in" / "genai_config.json"
     os.chown(graph, 1234, 5678)
@@ -192,7 +192,7 @@ def test_in_place_keeps_owner_group_and_mode(tmp_path, capsys, scale_file, layou
     assert owner_group_mode(new_graph) == (1234, 5678, 0o640)
     if config.exists():
         assert owner_group_mode(config) == (4321, 8765, 0o604)
-        assert new_config["search"]["past_present_share_buffer"] is False
+        assert new_config["search"]["past_present_share_buffer"] is True
     after = os.lstat(data)
     assert (after.st_ino, after.st_uid, after.st_mode) == (
         data_before.st_ino,
@@ -316,7 +316,7 @@ def test_a_70b_sized_weight_in_a_sparse_file_is_never_read_and_stays_sparse(tmp_
 
 
 def test_in_place_without_a_config_change_keeps_the_file_name(tmp_path):
-    src = genai(tmp_path / "g", share_buffer=False)
+    src = genai(tmp_path / "g", share_buffer=True)
     config_before = (src / "genai_config.json").read_bytes()
     result = convert_model(src, in_place=True, format="int8", scales=SCALES)
     assert result.model_file == src / "model.onnx" and not result.notes
@@ -464,7 +464,7 @@ def test_the_format_defaults_to_the_one_the_scales_were_made_for(tmp_path, qmax,
     assert KvCacheRunner(result.model_file).bindings[0].format.name == fmt
 
 
-@pytest.mark.parametrize(("ep", "share"), [("cuda", True), ("cpu", False), ("openvino", False)])
+@pytest.mark.parametrize(("ep", "share"), [("cuda", True), ("cpu", True), ("openvino", False)])
 def test_past_present_share_buffer_follows_the_capability_table(tmp_path, ep, share):
     folder = save_genai_folder(tmp_path / "g", num_layers=2, vocab_size=300, dtype="float16")
     out = tmp_path / ep

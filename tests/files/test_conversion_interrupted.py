@@ -148,7 +148,7 @@ def _assert_complete_folder(src: pathlib.Path, out: pathlib.Path) -> None:
     assert (out / "model.onnx.data").stat().st_size == (src / "model.onnx.data").stat().st_size
     assert ir.load(out / "model.onnx").graph.inputs[2].dtype == ir.DataType.INT8
     onnx.load(out / "model.onnx")  # with its data
-    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_a_killed_in_place_conversion_leaves_the_old_or_the_new_model(big_inline
             assert hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest() == old_graph
             assert not (folder / "model.int8.onnx").exists() or signum == signal.SIGKILL
         else:  # fully new, as onnxruntime-genai would load it
-            assert name == "model.int8.onnx" and config["search"]["past_present_share_buffer"] is False
+            assert name == "model.int8.onnx" and config["search"]["past_present_share_buffer"] is True
             assert ir.load(folder / name).graph.inputs[2].dtype == ir.DataType.INT8
         if signum != signal.SIGKILL:
             assert not [n for n in os.listdir(folder) if n.startswith(TEMP_PREFIX)]

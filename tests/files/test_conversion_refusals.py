@@ -297,8 +297,13 @@ def test_inspect_reads_folders_and_reports_context_bytes(tmp_path, capsys):
     assert doc["layers"][0]["k_quant_type"] == "PER_CHANNEL" and doc["layers"][0]["bit_width"] == 4
     assert doc["bytes_per_token"] == 2 * 2 * 2 * 32 * 0.5 and doc["cache_bytes"] == 128 * 1000 * 2
     assert main(["inspect", str(tmp_path / "out"), "--ep", "cuda"]) == 0
-    text = capsys.readouterr().out
-    assert "not eligible" in text and "head size 32" in text and "share one buffer" in text
+    text = capsys.readouterr().out  # converted for the CPU: one shared buffer, as XQA needs
+    assert "not eligible" in text and "head size 32" in text and "share one buffer" not in text
+    config = json.loads((tmp_path / "out/genai_config.json").read_text())
+    config["search"]["past_present_share_buffer"] = False
+    (tmp_path / "out/genai_config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path / "out"), "--ep", "cuda"]) == 0
+    assert "share one buffer" in capsys.readouterr().out
 
 
 def test_the_granularity_is_the_recorded_one_else_the_one_the_sizes_fit(tmp_path, monkeypatch, capsys):

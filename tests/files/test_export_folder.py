@@ -126,7 +126,7 @@ def test_the_genai_config_is_made_from_the_graph_and_the_exports_configs(export,
         "present_value_names": "present.%d.value",
     }
     search = config["search"]
-    assert search["past_present_share_buffer"] is False  # a quantized cache on the CPU
+    assert search["past_present_share_buffer"] is True  # a quantized cache on the CPU: one buffer
     assert (search["max_length"], search["do_sample"], search["num_beams"]) == (2048, False, 1)
     check_replaceable_folder(out)  # the marker lists genai_config.json: overwrite may replace it
     again = _convert(export, out, "int8", "per_channel", overwrite=True)

@@ -89,7 +89,8 @@ class EpCapabilities:
     """The package that runs it: ``onnxruntime`` (an execution provider) or ``openvino``."""
     share_buffer: bool = False
     """A quantized cache's past and present can share one buffer (onnxruntime-genai's
-    ``search.past_present_share_buffer``, which the model builder sets for CUDA only)."""
+    ``search.past_present_share_buffer``; the model builder sets it for CUDA only, and it holds
+    on the CPU too, where every decode step otherwise copies the cache)."""
     op: str = GQA.op_type
     """The attention operator of the row."""
     unlisted: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -127,6 +128,10 @@ _GQA_ROWS = (
             "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
+        # onnxruntime 1.32 + onnxruntime-genai 0.18 (benchmarks/genai_share_buffer_check.py on
+        # SmolLM2-135M int8/int4): the same logits, bit for bit, with past and present in one
+        # buffer, for batch 1, a left-padded batch of 2 and beam search; decode then copies no cache
+        share_buffer=True,
         rotation=_RUN,
         query_seqlens="1.32",
         head_sink=SinkSupport(

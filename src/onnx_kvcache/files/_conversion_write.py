@@ -116,8 +116,20 @@ def _write_in_place(
     result.model_file = new_graph
     result.bytes_written = len(data) + len(config_data)
     result.notes.append(
-        f"{GENAI_CONFIG} now names {new_graph.name} (was {graph.name}); "
-        f"search.past_present_share_buffer is {str(share_buffer(config)).lower()}."
+        f"{GENAI_CONFIG} now names {new_graph.name} (was {graph.name}); {_share_note(config)}"
+    )
+
+
+def _share_note(config: dict[str, Any]) -> str:
+    """What ``search.past_present_share_buffer`` is in the written config, and what it means."""
+    if share_buffer(config):
+        return (
+            "search.past_present_share_buffer is true: past and present share one buffer of the "
+            "context's length, written in place (no cache copied a step)."
+        )
+    return (
+        "search.past_present_share_buffer is false: each step's present is a new buffer (the "
+        "target's kernel is not known to compute the same in one shared buffer)."
     )
 
 
@@ -391,6 +403,4 @@ def _folder_written(source: ModelSource, plan: _Plan, job: _FolderCopy, cloned: 
     result.bytes_written = job.written
     _replaced_notes(plan, result)
     if job.config is not None:
-        result.notes.append(
-            f"{GENAI_CONFIG}: search.past_present_share_buffer is {str(share_buffer(job.config)).lower()}."
-        )
+        result.notes.append(f"{GENAI_CONFIG}: {_share_note(job.config)}")
