@@ -398,12 +398,47 @@ def test_the_verdict_is_the_first_row_whose_bounds_hold(change, top1, words):
     model = build_decoder(num_layers=2, vocab_size=300)
     report = evaluate_kv_cache(model, model, DATA, max_new_tokens=0)
     report = dataclasses.replace(
-        report, perplexity_baseline=10.0, perplexity_candidate=10.0 * (1 + change), top1_agreement=top1
+        report,
+        perplexity_baseline=10.0,
+        perplexity_candidate=10.0 * (1 + change),
+        top1_agreement=top1,
+        perplexity_change_margin=0.0,  # one short window has no margin of its own: inf
     )
     assert report.verdict.words == words
-    line = report.verdict_line()
-    assert line.startswith(f"{words} (perplexity {change:+.2%}, top-1 {top1:.1%}): ")
+    line = report.verdict_line
+    assert line.startswith(f"{words} (perplexity {change:+.2%} ± 0.00%, top-1 {top1:.1%}): ")
+    assert report.to_json()["verdict"] == words and report.to_json()["verdict_line"] == line
     assert (
         line.endswith("; on random token ids: give text (a tokenizer) for a verdict about language") is False
     )
     assert f"verdict               {line}" in report.format_table()
+
+
+def test_a_change_whose_interval_spans_two_rows_gets_no_verdict():
+    """Few decode steps: the 95% interval of the perplexity change decides, not its middle."""
+    import dataclasses
+
+    model = build_decoder(num_layers=2, vocab_size=300)
+    report = evaluate_kv_cache(model, model, DATA, max_new_tokens=0)
+    noisy = dataclasses.replace(
+        report, perplexity_baseline=10.0, perplexity_candidate=10.04, perplexity_change_margin=0.01
+    )
+    assert noisy.verdict is None and noisy.to_json()["verdict"] is None
+    assert noisy.verdict_line.startswith(
+        "between no measurable loss and a small loss (perplexity +0.40% ± 1.00%, top-1 100.0% over "
+    )
+    assert dataclasses.replace(noisy, perplexity_change_margin=0.0005).verdict.words == "no measurable loss"
+
+
+def test_the_margin_is_infinite_below_two_blocks_and_shrinks_with_more():
+    from onnx_kvcache.runtime.evaluation import NLL_BLOCK, _change_margin
+
+    rng = np.random.default_rng(0)
+    base = [rng.normal(2.0, 0.5, NLL_BLOCK)]
+    assert _change_margin((base, [b + 0.01 for b in base])) == float("inf")
+    few = [rng.normal(2.0, 0.5, 8 * NLL_BLOCK)]
+    many = [rng.normal(2.0, 0.5, 512 * NLL_BLOCK)]
+    noise = np.random.default_rng(1)
+    margin_few = _change_margin((few, [b + noise.normal(0, 0.1, b.shape) for b in few]))
+    margin_many = _change_margin((many, [b + noise.normal(0, 0.1, b.shape) for b in many]))
+    assert 0 < margin_many < margin_few < 1

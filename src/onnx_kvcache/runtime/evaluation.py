@@ -202,16 +202,17 @@ class EvaluationReport:
     """The baseline's perplexity on the data's next tokens, over the decode steps scored."""
     perplexity_candidate: float = float("nan")
     """The candidate's, over the same positions (each a decode step reading its cache back)."""
+    perplexity_change_margin: float = 0.0
+    """Half the width of the perplexity change's 95% interval: the standard error of the mean
+    NLL difference over blocks of :data:`NLL_BLOCK` consecutive decode steps (batch means:
+    neighbouring positions are not independent), 1.96 of them, as a change."""
 
     @property
     def perplexity_change(self) -> float:
         """The candidate's perplexity relative to the baseline's, minus one (``0.01``: +1%)."""
         return self.perplexity_candidate / self.perplexity_baseline - 1.0
 
-    @property
-    def verdict(self) -> Verdict:
-        """The first of :data:`VERDICTS` whose bounds the perplexity change and top-1 meet."""
-        change = self.perplexity_change
+    def _row(self, change: float) -> Verdict:
         return next(
             v
             for v in VERDICTS
@@ -219,21 +220,41 @@ class EvaluationReport:
             and self.top1_agreement >= v.min_top1
         )
 
+    @property
+    def verdict(self) -> Verdict | None:
+        """The first of :data:`VERDICTS` whose bounds the perplexity change and top-1 meet, at
+        both ends of the change's 95% interval; None when the ends fall in different rows (too
+        few decode steps to tell them apart)."""
+        change, margin = self.perplexity_change, self.perplexity_change_margin
+        low, high = self._row(change - margin), self._row(change + margin)
+        return low if low is high else None
+
+    @property
     def verdict_line(self) -> str:
         """The verdict in one line, with the figures it rests on and the data's caveat."""
+        change, margin = self.perplexity_change, self.perplexity_change_margin
+        figures = f"perplexity {change:+.2%} ± {margin:.2%}, top-1 {self.top1_agreement:.1%}"
         verdict = self.verdict
-        line = (
-            f"{verdict.words} (perplexity {self.perplexity_change:+.2%}, top-1 {self.top1_agreement:.1%}): "
-            f"{verdict.advice}"
-        )
+        if verdict is None:
+            low, high = self._row(change - margin), self._row(change + margin)
+            line = (
+                f"between {low.words} and {high.words} ({figures} over {self.positions} decode steps): "
+                "score more windows (num_seqs) or longer ones to tell them apart"
+            )
+        else:
+            line = f"{verdict.words} ({figures}): {verdict.advice}"
         if self.data_note.startswith("seeded random token ids"):
             line += "; on random token ids: give text (a tokenizer) for a verdict about language"
         return line
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict; numbers that were not measured (NaN) are null."""
+        """A JSON-ready dict; numbers that were not measured (NaN) are null. With the perplexity
+        change and the verdict's line (``verdict``: its words, null between two rows)."""
         doc = dataclasses.asdict(self)
         doc["layer_errors"] = {str(k): {"k": v[0], "v": v[1]} for k, v in self.layer_errors.items()}
+        doc["perplexity_change"] = self.perplexity_change
+        doc["verdict"] = self.verdict.words if self.verdict is not None else None
+        doc["verdict_line"] = self.verdict_line
         return {k: None if isinstance(v, float) and v != v else v for k, v in doc.items()}
 
     def _data_row(self) -> str:
@@ -277,7 +298,7 @@ class EvaluationReport:
             ),
             ("data", self._data_row()),
             *((f"calls, {who}", note) for who, note in self.calls.items()),
-            ("verdict", self.verdict_line()),
+            ("verdict", self.verdict_line),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
@@ -689,6 +710,7 @@ class _Tally:
             kl_prompt_mean=float(np.concatenate(self.prompt_kls).mean()),
             perplexity_baseline=_perplexity(self.nlls[0]),
             perplexity_candidate=_perplexity(self.nlls[1]),
+            perplexity_change_margin=_change_margin(self.nlls),
             layer_errors={
                 layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
                 for layer, errs in self.errors.items()
@@ -711,6 +733,28 @@ class _Tally:
                 **({"greedy": GREEDY_NOTE} if self.prefixes else {}),
             },
         )
+
+
+#: Consecutive decode steps whose mean NLL difference is one sample of the margin's estimate.
+NLL_BLOCK = 32
+
+
+def _change_margin(nlls: tuple[list[np.ndarray], list[np.ndarray]]) -> float:
+    """The perplexity change's 95% half-width from blocks of :data:`NLL_BLOCK` steps of each
+    window (inf with fewer than two blocks: nothing tells the noise)."""
+    means = []
+    for base, cand in zip(*nlls):
+        diff = cand - base
+        diff = diff[~np.isnan(diff)]
+        means += [
+            float(diff[i : i + NLL_BLOCK].mean()) for i in range(0, len(diff) - NLL_BLOCK + 1, NLL_BLOCK)
+        ]
+    if len(means) < 2:
+        return float("inf")
+    every = np.concatenate([c - b for b, c in zip(*nlls)]) if nlls[0] else np.empty(0)
+    mean = float(np.nanmean(every))
+    half = 1.96 * float(np.std(means, ddof=1)) / np.sqrt(len(means))
+    return float(np.exp(mean + half) - np.exp(mean))
 
 
 def _perplexity(nlls: list[np.ndarray]) -> float:
