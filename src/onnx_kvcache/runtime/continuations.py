@@ -40,6 +40,8 @@ class Continuations:
     kernel_rule: str
     """The rule the candidate's quantized cache followed (``cpu (onnxruntime CPU kernel)``, ...)."""
     tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
+    max_new_tokens: int = 0
+    """Tokens each model was allowed: one that generated fewer stopped at an end-of-sequence token."""
 
     @property
     def shared(self) -> int:
@@ -51,19 +53,38 @@ class Continuations:
             return " ".join(map(str, ids))
         return str(self.tokenizer.decode(list(ids)))
 
+    def _tails(self) -> tuple[str, str, str]:
+        """What both generated and each one's rest, as text: each whole continuation decoded
+        (a character split across byte tokens is whole there) and cut where the texts part;
+        token ids where the two texts read the same though the tokens differ."""
+        n = self.shared
+        ids = " ".join(map(str, self.baseline[n:])), " ".join(map(str, self.candidate[n:]))
+        if self.tokenizer is None:
+            return self._text(self.baseline[:n]), repr(ids[0]), repr(ids[1])
+        base, cand = self._text(self.baseline), self._text(self.candidate)
+        if base == cand:
+            return base, f"token ids {ids[0]}", f"token ids {ids[1]}"
+        cut = next((i for i, (a, b) in enumerate(zip(base, cand)) if a != b), min(len(base), len(cand)))
+        return base[:cut], repr(base[cut:]), repr(cand[cut:])
+
     def format_side_by_side(self) -> str:
         """The prompt, what both generated, then each model's text from the first divergence
-        (marked ``|``), one labelled line each."""
+        (marked ``|``), one labelled line each, and which model stopped at end-of-sequence."""
         n, total = self.shared, max(len(self.baseline), len(self.candidate))
-        rows = [("prompt", self.prompt), ("both", f"{self._text(self.baseline[:n])!r}")]
-        if n == len(self.baseline) == len(self.candidate):
+        if self.baseline == self.candidate:
+            rows = [("prompt", repr(self.prompt)), ("both", repr(self._text(self.baseline)))]
             rows.append(("first divergence", f"none: all {total} generated tokens identical"))
         else:
+            common, base, cand = self._tails()
+            rows = [("prompt", repr(self.prompt)), ("both", repr(common))]
             rows += [
-                ("baseline", f"| {self._text(self.baseline[n:])!r}"),
-                ("candidate", f"| {self._text(self.candidate[n:])!r}"),
+                ("baseline", f"| {base}"),
+                ("candidate", f"| {cand}"),
                 ("first divergence", f"at generated token {n + 1} of {total} ({n} identical before it)"),
             ]
+        for who, ids in (("baseline", self.baseline), ("candidate", self.candidate)):
+            if self.max_new_tokens and len(ids) < self.max_new_tokens:
+                rows.append((f"{who} stopped", f"at end of sequence after {len(ids)} token(s)"))
         rows.append(("candidate's rule", self.kernel_rule))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
@@ -80,8 +101,9 @@ def compare_continuations(
 ) -> Continuations:
     """Greedy continuations of ``prompt`` (text, read with ``tokenizer`` or the one beside
     ``baseline``; or token ids) by both models, one token a call, up to ``max_new_tokens``
-    each (an end-of-sequence token stops a model early)."""
-    require_type(prompt, (str, Sequence), "prompt", "a text or a list of token ids")
+    each (an end-of-sequence token stops a model early). Both models need a KV cache and one
+    vocabulary; the prompt and the tokens fit the shorter context (checked before any run)."""
+    require_type(prompt, (str, list, tuple), "prompt", "a text or a list of token ids")
     require_type(max_new_tokens, INTEGER, "max_new_tokens", "an integer")
     if max_new_tokens < 1:
         raise KvCacheError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
@@ -94,14 +116,26 @@ def compare_continuations(
         if not ids:
             raise KvCacheError("The prompt is empty once tokenized: give some text.")
     else:
-        ids = [int(i) for i in prompt]
+        ids = list(prompt)
     cand = KvCacheRunner(candidate, semantics=semantics)
     base = KvCacheRunner(baseline, semantics=cand.semantics)  # the same rule, as evaluate
+    for who, runner in (("baseline", base), ("candidate", cand)):
+        if not runner.bindings:
+            raise KvCacheError(
+                f"The {who} has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
+                "present inputs): nothing to compare. Compare a model with a cache against its conversion."
+            )
+    if base.vocab_size != cand.vocab_size:
+        raise KvCacheError(
+            f"Baseline and candidate differ in their vocabulary ({base.vocab_size} against "
+            f"{cand.vocab_size} logits); compare a model with its own conversion."
+        )
     shown = prompt if isinstance(prompt, str) else " ".join(map(str, ids))
     return Continuations(
         shown,
-        base.generate(ids, max_new_tokens),
+        base.generate(ids, max_new_tokens),  # each checks the length before it runs
         cand.generate(ids, max_new_tokens),
         f"{cand.kernel_rule} ({cand.semantics_reason})",
         words,
+        max_new_tokens,
     )

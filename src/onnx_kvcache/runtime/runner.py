@@ -485,7 +485,16 @@ class KvCacheRunner:
         require_type(eos_token_id, (*INTEGER, type(None)), "eos_token_id", "a token id or None")
         if max_new_tokens < 0:
             raise KvCacheError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-        rows = self._check_ids(ids).shape[0]
+        array = self._check_ids(ids)
+        rows = array.shape[0]
+        if self.max_positions is not None and array.shape[1] + max_new_tokens - 1 > self.max_positions:
+            raise KvCacheError(
+                Param("max_new_tokens", max_new_tokens),
+                f" after a prompt of {array.shape[1]} token(s) feeds {array.shape[1] + max_new_tokens - 1} "
+                f"positions, but the model's rotary tables cover {self.max_positions}: give at most ",
+                Param("max_new_tokens", max(0, self.max_positions - array.shape[1] + 1)),
+                ".",
+            )
         if rows != 1:
             raise KvCacheError(
                 f"generate decodes one sequence, got {rows}: pass one list of ids, or decode a batch "
