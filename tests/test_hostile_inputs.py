@@ -771,3 +771,22 @@ def test_in_place_false_as_a_string_leaves_the_input_untouched(models, monkeypat
 def test_runner_arguments_of_the_wrong_type_are_one_type_error(models, call, message):
     with pytest.raises(KvCacheTypeError, match=message):
         call(KvCacheRunner(models / "model.onnx"))
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda m: onnx_kvcache.optimize_model(m, format="int8", fuse_attention="false"),
+            KvCacheTypeError,
+            "fuse_attention",
+        ),
+        (lambda m: KvCacheRunner(m).generate("abc", 2), KvCacheTypeError, "^Token ids must be a list"),
+        (lambda m: KvCacheRunner(m).generate(5, 2), KvCacheTypeError, "^Token ids must be a list"),
+        (lambda m: KvCacheRunner(m).prefill([[1, 2], [3]]), KvCacheError, "rows of one length"),
+    ],
+)
+def test_the_hostile_users_type_findings_are_one_line(call, error, message):
+    """Hostile user of issue 45, finding 9."""
+    with pytest.raises(error, match=message):
+        call(build_decoder(num_layers=2, vocab_size=300))

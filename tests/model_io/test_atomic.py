@@ -299,12 +299,12 @@ def _model_file(folder: pathlib.Path) -> pathlib.Path:
     return folder / "model.onnx"
 
 
-def _genai_folder(folder: pathlib.Path, share_buffer: bool = True) -> pathlib.Path:
+def _genai_folder(folder: pathlib.Path, share_buffer: bool = False) -> pathlib.Path:
     from onnx_kvcache.models.decoder import save_genai_folder
 
     save_genai_folder(folder, num_layers=2, vocab_size=300)
     config = json.loads((folder / "genai_config.json").read_text())
-    config["search"]["past_present_share_buffer"] = share_buffer  # True: in place changes it too
+    config["search"]["past_present_share_buffer"] = share_buffer  # False: in place changes it too
     (folder / "genai_config.json").write_text(json.dumps(config))
     return folder
 

@@ -115,3 +115,10 @@ def test_a_hard_linked_data_file_is_one_line_where_a_weight_is_read(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"its data file {tmp_path / 'g/model.onnx.data'} has 2 hard links" in err
+
+
+def test_a_folder_that_exists_but_takes_no_files_is_said_to(model_file):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no procfs on this system")
+    with pytest.raises(KvCacheError, match=r"^Cannot write in /proc \(it takes no new files\)\.$"):
+        check_writable_folder("/proc/out")

@@ -343,7 +343,7 @@ def test_a_rotated_models_position_limit_is_read_where_rope_stands():
     runner = KvCacheRunner(short)
     assert runner.max_positions == 48
     with pytest.raises(
-        KvCacheError, match="the model.s rotary tables cover 48: give at most max_new_tokens=9"
+        KvCacheError, match=r"the model.s rotary tables cover 48: give at most max_new_tokens=9"
     ):
         runner.generate(list(range(40)), 20)
     ids = [list(np.random.default_rng(5).integers(0, 300, 200))]
@@ -444,3 +444,11 @@ def test_the_margin_is_infinite_below_two_blocks_and_shrinks_with_more():
     margin_few = _change_margin((few, [b + noise.normal(0, 0.1, b.shape) for b in few]))
     margin_many = _change_margin((many, [b + noise.normal(0, 0.1, b.shape) for b in many]))
     assert 0 < margin_many < margin_few < 1
+
+
+def test_a_baseline_without_a_cache_is_named_as_such():
+    """Hostile user of issue 45, finding 12."""
+    model = build_decoder(num_layers=2, vocab_size=300)
+    nocache = build_decoder(num_layers=2, vocab_size=300, no_cache_layers=(0, 1))
+    with pytest.raises(KvCacheError, match=r"^The baseline has no KV cache"):
+        evaluate_kv_cache(nocache, model, DATA)

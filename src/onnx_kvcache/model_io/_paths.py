@@ -7,6 +7,7 @@ whether a path is a mount point (never replaced by a rename).
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import re
@@ -44,8 +45,8 @@ def _probe(base: pathlib.Path) -> None:
     and a pseudo file system (sysfs, procfs) or an immutable folder refuses only the write."""
     try:
         fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=base)
-    except OSError as e:
-        why = (e.strerror or type(e).__name__).lower()
+    except OSError as e:  # ENOENT from a folder that exists: procfs takes no new files
+        why = "it takes no new files" if e.errno == errno.ENOENT else (e.strerror or type(e).__name__).lower()
         raise KvCacheError(f"Cannot write in {base} ({why}).") from None
     os.close(fd)
     os.unlink(name)

@@ -18,7 +18,7 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import KvCacheError, Param, require_flags, require_type
+from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, Param, require_flags, require_type
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -39,8 +39,8 @@ def _check_options(
 ) -> str | None:
     """The options that need no model, checked; the format ``fp8_kv_cache`` names."""
     require_type(fuse_attention, (bool, str), "fuse_attention", "True, False or 'auto'")
-    if fuse_attention not in (True, False, "auto"):
-        raise KvCacheError(
+    if fuse_attention not in (True, False, "auto"):  # "false", "no": a yes/no of the wrong type
+        raise KvCacheTypeError(
             Param("fuse_attention"), f" must be True, False or 'auto', got {fuse_attention!r}."
         )
     if fp8_kv_cache:

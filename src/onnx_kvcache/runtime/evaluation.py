@@ -522,12 +522,13 @@ def _runners(
     """The baseline's and the candidate's runners, under the candidate's rule; they must
     have the same caches and vocabulary."""
     cand = KvCacheRunner(candidate, providers, semantics=semantics)
-    if not cand.bindings:
-        raise KvCacheError(
-            "The candidate has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
-            "present inputs): nothing to compare. Evaluate a model with a cache against its conversion."
-        )
     base = KvCacheRunner(baseline, providers, semantics=cand.semantics)  # a quantized baseline: same rule
+    for who, runner in (("candidate", cand), ("baseline", base)):
+        if not runner.bindings:
+            raise KvCacheError(
+                f"The {who} has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
+                "present inputs): nothing to compare. Evaluate a model with a cache against its conversion."
+            )
     if any(b.format is not None for b in base.bindings):
         warn(
             "The baseline's KV cache is quantized: compare against the original (unquantized) model, "

@@ -401,7 +401,13 @@ class KvCacheRunner:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        array = np.asarray(ids)
+        require_type(ids, (list, tuple, np.ndarray), "Token ids", "a list (or array) of integers")
+        try:
+            array = np.asarray(ids)
+        except ValueError:  # rows of different lengths
+            raise KvCacheError(
+                "Token ids must be one list, or rows of one length (pad the shorter)."
+            ) from None
         if array.size == 0 or array.ndim not in (1, 2):
             raise KvCacheError(
                 f"Token ids must be a non-empty [seq] or [batch, seq] array, got shape {array.shape}."
@@ -469,7 +475,7 @@ class KvCacheRunner:
 
     def step(self, token: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Append one token (per batch row); returns its logits ``[B, V]``."""
-        ids = np.asarray(token).reshape(-1, 1)  # not cast: a str or float token is refused
+        ids = np.asarray(token if isinstance(token, (list, tuple, np.ndarray)) else [token]).reshape(-1, 1)
         return self.forward(ids)[:, -1]
 
     def generate(
