@@ -274,3 +274,17 @@ def test_a_value_info_that_names_a_length_is_trusted():
     out.shape = ir.Shape([1, "total"])
     g.model(out)
     assert SymbolicEvaluator().eval(out).shape[1] == Affine.of(Symbol.dim("K"))
+
+
+def test_an_export_relabelled_below_its_opset_is_refused_as_malformed():
+    """An opset-18 export relabelled 17: its ReduceMean reads axes as an input, which opset 17 does
+    not define (onnxruntime does not load it); the refusal names the node, not a shape lost after it."""
+    model = build_decoder(exported_config("optimum-llama", num_layers=2, vocab_size=300))
+    model.opset_imports[""] = 17
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = GqaFusionPass()(model).report
+    assert report.fused == 0 and report.refusals
+    for refusal in report.refusals:
+        assert refusal.code is FusionRefusalCode.MALFORMED
+        assert "ReduceMean node" in refusal.text and "opset 17 reads as an attribute" in refusal.text

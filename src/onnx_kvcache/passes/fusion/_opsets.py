@@ -116,15 +116,15 @@ def moved(ev: Evaluator, node: ir.Node) -> list[int] | None:
     if version >= row.since:
         if attr is not None:
             raise Unprovable(
-                f"{node.op_type} node {node.name!r} has a {row.name!r} attribute, which opset {version} "
+                f"{node.op_type} node {node.name!r} has an attribute {row.name!r}, which opset {version} "
                 f"reads as input {row.input} (an attribute before opset {row.since})",
                 kind=_MALFORMED,
             )
         return ev.const_ints(given, f"{row.name} of {node.name}")
     if given is not None:
         raise Unprovable(
-            f"{node.op_type} node {node.name!r} has a {row.name} input, which opset {version} reads as "
-            f"an attribute (an input from opset {row.since})",
+            f"{node.op_type} node {node.name!r} has its {row.name} as an input, which opset {version} "
+            f"reads as an attribute (an input from opset {row.since})",
             kind=_MALFORMED,
         )
     return None if attr is None else [int(x) for x in attr.as_ints()]
@@ -141,7 +141,7 @@ def attribute(node: ir.Node, name: str, default: int) -> int:
         version = _version(node, f"its {name!r} attribute")
         if version < since:
             raise Unprovable(
-                f"{node.op_type} node {node.name!r} has a {name!r} attribute, which opset {version} does "
+                f"{node.op_type} node {node.name!r} has an attribute {name!r}, which opset {version} does "
                 f"not define (from opset {since})",
                 kind=_MALFORMED,
             )

@@ -331,6 +331,8 @@ class SymbolicEvaluator:
             except Contradiction:
                 raise
             except Unprovable as why:
+                if why.kind is FusionRefusalCode.MALFORMED:
+                    raise  # a node its opset does not define: no inference of it stands in
                 reason, found = reason or why, None
             if found is not None:
                 shape = found.shape
