@@ -25,92 +25,103 @@ MOBIUS = "mobius/mobius-default/llama"
 Code = FusionRefusalCode
 
 
-def _scores(model: ir.Model) -> str:
+def _layer(model: ir.Model, op_type: str, layer: int) -> ir.Node:
+    """The ``layer``-th node of ``op_type`` (each layer has one Attention)."""
+    return [n for n in model.graph if n.op_type == op_type][layer]
+
+
+def _scores(model: ir.Model, layer: int = 0) -> str:
     """K scaled by another factor than Q."""
-    k_scale = surgery.node(model, "/model/layers.0/self_attn/Mul_9").inputs[1]
+    k_scale = surgery.node(model, f"/model/layers.{layer}/self_attn/Mul_9").inputs[1]
     surgery.set_constant(model, k_scale, np.array(0.25, np.float32))  # Q's is sqrt(1 / sqrt(16))
-    return "/model/layers.0/self_attn/MatMul_1"
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _cache(model: ir.Model) -> str:
+def _cache(model: ir.Model, layer: int = 0) -> str:
     """The concatenated cache is no graph output."""
-    model.graph.outputs.remove(surgery.value(model, "present.0.key"))
-    return "/model/layers.0/self_attn/MatMul_1"
+    model.graph.outputs.remove(surgery.value(model, f"present.{layer}.key"))
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _repeat(model: ir.Model) -> str:
+def _repeat(model: ir.Model, layer: int = 0) -> str:
     """repeat_kv's Unsqueeze inserts its axis before the head axis."""
-    unsqueeze = surgery.node(model, "/model/layers.0/self_attn/Unsqueeze_12")
+    unsqueeze = surgery.node(model, f"/model/layers.{layer}/self_attn/Unsqueeze_12")
     surgery.set_constant(model, unsqueeze.inputs[1], np.array([1], np.int64))
-    return "/model/layers.0/self_attn/MatMul_1"
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _shapes(model: ir.Model) -> str:
+def _shapes(model: ir.Model, layer: int = 0) -> str:
     """A 3-D Attention whose q_num_heads does not divide its query width."""
-    node = surgery.first(model, "Attention")
+    node = _layer(model, "Attention", layer)
     node.attributes["q_num_heads"] = ir.Attr("q_num_heads", ir.AttributeType.INT, 3)
     return node.name
 
 
-def _mask(model: ir.Model) -> str:
+def _mask(model: ir.Model, layer: int = 0) -> str:
     """An Attention that is not causal (is_causal=0 over a padding mask)."""
-    node = surgery.first(model, "Attention")
+    node = _layer(model, "Attention", layer)
     node.attributes["is_causal"] = ir.Attr("is_causal", ir.AttributeType.INT, 0)
     return node.name
 
 
-def _attention_node(model: ir.Model) -> str:
+def _attention_node(model: ir.Model, layer: int = 0) -> str:
     """softmax in float16."""
-    node = surgery.first(model, "Attention")
+    node = _layer(model, "Attention", layer)
     node.attributes["softmax_precision"] = ir.Attr("softmax_precision", ir.AttributeType.INT, 10)
     return node.name
 
 
-def _operator(model: ir.Model) -> str:
+def _operator(model: ir.Model, layer: int = 0) -> str:
     """The mask passes through an operator whose values no rule follows (Xor with False)."""
-    mask = surgery.node(model, "/model/layers.0/self_attn/Slice_4").outputs[0]
-    false = surgery.constant(model, np.array(False), "false")
-    surgery.insert_after(model, mask, "Xor", (false,))
-    return "/model/layers.0/self_attn/MatMul_1"
+    mask = surgery.node(model, f"/model/layers.{layer}/self_attn/Slice_4").outputs[0]
+    false = surgery.constant(model, np.array(False), f"false.{layer}")
+    surgery.insert_after(model, mask, "Xor", (false,), name=f"/inserted/Xor_{layer}")
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _unknown_shape(model: ir.Model) -> str:
+def _unknown_shape(model: ir.Model, layer: int = 0) -> str:
     """An operator of another domain, without value_info, before the projections."""
-    norm = surgery.value(model, "/model/layers.0/input_layernorm/Mul_1_output_0")
-    surgery.insert_after(model, norm, "Scale", domain="com.example")
-    return "/model/layers.0/self_attn/MatMul_1"
+    norm = surgery.value(model, f"/model/layers.{layer}/input_layernorm/Mul_1_output_0")
+    surgery.insert_after(model, norm, "Scale", domain="com.example", name=f"/inserted/Scale_{layer}")
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _malformed(model: ir.Model) -> str:
+def _malformed(model: ir.Model, layer: int = 0) -> str:
     """The mask's Slice reads an axis the tensor does not have."""
-    node = surgery.node(model, "/model/layers.0/self_attn/Slice_4")
-    axes = surgery.constant(model, np.array([7], np.int64), "bad.axes")
+    node = surgery.node(model, f"/model/layers.{layer}/self_attn/Slice_4")
+    axes = surgery.constant(model, np.array([7], np.int64), f"bad.axes.{layer}")
     node.replace_input_with(3, axes) if len(node.inputs) > 3 else node.resize_inputs(4)
     node.replace_input_with(3, axes)
-    return "/model/layers.0/self_attn/MatMul_1"
+    return f"/model/layers.{layer}/self_attn/MatMul_1"
 
 
-def _unknown_attention(model: ir.Model) -> str:
+def _unknown_attention(model: ir.Model, layer: int = 0) -> str:
     """An operator between the softmax and its MatMul with V: no fusion's candidate."""
-    softmax = surgery.node(model, "/model/layers.0/self_attn/Softmax")
-    surgery.insert_after(model, softmax.outputs[0], "Mish")
+    softmax = surgery.node(model, f"/model/layers.{layer}/self_attn/Softmax")
+    surgery.insert_after(model, softmax.outputs[0], "Mish", name=f"/inserted/Mish_{layer}")
     return softmax.name
 
 
-def _in_function(model: ir.Model) -> str:
-    node = surgery.first(model, "Attention")
+def _in_function(model: ir.Model, layer: int = 0) -> str:
+    node = _layer(model, "Attention", 0)  # the earlier layers moved already: the next is first
     surgery.into_function(model, node)
     return node.name
 
 
-def _in_subgraph(model: ir.Model) -> str:
-    node = surgery.first(model, "Attention")
-    flag = surgery.constant(model, np.array(True), "flag")
+def _in_subgraph(model: ir.Model, layer: int = 0) -> str:
+    node = _layer(model, "Attention", 0)
+    flag = surgery.constant(model, np.array(True), f"flag.{layer}")
     surgery.into_subgraph(model, node, flag)
     return f"{node.name}/then"
 
 
-def _as_it_is(model: ir.Model) -> None:
+def _opset(model: ir.Model, layer: int = 0) -> str:
+    """An opset that predates the fused graph's operators (Shape with start and end)."""
+    model.opset_imports[""] = 14
+    return "/model/layers.0/self_attn/MatMul_1"
+
+
+def _as_it_is(model: ir.Model, layer: int = 0) -> None:
     return None
 
 
@@ -126,6 +137,7 @@ CASES = {
     Code.OPERATOR: (OPTIMUM, _operator),
     Code.UNKNOWN_SHAPE: (OPTIMUM, _unknown_shape),
     Code.MALFORMED: (OPTIMUM, _malformed),
+    Code.OPSET: (OPTIMUM, _opset),
     Code.UNKNOWN_ATTENTION: (OPTIMUM, _unknown_attention),
     Code.IN_FUNCTION: (DYNAMO, _in_function),
     Code.IN_SUBGRAPH: (DYNAMO, _in_subgraph),
@@ -161,6 +173,9 @@ def test_each_kind_is_given_on_a_producers_file_naming_the_graph(kind):
     assert "\n" not in first.text
     if kind is Code.ATTENTION_NODE:  # the node itself: the attribute it has
         assert re.search(r"\w+=\w+", first.text), first.text
+        return
+    if kind is Code.OPSET:  # the model's header: its opset
+        assert "opset 14" in first.text, first.text
         return
     names |= _names_of(first.node.graph) | {"moved_attention"}
     quoted = set(re.findall(r"'([^']+)'", first.text)) | set(re.findall(r"[\w/.]+", first.text))

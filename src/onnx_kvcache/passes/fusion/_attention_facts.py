@@ -36,6 +36,7 @@ from typing import TypeVar
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
 from onnx_kvcache.passes.fusion._symbolic import (
@@ -342,10 +343,7 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     )
     if expand is None or unsqueeze is None:
         raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
-    axes = ev.const_ints(unsqueeze.inputs[1] if len(unsqueeze.inputs) > 1 else None, "Unsqueeze axes")
-    if axes is None:
-        attr = unsqueeze.attributes.get("axes")
-        axes = None if attr is None else list(attr.as_ints())
+    axes = opsets.moved(ev, unsqueeze)
     base = _through_copies(ev, unsqueeze.inputs[0], copies)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):

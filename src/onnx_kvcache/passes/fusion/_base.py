@@ -134,10 +134,12 @@ class FusionPass(InPlacePass, abc.ABC):
     reports_elsewhere: ClassVar[bool] = False
     """Refuse the candidates of subgraphs and functions (else they are not looked at)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, quiet: bool = False) -> None:
         super().__init__()
         self.report = FusionReport()
         """What the last call did."""
+        self.quiet = quiet
+        """Log nothing (a trial run on a copy of the model: :class:`GqaFusionPass` logs the real one)."""
 
     @property
     def fused(self) -> int:
@@ -201,11 +203,15 @@ class FusionPass(InPlacePass, abc.ABC):
 
     def call(self, model: ir.Model) -> FusionResult:
         graph = model.graph
-        bypass_input_copies(graph)
+        copies = _bypass(graph)  # put back unless something fused: a refused pass changes nothing
         ev = SymbolicEvaluator()
         writer = GqaWriter(graph, ev)
         report, refusals = FusionReport(), []
+        too_old = _writer_opset_refusal(graph)
         for node in self.candidates(graph):
+            if too_old is not None:
+                refusals.append(FusionRefusal(FusionRefusalCode.OPSET, node, too_old))
+                continue
             try:
                 found = self.match(ev, graph, node)
             except Unprovable as reason:
@@ -223,6 +229,10 @@ class FusionPass(InPlacePass, abc.ABC):
         self.report = report = dataclasses.replace(report, refusals=tuple(refusals))
         if report.fused:
             model.opset_imports.setdefault(GQA_DOMAIN, 1)
+        else:
+            _restore(graph, copies)
+        if self.quiet:
+            return FusionResult(model, modified=bool(report.fused), report=report)
         self.logger.info(
             "%s -> GroupQueryAttention: %d fused, %d left.", self.label, report.fused, len(refusals)
         )
@@ -231,11 +241,42 @@ class FusionPass(InPlacePass, abc.ABC):
         return FusionResult(model, modified=bool(report.fused), report=report)
 
 
-def bypass_input_copies(graph: ir.Graph) -> int:
-    """Remove each one-input ``Concat`` or ``Identity`` of a graph input (the input itself, exactly), its
-    readers reading the input; one that is a graph output stays. Returns how many."""
-    copies = [
-        node
+WRITER_OPSET = 15
+"""The default-domain opset the fused graph's own operators need: ``Shape`` with ``start`` and
+``end`` (15), ``ReduceSum`` and ``Unsqueeze`` reading their axes as inputs (13)."""
+
+
+def _writer_opset_refusal(graph: ir.Graph) -> str | None:
+    """Why no candidate of ``graph`` can be written (None: they can): its opset predates the
+    operators :class:`~onnx_kvcache.passes.fusion._match.GqaWriter` writes."""
+    imports = graph.opset_imports
+    version = imports.get("", imports.get("ai.onnx"))
+    if version is not None and version >= WRITER_OPSET:
+        return None
+    said = f"opset {version}" if version is not None else "no opset"
+    return (
+        f"the model imports {said} for the default domain; the fused graph computes "
+        f"GroupQueryAttention's lengths with operators of opset {WRITER_OPSET} and later (Shape with "
+        f"start and end): export at opset {WRITER_OPSET} or later"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bypassed:
+    """An input copy taken out of the graph, with what puts it back exactly."""
+
+    node: ir.Node
+    source: ir.Value
+    successor: ir.Node | None
+    """The node it stood before (None: it was the last)."""
+    readers: tuple[tuple[ir.Node, int], ...]
+
+
+def _bypass(graph: ir.Graph) -> list[_Bypassed]:
+    """Take each one-input ``Concat`` or ``Identity`` of a graph input out of the graph (the input
+    itself, exactly), its readers reading the input; one that is a graph output stays."""
+    copies = {
+        node: None
         for value in graph.inputs
         for node, _ in value.uses()
         if node.op_type in ("Concat", "Identity")
@@ -243,13 +284,39 @@ def bypass_input_copies(graph: ir.Graph) -> int:
         and node.graph is graph
         and len(node.inputs) == 1
         and not node.outputs[0].is_graph_output()
-    ]
-    for node in copies:
+    }
+    if not copies:
+        return []
+    order = list(graph)
+    after = {node: order[k + 1] if k + 1 < len(order) else None for k, node in enumerate(order)}
+    taken = []
+    for node in (n for n in order if n in copies):
         source = node.inputs[0]
         assert source is not None
+        readers = tuple((user, slot) for user, slot in node.outputs[0].uses())
+        taken.append(_Bypassed(node, source, after[node], readers))
         node.outputs[0].replace_all_uses_with(source)
         graph.remove(node, safe=True)
-    return len(copies)
+    return taken
+
+
+def _restore(graph: ir.Graph, taken: Sequence[_Bypassed]) -> None:
+    """Put copies taken by :func:`_bypass` back where they were, read as they were (a fusion that
+    fused nothing leaves the model as it found it)."""
+    for copy in reversed(taken):  # the last first: a copy's successor is back before it is
+        copy.node.replace_input_with(0, copy.source)
+        if copy.successor is not None:
+            graph.insert_before(copy.successor, copy.node)
+        else:
+            graph.append(copy.node)
+        for user, slot in copy.readers:
+            user.replace_input_with(slot, copy.node.outputs[0])
+
+
+def bypass_input_copies(graph: ir.Graph) -> int:
+    """Remove each one-input ``Concat`` or ``Identity`` of a graph input (the input itself, exactly), its
+    readers reading the input; one that is a graph output stays. Returns how many."""
+    return len(_bypass(graph))
 
 
 def summarize_refusals(refused: Sequence[FusionRefusal], what: str = "attention node(s)") -> str:

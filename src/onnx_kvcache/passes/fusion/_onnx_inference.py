@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _UNKNOWN = FusionRefusalCode.UNKNOWN_SHAPE
+_FIRST = frozenset({_UNKNOWN, FusionRefusalCode.MALFORMED})
+"""An input's reasons that stand for the node's shape: no inference without that input's shape."""
 
 
 def _unknown(node: ir.Node, output: int, why: str) -> Unprovable:
@@ -69,7 +71,7 @@ def infer_output(ev: Evaluator, node: ir.Node, output: int) -> tuple[tuple[Affin
         try:
             dims = ev.shape(value)
         except Unprovable as reason:
-            if reason.kind is _UNKNOWN:  # where the shape was lost first: that is the reason
+            if reason.kind in _FIRST:  # where the shape was lost first (or a malformed node): the reason
                 raise reason.again() from None
             dims = None
         if dims is not None:

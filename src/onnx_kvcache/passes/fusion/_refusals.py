@@ -40,6 +40,7 @@ class FusionRefusalCode(enum.Enum):
     OPERATOR = "operator"
     UNKNOWN_SHAPE = "unknown_shape"
     MALFORMED = "malformed"
+    OPSET = "opset"
     UNKNOWN_ATTENTION = "unknown_attention"
     IN_SUBGRAPH = "in_subgraph"
     IN_FUNCTION = "in_function"
@@ -85,7 +86,14 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
         "the proof needs the rank or shape of a value that no value_info, graph input, shape rule or "
         "ONNX shape inference gives; the text names the operator where it was lost"
     ),
-    FusionRefusalCode.MALFORMED: "a node the proof reads breaks its operator's specification",
+    FusionRefusalCode.MALFORMED: (
+        "a node the proof reads breaks its operator's specification (at the model's opset), or a "
+        "value_info shape contradicts the shape its operator computes"
+    ),
+    FusionRefusalCode.OPSET: (
+        "the model's default-domain opset is below 15, which the fused graph's operators need "
+        "(Shape with start and end, axes as inputs)"
+    ),
     FusionRefusalCode.UNKNOWN_ATTENTION: (
         "a softmax over scores read from a KV cache input that no fusion takes for an attention: "
         "the text names the softmax, the cache and what reads the probabilities"

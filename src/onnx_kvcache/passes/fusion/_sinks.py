@@ -34,6 +34,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._scores import op_of, unwrap_probs
 from onnx_kvcache.passes.fusion._symbolic import ONE, ZERO, Affine, SymbolicEvaluator, Unprovable
@@ -124,9 +125,7 @@ def _last_axis_max(ev: SymbolicEvaluator, node: ir.Node) -> bool:
     keep = node.attributes.get("keepdims")
     if keep is not None and keep.as_int() != 1:
         return False
-    axes = ev.const_ints(node.inputs[1] if len(node.inputs) > 1 else None, "ReduceMax axes")
-    if axes is None and "axes" in node.attributes:
-        axes = list(node.attributes["axes"].as_ints())
+    axes = opsets.moved(ev, node)
     rank = len(ev.shape(node.inputs[0]))
     return axes in ([-1], [rank - 1])
 
@@ -173,9 +172,7 @@ def _constant(ev: SymbolicEvaluator, value: ir.Value | None) -> np.ndarray | Non
         to = ir.DataType(node.attributes["to"].as_int())
         return inner.astype(to.numpy()) if to.is_floating_point() else None
     if node.op_type in ("Unsqueeze", "Squeeze"):
-        axes = ev.const_ints(node.inputs[1] if len(node.inputs) > 1 else None, f"{node.op_type} axes")
-        if axes is None and "axes" in node.attributes:
-            axes = list(node.attributes["axes"].as_ints())
+        axes = opsets.moved(ev, node)
         if node.op_type == "Squeeze":
             return np.squeeze(inner, axis=tuple(axes)) if axes is not None else np.squeeze(inner)
         if axes is None:

@@ -93,10 +93,14 @@ __all__ = [
 ]
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
+
+if TYPE_CHECKING:
+    from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 from onnx_kvcache.passes.fusion._symbolic_index import _attr_int, _from_constant, _input
 from onnx_kvcache.passes.fusion._symbolic_index import reshape_dims as reshape_dims
 from onnx_kvcache.passes.fusion._symbolic_rules import Rule, rule_for
@@ -110,6 +114,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (  # noqa: F401  (re-exp
     Additive,
     Affine,
     Conj,
+    Contradiction,
     Le,
     Lookup,
     MaskAt,
@@ -120,6 +125,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (  # noqa: F401  (re-exp
     Unprovable,
     _kind,
     axis,
+    check_declared,
     constant_array,
     max_of,
     min_of,
@@ -130,6 +136,11 @@ from onnx_kvcache.passes.fusion._symbolic_values import (  # noqa: F401  (re-exp
 _MALFORMED = (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError)
 """What a rule raises on a node that breaks its operator's specification (an axis out of range,
 ranks that do not match, an attribute of the wrong kind)."""
+
+
+_FIRST_REASONS = frozenset({FusionRefusalCode.UNKNOWN_SHAPE, FusionRefusalCode.MALFORMED})
+"""A rule's reasons that say more than ONNX's inference failing after it (where the shape was lost,
+a node its opset does not define)."""
 
 
 def _node_text(node: ir.Node) -> str:
@@ -180,6 +191,8 @@ class SymbolicEvaluator:
         """The symbolic shape of any value: computed where followed, else declared."""
         try:
             return self.eval(value).shape
+        except Contradiction:
+            raise  # the declared shape is what is in doubt
         except Unprovable:
             if value is None or value.shape is None:
                 raise
@@ -273,18 +286,23 @@ class SymbolicEvaluator:
         if producer is None:
             return self._leaf(value)
         row = rule_for(producer)
-        if self._declared_data(value, producer, row):
-            return SymTensor(self.declared_shape(value), "data")
         output = value.index() or 0
+        if self._declared_data(value, producer, row):
+            self._cross_check(value, producer, output, row, _Shallow(self))
+            return SymTensor(self.declared_shape(value), "data")
         reason = None
         if row is not None and output == 0:
             for rule in row.values:
                 try:
                     found = rule(self, producer)
+                except Contradiction:
+                    raise
                 except Unprovable as why:
                     reason = reason or why
                     continue
                 if found is not None:
+                    if value.shape is not None:
+                        check_declared(value, self.declared_shape(value), found.shape, producer)
                     if found.origin is None and not found.known and found.kind != "float":
                         found = SymTensor(found.shape, found.kind, origin=self._lost(producer, row, reason))
                     return found
@@ -305,11 +323,16 @@ class SymbolicEvaluator:
         """``value`` known by its shape only, with where its values were lost."""
         shape = None
         if value.shape is not None and all(isinstance(d, int) or d.value is not None for d in value.shape):
+            self._cross_check(value, node, output, row, self)
             shape = self.declared_shape(value)
         if shape is None and row is not None and row.shape is not None:
             try:
                 found = row.shape(self, node, output)
+            except Contradiction:
+                raise
             except Unprovable as why:
+                if why.kind is FusionRefusalCode.MALFORMED:
+                    raise  # a node its opset does not define: no inference of it stands in
                 reason, found = reason or why, None
             if found is not None:
                 shape = found.shape
@@ -319,15 +342,28 @@ class SymbolicEvaluator:
             try:
                 shape = self._inferred(node, output)
             except Unprovable as why:
-                raise (
-                    reason.again()
-                    if reason is not None and reason.kind is FusionRefusalCode.UNKNOWN_SHAPE
-                    else why
-                ) from None
+                first = reason is not None and reason.kind in _FIRST_REASONS
+                raise (reason.again() if first and reason is not None else why) from None
         kind = _opaque_kind(self.dtype(value))
         return SymTensor(
             shape, kind, origin=Origin(node, output, row.computes if row is not None else "", reason)
         )
+
+    def _cross_check(
+        self, value: ir.Value, node: ir.Node, output: int, row: Rule | None, ev: Evaluator
+    ) -> None:
+        """Raise :class:`Contradiction` where ``value``'s declared shape is not what its operator's
+        shape rule computes (read through ``ev``); a rule that cannot compute it says nothing."""
+        if row is None or row.shape is None:
+            return
+        try:
+            computed = row.shape(ev, node, output)
+        except Contradiction:
+            raise
+        except (Unprovable, *_MALFORMED):
+            return
+        if computed is not None:
+            check_declared(value, self.declared_shape(value), computed.shape, node)
 
     def _leaf(self, value: ir.Value) -> SymTensor:
         """A graph input or an initializer too large to read: its shape; a 2-D integer input's
@@ -381,6 +417,47 @@ class SymbolicEvaluator:
         if not all(v.is_const for v in values):
             raise Unprovable(f"{what} is not constant")
         return [v.const for v in values]
+
+
+class _Shallow:
+    """The evaluator as a declared float value's own shape rule reads it: values evaluated already,
+    leaves, and declared shapes; nothing upstream is evaluated (a value the export declares stays
+    local, and a chain of them is not followed by recursion)."""
+
+    def __init__(self, ev: SymbolicEvaluator) -> None:
+        self._ev = ev
+
+    def eval(self, value: ir.Value | None) -> SymTensor:
+        ev = self._ev
+        if value is None:
+            raise Unprovable("a required input is missing")
+        cached = ev._cache.get(value)
+        if isinstance(cached, Unprovable):
+            raise cached.again()
+        if cached is not None:
+            return cached
+        producer = value.producer()
+        if producer is None or producer.op_type == "Constant":
+            return ev.eval(value)
+        if value.shape is not None and all(isinstance(d, int) or d.value is not None for d in value.shape):
+            return SymTensor(ev.declared_shape(value), _opaque_kind(ev.dtype(value)))
+        raise Unprovable(f"value {value.name!r} is not evaluated")
+
+    def shape(self, value: ir.Value | None) -> tuple[Affine, ...]:
+        return self.eval(value).shape
+
+    values = SymbolicEvaluator.values
+    scalar = SymbolicEvaluator.scalar
+    const_ints = SymbolicEvaluator.const_ints
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None:
+        return self._ev.dtype(value)
+
+    def declared_shape(self, value: ir.Value) -> tuple[Affine, ...]:
+        return self._ev.declared_shape(value)
+
+    def fresh(self) -> Symbol:
+        return self._ev.fresh()
 
 
 _STORED: dict[tuple[int, tuple[int, ...], bytes], SymTensor] = {}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_values import (
     _MAX_CONST_ELEMENTS,
@@ -169,8 +170,9 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 
 
-def _axes(ev: Evaluator, node: ir.Node, index: int = 1) -> list[int] | None:
-    return _attr_ints(node, "axes") or ev.const_ints(_input(node, index), f"axes of {node.name}")
+def _axes(ev: Evaluator, node: ir.Node) -> list[int] | None:
+    """The axes of a Squeeze or Unsqueeze in the form its opset defines (None: not given)."""
+    return opsets.moved(ev, node)
 
 
 def _identity(ev: Evaluator, node: ir.Node) -> SymTensor:
@@ -180,8 +182,8 @@ def _identity(ev: Evaluator, node: ir.Node) -> SymTensor:
 def _shape(ev: Evaluator, node: ir.Node) -> SymTensor:
     dims = ev.shape(node.inputs[0])
     rank = len(dims)
-    start = _attr_int(node, "start", 0)
-    end = _attr_int(node, "end", rank)
+    start = opsets.attribute(node, "start", 0)
+    end = opsets.attribute(node, "end", rank)
     start, end = (max(0, min(rank, x + rank if x < 0 else x)) for x in (start, end))
     picked = dims[start:end]
     return SymTensor((Affine(const=len(picked)),), "int", values=picked)
@@ -207,9 +209,20 @@ def _squeeze(ev: Evaluator, node: ir.Node) -> SymTensor:
                 mapping[axis(old)] = Affine.of(axis(k))
                 old += 1
     else:
+        if not axes and not all(d.is_const for d in x.shape):
+            shown = ", ".join(map(str, x.shape))
+            raise Unprovable(
+                f"Squeeze node {node.name!r} without axes of a [{shown}] tensor: the axes it removes "
+                "are those of length 1 when it runs"
+            )
         axes = sorted(
             a + x.rank if a < 0 else a for a in (axes or [k for k, d in enumerate(x.shape) if d == ONE])
         )
+        if any(not 0 <= a < x.rank for a in axes):
+            raise Unprovable(
+                f"Squeeze node {node.name!r} removes axes {axes} of a {x.rank}-D tensor",
+                kind=FusionRefusalCode.MALFORMED,
+            )
         if any(x.shape[a] != ONE for a in axes):
             raise Unprovable("Squeeze of a dimension not proven to be 1")
         shape, mapping, new = [], {}, 0
@@ -377,6 +390,8 @@ def _cast(ev: Evaluator, node: ir.Node) -> SymTensor:
     if kind == x.kind or (kind == "float" and x.kind == "data"):
         if _widens(ev.dtype(node.inputs[0]), to):
             return x
+        if kind == "int":  # a narrowing or sign-changing integer Cast wraps what the type does not hold
+            return _narrowed(x, to)
         elem = None if isinstance(x.elem, Affine) and x.elem.lookups else x.elem  # values may change
         return dataclasses.replace(x, elem=elem, source=None)
     if kind == "float" and x.kind == "int" and x.elem is None and x.values is None and x.source is None:
@@ -403,8 +418,28 @@ def _entry(elem: Elem | None) -> Symbol | None:
 
 
 def _widens(dtype: ir.DataType | None, to: ir.DataType) -> bool:
-    """An integer Cast that keeps every value (so a 0/1 mask stays one)."""
-    return dtype is not None and to.itemsize >= dtype.itemsize and to.is_signed() == dtype.is_signed()
+    """An integer Cast that keeps every value (so a 0/1 mask stays one): to a type as wide of the
+    same signedness, or unsigned to a wider signed type."""
+    if dtype is None:
+        return False
+    if to.is_signed() == dtype.is_signed():
+        return to.itemsize >= dtype.itemsize
+    return to.is_signed() and to.itemsize > dtype.itemsize
+
+
+def _narrowed(x: SymTensor, to: ir.DataType) -> SymTensor:
+    """An integer tensor cast to an integer type that may not hold its values (``to`` narrower, or
+    of other signedness): the values wrap modulo the type's range, so only constants the type
+    holds are kept; any other element is unknown (a form over lengths and indices is bounded by
+    nothing the evaluator knows)."""
+    info = np.iinfo(to.numpy())
+
+    def holds(form: Affine) -> bool:
+        return form.is_const and info.min <= form.const <= info.max
+
+    values = x.values if x.values is not None and all(holds(v) for v in x.values) else None
+    elem = x.elem if isinstance(x.elem, Affine) and holds(x.elem) else None
+    return SymTensor(x.shape, "int", elem, values)
 
 
 def kept(elem: Elem) -> Conj | None:
@@ -661,7 +696,13 @@ def _sliced_length(n: Affine, start: Affine, end: Affine) -> Affine:
             return min_of(bound, n) if not n.is_const else Affine(const=min(bound.const, n.const))
         if nonnegative(bound) and nonnegative(n - bound):  # within [0, n]: as it is
             return bound
-        return bound if bound == n else min_of(bound, n)
+        if nonnegative(bound):
+            return bound if bound == n else min_of(bound, n)
+        if never_positive(bound + 1):  # below 0 for every value: counted from the end
+            return max_of(n + bound, ZERO)
+        raise Unprovable(  # -S is the whole axis at S = 0 and its last S elements otherwise
+            f"a Slice bound {bound} that may be negative (counted from the end of the axis) or not"
+        )
 
     lo, hi = clamp(start), clamp(end)
     if hi == n or lo == ZERO:  # both clamped into [0, n]: no negative length to cut

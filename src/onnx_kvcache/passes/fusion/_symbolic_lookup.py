@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _attr_int,
@@ -326,12 +327,9 @@ def _reduce_values(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     x = ev.eval(node.inputs[0])
     if x.kind != "int":
         return None
-    attr = node.attributes.get("axes")
-    axes = list(attr.as_ints()) if attr is not None else None
-    if axes is None and _input(node, 1) is not None:
-        axes = ev.const_ints(node.inputs[1], f"axes of {node.name}")
+    axes = opsets.moved(ev, node)
     if not axes:
-        if _attr_int(node, "noop_with_empty_axes", 0):
+        if opsets.attribute(node, "noop_with_empty_axes", 0):
             return x
         axes = list(range(x.rank))
     picked = sorted({a + x.rank if a < 0 else a for a in axes})

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _COMPARE,
     _attr_int,
-    _attr_ints,
     _input,
     reshape_dims,
 )
@@ -63,6 +63,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
     aligned_elem,
     axis,
     broadcast_shapes,
+    check_declared,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def _data(ev: Evaluator, value: ir.Value, shape) -> SymTensor:
         return SymTensor(tuple(shape), kind)
     declared = ev.declared_shape(value)
     computed = tuple(shape)
+    check_declared(value, declared, computed, value.producer())
     if len(computed) == len(declared):
         declared = tuple(
             c if not isinstance(d, int) and d.value is None else k
@@ -139,11 +141,9 @@ def _matmul_nbits(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
 
 def _reduce(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
-    axes = _attr_ints(node, "axes")
-    if axes is None and _input(node, 1) is not None:
-        axes = ev.const_ints(node.inputs[1], f"axes of {node.name}")
+    axes = opsets.moved(ev, node)
     if not axes:
-        if _attr_int(node, "noop_with_empty_axes", 0):
+        if opsets.attribute(node, "noop_with_empty_axes", 0):
             return _data(ev, node.outputs[0], x)
         axes = list(range(len(x)))
     picked = {a + len(x) if a < 0 else a for a in axes}
@@ -437,9 +437,9 @@ def _split(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
             kind=FusionRefusalCode.MALFORMED,
         )
     dim = x.shape[at]
-    sizes = _attr_ints(node, "split") or ev.const_ints(_input(node, 1), "Split sizes")
+    sizes = opsets.moved(ev, node)
     if sizes is None:
-        parts = _attr_int(node, "num_outputs", len(node.outputs))
+        parts = opsets.attribute(node, "num_outputs", len(node.outputs))
         if not dim.is_const or parts <= 0:
             raise Unprovable(f"a Split of an axis of {dim} into {parts} parts")
         size = -(-dim.const // parts)

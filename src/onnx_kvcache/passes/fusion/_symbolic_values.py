@@ -21,6 +21,7 @@ __all__ = [
     "Additive",
     "Affine",
     "Conj",
+    "Contradiction",
     "Evaluator",
     "FloatConst",
     "Le",
@@ -32,6 +33,7 @@ __all__ = [
     "SymbolKind",
     "Unprovable",
     "constant_array",
+    "check_declared",
     "nonnegative",
 ]
 
@@ -86,11 +88,37 @@ class Unprovable(KindedReason):
 
     def again(self) -> Unprovable:
         """The same reason, to raise again (its kind and place kept)."""
-        return Unprovable(*self.args, kind=self.kind, rule=self.rule)
+        return type(self)(*self.args, kind=self.kind, rule=self.rule)
 
     def wrapped(self, prefix: str) -> Unprovable:
         """The same reason said after ``prefix`` (its kind and place kept)."""
-        return Unprovable(f"{prefix}{self}", kind=self.kind, rule=self.rule)
+        return type(self)(f"{prefix}{self}", kind=self.kind, rule=self.rule)
+
+
+class Contradiction(Unprovable):
+    """A declared shape (value_info) that the shape its operator computes proves wrong: the model
+    says two things of one value, and no proof trusts either (:func:`check_declared`)."""
+
+
+def check_declared(
+    value: ir.Value, declared: Sequence[Affine], computed: Sequence[Affine], node: ir.Node | None
+) -> None:
+    """Raise :class:`Contradiction` (malformed) when ``declared`` and ``computed`` differ in rank or
+    in a dimension by a nonzero constant (``3`` and ``4``, ``past + seq`` and ``past + seq + 1``):
+    shapes no value of the dimension names makes equal. Names that may be equal are not compared
+    (a declared name is the model's word for a length)."""
+    differ = len(declared) != len(computed) or any(
+        (d - c).is_const and (d - c).const != 0 for d, c in zip(declared, computed)
+    )
+    if not differ:
+        return
+    where = f"{node.op_type} node {node.name!r}" if node is not None else "its producer"
+    raise Contradiction(
+        f"value {value.name!r} is declared [{', '.join(map(str, declared))}] but {where} computes "
+        f"[{', '.join(map(str, computed))}] from its inputs: the export's value_info contradicts its "
+        "own graph",
+        kind=FusionRefusalCode.MALFORMED,
+    )
 
 
 class SymbolKind(enum.IntEnum):

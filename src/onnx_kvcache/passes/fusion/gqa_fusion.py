@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import onnx_ir as ir
@@ -116,6 +117,8 @@ class GqaFusionPass(InPlacePass):
         return self.report.refused
 
     def call(self, model: ir.Model) -> FusionResult:
+        if _may_keep_rolling_windows(model.graph):
+            _refuse_unsettled_windows(model)  # decided on a copy: raises before the model changes
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
@@ -171,31 +174,65 @@ def _gqa_count(graph: ir.Graph) -> int:
     return sum(1 for node in graph if node.op_type == "GroupQueryAttention")
 
 
-def _settle_window_caches(graph: ir.Graph) -> None:
-    """After rolling window caches became window-sized (``sliding_window_cache=1``, their pasts
-    ``W`` rows and more where the export's held at most ``W - 1``): remove the nodes nothing reads
-    (an export's unused mask computations would index the attention mask by the new length), and
-    refuse a graph in which anything but attention still reads such a past (a position computed
-    from its length)."""
-    pasts = [
+def _window_pasts(graph: ir.Graph) -> list[ir.Value]:
+    """The past inputs of window-sized caches (``sliding_window_cache=1``) the graph's GQA nodes read."""
+    return [
         value
         for node in graph
         if node.op_type == "GroupQueryAttention" and _attr(node, "sliding_window_cache") == 1
         for value in node.inputs[3:5]
         if value is not None and value.is_graph_input()
     ]
-    if not pasts:
-        return
-    remove_dead(graph, [n for n in graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)])
-    for past in pasts:
+
+
+def _settle_window_caches(graph: ir.Graph) -> None:
+    """After rolling window caches became window-sized (``sliding_window_cache=1``, their pasts
+    ``W`` rows and more where the export's held at most ``W - 1``): remove the nodes nothing reads
+    (an export's unused mask computations would index the attention mask by the new length). What
+    else reads such a past was refused before the model changed (:func:`_refuse_unsettled_windows`)."""
+    if _window_pasts(graph):
+        remove_dead(graph, [n for n in graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)])
+
+
+def _unsettled_window_reader(graph: ir.Graph) -> str | None:
+    """Why a fused graph must not stand (None: it may): a node other than attention still reads the
+    length of a window-sized past (a position computed from it), once what nothing reads is gone."""
+    _settle_window_caches(graph)
+    for past in _window_pasts(graph):
         for user, _ in past.uses():
             if user.op_type != "GroupQueryAttention" and not _reads_other_dims(user):
-                raise KvCacheError(
+                return (
                     f"{user.op_type} node {user.name!r} reads the length of {past.name}, a rolling window "
-                    "cache that the fusion made window-sized (W rows where the export's held at most "
+                    "cache that the fusion would make window-sized (W rows where the export's held at most "
                     "W - 1): it would compute from the new length. Export with a full-length cache "
                     "(DynamicCache(), docs/exporting.md section 1)."
                 )
+    return None
+
+
+def _may_keep_rolling_windows(graph: ir.Graph) -> bool:
+    """A graph output that is a Slice of a Concat: the present of a rolling window cache (what
+    :func:`~onnx_kvcache.passes.fusion._attention_facts.cache_link` makes window-sized) may be one."""
+    for value in graph.outputs:
+        node = value.producer()
+        if node is not None and node.op_type == "Slice" and node.inputs:
+            source = node.inputs[0].producer() if node.inputs[0] is not None else None
+            if source is not None and source.op_type == "Concat":
+                return True
+    return False
+
+
+def _refuse_unsettled_windows(model: ir.Model) -> None:
+    """Raise :class:`KvCacheError` when fusing would leave a window-sized past read by more than
+    attention, deciding on a copy of the model (its tensors shared, not copied) so that the model
+    is left as it was: the fusions on the copy, then :func:`_unsettled_window_reader`."""
+    trial = model.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = sum(_report(fusion(quiet=True)(trial)).fused for fusion in FUSIONS)
+    reason = _unsettled_window_reader(trial.graph) if fused else None
+    if reason is not None:
+        raise KvCacheError(reason)
 
 
 def _reads_other_dims(node: ir.Node) -> bool:

@@ -32,6 +32,7 @@ __all__ = ["DecomposedAttentionFusionPass"]
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._base import FusionPass
 from onnx_kvcache.passes.fusion._match import (
     AttentionMatch,
@@ -95,9 +96,14 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         if softmax is None:
             raise Unprovable("the MatMul does not read softmax probabilities")
         rank = len(ev.shape(softmax.outputs[0]))
-        axis = softmax.attributes.get("axis")
-        if rank != 4 or (axis is not None and axis.as_int() not in (-1, 3)):
-            raise Unprovable(f"the softmax {softmax.name!r} is not over the last axis of 4-D scores")
+        if rank != 4 or opsets.softmax_axis(softmax, rank) != rank - 1:
+            given = softmax.attributes.get("axis")
+            axis = f"axis={given.as_int()}" if given is not None else "no axis"
+            raise Unprovable(
+                f"the softmax {softmax.name!r} ({axis}, opset {opsets.opset(softmax)}) is not over the "
+                f"last axis of 4-D scores alone (below opset 13 a softmax's default axis is 1 and it "
+                "normalizes over every axis from it at once)"
+            )
         add = _op(softmax_input(ev, sink.scores if sink is not None else softmax.inputs[0], nodes), "Add")
         if add is None:
             raise Unprovable(f"the softmax {softmax.name!r} reads scores without an additive mask")
