@@ -247,8 +247,8 @@ def graph_of(path) -> dict:
 
 #: (first format, its target), (second format, its target), share_buffer after, model dtype
 FOLDER_CASES = {
-    "cpu-int8-to-int4": (("int8", "cpu"), ("int4", "cpu"), False, "float32"),
-    "cpu-int4-to-int8": (("int4", "cpu"), ("int8", "cpu"), False, "float32"),
+    "cpu-int8-to-int4": (("int8", "cpu"), ("int4", "cpu"), True, "float32"),
+    "cpu-int4-to-int8": (("int4", "cpu"), ("int8", "cpu"), True, "float32"),
     "cuda-int8-to-fp8": (("int8", "cuda"), ("fp8", "cuda"), True, "float16"),
     "cpu-int8-to-cuda-fp8": (("int8", "cpu"), ("fp8", "cuda"), True, "float16"),  # config changes
 }
@@ -297,7 +297,7 @@ def test_convert_without_a_format_keeps_the_models_and_requantizes_its_granulari
     src = save_genai_folder(tmp_path / "src", num_layers=2, vocab_size=300)
     convert_model(src, in_place=True, format="int4", scales=FOLDER_SCALES, ep="cpu")
     with pytest.warns(
-        NotConvertedWarning, match=r"model\.onnx is already int4 per_tensor: nothing to convert"
+        NotConvertedWarning, match=r"model\.int4\.onnx is already int4 per_tensor: nothing to convert"
     ):
         same = convert_model(src, tmp_path / "same")  # already int4 per tensor: nothing written
     assert not same.converted and not (tmp_path / "same").exists()
@@ -714,8 +714,9 @@ def test_mixed_granularity_caches_warn_for_the_side_that_changes(target):
             0,
             "requantized from int8 per_tensor with the scales given.",
         ),
-        ([], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
-        (["--format", "int8"], 1, "model.onnx is already int8 per_tensor: nothing to convert."),
+        # in place, the config changed (past and present share one buffer): a new graph name
+        ([], 1, "model.int8.onnx is already int8 per_tensor: nothing to convert."),
+        (["--format", "int8"], 1, "model.int8.onnx is already int8 per_tensor: nothing to convert."),
     ],
 )
 def test_the_cli_says_what_requantizing_did(tmp_path, capsys, argv, code, says):

@@ -118,3 +118,12 @@ def test_a_request_past_the_context_is_refused_before_any_run():
         KvCacheRunner(short).generate(list(range(1, 41)), 20)
     with pytest.raises(KvCacheError, match="at most max_new_tokens=42"):
         compare_continuations(short, short, PROMPT, max_new_tokens=10**6)
+
+
+def test_a_quantized_baseline_is_warned():
+    from onnx_kvcache.errors import MeasurementWarning
+
+    with pytest.warns(MeasurementWarning, match="baseline's KV cache is quantized"):
+        compare_continuations(
+            _int4(0.05), build_decoder(num_layers=2, vocab_size=300), PROMPT, max_new_tokens=2
+        )

@@ -45,6 +45,7 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import GQA_DOMAIN
+from onnx_kvcache.errors import require_flags
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
 from onnx_kvcache.passes.fusion._refusals import REFUSAL_KINDS, FusionRefusalCode
@@ -136,6 +137,7 @@ class FusionPass(InPlacePass, abc.ABC):
 
     def __init__(self, *, quiet: bool = False) -> None:
         super().__init__()
+        require_flags(quiet=quiet)
         self.report = FusionReport()
         """What the last call did."""
         self.quiet = quiet
