@@ -790,3 +790,17 @@ def test_the_hostile_users_type_findings_are_one_line(call, error, message):
     """Hostile user of issue 45, finding 9."""
     with pytest.raises(error, match=message):
         call(build_decoder(num_layers=2, vocab_size=300))
+
+
+def test_an_empty_model_path_is_said_to_be_empty(capsys):
+    """Hostile user of issue 45, finding 15: "" was read as the current folder."""
+    with pytest.raises(KvCacheError, match=r"^The model.s path is empty"):
+        onnx_kvcache.load_model("")
+    assert main(["inspect", ""]) == 2 and "path is empty" in capsys.readouterr().err
+
+
+def test_a_numpy_bool_is_named_as_numpys():
+    with pytest.raises(
+        KvCacheTypeError, match=r"^progress must be True or False, got numpy\.bool \(np\.True_\)"
+    ):
+        onnx_kvcache.calibrate_kv_cache("model.onnx", progress=np.True_)

@@ -346,7 +346,9 @@ def require_type(value: Any, types: type | tuple[type, ...], name: str, expected
     allowed = types if isinstance(types, tuple) else (types,)
     if isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool)):
         return
-    raise KvCacheTypeError(f"{name} must be {expected}, got {type(value).__name__} ({value!r:.60}).")
+    kind = type(value)
+    named = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise KvCacheTypeError(f"{name} must be {expected}, got {named} ({value!r:.60}).")
 
 
 def require_flags(**flags: object) -> None:

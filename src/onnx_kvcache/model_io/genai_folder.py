@@ -90,6 +90,8 @@ def _found_hint(folder: pathlib.Path, files: list[pathlib.Path]) -> str:
 def resolve_model_path(path: str | os.PathLike) -> tuple[pathlib.Path, dict[str, Any] | None]:
     """The ``.onnx`` file for a file or onnxruntime-genai folder, and the genai config."""
     require_type(path, (str, os.PathLike), "The model", "a path (str or os.PathLike) here")
+    if not os.fspath(path):  # pathlib reads "" as "."
+        raise KvCacheError("The model's path is empty: name a .onnx file or an onnxruntime-genai folder.")
     p = pathlib.Path(path)
     kind = input_kind(p)
     if kind == "a folder":
