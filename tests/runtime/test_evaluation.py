@@ -452,3 +452,13 @@ def test_a_baseline_without_a_cache_is_named_as_such():
     nocache = build_decoder(num_layers=2, vocab_size=300, no_cache_layers=(0, 1))
     with pytest.raises(KvCacheError, match=r"^The baseline has no KV cache"):
         evaluate_kv_cache(nocache, model, DATA)
+
+
+def test_no_perplexity_is_no_verdict():
+    import dataclasses
+
+    model = build_decoder(num_layers=2, vocab_size=300)
+    report = dataclasses.replace(
+        evaluate_kv_cache(model, model, DATA, max_new_tokens=0), perplexity_candidate=float("nan")
+    )
+    assert report.verdict is None and report.verdict_line.startswith("not measured")

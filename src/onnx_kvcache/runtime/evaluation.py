@@ -226,6 +226,8 @@ class EvaluationReport:
         both ends of the change's 95% interval; None when the ends fall in different rows (too
         few decode steps to tell them apart)."""
         change, margin = self.perplexity_change, self.perplexity_change_margin
+        if change != change:  # NaN: no decode step had a known next token
+            return None
         low, high = self._row(change - margin), self._row(change + margin)
         return low if low is high else None
 
@@ -235,7 +237,9 @@ class EvaluationReport:
         change, margin = self.perplexity_change, self.perplexity_change_margin
         figures = f"perplexity {change:+.2%} ± {margin:.2%}, top-1 {self.top1_agreement:.1%}"
         verdict = self.verdict
-        if verdict is None:
+        if change != change:
+            line = "not measured: no decode step had a known next token"
+        elif verdict is None:
             low, high = self._row(change - margin), self._row(change + margin)
             line = (
                 f"between {low.words} and {high.words} ({figures} over {self.positions} decode steps): "
