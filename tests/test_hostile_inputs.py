@@ -784,6 +784,7 @@ def test_runner_arguments_of_the_wrong_type_are_one_type_error(models, call, mes
         (lambda m: KvCacheRunner(m).generate("abc", 2), KvCacheTypeError, "^Token ids must be a list"),
         (lambda m: KvCacheRunner(m).generate(5, 2), KvCacheTypeError, "^Token ids must be a list"),
         (lambda m: KvCacheRunner(m).prefill([[1, 2], [3]]), KvCacheError, "rows of one length"),
+        (lambda m: KvCacheRunner(m).reset(-1), KvCacheError, "batch >= 1"),
     ],
 )
 def test_the_hostile_users_type_findings_are_one_line(call, error, message):

@@ -357,6 +357,10 @@ class KvCacheRunner:
         """
         require_type(batch, INTEGER, "batch", "an integer")
         require_type(min_capacity, INTEGER, "min_capacity", "an integer")
+        if batch < 1 or min_capacity < 0:
+            raise KvCacheError(
+                f"reset takes batch >= 1 and min_capacity >= 0, got {batch} and {min_capacity}."
+            )
         self._cache.reset(batch, min_capacity)
 
     def cache_nbytes(self) -> int:
@@ -401,7 +405,7 @@ class KvCacheRunner:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        require_type(ids, (list, tuple, np.ndarray), "Token ids", "a list (or array) of integers")
+        require_type(ids, (list, tuple, range, np.ndarray), "Token ids", "a list (or array) of integers")
         try:
             array = np.asarray(ids)
         except ValueError:  # rows of different lengths
