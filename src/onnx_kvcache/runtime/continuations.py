@@ -18,9 +18,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import INTEGER, KvCacheError, MeasurementWarning, require_type, warn
-from onnx_kvcache.runtime.evaluation import greedy_agreement
-from onnx_kvcache.runtime.runner import KvCacheRunner
+from onnx_kvcache.errors import INTEGER, KvCacheError, require_type
+from onnx_kvcache.runtime.evaluation import _runners, greedy_agreement
 from onnx_kvcache.scales.data import find_tokenizer, load_tokenizer
 
 #: The prompt :func:`compare_continuations` continues when none is given.
@@ -117,7 +116,7 @@ def compare_continuations(
             raise KvCacheError("The prompt is empty once tokenized: give some text.")
     else:
         ids = list(prompt)
-    base, cand = _runners(baseline, candidate, semantics)
+    base, cand = _runners(baseline, candidate, None, semantics)  # evaluate's checks: one cache layout
     shown = prompt if isinstance(prompt, str) else " ".join(map(str, ids))
     return Continuations(
         shown,
@@ -127,30 +126,3 @@ def compare_continuations(
         words,
         max_new_tokens,
     )
-
-
-def _runners(
-    baseline: ir.Model | str | os.PathLike, candidate: ir.Model | str | os.PathLike, semantics: str | None
-) -> tuple[KvCacheRunner, KvCacheRunner]:
-    """Both models' runners under the candidate's rule (as evaluate): each with a KV cache, one
-    vocabulary; a quantized baseline is warned."""
-    cand = KvCacheRunner(candidate, semantics=semantics)
-    base = KvCacheRunner(baseline, semantics=cand.semantics)
-    for who, runner in (("baseline", base), ("candidate", cand)):
-        if not runner.bindings:
-            raise KvCacheError(
-                f"The {who} has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
-                "present inputs): nothing to compare. Compare a model with a cache against its conversion."
-            )
-    if any(b.format is not None for b in base.bindings):
-        warn(
-            "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
-            "or the continuations show one quantization against another.",
-            MeasurementWarning,
-        )
-    if base.vocab_size != cand.vocab_size:
-        raise KvCacheError(
-            f"Baseline and candidate differ in their vocabulary ({base.vocab_size} against "
-            f"{cand.vocab_size} logits); compare a model with its own conversion."
-        )
-    return base, cand

@@ -531,7 +531,7 @@ def _runners(
         if not runner.bindings:
             raise KvCacheError(
                 f"The {who} has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
-                "present inputs): nothing to compare. Evaluate a model with a cache against its conversion."
+                "present inputs): nothing to compare. Give a model with a cache and its conversion."
             )
     if any(b.format is not None for b in base.bindings):
         warn(
