@@ -220,33 +220,37 @@ class EvaluationReport:
             and self.top1_agreement >= v.min_top1
         )
 
+    def _ends(self) -> tuple[Verdict, Verdict] | None:
+        """The rows of both ends of the perplexity change's 95% interval (None: not measured)."""
+        change, margin = self.perplexity_change, self.perplexity_change_margin
+        if change != change:  # NaN: no decode step had a known next token
+            return None
+        return self._row(change - margin), self._row(change + margin)
+
     @property
     def verdict(self) -> Verdict | None:
         """The first of :data:`VERDICTS` whose bounds the perplexity change and top-1 meet, at
         both ends of the change's 95% interval; None when the ends fall in different rows (too
-        few decode steps to tell them apart)."""
-        change, margin = self.perplexity_change, self.perplexity_change_margin
-        if change != change:  # NaN: no decode step had a known next token
-            return None
-        low, high = self._row(change - margin), self._row(change + margin)
-        return low if low is high else None
+        few decode steps to tell them apart) or nothing was measured."""
+        ends = self._ends()
+        return ends[0] if ends is not None and ends[0] is ends[1] else None
 
     @property
     def verdict_line(self) -> str:
         """The verdict in one line, with the figures it rests on and the data's caveat."""
         change, margin = self.perplexity_change, self.perplexity_change_margin
         figures = f"perplexity {change:+.2%} ± {margin:.2%}, top-1 {self.top1_agreement:.1%}"
-        verdict = self.verdict
-        if change != change:
+        ends = self._ends()
+        if ends is None:
             line = "not measured: no decode step had a known next token"
-        elif verdict is None:
-            low, high = self._row(change - margin), self._row(change + margin)
+        elif ends[0] is not ends[1]:
+            low, high = ends
             line = (
                 f"between {low.words} and {high.words} ({figures} over {self.positions} decode steps): "
                 "score more windows (num_seqs) or longer ones to tell them apart"
             )
         else:
-            line = f"{verdict.words} ({figures}): {verdict.advice}"
+            line = f"{ends[0].words} ({figures}): {ends[0].advice}"
         if self.data_note.startswith("seeded random token ids"):
             line += "; on random token ids: give text (a tokenizer) for a verdict about language"
         return line
@@ -706,6 +710,7 @@ class _Tally:
         positions = max(len(k) for k in kls)
         kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
         all_kl = np.concatenate(kls)
+        perplexities = (_perplexity(self.nlls[0]), _perplexity(self.nlls[1]))
         return EvaluationReport(
             kl_mean=float(all_kl.mean()),
             kl_max=float(all_kl.max()),
@@ -713,9 +718,9 @@ class _Tally:
             greedy_match_prefix=float(np.mean(self.prefixes)) if self.prefixes else float("nan"),
             greedy_match_share=float(np.mean(self.shares)) if self.shares else float("nan"),
             kl_prompt_mean=float(np.concatenate(self.prompt_kls).mean()),
-            perplexity_baseline=_perplexity(self.nlls[0]),
-            perplexity_candidate=_perplexity(self.nlls[1]),
-            perplexity_change_margin=_change_margin(self.nlls),
+            perplexity_baseline=perplexities[0],
+            perplexity_candidate=perplexities[1],
+            perplexity_change_margin=_change_margin(self.nlls, perplexities[1] / perplexities[0] - 1.0),
             layer_errors={
                 layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
                 for layer, errs in self.errors.items()
@@ -744,9 +749,9 @@ class _Tally:
 NLL_BLOCK = 32
 
 
-def _change_margin(nlls: tuple[list[np.ndarray], list[np.ndarray]]) -> float:
-    """The perplexity change's 95% half-width from blocks of :data:`NLL_BLOCK` steps of each
-    window (inf with fewer than two blocks: nothing tells the noise)."""
+def _change_margin(nlls: tuple[list[np.ndarray], list[np.ndarray]], change: float) -> float:
+    """The perplexity ``change``'s 95% half-width from blocks of :data:`NLL_BLOCK` steps of
+    each window (inf with fewer than two blocks: nothing tells the noise)."""
     means = []
     for base, cand in zip(*nlls):
         diff = cand - base
@@ -756,10 +761,8 @@ def _change_margin(nlls: tuple[list[np.ndarray], list[np.ndarray]]) -> float:
         ]
     if len(means) < 2:
         return float("inf")
-    every = np.concatenate([c - b for b, c in zip(*nlls)]) if nlls[0] else np.empty(0)
-    mean = float(np.nanmean(every))
     half = 1.96 * float(np.std(means, ddof=1)) / np.sqrt(len(means))
-    return float(np.exp(mean + half) - np.exp(mean))
+    return float((1.0 + change) * np.expm1(half))  # exp(mean + half) - exp(mean), mean = log1p(change)
 
 
 def _perplexity(nlls: list[np.ndarray]) -> float:
