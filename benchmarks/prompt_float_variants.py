@@ -23,7 +23,7 @@ import shutil
 import onnx
 import onnx_ir as ir
 
-from onnx_kvcache.passes._prompt_float_attention import PromptFloatAttentionPass
+from onnx_kvcache.passes import PromptFloatAttentionPass
 
 
 def write(src: pathlib.Path, out: pathlib.Path, variant: str, max_length: int | None) -> None:

@@ -315,3 +315,11 @@ def og_generate(folder, prompt: list[int], n: int) -> list[int]:
     while not generator.is_done():
         generator.generate_next_token()
     return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+
+
+def gqa_nodes(model: ir.Model) -> list[ir.Node]:
+    """The model's GroupQueryAttention nodes, each as its site: a node ``convert`` wrapped for the
+    CPU (its prompt through the float kernel, :mod:`onnx_kvcache.cache.prompt_path`) included."""
+    from onnx_kvcache.cache.sites import find_gqa_sites
+
+    return [s.node for s in find_gqa_sites(model, with_cache_only=False)]

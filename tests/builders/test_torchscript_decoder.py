@@ -26,6 +26,7 @@ from onnx_kvcache.errors import FusionSkippedWarning
 from onnx_kvcache.model_io._sessions import create_session
 
 from builders.exported import EXPORT_PRESETS, build_decoder, exported_config
+from conftest import gqa_nodes
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "optimum_llama" / "model.onnx"
 FAMILIES = ["optimum-llama", "optimum-qwen2", "optimum-mistral", "optimum-phi3", "optimum-gemma2"]
@@ -124,7 +125,7 @@ def test_half_precision_exports_fuse_to_half_precision_attention(name, dtype):
         export(name, dtype=dtype),
         fused(export(name, dtype=dtype), ep=None),
     )
-    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(model)
     assert len(gqa) == 2 and {n.inputs[0].dtype for n in gqa} == {getattr(ir.DataType, dtype.upper())}
     if dtype == "bfloat16":  # the CPU has no bf16 kernels: both compute in float32, as the runner does
         Bfloat16ToFloatPass()(original)
@@ -135,7 +136,7 @@ def test_half_precision_exports_fuse_to_half_precision_attention(name, dtype):
 
 def test_softcap_scale_and_windows_come_from_the_graph():
     model = fused(export("optimum-gemma2", num_layers=3))
-    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(model)
     got = [
         {k: a.value for k, a in n.attributes.items() if k in ("scale", "softcap", "local_window_size")}
         for n in gqa
@@ -157,9 +158,7 @@ def test_convert_int8_for_cpu_runs_the_steps(name, tmp_path, capsys):
         f"converted {n} GroupQueryAttention node(s) (fused from the export's {n}" in capsys.readouterr().out
     )
     model = ir.load(out)
-    assert {n.inputs[3].dtype for n in model.graph if n.op_type == "GroupQueryAttention"} == {
-        ir.DataType.INT8
-    }
+    assert {n.inputs[3].dtype for n in gqa_nodes(model)} == {ir.DataType.INT8}
     for scenario in ("single", "left_padded", "longer_than_window"):
         for mask, result in generate(model, SCENARIOS[scenario]):
             assert np.all(np.isfinite(result["logits"]))
@@ -176,7 +175,7 @@ def test_fp16_exports_convert_to_fp8_for_cuda_and_type_check(name):
         fp8_kv_cache=True,
         scales={0: (0.05, 0.05), 1: (0.05, 0.05)},
     )
-    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(model)
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.FLOAT8E4M3FN}
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     with pytest.raises(OrtNotImplemented, match="NOT_IMPLEMENTED") as error:

@@ -436,7 +436,7 @@ def test_calibrating_three_tokens_is_refused(tmp_path, model_file, capsys):
 @pytest.mark.parametrize(
     ("fmt", "dtype", "rule"),
     [
-        ("int8", "float32", "cpu (onnxruntime CPU kernel)"),
+        ("int8", "float32", "cpu (onnxruntime CPU kernel, prompt in float)"),
         ("int8", "float16", "cuda (emulated on CPU)"),  # an fp16 model targets CUDA
         ("fp8", "float16", "cuda (emulated on CPU)"),
     ],
@@ -464,6 +464,7 @@ def test_evaluate_states_the_kernel_rule_of_the_target(tmp_path, capsys, fmt, dt
     assert f"kernel rule           {rule}" in capsys.readouterr().out
     assert main([*argv, "--semantics", "cpu"]) == 0
     cpu = "cpu (emulated on CPU)" if fmt == "fp8" else "cpu (onnxruntime CPU kernel)"
+    cpu = cpu[:-1] + ", prompt in float)" if rule.startswith("cpu") else cpu  # converted for the CPU
     assert f"kernel rule           {cpu}" in capsys.readouterr().out
 
 
@@ -523,3 +524,33 @@ def test_inspect_of_an_export_that_does_not_fuse_says_why(tmp_path, capsys):
     assert lines[1].startswith(
         "convert would refuse: Not converted: attention fusion fused nothing: 3 attention"
     )
+
+
+def test_inspect_says_what_the_cache_costs_at_the_models_context_and_in_time(tmp_path, capsys):
+    """A float cache: what convert would make of it (bytes at the model's context, the prompt's
+    speed on the CPU); a converted one: its own, and whether its prompt is at float speed."""
+    from onnx_kvcache.cache.prompt_path import unwrap
+
+    src = tmp_path / "model.onnx"
+    ir.save(build_decoder(num_layers=2, vocab_size=300, max_position=512), src)
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "cache at the model's context (512 tokens), batch 1: 0.5 MiB now, 0.1 MiB converted" in out
+    assert "speed on cpu: a prompt at float speed" in out
+    scales = tmp_path / "s.json"
+    scales.write_text(
+        json.dumps({"scales": {"k_scales": [0.05, 0.05], "v_scales": [0.05, 0.05]}, "qmax": 128})
+    )
+    out_file = tmp_path / "int8.onnx"
+    assert main(["convert", str(src), str(out_file), "--format", "int8", "--scales", str(scales)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out_file)]) == 0
+    assert "speed on cpu: a prompt at float speed" in capsys.readouterr().out
+    plain = ir.load(out_file)
+    assert unwrap(plain) == 2
+    ir.save(plain, tmp_path / "plain.onnx")
+    assert main(["inspect", str(tmp_path / "plain.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "a prompt through the quantized kernel" in out and "converting it again for cpu" in out
+    assert main(["inspect", str(src), "--ep", "cuda"]) == 0
+    assert "speed on" not in capsys.readouterr().out  # not measured here

@@ -12,7 +12,7 @@ from onnx_kvcache import KvCacheQuantizationPass
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import build_decoder
-from onnx_kvcache.passes._prompt_float_attention import PromptFloatAttentionPass
+from onnx_kvcache.passes import PromptFloatAttentionPass
 
 from conftest import CPU_FORMATS, GRANULARITIES
 

@@ -462,3 +462,40 @@ def test_no_perplexity_is_no_verdict():
         evaluate_kv_cache(model, model, DATA, max_new_tokens=0), perplexity_candidate=float("nan")
     )
     assert report.verdict is None and report.verdict_line.startswith("not measured")
+
+
+def test_both_models_are_timed_at_the_context_asked_for_within_theirs():
+    """evaluate's speed lines: the context asked (default 1,024) within the models' context less
+    the decode steps timed; the caches' bytes at it from the graph; 0 asks for none."""
+    from onnx_kvcache.runtime._speed import DECODE_STEPS, DEFAULT_CONTEXT
+
+    short = build_decoder(num_layers=2, vocab_size=300, max_position=300)
+    report = evaluate_kv_cache(short, short, DATA, max_new_tokens=2, prompt_len=8, progress=False)
+    assert report.speed is not None and report.speed.context == 300 - DECODE_STEPS
+    base, cand = build_decoder(num_layers=2, vocab_size=300), quantized("int8")
+    report = evaluate_kv_cache(base, cand, DATA, max_new_tokens=2, prompt_len=8, speed_context=40)
+    speed = report.speed
+    assert speed is not None and speed.context == 40 and speed.steps == DECODE_STEPS
+    assert speed.cache_bytes == (40 * report.baseline_bytes_per_token, 40 * report.candidate_bytes_per_token)
+    assert all(t > 0 for t in (*speed.prefill_seconds, *speed.decode_tokens_per_second))
+    table = report.format_table()
+    assert "prefill, 40 tokens" in table and "cache at 40 tokens" in table
+    assert report.to_json()["speed"]["context"] == 40
+    none = evaluate_kv_cache(base, base, DATA, max_new_tokens=2, prompt_len=8, speed_context=0)
+    assert none.speed is None and "prefill" not in none.format_table()
+    with pytest.raises(KvCacheError):
+        evaluate_kv_cache(base, base, DATA, speed_context=-1)
+    assert DEFAULT_CONTEXT == 1024
+
+
+def test_the_cli_passes_the_prompt_length_and_the_speed_context(tmp_path, capsys):
+    base, cand = tmp_path / "base.onnx", tmp_path / "cand.onnx"
+    ir.save(build_decoder(num_layers=2, vocab_size=300), base)
+    ir.save(quantized("int8"), cand)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([int(i) for i in DATA[0]]))
+    argv = ["evaluate", str(base), str(cand), "--token-ids", str(ids), "--num-seqs", "1", "--seq-len", "24"]
+    assert main([*argv, "--prompt-len", "4", "--speed-context", "32", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill, 32 tokens" in out
+    assert "19 decode steps scored" in out  # a window of 24 after a prompt of 4

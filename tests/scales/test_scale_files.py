@@ -13,6 +13,8 @@ from onnx_kvcache import KvCacheScales, load_kv_cache_scale_file
 from onnx_kvcache.cache.formats import SCALE_GRANULARITIES, ScaleGranularity
 from onnx_kvcache.errors import KvCacheError
 
+from conftest import gqa_nodes
+
 
 def write(tmp_path, doc, name="scales.json"):
     path = tmp_path / name
@@ -346,7 +348,7 @@ def test_convert_reads_the_section_named_after_the_model_files_stem(tmp_path, ca
         return
     assert code == 0
     converted = ir.load(next(out.glob("*.onnx")) if out.is_dir() else out)
-    node = next(n for n in converted.graph if n.op_type == "GroupQueryAttention")
+    node = gqa_nodes(converted)[0]
     assert node.inputs[12].const_value.numpy().tolist() == [np.float32(sections[stem][0])]
 
 

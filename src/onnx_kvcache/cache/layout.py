@@ -44,6 +44,9 @@ class CacheLayerInfo:
     head_size: int = 0
     head_sink: bool = False
     """The node adds attention sinks (``head_sink``: one logit per query head) to its softmax."""
+    prompt_in_float: bool = False
+    """A call of several tokens attends them through the float kernel, the cache stored
+    quantized (:mod:`~onnx_kvcache.cache.prompt_path`); one token a call: the quantized kernel."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -133,6 +136,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         rotation=site_rotation(site).name,
         head_size=head,
         head_sink=site.input("head_sink") is not None,
+        prompt_in_float=site.wrapper is not None,
     )
 
 
@@ -202,6 +206,18 @@ def _attention_lines(info: CacheModelInfo) -> list[str]:
     return lines
 
 
+def _prompt_lines(info: CacheModelInfo) -> list[str]:
+    """Which layers' prompts attend through the float kernel."""
+    ids = [layer.layer_id for layer in info.layers if layer.prompt_in_float]
+    if not ids:
+        return []
+    return [
+        f"prompt in float: in layer(s) {_ranges(ids)} a call of several tokens (a prompt) attends them "
+        "through the float kernel and stores them quantized; one token a call goes through the quantized "
+        "kernel (a prompt at float speed on the CPU: docs/choosing-a-format.md)"
+    ]
+
+
 def _rotation_lines(info: CacheModelInfo) -> list[str]:
     """Which layers' caches hold rotated values, and by what."""
     groups: dict[tuple[str, int, bool], list[int]] = {}
@@ -248,7 +264,7 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += _allocation_lines(info) + _attention_lines(info) + _rotation_lines(info)
+    lines += _allocation_lines(info) + _attention_lines(info) + _rotation_lines(info) + _prompt_lines(info)
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

@@ -33,6 +33,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import SCALE_GRANULARITIES, CacheFormat, format_of
 from onnx_kvcache.cache.operators import ATTENTION_OPS, GQA, AttentionOp, CacheSide, op_of
+from onnx_kvcache.cache.prompt_path import wrapped_node
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io.reading import tensor_values
 
@@ -77,6 +78,14 @@ class CacheSite:
     layer_id: int = -1
     _owner: CacheSite | None = dataclasses.field(default=None, repr=False, compare=False)
     op: AttentionOp = GQA
+    wrapper: ir.Node | None = None
+    """The ``If`` whose multi-token calls attend through the float kernel, when the node is
+    wrapped (:mod:`~onnx_kvcache.cache.prompt_path`): its outputs are the node's to the caller."""
+
+    @property
+    def outer(self) -> ir.Node:
+        """The node the site's graph holds: the wrapper, else the attention node itself."""
+        return self.wrapper or self.node
 
     @property
     def owner(self) -> CacheSite:
@@ -99,7 +108,8 @@ class CacheSite:
         return _input(self.node, self.op.slot(slot) if isinstance(slot, str) else slot)
 
     def output(self, slot: int | str) -> ir.Value | None:
-        return _output(self.node, self.op.out_slot(slot) if isinstance(slot, str) else slot)
+        """The node's output at ``slot``; a wrapped node's: its wrapper's."""
+        return _output(self.outer, self.op.out_slot(slot) if isinstance(slot, str) else slot)
 
     @property
     def single_cache(self) -> bool:
@@ -298,15 +308,19 @@ def _nested(node: ir.Node) -> list[ir.Graph]:
     return found
 
 
-def _attention_nodes(model: ir.Model) -> list[tuple[ir.Node, ir.Function | None]]:
+def _attention_nodes(model: ir.Model) -> list[tuple[ir.Node, ir.Function | None, ir.Node | None]]:
     """The nodes named like an attention operator, in ``_iter_nodes``'s order (80 layers: looking
-    for them node by node through a generator was a fifth of a conversion's time)."""
-    found: list[tuple[ir.Node, ir.Function | None]] = []
+    for them node by node through a generator was a fifth of a conversion's time), each with its
+    wrapper: a wrapped node stands for its wrapper's two branches."""
+    found: list[tuple[ir.Node, ir.Function | None, ir.Node | None]] = []
 
     def visit(graph: ir.Graph | ir.Function, function: ir.Function | None) -> None:
         for node in graph:
             if node.op_type in ATTENTION_OPS:
-                found.append((node, function))
+                found.append((node, function, None))
+            elif node.op_type == "If" and (inner := wrapped_node(node)) is not None:
+                found.append((inner, function, node))
+                continue
             if node.attributes:
                 for sub in _nested(node):
                     visit(sub, function)
@@ -327,10 +341,10 @@ def find_attention_sites(
     functions, with layer ids."""
     rows = ops or tuple(ATTENTION_OPS.values())
     sites = []
-    for node, function in _attention_nodes(model):
+    for node, function, wrapper in _attention_nodes(model):
         row = op_of(node)
         if row is not None and row in rows:
-            sites.append(CacheSite(node, function, op=row))
+            sites.append(CacheSite(node, function, op=row, wrapper=wrapper))
     for site in sites:
         if "num_heads" not in site.node.attributes or "kv_num_heads" not in site.node.attributes:
             raise KvCacheError(f"{site.label} lacks num_heads or kv_num_heads; the model is malformed.")

@@ -58,6 +58,10 @@ class FormatSupport:
     window_cache_head_multiple: int = 0
     """A window-sized cache (GQA's ``sliding_window_cache=1``, genai's builder for Gemma-2's
     window layers) runs only with a head size that is a multiple of this (0: any)."""
+    prompt_in_float: bool = False
+    """Multi-token calls (the prompt) attend through the float kernel, the cache stored by the
+    quantized kernel's rule (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`):
+    the provider's quantized kernel is several times slower than its float kernel on a prompt."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +126,15 @@ _GQA_ROWS = (
         "CPUExecutionProvider",
         _CPU_T,
         {
-            "int8": FormatSupport(_BOTH, "1.27", evidence=_RUN),
+            # prompt_in_float: the quantized kernel's prefill took 2.7x (int8) and 3.4x (int4) the
+            # float kernel's at 4,000 tokens on SmolLM2-135M, 1.0x through the float kernel
+            # (onnxruntime 1.32, benchmarks/cpu_prefill.md)
+            "int8": FormatSupport(_BOTH, "1.27", evidence=_RUN, prompt_in_float=True),
             # onnxruntime 1.32 at run time: "sliding_window_cache: head_size (16) must be a
             # multiple of 32 for a 4-bit KV cache" (tests/capabilities/test_gating.py runs it)
-            "int4": FormatSupport(_BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32),
+            "int4": FormatSupport(
+                _BOTH, "1.27", evidence=_RUN, window_cache_head_multiple=32, prompt_in_float=True
+            ),
         },
         "No fp8 kernel and no q/k norm inputs: evaluate either through emulation.",
         # onnxruntime 1.32 + onnxruntime-genai 0.18 (benchmarks/genai_share_buffer_check.py on

@@ -152,7 +152,7 @@ def _evaluate_variant(
         granularity=granularity,
         scales=scales,
         overwrite=True,
-        ep=None,  # fp8 of a float32 model, for evaluation through CPU emulation
+        ep=None if fmt == "fp8" else "cpu",  # fp8 of a float32 model: evaluated through CPU emulation
         progress=False,
     )
     demo.record()
@@ -191,6 +191,8 @@ def _print_table(
         "+rot: the cache rotated (int4's default, docs/rotation.md)"
     )
     echo(
-        "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated); calibrated on the "
-        "built-in corpus's calibration part, evaluated on its held-out evaluation part (byte-level ids)"
+        "kernel rule: how this CPU computes the cache (cuda: CUDA's rule, emulated; prompt in float: a "
+        "prompt attends through the float kernel, each new token through the quantized one); "
+        "calibrated on the built-in corpus's calibration part, evaluated on its held-out evaluation "
+        "part (byte-level ids)"
     )

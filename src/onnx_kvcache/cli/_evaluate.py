@@ -19,6 +19,12 @@ from onnx_kvcache.cli._shared import _given, _model_inputs, _write_completely, _
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io import check_output, same_output, stamp_json
 
+#: The options passed to ``evaluate_kv_cache`` as its parameters of the same name.
+_LIBRARY_OPTIONS = (
+    *("max_new_tokens", "tokenizer", "num_seqs", "seq_len", "prompt_len", "semantics"),
+    *("speed_context", "progress"),
+)
+
 
 def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     """``evaluate``: the report printed, and written as asked (``words``: unused)."""
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
         args.baseline,
         args.candidate,
         args.token_ids or args.text,
-        **_given(args, "max_new_tokens", "tokenizer", "num_seqs", "seq_len", "semantics", "progress"),
+        **_given(args, *_LIBRARY_OPTIONS),
     )
     outputs: list[tuple[str, bytes, str]] = []
     if args.json:

@@ -46,12 +46,59 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
         _print(json.dumps(doc, indent=2))
         return 0
     _print(format_cache_table(info, args.context, args.batch or 1))
+    for line in _cost_lines(args, model, info, config, words):
+        _print(line)
     if diagnostics is not None:
         _print("CUDA quantized decode fast path (XQA):")
         for d in diagnostics:
             verdict = "eligible" if d.eligible else "not eligible: " + "; ".join(map(words, d.reasons))
             _print(f"  layer {d.layer_id}: {verdict}")
     return 0
+
+
+def _cost_lines(
+    args: argparse.Namespace, model: Any, info: Any, config: Any, words: Callable[[object], str]
+) -> list[str]:
+    """What the cache costs at the model's context and in time: for a float cache, what
+    ``convert`` would make of it; for a quantized one, its own."""
+    from onnx_kvcache.capabilities.table import get_capabilities, infer_target
+    from onnx_kvcache.passes import PromptFloatAttentionPass
+    from onnx_kvcache.pipeline.preview import preview_conversion, speed_line
+    from onnx_kvcache.runtime import max_positions
+
+    context = max_positions(model) or 0
+    at = f"at the model's context ({context} tokens), batch 1" if context else None
+    before = info.bytes_per_token
+    if any(layer.k_quant_type != "NONE" for layer in info.layers):
+        target = args.ep or infer_target(model, config)[0]
+        fmt = _format_of(model)
+        wrapped = any(layer.prompt_in_float for layer in info.layers)
+        lines = [f"cache {at}: {_mib(info.cache_bytes(context))}"] if at and args.context is None else []
+        line = speed_line(target, fmt, wrapped, info.original_bytes_per_token / before)
+        if line and not wrapped and PromptFloatAttentionPass.wrappable(model):
+            line += f"; converting it again for {target} routes the prompt through the float kernel"
+        return lines + ([line] if line else [])
+    preview = preview_conversion(model, args.ep, config)
+    lines = [_preview_line(preview, words)]
+    after = preview.bytes_per_token_after
+    if after and at:
+        lines.append(f"cache {at}: {_mib(info.cache_bytes(context))} now, {_mib(after * context)} converted")
+    support = get_capabilities(preview.target).formats.get(preview.format or "") if preview.target else None
+    line = speed_line(
+        preview.target, preview.format, bool(support and support.prompt_in_float), before / (after or before)
+    )
+    return lines + ([line] if line and after else [])
+
+
+def _format_of(model: Any) -> str | None:
+    from onnx_kvcache.cache.sites import find_attention_sites
+
+    fmt = next((s.cache_format for s in find_attention_sites(model) if s.cache_format), None)
+    return fmt.name if fmt is not None else None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _preview_json(

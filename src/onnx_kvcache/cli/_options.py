@@ -347,10 +347,25 @@ _EVALUATE = (
         help="tokens per sequence (default: 256, or the model's context + 1 when shorter)",
     ),
     _option(
+        "--prompt-len",
+        metavar="N",
+        type=_POSITIVE,
+        default=64,
+        help="each sequence's prompt, fed in one call before its decode steps are scored one token a "
+        "call (at most half the sequence)",
+    ),
+    _option(
         "--semantics",
         choices=list(SEMANTICS),
         help="kernel rule the candidate's quantized cache follows on this CPU: cuda (first prompt "
         "attended unquantized) or cpu (default: the rule of the candidate's target provider)",
+    ),
+    _option(
+        "--speed-context",
+        metavar="N",
+        type=_NON_NEGATIVE,
+        help="time both models' prefill of N tokens and decode after it, and give their caches' bytes "
+        "there (default: 1024, or what the models' context holds; 0: not timed)",
     ),
     _option("--json", metavar="FILE", help="also write the report as JSON here (default: none)"),
     _option(

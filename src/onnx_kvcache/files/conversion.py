@@ -280,7 +280,20 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
         )
         if requantized:
             result.notes.append(requantized)
+        result.notes += _prompt_note(decision.model)
     return result
+
+
+def _prompt_note(model: ir.Model) -> list[str]:
+    """The line saying which layers' prompts attend through the float kernel (cache.prompt_path)."""
+    wrapped = sum(1 for s in find_attention_sites(model) if s.wrapper is not None)
+    if not wrapped:
+        return []
+    return [
+        f"prompt in float: in {wrapped} layer(s) a prompt attends through the CPU's float kernel and "
+        "is stored quantized, each new token through the quantized kernel (a long prompt at float "
+        "speed: docs/choosing-a-format.md#speed-on-the-cpu)."
+    ]
 
 
 def _count_ops(result: ConvertResult, model: ir.Model) -> None:

@@ -47,12 +47,13 @@ def _check_cache_shapes(site: CacheSite) -> None:
 
 
 def _check_only_attention_reads(
-    model: ir.Model, value: ir.Value, readers: dict[int, AttentionOp], what: str
+    model: ir.Model, value: ir.Value, readers: dict[int, AttentionOp | None], what: str
 ) -> None:
-    """A cache may be read only as the cache of converted attention nodes, or passed to a function."""
+    """A cache may be read only as the cache of converted attention nodes (or by the float
+    branch of their wrapper, ``None`` in ``readers``), or passed to a function."""
     for user, slot in value.uses():
         op = readers.get(id(user))
-        if user.graph is None or (op is not None and slot in op.cache_slots):
+        if user.graph is None or (id(user) in readers and (op is None or slot in op.cache_slots)):
             continue  # a removed node, or a converted reader
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source

@@ -23,6 +23,7 @@ from onnx_kvcache.cache.formats import (
     scale_granularity,
 )
 from onnx_kvcache.cache.operators import AttentionOp
+from onnx_kvcache.cache.prompt_path import float_branch
 from onnx_kvcache.cache.rotation import site_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import (
@@ -116,7 +117,10 @@ class _Planner:
         scales = self.scales
         planned = _ModelPlan(scale_granularity(self.granularity or granularity_for(model, scales)))
         sites = find_attention_sites(model)
-        cache_readers = {id(s.node): s.op for s in sites}
+        cache_readers: dict[int, AttentionOp | None] = {id(s.node): s.op for s in sites}
+        for site in sites:  # a wrapper's float branch reads the pasts too; unwrapping removes it
+            if site.wrapper is not None:
+                cache_readers |= dict.fromkeys(map(id, float_branch(site.wrapper)))
         groups: dict[int, list[CacheSite]] = {}
         for site in sites:
             groups.setdefault(id(site.owner.node), []).append(site)
@@ -189,7 +193,7 @@ class _Planner:
         model: ir.Model,
         site: CacheSite,
         group: list[CacheSite],
-        cache_readers: dict[int, AttentionOp],
+        cache_readers: dict[int, AttentionOp | None],
         planned: _ModelPlan,
     ) -> _Plan:
         scales, granularity = self.scales, planned.granularity
@@ -199,7 +203,7 @@ class _Planner:
         sources: list[ir.Value] = []
         sinks: list[ir.Value] = []
         if not done:
-            readers = {id(s.node): s.op for s in group}
+            readers: dict[int, AttentionOp | None] = {id(s.node): s.op for s in group}
             if site is site.owner:  # readers of another node's present retype nothing upstream
                 for side in site.sides:
                     cache = site.past(side)

@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS
 from onnx_kvcache.cache.operators import GQA
+from onnx_kvcache.cache.prompt_path import unwrap
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.passes._base import InPlacePass, preconditions
@@ -87,6 +88,7 @@ class Float16AttentionPass(InPlacePass):
                 _check_caches(site)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        unwrap(model)  # a wrapped node is rewritten as itself (cache.prompt_path)
         sites = float32_attention_sites(model)
         casts: dict[tuple[int, int], ir.Value] = {}  # (graph, value) -> its float16 Cast
         for site in sites:

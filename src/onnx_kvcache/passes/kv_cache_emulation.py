@@ -56,6 +56,7 @@ import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
+from onnx_kvcache.cache.prompt_path import unwrap
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.capabilities.table import get_capabilities
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError, Param, require_flags
@@ -335,6 +336,7 @@ class KvCacheEmulationPass(InPlacePass):
         return [_Rewrite(site, self.semantics, self.quantized_io, steps) for site in sites]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        unwrap(model)  # the kernel's rule for every call: the node as it is, not its float prompt
         rewrites = self._check(model)
         float_io: list[tuple[ir.Value, ir.DataType, int]] = []  # caches that will hold dequantized values
         if not self.quantized_io:
@@ -369,6 +371,7 @@ def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io:
     """
     require_flags(quantized_io=quantized_io)
     copy = as_model(model).clone()
+    unwrap(copy)
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)
     _raise_opset(copy, emulation.sites(copy), quantized_io)

@@ -69,6 +69,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format
+from onnx_kvcache.cache.prompt_path import unwrap
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheWarning, UnfusedAttentionWarning, require_flags, warn
 from onnx_kvcache.passes._base import InPlacePass, preconditions
@@ -145,6 +146,7 @@ class KvCacheQuantizationPass(InPlacePass):
             return self._plan_model(model).skipped
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        unwrapped = unwrap(model)  # a wrapped node is rewritten as itself (cache.prompt_path)
         planned = self._plan_model(model)
         plans, notes = planned.sites, planned.notes
         if not plans and not find_attention_sites(model, with_cache_only=False):
@@ -152,7 +154,7 @@ class KvCacheQuantizationPass(InPlacePass):
         for note in notes:
             warn(note)
         store = _ScaleStore(model)
-        modified = False
+        modified = bool(unwrapped)
         for plan in plans:
             modified |= self._apply(plan, store, planned.granularity)
         modified |= store.modified | store.remove_unused()

@@ -43,6 +43,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
+from onnx_kvcache.cache.prompt_path import unwrap
 from onnx_kvcache.cache.rotation import Rotation, get_rotation, rotation_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
@@ -231,6 +232,7 @@ class KvCacheRotationPass(InPlacePass):
         return rewrites
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        unwrap(model)  # a wrapped node is rewritten as itself (cache.prompt_path)
         rewrites = self._check(model)
         constants = _Constants(model.graph)
         for r in rewrites:

@@ -21,6 +21,10 @@ Rules, in order, each a function:
    the attention computes in float16, :class:`~onnx_kvcache.passes.float16_attention.Float16AttentionPass`).
 8. :func:`partial_refusal`: a cache the quantization pass would leave in its type (a node it
    skips) refuses the conversion: no model mixes cache types unless ``allow_partial``.
+9. :func:`float_prompt`: where the target's row for the format says ``prompt_in_float`` (the
+   CPU's int8 and int4), the quantized nodes' multi-token calls attend through the float
+   kernel (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`),
+   run last.
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
@@ -41,6 +45,7 @@ __all__ = [
     "adaptation_for",
     "carry_out",
     "decide",
+    "float_prompt",
     "fuse_unless_attention",
     "gate",
     "plan",
@@ -84,6 +89,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.model_io.reading import check_defined
+from onnx_kvcache.passes import PromptFloatAttentionPass
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,
@@ -293,7 +299,8 @@ def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
         wanted = (get_format(request.format).name, request.granularity or granularity_for(model, None))
         turned = {site_rotation(s).name for s in sites}
         other_rotation = request.rotation is not None and turned != {get_rotation(request.rotation).name}
-        if states == {wanted} and not other_rotation:  # another rotation: rule 5 says why not
+        unwrapped = _prompt_to_wrap(request, model, wanted[0])  # rule 9 alone still has work
+        if states == {wanted} and not other_rotation and not unwrapped:  # another rotation: rule 5
             text = f"{request.name} is already {wanted[0]} {wanted[1]}: nothing to convert."
             return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
     if not find_attention_sites(model):
@@ -304,6 +311,14 @@ def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
         )
         return dataclasses.replace(NO_ATTENTION, text=text)
     return None
+
+
+def _prompt_to_wrap(request: Request, model: ir.Model, fmt: str) -> bool:
+    """A model in the format asked whose prompt rule 9 would still route through the float kernel
+    (converted before ``convert`` did, or by another tool)."""
+    target = target_of(request, model)[0] if request.target is not None else None
+    support = get_capabilities(target).formats.get(fmt) if target is not None else None
+    return support is not None and support.prompt_in_float and PromptFloatAttentionPass.wrappable(model) > 0
 
 
 def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
@@ -625,6 +640,25 @@ def carry_out(decision: Decision) -> bool:
     for recorded in decision.fusion.recorded:
         warn(recorded.message, recorded.category)
     _adapt(decision)
+    float_prompt(decision)
     for warning in decision.warnings:
         warn(warning, RuntimeSupportWarning)
     return True
+
+
+def float_prompt(decision: Decision) -> int:
+    """Rule 9 carried out on the quantized model: the nodes wrapped (0 where the target's row
+    does not ask for it); a node the pass cannot wrap is logged with the reason."""
+    fmt, target = decision.format, decision.target
+    if fmt is None or target is None:
+        return 0
+    support = get_capabilities(target).formats.get(fmt.name)
+    if support is None or not support.prompt_in_float:
+        return 0
+    wrap = PromptFloatAttentionPass()
+    wrap(decision.model)
+    for name, why in wrap.skipped.items():
+        logger.info("%s: multi-token calls stay in the quantized kernel (%s).", name, why)
+    wrapped = sum(1 for s in find_attention_sites(decision.model) if s.wrapper is not None)
+    logger.info("%d attention node(s): a prompt attends through the %s float kernel.", wrapped, target)
+    return wrapped

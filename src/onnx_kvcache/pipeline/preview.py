@@ -10,7 +10,7 @@ model given is never changed (nor is any file written); weights are not read.
 
 from __future__ import annotations
 
-__all__ = ["Preview", "preview_conversion"]
+__all__ = ["Preview", "preview_conversion", "speed_line"]
 
 import dataclasses
 from collections.abc import Mapping
@@ -56,6 +56,30 @@ class Preview:
             "float16_attention": self.float16_attention,
             "refused": None if self.refusal is None else render(self.refusal),
         }
+
+
+#: What a converted cache costs in time on a provider, by whether its prompt runs through the
+#: float kernel (measured on SmolLM2-135M in onnxruntime-genai, docs/choosing-a-format.md).
+_SPEED = {
+    True: (
+        "a prompt at float speed (it attends through the float kernel), decode reading {ratio} fewer "
+        "cache bytes a step: measured 1.00x to 1.08x float32's prefill and 1.1x to 1.9x its decode "
+        "at 1,000 to 8,000 tokens (docs/choosing-a-format.md#speed-on-the-cpu)"
+    ),
+    False: (
+        "a prompt through the quantized kernel, whose time grows with its square faster than the float "
+        "kernel's (2.7x to 3.5x float32's prefill at 4,000 to 8,000 tokens on the CPU, onnxruntime 1.32)"
+    ),
+}
+
+
+def speed_line(target: str | None, fmt: str | None, prompt_in_float: bool, ratio: float) -> str | None:
+    """What a cache in ``fmt`` costs in time on ``target``, as ``inspect`` says it (None: a
+    float cache, or a provider not measured here)."""
+    if target is None or fmt is None or target != "cpu":
+        return None
+    said = _SPEED[prompt_in_float].format(ratio=f"{ratio:.0f}x")
+    return f"speed on {target}: {said}"
 
 
 def _bytes_after(decision: Decision) -> float | None:

@@ -10,6 +10,7 @@ __all__ = [
     "MemoryEstimate",
     "WINDOW_BYTES",
     "check_plotting",
+    "max_positions",
     "render_plot",
     "run_parts",
 ]
@@ -19,6 +20,7 @@ from onnx_kvcache._lazy import lazy_getattr
 TYPE_CHECKING = False  # typing is not imported: importing the folder stays cheap
 
 _EXPORTS = {  # where each name lives; imported on first use
+    "onnx_kvcache.runtime._decoder_session": ("max_positions",),
     "onnx_kvcache.runtime._memory": (
         "FEWER_WINDOWS",
         "MemoryEstimate",
@@ -34,5 +36,6 @@ __getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
+    from onnx_kvcache.runtime._decoder_session import max_positions
     from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate, run_parts
     from onnx_kvcache.runtime._plots import check_plotting, render_plot

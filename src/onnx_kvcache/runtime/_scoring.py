@@ -9,11 +9,15 @@ the kernel that computes the runner's attention, one row of :data:`CALL_PATTERNS
 * **A window in one call** where a chunk's logits equal a decode step's, whatever the split:
   onnxruntime's CPU int8/int4 kernel and the PagedAttention CPU reference quantize the new
   tokens before attending in every phase, and their logits do not depend on how positions
-  are split into calls (bit for bit, onnxruntime 1.32); a float cache computed in float32
+  are split into calls (bit for bit, onnxruntime 1.32), unless the model routes its
+  multi-token calls through the float kernel (:mod:`~onnx_kvcache.cache.prompt_path`, what
+  ``convert`` writes for the CPU); a float cache computed in float32
   agrees to float rounding (~1e-6 of the logit range). Windows of one length run batched
   from an empty cache (GroupQueryAttention takes several tokens a row with a past only
   for a batch of one, so a window too long for one call runs alone, in chunks).
-* **The prompt in one call, then a token a call**, windows batched, everywhere else: the
+* **The prompt in one call, then a token a call**, windows batched, everywhere else: a CPU
+  cache whose prompt attends in float (the steps are the quantized kernel's, the prompt what
+  the user's prompt gets); the
   emulation (fp8; int8/int4 under CUDA's rule) attends with the float kernel, whose rounding
   differs between a chunk and a step by ~1e-7; the quantizer turns that into whole steps of
   a cached value, and after 30 layers a chunk's logits differ from the steps' by 1e-2 to
@@ -94,6 +98,12 @@ CALL_PATTERNS: dict[str, CallPattern] = {
             "a chunk equals token-by-token decoding)",
         ),
         CallPattern(
+            "cpu kernel, float prompt",
+            False,
+            f"{_STEPS} (the model's multi-token calls attend in float through the float kernel, "
+            "as its prompt does: a token a call goes through the quantized kernel)",
+        ),
+        CallPattern(
             "paged reference",
             True,
             f"{_ONE_CALL} (every paged kernel quantizes new tokens before attending: "
@@ -119,8 +129,11 @@ def _kernel(runner: KvCacheRunner) -> str:
     quantized = any(b.format is not None for b in runner.bindings)
     if runner.paged:  # float32 whatever the model's type
         return "paged reference" if quantized else "float cache"
+    if quantized and runner.emulated:
+        return "emulation"
     if quantized:
-        return "emulation" if runner.emulated else "cpu kernel"
+        wrapped = any(s.wrapper is not None for s in runner.sites)
+        return "cpu kernel, float prompt" if wrapped else "cpu kernel"
     sites = find_attention_sites(runner.model)
     float32 = all(s.query_dtype in (None, ir.DataType.FLOAT) for s in sites)
     return "float cache" if float32 else "float16 float cache"

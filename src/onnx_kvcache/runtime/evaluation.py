@@ -50,6 +50,8 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
 from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
+from onnx_kvcache.runtime._speed import Speed, measure_speed
+from onnx_kvcache.runtime._speed import speed_context as speed_context_of
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
     RANDOM_WINDOWS,
@@ -206,6 +208,9 @@ class EvaluationReport:
     """Half the width of the perplexity change's 95% interval: the standard error of the mean
     NLL difference over blocks of :data:`NLL_BLOCK` consecutive decode steps (batch means:
     neighbouring positions are not independent), 1.96 of them, as a change."""
+    speed: Speed | None = None
+    """Both models' prefill and decode speed and cache bytes at one context, timed here once
+    (None: not timed)."""
 
     @property
     def perplexity_change(self) -> float:
@@ -304,6 +309,7 @@ class EvaluationReport:
                 if self.greedy_match_share == self.greedy_match_share  # not NaN
                 else "not measured (no tokens generated)",
             ),
+            *(self.speed.rows() if self.speed is not None else []),
             ("data", self._data_row()),
             *((f"calls, {who}", note) for who, note in self.calls.items()),
             ("verdict", self.verdict_line),
@@ -334,6 +340,7 @@ def evaluate_kv_cache(
     tokenizer: str | os.PathLike | None = None,
     progress: bool = True,
     semantics: str | None = None,
+    speed_context: int | None = None,
 ) -> EvaluationReport:
     """Compare a quantized-cache model with its baseline; see the module docstring.
 
@@ -346,7 +353,9 @@ def evaluate_kv_cache(
     a terminal unless ``progress=False``.
 
     ``seq_len`` and ``max_new_tokens`` left out are :data:`DEFAULT_SEQ_LEN` and
-    :data:`DEFAULT_NEW_TOKENS`, each shortened to what the candidate's context holds.
+    :data:`DEFAULT_NEW_TOKENS`, each shortened to what the candidate's context holds. Both
+    models' prefill of ``speed_context`` tokens and decode after it are timed, and their caches'
+    bytes there given (:mod:`~onnx_kvcache.runtime._speed`; 0: not timed).
     """
     require_flags(progress=progress)
     asked = (
@@ -354,11 +363,19 @@ def evaluate_kv_cache(
         DEFAULT_SEQ_LEN if seq_len is None else seq_len,
     )
     scoring = _Scoring(asked[0], prompt_len, asked[1], num_seqs, tokenizer, progress)
-    _check(scoring)
+    _check(scoring, speed_context)
     base, cand = _runners(baseline, candidate, providers, semantics)
     scoring = _fitted_defaults(scoring, _context(base, cand), seq_len is None, max_new_tokens is None)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
-    return _scored(base, cand, loaded, scoring).report(base, cand, loaded)
+    report = _scored(base, cand, loaded, scoring).report(base, cand, loaded)
+    report.speed = _speed((base, cand), speed_context)
+    return report
+
+
+def _speed(runners: tuple[KvCacheRunner, KvCacheRunner], asked: int | None) -> Speed | None:
+    """Both models timed at the context asked for, within theirs (None: 0 asked, or none fits)."""
+    context = speed_context_of(runners, asked, _context(*runners))
+    return measure_speed(runners, context) if context else None
 
 
 def _scored(base: KvCacheRunner, cand: KvCacheRunner, loaded: TokenWindows, scoring: _Scoring) -> _Tally:
@@ -389,7 +406,10 @@ class _Scoring:
         return min(self.prompt_len, max(1, len(window) // 2))
 
 
-def _check(scoring: _Scoring) -> None:
+def _check(scoring: _Scoring, speed_context: int | None = None) -> None:
+    require_type(speed_context, (*INTEGER, type(None)), "speed_context", "an integer or None")
+    if speed_context is not None and speed_context < 0:
+        raise KvCacheError(Param("speed_context", speed_context), " must be >= 0 (0: not timed).")
     max_new_tokens, prompt_len = scoring.max_new_tokens, scoring.prompt_len
     for name, value in dict(
         max_new_tokens=max_new_tokens, prompt_len=prompt_len, seq_len=scoring.seq_len

@@ -344,7 +344,11 @@ class KvCacheRunner:
             return "float cache"
         if self.device == "cuda":
             return "cuda (native kernel)"
-        return f"{self.semantics} (emulated on CPU)" if self.emulated else "cpu (onnxruntime CPU kernel)"
+        if self.emulated:
+            return f"{self.semantics} (emulated on CPU)"
+        if any(s.wrapper is not None for s in self.sites):  # cache.prompt_path
+            return "cpu (onnxruntime CPU kernel, prompt in float)"
+        return "cpu (onnxruntime CPU kernel)"
 
     def reset(self, batch: int = 1, *, min_capacity: int = 0) -> None:
         """Forget the context: empty caches for ``batch`` sequences.

@@ -30,6 +30,8 @@ from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 
+from conftest import gqa_nodes
+
 DATA = pathlib.Path(__file__).parents[2] / "data"
 DEFAULT = DATA / "mobius_llama_default" / "model.onnx"
 STATIC = DATA / "mobius_llama_static" / "model.onnx"
@@ -67,7 +69,7 @@ def test_mobius_default_build_keeps_its_interface(float_gqa):
         (float_gqa.graph.outputs, original.graph.outputs),
     ):
         assert [(v.name, v.dtype, v.shape) for v in a] == [(v.name, v.dtype, v.shape) for v in b]
-    gqa = [n for n in float_gqa.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(float_gqa)
     assert {(n.attributes["num_heads"].as_int(), n.attributes["kv_num_heads"].as_int()) for n in gqa} == {
         (4, 2)
     }
@@ -91,11 +93,13 @@ def test_mobius_default_build_converts_to_int8_the_cpu_kernel_runs(tmp_path, flo
     model = ir.load(out)
     assert {v.dtype for v in model.graph.inputs if v.name.startswith("past")} == {ir.DataType.INT8}
     want, got = generate(float_gqa, PROMPTS[prompt]), generate(model, PROMPTS[prompt])
-    for (mask, a), (_, b) in zip(want, got):
+    for step, ((mask, a), (_, b)) in enumerate(zip(want, got, strict=True)):
         rows = mask[:, -a["logits"].shape[1] :].astype(bool)
         diff = np.abs(a["logits"] - b["logits"])[rows]
         assert np.isfinite(b["logits"][rows]).all()
-        assert 0 < diff.max() < 0.05 * np.abs(a["logits"]).max()
+        top = np.abs(a["logits"]).max()
+        # the prompt attends through the float kernel (cache.prompt_path), each new token not
+        assert diff.max() < 1e-5 * top if step == 0 else 0 < diff.max() < 0.05 * top
 
 
 def test_mobius_default_build_converts_to_fp8_the_cuda_rule_evaluates(float_gqa):

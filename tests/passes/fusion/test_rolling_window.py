@@ -26,6 +26,7 @@ from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 
 from builders.exported import ExportStyle, build_decoder, exported_config
+from conftest import gqa_nodes
 
 GEMMA2 = {
     "attention": "eager",
@@ -91,7 +92,7 @@ def test_fused_rolling_caches_equal_the_export(arch, case):
     model = fused(export(arch))
     assert count(model, "GroupQueryAttention") == 4
     assert count(model, "Attention") == count(model, "Softmax") == 0
-    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(model)
     assert {
         n.attributes["local_window_size"].as_int() for n in gqa if "local_window_size" in n.attributes
     } == {64}
@@ -106,7 +107,7 @@ def test_fused_rolling_caches_equal_the_export(arch, case):
 
 def test_gemma2_eager_attention_carries_softcap_and_scale():
     model = fused(export("gemma2", window=4))
-    for node in (n for n in model.graph if n.op_type == "GroupQueryAttention"):
+    for node in gqa_nodes(model):
         assert node.attributes["softcap"].as_float() == pytest.approx(50.0)
         assert node.attributes["scale"].as_float() == pytest.approx(48**-0.5)
     assert count(model, "Tanh") == 1  # the logits' soft-cap stays
@@ -116,7 +117,7 @@ def test_rolling_layers_keep_window_sized_caches():
     """GQA's window-sized cache, declared as onnxruntime-genai's builder declares it; the
     present is the node's own output, each row's valid new tokens counted (query_seqlens)."""
     model = fused(export("mistral", window=4))
-    for node in (n for n in model.graph if n.op_type == "GroupQueryAttention"):
+    for node in gqa_nodes(model):
         assert node.attributes["sliding_window_cache"].as_int() == 1
         assert node.attributes["local_window_size"].as_int() == 4
         assert node.inputs[3].is_graph_input() and node.inputs[3].shape[2] == "past_sliding_length"
@@ -174,7 +175,7 @@ def test_cli_int8_conversion_runs_on_cpu(tmp_path):
     command += ["--scales", str(tmp_path / "scales.json"), "--ep", "cpu"]
     subprocess.run(command, check=True, capture_output=True)
     model = ir.load(out)
-    assert count(model, "GroupQueryAttention") == 4
+    assert len(gqa_nodes(model)) == 4 and count(model, "If") == 2  # the full caches: prompt in float
     assert {v.dtype for v in model.graph.outputs if v.name.startswith("present.")} == {ir.DataType.INT8}
     original = export("gemma2")
     for mask in CASES.values():

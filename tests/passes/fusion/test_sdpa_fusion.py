@@ -16,6 +16,7 @@ from onnx_kvcache.errors import FusionSkippedWarning, PaddingAssumptionWarning
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 
 from builders.exported import ExportStyle, build_decoder, exported_config
+from conftest import gqa_nodes
 
 
 def exported(arch: str = "llama", **style) -> ir.Model:
@@ -45,7 +46,7 @@ def test_fused_decoder_equals_the_export(arch, prompt):
 def test_scale_and_window_carry_over():
     model = exported("mistral")
     DecomposedAttentionFusionPass()(model)
-    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    node = gqa_nodes(model)[0]
     assert node.attributes["scale"].as_float() == pytest.approx(32**-0.5)
     assert node.attributes["local_window_size"].as_int() == 4
 
@@ -112,7 +113,7 @@ def test_factors_written_as_sqrt_of_a_cast_scale_are_constants(scale):
     """torch's unoptimized opset-18 export (tests/data/producers/torch-tf4.57/dynamo-opset18-nooptimize)."""
     original, model = scaled_through_sqrt(scale), scaled_through_sqrt(scale)
     assert DecomposedAttentionFusionPass()(model).modified and count(model, "GroupQueryAttention") == 2
-    node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    node = gqa_nodes(model)[0]
     assert node.attributes["scale"].as_float() == pytest.approx(np.float32(scale), rel=1e-6)
     worst = max_differences(
         generate(original, PROMPTS["right_padded"]), generate(model, PROMPTS["right_padded"])
@@ -181,7 +182,7 @@ def test_optimize_model_fuses_then_quantizes():
         format="int8",
         scales={0: (0.1, 0.05), 1: (0.1, 0.05)},
     )
-    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    gqa = gqa_nodes(model)
     assert len(gqa) == 2 and {n.inputs[3].dtype for n in gqa} == {ir.DataType.INT8}
     history = generate(model, PROMPTS["single"])
     assert all(np.all(np.isfinite(out["logits"])) for _, out in history)
