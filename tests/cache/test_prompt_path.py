@@ -159,3 +159,35 @@ def test_a_model_as_asked_but_for_its_prompt_converts_to_the_wrapped_form(tmp_pa
     with pytest.warns(KvCacheWarning, match="already"):
         again = convert_model(tmp_path / "wrapped.onnx", tmp_path / "again.onnx", format="int8", ep="cpu")
     assert not again.converted and not (tmp_path / "again.onnx").exists()
+
+
+@pytest.mark.parametrize("fmt", CPU_FORMATS)
+def test_the_wrapped_model_passes_onnxs_full_check(fmt, tmp_path):
+    """Both branches and the If declare every output's type, also where the export declared
+    none for the attention's output (onnx's If inference compares them)."""
+    import onnx
+
+    model = _quantized(fmt)
+    for site in find_gqa_sites(model):
+        site.node.outputs[0].type = None  # as exports leave it
+        site.node.outputs[0].shape = None
+    PromptFloatAttentionPass()(model)
+    ir.save(model, tmp_path / "m.onnx")
+    onnx.checker.check_model(onnx.load(tmp_path / "m.onnx"), full_check=True)
+    onnx.shape_inference.infer_shapes(onnx.load(tmp_path / "m.onnx"), strict_mode=True)
+
+
+def test_convert_says_how_many_layers_it_wrapped(tmp_path, capsys):
+    """The line describes what was written: a CPU int8 output's layers, none for CUDA's fp8."""
+    from onnx_kvcache.cli.commands import main
+
+    src = tmp_path / "model.onnx"
+    ir.save(build_decoder(num_layers=LAYERS, vocab_size=300, dtype="float16"), src)
+    scales = tmp_path / "s.json"
+    scales.write_text('{"scales": {"k_scales": [0.05, 0.05], "v_scales": [0.05, 0.05]}, "qmax": 128}')
+    argv = ["convert", str(src), str(tmp_path / "cpu.onnx"), "--scales", str(scales), "--format", "int8"]
+    assert main([*argv, "--ep", "cpu"]) == 0
+    assert f"prompt in float: in {LAYERS} layer(s)" in capsys.readouterr().out
+    again = ["convert", str(tmp_path / "cpu.onnx"), str(tmp_path / "fp8.onnx"), "--format", "fp8"]
+    assert main([*again, "--ep", "cuda"]) == 0
+    assert "prompt in float" not in capsys.readouterr().out

@@ -498,4 +498,4 @@ def test_the_cli_passes_the_prompt_length_and_the_speed_context(tmp_path, capsys
     assert main([*argv, "--prompt-len", "4", "--speed-context", "32", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "prefill, 32 tokens" in out
-    assert "19 decode steps scored" in out  # a window of 24 after a prompt of 4
+    assert "prompts of 4 token(s), 19 decode steps scored" in out  # a window of 24 after a prompt of 4

@@ -38,6 +38,8 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
         doc = info.to_json(args.context, args.batch or 1)
         if not info.layers:
             doc = _preview_json(args, model, config, words)
+        else:
+            doc["cost"] = _cost_lines(args, model, info, config, words)
         if diagnostics is not None:
             doc["fast_path"] = [
                 {"node": d.node, "layer_id": d.layer_id, "eligible": d.eligible, "reasons": list(d.reasons)}

@@ -280,7 +280,6 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
         )
         if requantized:
             result.notes.append(requantized)
-        result.notes += _prompt_note(decision.model)
     return result
 
 
@@ -369,6 +368,7 @@ def _finish(
     warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
     model = decision.model
     _count_ops(result, model)
+    result.notes += _prompt_note(model)  # what was written: the decision's model, converted
     new_config = _new_config(source, plan, decision, result)
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
     if new_config is not None and source.config is None:

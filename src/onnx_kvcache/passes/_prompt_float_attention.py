@@ -184,8 +184,9 @@ def _wrap(graph: ir.Graph, site: CacheSite, index: int) -> None:
     )
     types = (dtype, past_k.dtype or fmt.dtype, past_v.dtype or fmt.dtype)  # an export's may declare none
     for old, new, kind in zip(olds, if_node.outputs, types, strict=True):
-        new.type = ir.TensorType(old.dtype or kind)
-        new.shape = old.shape if old.dtype is not None else None
+        if old.dtype is None:  # both branches and the If declare every output's type (onnx's check)
+            old.type, old.shape = ir.TensorType(kind), None
+        new.type, new.shape = ir.TensorType(old.dtype or kind), old.shape
     ir.convenience.replace_all_uses_with(olds, list(if_node.outputs), replace_graph_outputs=True)
     for old, new in zip(olds, if_node.outputs, strict=True):
         name = old.name

@@ -58,28 +58,31 @@ class Preview:
         }
 
 
-#: What a converted cache costs in time on a provider, by whether its prompt runs through the
-#: float kernel (measured on SmolLM2-135M in onnxruntime-genai, docs/choosing-a-format.md).
-_SPEED = {
-    True: (
-        "a prompt at float speed (it attends through the float kernel), decode reading {ratio} fewer "
-        "cache bytes a step: measured 1.00x to 1.08x float32's prefill and 1.1x to 1.9x its decode "
-        "at 1,000 to 8,000 tokens (docs/choosing-a-format.md#speed-on-the-cpu)"
-    ),
-    False: (
-        "a prompt through the quantized kernel, whose time grows with its square faster than the float "
-        "kernel's (2.7x to 3.5x float32's prefill at 4,000 to 8,000 tokens on the CPU, onnxruntime 1.32)"
-    ),
+#: What a converted cache costs in time on the CPU, by format and whether its prompt runs through
+#: the float kernel: SmolLM2-135M in onnxruntime-genai 0.18 (onnxruntime 1.32), its prefill and
+#: decode against the float32 folder's at 1,000 to 8,000 tokens (docs/choosing-a-format.md#speed-on-the-cpu).
+_MEASURED = {
+    ("int8", True): "0.99x to 1.00x float32's prefill time and 1.15x to 1.91x its decode speed",
+    ("int4", True): "1.04x to 1.08x float32's prefill time and 1.11x to 1.80x its decode speed",
+    ("int8", False): "2.7x float32's prefill time at 4,000 tokens, 3.5x at 8,000",
+    ("int4", False): "3.3x float32's prefill time at 4,000 tokens",
+}
+_HOW = {
+    True: "a prompt at float speed (it attends through the float kernel), decode reading {ratio} fewer "
+    "cache bytes",
+    False: "a prompt through the quantized kernel, whose time grows with the prompt's square faster "
+    "than the float kernel's",
 }
 
 
 def speed_line(target: str | None, fmt: str | None, prompt_in_float: bool, ratio: float) -> str | None:
     """What a cache in ``fmt`` costs in time on ``target``, as ``inspect`` says it (None: a
-    float cache, or a provider not measured here)."""
-    if target is None or fmt is None or target != "cpu":
+    float cache, or a provider or format not measured here)."""
+    measured = _MEASURED.get((fmt or "", prompt_in_float)) if target == "cpu" else None
+    if measured is None:
         return None
-    said = _SPEED[prompt_in_float].format(ratio=f"{ratio:.0f}x")
-    return f"speed on {target}: {said}"
+    how = _HOW[prompt_in_float].format(ratio=f"{ratio:.0f}x")
+    return f"speed on {target}: {how}; measured on SmolLM2-135M at 1,000 to 8,000 tokens: {measured}"
 
 
 def _bytes_after(decision: Decision) -> float | None:

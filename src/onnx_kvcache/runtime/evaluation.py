@@ -192,6 +192,9 @@ class EvaluationReport:
     """Why that rule: the candidate's target and how it was inferred, or ``asked for``."""
     tokens: int = 0
     """Tokens in the scored windows (prompts and decode steps)."""
+    prompt_tokens: tuple[int, ...] = ()
+    """The prompt lengths fed, each in one call before the decode steps (``prompt_len``, at most
+    half a window)."""
     held_out_from_calibration: bool = False
     """The data is evaluation's default, disjoint from calibration's default data (another
     part of the built-in corpus, or random ids of another seed); False for data given, whose
@@ -276,9 +279,11 @@ class EvaluationReport:
         held_out = ""
         if self.held_out_from_calibration:
             held_out = " (held out: disjoint from calibrate's default data)"
+        lengths = "/".join(map(str, self.prompt_tokens))
+        prompts = f", prompts of {lengths} token(s)" if self.prompt_tokens else ""
         return (
             f"{self.data_note}{held_out}; {_count(self.num_sequences, 'window')}, "
-            f"{_count(self.tokens, 'token')}, {self.positions} decode steps scored"
+            f"{_count(self.tokens, 'token')}{prompts}, {self.positions} decode steps scored"
         )
 
     def format_table(self) -> str:
@@ -645,6 +650,8 @@ class _Tally:
     shares: list[float] = dataclasses.field(default_factory=list)
     turned: tuple[dict[int, Rotation], dict[int, Rotation]] | None = None
     """The baseline's and the candidate's rotation per layer, read from their graphs once."""
+    prompts: set[int] = dataclasses.field(default_factory=set)
+    """The prompt lengths fed (each window's: ``prompt_len``, at most half the window)."""
 
     def score(
         self,
@@ -659,6 +666,7 @@ class _Tally:
         """Teacher-force the windows ``group`` (``[B, L]``), compare the caches, then generate
         from their prompts."""
         rows, positions = len(group), max(group.shape[1] - 1, prompt)
+        self.prompts.add(prompt)
         ids = group[:, :positions]
         kl, agree = np.empty((rows, positions)), np.empty((rows, positions), bool)
         nll = np.full((2, rows, positions), np.nan)
@@ -756,6 +764,7 @@ class _Tally:
             num_sequences=len(loaded.windows),
             positions=int(all_kl.size),
             tokens=loaded.tokens,
+            prompt_tokens=tuple(sorted(self.prompts)),
             held_out_from_calibration=loaded.held_out,
             calls={
                 "candidate": call_pattern(cand).note,
