@@ -433,16 +433,16 @@ def test_a_change_whose_interval_spans_two_rows_gets_no_verdict():
 
 
 def test_the_margin_is_infinite_below_two_blocks_and_shrinks_with_more():
-    from onnx_kvcache.runtime.evaluation import NLL_BLOCK, _change_margin
+    from onnx_kvcache.runtime._verdicts import NLL_BLOCK, change_margin
 
     rng = np.random.default_rng(0)
     base = [rng.normal(2.0, 0.5, NLL_BLOCK)]
-    assert _change_margin((base, [b + 0.01 for b in base]), 0.01) == float("inf")
+    assert change_margin((base, [b + 0.01 for b in base]), 0.01) == float("inf")
     few = [rng.normal(2.0, 0.5, 8 * NLL_BLOCK)]
     many = [rng.normal(2.0, 0.5, 512 * NLL_BLOCK)]
     noise = np.random.default_rng(1)
-    margin_few = _change_margin((few, [b + noise.normal(0, 0.1, b.shape) for b in few]), 0.0)
-    margin_many = _change_margin((many, [b + noise.normal(0, 0.1, b.shape) for b in many]), 0.0)
+    margin_few = change_margin((few, [b + noise.normal(0, 0.1, b.shape) for b in few]), 0.0)
+    margin_many = change_margin((many, [b + noise.normal(0, 0.1, b.shape) for b in many]), 0.0)
     assert 0 < margin_many < margin_few < 1
 
 

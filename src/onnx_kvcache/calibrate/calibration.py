@@ -331,7 +331,7 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             "The model has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
             "present inputs): nothing to calibrate."
         )
-    if any(b.format is not None for b in runner.bindings):
+    if runner.quantized:
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     fmt, chosen_for = _format(runner, choice)
     rotation = _rotation(runner.source_model, fmt, choice.rotation)

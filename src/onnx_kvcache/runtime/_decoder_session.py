@@ -249,7 +249,7 @@ def _query_outputs(model: ir.Model) -> dict[int, tuple[str, CacheSite]]:
     found = {}
     for site in find_gqa_sites(model):
         query = site.input("query")
-        in_main = site.node.graph is model.graph and site.has_cache
+        in_main = site.outer.graph is model.graph and site.has_cache  # a wrapped node: its If
         if in_main and query is not None and query.name and query.name not in graph_values:
             found[site.layer_id] = (query.name, site)
     return found

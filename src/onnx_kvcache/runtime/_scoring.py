@@ -126,14 +126,13 @@ def _kernel(runner: KvCacheRunner) -> str:
     """The :data:`CALL_PATTERNS` row of the kernel computing ``runner``'s attention."""
     if runner.device != "cpu":
         return "native kernel"
-    quantized = any(b.format is not None for b in runner.bindings)
+    quantized = runner.quantized
     if runner.paged:  # float32 whatever the model's type
         return "paged reference" if quantized else "float cache"
     if quantized and runner.emulated:
         return "emulation"
     if quantized:
-        wrapped = any(s.wrapper is not None for s in runner.sites)
-        return "cpu kernel, float prompt" if wrapped else "cpu kernel"
+        return "cpu kernel, float prompt" if runner.prompt_in_float else "cpu kernel"
     sites = find_attention_sites(runner.model)
     float32 = all(s.query_dtype in (None, ir.DataType.FLOAT) for s in sites)
     return "float cache" if float32 else "float16 float cache"

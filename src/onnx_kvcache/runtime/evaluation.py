@@ -52,6 +52,7 @@ from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEsti
 from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
 from onnx_kvcache.runtime._speed import Speed, measure_speed
 from onnx_kvcache.runtime._speed import speed_context as speed_context_of
+from onnx_kvcache.runtime._verdicts import VERDICTS, Verdict, change_margin, perplexity
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
     RANDOM_WINDOWS,
@@ -122,46 +123,6 @@ def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> tuple[int, float]:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """One row of :data:`VERDICTS`: the loss a candidate shows within both bounds."""
-
-    words: str
-    max_perplexity_change: float
-    """The perplexity's relative increase over the baseline's, at most."""
-    min_top1: float
-    """Top-1 agreement over the decode steps, at least."""
-    advice: str
-
-
-#: The first row whose bounds the figures meet says it. On SmolLM2-135M's held-out text
-#: (docs/choosing-a-format.md) int8 per channel scores -0.1% perplexity and 97% top-1 (near-ties
-#: flip a few argmaxes at any precision: top-1 is the second bound), fp8 about +0.8% and 95%,
-#: rotated int4 about +14% and 77%.
-VERDICTS: tuple[Verdict, ...] = (
-    Verdict("no measurable loss", 0.005, 0.95, "the cache's bytes are saved for free"),
-    Verdict(
-        "a small loss",
-        0.02,
-        0.90,
-        "usually fine for chat and summaries; read a few continuations side by side "
-        "(onnx-kvcache compare) before shipping",
-    ),
-    Verdict(
-        "a clear loss",
-        0.10,
-        0.75,
-        "try per-channel scales, a wider format (int8, fp8), or calibration on the model's own text",
-    ),
-    Verdict(
-        "a large loss",
-        float("inf"),
-        0.0,
-        "generations will drift (loops, wrong facts): use a wider format (int8, fp8) for this model",
-    ),
-)
 
 
 @dataclasses.dataclass
@@ -562,7 +523,7 @@ def _runners(
                 f"The {who} has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
                 "present inputs): nothing to compare. Give a model with a cache and its conversion."
             )
-    if any(b.format is not None for b in base.bindings):
+    if base.quantized:
         warn(
             "The baseline's KV cache is quantized: compare against the original (unquantized) model, "
             "or the figures measure one quantization against another.",
@@ -738,7 +699,7 @@ class _Tally:
         positions = max(len(k) for k in kls)
         kl_pos = [float(np.mean([k[i] for k in kls if i < len(k)])) for i in range(positions)]
         all_kl = np.concatenate(kls)
-        perplexities = (_perplexity(self.nlls[0]), _perplexity(self.nlls[1]))
+        perplexities = (perplexity(self.nlls[0]), perplexity(self.nlls[1]))
         return EvaluationReport(
             kl_mean=float(all_kl.mean()),
             kl_max=float(all_kl.max()),
@@ -748,7 +709,7 @@ class _Tally:
             kl_prompt_mean=float(np.concatenate(self.prompt_kls).mean()),
             perplexity_baseline=perplexities[0],
             perplexity_candidate=perplexities[1],
-            perplexity_change_margin=_change_margin(self.nlls, perplexities[1] / perplexities[0] - 1.0),
+            perplexity_change_margin=change_margin(self.nlls, perplexities[1] / perplexities[0] - 1.0),
             layer_errors={
                 layer: (float(np.mean([e[0] for e in errs])), float(np.mean([e[1] for e in errs])))
                 for layer, errs in self.errors.items()
@@ -772,33 +733,6 @@ class _Tally:
                 **({"greedy": GREEDY_NOTE} if self.prefixes else {}),
             },
         )
-
-
-#: Consecutive decode steps whose mean NLL difference is one sample of the margin's estimate.
-NLL_BLOCK = 32
-
-
-def _change_margin(nlls: tuple[list[np.ndarray], list[np.ndarray]], change: float) -> float:
-    """The perplexity ``change``'s 95% half-width from blocks of :data:`NLL_BLOCK` steps of
-    each window (inf with fewer than two blocks: nothing tells the noise)."""
-    means = []
-    for base, cand in zip(*nlls):
-        diff = cand - base
-        diff = diff[~np.isnan(diff)]
-        means += [
-            float(diff[i : i + NLL_BLOCK].mean()) for i in range(0, len(diff) - NLL_BLOCK + 1, NLL_BLOCK)
-        ]
-    if len(means) < 2:
-        return float("inf")
-    half = 1.96 * float(np.std(means, ddof=1)) / np.sqrt(len(means))
-    return float((1.0 + change) * np.expm1(half))  # exp(mean + half) - exp(mean), mean = log1p(change)
-
-
-def _perplexity(nlls: list[np.ndarray]) -> float:
-    """``exp`` of the mean NLL over every position whose next token is known (NaN: none)."""
-    values = np.concatenate(nlls) if nlls else np.empty(0)
-    values = values[~np.isnan(values)]
-    return float(np.exp(values.mean())) if values.size else float("nan")
 
 
 def _turned_back(values: np.ndarray, rotation: Rotation | None, kind: str) -> np.ndarray:

@@ -246,6 +246,17 @@ class KvCacheRunner:
         return self._session.target.reason
 
     @property
+    def quantized(self) -> bool:
+        """Some cache the runner feeds is stored quantized."""
+        return any(b.format is not None for b in self.bindings)
+
+    @property
+    def prompt_in_float(self) -> bool:
+        """Some attention node's multi-token calls attend through the float kernel
+        (:mod:`~onnx_kvcache.cache.prompt_path`)."""
+        return any(s.wrapper is not None for s in self.sites)
+
+    @property
     def emulated(self) -> bool:
         """The session runs the CPU emulation or reference of the model's attention."""
         return self._session.target.emulated
@@ -340,13 +351,13 @@ class KvCacheRunner:
         """Which rule produced this runner's outputs, in words."""
         if self._cache.kernel_rule is not None:
             return self._cache.kernel_rule
-        if not any(b.format is not None for b in self.bindings):
+        if not self.quantized:
             return "float cache"
         if self.device == "cuda":
             return "cuda (native kernel)"
         if self.emulated:
             return f"{self.semantics} (emulated on CPU)"
-        if any(s.wrapper is not None for s in self.sites):  # cache.prompt_path
+        if self.prompt_in_float:
             return "cpu (onnxruntime CPU kernel, prompt in float)"
         return "cpu (onnxruntime CPU kernel)"
 
