@@ -186,7 +186,8 @@ def optimize_model(
             scales record (calibration and our scale files do), else ``per_tensor``.
         scales: What the pass accepts, or a scale-file path.
         fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
-            attention, proven equivalent, then onnxscript's ORT fusions) only when the
+            attention, proven equivalent for unpadded and left-padded rows, then onnxscript's
+            ORT fusions) only when the
             model has no attention node (GroupQueryAttention, PagedAttention); ``True``
             always; ``False`` never. A fusion whose result ``ep`` cannot
             run (e.g. a float32 model for CUDA, which has no float32 GQA) is not applied.

@@ -156,8 +156,9 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
 
 
 class AttentionFusionPass(FusionPass):
-    """Replace each provably equivalent ONNX ``Attention`` with GroupQueryAttention
-    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
+    """Replace each ONNX ``Attention`` with GroupQueryAttention where the two are proven equivalent
+    for unpadded and left-padded rows (docs/exporting.md, "What is proven"; the loop, the report:
+    :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Attention"
     reports_elsewhere = True

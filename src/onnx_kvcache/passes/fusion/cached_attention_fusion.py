@@ -301,8 +301,9 @@ def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node
 
 
 class CachedAttentionFusionPass(FusionPass):
-    """Replace each provably equivalent ONNX ``Attention`` holding its own cache with
-    GroupQueryAttention (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
+    """Replace each ONNX ``Attention`` holding its own cache with GroupQueryAttention where the two
+    are proven equivalent for unpadded and left-padded rows (docs/exporting.md, "What is proven";
+    the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Attention with its own cache"
     reports_elsewhere = True

@@ -55,9 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: Said once when a fused attention reads the export's attention_mask.
 PADDING_WARNING = (
-    "fused attention: a prompt padded anywhere computes as the export does; after it, every row "
-    "needs a nonzero attention_mask entry per new token (a paused row computes wrong results; "
-    "docs/exporting.md, Padding)."
+    "fused attention: a prompt padded anywhere computes as the export does at valid positions; every "
+    "later step needs a nonzero attention_mask entry per row (a paused row computes wrong results; "
+    "docs/exporting.md)."
 )
 #: Added when a fused attention with a padding mask also has a sliding window.
 WINDOW_PADDING_WARNING = (

@@ -189,8 +189,9 @@ def _is_candidate(node: ir.Node) -> bool:
 
 
 class DecomposedAttentionFusionPass(FusionPass):
-    """Replace each provably equivalent decomposed attention with GroupQueryAttention
-    (the loop, the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
+    """Replace each decomposed attention with GroupQueryAttention where the two are proven
+    equivalent for unpadded and left-padded rows (docs/exporting.md, "What is proven"; the loop,
+    the report: :class:`~onnx_kvcache.passes.fusion._base.FusionPass`)."""
 
     label = "Decomposed attention"
 
