@@ -323,3 +323,23 @@ def gqa_nodes(model: ir.Model) -> list[ir.Node]:
     from onnx_kvcache.cache.sites import find_gqa_sites
 
     return [s.node for s in find_gqa_sites(model, with_cache_only=False)]
+
+
+def quantized_decoder(fmt: str, granularity: str = "per_tensor", opset: int | None = None) -> ir.Model:
+    """The 2-layer test decoder (vocabulary 300) with its cache in ``fmt``, seeded per-layer scales
+    (int8 about 0.05, int4 about 0.5; per channel: one per KV head and channel)."""
+    from onnx_kvcache import KvCacheQuantizationPass
+    from onnx_kvcache.cache.sites import find_gqa_sites
+    from onnx_kvcache.models.decoder import build_decoder
+
+    model = build_decoder(num_layers=2, vocab_size=300)
+    if opset is not None:
+        model.opset_imports[""] = opset
+    scales = {}
+    for site in find_gqa_sites(model):
+        n = 1 if granularity == "per_tensor" else site.kv_num_heads * site.head_size()
+        rng = np.random.default_rng(site.layer_id)
+        base = 0.05 if fmt == "int8" else 0.5
+        scales[site.layer_id] = tuple((base * rng.uniform(0.5, 1.5, n)).astype(np.float32) for _ in range(2))
+    KvCacheQuantizationPass(fmt, granularity, scales)(model)
+    return model

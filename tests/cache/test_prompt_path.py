@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, KvCacheWarning, convert_model, optimize_model
+from onnx_kvcache import KvCacheRunner, KvCacheWarning, convert_model, optimize_model
 from onnx_kvcache.cache.prompt_path import WRAPPED_SUFFIX, unwrap, wrapped_node
 from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.model_io._sessions import create_session
@@ -17,23 +17,12 @@ from onnx_kvcache.passes import PromptFloatAttentionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.runtime._scoring import call_pattern
 
-from conftest import CPU_FORMATS, GRANULARITIES
+from conftest import CPU_FORMATS, GRANULARITIES, quantized_decoder
 
 LAYERS = 2
 
 
-def _quantized(fmt: str, granularity: str = "per_tensor", opset: int | None = None) -> ir.Model:
-    model = build_decoder(num_layers=LAYERS, vocab_size=300)
-    if opset is not None:
-        model.opset_imports[""] = opset
-    scales = {}
-    for site in find_gqa_sites(model):
-        n = 1 if granularity == "per_tensor" else site.kv_num_heads * site.head_size()
-        rng = np.random.default_rng(site.layer_id)
-        base = 0.05 if fmt == "int8" else 0.5
-        scales[site.layer_id] = tuple((base * rng.uniform(0.5, 1.5, n)).astype(np.float32) for _ in range(2))
-    KvCacheQuantizationPass(fmt, granularity, scales)(model)
-    return model
+_quantized = quantized_decoder
 
 
 def _wrapped(fmt: str, granularity: str = "per_tensor") -> ir.Model:

@@ -8,13 +8,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache import KvCacheQuantizationPass
-from onnx_kvcache.cache.sites import find_gqa_sites
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.models.decoder import build_decoder
 from onnx_kvcache.passes import PromptFloatAttentionPass
 
-from conftest import CPU_FORMATS, GRANULARITIES
+from conftest import CPU_FORMATS, GRANULARITIES, quantized_decoder
 
 _TYPES = {"tensor(float)": np.float32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}
 
@@ -23,16 +21,7 @@ def _decoder() -> ir.Model:
     return build_decoder(num_layers=2, vocab_size=300)
 
 
-def _quantized(fmt: str, granularity: str) -> ir.Model:
-    model = _decoder()
-    scales = {}
-    for site in find_gqa_sites(model):
-        n = 1 if granularity == "per_tensor" else site.kv_num_heads * site.head_size()
-        rng = np.random.default_rng(site.layer_id)
-        base = 0.05 if fmt == "int8" else 0.5
-        scales[site.layer_id] = tuple((base * rng.uniform(0.5, 1.5, n)).astype(np.float32) for _ in range(2))
-    KvCacheQuantizationPass(fmt, granularity, scales)(model)
-    return model
+_quantized = quantized_decoder
 
 
 def _run(sess, ids: np.ndarray, past: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
