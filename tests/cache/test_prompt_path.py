@@ -180,3 +180,23 @@ def test_convert_says_how_many_layers_it_wrapped(tmp_path, capsys):
     again = ["convert", str(tmp_path / "cpu.onnx"), str(tmp_path / "fp8.onnx"), "--format", "fp8"]
     assert main([*again, "--ep", "cuda"]) == 0
     assert "prompt in float" not in capsys.readouterr().out
+
+
+def test_a_node_that_outputs_its_probabilities_is_left_alone():
+    """The If carries three outputs; a node with a fourth (``qk_output``) keeps the quantized kernel."""
+    model = _quantized("int8")
+    old = find_gqa_sites(model)[0].node
+    attrs = {k: a.value for k, a in old.attributes.items()} | {"qk_output": 2}
+    new = ir.node(old.op_type, list(old.inputs), attrs, domain=old.domain, num_outputs=4, name=old.name)
+    model.graph.insert_before(old, new)
+    names = [o.name for o in old.outputs]
+    ir.convenience.replace_all_uses_with(list(old.outputs), list(new.outputs)[:3], replace_graph_outputs=True)
+    model.graph.remove(old, safe=True)
+    for value, name in zip(new.outputs, [*names, "probs"], strict=True):
+        value.name = name
+    model.graph.outputs.append(new.outputs[3])
+    wrap = PromptFloatAttentionPass()
+    assert wrap.wrappable(model) == LAYERS - 1
+    wrap(model)
+    assert list(wrap.skipped.values()) == ["it outputs its attention scores or probabilities (qk_output)"]
+    assert [s.wrapper is not None for s in find_gqa_sites(model)] == [False, True]

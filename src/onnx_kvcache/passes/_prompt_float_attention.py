@@ -45,12 +45,13 @@ caller's buffers, as the quantized node did.
 
 Which nodes it wraps: GroupQueryAttention nodes of the main graph with an int8 or int4 cache
 (no fp8: no CPU kernel holds one), ``k_quant_type`` equal to ``v_quant_type``, float32 or
-float16 queries, not window-sized (``sliding_window_cache=1``: onnxruntime 1.32's float kernel
-refuses an empty first past there, which its quantized kernel takes), whose pasts are graph
-inputs and presents graph outputs (a node reading
-another's present, KV sharing, keeps the quantized kernel), and for int4 an opset of 18 or
-newer (``BitwiseAnd`` unpacks the nibbles). Every other node is left as it is and listed in
-:attr:`PromptFloatAttentionPass.skipped` with the reason. A wrapped node is not wrapped again.
+float16 queries, no attention-probability output (``qk_output``), not window-sized
+(``sliding_window_cache=1``: onnxruntime 1.32's float kernel refuses an empty first past there,
+which its quantized kernel takes), whose pasts are graph inputs and presents graph outputs (a
+node reading another's present, KV sharing, keeps the quantized kernel), and for int4 an opset
+of 18 or newer (``BitwiseAnd`` unpacks the nibbles). Every other node is left as it is and
+listed in :attr:`PromptFloatAttentionPass.skipped` with the reason. A wrapped node is not
+wrapped again.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _why_not(site: CacheSite, opset: int, main: ir.Graph) -> str | None:
             "quantized kernel takes",
         ),
         (fmt is None or fmt.is_float, "not an int8 or int4 cache"),
+        (len(site.node.outputs) > 3, "it outputs its attention scores or probabilities (qk_output)"),
         (
             site.str_attr("k_quant_type") != site.str_attr("v_quant_type"),
             "k_quant_type and v_quant_type differ",
