@@ -205,7 +205,10 @@ def optimize_model(
     [GqaFusionPass(), Fp8KvCachePass(scales)])``). A float32 model for a target without float32
     GroupQueryAttention (CUDA) gets its attention computed in float16 around the converted cache
     (:class:`~onnx_kvcache.passes.float16_attention.Float16AttentionPass`, one
-    ``Float16AttentionWarning``), weights untouched.
+    ``Float16AttentionWarning``), weights untouched. An int8 or int4 cache for the CPU has its
+    prompt (a call of several tokens) attend through the float kernel, each new token through the
+    quantized one (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`, run last; docs/converting.md,
+    "The prompt on the CPU"): compose it after the quantization pass to get the same.
 
     Returns:
         The model (the same object when ``model`` is an ``ir.Model``), converted or, with a
