@@ -25,7 +25,7 @@ from onnx_kvcache.cache.formats import (
 from onnx_kvcache.cache.operators import AttentionOp
 from onnx_kvcache.cache.prompt_path import float_branch
 from onnx_kvcache.cache.rotation import site_rotation
-from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, layer_id_from_name
 from onnx_kvcache.errors import (
     Function,
     KvCacheError,
@@ -72,6 +72,20 @@ class _Plan:
     """Known when the cache is packed (its last dimension becomes static)."""
     source: _Quantized | None = None
     """The format and granularity the node's cache is in already (None: a float cache)."""
+
+
+def _unattended_layers(model: ir.Model, sites: list[CacheSite]) -> set[int]:
+    """Layer numbers of past-cache graph inputs no attention node reads (``past_key_values.0.key``
+    of a layer left unfused), by name."""
+    read = {id(s.past(side)) for s in sites for side in s.sides}
+    found = set()
+    for value in model.graph.inputs:
+        name = value.name or ""
+        if id(value) not in read and ("past" in name or "cache" in name):
+            layer = layer_id_from_name(name)
+            if layer is not None:
+                found.add(layer)
+    return found
 
 
 @dataclasses.dataclass
@@ -141,7 +155,7 @@ class _Planner:
                         "graph inputs (or another converted node's present) are converted."
                     )
                 )
-        self._check_coverage(plans, scales, {s.layer_id for s in sites})
+        self._check_coverage(plans, scales, {s.layer_id for s in sites}, _unattended_layers(model, sites))
         unused = sorted(
             {
                 p.site.layer_id
@@ -291,10 +305,14 @@ class _Planner:
     def _head_size(self, site: CacheSite) -> int:
         return site.head_size()
 
-    def _check_coverage(self, plans: list[_Plan], scales: KvCacheScales | None, layers: set[int]) -> None:
+    def _check_coverage(
+        self, plans: list[_Plan], scales: KvCacheScales | None, layers: set[int], unattended: set[int]
+    ) -> None:
+        """Scales for every converted layer, and for no layer the model lacks (``unattended``: layers
+        whose past caches no attention node reads, an export's layer left unfused: theirs are unused)."""
         if scales is None:
             return
-        extra = sorted(set(scales.layer_ids) - layers)
+        extra = sorted(set(scales.layer_ids) - layers - unattended)
         if extra and layers:  # no cache at all: nothing to convert, said elsewhere
             raise KvCachePreconditionError(
                 f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
