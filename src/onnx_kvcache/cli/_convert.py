@@ -83,6 +83,7 @@ def _converted(args: argparse.Namespace) -> ConvertResult:
                     "follow_symlinks",
                     "allow_partial",
                     "rotation",
+                    "verify",
                 ),
             )
     except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it

@@ -215,6 +215,13 @@ _CONVERT = (
         "nothing written, the layers named)",
     ),
     _option(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run an export and its fused model side by side on onnxruntime's CPU before writing, and "
+        "refuse when their logits differ (default: for weights up to 2 GiB; --no-verify: never)",
+    ),
+    _option(
         "--weights",
         choices=list(WEIGHTS),
         help="give OUTPUT its own data files: copy (a clone where the filesystem can, else a copy "

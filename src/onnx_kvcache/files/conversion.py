@@ -125,6 +125,7 @@ def convert_model(
     progress: bool | None = None,
     allow_partial: bool = False,
     rotation: str | None = None,
+    verify: bool | None = None,
 ) -> ConvertResult:
     """Convert a model file or onnxruntime-genai folder to a quantized KV cache.
 
@@ -161,7 +162,11 @@ def convert_model(
     ``rotation`` (``none``, ``keys``, ``keys_and_values``; docs/rotation.md) turns the cache by an
     orthonormal matrix before it is quantized; by default the one the scales record (calibration
     records it: int4 rotates), none for scales without a record; an already-rotated model keeps its
-    own. Scales calibrated for another rotation are refused.
+    own. Scales calibrated for another rotation are refused. An export's fusion is ``verify``-ed:
+    the export and the fused model run side by side on onnxruntime's CPU before anything is
+    written, and a difference in their logits refuses the conversion
+    (:func:`~onnx_kvcache.pipeline.verification.verify_fusion`; None: for weights up to
+    :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES`, True: whatever their size).
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
@@ -176,11 +181,16 @@ def convert_model(
         )
         _check_writable(source, plan)
         request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-        decision = decide(dataclasses.replace(request, allow_partial=allow_partial, rotation=rotation))
+        decision = decide(dataclasses.replace(request, **_asked(allow_partial, rotation, verify)))
         result = _result(source, plan, decision)
         if carry_out(decision):
             _finish(source, plan, decision, result, progress)
     return result
+
+
+def _asked(allow_partial: bool, rotation: str | None, verify: bool | None) -> dict[str, Any]:
+    """The request's fields ``convert_model`` takes as they are."""
+    return {"allow_partial": allow_partial, "rotation": rotation, "verify": verify}
 
 
 #: ``convert_model``'s yes/no arguments (``progress`` also takes None: on a terminal).
@@ -200,7 +210,7 @@ def _arguments(arguments: dict[str, Any]) -> tuple[KvCacheScales | None, str | N
     before any work: every yes/no argument a bool (:data:`_FLAGS`), the scales read, the format
     they or ``format`` name, the granularity asked (checked against the scales)."""
     require_flags(**{name: arguments[name] for name in _FLAGS})
-    require_optional_flags(progress=arguments["progress"])
+    require_optional_flags(progress=arguments["progress"], verify=arguments["verify"])
     in_path, out_path, format, granularity = (
         arguments[k] for k in ("in_path", "out_path", "format", "granularity")
     )
@@ -274,6 +284,8 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
     )
     if decision.target is not None:
         result.target_source = f"assumed: {decision.why}" if decision.why else "given"
+    if decision.fusion.verification is not None:
+        result.notes.append(decision.fusion.verification.line)
     if decision.converted and fmt is not None and granularity is not None:
         requantized = _requantized_note(
             decision.model, fmt.name, granularity.name, decision.scales is not None

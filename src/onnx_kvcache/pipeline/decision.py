@@ -98,6 +98,7 @@ from onnx_kvcache.passes.float16_attention import (
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
+from onnx_kvcache.pipeline.verification import Verification, too_large, verify_fusion
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 AUTO: Literal["auto"] = "auto"
@@ -211,6 +212,9 @@ class Request:
     """The cache's rotation as given (None: a rotated model's own, else the scales')."""
     name: str = "The model"
     """The model as messages name it (its file name)."""
+    verify: bool | None = None
+    """Run the export and its fusion side by side before converting (None: up to
+    :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES` of weights; :func:`verify_fusion`)."""
 
     @property
     def rules(self) -> EntryRules:
@@ -232,6 +236,8 @@ class Fusion:
     """A layer left unfused (:func:`~onnx_kvcache.passes.fusion.gqa_fusion.unfused_refusal`)."""
     recorded: tuple[warnings.WarningMessage, ...] = ()
     """The fusion's warnings, recorded (``record=True``) to say once the result is kept."""
+    verification: Verification | None = None
+    """The export and its fusion run side by side (None: no fusion ran, or not asked)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,20 +273,32 @@ class Decision:
 
 
 def fuse_unless_attention(
-    model: ir.Model, when: bool | Literal["auto"] = AUTO, *, in_copy: bool = False, record: bool = True
+    model: ir.Model,
+    when: bool | Literal["auto"] = AUTO,
+    *,
+    in_copy: bool = False,
+    record: bool = True,
+    verify: bool | None = False,
 ) -> Fusion:
     """Fuse ``model``'s attention into GroupQueryAttention (:class:`GqaFusionPass`) when it has
     no attention node (``when="auto"``), always (``True``) or never (``False``).
 
     ``in_copy`` fuses a clone (the model given stays as it is); ``record`` keeps the fusion's
-    warnings in :attr:`Fusion.recorded` instead of saying them (the caller's filters apply then).
+    warnings in :attr:`Fusion.recorded` instead of saying them (the caller's filters apply then);
+    ``verify`` runs the export and the fused model side by side once fused (:func:`verify_fusion`:
+    None up to its default size, True whatever the size; a difference raises).
     """
     had = bool(find_attention_sites(model, with_cache_only=False))
     if when is False or (when == AUTO and had):
         return Fusion(model, had)
-    if in_copy:
+    skipped = too_large(model) if verify is None else None  # decided before a clone is made
+    verify = False if skipped is not None else verify
+    original = model
+    if in_copy or verify is not False:
         check_defined(model.graph)
         model = model.clone()
+    if not in_copy:
+        model, original = original, model  # the caller's model is fused; the clone is the export
     fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
     with warnings.catch_warnings(record=record) as recorded:
         if record:
@@ -288,7 +306,9 @@ def fuse_unless_attention(
         modified = fusion(model).modified
     refused = unfused_refusal(fusion.fused, fusion.report.refusals)
     refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
-    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()))
+    if verify is not False and fusion.fused:
+        skipped = verify_fusion(original, model, forced=verify is True)
+    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()), skipped)
 
 
 def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
@@ -535,7 +555,9 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
-    fusion = fuse_unless_attention(request.model, request.fuse, in_copy=rules.fuse_in_copy)
+    fusion = fuse_unless_attention(
+        request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
+    )
     asked = scale_granularity(_asked_granularity(request))  # until the model decides
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)

@@ -18,7 +18,14 @@ from typing import Literal
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.errors import KvCacheError, KvCacheTypeError, Param, require_flags, require_type
+from onnx_kvcache.errors import (
+    KvCacheError,
+    KvCacheTypeError,
+    Param,
+    require_flags,
+    require_optional_flags,
+    require_type,
+)
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
 from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
@@ -110,6 +117,7 @@ class _Options:
     shared_kv_scale: bool
     allow_partial: bool = False
     rotation: str | None = None
+    verify: bool | None = None
 
     def __post_init__(self) -> None:
         """A yes/no option that is not ``True`` or ``False`` is refused before any work."""
@@ -120,6 +128,7 @@ class _Options:
             shared_kv_scale=self.shared_kv_scale,
             allow_partial=self.allow_partial,
         )
+        require_optional_flags(verify=self.verify)
 
 
 def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
@@ -141,6 +150,7 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
         shared_kv_scale=shared,
         allow_partial=options.allow_partial,
         rotation=options.rotation,
+        verify=options.verify,
     )
 
 
@@ -168,6 +178,7 @@ def optimize_model(
     shared_kv_scale: bool = False,
     allow_partial: bool = False,
     rotation: str | None = None,
+    verify: bool | None = None,
 ) -> ir.Model:
     """Optimize a decoder for onnxruntime and store its KV cache quantized.
 
@@ -200,6 +211,10 @@ def optimize_model(
         rotation: ``none``, ``keys`` or ``keys_and_values``: the cache turned by an orthonormal
             matrix before it is quantized (docs/rotation.md); None: the one the scales record
             (none without a record), an already-rotated model's own.
+        verify: Run the export and its fused model side by side on onnxruntime's CPU once its
+            attention is fused, and raise when their logits differ
+            (:func:`~onnx_kvcache.pipeline.verification.verify_fusion`); None: for weights up to
+            :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES`, True: whatever their size.
 
     A function, not a pass: call it, or compose the passes it runs (``ir.passes.PassManager(
     [GqaFusionPass(), Fp8KvCachePass(scales)])``). A float32 model for a target without float32
@@ -229,5 +244,6 @@ def optimize_model(
         shared_kv_scale,
         allow_partial,
         rotation,
+        verify,
     )
     return _optimize(model, options)

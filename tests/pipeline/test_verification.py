@@ -1,0 +1,85 @@
+"""Translation validation: an export and its fused model side by side on onnxruntime's CPU."""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import onnx_ir as ir
+import pytest
+
+from onnx_kvcache import KvCacheError, convert_model
+from onnx_kvcache.cache.sites import find_gqa_sites
+from onnx_kvcache.pipeline import decision as decision_module
+from onnx_kvcache.pipeline import verification
+from onnx_kvcache.pipeline.decision import fuse_unless_attention
+from onnx_kvcache.pipeline.verification import verify_fusion
+
+DATA = pathlib.Path(__file__).parents[1] / "data"
+EXPORT = DATA / "export_llama_opset23.onnx"
+SCALES = {layer: (0.05, 0.05) for layer in range(3)}
+
+
+def _fused() -> tuple[ir.Model, ir.Model]:
+    original = ir.load(EXPORT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the padding note
+        fused = fuse_unless_attention(ir.load(EXPORT), verify=False).model
+    return original, fused
+
+
+def test_an_export_and_its_fusion_agree():
+    original, fused = _fused()
+    checked = verify_fusion(original, fused)
+    assert checked.verified and checked.error < 1e-5
+    assert checked.cases == ("one row", "a left-padded batch of 2")
+    assert "fusion verified" in checked.line
+
+
+def test_a_wrong_fusion_is_refused():
+    original, fused = _fused()
+    node = find_gqa_sites(fused)[0].node
+    node.attributes["scale"] = ir.AttrFloat32("scale", 2 * node.attributes["scale"].as_float())
+    with pytest.raises(KvCacheError, match="the fusion is wrong for this model"):
+        verify_fusion(original, fused)
+
+
+def test_what_is_not_verified_says_why(monkeypatch):
+    original, fused = _fused()
+    monkeypatch.setattr(verification, "MAX_BYTES", 0)
+    skipped = verify_fusion(original, fused)
+    assert not skipped.verified and "GiB of weights" in skipped.skipped and "not verified" in skipped.line
+    assert verify_fusion(original, fused, forced=True).verified  # True: whatever the size
+
+
+class _WrongFusion(decision_module.GqaFusionPass):
+    """The fusion, then one layer's scale doubled: a fusion that computes otherwise."""
+
+    def call(self, model):
+        result = super().call(model)
+        node = find_gqa_sites(model)[0].node
+        node.attributes["scale"] = ir.AttrFloat32("scale", 2 * node.attributes["scale"].as_float())
+        return result
+
+
+def test_convert_refuses_a_wrong_fusion_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(decision_module, "GqaFusionPass", _WrongFusion)
+    out = tmp_path / "int8.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KvCacheError, match="the fusion is wrong"):
+            convert_model(EXPORT, out, format="int8", scales=SCALES, ep="cpu", progress=False)
+        assert not out.exists()
+        result = convert_model(
+            EXPORT, out, format="int8", scales=SCALES, ep="cpu", verify=False, progress=False
+        )
+    assert result.converted and not any("fusion" in n for n in result.notes if "verified" in n)
+
+
+def test_convert_says_it_verified(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = convert_model(
+            EXPORT, tmp_path / "o.onnx", format="int8", scales=SCALES, ep="cpu", progress=False
+        )
+    assert [n for n in result.notes if n.startswith("fusion verified")]
