@@ -4,7 +4,9 @@
 float32 weights inline (540 MB), in the TorchScript form (optimum / onnx-community:
 no value_info) and the dynamo form (transformers 5.x, opset 23). Each step runs in a
 fresh process: ``fuse`` loads the file and runs GqaFusionPass; ``convert`` is the CLI's
-``convert --format int8 --ep cpu`` with per-layer scales. ``--refuse`` also runs a
+``convert --format int8 --ep cpu`` with per-layer scales, with ``--no-verify`` and with
+``--verify`` (the export and its fusion run side by side on onnxruntime first: the cost of
+translation validation, on by default up to 2 GiB of weights). ``--refuse`` also runs a
 TorchScript export whose attention cannot be proven (the NaN guard fills 0.5), to time
 a refusal. Target: under 10 s per step on a 2-core machine, fused or refused.
 
@@ -95,7 +97,8 @@ CONVERT = (
 import sys, time
 from onnx_kvcache.cli.commands import main
 start = time.perf_counter()
-code = main(["convert", sys.argv[1], sys.argv[2], "--format", "int8", "--ep", "cpu", "--scales", sys.argv[3]])
+argv = ["convert", sys.argv[1], sys.argv[2], "--format", "int8", "--ep", "cpu", "--scales", sys.argv[3]]
+code = main(argv + sys.argv[4:])
 seconds = time.perf_counter() - start
 print(code, 0, seconds, peak_mib())
 """
@@ -132,11 +135,14 @@ def main() -> None:
             print(f"{name:22s} built in {built:5.1f} s ({size:.0f} MiB)")
             fused, refused, seconds, rss = run(FUSE, str(path))
             print(f"  fuse     {seconds:6.2f} s  peak RSS {rss:6.0f} MiB  ({fused} fused, {refused} refused)")
-            if not refuse:
-                code, _, seconds, rss = run(
-                    CONVERT, str(path), str(folder / f"{form}-int8.onnx"), str(scales)
-                )
-                print(f"  convert  {seconds:6.2f} s  peak RSS {rss:6.0f} MiB  (exit {code})")
+            if not refuse:  # the export and its fusion run side by side first, unless --no-verify
+                for flag, label in (
+                    ("--no-verify", "convert, not verified"),
+                    ("--verify", "convert, verified"),
+                ):
+                    out = str(folder / f"{form}-int8{flag}.onnx")
+                    code, _, seconds, rss = run(CONVERT, str(path), out, str(scales), flag)
+                    print(f"  {label:22s} {seconds:6.2f} s  peak RSS {rss:6.0f} MiB  (exit {code})")
 
 
 if __name__ == "__main__":

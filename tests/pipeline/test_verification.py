@@ -83,3 +83,17 @@ def test_convert_says_it_verified(tmp_path):
             EXPORT, tmp_path / "o.onnx", format="int8", scales=SCALES, ep="cpu", progress=False
         )
     assert [n for n in result.notes if n.startswith("fusion verified")]
+
+
+def test_an_export_that_quantizes_activations_over_the_batch_is_compared_on_one_row():
+    """DynamicQuantizeLinear scales a whole tensor, padding rows included (which the fusion does
+    not compute as the export does): the batch's valid rows move with them, so one row is compared."""
+    from builders.exported import build_decoder, exported_config
+
+    original = build_decoder(exported_config("optimum-llama-quantized", num_layers=2, vocab_size=300))
+    assert any(n.op_type == "DynamicQuantizeLinear" for n in original.graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse_unless_attention(original.clone(), verify=False).model
+    checked = verify_fusion(original, fused)
+    assert checked.verified and checked.cases == ("one row",) and checked.error < 1e-5
