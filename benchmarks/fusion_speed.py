@@ -6,7 +6,7 @@ no value_info) and the dynamo form (transformers 5.x, opset 23). Each step runs 
 fresh process: ``fuse`` loads the file and runs GqaFusionPass; ``convert`` is the CLI's
 ``convert --format int8 --ep cpu`` with per-layer scales, with ``--no-verify`` and with
 ``--verify`` (the export and its fusion run side by side on onnxruntime first: the cost of
-translation validation, on by default up to 2 GiB of weights). ``--refuse`` also runs a
+translation validation, on by default up to 1 GiB of weights). ``--refuse`` also runs a
 TorchScript export whose attention cannot be proven (the NaN guard fills 0.5), to time
 a refusal. Target: under 10 s per step on a 2-core machine, fused or refused.
 

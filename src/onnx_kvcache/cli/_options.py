@@ -219,7 +219,7 @@ _CONVERT = (
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run an export and its fused model side by side on onnxruntime's CPU before writing, and "
-        "refuse when their logits differ (default: for weights up to 2 GiB; --no-verify: never)",
+        "refuse when their logits differ (default: for weights up to 1 GiB; --no-verify: never)",
     ),
     _option(
         "--weights",
