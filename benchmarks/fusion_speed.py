@@ -1,14 +1,15 @@
 """Fuse and convert a SmolLM2-135M-shaped export: wall time and peak RSS per step.
 
 30 layers, hidden 576, 9 query / 3 KV heads, head size 64, SwiGLU 1536, vocab 49152,
-float32 weights inline (540 MB), in the TorchScript form (optimum / onnx-community:
+float32 weights inline (622 MiB), in the TorchScript form (optimum / onnx-community:
 no value_info) and the dynamo form (transformers 5.x, opset 23). Each step runs in a
 fresh process: ``fuse`` loads the file and runs GqaFusionPass; ``convert`` is the CLI's
 ``convert --format int8 --ep cpu`` with per-layer scales, with ``--no-verify`` and with
 ``--verify`` (the export and its fusion run side by side on onnxruntime first: the cost of
 translation validation, on by default up to 1 GiB of weights). ``--refuse`` also runs a
 TorchScript export whose attention cannot be proven (the NaN guard fills 0.5), to time
-a refusal. Target: under 10 s per step on a 2-core machine, fused or refused.
+a refusal. Target: under 10 s per step on a 2-core machine, fused or refused (a verified convert
+loads the weights twice more: measured beside it, docs/exporting.md).
 
     python benchmarks/fusion_speed.py [--layers 30] [--refuse]
 """

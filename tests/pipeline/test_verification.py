@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import warnings
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 
@@ -40,8 +41,9 @@ def test_a_wrong_fusion_is_refused():
     original, fused = _fused()
     node = find_gqa_sites(fused)[0].node
     node.attributes["scale"] = ir.AttrFloat32("scale", 2 * node.attributes["scale"].as_float())
-    with pytest.raises(KvCacheError, match="the fusion is wrong for this model"):
-        verify_fusion(original, fused)
+    checked = verify_fusion(original, fused)
+    assert not checked.verified and "the fusion is wrong for this model" in checked.differs
+    assert checked.line.startswith("fusion refused: the fused model's logits differ")
 
 
 def test_what_is_not_verified_says_why(monkeypatch):
@@ -67,9 +69,13 @@ def test_convert_refuses_a_wrong_fusion_and_writes_nothing(tmp_path, monkeypatch
     out = tmp_path / "int8.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        refused = convert_model(EXPORT, out, format="int8", scales=SCALES, ep="cpu", progress=False)
+        assert not refused.converted and not out.exists()
+        assert "the fusion is wrong" in " ".join(refused.reasons)
         with pytest.raises(KvCacheError, match="the fusion is wrong"):
-            convert_model(EXPORT, out, format="int8", scales=SCALES, ep="cpu", progress=False)
-        assert not out.exists()
+            convert_model(
+                EXPORT, out, format="int8", scales=SCALES, ep="cpu", strict=True, allow_partial=True
+            )
         result = convert_model(
             EXPORT, out, format="int8", scales=SCALES, ep="cpu", verify=False, progress=False
         )
@@ -82,7 +88,7 @@ def test_convert_says_it_verified(tmp_path):
         result = convert_model(
             EXPORT, tmp_path / "o.onnx", format="int8", scales=SCALES, ep="cpu", progress=False
         )
-    assert [n for n in result.notes if n.startswith("fusion verified")]
+    assert [n for n in result.notes if n.startswith("fusion verified")] and result.verified is True
 
 
 def test_an_export_that_quantizes_activations_over_the_batch_is_compared_on_one_row():
@@ -97,3 +103,57 @@ def test_an_export_that_quantizes_activations_over_the_batch_is_compared_on_one_
         fused = fuse_unless_attention(original.clone(), verify=False).model
     checked = verify_fusion(original, fused)
     assert checked.verified and checked.cases == ("one row",) and checked.error < 1e-5
+
+
+def _last_token_logits(model: ir.Model) -> ir.Model:
+    """The export with logits for each call's last token alone (a common export)."""
+    logits = next(o for o in model.graph.outputs if o.name == "logits")
+    logits.name = "all_logits"
+    starts, ends, axes = (
+        ir.Value(name=n, const_value=ir.tensor(np.array(v, np.int64)))
+        for n, v in (("last_start", [-1]), ("last_end", [2**62]), ("last_axis", [1]))
+    )
+    for value in (starts, ends, axes):
+        model.graph.register_initializer(value)
+    node = ir.node("Slice", [logits, starts, ends, axes], name="last_token")
+    node.outputs[0].name = "logits"
+    node.outputs[0].dtype = logits.dtype
+    model.graph.append(node)
+    index = list(model.graph.outputs).index(logits)
+    model.graph.outputs[index] = node.outputs[0]
+    return model
+
+
+def test_an_export_with_the_last_tokens_logits_alone_is_verified():
+    original = _last_token_logits(ir.load(EXPORT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = fuse_unless_attention(original.clone(), verify=False).model
+    checked = verify_fusion(original, fused)
+    assert checked.verified and checked.error < 1e-5, checked.line
+
+
+def test_verify_true_says_when_it_could_not(monkeypatch):
+    from onnx_kvcache import optimize_model
+    from onnx_kvcache.errors import FusionSkippedWarning
+
+    model = ir.load(EXPORT)
+    model.graph.inputs.append(ir.val("cache_position", ir.DataType.INT64, ["s"]))  # read by nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", FusionSkippedWarning)
+        with pytest.warns(FusionSkippedWarning, match=r"an input it does not feed \(cache_position\)"):
+            optimize_model(model, ep="cpu", format="int8", scales=SCALES, verify=True)
+
+
+def test_the_command_refuses_a_wrong_fusion_with_exit_1(tmp_path, monkeypatch, capsys):
+    import json
+
+    from onnx_kvcache.cli.commands import main
+
+    monkeypatch.setattr(decision_module, "GqaFusionPass", _WrongFusion)
+    scales = tmp_path / "s.json"
+    scales.write_text(json.dumps({"scales": {"k_scales": [0.05] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
+    out = tmp_path / "o.onnx"
+    assert main(["convert", str(EXPORT), str(out), "--format", "int8", "--scales", str(scales)]) == 1
+    assert "fusion refused" in capsys.readouterr().err and not out.exists()

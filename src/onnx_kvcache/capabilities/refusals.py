@@ -50,6 +50,9 @@ class RefusalCode(enum.Enum):
     """The provider's kernel is not known to honor attention sinks (``head_sink``) with the cache."""
     PARTIAL_CONVERSION = enum.auto()
     """Some caches would keep their type while others convert (``allow_partial`` permits it)."""
+    FUSION_DIFFERS = enum.auto()
+    """The fused model computes otherwise than the export (translation validation), or fails where
+    it runs: the fusion is wrong for that model."""
     ROTATION_UNSUPPORTED = enum.auto()
     """The provider is not known to run a rotated cache's added operators, or the attention
     operator takes no rotation."""

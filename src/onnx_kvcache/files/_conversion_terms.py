@@ -92,6 +92,9 @@ class ConvertResult:
     """Converted nodes per operator (``{"PagedAttention": 32}``)."""
     fused: int = 0
     """Attention layers fused into GroupQueryAttention first (an export)."""
+    verified: bool | None = None
+    """The export and its fusion ran side by side and agreed (False: not verified, the notes say
+    why; None: no fusion ran, or ``verify=False``)."""
     method: str | None = None
     """The calibration method of the cache's scales, as they record it (None: not recorded,
     or no scales)."""

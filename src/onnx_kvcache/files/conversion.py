@@ -285,6 +285,7 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
     if decision.target is not None:
         result.target_source = f"assumed: {decision.why}" if decision.why else "given"
     if decision.fusion.verification is not None:
+        result.verified = decision.fusion.verification.verified
         result.notes.append(decision.fusion.verification.line)
     if decision.converted and fmt is not None and granularity is not None:
         requantized = _requantized_note(

@@ -80,6 +80,7 @@ from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, 
 from onnx_kvcache.capabilities.rows import get_capabilities
 from onnx_kvcache.errors import (
     Float16AttentionWarning,
+    FusionSkippedWarning,
     KvCacheError,
     KvCacheWarning,
     Message,
@@ -308,6 +309,10 @@ def fuse_unless_attention(
     refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
     if verify is not False and fusion.fused:
         skipped = verify_fusion(original, model, forced=verify is True)
+        if skipped.differs:
+            refusal = Refusal(RefusalCode.FUSION_DIFFERS, None, skipped.line)
+        elif verify is True and not skipped.verified:
+            warn(Message(Param("verify", True), f", but {skipped.line}."), FusionSkippedWarning)
     return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()), skipped)
 
 
@@ -344,6 +349,8 @@ def _prompt_to_wrap(request: Request, model: ir.Model, fmt: str) -> bool:
 def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
     """Rule 2: a layer left unfused (when the cache is to be converted), nothing to convert."""
     rules = request.rules
+    if fusion.refusal is not None and fusion.refusal.code is RefusalCode.FUSION_DIFFERS:
+        return fusion.refusal  # allow_partial converts no wrong fusion
     partial = request.allow_partial and fusion.fused > 0
     if fusion.refusal is not None and (request.format is not None or rules.choose_format) and not partial:
         return dataclasses.replace(fusion.refusal, text=fusion.refusal.text + _mixing(fusion.fused))

@@ -33,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.errors import KvCacheError, MissingRuntimeError
+from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.model_io import create_session, ort_error_text
 
 #: Weights (bytes) up to which a fusion is verified by default: both models are loaded once each,
@@ -56,11 +56,15 @@ class Verification:
     cases: tuple[str, ...] = ()
     seconds: float = 0.0
     skipped: str = ""
-    """Why it was not verified (empty when it was)."""
+    """Why it was not verified (empty when it was, or when the two differ)."""
+    differs: str = ""
+    """How the fused model computes otherwise than the export (empty: it does not, as far as run)."""
 
     @property
     def line(self) -> str:
         """What happened, in one line (for the log and the summary)."""
+        if self.differs:
+            return f"fusion refused: {self.differs}"
         if not self.verified:
             return f"fusion not verified: {self.skipped}"
         return (
@@ -83,11 +87,19 @@ def too_large(model: ir.Model) -> Verification | None:
     )
 
 
+def _cache_like(value: ir.Value) -> bool:
+    """A 4-D floating-point input named like a cache: the past of a layer the fusion left alone."""
+    name, shape, dtype = value.name or "", value.shape, value.dtype
+    floating = dtype is not None and dtype.is_floating_point()
+    return floating and shape is not None and len(shape) == 4 and ("past" in name or "cache" in name)
+
+
 def _why_not(original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> str:
     """Why the pair cannot be verified here ("" when it can)."""
     pasts = {s.past(side).name for s in sites for side in s.sides if s.past(side) is not None}  # type: ignore[union-attr]
-    other = [v.name for v in original.graph.inputs if v.name not in (*_FEEDS, *pasts)]
-    unfused = [name for name in other if name and ("past" in name or "cache" in name)]
+    others = [v for v in original.graph.inputs if v.name not in (*_FEEDS, *pasts)]
+    other = [str(v.name) for v in others]
+    unfused = [str(v.name) for v in others if _cache_like(v)]
     dtypes = {s.query_dtype for s in sites}
     checks = (
         (not sites, "no attention node to compare"),
@@ -100,8 +112,13 @@ def _why_not(original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> str
     return next((why for failed, why in checks if failed), "")
 
 
-def _vocab(model: ir.Model) -> tuple[str, int]:
-    logits = next((o for o in model.graph.outputs if "logits" in (o.name or "")), model.graph.outputs[0])
+def _logits(model: ir.Model, presents: set[str]) -> tuple[str, int]:
+    """The logits output (named like it, else the first output that is not a present) and the
+    vocabulary its last dimension says (2 when symbolic: ids 0 and 1)."""
+    outputs = [o for o in model.graph.outputs if o.name not in presents]
+    if not outputs:
+        raise _Unverifiable("no output besides the caches")
+    logits = next((o for o in outputs if "logits" in (o.name or "")), outputs[0])
     last = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
     return logits.name or "", last if isinstance(last, int) else 2
 
@@ -111,29 +128,34 @@ def _empty(site: CacheSite, batch: int) -> np.ndarray:
     return np.zeros((batch, site.kv_num_heads, 0, site.head_size()), np.float32)
 
 
-def _run(
-    session: Any,
-    names: dict[str, str],
-    inputs: set[str],
-    mask: np.ndarray,
-    ids: np.ndarray,
-    pasts: dict[str, np.ndarray],
-    logits: str,
-) -> np.ndarray:
-    """The logits of every call (prompt, then each step), each ``[B, n, V]``, concatenated."""
-    out, total, state = [], 0, dict(pasts)
-    for start, stop in [(0, _PROMPT), *((k, k + 1) for k in range(_PROMPT, _PROMPT + _STEPS))]:
-        total = stop
+Call = tuple[np.ndarray, np.ndarray]
+"""One call's logits ``[B, n, V]`` and the mask of the positions they are for ``[B, n]``."""
+
+
+def _run(session: Any, pair: _Pair, mask: np.ndarray, ids: np.ndarray, export: bool) -> list[Call]:
+    """Every call's logits (prompt, then each step) with their positions' mask (the last ``n``
+    of the call's tokens: an export may give the last token's alone)."""
+    out, state = [], {past: _empty(site, len(mask)) for past, site in pair.pasts.items()}
+    fetch = [pair.logits, *pair.names]
+    for start, stop in [(0, _PROMPT), *((k, k + 1) for k in range(_PROMPT, _LENGTH))]:
         feeds = {"input_ids": ids[:, start:stop], **state}
-        if "attention_mask" in inputs:
-            feeds["attention_mask"] = mask[:, :total]
-        if "position_ids" in inputs:
-            positions = np.maximum(np.cumsum(mask[:, :total], axis=1) - 1, 0)
-            feeds["position_ids"] = positions[:, start:stop]
-        results = dict(zip([logits, *names], session.run([logits, *names], feeds), strict=True))
-        out.append(results[logits])
-        state = {names[present]: value for present, value in results.items() if present in names}
-    return np.concatenate(out, axis=1)
+        if "attention_mask" in pair.inputs:
+            feeds["attention_mask"] = mask[:, :stop]
+        if "position_ids" in pair.inputs:
+            feeds["position_ids"] = np.maximum(np.cumsum(mask[:, :stop], axis=1) - 1, 0)[:, start:stop]
+        try:
+            results = dict(zip(fetch, session.run(fetch, feeds), strict=True))
+        except Exception as error:  # onnxruntime raises several unrelated types
+            said = ort_error_text(error)
+            if export:
+                raise _Unverifiable(f"the export does not run on these inputs ({said})") from None
+            raise _Differs(f"The fused model fails where the export runs: {said}.") from None
+        logits = results[pair.logits]
+        if logits.ndim != 3 or logits.shape[1] > stop - start:
+            raise _Unverifiable(f"logits of shape {list(logits.shape)}, not [batch, tokens, vocab]")
+        out.append((logits, mask[:, start:stop][:, stop - start - logits.shape[1] :]))
+        state = {pair.names[name]: value for name, value in results.items() if name in pair.names}
+    return out
 
 
 #: The cases run: each a name and its attention_mask (prompt and steps; 0 marks padding).
@@ -150,93 +172,89 @@ _CASES = {
 _BATCH_WIDE = frozenset({"DynamicQuantizeLinear"})
 
 
-class _Pair:
-    """The export's and the fused model's sessions, and what a run feeds and reads."""
-
-    def __init__(self, original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> None:
-        self.sites = sites
-        self.logits, self.vocab = _vocab(original)
-        self.names = {str(s.present(side).name): str(s.past(side).name) for s in sites for side in s.sides}  # type: ignore[union-attr]
-        self.inputs = {v.name for v in original.graph.inputs if v.name}
-        self.pasts = {str(s.past(side).name): s for s in sites for side in s.sides}  # type: ignore[union-attr]
-        self.sessions = [_session(original, "the export does not load"), _session(fused, "")]
-
-    def case(self, mask: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | str:
-        """Both models' logits for ``mask``, or why the export does not run on these inputs."""
-        ids = rng.integers(0, self.vocab, mask.shape, dtype=np.int64)
-        pasts = {past: _empty(site, len(mask)) for past, site in self.pasts.items()}
-        run = (self.names, self.inputs, mask, ids, pasts, self.logits)
-        try:
-            want = _run(self.sessions[0], *run)
-        except Exception as error:  # onnxruntime raises several unrelated types
-            return f"the export does not run on these inputs ({ort_error_text(error)})"
-        try:
-            return want, _run(self.sessions[1], *run)
-        except Exception as error:
-            raise KvCacheError(
-                f"The fused model fails where the export runs: {ort_error_text(error)}. Nothing was "
-                "converted; please report the model (docs/exporting.md, What is proven)."
-            ) from None
-
-
 class _Unverifiable(Exception):
-    """The export does not run here: nothing to compare with (its message says why)."""
+    """Not verifiable here: the export does not load or run on these inputs (the message says why)."""
 
 
-def _session(model: ir.Model, refused: str) -> Any:
-    """A CPU session; a model onnxruntime refuses raises :class:`_Unverifiable` (``refused``: the
-    export) or :class:`~onnx_kvcache.errors.KvCacheError` (the fused model, where the export loads)."""
+class _Differs(Exception):
+    """The fused model computes otherwise, or fails where the export runs (the message says how)."""
+
+
+def _session(model: ir.Model, export: bool) -> Any:
+    """A CPU session; a model onnxruntime refuses raises :class:`_Unverifiable` (the export) or
+    :class:`_Differs` (the fused model, where the export loads)."""
     try:
         return create_session(model)
     except MissingRuntimeError:
         raise
     except Exception as error:  # onnxruntime raises several unrelated types
-        if refused:
-            raise _Unverifiable(f"{refused} in onnxruntime ({ort_error_text(error)})") from None
-        raise KvCacheError(
-            f"onnxruntime refuses the fused model where it loads the export: {ort_error_text(error)}. "
-            "Nothing was converted; please report the model (docs/exporting.md, What is proven)."
+        if export:
+            raise _Unverifiable(
+                f"the export does not load in onnxruntime ({ort_error_text(error)})"
+            ) from None
+        raise _Differs(
+            f"onnxruntime refuses the fused model where it loads the export: {ort_error_text(error)}."
         ) from None
 
 
-def _difference(want: np.ndarray, got: np.ndarray, mask: np.ndarray) -> float | None:
-    """The largest logit difference at valid positions where the export's are finite, relative to
-    the export's largest there (None: no such position)."""
-    valid = (mask[:, :, None] != 0) & np.isfinite(want)
-    if not valid.any():
-        return None
-    return float(np.abs(want - got)[valid].max()) / max(float(np.abs(want[valid]).max()), 1e-6)
+class _Pair:
+    """The export's and the fused model's sessions, and what a run feeds and reads."""
+
+    def __init__(self, original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> None:
+        self.names = {str(s.present(side).name): str(s.past(side).name) for s in sites for side in s.sides}  # type: ignore[union-attr]
+        self.logits, self.vocab = _logits(original, set(self.names))
+        self.inputs = {v.name for v in original.graph.inputs if v.name}
+        self.pasts = {str(s.past(side).name): s for s in sites for side in s.sides}  # type: ignore[union-attr]
+        self.sessions = [_session(original, True), _session(fused, False)]
+
+    def difference(self, mask: np.ndarray, rng: np.random.Generator) -> float | None:
+        """The largest logit difference at valid positions where the export's are finite, relative
+        to the export's largest there (None: no such position), for the case ``mask``."""
+        ids = rng.integers(0, self.vocab, mask.shape, dtype=np.int64)
+        want, got = (_run(session, self, mask, ids, k == 0) for k, session in enumerate(self.sessions))
+        worst, top = 0.0, 0.0
+        for (a, valid), (b, _) in zip(want, got, strict=True):
+            if a.shape != b.shape:
+                raise _Differs(f"the fused model's logits are {list(b.shape)}, the export's {list(a.shape)}.")
+            keep = (valid[:, :, None] != 0) & np.isfinite(a)
+            if keep.any():
+                worst, top = (
+                    max(worst, float(np.abs(a - b)[keep].max())),
+                    max(top, float(np.abs(a[keep]).max())),
+                )
+        return worst / max(top, 1e-6) if top else None
 
 
 def verify_fusion(original: ir.Model, fused: ir.Model, *, forced: bool = False) -> Verification:
     """Run ``original`` (an export) and ``fused`` (its attention fused, not yet quantized) side
-    by side (module rules); raise :class:`~onnx_kvcache.errors.KvCacheError` when their logits
-    differ, else say what was verified or why not (``forced``: whatever the weights' size)."""
+    by side (module rules): what was verified, why not, or how the two differ
+    (:attr:`Verification.differs`); ``forced``: whatever the weights' size."""
     sites = find_attention_sites(fused)
     why = "" if forced else (too_large(original) or Verification(True)).skipped
     why = why or _why_not(original, fused, sites)
     if why:
         return Verification(False, skipped=why)
-    started = time.perf_counter()
+    started, rng, error, cases = time.perf_counter(), np.random.default_rng(0), 0.0, list[str]()
+    coupled = any(node.op_type in _BATCH_WIDE for node in original.graph)
     try:
         pair = _Pair(original, fused, sites)
+        for case, mask in list(_CASES.items())[: 1 if coupled else None]:
+            difference = pair.difference(mask, rng)
+            if difference is not None:
+                error, cases = max(error, difference), [*cases, case]
     except MissingRuntimeError:
         return Verification(False, skipped="onnxruntime is not installed (the cpu extra)")
-    except _Unverifiable as why_not:
-        return Verification(False, skipped=str(why_not))
-    rng, error, cases = np.random.default_rng(0), 0.0, list[str]()
-    coupled = any(node.op_type in _BATCH_WIDE for node in original.graph)
-    for case, mask in _CASES.items() if not coupled else list(_CASES.items())[:1]:
-        outcome = pair.case(mask, rng)
-        if isinstance(outcome, str):
-            return Verification(False, skipped=outcome)
-        difference = _difference(*outcome, mask)
-        if difference is not None:
-            error, cases = max(error, difference), [*cases, case]
+    except _Unverifiable as reason:
+        return Verification(False, skipped=str(reason))
+    except _Differs as reason:
+        return Verification(False, differs=f"{reason}{_REPORT}")
     if error > TOLERANCE:
-        raise KvCacheError(
-            f"The fused model's logits differ from the export's by {error:.1e} of the largest (more than "
-            f"{TOLERANCE:g}; {', '.join(cases)}): the fusion is wrong for this model, so nothing was "
-            "converted. Please report the model (docs/exporting.md, What is proven)."
+        differs = (
+            f"the fused model's logits differ from the export's by {error:.1e} of the largest (more than "
+            f"{TOLERANCE:g}; {', '.join(cases)}): the fusion is wrong for this model{_REPORT}"
         )
+        return Verification(False, error, tuple(cases), time.perf_counter() - started, differs=differs)
     return Verification(True, error, tuple(cases), time.perf_counter() - started)
+
+
+_REPORT = ". Nothing was converted; please report the model (docs/exporting.md, What is proven)."
