@@ -149,7 +149,7 @@ def _run(session: Any, pair: _Pair, mask: np.ndarray, ids: np.ndarray, export: b
             said = ort_error_text(error)
             if export:
                 raise _Unverifiable(f"the export does not run on these inputs ({said})") from None
-            raise _Differs(f"The fused model fails where the export runs: {said}.") from None
+            raise _Differs(f"the fused model fails where the export runs: {said}") from None
         logits = results[pair.logits]
         if logits.ndim != 3 or logits.shape[1] > stop - start:
             raise _Unverifiable(f"logits of shape {list(logits.shape)}, not [batch, tokens, vocab]")
@@ -193,7 +193,7 @@ def _session(model: ir.Model, export: bool) -> Any:
                 f"the export does not load in onnxruntime ({ort_error_text(error)})"
             ) from None
         raise _Differs(
-            f"onnxruntime refuses the fused model where it loads the export: {ort_error_text(error)}."
+            f"onnxruntime refuses the fused model where it loads the export: {ort_error_text(error)}"
         ) from None
 
 
@@ -215,7 +215,7 @@ class _Pair:
         worst, top = 0.0, 0.0
         for (a, valid), (b, _) in zip(want, got, strict=True):
             if a.shape != b.shape:
-                raise _Differs(f"the fused model's logits are {list(b.shape)}, the export's {list(a.shape)}.")
+                raise _Differs(f"the fused model's logits are {list(b.shape)}, the export's {list(a.shape)}")
             keep = (valid[:, :, None] != 0) & np.isfinite(a)
             if keep.any():
                 worst, top = (
@@ -223,6 +223,10 @@ class _Pair:
                     max(top, float(np.abs(a[keep]).max())),
                 )
         return worst / max(top, 1e-6) if top else None
+
+
+#: What a refusal adds: nothing written, and where to report it.
+_REPORT = ". Nothing was converted; please report the model (docs/exporting.md, What is proven)."
 
 
 def verify_fusion(original: ir.Model, fused: ir.Model, *, forced: bool = False) -> Verification:
@@ -255,6 +259,3 @@ def verify_fusion(original: ir.Model, fused: ir.Model, *, forced: bool = False) 
         )
         return Verification(False, error, tuple(cases), time.perf_counter() - started, differs=differs)
     return Verification(True, error, tuple(cases), time.perf_counter() - started)
-
-
-_REPORT = ". Nothing was converted; please report the model (docs/exporting.md, What is proven)."
