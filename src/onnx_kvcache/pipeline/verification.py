@@ -18,7 +18,13 @@ Rules:
 * Not verified, with the reason: by default a model whose weights exceed :data:`MAX_BYTES`
   (loading the weights twice is the cost), a float16 or bfloat16 model (no float16
   GroupQueryAttention kernel on the CPU), a window-sized cache (``sliding_window_cache=1``: its
-  first past is not the export's empty one), an input other than ids, mask, positions and caches.
+  first past is not the export's empty one), a layer left unfused, an input other than ids,
+  mask, positions and caches, an export onnxruntime does not load or run on these inputs, logits
+  not ``[batch, tokens, vocab]``. An export that quantizes its activations over the whole batch
+  (``DynamicQuantizeLinear``) is compared on one row (its padded rows move every row's scale).
+  Logits of a call's last tokens alone (an export that slices them) are compared at those.
+* A difference, or a fused model onnxruntime refuses or fails where the export runs, is
+  :attr:`Verification.differs`: the decision refuses the conversion with it.
 """
 
 from __future__ import annotations
