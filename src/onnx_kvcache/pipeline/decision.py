@@ -3,7 +3,8 @@
 Rules, in order, each a function:
 
 1. :func:`fuse_unless_attention`: a model without attention nodes (an export) is fused first;
-   the fusion's warnings are recorded, said only if the result is kept.
+   the fusion's warnings are recorded, said only if the result is kept; the export and its fused
+   model run side by side (:mod:`~onnx_kvcache.pipeline.verification`), a difference refuses.
 2. A layer left unfused refuses a conversion (all or nothing) unless ``allow_partial`` and
    some fused; ``convert_model`` also refuses a model with nothing to convert (no attention
    after fusion, or already as asked).
@@ -287,7 +288,8 @@ def fuse_unless_attention(
     ``in_copy`` fuses a clone (the model given stays as it is); ``record`` keeps the fusion's
     warnings in :attr:`Fusion.recorded` instead of saying them (the caller's filters apply then);
     ``verify`` runs the export and the fused model side by side once fused (:func:`verify_fusion`:
-    None up to its default size, True whatever the size; a difference raises).
+    None up to its default size, True whatever the size, warned when it cannot run); a difference
+    is the fusion's refusal (``FUSION_DIFFERS``, which ``allow_partial`` does not lift).
     """
     had = bool(find_attention_sites(model, with_cache_only=False))
     if when is False or (when == AUTO and had):
@@ -313,7 +315,8 @@ def fuse_unless_attention(
             refusal = Refusal(RefusalCode.FUSION_DIFFERS, None, skipped.line)
         elif verify is True and not skipped.verified:
             warn(Message(Param("verify", True), f", but {skipped.line}."), FusionSkippedWarning)
-    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()), skipped)
+    checked = skipped if fusion.fused else None  # nothing fused: nothing to say of it
+    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()), checked)
 
 
 def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
