@@ -17,6 +17,7 @@ __all__ = [
     "check_defined",
     "external_data_files",
     "load_model",
+    "logits_output",
     "open_model_source",
     "tensor_values",
     "undefined_value",
@@ -358,6 +359,18 @@ def undefined_value(graph: ir.Graph | ir.Function, where: str = "") -> str | Non
                 'defines (onnxruntime refuses it: the output "does not exist in the graph")'
             )
     return None
+
+
+def logits_output(model: ir.Model, caches: frozenset[str] = frozenset()) -> tuple[str, int | None] | None:
+    """The logits output's name and vocabulary size (None when symbolic), read from the graph:
+    the first output named like ``logits``, else the first output not named in ``caches`` (the
+    presents); None when there is no such output."""
+    outputs = [o for o in model.graph.outputs if o.name not in caches]
+    if not outputs:
+        return None
+    logits = next((o for o in outputs if "logits" in (o.name or "")), outputs[0])
+    last = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
+    return logits.name or "", last if isinstance(last, int) else None
 
 
 def check_defined(graph: ir.Graph) -> None:

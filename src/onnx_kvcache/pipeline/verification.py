@@ -41,6 +41,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.model_io import create_session, ort_error_text
+from onnx_kvcache.model_io.reading import logits_output
 
 #: Weights (bytes) up to which a fusion is verified by default: both models are loaded once each,
 #: about 8 s and 1 GiB of memory more for 622 MiB of weights (``benchmarks/fusion_speed.py``: the
@@ -119,14 +120,12 @@ def _why_not(original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> str
 
 
 def _logits(model: ir.Model, presents: set[str]) -> tuple[str, int]:
-    """The logits output (named like it, else the first output that is not a present) and the
-    vocabulary its last dimension says (2 when symbolic: ids 0 and 1)."""
-    outputs = [o for o in model.graph.outputs if o.name not in presents]
-    if not outputs:
+    """The logits output (:func:`~onnx_kvcache.model_io.reading.logits_output`, the presents
+    aside) and the vocabulary its last dimension says (2 when symbolic: ids 0 and 1)."""
+    found = logits_output(model, frozenset(presents))
+    if found is None:
         raise _Unverifiable("no output besides the caches")
-    logits = next((o for o in outputs if "logits" in (o.name or "")), outputs[0])
-    last = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
-    return logits.name or "", last if isinstance(last, int) else 2
+    return found[0], found[1] or 2
 
 
 def _empty(site: CacheSite, batch: int) -> np.ndarray:

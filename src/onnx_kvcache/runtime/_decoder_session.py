@@ -50,6 +50,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.model_io import create_session, import_onnxruntime, ort_error_text, run_on_host
+from onnx_kvcache.model_io.reading import logits_output as read_logits_output
 from onnx_kvcache.passes.kv_cache_emulation import Semantics, emulate_kv_cache, get_semantics, needs_emulation
 from onnx_kvcache.passes.paged_attention_reference import PagedAttentionReferencePass
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, KvCache
@@ -134,14 +135,11 @@ def max_positions(model: ir.Model) -> int | None:
 
 def logits_output(model: ir.Model) -> tuple[str, int | None]:
     """The logits output's name and vocabulary size (None when symbolic), read from the
-    graph: the first output named like ``logits``, else the first output."""
-    outputs = list(model.graph.outputs)
-    if not outputs:
+    graph (:func:`~onnx_kvcache.model_io.reading.logits_output`); refused without outputs."""
+    found = read_logits_output(model)
+    if found is None:
         raise KvCacheError("The model has no outputs: it is not a decoder this library runs.")
-    logits = next((o for o in outputs if "logits" in (o.name or "")), outputs[0])
-    assert logits.name is not None
-    last = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
-    return logits.name, last if isinstance(last, int) else None
+    return found
 
 
 def _has_bfloat16(model: ir.Model) -> bool:
