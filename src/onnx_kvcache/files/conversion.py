@@ -45,7 +45,7 @@ from onnx_kvcache.cache.formats import (
     get_format,
 )
 from onnx_kvcache.cache.rotation import get_rotation
-from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.capabilities.gating import infer_target
 from onnx_kvcache.capabilities.rows import get_capabilities
 from onnx_kvcache.errors import (
@@ -296,9 +296,9 @@ def _result(source: ModelSource, plan: _Plan, decision: Decision) -> ConvertResu
     return result
 
 
-def _prompt_note(model: ir.Model) -> list[str]:
-    """The line saying which layers' prompts attend through the float kernel (cache.prompt_path)."""
-    wrapped = sum(1 for s in find_attention_sites(model) if s.wrapper is not None)
+def _prompt_note(sites: list[CacheSite]) -> list[str]:
+    """The line saying how many layers' prompts attend through the float kernel (cache.prompt_path)."""
+    wrapped = sum(1 for s in sites if s.wrapper is not None)
     if not wrapped:
         return []
     return [
@@ -308,8 +308,8 @@ def _prompt_note(model: ir.Model) -> list[str]:
     ]
 
 
-def _count_ops(result: ConvertResult, model: ir.Model) -> None:
-    for site in find_attention_sites(model):
+def _count_ops(result: ConvertResult, sites: list[CacheSite]) -> None:
+    for site in sites:
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
@@ -380,8 +380,9 @@ def _finish(
     """Mark, serialize and write the converted model (the cache is quantized)."""
     warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
     model = decision.model
-    _count_ops(result, model)
-    result.notes += _prompt_note(model)  # what was written: the decision's model, converted
+    sites = find_attention_sites(model)  # what was written: the decision's model, converted
+    _count_ops(result, sites)
+    result.notes += _prompt_note(sites)
     new_config = _new_config(source, plan, decision, result)
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []
     if new_config is not None and source.config is None:

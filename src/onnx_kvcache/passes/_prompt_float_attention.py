@@ -120,6 +120,8 @@ class PromptFloatAttentionPass(InPlacePass):
         super().__init__()
         self.skipped: dict[str, str] = {}
         """Each node left as it is, by name, and why (the last call's)."""
+        self.wrapped = 0
+        """Nodes the last call wrapped."""
 
     @staticmethod
     def wrappable(model: ir.Model) -> int:
@@ -129,16 +131,15 @@ class PromptFloatAttentionPass(InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = _opset(model)
-        self.skipped = {}
-        wrapped = 0
+        self.skipped, self.wrapped = {}, 0
         for site in find_gqa_sites(model):
             why = _why_not(site, opset, model.graph)
             if why is None:
-                _wrap(model.graph, site, wrapped)
-                wrapped += 1
+                _wrap(model.graph, site, self.wrapped)
+                self.wrapped += 1
             elif site.wrapper is None:
                 self.skipped[site.name] = why
-        return ir.passes.PassResult(model, modified=bool(wrapped))
+        return ir.passes.PassResult(model, modified=bool(self.wrapped))
 
 
 def _codec(b: Builder, fmt: CacheFormat, scale: ir.Value, site: CacheSite, head: int) -> Codec:

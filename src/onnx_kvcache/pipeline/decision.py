@@ -691,6 +691,5 @@ def float_prompt(decision: Decision) -> int:
     wrap(decision.model)
     for name, why in wrap.skipped.items():
         logger.info("%s: multi-token calls stay in the quantized kernel (%s).", name, why)
-    wrapped = sum(1 for s in find_attention_sites(decision.model) if s.wrapper is not None)
-    logger.info("%d attention node(s): a prompt attends through the %s float kernel.", wrapped, target)
-    return wrapped
+    logger.info("%d attention node(s): a prompt attends through the %s float kernel.", wrap.wrapped, target)
+    return wrap.wrapped
