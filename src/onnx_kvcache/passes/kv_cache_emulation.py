@@ -371,7 +371,6 @@ def emulate_kv_cache(model: ModelLike, semantics: str = "cuda", *, quantized_io:
     """
     require_flags(quantized_io=quantized_io)
     copy = as_model(model).clone()
-    unwrap(copy)
     Bfloat16ToFloatPass()(copy)
     emulation = KvCacheEmulationPass(semantics, quantized_io=quantized_io)
     _raise_opset(copy, emulation.sites(copy), quantized_io)
