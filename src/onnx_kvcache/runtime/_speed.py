@@ -16,7 +16,7 @@ Rules:
 
 from __future__ import annotations
 
-__all__ = ["DECODE_STEPS", "DEFAULT_CONTEXT", "Speed", "measure_speed", "speed_context"]
+__all__ = ["DECODE_STEPS", "DEFAULT_CONTEXT", "Speed", "measure_speed"]
 
 import dataclasses
 import time
@@ -71,16 +71,6 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def speed_context(runners: tuple[KvCacheRunner, KvCacheRunner], asked: int | None, limit: int | None) -> int:
-    """The context timed: ``asked`` (default :data:`DEFAULT_CONTEXT`) within ``limit`` (the
-    models' context) less the decode steps; 0 when nothing fits or 0 was asked."""
-    context = DEFAULT_CONTEXT if asked is None else asked
-    if limit is not None:
-        context = min(context, limit - DECODE_STEPS)
-    vocab = [r.vocab_size for r in runners]
-    return max(0, context) if all(v is not None and v > 0 for v in vocab) else 0
-
-
 def _timed(runner: KvCacheRunner, ids: np.ndarray, steps: np.ndarray) -> tuple[float, float]:
     runner.reset(1, min_capacity=len(ids) + len(steps))
     start = time.perf_counter()
@@ -92,9 +82,19 @@ def _timed(runner: KvCacheRunner, ids: np.ndarray, steps: np.ndarray) -> tuple[f
     return prefill, len(steps) / (time.perf_counter() - start)
 
 
-def measure_speed(runners: tuple[KvCacheRunner, KvCacheRunner], context: int) -> Speed:
-    """Both runners timed at ``context`` (module rules); each left with an empty cache."""
-    vocab = min(r.vocab_size or 1 for r in runners)
+def measure_speed(
+    runners: tuple[KvCacheRunner, KvCacheRunner], asked: int | None, limit: int | None
+) -> Speed | None:
+    """Both runners timed at the context ``asked`` (default :data:`DEFAULT_CONTEXT`) within
+    ``limit`` (the models' context) less the decode steps (module rules), each left with an empty
+    cache; None when nothing fits, 0 was asked, or a vocabulary is unknown."""
+    context = DEFAULT_CONTEXT if asked is None else asked
+    if limit is not None:
+        context = min(context, limit - DECODE_STEPS)
+    sizes = [r.vocab_size for r in runners]
+    if context <= 0 or not all(sizes):
+        return None
+    vocab = min(v for v in sizes if v)
     rng = np.random.default_rng(0)
     ids, steps = rng.integers(0, vocab, context), rng.integers(0, vocab, DECODE_STEPS)
     base, cand = (_timed(r, ids, steps) for r in runners)

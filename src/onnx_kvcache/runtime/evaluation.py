@@ -51,7 +51,6 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
 from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
 from onnx_kvcache.runtime._speed import Speed, measure_speed
-from onnx_kvcache.runtime._speed import speed_context as speed_context_of
 from onnx_kvcache.runtime._verdicts import VERDICTS, Verdict, change_margin, perplexity
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
@@ -334,14 +333,8 @@ def evaluate_kv_cache(
     scoring = _fitted_defaults(scoring, _context(base, cand), seq_len is None, max_new_tokens is None)
     loaded = _bounded_windows(baseline, data, (base, cand), scoring)
     report = _scored(base, cand, loaded, scoring).report(base, cand, loaded)
-    report.speed = _speed((base, cand), speed_context)
+    report.speed = measure_speed((base, cand), speed_context, _context(base, cand))
     return report
-
-
-def _speed(runners: tuple[KvCacheRunner, KvCacheRunner], asked: int | None) -> Speed | None:
-    """Both models timed at the context asked for, within theirs (None: 0 asked, or none fits)."""
-    context = speed_context_of(runners, asked, _context(*runners))
-    return measure_speed(runners, context) if context else None
 
 
 def _scored(base: KvCacheRunner, cand: KvCacheRunner, loaded: TokenWindows, scoring: _Scoring) -> _Tally:
