@@ -23,6 +23,7 @@ __all__ = [
     "is_gqa",
     "layer_id_from_name",
     "resident_rows",
+    "unread_caches",
 ]
 
 import dataclasses
@@ -403,6 +404,19 @@ def function_call_sites(model: ir.Model, function: ir.Function) -> list[ir.Node]
     """Nodes (anywhere in the model) that call ``function``."""
     identifier = function.identifier()
     return [node for node, _ in _iter_nodes(model) if node.op_identifier() == identifier]
+
+
+def unread_caches(model: ir.Model, sites: list[CacheSite]) -> list[ir.Value]:
+    """``model``'s graph inputs named like a cache (``past``, ``cache``), 4-D where their rank is
+    known, that no site reads (by name): the pasts of layers the fusion left as exported."""
+    read = {past.name for s in sites for side in s.sides if (past := s.past(side)) is not None}
+    return [
+        value
+        for value in model.graph.inputs
+        if value.name not in read
+        and ("past" in (value.name or "") or "cache" in (value.name or ""))
+        and (value.shape is None or len(value.shape) == 4)
+    ]
 
 
 def resident_rows(total: int, capacity: int, window: int | None) -> int:

@@ -25,7 +25,7 @@ from onnx_kvcache.cache.formats import (
 from onnx_kvcache.cache.operators import AttentionOp
 from onnx_kvcache.cache.prompt_path import float_branch
 from onnx_kvcache.cache.rotation import site_rotation
-from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, layer_id_from_name
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, layer_id_from_name, unread_caches
 from onnx_kvcache.errors import (
     Function,
     KvCacheError,
@@ -75,17 +75,10 @@ class _Plan:
 
 
 def _unattended_layers(model: ir.Model, sites: list[CacheSite]) -> set[int]:
-    """Layer numbers of past-cache graph inputs no attention node reads (``past_key_values.0.key``
-    of a layer left unfused), by name."""
-    read = {id(s.past(side)) for s in sites for side in s.sides}
-    found = set()
-    for value in model.graph.inputs:
-        name = value.name or ""
-        if id(value) not in read and ("past" in name or "cache" in name):
-            layer = layer_id_from_name(name)
-            if layer is not None:
-                found.add(layer)
-    return found
+    """Layer numbers of the past caches no attention node reads (``past_key_values.0.key`` of a
+    layer left unfused: :func:`~onnx_kvcache.cache.sites.unread_caches`), by name."""
+    layers = (layer_id_from_name(value.name) for value in unread_caches(model, sites))
+    return {layer for layer in layers if layer is not None}
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, unread_caches
 from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.model_io import create_session, ort_error_text
 from onnx_kvcache.model_io.reading import logits_output
@@ -94,19 +94,12 @@ def too_large(model: ir.Model) -> Verification | None:
     )
 
 
-def _cache_like(value: ir.Value) -> bool:
-    """A 4-D floating-point input named like a cache: the past of a layer the fusion left alone."""
-    name, shape, dtype = value.name or "", value.shape, value.dtype
-    floating = dtype is not None and dtype.is_floating_point()
-    return floating and shape is not None and len(shape) == 4 and ("past" in name or "cache" in name)
-
-
 def _why_not(original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> str:
     """Why the pair cannot be verified here ("" when it can)."""
     pasts = {s.past(side).name for s in sites for side in s.sides if s.past(side) is not None}  # type: ignore[union-attr]
     others = [v for v in original.graph.inputs if v.name not in (*_FEEDS, *pasts)]
     other = [str(v.name) for v in others]
-    unfused = [str(v.name) for v in others if _cache_like(v)]
+    unfused = [str(v.name) for v in unread_caches(original, sites)]
     dtypes = {s.query_dtype for s in sites}
     checks = (
         (not sites, "no attention node to compare"),
