@@ -186,8 +186,11 @@ def _condition(
     (:func:`~onnx_kvcache.passes.fusion._attention_facts.counted_tie`)."""
     try:
         return mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=domain)
-    except Unprovable:
-        shape = ev.shape(mask)
+    except Unprovable as reason:
+        try:
+            shape = ev.shape(mask)
+        except Unprovable:
+            raise reason from None
         tied = counted_tie(mask, shape[-1], kv_len) if shape else None
         if tied is None:
             raise
