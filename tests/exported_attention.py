@@ -2,8 +2,9 @@
 
 One layer: projections, per-head reshape/transpose, com.microsoft::RotaryEmbedding,
 concatenation with the past cache, KV heads expanded to the query heads, the causal +
-padding mask idiom, MatMul/Softmax/MatMul attention. onnxscript's ORT fusions turn it
-into a GroupQueryAttention node, which is what ``fuse_attention`` relies on.
+padding mask idiom, MatMul/Softmax/MatMul attention. The present's length is declared
+``past + seq`` (the past's plus the new tokens'), so ``DecomposedAttentionFusionPass`` proves it
+and turns it into a GroupQueryAttention node, which is what ``fuse_attention`` relies on.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-B, S, P, T = "batch", "seq", "past", "total"
+B, S, P, T = "batch", "seq", "past", "past + seq"
 
 
 def exported_decoder(

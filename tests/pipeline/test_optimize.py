@@ -110,7 +110,7 @@ def test_accepts_proto_and_path_and_scale_file(tmp_path):
 def test_fusion_auto_runs_only_without_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
         optimize_model(gqa_model(), ep="cpu", format="int8", scales=SCALES)
-    assert not any("ORT fusions" in r.getMessage() for r in caplog.records)
+    assert not any("GroupQueryAttention nodes" in r.getMessage() for r in caplog.records)
     caplog.clear()
     graph = ir.Graph([ir.val("x", ir.DataType.FLOAT, [2])], [], nodes=[], opset_imports={"": 21})
     y = ir.Node("", "Relu", [graph.inputs[0]], num_outputs=1, name="relu")
@@ -126,7 +126,7 @@ def test_fusion_auto_runs_only_without_gqa(caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="onnx_kvcache"):
         optimize_model(gqa_model(), fuse_attention=True)
-    assert any("ORT fusions" in r.getMessage() for r in caplog.records)
+    assert any("GroupQueryAttention nodes" in r.getMessage() for r in caplog.records)
 
 
 def test_pass_manager_chains_fusion_then_fp8():
@@ -217,7 +217,7 @@ def test_a_refusal_is_a_not_converted_warning():
 
 
 def test_gqa_fusion_reports_modified_honestly():
-    """onnxscript's fusions run on a model ours do not fuse: modified is what they changed."""
+    """modified is whether a fusion changed the model: not for a model already fused."""
     model = gqa_model()
     assert not GqaFusionPass()(model).modified  # nothing to fuse, nothing changed
     export = exported_decoder()

@@ -141,7 +141,7 @@ def convert_model(
     When the target cannot run the result nothing is written: a :class:`NotConvertedWarning`
     and the result's ``converted``/``reasons`` say why (``strict`` raises instead). ``None``
     skips gating (e.g. to evaluate fp8 numerics of a float32 model through emulation). A
-    model without GroupQueryAttention is first fused (onnxscript); without any after fusion
+    model without GroupQueryAttention is first fused (GqaFusionPass); without any after fusion
     it is not converted, nor is a model already in the format and granularity asked (without
     scales: nothing to convert). A genai folder's ``search.past_present_share_buffer`` follows
     the target, its ``provider_options`` the ``ep`` given when it names another provider. A

@@ -302,7 +302,7 @@ def fuse_unless_attention(
         model = model.clone()
     if not in_copy:
         model, original = original, model  # the caller's model is fused; the clone is the export
-    fusion = GqaFusionPass()  # ours read no weights; onnxscript's run only when ours fuse nothing
+    fusion = GqaFusionPass()  # reads no weights
     with warnings.catch_warnings(record=record) as recorded:
         if record:
             warnings.simplefilter("always")

@@ -196,9 +196,8 @@ def optimize_model(
         granularity: ``per_tensor`` or ``per_channel``; None takes the one the
             scales record (calibration and our scale files do), else ``per_tensor``.
         scales: What the pass accepts, or a scale-file path.
-        fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: PyTorch exports'
-            attention, proven equivalent for unpadded and left-padded rows, then onnxscript's
-            ORT fusions) only when the
+        fuse_attention: ``"auto"`` fuses (:class:`GqaFusionPass`: exported attention,
+            proven equivalent for unpadded and left-padded rows) only when the
             model has no attention node (GroupQueryAttention, PagedAttention); ``True``
             always; ``False`` never. A fusion whose result ``ep`` cannot
             run (e.g. a float32 model for CUDA, which has no float32 GQA) is not applied.

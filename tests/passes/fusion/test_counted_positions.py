@@ -1,4 +1,4 @@
-"""Masks of positions counted by CumSum(attention_mask) (mobius's gemma3, granite, olmo2, smollm3).
+"""Masks of positions counted by CumSum(attention_mask) (mobius's gemma3, granite, olmo2, smollm3, gpt-oss).
 
 mobius's default build of these families writes an ONNX ``Attention`` holding its own cache
 with a mask made from token positions: ``c = CumSum(attention_mask)``, query ``i`` at
@@ -6,7 +6,9 @@ with a mask made from token positions: ``c = CumSum(attention_mask)``, query ``i
 ``attention_mask[b, j]`` (and for sliding layers ``c_q - c_k < W``). Small graphs of that
 construct fuse into GroupQueryAttention and compute as onnxruntime's ``Attention`` does (every
 valid query's output, each row's real tokens' cache entries) over left, right and middle
-padding, with prefills past the window; each near miss is refused with its rule.
+padding, with prefills past the window; each near miss is refused with its rule. mobius's
+gpt-oss writes the same mask into decomposed attention (``MatMul``/``Softmax``, for its sinks),
+added to scores ``past + seq`` wide: the mask's own width, named apart, is tied to that.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from onnx_kvcache import KvCacheWarning
 from onnx_kvcache.errors import FusionSkippedWarning
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
+from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 
 F = ir.DataType.FLOAT
 HEADS, KV_HEADS, HEAD = 4, 2, 16
@@ -39,7 +42,41 @@ def _op(nodes: list[ir.Node], op: str, inputs: list, **attrs) -> ir.Value:
     return node.outputs[0]
 
 
-def counted_attention(
+def counted_attention(*, mask_width: str = "past_seq_len + seq_len", **mask: object) -> ir.Model:
+    """A 3-D ``Attention`` holding its cache, its mask as mobius writes it (``mask_width`` named
+    apart from the cache's ``past + seq``; ``mask``: :func:`_counted_mask`'s window and near misses)."""
+    q = ir.val("q", F, ["batch", "seq", HEADS * HEAD])
+    k, v = (ir.val(n, F, ["batch", "seq", KV_HEADS * HEAD]) for n in "kv")
+    padding = ir.val("attention_mask", ir.DataType.INT64, ["batch", mask_width])
+    past = [ir.val(f"past_{n}", F, ["batch", KV_HEADS, "past", HEAD]) for n in ("key", "value")]
+    nodes: list[ir.Node] = []
+    seq = _op(nodes, "Shape", [q], start=1, end=2)
+    attn_mask = _counted_mask(nodes, padding, seq, mask_width, **mask)  # type: ignore[arg-type]
+    attention = ir.node(
+        "Attention",
+        [q, k, v, attn_mask, *past],
+        {"is_causal": 1, "q_num_heads": HEADS, "kv_num_heads": KV_HEADS},
+        num_outputs=3,
+        name="attention",
+    )
+    nodes.append(attention)
+    for value, name in zip(attention.outputs, ("y", "present_key", "present_value")):
+        value.name, value.dtype = name, F
+    graph = ir.Graph(
+        [q, k, v, padding, *past],
+        list(attention.outputs),
+        nodes=nodes,
+        opset_imports={"": 24},
+        name="counted",
+    )
+    return ir.Model(graph, ir_version=10)
+
+
+def _counted_mask(
+    nodes: list[ir.Node],
+    mask: ir.Value,
+    seq: ir.Value,
+    mask_width: str,
     *,
     window: int | None = None,
     compare: str = "GreaterOrEqual",
@@ -47,22 +84,14 @@ def counted_attention(
     padding: bool = True,
     windowed: str = "query - key",
     reverse: bool = False,
-    mask_width: str = "past_seq_len + seq_len",
-) -> ir.Model:
-    """A 3-D ``Attention`` holding its cache, its mask as mobius writes it (``mask_width`` named
-    apart from the cache's ``past + seq``). Near misses: ``compare`` (Greater: a query does not
-    see itself), ``offset`` (the query's position read that many columns early), ``padding``
-    False (the valid keys not masked), ``windowed`` ``key - query`` (a window the wrong way),
-    ``reverse`` (a CumSum from the end)."""
-    q = ir.val("q", F, ["batch", "seq", HEADS * HEAD])
-    k, v = (ir.val(n, F, ["batch", "seq", KV_HEADS * HEAD]) for n in "kv")
-    mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", mask_width])
-    past = [ir.val(f"past_{n}", F, ["batch", KV_HEADS, "past", HEAD]) for n in ("key", "value")]
-    nodes: list[ir.Node] = []
+) -> ir.Value:
+    """The additive ``[batch, 1, seq, width]`` mask mobius makes from ``c = CumSum(mask)``. Near
+    misses: ``compare`` (Greater: a query does not see itself), ``offset`` (the query's position
+    read that many columns early), ``padding`` False (the valid keys not masked), ``windowed``
+    ``key - query`` (a window the wrong way), ``reverse`` (a CumSum from the end)."""
     one, two = _const(nodes, np.array([1], np.int64)), _const(nodes, np.array([2], np.int64))
     counted = _op(nodes, "CumSum", [mask, _const(nodes, np.array(1, np.int64))], reverse=int(reverse))
     width = _op(nodes, "Shape", [mask], start=1, end=2)
-    seq = _op(nodes, "Shape", [q], start=1, end=2)
     start = _op(nodes, "Sub", [width, seq])
     if offset:
         start = _op(nodes, "Sub", [start, _const(nodes, np.array([offset], np.int64))])
@@ -80,18 +109,50 @@ def counted_attention(
     additive = _op(nodes, "Where", [allowed, _const(nodes, np.array(0.0, np.float32)), _const(nodes, low)])
     attn_mask = _op(nodes, "Unsqueeze", [additive, one])
     attn_mask.dtype, attn_mask.shape = F, ir.Shape(["batch", 1, "_d1", mask_width])  # as mobius
-    attention = ir.node(
-        "Attention",
-        [q, k, v, attn_mask, *past],
-        {"is_causal": 1, "q_num_heads": HEADS, "kv_num_heads": KV_HEADS},
-        num_outputs=3,
-        name="attention",
+    return attn_mask
+
+
+def counted_decomposed(*, mask_width: str = "past_seq_len + seq_len", **mask: object) -> ir.Model:
+    """:func:`counted_attention`'s model written out as mobius writes gpt-oss's attention: Q/K/V
+    to heads, ``Concat(past, new)`` as the presents, ``repeat_kv``, ``MatMul``/``Softmax`` with
+    the mask added to the scores (``past + seq`` columns; the mask ``mask_width``)."""
+    q = ir.val("q", F, ["batch", "seq", HEADS * HEAD])
+    k, v = (ir.val(n, F, ["batch", "seq", KV_HEADS * HEAD]) for n in "kv")
+    padding = ir.val("attention_mask", ir.DataType.INT64, ["batch", mask_width])
+    past = [ir.val(f"past_{n}", F, ["batch", KV_HEADS, "past", HEAD]) for n in ("key", "value")]
+    nodes: list[ir.Node] = []
+    seq = _op(nodes, "Shape", [q], start=1, end=2)
+    attn_mask = _counted_mask(nodes, padding, seq, mask_width, **mask)  # type: ignore[arg-type]
+
+    def heads(x: ir.Value, count: int) -> ir.Value:
+        split = _op(nodes, "Reshape", [x, _const(nodes, np.array([0, 0, count, HEAD], np.int64))])
+        return _op(nodes, "Transpose", [split], perm=[0, 2, 1, 3])
+
+    presents = [_op(nodes, "Concat", [p, heads(x, KV_HEADS)], axis=2) for p, x in zip(past, (k, v))]
+    batch, length = (
+        _op(nodes, "Shape", [q], start=0, end=1),
+        _op(nodes, "Shape", [presents[0]], start=2, end=3),
     )
-    nodes.append(attention)
-    for value, name in zip(attention.outputs, ("y", "present_key", "present_value")):
-        value.name, value.dtype = name, F
+    group = [
+        _const(nodes, np.array([KV_HEADS, HEADS // KV_HEADS], np.int64)),
+        _const(nodes, np.array([HEAD])),
+    ]
+    wide = _op(nodes, "Concat", [batch, group[0], length, group[1]], axis=0)
+    flat = _op(nodes, "Concat", [batch, _const(nodes, np.array([HEADS])), length, group[1]], axis=0)
+    two = _const(nodes, np.array([2], np.int64))
+    key, value = (
+        _op(nodes, "Reshape", [_op(nodes, "Expand", [_op(nodes, "Unsqueeze", [x, two]), wide]), flat])
+        for x in presents
+    )
+    scores = _op(nodes, "MatMul", [heads(q, HEADS), _op(nodes, "Transpose", [key], perm=[0, 1, 3, 2])])
+    scaled = _op(nodes, "Mul", [scores, _const(nodes, np.array(HEAD**-0.5, np.float32))])
+    probs = _op(nodes, "Softmax", [_op(nodes, "Add", [scaled, attn_mask])], axis=-1)
+    out = _op(nodes, "Transpose", [_op(nodes, "MatMul", [probs, value])], perm=[0, 2, 1, 3])
+    y = _op(nodes, "Reshape", [out, _const(nodes, np.array([0, 0, HEADS * HEAD], np.int64))])
+    for value_, name in zip((y, *presents), ("y", "present_key", "present_value")):
+        value_.name, value_.dtype = name, F
     graph = ir.Graph(
-        [q, k, v, mask, *past], list(attention.outputs), nodes=nodes, opset_imports={"": 24}, name="counted"
+        [q, k, v, padding, *past], [y, *presents], nodes=nodes, opset_imports={"": 24}, name="decomposed"
     )
     return ir.Model(graph, ir_version=10)
 
@@ -214,3 +275,50 @@ def test_the_near_misses_compute_otherwise(case):
     reference = counted_attention(window=3 if case == "window_the_wrong_way" else None)
     prompt = PROMPTS["left_padded"]
     assert differences(run(reference, prompt), run(model, prompt)) > 1e-2
+
+
+# ---- the same mask in decomposed attention (mobius's gpt-oss) ----
+
+
+def fuse_decomposed(model: ir.Model) -> ir.Model:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        result = DecomposedAttentionFusionPass()(model)
+    assert result.report.fused == 1 and not result.report.refusals, result.report.refusals
+    return model
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_counted_positions_in_decomposed_attention_fuse_with_the_width_tied(window, prompt):
+    """The mask is ``past_seq_len + seq_len`` wide, the scores ``past + seq``: the tie proves it
+    and the fused model computes as the export over left, right and middle padding."""
+    fused = fuse_decomposed(counted_decomposed(window=window))
+    (gqa,) = [n for n in fused.graph if n.op_type == "GroupQueryAttention"]
+    assert not any(n.op_type == "Softmax" for n in fused.graph)
+    window_attr = gqa.attributes.get("local_window_size")
+    assert (window_attr.as_int() if window_attr is not None else None) == window
+    want, got = run(counted_decomposed(window=window), PROMPTS[prompt]), run(fused, PROMPTS[prompt])
+    assert differences(want, got) < EXACT
+
+
+@pytest.mark.parametrize(
+    ("attributes", "reason"),
+    [
+        ({"mask_width": "seq"}, "the mask has seq key columns, the cache past + seq"),
+        ({"mask_width": "past + seq + 1"}, "the mask has past + seq + 1 key columns, the cache past + seq"),
+        ({"offset": 1}, "token positions counted by CumSum of attention_mask"),
+        ({"window": 3, "windowed": "key - query"}, "reads counted positions other than the query's"),
+    ],
+)
+def test_a_decomposed_counted_mask_that_the_tie_does_not_prove_is_refused(attributes, reason):
+    """A width no name can be tied to ``past + seq`` (no free name, or one column more), and the
+    near misses of a tied mask, are refused with their rule and leave the model unchanged."""
+    model = counted_decomposed(**attributes)
+    before = ir.to_onnx_text(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvCacheWarning)
+        result = DecomposedAttentionFusionPass()(model)
+    assert not result.modified and ir.to_onnx_text(model) == before
+    (refusal,) = result.report.refusals
+    assert reason in refusal.text, refusal.text

@@ -159,16 +159,15 @@ def test_an_unprovable_attention_is_refused_with_its_code_node_and_reason(fusion
         assert str(refusal) == f"{refusal.node.name}: {refusal.text}"
 
 
-def test_reports_merge_and_drop_what_a_later_rewrite_removed():
+def test_reports_merge():
     x = ir.val("x", F, [2])
-    kept, gone = relu(x, "kept"), relu(x, "gone")
+    kept, other = relu(x, "kept"), relu(x, "other")
     ir.Graph([x], [kept.outputs[0]], nodes=[kept])
     first = FusionReport(2, (FusionRefusal(FusionRefusalCode.UNPROVABLE, kept, "one"),), padded=1)
-    second = FusionReport(1, (FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, gone, "two"),), 1, 1)
+    second = FusionReport(1, (FusionRefusal(FusionRefusalCode.IN_SUBGRAPH, other, "two"),), 1, 1)
     merged = first + second
     assert (merged.fused, merged.padded, merged.padded_windows) == (3, 2, 1)
-    assert merged.refused == ["kept: one", "gone: two"]
-    assert merged.left().refused == ["kept: one"] and merged.left().fused == 3
+    assert merged.refused == ["kept: one", "other: two"]
     assert FusionReport() + merged == merged
 
 

@@ -183,23 +183,12 @@ class Mutator:
 
 
 ALLOWED = (KvCacheError,)
-ONNXSCRIPT_EVERY = 25
-"""One graph in this many also goes through onnxscript's ORT fusions (``GqaFusionPass``'s
-fallback when ours fuse nothing, ~0.5 s a graph); the others skip it to keep the suite fast."""
 
 
-def _run(model: ir.Model, convert: bool, onnxscript: bool = True) -> None:
-    import onnxscript.rewriter.ort_fusions as ort_fusions
-
-    real = ort_fusions.optimize_for_ort
+def _run(model: ir.Model, convert: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if not onnxscript:
-            ort_fusions.optimize_for_ort = lambda model, *args, **kwargs: (model, {})  # type: ignore[assignment]
-        try:
-            _optimize(model, convert)
-        finally:
-            ort_fusions.optimize_for_ort = real
+        _optimize(model, convert)
 
 
 def _optimize(model: ir.Model, convert: bool) -> None:
@@ -246,7 +235,7 @@ def test_every_form_fuses_or_refuses_without_a_traceback(forms):
     failures = []
     for name, proto in forms.items():
         try:
-            _run(ir.from_proto(onnx.ModelProto.FromString(proto)), convert=True, onnxscript="static" in name)
+            _run(ir.from_proto(onnx.ModelProto.FromString(proto)), convert=True)
         except Exception:
             failures.append(f"{name}: {traceback.format_exc(limit=-3)}")
     assert not failures, "\n".join(failures[:5])
@@ -285,7 +274,7 @@ def test_mutated_graphs_give_no_traceback(forms, tmp_path):
             try:
                 if seen % TOOLS_EVERY == 0:
                     _tools(model, tmp_path)
-                _run(model, convert=seen % 4 == 0, onnxscript=seen % ONNXSCRIPT_EVERY == 0)
+                _run(model, convert=seen % 4 == 0)
             except Exception as error:
                 where = traceback.extract_tb(error.__traceback__)[-1]
                 key = f"{type(error).__name__} at {where.filename.split('/')[-1]}:{where.lineno}"

@@ -288,3 +288,101 @@ def test_an_export_relabelled_below_its_opset_is_refused_as_malformed():
     for refusal in report.refusals:
         assert refusal.code is FusionRefusalCode.MALFORMED
         assert "ReduceMean node" in refusal.text and "opset 17 reads as an attribute" in refusal.text
+
+
+# ---- CumSum: exclusive, reverse, the axis an input (negative, int32, 0-D or 1-D) ----
+
+I32 = ir.DataType.INT32
+
+
+def _cumsum_source(g: Graph, source: str) -> ir.Value:
+    """What the CumSum sums: ``m`` itself, moved, cast, cut, or a constant of its shape."""
+    if source == "entries":
+        return g.m
+    if source == "transposed":
+        return g.op("Transpose", [g.m], perm=[1, 0])
+    if source == "unsqueezed":
+        return g.op("Unsqueeze", [g.m, g.const(np.array([0]))])
+    if source == "int32":
+        return g.op("Cast", [g.m], to=I32)
+    if source == "int32 input":  # an int32 attention mask
+        g.m = ir.val("m", I32, ["R", "K"])
+        return g.m
+    if source == "cut":  # m[:, 1:]
+        return g.op(
+            "Slice", [g.m, g.const(np.array([1])), g.const(np.array([INT64_MAX])), g.const(np.array([1]))]
+        )
+    fill = ir.tensor(np.array([3], np.int32 if source == "constant32" else np.int64))
+    return g.op("ConstantOfShape", [g.op("Shape", [g.m])], value=fill)
+
+
+def _cumsum_graph(source: str, along: int, axis_form: str, exclusive: int, reverse: int) -> tuple:
+    g = Graph()
+    x = _cumsum_source(g, source)
+    dtype = np.int32 if axis_form.startswith("int32") else np.int64
+    shaped = np.array([along], dtype) if axis_form.endswith("1-D") else np.array(along, dtype)
+    out = g.op("CumSum", [x, g.const(shaped)], exclusive=exclusive, reverse=reverse)
+    return g, out
+
+
+def _cumsum_feeds(dims: dict, rng: np.random.Generator, values: str, dtype: type) -> dict:
+    feeds = _feeds(dims)
+    shape = (dims["R"], dims["K"])
+    if values == "0/1":
+        feeds["m"] = rng.integers(0, 2, shape).astype(dtype)
+    elif values == "small":
+        feeds["m"] = rng.integers(-5, 6, shape).astype(dtype)
+    else:  # past int32's range when summed
+        feeds["m"] = rng.integers(2**30, 2**31 - 1, shape).astype(dtype)
+    return feeds
+
+
+CUMSUM_SOURCES = [
+    "entries",
+    "transposed",
+    "unsqueezed",
+    "int32",
+    "int32 input",
+    "cut",
+    "constant",
+    "constant32",
+]
+ANSWERS = {("entries", 1), ("entries", -1), ("transposed", 0), ("transposed", -2), ("unsqueezed", 2)}
+"""(source, axis) of running counts of ``m``'s rows the rule follows (forward only)."""
+
+
+@pytest.mark.parametrize("source", CUMSUM_SOURCES)
+@pytest.mark.parametrize(("exclusive", "reverse"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_a_cumsum_is_what_onnxruntime_computes_or_declined(source, exclusive, reverse):
+    """Every axis (negative included), as an int64 or int32 input, 0-D or 1-D: where the rule
+    answers, its shape and elements are onnxruntime's at every size (0 included) on 0/1 masks,
+    small integers of either sign and large ones. The forward running counts of ``m``'s rows and
+    int64 constants' counts (any direction) are answered; a reverse count of entries, and any
+    narrower type (whose running sum wraps: an int32 mask of large entries), are declined."""
+    rng = np.random.default_rng(len(source) + 2 * exclusive + reverse)
+    rank = 3 if source == "unsqueezed" else 2
+    answered = 0
+    for along in range(-rank, rank):
+        for axis_form in ("int64 0-D", "int64 1-D", "int32 0-D", "int32 1-D"):
+            g, out = _cumsum_graph(source, along, axis_form, exclusive, reverse)
+            model = g.model(out)
+            try:
+                tensor = SymbolicEvaluator().eval(out)
+            except Unprovable:
+                tensor = None
+            if tensor is None or tensor.elem is None:
+                follows = source == "constant" or ((source, along) in ANSWERS and not reverse)
+                assert not follows or source in ("int32", "int32 input", "constant32"), (source, along)
+                continue
+            answered += 1
+            for dims in SIZES:
+                for values in ("0/1", "small", "large"):
+                    feeds = _cumsum_feeds(
+                        dims, rng, values, np.int32 if source == "int32 input" else np.int64
+                    )
+                    assert check(tensor, _run(model, feeds), dims, feeds) or 0 in dims.values()
+    assert (
+        answered
+        or source in ("cut", "int32", "int32 input", "constant32")
+        or (reverse and source != "constant")
+    )

@@ -22,6 +22,7 @@ __all__ = [
     "cache_mask_facts",
     "check_head_sizes",
     "check_shapes",
+    "counted_tie",
     "key_columns",
     "mask_condition",
     "mask_facts",
@@ -126,6 +127,14 @@ def mask_condition(
 def running_count(mask: ir.Value, limit: int = 200) -> str | None:
     """The input of a ``CumSum`` the mask is computed from (mobius's position-based masks for
     gemma3, granite, olmo2: ``cumsum(attention_mask)`` of query and key compared), or None."""
+    source = _counted_source(mask, limit)
+    if source is None:
+        return None
+    return source.name if source.name else "a tensor"
+
+
+def _counted_source(mask: ir.Value, limit: int = 200) -> ir.Value | None:
+    """The first input of the first ``CumSum`` the mask is computed from, or None."""
     seen: set[int] = set()
     todo = [mask]
     while todo and len(seen) < limit:
@@ -133,11 +142,38 @@ def running_count(mask: ir.Value, limit: int = 200) -> str | None:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op_type == "CumSum" and node.domain in ("", "ai.onnx"):
-            source = node.inputs[0]
-            return source.name if source is not None and source.name else "a tensor"
+        if node.op_type == "CumSum" and node.domain in ("", "ai.onnx") and node.inputs:
+            return node.inputs[0]
         todo.extend(v for v in node.inputs if v is not None)
     return None
+
+
+def counted_tie(mask: ir.Value, columns: Affine, total: Affine) -> SymbolicEvaluator | None:
+    """An evaluator in which the mask's key columns are the cache's ``P + S``, for a mask
+    computed from a running count (``CumSum``) of a 2-D graph input (its padding input) as wide
+    as the mask; None for any other.
+
+    mobius names the padding input's width (``past_seq_len + seq_len``) apart from the cache's
+    and the query's lengths, so the equation is stated: one name of the mask's width is
+    replaced by what it equals. It is the attention mask's contract (one column per key of
+    the present cache: what the fused node reads as ``total_sequence_length``), and the
+    scores the mask is added to (or onnxruntime's ``Attention``, which refuses other widths)
+    have ``P + S`` columns. A mask of counted positions reads the query's position at column
+    ``width - S``, which is the causal diagonal only where the two are equal."""
+    source = _counted_source(mask)
+    if source is None or not source.is_graph_input() or source.shape is None or len(source.shape) != 2:
+        return None
+    if SymbolicEvaluator().declared_shape(source)[1] != columns:  # the padding input's own width
+        return None
+    difference = columns - total
+    free = [
+        s for s, c in difference.terms if abs(c) == 1 and s.kind is SymbolKind.DIM and s not in total.symbols
+    ]
+    if not free:
+        return None
+    symbol = free[0]
+    sign = difference.coefficient(symbol)
+    return SymbolicEvaluator(ties={symbol: (Affine.of(symbol).scale(sign) - difference).scale(sign)})
 
 
 def _always_true(lhs: Affine) -> bool:

@@ -1,6 +1,6 @@
 """What every attention fusion shares: one loop, one typed refusal, one report.
 
-A fusion (one a module, as onnxscript's ``ort_fusions``) says three things:
+A fusion (one a module) says three things:
 
 1. :meth:`FusionPass.is_candidate`: a node it may fuse (``candidates`` walks the main graph's
    nodes lazily, skipping those an earlier rewrite removed);
@@ -102,11 +102,6 @@ class FusionReport:
             self.padded + other.padded,
             self.padded_windows + other.padded_windows,
         )
-
-    def left(self) -> FusionReport:
-        """This report without the refusals whose node a later rewrite removed."""
-        kept = tuple(r for r in self.refusals if r.node.graph is not None)
-        return dataclasses.replace(self, refusals=kept)
 
     def with_match(self, match: AttentionMatch) -> FusionReport:
         """This report with one more fused ``match`` counted."""

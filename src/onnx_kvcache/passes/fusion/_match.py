@@ -20,7 +20,7 @@ writes the node. The rules:
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
   term, the attention ignores the attention mask and so does the fused node.
-- **Positions counted from the mask** (mobius's gemma3, granite, olmo2, smollm3): with
+- **Positions counted from the mask** (mobius's gemma3, granite, olmo2, smollm3, gpt-oss): with
   ``c = CumSum(attention_mask)`` along the columns, the query's position ``c[b, P + i]``
   compared with the key's ``c[b, j]``. With entries 0 or 1 (an attention mask's contract:
   this proof assumes it, the others read any nonzero entry as a token and assume nothing
@@ -62,6 +62,7 @@ __all__ = [
     "WindowCache",
     "cache_link",
     "cache_mask_facts",
+    "counted_tie",
     "mask_condition",
     "mask_facts",
     "running_count",
@@ -92,6 +93,7 @@ from onnx_kvcache.passes.fusion._attention_facts import (
     cache_mask_facts,
     check_head_sizes,  # noqa: F401
     check_shapes,  # noqa: F401
+    counted_tie,
     key_columns,  # noqa: F401
     mask_condition,
     mask_facts,

@@ -294,15 +294,22 @@ def _scatter_nd(ev: Evaluator, node: ir.Node) -> SymTensor | None:
 def _cumsum(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``CumSum(x, axis)``: of a 2-D integer input's entries along its columns the running count
     ``cumsum(m)[r, c]`` (``exclusive``: at ``c - 1``); of a constant ``v`` along an axis of
-    length ``n``, ``v * (@k + 1)`` (``exclusive``: ``v * @k``; ``reverse``: counted from the end)."""
+    length ``n``, ``v * (@k + 1)`` (``exclusive``: ``v * @k``; ``reverse``: counted from the end).
+    int64 only, its sums read as exact as every int64 form is: a narrower type's running sum
+    wraps (an int32 mask of large entries), so it is declined, as is a reverse count of entries
+    and an axis that is not a constant within the rank (the axis is an input, 0-D or 1-D)."""
     x = ev.eval(node.inputs[0])
     along = ev.const_ints(_input(node, 1), "CumSum axis")
     if along is None or len(along) != 1:
         raise Unprovable("a CumSum along an axis that is not constant")
     k = along[0] + x.rank if along[0] < 0 else along[0]
     exclusive, reverse = bool(_attr_int(node, "exclusive", 0)), bool(_attr_int(node, "reverse", 0))
-    if x.kind != "int" or not 0 <= k < x.rank:
-        raise Unprovable("a CumSum of other than integers is not followed")
+    if x.kind != "int" or ev.dtype(node.inputs[0]) != ir.DataType.INT64:
+        raise Unprovable("a CumSum of other than int64 is not followed (a narrower running sum may wrap)")
+    if not 0 <= k < x.rank:
+        raise Unprovable(
+            f"a CumSum along axis {along[0]} of a rank-{x.rank} tensor", kind=FusionRefusalCode.MALFORMED
+        )
     elem = x.element()
     if isinstance(elem, Affine) and elem.is_const:
         index = Affine.of(axis(k))

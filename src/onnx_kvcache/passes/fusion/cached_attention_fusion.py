@@ -64,9 +64,9 @@ from onnx_kvcache.passes.fusion._match import (
     CacheLink,
     MaskFacts,
     check_shapes,
+    counted_tie,
     mask_condition,
     mask_facts,
-    running_count,
 )
 from onnx_kvcache.passes.fusion._refusals import proof_step
 from onnx_kvcache.passes.fusion._symbolic import (
@@ -75,7 +75,6 @@ from onnx_kvcache.passes.fusion._symbolic import (
     Conj,
     Le,
     SymbolicEvaluator,
-    SymbolKind,
     Unprovable,
 )
 
@@ -200,7 +199,7 @@ def _mask_facts(
             try:
                 cond = mask_condition(ev, mask, query_len=query_len, kv_len=columns)
             except Unprovable:
-                tied = _tied(ev, mask, columns, total)
+                tied = counted_tie(mask, columns, total)
                 if tied is None:
                     raise
                 cond = mask_condition(tied, mask, query_len=query_len, kv_len=total)
@@ -217,28 +216,6 @@ def _mask_facts(
         if len(declared) != 2 or declared[1] != columns:
             raise Unprovable(f"the mask has {columns} key columns, the cache {total}")
     return facts, fit
-
-
-def _tied(ev: SymbolicEvaluator, mask: ir.Value, columns: Affine, total: Affine) -> SymbolicEvaluator | None:
-    """An evaluator in which the mask's key columns are the cache's ``P + S``, for a mask
-    computed from a running count (``CumSum``) of its padding input; None for any other.
-
-    onnxruntime's ``Attention`` runs only with ``attn_mask.shape[-1] == P + S`` ("inconsistent
-    total_sequence_length"); mobius names the two lengths differently, so the equation is
-    stated: one name of the mask's width is replaced by what it equals then. A mask of
-    counted positions reads the query's position at column ``width - S``, which is the
-    causal diagonal only where the two are equal."""
-    if running_count(mask) is None:
-        return None
-    difference = columns - total
-    free = [
-        s for s, c in difference.terms if abs(c) == 1 and s.kind is SymbolKind.DIM and s not in total.symbols
-    ]
-    if not free:
-        return None
-    symbol = free[0]
-    sign = difference.coefficient(symbol)
-    return SymbolicEvaluator(ties={symbol: (Affine.of(symbol).scale(sign) - difference).scale(sign)})
 
 
 def match_cached_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:

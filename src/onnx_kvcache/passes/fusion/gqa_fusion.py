@@ -4,12 +4,8 @@ In order: :class:`CachedAttentionFusionPass` (the ONNX ``Attention`` operator ho
 own cache, as mobius's default build writes it), :class:`AttentionFusionPass` (the ONNX
 ``Attention`` operator that ``torch.onnx.export(..., opset_version=23)`` writes),
 :class:`DecomposedAttentionFusionPass` (the same exports below opset 23, and TorchScript
-exports), then, only when none of them
-fused anything and the graph holds ``com.microsoft::RotaryEmbedding`` (what its GQA
-fusion consumes), onnxscript's ``optimize_for_ort`` (older exports' attention). That
-last one reads weights and matches patterns against the whole graph per node: on a
-30-layer export it took minutes and fused nothing in TorchScript or dynamo exports, so
-it is not tried on them. The attentions that none of them fuses are reported in one
+exports). Each fuses only what it proves (docs/exporting.md, "What is proven"); nothing
+else rewrites attention. The attentions that none of them fuses are reported in one
 :class:`KvCacheWarning` (:func:`summarize_refusals`: reasons grouped, with counts; each
 node is logged at INFO), and so is what a fused padding mask assumes
 (:data:`PADDING_WARNING`). Chains before :class:`KvCacheQuantizationPass` in an
@@ -77,8 +73,7 @@ ROLLING_WINDOW_WARNING = (
 
 
 #: Our fusions, in the order :class:`GqaFusionPass` runs them: the one list the pass, its
-#: :func:`fusion_candidates` and the quantization passes' ``UnfusedAttentionWarning`` read. The
-#: last (decomposed attention) is the one whose refusals onnxscript's fusions may still lift.
+#: :func:`fusion_candidates` and the quantization passes' ``UnfusedAttentionWarning`` read.
 FUSIONS: tuple[type[FusionPass], ...] = (
     CachedAttentionFusionPass,
     AttentionFusionPass,
@@ -97,18 +92,17 @@ def _attr(node: ir.Node, name: str) -> int:
 
 
 class GqaFusionPass(InPlacePass):
-    """Fuse ONNX Attention, then decomposed attention, else run onnxscript's ORT fusions."""
+    """Fuse ONNX Attention (holding its own cache or not), then decomposed attention."""
 
     def __init__(self) -> None:
         super().__init__()
         self.report = FusionReport()
-        """What our fusions did in the last call, merged (onnxscript's fusions not counted; a
-        refusal of a node onnxscript fused since is dropped). ``call`` returns it too, as
-        its :class:`~onnx_kvcache.passes.fusion._base.FusionResult`'s ``report``."""
+        """What our fusions did in the last call, merged. ``call`` returns it too, as its
+        :class:`~onnx_kvcache.passes.fusion._base.FusionResult`'s ``report``."""
 
     @property
     def fused(self) -> int:
-        """Attention nodes our passes fused in the last call (onnxscript's not counted)."""
+        """Attention nodes our passes fused in the last call."""
         return self.report.fused
 
     @property
@@ -124,34 +118,14 @@ class GqaFusionPass(InPlacePass):
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
         attention = sum(first, FusionReport())
         modified = bool(attention.fused or decomposed.fused)
-        applied: dict[str, int] = {}
-        if not (attention.fused or decomposed.fused) and _has_contrib_rotary(model.graph):
-            from onnxscript.rewriter.ort_fusions import optimize_for_ort
-
-            before_ort = _structure(model)
-            try:
-                fused, counts = optimize_for_ort(model)
-            except Exception as error:
-                # Each of its rewrites is an equivalence, so what it did before failing stands.
-                warn(
-                    f"onnxscript's ORT fusions (optimize_for_ort) failed on this graph, skipped: {error}",
-                    FusionSkippedWarning,
-                )
-                fused, counts = model, {}
-            if fused is not model:
-                raise ir.passes.PassError("optimize_for_ort returned a new model; expected in place.")
-            applied = {k: v for k, v in counts.items() if v}
-            modified = modified or _structure(model) != before_ort
         if attention.fused or decomposed.fused:
             _settle_window_caches(model.graph)
-        remaining = decomposed.left()  # what onnxscript fused since is no longer left
-        report = attention + remaining
+        report = attention + decomposed
         unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
-        remaining = remaining + FusionReport(refusals=tuple(unknown))
-        left = remaining.refusals
+        left = (decomposed + FusionReport(refusals=tuple(unknown))).refusals
         self.report = report = report + FusionReport(refusals=tuple(unknown))
         after = _gqa_count(model.graph) if counting else 0
-        logger.info("ORT fusions: %s; GroupQueryAttention nodes %d -> %d.", applied or "none", before, after)
+        logger.info("GroupQueryAttention nodes %d -> %d.", before, after)
         if left:
             warn(
                 f"{summarize_refusals(left, 'decomposed attention(s) left as they are')}.",
@@ -250,10 +224,6 @@ def _report(result: ir.passes.PassResult) -> FusionReport:
     return result.report
 
 
-def _has_contrib_rotary(graph: ir.Graph) -> bool:
-    return any(n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" for n in graph)
-
-
 def fusion_candidates(model: ir.Model) -> list[ir.Node]:
     """The main graph's nodes :class:`GqaFusionPass`'s own fusions (:data:`FUSIONS`) would try
     (ONNX ``Attention``, with its own cache or not; decomposed attention's last MatMul): their
@@ -278,39 +248,3 @@ def unfused_refusal(fused: int, refused: Sequence[FusionRefusal]) -> str | None:
             "converted (-v lists each node)."
         )
     return f"attention fusion fused nothing: {left}; nothing to convert (-v lists each node)."
-
-
-_PLAIN = frozenset(
-    {
-        ir.AttributeType.FLOAT,
-        ir.AttributeType.INT,
-        ir.AttributeType.STRING,
-        ir.AttributeType.FLOATS,
-        ir.AttributeType.INTS,
-        ir.AttributeType.STRINGS,
-    }
-)
-
-
-def _structure(model: ir.Model) -> list[tuple]:
-    """What a rewrite can change, without reading a weight: every node (in subgraphs too)
-    with its inputs, outputs and attributes, the graph's I/O, initializer names, opsets."""
-    nodes = [
-        (
-            node.domain,
-            node.op_type,
-            tuple(v.name if v is not None else "" for v in node.inputs),
-            tuple(v.name for v in node.outputs),
-            tuple((k, repr(a.value)) for k, a in node.attributes.items() if a.type in _PLAIN),
-        )
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
-    ]
-    graph = model.graph
-    return [
-        *nodes,
-        tuple(v.name for v in graph.inputs),
-        tuple(v.name for v in graph.outputs),
-        tuple(graph.initializers),
-        tuple(sorted(graph.opset_imports.items())),
-        tuple(model.functions),
-    ]

@@ -18,7 +18,11 @@ follows the scores chain (``scale`` is the product of its factors, ``softcap`` t
 
 A chain becomes one ``com.microsoft::GroupQueryAttention`` when it is exactly that (Q
 and K^T, when both are scaled, by the same scalar constant) and every rule of
-:mod:`onnx_kvcache.passes.fusion._match` holds (cache, repeat, mask, shapes). Anything
+:mod:`onnx_kvcache.passes.fusion._match` holds (cache, repeat, mask, shapes). A mask of
+positions counted by ``CumSum`` of the padding input whose width the export names apart from
+the cache's (mobius's gpt-oss: ``past_seq_len + seq_len`` beside ``past_sequence_len``) is
+proven with that width tied to the scores' ``P + S`` columns
+(:func:`~onnx_kvcache.passes.fusion._attention_facts.counted_tie`). Anything
 else is left alone; the refusals are kept in its report (and logged) so that a
 caller that tries other fusions afterwards can report the chains nobody fused.
 Fuses in the main graph only.
@@ -40,6 +44,7 @@ from onnx_kvcache.passes.fusion._match import (
     cache_mask_facts,
     check_head_sizes,
     check_shapes,
+    counted_tie,
     key_columns,
     mask_condition,
 )
@@ -47,7 +52,7 @@ from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._sinks import sink_site
-from onnx_kvcache.passes.fusion._symbolic import Affine, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Symbol, SymbolicEvaluator, Unprovable
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -153,7 +158,7 @@ def _site(
     past = ev.shape(k_link.past)[2]
     with proof_step(FusionRefusalCode.MASK):
         query_len, kv_len = ev.shape(query)[2], key_columns(ev, k_link)
-        cond = mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
+        cond = _condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
         facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
             raise Unprovable(f"the mask {mask.name!r} is not causal (a query would see later keys)")
@@ -171,6 +176,25 @@ def _site(
         softcap=softcap,
         head_sink=head_sink,
     )
+
+
+def _condition(
+    ev: SymbolicEvaluator, mask: ir.Value, *, query_len: Affine, kv_len: Affine, domain: dict[Symbol, Affine]
+) -> Conj:
+    """The mask's condition; a mask of positions counted from its padding input, which names its
+    width apart from the cache's (mobius's gpt-oss), with that width tied to ``P + S``
+    (:func:`~onnx_kvcache.passes.fusion._attention_facts.counted_tie`)."""
+    try:
+        return mask_condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=domain)
+    except Unprovable as reason:
+        try:
+            shape = ev.shape(mask)
+        except Unprovable:
+            raise reason from None
+        tied = counted_tie(mask, shape[-1], kv_len) if shape else None
+        if tied is None:
+            raise
+        return mask_condition(tied, mask, query_len=query_len, kv_len=kv_len, domain=domain)
 
 
 def _is_candidate(node: ir.Node) -> bool:
