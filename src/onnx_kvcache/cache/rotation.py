@@ -250,7 +250,8 @@ def _rotated(value: ir.Value | None, size: int) -> RotationMatrix | None:
     if h is None or h.shape != (size, size):
         return None
     h = h.astype(np.float64)
-    return next((row for row in MATRICES.values() if np.allclose(h, rotation_matrix(size, row), atol=1e-3)), None)
+    matches = (row for row in MATRICES.values() if np.allclose(h, rotation_matrix(size, row), atol=1e-3))
+    return next(matches, None)
 
 
 def _turned(site: CacheSite) -> tuple[Rotation, RotationMatrix | None]:
