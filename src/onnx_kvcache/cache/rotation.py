@@ -12,11 +12,13 @@ Rules:
   (every entry ``+-1/sqrt(d)``, so each channel is spread evenly over all of them) where one is
   built, ``d = 2^j * c`` as ``kron(S_(2^j), P_c)`` (Sylvester's Walsh-Hadamard times ``1`` or a
   Paley matrix: every power of two, and 12, 20, 24, 28, 36, 40, 48, 52, 56, 60, 72, 80, 96,
-  100, 112, 120, 160, 192, ...; :mod:`onnx_kvcache.cache._hadamard`); else (``d`` not a multiple
-  of 4, or 92, 116, 156, ...) ``kron(W_(2^a), C_m)`` with ``d = 2^a * m``, ``m`` odd: the
-  Walsh-Hadamard matrix of the power-of-two part times the orthonormal DCT-II of size ``m``,
-  the measured choice (``benchmarks/rotation_matrices.py``: it rounds keys with outlier
-  channels to int4 with less error than a seeded random orthogonal matrix or a Hartley factor).
+  100, 112, 120, 160, 192, ...; :mod:`onnx_kvcache.cache._hadamard`). Else (``d`` not a multiple
+  of 4, or 92, 116, 156, ...) ``kron(H_n, C_m)``, ``d = n * m``: the built Hadamard matrix of the
+  largest order ``n`` dividing ``d`` times the orthonormal DCT-II of size ``m``; with ``n`` the
+  power-of-two part of ``d`` (every such ``d`` up to 256 but 156) it is ``walsh_dct``'s
+  matrix. The measured choice (``benchmarks/rotation_matrices.py``): over the 71 even head sizes
+  from 6 to 256 without a Hadamard matrix it rounds keys with outlier channels to int4 with the
+  least error, against a Hartley factor or a seeded random orthogonal matrix.
 * ``walsh_dct`` is the ``H`` of models and scale files made before ``hadamard``:
   ``kron(W_(2^a), C_m)`` at every head size. At a power of two both are the same matrix
   (:meth:`RotationMatrix.same`), elsewhere they differ where a Hadamard matrix is built.
@@ -131,11 +133,17 @@ def _walsh_dct(size: int) -> tuple[np.ndarray, str]:
 
 
 def _hadamard(size: int) -> tuple[np.ndarray, str]:
-    """A Hadamard matrix over ``sqrt(size)`` where one is built, else :func:`_walsh_dct`."""
+    """A built Hadamard matrix over ``sqrt(size)``, else ``kron(H_n, C_m)`` (the rules)."""
+    power = size & -size
     built = hadamard(size)
-    if built is None or size & (size - 1) == 0:  # a power of two: the same matrix, the old name
+    if built is not None and power != size:  # a power of two: the same matrix, the old name
+        return built[0] / np.sqrt(size), f"Hadamard {size}x{size}: {built[1]}"
+    n = max(n for n in range(power, size + 1, power) if size % n == 0 and hadamard(n) is not None)
+    if n == power:
         return _walsh_dct(size)
-    return built[0] / np.sqrt(size), f"Hadamard {size}x{size}: {built[1]}"
+    core, words = hadamard(n)  # type: ignore[misc]
+    m = size // n
+    return np.kron(core / np.sqrt(n), _dct2(m)), f"{words} x DCT-II {m}x{m}"
 
 
 @dataclasses.dataclass(frozen=True)
