@@ -23,14 +23,13 @@ from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.model_io.reading import load_model
-from onnx_kvcache.models.decoder import build_decoder as build_demo_decoder
 from onnx_kvcache.passes import KvCacheQuantizationPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 
 from builders.exported import ExportStyle, build_decoder, exported_config
-from conftest import gqa_model
+from conftest import demo_decoder, gqa_model
 
 PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers"
 TOLERANCE = 1e-4
@@ -86,23 +85,6 @@ def test_a_rotated_build_computes_as_the_original(entry, rotation):
             continue
         logits, caches = _worst(want, generate(rotated, mask), rotation)
         assert logits < TOLERANCE and caches < TOLERANCE, (name, logits, caches)
-
-
-def partial_rotary(model: ir.Model, rotary_dim: int, theta: float = 10000.0) -> ir.Model:
-    """``model`` with cos/sin tables of ``rotary_dim`` channels: the node's RoPE turns the first
-    ``rotary_dim`` of each head and leaves the rest (phi-2's partial rotary)."""
-    for name, wave in (("cos_cache", np.cos), ("sin_cache", np.sin)):
-        value = model.graph.initializers[name]
-        angles = np.outer(np.arange(value.shape[0]), theta ** (-np.arange(0, rotary_dim, 2) / rotary_dim))
-        value.const_value = ir.tensor(wave(angles).astype(np.float32), name=name)
-        value.shape = ir.Shape(angles.shape)
-    return model
-
-
-def demo_decoder(head_size: int, rotary_dim: int | None = None) -> ir.Model:
-    """The demo decoder (outlier K channels, RoPE inside GroupQueryAttention) of ``head_size``."""
-    model = build_demo_decoder(num_layers=2, head_size=head_size, vocab_size=300)
-    return model if rotary_dim is None else partial_rotary(model, rotary_dim)
 
 
 #: Head sizes whose H is a Hadamard matrix but no power of two (Paley I 12 and 20, Paley II 28),
