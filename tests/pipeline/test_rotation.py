@@ -170,6 +170,10 @@ def test_a_model_rotated_by_the_old_h_keeps_it_and_takes_only_scales_measured_wi
     assert not (tmp_path / "refused.onnx").exists()
     old = load_kv_cache_scale_file(_unrecorded(new, tmp_path / "old8.json"))
     assert convert_model(tmp_path / "int4.onnx", tmp_path / "int8b.onnx", format="int8", scales=old).converted
+    convert_model(head48_file, tmp_path / "new4.onnx", scales=_calibrated(head48_file))  # hadamard
+    with pytest.raises(KvCacheError, match=r"turned by H = walsh_dct .*cache is turned by hadamard"):
+        convert_model(tmp_path / "new4.onnx", tmp_path / "refused.onnx", format="int8", scales=old)
+    assert convert_model(tmp_path / "new4.onnx", tmp_path / "int8c.onnx", format="int8", scales=new).converted
 
 
 def test_a_power_of_two_model_takes_scales_of_either_record(model_file, tmp_path):
