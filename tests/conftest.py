@@ -343,3 +343,23 @@ def quantized_decoder(fmt: str, granularity: str = "per_tensor", opset: int | No
         scales[site.layer_id] = tuple((base * rng.uniform(0.5, 1.5, n)).astype(np.float32) for _ in range(2))
     KvCacheQuantizationPass(fmt, granularity, scales)(model)
     return model
+
+
+def partial_rotary(model: ir.Model, rotary_dim: int, theta: float = 10000.0) -> ir.Model:
+    """``model`` with cos/sin tables of ``rotary_dim`` channels: the node's RoPE turns the first
+    ``rotary_dim`` of each head and leaves the rest (phi-2's partial rotary)."""
+    for name, wave in (("cos_cache", np.cos), ("sin_cache", np.sin)):
+        value = model.graph.initializers[name]
+        angles = np.outer(np.arange(value.shape[0]), theta ** (-np.arange(0, rotary_dim, 2) / rotary_dim))
+        value.const_value = ir.tensor(wave(angles).astype(np.float32), name=name)
+        value.shape = ir.Shape(angles.shape)
+    return model
+
+
+def demo_decoder(head_size: int, rotary_dim: int | None = None, **overrides) -> ir.Model:
+    """The demo decoder (outlier K channels, RoPE inside GroupQueryAttention, 2 layers) of
+    ``head_size``, its RoPE on the first ``rotary_dim`` channels when given."""
+    from onnx_kvcache.models.decoder import build_decoder
+
+    model = build_decoder(**({"num_layers": 2, "vocab_size": 300} | overrides), head_size=head_size)
+    return model if rotary_dim is None else partial_rotary(model, rotary_dim)

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, generate
-from onnx_kvcache.cache.rotation import ROTATIONS, get_rotation, rotate, rotation_matrix, site_rotation
+from onnx_kvcache.cache.rotation import MATRICES, ROTATIONS, get_rotation, rotate, site_matrix, site_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session
@@ -29,7 +29,7 @@ from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 
 from builders.exported import ExportStyle, build_decoder, exported_config
-from conftest import gqa_model
+from conftest import demo_decoder, gqa_model
 
 PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers"
 TOLERANCE = 1e-4
@@ -48,7 +48,7 @@ def _masks(entry: dict) -> dict[str, np.ndarray]:
     return masks
 
 
-def _worst(want: list, got: list, rotation: str) -> tuple[float, float]:
+def _worst(want: list, got: list, rotation: str, matrix: str = "hadamard") -> tuple[float, float]:
     """Largest |difference| of the logits of real tokens and of the cache entries (turned back)."""
     logits = caches = 0.0
     values = get_rotation(rotation).values
@@ -57,7 +57,8 @@ def _worst(want: list, got: list, rotation: str) -> tuple[float, float]:
         logits = max(logits, float(np.abs(a["logits"] - b["logits"])[rows].max()))
         for name, x in a.items():
             if name.startswith("present"):
-                y = rotate(b[name], inverse=True) if name.endswith("key") or values else b[name]
+                turned = name.endswith("key") or values
+                y = rotate(b[name], inverse=True, matrix=matrix) if turned else b[name]
                 caches = max(caches, float(np.abs(x - y).max()))
     return logits, caches
 
@@ -84,6 +85,39 @@ def test_a_rotated_build_computes_as_the_original(entry, rotation):
             continue
         logits, caches = _worst(want, generate(rotated, mask), rotation)
         assert logits < TOLERANCE and caches < TOLERANCE, (name, logits, caches)
+
+
+#: Head sizes whose H is a Hadamard matrix but no power of two (Paley I 12 and 20, Paley II 28),
+#: and partial rotary (head 80, RoPE on its first 32 channels)
+HEADS = {"48": (48, None), "80": (80, None), "96": (96, None), "112": (112, None), "80-rotary32": (80, 32)}
+
+
+@pytest.mark.parametrize("matrix", sorted(MATRICES))
+@pytest.mark.parametrize("rotation", ["keys_and_values", "keys"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_a_decoder_of_each_head_size_computes_as_the_original(heads, rotation, matrix):
+    """Rotated by either H, a prompt, 3 decode steps and a left-padded batch compute as the
+    original's (the caches turned back by that H)."""
+    original, rotated = demo_decoder(*HEADS[heads]), demo_decoder(*HEADS[heads])
+    assert KvCacheRotationPass(rotation, matrix)(rotated).modified
+    sites = find_attention_sites(rotated)
+    assert {(site_rotation(s).name, site_matrix(s)) for s in sites} == {(rotation, MATRICES[matrix])}
+    for name in ("single", "left_padded"):
+        mask = PROMPTS[name]
+        logits, caches = _worst(generate(original, mask), generate(rotated, mask), rotation, matrix)
+        assert logits < TOLERANCE and caches < TOLERANCE, (name, logits, caches)
+
+
+def test_a_model_rotated_by_one_h_is_not_rotated_by_another():
+    model = demo_decoder(48)
+    KvCacheRotationPass(matrix="walsh_dct")(model)
+    assert not KvCacheRotationPass(matrix="walsh_dct")(model).modified
+    before = [n.op_type for n in model.graph]
+    with pytest.raises(
+        KvCachePreconditionError, match="already rotated by H = walsh_dct; hadamard was asked"
+    ):
+        KvCacheRotationPass()(model)
+    assert [n.op_type for n in model.graph] == before
 
 
 def _fused(arch: str, style: dict) -> ir.Model:
@@ -146,15 +180,6 @@ def test_the_genai_build_has_what_the_kernel_applied_outside_and_one_matrix():
     with pytest.raises(KvCachePreconditionError, match="already rotated"):
         KvCacheRotationPass("keys")(model)
     create_session(model)
-
-
-@pytest.mark.parametrize("size", [1, 2, 6, 16, 64, 80, 96, 112, 128])
-def test_the_matrix_is_orthonormal_and_walsh_hadamard_for_powers_of_two(size):
-    h = rotation_matrix(size)
-    np.testing.assert_allclose(h @ h.T, np.eye(size), atol=1e-12)
-    if size & (size - 1) == 0:
-        np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(size))
-        np.testing.assert_array_equal(h, h.T)
 
 
 def test_rotation_names_and_bad_ones():

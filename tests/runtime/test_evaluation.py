@@ -316,15 +316,18 @@ def test_a_rotated_cache_is_compared_turned_back(rotation):
     assert all(0 < k < 0.5 and 0 < v < 0.5 for k, v in report.layer_errors.values()), report.layer_errors
 
 
-@pytest.mark.parametrize("rotation", ["keys", "keys_and_values"])
-def test_each_models_cache_is_turned_back_by_its_own_rotation(rotation):
+@pytest.mark.parametrize(
+    ("rotation", "head", "matrix"),
+    [("keys", 32, "hadamard"), ("keys_and_values", 32, "hadamard"), ("keys_and_values", 48, "walsh_dct")],
+)
+def test_each_models_cache_is_turned_back_by_its_own_rotation(rotation, head, matrix):
     """Issue 45 row 1: a rotated model against itself, and against its original in either
-    order, has no cache error (each side turned back by its own ``H^T``)."""
+    order, has no cache error (each side turned back by its own ``H^T``, the old walsh_dct's too)."""
     from onnx_kvcache import KvCacheRotationPass
 
-    base = build_decoder(num_layers=2, vocab_size=300)
-    turned = build_decoder(num_layers=2, vocab_size=300)
-    KvCacheRotationPass(rotation)(turned)
+    base = build_decoder(num_layers=2, vocab_size=300, head_size=head)
+    turned = build_decoder(num_layers=2, vocab_size=300, head_size=head)
+    KvCacheRotationPass(rotation, matrix)(turned)
     for pair in ((turned, turned), (turned, base), (base, turned)):
         report = evaluate_kv_cache(*pair, DATA, max_new_tokens=0)
         assert all(k < 1e-5 and v < 1e-5 for k, v in report.layer_errors.values()), report.layer_errors

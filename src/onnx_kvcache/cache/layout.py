@@ -9,7 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_rotation
+from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.model_io.reading import ModelLike, as_model
@@ -41,6 +41,9 @@ class CacheLayerInfo:
     rotation: str = "none"
     """What the graph turns before the node (:func:`~onnx_kvcache.cache.rotation.site_rotation`):
     ``none``, ``keys`` or ``keys_and_values``; the cache holds the turned values."""
+    rotation_matrix: str | None = None
+    """By which ``H`` (:func:`~onnx_kvcache.cache.rotation.site_matrix`: ``hadamard`` or
+    ``walsh_dct``); None when not rotated."""
     head_size: int = 0
     head_sink: bool = False
     """The node adds attention sinks (``head_sink``: one logit per query head) to its softmax."""
@@ -102,6 +105,11 @@ def _unquantized_dtype(site: CacheSite) -> ir.DataType | None:
     return query
 
 
+def _matrix_of(site: CacheSite) -> str | None:
+    matrix = site_matrix(site)
+    return None if matrix is None else matrix.name
+
+
 def _layer_info(site: CacheSite) -> CacheLayerInfo:
     past_k, past_v = site.past_key, site.past_value
     assert past_k is not None
@@ -134,6 +142,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         op=site.op.op_type,
         layout=site.op.layout.dims,
         rotation=site_rotation(site).name,
+        rotation_matrix=_matrix_of(site),
         head_size=head,
         head_sink=site.input("head_sink") is not None,
         prompt_in_float=site.wrapper is not None,
@@ -220,16 +229,17 @@ def _prompt_lines(info: CacheModelInfo) -> list[str]:
 
 def _rotation_lines(info: CacheModelInfo) -> list[str]:
     """Which layers' caches hold rotated values, and by what."""
-    groups: dict[tuple[str, int, bool], list[int]] = {}
+    groups: dict[tuple[str, str, int, bool], list[int]] = {}
     for layer in info.layers:
-        if layer.rotation != "none":
+        if layer.rotation != "none" and layer.rotation_matrix is not None:
             quantized = layer.k_quant_type != "NONE" or layer.v_quant_type != "NONE"
-            groups.setdefault((layer.rotation, layer.head_size, quantized), []).append(layer.layer_id)
+            key = (layer.rotation, layer.rotation_matrix, layer.head_size, quantized)
+            groups.setdefault(key, []).append(layer.layer_id)
     return [
-        f"rotated cache: {ROTATIONS[name].description} ({matrix_name(size)}, after RoPE and q/k norms) "
-        f"in layer(s) {_ranges(ids)}; "
+        f"rotated cache: {ROTATIONS[name].description} ({matrix_name(size, matrix)}, after RoPE and q/k "
+        f"norms) in layer(s) {_ranges(ids)}; "
         + ("its scales are for the turned values" if quantized else "a float cache, no scales: unquantized")
-        for (name, size, quantized), ids in groups.items()
+        for (name, matrix, size, quantized), ids in groups.items()
     ]
 
 

@@ -7,39 +7,57 @@ turned alike (``q H``), so attention is unchanged: ``(q H)(k H)^T = q k^T`` for 
 
 Rules:
 
-* ``H`` for head size ``d``: when ``d`` is a power of two, the normalized Walsh-Hadamard
-  matrix (Sylvester's construction, every entry ``+-1/sqrt(d)``, symmetric); otherwise, with
-  ``d = 2^a * m`` (``m`` odd), ``kron(W_(2^a), C_m)``: the Walsh-Hadamard matrix of the
-  power-of-two part times the orthonormal DCT-II of size ``m`` (orthonormal too; its entries
-  are not all of one size, so it spreads a channel less evenly).
+* ``H`` for head size ``d`` is a row of :data:`MATRICES`, ``hadamard`` unless a model or
+  scale file says otherwise (:data:`DEFAULT_MATRIX`): a Hadamard matrix divided by ``sqrt(d)``
+  (every entry ``+-1/sqrt(d)``, so each channel is spread evenly over all of them) where one is
+  built, ``d = 2^j * c`` as ``kron(S_(2^j), P_c)`` (Sylvester's Walsh-Hadamard times ``1`` or a
+  Paley matrix: every power of two, and 12, 20, 24, 28, 36, 40, 48, 52, 56, 60, 72, 80, 96,
+  100, 112, 120, 160, 192, ...; :mod:`onnx_kvcache.cache._hadamard`). Else (``d`` not a multiple
+  of 4, or 92, 116, 156, ...) ``kron(H_n, C_m)``, ``d = n * m``: the built Hadamard matrix of the
+  largest order ``n`` dividing ``d`` times the orthonormal DCT-II of size ``m``; with ``n`` the
+  power-of-two part of ``d`` (every such ``d`` up to 256 but 156) it is ``walsh_dct``'s
+  matrix. The measured choice (``benchmarks/rotation_matrices.py``): over the 71 even head sizes
+  from 6 to 256 without a Hadamard matrix it rounds keys with outlier channels to int4 with the
+  least error, against a Hartley factor or a seeded random orthogonal matrix.
+* ``walsh_dct`` is the ``H`` of models and scale files made before ``hadamard``:
+  ``kron(W_(2^a), C_m)`` at every head size. At a power of two both are the same matrix
+  (:meth:`RotationMatrix.same`), elsewhere they differ where a Hadamard matrix is built.
 * What is turned is a row of :data:`ROTATIONS`: ``none``, ``keys`` (query and key) or
   ``keys_and_values`` (query, key and value, the output turned back).
 * A graph shows a rotation when what the node reads is turned, ``Reshape(MatMul(., H))`` with
-  ``H`` a constant equal to :func:`rotation_matrix` (``d``): its packed QKV (``keys_and_values``),
-  or the first input of the Concat that packs it (``keys``); with separate inputs, its key (and
-  value). :func:`site_rotation` reads it from the graph, never from a name or a record.
+  ``H`` a constant equal to :func:`rotation_matrix` (``d``) of a row of :data:`MATRICES`: its
+  packed QKV (``keys_and_values``), or the first input of the Concat that packs it (``keys``);
+  with separate inputs, its key (and value). :func:`site_rotation` and :func:`site_matrix` read
+  it from the graph, never from a name or a record.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "DEFAULT_MATRIX",
     "DEFAULT_ROTATIONS",
+    "MATRICES",
     "ROTATIONS",
     "Rotation",
+    "RotationMatrix",
+    "get_matrix",
     "get_rotation",
     "matrix_name",
     "rotate",
     "default_rotation",
     "rotation_matrix",
+    "site_matrix",
     "site_rotation",
 ]
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache._hadamard import hadamard, sylvester
 from onnx_kvcache.cache.sites import CacheSite
 from onnx_kvcache.errors import KvCacheError, require_type
 from onnx_kvcache.model_io.reading import tensor_values
@@ -96,13 +114,6 @@ def get_rotation(name: str | Rotation) -> Rotation:
     return row
 
 
-def _walsh_hadamard(n: int) -> np.ndarray:
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
-
-
 def _dct2(m: int) -> np.ndarray:
     """The orthonormal DCT-II matrix of size ``m`` (rows: frequencies)."""
     k, n = np.meshgrid(np.arange(m), np.arange(m), indexing="ij")
@@ -111,35 +122,106 @@ def _dct2(m: int) -> np.ndarray:
     return c
 
 
-@functools.cache
-def _matrix(size: int) -> np.ndarray:
+def _walsh_dct(size: int) -> tuple[np.ndarray, str]:
+    """``kron(W_(2^a), C_m)`` (the rules) and its name."""
     power = size & -size  # the largest power of two dividing size
     odd = size // power
-    h = _walsh_hadamard(power)
-    matrix = h if odd == 1 else np.kron(h, _dct2(odd))
-    matrix.setflags(write=False)
-    return matrix
+    h = sylvester(power) / np.sqrt(power)
+    if odd == 1:
+        return h, f"normalized Walsh-Hadamard {size}x{size}"
+    return np.kron(h, _dct2(odd)), f"Walsh-Hadamard {power}x{power} x DCT-II {odd}x{odd}"
 
 
-def matrix_name(size: int) -> str:
-    """How :func:`rotation_matrix` builds ``H`` for head size ``size``, in words."""
+def _hadamard(size: int) -> tuple[np.ndarray, str]:
+    """A built Hadamard matrix over ``sqrt(size)``, else ``kron(H_n, C_m)`` (the rules)."""
     power = size & -size
-    if power == size:
-        return f"normalized Walsh-Hadamard {size}x{size}"
-    return f"Walsh-Hadamard {power}x{power} x DCT-II {size // power}x{size // power}"
+    built = hadamard(size)
+    if built is not None and power != size:  # a power of two: the same matrix, the old name
+        return built[0] / np.sqrt(size), f"Hadamard {size}x{size}: {built[1]}"
+    n = max(n for n in range(power, size + 1, power) if size % n == 0 and hadamard(n) is not None)
+    if n == power:
+        return _walsh_dct(size)
+    core, words = hadamard(n)  # type: ignore[misc]
+    m = size // n
+    return np.kron(core / np.sqrt(n), _dct2(m)), f"{words} x DCT-II {m}x{m}"
 
 
-def rotation_matrix(size: int) -> np.ndarray:
-    """``H`` (float64, ``[size, size]``, orthonormal) for head size ``size``; see the rules."""
+@dataclasses.dataclass(frozen=True)
+class RotationMatrix:
+    """How ``H`` is built for a head size (the rules)."""
+
+    name: str
+    build: Callable[[int], tuple[np.ndarray, str]]
+    """``H`` (float64, orthonormal) for a head size, and how it is built, in words."""
+    description: str
+
+    def same(self, other: RotationMatrix, size: int) -> bool:
+        """Whether ``other`` builds the same ``H`` for head size ``size``."""
+        return self is other or np.array_equal(rotation_matrix(size, self), rotation_matrix(size, other))
+
+
+MATRICES: dict[str, RotationMatrix] = {
+    row.name: row
+    for row in (
+        RotationMatrix(
+            "hadamard",
+            _hadamard,
+            "a Hadamard matrix (Walsh-Hadamard x Paley) where one is built, else Walsh-Hadamard x DCT-II",
+        ),
+        RotationMatrix(
+            "walsh_dct",
+            _walsh_dct,
+            "Walsh-Hadamard of the power-of-two part x DCT-II of the odd part (models and scales made "
+            "before hadamard)",
+        ),
+    )
+}
+
+#: The :data:`MATRICES` row a rotation takes unless a rotated model or its scales name another.
+DEFAULT_MATRIX = "hadamard"
+
+
+def get_matrix(name: str | RotationMatrix) -> RotationMatrix:
+    """The :data:`MATRICES` row for ``name`` (``hadamard`` or ``walsh_dct``)."""
+    if isinstance(name, RotationMatrix):
+        return name
+    require_type(name, str, "The rotation matrix", f"a name ({', '.join(MATRICES)})")
+    row = MATRICES.get(str(name).lower().replace("-", "_"))
+    if row is None:
+        raise KvCacheError(f"Unknown rotation matrix {name!r}; choose one of {', '.join(MATRICES)}.")
+    return row
+
+
+@functools.cache
+def _matrix(size: int, name: str) -> tuple[np.ndarray, str]:
+    matrix, words = MATRICES[name].build(size)
+    matrix.setflags(write=False)
+    return matrix, words
+
+
+def _size(size: int) -> int:
     require_type(size, int, "The head size", "a positive integer")
     if size < 1:
         raise KvCacheError(f"The head size must be >= 1, got {size}.")
-    return _matrix(size)
+    return size
 
 
-def rotate(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+def matrix_name(size: int, matrix: str | RotationMatrix = DEFAULT_MATRIX) -> str:
+    """How :func:`rotation_matrix` builds ``H`` for head size ``size``, in words."""
+    return _matrix(_size(size), get_matrix(matrix).name)[1]
+
+
+def rotation_matrix(size: int, matrix: str | RotationMatrix = DEFAULT_MATRIX) -> np.ndarray:
+    """``H`` (float64, ``[size, size]``, orthonormal, read-only) for head size ``size``, as the
+    :data:`MATRICES` row ``matrix`` builds it; see the rules."""
+    return _matrix(_size(size), get_matrix(matrix).name)[0]
+
+
+def rotate(
+    x: np.ndarray, *, inverse: bool = False, matrix: str | RotationMatrix = DEFAULT_MATRIX
+) -> np.ndarray:
     """``x @ H`` (``x @ H^T`` with ``inverse``) over the last axis, in ``x``'s dtype."""
-    h = rotation_matrix(x.shape[-1])
+    h = rotation_matrix(x.shape[-1], matrix)
     return (np.asarray(x, np.float64) @ (h.T if inverse else h)).astype(x.dtype, copy=False)
 
 
@@ -163,35 +245,52 @@ def _source(value: ir.Value | None) -> ir.Node | None:
     return node
 
 
-def _rotated(value: ir.Value | None, size: int) -> bool:
-    """``value`` is ``Reshape(MatMul(., H))`` with ``H`` this library's matrix for ``size``."""
+def _rotated(value: ir.Value | None, size: int) -> RotationMatrix | None:
+    """The :data:`MATRICES` row (the first that matches) when ``value`` is ``Reshape(MatMul(.,
+    H))`` with ``H`` its matrix for ``size``; else None."""
     reshape = _source(value)
     if reshape is None or reshape.op_type != "Reshape" or reshape.domain:
-        return False
+        return None
     matmul = reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
     if matmul is None or matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
-        return False
+        return None
     h = _const(matmul.inputs[1])
-    want = rotation_matrix(size)
-    return h is not None and h.shape == want.shape and np.allclose(h.astype(np.float64), want, atol=1e-3)
+    if h is None or h.shape != (size, size):
+        return None
+    h = h.astype(np.float64)
+    matches = (row for row in MATRICES.values() if np.allclose(h, rotation_matrix(size, row), atol=1e-3))
+    return next(matches, None)
+
+
+def _turned(site: CacheSite) -> tuple[Rotation, RotationMatrix | None]:
+    """What the graph turns before ``site``'s node, and by which matrix (the rules)."""
+    none = ROTATIONS["none"], None
+    if site.op.op_type != "GroupQueryAttention":
+        return none
+    try:
+        size = site.head_size()
+    except KvCacheError:
+        return none
+    if site.packed_qkv:
+        packed = site.input("query")
+        matrix = _rotated(packed, size)
+        if matrix is not None:
+            return ROTATIONS["keys_and_values"], matrix
+        concat = _source(packed)
+        keys = _rotated(concat.inputs[0], size) if concat is not None and concat.op_type == "Concat" else None
+        return (ROTATIONS["keys"], keys) if keys is not None else none
+    keys, values = _rotated(site.input("key"), size), _rotated(site.input("value"), size)
+    if keys is None:
+        return none
+    return ROTATIONS["keys_and_values" if values is not None else "keys"], keys
 
 
 def site_rotation(site: CacheSite) -> Rotation:
     """What the graph turns before ``site``'s node (the rules): a row of :data:`ROTATIONS`."""
-    if site.op.op_type != "GroupQueryAttention":
-        return ROTATIONS["none"]
-    try:
-        size = site.head_size()
-    except KvCacheError:
-        return ROTATIONS["none"]
-    if site.packed_qkv:
-        packed = site.input("query")
-        if _rotated(packed, size):
-            return ROTATIONS["keys_and_values"]
-        concat = _source(packed)
-        keys = concat is not None and concat.op_type == "Concat" and _rotated(concat.inputs[0], size)
-        return ROTATIONS["keys"] if keys else ROTATIONS["none"]
-    keys, values = _rotated(site.input("key"), size), _rotated(site.input("value"), size)
-    if keys and values:
-        return ROTATIONS["keys_and_values"]
-    return ROTATIONS["keys"] if keys else ROTATIONS["none"]
+    return _turned(site)[0]
+
+
+def site_matrix(site: CacheSite) -> RotationMatrix | None:
+    """The :data:`MATRICES` row whose ``H`` turns ``site``'s node's inputs (the first of those
+    that build it, at a power of two ``hadamard``); None when none is turned."""
+    return _turned(site)[1]

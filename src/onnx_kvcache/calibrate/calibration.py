@@ -53,7 +53,13 @@ from typing import Any
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, get_format, get_granularity
-from onnx_kvcache.cache.rotation import Rotation, default_rotation, get_rotation, site_rotation
+from onnx_kvcache.cache.rotation import (
+    DEFAULT_MATRIX,
+    Rotation,
+    default_rotation,
+    get_rotation,
+    site_rotation,
+)
 from onnx_kvcache.cache.sites import find_attention_sites
 
 # The steps live in the modules below; the names tests, benchmarks and the CLI import from here
@@ -475,6 +481,7 @@ def _scales(
         "rope_envelope": choice.rope_envelope,
         **({"rope_positions": choice.rope_positions} if choice.rope_positions is not None else {}),
         "rotation": setup.rotation.name,
+        **({"rotation_matrix": DEFAULT_MATRIX} if setup.rotation.rotates else {}),  # the H it sampled with
         "margin": choice.margin,
         "seq_len": sampling.seq_len,
         "num_seqs": len(loaded.windows),

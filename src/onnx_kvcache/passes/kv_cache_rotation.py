@@ -10,9 +10,10 @@ the position, without changing attention: ``(q H)(k H)^T = q k^T``.
 Rules:
 
 1. Every GroupQueryAttention node with a float cache is rewritten (a node already rotated as
-   asked is left: the pass runs once); a quantized cache is refused (its scales were measured
-   on unrotated values: calibrate for the rotation, then quantize), as is a node inside a
-   function (inline first) or a model whose opset is too old for the prologue.
+   asked, by the same ``H``, is left: the pass runs once; by another ``H`` it is refused); a
+   quantized cache is refused (its scales were measured on unrotated values: calibrate for the
+   rotation, then quantize), as is a node inside a function (inline first) or a model whose
+   opset is too old for the prologue.
 2. What the kernel did to Q and K before attending moves out of the node, with its positions
    (:mod:`onnx_kvcache.passes._gqa_prologue`): packed QKV split, q/k RMS norms, RoPE
    (com.microsoft ``RotaryEmbedding``). The node loses ``do_rotary``, its cos/sin tables,
@@ -23,8 +24,9 @@ Rules:
    [0, 0, (N + KV) * d])``, then packed with the value; with ``keys_and_values`` the packed QKV is
    turned at once instead, and the node's output turned back by ``H^T`` the same way. The node
    takes the packed QKV (a few nodes a layer: a rotated decode step costs little more than an
-   unrotated one, ``benchmarks/rotation_speed.py``). ``H`` is one initializer per head size and
-   dtype, shared by every layer (``kv_cache_rotation_<d>``; its transpose
+   unrotated one, ``benchmarks/rotation_speed.py``). ``H`` is the pass's row of
+   :data:`~onnx_kvcache.cache.rotation.MATRICES` (``hadamard`` unless named), one initializer per
+   head size and dtype, shared by every layer (``kv_cache_rotation_<d>``; its transpose
    ``kv_cache_rotation_<d>_t`` when it is not symmetric), as are the shapes.
 4. The presents hold the rotated K (and V): whatever reads them (onnxruntime-genai, the runner)
    reads them as caches, and quantizing them after this pass stores the rotated values.
@@ -44,7 +46,16 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.prompt_path import unwrap
-from onnx_kvcache.cache.rotation import Rotation, get_rotation, rotation_matrix, site_rotation
+from onnx_kvcache.cache.rotation import (
+    DEFAULT_MATRIX,
+    Rotation,
+    RotationMatrix,
+    get_matrix,
+    get_rotation,
+    rotation_matrix,
+    site_matrix,
+    site_rotation,
+)
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.model_io.reading import tensor_values
@@ -61,8 +72,8 @@ class _Constants:
     """The initializers every rewritten node of one graph shares: ``H`` (and ``H^T``) per head
     size and dtype, and the int64 shapes and split sizes."""
 
-    def __init__(self, graph: ir.Graph) -> None:
-        self.graph = graph
+    def __init__(self, graph: ir.Graph, matrix: RotationMatrix) -> None:
+        self.graph, self.rotation_matrix = graph, matrix
         self.made: dict[tuple, ir.Value] = {}
 
     def _initializer(self, key: tuple, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
@@ -81,7 +92,7 @@ class _Constants:
         return self.made[key]
 
     def matrix(self, size: int, dtype: ir.DataType, transposed: bool = False) -> ir.Value:
-        h = rotation_matrix(size)
+        h = rotation_matrix(size, self.rotation_matrix)
         transposed = transposed and not np.array_equal(h, h.T)
         suffix = ("" if dtype == ir.DataType.FLOAT else f"_{dtype.name.lower()}") + (
             "_t" if transposed else ""
@@ -179,11 +190,16 @@ class KvCacheRotationPass(InPlacePass):
     Args:
         rotation: A row of :data:`~onnx_kvcache.cache.rotation.ROTATIONS`: ``keys_and_values``
             (default) or ``keys``; ``none`` leaves the model as it is.
+        matrix: A row of :data:`~onnx_kvcache.cache.rotation.MATRICES`: ``hadamard`` (default)
+            or ``walsh_dct`` (the ``H`` of scales calibrated before ``hadamard``).
     """
 
-    def __init__(self, rotation: str | Rotation = "keys_and_values") -> None:
+    def __init__(
+        self, rotation: str | Rotation = "keys_and_values", matrix: str | RotationMatrix = DEFAULT_MATRIX
+    ) -> None:
         super().__init__()
         self.rotation = get_rotation(rotation)
+        self.matrix = get_matrix(matrix)
 
     def requires(self, model: ir.Model) -> None:
         """Every refusal is raised here, before the model changes (the rules)."""
@@ -208,7 +224,7 @@ class KvCacheRotationPass(InPlacePass):
                     "(onnx_ir.passes.common.InlinePass)."
                 )
             have = site_rotation(site)
-            if have == self.rotation:
+            if have == self.rotation and self._same_matrix(site):
                 continue
             if have.rotates:
                 raise KvCachePreconditionError(
@@ -231,10 +247,21 @@ class KvCacheRotationPass(InPlacePass):
             rewrites.append(_Rewrite(site, self.rotation, steps))
         return rewrites
 
+    def _same_matrix(self, site: CacheSite) -> bool:
+        """Whether ``site``'s node, rotated as asked, is turned by the pass's ``H`` (refused when
+        by another: its caches and scales are for that one)."""
+        have = site_matrix(site)
+        if have is None or have.same(self.matrix, site.head_size()):
+            return True
+        raise KvCachePreconditionError(
+            f"{site.label} is already rotated by H = {have.name}; {self.matrix.name} was asked. Rotate "
+            f"the original model, or rotate by {have.name}."
+        )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         unwrap(model)  # a wrapped node is rewritten as itself (cache.prompt_path)
         rewrites = self._check(model)
-        constants = _Constants(model.graph)
+        constants = _Constants(model.graph, self.matrix)
         for r in rewrites:
             r.run(constants)
         if rewrites:

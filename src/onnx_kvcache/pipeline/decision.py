@@ -14,7 +14,8 @@ Rules, in order, each a function:
 5. :func:`plan`: the granularity (given, else the scales' or the model's) and the format
    (named, else for ``convert_model`` the first the target runs); :func:`rotation_for`: the
    cache's rotation (a rotated model's own, else the one named, else the one its scales record;
-   named and recorded must agree).
+   named and recorded must agree); :func:`matrix_for`: its ``H`` (a rotated model's own, else
+   the one its scales record, else the default; the two must agree).
 6. :func:`gate`: every :class:`~onnx_kvcache.capabilities.refusals.Refusal` of the capability rows
    (``check_device``: no CUDA GPU here is one).
 7. :func:`adaptation_for`: refusals a row of :data:`ADAPTATIONS` cures are lifted, and its pass
@@ -51,6 +52,7 @@ __all__ = [
     "gate",
     "plan",
     "inferred_format",
+    "matrix_for",
     "rotation_for",
     "partial_refusal",
     "target_of",
@@ -66,7 +68,17 @@ import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
-from onnx_kvcache.cache.rotation import ROTATIONS, Rotation, get_rotation, site_rotation
+from onnx_kvcache.cache.rotation import (
+    DEFAULT_MATRIX,
+    MATRICES,
+    ROTATIONS,
+    Rotation,
+    RotationMatrix,
+    get_rotation,
+    matrix_name,
+    site_matrix,
+    site_rotation,
+)
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
@@ -264,6 +276,8 @@ class Decision:
     """Rule 7's row: its pass runs after quantizing (None: none needed)."""
     rotation: Rotation = ROTATIONS["none"]
     """The converted cache's rotation (:func:`rotation_for`); applied before quantizing."""
+    matrix: RotationMatrix = MATRICES[DEFAULT_MATRIX]
+    """Its ``H`` (:func:`matrix_for`)."""
 
     @property
     def model(self) -> ir.Model:
@@ -519,6 +533,27 @@ def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None
     return rotation
 
 
+def matrix_for(request: Request, model: ir.Model, scales: KvCacheScales | None) -> RotationMatrix:
+    """Rule 5: the ``H`` of the converted cache (a row of
+    :data:`~onnx_kvcache.cache.rotation.MATRICES`). A rotated model keeps its own; else the one
+    ``scales`` record (:attr:`~onnx_kvcache.scales.files.KvCacheScales.rotation_matrix`: scales
+    measured with the old ``H`` rotate by it), else the default. A rotated model's own and the
+    recorded must build the same matrix at its head sizes: scales measured on caches turned by
+    one are wrong for the other."""
+    turned = [(s, m) for s in find_attention_sites(model) if (m := site_matrix(s)) is not None]
+    recorded = scales.rotation_matrix if scales is not None else None
+    for site, own in turned:
+        size = site.head_size()
+        if recorded is not None and not own.same(recorded, size):
+            raise KvCacheError(
+                f"The scales were measured on caches turned by H = {recorded.name} "
+                f"({matrix_name(size, recorded)}); {request.name}'s cache is turned by {own.name} "
+                f"({matrix_name(size, own)}). Convert the original model with these scales (it is rotated "
+                "as they record), or calibrate it again."
+            )
+    return turned[0][1] if turned else recorded or MATRICES[DEFAULT_MATRIX]
+
+
 def _paged_refusal(request: Request) -> KvCacheError:
     return KvCacheError(
         f"A rotated cache is for GroupQueryAttention; {request.name} has PagedAttention caches: "
@@ -587,7 +622,8 @@ def decide(request: Request) -> Decision:
     decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
     if fmt is None:
         return decision
-    decision = dataclasses.replace(decision, rotation=rotation_for(request, fusion.model, scales))
+    rotation, matrix = rotation_for(request, fusion.model, scales), matrix_for(request, fusion.model, scales)
+    decision = dataclasses.replace(decision, rotation=rotation, matrix=matrix)
     if target is not None:
         decision, refused = _gated(decision, fmt, granularity, named)
         if refused:
@@ -661,7 +697,9 @@ def carry_out(decision: Decision) -> bool:
         return False
     request = decision.request
     if decision.format is not None and decision.granularity is not None:
-        KvCacheRotationPass(decision.rotation)(decision.model)  # a no-op for none or a rotated model
+        KvCacheRotationPass(decision.rotation, decision.matrix)(
+            decision.model
+        )  # none, a rotated model: no-op
         KvCacheQuantizationPass(
             decision.format.name,
             decision.granularity.name,

@@ -38,7 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
-from onnx_kvcache.cache.rotation import Rotation, rotate, site_rotation
+from onnx_kvcache.cache.rotation import Rotation, RotationMatrix, rotate, site_matrix, site_rotation
 from onnx_kvcache.errors import (
     INTEGER,
     KvCacheError,
@@ -89,6 +89,8 @@ def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 
 #: Values of each model's logits :func:`kl_divergence` converts to float64 at once.
 _KL_BLOCK = 1 << 21
+_Turn = tuple[Rotation, RotationMatrix | None]
+"""What a model's graph turns before a layer's node, and by which ``H``."""
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -602,7 +604,7 @@ class _Tally:
     errors: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     prefixes: list[int] = dataclasses.field(default_factory=list)
     shares: list[float] = dataclasses.field(default_factory=list)
-    turned: tuple[dict[int, Rotation], dict[int, Rotation]] | None = None
+    turned: tuple[dict[int, _Turn], dict[int, _Turn]] | None = None
     """The baseline's and the candidate's rotation per layer, read from their graphs once."""
     prompts: set[int] = dataclasses.field(default_factory=set)
     """The prompt lengths fed (each window's: ``prompt_len``, at most half the window)."""
@@ -671,7 +673,9 @@ class _Tally:
         model's rotated cache turned back by ``H^T``, so both stand for the float cache)."""
         per_layer: dict[int, list[list[float]]] = {}
         if self.turned is None:
-            ours, theirs = ({s.layer_id: site_rotation(s) for s in r.sites} for r in (base, cand))
+            ours, theirs = (
+                {s.layer_id: (site_rotation(s), site_matrix(s)) for s in r.sites} for r in (base, cand)
+            )
             self.turned = (ours, theirs)
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = _turned_back(
@@ -728,11 +732,12 @@ class _Tally:
         )
 
 
-def _turned_back(values: np.ndarray, rotation: Rotation | None, kind: str) -> np.ndarray:
-    """A cache's values as the float cache they stand for: turned back by ``H^T`` where the
-    model rotates that cache (``kind``: key or value)."""
-    if rotation is not None and (rotation.keys if kind == "key" else rotation.values):
-        return rotate(values, inverse=True)
+def _turned_back(values: np.ndarray, turn: _Turn | None, kind: str) -> np.ndarray:
+    """A cache's values as the float cache they stand for: turned back by ``H^T`` (the model's
+    own) where the model rotates that cache (``kind``: key or value)."""
+    rotation, matrix = turn if turn is not None else (None, None)
+    if rotation is not None and matrix is not None and (rotation.keys if kind == "key" else rotation.values):
+        return rotate(values, inverse=True, matrix=matrix)
     return values
 
 

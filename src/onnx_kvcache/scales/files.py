@@ -18,6 +18,12 @@ optional ``format`` and ``granularity`` (written by us), one section per model f
 by the file's stem, and the older flat form
 ``{"scales": {"k_scales": [0.1, 0.2], "v_scales": [...]}}``.
 
+A rotated cache's scales record it (written by calibration): ``rotation`` (``keys`` or
+``keys_and_values``) and ``rotation_matrix``, the ``H`` they were measured with (a row of
+:data:`~onnx_kvcache.cache.rotation.MATRICES`); a file that records a rotation but no matrix
+was written before the record, with ``walsh_dct`` (:data:`UNRECORDED_MATRIX`). Converting
+rotates by the recorded ``H``.
+
 The granularity is a recorded fact: calibration records the one it measured, a file the
 one it states. A file that states none (onnxruntime-genai's) leaves it ``None``: the
 converter takes the first row of :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES` whose
@@ -32,6 +38,7 @@ from __future__ import annotations
 __all__ = [
     "KvCacheScales",
     "ScalesLike",
+    "UNRECORDED_MATRIX",
     "as_kv_cache_scales",
     "load_kv_cache_scale_file",
     "resolve_granularity",
@@ -48,7 +55,14 @@ from typing import Any, Union
 import numpy as np
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS, get_format, get_granularity, scale_granularity
-from onnx_kvcache.cache.rotation import ROTATIONS
+from onnx_kvcache.cache.rotation import (
+    DEFAULT_MATRIX,
+    MATRICES,
+    ROTATIONS,
+    RotationMatrix,
+    get_matrix,
+    get_rotation,
+)
 from onnx_kvcache.errors import (
     Function,
     KvCacheError,
@@ -62,6 +76,10 @@ from onnx_kvcache.model_io import load_json, stamp_json, write_output
 
 ScalesLike = Union["KvCacheScales", Mapping[int, tuple[Any, Any]], str, os.PathLike, None]
 
+
+UNRECORDED_MATRIX = "walsh_dct"
+"""The ``H`` of a rotated cache's scale file that records no ``rotation_matrix``: files
+written before the record were measured with it (:data:`~onnx_kvcache.cache.rotation.MATRICES`)."""
 
 _FLOAT32 = np.finfo(np.float32)
 _SMALLEST = float(_FLOAT32.smallest_subnormal)
@@ -253,6 +271,16 @@ class KvCacheScales:
             granularity=self.granularity,
         )
 
+    @property
+    def rotation_matrix(self) -> RotationMatrix | None:
+        """The ``H`` the scales were measured with (a row of
+        :data:`~onnx_kvcache.cache.rotation.MATRICES`): ``metadata["rotation_matrix"]``, else
+        for scales of a rotated cache the default (a file that records none was read as
+        :data:`UNRECORDED_MATRIX`); None for an unrotated cache."""
+        if not get_rotation(self.metadata.get("rotation", "none")).rotates:
+            return None
+        return get_matrix(self.metadata.get("rotation_matrix", DEFAULT_MATRIX))
+
     def to_json(self) -> dict[str, Any]:
         ids = self.layer_ids
         doc: dict[str, Any] = {
@@ -269,6 +297,8 @@ class KvCacheScales:
         if self.granularity is not None:
             doc["granularity"] = self.granularity
         doc.update({k: v for k, v in self.metadata.items() if k not in doc})
+        if self.rotation_matrix is not None:  # recorded: read back, a file without it is walsh_dct's
+            doc["rotation_matrix"] = self.rotation_matrix.name
         return doc
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
@@ -302,6 +332,16 @@ def mse_moved(source: str, target: str, rotation: str = "none") -> Message:
         Function("calibrate_kv_cache", (Param("format", target), Param("method", "mse"), *turned)),
         ".",
     )
+
+
+def _recorded_matrix(path: Any, matrix: Any, rotation: str | None) -> str | None:
+    """A file's ``rotation_matrix``, checked; for a rotated cache's scales that record none
+    (written before the record), :data:`UNRECORDED_MATRIX`."""
+    if matrix is None:
+        return UNRECORDED_MATRIX if rotation is not None and ROTATIONS[rotation].rotates else None
+    if matrix not in MATRICES:
+        raise _fail(path, f"'rotation_matrix' must be one of {', '.join(MATRICES)}, got {matrix!r}.")
+    return matrix
 
 
 def _layer_id(key: Any) -> Any:
@@ -447,7 +487,14 @@ def load_kv_cache_scale_file(
     rotation = section.get("rotation", doc.get("rotation"))
     if rotation is not None and rotation not in ROTATIONS:
         raise _fail(p, f"'rotation' must be one of {', '.join(ROTATIONS)}, got {rotation!r}.")
-    recorded = {"method": method, "rope_positions": rope_positions, "rotation": rotation}
+    recorded = {
+        "method": method,
+        "rope_positions": rope_positions,
+        "rotation": rotation,
+        "rotation_matrix": _recorded_matrix(
+            p, section.get("rotation_matrix", doc.get("rotation_matrix")), rotation
+        ),
+    }
     try:
         result = KvCacheScales(
             dict(zip(layer_ids, k)),
