@@ -45,7 +45,7 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from onnx_kvcache.cache.sites import GQA_DOMAIN
-from onnx_kvcache.errors import require_flags
+from onnx_kvcache.errors import FusionSkippedWarning, require_flags, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
 from onnx_kvcache.passes.fusion._refusals import REFUSAL_KINDS, FusionRefusalCode
@@ -129,6 +129,9 @@ class FusionPass(InPlacePass, abc.ABC):
     """What the fusion fuses, as its INFO log line names it."""
     reports_elsewhere: ClassVar[bool] = False
     """Refuse the candidates of subgraphs and functions (else they are not looked at)."""
+    warns: ClassVar[str] = ""
+    """What a :class:`~onnx_kvcache.errors.FusionSkippedWarning` calls the candidates it left
+    (empty: no warning, the caller reports them)."""
 
     def __init__(self, *, quiet: bool = False) -> None:
         super().__init__()
@@ -199,6 +202,13 @@ class FusionPass(InPlacePass, abc.ABC):
         return found
 
     def call(self, model: ir.Model) -> FusionResult:
+        report = self._fuse(model)
+        if self.warns and report.refusals:
+            warn(f"{summarize_refusals(report.refusals, self.warns)}.", FusionSkippedWarning)
+        return FusionResult(model, modified=bool(report.fused), report=report)
+
+    def _fuse(self, model: ir.Model) -> FusionReport:
+        """Match and rewrite every candidate of the main graph; the report of what was done."""
         graph = model.graph
         copies = _bypass(graph)  # put back unless something fused: a refused pass changes nothing
         ev = SymbolicEvaluator()
@@ -229,13 +239,13 @@ class FusionPass(InPlacePass, abc.ABC):
         else:
             _restore(graph, copies)
         if self.quiet:
-            return FusionResult(model, modified=bool(report.fused), report=report)
+            return report
         self.logger.info(
             "%s -> GroupQueryAttention: %d fused, %d left.", self.label, report.fused, len(refusals)
         )
         for refusal in refusals:
             self.logger.info("Left %s", refusal)
-        return FusionResult(model, modified=bool(report.fused), report=report)
+        return report
 
 
 WRITER_OPSET = 15

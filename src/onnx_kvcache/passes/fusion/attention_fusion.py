@@ -31,10 +31,9 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import FusionSkippedWarning, warn
 from onnx_kvcache.passes.fusion._attention_facts import restrict
 from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, not_causal, probs_and_scale
-from onnx_kvcache.passes.fusion._base import FusionPass, FusionResult, summarize_refusals
+from onnx_kvcache.passes.fusion._base import FusionPass
 from onnx_kvcache.passes.fusion._match import (
     KEY,
     QUERY,
@@ -162,6 +161,7 @@ class AttentionFusionPass(FusionPass):
 
     label = "Attention"
     reports_elsewhere = True
+    warns = "Attention node(s) left as they are"
 
     @property
     def refused(self) -> list[str]:
@@ -174,12 +174,3 @@ class AttentionFusionPass(FusionPass):
 
     def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
         return match_attention(ev, graph, node)
-
-    def call(self, model: ir.Model) -> FusionResult:
-        result = super().call(model)
-        refused = result.report.refusals
-        if refused:
-            warn(
-                f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.", FusionSkippedWarning
-            )
-        return result

@@ -46,15 +46,12 @@ __all__ = ["CachedAttentionFusionPass", "holds_own_cache", "match_cached_attenti
 
 import onnx_ir as ir
 
-from onnx_kvcache.errors import FusionSkippedWarning, warn
 from onnx_kvcache.passes.fusion._attention_node import attribute, not_causal, probs_and_scale
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
     FusionRefusalCode,
-    FusionResult,
     Refused,
-    summarize_refusals,
 )
 from onnx_kvcache.passes.fusion._match import (
     ATTENTION_DTYPES,
@@ -284,18 +281,10 @@ class CachedAttentionFusionPass(FusionPass):
 
     label = "Attention with its own cache"
     reports_elsewhere = True
+    warns = "Attention node(s) left as they are"
 
     def is_candidate(self, node: ir.Node) -> bool:
         return holds_own_cache(node)
 
     def match(self, ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> AttentionMatch:
         return match_cached_attention(ev, graph, node)
-
-    def call(self, model: ir.Model) -> FusionResult:
-        result = super().call(model)
-        refused = result.report.refusals
-        if refused:
-            warn(
-                f"{summarize_refusals(refused, 'Attention node(s) left as they are')}.", FusionSkippedWarning
-            )
-        return result
