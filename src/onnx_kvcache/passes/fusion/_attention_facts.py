@@ -55,6 +55,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     max_of,
     reshape_dims,
 )
+from onnx_kvcache.passes.fusion._window_present import rolling_attention
 
 BATCH, HEAD, QUERY, KEY = (Symbol.index(name) for name in ("batch", "head", "query", "key"))
 
@@ -485,15 +486,10 @@ def _uncropped(ev: SymbolicEvaluator, graph: ir.Graph, past: ir.Value) -> str | 
         readers = [u for u, _ in value.uses()]
         if any(u.op_type == "Slice" and _tail_rows(ev, u) is not None for u in readers):
             continue  # cropped
-        if any(u.op_type == "GroupQueryAttention" and _window_sized(u) for u in readers):
+        if any(rolling_attention(u) for u in readers):
             continue  # a rolling window cache fused already
         return value.name
     return None
-
-
-def _window_sized(node: ir.Node) -> bool:
-    attr = node.attributes.get("sliding_window_cache")
-    return attr is not None and attr.as_int() == 1
 
 
 def restrict(x: _Restricted, domain: Mapping[Symbol, Affine] | None) -> _Restricted:
