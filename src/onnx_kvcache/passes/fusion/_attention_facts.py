@@ -36,6 +36,7 @@ from typing import TypeVar
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import rolling_attention
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
@@ -55,7 +56,6 @@ from onnx_kvcache.passes.fusion._symbolic import (
     max_of,
     reshape_dims,
 )
-from onnx_kvcache.passes.fusion._window_present import rolling_attention
 
 BATCH, HEAD, QUERY, KEY = (Symbol.index(name) for name in ("batch", "head", "query", "key"))
 

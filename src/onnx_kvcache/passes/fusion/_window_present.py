@@ -22,10 +22,7 @@ __all__ = [
     "cast_fp8_windows",
     "follow_present_types",
     "last_rows",
-    "present_output",
-    "rolling_attention",
     "row_indices",
-    "tail_rows",
 ]
 
 from collections.abc import Callable
@@ -33,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import is_row_gather, present_output
 from onnx_kvcache.passes._graph import insert
 
 SLIDING_PAST, SLIDING_TOTAL = "past_sliding_length", "total_sliding_length"
@@ -105,46 +103,12 @@ def last_rows(graph: ir.Graph, gqa: ir.Node, present: ir.Value, indices: ir.Valu
     return gather.outputs[0]
 
 
-def _is_tail(node: ir.Node) -> bool:
-    """``GatherND(x, indices, batch_dims=2)``: rows of a BNSH cache per batch row and head."""
-    if node.op_type != "GatherND" or node.domain not in ("", "ai.onnx"):
-        return False
-    attr = node.attributes.get("batch_dims")
-    return attr is not None and attr.as_int() == 2
-
-
-def _only_reader(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    users = [user for user, _ in value.uses()] if value is not None else []
-    return users[0] if len(users) == 1 and users[0].op_type == op_type else None
-
-
-def tail_rows(value: ir.Value | None) -> ir.Node | None:
-    """The GatherND of ``value``'s rows whose output is a graph output (a rolling window cache's
-    present), if that is its one reader."""
-    node = _only_reader(value, "GatherND")
-    return node if node is not None and _is_tail(node) and node.outputs[0].is_graph_output() else None
-
-
-def present_output(value: ir.Value | None) -> ir.Value | None:
-    """The graph output a present cache leaves as: itself, its rows' GatherND's output, or
-    for fp8 the output of ``Cast(GatherND(Cast(value, float16)))``."""
-    node = tail_rows(value)
-    if node is not None:
-        return node.outputs[0]
-    wide = _only_reader(value, "Cast")
-    rows = _only_reader(wide.outputs[0], "GatherND") if wide is not None else None
-    narrow = _only_reader(rows.outputs[0], "Cast") if rows is not None and _is_tail(rows) else None
-    if narrow is not None and narrow.outputs[0].is_graph_output():
-        return narrow.outputs[0]
-    return value
-
-
 def cast_fp8_windows(graph: ir.Graph) -> int:
     """Gather float8 rolling presents through float16 (GatherND takes no float8); returns how many."""
     done = 0
     for node in list(graph):
         source = node.inputs[0] if node.inputs else None
-        if not _is_tail(node) or source is None or source.dtype is None or source.dtype in _GATHER_TYPES:
+        if not is_row_gather(node) or source is None or source.dtype is None or source.dtype in _GATHER_TYPES:
             continue
         dtype = source.dtype
         wide = insert(graph, node, "Cast", [source], f"{node.name}/to_float16", to=ir.DataType.FLOAT16)
@@ -189,15 +153,3 @@ def follow_present_types(graph: ir.Graph) -> int:
                     value.shape = ir.Shape([*value.shape[:3], present.shape[3]])
             changed += 1
     return changed
-
-
-def rolling_attention(node: ir.Node) -> bool:
-    """A GroupQueryAttention node of a fused rolling window cache: its present gathered to the
-    export's rows (:func:`present_output`), or a window-sized cache (``sliding_window_cache=1``)."""
-    if node.op_type != "GroupQueryAttention":
-        return False
-    attr = node.attributes.get("sliding_window_cache")
-    if attr is not None and attr.as_int() == 1:
-        return True
-    present = node.outputs[1] if len(node.outputs) > 1 else None
-    return present is not None and present_output(present) is not present
