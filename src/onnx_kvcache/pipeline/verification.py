@@ -205,10 +205,10 @@ class _Pair:
 
     def __init__(self, original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> None:
         self.names = {
-            str(present_output(s.present(side)).name): str(s.past(side).name)
+            str(present_output(s.present(side)).name): str(s.past(side).name)  # type: ignore[union-attr]
             for s in sites
             for side in s.sides
-        }  # type: ignore[union-attr]
+        }
         self.logits, self.vocab = _logits(original, set(self.names))
         self.inputs = {v.name for v in original.graph.inputs if v.name}
         self.pasts = {str(s.past(side).name): s for s in sites for side in s.sides}  # type: ignore[union-attr]
