@@ -91,7 +91,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.passes import PromptFloatAttentionPass
+from onnx_kvcache.passes import PromptFloatAttentionPass, WindowSizedCachePass
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,
@@ -217,6 +217,9 @@ class Request:
     verify: bool | None = None
     """Run the export and its fusion side by side before converting (None: up to
     :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES` of weights; :func:`verify_fusion`)."""
+    window_sized: bool = False
+    """Fused rolling window caches become window-sized (:class:`~onnx_kvcache.passes.WindowSizedCachePass`:
+    an onnxruntime-genai folder, whose runtime allocates them); False: they keep the export's inputs."""
 
     @property
     def rules(self) -> EntryRules:
@@ -568,6 +571,8 @@ def decide(request: Request) -> Decision:
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )
+    if request.window_sized and fusion.fused:
+        WindowSizedCachePass()(fusion.model)  # verified as the export's form, before this
     asked = scale_granularity(_asked_granularity(request))  # until the model decides
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)

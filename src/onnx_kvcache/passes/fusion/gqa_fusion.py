@@ -51,6 +51,7 @@ from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
+from onnx_kvcache.passes.fusion.window_sized import WindowSizedCachePass
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +197,13 @@ def _settle_window_caches(graph: ir.Graph) -> None:
         remove_dead(graph, [n for n in graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)])
 
 
-def _unsettled_window_reader(graph: ir.Graph) -> str | None:
-    """Why a fused graph must not stand (None: it may): a node other than attention still reads the
-    length of a window-sized past (a position computed from it), once what nothing reads is gone."""
+def _unsettled_window_reader(model: ir.Model) -> str | None:
+    """Why a fused model must not stand (None: it may): made window-sized (what an onnxruntime-genai
+    folder gets: :class:`~onnx_kvcache.passes.fusion.window_sized.WindowSizedCachePass`), a node other
+    than attention still reads the length of its past (a position computed from it), once what nothing
+    reads is gone."""
+    WindowSizedCachePass()(model)
+    graph = model.graph
     _settle_window_caches(graph)
     for past in _window_pasts(graph):
         for user, _ in past.uses():
@@ -232,7 +237,7 @@ def _refuse_unsettled_windows(model: ir.Model) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = sum(_report(fusion(quiet=True)(trial)).fused for fusion in FUSIONS)
-    reason = _unsettled_window_reader(trial.graph) if fused else None
+    reason = _unsettled_window_reader(trial) if fused else None
     if reason is not None:
         raise KvCacheError(reason)
 
