@@ -3,9 +3,11 @@
 The builder writes ``ExportStyle(window_cache="cropped")``: a sliding layer's past is
 cropped to its last ``window - 1`` rows, attention reads ``Concat(cropped, new)`` and the
 present is a Slice of that (Gemma2 also in transformers' eager attention, soft-capped).
-Fused, such a layer is GroupQueryAttention with a window-sized cache (``sliding_window_cache=1``)
-that must compute what the export computes, fed its presents back (the real files:
-tests/passes/fusion/test_producers.py).
+Fused, such a layer is GroupQueryAttention over the export's own past, its present gathered to
+the export's last ``window - 1`` rows: the fused model takes the export's inputs (an empty past
+first) and must compute what the export computes, fed its presents back (the real files:
+tests/passes/fusion/test_producers.py). An onnxruntime-genai folder's form is window-sized
+(``sliding_window_cache=1``: :class:`WindowSizedCachePass`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.model_io._sessions import create_session
+from onnx_kvcache.passes import WindowSizedCachePass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 
 from builders.exported import ExportStyle, build_decoder, exported_config
@@ -101,8 +104,10 @@ def test_fused_rolling_caches_equal_the_export(arch, case):
     want = generate(original, CASES[case], cache_columns=case == "left_padded")
     got = generate(model, CASES[case])
     assert max(max_differences(want, got).values()) < 1e-4
-    if case == "longer_than_window":
-        assert got[-1][1]["present.0.key"].shape[2] == 64  # window-sized: W rows, the export W - 1
+    for (_, a), (_, b) in zip(want, got):  # the export's presents: its shapes, W - 1 rows at most
+        assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    if case != "left_padded":  # unpadded rows: the export's presents themselves
+        assert _same(want, got) < 1e-4
 
 
 def test_gemma2_eager_attention_carries_softcap_and_scale():
@@ -113,10 +118,29 @@ def test_gemma2_eager_attention_carries_softcap_and_scale():
     assert count(model, "Tanh") == 1  # the logits' soft-cap stays
 
 
-def test_rolling_layers_keep_window_sized_caches():
-    """GQA's window-sized cache, declared as onnxruntime-genai's builder declares it; the
-    present is the node's own output, each row's valid new tokens counted (query_seqlens)."""
+def test_rolling_layers_keep_the_exports_caches():
+    """GQA over the export's past (no window-sized cache), each row's valid new tokens counted
+    (query_seqlens); the present a gather of the node's present, named and declared as the export's."""
+    original, model = export("mistral", window=4), fused(export("mistral", window=4))
+    declared = {v.name: v.shape for v in original.graph.outputs}
+    for node in gqa_nodes(model):
+        assert "sliding_window_cache" not in node.attributes
+        assert node.attributes["local_window_size"].as_int() == 4
+        assert node.inputs[3].is_graph_input() and node.inputs[3].shape == original.graph.inputs[3].shape
+        assert node.inputs[16] is not None  # query_seqlens
+        for present in node.outputs[1:3]:
+            (gather, _), *others = present.uses()
+            assert gather.op_type == "GatherND" and not others
+            assert gather.outputs[0].is_graph_output() and gather.outputs[0].name.startswith("present.")
+            assert gather.outputs[0].shape == declared[gather.outputs[0].name]
+
+
+def test_a_genai_folder_keeps_window_sized_caches():
+    """WindowSizedCachePass: GQA's window-sized cache, declared as onnxruntime-genai's builder
+    declares it; the present is the node's own output, the lengths the whole mask's."""
     model = fused(export("mistral", window=4))
+    assert WindowSizedCachePass()(model).modified
+    assert count(model, "GatherND") == 0 and count(model, "Min") == 0
     for node in gqa_nodes(model):
         assert node.attributes["sliding_window_cache"].as_int() == 1
         assert node.attributes["local_window_size"].as_int() == 4
@@ -146,10 +170,24 @@ def test_a_window_wider_than_the_crop_is_refused():
     assert all(reason in why for why in fusion.refused)
 
 
-def test_the_fused_cache_holds_window_rows_not_the_exports_window_minus_one():
-    """onnxruntime's window-sized cache needs capacity >= local_window_size: the fused model
+def test_the_fused_model_runs_from_the_exports_empty_past():
+    """The issue's first call: the export's own inputs (an empty past) run in the fused model and
+    give the export's logits and presents (W - 1 rows at most)."""
+    original, model = export("mistral", window=4), fused(export("mistral", window=4))
+    feeds = {"input_ids": np.arange(1, 8)[None], "attention_mask": np.ones((1, 7), np.int64)}
+    feeds["position_ids"] = np.arange(7)[None]
+    for value in model.graph.inputs[3:]:
+        feeds[value.name] = np.zeros((1, 2, 0, 32), np.float32)
+    want, got = (create_session(m).run(None, feeds) for m in (original, model))
+    assert [w.shape for w in want] == [g.shape for g in got] and got[1].shape == (1, 2, 3, 32)
+    assert max(float(np.abs(w - g).max()) for w, g in zip(want, got)) < 1e-4
+
+
+def test_the_window_sized_cache_holds_window_rows_not_the_exports_window_minus_one():
+    """onnxruntime's window-sized cache (a genai folder's) needs capacity >= local_window_size: it
     takes W rows (zeros at first, as onnxruntime-genai allocates them), not the export's W - 1."""
     model = fused(export("mistral", window=4))
+    WindowSizedCachePass()(model)
     session = create_session(model)
     feeds = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
     feeds["position_ids"] = np.array([[3]])
@@ -196,7 +234,10 @@ def test_fp16_converts_to_fp8_for_cuda(tmp_path):
     model = ir.load(tmp_path / "model.fp8.onnx")
     presents = [v for v in model.graph.outputs if v.name.startswith("present.")]
     assert {v.dtype for v in presents} == {ir.DataType.FLOAT8E4M3FN}
-    assert all(v.producer().op_type == "GroupQueryAttention" for v in presents)
+    for present in presents:  # GatherND takes no float8: the rows are gathered through float16
+        gather = present.producer().inputs[0].producer()
+        assert present.producer().op_type == "Cast" and gather.op_type == "GatherND"
+        assert gather.inputs[0].producer().inputs[0].producer().op_type == "GroupQueryAttention"
     with pytest.raises(Exception, match="NOT_IMPLEMENTED") as caught:
         create_session(model)
     assert "GroupQueryAttention" in str(caught.value)
@@ -244,7 +285,7 @@ def test_a_left_padded_row_computes_its_own_last_window_tokens(window, pads, tok
     )
     original, model = build_decoder(config), build_decoder(config)
     full = build_decoder(dataclasses.replace(config, exported=ExportStyle()))
-    with pytest.warns(Warning, match="now keep a window-sized cache"):
+    with pytest.warns(Warning, match="keep the export's caches"):
         GqaFusionPass()(model)
     mask = np.array([[1] * tokens, [0] * pads + [1] * (tokens - pads)])
     got = generate(model, mask, steps=12)
