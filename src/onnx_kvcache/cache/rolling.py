@@ -11,7 +11,7 @@ its present the node's own output.
 
 from __future__ import annotations
 
-__all__ = ["is_row_gather", "present_output", "rolling_attention", "tail_rows"]
+__all__ = ["is_row_gather", "present_output", "rolling_attention", "tail_rows", "whole_presents"]
 
 import onnx_ir as ir
 
@@ -60,3 +60,22 @@ def rolling_attention(node: ir.Node) -> bool:
         return True
     present = node.outputs[1] if len(node.outputs) > 1 else None
     return present is not None and present_output(present) is not present
+
+
+def whole_presents(graph: ir.Graph) -> int:
+    """Make each rolling present graph output the attention node's whole present (every row of
+    past and new tokens, before the gather: what calibration reads, a window's every token), under
+    the output's name; returns how many. The gathers are left unread."""
+    done = 0
+    for index, out in enumerate(list(graph.outputs)):
+        node = out.producer()
+        source = node.inputs[0] if node is not None and is_row_gather(node) else None
+        producer = source.producer() if source is not None else None
+        if source is None or producer is None or producer.op_type != "GroupQueryAttention":
+            continue
+        name = out.name
+        out.name = f"{name}/rows"
+        source.name = name
+        graph.outputs[index] = source
+        done += 1
+    return done

@@ -13,6 +13,7 @@ tests/passes/fusion/test_producers.py). An onnxruntime-genai folder's form is wi
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -291,3 +292,61 @@ def test_a_left_padded_row_computes_its_own_last_window_tokens(window, pads, tok
     got = generate(model, mask, steps=12)
     for want in (generate(original, mask, steps=12, cache_columns=True), generate(full, mask, steps=12)):
         assert max(max_differences(want, got).values()) < 1e-4
+
+
+PRODUCERS = pathlib.Path(__file__).parents[2] / "data" / "producers"
+#: The producers' rolling window exports (window 4) that convert: every layer a window layer. Those
+#: that alternate window and full layers over one past dimension (gemma2, cohere2, qwen2_window) are
+#: refused (tests/passes/fusion/producers.py: EXPECTED).
+ORACLE = sorted(PRODUCERS.glob("*/dynamo-opset23-optimize-rollingcache/mistral/model.onnx"))
+ORACLE_CASES = {**CASES, "longer_than_window": np.ones((1, 12), np.int64)}
+
+
+def _oracle_id(path: pathlib.Path) -> str:
+    return "/".join(path.parts[-4:-1])
+
+
+@pytest.mark.parametrize("case", sorted(ORACLE_CASES))
+@pytest.mark.parametrize("path", ORACLE, ids=_oracle_id)
+def test_a_converted_oracle_file_takes_the_exports_inputs(path, case, tmp_path):
+    """The issue's model: a transformers 5.x export with a rolling window cache, fused and saved,
+    runs from an empty past with the export's inputs and gives its logits and its presents (their
+    shapes; unpadded, their values), fed its own presents back; a padded row's mask as the export
+    reads it (its cache's columns) or whole."""
+    ir.save(fused(ir.load(path)), tmp_path / "model.onnx")
+    original, model = ir.load(path), ir.load(tmp_path / "model.onnx")
+    mask = ORACLE_CASES[case]
+    want = generate(original, mask, cache_columns=True)
+    for columns in (True, False):
+        got = generate(model, mask, cache_columns=columns)
+        assert max(max_differences(want, got).values()) < 1e-5
+        for (_, a), (_, b) in zip(want, got):
+            assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+            assert b["present.0.key"].shape[2] <= 3  # W - 1
+        if case != "left_padded":
+            assert _same(want, got) < 1e-5
+
+
+@pytest.mark.parametrize("path", ORACLE, ids=_oracle_id)
+def test_an_int8_conversion_of_an_oracle_file_runs_from_an_empty_past(path, tmp_path):
+    """onnx-kvcache convert --format int8 (CPU): the export's inputs, an empty past first, run in
+    onnxruntime; the presents int8 with the export's shapes, the logits the export's within the
+    cache's quantization error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fusion's padding note, random calibration tokens
+        scales = calibrate_kv_cache(ir.load(path), format="int8", num_seqs=4, seq_len=64, progress=False)
+    scales.save(tmp_path / "scales.json")
+    out = tmp_path / "model.int8.onnx"
+    command = [sys.executable, "-m", "onnx_kvcache", "convert", str(path), str(out), "--format", "int8"]
+    command += ["--scales", str(tmp_path / "scales.json"), "--ep", "cpu"]
+    subprocess.run(command, check=True, capture_output=True)
+    model = ir.load(out)
+    presents = [v for v in model.graph.outputs if v.name.startswith("present.")]
+    assert {v.dtype for v in presents} == {ir.DataType.INT8}
+    original = ir.load(path)
+    for mask in ORACLE_CASES.values():
+        want, got = generate(original, mask, cache_columns=True), generate(model, mask)
+        for (_, a), (_, b) in zip(want, got):
+            assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+        top = max(float(np.abs(h["logits"]).max()) for _, h in want)
+        assert max_differences(want, got)["logits"] < 0.05 * top  # int8 cache error, not a wrong window
