@@ -9,7 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rolling import rolling_attention
+from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
@@ -143,7 +143,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         head_size=head,
         head_sink=site.input("head_sink") is not None,
         prompt_in_float=site.wrapper is not None,
-        rolling=window - 1 if window > 0 and rolling_attention(site.node) and not sized else None,
+        rolling=window - 1 if window > 0 and _gathered(site) and not sized else None,
     )
 
 
@@ -175,6 +175,11 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n:.1f} PiB"
+
+
+def _gathered(site: CacheSite) -> bool:
+    """A rolling window cache's site: its present leaves through the row gather (wrapped or not)."""
+    return any(present_output(p) is not p for side in site.sides if (p := site.present(side)) is not None)
 
 
 def _allocation_lines(info: CacheModelInfo) -> list[str]:

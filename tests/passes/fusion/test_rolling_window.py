@@ -214,7 +214,7 @@ def test_cli_int8_conversion_runs_on_cpu(tmp_path):
     command += ["--scales", str(tmp_path / "scales.json"), "--ep", "cpu"]
     subprocess.run(command, check=True, capture_output=True)
     model = ir.load(out)
-    assert len(gqa_nodes(model)) == 4 and count(model, "If") == 2  # the full caches: prompt in float
+    assert len(gqa_nodes(model)) == 4 and count(model, "If") == 4  # every layer's prompt in float
     assert {v.dtype for v in model.graph.outputs if v.name.startswith("present.")} == {ir.DataType.INT8}
     original = export("gemma2")
     for mask in CASES.values():
@@ -331,7 +331,7 @@ def test_a_converted_oracle_file_takes_the_exports_inputs(path, case, tmp_path):
 def test_an_int8_conversion_of_an_oracle_file_runs_from_an_empty_past(path, tmp_path):
     """onnx-kvcache convert --format int8 (CPU): the export's inputs, an empty past first, run in
     onnxruntime; the presents int8 with the export's shapes, the logits the export's within the
-    cache's quantization error."""
+    cache's quantization error (measured: 0.053 of 3.38 at most, the full-length export's 0.041)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fusion's padding note, random calibration tokens
         scales = calibrate_kv_cache(ir.load(path), format="int8", num_seqs=4, seq_len=64, progress=False)
@@ -343,6 +343,7 @@ def test_an_int8_conversion_of_an_oracle_file_runs_from_an_empty_past(path, tmp_
     model = ir.load(out)
     presents = [v for v in model.graph.outputs if v.name.startswith("present.")]
     assert {v.dtype for v in presents} == {ir.DataType.INT8}
+    assert count(model, "If") == 2  # the prompt in float: the float kernel takes the export's empty past
     original = ir.load(path)
     for mask in ORACLE_CASES.values():
         want, got = generate(original, mask, cache_columns=True), generate(model, mask)
