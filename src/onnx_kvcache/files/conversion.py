@@ -192,7 +192,8 @@ def convert_model(
 def _genai_export(source: ModelSource, plan: _Plan) -> bool:
     """The output is an onnxruntime-genai folder made from an export folder (its config.json read):
     fused rolling window caches become window-sized there, as onnxruntime-genai allocates them
-    (:class:`~onnx_kvcache.passes.WindowSizedCachePass`); a model file keeps the export's inputs."""
+    (:func:`~onnx_kvcache.passes.fusion.window_sized.make_window_sized`); a model file keeps the
+    export's inputs."""
     return (
         plan.placement is Placement.FOLDER
         and source.folder is not None

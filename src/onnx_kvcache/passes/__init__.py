@@ -15,7 +15,6 @@ __all__ = [
     "KvCacheRotationPass",
     "PagedAttentionReferencePass",
     "PromptFloatAttentionPass",
-    "WindowSizedCachePass",
 ]
 
 from onnx_kvcache.passes._prompt_float_attention import PromptFloatAttentionPass
@@ -25,7 +24,6 @@ from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
-from onnx_kvcache.passes.fusion.window_sized import WindowSizedCachePass
 from onnx_kvcache.passes.kv_cache_emulation import KvCacheEmulationPass
 from onnx_kvcache.passes.kv_cache_quantization import Fp8KvCachePass, KvCacheQuantizationPass
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass

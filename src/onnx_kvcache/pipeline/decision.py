@@ -91,13 +91,14 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.passes import PromptFloatAttentionPass, WindowSizedCachePass
+from onnx_kvcache.passes import PromptFloatAttentionPass
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,
     float32_attention_sites,
 )
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
+from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.pipeline.verification import Verification, too_large, verify_fusion
@@ -218,7 +219,8 @@ class Request:
     """Run the export and its fusion side by side before converting (None: up to
     :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES` of weights; :func:`verify_fusion`)."""
     window_sized: bool = False
-    """Fused rolling window caches become window-sized (:class:`~onnx_kvcache.passes.WindowSizedCachePass`:
+    """Fused rolling window caches become window-sized (:func:`~onnx_kvcache.passes.fusion.window_sized.
+    make_window_sized`:
     an onnxruntime-genai folder, whose runtime allocates them); False: they keep the export's inputs."""
 
     @property
@@ -572,7 +574,7 @@ def decide(request: Request) -> Decision:
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )
     if request.window_sized and fusion.fused:
-        WindowSizedCachePass()(fusion.model)  # verified as the export's form, before this
+        make_window_sized(fusion.model)  # verified as the export's form, before this
     asked = scale_granularity(_asked_granularity(request))  # until the model decides
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)

@@ -7,7 +7,7 @@ Fused, such a layer is GroupQueryAttention over the export's own past, its prese
 the export's last ``window - 1`` rows: the fused model takes the export's inputs (an empty past
 first) and must compute what the export computes, fed its presents back (the real files:
 tests/passes/fusion/test_producers.py). An onnxruntime-genai folder's form is window-sized
-(``sliding_window_cache=1``: :class:`WindowSizedCachePass`).
+(``sliding_window_cache=1``: :func:`make_window_sized`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pytest
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.model_io._sessions import create_session
-from onnx_kvcache.passes import WindowSizedCachePass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 
 from builders.exported import ExportStyle, build_decoder, exported_config
 from conftest import gqa_nodes
@@ -137,10 +137,10 @@ def test_rolling_layers_keep_the_exports_caches():
 
 
 def test_a_genai_folder_keeps_window_sized_caches():
-    """WindowSizedCachePass: GQA's window-sized cache, declared as onnxruntime-genai's builder
+    """make_window_sized: GQA's window-sized cache, declared as onnxruntime-genai's builder
     declares it; the present is the node's own output, the lengths the whole mask's."""
     model = fused(export("mistral", window=4))
-    assert WindowSizedCachePass()(model).modified
+    assert make_window_sized(model) == 4
     assert count(model, "GatherND") == 0 and count(model, "Min") == 0
     for node in gqa_nodes(model):
         assert node.attributes["sliding_window_cache"].as_int() == 1
@@ -188,7 +188,7 @@ def test_the_window_sized_cache_holds_window_rows_not_the_exports_window_minus_o
     """onnxruntime's window-sized cache (a genai folder's) needs capacity >= local_window_size: it
     takes W rows (zeros at first, as onnxruntime-genai allocates them), not the export's W - 1."""
     model = fused(export("mistral", window=4))
-    WindowSizedCachePass()(model)
+    make_window_sized(model)
     session = create_session(model)
     feeds = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
     feeds["position_ids"] = np.array([[3]])

@@ -51,7 +51,7 @@ from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
-from onnx_kvcache.passes.fusion.window_sized import WindowSizedCachePass
+from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 
 logger = logging.getLogger(__name__)
 
@@ -199,10 +199,10 @@ def _settle_window_caches(graph: ir.Graph) -> None:
 
 def _unsettled_window_reader(model: ir.Model) -> str | None:
     """Why a fused model must not stand (None: it may): made window-sized (what an onnxruntime-genai
-    folder gets: :class:`~onnx_kvcache.passes.fusion.window_sized.WindowSizedCachePass`), a node other
+    folder gets: :func:`~onnx_kvcache.passes.fusion.window_sized.make_window_sized`), a node other
     than attention still reads the length of its past (a position computed from it), once what nothing
     reads is gone."""
-    WindowSizedCachePass()(model)
+    make_window_sized(model)
     graph = model.graph
     _settle_window_caches(graph)
     for past in _window_pasts(graph):

@@ -4,7 +4,7 @@ A fused rolling window cache (:mod:`onnx_kvcache.cache.rolling`) takes the expor
 empty past first, then each row's last ``W - 1`` tokens. onnxruntime-genai allocates a window
 layer's cache itself, window-sized (``W`` rows plus its slack, zeros at first) in one buffer that
 past and present share, and feeds the whole ``attention_mask``: what GroupQueryAttention's
-window-sized cache takes. :class:`WindowSizedCachePass` rewrites each such layer so, for a
+window-sized cache takes. :func:`make_window_sized` rewrites each such layer so, for a
 converted onnxruntime-genai folder (its ``genai_config.json`` then names the window layers):
 
 * the node gets ``sliding_window_cache=1``; its ``seqlens_k`` and ``total_sequence_length`` are
@@ -17,14 +17,13 @@ converted onnxruntime-genai folder (its ``genai_config.json`` then names the win
 
 from __future__ import annotations
 
-__all__ = ["WindowSizedCachePass"]
+__all__ = ["make_window_sized"]
 
 import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GqaInput
 from onnx_kvcache.cache.rolling import rolling_attention, tail_rows
 from onnx_kvcache.errors import KvCacheError
-from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._match import remove_dead
 from onnx_kvcache.passes.fusion._window_present import SLIDING_PAST, SLIDING_TOTAL
 
@@ -68,16 +67,17 @@ def _window_sized(graph: ir.Graph, node: ir.Node) -> list[ir.Node]:
     return [n for n in unread if n is not None]
 
 
-class WindowSizedCachePass(InPlacePass):
-    """Make each fused rolling window cache window-sized, as onnxruntime-genai allocates it
-    (see the module docstring); layers already window-sized and other layers stay as they are."""
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        unread: list[ir.Node] = []
-        for node in list(model.graph):
-            attr = node.attributes.get("sliding_window_cache")
-            if rolling_attention(node) and (attr is None or attr.as_int() != 1):
-                unread += _window_sized(model.graph, node)
-        if unread:
-            remove_dead(model.graph, unread)
-        return ir.passes.PassResult(model, modified=bool(unread))
+def make_window_sized(model: ir.Model) -> int:
+    """Make each fused rolling window cache of ``model`` window-sized, as onnxruntime-genai allocates
+    it (see the module docstring), in place; layers already window-sized and other layers stay as
+    they are. Returns how many layers changed."""
+    unread: list[ir.Node] = []
+    changed = 0
+    for node in list(model.graph):
+        attr = node.attributes.get("sliding_window_cache")
+        if rolling_attention(node) and (attr is None or attr.as_int() != 1):
+            unread += _window_sized(model.graph, node)
+            changed += 1
+    if unread:
+        remove_dead(model.graph, unread)
+    return changed
