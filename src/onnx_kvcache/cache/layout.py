@@ -185,7 +185,7 @@ def _gathered(site: CacheSite) -> bool:
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
     """What serving code must feed as past inputs once the cache is quantized: their element
     type and shape changed (int4: two values a byte, so the last dimension is halved)."""
-    groups: dict[tuple[str, str, int | None], list[int]] = {}
+    groups: dict[tuple[str, str, int | None, int | None], list[int]] = {}
     for layer in info.layers:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
