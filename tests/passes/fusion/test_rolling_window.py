@@ -24,7 +24,7 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
-from onnx_kvcache import calibrate_kv_cache, convert_model, optimize_model
+from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.window_sized import make_window_sized
@@ -245,9 +245,7 @@ def test_fp16_converts_to_fp8_for_cuda(tmp_path):
 
 
 def test_the_runner_emulates_an_fp8_window_cache_on_cpu(tmp_path):
-    """KvCacheRunner binds the window-sized caches and runs the fp8 model through emulation."""
-    from onnx_kvcache import KvCacheRunner
-
+    """KvCacheRunner binds the rolling caches' presents and runs the fp8 model through emulation."""
     source = tmp_path / "model.onnx"
     ir.save(export("gemma2", dtype="float16", window=4), source)
     with warnings.catch_warnings():
@@ -351,3 +349,7 @@ def test_an_int8_conversion_of_an_oracle_file_runs_from_an_empty_past(path, tmp_
             assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
         top = max(float(np.abs(h["logits"]).max()) for _, h in want)
         assert max_differences(want, got)["logits"] < 0.05 * top  # int8 cache error, not a wrong window
+    runner = KvCacheRunner(out)  # the runner feeds the export's caches: empty first, no capacity
+    assert len(runner.generate(list(range(1, 10)), 4)) == 4
+    assert [b.present for b in runner.bindings] == [v.name for v in presents]
+    assert not any(b.capacity for b in runner.bindings)

@@ -274,8 +274,9 @@ class WindowCache:
     graph output is ``Slice(that, -keep)``, the last ``keep`` (``window - 1``) rows. Fed its
     own presents, the export's past never holds more than ``keep`` rows: on that domain the
     crop keeps every row (:attr:`domain`), and the layer is causal attention with a window
-    ``W <= keep + 1`` over ``Concat(past, new)``, which GQA's window-sized cache
-    (``sliding_window_cache=1``) computes from the last ``W - 1`` tokens it keeps.
+    ``W <= keep + 1`` over ``Concat(past, new)``, which GQA computes over the export's own
+    past, its present gathered to each row's last ``keep`` tokens
+    (:mod:`~onnx_kvcache.passes.fusion._window_present`).
     """
 
     output: ir.Value

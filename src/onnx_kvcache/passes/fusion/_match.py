@@ -14,8 +14,9 @@ writes the node. The rules:
   Expand of that axis only, Reshape folding it into the head axis: query head ``h``
   reads KV head ``h // group``, as GQA does). Or a cropped sliding-window cache
   (:class:`WindowCache`): ``Concat(Slice(past, -crop), new)`` read by attention, its
-  ``Slice(-keep)`` the present; GQA then reads the uncropped past and a Slice after it
-  gives the present.
+  ``Slice(-keep)`` the present; GQA then reads the export's past (never longer than ``keep``
+  when fed its presents) and a per-row gather after it gives the export's present
+  (:mod:`~onnx_kvcache.passes.fusion._window_present`).
 - **Mask.** The mask condition, over batch ``b``, query row ``i``, key column ``j`` and
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
