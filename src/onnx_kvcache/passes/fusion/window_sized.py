@@ -58,7 +58,7 @@ def _window_sized(graph: ir.Graph, node: ir.Node) -> list[ir.Node]:
         name, shape = out.name, out.shape
         out.replace_all_uses_with(present, replace_graph_outputs=True)
         unread.append(gather)
-        present.name = name
+        present.name, present.type = name, out.type
         if shape is not None and len(shape) == 4:
             present.shape = ir.Shape([*shape[:2], SLIDING_TOTAL, shape[3]])
     for past in node.inputs[3:5]:
