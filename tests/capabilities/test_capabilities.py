@@ -187,7 +187,7 @@ def test_attention_sinks_need_a_provider_that_honors_them(ep, fmt, version, code
     ],
 )
 def test_window_sized_caches_of_a_fusion_need_query_seqlens(ep, version, code):
-    """A rolling window cache fuses into a window-sized cache with query_seqlens (input 16)."""
+    """A rolling window cache fuses into GQA with query_seqlens (input 16): refused where not taken."""
     import warnings
 
     from onnx_kvcache import optimize_model

@@ -18,7 +18,15 @@ import onnx_ir as ir
 import pytest
 
 from decoding import PROMPTS, generate
-from onnx_kvcache.cache.rotation import MATRICES, ROTATIONS, get_rotation, rotate, site_matrix, site_rotation
+from onnx_kvcache.cache.rolling import rolling_attention
+from onnx_kvcache.cache.rotation import (
+    MATRICES,
+    ROTATIONS,
+    get_rotation,
+    rotate,
+    site_matrix,
+    site_rotation,
+)
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.errors import KvCacheError, KvCachePreconditionError
 from onnx_kvcache.model_io._sessions import create_session
@@ -130,7 +138,7 @@ def _fused(arch: str, style: dict) -> ir.Model:
     return model
 
 
-FUSED = {  # window-sized caches (sliding_window_cache=1, query_seqlens), gpt-oss's sinks (head_sink)
+FUSED = {  # rolling window caches (the export's, query_seqlens), gpt-oss's sinks (head_sink)
     "gemma2-sinks": ("gemma2", {"attention": "eager", "attention_sinks": True, "window_cache": "cropped"}),
     "mistral": ("mistral", {"window_cache": "cropped"}),
 }
@@ -143,7 +151,7 @@ def test_fused_sinks_and_window_sized_caches_rotate(case):
     row's tokens are (the kernel leaves the rest unread)."""
     original, rotated = _fused(*FUSED[case]), _fused(*FUSED[case])
     nodes = [n for n in original.graph if n.op_type == "GroupQueryAttention"]
-    assert any("sliding_window_cache" in n.attributes for n in nodes)
+    assert any(rolling_attention(n) for n in nodes)
     assert (case == "gemma2-sinks") == all(n.inputs[11] is not None for n in nodes)
     assert KvCacheRotationPass()(rotated).modified
     for mask in (PROMPTS["single"], PROMPTS["left_padded"], np.ones((1, 12), np.int64)):

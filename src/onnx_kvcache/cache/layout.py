@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
@@ -50,6 +51,9 @@ class CacheLayerInfo:
     prompt_in_float: bool = False
     """A call of several tokens attends them through the float kernel, the cache stored
     quantized (:mod:`~onnx_kvcache.cache.prompt_path`); one token a call: the quantized kernel."""
+    rolling: int | None = None
+    """Rows a rolling window cache keeps (the export's ``W - 1``: :mod:`~onnx_kvcache.cache.rolling`),
+    else None: it starts empty, as the export's, and holds each row's last ``W - 1`` tokens."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -73,7 +77,8 @@ class CacheModelInfo:
         """Cache bytes for ``batch`` sequences of ``context`` tokens (windows capped)."""
         total = 0.0
         for layer in self.layers:
-            tokens = min(context, layer.window) if layer.window else context
+            held = layer.window or layer.rolling
+            tokens = min(context, held) if held else context
             total += layer.bytes_per_token * tokens * batch
         return total
 
@@ -123,6 +128,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
     original = caches * site.kv_num_heads * head * (query.itemsize if query is not None else 0)
     k, v = site.input(site.op.key.scale), None if site.single_cache else site.input(site.op.value.scale)
     window = site.int_attr("local_window_size", -1)
+    sized = bool(site.int_attr("sliding_window_cache", 0))
     return CacheLayerInfo(
         layer_id=site.layer_id,
         node=site.name,
@@ -136,7 +142,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         k_scale=constant_values(k),
         v_scale=constant_values(v),
         shared_scale=k is not None and k is v,
-        window=window if window > 0 and site.int_attr("sliding_window_cache", 0) else None,
+        window=window if window > 0 and sized else None,
         bytes_per_token=caches * site.kv_num_heads * head * per_value,
         original_bytes_per_token=original,
         op=site.op.op_type,
@@ -146,6 +152,7 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
         head_size=head,
         head_sink=site.input("head_sink") is not None,
         prompt_in_float=site.wrapper is not None,
+        rolling=window - 1 if window > 0 and _gathered(site) and not sized else None,
     )
 
 
@@ -179,26 +186,34 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def _gathered(site: CacheSite) -> bool:
+    """A rolling window cache's site: its present leaves through the row gather (wrapped or not)."""
+    return any(present_output(p) is not p for side in site.sides if (p := site.present(side)) is not None)
+
+
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
     """What serving code must feed as past inputs once the cache is quantized: their element
     type and shape changed (int4: two values a byte, so the last dimension is halved)."""
-    groups: dict[tuple[str, str, int | None], list[int]] = {}
+    groups: dict[tuple[str, str, int | None, int | None], list[int]] = {}
     for layer in info.layers:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
-            groups.setdefault((layer.dtype, shape + packed, layer.window), []).append(layer.layer_id)
+            groups.setdefault((layer.dtype, shape + packed, layer.window, layer.rolling), []).append(
+                layer.layer_id
+            )
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
-    for (dtype, shape, window), ids in groups.items():
+    for (dtype, shape, window, rolling), ids in groups.items():
         empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
+        empty += f", then at most {rolling} (its presents fed back)" if rolling else ""
         lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
     return lines
 
 
 def _attention_lines(info: CacheModelInfo) -> list[str]:
-    """The layers whose cache is window-sized, and those with attention sinks."""
+    """The layers whose cache is window-sized or rolling, and those with attention sinks."""
     lines = []
     windows: dict[int, list[int]] = {}
     for layer in info.layers:
@@ -208,6 +223,15 @@ def _attention_lines(info: CacheModelInfo) -> list[str]:
         lines.append(
             f"window-sized caches (sliding_window_cache=1): layer(s) {_ranges(ids)} keep the last "
             f"{window} tokens in at least {window} rows (empty: {window} zero rows; no more bytes past it)"
+        )
+    rolling: dict[int, list[int]] = {}
+    for layer in info.layers:
+        if layer.rolling:
+            rolling.setdefault(layer.rolling, []).append(layer.layer_id)
+    for rows, ids in rolling.items():
+        lines.append(
+            f"rolling window caches (the export's): layer(s) {_ranges(ids)} keep each row's last {rows} "
+            f"tokens (window {rows + 1}; empty: 0 rows, as the export's; no more bytes past it)"
         )
     sunk = [layer.layer_id for layer in info.layers if layer.head_sink]
     if sunk:

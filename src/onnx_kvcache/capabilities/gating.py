@@ -270,7 +270,7 @@ def _query_seqlens_refusals(
         takes = [n for n, r in CAPABILITIES[row.op].items() if r.query_seqlens]
         text = (
             f"{label}'s {row.op} rejects query_seqlens (input 16: each row's valid new tokens, what the "
-            f"fusion writes for window-sized caches), which {len(chunked)} node(s) of this model use; "
+            f"fusion writes for rolling window caches), which {len(chunked)} node(s) of this model use; "
             f"run it on {', '.join(takes)}."
         )
         return [Refusal(RefusalCode.INPUT_UNSUPPORTED, Parameter.EP, text)]

@@ -108,7 +108,7 @@ class EpCapabilities:
     """Attention sinks (GQA and PagedAttention input 11); None: not known to be honored."""
     query_seqlens: str = ""
     """First version of the runtime whose GQA takes ``query_seqlens`` (input 16: each row's valid
-    new tokens; the fusion writes it for window-sized caches), "" for none (its schema says other
+    new tokens; the fusion writes it for rolling window caches), "" for none (its schema says other
     providers must reject a node with it)."""
 
     @property

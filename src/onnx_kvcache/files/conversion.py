@@ -63,7 +63,7 @@ from onnx_kvcache.files._context import warn_short_scales
 from onnx_kvcache.files._conversion_plan import _Plan, _plan
 from onnx_kvcache.files._conversion_terms import ASKED_WEIGHTS, ConvertResult, Placement, Weights, WeightsMode
 from onnx_kvcache.files._conversion_write import _serialize, _write_file, _write_folder, _write_in_place
-from onnx_kvcache.files._export_folder import written_genai_config
+from onnx_kvcache.files._export_folder import read_export_config, written_genai_config
 from onnx_kvcache.model_io.genai_folder import (
     GENAI_CONFIG,
     resolve_model_path,
@@ -181,11 +181,25 @@ def convert_model(
         )
         _check_writable(source, plan)
         request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-        decision = decide(dataclasses.replace(request, **_asked(allow_partial, rotation, verify)))
+        asked = _asked(allow_partial, rotation, verify) | {"window_sized": _genai_export(source, plan)}
+        decision = decide(dataclasses.replace(request, **asked))
         result = _result(source, plan, decision)
         if carry_out(decision):
             _finish(source, plan, decision, result, progress)
     return result
+
+
+def _genai_export(source: ModelSource, plan: _Plan) -> bool:
+    """The output is an onnxruntime-genai folder made from an export folder (its config.json read):
+    fused rolling window caches become window-sized there, as onnxruntime-genai allocates them
+    (:func:`~onnx_kvcache.passes.fusion.window_sized.make_window_sized`); a model file keeps the
+    export's inputs."""
+    return (
+        plan.placement is Placement.FOLDER
+        and source.folder is not None
+        and source.config is None
+        and read_export_config(source.folder) is not None
+    )
 
 
 def _asked(allow_partial: bool, rotation: str | None, verify: bool | None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The ends of a cache: the graph inputs a past cache comes from (through function calls), the
 outputs a present flows out to (through If/Loop bodies and function calls), who else reads them
-(only converted attention nodes, Shape and Size), and retyping one
+(only converted attention nodes, Shape and Size, or a rolling window's row gather), and retyping one
 value to the target format. A cache that cannot be converted raises :class:`_Skip` with why;
 :mod:`.kv_cache_quantization` (rules 1 and 2) turns that into a skipped node and a warning.
 """
@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat
 from onnx_kvcache.cache.operators import AttentionOp
+from onnx_kvcache.cache.rolling import tail_rows
 from onnx_kvcache.cache.sites import CacheSite, function_call_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.passes._shape_readers import reads_dimensions_only, sees_head_dimension
@@ -55,6 +56,8 @@ def _check_only_attention_reads(
         op = readers.get(id(user))
         if user.graph is None or (id(user) in readers and (op is None or slot in op.cache_slots)):
             continue  # a removed node, or a converted reader
+        if user is tail_rows(value):
+            continue  # a rolling window cache's present (its output is retyped too)
         if user.op_identifier() in model.functions:
             continue  # the function's own use of its input is checked where it is a source
         if reads_dimensions_only(user):
@@ -123,6 +126,9 @@ def _subgraph_owner(model: ir.Model, graph: ir.Graph) -> ir.Node | None:
 
 def _cache_sinks(model: ir.Model, site: CacheSite, value: ir.Value) -> list[ir.Value]:
     """Values to retype for a present output: the output and where it flows out."""
+    rows = tail_rows(value)
+    if rows is not None:  # a rolling window cache's present: the gather's output leaves
+        return [value, rows.outputs[0]]
     found = [value]
     if not value.is_graph_output() or value.graph is model.graph or value.graph is None:
         return found

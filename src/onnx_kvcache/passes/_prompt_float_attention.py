@@ -46,9 +46,11 @@ caller's buffers, as the quantized node did.
 Which nodes it wraps: GroupQueryAttention nodes of the main graph with an int8 or int4 cache
 (no fp8: no CPU kernel holds one), ``k_quant_type`` equal to ``v_quant_type``, float32 or
 float16 queries, no attention-probability output (``qk_output``), not window-sized
-(``sliding_window_cache=1``: onnxruntime 1.32's float kernel refuses an empty first past there,
-which its quantized kernel takes), whose pasts are graph inputs and presents graph outputs (a
-node reading another's present, KV sharing, keeps the quantized kernel), and for int4 an opset
+(``sliding_window_cache=1``, an onnxruntime-genai folder's: onnxruntime 1.32's float kernel refuses
+an empty first past there, which its quantized kernel takes), whose pasts are graph inputs and
+presents graph outputs (a rolling window cache's through its row gather,
+:func:`~onnx_kvcache.cache.rolling.present_output`; a node reading another's present, KV sharing,
+keeps the quantized kernel), and for int4 an opset
 of 18 or newer (``BitwiseAnd`` unpacks the nibbles). Every other node is left as it is and
 listed in :attr:`PromptFloatAttentionPass.skipped` with the reason. A wrapped node is not
 wrapped again.
@@ -64,6 +66,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.formats import CacheFormat
 from onnx_kvcache.cache.operators import GQA
 from onnx_kvcache.cache.prompt_path import WRAPPED_SUFFIX
+from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.sites import CacheSite, find_gqa_sites
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes._graph import Builder, Codec
@@ -101,7 +104,7 @@ def _why_not(site: CacheSite, opset: int, main: ir.Graph) -> str | None:
             "its past is not a graph input",
         ),
         (
-            any(not (p := site.present(s)) or not p.is_graph_output() for s in site.sides),
+            any(not (p := present_output(site.present(s))) or not p.is_graph_output() for s in site.sides),
             "its present is not a graph output",
         ),
         (

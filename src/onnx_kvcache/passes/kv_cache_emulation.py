@@ -72,6 +72,7 @@ from onnx_kvcache.passes._gqa_prologue import (
 )
 from onnx_kvcache.passes._graph import Builder, Codec
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
+from onnx_kvcache.passes.fusion._window_present import follow_present_types
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,8 @@ class KvCacheEmulationPass(InPlacePass):
             if value.is_graph_input():
                 value.type = ir.TensorType(dtype)
                 value.shape = _unpacked(value.shape, head)
+        if float_io:
+            follow_present_types(model.graph)  # a rolling window's row gather (GatherND after GQA)
         if rewrites:
             model.opset_imports.setdefault("com.microsoft", 1)
         logger.info(

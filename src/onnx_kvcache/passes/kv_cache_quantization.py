@@ -84,6 +84,7 @@ from onnx_kvcache.passes._kv_cache_plan import (
 )
 from onnx_kvcache.passes._kv_scale_store import _own_scale_name, _ScaleStore
 from onnx_kvcache.passes._shape_readers import keep_head_size, keep_query_width
+from onnx_kvcache.passes.fusion._window_present import cast_fp8_windows
 from onnx_kvcache.scales.files import ScalesLike, as_kv_cache_scales, resolve_granularity
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class KvCacheQuantizationPass(InPlacePass):
         modified = bool(unwrapped)
         for plan in plans:
             modified |= self._apply(plan, store, planned.granularity)
+        cast_fp8_windows(model.graph)  # a rolling window's rows gathered through float16
         modified |= store.modified | store.remove_unused()
         if plans and model.ir_version < _MIN_IR_VERSION.get(self.format.dtype, 0):
             model.ir_version = _MIN_IR_VERSION[self.format.dtype]  # the cache type is newer than it

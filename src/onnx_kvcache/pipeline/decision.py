@@ -110,6 +110,7 @@ from onnx_kvcache.passes.float16_attention import (
     float32_attention_sites,
 )
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
+from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
 from onnx_kvcache.pipeline.verification import Verification, too_large, verify_fusion
@@ -229,6 +230,10 @@ class Request:
     verify: bool | None = None
     """Run the export and its fusion side by side before converting (None: up to
     :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES` of weights; :func:`verify_fusion`)."""
+    window_sized: bool = False
+    """Fused rolling window caches become window-sized (:func:`~onnx_kvcache.passes.fusion.window_sized.
+    make_window_sized`:
+    an onnxruntime-genai folder, whose runtime allocates them); False: they keep the export's inputs."""
 
     @property
     def rules(self) -> EntryRules:
@@ -603,6 +608,8 @@ def decide(request: Request) -> Decision:
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )
+    if request.window_sized and fusion.fused:
+        make_window_sized(fusion.model)  # verified as the export's form, before this
     asked = scale_granularity(_asked_granularity(request))  # until the model decides
     decision = Decision(request, fusion, format=_named_format(request), granularity=asked)
     early = _early_refusal(request, fusion)

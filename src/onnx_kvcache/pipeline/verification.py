@@ -10,7 +10,10 @@ Rules:
 * Cases: one row, a 7-token prompt then 3 one-token steps; two rows, the second left-padded by 3,
   the same. Token ids are seeded random ids below the vocabulary; ``attention_mask`` marks the
   valid tokens, ``position_ids`` (when an input) counts them; every past starts empty and is the
-  model's own present afterwards (the export's and the fused model's each their own).
+  model's own present afterwards (the export's and the fused model's each their own). Each call
+  gets the mask's columns of its cache's tokens and its new ones (the last ``past + new``: the
+  whole mask for a full-length cache, a rolling window cache's own columns, which its export
+  reads as its cache's; docs/exporting.md, "Rolling window caches").
 * Agreement: the largest absolute difference of the logits at valid positions is at most
   :data:`TOLERANCE` of the export's largest logit there (float32 computes both; the orders of
   summation differ). A position where the export's own logits are not finite is not compared
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, unread_caches
 from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.model_io import create_session, ort_error_text
@@ -138,7 +142,8 @@ def _run(session: Any, pair: _Pair, mask: np.ndarray, ids: np.ndarray, export: b
     for start, stop in [(0, _PROMPT), *((k, k + 1) for k in range(_PROMPT, _LENGTH))]:
         feeds = {"input_ids": ids[:, start:stop], **state}
         if "attention_mask" in pair.inputs:
-            feeds["attention_mask"] = mask[:, :stop]
+            held = next(iter(state.values())).shape[2] if state else start
+            feeds["attention_mask"] = mask[:, stop - held - (stop - start) : stop]
         if "position_ids" in pair.inputs:
             feeds["position_ids"] = np.maximum(np.cumsum(mask[:, :stop], axis=1) - 1, 0)[:, start:stop]
         try:
@@ -199,7 +204,11 @@ class _Pair:
     """The export's and the fused model's sessions, and what a run feeds and reads."""
 
     def __init__(self, original: ir.Model, fused: ir.Model, sites: list[CacheSite]) -> None:
-        self.names = {str(s.present(side).name): str(s.past(side).name) for s in sites for side in s.sides}  # type: ignore[union-attr]
+        self.names = {
+            str(present_output(s.present(side)).name): str(s.past(side).name)  # type: ignore[union-attr]
+            for s in sites
+            for side in s.sides
+        }
         self.logits, self.vocab = _logits(original, set(self.names))
         self.inputs = {v.name for v in original.graph.inputs if v.name}
         self.pasts = {str(s.past(side).name): s for s in sites for side in s.sides}  # type: ignore[union-attr]

@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
 from onnx_kvcache.cache.operators import PAGED, CacheSide
+from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, resident_rows
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io import fed_as_bits, to_ort_value
@@ -197,7 +198,7 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
     outputs = {v.name for v in model.graph.outputs}
     for site in find_attention_sites(model):
         for side in site.sides:
-            past, present = site.past(side), site.present(side)
+            past, present = site.past(side), present_output(site.present(side))
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             bindings.append(_binding(site, side, past, present))

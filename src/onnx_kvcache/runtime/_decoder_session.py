@@ -37,6 +37,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from onnx_kvcache.cache.operators import PAGED, GqaInput
+from onnx_kvcache.cache.rolling import whole_presents
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
 from onnx_kvcache.errors import (
@@ -181,11 +182,14 @@ def prune_to_caches(model: ir.Model, presents: Sequence[str]) -> ir.Model:
     """A copy of ``model`` whose outputs are the ``presents`` only, without every node and
     initializer none of them depends on (the LM head, the last layer's output projection
     and MLP). Tensors are shared with ``model``, which is not changed: the copy reads the
-    same external data."""
+    same external data. A rolling window cache's present is its attention node's whole present
+    (:func:`~onnx_kvcache.cache.rolling.whole_presents`: every token of a window, not its last
+    ``W - 1``)."""
     pruned = model.clone()
     kept = [v for v in pruned.graph.outputs if v.name in set(presents)]
     pruned.graph.outputs.clear()
     pruned.graph.outputs.extend(kept)
+    whole_presents(pruned.graph)
     common_passes.RemoveUnusedNodesPass()(pruned)
     return pruned
 

@@ -19,6 +19,7 @@ import pytest
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner, calibrate_kv_cache
 from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
+from onnx_kvcache.cache.rolling import rolling_attention
 from onnx_kvcache.calibrate._attention_error import attention_output
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
@@ -66,13 +67,13 @@ def test_sinks_fuse_into_head_sink_and_compute_as_the_export(case):
 
 
 def test_sinks_with_a_rolling_window_cache():
-    """Mistral's window on every layer, its cache cropped: head_sink and a window-sized cache."""
+    """Mistral's window on every layer, its cache cropped: head_sink over the export's rolling cache."""
     original, (model, _) = (
         export("mistral", window_cache="cropped"),
         fused(export("mistral", window_cache="cropped")),
     )
     for node in (n for n in model.graph if n.op_type == "GroupQueryAttention"):
-        assert node.attributes["sliding_window_cache"].as_int() == 1 and node.inputs[11] is not None
+        assert rolling_attention(node) and node.inputs[11] is not None
     for mask in CASES.values():
         want, got = generate(original, mask, cache_columns=True), generate(model, mask)
         assert max(max_differences(want, got).values()) < 1e-4
@@ -128,9 +129,10 @@ def rolling(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_the_runner_runs_sinks_and_window_sized_caches(rolling, fmt):
+def test_the_runner_runs_sinks_and_rolling_window_caches(rolling, fmt):
     """int8 on onnxruntime's CPU kernel, fp8 through the CUDA-rule emulation: the runner's
-    greedy tokens follow the float model's logits within the format's noise."""
+    greedy tokens follow the float model's logits within the format's noise; its caches are the
+    export's (empty first, no window-sized capacity), bound to the presents' row gathers."""
     model = ir.load(rolling)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -140,8 +142,8 @@ def test_the_runner_runs_sinks_and_window_sized_caches(rolling, fmt):
         prompt = list(range(1, 10))  # past the window of 4
         got, want = runner.generate(prompt, 4), reference.generate(prompt, 4)
     assert len(got) == len(want) == 4
-    window = [b for b in runner.bindings if b.capacity]
-    assert len(window) == 4 and {b.window for b in window} == {4}
+    assert len(runner.bindings) == 4 and not any(b.capacity for b in runner.bindings)
+    assert all(b.present.startswith("present.") for b in runner.bindings)
     float_logits = generate(ir.load(rolling), np.ones((1, 9), np.int64))
     emulated = emulate_kv_cache(model, "cuda") if fmt == "fp8" else model
     quantized_logits = generate(emulated, np.ones((1, 9), np.int64))
@@ -158,7 +160,7 @@ def test_calibration_and_inspect_read_the_sinks(rolling):
     assert set(scales.layer_ids) == {0, 1}
     table = format_cache_table(inspect_kv_cache(rolling))
     assert "attention sinks (head_sink, one logit per query head): layer(s) 0-1" in table
-    assert "window-sized caches (sliding_window_cache=1): layer(s) 0-1 keep the last 4 tokens" in table
+    assert "rolling window caches (the export's): layer(s) 0-1 keep each row's last 3 tokens" in table
 
 
 def test_the_builder_writes_sinks_only_for_eager_attention():

@@ -37,6 +37,7 @@ from typing import TypeVar
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import rolling_attention
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
@@ -309,8 +310,9 @@ class WindowCache:
     graph output is ``Slice(that, -keep)``, the last ``keep`` (``window - 1``) rows. Fed its
     own presents, the export's past never holds more than ``keep`` rows: on that domain the
     crop keeps every row (:attr:`domain`), and the layer is causal attention with a window
-    ``W <= keep + 1`` over ``Concat(past, new)``, which GQA's window-sized cache
-    (``sliding_window_cache=1``) computes from the last ``W - 1`` tokens it keeps.
+    ``W <= keep + 1`` over ``Concat(past, new)``, which GQA computes over the export's own
+    past, its present gathered to each row's last ``keep`` tokens
+    (:mod:`~onnx_kvcache.passes.fusion._window_present`).
     """
 
     output: ir.Value
@@ -521,15 +523,10 @@ def _uncropped(ev: SymbolicEvaluator, graph: ir.Graph, past: ir.Value) -> str | 
         readers = [u for u, _ in value.uses()]
         if any(u.op_type == "Slice" and _tail_rows(ev, u) is not None for u in readers):
             continue  # cropped
-        if any(u.op_type == "GroupQueryAttention" and _window_sized(u) for u in readers):
+        if any(rolling_attention(u) for u in readers):
             continue  # a rolling window cache fused already
         return value.name
     return None
-
-
-def _window_sized(node: ir.Node) -> bool:
-    attr = node.attributes.get("sliding_window_cache")
-    return attr is not None and attr.as_int() == 1
 
 
 def restrict(x: _Restricted, domain: Mapping[Symbol, Affine] | None) -> _Restricted:

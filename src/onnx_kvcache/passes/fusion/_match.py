@@ -14,8 +14,9 @@ writes the node. The rules:
   Expand of that axis only, Reshape folding it into the head axis: query head ``h``
   reads KV head ``h // group``, as GQA does). Or a cropped sliding-window cache
   (:class:`WindowCache`): ``Concat(Slice(past, -crop), new)`` read by attention, its
-  ``Slice(-keep)`` the present; GQA then reads the uncropped past and a Slice after it
-  gives the present.
+  ``Slice(-keep)`` the present; GQA then reads the export's past (never longer than ``keep``
+  when fed its presents) and a per-row gather after it gives the export's present
+  (:mod:`~onnx_kvcache.passes.fusion._window_present`).
 - **Mask.** The mask condition, over batch ``b``, query row ``i``, key column ``j`` and
   cache length ``P``, is exactly ``j <= P + i`` AND ``attention_mask[b, j]`` and
   optionally ``j > P + i - W`` (GQA's ``local_window_size = W``). Without the padding
@@ -105,6 +106,7 @@ from onnx_kvcache.passes.fusion._symbolic import (
     SymbolKind,
     Unprovable,
 )
+from onnx_kvcache.passes.fusion._window_present import last_rows, row_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,10 +119,6 @@ class PaddingOrder:
     """Flat indices putting them back."""
     inverse: ir.Value
     """Per-row positions putting them back (``scatter`` before flattening)."""
-
-
-SLIDING_PAST, SLIDING_TOTAL = "past_sliding_length", "total_sliding_length"
-"""The declared lengths of a window-sized cache's past and present (onnxruntime-genai's names)."""
 
 
 class GqaWriter:
@@ -140,6 +138,7 @@ class GqaWriter:
         self._valid: dict[str, ir.Value] = {}
         self._order: dict[str, PaddingOrder] = {}
         self._bsh: dict[int, ir.Value] = {}
+        self._rows: dict[tuple[str | None, str | None, int], ir.Value] = {}
         self._consts: dict[tuple[str, tuple[int, ...], bytes], ir.Value] = {}
         self._counter = 0
 
@@ -207,6 +206,35 @@ class GqaWriter:
             seqlens = self._add(at, "Cast", [last], "cache/seqlens_k", to=ir.DataType.INT32)
         scalar = self._add(at, "Squeeze", [width], "attention_mask/total")
         total = self._add(at, "Cast", [scalar], "attention_mask/total_sequence_length", to=ir.DataType.INT32)
+        seqlens.dtype, total.dtype = ir.DataType.INT32, ir.DataType.INT32
+        self._lengths[key] = (seqlens, total)
+        return seqlens, total
+
+    def rolling_lengths(self, site: AttentionMatch) -> tuple[ir.Value, ir.Value]:
+        """(seqlens_k, total_sequence_length) of a rolling window cache's GQA: its cache is the
+        export's (``P`` rows, at most ``W - 1``, each row's tokens compacted at its start), so the
+        total is ``P + S`` (``Min(mask width, P + S)``) and a row holds ``min(its tokens so far,
+        P + its new ones)`` (``Max(Min(seqlens_k, P + query_seqlens - 1), 0)``)."""
+        key = f"{self._padding_key(site)}|rolling:{self.ev.shape(site.key.past)[2]}"
+        if key in self._lengths:
+            return self._lengths[key]
+        every, width = self.lengths(site)
+        new = self.query_lengths(site)
+        at = site.node
+        axis = _seq_axis(self.ev, site.query)
+        past = self._add(at, "Shape", [site.key.past], "rolling/past_length", start=2, end=3)
+        query = self._add(at, "Shape", [site.query], "rolling/new_length", start=axis, end=axis + 1)
+        span = self._add(at, "Squeeze", [self._add(at, "Add", [past, query], "rolling/span")], "rolling/s")
+        span = self._add(at, "Cast", [span], "rolling/span32", to=ir.DataType.INT32)
+        total = self._add(at, "Min", [width, span], "rolling/total_sequence_length")
+        one = self._const(at, np.array(1, np.int32), "rolling/one")
+        rows = self._add(
+            at, "Cast", [self._add(at, "Squeeze", [past], "rolling/p")], "rolling/p32", to=ir.DataType.INT32
+        )
+        cap = self._add(at, "Sub", [self._add(at, "Add", [rows, new], "rolling/held"), one], "rolling/cap")
+        zero = self._const(at, np.array(0, np.int32), "rolling/zero")
+        capped = self._add(at, "Min", [every, cap], "rolling/capped")
+        seqlens = self._add(at, "Max", [capped, zero], "rolling/seqlens_k")
         seqlens.dtype, total.dtype = ir.DataType.INT32, ir.DataType.INT32
         self._lengths[key] = (seqlens, total)
         return seqlens, total
@@ -407,7 +435,8 @@ class GqaWriter:
             inferred = self.ev.dtype(tensor)
             if tensor.dtype is None and inferred is not None:  # no value_info: what was inferred
                 tensor.dtype = inferred
-        seqlens, total = self.lengths(site)
+        rolling = site.key.window is not None
+        seqlens, total = self.rolling_lengths(site) if rolling else self.lengths(site)
         q = self.bsh(site.query, site.num_heads, site.head_size, at)
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)
         v = self.bsh(site.value.new, site.kv_num_heads, site.head_size, at)
@@ -426,8 +455,6 @@ class GqaWriter:
             attrs["softcap"] = float(site.softcap)
         if site.mask.window is not None:
             attrs["local_window_size"] = site.mask.window
-        if site.key.window is not None:  # a rolling window cache: GQA's window-sized cache
-            attrs["sliding_window_cache"] = 1
         if site.probs is not None:
             attrs["qk_output"] = 2
         name = f"{at.name}/GroupQueryAttention" if at.name else self._name("GroupQueryAttention")
@@ -443,7 +470,7 @@ class GqaWriter:
                     GqaInput.SEQLENS_K: seqlens,
                     GqaInput.TOTAL_SEQUENCE_LENGTH: total,
                     GqaInput.HEAD_SINK: self._head_sink(site, q),
-                    GqaInput.QUERY_SEQLENS: self.query_lengths(site) if site.key.window else None,
+                    GqaInput.QUERY_SEQLENS: self.query_lengths(site) if rolling else None,
                 }
             ),
             attrs,
@@ -465,8 +492,8 @@ class GqaWriter:
         dead = [] if bsh else self._rewire_output(site, out)
         replaced = [
             *([(site.output, out)] if bsh else []),
-            self._present(site.key, gqa.outputs[GqaOutput.PRESENT_KEY], at),
-            self._present(site.value, gqa.outputs[GqaOutput.PRESENT_VALUE], at),
+            self._present(site.key, gqa.outputs[GqaOutput.PRESENT_KEY], gqa),
+            self._present(site.value, gqa.outputs[GqaOutput.PRESENT_VALUE], gqa),
         ]
         if site.probs is not None:
             probs = gqa.outputs[GqaOutput.OUTPUT_QK]
@@ -485,9 +512,6 @@ class GqaWriter:
         remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
-        for link, present in zip((site.key, site.value), gqa.outputs[1:3]):
-            if link.window is not None and present.shape is not None and len(present.shape) == 4:
-                present.shape = ir.Shape([*present.shape[:2], SLIDING_TOTAL, present.shape[3]])
         if named is not None:  # the attention output was a graph output: its name stays
             self.graph.outputs[named].name = site.output.name
         return gqa
@@ -504,16 +528,20 @@ class GqaWriter:
         self.graph.register_initializer(sink)
         return sink
 
-    def _present(self, link: CacheLink, present: ir.Value, at: ir.Node) -> tuple[ir.Value, ir.Value]:
-        """(the export's present, what replaces it): GQA's present. A rolling window cache's
-        present is GQA's window-sized one, its past and present lengths declared as onnxruntime-
-        genai's builder declares them (``past_sliding_length``, ``total_sliding_length``)."""
+    def _present(self, link: CacheLink, present: ir.Value, gqa: ir.Node) -> tuple[ir.Value, ir.Value]:
+        """(the export's present, what replaces it): GQA's present, or for a rolling window cache
+        its last rows as the export keeps them (:func:`~onnx_kvcache.passes.fusion._window_present.
+        last_rows`: each row's last ``keep`` tokens, in order)."""
         if link.window is None:
             return link.present, present
-        shape = link.past.shape
-        if shape is not None and len(shape) == 4 and not isinstance(shape[2], int):
-            link.past.shape = ir.Shape([*shape[:2], SLIDING_PAST, shape[3]])
-        return link.window.output, present
+        seqlens, total = gqa.inputs[GqaInput.SEQLENS_K], gqa.inputs[GqaInput.TOTAL_SEQUENCE_LENGTH]
+        assert seqlens is not None and total is not None
+        key = (seqlens.name, total.name, link.window.keep)
+        if key not in self._rows:
+            lengths, heads = (seqlens, total), gqa.attributes["kv_num_heads"].as_int()
+            self._rows[key] = row_indices(self.graph, gqa, lengths, link.window.keep, heads, self._name)
+        rows = last_rows(self.graph, gqa, present, self._rows[key], self._name("rolling_rows"))
+        return link.window.output, rows
 
     def _rewire_output(self, site: AttentionMatch, out: ir.Value) -> list[ir.Node | None]:
         """Feed the GQA output (BSH) to the attention output's users (BNSH).

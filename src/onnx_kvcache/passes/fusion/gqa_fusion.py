@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache.rolling import rolling_attention
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import (
@@ -46,6 +47,7 @@ from onnx_kvcache.passes.fusion._unknown_attention import unknown_attentions
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.cached_attention_fusion import CachedAttentionFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
+from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +67,11 @@ WINDOW_PADDING_WARNING = (
 #: Added when a fused attention with a padding mask had a rolling window cache.
 ROLLING_WINDOW_WARNING = (
     "Layers whose export keeps only its last window - 1 tokens (a rolling window cache, transformers "
-    "5.x) now keep a window-sized cache (sliding_window_cache=1) and count each row's tokens over the "
-    "whole attention_mask, so a padded row attends to its own last window tokens, as transformers does; "
-    "the export reads its mask's first past + seq columns, and computes the same for a padded row only "
-    "when given its cache's columns (the mask's last past + seq; docs/exporting.md, Rolling window caches)."
+    "5.x) keep the export's caches (an empty past first, each row's last window - 1 tokens in its "
+    "present) and count each row's tokens over the whole attention_mask, so a padded row attends to its "
+    "own last window tokens, as transformers does; the export reads its mask's first past + seq columns, "
+    "and computes the same for a padded row only when given its cache's columns (the mask's last "
+    "past + seq; docs/exporting.md, Rolling window caches)."
 )
 
 
@@ -82,8 +85,7 @@ FUSIONS: tuple[type[FusionPass], ...] = (
 
 
 def _has_window_caches(model: ir.Model) -> bool:
-    gqa = (node for node in model.graph if node.op_type == "GroupQueryAttention")
-    return any(_attr(node, "sliding_window_cache") == 1 for node in gqa)
+    return any(rolling_attention(node) for node in model.graph)
 
 
 def _attr(node: ir.Node, name: str) -> int:
@@ -149,37 +151,42 @@ def _gqa_count(graph: ir.Graph) -> int:
 
 
 def _window_pasts(graph: ir.Graph) -> list[ir.Value]:
-    """The past inputs of window-sized caches (``sliding_window_cache=1``) the graph's GQA nodes read."""
+    """The past inputs of rolling window caches (:func:`~onnx_kvcache.cache.rolling.rolling_attention`)
+    the graph's GQA nodes read."""
     return [
         value
         for node in graph
-        if node.op_type == "GroupQueryAttention" and _attr(node, "sliding_window_cache") == 1
+        if rolling_attention(node)
         for value in node.inputs[3:5]
         if value is not None and value.is_graph_input()
     ]
 
 
 def _settle_window_caches(graph: ir.Graph) -> None:
-    """After rolling window caches became window-sized (``sliding_window_cache=1``, their pasts
-    ``W`` rows and more where the export's held at most ``W - 1``): remove the nodes nothing reads
-    (an export's unused mask computations would index the attention mask by the new length). What
-    else reads such a past was refused before the model changed (:func:`_refuse_unsettled_windows`)."""
+    """After rolling window caches were fused: remove the nodes nothing reads (an export's unused
+    mask computations; in an onnxruntime-genai folder the caches become window-sized, ``W`` rows and
+    more, and those would index the attention mask by the new length). What else reads such a past
+    was refused before the model changed (:func:`_refuse_unsettled_windows`)."""
     if _window_pasts(graph):
         remove_dead(graph, [n for n in graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)])
 
 
-def _unsettled_window_reader(graph: ir.Graph) -> str | None:
-    """Why a fused graph must not stand (None: it may): a node other than attention still reads the
-    length of a window-sized past (a position computed from it), once what nothing reads is gone."""
+def _unsettled_window_reader(model: ir.Model) -> str | None:
+    """Why a fused model must not stand (None: it may): made window-sized (what an onnxruntime-genai
+    folder gets: :func:`~onnx_kvcache.passes.fusion.window_sized.make_window_sized`), a node other
+    than attention still reads the length of its past (a position computed from it), once what nothing
+    reads is gone."""
+    make_window_sized(model)
+    graph = model.graph
     _settle_window_caches(graph)
     for past in _window_pasts(graph):
         for user, _ in past.uses():
             if user.op_type != "GroupQueryAttention" and not _reads_other_dims(user):
                 return (
                     f"{user.op_type} node {user.name!r} reads the length of {past.name}, a rolling window "
-                    "cache that the fusion would make window-sized (W rows where the export's held at most "
-                    "W - 1): it would compute from the new length. Export with a full-length cache "
-                    "(DynamicCache(), docs/exporting.md section 1)."
+                    "cache that an onnxruntime-genai folder keeps window-sized (W rows where the export's "
+                    "held at most W - 1): it would compute from the new length. Export with a full-length "
+                    "cache (DynamicCache(), docs/exporting.md section 1)."
                 )
     return None
 
@@ -204,7 +211,7 @@ def _refuse_unsettled_windows(model: ir.Model) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = sum(_report(fusion(quiet=True)(trial)).fused for fusion in FUSIONS)
-    reason = _unsettled_window_reader(trial.graph) if fused else None
+    reason = _unsettled_window_reader(trial) if fused else None
     if reason is not None:
         raise KvCacheError(reason)
 
