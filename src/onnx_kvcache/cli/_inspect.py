@@ -125,7 +125,10 @@ def _inspect_preview(
     preview = preview_conversion(model, args.ep, config)
     if not preview.cache.layers:
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
-        if preview.refusal is not None:
+        stored = _storage_lines(model)
+        for line in stored:
+            _print(line)
+        if preview.refusal is not None and not any(" stored " in line for line in stored):
             _print(f"convert would refuse: {words(preview.refusal)}")
         return 0
     _print(
@@ -152,3 +155,22 @@ def _preview_line(preview: Any, words: Callable[[object], str]) -> str:
         f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
         f"{after:g} (now {before:g}{ratio}){half}"
     )
+
+
+def _storage_lines(model: Any) -> list[str]:
+    """The caches ``convert --storage qdq`` keeps (QuantizeLinear/DequantizeLinear around the
+    model's own attention): stored already, in which format, or their bytes per token as int8."""
+    from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
+
+    caches = find_qdq_caches(model.graph)
+    if not caches:
+        return []
+    now, fmt = storage_bytes_per_token(model), stored_format(model)
+    per_token = f"cache bytes per token {now:g}" if now is not None else "cache bytes per token unknown"
+    if fmt is not None:
+        return [f"{len(caches)} cache(s) stored {fmt} through QuantizeLinear/DequantizeLinear; {per_token}"]
+    after = storage_bytes_per_token(model, "int8")
+    smaller = f" now, {after:g} as int8 ({now / after:.2f}x smaller)" if now and after else ""
+    return [
+        f"{len(caches)} cache(s) that --storage qdq stores around the model's attention: {per_token}{smaller}"
+    ]
