@@ -16,7 +16,9 @@ from onnx_kvcache.scales.files import KvCacheScales
 
 ROOT = pathlib.Path(__file__).parents[1] / "tests" / "data" / "producers"
 STATIC = [f"mobius/mobius-static/{family}" for family in ("llama", "mistral", "phi3", "qwen2", "qwen3")]
-MLA = ["torch-tf5/dynamo-opset23-optimize/deepseek_v3"]
+#: DeepSeek-V3's multi-head latent attention: keys 32 wide, values 16 (dynamo: one KV head, opset 23;
+#: optimum-onnx on transformers 4.57: four, opset 18, where fp8 and int4's QuantizeLinear do not exist).
+MLA = ["torch-tf5/dynamo-opset23-optimize/deepseek_v3", "optimum/optimum-cli/deepseek_v3"]
 #: An export whose attention does not fuse (its position-based mask): Concat caches read through Unsqueeze.
 UNFUSED = ["mobius/mobius-default/gpt_oss"]
 #: ONNX Attention holding its own cache (past_key/past_value in, present_key/present_value out).
@@ -76,7 +78,9 @@ def run(model: ir.Model, *, capture: bool = False) -> tuple[list[np.ndarray], di
         feeds[name] = _zeros(infos[name], shape)
     logits, seen, past = [], {name: [] for name in caches}, 0
     for ids in [PROMPT, *([t] for t in DECODE)]:
-        step = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in _positions(ids, past, static).items()}
+        step = {
+            k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in positions(ids, past, static=static).items()
+        }
         names = ["logits", *caches.values()]
         out = s.run_with_ort_values(names, {**feeds, **step})
         logits.append(out[0].numpy()[0])
@@ -92,7 +96,7 @@ def _index(model: ir.Model, name: str) -> int:
     return next(i for i, v in enumerate(model.graph.inputs) if v.name == name)
 
 
-def _positions(ids: list[int], past: int, static: bool) -> dict[str, np.ndarray]:
+def positions(ids: list[int], past: int, *, static: bool) -> dict[str, np.ndarray]:
     n = len(ids)
     feeds = {
         "input_ids": np.array([ids], np.int64),

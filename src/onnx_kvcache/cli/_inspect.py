@@ -125,11 +125,12 @@ def _inspect_preview(
     preview = preview_conversion(model, args.ep, config)
     if not preview.cache.layers:
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
-        stored = _storage_lines(model)
-        for line in stored:
-            _print(line)
-        if preview.refusal is not None and not any(" stored " in line for line in stored):
+        from onnx_kvcache.cache.storage import stored_format
+
+        if preview.refusal is not None and stored_format(model) is None:  # stored: nothing to refuse
             _print(f"convert would refuse: {words(preview.refusal)}")
+        for line in _storage_lines(model):
+            _print(line)
         return 0
     _print(
         f"no GroupQueryAttention node yet: convert fuses {preview.fused} attention layer(s) into "

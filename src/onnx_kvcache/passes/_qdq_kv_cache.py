@@ -172,7 +172,7 @@ def _check_opset(model: ir.Model, fmt: CacheFormat) -> None:
     opset = _opset(model)
     if opset < QDQ_TYPES[fmt.name].opset:
         raise KvCachePreconditionError(
-            f"A {fmt.name} cache stored through QuantizeLinear/DequantizeLinear needs opset "
+            f"The {fmt.name} cache stored through QuantizeLinear/DequantizeLinear needs opset "
             f"{QDQ_TYPES[fmt.name].opset} or newer; the model's is {opset}. Export it at a newer opset or "
             "choose another ",
             Param("format", placeholder="..."),

@@ -75,6 +75,9 @@ EXPECTED: dict[str, str] = {
         "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "optimum/optimum-cli/cohere": (CONVERTS),
+    "optimum/optimum-cli/deepseek_v3": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
+    ),
     "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/gemma3": CONVERTS,
     "optimum/optimum-cli/gpt_oss": (CONVERTS),
