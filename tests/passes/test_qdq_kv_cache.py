@@ -110,24 +110,24 @@ def test_keys_and_values_of_different_widths_take_their_own_channel_scales():
     assert sizes["past_key_values.0.value.qdq_scale"] == 16
 
 
-def _concat_cache(heads: int, head: int) -> ir.Model:
+def _concat_cache(heads: int, head: int, dtype: ir.DataType = ir.DataType.FLOAT, opset: int = 21) -> ir.Model:
     """``present.0.key = Concat(past_key_values.0.key, new)`` on the sequence axis, and ``read``:
     what attention would read (the present plus zero)."""
     past = ir.Value(name="past_key_values.0.key", shape=ir.Shape(["b", heads, "p", head]))
     new = ir.Value(name="new", shape=ir.Shape(["b", heads, "s", head]))
     for value in (past, new):
-        value.dtype = ir.DataType.FLOAT
+        value.dtype = dtype
     concat = ir.node("Concat", [past, new], {"axis": 2}, name="concat")
-    zero = ir.Value(name="zero", const_value=ir.tensor(np.zeros((), np.float32)))
+    zero = ir.Value(name="zero", const_value=ir.tensor(np.zeros((), dtype.numpy())))
     add = ir.node("Add", [concat.outputs[0], zero], name="add")
     concat.outputs[0].name, add.outputs[0].name = "present.0.key", "read"
-    concat.outputs[0].dtype = add.outputs[0].dtype = ir.DataType.FLOAT
+    concat.outputs[0].dtype = add.outputs[0].dtype = dtype
     graph = ir.Graph(
         [past, new],
         [concat.outputs[0], add.outputs[0]],
         nodes=[concat, add],
         initializers=[zero],
-        opset_imports={"": 21},
+        opset_imports={"": opset},
     )
     return ir.Model(graph, ir_version=10)
 
@@ -149,3 +149,18 @@ def test_channels_of_several_heads_scale_around_unit_quantizers():
         present, np.concatenate([past, codes.astype(np.int8)], 2)
     )
     np.testing.assert_allclose(read, present * grid.reshape(1, 2, 1, 4), rtol=1e-6)
+
+
+def test_channel_scales_of_another_head_count_and_float16_scales_before_opset_19_are_refused():
+    scales = KvCacheScales.from_mapping({0: (np.full(12, 0.1), np.full(12, 0.1))})  # 3 heads of 4
+    with pytest.raises(KvCachePreconditionError):
+        QdqKvCachePass("int8", "per_channel", scales)(_concat_cache(2, 4))
+    half = _concat_cache(2, 4, ir.DataType.FLOAT16, opset=18)
+    with pytest.raises(KvCachePreconditionError):
+        QdqKvCachePass("int8", "per_tensor", KvCacheScales.from_mapping({0: (0.1, 0.1)}))(half)
+    half = _concat_cache(2, 4, ir.DataType.FLOAT16, opset=19)
+    QdqKvCachePass("int8", "per_tensor", KvCacheScales.from_mapping({0: (0.1, 0.1)}))(half)
+    past = np.zeros((1, 2, 1, 4), np.int8)
+    new = np.full((1, 2, 1, 4), 0.3, np.float16)
+    present, read = storage.session(half).run(None, {"past_key_values.0.key": past, "new": new})
+    assert read.dtype == np.float16 and np.all(present[:, :, 1] == 3) and abs(read[0, 0, 1, 0] - 0.3) < 1e-3

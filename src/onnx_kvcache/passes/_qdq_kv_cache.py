@@ -38,7 +38,8 @@ Rules:
    Keys and values may differ in width (MLA). Without scales fp8 takes unit scales (a warning);
    int8 and int4 refuse.
 6. The operators must define the format's type at the model's opset (:data:`~.QDQ_TYPES`: int8
-   10, fp8 19, int4 21): an older model is refused (no opset is upgraded).
+   10, fp8 19, int4 21), and a float16 or bfloat16 scale (19): an older model is refused (no
+   opset is upgraded).
 
 The tables are :mod:`onnx_kvcache.cache.storage`'s. Refusals are
 :class:`~onnx_kvcache.errors.KvCachePreconditionError`, raised before anything changes. A
@@ -101,6 +102,7 @@ class QdqKvCachePass(InPlacePass):
             for cache in find_qdq_caches(model.graph):
                 if not cache.stored:
                     self._scale(cache)  # a missing layer or a width that fits no scale: refused here
+                    _check_float_scale(model, cache)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         caches = [c for c in find_qdq_caches(model.graph) if not c.stored]
@@ -153,8 +155,9 @@ class _Scale:
         if dims and isinstance(dims[-1], int) and dims[-1] == given.size:
             return cls(given, -1)
         head = dims[-1] if len(dims) == 4 and isinstance(dims[-1], int) else None
-        if head and given.size % head == 0:
-            return cls(given.reshape(1, given.size // head, 1, head), None, grid=True)
+        heads = given.size // head if head and given.size % head == 0 else None
+        if head and heads and (not isinstance(dims[1], int) or dims[1] == heads):  # [batch, heads, seq, head]
+            return cls(given.reshape(1, heads, 1, head), None, grid=True)
         raise KvCachePreconditionError(
             f"Cache {cache.past.name!r} {list(dims)} fits no per-channel scale of {given.size} elements "
             "(kv_heads * head_size on its last axis, or [batch, kv_heads, seq, head_size]): give scales "
@@ -166,6 +169,16 @@ class _Scale:
 
 def _opset(model: ir.Model) -> int:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+
+
+def _check_float_scale(model: ir.Model, cache: QdqCache) -> None:
+    """A float16 or bfloat16 cache's scale is of its type: QuantizeLinear takes one from opset 19."""
+    if cache.past.dtype not in (None, ir.DataType.FLOAT) and _opset(model) < 19:
+        raise KvCachePreconditionError(
+            f"Cache {cache.past.name!r} is {cache.past.dtype.name.lower()}: QuantizeLinear and "
+            f"DequantizeLinear take its scale from opset 19; the model's is {_opset(model)}. Export it at "
+            "a newer opset."
+        )
 
 
 def _check_opset(model: ir.Model, fmt: CacheFormat) -> None:
