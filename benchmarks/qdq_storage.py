@@ -28,7 +28,7 @@ CELLS = [("int8", "per_tensor"), ("int8", "per_channel"), ("fp8", "per_tensor"),
 def main() -> None:
     print("| file | format | KL mean | bytes/token before | after |")
     print("|---|---|---|---|---|")
-    models = qdq_models.STATIC + qdq_models.MLA + qdq_models.UNFUSED + qdq_models.OWN_CACHE
+    models = qdq_models.STATIC + qdq_models.MLA + qdq_models.CONCAT + qdq_models.OWN_CACHE
     for path in models:
         float_model = qdq_models.load(path)
         want, _ = qdq_models.run(float_model)

@@ -19,8 +19,9 @@ STATIC = [f"mobius/mobius-static/{family}" for family in ("llama", "mistral", "p
 #: DeepSeek-V3's multi-head latent attention: keys 32 wide, values 16 (dynamo: one KV head, opset 23;
 #: optimum-onnx on transformers 4.57: four, opset 18, where fp8 and int4's QuantizeLinear do not exist).
 MLA = ["torch-tf5/dynamo-opset23-optimize/deepseek_v3", "optimum/optimum-cli/deepseek_v3"]
-#: An export whose attention does not fuse (its position-based mask): Concat caches read through Unsqueeze.
-UNFUSED = ["mobius/mobius-default/gpt_oss"]
+#: An export whose caches are Concat's (mobius's gpt-oss, read through Unsqueeze): under ``auto`` its
+#: attention fuses; ``qdq`` stores the caches around its own attention instead.
+CONCAT = ["mobius/mobius-default/gpt_oss"]
 #: ONNX Attention holding its own cache (past_key/past_value in, present_key/present_value out).
 OWN_CACHE = ["mobius/mobius-default/llama"]
 PROMPT = [1, 72, 101, 108, 108, 111, 33]

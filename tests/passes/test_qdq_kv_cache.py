@@ -18,7 +18,7 @@ from onnx_kvcache.errors import KvCachePreconditionError, UnitScalesWarning
 from onnx_kvcache.passes import QdqKvCachePass
 from onnx_kvcache.scales.files import KvCacheScales
 
-MODELS = storage.STATIC + storage.MLA + storage.UNFUSED + storage.OWN_CACHE
+MODELS = storage.STATIC + storage.MLA + storage.CONCAT + storage.OWN_CACHE
 
 
 @pytest.fixture(scope="module", params=MODELS)

@@ -26,7 +26,7 @@ def _parts(text: object) -> list[object]:
     return found
 
 
-@pytest.fixture(scope="module", params=storage.STATIC + storage.MLA + storage.UNFUSED)
+@pytest.fixture(scope="module", params=storage.STATIC + storage.MLA + storage.CONCAT)
 def producer(request, tmp_path_factory):
     """``(path, float logits, int8 scale file)`` of one producer file."""
     model = storage.load(request.param)
@@ -50,8 +50,8 @@ def test_convert_stores_int8_caches_close_to_the_float_model(producer, tmp_path)
     assert storage.kl_mean(want, got) < 1e-2
 
 
-def test_auto_refuses_them_naming_the_storage(producer, tmp_path):
-    path, _, _ = producer
+@pytest.mark.parametrize("path", storage.STATIC + storage.MLA)
+def test_auto_refuses_them_naming_the_storage(path, tmp_path):
     with pytest.warns(NotConvertedWarning):
         result = convert_model(storage.ROOT / path / "model.onnx", tmp_path / "q.onnx", format="int8")
     assert not result.converted and not (tmp_path / "q.onnx").exists()

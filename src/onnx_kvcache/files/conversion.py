@@ -188,10 +188,7 @@ def convert_model(
         )
         _check_writable(source, plan)
         request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-        asked = _asked(allow_partial, rotation, verify, storage) | {
-            "window_sized": _genai_export(source, plan)
-        }
-        decision = decide(dataclasses.replace(request, **asked))
+        decision = decide(_asked(request, source, plan, allow_partial, rotation, verify, storage))
         result = _result(source, plan, decision)
         if carry_out(decision):
             _finish(source, plan, decision, result, progress)
@@ -211,9 +208,26 @@ def _genai_export(source: ModelSource, plan: _Plan) -> bool:
     )
 
 
-def _asked(allow_partial: bool, rotation: str | None, verify: bool | None, storage: str) -> dict[str, Any]:
-    """The request's fields ``convert_model`` takes as they are."""
-    return {"allow_partial": allow_partial, "rotation": rotation, "verify": verify, "storage": storage}
+def _asked(
+    request: Request,
+    source: ModelSource,
+    plan: _Plan,
+    allow_partial: bool,
+    rotation: str | None,
+    verify: bool | None,
+    storage: str,
+) -> Request:
+    """``request`` with the fields ``convert_model`` takes as they are, and the window-sized
+    caches of an onnxruntime-genai folder made from an export (:func:`_genai_export`)."""
+    window_sized = _genai_export(source, plan)
+    return dataclasses.replace(
+        request,
+        allow_partial=allow_partial,
+        rotation=rotation,
+        verify=verify,
+        storage=storage,
+        window_sized=window_sized,
+    )
 
 
 #: ``convert_model``'s yes/no arguments (``progress`` also takes None: on a terminal).
