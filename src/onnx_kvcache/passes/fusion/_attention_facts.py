@@ -337,7 +337,8 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if expand is None or unsqueeze is None:
         raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
     axes = opsets.moved(ev, unsqueeze)
-    base = _through_copies(ev, unsqueeze.inputs[0], copies)
+    below: list[ir.Node] = []  # the cache's own copies: one may be the present (a graph output)
+    base = _through_copies(ev, unsqueeze.inputs[0], below)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):
         raise Unprovable(
@@ -367,10 +368,10 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
         raise Unprovable(
             f"the repeat's Reshape {reshape.name!r} does not fold the group axis into the head axis"
         )
-    for node in copies:  # the copies are read by the repeat only: removed with it
-        if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
+    for node in [*copies, *below]:  # the copies are read by the repeat only: removed with it
+        if any(len(out.uses()) != 1 or (out.is_graph_output() and node not in below) for out in node.outputs):
             raise Unprovable(f"a copy in the K/V repeat ({node.op_type} {node.name!r}) is read elsewhere")
-    return base, group, [reshape, expand, unsqueeze, *copies]
+    return base, group, [reshape, expand, unsqueeze, *copies, *below]
 
 
 @step(FusionRefusalCode.CACHE)

@@ -110,12 +110,13 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         if add is None:
             raise Unprovable(f"the softmax {softmax.name!r} reads scores without an additive mask")
         scores, mask = add.inputs
-        if _op(scores, "MatMul", "Mul", "Div") is None:
+        if _op(softmax_input(ev, scores, []), "MatMul", "Mul", "Div") is None:
             scores, mask = mask, scores
         if scores is None or mask is None:
             raise Unprovable("the softmax input is not scores + mask")
         nodes += [softmax, add]
-        chain = scores_chain(scores, nodes, ev)
+        # fp16 scores widened to float32 before the mask (TorchScript's fp16 sdpa): exact
+        chain = scores_chain(softmax_input(ev, scores, nodes), nodes, ev)
         query, key_t = chain.query, chain.key_t
         key = _untransposed(ev, key_t, nodes)
     return _site(
