@@ -13,17 +13,17 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
+from surgery import insert_after
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheWarning
+from onnx_kvcache.passes.fusion._attention_facts import check_precision
 from onnx_kvcache.passes.fusion._match import CacheLink
 from onnx_kvcache.passes.fusion._reads import read_through, tiled_order
-from onnx_kvcache.passes.fusion._attention_facts import check_precision
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 
 from builders.exported import build_decoder, exported_config
-from surgery import insert_after
 
 F16, F32 = ir.DataType.FLOAT16, ir.DataType.FLOAT
 
