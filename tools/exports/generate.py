@@ -357,6 +357,8 @@ ISSUE46: list[tuple[str, str]] = [
     ("optimum", "gptj"),
     ("t457-d18", "gptj"),
     ("t457-d18-f16", "gptj"),
+    ("t5-ts18", "gptj"),
+    ("t5-ts18-f16", "gptj"),  # V widened to float32 for the value product: refused by name
 ]
 
 
@@ -807,7 +809,10 @@ def main() -> None:
         "generator_python": platform.python_version(),
         "checked_with": {"onnx": onnx.__version__, "onnxruntime": ort.__version__},
         "mobius_commit": mobius_commit() or recorded.get("mobius_commit"),
-        "venvs": {**recorded.get("venvs", {}), **versions},
+        # (a package this venv lacks here, e.g. mobius when only transformers was installed, keeps
+        # the version the committed files were made with)
+        "venvs": {**recorded.get("venvs", {})}
+        | {v: {**recorded.get("venvs", {}).get(v, {}), **found} for v, found in versions.items()},
     }
     save_manifest(man)
     if a.recheck:
@@ -867,6 +872,14 @@ feeds back); the other torch forms keep full-length caches (docs/exporting.md se
 model whose window layers alternate with full ones (gemma2, cohere2) the rolling form's pasts
 share one `past` dimension, so its own presents fed back (3 rows for a window layer, all the
 rows for a full one) do not run: `decode_run` records onnxruntime's error.
+
+Issue 46's classes: K/V heads repeated by `Tile` (jetmoe: `.repeat(1, top_k, 1, 1)`, query head
+h reads KV head h mod kv_heads; 2 KV heads x top-k 2 = 4 query heads from 2 attention experts,
+both chosen for every token) and query/key cast to float32 inside attention (gptj:
+`.to(torch.float32)`, 4 heads, rotary on 8 of 16 channels; TorchScript and optimum write the
+Casts in a float32 model, dynamo drops them; in float16, transformers 5's TorchScript export also
+widens V). jetmoe's TorchScript export traces its experts' token counts as constants and runs only
+on the traced 6 tokens, and optimum-onnx 0.1.0 has no jetmoe: neither is here.
 
 Layout: `<producer dir>/<form>/<family>/` holds what the producer wrote (`model.onnx`, its
 `model.onnx.data` when the producer writes external data, and the `config.json`,
@@ -947,6 +960,9 @@ NOT_COMMITTED = frozenset(
         # float16 one keeps the Casts but is refused in its mask (a finite fill plus integers)
         "torch-tf4.57/dynamo-opset18-optimize/gptj",
         "torch-tf4.57/dynamo-opset18-optimize-f16/gptj",
+        # transformers 5.24's TorchScript gptj in float16 computes its presents in float32 from
+        # float16 pasts: onnxruntime does not load it ("Type Error")
+        "torch-tf5/torchscript-opset18-f16/gptj",
     }
 )
 
