@@ -313,7 +313,7 @@ def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[i
     added to ``chain``."""
     while value is not None:
         node = value.producer()
-        if node is None or node.op_type == "Expand" or not is_copy(ev, node):
+        if node is None or node.op_type == "Expand" or node in chain or not is_copy(ev, node):
             return value
         chain.append(node)
         value = node.inputs[0]
@@ -388,9 +388,9 @@ def cache_link(
     grouped, group, repeat = _strip_repeat(ev, front)
     if tiles > 1 and group > 1:
         raise Unprovable("K/V heads are repeated by both a Tile and repeat_kv")
-    grouped = _through_copies(ev, grouped, chain)
-    assert grouped is not None
-    chain += repeat
+    stripped = _through_copies(ev, grouped, chain)  # a same-type Cast of the present (GPT-J)
+    assert stripped is not None
+    grouped, chain = stripped, chain + repeat
     concat = _producer(grouped, "Concat")
     if concat is None:
         source = grouped.producer()

@@ -39,9 +39,14 @@ def _onnx(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
-def _cast_types(ev: SymbolicEvaluator, node: ir.Node) -> tuple[ir.DataType | None, ir.DataType]:
-    """(the type a Cast reads, the type it writes)."""
-    return ev.dtype(node.inputs[0]), ir.DataType(node.attributes["to"].as_int())
+def _cast_types(ev: SymbolicEvaluator, node: ir.Node) -> tuple[ir.DataType | None, ir.DataType | None]:
+    """(the type a Cast reads, the type it writes; None: not known, or not a type)."""
+    to = node.attributes.get("to")
+    try:
+        target = ir.DataType(to.as_int()) if to is not None and to.type == ir.AttributeType.INT else None
+    except ValueError:
+        target = None
+    return ev.dtype(node.inputs[0]), target
 
 
 def is_copy(ev: SymbolicEvaluator, node: ir.Node) -> bool:
@@ -53,7 +58,7 @@ def is_copy(ev: SymbolicEvaluator, node: ir.Node) -> bool:
         return True
     if node.op_type == "Cast":
         source, target = _cast_types(ev, node)
-        return source is not None and source == target
+        return target is not None and source == target
     if node.op_type not in ("Slice", "Expand"):
         return False
     try:
@@ -88,11 +93,11 @@ def read_through(
     """``value`` before the copies and the one widening Cast attention reads ``what`` (Q, K or
     V) through (added to ``chain``), and the type that Cast widens from (None: none)."""
     widened = None
-    while (node := value.producer()) is not None:
+    while (node := value.producer()) is not None and node not in chain:  # (a cycle: malformed)
         cast = _onnx(node, "Cast")
         if is_copy(ev, node) or (cast and widened is None and (widened := widening(ev, node)) is not None):
             chain.append(node)
-        elif cast and {*_cast_types(ev, node)} <= FLOATS:
+        elif cast and set(_cast_types(ev, node)) <= FLOATS:
             source, target = _cast_types(ev, node)
             raise Unprovable(
                 f"{what} reaches attention through Cast node {node.name!r} from {_name(source)} to "
@@ -109,7 +114,7 @@ def read_through(
 
 
 def _name(dtype: ir.DataType | None) -> str:
-    return dtype.name.lower() if dtype is not None else "an unknown type"
+    return dtype.name.lower() if dtype is not None else "an unknown type"  # (not reached: FLOATS)
 
 
 def tile_repeat(ev: SymbolicEvaluator, node: ir.Node) -> int:
