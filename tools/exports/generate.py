@@ -55,9 +55,14 @@ PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
 def torch_form(
-    exporter: str, opset: int | None, optimize: bool, f16: bool = False, rolling: bool = False
+    exporter: str,
+    opset: int | None,
+    optimize: bool,
+    f16: bool = False,
+    rolling: bool = False,
+    eager: bool = False,
 ) -> str:
-    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "")
+    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "") + ("-eager" if eager else "")
     if exporter == "torchscript":
         return f"torchscript-opset{opset}" + tail
     return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + tail
@@ -71,9 +76,12 @@ def torch_job(
     family: str,
     f16: bool = False,
     rolling: bool = False,
+    eager: bool = False,
 ) -> dict:
     """``rolling``: the cache transformers 5.x builds from the config (``--cache config``: a
-    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one."""
+    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one;
+    ``eager``: the model loaded with ``attn_implementation="eager"`` (transformers' own attention
+    code, not torch's sdpa)."""
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
@@ -82,12 +90,13 @@ def torch_job(
         # a rolling cache's traced path holds for pasts up to window - 1 (what it feeds back):
         # traced with a longer past, the export fails on any shorter one ("GatherND: invalid index")
         + (["--cache", "config", "--past", str(WINDOW - 2)] if rolling else [])
+        + (["--attn", "eager"] if eager else [])
     )
     return {
         "producer": "torch.onnx.export",
         "dir": TORCH_DIR[venv],
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize, f16, rolling),
+        "form": torch_form(exporter, opset, optimize, f16, rolling, eager),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -253,7 +262,7 @@ def jobs_issue28() -> list[dict]:
 
 def expand(cells: list[tuple[str, str]]) -> list[dict]:
     """Jobs of ``(what, family)`` cells: ``genai``, ``optimum``, a mobius form, or
-    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling]`` for torch.onnx.export."""
+    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling][-eager]`` for torch.onnx.export."""
     out: list[dict] = []
     for what, fam in cells:
         if what == "genai":
@@ -267,7 +276,16 @@ def expand(cells: list[tuple[str, str]]) -> list[dict]:
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
             out.append(
-                torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest, "rolling" in rest)
+                torch_job(
+                    venv,
+                    exporter,
+                    opset,
+                    "noopt" not in rest,
+                    fam,
+                    "f16" in rest,
+                    "rolling" in rest,
+                    "eager" in rest,
+                )
             )
     return out
 
@@ -359,6 +377,9 @@ ISSUE46: list[tuple[str, str]] = [
     ("t457-d18-f16", "gptj"),
     ("t5-ts18", "gptj"),
     ("t5-ts18-f16", "gptj"),  # V widened to float32 for the value product: refused by name
+    # transformers 5's eager attention in float16: Q and K widened to float32 for the scores, the
+    # probabilities cast back for V (what GroupQueryAttention computes)
+    ("t5-d23-f16-eager", "gptj"),
 ]
 
 
@@ -877,8 +898,8 @@ Issue 46's classes: K/V heads repeated by `Tile` (jetmoe: `.repeat(1, top_k, 1, 
 h reads KV head h mod kv_heads; 2 KV heads x top-k 2 = 4 query heads from 2 attention experts,
 both chosen for every token) and query/key cast to float32 inside attention (gptj:
 `.to(torch.float32)`, 4 heads, rotary on 8 of 16 channels; TorchScript and optimum write the
-Casts in a float32 model, dynamo drops them; in float16, transformers 5's TorchScript export also
-widens V). jetmoe's TorchScript export traces its experts' token counts as constants and runs only
+Casts in a float32 model, dynamo drops them; the `-f16-eager` form, transformers 5's eager
+attention in float16, widens Q and K to float32 and casts the probabilities back for V). jetmoe's TorchScript export traces its experts' token counts as constants and runs only
 on the traced 6 tokens, and optimum-onnx 0.1.0 has no jetmoe: neither is here.
 
 Layout: `<producer dir>/<form>/<family>/` holds what the producer wrote (`model.onnx`, its

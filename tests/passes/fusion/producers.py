@@ -107,6 +107,7 @@ EXPECTED: dict[str, str] = {
     "torch-tf4.57/torchscript-opset18/starcoder2": (CONVERTS),
     "torch-tf5/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-f16-eager/gptj": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-rollingcache/cohere2": (
         "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_scaled_dot_product_attention)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from surgery import insert_after
+from surgery import PRODUCERS, insert_after
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheWarning
@@ -22,6 +22,7 @@ from onnx_kvcache.passes.fusion._match import CacheLink
 from onnx_kvcache.passes.fusion._reads import read_through, tiled_order
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
+from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 
 from builders.exported import build_decoder, exported_config
 
@@ -103,6 +104,20 @@ def test_an_attention_widened_to_float32_in_a_float16_model_is_refused_by_name()
     with pytest.warns(KvCacheWarning, match="V reaches attention widened from float16 to float32"):
         assert not AttentionFusionPass()(model).modified
     assert count(model, "GroupQueryAttention") == 0
+
+
+@pytest.mark.parametrize("prompt", ["single", "left_padded"])
+def test_a_float16_attention_that_widens_q_and_k_fuses_and_computes_as_the_export(prompt):
+    """transformers 5's eager GPT-J in float16 (torch.onnx.export, opset 23): Q and K cast to
+    float32 for the scores, the probabilities cast back to float16 for V, which is what
+    GroupQueryAttention computes (onnxruntime's CPU kernel in float16; measured equal)."""
+    path = PRODUCERS / "torch-tf5" / "dynamo-opset23-optimize-f16-eager" / "gptj" / "model.onnx"
+    original, model = ir.load(path), ir.load(path)
+    widening = [n for n in original.graph if n.op_type == "Cast" and n.attributes["to"].as_int() == F32]
+    assert any(n.inputs[0].dtype == F16 for n in widening)
+    assert DecomposedAttentionFusionPass()(model).modified and count(model, "GroupQueryAttention") == 2
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert max(worst.values()) < 1e-2, worst
 
 
 def test_a_narrowing_cast_in_front_of_attention_is_refused_naming_it():
