@@ -133,6 +133,26 @@ def test_the_genai_config_is_made_from_the_graph_and_the_exports_configs(export,
     assert again.converted and (out / "genai_config.json").exists()
 
 
+PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers" / "optimum" / "optimum-cli"
+
+
+@pytest.mark.parametrize(("family", "shares"), [("gemma2", False), ("gpt_oss", False), ("mistral", True)])
+def test_an_export_counting_positions_from_its_cache_gets_no_shared_buffer(tmp_path, family, shares):
+    """optimum's gemma2 and gpt-oss have no position_ids: they count positions from the past's
+    length (Shape of past_key_values.0.key), which a shared buffer holds at the context's length.
+    Their genai folders get separate buffers, and genai's tokens are the runner's; mistral's
+    (position_ids given) shares one."""
+    pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
+    folder = tmp_path / family
+    shutil.copytree(PRODUCERS / family, folder)
+    out = tmp_path / "genai"
+    assert _convert(folder, out, "int8", "per_tensor").converted
+    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is shares
+    prompt = [1, 72, 101, 108, 108, 111, 33, 5, 9, 17, 23]
+    tokens, expected = og_generate(out, prompt, 10), KvCacheRunner(out).generate(prompt, 10)
+    assert len(tokens) >= 4 and tokens == expected[: len(tokens)]
+
+
 def test_a_rolling_window_export_runs_in_onnxruntime_genai_as_the_runner(export, tmp_path):
     """transformers 5.x's rolling window cache (every layer keeps its last W - 1 tokens), fused into
     window-sized caches: genai_config.json names them, genai allocates and shares them, and genai's

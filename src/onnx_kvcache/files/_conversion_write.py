@@ -129,7 +129,8 @@ def _share_note(config: dict[str, Any]) -> str:
         )
     return (
         "search.past_present_share_buffer is false: each step's present is a new buffer (the "
-        "target's kernel is not known to compute the same in one shared buffer)."
+        "target's kernel is not known to compute the same in one shared buffer, or the graph "
+        "counts positions from a past cache's length)."
     )
 
 

@@ -372,13 +372,26 @@ def _shares_buffer(decision: Decision, result: ConvertResult) -> bool:
     window-sized cache (``sliding_window_cache=1``, what genai's builder writes for Gemma-2's
     window layers) always shares: onnxruntime-genai allocates such a cache window-sized only
     in one shared buffer, and without it feeds an empty past that GroupQueryAttention refuses
-    ("KV cache capacity (0) must be at least local_window_size"), float or quantized."""
+    ("KV cache capacity (0) must be at least local_window_size"), float or quantized; and a graph
+    that reads a past cache's length (:func:`_reads_past_length`) never shares."""
     if any(
         s.int_attr("sliding_window_cache", 0) and s.int_attr("local_window_size", -1) > 0
         for s in find_attention_sites(decision.model)
     ):
         return True
-    return get_capabilities(_share_target(decision, result)).share_buffer
+    return get_capabilities(_share_target(decision, result)).share_buffer and not _reads_past_length(
+        decision.model
+    )
+
+
+def _reads_past_length(model: ir.Model) -> bool:
+    """Whether the graph reads a past cache's length (``Shape`` or ``Size`` of it: an export without
+    ``position_ids`` counts its positions from the cache). In a shared buffer that length is the
+    context's, not the tokens held, so such a graph computes wrong positions there."""
+    pasts = [s.past(side) for s in find_attention_sites(model) for side in s.sides]
+    return any(
+        user.op_type in ("Shape", "Size") for past in pasts if past is not None for user, _ in past.uses()
+    )
 
 
 def _new_config(
