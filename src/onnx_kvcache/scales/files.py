@@ -170,7 +170,8 @@ class KvCacheScales:
                 raise KvCacheError(f"Layer id {layer!r} must be an integer from 0 to {_MAX_LAYER_ID}.")
             k[int(layer)] = _as_scale_array(self.k[layer], f"layer {layer} k_scale")
             v[int(layer)] = _as_scale_array(self.v[layer], f"layer {layer} v_scale")
-            if k[int(layer)].size != v[int(layer)].size:
+            if k[int(layer)].size != v[int(layer)].size and 1 in (k[int(layer)].size, v[int(layer)].size):
+                # per-channel K and V may differ in width (MLA: keys wider than values)
                 raise KvCacheError(
                     f"Layer {layer}: k_scale has {k[int(layer)].size} elements but v_scale has "
                     f"{v[int(layer)].size}; both must have the same granularity."
@@ -426,7 +427,7 @@ def load_kv_cache_scale_file(
         raise _fail(p, f"'layer_ids' repeats {dup}.")
     sizes = {a.size for a in k + v}
     for i, (ka, va) in enumerate(zip(k, v)):
-        if ka.size != va.size:
+        if ka.size != va.size and 1 in (ka.size, va.size):  # per-channel widths may differ (MLA)
             raise _fail(p, f"layer {layer_ids[i]} has {ka.size} k scales but {va.size} v scales.")
     if len({a.size for a in k}) > 1:
         raise _fail(p, f"entries have different element counts {sorted(sizes)}.")
