@@ -38,6 +38,8 @@ class IoConvention:
         present: The matching output, formatted with ``kind`` and ``layer``.
         fixed: The model writes fixed buffers in place (their rows never grow).
         inputs: What the runner feeds besides ids, positions and the caches.
+        dims: The names of a cache's dimensions.
+        label: How ``inspect`` names the caches.
     """
 
     name: str
@@ -45,6 +47,8 @@ class IoConvention:
     present: str
     fixed: bool
     inputs: tuple[str, ...]
+    dims: tuple[str, ...]
+    label: str
 
     def present_name(self, kind: str, layer: int) -> str:
         return self.present.format(kind=kind, layer=layer)
@@ -56,6 +60,8 @@ STATIC = IoConvention(
     "updated_{kind}_cache.{layer}",
     True,
     ("write_indices", "nonpad_kv_seqlen"),
+    ("batch", "max_len", "kv_num_heads * head_size"),
+    "static buffers (TensorScatter)",
 )
 EXPORTED = IoConvention(
     "exported",
@@ -63,6 +69,8 @@ EXPORTED = IoConvention(
     "present.{layer}.{kind}",
     False,
     ("attention_mask",),
+    ("batch", "kv_num_heads", "sequence", "head_size"),
+    "exported attention (not fused)",
 )
 IO_CONVENTIONS: dict[str, IoConvention] = {row.name: row for row in (STATIC, EXPORTED)}
 
@@ -93,13 +101,25 @@ class IoCache:
     """The quantized storage format (a ``DequantizeLinear`` reads the input), else None."""
     scale: np.ndarray | None = None
     """The scale, shaped against the cache's ``[batch, kv_num_heads, rows, head_size]`` values."""
+    float_dtype: ir.DataType | None = None
+    """The type attention reads the cache in: its own, or its DequantizeLinear's output."""
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one token takes in this cache as stored."""
+        size = self.format.bytes_per_value() if self.format is not None else self.dtype.itemsize
+        return self.kv_num_heads * self.head_size * size
+
+    @property
+    def float_bytes_per_token(self) -> float:
+        """Bytes one token took in this cache unquantized."""
+        return self.kv_num_heads * self.head_size * (self.float_dtype or self.dtype).itemsize
 
 
 def _dim(value: ir.Value, axis: int) -> int | None:
     shape = value.shape
-    if shape is None or len(shape) <= axis or not isinstance(shape[axis], int):
-        return None
-    return int(shape[axis])
+    dim = shape[axis] if shape is not None and len(shape) > axis else None
+    return dim if isinstance(dim, int) else None
 
 
 def _heads_below(value: ir.Value, depth: int = 4) -> int | None:
@@ -115,18 +135,45 @@ def _heads_below(value: ir.Value, depth: int = 4) -> int | None:
     return None
 
 
-def _storage(value: ir.Value, heads: int, head: int) -> tuple[CacheFormat | None, np.ndarray | None]:
-    """The QDQ format and scale of ``value``: a DequantizeLinear reads it, else float (None)."""
-    name = _QDQ_FORMATS.get(value.dtype) if value.dtype is not None else None
-    reader = next((u.node for u in value.uses() if u.node.op_type == "DequantizeLinear"), None)
-    if name is None or reader is None or len(reader.inputs) < 2:
-        return None, None
-    found = constant_values(reader.inputs[1])
+def _dequantizer(past: ir.Value, present: ir.Value) -> ir.Node | None:
+    """The DequantizeLinear of a QDQ cache: reading the past (attention reads the stored rows
+    through it), else the present (a writer that moves the codes themselves)."""
+    for value in (past, present):
+        found = next((u.node for u in value.uses() if u.node.op_type == "DequantizeLinear"), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _scale(reader: ir.Node) -> np.ndarray | None:
+    """The dequantization scale: the DequantizeLinear's, times the constant of a ``Mul`` after
+    it (a 4-D cache's per-channel scale: a unit-scale DequantizeLinear, then ``Mul``)."""
+    found = constant_values(reader.inputs[1]) if len(reader.inputs) > 1 else None
     if found is None:
-        return get_format(name), None
+        return None
     scale = np.asarray(found, np.float32)
+    uses = list(reader.outputs[0].uses())
+    if len(uses) == 1 and uses[0].node.op_type == "Mul":
+        other = uses[0].node.inputs[1 - uses[0].idx]
+        extra = constant_values(other)
+        if extra is not None and other is not None and other.shape is not None:
+            return scale * np.asarray(extra, np.float32).reshape(-1)
+    return scale
+
+
+def _storage(past: ir.Value, present: ir.Value, heads: int, head: int) -> dict[str, object]:
+    """A QDQ cache's format, its scale shaped against ``[batch, heads, rows, head]`` values and
+    the type it is read in (:class:`IoCache`'s fields); none of them for a float cache."""
+    name = _QDQ_FORMATS.get(past.dtype) if past.dtype is not None else None
+    reader = _dequantizer(past, present)
+    if name is None or reader is None:
+        return {}
+    found: dict[str, object] = {"format": get_format(name), "float_dtype": reader.outputs[0].dtype}
+    scale = _scale(reader)
+    if scale is None:
+        return found
     shapes = {heads: (1, heads, 1, 1), head: (1, 1, 1, head), heads * head: (1, heads, 1, head)}
-    return get_format(name), scale.reshape(shapes.get(scale.size, (1, 1, 1, 1)))
+    return found | {"scale": scale.reshape(shapes.get(scale.size, (1, 1, 1, 1)))}
 
 
 def _io_cache(convention: IoConvention, value: ir.Value, outputs: dict[str, ir.Value]) -> IoCache | None:
@@ -146,9 +193,9 @@ def _io_cache(convention: IoConvention, value: ir.Value, outputs: dict[str, ir.V
     if width is None or width % heads:
         return None
     head = width // heads
-    fmt, scale = _storage(value, heads, head)
+    storage = _storage(value, outputs[present], heads, head)
     assert value.name is not None
-    return IoCache(convention, layer, kind, value.name, present, value.dtype, heads, head, rows, fmt, scale)
+    return IoCache(convention, layer, kind, value.name, present, value.dtype, heads, head, rows, **storage)  # type: ignore[arg-type]
 
 
 def find_io_caches(model: ir.Model, conventions: tuple[IoConvention, ...] | None = None) -> list[IoCache]:

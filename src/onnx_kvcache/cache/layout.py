@@ -9,9 +9,12 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache.formats import CACHE_FORMATS
+from onnx_kvcache.cache.io_caches import EXPORTED, IO_CONVENTIONS, IoCache, find_io_caches
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
+from onnx_kvcache.errors import require_flags
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 
 
@@ -47,6 +50,8 @@ class CacheLayerInfo:
     prompt_in_float: bool = False
     """A call of several tokens attends them through the float kernel, the cache stored
     quantized (:mod:`~onnx_kvcache.cache.prompt_path`); one token a call: the quantized kernel."""
+    rows: int | None = None
+    """Fixed buffers' rows (a static cache): allocated whole, whatever the context."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -71,7 +76,7 @@ class CacheModelInfo:
         total = 0.0
         for layer in self.layers:
             tokens = min(context, layer.window) if layer.window else context
-            total += layer.bytes_per_token * tokens * batch
+            total += layer.bytes_per_token * (layer.rows or tokens) * batch
         return total
 
     def to_json(self, context: int | None = None, batch: int = 1) -> dict[str, Any]:
@@ -140,18 +145,75 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
     )
 
 
-def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
-    """Read the cache layout of every attention layer from the graph (no weights are read)."""
+def _io_quant(cache: IoCache | None) -> str:
+    if cache is None:
+        return "-"
+    if cache.format is None:
+        return "NONE"
+    return (
+        "QDQ" if cache.scale is None else "QDQ " + ("PER_TENSOR" if cache.scale.size == 1 else "PER_CHANNEL")
+    )
+
+
+def _io_layer_info(key: IoCache, value: IoCache | None) -> CacheLayerInfo:
+    """One layer of caches the graph's I/O names (:mod:`~onnx_kvcache.cache.io_caches`): static
+    buffers, an unfused export's (keys and values may differ in width: MLA)."""
+    caches = [c for c in (key, value) if c is not None]
+    scales = [None if c.scale is None else [float(x) for x in c.scale.reshape(-1)] for c in (key, value) if c]
+    return CacheLayerInfo(
+        layer_id=key.layer_id,
+        node=key.convention.name,
+        past_key=key.past,
+        past_value=value.past if value is not None else "",
+        dtype=key.dtype.name,
+        shape=("batch", key.rows, key.kv_num_heads * key.head_size)
+        if key.rows is not None
+        else ("batch", key.kv_num_heads, "past", key.head_size),
+        k_quant_type=_io_quant(key),
+        v_quant_type=_io_quant(value),
+        bit_width=key.format.bit_width if key.format is not None else None,
+        k_scale=scales[0],
+        v_scale=scales[1] if len(scales) > 1 else None,
+        shared_scale=False,
+        window=None,
+        bytes_per_token=sum(c.bytes_per_token for c in caches),
+        original_bytes_per_token=sum(c.float_bytes_per_token for c in caches),
+        op=key.convention.label,
+        layout=key.convention.dims,
+        head_size=key.head_size,
+        rows=key.rows,
+    )
+
+
+def _io_layers(model: ir.Model, exported: bool) -> list[CacheLayerInfo]:
+    """Static buffers; an export's caches when stored quantized, or float with ``exported``
+    (a float export is otherwise what a fused copy shows)."""
+    caches = find_io_caches(model)
+    if caches and caches[0].convention is EXPORTED and not (exported or any(c.format for c in caches)):
+        return []
+    values = {c.layer_id: c for c in caches if c.kind == "value"}
+    return [_io_layer_info(c, values.get(c.layer_id)) for c in caches if c.kind == "key"]
+
+
+def inspect_kv_cache(model: ModelLike, *, exported: bool = False) -> CacheModelInfo:
+    """Read the cache layout of every attention layer from the graph (no weights are read).
+
+    A model with no attention node of ours: the caches its I/O names
+    (:data:`~onnx_kvcache.cache.io_caches.IO_CONVENTIONS`): static buffers, an export's stored
+    quantized, or (``exported``) float.
+    """
+    require_flags(exported=exported)
     model = as_model(model)
     validate_model(model, sort=False)  # malformed: one line, never a ZeroDivisionError
     seen: set[int] = set()
     layers = []
-    for site in find_attention_sites(model):
+    sites = find_attention_sites(model)
+    for site in sites:
         if id(site.past_key) in seen:
             continue
         seen.add(id(site.past_key))
         layers.append(_layer_info(site))
-    return CacheModelInfo(tuple(layers))
+    return CacheModelInfo(tuple(layers) if sites else tuple(_io_layers(model, exported)))
 
 
 def _fmt_scale(values: list[float] | None) -> str:
@@ -233,6 +295,30 @@ def _rotation_lines(info: CacheModelInfo) -> list[str]:
     ]
 
 
+def _io_lines(info: CacheModelInfo) -> list[str]:
+    """Caches the graph's I/O names: static buffers' whole size, and a float one's bytes per
+    token stored quantized through QuantizeLinear/DequantizeLinear (each format)."""
+    lines = []
+    rows = {layer.rows for layer in info.layers if layer.rows}
+    if rows:
+        size = _fmt_bytes(sum(layer.bytes_per_token * (layer.rows or 0) for layer in info.layers))
+        lines.append(
+            f"static buffers of {max(rows)} rows, allocated whole: {size} a sequence, whatever its length"
+        )
+    io = [layer for layer in info.layers if layer.node in IO_CONVENTIONS and layer.k_quant_type == "NONE"]
+    if io and len(io) == len(info.layers):
+        values = sum(layer.original_bytes_per_token / _itemsize(layer.dtype) for layer in io)
+        stored = ", ".join(f"{f.name} {values * f.bytes_per_value():g}" for f in CACHE_FORMATS.values())
+        lines.append(
+            f"stored quantized (QuantizeLinear/DequantizeLinear at its edges), bytes per token: {stored}"
+        )
+    return lines
+
+
+def _itemsize(dtype: str) -> float:
+    return ir.DataType[dtype].itemsize
+
+
 def _ranges(ids: list[int]) -> str:
     return (
         f"{ids[0]}-{ids[-1]}"
@@ -264,7 +350,13 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += _allocation_lines(info) + _attention_lines(info) + _rotation_lines(info) + _prompt_lines(info)
+    lines += (
+        _io_lines(info)
+        + _allocation_lines(info)
+        + _attention_lines(info)
+        + _rotation_lines(info)
+        + _prompt_lines(info)
+    )
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

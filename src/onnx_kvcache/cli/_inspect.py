@@ -119,12 +119,15 @@ def _inspect_preview(
 ) -> int:
     """``inspect`` of a model without attention nodes (an export): the cache of a copy fused in
     memory, and what ``convert`` would do (the file is never written)."""
-    from onnx_kvcache.cache.layout import format_cache_table
+    from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.pipeline.preview import preview_conversion
 
     preview = preview_conversion(model, args.ep, config)
     if not preview.cache.layers:
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
+        exported = inspect_kv_cache(model, exported=True)  # an export's own caches (MLA)
+        if exported.layers:
+            _print(format_cache_table(exported, args.context, args.batch or 1))
         if preview.refusal is not None:
             _print(f"convert would refuse: {words(preview.refusal)}")
         return 0

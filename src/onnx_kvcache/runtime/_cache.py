@@ -100,8 +100,14 @@ class CacheBinding:
         """Rows of this cache, ``capacity`` rows long, that hold tokens after ``total``."""
         return resident_rows(total, capacity, self.window)
 
+    @property
+    def logical(self) -> bool:
+        """A quantized cache whose element type is the format's values, one a numpy element
+        (ONNX's INT4 of a QDQ cache, not the kernels' packed uint8)."""
+        return self.format is not None and self.dtype != self.format.dtype
+
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        if self.feed_dtype is None and self.format is not None:
+        if self.feed_dtype is None and self.format is not None and not self.logical:
             return np.zeros(shape, self.format.numpy_dtype())
         return np.zeros(shape, (self.feed_dtype or self.dtype).numpy())
 
@@ -125,6 +131,8 @@ class CacheBinding:
         if self.format is None or self.holds_values:
             return np.asarray(cache, np.float32)
         assert self.scale is not None
+        if self.logical:
+            return np.asarray(cache).astype(np.float32) * self.scale
         return self.format.dequantize(cache, self.scale, self.head_size)
 
     def stored(self, cache: np.ndarray) -> np.ndarray:
@@ -137,7 +145,8 @@ class CacheBinding:
     def nbytes(self, cache_shape: Sequence[int]) -> int:
         """Bytes of this cache as stored, for a session tensor of ``cache_shape``."""
         rows = int(np.prod(cache_shape[:2]) * self.kv_num_heads if self.rows else np.prod(cache_shape[:3]))
-        itemsize = self.format.dtype.itemsize if self.format is not None else self.dtype.itemsize
+        stored = self.format.dtype if self.format is not None and not self.logical else self.dtype
+        itemsize = stored.itemsize
         return int(rows * self.last_dim * itemsize)
 
 

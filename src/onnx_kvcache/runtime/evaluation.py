@@ -742,8 +742,11 @@ def _layout(runner: KvCacheRunner) -> list[tuple]:
 
 def _format_name(runner: KvCacheRunner) -> str:
     sites = runner.sites
-    if not sites:
-        return "none"
+    if not sites:  # caches the graph's I/O names (static buffers, an export's), if any
+        first = runner.bindings[0] if runner.bindings else None
+        if first is None or first.format is None:
+            return first.dtype.name.lower() if first is not None else "none"
+        return f"{first.format.name} (QuantizeLinear/DequantizeLinear)"
     fmt = sites[0].cache_format
     if fmt is None:
         return str(sites[0].cache_dtype.name if sites[0].cache_dtype else "?").lower()
