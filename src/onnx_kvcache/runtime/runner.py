@@ -181,6 +181,12 @@ def _open(
     return session, layout.cache(bindings, session.feeding)
 
 
+def _context_limit(source: ModelSource, cache: KvCache) -> int | None:
+    """Tokens a context may hold: the rotary tables' length and a static cache's rows, the fewer."""
+    limits = [n for n in (max_positions(source.model), cache.capacity) if n is not None]
+    return min(limits) if limits else None
+
+
 class KvCacheRunner:
     """An onnxruntime session wrapper that owns the decoder's KV cache.
 
@@ -239,8 +245,7 @@ class KvCacheRunner:
         #: (as transformers' ``generate`` reads them).
         self.eos_token_ids, self.pad_token_id = _special_tokens(self._source)
         self._session, self._cache = _open(self._source, options, block_size)
-        limits = [n for n in (max_positions(self._source.model), self._cache.capacity) if n is not None]
-        self.max_positions = min(limits) if limits else None
+        self.max_positions = _context_limit(self._source, self._cache)
         """Tokens a context may hold (the rotary tables' length, a static cache's rows), or None
         when unknown."""
         self.reset()
