@@ -5,8 +5,7 @@ Each call feeds the buffers, ``write_indices`` (where the new tokens' rows go: e
 past length) and ``nonpad_kv_seqlen`` (the rows attention reads: the length after the call);
 the updated buffers come back as the next call's. Rows past the context are the buffers' zeros,
 never read: :meth:`StaticCache.values` gives the written rows only (what calibration samples).
-With io binding each updated buffer is bound to its input's OrtValue, so that onnxruntime's
-``TensorScatter`` writes in place instead of copying the whole buffer every call.
+onnxruntime's CPU ``TensorScatter`` copies the whole buffer to its output every call.
 """
 
 from __future__ import annotations
@@ -101,8 +100,9 @@ class StaticCache:
         return logits
 
     def bind_present(self, binding: Any, cache: CacheBinding) -> None:
-        """The updated buffer is the input's own OrtValue: written in place."""
-        binding.bind_ortvalue_output(cache.present, self.caches[cache.past])
+        """The updated buffer in a new OrtValue: bound to the input's own, onnxruntime 1.32's CPU
+        gives wrong logits after the first call (measured), so each call copies the buffer."""
+        binding.bind_output(cache.present, self.feeding.device)
 
     def values(self, cache: CacheBinding) -> np.ndarray:
         """The written rows' float32 values ``[B, kv_num_heads, length, head_size]``."""

@@ -708,7 +708,7 @@ class _Tally:
                 for layer, errs in self.errors.items()
             },
             kl_per_position=kl_pos,
-            baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
+            baseline_bytes_per_token=inspect_kv_cache(base.source_model, exported=True).bytes_per_token,
             candidate_bytes_per_token=_bytes_per_token(cand),
             candidate_format=_format_name(cand),
             emulated=cand.emulated,
@@ -754,4 +754,4 @@ def _format_name(runner: KvCacheRunner) -> str:
 
 
 def _bytes_per_token(runner: KvCacheRunner) -> float:
-    return inspect_kv_cache(runner.source_model).bytes_per_token
+    return inspect_kv_cache(runner.source_model, exported=True).bytes_per_token
