@@ -240,12 +240,15 @@ def _allocation_lines(info: CacheModelInfo) -> list[str]:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
-            groups.setdefault((layer.dtype, shape + packed, layer.window), []).append(layer.layer_id)
+            packed = "" if layer.dtype == "INT4" else packed  # ONNX's int4: a logical type
+            empty = -layer.rows if layer.rows else layer.window  # a static buffer: whole, all rows
+            groups.setdefault((layer.dtype, shape + packed, empty), []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
     for (dtype, shape, window), ids in groups.items():
         empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
+        empty = f"the whole buffer, {-window} rows" if window and window < 0 else empty
         lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
     return lines
 
