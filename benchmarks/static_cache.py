@@ -16,9 +16,9 @@ The models (SmolLM2-135M-Instruct, float32, the same weights: the Q4_1 GGUF of P
   (``convert`` fuses it into GroupQueryAttention for the kernel).
 
 1. Scales, one file per format, calibrated once on ``GQA`` (``calibrate --granularity per_channel
-   --rotation none``, the format's method for an unrotated cache: int8 ``minmax``; int4 ``mse``,
-   the method a cache without queries falls back to; the built-in corpus through the folder's
-   tokenizer). Every model is converted with the same file: only the storage differs.
+   --rotation none``, the format's method for an unrotated cache: int8 ``minmax``, int4
+   ``attention``, weighed by GroupQueryAttention's queries; the built-in corpus through the
+   folder's tokenizer). Every model is converted with the same file: only the storage differs.
 2. ``convert``: ``GQA`` (and ``DEFAULT``) for the CPU kernel (``--ep cpu``); ``STATIC`` (and
    ``DEFAULT``) with ``--storage qdq``.
 3. Accuracy: ``evaluate_kv_cache(float, converted)`` on the built-in corpus's held-out part (4
