@@ -9,8 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.formats import CACHE_FORMATS
-from onnx_kvcache.cache.io_caches import EXPORTED, IO_CONVENTIONS, IoCache, find_io_caches
+from onnx_kvcache.cache.io_caches import EXPORTED, IoCache, find_io_caches
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
@@ -241,8 +240,8 @@ def _allocation_lines(info: CacheModelInfo) -> list[str]:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
             packed = "" if layer.dtype == "INT4" else packed  # ONNX's int4: a logical type
-            empty = -layer.rows if layer.rows else layer.window  # a static buffer: whole, all rows
-            groups.setdefault((layer.dtype, shape + packed, empty), []).append(layer.layer_id)
+            rows = -layer.rows if layer.rows else layer.window  # a static buffer: whole, all rows
+            groups.setdefault((layer.dtype, shape + packed, rows), []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
@@ -299,8 +298,7 @@ def _rotation_lines(info: CacheModelInfo) -> list[str]:
 
 
 def _io_lines(info: CacheModelInfo) -> list[str]:
-    """Caches the graph's I/O names: static buffers' whole size, and a float one's bytes per
-    token stored quantized through QuantizeLinear/DequantizeLinear (each format)."""
+    """Static buffers' whole size (allocated whatever the context)."""
     lines = []
     rows = {layer.rows for layer in info.layers if layer.rows}
     if rows:
@@ -308,18 +306,7 @@ def _io_lines(info: CacheModelInfo) -> list[str]:
         lines.append(
             f"static buffers of {max(rows)} rows, allocated whole: {size} a sequence, whatever its length"
         )
-    io = [layer for layer in info.layers if layer.node in IO_CONVENTIONS and layer.k_quant_type == "NONE"]
-    if io and len(io) == len(info.layers):
-        values = sum(layer.original_bytes_per_token / _itemsize(layer.dtype) for layer in io)
-        stored = ", ".join(f"{f.name} {values * f.bytes_per_value():g}" for f in CACHE_FORMATS.values())
-        lines.append(
-            f"stored quantized (QuantizeLinear/DequantizeLinear at its edges), bytes per token: {stored}"
-        )
     return lines
-
-
-def _itemsize(dtype: str) -> float:
-    return ir.DataType[dtype].itemsize
 
 
 def _ranges(ids: list[int]) -> str:

@@ -68,6 +68,9 @@ def _cost_lines(
     from onnx_kvcache.pipeline.preview import preview_conversion, speed_line
     from onnx_kvcache.runtime import max_positions
 
+    stored = _storage_lines(model) if info.layers and _own(model) else []
+    if stored:  # static buffers or an export's own caches: what storage-quantizing makes of them
+        return stored
     context = max_positions(model) or 0
     at = f"at the model's context ({context} tokens), batch 1" if context else None
     before = info.bytes_per_token
@@ -90,6 +93,13 @@ def _cost_lines(
         preview.target, preview.format, bool(support and support.prompt_in_float), before / (after or before)
     )
     return lines + ([line] if line and after else [])
+
+
+def _own(model: Any) -> bool:
+    """No attention node of ours reads the model's caches (its I/O names them)."""
+    from onnx_kvcache.cache.sites import find_attention_sites
+
+    return not find_attention_sites(model)
 
 
 def _format_of(model: Any) -> str | None:
@@ -128,7 +138,10 @@ def _inspect_preview(
         exported = inspect_kv_cache(model, exported=True)  # an export's own caches (MLA)
         if exported.layers:
             _print(format_cache_table(exported, args.context, args.batch or 1))
-        if preview.refusal is not None:
+        stored = _storage_lines(model)
+        for line in stored:
+            _print(line)
+        if preview.refusal is not None and not any(" stored " in line for line in stored):
             _print(f"convert would refuse: {words(preview.refusal)}")
         return 0
     _print(
@@ -155,3 +168,22 @@ def _preview_line(preview: Any, words: Callable[[object], str]) -> str:
         f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
         f"{after:g} (now {before:g}{ratio}){half}"
     )
+
+
+def _storage_lines(model: Any) -> list[str]:
+    """The caches ``convert --storage qdq`` keeps (QuantizeLinear/DequantizeLinear around the
+    model's own attention): stored already, in which format, or their bytes per token as int8."""
+    from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
+
+    caches = find_qdq_caches(model.graph)
+    if not caches:
+        return []
+    now, fmt = storage_bytes_per_token(model), stored_format(model)
+    per_token = f"cache bytes per token {now:g}" if now is not None else "cache bytes per token unknown"
+    if fmt is not None:
+        return [f"{len(caches)} cache(s) stored {fmt} through QuantizeLinear/DequantizeLinear; {per_token}"]
+    after = storage_bytes_per_token(model, "int8")
+    smaller = f" now, {after:g} as int8 ({now / after:.2f}x smaller)" if now and after else ""
+    return [
+        f"{len(caches)} cache(s) that --storage qdq stores around the model's attention: {per_token}{smaller}"
+    ]
