@@ -389,6 +389,8 @@ class KvCacheRunner:
             return self._cache.kernel_rule
         if not self.quantized:
             return "float cache"
+        if not self.sites:  # static buffers, an export's own caches
+            return "QuantizeLinear/DequantizeLinear around the model's own attention (any provider)"
         if self.device == "cuda":
             return "cuda (native kernel)"
         if self.emulated:
