@@ -178,6 +178,7 @@ def main() -> None:
     parser.add_argument("--storages", nargs="+", default=["kernel", "qdq"], help="the conversions made")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--speed-models", nargs="+", help="time these models only (names as printed)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer = args.gqa / "tokenizer.json"
@@ -204,7 +205,8 @@ def main() -> None:
                   f"{r['change']:+.2%} ± {r['margin']:.2%}  {r['kl_mean']:.2e}  {r['top1']:.1%}  "
                   f"{r['bytes_per_token']:g}")  # fmt: skip
     if not args.skip_speed:
-        report_speed(speed(models, tokenizer, args))
+        timed = {n: m for n, m in models.items() if not args.speed_models or n in args.speed_models}
+        report_speed(speed(timed, tokenizer, args))
 
 
 if __name__ == "__main__":
