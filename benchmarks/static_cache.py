@@ -74,6 +74,42 @@ def converted(model: pathlib.Path, work: pathlib.Path, fmt: str, storage: str) -
     return out
 
 
+def rounded_first(qdq: pathlib.Path, work: pathlib.Path) -> pathlib.Path:
+    """``qdq`` (a static build stored as int4: its TensorScatter writes the float rows into the
+    dequantized buffer, which attention reads) with each call's new rows rounded to the stored
+    grid first (QuantizeLinear then DequantizeLinear with the buffer's scale), as the kernel and
+    the int8 storage do: what separates the int4 storage from the kernel, isolated."""
+    import shutil
+
+    import onnx
+
+    out = work / f"{qdq.name}-rounded-first"
+    if out.exists():
+        return out
+    model = onnx.load(qdq / "model.onnx", load_external_data=False)
+    made = {o: n for n in model.graph.node for o in n.output}
+    nodes = []
+    for node in model.graph.node:
+        reader = made.get(node.input[0]) if node.op_type == "TensorScatter" else None
+        if reader is not None and reader.op_type == "DequantizeLinear":
+            scale, axis = reader.input[1], [a for a in reader.attribute if a.name == "axis"]
+            q, dq = f"{node.name}/new_q", f"{node.name}/new_dq"
+            nodes.append(
+                onnx.helper.make_node("QuantizeLinear", [node.input[1], scale], [q], output_dtype=22)
+            )
+            nodes.append(onnx.helper.make_node("DequantizeLinear", [q, scale], [dq]))
+            nodes[-2].attribute.extend(axis)
+            nodes[-1].attribute.extend(axis)
+            node.input[1] = dq
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    out.mkdir()
+    onnx.save(model, out / "model.onnx")
+    shutil.copyfile(qdq / "model.onnx.data", out / "model.onnx.data")
+    return out
+
+
 def _model_file(folder: pathlib.Path) -> pathlib.Path:
     return folder if (folder / "genai_config.json").exists() else folder / "model.onnx"
 
@@ -191,6 +227,8 @@ def main() -> None:
         for name, (model, storage) in pairs.items():
             if storage in args.storages:
                 models[f"{name} {fmt} {storage}"] = converted(model, args.work, fmt, storage)
+    if "int4" in args.formats and "qdq" in args.storages:
+        models["static int4 qdq rounded-first"] = rounded_first(models["static int4 qdq"], args.work)
     results_file = args.work / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     if not args.skip_accuracy:
