@@ -117,3 +117,59 @@ def test_evaluate_of_a_float_model_against_itself_is_exact(folder):
     assert report.kl_max == 0.0
     assert report.top1_agreement == 1.0
     assert report.baseline_bytes_per_token == report.candidate_bytes_per_token > 0
+
+
+@pytest.mark.parametrize("folder", [STATIC[0], MLA], ids=["static", "mla"])
+def test_an_int8_qdq_cache_runs_as_a_hand_fed_loop_of_its_codes(folder, tmp_path):
+    """convert's storage-quantized cache: the runner feeds int8 buffers (or pasts), keeps the
+    codes the model returns, and its logits equal onnxruntime fed those codes by hand."""
+    import onnx_ir as ir
+
+    from onnx_kvcache.passes import QdqKvCachePass
+    from onnx_kvcache.scales.files import KvCacheScales
+
+    model = ir.load(folder / "model.onnx")
+    bindings = KvCacheRunner(model).bindings
+    width = {b.kind: b.kv_num_heads * b.head_size for b in bindings}  # MLA: K 32, V 16
+    layers = {b.layer_id for b in bindings}
+    scales = KvCacheScales(
+        {i: np.full(width["key"], 0.05, np.float32) for i in layers},
+        {i: np.full(width["value"], 0.04, np.float32) for i in layers},
+        format="int8",
+        granularity="per_channel",
+    )
+    QdqKvCachePass("int8", "per_channel", scales)(model)
+    ir.save(model, tmp_path / "model.onnx", external_data="model.onnx.data")
+    runner = KvCacheRunner(tmp_path / "model.onnx")
+    assert {(b.dtype, b.format.name if b.format else None) for b in runner.bindings} == {
+        (ir.DataType.INT8, "int8")
+    }
+    found = by_runner(tmp_path)
+    np.testing.assert_allclose(
+        np.stack(found), np.stack(hand_fed_int8(tmp_path, folder is not MLA)), atol=1e-5, rtol=0
+    )
+    runner.prefill(PROMPT)
+    assert np.abs(runner.cache_values(0, "key")).max() > 0
+
+
+def hand_fed_int8(folder: pathlib.Path, static: bool) -> list[np.ndarray]:
+    """``hand_fed`` of a model whose caches are int8 codes."""
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    caches = [i for i in session.get_inputs() if "cache" in i.name or "past" in i.name]
+    outputs = [o.name for o in session.get_outputs()]
+    present = {
+        c.name: ("updated_" + c.name if static else c.name.replace("past_key_values", "present"))
+        for c in caches
+    }
+    state = {
+        c.name: np.zeros([1, *c.shape[1:]] if static else [1, c.shape[1], 0, c.shape[3]], np.int8)
+        for c in caches
+    }
+    found, past = [], 0
+    for ids in [PROMPT, *([t] for t in DECODE)]:
+        feeds = (_static_feeds if static else _exported_feeds)(session, ids, past) | state
+        results = dict(zip(outputs, session.run(outputs, feeds)))
+        state = {name: results[present[name]] for name in state}
+        found.append(results["logits"][0, -1])
+        past += len(ids)
+    return found
