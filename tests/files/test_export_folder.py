@@ -147,7 +147,9 @@ def test_an_export_counting_positions_from_its_cache_gets_no_shared_buffer(tmp_p
     shutil.copytree(PRODUCERS / family, folder)
     out = tmp_path / "genai"
     assert _convert(folder, out, "int8", "per_tensor").converted
-    assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is shares
+    assert (
+        json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is shares
+    )
     prompt = [1, 72, 101, 108, 108, 111, 33, 5, 9, 17, 23]
     tokens, expected = og_generate(out, prompt, 10), KvCacheRunner(out).generate(prompt, 10)
     assert len(tokens) >= 4 and tokens == expected[: len(tokens)]

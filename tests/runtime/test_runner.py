@@ -566,17 +566,24 @@ def test_a_session_reads_the_model_file_when_it_runs_the_files_graph(
     assert sorted((f.name, f.stat().st_mtime_ns) for f in tmp_path.rglob("*")) == before  # nothing written
 
 
-MOBIUS_STATIC = pathlib.Path(__file__).parents[1] / "data" / "producers" / "mobius" / "mobius-static"
+ROLLING = (
+    pathlib.Path(__file__).parents[1]
+    / "data"
+    / "producers"
+    / "torch-tf5"
+    / "dynamo-opset23-optimize-rollingcache"
+)
 
 
 @pytest.mark.parametrize("command", ["calibrate", "evaluate"])
 def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_path, capsys, command):
-    """calibrate and evaluate fuse an export in memory; one that does not fuse (mobius's
-    static-cache build: TensorScatter into fixed buffers) is refused in the one line convert
-    says, not with a warning and advice to fuse it first (which would fail the same way)."""
+    """calibrate and evaluate fuse an export in memory; one that fuses in part (a rolling window
+    cache beside a full one) is refused in the one line convert says, not with a warning and
+    advice to fuse it first (which would fail the same way). One that fuses nothing but whose
+    caches the runner feeds as exported (MLA) runs: tests/runtime/test_static_cache.py."""
     from onnx_kvcache.cli.commands import main
 
-    model = str(MOBIUS_STATIC / "llama" / "model.onnx")
+    model = str(ROLLING / "cohere2" / "model.onnx")
     args = {
         "calibrate": ["calibrate", model, "--out", str(tmp_path / "s.json"), "--format", "int8"],
         "evaluate": ["evaluate", model, model, "--num-seqs", "1", "--seq-len", "16"],
@@ -584,7 +591,7 @@ def test_an_export_that_does_not_fuse_is_refused_with_the_fusions_reason(tmp_pat
     assert main([*args, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
-    assert "attention fusion fused nothing" in err and "static cache written by TensorScatter" in err
+    assert "attention fusion fused 1 layer(s) but left 1 unfused" in err and "rolling window cache" in err
     assert not (tmp_path / "s.json").exists()
 
 

@@ -9,10 +9,12 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_kvcache.cache.io_caches import EXPORTED, IoCache, find_io_caches
 from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
+from onnx_kvcache.errors import require_flags
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 
 
@@ -54,6 +56,8 @@ class CacheLayerInfo:
     rolling: int | None = None
     """Rows a rolling window cache keeps (the export's ``W - 1``: :mod:`~onnx_kvcache.cache.rolling`),
     else None: it starts empty, as the export's, and holds each row's last ``W - 1`` tokens."""
+    rows: int | None = None
+    """Fixed buffers' rows (a static cache): allocated whole, whatever the context."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -79,7 +83,7 @@ class CacheModelInfo:
         for layer in self.layers:
             held = layer.window or layer.rolling
             tokens = min(context, held) if held else context
-            total += layer.bytes_per_token * tokens * batch
+            total += layer.bytes_per_token * (layer.rows or tokens) * batch
         return total
 
     def to_json(self, context: int | None = None, batch: int = 1) -> dict[str, Any]:
@@ -156,18 +160,75 @@ def _layer_info(site: CacheSite) -> CacheLayerInfo:
     )
 
 
-def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
-    """Read the cache layout of every attention layer from the graph (no weights are read)."""
+def _io_quant(cache: IoCache | None) -> str:
+    if cache is None:
+        return "-"
+    if cache.format is None:
+        return "NONE"
+    return (
+        "QDQ" if cache.scale is None else "QDQ " + ("PER_TENSOR" if cache.scale.size == 1 else "PER_CHANNEL")
+    )
+
+
+def _io_layer_info(key: IoCache, value: IoCache | None) -> CacheLayerInfo:
+    """One layer of caches the graph's I/O names (:mod:`~onnx_kvcache.cache.io_caches`): static
+    buffers, an unfused export's (keys and values may differ in width: MLA)."""
+    caches = [c for c in (key, value) if c is not None]
+    scales = [None if c.scale is None else [float(x) for x in c.scale.reshape(-1)] for c in (key, value) if c]
+    return CacheLayerInfo(
+        layer_id=key.layer_id,
+        node=key.convention.name,
+        past_key=key.past,
+        past_value=value.past if value is not None else "",
+        dtype=key.dtype.name,
+        shape=("batch", key.rows, key.kv_num_heads * key.head_size)
+        if key.rows is not None
+        else ("batch", key.kv_num_heads, "past", key.head_size),
+        k_quant_type=_io_quant(key),
+        v_quant_type=_io_quant(value),
+        bit_width=key.format.bit_width if key.format is not None else None,
+        k_scale=scales[0],
+        v_scale=scales[1] if len(scales) > 1 else None,
+        shared_scale=False,
+        window=None,
+        bytes_per_token=sum(c.bytes_per_token for c in caches),
+        original_bytes_per_token=sum(c.float_bytes_per_token for c in caches),
+        op=key.convention.label,
+        layout=key.convention.dims,
+        head_size=key.head_size,
+        rows=key.rows,
+    )
+
+
+def _io_layers(model: ir.Model, exported: bool) -> list[CacheLayerInfo]:
+    """Static buffers; an export's caches when stored quantized, or float with ``exported``
+    (a float export is otherwise what a fused copy shows)."""
+    caches = find_io_caches(model)
+    if caches and caches[0].convention is EXPORTED and not (exported or any(c.format for c in caches)):
+        return []
+    values = {c.layer_id: c for c in caches if c.kind == "value"}
+    return [_io_layer_info(c, values.get(c.layer_id)) for c in caches if c.kind == "key"]
+
+
+def inspect_kv_cache(model: ModelLike, *, exported: bool = False) -> CacheModelInfo:
+    """Read the cache layout of every attention layer from the graph (no weights are read).
+
+    A model with no attention node of ours: the caches its I/O names
+    (:data:`~onnx_kvcache.cache.io_caches.IO_CONVENTIONS`): static buffers, an export's stored
+    quantized, or (``exported``) float.
+    """
+    require_flags(exported=exported)
     model = as_model(model)
     validate_model(model, sort=False)  # malformed: one line, never a ZeroDivisionError
     seen: set[int] = set()
     layers = []
-    for site in find_attention_sites(model):
+    sites = find_attention_sites(model)
+    for site in sites:
         if id(site.past_key) in seen:
             continue
         seen.add(id(site.past_key))
         layers.append(_layer_info(site))
-    return CacheModelInfo(tuple(layers))
+    return CacheModelInfo(tuple(layers) if sites else tuple(_io_layers(model, exported)))
 
 
 def _fmt_scale(values: list[float] | None) -> str:
@@ -199,14 +260,15 @@ def _allocation_lines(info: CacheModelInfo) -> list[str]:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
-            groups.setdefault((layer.dtype, shape + packed, layer.window, layer.rolling), []).append(
-                layer.layer_id
-            )
+            packed = "" if layer.dtype == "INT4" else packed  # ONNX's int4: a logical type
+            rows = -layer.rows if layer.rows else layer.window  # a static buffer: whole, all rows
+            groups.setdefault((layer.dtype, shape + packed, rows, layer.rolling), []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
     for (dtype, shape, window, rolling), ids in groups.items():
         empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
+        empty = f"the whole buffer, {-window} rows" if window and window < 0 else empty
         empty += f", then at most {rolling} (its presents fed back)" if rolling else ""
         lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
     return lines
@@ -267,6 +329,18 @@ def _rotation_lines(info: CacheModelInfo) -> list[str]:
     ]
 
 
+def _io_lines(info: CacheModelInfo) -> list[str]:
+    """Static buffers' whole size (allocated whatever the context)."""
+    lines = []
+    rows = {layer.rows for layer in info.layers if layer.rows}
+    if rows:
+        size = _fmt_bytes(sum(layer.bytes_per_token * (layer.rows or 0) for layer in info.layers))
+        lines.append(
+            f"static buffers of {max(rows)} rows, allocated whole: {size} a sequence, whatever its length"
+        )
+    return lines
+
+
 def _ranges(ids: list[int]) -> str:
     return (
         f"{ids[0]}-{ids[-1]}"
@@ -298,7 +372,13 @@ def format_cache_table(info: CacheModelInfo, context: int | None = None, batch: 
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = header + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += _allocation_lines(info) + _attention_lines(info) + _rotation_lines(info) + _prompt_lines(info)
+    lines += (
+        _io_lines(info)
+        + _allocation_lines(info)
+        + _attention_lines(info)
+        + _rotation_lines(info)
+        + _prompt_lines(info)
+    )
     before, after = info.original_bytes_per_token, info.bytes_per_token
     ratio = before / after if after else float("nan")
     lines.append(

@@ -62,6 +62,10 @@ class _Sampler:
     """Each layer's reservoirs of K and V rows, filled window by window."""
 
     sites: dict[int, CacheSite]
+    """The attention node of each layer that has one (a static buffer's or an unfused export's
+    cache has none: no RoPE envelope, no queries, no rotation of its own)."""
+    heads: dict[int, int]
+    """Each layer's ``kv_num_heads``, from the runner's caches."""
     attention: bool
     """Weigh each row by the attention it gets (the method's); windows then run one by one."""
     rope_envelope: bool
@@ -90,8 +94,10 @@ class _Sampler:
         }
         rng, positions = np.random.default_rng(sampling.seed), np.random.default_rng([sampling.seed, 1])
         exact = _Exact(np.random.default_rng([sampling.seed, 2])) if setup.method.exact else None
+        heads = {b.layer_id: b.kv_num_heads for b in setup.runner.bindings}
         return cls(
             sites,
+            heads,
             attention,
             choice.rope_envelope,
             sampling.sample_budget,
@@ -136,7 +142,7 @@ class _Sampler:
 
     def add(self, b: Any, x: np.ndarray, length: int, weights: np.ndarray | None) -> None:
         """Sample one window's cache ``x`` ``[kv, S, hd]`` of binding ``b``."""
-        site = self.sites[b.layer_id]
+        site = self.sites.get(b.layer_id)
         x = x[:, : b.resident_rows(length, x.shape[1])]
         if not np.all(np.isfinite(x)):
             raise KvCacheError(
@@ -147,13 +153,13 @@ class _Sampler:
             self._sample(b, self._turned(b, site, x), weights, None)
             return
         seen = x  # signed; under the envelope, K's pair norms
-        rotary = _rotary(site) if b.kind == "key" and self.rope_envelope else None
+        rotary = _rotary(site) if site is not None and b.kind == "key" and self.rope_envelope else None
         if rotary is not None:
             seen = rope_pair_norm(
                 x,
                 interleaved=rotary[0],
                 rotary_dim=rotary[1],
-                rotary_offset=site.int_attr("rotary_offset", 0),
+                rotary_offset=site.int_attr("rotary_offset", 0),  # type: ignore[union-attr]
             )
         bound = None
         if rotary is not None and (tables := self.rope_tables.get(b.layer_id)) is not None:
@@ -162,9 +168,9 @@ class _Sampler:
             seen = _rotated_anywhere(x, tables, rotary[0], self.positions, self.rope_positions)
         self._sample(b, seen, weights, bound)
 
-    def _turned(self, b: Any, site: CacheSite, x: np.ndarray) -> np.ndarray:
+    def _turned(self, b: Any, site: CacheSite | None, x: np.ndarray) -> np.ndarray:
         """K or V ``[kv, S, hd]`` as the rotated cache holds it (module rules)."""
-        rotary = _rotary(site) if b.kind == "key" and self.rope_envelope else None
+        rotary = _rotary(site) if site is not None and b.kind == "key" and self.rope_envelope else None
         if rotary is not None and (tables := self.rope_tables.get(b.layer_id)) is not None:
             x = _rotated_anywhere(x, tables, rotary[0], self.positions, self.rope_positions, signed=True)
         return rotate(x)

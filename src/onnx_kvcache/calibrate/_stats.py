@@ -53,7 +53,7 @@ def _layer_stats(layer: int, sampler: _Sampler, setup: _Setup, choice: _Choice) 
     for kind in ("key", "value"):
         # a single (LATENT) cache: V is read from the key cache, with the key's scale
         res = sampler.reservoirs.get((layer, kind)) or sampler.reservoirs[(layer, "key")]
-        kv_heads = sampler.sites[layer].kv_num_heads
+        kv_heads = sampler.heads[layer]
         thr = _thresholds(res, method, choice.percentile, fmt, choice.granularity, kv_heads)
         with np.errstate(over="ignore"):
             scale = (np.maximum(thr * margin, _TINY) / fmt.qmax).astype(np.float32)

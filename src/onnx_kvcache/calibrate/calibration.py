@@ -326,12 +326,8 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
     method = choice.method
     if method is None and choice.format is not None and choice.rotation is not None:  # known: one load
         method = default_method(get_format(choice.format).name, get_rotation(choice.rotation).name)
-    runner = KvCacheRunner(
-        model,
-        providers,
-        caches_only=True,
-        capture_queries=method is not None and CALIBRATION_METHODS[method].attention,
-    )
+    captured = method is not None and CALIBRATION_METHODS[method].attention
+    runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=captured)
     if not runner.bindings:  # before the format: a target's formats mean nothing without a cache
         raise KvCacheError(
             "The model has no KV cache (no GroupQueryAttention or PagedAttention node with past and "
@@ -341,10 +337,9 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
         raise KvCacheError("Calibrate the original model: this one's KV cache is already quantized.")
     fmt, chosen_for = _format(runner, choice)
     rotation = _rotation(runner.source_model, fmt, choice.rotation)
-    if method is None:
-        method = default_method(fmt.name, rotation.name)
-        if CALIBRATION_METHODS[method].attention:  # the queries are needed after all
-            runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
+    method = _without_queries(runner, method or default_method(fmt.name, rotation.name), choice.method)
+    if CALIBRATION_METHODS[method].attention and not captured:  # the queries are needed after all
+        runner = KvCacheRunner(model, providers, caches_only=True, capture_queries=True)
     chosen = CALIBRATION_METHODS[method]
     _check_rope_positions(choice, chosen, rotation)
     _check_rope_table(choice, runner.max_positions)
@@ -353,6 +348,23 @@ def _setup(model: ir.Model | str | os.PathLike, providers: Sequence[Any] | None,
             Param("method", method), " is for integer formats (int8/int4); use minmax or percentile for fp8."
         )
     return _Setup(runner, fmt, chosen, chosen_for, rotation)
+
+
+def _without_queries(runner: KvCacheRunner, method: str, asked: str | None) -> str:
+    """``method``, unless it weighs by attention and no attention node of ours reads the caches
+    (static buffers, an export's own: no query to weigh with): asked, refused; by default, ``mse``
+    (the round trip's error)."""
+    if runner.sites or not CALIBRATION_METHODS[method].attention:
+        return method
+    if asked is not None:
+        raise KvCacheError(
+            Param("method", asked),
+            " weighs by the attention each cached row gets, from GroupQueryAttention's queries; this "
+            "model's caches (static buffers or an export's own) have none: use ",
+            Param("method", "mse"),
+            " or minmax.",
+        )
+    return "mse"
 
 
 def _format(runner: KvCacheRunner, choice: _Choice) -> tuple[CacheFormat, str | None]:
@@ -394,10 +406,11 @@ def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
     if asked is None:
         return default_rotation(fmt.name, sites)
     rotation = get_rotation(asked)
-    if rotation.rotates and any(s.op.op_type != "GroupQueryAttention" for s in sites):
+    if rotation.rotates and (not sites or any(s.op.op_type != "GroupQueryAttention" for s in sites)):
         raise KvCacheError(
             Param("rotation", rotation.name),
-            " is for GroupQueryAttention caches; this model's PagedAttention caches are calibrated with ",
+            " is for GroupQueryAttention caches; this model's caches (PagedAttention, static buffers or an "
+            "export's own) are calibrated with ",
             Param("rotation", "none"),
             ".",
         )

@@ -68,6 +68,9 @@ def _cost_lines(
     from onnx_kvcache.pipeline.preview import preview_conversion, speed_line
     from onnx_kvcache.runtime import max_positions
 
+    stored = _storage_lines(model) if info.layers and _own(model) else []
+    if stored:  # static buffers or an export's own caches: what storage-quantizing makes of them
+        return stored
     context = max_positions(model) or 0
     at = f"at the model's context ({context} tokens), batch 1" if context else None
     before = info.bytes_per_token
@@ -90,6 +93,13 @@ def _cost_lines(
         preview.target, preview.format, bool(support and support.prompt_in_float), before / (after or before)
     )
     return lines + ([line] if line and after else [])
+
+
+def _own(model: Any) -> bool:
+    """No attention node of ours reads the model's caches (its I/O names them)."""
+    from onnx_kvcache.cache.sites import find_attention_sites
+
+    return not find_attention_sites(model)
 
 
 def _format_of(model: Any) -> str | None:
@@ -119,7 +129,7 @@ def _inspect_preview(
 ) -> int:
     """``inspect`` of a model without attention nodes (an export): the cache of a copy fused in
     memory, and what ``convert`` would do (the file is never written)."""
-    from onnx_kvcache.cache.layout import format_cache_table
+    from onnx_kvcache.cache.layout import format_cache_table, inspect_kv_cache
     from onnx_kvcache.pipeline.preview import preview_conversion
 
     preview = preview_conversion(model, args.ep, config)
@@ -127,6 +137,9 @@ def _inspect_preview(
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
         from onnx_kvcache.cache.storage import stored_format
 
+        exported = inspect_kv_cache(model, exported=True)  # an export's own caches (MLA)
+        if exported.layers:
+            _print(format_cache_table(exported, args.context, args.batch or 1))
         if preview.refusal is not None and stored_format(model) is None:  # stored: nothing to refuse
             _print(f"convert would refuse: {words(preview.refusal)}")
         for line in _storage_lines(model):

@@ -263,10 +263,35 @@ def fed_as_bits(dtype: ir.DataType) -> bool:
     return np.dtype(dtype.numpy()).isbuiltin != 1
 
 
+#: ONNX's 4-bit types: two values a byte in an OrtValue (low nibble first), one a byte in numpy.
+_NIBBLES = frozenset({ir.DataType.INT4, ir.DataType.UINT4})
+
+
+def _nibble_value(array: np.ndarray, dtype: ir.DataType) -> Any:
+    """A CPU OrtValue of a 4-bit type holding ``array``'s values, packed two a byte."""
+    ort_value = import_onnxruntime().OrtValue
+    value = ort_value.ortvalue_from_shape_and_type(list(array.shape), int(dtype), "cpu", 0)
+    codes = np.asarray(array).astype(np.int8).reshape(-1).view(np.uint8) & 0x0F
+    codes = np.concatenate([codes, np.zeros(codes.size % 2, np.uint8)])
+    packed = np.ascontiguousarray(codes[0::2] | (codes[1::2] << 4))
+    ctypes.memmove(value.data_ptr(), packed.ctypes.data, packed.nbytes)
+    return value
+
+
+def _nibble_array(raw: np.ndarray, shape: list[int], dtype: ir.DataType) -> np.ndarray:
+    """The values of a 4-bit OrtValue's bytes ``raw``, one a numpy element (ml_dtypes' type)."""
+    codes = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)[: int(np.prod(shape))]
+    values = (codes.astype(np.int8) ^ 8) - 8 if dtype == ir.DataType.INT4 else codes
+    return values.astype(dtype.numpy()).reshape(shape)
+
+
 def to_ort_value(array: np.ndarray, dtype: ir.DataType, device: str = "cpu") -> Any:
-    """An OrtValue of element type ``dtype`` on ``device`` (float8/bf16 arrays as their bits)."""
+    """An OrtValue of element type ``dtype`` on ``device`` (float8/bf16 arrays as their bits,
+    4-bit ones packed)."""
     ort = import_onnxruntime()
     array = np.ascontiguousarray(array)
+    if dtype in _NIBBLES and device == "cpu":
+        return _nibble_value(array, dtype)
     if fed_as_bits(dtype):
         if device == "cpu":
             bits = np.dtype(f"u{np.dtype(dtype.numpy()).itemsize}")
@@ -288,6 +313,8 @@ def host_array(value: Any) -> np.ndarray:
     if not fed_as_bits(dtype) or value.device_name().lower() != "cpu":
         return value.numpy()
     raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
+    if dtype in _NIBBLES:
+        return _nibble_array(np.frombuffer(raw, np.uint8), value.shape(), dtype)
     bits = np.dtype(f"u{np.dtype(dtype.numpy()).itemsize}")
     return np.frombuffer(raw, bits).reshape(value.shape()).copy()
 

@@ -29,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
+from onnx_kvcache.cache.io_caches import IoCache, find_io_caches
 from onnx_kvcache.cache.operators import PAGED, CacheSide
 from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, resident_rows
@@ -78,6 +79,14 @@ class CacheBinding:
     """A block pool ``[num_blocks, block_size, kv_num_heads, last_dim]`` (PagedAttention)."""
     block_size: int | None = None
     """The pool's static block size, when the model fixes one."""
+    rows: int | None = None
+    """A fixed buffer's rows: the cache is ``[batch, rows, kv_num_heads * head_size]``, written in
+    place by the model (mobius's static cache, :data:`~onnx_kvcache.cache.io_caches.STATIC`)."""
+
+    @property
+    def kind_of_cache(self) -> str:
+        """``paged``, ``static`` (fixed buffers) or ``dense``: which layout the runner keeps."""
+        return "paged" if self.paged else "static" if self.rows is not None else "dense"
 
     @property
     def holds_values(self) -> bool:
@@ -92,12 +101,20 @@ class CacheBinding:
         """Rows of this cache, ``capacity`` rows long, that hold tokens after ``total``."""
         return resident_rows(total, capacity, self.window)
 
+    @property
+    def logical(self) -> bool:
+        """A quantized cache whose element type is the format's values, one a numpy element
+        (ONNX's INT4 of a QDQ cache, not the kernels' packed uint8)."""
+        return self.format is not None and self.dtype != self.format.dtype
+
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        if self.feed_dtype is None and self.format is not None:
+        if self.feed_dtype is None and self.format is not None and not self.logical:
             return np.zeros(shape, self.format.numpy_dtype())
         return np.zeros(shape, (self.feed_dtype or self.dtype).numpy())
 
     def empty(self, batch: int, min_capacity: int = 0) -> np.ndarray:
+        if self.rows is not None:
+            return self._zeros((batch, self.rows, self.kv_num_heads * self.feed_last_dim))
         length = self.capacity or 0
         if self.capacity and not self.static_capacity:
             length = max(length, min_capacity)
@@ -107,10 +124,16 @@ class CacheBinding:
         return self._zeros((num_blocks, block_size, self.kv_num_heads, self.feed_last_dim))
 
     def values(self, cache: np.ndarray) -> np.ndarray:
-        """float32 values of a BNSH cache tensor as the session holds it (dequantized)."""
+        """float32 values of a cache tensor as the session holds it (dequantized), BNSH (a fixed
+        buffer's ``[batch, rows, kv_num_heads * head_size]`` split into its heads)."""
+        if self.rows is not None:
+            cache = np.asarray(cache)
+            cache = cache.reshape(*cache.shape[:2], self.kv_num_heads, -1).transpose(0, 2, 1, 3)
         if self.format is None or self.holds_values:
             return np.asarray(cache, np.float32)
         assert self.scale is not None
+        if self.logical:
+            return np.asarray(cache).astype(np.float32) * self.scale
         return self.format.dequantize(cache, self.scale, self.head_size)
 
     def stored(self, cache: np.ndarray) -> np.ndarray:
@@ -122,8 +145,9 @@ class CacheBinding:
 
     def nbytes(self, cache_shape: Sequence[int]) -> int:
         """Bytes of this cache as stored, for a session tensor of ``cache_shape``."""
-        rows = int(np.prod(cache_shape[:3]))
-        itemsize = self.format.dtype.itemsize if self.format is not None else self.dtype.itemsize
+        rows = int(np.prod(cache_shape[:2]) * self.kv_num_heads if self.rows else np.prod(cache_shape[:3]))
+        stored = self.format.dtype if self.format is not None and not self.logical else self.dtype
+        itemsize = stored.itemsize
         return int(rows * self.last_dim * itemsize)
 
 
@@ -191,8 +215,31 @@ def _refuse_unread_caches(model: ir.Model) -> None:
             )
 
 
-def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
-    """Pair each cache graph input with its present output, using the attention nodes."""
+def _io_binding(cache: IoCache) -> CacheBinding:
+    """The binding of a cache the graph's I/O names (a static buffer, an unfused export's)."""
+    fmt = cache.format
+    packed = fmt is not None and cache.dtype == fmt.dtype  # else a type that packs itself (INT4)
+    last = fmt.packed_dim(cache.head_size) if fmt is not None and packed else cache.head_size
+    return CacheBinding(
+        cache.layer_id,
+        cache.kind,
+        cache.past,
+        cache.present,
+        cache.dtype,
+        cache.kv_num_heads,
+        last,
+        None,
+        format=fmt,
+        scale=cache.scale,
+        head_size=cache.head_size,
+        rows=cache.rows,
+    )
+
+
+def discover_cache_bindings(model: ir.Model, *, io_caches: bool = False) -> list[CacheBinding]:
+    """Pair each cache graph input with its present output, using the attention nodes; with
+    ``io_caches``, a model whose attention nodes read none: the caches its I/O names
+    (:func:`~onnx_kvcache.cache.io_caches.find_io_caches`)."""
     bindings: list[CacheBinding] = []
     inputs = {v.name for v in model.graph.inputs}
     outputs = {v.name for v in model.graph.outputs}
@@ -202,6 +249,8 @@ def discover_cache_bindings(model: ir.Model) -> list[CacheBinding]:
             if past is None or present is None or past.name not in inputs or present.name not in outputs:
                 continue
             bindings.append(_binding(site, side, past, present))
+    if not bindings and io_caches:
+        bindings = [_io_binding(cache) for cache in find_io_caches(model)]
     if not bindings:
         _refuse_unread_caches(model)
     return bindings
@@ -266,6 +315,10 @@ class KvCache(Protocol):
     @property
     def pool(self) -> Any:
         """The block pool of a paged decoder, else None."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens a sequence may hold: fixed buffers' rows (a static cache), else None."""
 
     @property
     def kernel_rule(self) -> str | None:

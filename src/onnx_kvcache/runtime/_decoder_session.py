@@ -70,6 +70,9 @@ class ModelSource:
     """The onnxruntime-genai config of a genai folder."""
     base_dir: pathlib.Path | None = None
     """The folder of the model's file (its external data)."""
+    io_caches: bool = False
+    """The runner feeds the caches the graph's I/O names (static buffers, an export that does
+    not fuse: :mod:`~onnx_kvcache.cache.io_caches`), with no attention node of ours."""
 
 
 @dataclasses.dataclass(frozen=True)

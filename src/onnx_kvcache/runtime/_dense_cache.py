@@ -46,6 +46,7 @@ class DenseCache:
     block_size: None = None
     kernel_rule: None = None
     pool: None = None
+    capacity: None = None
 
     def __init__(self, bindings: list[CacheBinding], feeding: Feeding) -> None:
         self.bindings = bindings

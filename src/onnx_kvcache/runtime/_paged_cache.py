@@ -186,6 +186,8 @@ class PagedLayout:
 class PagedCache:
     """One block pool tensor per cache, shared by ``batch`` sequences of any lengths."""
 
+    capacity: None = None
+
     def __init__(self, bindings: list[CacheBinding], feeding: Feeding, layout: PagedLayout) -> None:
         self.bindings = bindings
         self.feeding = feeding

@@ -116,6 +116,12 @@ CALL_PATTERNS: dict[str, CallPattern] = {
             "quantization turns into whole steps: only steps equal token-by-token decoding)",
         ),
         CallPattern("native kernel", False, f"{_STEPS} (a GPU kernel: chunks not measured)"),
+        CallPattern(
+            "qdq storage",
+            False,
+            f"{_STEPS} (a cache stored through QuantizeLinear/DequantizeLinear around the model's own "
+            "attention: chunks not measured against steps)",
+        ),
     )
 }
 
@@ -129,6 +135,8 @@ def _kernel(runner: KvCacheRunner) -> str:
     quantized = runner.quantized
     if runner.paged:  # float32 whatever the model's type
         return "paged reference" if quantized else "float cache"
+    if quantized and not runner.sites:  # static buffers, an export's own caches
+        return "qdq storage"
     if quantized and runner.emulated:
         return "emulation"
     if quantized:

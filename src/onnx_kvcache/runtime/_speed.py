@@ -98,7 +98,7 @@ def measure_speed(
     rng = np.random.default_rng(0)
     ids, steps = rng.integers(0, vocab, context), rng.integers(0, vocab, DECODE_STEPS)
     base, cand = (_timed(r, ids, steps) for r in runners)
-    caches = tuple(inspect_kv_cache(r.source_model).cache_bytes(context) for r in runners)
+    caches = tuple(inspect_kv_cache(r.source_model, exported=True).cache_bytes(context) for r in runners)
     for runner in runners:
         runner.reset(1)
     return Speed(context, DECODE_STEPS, (base[0], cand[0]), (base[1], cand[1]), caches)  # type: ignore[arg-type]

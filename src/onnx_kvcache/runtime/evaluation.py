@@ -712,7 +712,7 @@ class _Tally:
                 for layer, errs in self.errors.items()
             },
             kl_per_position=kl_pos,
-            baseline_bytes_per_token=inspect_kv_cache(base.source_model).bytes_per_token,
+            baseline_bytes_per_token=inspect_kv_cache(base.source_model, exported=True).bytes_per_token,
             candidate_bytes_per_token=_bytes_per_token(cand),
             candidate_format=_format_name(cand),
             emulated=cand.emulated,
@@ -747,8 +747,11 @@ def _layout(runner: KvCacheRunner) -> list[tuple]:
 
 def _format_name(runner: KvCacheRunner) -> str:
     sites = runner.sites
-    if not sites:
-        return "none"
+    if not sites:  # caches the graph's I/O names (static buffers, an export's), if any
+        first = runner.bindings[0] if runner.bindings else None
+        if first is None or first.format is None:
+            return first.dtype.name.lower() if first is not None else "none"
+        return f"{first.format.name} (QuantizeLinear/DequantizeLinear)"
     fmt = sites[0].cache_format
     if fmt is None:
         return str(sites[0].cache_dtype.name if sites[0].cache_dtype else "?").lower()
@@ -756,4 +759,4 @@ def _format_name(runner: KvCacheRunner) -> str:
 
 
 def _bytes_per_token(runner: KvCacheRunner) -> float:
-    return inspect_kv_cache(runner.source_model).bytes_per_token
+    return inspect_kv_cache(runner.source_model, exported=True).bytes_per_token

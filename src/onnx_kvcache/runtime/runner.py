@@ -35,12 +35,13 @@ import functools
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.io_caches import EXPORTED, STATIC, find_io_caches
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import (
@@ -76,21 +77,28 @@ from onnx_kvcache.runtime._decoder_session import (
 )
 from onnx_kvcache.runtime._dense_cache import DenseLayout
 from onnx_kvcache.runtime._paged_cache import BlockPool, PagedLayout
+from onnx_kvcache.runtime._static_cache import StaticLayout
 
 logger = logging.getLogger(__name__)
 
 
-def _fused(model: ir.Model) -> ir.Model:
+def _fused(model: ir.Model, unfused: Callable[[], ir.Model]) -> tuple[ir.Model, bool]:
     """A decoder without attention nodes (a PyTorch export), fused in memory (the file, or
-    the caller's model, unchanged).
+    the caller's model, unchanged), and whether it runs as exported instead.
 
     The runner feeds unpadded rows, so what a fused padding mask assumes does not apply. An
-    export whose attention does not fuse in full is refused in one line, the fusion's reason
-    (as ``convert`` says it), its warnings unsaid: the runner needs every cache in
-    GroupQueryAttention.
+    export whose attention does not fuse at all but whose caches follow the exported convention
+    (:data:`~onnx_kvcache.cache.io_caches.EXPORTED`: multi-head latent attention) runs as exported
+    (``unfused()`` gives it back when the fusion changed the graph); one that fuses in part is
+    refused in one line, the fusion's reason (as ``convert`` says it), its warnings unsaid: the
+    runner needs every cache in GroupQueryAttention.
     """
     fusion = fuse_unless_attention(model)  # its warnings recorded, said below unless refused
     if fusion.refusal is not None:
+        original = unfused() if fusion.modified else model
+        if not fusion.fused and find_io_caches(original, (EXPORTED,)):
+            logger.info("Running the export as it is (its attention does not fuse): %s", fusion.refusal.text)
+            return original, True
         raise KvCacheError(f"Cannot run this export: {fusion.refusal.text}")
     for recorded in fusion.recorded:
         if not issubclass(recorded.category, PaddingAssumptionWarning):
@@ -98,7 +106,22 @@ def _fused(model: ir.Model) -> ir.Model:
     if fusion.modified:
         model.graph.sort()  # a fused node may land after a reader of its outputs; sessions clone it
         logger.info("Fused the model's attention into GroupQueryAttention (in memory, file unchanged).")
-    return model
+    return model, False
+
+
+def _source(model: ir.Model, unfused: Callable[[], ir.Model], **where: Any) -> ModelSource:
+    """``model`` as the runner runs it: as it is with attention nodes, or with static cache
+    buffers (:data:`~onnx_kvcache.cache.io_caches.STATIC`, which no fusion reads), else fused in
+    memory (:func:`_fused`, on ``unfused()``'s copy: a caller's model stays as it is). ``where``:
+    the file, genai config and folder it came from."""
+    if find_attention_sites(model, with_cache_only=False):
+        return ModelSource(model, **where)
+    if find_io_caches(model, (STATIC,)):
+        return ModelSource(model, **where, io_caches=True)
+    ran, as_exported = _fused(unfused(), unfused)
+    if not as_exported:
+        where["file"] = None  # the session runs the fused graph
+    return ModelSource(ran, **where, io_caches=as_exported)
 
 
 def _load(model_or_path: ir.Model | str | os.PathLike) -> ModelSource:
@@ -107,15 +130,14 @@ def _load(model_or_path: ir.Model | str | os.PathLike) -> ModelSource:
     if isinstance(model_or_path, ir.Model):
         model = model_or_path
         validate_model(model)  # malformed: one line; out of order: sorted (computing the same)
-        if not find_attention_sites(model, with_cache_only=False):
-            model = _fused(model.clone())  # the caller's model stays as it is
-        return ModelSource(model)
+        return _source(model, model.clone)
     path, config = resolve_model_path(model_or_path)
     model = load_model(path)
     validate_model(model)  # the session still reads the file: onnxruntime runs it in any order
-    if find_attention_sites(model, with_cache_only=False):
-        return ModelSource(model, path, config, path.parent)
-    return ModelSource(_fused(model), None, config, path.parent)  # the session runs the fused graph
+    loaded = iter([model])  # the fusion takes the model loaded; a copy asked again is read again
+    return _source(
+        model, lambda: next(loaded, None) or load_model(path), file=path, config=config, base_dir=path.parent
+    )
 
 
 def _special_tokens(source: ModelSource) -> tuple[frozenset[int], int | None]:
@@ -127,16 +149,22 @@ def _special_tokens(source: ModelSource) -> tuple[frozenset[int], int | None]:
     return (frozenset(export.eos_token_ids), export.pad_token_id) if export else (frozenset(), None)
 
 
-#: the layout of each kind of cache, by ``CacheBinding.paged``
-_LAYOUTS: dict[bool, type[DenseLayout] | type[PagedLayout]] = {False: DenseLayout, True: PagedLayout}
+#: the layout of each kind of cache, by ``CacheBinding.kind_of_cache``
+_LAYOUTS: dict[str, type[DenseLayout] | type[PagedLayout] | type[StaticLayout]] = {
+    "dense": DenseLayout,
+    "paged": PagedLayout,
+    "static": StaticLayout,
+}
 
 
 def _layout(bindings: list[CacheBinding], source: ModelSource, block_size: int | None) -> CacheLayout:
     """The layout of the model's caches: dense or paged (a model has one kind)."""
-    kinds = {b.paged for b in bindings}
+    kinds = {b.kind_of_cache for b in bindings}
     if len(kinds) > 1:
-        raise KvCacheError("The model mixes paged and dense KV caches; the runner takes one kind.")
-    return _LAYOUTS[kinds.pop() if kinds else False].read(bindings, source.model, block_size, source.config)
+        raise KvCacheError(
+            f"The model mixes {' and '.join(sorted(kinds))} KV caches; the runner takes one kind."
+        )
+    return _LAYOUTS[kinds.pop() if kinds else "dense"].read(bindings, source.model, block_size, source.config)
 
 
 def _open(
@@ -146,10 +174,17 @@ def _open(
     kernel rule, logits output, cache bindings, cache layout, then the session's inputs."""
     target = choose_target(source, options)
     logits = logits_output(source.model)
-    bindings = with_feed_dtypes(discover_cache_bindings(source.model), target.model)
+    found = discover_cache_bindings(source.model, io_caches=source.io_caches)
+    bindings = with_feed_dtypes(found, target.model)
     layout = _layout(bindings, source, block_size)
     session = DecoderSession(source, target, logits, bindings, layout.inputs, options)
     return session, layout.cache(bindings, session.feeding)
+
+
+def _context_limit(source: ModelSource, cache: KvCache) -> int | None:
+    """Tokens a context may hold: the rotary tables' length and a static cache's rows, the fewer."""
+    limits = [n for n in (max_positions(source.model), cache.capacity) if n is not None]
+    return min(limits) if limits else None
 
 
 class KvCacheRunner:
@@ -210,8 +245,9 @@ class KvCacheRunner:
         #: (as transformers' ``generate`` reads them).
         self.eos_token_ids, self.pad_token_id = _special_tokens(self._source)
         self._session, self._cache = _open(self._source, options, block_size)
-        self.max_positions = max_positions(self._source.model)
-        """Tokens a context may hold (the rotary tables' length), or None when unknown."""
+        self.max_positions = _context_limit(self._source, self._cache)
+        """Tokens a context may hold (the rotary tables' length, a static cache's rows), or None
+        when unknown."""
         self.reset()
 
     # the model and the session (see DecoderSession)
@@ -353,6 +389,8 @@ class KvCacheRunner:
             return self._cache.kernel_rule
         if not self.quantized:
             return "float cache"
+        if not self.sites:  # static buffers, an export's own caches
+            return "QuantizeLinear/DequantizeLinear around the model's own attention (any provider)"
         if self.device == "cuda":
             return "cuda (native kernel)"
         if self.emulated:
