@@ -264,6 +264,8 @@ def test_inspect_ep_takes_known_providers_only(capsys):
         ),  # no option
         ((Param("in_place", False),), "in_place=False", "in_place=False"),  # a value no option gives
         ((Param("progress", False),), "progress=False", "--no-progress"),  # store_false: the value it sets
+        (("(", Param("verify", True), ")"), "(verify=True)", "(--verify)"),  # BooleanOptionalAction:
+        (("(", Param("verify", False), ")"), "(verify=False)", "(--no-verify)"),  # the value's own flag
         (
             (Function("calibrate_kv_cache", (Param("format", "int4"), Param("method", "mse"))),),
             "calibrate_kv_cache(format='int4', method='mse')",
