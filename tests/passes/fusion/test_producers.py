@@ -76,8 +76,9 @@ def test_a_converting_file_fuses_every_layer(decided):
     gqa = [n for n in decision.model.graph if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == layers and decision.fusion.fused in (0, layers)
     checked = decision.fusion.verification  # the export and its fusion side by side (translation validation)
-    if decision.fusion.fused and _float_file(entry) and "sliding_window_cache" not in str(gqa[0].attributes):
-        assert checked is not None and checked.verified and checked.error < 1e-5, checked
+    if decision.fusion.fused and "sliding_window_cache" not in str(gqa[0].attributes):
+        assert checked is not None and checked.verified, checked
+        assert checked.error < (1e-5 if _float_file(entry) else 1e-2), checked
     elif decision.fusion.fused:
         assert checked is not None and not checked.verified and checked.skipped
     with warnings.catch_warnings():
