@@ -44,6 +44,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
     SymbolKind,
     SymTensor,
     Unprovable,
+    _equal,
     _kind,
     _shift,
     aligned_elem,
@@ -578,6 +579,17 @@ def _concat(ev: Evaluator, node: ir.Node) -> SymTensor:
     along = _attr_int(node, "axis", 0)
     along = along + rank if along < 0 else along
     shape = list(parts[0].shape)
+    if any(p.rank != rank for p in parts) or not 0 <= along < rank:
+        raise Unprovable(
+            f"Concat node {node.name!r} joins tensors of ranks {[p.rank for p in parts]} along axis {along}",
+            kind=FusionRefusalCode.MALFORMED,
+        )
+    for p in parts[1:]:  # onnxruntime skips an empty part whatever its other lengths
+        if any(k != along and not _equal(d, shape[k]) for k, d in enumerate(p.shape)):
+            raise Unprovable(
+                f"Concat node {node.name!r} joins [{', '.join(map(str, shape))}] and "
+                f"[{', '.join(map(str, p.shape))}]: lengths other than along axis {along} not proven equal"
+            )
     shape[along] = sum((p.shape[along] for p in parts[1:]), parts[0].shape[along])
     if all(p.values is not None for p in parts) and rank == 1:
         values = tuple(v for p in parts for v in p.values or ())

@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion import _opsets as opsets
+from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _COMPARE,
@@ -150,6 +151,28 @@ def _reduce(ev: Evaluator, node: ir.Node) -> SymTensor:
     keep = bool(_attr_int(node, "keepdims", 1))
     shape = [ONE if k in picked else d for k, d in enumerate(x) if keep or k not in picked]
     return _data(ev, node.outputs[0], shape)
+
+
+def _concat(ev: Evaluator, node: ir.Node) -> SymTensor:
+    """Concat's shape where its value rule declines: each axis whose parts' lengths are proven
+    equal keeps that length; any other axis, and the joined one then, is a fresh length
+    (onnxruntime skips an empty part, whatever its other lengths)."""
+    shapes = [ev.shape(v) for v in node.inputs if v is not None]
+    rank = len(shapes[0])
+    along = _attr_int(node, "axis", 0)
+    along = along + rank if along < 0 else along
+    if any(len(s) != rank for s in shapes) or not 0 <= along < rank:
+        raise Unprovable(
+            f"Concat node {node.name!r} joins tensors of ranks {[len(s) for s in shapes]} along axis {along}",
+            kind=FusionRefusalCode.MALFORMED,
+        )
+    same = [all(equal(s[k], shapes[0][k]) for s in shapes) for k in range(rank)]
+    out = [d if same[k] else Affine.of(ev.fresh()) for k, d in enumerate(shapes[0])]
+    if all(same[k] for k in range(rank) if k != along):
+        out[along] = sum((s[along] for s in shapes[1:]), shapes[0][along])
+    else:
+        out[along] = Affine.of(ev.fresh())
+    return _data(ev, node.outputs[0], out)
 
 
 def _flatten(ev: Evaluator, node: ir.Node) -> SymTensor:

@@ -97,7 +97,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("", "Expand"): Rule("a broadcast to a shape", (index._expand,)),
     ("", "Max"): Rule("an elementwise maximum", (index._extremum,), _BROADCAST),
     ("", "Min"): Rule("an elementwise minimum", (index._extremum,), _BROADCAST),
-    ("", "Concat"): Rule("a concatenation", (index._concat,)),
+    ("", "Concat"): Rule("a concatenation", (index._concat,), _first(ops._concat)),
     ("", "Transpose"): Rule("a permutation of axes", (index._transpose,)),
     ("", "Reshape"): Rule("a reshape", (ops._reshape_vector, ops._unit_reshape, index._reshape)),
     ("", "Slice"): Rule("a slice", (index._slice, ops._slice_any)),
