@@ -85,22 +85,10 @@ def _affine_fit(array: np.ndarray) -> Affine | None:
     return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
 
 
-_CONSTANTS: dict[tuple[str, tuple[int, ...], bytes, ir.DataType | None], SymTensor] = {}
-"""Small constants already read (exporters repeat the same axes and indices in every layer);
-their SymTensors are immutable."""
-
-
 def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
-    """A constant's SymTensor: an integer one's values and, when affine in its indices, element."""
-    if array.size > _MAX_CONST_ELEMENTS:
-        return _read_constant(array, dtype)
-    key = (array.dtype.str, array.shape, array.tobytes(), dtype)
-    found = _CONSTANTS.get(key)
-    if found is None:
-        if len(_CONSTANTS) > 4096:
-            _CONSTANTS.clear()
-        found = _CONSTANTS[key] = _read_constant(array, dtype)
-    return found
+    """A constant's SymTensor: an integer one's values and, when affine in its indices, element
+    (:class:`~onnx_kvcache.passes.fusion._symbolic.SymbolicEvaluator` keeps those of one graph)."""
+    return _read_constant(array, dtype)
 
 
 def _small_vector(array: np.ndarray) -> SymTensor:

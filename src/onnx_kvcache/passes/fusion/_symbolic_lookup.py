@@ -227,7 +227,9 @@ def _nonzero(ev: Evaluator, node: ir.Node) -> SymTensor:
     array = _decided(x)
     if array is None:
         return SymTensor((Affine(const=max(x.rank, 1)), Affine.of(ev.fresh())), "int")
-    return _from_constant(np.array(np.nonzero(array.reshape(-1) if not array.ndim else array), np.int64), ir.DataType.INT64)
+    return _from_constant(
+        np.array(np.nonzero(array.reshape(-1) if not array.ndim else array), np.int64), ir.DataType.INT64
+    )
 
 
 def _decided(x: SymTensor) -> np.ndarray | None:
