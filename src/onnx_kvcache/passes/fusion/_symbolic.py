@@ -44,7 +44,10 @@ rank, naming the operator where the shape was lost. Evaluation runs its inputs f
 iteratively (a deep graph without value_info is followed from its inputs without recursion),
 and never reads a weight: initializers above 64 elements are shapes only.
 
-Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with the
+Every rule is exact: what it says of a value is what onnxruntime computes, for every input
+whose int64 ``Add``/``Sub``/``Mul`` and sums do not overflow (onnxruntime wraps; the
+evaluator's integers are exact), and ``benchmarks/symbolic_fuzz.py`` compares every claim with
+onnxruntime on random graphs. What the evaluator cannot follow raises :class:`Unprovable` with the
 reason (and, when the evaluator knows it, its kind: an operator, a shape, a malformed node);
 a reason raised again keeps its first kind, text and place. The value types are
 :mod:`onnx_kvcache.passes.fusion._symbolic_values`; this module is the evaluator and
@@ -276,7 +279,9 @@ class SymbolicEvaluator:
             producer = value.producer()
             what = _node_text(producer) if producer is not None else repr(value.name)
             return Unprovable(
-                f"{what} is malformed ({type(error).__name__}: {error})", kind=FusionRefusalCode.MALFORMED
+                f"{what} is malformed ({type(error).__name__}: {error})",
+                kind=FusionRefusalCode.MALFORMED,
+                rule=f"malformed:{type(error).__name__}",
             )
 
     def _evaluate(self, value: ir.Value) -> SymTensor:

@@ -8,8 +8,9 @@ applies cannot follow the values. The table of which rule serves which operator 
 and for graphs without value_info are :mod:`~onnx_kvcache.passes.fusion._symbolic_ops`.
 
 Every rule is exact for every input (tests/passes/fusion/test_symbolic_rules.py checks each
-against onnxruntime on random inputs). An index a rule reads is proven non-negative (an
-onnxruntime run refuses one out of range, but a negative one counts from the end).
+against onnxruntime on random inputs, benchmarks/symbolic_fuzz.py on random graphs of them).
+An index a rule reads is proven non-negative (an onnxruntime run refuses one out of range, but
+a negative one counts from the end).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rules of :mod:`onnx_kvcache.passes.fusion._symbolic` for graphs that carry no shape annotations.
+"""The evaluator's rules for float data's shapes and for graphs that carry no shape annotations.
 
 TorchScript exports (``optimum-cli export onnx``, the onnx-community models) write no
 ``value_info``: only graph inputs, outputs and initializers have shapes. These rules let
@@ -6,8 +6,10 @@ the evaluator follow such a graph from its inputs, every rule exact:
 
 - **Float data** (activations, weights) is followed by shape: elementwise ops broadcast,
   ``MatMul`` (and ``MatMulInteger``, ``com.microsoft::MatMulNBits``), reductions,
-  ``Gather`` of an embedding, ``Softmax``, ``Dropout``, ``DynamicQuantizeLinear``. A
-  value annotated with a shape keeps it (as the evaluator did before these rules).
+  ``Flatten``, ``Gather`` of an embedding, ``Dropout``, ``DynamicQuantizeLinear``, the
+  normalizations; ``Concat`` where its value rule declines (an axis whose parts' lengths are
+  not proven equal is a fresh length: onnxruntime skips an empty part). A value annotated
+  with a shape keeps it.
 - **Shape idioms** of torch's exporter: ``ConstantOfShape``, integer ``Div`` of known
   vectors by a constant, comparisons of known vectors and ``Where`` between them (the
   ``Expand`` target ``Where(shape == -1, 1, shape)``), ``Reshape`` of a known vector.
@@ -18,15 +20,14 @@ the evaluator follow such a graph from its inputs, every rule exact:
 - **Slices** of any tensor along an axis, from a constant start to the end of the axis,
   a constant end or an end proven equal to the axis length (the mask sliced to the key
   length).
-- **Running sums**: ``CumSum`` of a 2-D integer input along its columns is
-  ``cumsum(m)[r, c]`` (:attr:`SymbolKind.COUNT`; mobius's positions counted from
-  ``attention_mask``), ``exclusive`` at ``c - 1``; in reverse, not followed.
 - **The padding lookup** ``Gather(Flatten(mask), batch * width + key)``: the element of
   the 2-D mask at ``[batch, key]`` when ``width`` is the mask's width and both indices are
   proven in range; a ``Reshape`` that only inserts or removes unit axes (after a
   flattening one) keeps the elements.
 
-Importing the module registers the rules (:mod:`onnx_kvcache.passes.fusion._match` does).
+The table of which rule serves which operator is
+:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES` (running sums, gathers and the
+other lookups are :mod:`~onnx_kvcache.passes.fusion._symbolic_lookup`'s).
 """
 
 from __future__ import annotations
@@ -197,10 +198,6 @@ def _gather_data(ev: Evaluator, node: ir.Node) -> SymTensor:
     at = _attr_int(node, "axis", 0)
     at = at + len(data) if at < 0 else at
     return _data(ev, node.outputs[0], data[:at] + indices + data[at + 1 :])
-
-
-def _softmax(ev: Evaluator, node: ir.Node) -> SymTensor:
-    return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
 def _first_output_same(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:
