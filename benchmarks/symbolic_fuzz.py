@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import multiprocessing
 import re
 import sys
 import time
@@ -1112,11 +1114,13 @@ def overflowed(model: ir.Model, values: dict[str, np.ndarray]) -> bool:
     return False
 
 
-def _session(model: ir.Model, names: list[str] | None = None):
+def _session(model: onnx.ModelProto, names: list[str] | None = None):
     """A one-thread CPU session without graph optimizations; with ``names``, of the graph that
     computes only those outputs."""
-    proto = ir.to_proto(model)
+    proto = model
     if names is not None:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
         kept = set(names)
         outputs = [o for o in proto.graph.output if o.name in kept]
         needed = set(kept)
@@ -1188,7 +1192,8 @@ def run_case(seed: int, index: int, tally: Tally) -> list[Disagreement]:
     tally.cases += 1
     said, found = claims(model)
     try:
-        session = _session(model)
+        proto = ir.to_proto(model)
+        session = _session(proto)
     except Exception:
         return [dataclasses.replace(d, case=index) for d in found]
     tally.loaded += 1
@@ -1198,7 +1203,7 @@ def run_case(seed: int, index: int, tally: Tally) -> list[Disagreement]:
     for d in found:
         d.case = index
     for dims in sizes(case.rng):
-        found += _compare_run(case, model, session, names, said, dims, tally)
+        found += _compare_run(case, model, proto, session, names, said, dims, tally)
     return found
 
 
@@ -1214,7 +1219,7 @@ def _without(model: ir.Model, name: str, names: list[str]) -> list[str]:
     return [n for n in names if n not in lost]
 
 
-def run_pruned(model: ir.Model, session, names: list[str], feeds) -> dict[str, np.ndarray] | None:
+def run_pruned(model: ir.Model, proto, session, names: list[str], feeds) -> dict[str, np.ndarray] | None:
     """onnxruntime's outputs at ``feeds``; where a node refuses these sizes, the outputs that do not
     depend on it, from the graph without it (onnxruntime runs every node of a graph, fetched or
     not). None: nothing could be computed."""
@@ -1229,15 +1234,15 @@ def run_pruned(model: ir.Model, session, names: list[str], feeds) -> dict[str, n
                 return None
             names = _without(model, failed.group(1), names)
             try:
-                session = _session(model, names)
+                session = _session(proto, names)
             except Exception:
                 return None
     return None
 
 
-def _compare_run(case, model, session, names, said, dims, tally: Tally) -> list[Disagreement]:
+def _compare_run(case, model, proto, session, names, said, dims, tally: Tally) -> list[Disagreement]:
     feeds = feeds_for(case.rng, dims)
-    values = run_pruned(model, session, names, feeds)
+    values = run_pruned(model, proto, session, names, feeds)
     if values is None:
         tally.refused_runs += 1
         return []
@@ -1286,24 +1291,55 @@ def report(seed: int, index: int, d: Disagreement) -> str:
     return "\n".join(lines)
 
 
+def _chunk(job: tuple[int, int, int, bool]) -> tuple[Tally, list[str]]:
+    """Cases ``start`` to ``stop`` of ``seed``: their tally and the reports of their disagreements."""
+    seed, start, stop, quiet = job
+    tally, reports = Tally(), []
+    for index in range(start, stop):
+        for d in run_case(seed, index, tally):
+            tally.disagreements += 1
+            if not quiet:
+                reports.append(report(seed, index, d))
+    return tally, reports
+
+
+def _add(total: Tally, part: Tally) -> None:
+    for field in dataclasses.fields(Tally):
+        if field.name != "ops":
+            setattr(total, field.name, getattr(total, field.name) + getattr(part, field.name))
+    total.ops.update(part.ops)
+
+
 def fuzz(
     cases: int,
     seed: int,
     only: int | None = None,
     out=None,
     quiet: bool = False,
-    progress: bool = False,
+    jobs: int = 1,
 ) -> Tally:
+    """Cases ``0 .. cases - 1`` of ``seed`` (or case ``only``), over ``jobs`` processes, in order:
+    the same cases and the same reports whatever ``jobs``."""
     out = out or sys.stdout
     tally = Tally()
-    for index in [only] if only is not None else range(cases):
-        if progress and index and index % 10000 == 0:
-            print(f"{index} cases, {tally.disagreements} disagreements so far", file=sys.stderr, flush=True)
-        for d in run_case(seed, index, tally):
-            tally.disagreements += 1
-            if not quiet:
-                print(report(seed, index, d), file=out)
+    first, last = (only, only + 1) if only is not None else (0, cases)
+    chunks = [(seed, k, min(k + _CHUNK, last), quiet) for k in range(first, last, _CHUNK)]
+    with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        parts = pool.imap(_chunk, chunks) if pool is not None else map(_chunk, chunks)
+        for (_, start, _, _), (part, reports) in zip(chunks, parts):
+            _add(tally, part)
+            for text in reports:
+                print(text, file=out)
+            if (start + _CHUNK) % 10000 == 0 and jobs > 1:
+                print(
+                    f"{tally.cases} cases, {tally.disagreements} disagreements so far",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return tally
+
+
+_CHUNK = 500
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1312,9 +1348,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the seed of the cases")
     parser.add_argument("--only", type=int, default=None, help="run only case K of the seed (a reproduction)")
     parser.add_argument("--quiet", action="store_true", help="print only the counts")
+    parser.add_argument("--jobs", type=int, default=1, help="processes that share the cases")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    tally = fuzz(args.cases, args.seed, args.only, quiet=args.quiet, progress=True)
+    tally = fuzz(args.cases, args.seed, args.only, quiet=args.quiet, jobs=args.jobs)
     seconds = time.perf_counter() - start
     print(
         f"{tally.loaded} of {tally.cases} graphs loaded by onnxruntime, {tally.runs} runs compared "
