@@ -874,12 +874,16 @@ SINCE = {
 }
 
 
+FIRST: tuple[str, str] | None = None
+"""The operator every case begins with (``--op``; None: one drawn per case)."""
+
+
 def build_case(seed: int, index: int) -> Case:
     """Case ``index`` of ``seed``: one operator of the table first (at an opset that has it),
     then up to seven more, each on what the case built so far."""
     rng = np.random.default_rng([seed, index])
     keys = sorted(BUILDERS)
-    first = keys[int(rng.integers(len(keys)))]
+    first = FIRST or keys[int(rng.integers(len(keys)))]
     case = Case(rng, int(rng.integers(max(OPSETS[0], SINCE.get(first, 0)), OPSETS[-1] + 1)))
     BUILDERS[first](case)
     for _ in range(int(rng.integers(0, 8))):
@@ -1273,13 +1277,17 @@ def _compare_run(case, model, proto, session, names, said, dims, tally: Tally) -
     return found
 
 
+def _op_option() -> str:
+    return "" if FIRST is None else f" --op {'.'.join(p for p in FIRST if p)}"
+
+
 def report(seed: int, index: int, d: Disagreement) -> str:
     case = build_case(seed, index)
     model = case.model()
     node = next((n for n in model.graph if any(o.name == d.value for o in n.outputs)), None)
     where = f"{node.op_type} node {node.name!r}" if node is not None else "?"
     lines = [
-        f"disagreement: case {index} (--seed {seed} --only {index}), opset {case.opset}: "
+        f"disagreement: case {index} (--seed {seed} --only {index}{_op_option()}), opset {case.opset}: "
         f"value {d.value!r} of {where}: {d.text}"
     ]
     if d.dims is not None:
@@ -1340,6 +1348,7 @@ def fuzz(
 
 
 _CHUNK = 500
+"""Cases a process takes at a time."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1349,7 +1358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, default=None, help="run only case K of the seed (a reproduction)")
     parser.add_argument("--quiet", action="store_true", help="print only the counts")
     parser.add_argument("--jobs", type=int, default=1, help="processes that share the cases")
+    parser.add_argument("--op", default=None, help="begin every case with this operator (com.microsoft.X)")
     args = parser.parse_args(argv)
+    global FIRST
+    FIRST = None if args.op is None else (args.op.rpartition(".")[0], args.op.rpartition(".")[2])
+    if FIRST is not None and FIRST not in BUILDERS:
+        parser.error(f"--op {args.op}: not an operator of the rule table")
     start = time.perf_counter()
     tally = fuzz(args.cases, args.seed, args.only, quiet=args.quiet, jobs=args.jobs)
     seconds = time.perf_counter() - start
