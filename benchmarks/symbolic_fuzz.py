@@ -1,34 +1,41 @@
 """A differential fuzz of the fusions' symbolic evaluator against onnxruntime.
 
-    python benchmarks/symbolic_fuzz.py --cases N --seed S [--only K] [--quiet]
+    python benchmarks/symbolic_fuzz.py --cases N --seed S [--jobs J] [--op OP] [--only K] [--quiet]
 
-Each case is a random graph over symbolic dimensions (float ``x [A, B, C]``, an integer
-``m [R, K]`` read by entries, ``ids [S]``) built from the operators of the evaluator's rule
-table (:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES`: shape arithmetic, index
-ranges, masks, casts, gathers, slices, reductions, ...) at one opset of 12 to 24, each
-operator in the form that opset defines (``axes`` an attribute or an input). Constants are
-drawn small, negative, at the narrow types' boundaries and at int64's extremes. Every node's
-output is a graph output. The evaluator evaluates each; onnxruntime (CPU) then runs the graph
-at several sizes of the dimensions (0, 1, small, one large) and entries of ``m`` (0/1, small
-signed, boundaries, int64 extremes), and every claim the evaluator makes is compared with
-what onnxruntime computed: each shape (fresh dimensions bound on first sight), an integer
-tensor's element form and small vectors' values (exact integers), a boolean's condition, an
-index stack, a float mask (0 where kept, a softmax-zeroing value elsewhere) and a float
-constant. A claim that differs is a disagreement: it is printed with the case's graph, the
-sizes and the input, reproducible with ``--seed S --only K``. The last line reads
-``N cases, D disagreements``.
+Each case is a random graph over symbolic dimensions (float ``x [A, B, C]``, integer inputs
+``m [R, K]`` (int64) and ``n [R, K]`` (int32) read by entries, ``ids [S]``) built from the
+operators of the evaluator's rule table
+(:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES`: shape arithmetic, index ranges,
+masks, casts, gathers, slices, reductions, ...), one builder per row (:data:`BUILDERS`), at
+one opset of 12 to 24, each operator in the form that opset defines (``axes`` an attribute or
+an input, ``Split``'s sizes, ``num_outputs``, ``Shape``'s ``start``/``end``, a softmax's
+default axis). Constants are drawn small, negative, at the narrow types' boundaries and at
+int64's extremes; half are initializers, half ``Constant`` nodes. Every node's output is a
+graph output. One evaluator evaluates them all; onnxruntime (CPU, no graph optimizations)
+then runs the graph at four sizes of the dimensions (some 0, all 1, small, one of 1000) and
+entries of ``m``/``n`` (0/1, small signed, boundaries, the type's extremes), and every claim
+the evaluator makes is compared with what onnxruntime computed: each shape and element type
+(fresh dimensions bound on first sight), an integer tensor's element form and small vectors'
+values (exact integers), a boolean's condition, an index stack, a float mask (0 where kept,
+its fill elsewhere) and a float constant. A claim that differs is a disagreement: it is
+printed with the case's graph, the sizes and the inputs, reproducible with
+``--seed S --only K``. The last line reads ``N cases, D disagreements``. ``--jobs`` shares the
+same cases among processes; ``--op`` begins every case with one operator (one rule's fuzz).
 
 What is not a disagreement, and why:
 
 - the evaluator declines (Unprovable, or a value left opaque): a refusal is always sound;
 - onnxruntime does not load the graph (a form the opset does not define, types that do not
-  match), or refuses a run at some sizes (an index past an empty axis, shapes that do not
-  broadcast): the graph computes nothing there, so nothing the evaluator says is wrong;
+  match): the graph computes nothing, so nothing the evaluator says of it is wrong;
+- a node onnxruntime refuses at some sizes (an index past an empty axis, shapes that do not
+  broadcast): it and what reads it compute nothing there; the rest of the graph is run
+  without them and compared;
 - a run in which an int64 ``Add``, ``Sub``, ``Mul``, ``Neg``, ``CumSum`` or ``ReduceSum``
   overflowed (checked against the same operation in exact integers on the run's own
   values): onnxruntime wraps, while the evaluator's integers are exact. Its claims hold for
   every run without an overflow (the premise a length or token count satisfies); such a run
-  is counted apart. A narrowing ``Cast`` is no overflow: it wraps by definition and is compared.
+  is counted apart. A narrowing ``Cast`` is no overflow: it wraps by definition and is
+  compared.
 
 An evaluator exception other than Unprovable is a disagreement too.
 """
