@@ -1,6 +1,7 @@
 """A differential fuzz of the fusions' symbolic evaluator against onnxruntime.
 
-    python benchmarks/symbolic_fuzz.py --cases N --seed S [--jobs J] [--op OP] [--only K] [--quiet]
+    python benchmarks/symbolic_fuzz.py --cases N --seed S [--jobs J] [--start I] [--op OP]
+        [--only K] [--quiet]
 
 Each case is a random graph over symbolic dimensions (float ``x [A, B, C]``, integer inputs
 ``m [R, K]`` (int64) and ``n [R, K]`` (int32) read by entries, ``ids [S]``) built from the
@@ -20,7 +21,8 @@ values (exact integers), a boolean's condition, an index stack, a float mask (0 
 its fill elsewhere) and a float constant. A claim that differs is a disagreement: it is
 printed with the case's graph, the sizes and the inputs, reproducible with
 ``--seed S --only K``. The last line reads ``N cases, D disagreements``. ``--jobs`` shares the
-same cases among processes; ``--op`` begins every case with one operator (one rule's fuzz).
+same cases among processes, ``--start`` begins at a later case (a long run in parts); ``--op``
+begins every case with one operator (one rule's fuzz).
 
 What is not a disagreement, and why:
 
@@ -1332,22 +1334,23 @@ def fuzz(
     out=None,
     quiet: bool = False,
     jobs: int = 1,
+    start: int = 0,
 ) -> Tally:
-    """Cases ``0 .. cases - 1`` of ``seed`` (or case ``only``), over ``jobs`` processes, in order:
-    the same cases and the same reports whatever ``jobs``."""
+    """Cases ``start .. start + cases - 1`` of ``seed`` (or case ``only``), over ``jobs``
+    processes, in order: the same cases and the same reports whatever ``jobs``."""
     out = out or sys.stdout
     tally = Tally()
-    first, last = (only, only + 1) if only is not None else (0, cases)
+    first, last = (only, only + 1) if only is not None else (start, start + cases)
     chunks = [(seed, k, min(k + _CHUNK, last), quiet) for k in range(first, last, _CHUNK)]
     with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         parts = pool.imap(_chunk, chunks) if pool is not None else map(_chunk, chunks)
-        for (_, start, _, _), (part, reports) in zip(chunks, parts):
+        for (_, _, stop, _), (part, reports) in zip(chunks, parts):
             _add(tally, part)
             for text in reports:
                 print(text, file=out)
-            if (start + _CHUNK) % 10000 == 0 and jobs > 1:
+            if stop % 10000 == 0:
                 print(
-                    f"{tally.cases} cases, {tally.disagreements} disagreements so far",
+                    f"{tally.cases} cases (to case {stop - 1}), {tally.disagreements} disagreements so far",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -1363,6 +1366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=1000, help="how many random graphs")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the cases")
     parser.add_argument("--only", type=int, default=None, help="run only case K of the seed (a reproduction)")
+    parser.add_argument("--start", type=int, default=0, help="the first case (the cases of a longer run)")
     parser.add_argument("--quiet", action="store_true", help="print only the counts")
     parser.add_argument("--jobs", type=int, default=1, help="processes that share the cases")
     parser.add_argument("--op", default=None, help="begin every case with this operator (com.microsoft.X)")
@@ -1372,7 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
     if FIRST is not None and FIRST not in BUILDERS:
         parser.error(f"--op {args.op}: not an operator of the rule table")
     start = time.perf_counter()
-    tally = fuzz(args.cases, args.seed, args.only, quiet=args.quiet, jobs=args.jobs)
+    tally = fuzz(args.cases, args.seed, args.only, quiet=args.quiet, jobs=args.jobs, start=args.start)
     seconds = time.perf_counter() - start
     print(
         f"{tally.loaded} of {tally.cases} graphs loaded by onnxruntime, {tally.runs} runs compared "
