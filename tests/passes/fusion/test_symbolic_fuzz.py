@@ -48,7 +48,7 @@ def test_every_operator_of_the_rule_table_is_generated(tally):
 
 
 def test_every_operator_has_a_builder():
-    assert sorted(fuzz.BUILDERS) == sorted(RULES)
+    assert sorted(fuzz.graphs.BUILDERS) == sorted(RULES)
 
 
 def _off_by_one(ev, node) -> SymTensor:
@@ -105,7 +105,7 @@ def test_the_last_line_counts_cases_and_disagreements(capsys):
 
 def test_a_run_that_overflows_is_not_compared():
     """onnxruntime's int64 Add wraps; the evaluator's integers do not: such a run is set apart."""
-    g = fuzz.Case(np.random.default_rng(0), 18)
+    g = fuzz.graphs.Case(np.random.default_rng(0), 18)
     top = g.ints(np.iinfo(np.int64).max)
     out = g.op("Add", [g.m, top])
     model = g.model()
