@@ -182,15 +182,28 @@ def test_gqa_fusion_returns_and_keeps_the_merged_report():
 
 
 def _head_size_rule(size: int) -> Unprovable:
-    return Unprovable(f"head size {size}: needs a multiple of 8")  # one rule, whatever the size
+    try:
+        raise Unprovable(f"head size {size}: needs a multiple of 8")  # one rule, whatever the size
+    except Unprovable as reason:
+        return reason
+
+
+def _odd() -> Unprovable:
+    try:
+        raise Unprovable("odd")
+    except Unprovable as reason:
+        return reason
 
 
 def test_refusals_of_one_rule_are_one_reason_in_the_summary():
     """Refusals raised at one place are grouped by that place, not by reading their text."""
     x = ir.val("x", F, [2])
     nodes = [relu(x, f"layers.{k}/attention") for k in range(3)] + [ir.node("Relu", [x])]
-    odd = Unprovable("odd")
-    also_odd = Unprovable("odd")  # the same text, another rule
+    odd = _odd()
+    try:
+        raise Unprovable("odd")  # the same text, another rule
+    except Unprovable as reason:
+        also_odd = reason
     raised = [_head_size_rule(12), _head_size_rule(20), odd, also_odd]
     assert raised[0].rule == raised[1].rule != odd.rule != also_odd.rule
     refusals = [FusionRefusal(FusionRefusalCode.UNPROVABLE, n, str(e), e.rule) for n, e in zip(nodes, raised)]

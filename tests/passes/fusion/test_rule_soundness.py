@@ -386,3 +386,82 @@ def test_a_cumsum_is_what_onnxruntime_computes_or_declined(source, exclusive, re
         or source in ("cut", "int32", "int32 input", "constant32")
         or (reverse and source != "constant")
     )
+
+
+# ---- found by benchmarks/symbolic_fuzz.py ----
+
+
+def test_a_concat_whose_first_part_may_be_empty_is_not_shaped_by_it():
+    """``Concat(m [R, K], ids[None] [1, S], axis=1)``: onnxruntime skips an empty part whatever its
+    other lengths, so at ``K = 0`` it gives ``[1, S]``. Once said ``[R, K + S]``."""
+    g = Graph()
+    out = g.op("Concat", [g.m, g.op("Unsqueeze", [g.ids, g.const(np.array([0]))])], axis=1)
+    model = g.model(out)
+    tensor = SymbolicEvaluator().eval(out)
+    r, k, s = (Affine.of(Symbol.dim(d)) for d in "RKS")
+    assert tensor.shape != (r, k + s)
+    for dims in [
+        {"A": 1, "B": 1, "C": 1, "R": 2, "K": 0, "S": 3},
+        {"A": 1, "B": 1, "C": 1, "R": 1, "K": 2, "S": 3},
+    ]:
+        feeds = _feeds(dims)
+        check(tensor, _run(model, feeds), dims, feeds)
+
+
+def test_a_concat_of_parts_proven_alike_keeps_its_shape():
+    g = Graph()
+    out = g.op("Concat", [g.m, g.op("Neg", [g.m])], axis=1)
+    g.model(out)
+    r, k = (Affine.of(Symbol.dim(d)) for d in "RK")
+    assert SymbolicEvaluator().eval(out).shape == (r, k.scale(2))
+
+
+def test_a_nonzero_of_a_scalar_has_one_row():
+    """onnxruntime's NonZero of a 0-D tensor is ``[1, n]``; once said ``[0, n]``."""
+    g = Graph()
+    out = g.op("NonZero", [g.op("Gather", [g.op("Shape", [g.m]), g.const(np.int64(1))])])
+    model = g.model(out)
+    tensor = SymbolicEvaluator().eval(out)
+    assert tensor.shape[0] == Affine(const=1)
+    for dims in SIZES:
+        feeds = _feeds(dims)
+        assert _run(model, feeds).shape == (1, int(dims["K"] != 0))
+
+
+@pytest.mark.parametrize("value", [2**53 + 1, INT64_MAX - 1, -(2**62) - 1])
+def test_an_int64_sum_beyond_a_double_is_not_claimed(value):
+    """onnxruntime sums int64 through doubles: ``ReduceSum([2**53 + 1])`` is ``2**53``. Once
+    claimed exactly."""
+    g = Graph()
+    filled = g.op("ConstantOfShape", [g.const(np.array([1]))], value=ir.tensor(np.array([value], np.int64)))
+    out = g.op("ReduceSum", [filled], keepdims=0)
+    model = g.model(out)
+    tensor = SymbolicEvaluator().eval(out)
+    assert tensor.elem is None and tensor.values is None
+    assert int(_run(model, _feeds(SIZES[0]))) != value
+
+
+def test_a_small_int64_sum_is_still_claimed():
+    g = Graph()
+    filled = g.op("ConstantOfShape", [g.op("Shape", [g.m])], value=ir.tensor(np.array([3], np.int64)))
+    out = g.op("ReduceSum", [filled, g.const(np.array([1]))], keepdims=0)
+    model = g.model(out)
+    tensor = SymbolicEvaluator().eval(out)
+    assert tensor.elem == Affine.of(Symbol.dim("K")).scale(3)
+    for dims in SIZES:
+        feeds = _feeds(dims)
+        check(tensor, _run(model, feeds), dims, feeds)
+
+
+def test_the_evaluators_constants_are_its_own():
+    """A small constant read by one evaluator is not kept for the next (one graph's, not the
+    process's): two evaluators read the same bytes each."""
+    g = Graph()
+    out = g.op(
+        "Add", [g.op("Shape", [g.m]), g.op("Constant", [], value=ir.tensor(np.array([1, 2], np.int64)))]
+    )
+    g.model(out)
+    first, second = SymbolicEvaluator(), SymbolicEvaluator()
+    assert first.eval(out) == second.eval(out)
+    assert first._constants and second._constants
+    assert next(iter(first._constants.values())) is not next(iter(second._constants.values()))

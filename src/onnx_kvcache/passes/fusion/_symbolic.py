@@ -44,7 +44,10 @@ rank, naming the operator where the shape was lost. Evaluation runs its inputs f
 iteratively (a deep graph without value_info is followed from its inputs without recursion),
 and never reads a weight: initializers above 64 elements are shapes only.
 
-Every rule is exact. What the evaluator cannot follow raises :class:`Unprovable` with the
+Every rule is exact: what it says of a value is what onnxruntime computes, for every input
+whose int64 ``Add``/``Sub``/``Mul`` and sums do not overflow (onnxruntime wraps; the
+evaluator's integers are exact), and ``benchmarks/symbolic_fuzz.py`` compares every claim with
+onnxruntime on random graphs. What the evaluator cannot follow raises :class:`Unprovable` with the
 reason (and, when the evaluator knows it, its kind: an operator, a shape, a malformed node);
 a reason raised again keeps its first kind, text and place. The value types are
 :mod:`onnx_kvcache.passes.fusion._symbolic_values`; this module is the evaluator and
@@ -95,6 +98,7 @@ __all__ = [
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
@@ -107,6 +111,7 @@ from onnx_kvcache.passes.fusion._symbolic_rules import Rule, rule_for
 from onnx_kvcache.passes.fusion._symbolic_values import (  # noqa: F401  (re-exported: the fusions' names)
     _FLOAT_TYPES,
     _INT_TYPES,
+    _MAX_CONST_ELEMENTS,
     FALSE,
     ONE,
     TRUE,
@@ -158,6 +163,9 @@ class SymbolicEvaluator:
         self._dtypes: dict[ir.Value, ir.DataType | None] = {}
         self._busy: set[ir.Value] = set()
         self._fresh = 0
+        self._constants: dict[tuple[object, ...], SymTensor] = {}
+        """Small constants of this graph read before, by their stored bytes: exporters write the
+        same axes and indices in every layer, each read once (for this evaluator's graph only)."""
         self.ties: Mapping[Symbol, Affine] = dict(ties or {})
         """Dimension symbols replaced in every declared shape: equations that hold whenever
         the graph runs (the caller proves them)."""
@@ -271,18 +279,20 @@ class SymbolicEvaluator:
             producer = value.producer()
             what = _node_text(producer) if producer is not None else repr(value.name)
             return Unprovable(
-                f"{what} is malformed ({type(error).__name__}: {error})", kind=FusionRefusalCode.MALFORMED
+                f"{what} is malformed ({type(error).__name__}: {error})",
+                kind=FusionRefusalCode.MALFORMED,
+                rule=f"malformed:{type(error).__name__}",
             )
 
     def _evaluate(self, value: ir.Value) -> SymTensor:
         producer = value.producer()
         if producer is None or (producer.op_type == "Constant" and producer.domain in ("", "ai.onnx")):
-            known = _stored_constant(value, producer)
+            known = self._stored_constant(producer)
             if known is not None:
                 return known
             array = constant_array(value)
             if array is not None:
-                return _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
+                return self._constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
         if producer is None:
             return self._leaf(value)
         row = rule_for(producer)
@@ -396,6 +406,40 @@ class SymbolicEvaluator:
             self._dtypes[target] = dtype
         return shape
 
+    def _constant(self, array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
+        """A small constant's SymTensor, read once per graph by its bytes."""
+        if array.size > _MAX_CONST_ELEMENTS:
+            return _from_constant(array, dtype)
+        key = ("array", array.dtype.str, array.shape, array.tobytes(), dtype)
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = _from_constant(array, dtype)
+        return found
+
+    def _stored_constant(self, producer: ir.Node | None) -> SymTensor | None:
+        """A Constant node's small tensor read before in this graph, by the bytes its proto stores
+        (None: not one); read without building its array again."""
+        if producer is None:
+            return None
+        attr = producer.attributes.data.get("value")
+        proto = (
+            getattr(attr.value, "raw", None)
+            if attr is not None and attr.type == ir.AttributeType.TENSOR
+            else None
+        )
+        raw = getattr(proto, "raw_data", None)
+        if not raw or len(raw) > 512:
+            return None
+        key = ("proto", proto.data_type, tuple(proto.dims), raw)  # type: ignore[union-attr]
+        found = self._constants.get(key)
+        if found is None:
+            array = constant_array(producer.outputs[0])
+            if array is None:
+                return None
+            dtype = producer.outputs[0].dtype or ir.DataType.from_numpy(array.dtype)
+            found = self._constants[key] = _from_constant(array, dtype)
+        return found
+
     def values(self, value: ir.Value | None, what: str) -> tuple[Affine, ...]:
         tensor = self.eval(value)
         if tensor.values is None:
@@ -458,36 +502,6 @@ class _Shallow:
 
     def fresh(self) -> Symbol:
         return self._ev.fresh()
-
-
-_STORED: dict[tuple[int, tuple[int, ...], bytes], SymTensor] = {}
-"""Constant nodes' tensors as their proto stores them (type, dims, bytes) -> what they are:
-exporters write the same axes and indices in every layer, read once here."""
-
-
-def _stored_constant(value: ir.Value, producer: ir.Node | None) -> SymTensor | None:
-    """A Constant node's small tensor read before, by its stored bytes (None: not one)."""
-    if producer is None:
-        return None
-    attr = producer.attributes.data.get("value")
-    proto = (
-        getattr(attr.value, "raw", None)
-        if attr is not None and attr.type == ir.AttributeType.TENSOR
-        else None
-    )
-    raw = getattr(proto, "raw_data", None)
-    if not raw or len(raw) > 512:
-        return None
-    key = (proto.data_type, tuple(proto.dims), raw)  # type: ignore[union-attr]
-    found = _STORED.get(key)
-    if found is None:
-        array = constant_array(value)
-        if array is None:
-            return None
-        if len(_STORED) > 4096:
-            _STORED.clear()
-        found = _STORED[key] = _from_constant(array, value.dtype or ir.DataType.from_numpy(array.dtype))
-    return found
 
 
 def _opaque_kind(dtype: ir.DataType | None) -> str:

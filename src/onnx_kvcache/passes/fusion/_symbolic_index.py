@@ -8,8 +8,9 @@ applies cannot follow the values. The table of which rule serves which operator 
 and for graphs without value_info are :mod:`~onnx_kvcache.passes.fusion._symbolic_ops`.
 
 Every rule is exact for every input (tests/passes/fusion/test_symbolic_rules.py checks each
-against onnxruntime on random inputs). An index a rule reads is proven non-negative (an
-onnxruntime run refuses one out of range, but a negative one counts from the end).
+against onnxruntime on random inputs, benchmarks/symbolic_fuzz.py on random graphs of them).
+An index a rule reads is proven non-negative (an onnxruntime run refuses one out of range, but
+a negative one counts from the end).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
     SymbolKind,
     SymTensor,
     Unprovable,
+    _equal,
     _kind,
     _shift,
     aligned_elem,
@@ -84,22 +86,10 @@ def _affine_fit(array: np.ndarray) -> Affine | None:
     return Affine._make({axis(k): c for k, c in enumerate(coefficients)}, c0)
 
 
-_CONSTANTS: dict[tuple[str, tuple[int, ...], bytes, ir.DataType | None], SymTensor] = {}
-"""Small constants already read (exporters repeat the same axes and indices in every layer);
-their SymTensors are immutable."""
-
-
 def _from_constant(array: np.ndarray, dtype: ir.DataType | None) -> SymTensor:
-    """A constant's SymTensor: an integer one's values and, when affine in its indices, element."""
-    if array.size > _MAX_CONST_ELEMENTS:
-        return _read_constant(array, dtype)
-    key = (array.dtype.str, array.shape, array.tobytes(), dtype)
-    found = _CONSTANTS.get(key)
-    if found is None:
-        if len(_CONSTANTS) > 4096:
-            _CONSTANTS.clear()
-        found = _CONSTANTS[key] = _read_constant(array, dtype)
-    return found
+    """A constant's SymTensor: an integer one's values and, when affine in its indices, element
+    (:class:`~onnx_kvcache.passes.fusion._symbolic.SymbolicEvaluator` keeps those of one graph)."""
+    return _read_constant(array, dtype)
 
 
 def _small_vector(array: np.ndarray) -> SymTensor:
@@ -578,6 +568,17 @@ def _concat(ev: Evaluator, node: ir.Node) -> SymTensor:
     along = _attr_int(node, "axis", 0)
     along = along + rank if along < 0 else along
     shape = list(parts[0].shape)
+    if any(p.rank != rank for p in parts) or not 0 <= along < rank:
+        raise Unprovable(
+            f"Concat node {node.name!r} joins tensors of ranks {[p.rank for p in parts]} along axis {along}",
+            kind=FusionRefusalCode.MALFORMED,
+        )
+    for p in parts[1:]:  # onnxruntime skips an empty part whatever its other lengths
+        if any(k != along and not _equal(d, shape[k]) for k, d in enumerate(p.shape)):
+            raise Unprovable(
+                f"Concat node {node.name!r} joins [{', '.join(map(str, shape))}] and "
+                f"[{', '.join(map(str, p.shape))}]: lengths other than along axis {along} not proven equal"
+            )
     shape[along] = sum((p.shape[along] for p in parts[1:]), parts[0].shape[along])
     if all(p.values is not None for p in parts) and rank == 1:
         values = tuple(v for p in parts for v in p.values or ())

@@ -221,12 +221,15 @@ def _size(ev: Evaluator, node: ir.Node) -> SymTensor:
 
 def _nonzero(ev: Evaluator, node: ir.Node) -> SymTensor:
     """``NonZero(x)`` of a tensor of constant shape whose every element is decided: the indices
-    as a constant; of anything else, ``[rank, n]`` with ``n`` unknown."""
+    as a constant; of anything else, ``[rank, n]`` with ``n`` unknown (a scalar's indices are
+    onnxruntime's ``[1, n]``, as of a 1-element vector)."""
     x = ev.eval(node.inputs[0])
     array = _decided(x)
     if array is None:
-        return SymTensor((Affine(const=x.rank), Affine.of(ev.fresh())), "int")
-    return _from_constant(np.array(np.nonzero(array), dtype=np.int64), ir.DataType.INT64)
+        return SymTensor((Affine(const=max(x.rank, 1)), Affine.of(ev.fresh())), "int")
+    return _from_constant(
+        np.array(np.nonzero(array.reshape(-1) if not array.ndim else array), np.int64), ir.DataType.INT64
+    )
 
 
 def _decided(x: SymTensor) -> np.ndarray | None:
@@ -345,6 +348,8 @@ def _reduce_values(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     op = node.op_type
     if x.values is not None and x.rank == 1 and all(v.is_const for v in x.values) and x.values:
         consts = [v.const for v in x.values]
+        if op == "ReduceSum" and sum(abs(c) for c in consts) > _EXACT_SUM:
+            return None
         total = max(consts) if op == "ReduceMax" else min(consts) if op == "ReduceMin" else sum(consts)
         return SymTensor(shape, "int", Affine(const=total), (Affine(const=total),))
     elem = x.elem if isinstance(x.elem, Affine) else None
@@ -355,6 +360,8 @@ def _reduce_values(ev: Evaluator, node: ir.Node) -> SymTensor | None:
         count = ONE
         for length in lengths:
             count = _product(count, length)
+        if not _sum_is_exact(elem, count):
+            return None
         elem = _product(elem, count)
     elif not all(d.is_const and d.const >= 1 for d in lengths):
         return None  # an empty reduction gives the operator's identity, not the element
@@ -363,6 +370,21 @@ def _reduce_values(ev: Evaluator, node: ir.Node) -> SymTensor | None:
         elem = elem.subs({axis(k): Affine.of(axis(n)) for n, k in enumerate(kept)})
     values = (elem,) if not shape or (len(shape) == 1 and shape[0] == ONE) else None
     return SymTensor(shape, "int", elem, values)
+
+
+_EXACT_SUM = 2**53
+"""onnxruntime sums int64 through doubles: a ReduceSum is exact while its partial sums are within this."""
+_MAX_ELEMENTS = 2**40
+"""More elements than any int64 tensor onnxruntime holds (8 TiB): a bound on a reduced count."""
+
+
+def _sum_is_exact(elem: Affine, count: Affine) -> bool:
+    """A ReduceSum of ``count`` copies of ``elem`` whose partial sums stay within :data:`_EXACT_SUM`:
+    a constant ``elem`` over a constant count, or small enough for any count an input holds."""
+    if not elem.is_const:
+        return False
+    bound = count.const if count.is_const else _MAX_ELEMENTS
+    return abs(elem.const) * bound <= _EXACT_SUM
 
 
 def _gather_nd_shape(ev: Evaluator, node: ir.Node, output: int) -> SymTensor | None:

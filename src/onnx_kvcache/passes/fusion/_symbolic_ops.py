@@ -1,4 +1,4 @@
-"""Rules of :mod:`onnx_kvcache.passes.fusion._symbolic` for graphs that carry no shape annotations.
+"""The evaluator's rules for float data's shapes and for graphs that carry no shape annotations.
 
 TorchScript exports (``optimum-cli export onnx``, the onnx-community models) write no
 ``value_info``: only graph inputs, outputs and initializers have shapes. These rules let
@@ -6,8 +6,10 @@ the evaluator follow such a graph from its inputs, every rule exact:
 
 - **Float data** (activations, weights) is followed by shape: elementwise ops broadcast,
   ``MatMul`` (and ``MatMulInteger``, ``com.microsoft::MatMulNBits``), reductions,
-  ``Gather`` of an embedding, ``Softmax``, ``Dropout``, ``DynamicQuantizeLinear``. A
-  value annotated with a shape keeps it (as the evaluator did before these rules).
+  ``Flatten``, ``Gather`` of an embedding, ``Dropout``, ``DynamicQuantizeLinear``, the
+  normalizations; ``Concat`` where its value rule declines (an axis whose parts' lengths are
+  not proven equal is a fresh length: onnxruntime skips an empty part). A value annotated
+  with a shape keeps it.
 - **Shape idioms** of torch's exporter: ``ConstantOfShape``, integer ``Div`` of known
   vectors by a constant, comparisons of known vectors and ``Where`` between them (the
   ``Expand`` target ``Where(shape == -1, 1, shape)``), ``Reshape`` of a known vector.
@@ -18,15 +20,14 @@ the evaluator follow such a graph from its inputs, every rule exact:
 - **Slices** of any tensor along an axis, from a constant start to the end of the axis,
   a constant end or an end proven equal to the axis length (the mask sliced to the key
   length).
-- **Running sums**: ``CumSum`` of a 2-D integer input along its columns is
-  ``cumsum(m)[r, c]`` (:attr:`SymbolKind.COUNT`; mobius's positions counted from
-  ``attention_mask``), ``exclusive`` at ``c - 1``; in reverse, not followed.
 - **The padding lookup** ``Gather(Flatten(mask), batch * width + key)``: the element of
   the 2-D mask at ``[batch, key]`` when ``width`` is the mask's width and both indices are
   proven in range; a ``Reshape`` that only inserts or removes unit axes (after a
   flattening one) keeps the elements.
 
-Importing the module registers the rules (:mod:`onnx_kvcache.passes.fusion._match` does).
+The table of which rule serves which operator is
+:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES` (running sums, gathers and the
+other lookups are :mod:`~onnx_kvcache.passes.fusion._symbolic_lookup`'s).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.passes.fusion import _opsets as opsets
+from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic_index import (
     _COMPARE,
@@ -152,6 +154,28 @@ def _reduce(ev: Evaluator, node: ir.Node) -> SymTensor:
     return _data(ev, node.outputs[0], shape)
 
 
+def _concat(ev: Evaluator, node: ir.Node) -> SymTensor:
+    """Concat's shape where its value rule declines: each axis whose parts' lengths are proven
+    equal keeps that length; any other axis, and the joined one then, is a fresh length
+    (onnxruntime skips an empty part, whatever its other lengths)."""
+    shapes = [ev.shape(v) for v in node.inputs if v is not None]
+    rank = len(shapes[0])
+    along = _attr_int(node, "axis", 0)
+    along = along + rank if along < 0 else along
+    if any(len(s) != rank for s in shapes) or not 0 <= along < rank:
+        raise Unprovable(
+            f"Concat node {node.name!r} joins tensors of ranks {[len(s) for s in shapes]} along axis {along}",
+            kind=FusionRefusalCode.MALFORMED,
+        )
+    same = [all(equal(s[k], shapes[0][k]) for s in shapes) for k in range(rank)]
+    out = [d if same[k] else Affine.of(ev.fresh()) for k, d in enumerate(shapes[0])]
+    if all(same[k] for k in range(rank) if k != along):
+        out[along] = sum((s[along] for s in shapes[1:]), shapes[0][along])
+    else:
+        out[along] = Affine.of(ev.fresh())
+    return _data(ev, node.outputs[0], out)
+
+
 def _flatten(ev: Evaluator, node: ir.Node) -> SymTensor:
     x = ev.shape(node.inputs[0])
     at = _attr_int(node, "axis", 1)
@@ -174,10 +198,6 @@ def _gather_data(ev: Evaluator, node: ir.Node) -> SymTensor:
     at = _attr_int(node, "axis", 0)
     at = at + len(data) if at < 0 else at
     return _data(ev, node.outputs[0], data[:at] + indices + data[at + 1 :])
-
-
-def _softmax(ev: Evaluator, node: ir.Node) -> SymTensor:
-    return _data(ev, node.outputs[0], ev.shape(node.inputs[0]))
 
 
 def _first_output_same(ev: Evaluator, node: ir.Node, index: int) -> SymTensor:

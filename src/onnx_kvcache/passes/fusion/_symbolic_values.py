@@ -2,12 +2,16 @@
 
 A symbolic value is a :class:`SymTensor`: a shape of :class:`Affine` forms over
 :class:`Symbol` s (dimension names, fresh dimensions, axis and attention indices, opaque
-maxima, entries and running sums of a 2-D integer input; :class:`SymbolKind`), and an
-element expression: an affine form (integers), a :class:`Conj` of :class:`Le` and
-:class:`MaskAt` atoms (booleans), an :class:`Additive` mask or a :class:`FloatConst`
-(floats). The module docstring of :mod:`~onnx_kvcache.passes.fusion._symbolic` states
-what each symbol means and how messages print it; the operator rules that build these
-values live there and in :mod:`onnx_kvcache.passes.fusion._symbolic_ops`.
+maxima, products of lengths, entries and running sums of a 2-D integer input;
+:class:`SymbolKind`), and an element expression: an affine form (integers), a :class:`Conj`
+of :class:`Le` and :class:`MaskAt` atoms (booleans), an :class:`Additive` mask or a
+:class:`FloatConst` (floats). The module docstring of
+:mod:`~onnx_kvcache.passes.fusion._symbolic` states what each symbol means and how messages
+print it; the operator rules that build these values are
+:mod:`~onnx_kvcache.passes.fusion._symbolic_index`,
+:mod:`~onnx_kvcache.passes.fusion._symbolic_lookup` and
+:mod:`~onnx_kvcache.passes.fusion._symbolic_ops`, their table
+:data:`~onnx_kvcache.passes.fusion._symbolic_rules.RULES`.
 
 Here too: shape-dimension parsing (:func:`parse_dim`), broadcasting
 (:func:`broadcast_shapes`, :func:`aligned_elem`), small constants (:func:`constant_array`),
@@ -41,7 +45,6 @@ import dataclasses
 import enum
 import math
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -72,19 +75,29 @@ _MAX_CONST_ELEMENTS = 64
 class Unprovable(KindedReason):
     """The evaluator cannot prove what a value computes; the message says why.
 
-    ``rule`` is where it was raised (file and line): refusals raised at one place are one
-    reason, whatever numbers or names their messages hold. ``kind`` is its
-    :class:`~onnx_kvcache.passes.fusion._refusals.FusionRefusalCode` (None: the proof step's,
-    :func:`~onnx_kvcache.passes.fusion._refusals.proof_step`). A reason raised again
-    (:meth:`again`, :meth:`wrapped`) keeps its first kind, text and place."""
+    ``rule`` is the reason's key: refusals of one key are one reason, whatever numbers or names
+    their messages hold. A key given (``operator:...``, ``shape:...``) is kept; else it is the
+    place the reason was first raised (file and line), read from its traceback when asked.
+    ``kind`` is its :class:`~onnx_kvcache.passes.fusion._refusals.FusionRefusalCode` (None: the
+    proof step's, :func:`~onnx_kvcache.passes.fusion._refusals.proof_step`). A reason raised
+    again (:meth:`again`, :meth:`wrapped`) keeps its first kind, text and key."""
 
     def __init__(self, *args: object, kind: FusionRefusalCode | None = None, rule: str | None = None) -> None:
         super().__init__(*args)
         self.kind = kind
-        if rule is None:
-            caller = sys._getframe(1)
-            rule = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-        self.rule = rule
+        self._rule = rule
+
+    @property
+    def rule(self) -> str:
+        """The key given, else where the reason was first raised ("" while never raised)."""
+        if self._rule is None:
+            tb = self.__traceback__
+            if tb is None:
+                return ""
+            while tb.tb_next is not None:  # the innermost frame: where it was raised
+                tb = tb.tb_next
+            self._rule = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        return self._rule
 
     def again(self) -> Unprovable:
         """The same reason, to raise again (its kind and place kept)."""
@@ -385,7 +398,7 @@ class Additive:
 
     cond: Conj
     fill: float | None = dataclasses.field(default=None, compare=False)
-    """That value where it is one value (a masks is equal to another whatever its fill)."""
+    """That value where it is one value (a mask is equal to another whatever its fill)."""
 
     def subs(self, mapping: Mapping[Symbol, Affine]) -> Additive:
         return Additive(self.cond.subs(mapping), self.fill)
@@ -466,7 +479,7 @@ class Origin:
             return (
                 self.reason.again()
                 if self.reason is not None
-                else Unprovable("a tensor's elements are not known")
+                else Unprovable("a tensor's elements are not known", rule="values:unknown")
             )
         node = self.node
         output = node.outputs[self.index].name if self.index < len(node.outputs) else None
