@@ -3,7 +3,7 @@ quantize/dequantize rule written as ONNX ops, and node insertion."""
 
 from __future__ import annotations
 
-__all__ = ["Builder", "Codec", "insert", "ints", "prepend"]
+__all__ = ["Builder", "Codec", "insert", "ints", "op_of", "prepend"]
 
 from collections.abc import Sequence
 
@@ -204,3 +204,11 @@ def prepend(graph: ir.Graph | ir.Function, node: ir.Node) -> None:
         graph.append(node)
     else:
         graph.insert_before(first, node)
+
+
+def op_of(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    """The ONNX-domain node of one of ``op_types`` that produces ``value``, or None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
+        return None
+    return node

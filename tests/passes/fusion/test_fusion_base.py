@@ -11,6 +11,7 @@ from test_attention_fusion import attention_in_a_function, exported
 
 from decoding import count
 from onnx_kvcache import KvCacheWarning
+from onnx_kvcache.passes.fusion._attention_facts import MaskFacts
 from onnx_kvcache.passes.fusion._base import (
     FusionPass,
     FusionRefusal,
@@ -20,7 +21,6 @@ from onnx_kvcache.passes.fusion._base import (
     Refused,
     summarize_refusals,
 )
-from onnx_kvcache.passes.fusion._match import MaskFacts
 from onnx_kvcache.passes.fusion._symbolic import Unprovable
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass

@@ -8,8 +8,8 @@ import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import GqaFusionPass, optimize_model
+from onnx_kvcache.passes.fusion._attention_facts import _strip_repeat, mask_condition
 from onnx_kvcache.passes.fusion._base import bypass_input_copies
-from onnx_kvcache.passes.fusion._match import _strip_repeat, mask_condition
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 
 from builders.exported import build_decoder, exported_config
@@ -125,7 +125,7 @@ def test_a_reverse_cumsum_mask_is_refused_naming_it():
 
 def test_a_mask_comparing_the_padding_values_is_refused_naming_it():
     """``attention_mask == 1`` reads the values, not nonzero/zero: not a padding lookup."""
-    from onnx_kvcache.passes.fusion._match import mask_facts
+    from onnx_kvcache.passes.fusion._attention_facts import mask_facts
     from onnx_kvcache.passes.fusion._symbolic import ZERO
 
     mask = ir.val("attention_mask", ir.DataType.INT64, ["batch", "total"])

@@ -17,8 +17,7 @@ from surgery import PRODUCERS, insert_after
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheWarning
-from onnx_kvcache.passes.fusion._attention_facts import check_precision
-from onnx_kvcache.passes.fusion._match import CacheLink
+from onnx_kvcache.passes.fusion._attention_facts import CacheLink, check_precision
 from onnx_kvcache.passes.fusion._reads import read_through, tiled_order
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.passes.fusion._match import MaskFacts, mask_condition, mask_facts
+from onnx_kvcache.passes.fusion._attention_facts import MaskFacts, mask_condition, mask_facts
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
     Symbol,

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_kvcache.passes.fusion._match import mask_condition, mask_facts
+from onnx_kvcache.passes.fusion._attention_facts import mask_condition, mask_facts
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
     Conj,

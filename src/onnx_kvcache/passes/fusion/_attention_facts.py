@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.rolling import rolling_attention
+from onnx_kvcache.passes._graph import op_of
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
 from onnx_kvcache.passes.fusion._reads import is_copy, read_through, tile_repeat, widening
@@ -340,11 +341,6 @@ class WindowCache:
     rolling and full-length caches), or None."""
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
 def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[ir.Node]) -> ir.Value | None:
     """``value`` before any copies that produce it (:func:`~onnx_kvcache.passes.fusion._reads.is_copy`:
     Identity, whole-tensor Slices, same-type Casts; not an Expand, which repeat_kv is made of),
@@ -364,13 +360,13 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
 
     Identity (``clone``) and Slices that keep every element between the repeat's nodes, and
     before it, are part of the chain (torch's unoptimized dynamo export writes them)."""
-    reshape = _producer(value, "Reshape")
+    reshape = op_of(value, "Reshape")
     if reshape is None:
         return value, 1, []
     copies: list[ir.Node] = []
-    expand = _producer(_through_copies(ev, reshape.inputs[0], copies), "Expand")
+    expand = op_of(_through_copies(ev, reshape.inputs[0], copies), "Expand")
     unsqueeze = (
-        _producer(_through_copies(ev, expand.inputs[0], copies), "Unsqueeze") if expand is not None else None
+        op_of(_through_copies(ev, expand.inputs[0], copies), "Unsqueeze") if expand is not None else None
     )
     if expand is None or unsqueeze is None:
         raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
@@ -429,7 +425,7 @@ def cache_link(
     stripped = _through_copies(ev, grouped, chain)  # a same-type Cast of the present (GPT-J)
     assert stripped is not None
     grouped, chain = stripped, chain + repeat
-    concat = _producer(grouped, "Concat")
+    concat = op_of(grouped, "Concat")
     if concat is None:
         source = grouped.producer()
         what = f"{source.op_type} node {source.name!r}" if source is not None else "a graph input"
@@ -442,7 +438,7 @@ def cache_link(
     past, new = concat.inputs
     crop_node, crop = None, None
     if past is not None and not past.is_graph_input():
-        crop_node = _producer(past, "Slice")
+        crop_node = op_of(past, "Slice")
         crop = _tail_rows(ev, crop_node) if crop_node is not None else None
         if crop is not None:
             assert crop_node is not None
@@ -471,7 +467,7 @@ def cache_link(
 def _strip_tile(ev: SymbolicEvaluator, value: ir.Value, chain: list[ir.Node]) -> tuple[int, ir.Value]:
     """``(r, x)`` for K/V read as ``Tile(x, [1, r, 1, 1])`` (through copies: ``x.repeat(...)``
     exports as ``Tile(Expand(x, ones), repeats)``), else ``(1, value)``; the nodes go to ``chain``."""
-    tile = _producer(value, "Tile")
+    tile = op_of(value, "Tile")
     if tile is None or tile.inputs[0] is None:
         return 1, value
     with proof_step(FusionRefusalCode.REPEAT):

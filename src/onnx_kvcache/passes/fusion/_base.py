@@ -47,7 +47,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.sites import GQA_DOMAIN
 from onnx_kvcache.errors import FusionSkippedWarning, require_flags, warn
 from onnx_kvcache.passes._base import InPlacePass
-from onnx_kvcache.passes.fusion._match import AttentionMatch, GqaWriter
+from onnx_kvcache.passes.fusion._attention_facts import AttentionMatch
+from onnx_kvcache.passes.fusion._match import GqaWriter
 from onnx_kvcache.passes.fusion._refusals import REFUSAL_KINDS, FusionRefusalCode
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 

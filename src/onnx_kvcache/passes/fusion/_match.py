@@ -77,25 +77,15 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.operators import GQA, GqaInput, GqaOutput
-from onnx_kvcache.passes._graph import insert
-
-# The facts a fusion proves live in _attention_facts; their old import path is this module.
+from onnx_kvcache.passes._graph import insert, op_of
 from onnx_kvcache.passes.fusion._attention_facts import (
-    ATTENTION_DTYPES,  # noqa: F401
-    KEY,  # noqa: F401
-    QUERY,  # noqa: F401
     AttentionMatch,
     CacheLink,
     MaskFacts,
     WindowCache,
-    _producer,
-    _strip_repeat,  # noqa: F401
     cache_link,
     cache_mask_facts,
-    check_head_sizes,  # noqa: F401
-    check_shapes,  # noqa: F401
     counted_tie,
-    key_columns,  # noqa: F401
     mask_condition,
     mask_facts,
     running_count,
@@ -412,7 +402,7 @@ class GqaWriter:
         dims = self._try_shape(bsnh)
         if bsnh is None or len(dims) != 4 or dims[2] != Affine(const=heads) or dims[3] != Affine(const=head):
             return None
-        split = _producer(bsnh, "Reshape")
+        split = op_of(bsnh, "Reshape")
         if split is not None:
             source = split.inputs[0]
             src = self._try_shape(source)

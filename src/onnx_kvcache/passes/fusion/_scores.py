@@ -19,24 +19,17 @@ GQA computes ``softcap * tanh(scale * QK^T / softcap)`` when ``softcap > 0``, el
 
 from __future__ import annotations
 
-__all__ = ["ScoresChain", "op_of", "scores_chain", "softmax_input", "unwrap_probs"]
+__all__ = ["ScoresChain", "scores_chain", "softmax_input", "unwrap_probs"]
 
 import dataclasses
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._graph import op_of
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable, constant_array
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-
-
-def op_of(value: ir.Value | None, *op_types: str) -> ir.Node | None:
-    """The ONNX-domain node of one of ``op_types`` that produces ``value``, or None."""
-    node = value.producer() if value is not None else None
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
-        return None
-    return node
 
 
 def _scalar(value: ir.Value | None, ev: SymbolicEvaluator | None = None) -> float | None:

@@ -34,9 +34,10 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._graph import op_of
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal
-from onnx_kvcache.passes.fusion._scores import op_of, unwrap_probs
+from onnx_kvcache.passes.fusion._scores import unwrap_probs
 from onnx_kvcache.passes.fusion._symbolic import ONE, ZERO, Affine, SymbolicEvaluator, Unprovable
 
 _MAX_SINKS = 4096

@@ -129,6 +129,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (  # noqa: F401  (re-exp
     SymTensor,
     Unprovable,
     _kind,
+    _kind_of,
     axis,
     check_declared,
     constant_array,
@@ -354,7 +355,7 @@ class SymbolicEvaluator:
             except Unprovable as why:
                 first = reason is not None and reason.kind in _FIRST_REASONS
                 raise (reason.again() if first and reason is not None else why) from None
-        kind = _opaque_kind(self.dtype(value))
+        kind = _kind_of(self.dtype(value))
         return SymTensor(
             shape, kind, origin=Origin(node, output, row.computes if row is not None else "", reason)
         )
@@ -484,7 +485,7 @@ class _Shallow:
         if producer is None or producer.op_type == "Constant":
             return ev.eval(value)
         if value.shape is not None and all(isinstance(d, int) or d.value is not None for d in value.shape):
-            return SymTensor(ev.declared_shape(value), _opaque_kind(ev.dtype(value)))
+            return SymTensor(ev.declared_shape(value), _kind_of(ev.dtype(value)))
         raise Unprovable(f"value {value.name!r} is not evaluated")
 
     def shape(self, value: ir.Value | None) -> tuple[Affine, ...]:
@@ -502,14 +503,6 @@ class _Shallow:
 
     def fresh(self) -> Symbol:
         return self._ev.fresh()
-
-
-def _opaque_kind(dtype: ir.DataType | None) -> str:
-    if dtype in _INT_TYPES:
-        return "int"
-    if dtype == ir.DataType.BOOL:
-        return "bool"
-    return "data"
 
 
 _BOOL_OPS = frozenset(

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._graph import op_of
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode
@@ -62,6 +63,7 @@ from onnx_kvcache.passes.fusion._symbolic_values import (
     SymbolKind,
     SymTensor,
     Unprovable,
+    _kind_of,
     aligned_elem,
     axis,
     broadcast_shapes,
@@ -72,14 +74,6 @@ if TYPE_CHECKING:
     from onnx_kvcache.passes.fusion._symbolic_values import Evaluator
 
 _BIG = 2**62
-
-
-def _kind_of(dtype: ir.DataType | None) -> str:
-    if dtype in _INT_TYPES:
-        return "int"
-    if dtype == ir.DataType.BOOL:
-        return "bool"
-    return "data"
 
 
 def _data(ev: Evaluator, value: ir.Value, shape) -> SymTensor:
@@ -103,11 +97,6 @@ def _opaque(t: SymTensor) -> bool:
     return t.kind == "data" or (
         t.elem is None and t.values is None and t.stack is None and t.conds is None and t.source is None
     )
-
-
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
 # ---- data rules: the shape of an output from its inputs' shapes ----
@@ -329,7 +318,7 @@ def _reshape_vector(ev: Evaluator, node: ir.Node) -> SymTensor | None:
 def _unit_reshape(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     """A Reshape that only inserts/removes unit axes (maybe after a flattening Reshape)."""
     source = node.inputs[0]
-    inner = _producer(source, "Reshape")
+    inner = op_of(source, "Reshape")
     if inner is not None:
         flat = ev.eval(inner.inputs[1]) if inner.inputs[1] is not None else None
         if flat is not None and flat.values == (Affine(const=-1),):
@@ -360,8 +349,8 @@ def _flat_lookup(ev: Evaluator, node: ir.Node) -> SymTensor | None:
     with ``L > width`` the last row's ``(rows - 1) * width + L - 1`` is past the tensor and
     onnxruntime refuses the run; whenever it runs, ``j < width`` and the lookup is ``m[b, j]``
     (TorchScript's mask reads the key range ``past + seq`` of a mask declared ``[batch, total]``)."""
-    flatten = _producer(node.inputs[0], "Flatten")
-    add = _producer(node.inputs[1], "Add")
+    flatten = op_of(node.inputs[0], "Flatten")
+    add = op_of(node.inputs[1], "Add")
     if flatten is None or add is None or _attr_int(node, "axis", 0) != 0:
         return None
     data = ev.eval(flatten.inputs[0])
@@ -369,7 +358,7 @@ def _flat_lookup(ev: Evaluator, node: ir.Node) -> SymTensor | None:
         return None
     rows, width = data.shape
     for col_value, product in (add.inputs, tuple(reversed(add.inputs))):
-        mul = _producer(product, "Mul")
+        mul = op_of(product, "Mul")
         if mul is None:
             continue
         for row_value, factor in (mul.inputs, tuple(reversed(mul.inputs))):

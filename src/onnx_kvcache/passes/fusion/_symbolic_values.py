@@ -72,6 +72,15 @@ _INT_TYPES = frozenset(
 _MAX_CONST_ELEMENTS = 64
 
 
+def _kind_of(dtype: ir.DataType | None) -> str:
+    """A tensor's kind by its element type: ``int``, ``bool``, or ``data`` (anything else)."""
+    if dtype in _INT_TYPES:
+        return "int"
+    if dtype == ir.DataType.BOOL:
+        return "bool"
+    return "data"
+
+
 class Unprovable(KindedReason):
     """The evaluator cannot prove what a value computes; the message says why.
 

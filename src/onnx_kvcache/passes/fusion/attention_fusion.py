@@ -31,10 +31,7 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion._attention_facts import restrict
-from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, not_causal, probs_and_scale
-from onnx_kvcache.passes.fusion._base import FusionPass
-from onnx_kvcache.passes.fusion._match import (
+from onnx_kvcache.passes.fusion._attention_facts import (
     KEY,
     QUERY,
     AttentionMatch,
@@ -45,7 +42,10 @@ from onnx_kvcache.passes.fusion._match import (
     check_shapes,
     key_columns,
     mask_condition,
+    restrict,
 )
+from onnx_kvcache.passes.fusion._attention_node import attribute, is_read, not_causal, probs_and_scale
+from onnx_kvcache.passes.fusion._base import FusionPass
 from onnx_kvcache.passes.fusion._piecewise import equal
 from onnx_kvcache.passes.fusion._reads import read_through
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step

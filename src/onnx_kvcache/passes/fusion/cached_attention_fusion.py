@@ -46,14 +46,7 @@ __all__ = ["CachedAttentionFusionPass", "holds_own_cache", "match_cached_attenti
 
 import onnx_ir as ir
 
-from onnx_kvcache.passes.fusion._attention_node import attribute, not_causal, probs_and_scale
-from onnx_kvcache.passes.fusion._base import (
-    FusionPass,
-    FusionRefusal,
-    FusionRefusalCode,
-    Refused,
-)
-from onnx_kvcache.passes.fusion._match import (
+from onnx_kvcache.passes.fusion._attention_facts import (
     ATTENTION_DTYPES,
     KEY,
     QUERY,
@@ -64,6 +57,13 @@ from onnx_kvcache.passes.fusion._match import (
     counted_tie,
     mask_condition,
     mask_facts,
+)
+from onnx_kvcache.passes.fusion._attention_node import attribute, not_causal, probs_and_scale
+from onnx_kvcache.passes.fusion._base import (
+    FusionPass,
+    FusionRefusal,
+    FusionRefusalCode,
+    Refused,
 )
 from onnx_kvcache.passes.fusion._refusals import proof_step
 from onnx_kvcache.passes.fusion._symbolic import (

@@ -36,9 +36,9 @@ __all__ = ["DecomposedAttentionFusionPass"]
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.passes._graph import op_of as _op
 from onnx_kvcache.passes.fusion import _opsets as opsets
-from onnx_kvcache.passes.fusion._base import FusionPass
-from onnx_kvcache.passes.fusion._match import (
+from onnx_kvcache.passes.fusion._attention_facts import (
     AttentionMatch,
     cache_link,
     cache_mask_facts,
@@ -48,9 +48,9 @@ from onnx_kvcache.passes.fusion._match import (
     key_columns,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._base import FusionPass
 from onnx_kvcache.passes.fusion._reads import read_through
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
-from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._sinks import sink_site
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Symbol, SymbolicEvaluator, Unprovable
