@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rolling import rolling_attention
+from onnx_kvcache.cache.rolling import rolling_attention, split_window_lengths
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import (
@@ -113,13 +113,14 @@ class GqaFusionPass(InPlacePass):
         return self.report.refused
 
     def call(self, model: ir.Model) -> FusionResult:
+        split = bool(split_window_lengths(model.graph))  # rolling and full caches: two lengths
         if _may_keep_rolling_windows(model.graph):
             _refuse_unsettled_windows(model)  # decided on a copy: raises before the model changes
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
         attention = sum(first, FusionReport())
-        modified = bool(attention.fused or decomposed.fused)
+        modified = bool(split or attention.fused or decomposed.fused)
         if attention.fused or decomposed.fused:
             _settle_window_caches(model.graph)
         report = attention + decomposed
