@@ -113,9 +113,9 @@ class GqaFusionPass(InPlacePass):
         return self.report.refused
 
     def call(self, model: ir.Model) -> FusionResult:
-        split = bool(split_window_lengths(model.graph))  # rolling and full caches: two lengths
         if _may_keep_rolling_windows(model.graph):
             _refuse_unsettled_windows(model)  # decided on a copy: raises before the model changes
+        split = bool(split_window_lengths(model.graph))  # rolling and full caches: two lengths
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
@@ -207,8 +207,11 @@ def _may_keep_rolling_windows(graph: ir.Graph) -> bool:
 def _refuse_unsettled_windows(model: ir.Model) -> None:
     """Raise :class:`KvCacheError` when fusing would leave a window-sized past read by more than
     attention, deciding on a copy of the model (its tensors shared, not copied) so that the model
-    is left as it was: the fusions on the copy, then :func:`_unsettled_window_reader`."""
+    is left as it was: the fusions on the copy (its window caches' lengths declared apart as the
+    model's will be: :func:`~onnx_kvcache.cache.rolling.split_window_lengths`), then
+    :func:`_unsettled_window_reader`."""
     trial = model.clone()
+    split_window_lengths(trial.graph)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = sum(_report(fusion(quiet=True)(trial)).fused for fusion in FUSIONS)
