@@ -444,3 +444,22 @@ def test_a_quantized_conversion_of_an_oracle_file_runs_from_an_empty_past(path, 
     assert len(runner.generate(list(range(1, 10)), 4)) == 4
     assert [b.present for b in runner.bindings] == [v.name for v in presents]
     assert not any(b.capacity for b in runner.bindings)
+
+
+def test_window_and_full_pasts_declared_as_one_number_stay_refused():
+    """A past length declared as a number cannot be declared apart: the window layer keeps the
+    rolling-window refusal, and the full layer alone fuses (convert then refuses the model)."""
+    path = next(p for p in MIXED if "torch-tf5/" in str(p) and p.parent.name == "gemma2")
+    model = ir.load(path)
+    for value in model.graph.inputs[3:]:
+        value.shape = ir.Shape([value.shape[0], 2, 2, 16])
+    assert split_window_lengths(model.graph) == {}
+    fusion = GqaFusionPass()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fusion(model)
+    assert fusion.fused == 1 and len(fusion.refused) == 1
+    assert (
+        "past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key"
+        in fusion.refused[0]
+    )
