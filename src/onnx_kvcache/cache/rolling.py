@@ -131,7 +131,7 @@ def split_window_lengths(graph: ir.Graph) -> dict[str, str]:
     latter forgotten. Computation is unchanged. Returns ``{input name: its new length}``."""
     pasts = [v for v in graph.inputs if _length_name(v) is not None]
     windows = {v.name: keep for v in pasts if (keep := _cropped_rows(v)) is not None}
-    full = {_length_name(v) for v in pasts if v.name not in windows}
+    full = {n for v in pasts if (n := _length_name(v)) is not None and v.name not in windows}
     renamed: dict[str, str] = {}
     for value in pasts:
         name = _length_name(value)

@@ -3,11 +3,12 @@
 Each file either fuses every layer and computes as the export does (logits, and each row's
 real tokens' cache entries, within 1e-4: one row with a 7-token prefill and 3 decode steps; a
 batch of 2 with the second row left-padded by 3; for windowed models a prefill longer than the
-window; a padded row of an export mixing rolling and full-length caches, which no one mask serves,
-as the full-length export of the same saved model), then converts to int8 that onnxruntime's CPU kernel runs and to fp8 that the CUDA-rule
-emulation evaluates; or it is refused in one line that names what the graph does. The outcome
-of each is its row of :data:`producers.EXPECTED`; float16 files (GroupQueryAttention in float16
-runs on CUDA only) are checked structurally: fused, then converted to fp8 for CUDA.
+window; a padded row of an export mixing rolling and full-length caches, which no one mask
+serves, as the full-length export of the same saved model), then converts to int8 that
+onnxruntime's CPU kernel runs and to fp8 that the CUDA-rule emulation evaluates; or it is
+refused in one line that names what the graph does. The outcome of each is its row of
+:data:`producers.EXPECTED`; float16 files (GroupQueryAttention in float16 runs on CUDA only)
+are checked structurally: fused, then converted to fp8 for CUDA.
 """
 
 from __future__ import annotations

@@ -363,8 +363,9 @@ def test_a_converted_oracle_file_takes_the_exports_inputs(path, case, tmp_path):
 def test_a_mixed_export_declares_its_window_caches_apart(path):
     """Window and full layers share the export's one declared past length, while fed its presents
     they hold W - 1 rows and every token: onnxruntime takes the declared length for both (gemma2's
-    and cohere2's exports fail on their own presents), and so would a proof. Declared apart, the export runs (as
-    transformers computes an unpadded row), and so does its fused form, which declares them so."""
+    and cohere2's exports fail on their own presents), and so would a proof. Declared apart, the
+    export runs (as transformers computes an unpadded row), and so does its fused form, which
+    declares them so."""
     manifest = json.loads((PRODUCERS / "manifest.json").read_text(encoding="utf-8"))["models"]
     entry = next(e for e in manifest if e["path"] == _oracle_id(path))
     if "decode_run" in entry:  # gemma2, cohere2: onnxruntime's error, recorded by the generator
