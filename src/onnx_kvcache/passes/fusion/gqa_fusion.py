@@ -115,14 +115,18 @@ class GqaFusionPass(InPlacePass):
     def call(self, model: ir.Model) -> FusionResult:
         if _may_keep_rolling_windows(model.graph):
             _refuse_unsettled_windows(model)  # decided on a copy: raises before the model changes
-        split = bool(split_window_lengths(model.graph))  # rolling and full caches: two lengths
+        declared = _declared_shapes(model.graph)
+        split_window_lengths(model.graph)  # rolling and full caches: two lengths
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
         attention = sum(first, FusionReport())
-        modified = bool(split or attention.fused or decomposed.fused)
-        if attention.fused or decomposed.fused:
+        modified = bool(attention.fused or decomposed.fused)
+        if modified:
             _settle_window_caches(model.graph)
+        else:  # nothing fused: the model as it was, its declared shapes too
+            for value, shape in declared:
+                value.shape = shape
         report = attention + decomposed
         unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
         left = (decomposed + FusionReport(refusals=tuple(unknown))).refusals
@@ -144,6 +148,13 @@ class GqaFusionPass(InPlacePass):
                 PaddingAssumptionWarning,
             )
         return FusionResult(model, modified=modified, report=report)
+
+
+def _declared_shapes(graph: ir.Graph) -> list[tuple[ir.Value, ir.Shape | None]]:
+    """Each graph input's and node output's declared shape (what a split of window caches'
+    lengths changes), to put back when nothing fuses."""
+    values = [*graph.inputs, *(out for node in graph for out in node.outputs)]
+    return [(value, value.shape) for value in values]
 
 
 def _gqa_count(graph: ir.Graph) -> int:
