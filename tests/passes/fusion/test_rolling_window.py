@@ -27,7 +27,7 @@ import pytest
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model, optimize_model
 from onnx_kvcache.cache.rolling import split_window_lengths
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning
+from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
 from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
@@ -451,7 +451,8 @@ def test_a_quantized_conversion_of_an_oracle_file_runs_from_an_empty_past(path, 
 
 def test_window_and_full_pasts_declared_as_one_number_stay_refused():
     """A past length declared as a number cannot be declared apart: the window layer keeps the
-    rolling-window refusal, and the full layer alone fuses (convert then refuses the model)."""
+    rolling-window refusal, and the full layer alone fuses (convert then refuses the model, as
+    optimize_model does: test_partial_refusals.py)."""
     path = next(p for p in MIXED if "torch-tf5/" in str(p) and p.parent.name == "gemma2")
     model = ir.load(path)
     for value in model.graph.inputs[3:]:
@@ -466,20 +467,3 @@ def test_window_and_full_pasts_declared_as_one_number_stay_refused():
         "past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key"
         in fusion.refused[0]
     )
-
-
-def test_the_command_and_optimize_model_agree_on_that_refusal(tmp_path):
-    """onnx-kvcache convert exits 1 writing nothing; optimize_model returns the model unchanged."""
-    path = next(p for p in MIXED if "torch-tf5/" in str(p) and p.parent.name == "gemma2")
-    model = ir.load(path)
-    for value in model.graph.inputs[3:]:
-        value.shape = ir.Shape([value.shape[0], 2, 2, 16])
-    ir.save(model, tmp_path / "model.onnx")
-    out = tmp_path / "model.int8.onnx"
-    command = [sys.executable, "-m", "onnx_kvcache", "convert", str(tmp_path / "model.onnx"), str(out)]
-    done = subprocess.run([*command, "--format", "int8", "--ep", "cpu"], capture_output=True)
-    assert done.returncode == 1 and not out.exists()
-    before = ir.serde.serialize_model(model).SerializeToString(deterministic=True)
-    with pytest.warns(NotConvertedWarning):
-        returned = optimize_model(model, format="int8", ep="cpu")
-    assert ir.serde.serialize_model(returned).SerializeToString(deterministic=True) == before
