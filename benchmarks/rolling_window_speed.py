@@ -23,11 +23,11 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # tests/builders
-from builders.exported import ExportStyle, build_decoder, exported_config
-
 from onnx_kvcache import optimize_model
 from onnx_kvcache.model_io import create_session
 from onnx_kvcache.passes.fusion.window_sized import make_window_sized
+
+from builders.exported import ExportStyle, build_decoder, exported_config
 
 
 def _model(window: int, layers: int, sized: bool | None):

@@ -163,7 +163,9 @@ def test_functions_that_read_a_model_take_it_in_memory_as_a_proto_or_as_a_path(f
 def test_a_pass_given_something_else_than_an_ir_model_says_so(name, model_path):
     import onnx
 
-    pass_ = getattr(passes, name)(*(["int8"] if name == "KvCacheQuantizationPass" else []))
+    pass_ = getattr(passes, name)(
+        *(["int8"] if name in ("KvCacheQuantizationPass", "QdqKvCachePass") else [])
+    )
     for wrong in (str(model_path), onnx.load(model_path, load_external_data=False)):
         with pytest.raises(onnx_kvcache.KvCacheError, match=f"{name} takes an onnx_ir.Model.*onnx_ir.load"):
             pass_(wrong)

@@ -11,11 +11,13 @@ def test_the_choices_copied_for_the_parser_are_the_tables():
     from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS
     from onnx_kvcache.files.conversion import ASKED_WEIGHTS
     from onnx_kvcache.passes.kv_cache_emulation import SEMANTICS
+    from onnx_kvcache.pipeline.decision import STORAGES
 
     assert tuple(SEMANTICS) == _names.SEMANTICS
     assert tuple(ASKED_WEIGHTS) == _names.WEIGHTS
     assert tuple(CALIBRATION_METHODS) == _names.METHODS
     assert tuple(ROTATIONS) == _names.ROTATIONS
+    assert STORAGES == _names.STORAGES
 
 
 def test_every_choice_of_the_parser_is_a_named_table():
@@ -30,6 +32,7 @@ def test_every_choice_of_the_parser_is_a_named_table():
             _names.WEIGHTS,
             _names.PROVIDERS,
             _names.ROTATIONS,
+            _names.STORAGES,
         )
     }
     sub = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict))

@@ -1,7 +1,7 @@
 """torch.onnx.export of one tiny model (run inside a side venv with torch + transformers).
 
 python export_torch.py HF_DIR OUT_DIR --exporter dynamo|torchscript [--opset N] [--no-optimize]
-    [--dtype float16] [--cache full|config]
+    [--dtype float16] [--cache full|config] [--attn eager]
 
 The wrapper is docs/exporting.md section 1: inputs input_ids, attention_mask [batch, past+seq],
 position_ids, past_key_values.{i}.key|value [batch, kv_heads, past, head]; outputs logits,
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     ap.add_argument("--cache", choices=["full", "config"], default="full")
     ap.add_argument("--past", type=int, default=5, help="the example past length the export traces")
+    ap.add_argument("--attn", default=None, help="attn_implementation to load the model with (eager)")
     a = ap.parse_args()
 
     config = AutoConfig.from_pretrained(a.hf_dir)
@@ -74,6 +75,8 @@ def main() -> None:
     # the experts hit is data-dependent (torch.export: "for expert_idx in expert_hit"): batched_mm
     # (each token's experts' weights gathered, one batched matmul) exports
     extra = {} if transformers.__version__.startswith("4.") else {"experts_implementation": "batched_mm"}
+    if a.attn:  # transformers' own attention code (eager: GPT-J casts q and k to float32)
+        extra["attn_implementation"] = a.attn
     model = AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=dtype, **extra).eval()
     layers = config.num_hidden_layers
     decoder = Decoder(model, layers, a.cache)

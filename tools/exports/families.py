@@ -214,6 +214,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_scaling": None,
         },
     ),
+    # issue 46: KV heads repeated by Tile (``.repeat(1, top_k, 1, 1)``: query head h reads KV head
+    # h mod kv_heads); 4 query heads = 2 KV heads x top-k 2, every expert chosen for every token
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        {"num_local_experts": 2, "num_experts_per_tok": 2, "kv_channels": 16},
+    ),
+    # issue 46: query and key cast to float32 inside attention (``.to(torch.float32)``, an identity
+    # in a float32 model); multi-head (4 KV heads), partial rotary
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        {"num_key_value_heads": 4, "rotary_dim": 8, "n_inner": 64, "tie_word_embeddings": False},
+    ),
 }
 
 #: the held-out set (issue 35's acceptance check; made into /work/producers-holdout, not committed)

@@ -55,9 +55,14 @@ PRIORITY = ["llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
 
 def torch_form(
-    exporter: str, opset: int | None, optimize: bool, f16: bool = False, rolling: bool = False
+    exporter: str,
+    opset: int | None,
+    optimize: bool,
+    f16: bool = False,
+    rolling: bool = False,
+    eager: bool = False,
 ) -> str:
-    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "")
+    tail = ("-f16" if f16 else "") + ("-rollingcache" if rolling else "") + ("-eager" if eager else "")
     if exporter == "torchscript":
         return f"torchscript-opset{opset}" + tail
     return f"dynamo-opset{opset or 'default'}-{'optimize' if optimize else 'nooptimize'}" + tail
@@ -71,9 +76,12 @@ def torch_job(
     family: str,
     f16: bool = False,
     rolling: bool = False,
+    eager: bool = False,
 ) -> dict:
     """``rolling``: the cache transformers 5.x builds from the config (``--cache config``: a
-    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one."""
+    window layer keeps its last window - 1 tokens) instead of docs/exporting.md's full-length one;
+    ``eager``: the model loaded with ``attn_implementation="eager"`` (transformers' own attention
+    code, not torch's sdpa)."""
     args = (
         ["--exporter", exporter]
         + (["--opset", str(opset)] if opset else [])
@@ -82,12 +90,13 @@ def torch_job(
         # a rolling cache's traced path holds for pasts up to window - 1 (what it feeds back):
         # traced with a longer past, the export fails on any shorter one ("GatherND: invalid index")
         + (["--cache", "config", "--past", str(WINDOW - 2)] if rolling else [])
+        + (["--attn", "eager"] if eager else [])
     )
     return {
         "producer": "torch.onnx.export",
         "dir": TORCH_DIR[venv],
         "venv": venv,
-        "form": torch_form(exporter, opset, optimize, f16, rolling),
+        "form": torch_form(exporter, opset, optimize, f16, rolling, eager),
         "family": family,
         "cmd": ["{py}", str(HERE / "export_torch.py"), "{hf}", "{out}", *args],
         **(
@@ -253,7 +262,7 @@ def jobs_issue28() -> list[dict]:
 
 def expand(cells: list[tuple[str, str]]) -> list[dict]:
     """Jobs of ``(what, family)`` cells: ``genai``, ``optimum``, a mobius form, or
-    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling]`` for torch.onnx.export."""
+    ``<venv>-<d|ts><opset>[-noopt][-f16][-rolling][-eager]`` for torch.onnx.export."""
     out: list[dict] = []
     for what, fam in cells:
         if what == "genai":
@@ -267,7 +276,16 @@ def expand(cells: list[tuple[str, str]]) -> list[dict]:
             opset = int(kind[-2:])
             exporter = "torchscript" if kind.startswith("ts") else "dynamo"
             out.append(
-                torch_job(venv, exporter, opset, "noopt" not in rest, fam, "f16" in rest, "rolling" in rest)
+                torch_job(
+                    venv,
+                    exporter,
+                    opset,
+                    "noopt" not in rest,
+                    fam,
+                    "f16" in rest,
+                    "rolling" in rest,
+                    "eager" in rest,
+                )
             )
     return out
 
@@ -345,9 +363,30 @@ ISSUE35: list[tuple[str, str]] = [
 ]
 
 
+#: issue 46: K/V heads repeated by Tile (jetmoe: ``.repeat(1, top_k, 1, 1)``) and query/key cast to
+#: float32 inside attention (gptj: ``.to(torch.float32)``, which only TorchScript writes as a Cast in
+#: a float32 model; dynamo drops it, and writes it in a float16 one)
+ISSUE46: list[tuple[str, str]] = [
+    ("t457-d18", "jetmoe"),
+    ("t457-d23", "jetmoe"),
+    ("t457-ts18", "jetmoe"),
+    ("optimum", "jetmoe"),
+    ("t457-ts18", "gptj"),
+    ("optimum", "gptj"),
+    ("t457-d18", "gptj"),
+    ("t457-d18-f16", "gptj"),
+    ("t5-ts18", "gptj"),
+    ("t5-ts18-f16", "gptj"),  # V widened to float32 for the value product: refused by name
+    # transformers 5's eager attention in float16: Q and K widened to float32 for the scores, the
+    # probabilities cast back for V (what GroupQueryAttention computes)
+    ("t5-d23-f16-eager", "gptj"),
+]
+
+
 def jobs() -> list[dict]:
-    """The committed set's jobs (issue 28's, then issue 35's classes and newer producers)."""
-    return _unique(jobs_issue28() + expand(ISSUE35))
+    """The committed set's jobs (issue 28's, then issue 35's classes and newer producers, then
+    issue 46's)."""
+    return _unique(jobs_issue28() + expand(ISSUE35) + expand(ISSUE46))
 
 
 #: the held-out set: other families and versions through the same producers (issue 35's
@@ -786,11 +825,15 @@ def main() -> None:
     for v in VENV_TF:
         if (VENVS / v / "bin" / "python").exists():
             versions[v] = venv_versions(v)
+    recorded = man.get("versions", {})  # a venv absent here keeps what its files were made with
     man["versions"] = {
         "generator_python": platform.python_version(),
         "checked_with": {"onnx": onnx.__version__, "onnxruntime": ort.__version__},
-        "mobius_commit": mobius_commit(),
-        "venvs": versions,
+        "mobius_commit": mobius_commit() or recorded.get("mobius_commit"),
+        # (a package this venv lacks here, e.g. mobius when only transformers was installed, keeps
+        # the version the committed files were made with)
+        "venvs": {**recorded.get("venvs", {})}
+        | {v: {**recorded.get("venvs", {}).get(v, {}), **found} for v, found in versions.items()},
     }
     save_manifest(man)
     if a.recheck:
@@ -850,6 +893,14 @@ feeds back); the other torch forms keep full-length caches (docs/exporting.md se
 model whose window layers alternate with full ones (gemma2, cohere2) the rolling form's pasts
 share one `past` dimension, so its own presents fed back (3 rows for a window layer, all the
 rows for a full one) do not run: `decode_run` records onnxruntime's error.
+
+Issue 46's classes: K/V heads repeated by `Tile` (jetmoe: `.repeat(1, top_k, 1, 1)`, query head
+h reads KV head h mod kv_heads; 2 KV heads x top-k 2 = 4 query heads from 2 attention experts,
+both chosen for every token) and query/key cast to float32 inside attention (gptj:
+`.to(torch.float32)`, 4 heads, rotary on 8 of 16 channels; TorchScript and optimum write the
+Casts in a float32 model, dynamo drops them; the `-f16-eager` form, transformers 5's eager
+attention in float16, widens Q and K to float32 and casts the probabilities back for V). jetmoe's TorchScript export traces its experts' token counts as constants and runs only
+on the traced 6 tokens, and optimum-onnx 0.1.0 has no jetmoe: neither is here.
 
 Layout: `<producer dir>/<form>/<family>/` holds what the producer wrote (`model.onnx`, its
 `model.onnx.data` when the producer writes external data, and the `config.json`,
@@ -923,6 +974,16 @@ NOT_COMMITTED = frozenset(
         "torch-tf4.57/torchscript-opset18/mistral",
         "optimum/optimum-cli/granite",
         *(f"mobius/mobius-cpu-gqa/{f}" for f in ("qwen2", "granite", "olmo2", "smollm3")),
+        # jetmoe's TorchScript export traces its attention experts' token counts as constants
+        # (``expert_size.tolist()``): it runs only on the traced 6 tokens
+        "torch-tf4.57/torchscript-opset18/jetmoe",
+        # gptj's dynamo export in float32 drops ``.to(torch.float32)`` (no Cast to read); the
+        # float16 one keeps the Casts but is refused in its mask (a finite fill plus integers)
+        "torch-tf4.57/dynamo-opset18-optimize/gptj",
+        "torch-tf4.57/dynamo-opset18-optimize-f16/gptj",
+        # transformers 5.24's TorchScript gptj in float16 computes its presents in float32 from
+        # float16 pasts: onnxruntime does not load it ("Type Error")
+        "torch-tf5/torchscript-opset18-f16/gptj",
     }
 )
 

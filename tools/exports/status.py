@@ -55,6 +55,8 @@ CLASS = {
     "gemma2": "alternating windows, softcap",
     "gemma3": "alternating windows, q/k norm",
     "deepseek_v3": "MLA",
+    "jetmoe": "K/V heads repeated by Tile, attention experts (MoA)",
+    "gptj": "q/k cast to float32 in attention, partial interleaved rotary, MHA",
 }
 
 

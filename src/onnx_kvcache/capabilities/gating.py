@@ -17,6 +17,7 @@ __all__ = [
     "default_format",
     "fast_path_diagnostics",
     "infer_target",
+    "storage_refusals",
 ]
 
 import dataclasses
@@ -33,6 +34,7 @@ from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, 
 from onnx_kvcache.capabilities.rows import (
     CAPABILITIES,
     FAST_PATHS,
+    STORAGE_CAPABILITIES,
     EpCapabilities,
     FormatSupport,
     get_capabilities,
@@ -195,6 +197,25 @@ def _format_refusals(
         )
         found.append(Refusal(RefusalCode.COMPUTE_CAPABILITY_TOO_LOW, Parameter.FORMAT, text))
     return found
+
+
+def storage_refusals(
+    ep: str, fmt_name: str, granularity: str, runtime_version: str | None = None
+) -> tuple[Refusal, ...]:
+    """Every refusal of a cache stored through QuantizeLinear/DequantizeLinear (``storage="qdq"``)
+    on ``ep``: :data:`~.rows.STORAGE_CAPABILITIES` has no row for it, its row does not list the
+    format or granularity, or the installed runtime predates the row's version."""
+    key = get_capabilities(ep).name  # aliases resolved: CUDAExecutionProvider is cuda
+    row = STORAGE_CAPABILITIES.get(key)
+    listed = ", ".join(f"{n} ({', '.join(r.formats)})" for n, r in STORAGE_CAPABILITIES.items())
+    if row is None or fmt_name not in row.formats:
+        label = key if key != "default" else repr(ep)
+        text = (
+            f"{label} is not known to run an {fmt_name} cache stored through QuantizeLinear/"
+            f"DequantizeLinear (known: {listed})."
+        )
+        return (Refusal(RefusalCode.FORMAT_UNSUPPORTED, Parameter.EP, text),)
+    return tuple(_format_refusals(row, ep, fmt_name, granularity, runtime_version, None))
 
 
 def _rotation_refusals(row: EpCapabilities, ep: str) -> list[Refusal]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["render_capability_table"]
 
 from onnx_kvcache.cache.formats import CACHE_FORMATS
-from onnx_kvcache.capabilities.rows import CAPABILITIES, FAST_PATHS, EpCapabilities
+from onnx_kvcache.capabilities.rows import CAPABILITIES, FAST_PATHS, STORAGE_CAPABILITIES, EpCapabilities
 
 
 def _format_cell(row: EpCapabilities, name: str) -> str:
@@ -62,6 +62,7 @@ def render_capability_table() -> str:
                 + " | ".join(cells)
                 + f" | {row.note} |"
             )
+    lines += _storage_table()
     lines += [
         "",
         "**CUDA decode fast path (XQA)**",
@@ -82,3 +83,19 @@ def render_capability_table() -> str:
             f"{'; '.join(other) or '-'} | {rule.note} |"
         )
     return "\n".join(lines)
+
+
+def _storage_table() -> list[str]:
+    """``storage="qdq"``: the providers that run a cache stored through QuantizeLinear/DequantizeLinear."""
+    lines = [
+        "",
+        '**Storage through QuantizeLinear/DequantizeLinear** (`storage="qdq"`; other providers: refused)',
+        "",
+        "| provider | " + " | ".join(CACHE_FORMATS) + " | note |",
+        "|---|" + "---|" * len(CACHE_FORMATS) + "---|",
+    ]
+    for row in STORAGE_CAPABILITIES.values():
+        label = f"`{row.name}` ({row.provider})" if row.provider else f"`{row.name}`"
+        cells = " | ".join(_format_cell(row, name) for name in CACHE_FORMATS)
+        lines.append(f"| {label} | {cells} | {row.note} |")
+    return lines

@@ -21,6 +21,7 @@ __all__ = [
     "FastPathRule",
     "FormatSupport",
     "PAGED_CAPABILITIES",
+    "STORAGE_CAPABILITIES",
     "SinkSupport",
     "get_capabilities",
 ]
@@ -290,6 +291,51 @@ CAPABILITIES: dict[str, dict[str, EpCapabilities]] = {
 EP_CAPABILITIES: dict[str, EpCapabilities] = CAPABILITIES[GQA.op_type]
 #: PagedAttention's rows.
 PAGED_CAPABILITIES: dict[str, EpCapabilities] = CAPABILITIES[PAGED.op_type]
+
+#: ``storage="qdq"``: which provider runs a cache stored through QuantizeLinear/DequantizeLinear
+#: (:class:`~onnx_kvcache.passes.QdqKvCachePass`): the operators of the format's type at the
+#: model's opset (int8 10, fp8 19, int4 21) and, for int8, TensorScatter and Concat on int8; the
+#: attention is the model's own. A provider without a row is refused.
+STORAGE_CAPABILITIES: dict[str, EpCapabilities] = {
+    row.name: row
+    for row in (
+        EpCapabilities(
+            "cpu",
+            "CPUExecutionProvider",
+            _CPU_T,
+            {
+                name: FormatSupport(
+                    _BOTH,
+                    "1.32",
+                    evidence=_RUN,
+                    note="tests/passes/test_qdq_kv_cache.py; earlier versions unsettled",
+                )
+                for name in ("fp8", "int8", "int4")
+            },
+            "fp8 and int4 have no TensorScatter kernel and Concat's schema lacks them: their static "
+            "buffers and MLA caches are dequantized and quantized again whole, each step.",
+            op="QuantizeLinear",
+        ),
+        EpCapabilities(
+            "openvino",
+            "",
+            frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16}),
+            {
+                "int8": FormatSupport(
+                    _BOTH,
+                    "2026.4",
+                    evidence=_RUN,
+                    note="2026.4.1, DeepSeek-V3's MLA export (tests/test_openvino.py): codes identical "
+                    "per channel, a few one step off per tensor, logits within 1e-3 of their largest; static "
+                    "builds do not load there (no TensorScatter rule), float or not",
+                ),
+            },
+            "fp8 and int4 not run here.",
+            runtime="openvino",
+            op="QuantizeLinear",
+        ),
+    )
+}
 
 _ALIASES = {row.provider.lower(): name for name, row in EP_CAPABILITIES.items() if row.provider}
 _ALIASES |= {"directml": "dml", "gpu": "cuda"}

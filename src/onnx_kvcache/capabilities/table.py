@@ -16,6 +16,7 @@ __all__ = [
     "FastPathRule",
     "FormatSupport",
     "PAGED_CAPABILITIES",
+    "STORAGE_CAPABILITIES",
     "SupportReport",
     "check_kv_cache_support",
     "conversion_warnings",
@@ -24,6 +25,7 @@ __all__ = [
     "get_capabilities",
     "infer_target",
     "render_capability_table",
+    "storage_refusals",
 ]
 
 from onnx_kvcache.capabilities.gating import (
@@ -34,6 +36,7 @@ from onnx_kvcache.capabilities.gating import (
     default_format,
     fast_path_diagnostics,
     infer_target,
+    storage_refusals,
 )
 from onnx_kvcache.capabilities.rendering import render_capability_table
 from onnx_kvcache.capabilities.rows import (
@@ -41,6 +44,7 @@ from onnx_kvcache.capabilities.rows import (
     EP_CAPABILITIES,
     FAST_PATHS,
     PAGED_CAPABILITIES,
+    STORAGE_CAPABILITIES,
     EpCapabilities,
     FastPathRule,
     FormatSupport,

@@ -84,6 +84,7 @@ def _converted(args: argparse.Namespace) -> ConvertResult:
                     "allow_partial",
                     "rotation",
                     "verify",
+                    "storage",
                 ),
             )
     except KvCacheError:  # also a FileNotFoundError for a missing input: its message says it
@@ -105,7 +106,7 @@ def _not_converted(
         _print(f"onnx-kvcache: not converted: {line}", file=sys.stderr)
         return 1
     chosen = source if source == "--ep" else f"{source}; --ep to choose"
-    fixes = _convert_fixes(args.input, result)
+    fixes = "" if args.storage == "qdq" else _convert_fixes(args.input, result)  # its rows: the reasons
     _print(f"onnx-kvcache: not converted for {result.target} ({chosen}): {line}{fixes}", file=sys.stderr)
     return 1
 

@@ -125,8 +125,12 @@ def _inspect_preview(
     preview = preview_conversion(model, args.ep, config)
     if not preview.cache.layers:
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
-        if preview.refusal is not None:
+        from onnx_kvcache.cache.storage import stored_format
+
+        if preview.refusal is not None and stored_format(model) is None:  # stored: nothing to refuse
             _print(f"convert would refuse: {words(preview.refusal)}")
+        for line in _storage_lines(model):
+            _print(line)
         return 0
     _print(
         f"no GroupQueryAttention node yet: convert fuses {preview.fused} attention layer(s) into "
@@ -152,3 +156,22 @@ def _preview_line(preview: Any, words: Callable[[object], str]) -> str:
         f"convert for {where}: {preview.format} {preview.granularity}, cache bytes per token "
         f"{after:g} (now {before:g}{ratio}){half}"
     )
+
+
+def _storage_lines(model: Any) -> list[str]:
+    """The caches ``convert --storage qdq`` keeps (QuantizeLinear/DequantizeLinear around the
+    model's own attention): stored already, in which format, or their bytes per token as int8."""
+    from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
+
+    caches = find_qdq_caches(model.graph)
+    if not caches:
+        return []
+    now, fmt = storage_bytes_per_token(model), stored_format(model)
+    per_token = f"cache bytes per token {now:g}" if now is not None else "cache bytes per token unknown"
+    if fmt is not None:
+        return [f"{len(caches)} cache(s) stored {fmt} through QuantizeLinear/DequantizeLinear; {per_token}"]
+    after = storage_bytes_per_token(model, "int8")
+    smaller = f" now, {after:g} as int8 ({now / after:.2f}x smaller)" if now and after else ""
+    return [
+        f"{len(caches)} cache(s) that --storage qdq stores around the model's attention: {per_token}{smaller}"
+    ]

@@ -5,7 +5,8 @@ imports onnx, onnx-ir and numpy, which the tables themselves need. These are the
 :data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`,
 :data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` and
 :data:`~onnx_kvcache.calibrate.calibration.CALIBRATION_METHODS`,
-:data:`~onnx_kvcache.cache.rotation.ROTATIONS`, the kernel rules of
+:data:`~onnx_kvcache.cache.rotation.ROTATIONS`, :data:`~onnx_kvcache.pipeline.decision.STORAGES`,
+the kernel rules of
 :data:`~onnx_kvcache.passes.kv_cache_emulation.SEMANTICS` and the ``WeightsMode`` values
 (``tests/cli/test_commands.py`` and ``tests/cli/test_names.py`` check that they are, so a new row fails
 there until it is named here too).
@@ -21,6 +22,7 @@ __all__ = [
     "PROVIDERS",
     "ROTATIONS",
     "SEMANTICS",
+    "STORAGES",
     "WEIGHTS",
     "ep_name",
 ]
@@ -30,6 +32,7 @@ GRANULARITIES = ("per_tensor", "per_channel")
 METHODS = ("minmax", "percentile", "mse", "attention", "attention_search")
 SEMANTICS = ("cuda", "cpu")
 ROTATIONS = ("none", "keys", "keys_and_values")
+STORAGES = ("auto", "qdq")
 WEIGHTS = ("copy", "link")
 #: ``--ep`` value -> onnxruntime's provider name ("" for a row of another runtime), the
 #: capability table's rows but ``default``.

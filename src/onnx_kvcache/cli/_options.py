@@ -17,7 +17,7 @@ from typing import Any
 
 from onnx_kvcache.cli._names import FORMATS as CACHE_FORMATS
 from onnx_kvcache.cli._names import GRANULARITIES as SCALE_GRANULARITIES
-from onnx_kvcache.cli._names import METHODS, PROVIDERS, ROTATIONS, SEMANTICS, WEIGHTS, ep_name
+from onnx_kvcache.cli._names import METHODS, PROVIDERS, ROTATIONS, SEMANTICS, STORAGES, WEIGHTS, ep_name
 
 
 def ep_choices() -> list[str]:
@@ -207,6 +207,15 @@ _CONVERT = (
         "genai folder's provider, else cpu for float32 models and cuda for fp16/bf16)",
     ),
     _option("--check-device", action="store_true", help="check this machine's GPU too"),
+    _option(
+        "--storage",
+        choices=list(STORAGES),
+        default="auto",
+        help="where the quantized cache is kept: auto, the attention kernel (GroupQueryAttention, "
+        "PagedAttention); qdq, the model's own attention reads each cache through DequantizeLinear "
+        "and its present leaves through QuantizeLinear, nothing fused (multi-head latent attention, "
+        "static buffers; --format defaults to int8) (default: auto)",
+    ),
     _option(
         "--allow-partial",
         action="store_true",

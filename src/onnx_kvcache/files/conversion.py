@@ -46,6 +46,7 @@ from onnx_kvcache.cache.formats import (
 )
 from onnx_kvcache.cache.rotation import get_rotation
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.capabilities.gating import infer_target
 from onnx_kvcache.capabilities.rows import get_capabilities
 from onnx_kvcache.errors import (
@@ -71,7 +72,7 @@ from onnx_kvcache.model_io.genai_folder import (
 )
 from onnx_kvcache.model_io.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
-from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, check_storage, decide
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
 ConvertResult.__module__ = __name__  # its public home: what pickles and docs name
@@ -126,6 +127,7 @@ def convert_model(
     allow_partial: bool = False,
     rotation: str | None = None,
     verify: bool | None = None,
+    storage: str = "auto",
 ) -> ConvertResult:
     """Convert a model file or onnxruntime-genai folder to a quantized KV cache.
 
@@ -167,6 +169,11 @@ def convert_model(
     written, and a difference in their logits refuses the conversion
     (:func:`~onnx_kvcache.pipeline.verification.verify_fusion`; None: for weights up to
     :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES`, True: whatever their size).
+    ``storage``: ``"auto"`` keeps the quantized cache in the attention kernel (GroupQueryAttention,
+    PagedAttention; a model whose attention fuses into neither is refused, the refusal naming
+    ``storage="qdq"`` where it applies); ``"qdq"`` fuses nothing and stores each cache in the format
+    (default int8) through QuantizeLinear/DequantizeLinear around the model's own attention
+    (:class:`~onnx_kvcache.passes.QdqKvCachePass`: multi-head latent attention, static buffers).
 
     An existing output is replaced only with ``overwrite`` and only when it is a previous
     output of onnx-kvcache (the rules: :mod:`onnx_kvcache.model_io._marker`); an existing
@@ -181,8 +188,7 @@ def convert_model(
         )
         _check_writable(source, plan)
         request = _request(source, named, granularity, scales, ep, check_device, strict, shared_kv_scale)
-        asked = _asked(allow_partial, rotation, verify) | {"window_sized": _genai_export(source, plan)}
-        decision = decide(dataclasses.replace(request, **asked))
+        decision = decide(_asked(request, source, plan, allow_partial, rotation, verify, storage))
         result = _result(source, plan, decision)
         if carry_out(decision):
             _finish(source, plan, decision, result, progress)
@@ -202,9 +208,26 @@ def _genai_export(source: ModelSource, plan: _Plan) -> bool:
     )
 
 
-def _asked(allow_partial: bool, rotation: str | None, verify: bool | None) -> dict[str, Any]:
-    """The request's fields ``convert_model`` takes as they are."""
-    return {"allow_partial": allow_partial, "rotation": rotation, "verify": verify}
+def _asked(
+    request: Request,
+    source: ModelSource,
+    plan: _Plan,
+    allow_partial: bool,
+    rotation: str | None,
+    verify: bool | None,
+    storage: str,
+) -> Request:
+    """``request`` with the fields ``convert_model`` takes as they are, and the window-sized
+    caches of an onnxruntime-genai folder made from an export (:func:`_genai_export`)."""
+    window_sized = _genai_export(source, plan)
+    return dataclasses.replace(
+        request,
+        allow_partial=allow_partial,
+        rotation=rotation,
+        verify=verify,
+        storage=storage,
+        window_sized=window_sized,
+    )
 
 
 #: ``convert_model``'s yes/no arguments (``progress`` also takes None: on a terminal).
@@ -239,6 +262,7 @@ def _arguments(arguments: dict[str, Any]) -> tuple[KvCacheScales | None, str | N
         granularity = resolve_granularity(granularity, read)  # a contradiction fails before any work
     if rotation is not None:
         get_rotation(rotation)  # an unknown name fails before any work
+    check_storage(arguments["storage"])
     if weights is not None and weights not in ASKED_WEIGHTS:
         raise KvCacheError(f"weights must be 'copy' or 'link' (or None), got {weights!r}.")
     return read, named, granularity
@@ -322,10 +346,15 @@ def _prompt_note(sites: list[CacheSite]) -> list[str]:
     ]
 
 
-def _count_ops(result: ConvertResult, sites: list[CacheSite]) -> None:
+def _count_ops(result: ConvertResult, sites: list[CacheSite], model: ir.Model) -> None:
+    """The quantized attention nodes by operator; for a cache stored through QuantizeLinear/
+    DequantizeLinear, the nodes that write its present (TensorScatter, Concat, Attention)."""
     for site in sites:
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
+    for cache in find_qdq_caches(model.graph):
+        if cache.stored:
+            result.ops[cache.writer.op_type] = result.ops.get(cache.writer.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
 
 
@@ -395,7 +424,7 @@ def _finish(
     warn_short_scales(decision.scales, decision.model, source.graph.parent, source.config)
     model = decision.model
     sites = find_attention_sites(model)  # what was written: the decision's model, converted
-    _count_ops(result, sites)
+    _count_ops(result, sites, model)
     result.notes += _prompt_note(sites)
     new_config = _new_config(source, plan, decision, result)
     entries = [e.rel.as_posix() for e in source.entries] if plan.placement is Placement.FOLDER else []

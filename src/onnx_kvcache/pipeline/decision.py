@@ -28,6 +28,13 @@ Rules, in order, each a function:
    kernel (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`),
    run last.
 
+``storage="qdq"`` (:func:`storage_decision`) replaces rules 1 to 9: nothing is fused; the caches
+:func:`~onnx_kvcache.cache.storage.find_qdq_caches` finds are stored in the format named (else
+int8) through QuantizeLinear/DequantizeLinear (:class:`~onnx_kvcache.passes.QdqKvCachePass`),
+gated by the target's storage row (:func:`~onnx_kvcache.capabilities.gating.storage_refusals`).
+Under ``auto`` (the attention kernel holds the cache) a model whose attention fused nothing but
+whose caches that storage keeps (MLA, static buffers) is refused with a line naming it.
+
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
 differ is a row of :data:`ENTRIES`.
@@ -43,9 +50,12 @@ __all__ = [
     "Entry",
     "EntryRules",
     "Fusion",
+    "QDQ",
     "Request",
+    "STORAGES",
     "adaptation_for",
     "carry_out",
+    "check_storage",
     "decide",
     "float_prompt",
     "fuse_unless_attention",
@@ -55,6 +65,7 @@ __all__ = [
     "matrix_for",
     "rotation_for",
     "partial_refusal",
+    "storage_decision",
     "target_of",
 ]
 
@@ -80,6 +91,7 @@ from onnx_kvcache.cache.rotation import (
     site_rotation,
 )
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.gating import (
@@ -88,6 +100,7 @@ from onnx_kvcache.capabilities.gating import (
     conversion_warnings,
     default_format,
     infer_target,
+    storage_refusals,
 )
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
 from onnx_kvcache.capabilities.rows import get_capabilities
@@ -103,7 +116,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.passes import PromptFloatAttentionPass
+from onnx_kvcache.passes import PromptFloatAttentionPass, QdqKvCachePass
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,
@@ -117,6 +130,10 @@ from onnx_kvcache.pipeline.verification import Verification, too_large, verify_f
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 AUTO: Literal["auto"] = "auto"
+QDQ: Literal["qdq"] = "qdq"
+#: Where a quantized cache is kept: ``auto``, the attention kernel (GroupQueryAttention,
+#: PagedAttention); ``qdq``, the graph's own QuantizeLinear/DequantizeLinear around the cache.
+STORAGES = (AUTO, QDQ)
 logger = logging.getLogger(__name__)
 
 NO_CUDA_DEVICE = Refusal(RefusalCode.NO_CUDA_DEVICE, Parameter.CHECK_DEVICE, NO_GPU)
@@ -234,6 +251,8 @@ class Request:
     """Fused rolling window caches become window-sized (:func:`~onnx_kvcache.passes.fusion.window_sized.
     make_window_sized`:
     an onnxruntime-genai folder, whose runtime allocates them); False: they keep the export's inputs."""
+    storage: str = AUTO
+    """A name of :data:`STORAGES`: ``qdq`` decides by :func:`storage_decision`."""
 
     @property
     def rules(self) -> EntryRules:
@@ -375,8 +394,21 @@ def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
         return fusion.refusal  # allow_partial converts no wrong fusion
     partial = request.allow_partial and fusion.fused > 0
     if fusion.refusal is not None and (request.format is not None or rules.choose_format) and not partial:
-        return dataclasses.replace(fusion.refusal, text=fusion.refusal.text + _mixing(fusion.fused))
-    return _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
+        text = fusion.refusal.text + _mixing(fusion.fused)
+        return dataclasses.replace(fusion.refusal, text=text + _storage_hint(fusion))
+    refusal = _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
+    if refusal is not None and refusal.code is RefusalCode.NO_ATTENTION:
+        return dataclasses.replace(refusal, text=refusal.text + _storage_hint(fusion))
+    return refusal
+
+
+def _storage_hint(fusion: Fusion) -> Message | str:
+    """The line naming ``storage="qdq"`` for a model fused nothing whose caches it keeps."""
+    if fusion.fused or not any(not c.stored for c in find_qdq_caches(fusion.model.graph)):
+        return ""
+    return Message(
+        " Its caches can be stored quantized around its own attention: ", Param("storage", QDQ), "."
+    )
 
 
 def _mixing(fused: int) -> Message | str:
@@ -605,6 +637,8 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
+    if request.storage == QDQ:
+        return storage_decision(request)
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )
@@ -640,6 +674,56 @@ def decide(request: Request) -> Decision:
         decision = dataclasses.replace(decision, adaptation=None)
         return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
+
+
+def check_storage(storage: object) -> None:
+    """``storage`` is a name of :data:`STORAGES` (checked before any work)."""
+    if storage not in STORAGES:
+        raise KvCacheError(Param("storage"), f" must be 'auto' or 'qdq', got {storage!r}.")
+
+
+def storage_decision(request: Request) -> Decision:
+    """``storage="qdq"``'s rules: no fusion; the format named (else int8) and the granularity asked
+    (else the scales', else per tensor); nothing to store refuses ``convert_model``; the target's
+    storage row gates it."""
+    model, rules = request.model, request.rules
+    if request.shared_kv_scale or (request.rotation is not None and get_rotation(request.rotation).rotates):
+        raise KvCacheError(
+            "A cache stored through QuantizeLinear/DequantizeLinear takes neither ",
+            Param("shared_kv_scale", True),
+            " nor a rotation: drop them, or convert with ",
+            Param("storage", AUTO),
+            ".",
+        )
+    fusion = Fusion(model, bool(find_attention_sites(model, with_cache_only=False)))
+    fmt, granularity = get_format(request.format or "int8"), scale_granularity(_asked_granularity(request))
+    scales = as_kv_cache_scales(request.scales, format=fmt.name)
+    decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
+    caches = find_qdq_caches(model.graph)
+    if all(c.stored for c in caches):
+        if not rules.refuse_nothing_to_do:
+            return dataclasses.replace(decision, format=None)
+        refusal = _nothing_stored(request, caches)
+        return _refused(decision, rules.refused_head, (refusal,), bare=rules.raise_bare)
+    target, why = target_of(dataclasses.replace(request, format=None), model)  # fp8 does not mean CUDA here
+    decision = dataclasses.replace(decision, target=target, why=why)
+    refusals = storage_refusals(target, fmt.name, granularity.name) if target is not None else ()
+    if refusals:
+        named = _named(target, why, rules.explain_target)
+        return _refused(decision, Message(f"KV cache not stored as {fmt.name} for ", named), refusals)
+    return decision
+
+
+def _nothing_stored(request: Request, caches: list[Any]) -> Refusal:
+    """``convert_model``'s refusal of a model with no float cache ``storage="qdq"`` keeps."""
+    if caches:
+        text = f"{request.name}'s caches are stored quantized already: nothing to convert."
+        return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
+    text = (
+        f"{request.name} has no cache that QuantizeLinear/DequantizeLinear storage keeps (a past input "
+        "written into its present output by Concat, TensorScatter or ONNX Attention): nothing to convert."
+    )
+    return dataclasses.replace(NO_ATTENTION, text=text)
 
 
 def _gated(
@@ -703,7 +787,10 @@ def carry_out(decision: Decision) -> bool:
         warn(decision.message, NotConvertedWarning)
         return False
     request = decision.request
-    if decision.format is not None and decision.granularity is not None:
+    if decision.format is not None and decision.granularity is not None and request.storage == QDQ:
+        QdqKvCachePass(decision.format.name, decision.granularity.name, decision.scales)(decision.model)
+        validate_model(decision.model)
+    elif decision.format is not None and decision.granularity is not None:
         KvCacheRotationPass(decision.rotation, decision.matrix)(
             decision.model
         )  # none, a rotated model: no-op
@@ -727,7 +814,7 @@ def float_prompt(decision: Decision) -> int:
     """Rule 9 carried out on the quantized model: the nodes wrapped (0 where the target's row
     does not ask for it); a node the pass cannot wrap is logged with the reason."""
     fmt, target = decision.format, decision.target
-    if fmt is None or target is None:
+    if fmt is None or target is None or decision.request.storage == QDQ:
         return 0
     support = get_capabilities(target).formats.get(fmt.name)
     if support is None or not support.prompt_in_float:

@@ -28,7 +28,7 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
-from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
+from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, check_storage, decide
 from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
 
 
@@ -118,6 +118,7 @@ class _Options:
     allow_partial: bool = False
     rotation: str | None = None
     verify: bool | None = None
+    storage: str = "auto"
 
     def __post_init__(self) -> None:
         """A yes/no option that is not ``True`` or ``False`` is refused before any work."""
@@ -129,6 +130,7 @@ class _Options:
             allow_partial=self.allow_partial,
         )
         require_optional_flags(verify=self.verify)
+        check_storage(self.storage)
 
 
 def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
@@ -151,6 +153,7 @@ def _request(model: ModelLike, options: _Options, fmt: str | None) -> Request:
         allow_partial=options.allow_partial,
         rotation=options.rotation,
         verify=options.verify,
+        storage=options.storage,
     )
 
 
@@ -179,6 +182,7 @@ def optimize_model(
     allow_partial: bool = False,
     rotation: str | None = None,
     verify: bool | None = None,
+    storage: str = "auto",
 ) -> ir.Model:
     """Optimize a decoder for onnxruntime and store its KV cache quantized.
 
@@ -214,6 +218,10 @@ def optimize_model(
             attention is fused, and raise when their logits differ
             (:func:`~onnx_kvcache.pipeline.verification.verify_fusion`); None: for weights up to
             :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES`, True: whatever their size.
+        storage: ``"auto"``: the attention kernel holds the quantized cache; ``"qdq"``: nothing is
+            fused, and each cache the model's own attention reads (multi-head latent attention,
+            static buffers) is stored in ``format`` (default int8) through
+            QuantizeLinear/DequantizeLinear (:class:`~onnx_kvcache.passes.QdqKvCachePass`).
 
     A function, not a pass: call it, or compose the passes it runs (``ir.passes.PassManager(
     [GqaFusionPass(), Fp8KvCachePass(scales)])``). A float32 model for a target without float32
@@ -231,18 +239,5 @@ def optimize_model(
         ``strict=True`` to raise :class:`~onnx_kvcache.KvCacheError` instead, or check the result
         (``inspect_kv_cache(model)``: every layer's cache dtype).
     """
-    options = _Options(
-        ep,
-        fp8_kv_cache,
-        format,
-        granularity,
-        scales,
-        fuse_attention,
-        check_device,
-        strict,
-        shared_kv_scale,
-        allow_partial,
-        rotation,
-        verify,
-    )
+    options = _Options(**{name: value for name, value in locals().items() if name != "model"})
     return _optimize(model, options)

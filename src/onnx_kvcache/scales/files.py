@@ -188,7 +188,7 @@ class KvCacheScales:
                 raise KvCacheError(f"Layer id {layer!r} must be an integer from 0 to {_MAX_LAYER_ID}.")
             k[int(layer)] = _as_scale_array(self.k[layer], f"layer {layer} k_scale")
             v[int(layer)] = _as_scale_array(self.v[layer], f"layer {layer} v_scale")
-            if k[int(layer)].size != v[int(layer)].size:
+            if (k[int(layer)].size == 1) != (v[int(layer)].size == 1):  # per channel K and V may differ (MLA)
                 raise KvCacheError(
                     f"Layer {layer}: k_scale has {k[int(layer)].size} elements but v_scale has "
                     f"{v[int(layer)].size}; both must have the same granularity."
@@ -466,9 +466,9 @@ def load_kv_cache_scale_file(
         raise _fail(p, f"'layer_ids' repeats {dup}.")
     sizes = {a.size for a in k + v}
     for i, (ka, va) in enumerate(zip(k, v)):
-        if ka.size != va.size:
+        if (ka.size == 1) != (va.size == 1):  # per channel, K and V may differ in width (MLA)
             raise _fail(p, f"layer {layer_ids[i]} has {ka.size} k scales but {va.size} v scales.")
-    if len({a.size for a in k}) > 1:
+    if len({a.size for a in k}) > 1 or len({a.size for a in v}) > 1:
         raise _fail(p, f"entries have different element counts {sorted(sizes)}.")
     file_format = section.get("format", doc.get("format"))
     granularity = section.get("granularity", doc.get("granularity"))

@@ -58,23 +58,27 @@ EXPECTED: dict[str, str] = {
     "mobius/mobius-ort-genai/qwen2": CONVERTS,
     "mobius/mobius-ort-genai/qwen3": CONVERTS,
     "mobius/mobius-static/llama": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "mobius/mobius-static/mistral": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "mobius/mobius-static/phi3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_14); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "mobius/mobius-static/qwen2": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_17); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_17); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "mobius/mobius-static/qwen3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: static cache written by TensorScatter at write_indices: attention reads the whole fixed buffer key_cache.0 [batch, 64, 32], each row's length in nonpad_kv_seqlen; GroupQueryAttention keeps its cache as [batch, kv_heads, length, head_size] with past and present as separate inputs and outputs, so fusing would change the model's cache interface (export with a growing cache: mobius without --features static-cache) (2; first model/layers.0/self_attn/Attention_node_20); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "optimum/optimum-cli/cohere": (CONVERTS),
+    "optimum/optimum-cli/deepseek_v3": (
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first /model/layers.0/self_attn/MatMul_1); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
+    ),
     "optimum/optimum-cli/gemma2": CONVERTS,
     "optimum/optimum-cli/gemma3": CONVERTS,
+    "optimum/optimum-cli/gptj": CONVERTS,
     "optimum/optimum-cli/gpt_oss": (CONVERTS),
     "optimum/optimum-cli/helium": (CONVERTS),
     "optimum/optimum-cli/llama": CONVERTS,
@@ -88,19 +92,23 @@ EXPECTED: dict[str, str] = {
     "optimum/optimum-cli/stablelm": (CONVERTS),
     "torch-tf4.57/dynamo-opset18-nooptimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize-f16/llama": CONVERTS,
+    "torch-tf4.57/dynamo-opset18-optimize/jetmoe": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset18-optimize/qwen3": CONVERTS,
     "torch-tf4.57/dynamo-opset20-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/gemma2": CONVERTS,
+    "torch-tf4.57/dynamo-opset23-optimize/jetmoe": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/llama": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/qwen3": CONVERTS,
     "torch-tf4.57/dynamo-opset23-optimize/stablelm": (CONVERTS),
     "torch-tf4.57/torchscript-opset18/gemma2": CONVERTS,
+    "torch-tf4.57/torchscript-opset18/gptj": CONVERTS,
     "torch-tf4.57/torchscript-opset18/llama": CONVERTS,
     "torch-tf4.57/torchscript-opset18/phi3": CONVERTS,
     "torch-tf4.57/torchscript-opset18/starcoder2": (CONVERTS),
     "torch-tf5/dynamo-opset18-optimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-f16-eager/gptj": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-rollingcache/cohere2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2": CONVERTS,
@@ -108,7 +116,7 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/cohere2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/deepseek_v3": (
-        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node)."
+        "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
     ),
     "torch-tf5/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/gemma3": CONVERTS,
@@ -125,6 +133,7 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-optimize/qwen3_moe": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/smollm3": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/starcoder2": CONVERTS,
+    "torch-tf5/torchscript-opset18/gptj": CONVERTS,
     "torch-tf5/torchscript-opset18/llama": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize-rollingcache/gemma2": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize/gemma2": CONVERTS,

@@ -48,6 +48,10 @@ SHAPES = {
     "grouped_kv": lambda: exported(exported=ExportStyle(kv_repeat="grouped")),
     "in_graph_positions": lambda: exported(exported=ExportStyle(position_ids=False)),
     "attention_probs": lambda: exported(exported=ExportStyle(qk_matmul_output=3)),
+    # KV heads repeated by Tile (query head h reads KV head h mod kv_heads): the query heads
+    # regrouped for GQA, its output (and its probabilities) put back
+    "tiled_kv": lambda: exported(exported=ExportStyle(kv_repeat="tile")),
+    "tiled_kv_probs": lambda: exported(exported=ExportStyle(kv_repeat="tile", qk_matmul_output=3)),
 }
 WINDOWED = {"mistral", "gemma2"}
 PADDING_AFTER_A_TOKEN = ("right_padded", "middle_padded")
@@ -296,7 +300,6 @@ def attention_in_a_function() -> ir.Model:
     [
         (lambda: exported(exported=ExportStyle(mask="bidirectional")), "the mask .* is not causal"),
         (lambda: exported(exported=ExportStyle(mask="top_left")), r"causal diagonal is at key <= query \+ 0"),
-        (lambda: exported(exported=ExportStyle(kv_repeat="tile")), "from Tile node"),
         (lambda: exported(exported=ExportStyle(qk_matmul_output=0)), "mode 0"),
         (causal_attention_without_cache, "from a graph input, not from a KV cache"),
         (attention_in_a_function, "inside function attend"),
@@ -305,7 +308,6 @@ def attention_in_a_function() -> ir.Model:
     ids=[
         "bidirectional",
         "top_left_causal",
-        "tile_repeat",
         "raw_scores_read",
         "no_cache",
         "in_a_function",

@@ -43,6 +43,22 @@ def test_fused_decoder_equals_the_export(arch, prompt):
     assert max(worst.values()) < 1e-4, worst
 
 
+@pytest.mark.parametrize("prompt", ["single", "right_padded"])
+@pytest.mark.parametrize(
+    "style",
+    [{"kv_repeat": "tile"}, {"kv_repeat": "tile", "attention": "eager", "attention_sinks": True}],
+    ids=["tile", "tile_with_sinks"],
+)
+def test_kv_heads_tiled_fuse_with_the_query_heads_regrouped(style, prompt):
+    """K/V repeated by Tile (query head h reads KV head h mod kv_heads) fuse: GQA reads the query
+    heads regrouped (its sinks with them), its output heads are put back."""
+    original, model = exported(**style), exported(**style)
+    assert DecomposedAttentionFusionPass()(model).modified
+    assert count(model, "GroupQueryAttention") == 2 and count(model, "Tile") == 0
+    worst = max_differences(generate(original, PROMPTS[prompt]), generate(model, PROMPTS[prompt]))
+    assert max(worst.values()) < 1e-4, worst
+
+
 def test_scale_and_window_carry_over():
     model = exported("mistral")
     DecomposedAttentionFusionPass()(model)
@@ -142,7 +158,6 @@ def test_a_nan_guard_after_the_softmax_is_followed():
     ("make", "reason"),
     [
         (lambda: exported(mask="bidirectional"), "is not causal (a query would see later keys)"),
-        (lambda: exported(kv_repeat="tile"), "from Tile node"),
         (lambda: q_scaled_by(0.3), "different factors"),
         (dropout_in_training_mode, "Dropout in training mode"),
         (lambda: guarded(0.5), "not a NaN guard"),
@@ -151,7 +166,6 @@ def test_a_nan_guard_after_the_softmax_is_followed():
     ],
     ids=[
         "bidirectional",
-        "tile_repeat",
         "unequal_factors",
         "training_dropout",
         "nan_fill",

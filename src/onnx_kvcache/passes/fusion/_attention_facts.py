@@ -21,6 +21,7 @@ __all__ = [
     "cache_link",
     "cache_mask_facts",
     "check_head_sizes",
+    "check_precision",
     "check_shapes",
     "counted_tie",
     "key_columns",
@@ -40,7 +41,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.rolling import rolling_attention
 from onnx_kvcache.passes.fusion import _opsets as opsets
 from onnx_kvcache.passes.fusion._piecewise import equal, same_dims
-from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, step
+from onnx_kvcache.passes.fusion._reads import is_copy, read_through, tile_repeat, widening
+from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step, step
 from onnx_kvcache.passes.fusion._symbolic import (
     ONE,
     ZERO,
@@ -290,6 +292,11 @@ class CacheLink:
     window: WindowCache | None = None
     """Set for a cropped sliding-window cache (transformers 5.x); ``present`` is then the
     concatenation attention reads, not the graph output."""
+    tiled: bool = False
+    """The repeat is a Tile (``group`` copies of the KV heads as a block: repeated head ``t`` is
+    KV head ``t mod kv_heads``), not repeat_kv's ``t // group``."""
+    widened: ir.DataType | None = None
+    """The float16/bfloat16 type a Cast in front of attention widens the cache from to float32."""
 
     @property
     def domain(self) -> dict[Symbol, Affine]:
@@ -338,30 +345,16 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
-def _whole_slice(ev: SymbolicEvaluator, node: ir.Node) -> bool:
-    """``node`` is a Slice that keeps every element: starts 0, steps 1, its output's shape its
-    input's (torch's unoptimized export writes ``x[:, :, None, :, :]`` so)."""
-    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
-    try:
-        starts = ev.values(inputs[1], "Slice starts")
-        steps = ev.const_ints(inputs[4], "Slice steps") if inputs[4] is not None else None
-        whole = same_dims(ev.shape(node.outputs[0]), ev.shape(inputs[0]))
-    except Unprovable:
-        return False
-    return whole and all(s == ZERO for s in starts) and (steps is None or set(steps) <= {1})
-
-
 def _through_copies(ev: SymbolicEvaluator, value: ir.Value | None, chain: list[ir.Node]) -> ir.Value | None:
-    """``value`` before any Identity and whole-tensor Slices that produce it (added to ``chain``)."""
+    """``value`` before any copies that produce it (:func:`~onnx_kvcache.passes.fusion._reads.is_copy`:
+    Identity, whole-tensor Slices, same-type Casts; not an Expand, which repeat_kv is made of),
+    added to ``chain``."""
     while value is not None:
         node = value.producer()
-        if node is None or node.domain not in ("", "ai.onnx"):
+        if node is None or node.op_type == "Expand" or node in chain or not is_copy(ev, node):
             return value
-        if node.op_type == "Identity" or (node.op_type == "Slice" and _whole_slice(ev, node)):
-            chain.append(node)
-            value = node.inputs[0]
-            continue
-        return value
+        chain.append(node)
+        value = node.inputs[0]
     return value
 
 
@@ -382,7 +375,8 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
     if expand is None or unsqueeze is None:
         raise Unprovable(f"K/V reach attention through Reshape {reshape.name!r}, which is not repeat_kv's")
     axes = opsets.moved(ev, unsqueeze)
-    base = _through_copies(ev, unsqueeze.inputs[0], copies)
+    below: list[ir.Node] = []  # the cache's own copies: one may be the present (a graph output)
+    base = _through_copies(ev, unsqueeze.inputs[0], below)
     dims = ev.shape(base)
     if base is None or len(dims) != 4 or axes not in ([2], [-3]):
         raise Unprovable(
@@ -412,10 +406,10 @@ def _strip_repeat(ev: SymbolicEvaluator, value: ir.Value) -> tuple[ir.Value, int
         raise Unprovable(
             f"the repeat's Reshape {reshape.name!r} does not fold the group axis into the head axis"
         )
-    for node in copies:  # the copies are read by the repeat only: removed with it
-        if any(len(out.uses()) != 1 or out.is_graph_output() for out in node.outputs):
+    for node in [*copies, *below]:  # the copies are read by the repeat only: removed with it
+        if any(len(out.uses()) != 1 or (out.is_graph_output() and node not in below) for out in node.outputs):
             raise Unprovable(f"a copy in the K/V repeat ({node.op_type} {node.name!r}) is read elsewhere")
-    return base, group, [reshape, expand, unsqueeze, *copies]
+    return base, group, [reshape, expand, unsqueeze, *copies, *below]
 
 
 @step(FusionRefusalCode.CACHE)
@@ -426,7 +420,15 @@ def cache_link(
 
     ``readers`` are the attention's own nodes, which may read the present cache.
     """
-    grouped, group, chain = _strip_repeat(ev, value)
+    chain: list[ir.Node] = []
+    front, widened = read_through(ev, value, chain, "K/V")
+    tiles, front = _strip_tile(ev, front, chain)
+    grouped, group, repeat = _strip_repeat(ev, front)
+    if tiles > 1 and group > 1:
+        raise Unprovable("K/V heads are repeated by both a Tile and repeat_kv")
+    stripped = _through_copies(ev, grouped, chain)  # a same-type Cast of the present (GPT-J)
+    assert stripped is not None
+    grouped, chain = stripped, chain + repeat
     concat = _producer(grouped, "Concat")
     if concat is None:
         source = grouped.producer()
@@ -449,7 +451,7 @@ def cache_link(
         raise Unprovable("the cache Concat does not start from a past graph input")
     if len(ev.shape(past)) != 4:
         raise Unprovable("the past cache is not 4-D (BNSH)")
-    copies = [u for u, _ in grouped.uses() if u.op_type == "Identity" and u.outputs[0] in graph.outputs]
+    copies = [u for u, _ in grouped.uses() if is_copy(ev, u) and u.outputs[0] in graph.outputs]
     window = None
     if crop_node is not None or (grouped not in graph.outputs and not copies):
         window = _window_cache(ev, graph, grouped, past, crop_node, crop)
@@ -462,7 +464,39 @@ def cache_link(
             raise Unprovable(
                 f"the present cache {grouped.name!r} is also read by {user.op_type} {user.name!r}"
             )
-    return CacheLink(past, new, grouped, group, window)
+    _read_only_by(ev, chain, allowed)
+    return CacheLink(past, new, grouped, group * tiles, window, tiled=tiles > 1, widened=widened)
+
+
+def _strip_tile(ev: SymbolicEvaluator, value: ir.Value, chain: list[ir.Node]) -> tuple[int, ir.Value]:
+    """``(r, x)`` for K/V read as ``Tile(x, [1, r, 1, 1])`` (through copies: ``x.repeat(...)``
+    exports as ``Tile(Expand(x, ones), repeats)``), else ``(1, value)``; the nodes go to ``chain``."""
+    tile = _producer(value, "Tile")
+    if tile is None or tile.inputs[0] is None:
+        return 1, value
+    with proof_step(FusionRefusalCode.REPEAT):
+        tiles = tile_repeat(ev, tile)
+    chain.append(tile)
+    base, widened = read_through(ev, tile.inputs[0], chain, "K/V")
+    if widened is not None:
+        raise Unprovable(f"K/V are widened from {widened.name.lower()} before the Tile {tile.name!r}")
+    return tiles, base
+
+
+def _read_only_by(ev: SymbolicEvaluator, chain: list[ir.Node], allowed: set[int]) -> None:
+    """Refuse a node K/V reach attention through whose output something else reads (after the
+    fusion it would read GQA's cache, whose rows a padding mask reorders); a copy that is a
+    graph output (a present) may stay, read from GQA's present."""
+    for node in chain:
+        for out in node.outputs:
+            if out.is_graph_output() and widening(ev, node) is not None:
+                raise Unprovable(f"the widening Cast {node.name!r} in front of attention is a graph output")
+            for user, _ in out.uses():
+                if id(user) not in allowed and user.op_type != "Shape":
+                    raise Unprovable(
+                        f"{node.op_type} node {node.name!r}, which K/V reach attention through, is also "
+                        f"read by {user.op_type} {user.name!r}"
+                    )
 
 
 def _tail_rows(ev: SymbolicEvaluator, node: ir.Node) -> int | None:
@@ -651,14 +685,21 @@ def check_head_sizes(ev: SymbolicEvaluator, key: ir.Value | None, value: ir.Valu
 
 @step(FusionRefusalCode.SHAPES)
 def check_shapes(
-    ev: SymbolicEvaluator, query: ir.Value, key: CacheLink, value: CacheLink
+    ev: SymbolicEvaluator,
+    query: ir.Value,
+    key: CacheLink,
+    value: CacheLink,
+    query_widened: ir.DataType | None = None,
 ) -> tuple[int, int, int]:
     """(num_heads, kv_num_heads, head_size), proven static and GQA-compatible.
 
     Query head ``h`` reads repeated head ``h // (heads / (kv_heads * group))``, which is KV
     head ``h // (heads / kv_heads)``: GQA's grouping, for any number of query heads that
-    the repeated K/V heads divide.
+    the repeated K/V heads divide (a Tile's block repeat: GQA's grouping once the query heads
+    are reordered, :func:`~onnx_kvcache.passes.fusion._reads.tiled_order`). ``query_widened``:
+    the type a Cast in front of attention widens the query from (:func:`check_precision`).
     """
+    check_precision(query_widened, key, value)
     q = ev.shape(query)
     pk, pv = ev.shape(key.past), ev.shape(value.past)
     if len(q) != 4:
@@ -666,7 +707,11 @@ def check_shapes(
     if not (pk[1].is_const and pk[3].is_const and pv == pk):
         raise Unprovable("the past K/V caches have no static, equal head count and head size")
     kv_heads, head = pk[1].const, pk[3].const
-    if not q[1].is_const or key.group != value.group or q[1].const % (kv_heads * key.group):
+    if (
+        not q[1].is_const
+        or (key.group, key.tiled) != (value.group, value.tiled)
+        or q[1].const % (kv_heads * key.group)
+    ):
         raise Unprovable(f"{q[1]} query heads do not fit {kv_heads} KV heads repeated {key.group} times")
     if q[3] != Affine(const=head):
         raise Unprovable(f"the query head size {q[3]} is not the cache's {head}")
@@ -681,3 +726,25 @@ def check_shapes(
         names = sorted(str(d) for d in dtypes)
         raise Unprovable(f"Q/K/V/cache element types {names} are not one fp32, fp16 or bf16 type")
     return q[1].const, kv_heads, head
+
+
+@step(FusionRefusalCode.SHAPES)
+def check_precision(query_widened: ir.DataType | None, key: CacheLink, value: CacheLink) -> None:
+    """Refuse float Casts in front of attention that GroupQueryAttention does not compute: it
+    computes ``Q @ K^T`` and the softmax in float32 from its float16/bfloat16 inputs, and the
+    probabilities times V in their type, so Q and K may be widened to float32 (both, from one
+    type: an fp16 model that upcasts its scores), V not."""
+    if value.widened is not None:
+        raise Unprovable(
+            f"V reaches attention widened from {value.widened.name.lower()} to float32: the export "
+            "multiplies the probabilities by V in float32, GroupQueryAttention in the cache's type"
+        )
+    if key.widened != query_widened:
+        raise Unprovable(
+            f"Q reaches the scores {_widened(query_widened)} and K {_widened(key.widened)}: "
+            "GroupQueryAttention reads them in one type"
+        )
+
+
+def _widened(dtype: ir.DataType | None) -> str:
+    return "in its own type" if dtype is None else f"widened from {dtype.name.lower()} to float32"

@@ -100,6 +100,7 @@ from onnx_kvcache.passes.fusion._attention_facts import (
     mask_facts,
     running_count,
 )
+from onnx_kvcache.passes.fusion._reads import is_copy, tiled_order
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
     SymbolicEvaluator,
@@ -441,6 +442,8 @@ class GqaWriter:
         k = self.bsh(site.key.new, site.kv_num_heads, site.head_size, at)
         v = self.bsh(site.value.new, site.kv_num_heads, site.head_size, at)
         order = self.order(site, q)
+        if site.key.tiled:  # GQA's grouping of the query heads (_reads.tiled_order)
+            q = self._regroup(q, site, (site.key.group, site.kv_num_heads), "tiled_heads/q")
         if order is not None:
             q = self._reorder(q, order.gather, site.num_heads * site.head_size, at, "padding_order/q")
             k = self._reorder(k, order.gather, site.kv_num_heads * site.head_size, at, "padding_order/k")
@@ -483,6 +486,8 @@ class GqaWriter:
         self.graph.insert_before(at, gqa)
         out = gqa.outputs[GqaOutput.OUTPUT]
         out.type, out.shape = q.type, q.shape
+        if site.key.tiled:  # the export's order of the heads back
+            out = self._regroup(out, site, (site.kv_num_heads, site.key.group), "tiled_heads/output")
         if order is not None:
             out = self._reorder(
                 out, order.scatter, site.num_heads * site.head_size, at, "padding_order/output"
@@ -504,6 +509,10 @@ class GqaWriter:
                 rows = self._add(at, "Unsqueeze", [order.inverse, axes], "padding_order/probs_rows")
                 indices = self._add(at, "Expand", [rows, shape], "padding_order/probs_indices")
                 probs = self._add(at, "GatherElements", [probs, indices], "padding_order/probs", axis=2)
+            if site.key.tiled:  # the export's order of the heads back
+                back = np.argsort(self._order_of(site)).astype(np.int64)
+                heads = self._const(at, back, "tiled_heads/probs_order")
+                probs = self._add(at, "Gather", [probs, heads], "tiled_heads/probs", axis=1)
             replaced.append((site.probs, probs))
         for before, after in replaced:
             after.type, after.shape = before.type, before.shape
@@ -512,6 +521,8 @@ class GqaWriter:
         remove_dead(self.graph, [*dead, at])
         for before, after in replaced:
             after.name = before.name
+        for present in gqa.outputs[1:3]:
+            self._drop_copies(present)
         if named is not None:  # the attention output was a graph output: its name stays
             self.graph.outputs[named].name = site.output.name
         return gqa
@@ -522,11 +533,48 @@ class GqaWriter:
             return None
         dtype = query.dtype or ir.DataType.FLOAT
         values = np.broadcast_to(site.head_sink, (site.num_heads,)).astype(dtype.numpy())
+        if site.key.tiled:  # one per GQA head: the export's head at each
+            values = values[self._order_of(site)]
         name = self._name("head_sink")
         sink = ir.Value(name=name, const_value=ir.tensor(values, dtype=dtype, name=name))
         sink.dtype, sink.shape = dtype, ir.Shape([site.num_heads])
         self.graph.register_initializer(sink)
         return sink
+
+    def _drop_copies(self, present: ir.Value) -> None:
+        """A copy of GQA's present (Identity, a Cast to its own type: TorchScript's GPT-J casts its
+        cache to float32 in a float32 model) that is the present graph output, read by nothing
+        else, is replaced by the present itself, with its name."""
+        if present.is_graph_output():
+            return
+        for user, _ in list(present.uses()):
+            out = user.outputs[0]
+            copy = user.op_type in ("Identity", "Cast") and is_copy(self.ev, user)
+            if copy and out.is_graph_output() and not out.uses():
+                name = out.name
+                out.replace_all_uses_with(present, replace_graph_outputs=True)
+                self.graph.remove(user, safe=True)
+                present.name = name
+                return
+
+    @staticmethod
+    def _order_of(site: AttentionMatch) -> np.ndarray:
+        """The export's query head at each GQA head of a tiled site."""
+        return tiled_order(site.num_heads, site.kv_num_heads, site.key.group)
+
+    def _regroup(self, value: ir.Value, site: AttentionMatch, blocks: tuple[int, int], name: str) -> ir.Value:
+        """BSH ``value`` with its heads, read as ``[a, b, heads / (a * b)]`` blocks (``blocks``:
+        ``(a, b)``), in the order ``[b, a, ...]``: ``(tiles, kv_heads)`` is
+        :func:`~onnx_kvcache.passes.fusion._reads.tiled_order`, ``(kv_heads, tiles)`` its inverse."""
+        at, (a, b) = site.node, blocks
+        width = site.num_heads * site.head_size
+        split = self._const(at, np.array([0, 0, a, b, width // (a * b)], np.int64), f"{name}_split")
+        blocked = self._add(at, "Reshape", [value, split], f"{name}_blocks")
+        swapped = self._add(at, "Transpose", [blocked], f"{name}_swap", perm=[0, 1, 3, 2, 4])
+        merge = self._const(at, np.array([0, 0, width], np.int64), "bsh_shape")
+        out = self._add(at, "Reshape", [swapped, merge], name)
+        out.type, out.shape = value.type, value.shape
+        return out
 
     def _present(self, link: CacheLink, present: ir.Value, gqa: ir.Node) -> tuple[ir.Value, ir.Value]:
         """(the export's present, what replaces it): GQA's present, or for a rolling window cache

@@ -64,11 +64,13 @@ REFUSAL_KINDS: dict[FusionRefusalCode, str] = {
         "cache interface"
     ),
     FusionRefusalCode.REPEAT: (
-        "K/V reach attention through a repeat that is not repeat_kv's (Unsqueeze, Expand, Reshape)"
+        "K/V reach attention through a repeat that is neither repeat_kv's (Unsqueeze, Expand, Reshape) "
+        "nor a Tile of the head axis"
     ),
     FusionRefusalCode.SHAPES: (
         "Q/K/V are not 4-D with static head counts that group, one head size for K and V (multi-head "
-        "latent attention's differ) that is a multiple of 8, and one float element type"
+        "latent attention's differ) that is a multiple of 8, and one float element type (Q and K "
+        "may be widened from it to float32)"
     ),
     FusionRefusalCode.MASK: (
         "the mask is not causal with optional padding (attention_mask[b, j]) and sliding window; the "

@@ -47,6 +47,7 @@ from onnx_kvcache.passes.fusion._match import (
     mask_condition,
 )
 from onnx_kvcache.passes.fusion._piecewise import equal
+from onnx_kvcache.passes.fusion._reads import read_through
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._symbolic import (
     Affine,
@@ -105,7 +106,10 @@ def match_attention(ev: SymbolicEvaluator, graph: ir.Graph, node: ir.Node) -> At
     check_head_sizes(ev, key, value)
     k_link = cache_link(ev, graph, key, [node])
     v_link = cache_link(ev, graph, value, [node])
-    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+    with proof_step(FusionRefusalCode.SHAPES):
+        chain: list[ir.Node] = []
+        query, widened = read_through(ev, query, chain, "Q")
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link, widened)
 
     with proof_step(FusionRefusalCode.MASK):
         q_len = ev.shape(query)[2]

@@ -48,11 +48,13 @@ from onnx_kvcache.passes.fusion._match import (
     key_columns,
     mask_condition,
 )
+from onnx_kvcache.passes.fusion._reads import read_through
 from onnx_kvcache.passes.fusion._refusals import FusionRefusalCode, proof_step
 from onnx_kvcache.passes.fusion._scores import op_of as _op
 from onnx_kvcache.passes.fusion._scores import scores_chain, softmax_input, unwrap_probs
 from onnx_kvcache.passes.fusion._sinks import sink_site
 from onnx_kvcache.passes.fusion._symbolic import Affine, Conj, Symbol, SymbolicEvaluator, Unprovable
+from onnx_kvcache.passes.fusion.attention_fusion import shorter_mask
 
 
 def _untransposed(ev: SymbolicEvaluator, value: ir.Value, nodes: list[ir.Node]) -> ir.Value:
@@ -113,12 +115,13 @@ def match_decomposed(ev: SymbolicEvaluator, graph: ir.Graph, out: ir.Node) -> At
         if add is None:
             raise Unprovable(f"the softmax {softmax.name!r} reads scores without an additive mask")
         scores, mask = add.inputs
-        if _op(scores, "MatMul", "Mul", "Div") is None:
+        if _op(softmax_input(ev, scores, []), "MatMul", "Mul", "Div") is None:
             scores, mask = mask, scores
         if scores is None or mask is None:
             raise Unprovable("the softmax input is not scores + mask")
         nodes += [softmax, add]
-        chain = scores_chain(scores, nodes, ev)
+        # fp16 scores widened to float32 before the mask (TorchScript's fp16 sdpa): exact
+        chain = scores_chain(softmax_input(ev, scores, nodes), nodes, ev)
         query, key_t = chain.query, chain.key_t
         key = _untransposed(ev, key_t, nodes)
     return _site(
@@ -154,14 +157,22 @@ def _site(
     check_head_sizes(ev, key, value)
     k_link = cache_link(ev, graph, key, nodes)
     v_link = cache_link(ev, graph, value, nodes)
-    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link)
+    with proof_step(FusionRefusalCode.SHAPES):
+        query, widened = read_through(ev, query, nodes, "Q")
+    heads, kv_heads, head = check_shapes(ev, query, k_link, v_link, widened)
     past = ev.shape(k_link.past)[2]
     with proof_step(FusionRefusalCode.MASK):
         query_len, kv_len = ev.shape(query)[2], key_columns(ev, k_link)
-        cond = _condition(ev, mask, query_len=query_len, kv_len=kv_len, domain=k_link.domain)
+        # transformers 4.x's causal_mask[..., :kv] of an attention_mask m: min(m.shape[1], P + S)
+        # columns, which the Add with the scores broadcasts only where they are P + S
+        fitted = shorter_mask(ev, graph, mask, kv_len, k_link.domain)
+        columns = kv_len if fitted is None else ev.shape(mask)[-1]
+        cond = _condition(ev, mask, query_len=query_len, kv_len=columns, domain=k_link.domain)
         facts = cache_mask_facts(cond, k_link, v_link, past=past, batch=ev.shape(query)[0])
         if not facts.causal:
             raise Unprovable(f"the mask {mask.name!r} is not causal (a query would see later keys)")
+        if fitted is not None and facts.padding != fitted:
+            raise Unprovable(f"the mask {mask.name!r} has {fitted}'s key columns but does not read {fitted}")
     return AttentionMatch(
         node=out,
         output=out.outputs[0],
@@ -175,6 +186,7 @@ def _site(
         mask=facts,
         softcap=softcap,
         head_sink=head_sink,
+        fit_mask=fitted is not None,
     )
 
 

@@ -1,0 +1,90 @@
+"""``storage="qdq"`` through ``convert_model`` and ``optimize_model``: the producers' static builds
+and DeepSeek-V3's MLA export convert to int8 caches whose next-token distributions stay within a
+KL mean of 1e-2 of the float model's; under the default ``auto`` their refusal names the option;
+a target without a storage row is refused, and a GroupQueryAttention model is left to the kernel."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import qdq_models as storage
+from onnx_kvcache import convert_model, optimize_model
+from onnx_kvcache.cache.storage import find_qdq_caches
+from onnx_kvcache.capabilities.refusals import RefusalCode
+from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, Param
+from onnx_kvcache.models.decoder import build_decoder
+
+
+def _parts(text: object) -> list[object]:
+    """A message's parts, nested messages flattened (the Params it names)."""
+    found = []
+    for part in getattr(text, "parts", ()):
+        found += [part, *_parts(part)]
+    return found
+
+
+@pytest.fixture(scope="module", params=storage.STATIC + storage.MLA + storage.CONCAT)
+def producer(request, tmp_path_factory):
+    """``(path, float logits, int8 scale file)`` of one producer file."""
+    model = storage.load(request.param)
+    scales = storage.calibrate(model, "int8", "per_channel", 128.0)
+    path = tmp_path_factory.mktemp("scales") / "scales.json"
+    scales.save(path)
+    return request.param, storage.run(model)[0], path
+
+
+def test_convert_stores_int8_caches_close_to_the_float_model(producer, tmp_path):
+    path, want, scales = producer
+    source = storage.ROOT / path / "model.onnx"
+    result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=scales)
+    assert result.converted and result.format == "int8" and result.target == "cpu"
+    onnx.checker.check_model(str(tmp_path / "q.onnx"), full_check=True)  # loads in onnx, with its data
+    ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    model = ir.load(tmp_path / "q.onnx")
+    caches = find_qdq_caches(model.graph)
+    assert len(caches) == 4 and {c.past.dtype for c in caches} == {ir.DataType.INT8}
+    got, _ = storage.run(ir.external_data.load_to_model(model))
+    assert storage.kl_mean(want, got) < 1e-2
+
+
+@pytest.mark.parametrize("path", storage.STATIC + storage.MLA)
+def test_auto_refuses_them_naming_the_storage(path, tmp_path):
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(storage.ROOT / path / "model.onnx", tmp_path / "q.onnx", format="int8")
+    assert not result.converted and not (tmp_path / "q.onnx").exists()
+    assert result.refusals[0].code is RefusalCode.ATTENTION_UNFUSED
+    assert Param("storage", "qdq") in _parts(result.refusals[0].text)
+
+
+def test_optimize_model_stores_the_cache_in_place():
+    model = storage.load(storage.MLA[0])
+    scales = storage.calibrate(model, "int8", "per_tensor", 128.0)
+    assert optimize_model(model, storage="qdq", scales=scales, strict=True) is model
+    assert {c.past.dtype for c in find_qdq_caches(model.graph)} == {ir.DataType.INT8}
+    optimize_model(model, storage="qdq", scales=scales, strict=True)  # stored already: nothing to do
+    assert {c.past.dtype for c in find_qdq_caches(model.graph)} == {ir.DataType.INT8}
+
+
+def test_a_target_without_a_storage_row_is_refused(tmp_path):
+    path = storage.ROOT / storage.STATIC[0] / "model.onnx"
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(path, tmp_path / "q.onnx", storage="qdq", format="fp8", ep="cuda")
+    assert not result.converted and result.refusals[0].code is RefusalCode.FORMAT_UNSUPPORTED
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(path, tmp_path / "q.onnx", storage="qdq", format="fp8", ep="openvino")
+    assert not result.converted and not (tmp_path / "q.onnx").exists()
+
+
+def test_a_model_without_such_a_cache_is_refused_and_the_storage_name_checked(tmp_path):
+    model = build_decoder(num_layers=1)  # GroupQueryAttention holds its cache: the kernel's
+    ir.save(model, tmp_path / "gqa.onnx")
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="qdq", format="fp8")
+    assert result.refusals[0].code is RefusalCode.NO_ATTENTION
+    with pytest.raises(KvCacheError):
+        convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="kernel")
+    with pytest.raises(KvCacheError):
+        optimize_model(model, storage="qdq", format="fp8", rotation="keys")
