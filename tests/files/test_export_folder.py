@@ -185,6 +185,43 @@ def test_a_rolling_window_export_runs_in_onnxruntime_genai_as_the_runner(export,
     assert len(tokens) >= 4 and tokens == expected
 
 
+PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers"
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2",
+        "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window",
+    ],
+)
+def test_a_mixed_rolling_export_runs_in_onnxruntime_genai_as_the_runner(export, tmp_path, family):
+    """The oracle's transformers 5.x exports whose window layers (W = 4, rolling caches) alternate
+    with full ones over one declared past length, in an export folder (the folder's config.json
+    sized to them), converted to int8: genai_config.json names the window layer alone, and
+    onnxruntime-genai's tokens are the runner's, past the window."""
+    pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
+    folder = tmp_path / "export"
+    shutil.copytree(export, folder)
+    shutil.copy(PRODUCERS / family / "model.onnx", folder / "model.onnx")
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"head_dim": 16, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2}
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 128}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fusion's padding note, random calibration tokens
+        model = ir.load(folder / "model.onnx")
+        scales = calibrate_kv_cache(model, format="int8", num_seqs=4, seq_len=64, progress=False)
+        result = convert_model(folder, tmp_path / "genai", format="int8", scales=scales, ep="cpu")
+    assert result.converted and result.verified
+    window = json.loads((tmp_path / "genai" / "genai_config.json").read_text())["model"]["decoder"]
+    assert window["sliding_window"]["layers"] == ([1] if family.endswith("qwen2_window") else [0])
+    prompt = [1, 72, 101, 108, 108, 111, 33]  # ids of the oracle's prompt, past the window of 4
+    tokens = og_generate(tmp_path / "genai", prompt, 8)
+    expected = KvCacheRunner(tmp_path / "genai").generate(prompt, 8)
+    expected = expected[:-1] if expected and expected[-1] == 2 else expected
+    assert len(tokens) >= 4 and tokens == expected
+
+
 def _with_input(model: ir.Model, name: str) -> ir.Model:
     value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch_size"]))
     model.graph.inputs.append(value)

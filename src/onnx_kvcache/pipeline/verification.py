@@ -13,7 +13,12 @@ Rules:
   model's own present afterwards (the export's and the fused model's each their own). Each call
   gets the mask's columns of its cache's tokens and its new ones (the last ``past + new``: the
   whole mask for a full-length cache, a rolling window cache's own columns, which its export
-  reads as its cache's; docs/exporting.md, "Rolling window caches").
+  reads as its cache's; docs/exporting.md, "Rolling window caches"). A model that mixes rolling and
+  full-length caches gets the whole mask (its full layers' columns); its export runs with the
+  window layers' pasts declared apart (:func:`~onnx_kvcache.cache.rolling.split_window_lengths`:
+  declared shapes only, what the fused model declares), and a padded row is compared at its prompt
+  only (while its pasts' lengths differ, the export's window layers read the mask's first columns,
+  no mask serves both its kinds of layers).
 * Agreement: the largest absolute difference of the logits at valid positions is at most
   :data:`TOLERANCE` of the export's largest logit there (float32 computes both; the orders of
   summation differ); float16 attention within 1e-2 (:data:`TOLERANCES`). A position where the
@@ -42,7 +47,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rolling import present_output
+from onnx_kvcache.cache.rolling import present_output, split_window_lengths
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, unread_caches
 from onnx_kvcache.errors import MissingRuntimeError
 from onnx_kvcache.model_io import create_session, ort_error_text
@@ -147,7 +152,7 @@ def _run(session: Any, pair: _Pair, mask: np.ndarray, ids: np.ndarray, export: b
     for start, stop in [(0, _PROMPT), *((k, k + 1) for k in range(_PROMPT, _LENGTH))]:
         feeds = {"input_ids": ids[:, start:stop], **state}
         if "attention_mask" in pair.inputs:
-            held = next(iter(state.values())).shape[2] if state else start
+            held = max(v.shape[2] for v in state.values()) if state else start
             feeds["attention_mask"] = mask[:, stop - held - (stop - start) : stop]
         if "position_ids" in pair.inputs:
             feeds["position_ids"] = np.maximum(np.cumsum(mask[:, :stop], axis=1) - 1, 0)[:, start:stop]
@@ -161,7 +166,10 @@ def _run(session: Any, pair: _Pair, mask: np.ndarray, ids: np.ndarray, export: b
         logits = results[pair.logits]
         if logits.ndim != 3 or logits.shape[1] > stop - start:
             raise _Unverifiable(f"logits of shape {list(logits.shape)}, not [batch, tokens, vocab]")
-        out.append((logits, mask[:, start:stop][:, stop - start - logits.shape[1] :]))
+        valid = mask[:, start:stop][:, stop - start - logits.shape[1] :]
+        if len({v.shape[2] for v in state.values()}) > 1:  # rolling and full caches: unpadded rows
+            valid = valid * mask[:, :stop].all(axis=1, keepdims=True)
+        out.append((logits, valid))
         state = {pair.names[name]: value for name, value in results.items() if name in pair.names}
     return out
 
@@ -205,6 +213,18 @@ def _session(model: ir.Model, export: bool) -> Any:
         ) from None
 
 
+def _as_declared(original: ir.Model, fused: ir.Model) -> ir.Model:
+    """``original``, or where the fused model declares its rolling window caches' pasts apart from
+    full-length ones a copy declared so (declared shapes only: onnxruntime otherwise takes the
+    export's one past length for both and fails on the export's own presents)."""
+    declared = {v.name: v.shape for v in fused.graph.inputs}
+    if all(declared.get(v.name, v.shape) == v.shape for v in original.graph.inputs):
+        return original
+    copy = original.clone()
+    split_window_lengths(copy.graph)
+    return copy
+
+
 class _Pair:
     """The export's and the fused model's sessions, and what a run feeds and reads."""
 
@@ -217,7 +237,7 @@ class _Pair:
         self.logits, self.vocab = _logits(original, set(self.names))
         self.inputs = {v.name for v in original.graph.inputs if v.name}
         self.pasts = {str(s.past(side).name): s for s in sites for side in s.sides}  # type: ignore[union-attr]
-        self.sessions = [_session(original, True), _session(fused, False)]
+        self.sessions = [_session(_as_declared(original, fused), True), _session(fused, False)]
 
     def difference(self, mask: np.ndarray, rng: np.random.Generator) -> float | None:
         """The largest logit difference at valid positions where the export's are finite, relative

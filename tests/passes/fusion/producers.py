@@ -110,16 +110,10 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-nooptimize/llama": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16-eager/gptj": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize-f16/llama": CONVERTS,
-    "torch-tf5/dynamo-opset23-optimize-rollingcache/cohere2": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_scaled_dot_product_attention)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
-    "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_matmul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
-    "torch-tf5/dynamo-opset23-optimize-rollingcache/mistral": (CONVERTS),
-    "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.1.key keeps its last 3 tokens (W = 4) while past_key_values.0.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_scaled_dot_product_attention_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/cohere2": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/mistral": CONVERTS,
+    "torch-tf5/dynamo-opset23-optimize-rollingcache/qwen2_window": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/cohere2": CONVERTS,
     "torch-tf5/dynamo-opset23-optimize/deepseek_v3": (
         "attention fusion fused nothing: 2 attention node(s) not provably GroupQueryAttention with a KV cache: keys of head size 32 and values of head size 16: multi-head latent attention (MLA, as DeepSeek-V2/V3 write it) or another attention whose K and V widths differ, which GroupQueryAttention (one head size) does not compute (2; first node_scaled_dot_product_attention); nothing to convert (-v lists each node). Its caches can be stored quantized around its own attention: storage='qdq'."
@@ -141,9 +135,7 @@ EXPECTED: dict[str, str] = {
     "torch-tf5/dynamo-opset23-optimize/starcoder2": CONVERTS,
     "torch-tf5/torchscript-opset18/gptj": CONVERTS,
     "torch-tf5/torchscript-opset18/llama": CONVERTS,
-    "torch2.15-tf5.25/dynamo-opset23-optimize-rollingcache/gemma2": (
-        "attention fusion fused 1 layer(s) but left 1 unfused (1 attention node(s) not provably GroupQueryAttention with a KV cache: rolling window cache of W - 1 past tokens: past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key, declared as long, keeps every token, so past that many tokens the export's presents no longer fit its own inputs (it reads every layer's positions from one length); export with a full-length cache (DynamicCache(), docs/exporting.md section 1) (1; first node_matmul_1)); running, calibrating and evaluating need every cache in GroupQueryAttention, so nothing was converted (-v lists each node). allow_partial=True converts the fused layers alone, leaving the others as they are."
-    ),
+    "torch2.15-tf5.25/dynamo-opset23-optimize-rollingcache/gemma2": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize/gemma2": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize/gemma3": CONVERTS,
     "torch2.15-tf5.25/dynamo-opset23-optimize/gpt_oss": (CONVERTS),

@@ -1,10 +1,12 @@
 """A producer's file whose layers fuse but one: the command and the Python functions agree.
 
 The mixed rolling/full exports (transformers 5.x's ``DynamicCache(config=...)`` of Gemma2, Cohere2
-and Qwen2 with windows: one layer a rolling window cache, the other a full-length one) fuse every
-layer but the rolling one. ``convert`` exits 1 and writes nothing, ``convert_model`` returns a
-result that did not convert, ``optimize_model`` returns the model as it was; each says the
-rolling-window reason, and ``allow_partial`` converts the fused layer alone in all three.
+and Qwen2 with windows: one layer a rolling window cache, the other a full-length one) fuse, their
+window caches' lengths declared apart (``cache.rolling.split_window_lengths``). Declared with one
+number of rows for every past instead, they cannot be: every layer fuses but the rolling one.
+``convert`` exits 1 and writes nothing, ``convert_model`` returns a result that did not convert,
+``optimize_model`` returns the model as it was; each says the rolling-window reason, and
+``allow_partial`` converts the fused layer alone in all three.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 
 import onnx_ir as ir
 import pytest
-from producers import EXPECTED, entries, model_path
+from producers import CONVERTS, EXPECTED, entries, model_path
 
 from onnx_kvcache import convert_model, load_model, optimize_model
 from onnx_kvcache.cli.commands import main
@@ -22,10 +24,20 @@ from onnx_kvcache.errors import NotConvertedWarning
 
 from conftest import gqa_nodes
 
-PARTIAL = [
-    e for e in entries() if EXPECTED[e["path"]].startswith("attention fusion fused 1 layer(s) but left 1")
-]
+MIXED = [e for e in entries() if e["form"].endswith("-rollingcache") and e["family"] != "mistral"]
 REASON = "rolling window cache of W - 1 past tokens"
+
+
+@pytest.fixture(params=MIXED, ids=lambda e: e["path"])
+def partial(request, tmp_path):
+    """``(file, layers)``: a mixed rolling export, every past declared 2 rows (one number)."""
+    entry = request.param
+    model = load_model(model_path(entry))
+    for value in model.graph.inputs:
+        if value.name.startswith("past_key_values"):
+            value.shape = ir.Shape([*value.shape[:2], 2, value.shape[3]])
+    ir.save(model, tmp_path / "model.onnx")
+    return tmp_path / "model.onnx", entry["config"]["layers"]
 
 
 def _scales(tmp_path, layers: int):
@@ -36,18 +48,13 @@ def _scales(tmp_path, layers: int):
     return path
 
 
-def test_the_mixed_rolling_exports_are_the_partial_rows():
-    assert sorted(e["path"].rsplit("/", 1)[1] for e in PARTIAL) == [
-        "cohere2",
-        "gemma2",
-        "gemma2",
-        "qwen2_window",
-    ]
+def test_the_mixed_rolling_exports_convert_as_exported():
+    assert sorted(e["family"] for e in MIXED) == ["cohere2", "gemma2", "gemma2", "qwen2_window"]
+    assert {EXPECTED[e["path"]] for e in MIXED} == {CONVERTS}
 
 
-@pytest.mark.parametrize("entry", PARTIAL, ids=lambda e: e["path"])
-def test_the_command_and_the_functions_refuse_alike(entry, tmp_path, capsys):
-    src, layers = model_path(entry), entry["config"]["layers"]
+def test_the_command_and_the_functions_refuse_alike(partial, tmp_path, capsys):
+    src, layers = partial
     scales = _scales(tmp_path, layers)
     out = tmp_path / "out.onnx"
     argv = ["convert", str(src), str(out), "--format", "int8", "--scales", str(scales), "--ep", "cpu"]
@@ -63,9 +70,8 @@ def test_the_command_and_the_functions_refuse_alike(entry, tmp_path, capsys):
     assert ir.to_proto(model).SerializeToString() == before  # returned as it was
 
 
-@pytest.mark.parametrize("entry", PARTIAL, ids=lambda e: e["path"])
-def test_allow_partial_converts_the_fused_layer_in_all_three(entry, tmp_path, capsys):
-    src, layers = model_path(entry), entry["config"]["layers"]
+def test_allow_partial_converts_the_fused_layer_in_all_three(partial, tmp_path, capsys):
+    src, layers = partial
     scales = _scales(tmp_path, layers)
     argv = ["convert", str(src), str(tmp_path / "cli.onnx"), "--format", "int8", "--scales", str(scales)]
     with warnings.catch_warnings():

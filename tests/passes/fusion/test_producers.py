@@ -3,10 +3,12 @@
 Each file either fuses every layer and computes as the export does (logits, and each row's
 real tokens' cache entries, within 1e-4: one row with a 7-token prefill and 3 decode steps; a
 batch of 2 with the second row left-padded by 3; for windowed models a prefill longer than the
-window), then converts to int8 that onnxruntime's CPU kernel runs and to fp8 that the CUDA-rule
-emulation evaluates; or it is refused in one line that names what the graph does. The outcome
-of each is its row of :data:`producers.EXPECTED`; float16 files (GroupQueryAttention in float16
-runs on CUDA only) are checked structurally: fused, then converted to fp8 for CUDA.
+window; a padded row of an export mixing rolling and full-length caches, which no one mask
+serves, as the full-length export of the same saved model), then converts to int8 that
+onnxruntime's CPU kernel runs and to fp8 that the CUDA-rule emulation evaluates; or it is
+refused in one line that names what the graph does. The outcome of each is its row of
+:data:`producers.EXPECTED`; float16 files (GroupQueryAttention in float16 runs on CUDA only)
+are checked structurally: fused, then converted to fp8 for CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from producers import CONVERTS, EXPECTED, MANIFEST, ROOT, entries, model_path, o
 
 from decoding import generate, max_differences
 from onnx_kvcache import KvCacheQuantizationPass
+from onnx_kvcache.cache.rolling import split_window_lengths
 from onnx_kvcache.model_io.reading import load_model
 from onnx_kvcache.passes.kv_cache_emulation import emulate_kv_cache
 from onnx_kvcache.pipeline.decision import carry_out
@@ -100,12 +103,22 @@ def runs(decided):
         return None
     original = load_model(model_path(entry))
     fused = decision.model
+    mixed = bool(split_window_lengths(original.graph))  # declared as the fused model declares it
     results = {}
     for name, mask in _scenarios(entry).items():
         # the export given its caches' columns of the mask (a rolling window cache reads its own:
-        # docs/exporting.md, Rolling window caches; for full-length caches that is the whole mask)
-        results[name] = (generate(original, mask, cache_columns=True), generate(fused, mask))
+        # docs/exporting.md, Rolling window caches; for full-length caches that is the whole mask);
+        # with rolling and full caches no one mask serves both: a padded row is compared with the
+        # full-length export of the same saved model
+        want = _full_length(entry) if mixed and not mask.all() else original
+        results[name] = (generate(want, mask, cache_columns=not mixed), generate(fused, mask))
     return fused, results
+
+
+def _full_length(entry):
+    """The export with full-length caches (``DynamicCache()``) made from the same saved model."""
+    path = entry["path"].replace("-rollingcache/", "/")
+    return load_model(model_path(next(e for e in ENTRIES if e["path"] == path)))
 
 
 def test_the_fused_model_computes_as_the_export(decided, runs):

@@ -89,3 +89,19 @@ def test_a_window_past_read_by_a_position_is_refused_before_anything_changes():
         warnings.simplefilter("ignore")
         GqaFusionPass()(model)
     assert _bytes(model) == before
+
+
+def test_a_mixed_rolling_export_nothing_fuses_keeps_its_declared_shapes():
+    """The window caches' pasts of an export mixing rolling and full-length caches are declared
+    apart while proving (cache.rolling.split_window_lengths); when every layer is refused the
+    model is as it was, its one declared past length and the exporter's shapes too."""
+    model = surgery.load("torch-tf5/dynamo-opset23-optimize-rollingcache/gemma2")
+    for node in list(model.graph):
+        if node.op_type == "Softmax":
+            surgery.insert_after(model, node.outputs[0], "Mish", name=f"{node.name}/Mish")
+    before = _bytes(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = GqaFusionPass()(model)
+    assert result.report.fused == 0 and len(result.report.refusals) == 2 and not result.modified
+    assert _bytes(model) == before

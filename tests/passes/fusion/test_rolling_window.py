@@ -13,6 +13,7 @@ tests/passes/fusion/test_producers.py). An onnxruntime-genai folder's form is wi
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import subprocess
 import sys
@@ -25,8 +26,11 @@ import pytest
 
 from decoding import PROMPTS, count, generate, max_differences
 from onnx_kvcache import KvCacheRunner, calibrate_kv_cache, convert_model, optimize_model
+from onnx_kvcache.cache.rolling import split_window_lengths
+from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass
+from onnx_kvcache.passes.fusion.sdpa_fusion import DecomposedAttentionFusionPass
 from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 
 from builders.exported import ExportStyle, build_decoder, exported_config
@@ -293,10 +297,10 @@ def test_a_left_padded_row_computes_its_own_last_window_tokens(window, pads, tok
 
 
 PRODUCERS = pathlib.Path(__file__).parents[2] / "data" / "producers"
-#: The producers' rolling window exports (window 4) that convert: every layer a window layer. Those
-#: that alternate window and full layers over one past dimension (gemma2, cohere2, qwen2_window) are
-#: refused (tests/passes/fusion/producers.py: EXPECTED).
-ORACLE = sorted(PRODUCERS.glob("*/dynamo-opset23-optimize-rollingcache/mistral/model.onnx"))
+#: The producers' rolling window exports (window 4): mistral's every layer a window layer; qwen2_window,
+#: gemma2 and cohere2 alternate window and full layers over one declared past dimension.
+ORACLE = sorted(PRODUCERS.glob("*/dynamo-opset23-optimize-rollingcache/*/model.onnx"))
+MIXED = [path for path in ORACLE if path.parent.name != "mistral"]
 ORACLE_CASES = {
     **CASES,
     "longer_than_window": np.ones((1, 12), np.int64),
@@ -308,25 +312,102 @@ def _oracle_id(path: pathlib.Path) -> str:
     return "/".join(path.parts[-4:-1])
 
 
+def _as_called(path: pathlib.Path) -> tuple[ir.Model, bool]:
+    """The export, its window caches' pasts declared apart from full-length ones (declared shapes
+    only: what its fused form declares), and whether it mixes the two."""
+    model = ir.load(path)
+    return model, bool(split_window_lengths(model.graph))
+
+
+def _full_length(path: pathlib.Path) -> ir.Model:
+    """The export with full-length caches (DynamicCache()) of the same saved model."""
+    return ir.load(path.parents[2] / "dynamo-opset23-optimize" / path.parent.name / "model.onnx")
+
+
+def _reference(path: pathlib.Path, mask: np.ndarray) -> list:
+    """What the converted file must give: the export fed its own columns of the mask (a rolling
+    window cache reads its cache's); with rolling and full caches, which no one mask serves, a
+    padded batch as the full-length export of the same saved model computes it (transformers')."""
+    export, mixed = _as_called(path)
+    if mixed and not mask.all():
+        return generate(_full_length(path), mask)
+    return generate(export, mask, cache_columns=not mixed)
+
+
 @pytest.mark.parametrize("case", sorted(ORACLE_CASES))
 @pytest.mark.parametrize("path", ORACLE, ids=_oracle_id)
 def test_a_converted_oracle_file_takes_the_exports_inputs(path, case, tmp_path):
     """The issue's model: a transformers 5.x export with a rolling window cache, fused and saved,
     runs from an empty past with the export's inputs and gives its logits and its presents (their
     shapes; unpadded, their values), fed its own presents back; a padded row's mask as the export
-    reads it (its cache's columns) or whole."""
+    reads it (its cache's columns) or whole; with full layers too, the whole mask, as transformers
+    computes a padded row (the full-length export's)."""
     ir.save(fused(ir.load(path)), tmp_path / "model.onnx")
-    original, model = ir.load(path), ir.load(tmp_path / "model.onnx")
+    model = ir.load(tmp_path / "model.onnx")
+    export, mixed = _as_called(path)
     mask = ORACLE_CASES[case]
-    want = generate(original, mask, cache_columns=True)
-    for columns in (True, False):
+    want = _reference(path, mask)
+    shapes = generate(export, mask, cache_columns=not mixed)  # the export's presents' shapes
+    for columns in (True, False) if not mixed else (False,):
         got = generate(model, mask, cache_columns=columns)
         assert max(max_differences(want, got).values()) < 1e-5
-        for (_, a), (_, b) in zip(want, got):
+        for (_, a), (_, b) in zip(shapes, got):
             assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
-            assert b["present.0.key"].shape[2] <= 3  # W - 1
+            assert min(v.shape[2] for k, v in b.items() if k.startswith("present.")) <= 3  # W - 1
         if not case.startswith("left_padded"):  # a padded row's tokens: first in its rows, not last
             assert _same(want, got) < 1e-5
+        assert max(max_differences(shapes[:1], got[:1]).values()) < 1e-5  # the first call: the export's
+
+
+@pytest.mark.parametrize("path", MIXED, ids=_oracle_id)
+def test_a_mixed_export_declares_its_window_caches_apart(path):
+    """Window and full layers share the export's one declared past length, while fed its presents
+    they hold W - 1 rows and every token: onnxruntime takes the declared length for both (gemma2's
+    and cohere2's exports fail on their own presents), and so would a proof. Declared apart, the
+    export runs (as transformers computes an unpadded row), and so does its fused form, which
+    declares them so."""
+    manifest = json.loads((PRODUCERS / "manifest.json").read_text(encoding="utf-8"))["models"]
+    entry = next(e for e in manifest if e["path"] == _oracle_id(path))
+    if "decode_run" in entry:  # gemma2, cohere2: onnxruntime's error, recorded by the generator
+        with pytest.raises(Exception, match="Shape mismatch attempting to re-use buffer"):
+            generate(ir.load(path), PROMPTS["single"])
+    export, mixed = _as_called(path)
+    assert mixed
+    windows = {v.name for v in export.graph.inputs[3:] if v.shape[2] == "past_last3"}
+    model = fused(ir.load(path))
+    assert {v.name for v in model.graph.inputs[3:] if v.shape[2] == "past_last3"} == windows
+    assert len(windows) == 2 and {v.shape[2] for v in model.graph.inputs[3:]} == {"past", "past_last3"}
+    want = generate(_full_length(path), PROMPTS["single"])
+    for run in (export, model):
+        assert max(max_differences(want, generate(run, PROMPTS["single"])).values()) < 1e-5
+    prompt = [1, 72, 101, 108, 108, 111, 33]  # the runner feeds the fused file's caches: its tokens
+    assert KvCacheRunner(model).generate(prompt, 10) == KvCacheRunner(_full_length(path)).generate(prompt, 10)
+    mistral = next(p for p in ORACLE if p.parent.name == "mistral")
+    assert split_window_lengths(ir.load(mistral).graph) == {}  # every layer a window: one length
+
+
+def test_a_full_layer_reading_the_window_caches_length_is_refused():
+    """The proof reads each cache's own length: a full layer whose mask and K/V repeat are sized
+    by the window cache's past (one length with the export's declared dimension) is refused, and
+    the model is left as it was."""
+    path = next(p for p in MIXED if "torch-tf5/" in str(p) and p.parent.name == "gemma2")
+    model = ir.load(path)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    window, full = values["sym_size_int_59"], values["sym_size_int_63"]  # the lengths of layers 0, 1
+    assert window.producer().inputs[0].producer().inputs[0].name == "past_key_values.0.key"
+    for node, index in list(full.uses()):
+        node.replace_input_with(index, window)
+    before = onnx.printer.to_text(ir.serde.serialize_model(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KvCacheError):
+            GqaFusionPass()(model)
+    assert onnx.printer.to_text(ir.serde.serialize_model(model)) == before
+    split_window_lengths(model.graph)
+    fusion = DecomposedAttentionFusionPass()
+    fusion(model)
+    assert fusion.report.fused == 1 and len(fusion.report.refused) == 1
+    assert "past_last3 + seq" in fusion.report.refused[0]  # the two lengths told apart
 
 
 #: The logits' largest difference from the export each format stays within, relative to the largest
@@ -353,10 +434,11 @@ def test_a_quantized_conversion_of_an_oracle_file_runs_from_an_empty_past(path, 
     presents = [v for v in model.graph.outputs if v.name.startswith("present.")]
     assert {v.dtype for v in presents} == {dtype}
     assert count(model, "If") == 2  # the prompt in float: the float kernel takes the export's empty past
-    original = ir.load(path)
+    export, mixed = _as_called(path)
     for mask in ORACLE_CASES.values():
-        want, got = generate(original, mask, cache_columns=True), generate(model, mask)
-        for (_, a), (_, b) in zip(want, got):  # int4 packs two values a byte: the rows compared
+        want, got = _reference(path, mask), generate(model, mask)
+        shapes = generate(export, mask, cache_columns=not mixed)
+        for (_, a), (_, b) in zip(shapes, got):  # int4 packs two values a byte: the rows compared
             assert {k: v.shape[:3] for k, v in a.items()} == {k: v.shape[:3] for k, v in b.items()}
         top = max(float(np.abs(h["logits"]).max()) for _, h in want)
         logits = [[(m, {"logits": h["logits"]}) for m, h in run] for run in (want, got)]
@@ -365,3 +447,23 @@ def test_a_quantized_conversion_of_an_oracle_file_runs_from_an_empty_past(path, 
     assert len(runner.generate(list(range(1, 10)), 4)) == 4
     assert [b.present for b in runner.bindings] == [v.name for v in presents]
     assert not any(b.capacity for b in runner.bindings)
+
+
+def test_window_and_full_pasts_declared_as_one_number_stay_refused():
+    """A past length declared as a number cannot be declared apart: the window layer keeps the
+    rolling-window refusal, and the full layer alone fuses (convert then refuses the model, as
+    optimize_model does: test_partial_refusals.py)."""
+    path = next(p for p in MIXED if "torch-tf5/" in str(p) and p.parent.name == "gemma2")
+    model = ir.load(path)
+    for value in model.graph.inputs[3:]:
+        value.shape = ir.Shape([value.shape[0], 2, 2, 16])
+    assert split_window_lengths(model.graph) == {}
+    fusion = GqaFusionPass()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fusion(model)
+    assert fusion.fused == 1 and len(fusion.refused) == 1
+    assert (
+        "past_key_values.0.key keeps its last 3 tokens (W = 4) while past_key_values.1.key"
+        in fusion.refused[0]
+    )

@@ -625,9 +625,9 @@ def cache_mask_facts(
         raise Unprovable(
             f"rolling window cache of W - 1 past tokens: {key.past.name} keeps its last {window.keep} "
             f"tokens (W = {facts.window}) while {window.uncropped}, declared as long, keeps every token, "
-            "so past that many tokens the export's presents no longer fit its own inputs (it reads every "
-            "layer's positions from one length); export with a full-length cache (DynamicCache(), "
-            "docs/exporting.md section 1)"
+            "so past that many tokens the export's presents no longer fit its declared inputs (a declared "
+            "length other than a name cannot be declared apart for the window layers); export with a "
+            "full-length cache (DynamicCache(), docs/exporting.md section 1)"
         )
     return facts
 

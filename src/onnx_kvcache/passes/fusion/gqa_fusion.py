@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rolling import rolling_attention
+from onnx_kvcache.cache.rolling import rolling_attention, split_window_lengths
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, PaddingAssumptionWarning, warn
 from onnx_kvcache.passes._base import InPlacePass
 from onnx_kvcache.passes.fusion._base import (
@@ -115,13 +115,18 @@ class GqaFusionPass(InPlacePass):
     def call(self, model: ir.Model) -> FusionResult:
         if _may_keep_rolling_windows(model.graph):
             _refuse_unsettled_windows(model)  # decided on a copy: raises before the model changes
+        declared = _declared_shapes(model.graph)
+        split_window_lengths(model.graph)  # rolling and full caches: two lengths
         counting = logger.isEnabledFor(logging.INFO)  # the counts are only logged
         before = _gqa_count(model.graph) if counting else 0
         *first, decomposed = [_report(fusion()(model)) for fusion in FUSIONS]
         attention = sum(first, FusionReport())
         modified = bool(attention.fused or decomposed.fused)
-        if attention.fused or decomposed.fused:
+        if modified:
             _settle_window_caches(model.graph)
+        else:  # nothing fused: the model as it was, its declared shapes too
+            for value, shape in declared:
+                value.shape = shape
         report = attention + decomposed
         unknown = unknown_attentions(model, report.refusals)  # attention no fusion took for one
         left = (decomposed + FusionReport(refusals=tuple(unknown))).refusals
@@ -143,6 +148,13 @@ class GqaFusionPass(InPlacePass):
                 PaddingAssumptionWarning,
             )
         return FusionResult(model, modified=modified, report=report)
+
+
+def _declared_shapes(graph: ir.Graph) -> list[tuple[ir.Value, ir.Shape | None]]:
+    """Each graph input's and node output's declared shape (what a split of window caches'
+    lengths changes), to put back when nothing fuses."""
+    values = [*graph.inputs, *(out for node in graph for out in node.outputs)]
+    return [(value, value.shape) for value in values]
 
 
 def _gqa_count(graph: ir.Graph) -> int:
@@ -206,8 +218,11 @@ def _may_keep_rolling_windows(graph: ir.Graph) -> bool:
 def _refuse_unsettled_windows(model: ir.Model) -> None:
     """Raise :class:`KvCacheError` when fusing would leave a window-sized past read by more than
     attention, deciding on a copy of the model (its tensors shared, not copied) so that the model
-    is left as it was: the fusions on the copy, then :func:`_unsettled_window_reader`."""
+    is left as it was: the fusions on the copy (its window caches' lengths declared apart as the
+    model's will be: :func:`~onnx_kvcache.cache.rolling.split_window_lengths`), then
+    :func:`_unsettled_window_reader`."""
     trial = model.clone()
+    split_window_lengths(trial.graph)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = sum(_report(fusion(quiet=True)(trial)).fused for fusion in FUSIONS)
