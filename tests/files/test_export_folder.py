@@ -133,7 +133,7 @@ def test_the_genai_config_is_made_from_the_graph_and_the_exports_configs(export,
     assert again.converted and (out / "genai_config.json").exists()
 
 
-PRODUCERS = pathlib.Path(__file__).parents[1] / "data" / "producers" / "optimum" / "optimum-cli"
+OPTIMUM_CLI = pathlib.Path(__file__).parents[1] / "data" / "producers" / "optimum" / "optimum-cli"
 
 
 @pytest.mark.parametrize(("family", "shares"), [("gemma2", False), ("gpt_oss", False), ("mistral", True)])
@@ -144,7 +144,7 @@ def test_an_export_counting_positions_from_its_cache_gets_no_shared_buffer(tmp_p
     (position_ids given) shares one."""
     pytest.importorskip("onnxruntime_genai", reason="install the genai extra (CI does)")
     folder = tmp_path / family
-    shutil.copytree(PRODUCERS / family, folder)
+    shutil.copytree(OPTIMUM_CLI / family, folder)
     out = tmp_path / "genai"
     assert _convert(folder, out, "int8", "per_tensor").converted
     assert (

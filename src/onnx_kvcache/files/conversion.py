@@ -390,7 +390,10 @@ def _reads_past_length(model: ir.Model) -> bool:
     context's, not the tokens held, so such a graph computes wrong positions there."""
     pasts = [s.past(side) for s in find_attention_sites(model) for side in s.sides]
     return any(
-        user.op_type in ("Shape", "Size") for past in pasts if past is not None for user, _ in past.uses()
+        user.op_type in ("Shape", "Size") and user.graph is model.graph  # not a prompt wrap's own
+        for past in pasts
+        if past is not None
+        for user, _ in past.uses()
     )
 
 
