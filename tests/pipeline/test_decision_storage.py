@@ -16,6 +16,7 @@ from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, Param
 from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.scales.files import KvCacheScales
 
 
 def _parts(text: object) -> list[object]:
@@ -88,3 +89,18 @@ def test_a_model_without_such_a_cache_is_refused_and_the_storage_name_checked(tm
         convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="kernel")
     with pytest.raises(KvCacheError):
         optimize_model(model, storage="qdq", format="fp8", rotation="keys")
+
+
+def test_unrecorded_scales_take_the_granularity_their_sizes_fit(tmp_path):
+    model = storage.load(storage.MLA[1])  # keys 128 wide, values 64: per-channel scales of each width
+    found = storage.calibrate(model, "int8", "per_channel", 128.0)
+    path = tmp_path / "pc.json"
+    KvCacheScales(found.k, found.v, format="int8").save(path)  # no granularity recorded
+    source = storage.ROOT / storage.MLA[1] / "model.onnx"
+    result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=path)
+    assert result.converted and result.granularity == "per_channel"
+    narrow = {layer: k[: k.size // 2] for layer, k in found.k.items()}  # fits no key cache's width
+    KvCacheScales(narrow, found.v, format="int8").save(path)
+    with pytest.raises(KvCacheError):
+        convert_model(source, tmp_path / "r.onnx", storage="qdq", scales=path)
+    assert not (tmp_path / "r.onnx").exists()

@@ -684,8 +684,8 @@ def check_storage(storage: object) -> None:
 
 def storage_decision(request: Request) -> Decision:
     """``storage="qdq"``'s rules: no fusion; the format named (else int8) and the granularity asked
-    (else the scales', else per tensor); nothing to store refuses ``convert_model``; the target's
-    storage row gates it."""
+    (else the one the scales record or their sizes fit, else per tensor); nothing to store refuses
+    ``convert_model``; the target's storage row gates it."""
     model, rules = request.model, request.rules
     if request.shared_kv_scale or (request.rotation is not None and get_rotation(request.rotation).rotates):
         raise KvCacheError(
@@ -696,8 +696,9 @@ def storage_decision(request: Request) -> Decision:
             ".",
         )
     fusion = Fusion(model, bool(find_attention_sites(model, with_cache_only=False)))
-    fmt, granularity = get_format(request.format or "int8"), scale_granularity(_asked_granularity(request))
+    fmt = get_format(request.format or "int8")
     scales = as_kv_cache_scales(request.scales, format=fmt.name)
+    granularity = scale_granularity(request.granularity or QdqKvCachePass.granularity_for(model, scales))
     decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
     caches = find_qdq_caches(model.graph)
     if all(c.stored for c in caches):
