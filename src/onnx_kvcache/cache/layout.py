@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
+from onnx_kvcache.cache.storage import QDQ_TYPES, QdqCache, find_qdq_caches, values_per_token
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 
@@ -54,6 +55,10 @@ class CacheLayerInfo:
     rolling: int | None = None
     """Rows a rolling window cache keeps (the export's ``W - 1``: :mod:`~onnx_kvcache.cache.rolling`),
     else None: it starts empty, as the export's, and holds each row's last ``W - 1`` tokens."""
+    storage: str = "auto"
+    """``auto``: the attention kernel holds the cache; ``qdq``: a cache of the model's own attention
+    (:func:`~onnx_kvcache.cache.storage.find_qdq_caches`), float or stored through
+    QuantizeLinear/DequantizeLinear (``op`` names its writer)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -167,7 +172,75 @@ def inspect_kv_cache(model: ModelLike) -> CacheModelInfo:
             continue
         seen.add(id(site.past_key))
         layers.append(_layer_info(site))
-    return CacheModelInfo(tuple(layers))
+    return CacheModelInfo(tuple(layers) or _storage_layers(model))
+
+
+#: A storage-quantized cache's dimensions by rank (:mod:`~onnx_kvcache.cache.storage`).
+_STORAGE_LAYOUTS = {3: ("batch", "sequence", "width"), 4: ("batch", "kv_num_heads", "sequence", "head_size")}
+
+
+def _storage_layers(model: ir.Model) -> tuple[CacheLayerInfo, ...]:
+    """One row per layer of the caches a storage-quantized conversion keeps (``storage="qdq"``)."""
+    by_layer: dict[int, dict[str, QdqCache]] = {}
+    for cache in find_qdq_caches(model.graph):
+        by_layer.setdefault(cache.layer, {})[cache.side] = cache
+    return tuple(_storage_layer(layer, sides) for layer, sides in sorted(by_layer.items()))
+
+
+def _dequantizer(cache: QdqCache) -> ir.Node | None:
+    """The DequantizeLinear a stored cache is read through (of its past, or of its present
+    where the writer moves the codes)."""
+    uses = [*cache.past.uses(), *cache.present.uses()]
+    return next((n for n, slot in uses if n.op_type == "DequantizeLinear" and slot == 0), None)
+
+
+def _stored_scale(cache: QdqCache) -> list[float] | None:
+    """A stored cache's scale: its DequantizeLinear's, or the channel scales multiplied after it."""
+    node = _dequantizer(cache)
+    if node is None or len(node.inputs) < 2:
+        return None
+    grid = [n.inputs[1] for n, _ in node.outputs[0].uses() if n.op_type == "Mul" and len(n.inputs) > 1]
+    return constant_values(grid[0] if grid else node.inputs[1])
+
+
+def _quant_type(fmt: str | None, scale: list[float] | None) -> str:
+    return "NONE" if fmt is None else "PER_TENSOR" if len(scale or [0]) == 1 else "PER_CHANNEL"
+
+
+def _storage_layer(layer: int, sides: dict[str, QdqCache]) -> CacheLayerInfo:
+    first = sides.get("k") or next(iter(sides.values()))
+    dtype = first.past.dtype
+    fmt = next((name for name, row in QDQ_TYPES.items() if first.stored and row.dtype == dtype), None)
+    now = original = 0.0
+    for cache in sides.values():
+        values = values_per_token(cache) or 0
+        now += values * (cache.past.dtype.itemsize if cache.past.dtype is not None else 0)
+        node = _dequantizer(cache) if cache.stored else None
+        floats = node.outputs[0].dtype if node is not None else None
+        original += values * (floats.itemsize if floats is not None else 0)
+    k, v = sides.get("k"), sides.get("v")
+    k_scale, v_scale = (_stored_scale(c) if c is not None and c.stored else None for c in (k, v))
+    shape = first.past.shape
+    return CacheLayerInfo(
+        layer_id=layer,
+        node=first.writer.name or "",
+        past_key=k.past.name or "" if k is not None else "",
+        past_value=v.past.name or "" if v is not None else "",
+        dtype=str(dtype.name if dtype is not None else "?"),
+        shape=tuple(shape) if shape is not None else (),
+        k_quant_type=_quant_type(fmt, k_scale),
+        v_quant_type=_quant_type(fmt, v_scale),
+        bit_width=None if fmt is None else int(QDQ_TYPES[fmt].dtype.itemsize * 8),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        shared_scale=False,
+        window=None,
+        bytes_per_token=now,
+        original_bytes_per_token=original or now,
+        op=first.writer.op_type,
+        layout=_STORAGE_LAYOUTS.get(len(shape) if shape is not None else 0, ()),
+        storage="qdq",
+    )
 
 
 def _fmt_scale(values: list[float] | None) -> str:
