@@ -157,6 +157,8 @@ class _CommandWording(Wording):
         if action is None:
             return super().param(param)
         flag = action.option_strings[-1]
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(param.value, bool):
+            return action.option_strings[0 if param.value else -1]  # --verify / --no-verify
         if action.nargs == 0:  # store_true / store_false: only the value that sets it
             return flag if param.value is (not action.default) else super().param(param)
         if param.bare:
