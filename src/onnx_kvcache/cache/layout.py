@@ -267,19 +267,23 @@ def _gathered(site: CacheSite) -> bool:
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
     """What serving code must feed as past inputs once the cache is quantized: their element
     type and shape changed (int4: two values a byte, so the last dimension is halved)."""
-    groups: dict[tuple[str, str, int | None, int | None], list[int]] = {}
+    groups: dict[tuple[str, str, int | None, int | None, str], list[int]] = {}
     for layer in info.layers:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
-            groups.setdefault((layer.dtype, shape + packed, layer.window, layer.rolling), []).append(
-                layer.layer_id
-            )
+            key = (layer.dtype, shape + packed, layer.window, layer.rolling, layer.storage)
+            groups.setdefault(key, []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
-    for (dtype, shape, window, rolling), ids in groups.items():
+    for (dtype, shape, window, rolling, storage), ids in groups.items():
         empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
+        empty = (
+            "as the float model's, in this type (QuantizeLinear/DequantizeLinear)"
+            if storage == "qdq"
+            else empty
+        )
         empty += f", then at most {rolling} (its presents fed back)" if rolling else ""
         lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
     return lines
