@@ -61,6 +61,8 @@ def test_a_message_is_said_in_each_audiences_words(wording, said):
         (Param("margin", 2.0), "margin=2.0", "--margin 2.0"),
         (Param("scales"), "scales", "--scales"),
         (Param("io_binding", False), "io_binding=False", "io_binding=False"),  # no option at all
+        (Param("verify", True), "verify=True", "--verify"),  # --verify / --no-verify: each its own
+        (Param("verify", False), "verify=False", "--no-verify"),
     ],
 )
 def test_a_parameter_is_its_option_only_where_one_sets_it(param, python, cli):

@@ -5,6 +5,8 @@ a target without a storage row is refused, and a GroupQueryAttention model is le
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
@@ -14,8 +16,9 @@ import qdq_models as storage
 from onnx_kvcache import convert_model, optimize_model
 from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.capabilities.refusals import RefusalCode
-from onnx_kvcache.errors import KvCacheError, NotConvertedWarning, Param
+from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, NotConvertedWarning, Param
 from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.scales.files import KvCacheScales
 
 
 def _parts(text: object) -> list[object]:
@@ -84,7 +87,44 @@ def test_a_model_without_such_a_cache_is_refused_and_the_storage_name_checked(tm
     with pytest.warns(NotConvertedWarning):
         result = convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="qdq", format="fp8")
     assert result.refusals[0].code is RefusalCode.NO_ATTENTION
+    assert Param("storage", "auto") in _parts(result.refusals[0].text)  # the way forward
     with pytest.raises(KvCacheError):
         convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="kernel")
     with pytest.raises(KvCacheError):
         optimize_model(model, storage="qdq", format="fp8", rotation="keys")
+
+
+def test_unrecorded_scales_take_the_granularity_their_sizes_fit(tmp_path):
+    model = storage.load(storage.MLA[1])  # keys 128 wide, values 64: per-channel scales of each width
+    found = storage.calibrate(model, "int8", "per_channel", 128.0)
+    path = tmp_path / "pc.json"
+    KvCacheScales(found.k, found.v, format="int8").save(path)  # no granularity recorded
+    source = storage.ROOT / storage.MLA[1] / "model.onnx"
+    result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=path)
+    assert result.converted and result.granularity == "per_channel"
+    narrow = {layer: k[: k.size // 2] for layer, k in found.k.items()}  # fits no key cache's width
+    KvCacheScales(narrow, found.v, format="int8").save(path)
+    with pytest.raises(KvCacheError):
+        convert_model(source, tmp_path / "r.onnx", storage="qdq", scales=path)
+    assert not (tmp_path / "r.onnx").exists()
+
+
+def test_verify_does_not_apply_and_a_fusing_export_is_told_of_the_kernel(tmp_path, caplog):
+    static = storage.ROOT / storage.STATIC[0] / "model.onnx"
+    scales = tmp_path / "s.json"
+    storage.calibrate(storage.load(storage.STATIC[0]), "int8", "per_tensor", 128.0).save(scales)
+    with (
+        caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.decision"),
+        pytest.warns(FusionSkippedWarning),  # nothing is fused: nothing to verify
+    ):
+        result = convert_model(static, tmp_path / "q.onnx", storage="qdq", scales=scales, verify=True)
+    assert result.converted and not result.verified
+    assert not [
+        r for r in caplog.records if Param("storage", "auto") in _parts(r.args[0] if r.args else r.msg)
+    ]
+    fuses = storage.ROOT / storage.CONCAT[0] / "model.onnx"  # under auto its attention fuses
+    storage.calibrate(storage.load(storage.CONCAT[0]), "int8", "per_tensor", 128.0).save(scales)
+    with caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.decision"):
+        assert convert_model(fuses, tmp_path / "r.onnx", storage="qdq", scales=scales).converted
+    said = [r.args[0] for r in caplog.records if r.levelno == logging.INFO and r.args]
+    assert any(Param("storage", "auto") in _parts(m) for m in said)

@@ -67,5 +67,7 @@ def test_attention_that_does_not_fuse_is_the_refusal():
         if node.op_type == "Attention":
             node.attributes["scale"] = ir.AttrFloat32("scale", float("nan"))  # no proof holds
     preview = preview_conversion(model)
-    assert preview.fused == 0 and not preview.cache.layers and preview.bytes_per_token_after is None
+    assert preview.fused == 0 and preview.bytes_per_token_after is None
+    assert not preview.cache.layers  # a float export's own caches: inspect_kv_cache(exported=True)
+    assert preview.storage is not None and preview.storage.format == "int8"
     assert "attention fusion fused nothing" in str(preview.refusal)

@@ -58,6 +58,10 @@ class CacheLayerInfo:
     else None: it starts empty, as the export's, and holds each row's last ``W - 1`` tokens."""
     rows: int | None = None
     """Fixed buffers' rows (a static cache): allocated whole, whatever the context."""
+    storage: str = "auto"
+    """``auto``: the attention kernel holds the cache; ``qdq``: a cache of the model's own attention
+    (:func:`~onnx_kvcache.cache.storage.find_qdq_caches`), float or stored through
+    QuantizeLinear/DequantizeLinear (``op`` names its writer)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -197,6 +201,7 @@ def _io_layer_info(key: IoCache, value: IoCache | None) -> CacheLayerInfo:
         layout=key.convention.dims,
         head_size=key.head_size,
         rows=key.rows,
+        storage="qdq",
     )
 
 
@@ -255,20 +260,23 @@ def _gathered(site: CacheSite) -> bool:
 def _allocation_lines(info: CacheModelInfo) -> list[str]:
     """What serving code must feed as past inputs once the cache is quantized: their element
     type and shape changed (int4: two values a byte, so the last dimension is halved)."""
-    groups: dict[tuple[str, str, int | None, int | None], list[int]] = {}
+    groups: dict[tuple[str, str, int | None, int | None, str], list[int]] = {}
     for layer in info.layers:
         if layer.bit_width is not None:
             shape = "[" + ", ".join(str(d) for d in layer.shape) + "]"
             packed = " (int4: two values a byte, head_size / 2)" if layer.bit_width < 8 else ""
             packed = "" if layer.dtype == "INT4" else packed  # ONNX's int4: a logical type
             rows = -layer.rows if layer.rows else layer.window  # a static buffer: whole, all rows
-            groups.setdefault((layer.dtype, shape + packed, rows, layer.rolling), []).append(layer.layer_id)
+            key = (layer.dtype, shape + packed, rows, layer.rolling, layer.storage)
+            groups.setdefault(key, []).append(layer.layer_id)
     if not groups:
         return []
     lines = ["past inputs to allocate (the quantized cache's type and shape, not the float model's):"]
-    for (dtype, shape, window, rolling), ids in groups.items():
+    for (dtype, shape, window, rolling, storage), ids in groups.items():
         empty = f"{window} zero rows, window-sized" if window else "0 tokens in its sequence"
         empty = f"the whole buffer, {-window} rows" if window and window < 0 else empty
+        stored = "as the float model's, in this type (QuantizeLinear/DequantizeLinear)"
+        empty = stored if storage == "qdq" and not (window and window < 0) else empty
         empty += f", then at most {rolling} (its presents fed back)" if rolling else ""
         lines.append(f"  {dtype} {shape} (layer(s) {_ranges(ids)}; an empty cache: {empty})")
     return lines

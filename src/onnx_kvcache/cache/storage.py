@@ -15,6 +15,7 @@ __all__ = [
     "find_qdq_caches",
     "storage_bytes_per_token",
     "stored_format",
+    "values_per_token",
 ]
 
 import dataclasses
@@ -171,7 +172,7 @@ def stored_format(model: ir.Model) -> str | None:
     return next((name for name, row in QDQ_TYPES.items() if row.dtype in stored), None)
 
 
-def _values_per_token(cache: QdqCache) -> int | None:
+def values_per_token(cache: QdqCache) -> int | None:
     """One token's values in ``cache``: its static dimensions but the batch and the sequence
     (``[batch, seq, width]`` or ``[batch, heads, seq, head]``); None when one is symbolic."""
     shape = cache.past.shape
@@ -187,7 +188,7 @@ def storage_bytes_per_token(model: ir.Model, format: str | None = None) -> float
     (``format``: stored in it); None when a cache's width is symbolic."""
     total = 0.0
     for cache in find_qdq_caches(model.graph):
-        values = _values_per_token(cache)
+        values = values_per_token(cache)
         dtype = QDQ_TYPES[format].dtype if format is not None else cache.past.dtype
         if values is None or dtype is None:
             return None

@@ -30,13 +30,14 @@ def run(args: argparse.Namespace, words: Callable[[object], str]) -> int:
     model = load_model(args.model)
     info = inspect_kv_cache(model)
     _, config = resolve_model_path(args.model)
-    if not info.layers and not args.json:
+    kernel = any(layer.storage == "auto" for layer in info.layers)  # else a preview: nothing fused yet
+    if not kernel and not args.json:
         return _inspect_preview(args, model, config, words)
-    cuda = args.ep == "cuda" and bool(info.layers)  # an export's fast path: once converted
+    cuda = args.ep == "cuda" and kernel  # an export's fast path: once converted
     diagnostics = fast_path_diagnostics(model, share_buffer=share_buffer(config)) if cuda else None
     if args.json:
         doc = info.to_json(args.context, args.batch or 1)
-        if not info.layers:
+        if not kernel:
             doc = _preview_json(args, model, config, words)
         else:
             doc["cost"] = _cost_lines(args, model, info, config, words)
@@ -68,9 +69,8 @@ def _cost_lines(
     from onnx_kvcache.pipeline.preview import preview_conversion, speed_line
     from onnx_kvcache.runtime import max_positions
 
-    stored = _storage_lines(model) if info.layers and _own(model) else []
-    if stored:  # static buffers or an export's own caches: what storage-quantizing makes of them
-        return stored
+    if info.layers and _own(model):  # static buffers or an export's own caches: storage-quantized
+        return _storage_lines(preview_conversion(model, args.ep, config).storage, words)
     context = max_positions(model) or 0
     at = f"at the model's context ({context} tokens), batch 1" if context else None
     before = info.bytes_per_token
@@ -133,7 +133,7 @@ def _inspect_preview(
     from onnx_kvcache.pipeline.preview import preview_conversion
 
     preview = preview_conversion(model, args.ep, config)
-    if not preview.cache.layers:
+    if not any(layer.storage == "auto" for layer in preview.cache.layers):
         _print("no GroupQueryAttention or PagedAttention node with a KV cache")
         from onnx_kvcache.cache.storage import stored_format
 
@@ -142,7 +142,7 @@ def _inspect_preview(
             _print(format_cache_table(exported, args.context, args.batch or 1))
         if preview.refusal is not None and stored_format(model) is None:  # stored: nothing to refuse
             _print(f"convert would refuse: {words(preview.refusal)}")
-        for line in _storage_lines(model):
+        for line in _storage_lines(preview.storage, words):
             _print(line)
         return 0
     _print(
@@ -171,20 +171,20 @@ def _preview_line(preview: Any, words: Callable[[object], str]) -> str:
     )
 
 
-def _storage_lines(model: Any) -> list[str]:
+def _storage_lines(storage: Any, words: Callable[[object], str]) -> list[str]:
     """The caches ``convert --storage qdq`` keeps (QuantizeLinear/DequantizeLinear around the
-    model's own attention): stored already, in which format, or their bytes per token as int8."""
-    from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
-
-    caches = find_qdq_caches(model.graph)
-    if not caches:
+    model's own attention): stored already, in which format, or their bytes per token once stored
+    (or that storage's refusal for the target)."""
+    if storage is None:
         return []
-    now, fmt = storage_bytes_per_token(model), stored_format(model)
+    now, fmt, after = storage.bytes_per_token, storage.stored, storage.bytes_per_token_after
     per_token = f"cache bytes per token {now:g}" if now is not None else "cache bytes per token unknown"
     if fmt is not None:
-        return [f"{len(caches)} cache(s) stored {fmt} through QuantizeLinear/DequantizeLinear; {per_token}"]
-    after = storage_bytes_per_token(model, "int8")
-    smaller = f" now, {after:g} as int8 ({now / after:.2f}x smaller)" if now and after else ""
-    return [
-        f"{len(caches)} cache(s) that --storage qdq stores around the model's attention: {per_token}{smaller}"
-    ]
+        return [
+            f"{storage.caches} cache(s) stored {fmt} through QuantizeLinear/DequantizeLinear; {per_token}"
+        ]
+    head = f"{storage.caches} cache(s) that --storage qdq stores around the model's attention: {per_token}"
+    if storage.refusal is not None:
+        return [f"{head}; convert --storage qdq would refuse: {words(storage.refusal)}"]
+    smaller = f" now, {after:g} as {storage.format} ({now / after:.2f}x smaller)" if now and after else ""
+    return [head + smaller]

@@ -30,8 +30,9 @@ Rules:
    :attr:`~.QdqType.shape_readable`); any other reader reads the dequantized past.
 5. Scales (dequantization scales, ``x = q * scale``, float32 or the cache's float type; zero
    point 0: from opset 21 none, QuantizeLinear's ``output_dtype`` naming the type, else a zero
-   of the format's type): per tensor one scalar (per-channel scales given are merged
-   by their max, with a warning); per channel, where the cache's last axis holds
+   of the format's type; :meth:`~QdqKvCachePass.granularity_for` infers the granularity of
+   scales recording none from their sizes): per tensor one scalar (per-channel scales given are
+   merged by their max, with a warning); per channel, where the cache's last axis holds
    ``kv_heads * head_size`` (a static buffer) a 1-D scale on ``axis=-1``; on a 4-D
    ``[batch, kv_heads, seq, head_size]`` cache the scale ``[1, kv_heads, 1, head_size]`` divides
    before a unit-scale ``QuantizeLinear`` and multiplies after a unit-scale ``DequantizeLinear``.
@@ -127,6 +128,30 @@ class QdqKvCachePass(InPlacePass):
             return np.ones(1)
         k, v = self.scales.for_layer(cache.layer)
         return np.asarray(k if cache.side == "k" else v, np.float64).reshape(-1)
+
+    @staticmethod
+    def granularity_for(model: ir.Model, scales: KvCacheScales | None) -> str:
+        """The granularity ``scales`` record, else the one their sizes fit on every float cache of
+        ``model`` (one element: ``per_tensor``; the cache's width: ``per_channel``; rule 5), else
+        ``per_tensor`` without scales. Sizes that fit no granularity, or different ones, are refused."""
+        if scales is None or scales.granularity is not None:
+            return scales.granularity if scales is not None and scales.granularity else "per_tensor"
+        fits: dict[str, str] = {}
+        for cache in find_qdq_caches(model.graph):
+            if cache.stored or cache.layer not in scales.k:
+                continue
+            k, v = scales.for_layer(cache.layer)
+            given = np.asarray(k if cache.side == "k" else v, np.float64).reshape(-1)
+            if given.size > 1:
+                _Scale.per_channel(cache, given)  # refuses a size that fits no channel of the cache
+            fits[cache.past.name or ""] = "per_tensor" if given.size == 1 else "per_channel"
+        found = set(fits.values())
+        if len(found) > 1:
+            raise KvCachePreconditionError(
+                f"The scales given fit different granularities ({fits}): give scales of one "
+                "granularity for every cache."
+            )
+        return "per_channel" if found == {"per_channel"} else "per_tensor"
 
     def _merges(self, cache: QdqCache) -> bool:
         return self.granularity.single and self._given(cache).size > 1

@@ -684,8 +684,8 @@ def check_storage(storage: object) -> None:
 
 def storage_decision(request: Request) -> Decision:
     """``storage="qdq"``'s rules: no fusion; the format named (else int8) and the granularity asked
-    (else the scales', else per tensor); nothing to store refuses ``convert_model``; the target's
-    storage row gates it."""
+    (else the one the scales record or their sizes fit, else per tensor); nothing to store refuses
+    ``convert_model``; the target's storage row gates it."""
     model, rules = request.model, request.rules
     if request.shared_kv_scale or (request.rotation is not None and get_rotation(request.rotation).rotates):
         raise KvCacheError(
@@ -695,9 +695,10 @@ def storage_decision(request: Request) -> Decision:
             Param("storage", AUTO),
             ".",
         )
-    fusion = Fusion(model, bool(find_attention_sites(model, with_cache_only=False)))
-    fmt, granularity = get_format(request.format or "int8"), scale_granularity(_asked_granularity(request))
+    fusion = _storage_fusion(request)
+    fmt = get_format(request.format or "int8")
     scales = as_kv_cache_scales(request.scales, format=fmt.name)
+    granularity = scale_granularity(request.granularity or QdqKvCachePass.granularity_for(model, scales))
     decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
     caches = find_qdq_caches(model.graph)
     if all(c.stored for c in caches):
@@ -714,14 +715,45 @@ def storage_decision(request: Request) -> Decision:
     return decision
 
 
+def _storage_fusion(request: Request) -> Fusion:
+    """``storage="qdq"`` fuses nothing: ``verify=True`` does not apply (a warning, and the
+    conversion's note); an export whose attention would fuse is said to (INFO: ``auto`` holds
+    its cache in the attention kernel, and the kernel reads it quantized)."""
+    model = request.model
+    had = bool(find_attention_sites(model, with_cache_only=False))
+    checked = None
+    if request.verify is True:
+        checked = Verification(
+            False, skipped="nothing is fused (the caches are stored around the model's attention)"
+        )
+        warn(Message(Param("verify", True), f" does not apply: {checked.line}."), FusionSkippedWarning)
+    if not had and request.fuse is not False and fuse_unless_attention(model, in_copy=True).fused:
+        logger.info(
+            "%s",
+            Message(
+                f"{request.name}'s attention fuses: ",
+                Param("storage", AUTO),
+                " would hold its cache quantized in the attention kernel (the kernel reads it quantized; "
+                "these caches are dequantized whole each step).",
+            ),
+        )
+    return Fusion(model, had, verification=checked)
+
+
 def _nothing_stored(request: Request, caches: list[Any]) -> Refusal:
     """``convert_model``'s refusal of a model with no float cache ``storage="qdq"`` keeps."""
     if caches:
-        text = f"{request.name}'s caches are stored quantized already: nothing to convert."
+        text = Message(
+            f"{request.name}'s caches are stored quantized already: nothing to convert (a stored cache is "
+            "not requantized): convert the original export to store them in another format or granularity."
+        )
         return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
-    text = (
+    text = Message(
         f"{request.name} has no cache that QuantizeLinear/DequantizeLinear storage keeps (a past input "
-        "written into its present output by Concat, TensorScatter or ONNX Attention): nothing to convert."
+        "written into its present output by Concat, TensorScatter or ONNX Attention): nothing to convert "
+        "this way. Convert with ",
+        Param("storage", AUTO),
+        " (its attention kernel holds the cache).",
     )
     return dataclasses.replace(NO_ATTENTION, text=text)
 

@@ -10,7 +10,7 @@ model given is never changed (nor is any file written); weights are not read.
 
 from __future__ import annotations
 
-__all__ = ["Preview", "preview_conversion", "speed_line"]
+__all__ = ["Preview", "StoragePreview", "preview_conversion", "speed_line"]
 
 import dataclasses
 from collections.abc import Mapping
@@ -20,8 +20,28 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import CacheModelInfo, inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
 from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, decide
+from onnx_kvcache.pipeline.decision import AUTO, QDQ, Decision, Entry, Request, decide
+
+
+@dataclasses.dataclass(frozen=True)
+class StoragePreview:
+    """What ``convert_model(storage="qdq")`` would do to a model whose caches its own attention
+    holds (:func:`~onnx_kvcache.cache.storage.find_qdq_caches`)."""
+
+    caches: int
+    stored: str | None
+    """The format they are stored in already (None: float)."""
+    format: str | None
+    """The format they would be stored in (int8 unless named; None: refused)."""
+    bytes_per_token: float | None
+    bytes_per_token_after: float | None
+    refusal: object | None
+
+    def to_json(self, render: Any = str) -> dict[str, Any]:
+        doc = {k: v for k, v in dataclasses.asdict(self).items() if k != "refusal"}
+        return doc | {"refused": None if self.refusal is None else render(self.refusal)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +63,8 @@ class Preview:
     """What ``convert`` would say instead of converting (a :class:`~onnx_kvcache.errors.Message`)."""
     float16_attention: bool = False
     """The attention would compute in float16 (a float32 model for CUDA)."""
+    storage: StoragePreview | None = None
+    """Where nothing fuses and the model's own attention holds its caches: ``storage="qdq"``'s."""
 
     def to_json(self, render: Any = str) -> dict[str, Any]:
         """The preview as ``inspect --json`` gives it (``render``: a message to text)."""
@@ -55,6 +77,7 @@ class Preview:
             "bytes_per_token_after": self.bytes_per_token_after,
             "float16_attention": self.float16_attention,
             "refused": None if self.refusal is None else render(self.refusal),
+            "storage": None if self.storage is None else self.storage.to_json(render),
         }
 
 
@@ -103,6 +126,8 @@ def preview_conversion(
         model.clone(), Entry.CONVERT, target=ep or AUTO, genai_config=genai_config, verify=False
     )  # a preview reads no weights: the fusion is verified when converting
     decision = decide(request)
+    storage = None if decision.fusion.fused else _storage_preview(request)
+    refusal = decision.message if decision.refusals else None
     return Preview(
         fused=decision.fusion.fused,
         cache=inspect_kv_cache(decision.model),
@@ -111,6 +136,25 @@ def preview_conversion(
         format=decision.format.name if decision.format is not None else None,
         granularity=decision.granularity.name if decision.granularity is not None else "per_tensor",
         bytes_per_token_after=_bytes_after(decision),
-        refusal=decision.message if decision.refusals else None,
+        refusal=storage.refusal if storage is not None and storage.stored else refusal,
         float16_attention=decision.adaptation is not None,
+        storage=storage,
+    )
+
+
+def _storage_preview(request: Request) -> StoragePreview | None:
+    """``storage="qdq"``'s decision for the request's model (None: no cache it keeps)."""
+    model = request.model
+    caches = find_qdq_caches(model.graph)
+    if not caches:
+        return None
+    decision = decide(dataclasses.replace(request, storage=QDQ))
+    fmt = decision.format.name if decision.format is not None and not decision.refusals else None
+    return StoragePreview(
+        caches=len(caches),
+        stored=stored_format(model),
+        format=fmt,
+        bytes_per_token=storage_bytes_per_token(model),
+        bytes_per_token_after=storage_bytes_per_token(model, fmt) if fmt is not None else None,
+        refusal=decision.message if decision.refusals else None,
     )
