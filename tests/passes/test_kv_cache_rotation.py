@@ -254,3 +254,20 @@ def test_a_quantized_cache_is_refused_and_the_model_left_as_it_was():
     with pytest.raises(KvCachePreconditionError, match=r"already int8.*scales calibrated for the rotation"):
         KvCacheRotationPass()(model)
     assert [n.op_type for n in model.graph] == before
+
+
+@pytest.mark.parametrize("doing", ["rotate", "emulate"])
+def test_a_cos_table_of_unknown_width_is_refused_before_a_node_is_written(doing):
+    """Partial rotary is read from cos_cache's width: a symbolic one cannot be told from full,
+    so the model is refused (it failed at run time), left as it was."""
+    model = gqa_model()
+    if doing == "emulate":  # the emulation writes the prologue of a quantized cache's node
+        KvCacheQuantizationPass("int8", "per_tensor", {0: (0.02, 0.02)})(model)
+    (site,) = find_attention_sites(model)
+    cos = site.input("cos_cache")
+    assert cos is not None and cos.shape is not None
+    cos.shape = ir.Shape([*cos.shape[:-1], "half_rotary"])
+    before = ir.to_onnx_text(model)
+    with pytest.raises(KvCachePreconditionError):
+        KvCacheRotationPass("keys")(model) if doing == "rotate" else emulate_kv_cache(model, "cuda")
+    assert ir.to_onnx_text(model) == before

@@ -59,6 +59,19 @@ def required(site: CacheSite, slot: GqaInput, doing: str = "emulate") -> ir.Valu
     return value
 
 
+def _rotary_width(site: CacheSite, cos: ir.Value, doing: str) -> int:
+    """The channels RoPE turns (``2 * cos_cache.shape[-1]``: partial rotary below the head
+    size), or a refusal when that width is not a static int (it cannot be told from full)."""
+    width = cos.shape[-1] if cos.shape is not None and len(cos.shape) else None
+    if not isinstance(width, int):
+        raise KvCachePreconditionError(
+            f"Cannot {doing} GroupQueryAttention node {site.name}: its cos_cache's last dimension "
+            f"({width}) is not a static int, so how many channels RoPE turns is unknown; give "
+            "cos_cache and sin_cache static shapes (they are constants in exported models)."
+        )
+    return 2 * width
+
+
 def prologue_opset(site: CacheSite) -> tuple[int, str]:
     """The default-domain opset the prologue of ``site`` needs, and for what."""
     if site.input(GqaInput.Q_NORM_WEIGHT) is not None or site.input(GqaInput.K_NORM_WEIGHT) is not None:
@@ -117,6 +130,7 @@ class Prologue:
                 required(site, GqaInput.COS_CACHE, doing),
                 required(site, GqaInput.SIN_CACHE, doing),
             )
+            _rotary_width(site, self.rotary[0], doing)  # refused before a node is written
             if site.input(GqaInput.POSITION_IDS) is None:  # the kernel's positions need seqlens_k
                 self.seqlens = required(site, GqaInput.SEQLENS_K, doing)
 
@@ -215,7 +229,7 @@ class Prologue:
         site, b = self.site, self.b
         assert step.positions is not None and self.rotary is not None
         cos, sin = self.rotary
-        rot = cos.shape[-1] * 2 if cos.shape is not None and isinstance(cos.shape[-1], int) else self.head
+        rot = _rotary_width(site, cos, "rotate")
         extra = {"rotary_embedding_dim": rot} if rot != self.head else {}
         return b.op(
             "RotaryEmbedding",
