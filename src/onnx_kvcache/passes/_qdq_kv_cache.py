@@ -212,9 +212,9 @@ def _check_opset(model: ir.Model, fmt: CacheFormat) -> None:
         raise KvCachePreconditionError(
             f"The {fmt.name} cache stored through QuantizeLinear/DequantizeLinear needs opset "
             f"{QDQ_TYPES[fmt.name].opset} or newer; the model's is {opset}. Export it at a newer opset or "
-            "choose another ",
-            Param("format", placeholder="..."),
-            ".",
+            "choose a format it has (",
+            Param("format", "int8"),
+            f" from opset {QDQ_TYPES['int8'].opset}).",
         )
 
 
