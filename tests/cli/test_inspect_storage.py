@@ -51,3 +51,10 @@ def test_json_and_the_api_report_the_storage_caches(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["bytes_per_token"] == 128 and doc["preview"]["storage"]["stored"] == "int8"
     assert "qdq" not in doc["preview"]["refused"]  # not a node the conversion made
+
+
+def test_json_lists_an_unfused_exports_own_caches_as_the_text_does(capsys):
+    source = qdq_models.ROOT / qdq_models.MLA[0] / "model.onnx"
+    assert main(["inspect", str(source), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["layers"]) == 2 and doc["bytes_per_token"] > 0

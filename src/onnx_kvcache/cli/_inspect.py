@@ -118,10 +118,12 @@ def _preview_json(
 ) -> dict[str, Any]:
     """``inspect --json`` of a model without attention nodes: its fused copy's cache and what
     ``convert`` would do (``preview``)."""
+    from onnx_kvcache.cache.layout import inspect_kv_cache
     from onnx_kvcache.pipeline.preview import preview_conversion
 
     preview = preview_conversion(model, args.ep, config)
-    return preview.cache.to_json(args.context, args.batch or 1) | {"preview": preview.to_json(words)}
+    cache = preview.cache if preview.cache.layers else inspect_kv_cache(model, exported=True)  # MLA's own
+    return cache.to_json(args.context, args.batch or 1) | {"preview": preview.to_json(words)}
 
 
 def _inspect_preview(
