@@ -5,6 +5,7 @@ convention, next-token distributions close to the float model's."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -164,3 +165,31 @@ def test_channel_scales_of_another_head_count_and_float16_scales_before_opset_19
     new = np.full((1, 2, 1, 4), 0.3, np.float16)
     present, read = storage.session(half).run(None, {"past_key_values.0.key": past, "new": new})
     assert read.dtype == np.float16 and np.all(present[:, :, 1] == 3) and abs(read[0, 0, 1, 0] - 0.3) < 1e-3
+
+
+def _scales(layers: tuple[int, ...], size: int, rotation: str | None = None, value: int = 0) -> KvCacheScales:
+    """Scales of ``size`` elements per cache (``value``: the values', if other)."""
+    scales = KvCacheScales.from_mapping(
+        {i: (np.full(size, 0.1), np.full(value or size, 0.1)) for i in layers}
+    )
+    return scales if rotation is None else dataclasses.replace(scales, metadata={"rotation": rotation})
+
+
+@pytest.mark.parametrize(
+    ("path", "granularity", "scales"),
+    [
+        (storage.STATIC[0], "per_tensor", _scales((0, 1, 2), 1)),  # a layer the model does not have
+        (storage.STATIC[0], "per_tensor", _scales((0, 1), 1, rotation="keys_and_values")),  # measured rotated
+        (
+            storage.MLA[1],
+            "per_channel",
+            _scales((0, 1), 32, value=16),
+        ),  # one head's channels; the cache has 4 heads
+    ],
+    ids=["foreign-layer", "rotated", "one-head-of-four"],
+)
+def test_scales_the_auto_path_refuses_are_refused(path, granularity, scales):
+    model = storage.load(path)
+    with pytest.raises(KvCachePreconditionError):
+        QdqKvCachePass("int8", granularity, scales)(model)
+    assert all(not c.stored for c in find_qdq_caches(model.graph))  # refused before anything changed

@@ -128,3 +128,18 @@ def test_verify_does_not_apply_and_a_fusing_export_is_told_of_the_kernel(tmp_pat
         assert convert_model(fuses, tmp_path / "r.onnx", storage="qdq", scales=scales).converted
     said = [r.args[0] for r in caplog.records if r.levelno == logging.INFO and r.args]
     assert any(Param("storage", "auto") in _parts(m) for m in said)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_window"])
+def test_a_window_layers_cache_left_float_refuses_unless_allow_partial(name, tmp_path):
+    """A rolling-window export: the full layers' caches are Concat-written, the window layer's not."""
+    source = storage.ROOT / "torch-tf5/dynamo-opset23-optimize-rollingcache" / name / "model.onnx"
+    path = tmp_path / "s.json"
+    KvCacheScales({0: 0.1, 1: 0.1}, {0: 0.1, 1: 0.1}, format="int8").save(path)
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=path)
+    assert not result.converted and not (tmp_path / "q.onnx").exists()
+    assert result.refusals[0].code is RefusalCode.PARTIAL_CONVERSION
+    assert Param("allow_partial", True) in _parts(result.refusals[0].text)
+    result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=path, allow_partial=True)
+    assert result.converted

@@ -305,12 +305,7 @@ class _Planner:
         whose past caches no attention node reads, an export's layer left unfused: theirs are unused)."""
         if scales is None:
             return
-        extra = sorted(set(scales.layer_ids) - layers - unattended)
-        if extra and layers:  # no cache at all: nothing to convert, said elsewhere
-            raise KvCachePreconditionError(
-                f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
-                f"are {sorted(layers)}): they were measured for another model. Calibrate this one."
-            )
+        check_known_layers(scales, layers, unattended)
         missing = sorted({p.site.layer_id for p in plans} - set(scales.layer_ids))
         if missing:
             raise KvCachePreconditionError(
@@ -319,6 +314,19 @@ class _Planner:
             )
 
     # -- applying -------------------------------------------------------------------
+
+
+def check_known_layers(
+    scales: KvCacheScales, layers: set[int], unattended: set[int] | frozenset[int] = frozenset()
+) -> None:
+    """Refuse scales for a layer the model lacks (``layers``: its KV-cache layers; ``unattended``:
+    layers whose scales are unused but not foreign). A model with no cache is said elsewhere."""
+    extra = sorted(set(scales.layer_ids) - layers - unattended)
+    if extra and layers:
+        raise KvCachePreconditionError(
+            f"The scales cover layer(s) {extra} that this model does not have (its KV-cache layers "
+            f"are {sorted(layers)}): they were measured for another model. Calibrate this one."
+        )
 
 
 #: ``shared_kv_scale`` warns when max(k, v) makes a scale coarser than this factor.

@@ -41,6 +41,8 @@ Rules:
 6. The operators must define the format's type at the model's opset (:data:`~.QDQ_TYPES`: int8
    10, fp8 19, int4 21), and a float16 or bfloat16 scale (19): an older model is refused (no
    opset is upgraded).
+7. Scales for a layer the model does not have, or measured on rotated caches (their
+   ``rotation``: none is placed here), are refused.
 
 The tables are :mod:`onnx_kvcache.cache.storage`'s. Refusals are
 :class:`~onnx_kvcache.errors.KvCachePreconditionError`, raised before anything changes. A
@@ -57,6 +59,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, get_format, scale_granularity
+from onnx_kvcache.cache.io_caches import find_io_caches
+from onnx_kvcache.cache.rotation import get_rotation
 from onnx_kvcache.cache.storage import QDQ_TYPES, QdqCache, find_qdq_caches
 from onnx_kvcache.errors import (
     KvCachePreconditionError,
@@ -66,6 +70,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._kv_cache_plan import check_known_layers
 from onnx_kvcache.scales.files import KvCacheScales
 
 _SHAPE_READERS = ("Shape", "Size")
@@ -100,10 +105,28 @@ class QdqKvCachePass(InPlacePass):
                     Param("scales", placeholder="FILE"),
                     ".",
                 )
+            if self.scales is not None:
+                self._check_scales(model, self.scales)
             for cache in find_qdq_caches(model.graph):
                 if not cache.stored:
                     self._scale(cache)  # a missing layer or a width that fits no scale: refused here
                     _check_float_scale(model, cache)
+
+    @staticmethod
+    def _check_scales(model: ir.Model, scales: KvCacheScales) -> None:
+        """Rule 7: scales of a layer the model lacks (its I/O caches' layers, or the ones found), or
+        recording a rotation (none is placed here), are refused."""
+        layers = {c.layer for c in find_qdq_caches(model.graph)} | {c.layer_id for c in find_io_caches(model)}
+        check_known_layers(scales, layers)
+        rotation = get_rotation(scales.metadata.get("rotation", "none"))
+        if rotation.rotates:
+            raise KvCachePreconditionError(
+                f"The scales were measured on caches rotated by {rotation.name}; a cache stored through "
+                "QuantizeLinear/DequantizeLinear is not rotated: calibrate the float model unrotated, or "
+                "convert with ",
+                Param("storage", "auto"),
+                ".",
+            )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         caches = [c for c in find_qdq_caches(model.graph) if not c.stored]
@@ -177,7 +200,8 @@ class _Scale:
     def per_channel(cls, cache: QdqCache, given: np.ndarray) -> _Scale:
         shape = cache.past.shape
         dims = list(shape) if shape is not None else []
-        if dims and isinstance(dims[-1], int) and dims[-1] == given.size:
+        several = len(dims) == 4 and isinstance(dims[1], int) and dims[1] > 1  # heads: not one head's
+        if dims and isinstance(dims[-1], int) and dims[-1] == given.size and not several:
             return cls(given, -1)
         head = dims[-1] if len(dims) == 4 and isinstance(dims[-1], int) else None
         heads = given.size // head if head and given.size % head == 0 else None

@@ -79,6 +79,7 @@ import onnx_ir as ir
 
 from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
+from onnx_kvcache.cache.io_caches import find_io_caches
 from onnx_kvcache.cache.rotation import (
     DEFAULT_MATRIX,
     MATRICES,
@@ -706,6 +707,8 @@ def storage_decision(request: Request) -> Decision:
             return dataclasses.replace(decision, format=None)
         refusal = _nothing_stored(request, caches)
         return _refused(decision, rules.refused_head, (refusal,), bare=rules.raise_bare)
+    if (kept := _kept_float(request, caches, fmt)) is not None:
+        return _refused(decision, rules.refused_head, (kept,), bare=rules.raise_bare)
     target, why = target_of(dataclasses.replace(request, format=None), model)  # fp8 does not mean CUDA here
     decision = dataclasses.replace(decision, target=target, why=why)
     refusals = storage_refusals(target, fmt.name, granularity.name) if target is not None else ()
@@ -738,6 +741,25 @@ def _storage_fusion(request: Request) -> Fusion:
             ),
         )
     return Fusion(model, had, verification=checked)
+
+
+def _kept_float(request: Request, caches: list[Any], fmt: CacheFormat) -> Refusal | None:
+    """Rule 8 under ``storage="qdq"``: the model's float caches (its I/O names) no writer of
+    :func:`find_qdq_caches` holds would keep their type, refused unless ``allow_partial``."""
+    if request.allow_partial:
+        return None
+    found = {c.past.name for c in caches}
+    kept = [c.past for c in find_io_caches(request.model) if c.format is None and c.past not in found]
+    if not kept:
+        return None
+    text = Message(
+        f"{', '.join(kept)} would keep their float type (no Concat, TensorScatter or ONNX Attention writes "
+        f"them into their present) while the others become {fmt.name}. A model whose caches mix types is "
+        "converted only with ",
+        Param("allow_partial", True),
+        ".",
+    )
+    return Refusal(RefusalCode.PARTIAL_CONVERSION, Parameter.ALLOW_PARTIAL, text)
 
 
 def _nothing_stored(request: Request, caches: list[Any]) -> Refusal:
