@@ -42,8 +42,9 @@ def _exported_feeds(session: ort.InferenceSession, ids: list[int], past: int) ->
     }
 
 
-def hand_fed(folder: pathlib.Path, static: bool) -> list[np.ndarray]:
-    """The prompt's logits, then each decode step's, from onnxruntime fed by hand."""
+def hand_fed(folder: pathlib.Path, static: bool, dtype: type = np.float32) -> list[np.ndarray]:
+    """The prompt's logits, then each decode step's, from onnxruntime fed by hand (caches of
+    ``dtype``, empty or zero-filled)."""
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     caches = [i for i in session.get_inputs() if "cache" in i.name or "past" in i.name]
     outputs = [o.name for o in session.get_outputs()]
@@ -52,7 +53,7 @@ def hand_fed(folder: pathlib.Path, static: bool) -> list[np.ndarray]:
         for c in caches
     }
     state = {
-        c.name: np.zeros([1, *c.shape[1:]] if static else [1, c.shape[1], 0, c.shape[3]], np.float32)
+        c.name: np.zeros([1, *c.shape[1:]] if static else [1, c.shape[1], 0, c.shape[3]], dtype)
         for c in caches
     }
     found, past = [], 0
@@ -154,22 +155,4 @@ def test_an_int8_qdq_cache_runs_as_a_hand_fed_loop_of_its_codes(folder, tmp_path
 
 def hand_fed_int8(folder: pathlib.Path, static: bool) -> list[np.ndarray]:
     """``hand_fed`` of a model whose caches are int8 codes."""
-    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
-    caches = [i for i in session.get_inputs() if "cache" in i.name or "past" in i.name]
-    outputs = [o.name for o in session.get_outputs()]
-    present = {
-        c.name: ("updated_" + c.name if static else c.name.replace("past_key_values", "present"))
-        for c in caches
-    }
-    state = {
-        c.name: np.zeros([1, *c.shape[1:]] if static else [1, c.shape[1], 0, c.shape[3]], np.int8)
-        for c in caches
-    }
-    found, past = [], 0
-    for ids in [PROMPT, *([t] for t in DECODE)]:
-        feeds = (_static_feeds if static else _exported_feeds)(session, ids, past) | state
-        results = dict(zip(outputs, session.run(outputs, feeds)))
-        state = {name: results[present[name]] for name in state}
-        found.append(results["logits"][0, -1])
-        past += len(ids)
-    return found
+    return hand_fed(folder, static, np.int8)
