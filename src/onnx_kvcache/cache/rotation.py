@@ -52,7 +52,8 @@ __all__ = [
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -103,15 +104,21 @@ def default_rotation(format: str, sites: list[CacheSite]) -> Rotation:
     return ROTATIONS[DEFAULT_ROTATIONS.get(format, "none")]
 
 
+_Row = TypeVar("_Row")
+
+
+def _row(table: Mapping[str, _Row], name: object, what: str) -> _Row:
+    """``table``'s row named ``name`` (case and ``-``/``_`` aside), or one error naming the rows."""
+    require_type(name, str, f"The {what}", f"a name ({', '.join(table)})")
+    row = table.get(str(name).lower().replace("-", "_"))
+    if row is None:
+        raise KvCacheError(f"Unknown {what} {name!r}; choose one of {', '.join(table)}.")
+    return row
+
+
 def get_rotation(name: str | Rotation) -> Rotation:
     """The :data:`ROTATIONS` row for ``name`` (``none``, ``keys`` or ``keys_and_values``)."""
-    if isinstance(name, Rotation):
-        return name
-    require_type(name, str, "The rotation", f"a name ({', '.join(ROTATIONS)})")
-    row = ROTATIONS.get(str(name).lower().replace("-", "_"))
-    if row is None:
-        raise KvCacheError(f"Unknown rotation {name!r}; choose one of {', '.join(ROTATIONS)}.")
-    return row
+    return name if isinstance(name, Rotation) else _row(ROTATIONS, name, "rotation")
 
 
 def _dct2(m: int) -> np.ndarray:
@@ -183,13 +190,7 @@ DEFAULT_MATRIX = "hadamard"
 
 def get_matrix(name: str | RotationMatrix) -> RotationMatrix:
     """The :data:`MATRICES` row for ``name`` (``hadamard`` or ``walsh_dct``)."""
-    if isinstance(name, RotationMatrix):
-        return name
-    require_type(name, str, "The rotation matrix", f"a name ({', '.join(MATRICES)})")
-    row = MATRICES.get(str(name).lower().replace("-", "_"))
-    if row is None:
-        raise KvCacheError(f"Unknown rotation matrix {name!r}; choose one of {', '.join(MATRICES)}.")
-    return row
+    return name if isinstance(name, RotationMatrix) else _row(MATRICES, name, "rotation matrix")
 
 
 @functools.cache
