@@ -42,16 +42,22 @@ def _op(nodes: list[ir.Node], op: str, inputs: list, **attrs) -> ir.Value:
     return node.outputs[0]
 
 
-def counted_attention(*, mask_width: str = "past_seq_len + seq_len", **mask: object) -> ir.Model:
-    """A 3-D ``Attention`` holding its cache, its mask as mobius writes it (``mask_width`` named
-    apart from the cache's ``past + seq``; ``mask``: :func:`_counted_mask`'s window and near misses)."""
+def _inputs_and_mask(nodes: list[ir.Node], mask_width: str, mask: dict) -> tuple:
+    """Both builders' inputs (q, k, v, attention_mask, the pasts) and the counted mask."""
     q = ir.val("q", F, ["batch", "seq", HEADS * HEAD])
     k, v = (ir.val(n, F, ["batch", "seq", KV_HEADS * HEAD]) for n in "kv")
     padding = ir.val("attention_mask", ir.DataType.INT64, ["batch", mask_width])
     past = [ir.val(f"past_{n}", F, ["batch", KV_HEADS, "past", HEAD]) for n in ("key", "value")]
-    nodes: list[ir.Node] = []
     seq = _op(nodes, "Shape", [q], start=1, end=2)
     attn_mask = _counted_mask(nodes, padding, seq, mask_width, **mask)  # type: ignore[arg-type]
+    return q, k, v, padding, past, attn_mask
+
+
+def counted_attention(*, mask_width: str = "past_seq_len + seq_len", **mask: object) -> ir.Model:
+    """A 3-D ``Attention`` holding its cache, its mask as mobius writes it (``mask_width`` named
+    apart from the cache's ``past + seq``; ``mask``: :func:`_counted_mask`'s window and near misses)."""
+    nodes: list[ir.Node] = []
+    q, k, v, padding, past, attn_mask = _inputs_and_mask(nodes, mask_width, mask)
     attention = ir.node(
         "Attention",
         [q, k, v, attn_mask, *past],
@@ -116,13 +122,8 @@ def counted_decomposed(*, mask_width: str = "past_seq_len + seq_len", **mask: ob
     """:func:`counted_attention`'s model written out as mobius writes gpt-oss's attention: Q/K/V
     to heads, ``Concat(past, new)`` as the presents, ``repeat_kv``, ``MatMul``/``Softmax`` with
     the mask added to the scores (``past + seq`` columns; the mask ``mask_width``)."""
-    q = ir.val("q", F, ["batch", "seq", HEADS * HEAD])
-    k, v = (ir.val(n, F, ["batch", "seq", KV_HEADS * HEAD]) for n in "kv")
-    padding = ir.val("attention_mask", ir.DataType.INT64, ["batch", mask_width])
-    past = [ir.val(f"past_{n}", F, ["batch", KV_HEADS, "past", HEAD]) for n in ("key", "value")]
     nodes: list[ir.Node] = []
-    seq = _op(nodes, "Shape", [q], start=1, end=2)
-    attn_mask = _counted_mask(nodes, padding, seq, mask_width, **mask)  # type: ignore[arg-type]
+    q, k, v, padding, past, attn_mask = _inputs_and_mask(nodes, mask_width, mask)
 
     def heads(x: ir.Value, count: int) -> ir.Value:
         split = _op(nodes, "Reshape", [x, _const(nodes, np.array([0, 0, count, HEAD], np.int64))])
