@@ -282,23 +282,24 @@ def _allocation_lines(info: CacheModelInfo) -> list[str]:
     return lines
 
 
+def _layers_by(info: CacheModelInfo, field: str) -> dict[int, list[int]]:
+    """The layer ids by their ``field`` value (``window``, ``rolling``), those without one left out."""
+    groups: dict[int, list[int]] = {}
+    for layer in info.layers:
+        if value := getattr(layer, field):
+            groups.setdefault(value, []).append(layer.layer_id)
+    return groups
+
+
 def _attention_lines(info: CacheModelInfo) -> list[str]:
     """The layers whose cache is window-sized or rolling, and those with attention sinks."""
     lines = []
-    windows: dict[int, list[int]] = {}
-    for layer in info.layers:
-        if layer.window:
-            windows.setdefault(layer.window, []).append(layer.layer_id)
-    for window, ids in windows.items():
+    for window, ids in _layers_by(info, "window").items():
         lines.append(
             f"window-sized caches (sliding_window_cache=1): layer(s) {_ranges(ids)} keep the last "
             f"{window} tokens in at least {window} rows (empty: {window} zero rows; no more bytes past it)"
         )
-    rolling: dict[int, list[int]] = {}
-    for layer in info.layers:
-        if layer.rolling:
-            rolling.setdefault(layer.rolling, []).append(layer.layer_id)
-    for rows, ids in rolling.items():
+    for rows, ids in _layers_by(info, "rolling").items():
         lines.append(
             f"rolling window caches (the export's): layer(s) {_ranges(ids)} keep each row's last {rows} "
             f"tokens (window {rows + 1}; empty: 0 rows, as the export's; no more bytes past it)"
