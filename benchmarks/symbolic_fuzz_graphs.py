@@ -1,7 +1,8 @@
 """The random graphs of benchmarks/symbolic_fuzz.py: one builder per row of the evaluator's rule
 table (:data:`BUILDERS`), each writing its operator the way exporters use it, in the form the
 case's opset defines, over what the case built so far (:class:`Case`); :func:`build_case` draws
-case ``index`` of a seed."""
+case ``index`` of a seed. Its :class:`Graph` (the inputs, nodes and constants of a case) and
+operator lists serve tests/passes/fusion/test_symbolic_rules.py's one-rule graphs too."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ OPSETS = range(12, 25)
 DIMS = ("A", "B", "C", "R", "K", "S")
 LARGE = 1000
 """The large size one dimension takes in some runs."""
+UNARY = (
+    "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
+    "IsInf", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
+)  # fmt: skip
+"""The rule table's one-input float operators."""
+REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2")
 
 
 # ---- building a case ----
@@ -36,19 +43,54 @@ class Item:
     rank: int
 
 
-class Case:
-    """One random graph under construction, at one opset."""
+class Graph:
+    """A graph under construction over the inputs every case may read (float ``x [A, B, C]``,
+    integer ``m [R, K]`` read by entries, ``ids [S]`` for lengths): nodes, initializers."""
 
-    def __init__(self, rng: np.random.Generator, opset: int) -> None:
-        self.rng = rng
-        self.opset = opset
+    def __init__(self, opset: int) -> None:
         self.x = ir.val("x", F32, ["A", "B", "C"])
         self.m = ir.val("m", I64, ["R", "K"])
         self.ids = ir.val("ids", I64, ["S"])
-        self.n = ir.val("n", I32, ["R", "K"])
+        self.inputs = [self.x, self.m, self.ids]
         self.nodes: list[ir.Node] = []
         self.consts: list[ir.Value] = []
-        self.domains = {"": opset}
+        self.opsets = {"": opset}
+
+    def op(self, op_type: str, inputs, outputs: int = 1, domain: str = "", **attrs) -> ir.Value:
+        node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=outputs)
+        node.name = f"n{len(self.nodes)}"
+        for k, out in enumerate(node.outputs):
+            out.name = f"{node.name}_{k}"
+        self.nodes.append(node)
+        if domain:
+            self.opsets[domain] = 1
+        return node.outputs[0]
+
+    def const(self, array) -> ir.Value:
+        """An initializer."""
+        value = ir.Value(name=f"c{len(self.consts)}", const_value=ir.tensor(np.asarray(array)))
+        self.consts.append(value)
+        return value
+
+    def model(self, outputs: list[ir.Value] | None = None) -> ir.Model:
+        """The model computing ``outputs`` (None: every node's outputs)."""
+        outputs = [v for n in self.nodes for v in n.outputs] if outputs is None else outputs
+        graph = ir.Graph(self.inputs, outputs, nodes=self.nodes, opset_imports=dict(self.opsets))
+        for value in self.consts:
+            graph.register_initializer(value)
+        return ir.Model(graph, ir_version=10)
+
+
+class Case(Graph):
+    """One random graph under construction, at one opset, over one more input (int32 ``n [R, K]``);
+    what it built so far is its pool."""
+
+    def __init__(self, rng: np.random.Generator, opset: int) -> None:
+        super().__init__(opset)
+        self.rng = rng
+        self.opset = opset
+        self.n = ir.val("n", I32, ["R", "K"])
+        self.inputs.append(self.n)
         self.pool = [
             Item(self.x, "float", 3),
             Item(self.m, "int", 2),
@@ -59,25 +101,16 @@ class Case:
     # -- nodes and constants
 
     def op(self, op_type: str, inputs, outputs: int = 1, domain: str = "", kind=None, rank=None, **attrs):
-        node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=outputs)
-        node.name = f"n{len(self.nodes)}"
-        for k, out in enumerate(node.outputs):
-            out.name = f"{node.name}_{k}"
-        self.nodes.append(node)
-        if domain:
-            self.domains[domain] = 1
+        out = super().op(op_type, inputs, outputs, domain, **attrs)
         if kind is not None:
-            self.pool.append(Item(node.outputs[0], kind, rank))
-        return node.outputs[0]
+            self.pool.append(Item(out, kind, rank))
+        return out
 
     def const(self, array) -> ir.Value:
         """A constant: an initializer, or (half the time) a Constant node."""
-        array = np.asarray(array)
         if self.rng.integers(2):
-            value = ir.Value(name=f"c{len(self.consts)}", const_value=ir.tensor(array))
-            self.consts.append(value)
-            return value
-        return self.op("Constant", [], value=ir.tensor(array))
+            return super().const(array)
+        return self.op("Constant", [], value=ir.tensor(np.asarray(array)))
 
     def ints(self, array) -> ir.Value:
         return self.const(np.asarray(array, np.int64))
@@ -167,15 +200,6 @@ class Case:
     def float_item(self) -> Item:
         item = self.pick("float")
         return item if item is not None else Item(self.x, "float", 3)
-
-    def model(self) -> ir.Model:
-        outputs = [v for n in self.nodes for v in n.outputs]
-        graph = ir.Graph(
-            [self.x, self.m, self.ids, self.n], outputs, nodes=self.nodes, opset_imports=dict(self.domains)
-        )
-        for value in self.consts:
-            graph.register_initializer(value)
-        return ir.Model(graph, ir_version=10)
 
 
 Builder = Callable[[Case], object]
@@ -804,13 +828,7 @@ BUILDERS: dict[tuple[str, str], Builder] = {
     (MICROSOFT, "SkipSimplifiedLayerNormalization"): _norm("SkipSimplifiedLayerNormalization", MICROSOFT),
     (MICROSOFT, "RotaryEmbedding"): _rotary(MICROSOFT),
 }
-for _op in (
-    "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
-    "IsInf", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
-):  # fmt: skip
-    BUILDERS[("", _op)] = _unary(_op)
-for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
-    BUILDERS[("", _op)] = _reduce(_op)
+BUILDERS |= {("", op): _unary(op) for op in UNARY} | {("", op): _reduce(op) for op in REDUCTIONS}
 
 #: The opset from which an operator (or the form the builder writes) exists.
 SINCE = {

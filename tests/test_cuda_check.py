@@ -6,33 +6,20 @@ kernel). What only a GPU shows (the CUDA kernels' figures) is not asserted here.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
 import signal
-import sys
 import warnings
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 
+from benchmark_scripts import load
 from onnx_kvcache.cache.formats import get_format
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "cuda_check.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("cuda_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cuda_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load()
+cc = load("cuda_check")
 V = cc.Variant
 GENAI = cc.ModelSpec("genai-fp16-h64", "float16", 64, genai=True, num_layers=2)
 

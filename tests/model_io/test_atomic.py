@@ -87,6 +87,20 @@ def test_format_bytes(n, text):
     assert file_io.format_bytes(n) == text
 
 
+@pytest.mark.parametrize(
+    ("n", "unit", "text"),
+    [
+        (0, "MiB", "0.0 MiB"),
+        (2**19, "MiB", "0.5 MiB"),
+        (3 * 2**30, "MiB", "3072.0 MiB"),
+        (2**30, "GiB", "1.0 GiB"),
+    ],
+)
+def test_format_bytes_in_one_unit(n, unit, text):
+    """A fixed unit keeps its one decimal whatever the size (figures a line compares)."""
+    assert file_io.format_bytes(n, unit) == text
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_copy_keeps_holes_and_bytes(tmp_path, monkeypatch, plain):
     if plain:

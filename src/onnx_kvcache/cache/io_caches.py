@@ -16,7 +16,7 @@ A cache stored quantized (``convert``'s QDQ storage) has an integer or fp8 input
 
 from __future__ import annotations
 
-__all__ = ["EXPORTED", "IO_CONVENTIONS", "STATIC", "IoCache", "IoConvention", "find_io_caches"]
+__all__ = ["EXPORTED", "IO_CONVENTIONS", "STATIC", "CachePair", "IoCache", "IoConvention", "find_io_caches"]
 
 import dataclasses
 import re
@@ -83,17 +83,24 @@ _QDQ_FORMATS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class IoCache:
-    """One cache a convention names: its past input, present output, shape and storage."""
+class CachePair:
+    """One cache of a layer (``kind``: key or value): its past input paired with its present
+    output. What a convention's :class:`IoCache` and the runner's ``CacheBinding`` share."""
 
-    convention: IoConvention
     layer_id: int
     kind: str
     past: str
     present: str
     dtype: ir.DataType
-    """The element type of the input as the graph declares it."""
+    """The element type of the past input as the graph declares it (the stored type)."""
     kv_num_heads: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IoCache(CachePair):
+    """One cache a convention names: its past input, present output, shape and storage."""
+
+    convention: IoConvention
     head_size: int
     rows: int | None
     """A fixed buffer's rows (its ``max_len``), else None."""
@@ -195,7 +202,7 @@ def _io_cache(convention: IoConvention, value: ir.Value, outputs: dict[str, ir.V
     head = width // heads
     storage = _storage(value, outputs[present], heads, head)
     assert value.name is not None
-    return IoCache(convention, layer, kind, value.name, present, value.dtype, heads, head, rows, **storage)  # type: ignore[arg-type]
+    return IoCache(layer, kind, value.name, present, value.dtype, heads, convention, head, rows, **storage)  # type: ignore[arg-type]
 
 
 def find_io_caches(model: ir.Model, conventions: tuple[IoConvention, ...] | None = None) -> list[IoCache]:

@@ -65,6 +65,7 @@ def _cost_lines(
     """What the cache costs at the model's context and in time: for a float cache, what
     ``convert`` would make of it; for a quantized one, its own."""
     from onnx_kvcache.capabilities.table import get_capabilities, infer_target
+    from onnx_kvcache.model_io import format_bytes
     from onnx_kvcache.passes import PromptFloatAttentionPass
     from onnx_kvcache.pipeline.preview import preview_conversion, speed_line
     from onnx_kvcache.runtime import max_positions
@@ -73,12 +74,12 @@ def _cost_lines(
         return _storage_lines(preview_conversion(model, args.ep, config).storage, words)
     context = max_positions(model) or 0
     at = f"at the model's context ({context} tokens), batch 1" if context else None
-    before = info.bytes_per_token
+    before, now = info.bytes_per_token, format_bytes(info.cache_bytes(context), "MiB")
     if any(layer.k_quant_type != "NONE" for layer in info.layers):
         target = args.ep or infer_target(model, config)[0]
         fmt = _format_of(model)
         wrapped = any(layer.prompt_in_float for layer in info.layers)
-        lines = [f"cache {at}: {_mib(info.cache_bytes(context))}"] if at and args.context is None else []
+        lines = [f"cache {at}: {now}"] if at and args.context is None else []
         line = speed_line(target, fmt, wrapped, info.original_bytes_per_token / before)
         if line and not wrapped and PromptFloatAttentionPass.wrappable(model):
             line += f"; converting it again for {target} routes the prompt through the float kernel"
@@ -87,7 +88,7 @@ def _cost_lines(
     lines = [_preview_line(preview, words)]
     after = preview.bytes_per_token_after
     if after and at:
-        lines.append(f"cache {at}: {_mib(info.cache_bytes(context))} now, {_mib(after * context)} converted")
+        lines.append(f"cache {at}: {now} now, {format_bytes(after * context, 'MiB')} converted")
     support = get_capabilities(preview.target).formats.get(preview.format or "") if preview.target else None
     line = speed_line(
         preview.target, preview.format, bool(support and support.prompt_in_float), before / (after or before)
@@ -107,10 +108,6 @@ def _format_of(model: Any) -> str | None:
 
     fmt = next((s.cache_format for s in find_attention_sites(model) if s.cache_format), None)
     return fmt.name if fmt is not None else None
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _preview_json(

@@ -82,7 +82,7 @@ import shutil
 import stat
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from onnx_kvcache._signals import Interrupted, signal_handlers, uninterrupted
 from onnx_kvcache.errors import KvCacheError
@@ -107,8 +107,14 @@ TEMP_PREFIX = ".onnx-kvcache-tmp-"
 _JOURNAL = ".journal"
 
 
-def format_bytes(n: float) -> str:
-    """``2.3 GiB``, ``512 KiB``, ``0 bytes``."""
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def format_bytes(n: float, unit: Literal["KiB", "MiB", "GiB", "TiB"] | None = None) -> str:
+    """``2.3 GiB``, ``512 KiB``, ``0 bytes``; in ``unit``, with one decimal, when given
+    (``0.5 MiB``: figures a line compares)."""
+    if unit is not None:
+        return f"{n / _UNITS[unit]:.1f} {unit}"
     if n < 1024:
         return f"{int(n)} bytes"
     for unit in ("KiB", "MiB", "GiB", "TiB"):

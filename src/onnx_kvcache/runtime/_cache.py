@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, scale_granularity
-from onnx_kvcache.cache.io_caches import IoCache, find_io_caches
+from onnx_kvcache.cache.io_caches import CachePair, IoCache, find_io_caches
 from onnx_kvcache.cache.operators import PAGED, CacheSide
 from onnx_kvcache.cache.rolling import present_output
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites, resident_rows
@@ -49,16 +49,9 @@ def _cache_kind(name: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheBinding:
+class CacheBinding(CachePair):
     """One cache tensor: its past input, present output, layout and stored format."""
 
-    layer_id: int
-    kind: str
-    past: str
-    present: str
-    dtype: ir.DataType
-    """Element type of the cache as the model stores it."""
-    kv_num_heads: int
     last_dim: int
     """Last dimension as stored (packed for int4)."""
     capacity: int | None

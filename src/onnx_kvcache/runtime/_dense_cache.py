@@ -9,7 +9,7 @@ that calibration sees every row the kernel will quantize; the kernel keeps the l
 
 from __future__ import annotations
 
-__all__ = ["DenseCache", "DenseLayout"]
+__all__ = ["DenseCache", "DenseLayout", "RectangularCache"]
 
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -40,13 +40,13 @@ class DenseLayout:
         return DenseCache(bindings, feeding)
 
 
-class DenseCache:
-    """The dense caches of ``batch`` sequences of the same length."""
+class RectangularCache:
+    """What the caches of ``batch`` sequences of the same length share (a dense cache, fixed
+    buffers): no blocks, calls of one length each, the present outputs bound as they come."""
 
     block_size: None = None
     kernel_rule: None = None
     pool: None = None
-    capacity: None = None
 
     def __init__(self, bindings: list[CacheBinding], feeding: Feeding) -> None:
         self.bindings = bindings
@@ -55,12 +55,29 @@ class DenseCache:
         self.length = 0
         self.caches: dict[str, Any] = {}
 
+    def require_packed(self) -> None:
+        raise KvCacheError("forward_packed needs a paged decoder (PagedAttention); use forward.")
+
+    def advance(self, rows: Rows) -> None:
+        self.length += len(rows[0])
+
+    def logits(self, logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return logits
+
+    def bind_present(self, binding: Any, cache: CacheBinding) -> None:
+        """The present output in a new OrtValue each call (a fixed buffer too: bound to the
+        input's own, onnxruntime 1.32's CPU gives wrong logits after the first call, measured)."""
+        binding.bind_output(cache.present, self.feeding.device)
+
+
+class DenseCache(RectangularCache):
+    """The dense caches of ``batch`` sequences of the same length."""
+
+    capacity: None = None
+
     def reset(self, batch: int, min_capacity: int = 0) -> None:
         self.batch, self.length = batch, 0
         self.caches = {b.past: self.feeding.hold(b.empty(batch, min_capacity), b) for b in self.bindings}
-
-    def require_packed(self) -> None:
-        raise KvCacheError("forward_packed needs a paged decoder (PagedAttention); use forward.")
 
     def feeds(self, rows: Rows) -> dict[str, np.ndarray]:
         """Token ids, and the attention mask and positions when the session takes them."""
@@ -74,15 +91,6 @@ class DenseCache:
         if "position_ids" in names:
             feeds["position_ids"] = np.tile(np.arange(self.length, total, dtype=np.int64), (batch, 1))
         return feeds
-
-    def advance(self, rows: Rows) -> None:
-        self.length += len(rows[0])
-
-    def logits(self, logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return logits
-
-    def bind_present(self, binding: Any, cache: CacheBinding) -> None:
-        binding.bind_output(cache.present, self.feeding.device)
 
     def values(self, cache: CacheBinding) -> np.ndarray:
         return cache.values(host_array(self.caches[cache.past]))

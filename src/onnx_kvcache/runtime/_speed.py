@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
+from onnx_kvcache.model_io import format_bytes
 from onnx_kvcache.runtime.runner import KvCacheRunner
 
 #: The prompt ``evaluate`` times by default (tokens), shortened to the models' context.
@@ -58,17 +59,13 @@ class Speed:
             ),
             (
                 f"cache at {self.context} tokens",
-                f"{_mib(cc)} (baseline {_mib(cb)}), batch 1; timed once in this process: a comparison, "
-                "not a benchmark",
+                f"{format_bytes(cc, 'MiB')} (baseline {format_bytes(cb, 'MiB')}), batch 1; "
+                "timed once in this process: a comparison, not a benchmark",
             ),
         ]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _timed(runner: KvCacheRunner, ids: np.ndarray, steps: np.ndarray) -> tuple[float, float]:

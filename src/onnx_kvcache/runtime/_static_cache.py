@@ -14,7 +14,6 @@ __all__ = ["StaticCache", "StaticLayout"]
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -23,6 +22,7 @@ from onnx_kvcache.cache.io_caches import STATIC
 from onnx_kvcache.errors import KvCacheError
 from onnx_kvcache.model_io import host_array
 from onnx_kvcache.runtime._cache import CacheBinding, Feeding, Rows
+from onnx_kvcache.runtime._dense_cache import RectangularCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +49,12 @@ class StaticLayout:
         return StaticCache(bindings, feeding, self.rows)
 
 
-class StaticCache:
+class StaticCache(RectangularCache):
     """The fixed buffers of ``batch`` sequences of the same length."""
 
-    block_size: None = None
-    kernel_rule: None = None
-    pool: None = None
-
     def __init__(self, bindings: list[CacheBinding], feeding: Feeding, rows: int) -> None:
-        self.bindings = bindings
-        self.feeding = feeding
+        super().__init__(bindings, feeding)
         self.capacity = rows
-        self.batch = 1
-        self.length = 0
-        self.caches: dict[str, Any] = {}
 
     def reset(self, batch: int, min_capacity: int = 0) -> None:
         self._check_room(min_capacity)
@@ -75,9 +67,6 @@ class StaticCache:
                 f"{total} tokens exceed the {self.capacity} rows of the model's static cache buffers "
                 "(fixed when it was built); use shorter sequences, or rebuild it with more rows."
             )
-
-    def require_packed(self) -> None:
-        raise KvCacheError("forward_packed needs a paged decoder (PagedAttention); use forward.")
 
     def feeds(self, rows: Rows) -> dict[str, np.ndarray]:
         """Token ids, positions, where the new rows go and how many rows attention reads."""
@@ -92,17 +81,6 @@ class StaticCache:
         feeds[write] = np.full((batch,), self.length, np.int64)
         feeds[seqlen] = np.full((batch,), total, np.int64)
         return feeds
-
-    def advance(self, rows: Rows) -> None:
-        self.length += len(rows[0])
-
-    def logits(self, logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return logits
-
-    def bind_present(self, binding: Any, cache: CacheBinding) -> None:
-        """The updated buffer in a new OrtValue: bound to the input's own, onnxruntime 1.32's CPU
-        gives wrong logits after the first call (measured), so each call copies the buffer."""
-        binding.bind_output(cache.present, self.feeding.device)
 
     def values(self, cache: CacheBinding) -> np.ndarray:
         """The written rows' float32 values ``[B, kv_num_heads, length, head_size]``."""

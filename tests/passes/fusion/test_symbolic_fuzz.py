@@ -4,31 +4,16 @@ made wrong on purpose is found (the comparison can fail)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
+from benchmark_scripts import load
 from onnx_kvcache.passes.fusion import _symbolic_index as index
 from onnx_kvcache.passes.fusion._symbolic_rules import RULES, Rule
 from onnx_kvcache.passes.fusion._symbolic_values import ZERO, Affine, Conj, Le, Symbol, SymTensor, axis
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "benchmarks" / "symbolic_fuzz.py"
+fuzz = load("symbolic_fuzz")
 CASES = 300
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("symbolic_fuzz", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["symbolic_fuzz"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ operator (over graph inputs with named dimensions: float data ``x [A, B, C]``, a
 evaluator's answer (shape, and elements where it claims them: an integer element or values,
 a condition, a stack of index forms, a mask) is made concrete for random dimension sizes and
 input values and must equal what onnxruntime computes. A rule may decline (values unknown, or
-Unprovable), but over the draws each row must answer at least once.
+Unprovable), but over the draws each row must answer at least once. The graphs' base and the
+comparison with onnxruntime are the differential fuzz's (benchmarks/symbolic_fuzz.py).
 """
 
 from __future__ import annotations
@@ -17,53 +18,23 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from benchmark_scripts import load
 from onnx_kvcache.model_io._sessions import create_session
 from onnx_kvcache.passes.fusion._symbolic import SymbolicEvaluator, Unprovable
 from onnx_kvcache.passes.fusion._symbolic_rules import MICROSOFT, RULES
-from onnx_kvcache.passes.fusion._symbolic_values import (
-    MASKED_BELOW,
-    Additive,
-    Affine,
-    Conj,
-    FloatConst,
-    Le,
-    MaskAt,
-    SymbolKind,
-    SymTensor,
-)
+from onnx_kvcache.passes.fusion._symbolic_values import SymTensor
 
+fuzz = load("symbolic_fuzz")
+graphs = fuzz.graphs
 DRAWS = 8
-I64, F32, BOOL = ir.DataType.INT64, ir.DataType.FLOAT, ir.DataType.BOOL
-NARROW = (ir.DataType.INT32, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.UINT32)
-"""Integer types a Cast from int64 may wrap into."""
+I64, F32, BOOL, NARROW = graphs.I64, graphs.F32, graphs.BOOL, graphs.NARROW
 
 
-class Graph:
-    """A graph under construction: the inputs every case may read, nodes, constants."""
+class Graph(graphs.Graph):
+    """The fuzz's graph at opset 23, with initializers only and ranges from 0."""
 
     def __init__(self) -> None:
-        self.x = ir.val("x", F32, ["A", "B", "C"])
-        self.m = ir.val("m", I64, ["R", "K"])
-        self.ids = ir.val("ids", I64, ["S"])
-        self.nodes: list[ir.Node] = []
-        self.consts: list[ir.Value] = []
-        self.opsets = {"": 23}
-
-    def op(self, op_type: str, inputs, outputs: int = 1, domain: str = "", **attrs) -> ir.Value:
-        node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=outputs)
-        node.name = f"n{len(self.nodes)}"
-        for k, out in enumerate(node.outputs):
-            out.name = f"{node.name}_{k}"
-        self.nodes.append(node)
-        if domain:
-            self.opsets[domain] = 1
-        return node.outputs[0]
-
-    def const(self, array) -> ir.Value:
-        array = np.asarray(array)
-        value = ir.Value(name=f"c{len(self.consts)}", const_value=ir.tensor(array))
-        self.consts.append(value)
-        return value
+        super().__init__(23)
 
     def length(self, of: ir.Value, axis: int) -> ir.Value:
         """A scalar dimension of ``of``."""
@@ -72,100 +43,16 @@ class Graph:
     def arange(self, of: ir.Value, axis: int, start: int = 0) -> ir.Value:
         return self.op("Range", [self.const(np.int64(start)), self.length(of, axis), self.const(np.int64(1))])
 
-    def model(self, out: ir.Value) -> ir.Model:
-        graph = ir.Graph([self.x, self.m, self.ids], [out], nodes=self.nodes, opset_imports=self.opsets)
-        for value in self.consts:
-            graph.register_initializer(value)
-        return ir.Model(graph, ir_version=10)
 
-
-# ---- making the evaluator's answer concrete ----
-
-
-class Unknown(Exception):
-    """The answer reads a symbol with no concrete value (a fresh dimension)."""
-
-
-def _form(form: Affine, env: dict, grid: list[np.ndarray], feeds: dict) -> np.ndarray:
-    total = np.asarray(form.const, np.int64)
-    for symbol, c in form.terms:
-        total = total + c * _symbol(symbol, env, grid, feeds)
-    return total
-
-
-def _symbol(symbol, env, grid, feeds) -> np.ndarray:
-    kind = symbol.kind
-    if kind is SymbolKind.DIM:
-        return np.asarray(env[symbol.name])
-    if kind is SymbolKind.AXIS:
-        return grid[int(symbol.name)]
-    if kind is SymbolKind.MAX:
-        return np.maximum(0, _form(symbol.form, env, grid, feeds))
-    if kind in (SymbolKind.ENTRY, SymbolKind.COUNT):
-        data = feeds[symbol.at.source]
-        row, col = (_form(f, env, grid, feeds) for f in (symbol.at.row, symbol.at.col))
-        if kind is SymbolKind.COUNT:
-            data = np.concatenate([np.zeros((data.shape[0], 1), data.dtype), np.cumsum(data, axis=1)], axis=1)
-            col = col + 1
-        return data[row, col]
-    raise Unknown(str(symbol))
-
-
-def _cond(cond: Conj, env, grid, feeds, shape) -> np.ndarray:
-    out = np.ones(shape, bool)
-    for atom in cond.atoms:
-        if isinstance(atom, Le):
-            out &= np.broadcast_to(_form(atom.lhs, env, grid, feeds) <= 0, shape)
-        else:
-            assert isinstance(atom, MaskAt)
-            data = feeds[atom.source]
-            row, col = (_form(f, env, grid, feeds) for f in (atom.row, atom.col))
-            out &= np.broadcast_to(data[row, col] != 0, shape)
-    return out
-
-
-def check(tensor: SymTensor, got: np.ndarray, env: dict, feeds: dict) -> bool:
-    """Assert what the evaluator says of ``tensor`` holds of ``got``; whether it said elements."""
-    shape = []
-    for k, dim in enumerate(tensor.shape):
-        try:
-            shape.append(int(_form(dim, env, [], feeds)))
-        except Unknown:
-            shape.append(got.shape[k])  # a fresh length: only its place is said
-    assert tuple(shape) == got.shape, (shape, got.shape)
-    grid = list(np.indices(got.shape, dtype=np.int64)) if got.ndim else []
-    said = False
+def check(tensor: SymTensor, got: np.ndarray, dims: dict, feeds: dict) -> bool:
+    """Assert what the evaluator says of ``tensor`` holds of ``got`` (the fuzz's comparison: a
+    Mismatch fails the test); whether it said elements."""
+    run = fuzz.Run(dims, feeds, exact=False)
+    fuzz.check_shape(tensor, got, run)
     try:
-        if tensor.values is not None and tensor.rank <= 1:
-            want = np.array([_form(v, env, [], feeds) for v in tensor.values]).reshape(got.shape)
-            np.testing.assert_array_equal(got, want)
-            said = True
-        if tensor.conds is not None:
-            want = np.array([_cond(c, env, [], feeds, ()) for c in tensor.conds]).reshape(got.shape)
-            np.testing.assert_array_equal(got, want)
-            said = True
-        if tensor.stack is not None:
-            inner = list(np.indices(got.shape[:-1], dtype=np.int64)) if got.ndim > 1 else []
-            want = np.stack(
-                [np.broadcast_to(_form(f, env, inner, feeds), got.shape[:-1]) for f in tensor.stack], -1
-            )
-            np.testing.assert_array_equal(got, want)
-            said = True
-        elem = tensor.elem
-        if elem is not None and got.size:
-            if isinstance(elem, Affine):
-                np.testing.assert_array_equal(got, np.broadcast_to(_form(elem, env, grid, feeds), got.shape))
-            elif isinstance(elem, Conj):
-                np.testing.assert_array_equal(got, _cond(elem, env, grid, feeds, got.shape))
-            elif isinstance(elem, Additive):
-                keep = _cond(elem.cond, env, grid, feeds, got.shape)
-                assert np.all(got[keep] == 0) and np.all(got[~keep] <= MASKED_BELOW)
-            elif isinstance(elem, FloatConst):
-                np.testing.assert_array_equal(got, np.full(got.shape, elem.value, got.dtype))
-            said = True
-    except Unknown:
-        pass
-    return said
+        return fuzz.check_elements(tensor, got, run) > 0
+    except fuzz.Unbound:  # the answer reads a symbol with no concrete value (a fresh dimension)
+        return False
 
 
 # ---- the cases: one builder per row ----
@@ -253,7 +140,8 @@ def _gather(g: Graph, rng) -> ir.Value:
     return g.op("Gather", [g.x, g.const(rng.integers(0, 1, (2, 2)))], axis=0)
 
 
-def _gather_nd(g: Graph, rng) -> ir.Value:
+def _index_stack(g: Graph) -> ir.Value:
+    """An int64 [R, K, 2]: the (row, column) of every entry of m."""
     rows = g.op(
         "Unsqueeze", [g.op("Unsqueeze", [g.arange(g.m, 0), g.const(np.array([1]))]), g.const(np.array([2]))]
     )
@@ -261,20 +149,17 @@ def _gather_nd(g: Graph, rng) -> ir.Value:
         "Unsqueeze", [g.op("Unsqueeze", [g.arange(g.m, 1), g.const(np.array([0]))]), g.const(np.array([2]))]
     )
     shape = g.op("Concat", [g.op("Shape", [g.m]), g.const(np.array([1]))], axis=0)
-    stack = g.op("Concat", [g.op("Expand", [rows, shape]), g.op("Expand", [cols, shape])], axis=-1)
+    return g.op("Concat", [g.op("Expand", [rows, shape]), g.op("Expand", [cols, shape])], axis=-1)
+
+
+def _gather_nd(g: Graph, rng) -> ir.Value:
+    stack = _index_stack(g)
     data = g.m if rng.integers(2) else _index_grid(g, rng)
     return g.op("GatherND", [data, stack])
 
 
 def _scatter_nd(g: Graph, rng) -> ir.Value:
-    rows = g.op(
-        "Unsqueeze", [g.op("Unsqueeze", [g.arange(g.m, 0), g.const(np.array([1]))]), g.const(np.array([2]))]
-    )
-    cols = g.op(
-        "Unsqueeze", [g.op("Unsqueeze", [g.arange(g.m, 1), g.const(np.array([0]))]), g.const(np.array([2]))]
-    )
-    shape = g.op("Concat", [g.op("Shape", [g.m]), g.const(np.array([1]))], axis=0)
-    stack = g.op("Concat", [g.op("Expand", [rows, shape]), g.op("Expand", [cols, shape])], axis=-1)
+    stack = _index_stack(g)
     updates = _index_grid(g, rng)
     return g.op("ScatterND", [g.op("Mul", [g.m, g.const(np.int64(0))]), stack, updates])
 
@@ -349,26 +234,26 @@ def _where(g: Graph, rng) -> ir.Value:
     )
 
 
+def _causal_fill(g: Graph) -> ir.Value:
+    """A float [R, K]: float32's lowest above the diagonal, 0 elsewhere (a causal mask's fill)."""
+    fill = g.op(
+        "ConstantOfShape",
+        [g.op("Shape", [g.m])],
+        value=ir.tensor(np.array([np.finfo(np.float32).min], np.float32)),
+    )
+    return g.op("Trilu", [fill, g.const(np.int64(1))], upper=1)
+
+
 def _mul(g: Graph, rng) -> ir.Value:
     if rng.integers(2):  # a mask of a finite fill times a condition
-        fill = g.op(
-            "ConstantOfShape",
-            [g.op("Shape", [g.m])],
-            value=ir.tensor(np.array([np.finfo(np.float32).min], np.float32)),
-        )
-        upper = g.op("Trilu", [fill, g.const(np.int64(1))], upper=1)
+        upper = _causal_fill(g)
         return g.op("Mul", [upper, g.op("Cast", [_condition(g, rng)], to=F32)])
     return _binary("Mul")(g, rng)
 
 
 def _equal(g: Graph, rng) -> ir.Value:
     if rng.integers(2):  # the padding test of a mask plus the entries
-        fill = g.op(
-            "ConstantOfShape",
-            [g.op("Shape", [g.m])],
-            value=ir.tensor(np.array([np.finfo(np.float32).min], np.float32)),
-        )
-        upper = g.op("Trilu", [fill, g.const(np.int64(1))], upper=1)
+        upper = _causal_fill(g)
         summed = g.op("Add", [upper, g.op("Cast", [g.m], to=F32)])
         return g.op("Equal", [summed, g.const(np.float32(0))])
     return _compare("Equal")(g, rng)
@@ -566,13 +451,7 @@ CASES: dict[tuple[str, str], Builder] = {
     (MICROSOFT, "SkipSimplifiedLayerNormalization"): _skip_norm,
     (MICROSOFT, "RotaryEmbedding"): _rotary(MICROSOFT),
 }
-for _op in (
-    "Sqrt", "Reciprocal", "Sigmoid", "Tanh", "Cos", "Sin", "Exp", "Erf", "Relu", "Abs", "IsNaN",
-    "IsInf", "Gelu", "Softplus", "Log", "Floor", "Ceil", "Round", "Sign",
-):  # fmt: skip
-    CASES[("", _op)] = _unary(_op)
-for _op in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2"):
-    CASES[("", _op)] = _reduce(_op)
+CASES |= {("", op): _unary(op) for op in graphs.UNARY} | {("", op): _reduce(op) for op in graphs.REDUCTIONS}
 
 
 def test_every_row_has_a_case():
@@ -601,7 +480,7 @@ def test_each_rule_computes_what_onnxruntime_does(key):
     for _ in range(DRAWS):
         g = Graph()
         out = CASES[key](g, rng)
-        model = g.model(out)
+        model = g.model([out])
         assert any(n.op_type == key[1] and n.domain == key[0] for n in model.graph)
         try:
             tensor = SymbolicEvaluator().eval(out)
