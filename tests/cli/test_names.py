@@ -11,7 +11,7 @@ def test_the_choices_copied_for_the_parser_are_the_tables():
     from onnx_kvcache.calibrate.calibration import CALIBRATION_METHODS
     from onnx_kvcache.files.conversion import ASKED_WEIGHTS
     from onnx_kvcache.passes.kv_cache_emulation import SEMANTICS
-    from onnx_kvcache.pipeline.decision import STORAGES
+    from onnx_kvcache.pipeline.storage_decision import STORAGES
 
     assert tuple(SEMANTICS) == _names.SEMANTICS
     assert tuple(ASKED_WEIGHTS) == _names.WEIGHTS

@@ -114,7 +114,7 @@ def test_verify_does_not_apply_and_a_fusing_export_is_told_of_the_kernel(tmp_pat
     scales = tmp_path / "s.json"
     storage.calibrate(storage.load(storage.STATIC[0]), "int8", "per_tensor", 128.0).save(scales)
     with (
-        caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.decision"),
+        caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.storage_decision"),
         pytest.warns(FusionSkippedWarning),  # nothing is fused: nothing to verify
     ):
         result = convert_model(static, tmp_path / "q.onnx", storage="qdq", scales=scales, verify=True)
@@ -124,7 +124,7 @@ def test_verify_does_not_apply_and_a_fusing_export_is_told_of_the_kernel(tmp_pat
     ]
     fuses = storage.ROOT / storage.CONCAT[0] / "model.onnx"  # under auto its attention fuses
     storage.calibrate(storage.load(storage.CONCAT[0]), "int8", "per_tensor", 128.0).save(scales)
-    with caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.decision"):
+    with caplog.at_level(logging.INFO, logger="onnx_kvcache.pipeline.storage_decision"):
         assert convert_model(fuses, tmp_path / "r.onnx", storage="qdq", scales=scales).converted
     said = [r.args[0] for r in caplog.records if r.levelno == logging.INFO and r.args]
     assert any(Param("storage", "auto") in _parts(m) for m in said)

@@ -11,8 +11,7 @@ import pytest
 
 from onnx_kvcache import KvCacheError, convert_model
 from onnx_kvcache.cache.sites import find_gqa_sites
-from onnx_kvcache.pipeline import decision as decision_module
-from onnx_kvcache.pipeline import verification
+from onnx_kvcache.pipeline import _fusing, verification
 from onnx_kvcache.pipeline.decision import fuse_unless_attention
 from onnx_kvcache.pipeline.verification import verify_fusion
 
@@ -54,7 +53,7 @@ def test_what_is_not_verified_says_why(monkeypatch):
     assert verify_fusion(original, fused, forced=True).verified  # True: whatever the size
 
 
-class _WrongFusion(decision_module.GqaFusionPass):
+class _WrongFusion(_fusing.GqaFusionPass):
     """The fusion, then one layer's scale doubled: a fusion that computes otherwise."""
 
     def call(self, model):
@@ -65,7 +64,7 @@ class _WrongFusion(decision_module.GqaFusionPass):
 
 
 def test_convert_refuses_a_wrong_fusion_and_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(decision_module, "GqaFusionPass", _WrongFusion)
+    monkeypatch.setattr(_fusing, "GqaFusionPass", _WrongFusion)
     out = tmp_path / "int8.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,7 +150,7 @@ def test_the_command_refuses_a_wrong_fusion_with_exit_1(tmp_path, monkeypatch, c
 
     from onnx_kvcache.cli.commands import main
 
-    monkeypatch.setattr(decision_module, "GqaFusionPass", _WrongFusion)
+    monkeypatch.setattr(_fusing, "GqaFusionPass", _WrongFusion)
     scales = tmp_path / "s.json"
     scales.write_text(json.dumps({"scales": {"k_scales": [0.05] * 3, "v_scales": [0.05] * 3}, "qmax": 128}))
     out = tmp_path / "o.onnx"

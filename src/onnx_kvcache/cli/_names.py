@@ -5,7 +5,7 @@ imports onnx, onnx-ir and numpy, which the tables themselves need. These are the
 :data:`~onnx_kvcache.cache.formats.CACHE_FORMATS`, :data:`~onnx_kvcache.cache.formats.SCALE_GRANULARITIES`,
 :data:`~onnx_kvcache.capabilities.table.EP_CAPABILITIES` and
 :data:`~onnx_kvcache.calibrate.calibration.CALIBRATION_METHODS`,
-:data:`~onnx_kvcache.cache.rotation.ROTATIONS`, :data:`~onnx_kvcache.pipeline.decision.STORAGES`,
+:data:`~onnx_kvcache.cache.rotation.ROTATIONS`, :data:`~onnx_kvcache.pipeline.storage_decision.STORAGES`,
 the kernel rules of
 :data:`~onnx_kvcache.passes.kv_cache_emulation.SEMANTICS` and the ``WeightsMode`` values
 (``tests/cli/test_commands.py`` and ``tests/cli/test_names.py`` check that they are, so a new row fails

@@ -72,7 +72,8 @@ from onnx_kvcache.model_io.genai_folder import (
 )
 from onnx_kvcache.model_io.reading import ModelSource, open_model_source
 from onnx_kvcache.passes.kv_cache_quantization import format_for
-from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, check_storage, decide
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, carry_out, decide
+from onnx_kvcache.pipeline.storage_decision import check_storage
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales, resolve_granularity
 
 ConvertResult.__module__ = __name__  # its public home: what pickles and docs name

@@ -28,34 +28,28 @@ Rules, in order, each a function:
    kernel (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`),
    run last.
 
-``storage="qdq"`` (:func:`storage_decision`) replaces rules 1 to 9: nothing is fused; the caches
-:func:`~onnx_kvcache.cache.storage.find_qdq_caches` finds are stored in the format named (else
-int8) through QuantizeLinear/DequantizeLinear (:class:`~onnx_kvcache.passes.QdqKvCachePass`),
-gated by the target's storage row (:func:`~onnx_kvcache.capabilities.gating.storage_refusals`).
-Under ``auto`` (the attention kernel holds the cache) a model whose attention fused nothing but
-whose caches that storage keeps (MLA, static buffers) is refused with a line naming it.
+``storage="qdq"`` replaces rules 1 to 9: :mod:`~onnx_kvcache.pipeline.storage_decision`.
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
-differ is a row of :data:`ENTRIES`.
+differ is a row of :data:`ENTRIES`. The types and :func:`fuse_unless_attention` are
+``pipeline/_decision_terms.py``'s and ``pipeline/_fusing.py``'s, re-exported here.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "ADAPTATIONS",
+    "AUTO",
     "ENTRIES",
     "Adaptation",
     "Decision",
     "Entry",
     "EntryRules",
     "Fusion",
-    "QDQ",
     "Request",
-    "STORAGES",
     "adaptation_for",
     "carry_out",
-    "check_storage",
     "decide",
     "float_prompt",
     "fuse_unless_attention",
@@ -65,21 +59,17 @@ __all__ = [
     "matrix_for",
     "rotation_for",
     "partial_refusal",
-    "storage_decision",
     "target_of",
 ]
 
 import dataclasses
 import logging
-import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache._enums import StrEnum
 from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format, scale_granularity
-from onnx_kvcache.cache.io_caches import find_io_caches
 from onnx_kvcache.cache.rotation import (
     DEFAULT_MATRIX,
     MATRICES,
@@ -91,8 +81,7 @@ from onnx_kvcache.cache.rotation import (
     site_matrix,
     site_rotation,
 )
-from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.cache.storage import find_qdq_caches
+from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.device import NO_GPU, cuda_compute_capability
 from onnx_kvcache.capabilities.gating import (
@@ -101,112 +90,48 @@ from onnx_kvcache.capabilities.gating import (
     conversion_warnings,
     default_format,
     infer_target,
-    storage_refusals,
 )
-from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode, texts
+from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode
 from onnx_kvcache.capabilities.rows import get_capabilities
 from onnx_kvcache.errors import (
     Float16AttentionWarning,
-    FusionSkippedWarning,
     KvCacheError,
-    KvCacheWarning,
     Message,
     NotConvertedWarning,
     Param,
     RuntimeSupportWarning,
     warn,
 )
-from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.passes import PromptFloatAttentionPass, QdqKvCachePass
+from onnx_kvcache.passes import PromptFloatAttentionPass
 from onnx_kvcache.passes.float16_attention import (
     FLOAT16_ATTENTION_NOTE,
     Float16AttentionPass,
     float32_attention_sites,
 )
-from onnx_kvcache.passes.fusion.gqa_fusion import GqaFusionPass, unfused_refusal
 from onnx_kvcache.passes.fusion.window_sized import make_window_sized
 from onnx_kvcache.passes.kv_cache_quantization import KvCacheQuantizationPass, granularity_for
 from onnx_kvcache.passes.kv_cache_rotation import KvCacheRotationPass
-from onnx_kvcache.pipeline.verification import Verification, too_large, verify_fusion
+from onnx_kvcache.pipeline._decision_terms import (
+    AUTO,
+    ENTRIES,
+    QDQ,
+    Adaptation,
+    Decision,
+    Entry,
+    EntryRules,
+    Fusion,
+    Request,
+    refuse,
+    target_named,
+    target_of,
+)
+from onnx_kvcache.pipeline._fusing import fuse_unless_attention
+from onnx_kvcache.pipeline.storage_decision import storage_decision, storage_hint, store
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
-AUTO: Literal["auto"] = "auto"
-QDQ: Literal["qdq"] = "qdq"
-#: Where a quantized cache is kept: ``auto``, the attention kernel (GroupQueryAttention,
-#: PagedAttention); ``qdq``, the graph's own QuantizeLinear/DequantizeLinear around the cache.
-STORAGES = (AUTO, QDQ)
 logger = logging.getLogger(__name__)
 
 NO_CUDA_DEVICE = Refusal(RefusalCode.NO_CUDA_DEVICE, Parameter.CHECK_DEVICE, NO_GPU)
-
-
-class Entry(StrEnum):
-    """The public function a request comes from."""
-
-    CONVERT = "convert_model"
-    OPTIMIZE = "optimize_model"
-
-
-@dataclasses.dataclass(frozen=True)
-class EntryRules:
-    """How one entry point's decision differs from the other's."""
-
-    fuse_in_copy: bool
-    """Fuse a copy, so that a refusal leaves the caller's model as it was."""
-    choose_format: bool
-    """No format named takes the target's first; else it means fusing only."""
-    refuse_nothing_to_do: bool
-    """Refuse a model with no attention after fusion, or already in the format asked."""
-    gate_fusion: bool
-    """Refuse a fused float attention the target cannot run (rule 4)."""
-    explain_target: bool
-    """Messages say how the target was inferred and how to name another."""
-    name_unknown_provider: bool
-    """A gate refusal for a provider the table does not know says so first."""
-    refused_head: str
-    """What a refusal before gating (rule 2) warns with."""
-    raise_bare: bool
-    """``strict`` raises rule 2's refusal without :attr:`refused_head`."""
-
-
-ENTRIES: dict[Entry, EntryRules] = {
-    Entry.CONVERT: EntryRules(
-        fuse_in_copy=False,
-        choose_format=True,
-        refuse_nothing_to_do=True,
-        gate_fusion=False,
-        explain_target=False,
-        name_unknown_provider=True,
-        refused_head="Not converted",
-        raise_bare=True,
-    ),
-    Entry.OPTIMIZE: EntryRules(
-        fuse_in_copy=True,
-        choose_format=False,
-        refuse_nothing_to_do=False,
-        gate_fusion=True,
-        explain_target=True,
-        name_unknown_provider=False,
-        refused_head="KV cache not converted",
-        raise_bare=False,
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Adaptation:
-    """A refusal a pass cures: the model converts, and the pass runs after quantizing."""
-
-    cures: RefusalCode
-    """The refusal it lifts (the target's rows refuse the model's query dtype)."""
-    computes_in: ir.DataType
-    """The dtype the attention computes in afterwards: the target's row must take it."""
-    sites: Callable[[ir.Model], list[CacheSite]]
-    """The attention nodes the pass rewrites: it applies only when they are all of the model's."""
-    make_pass: Callable[[], ir.passes.PassBase]
-    note: str
-    """The line said once converted (``{target}``, ``{layers}``, ``{format}``)."""
-    category: type[KvCacheWarning]
 
 
 #: The refusals a pass run after quantizing cures, one row each (rule 7).
@@ -220,142 +145,6 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         Float16AttentionWarning,
     ),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """What a caller asks, validated by its entry point (names resolved, scales read)."""
-
-    model: ir.Model
-    entry: Entry
-    format: str | None = None
-    granularity: str | None = None
-    """As given (checked against the scales); None: the scales' or the model's."""
-    scales: KvCacheScales | None = None
-    target: str | None = AUTO
-    """A provider, ``"auto"`` (infer it) or None (no gating)."""
-    genai_config: Mapping[str, Any] | None = None
-    fuse: bool | Literal["auto"] = AUTO
-    check_device: bool = False
-    strict: bool = False
-    shared_kv_scale: bool = False
-    allow_partial: bool = False
-    """Convert what can be, leaving other caches in their type (rules 2 and 7)."""
-    rotation: str | None = None
-    """The cache's rotation as given (None: a rotated model's own, else the scales')."""
-    name: str = "The model"
-    """The model as messages name it (its file name)."""
-    verify: bool | None = None
-    """Run the export and its fusion side by side before converting (None: up to
-    :data:`~onnx_kvcache.pipeline.verification.MAX_BYTES` of weights; :func:`verify_fusion`)."""
-    window_sized: bool = False
-    """Fused rolling window caches become window-sized (:func:`~onnx_kvcache.passes.fusion.window_sized.
-    make_window_sized`:
-    an onnxruntime-genai folder, whose runtime allocates them); False: they keep the export's inputs."""
-    storage: str = AUTO
-    """A name of :data:`STORAGES`: ``qdq`` decides by :func:`storage_decision`."""
-
-    @property
-    def rules(self) -> EntryRules:
-        return ENTRIES[self.entry]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fusion:
-    """What :func:`fuse_unless_attention` did."""
-
-    model: ir.Model
-    """The model to go on with: the one given, or its fused copy."""
-    had_attention: bool
-    ran: bool = False
-    fused: int = 0
-    """Layers fused."""
-    modified: bool = False
-    refusal: Refusal | None = None
-    """A layer left unfused (:func:`~onnx_kvcache.passes.fusion.gqa_fusion.unfused_refusal`)."""
-    recorded: tuple[warnings.WarningMessage, ...] = ()
-    """The fusion's warnings, recorded (``record=True``) to say once the result is kept."""
-    verification: Verification | None = None
-    """The export and its fusion run side by side (None: no fusion ran, or not asked)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What to do with a request: convert (no refusals) or say why not."""
-
-    request: Request
-    fusion: Fusion
-    target: str | None = None
-    why: str = ""
-    """How the target was inferred (``""``: given, or none)."""
-    format: CacheFormat | None = None
-    granularity: ScaleGranularity | None = None
-    scales: KvCacheScales | None = None
-    """The request's scales, retargeted to :attr:`format`."""
-    refusals: tuple[Refusal, ...] = ()
-    message: str = ""
-    """The :class:`~onnx_kvcache.errors.NotConvertedWarning` a refusal says."""
-    warnings: tuple[str, ...] = ()
-    """Said once converted (the capability rows' warnings for the format)."""
-    adaptation: Adaptation | None = None
-    """Rule 7's row: its pass runs after quantizing (None: none needed)."""
-    rotation: Rotation = ROTATIONS["none"]
-    """The converted cache's rotation (:func:`rotation_for`); applied before quantizing."""
-    matrix: RotationMatrix = MATRICES[DEFAULT_MATRIX]
-    """Its ``H`` (:func:`matrix_for`)."""
-
-    @property
-    def model(self) -> ir.Model:
-        return self.fusion.model
-
-    @property
-    def converted(self) -> bool:
-        return not self.refusals
-
-
-def fuse_unless_attention(
-    model: ir.Model,
-    when: bool | Literal["auto"] = AUTO,
-    *,
-    in_copy: bool = False,
-    record: bool = True,
-    verify: bool | None = False,
-) -> Fusion:
-    """Fuse ``model``'s attention into GroupQueryAttention (:class:`GqaFusionPass`) when it has
-    no attention node (``when="auto"``), always (``True``) or never (``False``).
-
-    ``in_copy`` fuses a clone (the model given stays as it is); ``record`` keeps the fusion's
-    warnings in :attr:`Fusion.recorded` instead of saying them (the caller's filters apply then);
-    ``verify`` runs the export and the fused model side by side once fused (:func:`verify_fusion`:
-    None up to its default size, True whatever the size, warned when it cannot run); a difference
-    is the fusion's refusal (``FUSION_DIFFERS``, which ``allow_partial`` does not lift).
-    """
-    had = bool(find_attention_sites(model, with_cache_only=False))
-    if when is False or (when == AUTO and had):
-        return Fusion(model, had)
-    skipped = too_large(model) if verify is None else None  # decided before a clone is made
-    verify = False if skipped is not None else verify
-    original = model
-    if in_copy or verify is not False:
-        check_defined(model.graph)
-        model = model.clone()
-    if not in_copy:
-        model, original = original, model  # the caller's model is fused; the clone is the export
-    fusion = GqaFusionPass()  # reads no weights
-    with warnings.catch_warnings(record=record) as recorded:
-        if record:
-            warnings.simplefilter("always")
-        modified = fusion(model).modified
-    refused = unfused_refusal(fusion.fused, fusion.report.refusals)
-    refusal = None if refused is None else Refusal(RefusalCode.ATTENTION_UNFUSED, None, refused)
-    if verify is not False and fusion.fused:
-        skipped = verify_fusion(original, model, forced=verify is True)
-        if skipped.differs:
-            refusal = Refusal(RefusalCode.FUSION_DIFFERS, None, skipped.line)
-        elif verify is True and not skipped.verified:
-            warn(Message(Param("verify", True), f", but {skipped.line}."), FusionSkippedWarning)
-    checked = skipped if fusion.fused else None  # nothing fused: nothing to say of it
-    return Fusion(model, had, True, fusion.fused, modified, refusal, tuple(recorded or ()), checked)
 
 
 def _nothing_to_do(request: Request, model: ir.Model) -> Refusal | None:
@@ -396,20 +185,11 @@ def _early_refusal(request: Request, fusion: Fusion) -> Refusal | None:
     partial = request.allow_partial and fusion.fused > 0
     if fusion.refusal is not None and (request.format is not None or rules.choose_format) and not partial:
         text = fusion.refusal.text + _mixing(fusion.fused)
-        return dataclasses.replace(fusion.refusal, text=text + _storage_hint(fusion))
+        return dataclasses.replace(fusion.refusal, text=text + storage_hint(fusion))
     refusal = _nothing_to_do(request, fusion.model) if rules.refuse_nothing_to_do else None
     if refusal is not None and refusal.code is RefusalCode.NO_ATTENTION:
-        return dataclasses.replace(refusal, text=refusal.text + _storage_hint(fusion))
+        return dataclasses.replace(refusal, text=refusal.text + storage_hint(fusion))
     return refusal
-
-
-def _storage_hint(fusion: Fusion) -> Message | str:
-    """The line naming ``storage="qdq"`` for a model fused nothing whose caches it keeps."""
-    if fusion.fused or not any(not c.stored for c in find_qdq_caches(fusion.model.graph)):
-        return ""
-    return Message(
-        " Its caches can be stored quantized around its own attention: ", Param("storage", QDQ), "."
-    )
 
 
 def _mixing(fused: int) -> Message | str:
@@ -464,21 +244,6 @@ def inferred_format(
     caller named no format (the format None: the target runs no quantized cache)."""
     target, why = infer_target(model, genai_config)
     return target, why, default_format(model, target, granularity)
-
-
-def target_of(request: Request, model: ir.Model) -> tuple[str | None, str]:
-    """``(provider, how it was inferred)``: the request's, or for ``"auto"`` where ``model`` will
-    run (an fp8 cache: CUDA; a genai config's provider; the dtype)."""
-    if request.target != AUTO:
-        return request.target, ""
-    return infer_target(model, request.genai_config, request.format)
-
-
-def _named(target: str | None, why: str, explain: bool) -> str:
-    """The target as a message names it (``explain``: with how it was inferred)."""
-    if not why or not explain:
-        return str(target)
-    return Message(f"{target} (inferred: {why}; name the target with ", Param("ep", placeholder="..."), ")")
 
 
 def _fusion_refusals(request: Request, fusion: Fusion, target: str | None) -> tuple[Refusal, ...]:
@@ -625,15 +390,6 @@ def gate(
     return tuple(refusals)
 
 
-def _refused(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, bare: bool = False) -> Decision:
-    """``decision`` refused with ``refusals``: ``strict`` raises (``bare``: the texts alone)."""
-    text = Message.joined(texts(refusals))
-    message = Message(head, ": ", text)
-    if decision.request.strict:
-        raise KvCacheError(text if bare else message)
-    return dataclasses.replace(decision, refusals=refusals, message=message)
-
-
 def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
@@ -652,13 +408,13 @@ def decide(request: Request) -> Decision:
         decision = (
             _as_it_is(decision, fusion.model) if early.code is RefusalCode.ALREADY_CONVERTED else decision
         )
-        return _refused(decision, rules.refused_head, (early,), bare=rules.raise_bare)
+        return refuse(decision, rules.refused_head, (early,), bare=rules.raise_bare)
     target, why = target_of(request, fusion.model)
     logger.info("%s: target %s (%s).", request.entry, target, why or "given")
     decision = dataclasses.replace(decision, target=target, why=why)
-    named = _named(target, why, rules.explain_target)
+    named = target_named(target, why, rules.explain_target)
     if refusals := _fusion_refusals(request, fusion, target):
-        return _refused(decision, Message("Attention not fused for ", named), refusals)
+        return refuse(decision, Message("Attention not fused for ", named), refusals)
     fmt, granularity = plan(request, fusion.model, target)
     scales = as_kv_cache_scales(request.scales, format=fmt.name) if fmt is not None else request.scales
     decision = dataclasses.replace(decision, format=fmt, granularity=granularity, scales=scales)
@@ -673,111 +429,8 @@ def decide(request: Request) -> Decision:
     partial = partial_refusal(request, fusion.model, fmt, granularity, scales)
     if partial is not None:
         decision = dataclasses.replace(decision, adaptation=None)
-        return _refused(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
+        return refuse(decision, rules.refused_head, (partial,), bare=rules.raise_bare)
     return dataclasses.replace(decision, warnings=tuple(conversion_warnings(fusion.model, fmt.name, target)))
-
-
-def check_storage(storage: object) -> None:
-    """``storage`` is a name of :data:`STORAGES` (checked before any work)."""
-    if storage not in STORAGES:
-        raise KvCacheError(Param("storage"), f" must be 'auto' or 'qdq', got {storage!r}.")
-
-
-def storage_decision(request: Request) -> Decision:
-    """``storage="qdq"``'s rules: no fusion; the format named (else int8) and the granularity asked
-    (else the one the scales record or their sizes fit, else per tensor); nothing to store refuses
-    ``convert_model``; the target's storage row gates it."""
-    model, rules = request.model, request.rules
-    if request.shared_kv_scale or (request.rotation is not None and get_rotation(request.rotation).rotates):
-        raise KvCacheError(
-            "A cache stored through QuantizeLinear/DequantizeLinear takes neither ",
-            Param("shared_kv_scale", True),
-            " nor a rotation: drop them, or convert with ",
-            Param("storage", AUTO),
-            ".",
-        )
-    fusion = _storage_fusion(request)
-    fmt = get_format(request.format or "int8")
-    scales = as_kv_cache_scales(request.scales, format=fmt.name)
-    granularity = scale_granularity(request.granularity or QdqKvCachePass.granularity_for(model, scales))
-    decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
-    caches = find_qdq_caches(model.graph)
-    if all(c.stored for c in caches):
-        if not rules.refuse_nothing_to_do:
-            return dataclasses.replace(decision, format=None)
-        refusal = _nothing_stored(request, caches)
-        return _refused(decision, rules.refused_head, (refusal,), bare=rules.raise_bare)
-    if (kept := _kept_float(request, caches, fmt)) is not None:
-        return _refused(decision, rules.refused_head, (kept,), bare=rules.raise_bare)
-    target, why = target_of(dataclasses.replace(request, format=None), model)  # fp8 does not mean CUDA here
-    decision = dataclasses.replace(decision, target=target, why=why)
-    refusals = storage_refusals(target, fmt.name, granularity.name) if target is not None else ()
-    if refusals:
-        named = _named(target, why, rules.explain_target)
-        return _refused(decision, Message(f"KV cache not stored as {fmt.name} for ", named), refusals)
-    return decision
-
-
-def _storage_fusion(request: Request) -> Fusion:
-    """``storage="qdq"`` fuses nothing: ``verify=True`` does not apply (a warning, and the
-    conversion's note); an export whose attention would fuse is said to (INFO: ``auto`` holds
-    its cache in the attention kernel, and the kernel reads it quantized)."""
-    model = request.model
-    had = bool(find_attention_sites(model, with_cache_only=False))
-    checked = None
-    if request.verify is True:
-        checked = Verification(
-            False, skipped="nothing is fused (the caches are stored around the model's attention)"
-        )
-        warn(Message(Param("verify", True), f" does not apply: {checked.line}."), FusionSkippedWarning)
-    if not had and request.fuse is not False and fuse_unless_attention(model, in_copy=True).fused:
-        logger.info(
-            "%s",
-            Message(
-                f"{request.name}'s attention fuses: ",
-                Param("storage", AUTO),
-                " would hold its cache quantized in the attention kernel (the kernel reads it quantized; "
-                "these caches are dequantized whole each step).",
-            ),
-        )
-    return Fusion(model, had, verification=checked)
-
-
-def _kept_float(request: Request, caches: list[Any], fmt: CacheFormat) -> Refusal | None:
-    """Rule 8 under ``storage="qdq"``: the model's float caches (its I/O names) no writer of
-    :func:`find_qdq_caches` holds would keep their type, refused unless ``allow_partial``."""
-    if request.allow_partial:
-        return None
-    found = {c.past.name for c in caches}
-    kept = [c.past for c in find_io_caches(request.model) if c.format is None and c.past not in found]
-    if not kept:
-        return None
-    text = Message(
-        f"{', '.join(kept)} would keep their float type (no Concat, TensorScatter or ONNX Attention writes "
-        f"them into their present) while the others become {fmt.name}. A model whose caches mix types is "
-        "converted only with ",
-        Param("allow_partial", True),
-        ".",
-    )
-    return Refusal(RefusalCode.PARTIAL_CONVERSION, Parameter.ALLOW_PARTIAL, text)
-
-
-def _nothing_stored(request: Request, caches: list[Any]) -> Refusal:
-    """``convert_model``'s refusal of a model with no float cache ``storage="qdq"`` keeps."""
-    if caches:
-        text = Message(
-            f"{request.name}'s caches are stored quantized already: nothing to convert (a stored cache is "
-            "not requantized): convert the original export to store them in another format or granularity."
-        )
-        return Refusal(RefusalCode.ALREADY_CONVERTED, Parameter.FORMAT, text)
-    text = Message(
-        f"{request.name} has no cache that QuantizeLinear/DequantizeLinear storage keeps (a past input "
-        "written into its present output by Concat, TensorScatter or ONNX Attention): nothing to convert "
-        "this way. Convert with ",
-        Param("storage", AUTO),
-        " (its attention kernel holds the cache).",
-    )
-    return dataclasses.replace(NO_ATTENTION, text=text)
 
 
 def _gated(
@@ -799,7 +452,7 @@ def _gated(
     adaptation = adaptation_for(model, target, refusals)
     if refusals := _lifted(refusals, adaptation):
         head = Message(f"KV cache not converted to {fmt.name} {granularity.name} for ", named)
-        return _refused(decision, head, refusals), True
+        return refuse(decision, head, refusals), True
     return dataclasses.replace(decision, adaptation=adaptation), False
 
 
@@ -842,8 +495,7 @@ def carry_out(decision: Decision) -> bool:
         return False
     request = decision.request
     if decision.format is not None and decision.granularity is not None and request.storage == QDQ:
-        QdqKvCachePass(decision.format.name, decision.granularity.name, decision.scales)(decision.model)
-        validate_model(decision.model)
+        store(decision)
     elif decision.format is not None and decision.granularity is not None:
         KvCacheRotationPass(decision.rotation, decision.matrix)(
             decision.model

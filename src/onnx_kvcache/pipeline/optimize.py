@@ -28,7 +28,8 @@ from onnx_kvcache.errors import (
 )
 from onnx_kvcache.model_io.reading import ModelLike, as_model
 from onnx_kvcache.passes.kv_cache_quantization import format_for
-from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, check_storage, decide
+from onnx_kvcache.pipeline.decision import Entry, Request, carry_out, decide
+from onnx_kvcache.pipeline.storage_decision import check_storage
 from onnx_kvcache.scales.files import KvCacheScales, ScalesLike, as_kv_cache_scales, resolve_granularity
 
 

@@ -22,7 +22,8 @@ from onnx_kvcache.cache.layout import CacheModelInfo, inspect_kv_cache
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.storage import find_qdq_caches, storage_bytes_per_token, stored_format
 from onnx_kvcache.model_io.reading import check_defined
-from onnx_kvcache.pipeline.decision import AUTO, QDQ, Decision, Entry, Request, decide
+from onnx_kvcache.pipeline.decision import AUTO, Decision, Entry, Request, decide
+from onnx_kvcache.pipeline.storage_decision import QDQ
 
 
 @dataclasses.dataclass(frozen=True)
