@@ -12,7 +12,7 @@ keeps (MLA, static buffers) is refused with a line naming it (:func:`storage_hin
 The caches' rotation (:func:`stored_rotation_for`) is the model's own (what its graph turns),
 else the one named, else the one the scales record (none without a record); the three must
 agree, and a rotation is placed only where an ONNX Attention reads every cache it turns
-(:func:`~onnx_kvcache.cache.rotation.rotatable`; :class:`~onnx_kvcache.passes.StoredCacheRotationPass`
+(:func:`~onnx_kvcache.cache.storage.attention_read`; :class:`~onnx_kvcache.passes.StoredCacheRotationPass`
 runs before the caches are stored).
 :func:`check_storage` checks the name asked against :data:`STORAGES` before any work.
 """
@@ -44,7 +44,6 @@ from onnx_kvcache.cache.rotation import (
     Rotation,
     RotationMatrix,
     get_rotation,
-    rotatable,
     stored_rotation,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
@@ -142,9 +141,9 @@ def stored_rotation_for(
             ".",
         )
     rotation = have or recorded or ROTATIONS["none"]
-    if rotation.rotates and not own.rotates and not rotatable(model, rotation):
-        turned = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
-        unread = [str(c.past.name) for c in turned if attention_read(c) is None]
+    turned = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
+    unread = [str(c.past.name) for c in turned if rotation.rotates and attention_read(c) is None]
+    if unread and not own.rotates:
         raise KvCacheError(
             f"Rotation {rotation.name} turns the query with the keys, and no ONNX Attention reads "
             f"{', '.join(unread)} alone (a latent an up-projection reads, or attention of plain operators): "
