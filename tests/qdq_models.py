@@ -111,9 +111,12 @@ def positions(ids: list[int], past: int, *, static: bool) -> dict[str, np.ndarra
     return feeds
 
 
-def calibrate(model: ir.Model, fmt: str, granularity: str, qmax: float) -> KvCacheScales:
+def calibrate(
+    model: ir.Model, fmt: str, granularity: str, qmax: float, rotation: str = "none"
+) -> KvCacheScales:
     """Scales from the float model's own presents over :data:`PROMPT` and :data:`DECODE`:
-    each cache's absolute max (per tensor, or per ``kv_heads * head_size`` channel) over qmax."""
+    each cache's absolute max (per tensor, or per ``kv_heads * head_size`` channel) over qmax;
+    ``rotation``: the model's, recorded (its presents hold the rotated caches)."""
     _, seen = run(model, capture=True)
     k, v = {}, {}
     for cache in find_qdq_caches(model.graph):
@@ -121,7 +124,7 @@ def calibrate(model: ir.Model, fmt: str, granularity: str, qmax: float) -> KvCac
         amax = last.max(axis=(0, 2) if last.ndim == 4 else (0, 1)).reshape(-1)  # (heads, head) channels
         amax = amax if granularity == "per_channel" else amax.max(keepdims=True)
         (k if cache.side == "k" else v)[cache.layer] = np.maximum(amax, 1e-6) / qmax
-    return KvCacheScales(k, v, format=fmt, granularity=granularity)
+    return KvCacheScales(k, v, format=fmt, granularity=granularity, metadata={"rotation": rotation})
 
 
 def kl_mean(want: list[np.ndarray], got: list[np.ndarray]) -> float:

@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_kvcache import KvCacheError, calibrate_kv_cache
+from onnx_kvcache.cache.rotation import rotate
 from onnx_kvcache.runtime._static_cache import StaticCache
 from onnx_kvcache.scales.files import load_kv_cache_scale_file
 
@@ -24,7 +25,7 @@ def data():
     return [list(rng.integers(0, 128, SEQ_LEN)) for _ in range(8)]
 
 
-def _minmax(folder: pathlib.Path, data, granularity: str = "per_channel"):
+def _minmax(folder: pathlib.Path, data, granularity: str = "per_channel", rotation: str = "none"):
     return calibrate_kv_cache(
         folder / "model.onnx",
         data,
@@ -32,12 +33,14 @@ def _minmax(folder: pathlib.Path, data, granularity: str = "per_channel"):
         granularity=granularity,
         method="minmax",
         seq_len=SEQ_LEN,
+        rotation=rotation,
         progress=False,
     )
 
 
-def _written_amax(folder: pathlib.Path, data) -> dict[tuple[int, str], np.ndarray]:
-    """Per channel, the largest |value| of the rows each window wrote, by hand-fed onnxruntime."""
+def _written_amax(folder: pathlib.Path, data, head_size: int = 0) -> dict[tuple[int, str], np.ndarray]:
+    """Per channel, the largest |value| of the rows each window wrote, by hand-fed onnxruntime
+    (``head_size``: each head turned by ``H`` first, as a rotated cache holds it)."""
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     caches = [i for i in session.get_inputs() if "cache" in i.name]
     found: dict[tuple[int, str], np.ndarray] = {}
@@ -51,7 +54,10 @@ def _written_amax(folder: pathlib.Path, data) -> dict[tuple[int, str], np.ndarra
         names = ["updated_" + c.name for c in caches]
         for cache, updated in zip(caches, session.run(names, feeds)):
             kind, layer = cache.name.split("_cache.")
-            amax = np.abs(updated[0, : len(window)]).max(axis=0)
+            rows = updated[0, : len(window)]
+            if head_size:
+                rows = rotate(rows.reshape(len(window), -1, head_size)).reshape(len(window), -1)
+            amax = np.abs(rows).max(axis=0)
             key = (int(layer), kind)
             found[key] = np.maximum(found.get(key, amax), amax)
     return found
@@ -63,6 +69,16 @@ def test_static_minmax_scales_are_the_written_rows_amax(folder, data):
     for (layer, kind), amax in _written_amax(folder, data).items():
         got = scales.for_layer(layer)[0 if kind == "key" else 1]
         np.testing.assert_allclose(got, amax / 128.0, rtol=1e-6)
+
+
+def test_rotated_static_scales_are_the_turned_rows_amax(data):
+    """A rotated static cache holds each head turned by ``H`` (placed by StoredCacheRotationPass):
+    its scales are measured on the turned rows, and record the rotation."""
+    scales = _minmax(STATIC[0], data, rotation="keys_and_values")
+    assert scales.metadata["rotation"] == "keys_and_values"
+    for (layer, kind), amax in _written_amax(STATIC[0], data, head_size=16).items():
+        got = scales.for_layer(layer)[0 if kind == "key" else 1]
+        np.testing.assert_allclose(got, amax / 128.0, rtol=1e-5)
 
 
 def test_the_buffers_rows_past_the_context_are_not_sampled(data, monkeypatch):
@@ -99,9 +115,24 @@ def test_attention_methods_have_no_queries_here(data):
     """int4's default for an unrotated cache weighs by attention: without GroupQueryAttention's
     queries the default is mse, and attention asked is refused."""
     path = STATIC[0] / "model.onnx"
-    scales = calibrate_kv_cache(path, data, format="int4", seq_len=SEQ_LEN, progress=False)
+    scales = calibrate_kv_cache(path, data, format="int4", rotation="none", seq_len=SEQ_LEN, progress=False)
     assert scales.metadata["method"] == "mse"
     with pytest.raises(KvCacheError):
         calibrate_kv_cache(path, data, format="int4", method="attention", seq_len=SEQ_LEN, progress=False)
+
+
+def test_int4_is_rotated_by_default_where_the_rotation_is_placed(data):
+    """A static build's caches are read by an ONNX Attention: int4 takes its rotated default
+    (mse); MLA's latents are not (an up-projection reads them): unrotated, and a rotation asked is
+    refused."""
+    scales = calibrate_kv_cache(
+        STATIC[0] / "model.onnx", data, format="int4", seq_len=SEQ_LEN, progress=False
+    )
+    assert (scales.metadata["rotation"], scales.metadata["method"]) == ("keys_and_values", "mse")
+    mla = MLA / "model.onnx"
+    assert (
+        calibrate_kv_cache(mla, data, format="int4", seq_len=SEQ_LEN, progress=False).metadata["rotation"]
+        == "none"
+    )
     with pytest.raises(KvCacheError):
-        calibrate_kv_cache(path, data, format="int4", rotation="keys", seq_len=SEQ_LEN, progress=False)
+        calibrate_kv_cache(mla, data, format="int4", rotation="keys", seq_len=SEQ_LEN, progress=False)

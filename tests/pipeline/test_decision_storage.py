@@ -6,6 +6,7 @@ a target without a storage row is refused, and a GroupQueryAttention model is le
 from __future__ import annotations
 
 import logging
+import pathlib
 
 import onnx
 import onnx_ir as ir
@@ -14,10 +15,13 @@ import pytest
 
 import qdq_models as storage
 from onnx_kvcache import convert_model, optimize_model
+from onnx_kvcache.cache.formats import get_format
+from onnx_kvcache.cache.rotation import stored_rotation
 from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.capabilities.refusals import RefusalCode
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, NotConvertedWarning, Param
 from onnx_kvcache.models.decoder import build_decoder
+from onnx_kvcache.passes import StoredCacheRotationPass
 from onnx_kvcache.scales.files import KvCacheScales
 
 
@@ -90,8 +94,9 @@ def test_a_model_without_such_a_cache_is_refused_and_the_storage_name_checked(tm
     assert Param("storage", "auto") in _parts(result.refusals[0].text)  # the way forward
     with pytest.raises(KvCacheError):
         convert_model(tmp_path / "gqa.onnx", tmp_path / "q.onnx", storage="kernel")
-    with pytest.raises(KvCacheError):
-        optimize_model(model, storage="qdq", format="fp8", rotation="keys")
+    before = ir.to_proto(model).SerializeToString()
+    optimize_model(model, storage="qdq", format="fp8", rotation="keys")  # nothing stored, nothing turned
+    assert ir.to_proto(model).SerializeToString() == before
 
 
 def test_unrecorded_scales_take_the_granularity_their_sizes_fit(tmp_path):
@@ -143,3 +148,66 @@ def test_a_window_layers_cache_left_float_refuses_unless_allow_partial(name, tmp
     assert Param("allow_partial", True) in _parts(result.refusals[0].text)
     result = convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=path, allow_partial=True)
     assert result.converted
+
+
+def _rotated_scales(path: str, fmt: str, rotation: str, file: pathlib.Path) -> pathlib.Path:
+    """Scales measured on ``path``'s caches rotated by ``rotation`` (recording it), saved to ``file``."""
+    model = storage.load(path)
+    StoredCacheRotationPass(rotation)(model)
+    storage.calibrate(model, fmt, "per_channel", get_format(fmt).qmax, rotation).save(file)
+    return file
+
+
+@pytest.mark.parametrize("path", [storage.STATIC[0], *storage.OWN_CACHE])
+def test_scales_of_a_rotated_cache_rotate_it(path, tmp_path):
+    """The rotation the scales record is placed before the caches are stored (the caches an ONNX
+    Attention reads), and the converted file says so in its graph."""
+    scales = _rotated_scales(path, "int4", "keys_and_values", tmp_path / "s.json")
+    source = storage.ROOT / path / "model.onnx"
+    result = convert_model(source, tmp_path / "q.onnx", storage="qdq", format="int4", scales=scales)
+    assert result.converted and result.rotation == "keys_and_values"
+    model = ir.external_data.load_to_model(ir.load(tmp_path / "q.onnx"))
+    assert stored_rotation(model)[0].name == "keys_and_values"
+    assert {c.past.dtype for c in find_qdq_caches(model.graph)} == {ir.DataType.INT4}
+    want, _ = storage.run(storage.load(path))
+    assert storage.kl_mean(want, storage.run(model)[0]) < 1e-2
+
+
+def test_a_rotation_the_scales_do_not_record_is_refused(tmp_path):
+    path = storage.STATIC[0]
+    storage.calibrate(storage.load(path), "int8", "per_channel", 128.0).save(tmp_path / "s.json")
+    with pytest.raises(KvCacheError) as raised:
+        convert_model(
+            storage.ROOT / path / "model.onnx",
+            tmp_path / "q.onnx",
+            storage="qdq",
+            scales=tmp_path / "s.json",
+            rotation="keys",
+        )
+    assert Param("rotation", "none") in _parts(raised.value.args[0])  # convert as the scales record
+    assert not (tmp_path / "q.onnx").exists()
+
+
+@pytest.mark.parametrize("path", storage.MLA)
+def test_a_rotation_no_attention_reads_is_refused(path, tmp_path):
+    """MLA's latents are read by an up-projection, not an attention whose query turns with them."""
+    model = storage.load(path)
+    storage.calibrate(model, "int8", "per_tensor", 128.0, "keys").save(tmp_path / "s.json")
+    with pytest.raises(KvCacheError) as raised:
+        convert_model(
+            storage.ROOT / path / "model.onnx", tmp_path / "q.onnx", storage="qdq", scales=tmp_path / "s.json"
+        )
+    assert Param("rotation", "none") in _parts(raised.value.args[0])
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_rotated_model_keeps_its_rotation(tmp_path):
+    path = storage.STATIC[0]
+    scales = storage.calibrate(storage.load(path), "int8", "per_channel", 128.0, "keys")
+    model = storage.load(path)
+    StoredCacheRotationPass("keys")(model)
+    with pytest.raises(KvCacheError):
+        optimize_model(model, storage="qdq", scales=scales, rotation="keys_and_values")
+    optimize_model(model, storage="qdq", scales=scales, strict=True)
+    assert stored_rotation(model)[0].name == "keys"
+    assert {c.past.dtype for c in find_qdq_caches(model.graph)} == {ir.DataType.INT8}

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.io_caches import EXPORTED, IoCache, find_io_caches
 from onnx_kvcache.cache.rolling import present_output
-from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation
+from onnx_kvcache.cache.rotation import ROTATIONS, matrix_name, site_matrix, site_rotation, stored_rotation
 from onnx_kvcache.cache.sites import CacheSite, constant_values, find_attention_sites
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.errors import require_flags
@@ -174,9 +174,10 @@ def _io_quant(cache: IoCache | None) -> str:
     )
 
 
-def _io_layer_info(key: IoCache, value: IoCache | None) -> CacheLayerInfo:
+def _io_layer_info(key: IoCache, value: IoCache | None, turned: tuple[str, str | None]) -> CacheLayerInfo:
     """One layer of caches the graph's I/O names (:mod:`~onnx_kvcache.cache.io_caches`): static
-    buffers, an unfused export's (keys and values may differ in width: MLA)."""
+    buffers, an unfused export's (keys and values may differ in width: MLA); ``turned``: the
+    rotation and ``H`` the graph applies before them (:func:`~.rotation.stored_rotation`)."""
     caches = [c for c in (key, value) if c is not None]
     scales = [None if c.scale is None else [float(x) for x in c.scale.reshape(-1)] for c in (key, value) if c]
     return CacheLayerInfo(
@@ -202,6 +203,8 @@ def _io_layer_info(key: IoCache, value: IoCache | None) -> CacheLayerInfo:
         head_size=key.head_size,
         rows=key.rows,
         storage="qdq",
+        rotation=turned[0],
+        rotation_matrix=turned[1],
     )
 
 
@@ -212,7 +215,9 @@ def _io_layers(model: ir.Model, exported: bool) -> list[CacheLayerInfo]:
     if caches and caches[0].convention is EXPORTED and not (exported or any(c.format for c in caches)):
         return []
     values = {c.layer_id: c for c in caches if c.kind == "value"}
-    return [_io_layer_info(c, values.get(c.layer_id)) for c in caches if c.kind == "key"]
+    rotation, matrix = stored_rotation(model)
+    turned = (rotation.name, matrix.name if matrix is not None else None)
+    return [_io_layer_info(c, values.get(c.layer_id), turned) for c in caches if c.kind == "key"]
 
 
 def inspect_kv_cache(model: ModelLike, *, exported: bool = False) -> CacheModelInfo:

@@ -43,11 +43,13 @@ __all__ = [
     "get_matrix",
     "get_rotation",
     "matrix_name",
+    "rotatable",
     "rotate",
     "default_rotation",
     "rotation_matrix",
     "site_matrix",
     "site_rotation",
+    "stored_rotation",
 ]
 
 import dataclasses
@@ -59,7 +61,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache._hadamard import hadamard, sylvester
-from onnx_kvcache.cache.sites import CacheSite
+from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
+from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCacheError, require_type
 from onnx_kvcache.model_io.reading import tensor_values
 
@@ -95,13 +98,24 @@ ROTATIONS: dict[str, Rotation] = {
 DEFAULT_ROTATIONS: dict[str, str] = {"int4": "keys_and_values"}
 
 
-def default_rotation(format: str, sites: list[CacheSite]) -> Rotation:
-    """The rotation for a ``format`` cache of ``sites`` when none is named: the format's
-    :data:`DEFAULT_ROTATIONS` where every node is a GroupQueryAttention (the rotation pass
-    rewrites no other), else ``none``."""
-    if not sites or any(s.op.op_type != "GroupQueryAttention" for s in sites):
-        return ROTATIONS["none"]
-    return ROTATIONS[DEFAULT_ROTATIONS.get(format, "none")]
+def rotatable(model: ir.Model, rotation: Rotation) -> bool:
+    """Whether ``rotation`` can be placed on every cache of ``model`` it turns: its attention
+    nodes are all GroupQueryAttention (:class:`~onnx_kvcache.passes.KvCacheRotationPass`), or,
+    with none, one ONNX ``Attention`` reads each such cache storage keeps
+    (:func:`~onnx_kvcache.cache.storage.attention_read`,
+    :class:`~onnx_kvcache.passes.StoredCacheRotationPass`)."""
+    sites = find_attention_sites(model)
+    if sites:
+        return all(s.op.op_type == "GroupQueryAttention" for s in sites)
+    caches = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
+    return bool(caches) and all(attention_read(c) is not None for c in caches)
+
+
+def default_rotation(format: str, model: ir.Model) -> Rotation:
+    """The rotation for a ``format`` cache of ``model`` when none is named: the format's
+    :data:`DEFAULT_ROTATIONS` where it can be placed (:func:`rotatable`), else ``none``."""
+    rotation = ROTATIONS[DEFAULT_ROTATIONS.get(format, "none")]
+    return rotation if rotation.rotates and rotatable(model, rotation) else ROTATIONS["none"]
 
 
 _Row = TypeVar("_Row")
@@ -246,13 +260,17 @@ def _source(value: ir.Value | None) -> ir.Node | None:
     return node
 
 
-def _rotated(value: ir.Value | None, size: int) -> RotationMatrix | None:
+def _rotated(value: ir.Value | None, size: int, through: tuple[str, ...] = ()) -> RotationMatrix | None:
     """The :data:`MATRICES` row (the first that matches) when ``value`` is ``Reshape(MatMul(.,
-    H))`` with ``H`` its matrix for ``size``; else None."""
+    H))`` (or ``MatMul(., H)`` for ``through``'s callers) with ``H`` its matrix for ``size``,
+    read through the ops ``through`` names (a stored cache's QuantizeLinear); else None."""
     reshape = _source(value)
-    if reshape is None or reshape.op_type != "Reshape" or reshape.domain:
+    while reshape is not None and reshape.op_type in through and not reshape.domain:
+        reshape = _source(reshape.inputs[0])
+    bare = bool(through) and reshape is not None and reshape.op_type == "MatMul"
+    if reshape is None or (reshape.op_type != "Reshape" and not bare) or reshape.domain:
         return None
-    matmul = reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
+    matmul = reshape if bare else reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
     if matmul is None or matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
         return None
     h = _const(matmul.inputs[1])
@@ -295,3 +313,19 @@ def site_matrix(site: CacheSite) -> RotationMatrix | None:
     """The :data:`MATRICES` row whose ``H`` turns ``site``'s node's inputs (the first of those
     that build it, at a power of two ``hadamard``); None when none is turned."""
     return _turned(site)[1]
+
+
+def stored_rotation(model: ir.Model) -> tuple[Rotation, RotationMatrix | None]:
+    """What the graph turns before its stored caches' ONNX Attention (:func:`~onnx_kvcache.cache.
+    storage.attention_read`): a cache's new rows ``Reshape(MatMul(Reshape(.), H))`` or, with heads
+    on their own axis, ``MatMul(., H)`` (read through the QuantizeLinear that stores them); keys
+    when a key cache's are, values when a value cache's are too. None turned: ``none``."""
+    turned: dict[str, RotationMatrix] = {}
+    for read in filter(None, map(attention_read, find_qdq_caches(model.graph))):
+        node, slot = read.new
+        matrix = _rotated(node.inputs[slot], read.head_size, ("QuantizeLinear", "Div"))
+        if matrix is not None:
+            turned.setdefault(read.cache.side, matrix)
+    if "k" not in turned:
+        return ROTATIONS["none"], None
+    return ROTATIONS["keys_and_values" if "v" in turned else "keys"], turned["k"]

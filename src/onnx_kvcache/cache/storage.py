@@ -7,11 +7,13 @@ stored already. :class:`~onnx_kvcache.passes.QdqKvCachePass` converts them (its 
 from __future__ import annotations
 
 __all__ = [
+    "AttentionRead",
     "QDQ_TYPES",
     "QDQ_WRITERS",
     "QdqCache",
     "QdqType",
     "Writer",
+    "attention_read",
     "find_qdq_caches",
     "storage_bytes_per_token",
     "stored_format",
@@ -194,3 +196,84 @@ def storage_bytes_per_token(model: ir.Model, format: str | None = None) -> float
             return None
         total += values * dtype.itemsize
     return total
+
+
+_STORED_READS = ("DequantizeLinear", "Mul")
+_LEAVING = ("QuantizeLinear", "Div")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRead:
+    """The ONNX ``Attention`` that reads a cache as it is stored: its writer, or the one reader of
+    the buffer its writer updates. Where a rotation of the cache is placed: the new rows turned,
+    the query (and the output) too."""
+
+    cache: QdqCache
+    node: ir.Node
+    """The Attention."""
+    new: tuple[ir.Node, int]
+    """The node and input slot the cache's new rows enter by."""
+    heads: int
+    """The cache's heads (``kv_num_heads``)."""
+    head_size: int
+    """The cache's head size (the key's or the value's)."""
+    query_heads: int
+    key_head_size: int
+    """The query's and the key's head size (attention's ``q . k``)."""
+    split: bool
+    """3-D inputs (``[batch, seq, heads * head]``): a head is turned through a Reshape."""
+
+
+def _static(shape: ir.Shape | None, axis: int) -> int | None:
+    dim = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+    return dim if isinstance(dim, int) and dim > 0 else None
+
+
+def _only_attention(cache: QdqCache, slot: int) -> ir.Node | None:
+    """The Attention reading ``cache``'s present at ``slot`` (as stored: through its
+    DequantizeLinear), when nothing else but the QuantizeLinear storing it reads it; else None."""
+    present = cache.writer.outputs[cache.row.present]
+    readers = _read_through(present, _STORED_READS + _LEAVING, 0)
+    attention = [n for n, i in readers if n.op_type == "Attention" and not n.domain and i == slot]
+    others = [n for n, _ in readers if n.op_type not in _STORED_READS + _LEAVING and n not in attention]
+    return attention[0] if len(attention) == 1 and not others else None
+
+
+def _past_read_elsewhere(cache: QdqCache) -> bool:
+    """Something but its writer (and Shape/Size) reads ``cache``'s past."""
+    for node, _ in _read_through(cache.past, _STORED_READS, 0):
+        if node is not cache.writer and node.op_type not in (*_STORED_READS, "Shape", "Size"):
+            return True
+    return False
+
+
+def attention_read(cache: QdqCache) -> AttentionRead | None:
+    """The ONNX ``Attention`` that reads ``cache`` (:class:`AttentionRead`), or None where none
+    reads it alone (multi-head latent attention's up-projections, attention of plain operators,
+    a buffer read by anything else) or its heads are not static."""
+    slot = 1 if cache.side == "k" else 2
+    if cache.row.op_type == "Attention":
+        node: ir.Node | None = cache.writer
+        new = (cache.writer, slot)
+    else:
+        node = _only_attention(cache, slot)
+        assert cache.row.new is not None
+        new = (cache.writer, cache.row.new)
+    if node is None or _past_read_elsewhere(cache) or len(node.inputs) < 3:
+        return None
+    query, key, read = node.inputs[0], node.inputs[1], node.inputs[slot]
+    rank = len(query.shape) if query is not None and query.shape is not None else None
+    if rank == 3:
+        heads, query_heads = (
+            node.attributes.get_int("kv_num_heads", 0),
+            node.attributes.get_int("q_num_heads", 0),
+        )
+        width, key_width = (_static(v.shape if v else None, -1) for v in (read, key))
+        if not (heads and query_heads and width and key_width) or width % heads or key_width % heads:
+            return None
+        return AttentionRead(cache, node, new, heads, width // heads, query_heads, key_width // heads, True)
+    shapes = [v.shape if v is not None else None for v in (query, read, key)]
+    dims = (_static(shapes[1], 1), _static(shapes[1], -1), _static(shapes[0], 1), _static(shapes[2], -1))
+    if rank != 4 or None in dims:
+        return None
+    return AttentionRead(cache, node, new, *dims, False)  # type: ignore[arg-type]

@@ -58,7 +58,9 @@ from onnx_kvcache.cache.rotation import (
     Rotation,
     default_rotation,
     get_rotation,
+    rotatable,
     site_rotation,
+    stored_rotation,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
 
@@ -172,9 +174,10 @@ def calibrate_kv_cache(
         rotation: The rotated cache the scales are for (:mod:`onnx_kvcache.cache.rotation`):
             ``none``, ``keys`` or ``keys_and_values``; K and V are sampled turned as that cache
             holds them, K moved over the rotary table. By default the format's
-            (:data:`~onnx_kvcache.cache.rotation.DEFAULT_ROTATIONS`: int4 ``keys_and_values``),
-            ``none`` for other formats and for PagedAttention models. Recorded as ``rotation`` in
-            the metadata: converting with these scales rotates the cache alike.
+            (:data:`~onnx_kvcache.cache.rotation.DEFAULT_ROTATIONS`: int4 ``keys_and_values``)
+            where it can be placed (GroupQueryAttention, or caches an ONNX Attention reads:
+            :func:`~onnx_kvcache.cache.rotation.rotatable`), ``none`` for other formats and models.
+            Recorded as ``rotation`` in the metadata: converting with these scales rotates the cache alike.
         sample_budget: Values kept per layer and tensor for percentile/mse.
         min_tokens: Fewer calibration tokens are an error (scales from a handful of
             tokens are noise). Random ids (no tokenizer found) warn.
@@ -398,19 +401,20 @@ def _check_rope_table(choice: _Choice, table: int | None) -> None:
 def _rotation(model: ir.Model, fmt: CacheFormat, asked: str | None) -> Rotation:
     """The rotation the scales are for: the one asked, else the format's default (module docs)."""
     sites = find_attention_sites(model)
-    if any(site_rotation(s).rotates for s in sites):
+    if any(site_rotation(s).rotates for s in sites) or stored_rotation(model)[0].rotates:
         raise KvCacheError(
             "Calibrate the original model: this one's cache is already rotated (the scales record the "
             "rotation they are for, and converting applies it)."
         )
     if asked is None:
-        return default_rotation(fmt.name, sites)
+        return default_rotation(fmt.name, model)
     rotation = get_rotation(asked)
-    if rotation.rotates and (not sites or any(s.op.op_type != "GroupQueryAttention" for s in sites)):
+    if rotation.rotates and not rotatable(model, rotation):
         raise KvCacheError(
             Param("rotation", rotation.name),
-            " is for GroupQueryAttention caches; this model's caches (PagedAttention, static buffers or an "
-            "export's own) are calibrated with ",
+            " is for GroupQueryAttention caches and the caches an ONNX Attention reads; this model's "
+            "(PagedAttention, multi-head latent attention or attention of plain operators) are "
+            "calibrated with ",
             Param("rotation", "none"),
             ".",
         )

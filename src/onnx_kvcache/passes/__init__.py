@@ -16,10 +16,12 @@ __all__ = [
     "PagedAttentionReferencePass",
     "PromptFloatAttentionPass",
     "QdqKvCachePass",
+    "StoredCacheRotationPass",
 ]
 
 from onnx_kvcache.passes._prompt_float_attention import PromptFloatAttentionPass
 from onnx_kvcache.passes._qdq_kv_cache import QdqKvCachePass
+from onnx_kvcache.passes._stored_cache_rotation import StoredCacheRotationPass
 from onnx_kvcache.passes.bfloat16_to_float import Bfloat16ToFloatPass
 from onnx_kvcache.passes.float16_attention import Float16AttentionPass
 from onnx_kvcache.passes.fusion.attention_fusion import AttentionFusionPass

@@ -41,8 +41,10 @@ Rules:
 6. The operators must define the format's type at the model's opset (:data:`~.QDQ_TYPES`: int8
    10, fp8 19, int4 21), and a float16 or bfloat16 scale (19): an older model is refused (no
    opset is upgraded).
-7. Scales for a layer the model does not have, or measured on rotated caches (their
-   ``rotation``: none is placed here), are refused.
+7. Scales for a layer the model does not have, or measured on caches rotated otherwise than the
+   model's (their ``rotation`` and ``rotation_matrix`` against what the graph turns:
+   :func:`~onnx_kvcache.cache.rotation.stored_rotation`; rotate it first with
+   :class:`~onnx_kvcache.passes.StoredCacheRotationPass`), are refused.
 
 The tables are :mod:`onnx_kvcache.cache.storage`'s. Refusals are
 :class:`~onnx_kvcache.errors.KvCachePreconditionError`, raised before anything changes. A
@@ -60,8 +62,8 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache.formats import CacheFormat, get_format, scale_granularity
 from onnx_kvcache.cache.io_caches import find_io_caches
-from onnx_kvcache.cache.rotation import get_rotation
-from onnx_kvcache.cache.storage import QDQ_TYPES, QdqCache, find_qdq_caches
+from onnx_kvcache.cache.rotation import get_rotation, stored_rotation
+from onnx_kvcache.cache.storage import QDQ_TYPES, QdqCache, attention_read, find_qdq_caches
 from onnx_kvcache.errors import (
     KvCachePreconditionError,
     Param,
@@ -115,17 +117,22 @@ class QdqKvCachePass(InPlacePass):
     @staticmethod
     def _check_scales(model: ir.Model, scales: KvCacheScales) -> None:
         """Rule 7: scales of a layer the model lacks (its I/O caches' layers, or the ones found), or
-        recording a rotation (none is placed here), are refused."""
+        measured on caches rotated otherwise than the model's (or by another ``H``), are refused."""
         layers = {c.layer for c in find_qdq_caches(model.graph)} | {c.layer_id for c in find_io_caches(model)}
         check_known_layers(scales, layers)
-        rotation = get_rotation(scales.metadata.get("rotation", "none"))
-        if rotation.rotates:
+        recorded = get_rotation(scales.metadata.get("rotation", "none"))
+        own, matrix = stored_rotation(model)
+        reads = filter(None, map(attention_read, find_qdq_caches(model.graph)))
+        wanted = scales.rotation_matrix
+        same = matrix is None or wanted is None or all(matrix.same(wanted, r.head_size) for r in reads)
+        if recorded != own or not same:
             raise KvCachePreconditionError(
-                f"The scales were measured on caches rotated by {rotation.name}; a cache stored through "
-                "QuantizeLinear/DequantizeLinear is not rotated: calibrate the float model unrotated, or "
-                "convert with ",
-                Param("storage", "auto"),
-                ".",
+                f"The scales were measured on caches rotated {recorded.name}"
+                f"{f' by H = {wanted.name}' if wanted is not None else ''}; the model's caches "
+                f"are rotated {own.name}{f' by H = {matrix.name}' if matrix is not None else ''}: rotate the "
+                "model as the scales record (",
+                Param("rotation", recorded.name),
+                "), or calibrate it again.",
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

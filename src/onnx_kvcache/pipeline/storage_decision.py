@@ -8,27 +8,51 @@ int8) through QuantizeLinear/DequantizeLinear (:class:`~onnx_kvcache.passes.QdqK
 (:func:`~onnx_kvcache.capabilities.gating.storage_refusals`). Under ``auto`` (the attention
 kernel holds the cache) a model whose attention fused nothing but whose caches that storage
 keeps (MLA, static buffers) is refused with a line naming it (:func:`storage_hint`).
+
+The caches' rotation (:func:`stored_rotation_for`) is the model's own (what its graph turns),
+else the one named, else the one the scales record (none without a record); the three must
+agree, and a rotation is placed only where an ONNX Attention reads every cache it turns
+(:func:`~onnx_kvcache.cache.storage.attention_read`; :class:`~onnx_kvcache.passes.StoredCacheRotationPass`
+runs before the caches are stored).
 :func:`check_storage` checks the name asked against :data:`STORAGES` before any work.
 """
 
 from __future__ import annotations
 
-__all__ = ["QDQ", "STORAGES", "check_storage", "storage_decision", "storage_hint", "store"]
+__all__ = [
+    "QDQ",
+    "STORAGES",
+    "check_storage",
+    "storage_decision",
+    "storage_hint",
+    "store",
+    "stored_rotation_for",
+]
 
 import dataclasses
 import logging
 from typing import Any
 
+import onnx_ir as ir
+
 from onnx_kvcache.cache.formats import CacheFormat, get_format, scale_granularity
 from onnx_kvcache.cache.io_caches import find_io_caches
-from onnx_kvcache.cache.rotation import get_rotation
+from onnx_kvcache.cache.rotation import (
+    DEFAULT_MATRIX,
+    MATRICES,
+    ROTATIONS,
+    Rotation,
+    RotationMatrix,
+    get_rotation,
+    stored_rotation,
+)
 from onnx_kvcache.cache.sites import find_attention_sites
-from onnx_kvcache.cache.storage import find_qdq_caches
+from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
 from onnx_kvcache.cache.validation import validate_model
 from onnx_kvcache.capabilities.gating import NO_ATTENTION, storage_refusals
 from onnx_kvcache.capabilities.refusals import Parameter, Refusal, RefusalCode
 from onnx_kvcache.errors import FusionSkippedWarning, KvCacheError, Message, Param, warn
-from onnx_kvcache.passes import QdqKvCachePass
+from onnx_kvcache.passes import QdqKvCachePass, StoredCacheRotationPass
 from onnx_kvcache.pipeline._decision_terms import (
     AUTO,
     QDQ,
@@ -42,7 +66,7 @@ from onnx_kvcache.pipeline._decision_terms import (
 )
 from onnx_kvcache.pipeline._fusing import fuse_unless_attention
 from onnx_kvcache.pipeline.verification import Verification
-from onnx_kvcache.scales.files import as_kv_cache_scales
+from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +82,11 @@ def storage_decision(request: Request) -> Decision:
     (else the one the scales record or their sizes fit, else per tensor); nothing to store refuses
     ``convert_model``; the target's storage row gates it."""
     model, rules = request.model, request.rules
-    if request.shared_kv_scale or (request.rotation is not None and get_rotation(request.rotation).rotates):
+    if request.shared_kv_scale:
         raise KvCacheError(
-            "A cache stored through QuantizeLinear/DequantizeLinear takes neither ",
+            "A cache stored through QuantizeLinear/DequantizeLinear takes no ",
             Param("shared_kv_scale", True),
-            " nor a rotation: drop them, or convert with ",
+            ": drop it, or convert with ",
             Param("storage", AUTO),
             ".",
         )
@@ -70,7 +94,10 @@ def storage_decision(request: Request) -> Decision:
     fmt = get_format(request.format or "int8")
     scales = as_kv_cache_scales(request.scales, format=fmt.name)
     granularity = scale_granularity(request.granularity or QdqKvCachePass.granularity_for(model, scales))
-    decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
+    rotation, matrix = stored_rotation_for(request, model, scales)
+    decision = Decision(
+        request, fusion, format=fmt, granularity=granularity, scales=scales, rotation=rotation, matrix=matrix
+    )
     caches = find_qdq_caches(model.graph)
     if all(c.stored for c in caches):
         if not rules.refuse_nothing_to_do:
@@ -86,6 +113,46 @@ def storage_decision(request: Request) -> Decision:
         named = target_named(target, why, rules.explain_target)
         return refuse(decision, Message(f"KV cache not stored as {fmt.name} for ", named), refusals)
     return decision
+
+
+def stored_rotation_for(
+    request: Request, model: ir.Model, scales: KvCacheScales | None
+) -> tuple[Rotation, RotationMatrix]:
+    """The stored caches' rotation and ``H`` (the module's rules): the model's own, else the one
+    named, else the one ``scales`` record; they must agree. A rotation no ONNX Attention can take
+    (a cache it turns that none reads alone) is refused, naming the caches."""
+    own, own_matrix = stored_rotation(model)
+    asked = get_rotation(request.rotation) if request.rotation is not None else None
+    recorded = get_rotation(scales.metadata.get("rotation", "none")) if scales is not None else None
+    if own.rotates and asked is not None and asked != own:
+        raise KvCacheError(
+            f"{request.name}'s caches are already rotated ({own.name}). Convert the original model for ",
+            Param("rotation", asked.name),
+            ".",
+        )
+    have = own if own.rotates else asked
+    if have is not None and recorded is not None and recorded != have:
+        raise KvCacheError(
+            f"The scales were calibrated for rotation {recorded.name}; the caches are to be rotated "
+            f"{have.name}. Calibrate with ",
+            Param("rotation", have.name),
+            " or convert with ",
+            Param("rotation", recorded.name),
+            ".",
+        )
+    rotation = have or recorded or ROTATIONS["none"]
+    turned = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
+    unread = [str(c.past.name) for c in turned if rotation.rotates and attention_read(c) is None]
+    if unread and not own.rotates:
+        raise KvCacheError(
+            f"Rotation {rotation.name} turns the query with the keys, and no ONNX Attention reads "
+            f"{', '.join(unread)} alone (a latent an up-projection reads, or attention of plain operators): "
+            "calibrate and convert it with ",
+            Param("rotation", "none"),
+            ".",
+        )
+    recorded_matrix = scales.rotation_matrix if scales is not None else None
+    return rotation, own_matrix or recorded_matrix or MATRICES[DEFAULT_MATRIX]
 
 
 def _storage_fusion(request: Request) -> Fusion:
@@ -160,8 +227,11 @@ def storage_hint(fusion: Fusion) -> Message | str:
 
 
 def store(decision: Decision) -> None:
-    """The decided caches stored through QuantizeLinear/DequantizeLinear, the model validated
-    (what is returned or written loads)."""
+    """The decided caches rotated, then stored through QuantizeLinear/DequantizeLinear, the model
+    validated (what is returned or written loads)."""
     assert decision.format is not None and decision.granularity is not None
+    StoredCacheRotationPass(decision.rotation, decision.matrix)(
+        decision.model
+    )  # none, a rotated model: no-op
     QdqKvCachePass(decision.format.name, decision.granularity.name, decision.scales)(decision.model)
     validate_model(decision.model)

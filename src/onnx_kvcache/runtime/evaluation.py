@@ -38,7 +38,14 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_kvcache.cache.layout import inspect_kv_cache
-from onnx_kvcache.cache.rotation import Rotation, RotationMatrix, rotate, site_matrix, site_rotation
+from onnx_kvcache.cache.rotation import (
+    Rotation,
+    RotationMatrix,
+    rotate,
+    site_matrix,
+    site_rotation,
+    stored_rotation,
+)
 from onnx_kvcache.errors import (
     INTEGER,
     KvCacheError,
@@ -673,10 +680,7 @@ class _Tally:
         model's rotated cache turned back by ``H^T``, so both stand for the float cache)."""
         per_layer: dict[int, list[list[float]]] = {}
         if self.turned is None:
-            ours, theirs = (
-                {s.layer_id: (site_rotation(s), site_matrix(s)) for s in r.sites} for r in (base, cand)
-            )
-            self.turned = (ours, theirs)
+            self.turned = (_rotations(base), _rotations(cand))
         for bb, cb in zip(base.bindings, cand.bindings):
             ref = _turned_back(
                 base.cache_values(bb.layer_id, bb.kind), self.turned[0].get(bb.layer_id), bb.kind
@@ -730,6 +734,15 @@ class _Tally:
                 **({"greedy": GREEDY_NOTE} if self.prefixes else {}),
             },
         )
+
+
+def _rotations(runner: KvCacheRunner) -> dict[int, _Turn]:
+    """Each layer's rotation and ``H``: its attention node's, or for caches stored around the
+    model's own attention, what the graph turns before them (one for every layer)."""
+    if runner.sites:
+        return {s.layer_id: (site_rotation(s), site_matrix(s)) for s in runner.sites}
+    stored = stored_rotation(runner.source_model)
+    return {b.layer_id: stored for b in runner.bindings}
 
 
 def _turned_back(values: np.ndarray, turn: _Turn | None, kind: str) -> np.ndarray:

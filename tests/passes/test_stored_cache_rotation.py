@@ -1,0 +1,137 @@
+"""StoredCacheRotationPass on the producers' static builds (mobius ``--features static-cache``) and
+ONNX Attention holding its cache: the rotated float model is the model; an int4 cache stored
+rotated loses less where the caches have outlier channels; what cannot be rotated is refused
+before anything changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import qdq_models as storage
+from onnx_kvcache.cache.formats import get_format
+from onnx_kvcache.cache.rotation import stored_rotation
+from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
+from onnx_kvcache.errors import KvCachePreconditionError
+from onnx_kvcache.passes import QdqKvCachePass, StoredCacheRotationPass
+
+ROTATED = storage.STATIC + storage.OWN_CACHE
+
+
+@pytest.fixture(scope="module", params=ROTATED)
+def producer(request):
+    """``(path, float logits)`` of one producer file."""
+    return request.param, storage.run(storage.load(request.param))[0]
+
+
+def _error(want: list[np.ndarray], got: list[np.ndarray]) -> float:
+    """The largest logit difference over the prompt and decode steps, relative to the largest logit."""
+    scale = max(float(np.abs(w).max()) for w in want)
+    return max(float(np.abs(w - g).max()) for w, g in zip(want, got)) / scale
+
+
+@pytest.mark.parametrize("rotation", ["keys", "keys_and_values"])
+def test_a_rotated_float_model_is_the_model(producer, rotation):
+    path, want = producer
+    model = storage.load(path)
+    assert StoredCacheRotationPass(rotation)(model).modified
+    assert stored_rotation(model)[0].name == rotation
+    got, _ = storage.run(model)
+    assert _error(want, got) < 1e-5
+    assert not StoredCacheRotationPass(rotation)(model).modified  # rotated as asked: left
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_stored_rotated_cache_reads_as_rotated(fmt):
+    """What the graph turns is read through the QuantizeLinear that stores the new rows (int8
+    moves codes; int4 quantizes the present), so a stored model says it is rotated."""
+    model = storage.load(storage.STATIC[0])
+    StoredCacheRotationPass("keys_and_values")(model)
+    scales = storage.calibrate(model, fmt, "per_channel", get_format(fmt).qmax, "keys_and_values")
+    QdqKvCachePass(fmt, "per_channel", scales)(model)
+    assert stored_rotation(model)[0].name == "keys_and_values"
+    with pytest.raises(KvCachePreconditionError):  # stored: its scales are the rotated cache's
+        StoredCacheRotationPass("keys")(model)
+
+
+def _with_outliers(model: ir.Model, side: str) -> ir.Model:
+    """``model`` whose ``side`` caches get a channel of every head 25 times the others (a Mul on
+    the rows each TensorScatter writes): what a rotation spreads over the head."""
+    for node in list(model.graph):
+        if node.op_type == "TensorScatter" and side in (node.inputs[0].name or ""):
+            rows = node.inputs[1]
+            factor = np.ones(rows.shape[-1], np.float32)
+            factor[3::16] = 25.0
+            value = ir.Value(name=f"{node.name}/outliers", const_value=ir.tensor(factor))
+            value.dtype, value.shape = ir.DataType.FLOAT, ir.Shape(factor.shape)
+            model.graph.register_initializer(value)
+            mul = ir.node("Mul", [rows, value], name=f"{node.name}/scaled")
+            mul.outputs[0].name, mul.outputs[0].dtype, mul.outputs[0].shape = mul.name, rows.dtype, rows.shape
+            model.graph.append(mul)
+            node.replace_input_with(1, mul.outputs[0])
+    model.graph.sort()
+    return model
+
+
+def _int4_kl(side: str, rotation: str | None) -> float:
+    path = storage.STATIC[0]
+    want, _ = storage.run(_with_outliers(storage.load(path), side))
+    model = _with_outliers(storage.load(path), side)
+    if rotation is not None:
+        StoredCacheRotationPass(rotation)(model)
+    scales = storage.calibrate(model, "int4", "per_tensor", get_format("int4").qmax, rotation or "none")
+    QdqKvCachePass("int4", "per_tensor", scales)(model)
+    return storage.kl_mean(want, storage.run(model)[0])
+
+
+def test_rotated_keys_lose_less_with_outlier_channels():
+    assert _int4_kl("key", "keys") < 0.5 * _int4_kl("key", None)
+
+
+def test_rotated_values_lose_less_with_outlier_channels():
+    assert _int4_kl("value", "keys_and_values") < 0.6 * _int4_kl("value", "keys")
+
+
+@pytest.mark.parametrize("path", storage.MLA + storage.CONCAT)
+def test_a_cache_no_attention_reads_alone_is_refused(path):
+    """MLA's latents (an up-projection reads them) and a present read through Unsqueeze: no
+    query can be turned with them; the model is left as it was."""
+    model = storage.load(path)
+    caches = find_qdq_caches(model.graph)
+    assert caches and all(attention_read(c) is None for c in caches)
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.raises(KvCachePreconditionError):
+        StoredCacheRotationPass("keys")(model)
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_a_stored_cache_is_refused():
+    model = storage.load(storage.STATIC[0])
+    scales = storage.calibrate(model, "int8", "per_tensor", get_format("int8").qmax)
+    QdqKvCachePass("int8", "per_tensor", scales)(model)
+    with pytest.raises(KvCachePreconditionError):
+        StoredCacheRotationPass("keys_and_values")(model)
+
+
+def test_another_rotation_of_a_rotated_model_is_refused():
+    model = storage.load(storage.STATIC[0])
+    StoredCacheRotationPass("keys")(model)
+    with pytest.raises(KvCachePreconditionError):
+        StoredCacheRotationPass("keys_and_values")(model)
+
+
+def test_no_rotation_leaves_the_model():
+    model = storage.load(storage.STATIC[0])
+    assert not StoredCacheRotationPass("none")(model).modified
+
+
+@pytest.mark.parametrize("rotation", ["none", "keys_and_values"])
+def test_scales_of_another_rotation_are_refused(rotation):
+    """The scales record the rotation they were measured on; the model's graph says its own."""
+    model = storage.load(storage.STATIC[0])
+    scales = storage.calibrate(model, "int8", "per_tensor", get_format("int8").qmax, rotation)
+    if rotation == "none":
+        StoredCacheRotationPass("keys")(model)
+    with pytest.raises(KvCachePreconditionError):
+        QdqKvCachePass("int8", "per_tensor", scales)(model)
