@@ -237,8 +237,8 @@ def main() -> None:
             if storage in args.storages:
                 label = f"{name} {fmt} {storage}" + ("" if rotation == "none" else f" {rotation}")
                 models[label] = converted(model, args.work, fmt, storage, rotation)
-    if "int4" in args.formats and "qdq" in args.storages and "none" in args.rotations:
-        models["static int4 qdq rounded-first"] = rounded_first(models["static int4 qdq"], args.work)
+    for name in [n for n in models if n.startswith("static int4 qdq")]:
+        models[f"{name} rounded-first"] = rounded_first(models[name], args.work)
     results_file = args.work / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     if not args.skip_accuracy:
