@@ -34,23 +34,16 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rotation import (
-    DEFAULT_MATRIX,
-    Rotation,
-    RotationMatrix,
-    get_matrix,
-    get_rotation,
-    stored_rotation,
-)
+from onnx_kvcache.cache.rotation import RotationMatrix, stored_rotation
 from onnx_kvcache.cache.storage import AttentionRead, QdqCache, attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCachePreconditionError, Param
-from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._base import RotationPass
 from onnx_kvcache.passes.kv_cache_rotation import _Constants
 
 logger = logging.getLogger(__name__)
 
 
-class StoredCacheRotationPass(InPlacePass):
+class StoredCacheRotationPass(RotationPass):
     """Turn every cache an ONNX ``Attention`` reads by ``H``; see the module.
 
     Args:
@@ -58,18 +51,6 @@ class StoredCacheRotationPass(InPlacePass):
             (default) or ``keys``; ``none`` leaves the model as it is.
         matrix: A row of :data:`~onnx_kvcache.cache.rotation.MATRICES` (``hadamard`` unless named).
     """
-
-    def __init__(
-        self, rotation: str | Rotation = "keys_and_values", matrix: str | RotationMatrix = DEFAULT_MATRIX
-    ) -> None:
-        super().__init__()
-        self.rotation = get_rotation(rotation)
-        self.matrix = get_matrix(matrix)
-
-    def requires(self, model: ir.Model) -> None:
-        """Every refusal is raised here, before the model changes (rule 3)."""
-        with preconditions():
-            self._check(model)
 
     def _check(self, model: ir.Model) -> list[AttentionRead]:
         """The caches to turn, every one checked; nothing changes."""

@@ -47,11 +47,8 @@ import onnx_ir as ir
 from onnx_kvcache.cache.operators import GqaInput, GqaOutput
 from onnx_kvcache.cache.prompt_path import unwrap
 from onnx_kvcache.cache.rotation import (
-    DEFAULT_MATRIX,
     Rotation,
     RotationMatrix,
-    get_matrix,
-    get_rotation,
     rotation_matrix,
     site_matrix,
     site_rotation,
@@ -59,7 +56,7 @@ from onnx_kvcache.cache.rotation import (
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.model_io.reading import tensor_values
-from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._base import RotationPass
 from onnx_kvcache.passes._gqa_prologue import MOVED_ATTRS, MOVED_INPUTS, Prologue, Step, prologue_opset
 from onnx_kvcache.passes._graph import Builder
 
@@ -184,27 +181,8 @@ class _Rewrite:
         )
 
 
-class KvCacheRotationPass(InPlacePass):
-    """Turn every GroupQueryAttention cache by ``H``; see the module.
-
-    Args:
-        rotation: A row of :data:`~onnx_kvcache.cache.rotation.ROTATIONS`: ``keys_and_values``
-            (default) or ``keys``; ``none`` leaves the model as it is.
-        matrix: A row of :data:`~onnx_kvcache.cache.rotation.MATRICES`: ``hadamard`` (default)
-            or ``walsh_dct`` (the ``H`` of scales calibrated before ``hadamard``).
-    """
-
-    def __init__(
-        self, rotation: str | Rotation = "keys_and_values", matrix: str | RotationMatrix = DEFAULT_MATRIX
-    ) -> None:
-        super().__init__()
-        self.rotation = get_rotation(rotation)
-        self.matrix = get_matrix(matrix)
-
-    def requires(self, model: ir.Model) -> None:
-        """Every refusal is raised here, before the model changes (the rules)."""
-        with preconditions():
-            self._check(model)
+class KvCacheRotationPass(RotationPass):
+    """Turn every GroupQueryAttention cache by ``H``; see the module (arguments: the base's)."""
 
     def _check(self, model: ir.Model) -> list[_Rewrite]:
         """The rewrites of ``model``'s nodes, every one checked; nothing changes."""
