@@ -211,3 +211,62 @@ def test_a_rotated_model_keeps_its_rotation(tmp_path):
     optimize_model(model, storage="qdq", scales=scales, strict=True)
     assert stored_rotation(model)[0].name == "keys"
     assert {c.past.dtype for c in find_qdq_caches(model.graph)} == {ir.DataType.INT8}
+
+
+PLAIN = "torch-tf5/dynamo-opset23-optimize/llama"  # attention of plain operators: fuses under auto
+
+
+@pytest.mark.parametrize(
+    ("path", "recorded", "asked", "fixes", "not_named"),
+    [
+        # scales the kernel's rotation takes (calibrated on the fused export): rotation none, or auto
+        (PLAIN, "keys_and_values", None, [Param("rotation", "none"), Param("storage", "auto")], []),
+        (PLAIN, "keys_and_values", "none", [Param("rotation", "none"), Param("storage", "auto")], []),
+        # a rotation asked where none is placed: not "calibrate with keys" (calibrate refuses it too)
+        (storage.MLA[0], "none", "keys", [Param("rotation", "none")], [Param("rotation", "keys")]),
+    ],
+)
+def test_a_rotation_that_cannot_be_placed_names_only_fixes_that_work(
+    path, recorded, asked, fixes, not_named, tmp_path
+):
+    model = storage.load(path)
+    storage.calibrate(model, "int8", "per_tensor", 128.0, recorded).save(tmp_path / "s.json")
+    with pytest.raises(KvCacheError) as raised:
+        convert_model(
+            storage.ROOT / path / "model.onnx",
+            tmp_path / "q.onnx",
+            storage="qdq",
+            scales=tmp_path / "s.json",
+            rotation=asked,
+        )
+    named = _parts(raised.value.args[0])
+    assert all(fix in named for fix in fixes) and not any(p in named for p in not_named)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_rotated_models_other_scales_name_its_own_rotation(tmp_path):
+    """Not "convert with rotation R": a rotated model keeps its own."""
+    path = storage.STATIC[0]
+    model = storage.load(path)
+    StoredCacheRotationPass("keys_and_values")(model)
+    scales = storage.calibrate(storage.load(path), "int8", "per_tensor", 128.0, "keys")
+    with pytest.raises(KvCacheError) as raised:
+        optimize_model(model, storage="qdq", scales=scales)
+    named = _parts(raised.value.args[0])
+    assert Param("rotation", "keys_and_values") in named and Param("rotation", "keys") not in named
+
+
+@pytest.mark.parametrize("path", [storage.STATIC[0], *storage.OWN_CACHE])
+def test_a_stored_model_under_auto_is_refused_as_stored_not_as_unfused(path, tmp_path):
+    """Not an attention fusion's explanation: the caches are stored already."""
+    model = storage.load(path)
+    scales = storage.calibrate(model, "int8", "per_tensor", 128.0)
+    optimize_model(model, storage="qdq", scales=scales, strict=True)
+    ir.save(model, tmp_path / "stored.onnx")
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(tmp_path / "stored.onnx", tmp_path / "q.onnx", format="int8", scales=scales)
+    assert [r.code for r in result.refusals] == [RefusalCode.ALREADY_CONVERTED]
+    assert not (tmp_path / "q.onnx").exists()
+    before = ir.to_proto(model).SerializeToString()
+    optimize_model(model, format="int8", scales=scales)  # nothing to do
+    assert ir.to_proto(model).SerializeToString() == before

@@ -133,12 +133,13 @@ def _inspect_preview(
 
     preview = preview_conversion(model, args.ep, config)
     if not any(layer.storage == "auto" for layer in preview.cache.layers):
-        _print("no GroupQueryAttention or PagedAttention node with a KV cache")
         from onnx_kvcache.cache.storage import stored_format
 
         exported = inspect_kv_cache(model, exported=True)  # an export's own caches (MLA)
         if exported.layers:
             _print(format_cache_table(exported, args.context, args.batch or 1))
+        else:
+            _print("no GroupQueryAttention or PagedAttention node with a KV cache")
         if preview.refusal is not None and stored_format(model) is None:  # stored: nothing to refuse
             _print(f"convert would refuse: {words(preview.refusal)}")
         for line in _storage_lines(preview.storage, words):

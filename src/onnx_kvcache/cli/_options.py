@@ -284,8 +284,8 @@ _CALIBRATE = (
     _option(
         "--method",
         choices=list(METHODS),
-        help="threshold rule (default: int4 mse rotated, attention unrotated; else minmax; "
-        "see docs/calibration.md)",
+        help="threshold rule (default: int4 mse rotated, attention unrotated, mse where no attention "
+        "node of ours gives queries; else minmax; see docs/calibration.md)",
     ),
     _option(
         "--percentile",

@@ -28,7 +28,9 @@ Rules, in order, each a function:
    kernel (:class:`~onnx_kvcache.passes.PromptFloatAttentionPass`),
    run last.
 
-``storage="qdq"`` replaces rules 1 to 9: :mod:`~onnx_kvcache.pipeline.storage_decision`.
+``storage="qdq"`` replaces rules 1 to 9: :mod:`~onnx_kvcache.pipeline.storage_decision`; a model
+whose caches it stored already is not fused under ``auto`` either
+(:func:`~onnx_kvcache.pipeline.storage_decision.stored_already`).
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
@@ -126,7 +128,7 @@ from onnx_kvcache.pipeline._decision_terms import (
     target_of,
 )
 from onnx_kvcache.pipeline._fusing import fuse_unless_attention
-from onnx_kvcache.pipeline.storage_decision import storage_decision, storage_hint, store
+from onnx_kvcache.pipeline.storage_decision import storage_decision, storage_hint, store, stored_already
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -396,6 +398,8 @@ def decide(request: Request) -> Decision:
     validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
     if request.storage == QDQ:
         return storage_decision(request)
+    if (stored := stored_already(request)) is not None:
+        return stored
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )

@@ -26,6 +26,7 @@ __all__ = [
     "storage_decision",
     "storage_hint",
     "store",
+    "stored_already",
     "stored_rotation_for",
 ]
 
@@ -120,39 +121,78 @@ def stored_rotation_for(
 ) -> tuple[Rotation, RotationMatrix]:
     """The stored caches' rotation and ``H`` (the module's rules): the model's own, else the one
     named, else the one ``scales`` record; they must agree. A rotation no ONNX Attention can take
-    (a cache it turns that none reads alone) is refused, naming the caches."""
+    (a cache it turns that none reads alone) is refused first, naming the caches: no other
+    rotation of the scales' or the request's could cure it."""
     own, own_matrix = stored_rotation(model)
     asked = get_rotation(request.rotation) if request.rotation is not None else None
     recorded = get_rotation(scales.metadata.get("rotation", "none")) if scales is not None else None
-    if own.rotates and asked is not None and asked != own:
+    if own.rotates:
+        _check_own(request, own, asked, recorded)
+        rotation = own
+    else:
+        for wanted, from_scales in ((recorded, True), (asked, False)):
+            if wanted is not None and wanted.rotates:
+                _check_placed(model, wanted, from_scales)
+        if asked is not None and recorded is not None and asked != recorded:
+            raise KvCacheError(
+                f"The scales were calibrated for rotation {recorded.name}; {asked.name} was asked. Calibrate "
+                "with ",
+                Param("rotation", asked.name),
+                " or convert with ",
+                Param("rotation", recorded.name),
+                ".",
+            )
+        rotation = asked or recorded or ROTATIONS["none"]
+    recorded_matrix = scales.rotation_matrix if scales is not None else None
+    return rotation, own_matrix or recorded_matrix or MATRICES[DEFAULT_MATRIX]
+
+
+def _check_own(request: Request, own: Rotation, asked: Rotation | None, recorded: Rotation | None) -> None:
+    """A rotated model keeps its rotation: another asked, or scales of another, are refused
+    (scales are measured on the original model, rotated as they record)."""
+    if asked is not None and asked != own:
         raise KvCacheError(
             f"{request.name}'s caches are already rotated ({own.name}). Convert the original model for ",
             Param("rotation", asked.name),
             ".",
         )
-    have = own if own.rotates else asked
-    if have is not None and recorded is not None and recorded != have:
+    if recorded is not None and recorded != own:
         raise KvCacheError(
-            f"The scales were calibrated for rotation {recorded.name}; the caches are to be rotated "
-            f"{have.name}. Calibrate with ",
-            Param("rotation", have.name),
-            " or convert with ",
-            Param("rotation", recorded.name),
-            ".",
+            f"The scales were calibrated for rotation {recorded.name}; {request.name}'s caches are rotated "
+            f"{own.name}. Calibrate the original model with ",
+            Param("rotation", own.name),
+            " and convert it with those scales.",
         )
-    rotation = have or recorded or ROTATIONS["none"]
+
+
+def _check_placed(model: ir.Model, rotation: Rotation, from_scales: bool) -> None:
+    """``rotation`` (the scales' or the one asked) is refused where a cache it turns is read by no
+    ONNX Attention alone: no query turns with it."""
     turned = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
-    unread = [str(c.past.name) for c in turned if rotation.rotates and attention_read(c) is None]
-    if unread and not own.rotates:
-        raise KvCacheError(
-            f"Rotation {rotation.name} turns the query with the keys, and no ONNX Attention reads "
-            f"{', '.join(unread)} alone (a latent an up-projection reads, or attention of plain operators): "
-            "calibrate and convert it with ",
-            Param("rotation", "none"),
-            ".",
-        )
-    recorded_matrix = scales.rotation_matrix if scales is not None else None
-    return rotation, own_matrix or recorded_matrix or MATRICES[DEFAULT_MATRIX]
+    unread = [str(c.past.name) for c in turned if attention_read(c) is None]
+    if not unread:
+        return
+    head = (
+        f"The scales were calibrated for rotation {rotation.name}"
+        if from_scales
+        else f"Rotation {rotation.name}"
+    )
+    raise KvCacheError(
+        f"{head} turns the query with the keys, and no ONNX Attention reads {', '.join(unread)} alone (a "
+        "latent an up-projection reads, or attention of plain operators): stored through "
+        "QuantizeLinear/DequantizeLinear, these caches are unrotated. Calibrate and convert with ",
+        Param("rotation", "none"),
+        *(
+            (
+                ", or convert with ",
+                Param("storage", AUTO),
+                " where the attention fuses (its kernel's cache is rotated)",
+            )
+            if from_scales
+            else ()
+        ),
+        ".",
+    )
 
 
 def _storage_fusion(request: Request) -> Fusion:
@@ -197,6 +237,20 @@ def _kept_float(request: Request, caches: list[Any], fmt: CacheFormat) -> Refusa
         ".",
     )
     return Refusal(RefusalCode.PARTIAL_CONVERSION, Parameter.ALLOW_PARTIAL, text)
+
+
+def stored_already(request: Request) -> Decision | None:
+    """Under ``auto``, a model with no attention node of ours whose caches are stored through
+    QuantizeLinear/DequantizeLinear already: nothing to fuse or convert (``convert_model``
+    refuses it, as ``qdq`` does, naming the original export); None for any other model."""
+    caches = find_qdq_caches(request.model.graph)
+    if not caches or not all(c.stored for c in caches) or find_attention_sites(request.model):
+        return None
+    decision = Decision(request, Fusion(request.model, had_attention=False))
+    if not request.rules.refuse_nothing_to_do:
+        return decision
+    refusal = _nothing_stored(request, caches)
+    return refuse(decision, request.rules.refused_head, (refusal,), bare=request.rules.raise_bare)
 
 
 def _nothing_stored(request: Request, caches: list[Any]) -> Refusal:
