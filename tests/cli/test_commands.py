@@ -207,7 +207,8 @@ def test_calibrate_help_names_its_defaults():
     for default in (
         "(default: the first its target runs, the target as convert infers it: fp8 on CUDA",
         "(default: per_tensor)",
-        "(default: int4 mse rotated, attention unrotated; else minmax",
+        "(default: int4 mse rotated, attention unrotated, mse where no attention node of ours gives queries; "
+        "else minmax",
         "(default: 512, or the model's context when shorter)",
     ):
         assert default in text

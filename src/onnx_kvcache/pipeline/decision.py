@@ -396,10 +396,10 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
-    if request.storage == QDQ:
-        return storage_decision(request)
-    if (stored := stored_already(request)) is not None:
-        return stored
+    if (
+        stored := storage_decision(request) if request.storage == QDQ else stored_already(request)
+    ) is not None:
+        return stored  # storage="qdq", or a model it stored under auto
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )
