@@ -30,7 +30,7 @@ Rules, in order, each a function:
 
 ``storage="qdq"`` replaces rules 1 to 9: :mod:`~onnx_kvcache.pipeline.storage_decision`; a model
 whose caches it stored already is not fused under ``auto`` either
-(:func:`~onnx_kvcache.pipeline.storage_decision.stored_already`).
+(:func:`~onnx_kvcache.pipeline.storage_decision.storage_first`).
 
 :func:`decide` runs them (``strict`` raises on a refusal); :func:`carry_out` quantizes what was
 decided and replays the warnings, or warns why nothing was done. How the two entry points
@@ -128,7 +128,7 @@ from onnx_kvcache.pipeline._decision_terms import (
     target_of,
 )
 from onnx_kvcache.pipeline._fusing import fuse_unless_attention
-from onnx_kvcache.pipeline.storage_decision import storage_decision, storage_hint, store, stored_already
+from onnx_kvcache.pipeline.storage_decision import storage_first, storage_hint, store
 from onnx_kvcache.scales.files import KvCacheScales, as_kv_cache_scales
 
 logger = logging.getLogger(__name__)
@@ -396,10 +396,8 @@ def decide(request: Request) -> Decision:
     """Run the rules on ``request`` (fusing its model, or a copy); nothing is quantized yet."""
     rules = request.rules
     validate_model(request.model)  # a malformed model is refused before any work; unsorted nodes sorted
-    if (
-        stored := storage_decision(request) if request.storage == QDQ else stored_already(request)
-    ) is not None:
-        return stored  # storage="qdq", or a model it stored under auto
+    if (stored := storage_first(request)) is not None:
+        return stored
     fusion = fuse_unless_attention(
         request.model, request.fuse, in_copy=rules.fuse_in_copy, verify=request.verify
     )

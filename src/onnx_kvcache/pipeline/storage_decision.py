@@ -26,7 +26,7 @@ __all__ = [
     "storage_decision",
     "storage_hint",
     "store",
-    "stored_already",
+    "storage_first",
     "stored_rotation_for",
 ]
 
@@ -239,10 +239,14 @@ def _kept_float(request: Request, caches: list[Any], fmt: CacheFormat) -> Refusa
     return Refusal(RefusalCode.PARTIAL_CONVERSION, Parameter.ALLOW_PARTIAL, text)
 
 
-def stored_already(request: Request) -> Decision | None:
-    """Under ``auto``, a model with no attention node of ours whose caches are stored through
-    QuantizeLinear/DequantizeLinear already: nothing to fuse or convert (``convert_model``
-    refuses it, as ``qdq`` does, naming the original export); None for any other model."""
+def storage_first(request: Request) -> Decision | None:
+    """The decision storage makes before ``auto``'s rules: ``storage="qdq"``'s
+    (:func:`storage_decision`); under ``auto``, a model with no attention node of ours whose
+    caches are stored through QuantizeLinear/DequantizeLinear already: nothing to fuse or convert
+    (``convert_model`` refuses it, as ``qdq`` does, naming the original export). None: ``auto``'s
+    rules decide."""
+    if request.storage == QDQ:
+        return storage_decision(request)
     caches = find_qdq_caches(request.model.graph)
     if not caches or not all(c.stored for c in caches) or find_attention_sites(request.model):
         return None
