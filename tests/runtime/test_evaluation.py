@@ -435,6 +435,93 @@ def test_a_change_whose_interval_spans_two_rows_gets_no_verdict():
     assert dataclasses.replace(noisy, perplexity_change_margin=0.0005).verdict.words == "no measurable loss"
 
 
+#: Figures that fall in each verdict row, with no margin.
+ROW_FIGURES = {
+    "no measurable loss": (0.0, 1.0),
+    "a small loss": (0.01, 0.93),
+    "a clear loss": (0.05, 0.85),
+    "a large loss": (0.2, 0.5),
+}
+
+
+def _advice(report, words: str) -> str:
+    """The advice of ``report``'s verdict line once its figures fall in the row ``words``."""
+    import dataclasses
+
+    change, top1 = ROW_FIGURES[words]
+    judged = dataclasses.replace(
+        report,
+        perplexity_baseline=10.0,
+        perplexity_candidate=10.0 * (1 + change),
+        top1_agreement=top1,
+        perplexity_change_margin=0.0,
+    )
+    assert judged.verdict.words == words
+    return judged.verdict_line.split("): ", 1)[1]
+
+
+def _rotated_float():
+    from onnx_kvcache import KvCacheRotationPass
+
+    model = build_decoder(num_layers=2, vocab_size=300)
+    KvCacheRotationPass("keys_and_values")(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "granularity", "saves"),
+    [
+        (lambda: quantized("int4"), "per_tensor", True),
+        (lambda: quantized("int4", "per_channel"), "per_channel", True),
+        (_rotated_float, None, False),
+    ],
+    ids=["int4-per-tensor", "int4-per-channel", "rotated-float"],
+)
+def test_the_advice_follows_the_candidate(make, granularity, saves):
+    """Hostile user: a per-channel candidate was told to try per-channel scales, and a float one
+    (rotated, nothing quantized) that its cache's bytes are saved for free."""
+    report = evaluate_kv_cache(build_decoder(num_layers=2, vocab_size=300), make(), DATA, max_new_tokens=0)
+    assert report.candidate_granularity == granularity and report.candidate.saves is saves
+    assert report.to_json()["candidate_granularity"] == granularity
+    free = _advice(report, "no measurable loss")
+    assert ("saved for free" in free) is saves and ("nothing is saved" in free) is not saves
+    for words in ("a small loss", "a clear loss", "a large loss"):
+        assert ("nothing is saved" in _advice(report, words)) is not saves
+    assert ("try per-channel scales" in _advice(report, "a clear loss")) is (granularity == "per_tensor")
+
+
+def test_every_verdict_advises_every_candidate():
+    """The last advice of each row fits any candidate; a row's advices differ."""
+    from onnx_kvcache.runtime._verdicts import VERDICTS, Candidate
+
+    candidates = [Candidate(s, g) for s in (True, False) for g in (None, "per_tensor", "per_channel")]
+    for verdict in VERDICTS:
+        last = verdict.advice[-1]
+        assert last.saves is None and last.per_channel is None
+        assert all(verdict.advice_for(c) for c in candidates)
+        assert len({a.words for a in verdict.advice}) == len(verdict.advice)
+
+
+def test_a_per_channel_static_build_stored_around_its_attention_is_not_told_to_go_per_channel(tmp_path):
+    """Hostile user: ``evaluate FLOAT INT4PC`` of mobius's static build converted with
+    ``--storage qdq --format int4 --granularity per_channel``: its granularity is read from the
+    scales of the caches stored around its own attention."""
+    import pathlib
+
+    from onnx_kvcache import calibrate_kv_cache, convert_model
+
+    source = pathlib.Path(__file__).parents[1] / "data/producers/mobius/mobius-static/llama/model.onnx"
+    data = [list(np.random.default_rng(3).integers(0, 128, 40)) for _ in range(4)]
+    scales = calibrate_kv_cache(
+        source, data, format="int4", granularity="per_channel", progress=False, min_tokens=0
+    )
+    scales.save(tmp_path / "s.json")
+    convert_model(source, tmp_path / "q.onnx", storage="qdq", scales=tmp_path / "s.json")
+    report = evaluate_kv_cache(source, tmp_path / "q.onnx", data, max_new_tokens=0, progress=False)
+    assert report.candidate_granularity == "per_channel" and report.candidate.saves
+    assert "try per-channel scales" not in _advice(report, "a clear loss")
+
+
 def test_the_margin_is_infinite_below_two_blocks_and_shrinks_with_more():
     from onnx_kvcache.runtime._verdicts import NLL_BLOCK, change_margin
 

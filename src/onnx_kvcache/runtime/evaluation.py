@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_kvcache.cache.formats import granularity_of
 from onnx_kvcache.cache.layout import inspect_kv_cache
 from onnx_kvcache.cache.rotation import (
     Rotation,
@@ -58,7 +59,7 @@ from onnx_kvcache.errors import (
 from onnx_kvcache.runtime._memory import FEWER_WINDOWS, WINDOW_BYTES, MemoryEstimate
 from onnx_kvcache.runtime._scoring import GREEDY_NOTE, Limits, aligned, call_pattern, greedy, teacher_forced
 from onnx_kvcache.runtime._speed import Speed, measure_speed
-from onnx_kvcache.runtime._verdicts import VERDICTS, Verdict, change_margin, perplexity
+from onnx_kvcache.runtime._verdicts import VERDICTS, Candidate, Verdict, change_margin, perplexity
 from onnx_kvcache.runtime.runner import KvCacheRunner
 from onnx_kvcache.scales.data import (
     RANDOM_WINDOWS,
@@ -183,6 +184,8 @@ class EvaluationReport:
     speed: Speed | None = None
     """Both models' prefill and decode speed and cache bytes at one context, timed here once
     (None: not timed)."""
+    candidate_granularity: str | None = None
+    """The candidate's scale granularity (``per_tensor``, ``per_channel``), None for a float cache."""
 
     @property
     def perplexity_change(self) -> float:
@@ -213,6 +216,13 @@ class EvaluationReport:
         return ends[0] if ends is not None and ends[0] is ends[1] else None
 
     @property
+    def candidate(self) -> Candidate:
+        """What the verdict's advice follows: whether the candidate's cache is the smaller, its
+        granularity."""
+        saves = self.candidate_bytes_per_token < self.baseline_bytes_per_token
+        return Candidate(saves, self.candidate_granularity)
+
+    @property
     def verdict_line(self) -> str:
         """The verdict in one line, with the figures it rests on and the data's caveat."""
         change, margin = self.perplexity_change, self.perplexity_change_margin
@@ -227,7 +237,7 @@ class EvaluationReport:
                 "score more windows (num_seqs) or longer ones to tell them apart"
             )
         else:
-            line = f"{ends[0].words} ({figures}): {ends[0].advice}"
+            line = f"{ends[0].words} ({figures}): {ends[0].advice_for(self.candidate)}"
         if self.data_note.startswith("seeded random token ids"):
             line += "; on random token ids: give text (a tokenizer) for a verdict about language"
         return line
@@ -719,6 +729,7 @@ class _Tally:
             baseline_bytes_per_token=inspect_kv_cache(base.source_model, exported=True).bytes_per_token,
             candidate_bytes_per_token=_bytes_per_token(cand),
             candidate_format=_format_name(cand),
+            candidate_granularity=_granularity(cand),
             emulated=cand.emulated,
             kernel_rule=cand.kernel_rule,
             kernel_rule_reason=cand.semantics_reason,
@@ -769,6 +780,19 @@ def _format_name(runner: KvCacheRunner) -> str:
     if fmt is None:
         return str(sites[0].cache_dtype.name if sites[0].cache_dtype else "?").lower()
     return f"{fmt.name} {sites[0].granularity}"
+
+
+def _granularity(runner: KvCacheRunner) -> str | None:
+    """The granularity of the runner's quantized cache: its attention node's, else the one the
+    scales of caches stored around the model's own attention fit; None for a float cache."""
+    if runner.sites:
+        return runner.sites[0].granularity
+    found = [
+        (b.scale.size, b.kv_num_heads, b.head_size)
+        for b in runner.bindings
+        if b.format is not None and b.scale is not None
+    ]
+    return granularity_of(found) if found else None
 
 
 def _bytes_per_token(runner: KvCacheRunner) -> float:
