@@ -173,21 +173,6 @@ def test_scales_of_a_rotated_cache_rotate_it(path, tmp_path):
     assert storage.kl_mean(want, storage.run(model)[0]) < 1e-2
 
 
-def test_a_rotation_the_scales_do_not_record_is_refused(tmp_path):
-    path = storage.STATIC[0]
-    storage.calibrate(storage.load(path), "int8", "per_channel", 128.0).save(tmp_path / "s.json")
-    with pytest.raises(KvCacheError) as raised:
-        convert_model(
-            storage.ROOT / path / "model.onnx",
-            tmp_path / "q.onnx",
-            storage="qdq",
-            scales=tmp_path / "s.json",
-            rotation="keys",
-        )
-    assert Param("rotation", "none") in _parts(raised.value.args[0])  # convert as the scales record
-    assert not (tmp_path / "q.onnx").exists()
-
-
 @pytest.mark.parametrize("path", storage.MLA)
 def test_a_rotation_no_attention_reads_is_refused(path, tmp_path):
     """MLA's latents are read by an up-projection, not an attention whose query turns with them."""
@@ -222,13 +207,13 @@ PLAIN = "torch-tf5/dynamo-opset23-optimize/llama"  # attention of plain operator
         # scales the kernel's rotation takes (calibrated on the fused export): rotation none, or auto
         (PLAIN, "keys_and_values", None, [Param("rotation", "none"), Param("storage", "auto")], []),
         (PLAIN, "keys_and_values", "none", [Param("rotation", "none"), Param("storage", "auto")], []),
+        # a rotation the scales do not record: calibrate for it, or convert as they record
+        (storage.STATIC[0], "none", "keys", [Param("rotation", "none"), Param("rotation", "keys")], []),
         # a rotation asked where none is placed: not "calibrate with keys" (calibrate refuses it too)
         (storage.MLA[0], "none", "keys", [Param("rotation", "none")], [Param("rotation", "keys")]),
     ],
 )
-def test_a_rotation_that_cannot_be_placed_names_only_fixes_that_work(
-    path, recorded, asked, fixes, not_named, tmp_path
-):
+def test_a_refused_rotation_names_only_fixes_that_work(path, recorded, asked, fixes, not_named, tmp_path):
     model = storage.load(path)
     storage.calibrate(model, "int8", "per_tensor", 128.0, recorded).save(tmp_path / "s.json")
     with pytest.raises(KvCacheError) as raised:

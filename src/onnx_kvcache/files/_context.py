@@ -11,7 +11,8 @@ when the model serves more than N positions. The model's context is the first of
 * ``config.json``'s ``max_position_embeddings`` beside the model file (an export saved with
   its Hugging Face config, an optimum folder);
 * the rows of the graph's rotary table: the ``cos_cache`` of GroupQueryAttention,
-  PagedAttention or a RotaryEmbedding node (one row a position).
+  PagedAttention or a RotaryEmbedding node (one row a position), or the table a per-token cos
+  was gathered from (:func:`~onnx_kvcache.cache.rotary_tables.max_positions`).
 
 Nothing stated (an export alone, its rotary angles computed from the positions): the warning
 says that the context is unknown, and what the scales hold.
@@ -28,13 +29,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.sites import find_attention_sites
+from onnx_kvcache.cache.rotary_tables import max_positions
 from onnx_kvcache.errors import ContextLengthWarning, KvCacheError, Message, Param, warn
 from onnx_kvcache.model_io import load_json
 from onnx_kvcache.scales.files import KvCacheScales
-
-#: ``(domain, op_type)`` of a RotaryEmbedding -> the input index of its ``cos_cache``.
-_ROTARY_COS_CACHE = {("", "RotaryEmbedding"): 1, ("com.microsoft", "RotaryEmbedding"): 2}
 
 
 def _positive(value: Any) -> int | None:
@@ -58,21 +56,8 @@ def _hf_config_context(model: ir.Model, folder: pathlib.Path, config: dict[str, 
     return _positive(doc.get("max_position_embeddings")) if isinstance(doc, dict) else None
 
 
-def _rows(value: ir.Value | None) -> int | None:
-    shape = None if value is None else value.shape
-    if shape is None or len(shape) != 2:  # a batch of per-position tables is no table
-        return None
-    return _positive(shape[0])
-
-
 def _rotary_table_context(model: ir.Model, folder: pathlib.Path, config: dict[str, Any] | None) -> int | None:
-    rows = [_rows(site.input("cos_cache")) for site in find_attention_sites(model)]
-    for node in model.graph:
-        index = _ROTARY_COS_CACHE.get((node.domain, node.op_type))
-        if index is not None and len(node.inputs) > index:
-            rows.append(_rows(node.inputs[index]))
-    found = [r for r in rows if r is not None]
-    return min(found) if found else None
+    return max_positions(model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,9 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from onnx_kvcache.cache.operators import PAGED, GqaInput, PagedInput
+from onnx_kvcache.cache.operators import PAGED
 from onnx_kvcache.cache.rolling import whole_presents
+from onnx_kvcache.cache.rotary_tables import max_positions
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites, find_gqa_sites
 from onnx_kvcache.capabilities.table import infer_target
 from onnx_kvcache.errors import (
@@ -114,68 +115,6 @@ def target_semantics(model: ir.Model, genai_config: dict[str, Any] | None = None
     semantics: Semantics = "cuda" if ep == "cuda" else "cpu"
     logger.info("The model targets %s (%s): the %s kernel's rule.", ep, why, semantics)
     return semantics, f"target {ep}: {why}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _RotaryTable:
-    """Where a node that applies RoPE reads its cos table (one row a position)."""
-
-    domain: str
-    op_type: str
-    cos: int
-    """The input index of ``cos_cache``."""
-    flag: str | None = None
-    """The attribute that turns RoPE on, when the node may not rotate (``do_rotary``)."""
-
-
-#: Where RoPE's cos table stands: in the attention node (``do_rotary=1``), in the
-#: com.microsoft RotaryEmbedding a rotated cache moves it to, or in ONNX's RotaryEmbedding
-#: (opset 23; without ``position_ids`` its ``cos_cache`` is already one row a token, gathered
-#: from the table: :data:`_ROW_GATHERS`).
-_ROTARY_TABLES = (
-    _RotaryTable("com.microsoft", "GroupQueryAttention", int(GqaInput.COS_CACHE), "do_rotary"),
-    _RotaryTable("com.microsoft", "PagedAttention", int(PagedInput.COS_CACHE), "do_rotary"),
-    _RotaryTable("com.microsoft", "RotaryEmbedding", 2),
-    _RotaryTable("", "RotaryEmbedding", 1),
-)
-
-#: ``(domain, op_type)`` of the nodes a per-token cos stands behind -> the input it reads:
-#: ``Gather`` (axis 0) picks the table's rows by position, ``Cast`` and ``Identity`` keep them.
-_ROW_GATHERS = {("", "Gather"): 0, ("", "Cast"): 0, ("", "Identity"): 0}
-
-
-def _table_rows(cos: ir.Value | None) -> int | None:
-    """The rows of the static table behind ``cos``: its own (a 2-D table), else those of the
-    table a ``Gather`` on axis 0 picked it from (:data:`_ROW_GATHERS`)."""
-    while cos is not None and (cos.shape is None or len(cos.shape) != 2):
-        node = cos.producer()
-        index = None if node is None else _ROW_GATHERS.get((node.domain, node.op_type))
-        axis = None if node is None else node.attributes.get("axis")
-        if node is None or index is None or (axis is not None and axis.as_int() != 0):
-            return None
-        cos = node.inputs[index]
-    rows = None if cos is None or cos.shape is None else cos.shape[0]
-    return rows if isinstance(rows, int) and rows > 0 else None
-
-
-def max_positions(model: ir.Model) -> int | None:
-    """Positions the rotary tables cover (the model's context limit), when static: read
-    wherever RoPE stands (:data:`_ROTARY_TABLES`), in the attention node or in a RotaryEmbedding
-    before it, its table given or gathered by position (:func:`_table_rows`)."""
-    tables = {(t.domain, t.op_type): t for t in _ROTARY_TABLES}
-    limits = []
-    owners: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
-    for node in (n for owner in owners for n in ir.traversal.RecursiveGraphIterator(owner)):
-        table = tables.get((node.domain, node.op_type))
-        if table is None or len(node.inputs) <= table.cos:
-            continue
-        flag = node.attributes.get(table.flag) if table.flag is not None else None
-        if table.flag is not None and (flag is None or not flag.as_int()):
-            continue
-        rows = _table_rows(node.inputs[table.cos])
-        if rows is not None:
-            limits.append(rows)
-    return min(limits) if limits else None
 
 
 def logits_output(model: ir.Model) -> tuple[str, int | None]:
