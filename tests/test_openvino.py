@@ -11,7 +11,7 @@ import qdq_models
 from onnx_kvcache import KvCacheQuantizationPass, KvCacheRunner
 from onnx_kvcache.cache.storage import find_qdq_caches
 from onnx_kvcache.models.decoder import build_decoder
-from onnx_kvcache.passes import QdqKvCachePass
+from onnx_kvcache.passes import QdqKvCachePass, StoredCacheRotationPass
 
 ov = pytest.importorskip("openvino", reason="install the test extra (CI does)")
 
@@ -101,5 +101,19 @@ def test_openvino_runs_an_int8_mla_cache_stored_through_qdq(tmp_path, granularit
     for name, codes in last.items():
         steps = np.abs(codes.astype(np.int32) - seen[name][-1].astype(np.int32))
         assert steps.max() <= (0 if granularity == "per_channel" else 1) and steps.mean() < 0.02
+    for logits, ref in zip(got, want, strict=True):
+        np.testing.assert_allclose(logits, ref, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("rotation", ["keys", "keys_and_values"])
+def test_openvino_runs_a_rotated_int8_cache_stored_through_qdq(tmp_path, rotation):
+    """ONNX Attention holding its cache (mobius's default build), rotated then stored as int8
+    per channel: OpenVINO's logits within 1e-3 of onnxruntime's largest."""
+    model = qdq_models.load(qdq_models.OWN_CACHE[0])
+    StoredCacheRotationPass(rotation)(model)
+    scales = qdq_models.calibrate(model, "int8", "per_channel", 128.0, rotation)
+    QdqKvCachePass("int8", "per_channel", scales)(model)
+    want, _ = qdq_models.run(model)
+    got, _ = _run_stored(model, tmp_path / "model.onnx")
     for logits, ref in zip(got, want, strict=True):
         np.testing.assert_allclose(logits, ref, atol=1e-3 * np.abs(ref).max())
