@@ -10,11 +10,15 @@ import onnx_ir as ir
 import pytest
 
 import qdq_models as storage
+from onnx_kvcache import convert_model, evaluate_kv_cache
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.cache.rotation import stored_rotation
+from onnx_kvcache.cache.rotation import site_rotation, stored_rotation
+from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCachePreconditionError
 from onnx_kvcache.passes import QdqKvCachePass, StoredCacheRotationPass
+from onnx_kvcache.pipeline.decision import fuse_unless_attention
+from onnx_kvcache.scales.files import KvCacheScales
 
 ROTATED = storage.STATIC + storage.OWN_CACHE
 
@@ -135,3 +139,31 @@ def test_scales_of_another_rotation_are_refused(rotation):
         StoredCacheRotationPass("keys")(model)
     with pytest.raises(KvCachePreconditionError):
         QdqKvCachePass("int8", "per_tensor", scales)(model)
+
+
+def test_a_rotated_model_that_fuses_keeps_one_rotation(tmp_path):
+    """An ONNX Attention model rotated here and converted by the kernel (``auto`` fuses it into
+    GroupQueryAttention, whose inputs the fusion reorders by rows): the fused nodes read as
+    rotated, so the kernel's rotation is not added on top; its stored cache, turned back, is the
+    float cache's within int8's rounding, and evaluate reads both as rotated."""
+    model = storage.load(storage.OWN_CACHE[0])
+    StoredCacheRotationPass("keys_and_values")(model)
+    ir.save(model, tmp_path / "rotated.onnx")
+    fused = fuse_unless_attention(model, in_copy=True)
+    assert fused.fused and {site_rotation(s).name for s in find_attention_sites(fused.model)} == {
+        "keys_and_values"
+    }
+    scales = KvCacheScales(
+        {0: 0.05, 1: 0.05}, {0: 0.05, 1: 0.05}, format="int8", metadata={"rotation": "keys_and_values"}
+    )
+    result = convert_model(tmp_path / "rotated.onnx", tmp_path / "q.onnx", format="int8", scales=scales)
+    assert result.converted
+    converted = ir.load(tmp_path / "q.onnx")
+    assert not [n for n in converted.graph if "/rotation/" in (n.name or "")]  # no kernel rotation added
+    data = [list(np.random.default_rng(1).integers(0, 100, 24)) for _ in range(2)]
+    report = evaluate_kv_cache(tmp_path / "rotated.onnx", tmp_path / "q.onnx", data, max_new_tokens=0)
+    assert max(max(errors) for errors in report.layer_errors.values()) < 0.1
+    float_report = evaluate_kv_cache(
+        storage.ROOT / storage.OWN_CACHE[0] / "model.onnx", tmp_path / "rotated.onnx", data, max_new_tokens=0
+    )
+    assert max(max(errors) for errors in float_report.layer_errors.values()) < 1e-5  # turned back

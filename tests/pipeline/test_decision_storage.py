@@ -255,3 +255,16 @@ def test_a_stored_model_under_auto_is_refused_as_stored_not_as_unfused(path, tmp
     before = ir.to_proto(model).SerializeToString()
     optimize_model(model, format="int8", scales=scales)  # nothing to do
     assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_a_stored_model_is_refused_as_stored_whatever_the_scales_rotation(tmp_path):
+    path = storage.STATIC[0]
+    model = storage.load(path)
+    StoredCacheRotationPass("keys_and_values")(model)
+    rotated = storage.calibrate(model, "int8", "per_channel", 128.0, "keys_and_values")
+    optimize_model(model, storage="qdq", scales=rotated, strict=True)
+    ir.save(model, tmp_path / "stored.onnx")
+    other = storage.calibrate(storage.load(path), "int8", "per_channel", 128.0, "keys")
+    with pytest.warns(NotConvertedWarning):
+        result = convert_model(tmp_path / "stored.onnx", tmp_path / "q.onnx", storage="qdq", scales=other)
+    assert [r.code for r in result.refusals] == [RefusalCode.ALREADY_CONVERTED]

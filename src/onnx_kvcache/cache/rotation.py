@@ -251,11 +251,34 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor_values(tensor)
 
 
+def _last_dim(value: ir.Value | None) -> object:
+    """The last dimension of a value of rank 2 or more (rows of it), else None."""
+    shape = value.shape if value is not None else None
+    return shape[-1] if shape is not None and len(shape) >= 2 else None
+
+
+def _moves_rows(node: ir.Node) -> bool:
+    """``node`` only moves whole rows of its first input, each row's last axis kept: a Gather on
+    axis 0, or a Reshape of a Reshape keeping a static last dimension (an attention fusion's
+    padding order flattens the tokens and gathers them)."""
+    if node.domain or not node.inputs or node.inputs[0] is None:
+        return False
+    if node.op_type == "Gather":
+        return node.attributes.get_int("axis", 0) == 0 and _last_dim(node.inputs[0]) is not None
+    below = node.inputs[0].producer()
+    last = _last_dim(node.outputs[0])
+    same = isinstance(last, int) and last == _last_dim(node.inputs[0])
+    return node.op_type == "Reshape" and same and below is not None and below.op_type == "Reshape"
+
+
 def _source(value: ir.Value | None) -> ir.Node | None:
     """The node that computes ``value``, through Casts and Identities (a float32 model's
-    attention computed in float16 reads its inputs cast: Float16AttentionPass)."""
+    attention computed in float16 reads its inputs cast: Float16AttentionPass) and the nodes
+    that only move its rows (:func:`_moves_rows`)."""
     node = value.producer() if value is not None else None
-    while node is not None and node.op_type in ("Cast", "Identity") and not node.domain and node.inputs:
+    while node is not None and (
+        (node.op_type in ("Cast", "Identity") and not node.domain and node.inputs) or _moves_rows(node)
+    ):
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
     return node
 

@@ -353,9 +353,11 @@ def _count_ops(result: ConvertResult, sites: list[CacheSite], model: ir.Model) -
     for site in sites:
         if site.cache_format is not None:
             result.ops[site.op.op_type] = result.ops.get(site.op.op_type, 0) + 1
-    for cache in find_qdq_caches(model.graph):
-        if cache.stored:
-            result.ops[cache.writer.op_type] = result.ops.get(cache.writer.op_type, 0) + 1
+    writers = {
+        id(c.writer): c.writer for c in find_qdq_caches(model.graph) if c.stored
+    }  # one node, two caches
+    for writer in writers.values():
+        result.ops[writer.op_type] = result.ops.get(writer.op_type, 0) + 1
     result.nodes = sum(result.ops.values())
 
 

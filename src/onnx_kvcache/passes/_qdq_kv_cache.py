@@ -126,13 +126,18 @@ class QdqKvCachePass(InPlacePass):
         wanted = scales.rotation_matrix
         same = matrix is None or wanted is None or all(matrix.same(wanted, r.head_size) for r in reads)
         if recorded != own or not same:
+            turn = f"rotate the float model first (StoredCacheRotationPass({recorded.name!r}); convert: "
+            fix: tuple[object, ...] = (
+                (turn, Param("rotation", recorded.name), ")")
+                if recorded.rotates and not own.rotates
+                else ("store the original model with them",)
+            )
             raise KvCachePreconditionError(
                 f"The scales were measured on caches rotated {recorded.name}"
                 f"{f' by H = {wanted.name}' if wanted is not None else ''}; the model's caches "
-                f"are rotated {own.name}{f' by H = {matrix.name}' if matrix is not None else ''}: rotate the "
-                "model as the scales record (",
-                Param("rotation", recorded.name),
-                "), or calibrate it again.",
+                f"are rotated {own.name}{f' by H = {matrix.name}' if matrix is not None else ''}: ",
+                *fix,
+                ", or calibrate again.",
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

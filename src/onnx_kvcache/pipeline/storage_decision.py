@@ -95,16 +95,15 @@ def storage_decision(request: Request) -> Decision:
     fmt = get_format(request.format or "int8")
     scales = as_kv_cache_scales(request.scales, format=fmt.name)
     granularity = scale_granularity(request.granularity or QdqKvCachePass.granularity_for(model, scales))
-    rotation, matrix = stored_rotation_for(request, model, scales)
-    decision = Decision(
-        request, fusion, format=fmt, granularity=granularity, scales=scales, rotation=rotation, matrix=matrix
-    )
+    decision = Decision(request, fusion, format=fmt, granularity=granularity, scales=scales)
     caches = find_qdq_caches(model.graph)
-    if all(c.stored for c in caches):
+    if all(c.stored for c in caches):  # before the rotation: no scales can cure it
         if not rules.refuse_nothing_to_do:
             return dataclasses.replace(decision, format=None)
         refusal = _nothing_stored(request, caches)
         return refuse(decision, rules.refused_head, (refusal,), bare=rules.raise_bare)
+    rotation, matrix = stored_rotation_for(request, model, scales)
+    decision = dataclasses.replace(decision, rotation=rotation, matrix=matrix)
     if (kept := _kept_float(request, caches, fmt)) is not None:
         return refuse(decision, rules.refused_head, (kept,), bare=rules.raise_bare)
     target, why = target_of(dataclasses.replace(request, format=None), model)  # fp8 does not mean CUDA here
@@ -172,13 +171,14 @@ def _check_placed(model: ir.Model, rotation: Rotation, from_scales: bool) -> Non
     unread = [str(c.past.name) for c in turned if attention_read(c) is None]
     if not unread:
         return
+    name = rotation.name
     head = (
-        f"The scales were calibrated for rotation {rotation.name}"
+        f"The scales were calibrated for rotation {name}, which turns"
         if from_scales
-        else f"Rotation {rotation.name}"
+        else f"Rotation {name} turns"
     )
     raise KvCacheError(
-        f"{head} turns the query with the keys, and no ONNX Attention reads {', '.join(unread)} alone (a "
+        f"{head} the query with the keys, and no ONNX Attention reads {', '.join(unread)} alone (a "
         "latent an up-projection reads, or attention of plain operators): stored through "
         "QuantizeLinear/DequantizeLinear, these caches are unrotated. Calibrate and convert with ",
         Param("rotation", "none"),
