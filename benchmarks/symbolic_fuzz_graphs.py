@@ -72,8 +72,10 @@ class Graph:
         self.consts.append(value)
         return value
 
-    def model(self, outputs: list[ir.Value] | None = None) -> ir.Model:
-        """The model computing ``outputs`` (None: every node's outputs)."""
+    def model(self, outputs: ir.Value | list[ir.Value] | None = None) -> ir.Model:
+        """The model computing ``outputs`` (one value, a list, or None: every node's outputs)."""
+        if isinstance(outputs, ir.Value):
+            outputs = [outputs]
         outputs = [v for n in self.nodes for v in n.outputs] if outputs is None else outputs
         graph = ir.Graph(self.inputs, outputs, nodes=self.nodes, opset_imports=dict(self.opsets))
         for value in self.consts:
