@@ -296,7 +296,13 @@ def _rotated(value: ir.Value | None, size: int, through: tuple[str, ...] = ()) -
     matmul = reshape if bare else reshape.inputs[0].producer() if reshape.inputs[0] is not None else None
     if matmul is None or matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
         return None
-    h = _const(matmul.inputs[1])
+    weight = matmul.inputs[1]
+    declared: tuple | None = None if weight is None or weight.shape is None else tuple(weight.shape)
+    if declared is None and weight is not None and weight.const_value is not None:
+        declared = tuple(weight.const_value.shape)
+    if declared is not None and declared != (size, size):  # a projection: its weights are not read
+        return None
+    h = _const(weight)
     if h is None or h.shape != (size, size):
         return None
     h = h.astype(np.float64)
