@@ -12,7 +12,7 @@ import pytest
 import qdq_models as storage
 from onnx_kvcache import convert_model, evaluate_kv_cache
 from onnx_kvcache.cache.formats import get_format
-from onnx_kvcache.cache.rotation import site_rotation, stored_rotation
+from onnx_kvcache.cache.rotation import rotation_matrix, site_rotation, stored_rotation
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCachePreconditionError
@@ -167,3 +167,54 @@ def test_a_rotated_model_that_fuses_keeps_one_rotation(tmp_path):
         storage.ROOT / storage.OWN_CACHE[0] / "model.onnx", tmp_path / "rotated.onnx", data, max_new_tokens=0
     )
     assert max(max(errors) for errors in float_report.layer_errors.values()) < 1e-5  # turned back
+
+
+def _attention_4d() -> ir.Model:
+    """One ONNX Attention (opset 23) holding its cache, every input 4-D ``[batch, heads, seq, 16]``:
+    4 query heads, 2 KV heads."""
+
+    def value(name: str, shape: list) -> ir.Value:
+        return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+
+    q, k, v = value("q", [1, 4, "s", 16]), value("k", [1, 2, "s", 16]), value("v", [1, 2, "s", 16])
+    past_k, past_v = (
+        value("past_key_values.0.key", [1, 2, "p", 16]),
+        value("past_key_values.0.value", [1, 2, "p", 16]),
+    )
+    node = ir.node("Attention", [q, k, v, None, past_k, past_v], num_outputs=3, name="attention")
+    for out, name in zip(node.outputs, ("y", "present.0.key", "present.0.value")):
+        out.name, out.dtype = name, ir.DataType.FLOAT
+    node.outputs[0].shape = ir.Shape([1, 4, "s", 16])
+    graph = ir.Graph([q, k, v, past_k, past_v], list(node.outputs), nodes=[node], opset_imports={"": 23})
+    return ir.Model(graph, ir_version=10)
+
+
+def test_4d_inputs_are_turned_on_their_last_axis():
+    """The output is the model's; the presents hold the cache turned by H, head by head."""
+    rng = np.random.default_rng(0)
+    feeds = {
+        "q": rng.standard_normal((1, 4, 3, 16), np.float32),
+        "k": rng.standard_normal((1, 2, 3, 16), np.float32),
+        "v": rng.standard_normal((1, 2, 3, 16), np.float32),
+        "past_key_values.0.key": rng.standard_normal((1, 2, 5, 16), np.float32),
+        "past_key_values.0.value": rng.standard_normal((1, 2, 5, 16), np.float32),
+    }
+    want = storage.session(_attention_4d()).run(None, feeds)
+    model = _attention_4d()
+    read = attention_read(find_qdq_caches(model.graph)[0])
+    assert read is not None and (read.heads, read.head_size, read.query_heads, read.split) == (
+        2,
+        16,
+        4,
+        False,
+    )
+    assert StoredCacheRotationPass("keys_and_values")(model).modified
+    h = rotation_matrix(16).astype(np.float32)
+    turned = {
+        **feeds,
+        **{name: feeds[name] @ h for name in ("past_key_values.0.key", "past_key_values.0.value")},
+    }
+    y, present_k, present_v = storage.session(model).run(None, turned)
+    np.testing.assert_allclose(y, want[0], atol=1e-5)
+    np.testing.assert_allclose(present_k, want[1] @ h, atol=1e-5)
+    np.testing.assert_allclose(present_v, want[2] @ h, atol=1e-5)

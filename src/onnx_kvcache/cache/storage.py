@@ -268,12 +268,13 @@ def attention_read(cache: QdqCache) -> AttentionRead | None:
             node.attributes.get_int("kv_num_heads", 0),
             node.attributes.get_int("q_num_heads", 0),
         )
-        width, key_width = (_static(v.shape if v else None, -1) for v in (read, key))
+        width, key_width = (_static(v.shape if v is not None else None, -1) for v in (read, key))
         if not (heads and query_heads and width and key_width) or width % heads or key_width % heads:
             return None
         return AttentionRead(cache, node, new, heads, width // heads, query_heads, key_width // heads, True)
     shapes = [v.shape if v is not None else None for v in (query, read, key)]
-    dims = (_static(shapes[1], 1), _static(shapes[1], -1), _static(shapes[0], 1), _static(shapes[2], -1))
-    if rank != 4 or None in dims:
+    kv_heads, head = _static(shapes[1], 1), _static(shapes[1], -1)  # [batch, heads, seq, head]
+    q_heads, key_head = _static(shapes[0], 1), _static(shapes[2], -1)
+    if rank != 4 or not (kv_heads and head and q_heads and key_head):
         return None
-    return AttentionRead(cache, node, new, *dims, False)  # type: ignore[arg-type]
+    return AttentionRead(cache, node, new, kv_heads, head, q_heads, key_head, False)
