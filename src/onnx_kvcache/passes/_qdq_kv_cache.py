@@ -56,6 +56,7 @@ from __future__ import annotations
 __all__ = ["QdqKvCachePass"]
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -72,6 +73,7 @@ from onnx_kvcache.errors import (
     warn,
 )
 from onnx_kvcache.passes._base import InPlacePass, preconditions
+from onnx_kvcache.passes._graph import Builder
 from onnx_kvcache.passes._kv_cache_plan import check_known_layers
 from onnx_kvcache.scales.files import KvCacheScales
 
@@ -271,7 +273,7 @@ class _Convert:
             if scale.grid
             else None
         )
-        self._count = 0
+        self.b = Builder(f"{name}/qdq")
 
     def _initializer(self, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
         tensor = ir.tensor(array) if isinstance(array, np.ndarray) else array
@@ -283,21 +285,13 @@ class _Convert:
     def _node(
         self, op_type: str, inputs: list[ir.Value | None], dtype: ir.DataType, shape: ir.Shape | None
     ) -> ir.Value:
-        self._count += 1
-        attrs: dict[str, ir.Attr] = {}
+        attrs: dict[str, Any] = {}
         if self.scale.axis is not None and op_type.endswith("Linear"):
-            attrs["axis"] = ir.AttrInt64("axis", self.scale.axis)
+            attrs["axis"] = self.scale.axis
         if op_type == "QuantizeLinear" and self.zero is None:
-            attrs["output_dtype"] = ir.AttrInt64("output_dtype", int(self.stored.dtype))
-        node = ir.node(
-            op_type,
-            [v for v in inputs if v is not None],
-            attrs or None,
-            name=f"{self.cache.past.name}/qdq/{op_type}_{self._count}",
-        )
-        out = node.outputs[0]
-        out.name, out.dtype, out.shape = node.name, dtype, shape
-        self.graph.append(node)
+            attrs["output_dtype"] = int(self.stored.dtype)
+        out = self.b.op(op_type, [v for v in inputs if v is not None], dtype=dtype, **attrs)
+        out.shape = shape
         return out
 
     def quantize(self, x: ir.Value) -> ir.Value:
@@ -327,6 +321,7 @@ class _Convert:
             self._store_rows()
         else:
             self._quantize_present()
+        self.graph.extend(self.b.nodes)
 
     def _store_rows(self) -> None:
         """Rule 2: the writer moves codes; other readers of the present read it dequantized."""

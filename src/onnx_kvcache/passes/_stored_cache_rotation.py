@@ -38,6 +38,7 @@ from onnx_kvcache.cache.rotation import RotationMatrix, stored_rotation
 from onnx_kvcache.cache.storage import AttentionRead, QdqCache, attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCachePreconditionError, Param
 from onnx_kvcache.passes._base import RotationPass
+from onnx_kvcache.passes._graph import Builder
 from onnx_kvcache.passes.kv_cache_rotation import _Constants
 
 logger = logging.getLogger(__name__)
@@ -98,18 +99,20 @@ class StoredCacheRotationPass(RotationPass):
         for read in reads:
             turn.cache(read)
         if reads:
+            model.graph.extend(turn.b.nodes)
             model.graph.sort()
         logger.info("Rotation (%s): turned %d stored cache(s).", self.rotation.name, len(reads))
         return ir.passes.PassResult(model, modified=bool(reads))
 
 
 class _Turn:
-    """Rules 1 and 2 for one graph: the nodes appended, each Attention rewritten once."""
+    """Rules 1 and 2 for one graph: the nodes made on :attr:`b`'s tape (the pass adds them to the
+    graph), each Attention rewritten once."""
 
     def __init__(self, graph: ir.Graph, matrix: RotationMatrix) -> None:
         self.graph, self.constants = graph, _Constants(graph, matrix)
+        self.b = Builder("stored_cache_rotation")
         self.done: set[tuple[int, int]] = set()
-        self._count = 0
 
     def cache(self, read: AttentionRead) -> None:
         node, slot = read.new
@@ -145,23 +148,9 @@ class _Turn:
     ) -> ir.Value:
         """``x`` turned per head by ``H`` (``H^T``) of head size ``size`` (rule 2)."""
         h = self.constants.matrix(size, dtype, transposed=transposed)
-        if not split:
-            return self._node("MatMul", [x, h], x)
-        ints = self.constants.ints
-        heads_apart = self._node("Reshape", [x, ints([0, 0, heads, size])], None)
-        return self._node(
-            "Reshape", [self._node("MatMul", [heads_apart, h], None), ints([0, 0, heads * size])], x
-        )
-
-    def _node(self, op_type: str, inputs: list[ir.Value], like: ir.Value | None) -> ir.Value:
-        self._count += 1
-        name = f"stored_cache_rotation/{op_type}_{self._count}"
-        node = ir.node(op_type, inputs, name=name)
-        out = node.outputs[0]
-        out.name = name
-        if inputs[0].dtype is not None:
-            out.dtype = inputs[0].dtype
-        if like is not None:
-            out.shape = like.shape
-        self.graph.append(node)
+        if split:
+            out = self.constants.turned(self.b, x, h, heads, size, dtype)
+        else:
+            out = self.b.op("MatMul", [x, h], dtype=dtype)
+        out.shape = x.shape
         return out

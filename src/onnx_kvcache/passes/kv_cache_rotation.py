@@ -103,6 +103,15 @@ class _Constants:
         name = "kv_cache_rotation_shape_" + "_".join(str(v).replace("-", "m") for v in values)
         return self._initializer(("ints", *values), name, np.array(values, np.int64), ir.DataType.INT64)
 
+    def turned(
+        self, b: Builder, x: ir.Value, h: ir.Value, heads: int, size: int, dtype: ir.DataType
+    ) -> ir.Value:
+        """``x`` ``[B, S, heads * size]`` turned per head by ``h``: ``Reshape(MatMul(Reshape(x,
+        [0, 0, heads, size]), h), [0, 0, heads * size])``, its nodes on ``b``'s tape."""
+        split = b.op("Reshape", [x, self.ints([0, 0, heads, size])], dtype=dtype)
+        turned = b.op("MatMul", [split, h], dtype=dtype)
+        return b.op("Reshape", [turned, self.ints([0, 0, heads * size])], dtype=dtype)
+
 
 class _Rewrite:
     """The rotated replacement of one node: checks at construction, builds in :meth:`run`."""
@@ -128,10 +137,7 @@ class _Rewrite:
 
     def _turn(self, x: ir.Value, h: ir.Value, heads: int, k: _Constants) -> ir.Value:
         """``x`` ``[B, S, heads * d]`` turned per head by ``h``."""
-        b = self.b
-        split = b.op("Reshape", [x, k.ints([0, 0, heads, self.head])], dtype=self.dtype)
-        turned = b.op("MatMul", [split, h], dtype=self.dtype)
-        return self._typed(b.op("Reshape", [turned, k.ints([0, 0, heads * self.head])]), heads)
+        return self._typed(k.turned(self.b, x, h, heads, self.head, self.dtype), heads)
 
     def _query_and_key(self, k: _Constants) -> tuple[ir.Value, ir.Value]:
         """The query and key heads side by side ``[B, S, (N + KV) * d]``, after the node's norms
