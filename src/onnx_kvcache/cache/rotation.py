@@ -50,6 +50,7 @@ __all__ = [
     "site_matrix",
     "site_rotation",
     "stored_rotation",
+    "turned_caches",
 ]
 
 import dataclasses
@@ -62,7 +63,7 @@ import onnx_ir as ir
 
 from onnx_kvcache.cache._hadamard import hadamard, sylvester
 from onnx_kvcache.cache.sites import CacheSite, find_attention_sites
-from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
+from onnx_kvcache.cache.storage import QdqCache, attention_read, find_qdq_caches
 from onnx_kvcache.errors import KvCacheError, require_type
 from onnx_kvcache.model_io.reading import tensor_values
 
@@ -98,6 +99,12 @@ ROTATIONS: dict[str, Rotation] = {
 DEFAULT_ROTATIONS: dict[str, str] = {"int4": "keys_and_values"}
 
 
+def turned_caches(model: ir.Model, rotation: Rotation) -> list[QdqCache]:
+    """The caches storage keeps (:func:`~onnx_kvcache.cache.storage.find_qdq_caches`) that
+    ``rotation`` turns: the keys where it turns keys, the values where it turns values."""
+    return [c for c in find_qdq_caches(model.graph) if (rotation.keys if c.side == "k" else rotation.values)]
+
+
 def rotatable(model: ir.Model, rotation: Rotation) -> bool:
     """Whether ``rotation`` can be placed on every cache of ``model`` it turns: its attention
     nodes are all GroupQueryAttention (:class:`~onnx_kvcache.passes.KvCacheRotationPass`), or,
@@ -107,7 +114,7 @@ def rotatable(model: ir.Model, rotation: Rotation) -> bool:
     sites = find_attention_sites(model)
     if sites:
         return all(s.op.op_type == "GroupQueryAttention" for s in sites)
-    caches = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
+    caches = turned_caches(model, rotation)
     return bool(caches) and all(attention_read(c) is not None for c in caches)
 
 

@@ -34,8 +34,8 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_kvcache.cache.rotation import RotationMatrix, stored_rotation
-from onnx_kvcache.cache.storage import AttentionRead, QdqCache, attention_read, find_qdq_caches
+from onnx_kvcache.cache.rotation import RotationMatrix, stored_rotation, turned_caches
+from onnx_kvcache.cache.storage import AttentionRead, QdqCache, attention_read
 from onnx_kvcache.errors import KvCachePreconditionError, Param
 from onnx_kvcache.passes._base import RotationPass
 from onnx_kvcache.passes._graph import Builder
@@ -55,8 +55,8 @@ class StoredCacheRotationPass(RotationPass):
 
     def _check(self, model: ir.Model) -> list[AttentionRead]:
         """The caches to turn, every one checked; nothing changes."""
-        caches = [c for c in find_qdq_caches(model.graph) if c.side == "k" or self.rotation.values]
-        if not self.rotation.rotates or not caches:
+        caches = turned_caches(model, self.rotation)
+        if not caches:
             return []
         have, matrix = stored_rotation(model)
         if have.rotates:

@@ -46,6 +46,7 @@ from onnx_kvcache.cache.rotation import (
     RotationMatrix,
     get_rotation,
     stored_rotation,
+    turned_caches,
 )
 from onnx_kvcache.cache.sites import find_attention_sites
 from onnx_kvcache.cache.storage import attention_read, find_qdq_caches
@@ -167,8 +168,7 @@ def _check_own(request: Request, own: Rotation, asked: Rotation | None, recorded
 def _check_placed(model: ir.Model, rotation: Rotation, from_scales: bool) -> None:
     """``rotation`` (the scales' or the one asked) is refused where a cache it turns is read by no
     ONNX Attention alone: no query turns with it."""
-    turned = [c for c in find_qdq_caches(model.graph) if c.side == "k" or rotation.values]
-    unread = [str(c.past.name) for c in turned if attention_read(c) is None]
+    unread = [str(c.past.name) for c in turned_caches(model, rotation) if attention_read(c) is None]
     if not unread:
         return
     name = rotation.name
