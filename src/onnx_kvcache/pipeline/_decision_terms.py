@@ -4,7 +4,8 @@
 :data:`ENTRIES` holds how ``convert_model`` and ``optimize_model`` differ (one
 :class:`EntryRules` row each); :data:`STORAGES` where a quantized cache is kept;
 :func:`target_of` the provider a request runs on; :func:`refuse` a decision that says why
-not. :mod:`onnx_kvcache.pipeline.decision` re-exports the types and takes the ``auto``
+not; :func:`agreed_rotation` the rotation a model, a request and its scales agree on.
+:mod:`onnx_kvcache.pipeline.decision` re-exports the types and takes the ``auto``
 decision; :mod:`onnx_kvcache.pipeline.storage_decision` takes the ``qdq`` one.
 """
 
@@ -21,6 +22,7 @@ __all__ = [
     "EntryRules",
     "Fusion",
     "Request",
+    "agreed_rotation",
     "refuse",
     "target_named",
     "target_of",
@@ -235,3 +237,42 @@ def refuse(decision: Decision, head: str, refusals: tuple[Refusal, ...], *, bare
     if decision.request.strict:
         raise KvCacheError(text if bare else message)
     return dataclasses.replace(decision, refusals=refusals, message=message)
+
+
+def agreed_rotation(
+    request: Request,
+    own: Rotation | None,
+    asked: Rotation | None,
+    recorded: Rotation | None,
+    *,
+    offer_recorded: bool = True,
+) -> Rotation:
+    """The cache's rotation as the model (``own``: None when unrotated), the request and its
+    scales say it: a rotated model keeps its own, and another asked, or scales of another, are
+    refused (scales are measured on the original model); else the one asked, else the one
+    recorded, which must agree (``offer_recorded``: the refusal offers converting as recorded)."""
+    if own is not None:
+        if asked is not None and asked != own:
+            raise KvCacheError(
+                f"{request.name}'s cache is already rotated ({own.name}): requantizing keeps it. Convert the "
+                "original model for ",
+                Param("rotation", asked.name),
+                ".",
+            )
+        if recorded is not None and recorded != own:
+            raise KvCacheError(
+                f"The scales were calibrated for rotation {recorded.name}; the model's cache is rotated "
+                f"({own.name}). Calibrate the original model with ",
+                Param("rotation", own.name),
+                ".",
+            )
+        return own
+    if asked is not None and recorded is not None and asked != recorded:
+        raise KvCacheError(
+            f"The scales were calibrated for rotation {recorded.name}; {asked.name} was asked. Calibrate "
+            "with ",
+            Param("rotation", asked.name),
+            *((" or convert with ", Param("rotation", recorded.name)) if offer_recorded else ()),
+            ".",
+        )
+    return asked or recorded or ROTATIONS["none"]

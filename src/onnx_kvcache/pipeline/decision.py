@@ -75,7 +75,6 @@ from onnx_kvcache.cache.formats import CacheFormat, ScaleGranularity, get_format
 from onnx_kvcache.cache.rotation import (
     DEFAULT_MATRIX,
     MATRICES,
-    ROTATIONS,
     Rotation,
     RotationMatrix,
     get_rotation,
@@ -123,6 +122,7 @@ from onnx_kvcache.pipeline._decision_terms import (
     EntryRules,
     Fusion,
     Request,
+    agreed_rotation,
     refuse,
     target_named,
     target_of,
@@ -303,28 +303,10 @@ def rotation_for(request: Request, model: ir.Model, scales: KvCacheScales | None
     own = next((r for r in map(site_rotation, sites) if r.rotates), None)
     asked = get_rotation(request.rotation) if request.rotation is not None else None
     recorded = None if scales is None else get_rotation(scales.metadata.get("rotation", "none"))
-    have = own or asked
     paged = any(s.op.op_type != "GroupQueryAttention" for s in sites)
     if own is None and asked is not None and asked.rotates and paged:  # before the scales: none can cure it
         raise _paged_refusal(request)
-    if own is not None and asked is not None and asked != own:
-        raise KvCacheError(
-            f"{request.name}'s cache is already rotated ({own.name}): requantizing keeps it. Convert the "
-            "original model for ",
-            Param("rotation", asked.name),
-            ".",
-        )
-    if have is not None and recorded is not None and recorded != have:
-        where = f"the model's cache is rotated ({have.name})" if own is not None else f"{have.name} was asked"
-        raise KvCacheError(
-            f"The scales were calibrated for rotation {recorded.name}; {where}. Calibrate "
-            + ("the original model " if own is not None else "")
-            + "with ",
-            Param("rotation", have.name),
-            *((" or convert with ", Param("rotation", recorded.name)) if own is None and not paged else ()),
-            ".",
-        )
-    rotation = have or recorded or ROTATIONS["none"]
+    rotation = agreed_rotation(request, own, asked, recorded, offer_recorded=not paged)
     if rotation.rotates and own is None:
         if paged:
             raise _paged_refusal(request)

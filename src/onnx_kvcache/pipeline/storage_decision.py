@@ -41,7 +41,6 @@ from onnx_kvcache.cache.io_caches import find_io_caches
 from onnx_kvcache.cache.rotation import (
     DEFAULT_MATRIX,
     MATRICES,
-    ROTATIONS,
     Rotation,
     RotationMatrix,
     get_rotation,
@@ -62,6 +61,7 @@ from onnx_kvcache.pipeline._decision_terms import (
     Decision,
     Fusion,
     Request,
+    agreed_rotation,
     refuse,
     target_named,
     target_of,
@@ -126,43 +126,13 @@ def stored_rotation_for(
     own, own_matrix = stored_rotation(model)
     asked = get_rotation(request.rotation) if request.rotation is not None else None
     recorded = get_rotation(scales.metadata.get("rotation", "none")) if scales is not None else None
-    if own.rotates:
-        _check_own(request, own, asked, recorded)
-        rotation = own
-    else:
+    if not own.rotates:  # a rotation no Attention takes first: the scales' or the request's
         for wanted, from_scales in ((recorded, True), (asked, False)):
             if wanted is not None and wanted.rotates:
                 _check_placed(model, wanted, from_scales)
-        if asked is not None and recorded is not None and asked != recorded:
-            raise KvCacheError(
-                f"The scales were calibrated for rotation {recorded.name}; {asked.name} was asked. Calibrate "
-                "with ",
-                Param("rotation", asked.name),
-                " or convert with ",
-                Param("rotation", recorded.name),
-                ".",
-            )
-        rotation = asked or recorded or ROTATIONS["none"]
+    rotation = agreed_rotation(request, own if own.rotates else None, asked, recorded)
     recorded_matrix = scales.rotation_matrix if scales is not None else None
     return rotation, own_matrix or recorded_matrix or MATRICES[DEFAULT_MATRIX]
-
-
-def _check_own(request: Request, own: Rotation, asked: Rotation | None, recorded: Rotation | None) -> None:
-    """A rotated model keeps its rotation: another asked, or scales of another, are refused
-    (scales are measured on the original model, rotated as they record)."""
-    if asked is not None and asked != own:
-        raise KvCacheError(
-            f"{request.name}'s caches are already rotated ({own.name}). Convert the original model for ",
-            Param("rotation", asked.name),
-            ".",
-        )
-    if recorded is not None and recorded != own:
-        raise KvCacheError(
-            f"The scales were calibrated for rotation {recorded.name}; {request.name}'s caches are rotated "
-            f"{own.name}. Calibrate the original model with ",
-            Param("rotation", own.name),
-            " and convert it with those scales.",
-        )
 
 
 def _check_placed(model: ir.Model, rotation: Rotation, from_scales: bool) -> None:
